@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run pytest from .venv; exit code 5 (no tests collected) is a failure, said out loud.
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pytest "$@"
+rc=$?
+if [[ $rc == 5 ]]; then
+  echo "pytest collected no tests: treating as a failure" >&2
+  exit 1
+fi
+exit $rc

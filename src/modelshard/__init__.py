@@ -1,0 +1,32 @@
+"""modelshard: make JAX model state shardable as one value.
+
+Adapters split any registered container into array leaves with canonical paths; one rule
+engine expands a spec per argument onto every leaf and validates them all at once; every
+entry point (``plan``, ``shard``, ...) consumes that pipeline.
+"""
+
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
+from . import adapters as adapters
+from ._adapters import register_container as register_container
+from ._errors import AdapterError as AdapterError
+from ._errors import AssembleError as AssembleError
+from ._errors import CheckpointError as CheckpointError
+from ._errors import MeshError as MeshError
+from ._errors import Problem as Problem
+from ._errors import ShardingMismatchError as ShardingMismatchError
+from ._errors import SpecError as SpecError
+from ._expand import LeafPlan as LeafPlan
+from ._mesh import make_mesh as make_mesh
+from ._plan import Plan as Plan
+from ._plan import plan as plan
+from ._shard import shard as shard
+from ._specs import FSDP as FSDP
+from ._specs import Rules as Rules
+from ._specs import fsdp as fsdp
+
+try:
+    __version__ = _version("modelshard")
+except _PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"

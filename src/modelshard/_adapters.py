@@ -1,0 +1,506 @@
+"""Container adapters: any registered model-state type <-> leaves with canonical paths.
+
+The registry follows Orbax's type-handler registry: a protocol, one global default,
+``register_container(ty, adapter, override=False)`` and ``get_adapter(obj)``. Lookup is
+first match: user registrations (most recent first), then built-ins, then the plain-pytree
+adapter that serves every JAX pytree (dicts, lists, tuples, NamedTuples such as optax
+states, registered dataclasses such as ``TrainState``, ``None``).
+
+Built-ins for Flax and Equinox are registered lazily: an object can only be an
+``nnx.Module`` once Flax has been imported, so modelshard never imports Flax, Equinox or
+optax itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+from ._errors import AdapterError
+from ._paths import format_path, join
+
+__all__ = [
+    "Adapter",
+    "Flat",
+    "LeafInfo",
+    "PytreeAdapter",
+    "get_adapter",
+    "is_array",
+    "register_container",
+    "registered",
+    "split",
+]
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
+
+    Arrays are ``jax.Array`` (typed PRNG keys included), NumPy arrays and scalars, and
+    ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
+    other objects are static: they pass through untouched, as in Equinox.
+    """
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+    """What an adapter knows about one leaf beyond its value.
+
+    Attributes:
+        path: canonical ``/``-joined path (``"layers/0/attn/kernel"``).
+        names: axis names carried by metadata (a linen ``Partitioned`` /
+            ``LogicallyPartitioned`` box, an NNX ``out_sharding``), or ``None``.
+        box: the type name of the box the value came from, or ``None``.
+    """
+
+    path: str
+    names: tuple[Any, ...] | None = None
+    box: str | None = None
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """How one container type is split into leaves and rebuilt.
+
+    ``flatten`` is on the hot path of every ``shard_jit`` call and must be cheap;
+    ``describe`` (paths and metadata) runs only when a plan is made.
+    """
+
+    kind: str
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        """All leaves of ``obj`` (array and static) and a hashable structure key."""
+        ...
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """Rebuild an object of the original type from ``flatten``'s output."""
+        ...
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        """One :class:`LeafInfo` per leaf, in ``flatten`` order."""
+        ...
+
+
+def _box_info(x: Any) -> tuple[bool, tuple[Any, ...] | None]:
+    """(is this a metadata box, the axis names it carries)."""
+    if "flax" not in sys.modules:
+        return False, None
+    meta = sys.modules.get("flax.core.meta")
+    if meta is not None and isinstance(x, meta.AxisMetadata):
+        names = getattr(x, "names", None)
+        return True, tuple(names) if names is not None else None
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(x, nnx.Variable):
+        names = None
+        for key in ("out_sharding", "sharding_names", "sharding"):
+            try:
+                names = x.get_metadata(key, None)
+            except Exception:  # older Flax spells metadata access differently
+                names = getattr(x, key, None)
+            if names is not None:
+                break
+        if names is not None and not isinstance(names, tuple | list):
+            names = tuple(names) if hasattr(names, "__iter__") else None
+        return True, tuple(names) if names is not None else None
+    return False, None
+
+
+def _is_box(x: Any) -> bool:
+    return _box_info(x)[0]
+
+
+def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
+    """Describe every leaf of a JAX pytree; box payload artifacts (``/value``) are dropped."""
+    out: list[LeafInfo] = []
+    items = jax.tree_util.tree_flatten_with_path(obj, is_leaf=_is_box)[0]
+    for keys, node in items:
+        path = join(prefix, format_path(keys))
+        is_box, names = _box_info(node)
+        if not is_box:
+            out.append(LeafInfo(path))
+            continue
+        inner = jax.tree_util.tree_flatten_with_path(node)[0]
+        box = type(node).__name__
+        for inner_keys, _ in inner:
+            sub = format_path(inner_keys, drop_artifacts=True) if len(inner) > 1 else ""
+            out.append(LeafInfo(join(path, sub), names, box))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PytreeAdapter:
+    """The adapter for anything JAX can flatten (the default for unregistered types).
+
+    Attributes:
+        kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
+    """
+
+    kind: str = "pytree"
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        return leaves, treedef
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        return describe_pytree(obj)
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxModuleAdapter:
+    """Flax NNX modules: ``nnx.split`` into graph + state, Variables as leaves."""
+
+    kind: str = "nnx.Module"
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        from flax import nnx
+
+        graphdef, state = nnx.split(obj)
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        return leaves, (graphdef, treedef)
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        from flax import nnx
+
+        graphdef, treedef = aux  # type: ignore[misc]
+        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        from flax import nnx
+
+        return describe_pytree(nnx.state(obj))
+
+    def state_of(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """The ``nnx.State`` holding ``leaves`` (what NNX users expect for mirrors)."""
+        _, treedef = aux  # type: ignore[misc]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """Write ``leaves`` into the caller's module in place (``nnx.update``)."""
+        from flax import nnx
+
+        nnx.update(obj, self.state_of(aux, leaves))
+        return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class _Callbacks:
+    """Adapter built by ``register_container(ty, flatten=..., unflatten=...)``."""
+
+    kind: str
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        return PytreeAdapter.flatten(self, obj)  # type: ignore[arg-type]
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        return PytreeAdapter.unflatten(self, aux, leaves)  # type: ignore[arg-type]
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        return describe_pytree(obj)
+
+
+# (module, attribute, adapter factory): resolved once the module has been imported.
+_LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
+    ("flax.nnx", "Module", NnxModuleAdapter),
+    ("flax.nnx", "State", lambda: PytreeAdapter("nnx.State")),
+    ("flax.training.train_state", "TrainState", lambda: PytreeAdapter("flax.TrainState")),
+    ("flax.core.frozen_dict", "FrozenDict", lambda: PytreeAdapter("flax.FrozenDict")),
+    ("equinox", "Module", lambda: PytreeAdapter("equinox.Module")),
+]
+
+_DEFAULT = PytreeAdapter()
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.user: list[tuple[type, Adapter]] = []
+        self.builtin: list[tuple[type, Adapter]] = []
+        self.pending = list(_LAZY_BUILTINS)
+        self.cache: dict[type, Adapter] = {}
+
+    def _resolve_lazy(self) -> None:
+        still = []
+        for module, attr, factory in self.pending:
+            mod = sys.modules.get(module)
+            if mod is None:
+                still.append((module, attr, factory))
+                continue
+            ty = getattr(mod, attr, None)
+            if isinstance(ty, type):
+                self.builtin.append((ty, factory()))
+                self.cache.clear()
+        self.pending = still
+
+    def lookup(self, ty: type) -> Adapter:
+        if self.pending:
+            self._resolve_lazy()
+        hit = self.cache.get(ty)
+        if hit is not None:
+            return hit
+        adapter: Adapter = _DEFAULT
+        for reg_ty, reg_adapter in [*reversed(self.user), *self.builtin]:
+            if issubclass(ty, reg_ty):
+                adapter = reg_adapter
+                break
+        if optax_kind(ty) and adapter is _DEFAULT:
+            adapter = _OPTAX
+        self.cache[ty] = adapter
+        return adapter
+
+
+_OPTAX = PytreeAdapter("optax")
+
+
+def optax_kind(ty: type) -> bool:
+    return getattr(ty, "__module__", "").startswith("optax")
+
+
+_REGISTRY = _Registry()
+
+
+def register_container(
+    ty: type,
+    adapter: Adapter | None = None,
+    *,
+    flatten: Callable[[Any], Mapping[str, Any]] | None = None,
+    unflatten: Callable[[Mapping[str, Any]], Any] | None = None,
+    kind: str | None = None,
+    override: bool = False,
+) -> None:
+    """Register a container type so modelshard can split it into named leaves.
+
+    Either pass an :class:`Adapter`, or the two callbacks: ``flatten(obj)`` returns a
+    mapping from child name to child (children may be arrays, static values or other
+    containers), and ``unflatten(children)`` builds the object back. The callbacks also
+    register ``ty`` as a JAX pytree, so ``jax.jit`` and friends accept it too.
+
+    Args:
+        ty: the container class (subclasses match too).
+        adapter: a full adapter (``flatten``/``unflatten``/``describe``/``kind``).
+        flatten: child-name -> child mapping for an instance.
+        unflatten: rebuild an instance from that mapping.
+        kind: the container kind recorded in plans and checkpoints (default: class name).
+        override: replace an existing registration instead of raising.
+
+    Raises:
+        AdapterError: ``ty`` is not a class, it is already registered (and not
+            ``override``), or neither/both of ``adapter`` and the callbacks were given.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> class Pair:
+        ...     def __init__(self, w, b):
+        ...         self.w, self.b = w, b
+        >>> ms.register_container(Pair, flatten=lambda p: {"w": p.w, "b": p.b},
+        ...                       unflatten=lambda d: Pair(d["w"], d["b"]))
+        >>> [info.path for info in ms.adapters.split(Pair(jnp.ones(2), jnp.zeros(2))).infos]
+        ['w', 'b']
+    """
+    if not isinstance(ty, type):
+        raise AdapterError(f"register_container needs a class, got {ty!r} ({type(ty).__name__}).")
+    callbacks = flatten is not None or unflatten is not None
+    if (adapter is None) == (not callbacks):
+        raise AdapterError(
+            f"register_container({ty.__name__}): pass either an adapter or both flatten= and "
+            "unflatten=, not both and not neither."
+        )
+    if callbacks and (flatten is None or unflatten is None):
+        raise AdapterError(
+            f"register_container({ty.__name__}): flatten= and unflatten= go together; "
+            f"got only {'flatten' if flatten else 'unflatten'}=."
+        )
+    if adapter is not None and not isinstance(adapter, Adapter):
+        raise AdapterError(
+            f"register_container({ty.__name__}): {adapter!r} is not an Adapter (it needs "
+            "kind, flatten, unflatten and describe)."
+        )
+    existing = [i for i, (t, _) in enumerate(_REGISTRY.user) if t is ty]
+    if existing and not override:
+        raise AdapterError(
+            f"{ty.__module__}.{ty.__qualname__} is already registered as a container; pass "
+            "override=True to replace its adapter."
+        )
+    if callbacks:
+        assert flatten is not None and unflatten is not None
+        adapter = _register_pytree(ty, flatten, unflatten, kind or ty.__name__)
+    assert adapter is not None
+    for i in reversed(existing):
+        del _REGISTRY.user[i]
+    _REGISTRY.user.append((ty, adapter))
+    _REGISTRY.cache.clear()
+
+
+# Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
+# so ``override=True`` can replace them.
+_CALLBACKS: dict[type, tuple[Callable[[Any], Mapping[str, Any]], Callable[[Mapping[str, Any]], Any]]] = {}
+
+
+def _register_pytree(
+    ty: type,
+    flatten: Callable[[Any], Mapping[str, Any]],
+    unflatten: Callable[[Mapping[str, Any]], Any],
+    kind: str,
+) -> Adapter:
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
+        children = _CALLBACKS[ty][0](obj)
+        if not isinstance(children, Mapping):
+            raise AdapterError(
+                f"flatten for {ty.__name__} must return a mapping of child name -> child, "
+                f"got {type(children).__name__}."
+            )
+        names = tuple(str(k) for k in children)
+        return [(jax.tree_util.GetAttrKey(n), children[n]) for n in names], names
+
+    def unflatten_pytree(names: tuple[str, ...], children: Any) -> Any:
+        return _CALLBACKS[ty][1](dict(zip(names, children, strict=True)))
+
+    if ty not in _CALLBACKS:
+        try:
+            jax.tree_util.register_pytree_with_keys(ty, flatten_with_keys, unflatten_pytree)
+        except ValueError as e:
+            raise AdapterError(
+                f"{ty.__name__} is already a JAX pytree, so JAX owns its flattening; register "
+                f"it with an adapter instead: register_container({ty.__name__}, "
+                f"modelshard.adapters.PytreeAdapter({kind!r}))."
+            ) from e
+    _CALLBACKS[ty] = (flatten, unflatten)
+    return _Callbacks(kind)
+
+
+def get_adapter(obj: Any) -> Adapter:
+    """The adapter that handles ``obj`` (first match; plain pytrees by default)."""
+    return _REGISTRY.lookup(type(obj))
+
+
+def registered() -> list[tuple[type, str]]:
+    """Registered container types and their kinds, in lookup order."""
+    _REGISTRY._resolve_lazy()
+    entries = [*reversed(_REGISTRY.user), *_REGISTRY.builtin]
+    return [(t, a.kind) for t, a in entries]
+
+
+@contextmanager
+def registry_snapshot() -> Iterator[None]:
+    """Restore the registry's user registrations on exit (used by the test fixture)."""
+    saved = list(_REGISTRY.user)
+    try:
+        yield
+    finally:
+        _REGISTRY.user[:] = saved
+        _REGISTRY.cache.clear()
+
+
+@dataclasses.dataclass
+class Flat:
+    """A container split into leaves, ready for planning and rebuilding.
+
+    Attributes:
+        obj: the original container.
+        adapter: the adapter that split it.
+        leaves: every leaf, in adapter order (array and static).
+        aux: the hashable structure key from the adapter.
+        array_index: positions of the array leaves within ``leaves``.
+    """
+
+    obj: Any
+    adapter: Adapter
+    leaves: list[Any]
+    aux: Hashable
+    array_index: tuple[int, ...]
+    _infos: list[LeafInfo] | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.adapter.kind
+
+    @property
+    def arrays(self) -> list[Any]:
+        """The array leaves, in order."""
+        return [self.leaves[i] for i in self.array_index]
+
+    @property
+    def infos(self) -> list[LeafInfo]:
+        """Path and metadata of every array leaf (computed on first use)."""
+        if self._infos is None:
+            described = self.adapter.describe(self.obj)
+            if len(described) != len(self.leaves):
+                raise AdapterError(
+                    f"adapter {self.adapter!r} described {len(described)} leaves but "
+                    f"flattened {len(self.leaves)}; describe() and flatten() must agree."
+                )
+            self._infos = [described[i] for i in self.array_index]
+        return self._infos
+
+    @property
+    def paths(self) -> list[str]:
+        return [info.path for info in self.infos]
+
+    def static_paths(self) -> list[str]:
+        """Paths of every leaf, array and static (for prefix-tree checks)."""
+        return [info.path for info in self.adapter.describe(self.obj)]
+
+    def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
+        """The same container with its array leaves replaced by ``arrays``.
+
+        With ``mirror=True`` NNX modules come back as their ``nnx.State`` (the form NNX
+        uses for sharding trees); every other kind is rebuilt as itself.
+        """
+        leaves = list(self.leaves)
+        for i, v in zip(self.array_index, arrays, strict=True):
+            leaves[i] = v
+        if mirror and isinstance(self.adapter, NnxModuleAdapter):
+            return self.adapter.state_of(self.aux, leaves)
+        return self.adapter.unflatten(self.aux, leaves)
+
+    def update_inplace(self, arrays: Sequence[Any]) -> Any:
+        """Rebuild, writing into the original object where its kind is mutable (NNX)."""
+        if isinstance(self.adapter, NnxModuleAdapter):
+            leaves = list(self.leaves)
+            for i, v in zip(self.array_index, arrays, strict=True):
+                leaves[i] = v
+            return self.adapter.update(self.obj, self.aux, leaves)
+        return self.rebuild(arrays)
+
+
+def split(obj: Any) -> Flat:
+    """Split any registered container into a :class:`Flat`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> flat = ms.adapters.split({"w": jnp.ones((2, 3)), "act": print})
+        >>> flat.paths, flat.kind
+        (['w'], 'pytree')
+    """
+    adapter = get_adapter(obj)
+    try:
+        leaves, aux = adapter.flatten(obj)
+    except AdapterError:
+        raise
+    except Exception as e:
+        raise AdapterError(
+            f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
+    return Flat(obj, adapter, leaves, aux, index)
+
+
+def import_optional(module: str, extra: str) -> Any:
+    """Import an optional dependency or raise an error naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{module} is needed for this; install it with `pip install modelshard[{extra}]`."
+        ) from e

@@ -1,0 +1,337 @@
+"""The one pipeline: split each argument, expand its spec onto every array leaf, validate.
+
+Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
+CLI) calls :func:`expand_args` and consumes its :class:`LeafPlan` lists; nothing else
+expands or validates specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._adapters import Flat, LeafInfo, split
+from ._errors import AdapterError, Problem, SpecError
+from ._paths import format_path
+from ._paths import split as split_path
+from ._specs import FSDP, Rules, format_spec, is_leaf_spec
+
+__all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """The plan for one array leaf.
+
+    Attributes:
+        path: canonical path inside its argument.
+        shape: global shape.
+        dtype: NumPy/JAX dtype.
+        spec: the resolved ``PartitionSpec`` over mesh axes (logical names mapped).
+        rule: what produced the spec (``"rule 1 'kernel$'"``, ``"metadata"``, ``"P()"``...).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: PartitionSpec
+    rule: str
+
+
+@dataclasses.dataclass
+class ArgPlan:
+    """One argument's split container and the plan of each of its array leaves."""
+
+    name: str
+    flat: Flat
+    leaves: list[LeafPlan]
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``."""
+    try:
+        return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+    except Exception as e:
+        from ._errors import MeshError
+
+        raise MeshError(
+            f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
+            "one with modelshard.make_mesh({'data': 8})."
+        ) from e
+
+
+def _fmt_mesh(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+class _Ctx:
+    """State shared across all arguments of one expansion (rule usage, problems)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+        self.mesh_text = _fmt_mesh(sizes)
+        self.problems: list[Problem] = []
+        self.used: dict[int, tuple[Rules, set[int]]] = {}
+        self.valid_cache: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+
+    def problem(self, arg: str, path: str, leaf: Any, what: str, spec: Any = None,
+                rule: str | None = None, hint: str | None = None) -> None:
+        shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
+        dtype = _dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
+        self.problems.append(Problem(
+            arg=arg, path=path, what=what, shape=shape, dtype=dtype,
+            spec=format_spec(spec) if spec is not None else None, rule=rule,
+            mesh=self.mesh_text, hint=hint))
+
+
+def _resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None,
+                   sizes: Mapping[str, int]) -> tuple[PartitionSpec, list[str]]:
+    """Map logical names through ``logical``; return the mesh spec and unknown names."""
+    out: list[Any] = []
+    unknown: list[str] = []
+    for entry in spec:
+        if entry is None:
+            out.append(None)
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        mapped: list[str] = []
+        for n in names:
+            if logical is not None and n in logical:
+                target = logical[n]
+                if target is None:
+                    continue
+                mapped.extend((target,) if isinstance(target, str) else target)
+            elif n in sizes:
+                mapped.append(n)
+            else:
+                unknown.append(n)
+                mapped.append(n)
+        out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
+    return PartitionSpec(*out), unknown
+
+
+def _check(spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
+           ) -> list[tuple[str, str]]:
+    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
+    out: list[tuple[str, str]] = []
+    entries = tuple(spec)
+    if len(entries) > len(shape):
+        out.append((
+            f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+            f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
+            "P() to replicate it)",
+        ))
+    seen: dict[str, int] = {}
+    for dim, entry in enumerate(entries):
+        if entry is None:
+            continue
+        if not (isinstance(entry, str) or (isinstance(entry, tuple) and all(
+                isinstance(a, str) for a in entry))):
+            out.append((f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                        "spec entries are mesh axis names such as 'data', tuples of them, or None"))
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        for a in axes:
+            if a not in sizes:
+                out.append((f"axis {a!r} (dimension {dim}) is not in the mesh",
+                            f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
+                            f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})"))
+            elif a in seen:
+                out.append((f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
+                            "each mesh axis may shard at most one dimension of a leaf"))
+            else:
+                seen[a] = dim
+        if dim < len(shape) and all(a in sizes for a in axes):
+            n = math.prod(sizes[a] for a in axes)
+            if shape[dim] % n:
+                by = " x ".join(f"{a}={sizes[a]}" for a in axes)
+                out.append((
+                    f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                    f"but {shape[dim]} is not divisible by {n}",
+                    "shard this dimension over axes whose sizes divide it, pad it, or "
+                    "replicate it with None",
+                ))
+    return out
+
+
+def _prefix_entries(prefix: Any, arg: str, ctx: _Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
+    try:
+        items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
+    except Exception as e:
+        ctx.problems.append(Problem(arg, "", f"the spec {type(prefix).__name__} could not be "
+                                    f"read as a prefix tree: {type(e).__name__}: {e}"))
+        return None
+    return [(split_path(format_path(k)), v) for k, v in items]
+
+
+def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPlan]:
+    infos = flat.infos
+    arrays = flat.arrays
+    per_leaf: list[Any]
+    if is_leaf_spec(spec_like):
+        per_leaf = [spec_like] * len(arrays)
+    else:
+        entries = _prefix_entries(spec_like, arg, ctx)
+        if entries is None:
+            return []
+        table = dict(entries)
+        hit_keys: set[tuple[str, ...]] = set()
+        per_leaf = []
+        for info, leaf in zip(infos, arrays, strict=True):
+            comps = split_path(info.path)
+            found = _NOTHING
+            for n in range(len(comps), -1, -1):
+                key = comps[:n]
+                if key in table:
+                    found = table[key]
+                    hit_keys.add(key)
+                    break
+            if found is _NOTHING:
+                ctx.problem(arg, info.path, leaf, "no entry of the prefix tree covers this leaf",
+                            hint="add its path (or a parent of it) to the spec tree; the "
+                                 "container's top-level keys are " + _top_keys(flat))
+            per_leaf.append(found)
+        all_paths = None
+        for key, value in entries:
+            if key in hit_keys:
+                continue
+            all_paths = all_paths or [split_path(p) for p in flat.static_paths()]
+            if not any(p[: len(key)] == key for p in all_paths):
+                ctx.problems.append(Problem(
+                    arg, "/".join(key), "this prefix-tree entry matches nothing in the container",
+                    spec=format_spec(value),
+                    hint="the container's top-level keys are " + _top_keys(flat)))
+    out = []
+    for info, leaf, s in zip(infos, arrays, per_leaf, strict=True):
+        if s is _NOTHING:
+            continue
+        lp = _leaf(arg, info, leaf, s, ctx)
+        if lp is not None:
+            out.append(lp)
+    return out
+
+
+_NOTHING = object()
+
+
+def _top_keys(flat: Flat) -> str:
+    tops: list[str] = []
+    for p in flat.static_paths():
+        head = split_path(p)[:1]
+        if head and head[0] not in tops:
+            tops.append(head[0])
+    return ", ".join(map(repr, tops[:20])) + (" ..." if len(tops) > 20 else "") if tops else "(none)"
+
+
+def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | None:
+    shape = tuple(int(d) for d in leaf.shape)
+    logical = None
+    if isinstance(s, PartitionSpec):
+        spec, rule = s, f"{format_spec(s)} for the whole argument"
+    elif isinstance(s, Rules):
+        logical = s.logical
+        if not shape:
+            spec, rule = PartitionSpec(), "scalar (replicated)"
+        else:
+            hit = s.match(info.path)
+            if hit is not None:
+                idx, spec = hit
+                rule = s.describe(idx)
+                ctx.used.setdefault(id(s), (s, set()))[1].add(idx)
+            elif info.names is not None:
+                spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
+            elif s.strict:
+                ctx.problem(arg, info.path, leaf, "no rule matches this leaf",
+                            rule=repr(s) if len(s.rules) <= 3 else f"Rules with {len(s.rules)} rules",
+                            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
+                                 "(r'.*', P()), or use Rules(..., strict=False) to replicate "
+                                 "unmatched leaves")
+                return None
+            else:
+                spec, rule = PartitionSpec(), "unmatched (replicated, strict=False)"
+            ctx.used.setdefault(id(s), (s, set()))
+    elif isinstance(s, FSDP):
+        spec, rule = s.spec_for(shape, ctx.sizes)
+    elif s is None:
+        ctx.problem(arg, info.path, leaf, "the spec is None",
+                    hint="use P() to replicate; None is not a spec in modelshard")
+        return None
+    elif callable(s):
+        name = getattr(s, "__name__", type(s).__name__)
+        try:
+            got = s(info.path, leaf)
+        except Exception as e:
+            ctx.problem(arg, info.path, leaf, f"spec function {name} raised "
+                        f"{type(e).__name__}: {e}")
+            return None
+        if not isinstance(got, PartitionSpec):
+            ctx.problem(arg, info.path, leaf, f"spec function {name} returned {got!r}, "
+                        "not a PartitionSpec", hint="return P(...) for every leaf (P() replicates)")
+            return None
+        spec, rule = got, f"function {name}"
+    else:
+        ctx.problem(arg, info.path, leaf, f"{s!r} ({type(s).__name__}) is not a spec",
+                    hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
+                         "PartitionSpec, or a prefix tree of these")
+        return None
+    if logical is not None or any(isinstance(e, str) and e not in ctx.sizes for e in spec):
+        spec, _ = _resolve_names(spec, logical, ctx.sizes)
+    key = (tuple(spec), shape)
+    try:
+        found = ctx.valid_cache[key]
+    except KeyError:
+        found = ctx.valid_cache[key] = _check(spec, shape, ctx.sizes) or None  # type: ignore[assignment]
+    except TypeError:  # unhashable junk inside the spec
+        found = _check(spec, shape, ctx.sizes) or None  # type: ignore[assignment]
+    if found:
+        for what, hint in found:  # type: ignore[union-attr]
+            ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint)
+        return None
+    return LeafPlan(info.path, shape, leaf.dtype, spec, rule)
+
+
+def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
+    """Split and plan several ``(name, container, spec_like)`` arguments at once.
+
+    Returns:
+        One :class:`ArgPlan` per argument.
+
+    Raises:
+        SpecError: listing every problem across every argument.
+        AdapterError: a container could not be split.
+    """
+    sizes = mesh_sizes(mesh)
+    ctx = _Ctx(sizes)
+    out = []
+    for name, tree, spec_like in args:
+        try:
+            flat = split(tree)
+        except AdapterError:
+            raise
+        out.append(ArgPlan(name, flat, _expand_one(name, flat, spec_like, ctx)))
+    for rules, used in ctx.used.values():
+        if not rules.strict:
+            continue
+        for i, (pattern, spec) in enumerate(rules.rules):
+            if i not in used:
+                ctx.problems.append(Problem(
+                    "Rules", f"rule {i}", f"rule {i} {pattern!r} matched no leaf",
+                    spec=format_spec(spec), mesh=ctx.mesh_text,
+                    hint="fix the pattern (plan with Rules(..., strict=False) to list every "
+                         "path), remove the rule, or pass strict=False"))
+    if ctx.problems:
+        raise SpecError(ctx.problems)
+    return out

@@ -1,0 +1,265 @@
+"""The spec language: what may be given as the sharding of one argument.
+
+One *spec-like* value is given per argument and expanded onto every array leaf inside it:
+
+- a :class:`~jax.sharding.PartitionSpec`: the same spec for every array leaf (``P()``
+  replicates everything);
+- :class:`Rules`: regex rules over canonical paths, first match wins, plus logical names;
+- :func:`fsdp`: shard each leaf's largest divisible dimension over one mesh axis;
+- a callable ``(path, leaf) -> PartitionSpec``;
+- a prefix tree (dict / list / tuple / NamedTuple / dataclass pytree) of the above, whose
+  keys follow the container's canonical paths (``{"params": rules, "batch_stats": P()}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+from jax.sharding import PartitionSpec
+
+from ._errors import Problem, SpecError
+
+__all__ = ["FSDP", "Rules", "SpecLike", "fsdp", "format_spec", "is_leaf_spec", "to_spec"]
+
+AxisEntry: TypeAlias = str | tuple[str, ...] | None
+SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
+
+_P = PartitionSpec
+
+
+def format_spec(spec: Any) -> str:
+    """``P('data', None)``-style text for a spec (or ``repr`` for anything else)."""
+    if isinstance(spec, PartitionSpec):
+        return "P(" + ", ".join(repr(e) for e in spec) + ")"
+    return repr(spec)
+
+
+def to_spec(value: Any, where: str) -> PartitionSpec:
+    """Normalise a rule's spec: a ``PartitionSpec``, or a tuple/list of axis entries.
+
+    Raises:
+        SpecError: ``value`` is neither (``None`` included: replicate with ``P()``).
+    """
+    if isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, tuple | list) and all(_is_entry(e) for e in value):
+        return PartitionSpec(*value)
+    raise SpecError(
+        [
+            Problem(
+                arg="spec",
+                path=where,
+                what=f"{value!r} ({type(value).__name__}) is not a PartitionSpec",
+                hint="write P('data', None) (or a tuple such as ('data', None)); P() replicates",
+            )
+        ]
+    )
+
+
+def _is_entry(e: Any) -> bool:
+    return e is None or isinstance(e, str) or (
+        isinstance(e, tuple) and all(isinstance(x, str) for x in e)
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rules:
+    """Regex rules over canonical leaf paths; the first rule whose pattern matches wins.
+
+    Patterns use :func:`re.search`, so ``"kernel"`` matches anywhere in the path; anchor
+    with ``$`` (``r"attn/kernel$"``) or ``^`` to be exact. Rank-0 leaves always replicate.
+    A leaf no rule matches takes the axis names carried by its metadata (linen
+    ``Partitioned`` / ``LogicallyPartitioned`` boxes, NNX ``out_sharding``) if it has any.
+    Spec entries may be mesh axis names or logical names mapped through ``logical``; a
+    name that is neither is an error, never a silent replication.
+
+    Args:
+        rules: ``(pattern, spec)`` pairs; a spec is a ``PartitionSpec`` or a tuple of entries.
+        logical: logical name -> mesh axis (a name, a tuple of names, or ``None`` to
+            replicate that dimension).
+        strict: if true, a leaf matched by no rule and carrying no metadata is an error,
+            and so is a rule that matched no leaf anywhere in the plan; if false, such
+            leaves replicate and unused rules are only reported in the plan.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> rules = Rules([(r"embedding$", P("vocab", "embed")), (r"kernel$", P("embed", "mlp")),
+        ...                (r".*", P())], logical={"vocab": "model", "embed": None, "mlp": "model"})
+        >>> rules.match("layers/0/mlp/kernel")
+        (1, P('embed', 'mlp'))
+    """
+
+    rules: Sequence[tuple[str, Any]] = ()
+    logical: Mapping[str, AxisEntry] | None = None
+    strict: bool = True
+    _compiled: tuple[tuple[re.Pattern[str], PartitionSpec], ...] = dataclasses.field(
+        init=False, repr=False
+    )
+    _cache: dict[str, tuple[int, PartitionSpec] | None] = dataclasses.field(
+        init=False, repr=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        problems: list[Problem] = []
+        compiled = []
+        rules = self.rules
+        if isinstance(rules, Mapping):
+            rules = list(rules.items())
+        if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
+            raise SpecError(
+                [Problem("Rules", "", f"rules must be a list of (pattern, spec) pairs, got "
+                         f"{type(self.rules).__name__}", hint="Rules([(r'kernel$', P('data', None))])")]
+            )
+        rules = list(rules)
+        for i, item in enumerate(rules):
+            where = f"rule {i}"
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                problems.append(Problem("Rules", where, f"{item!r} is not a (pattern, spec) pair",
+                                        hint="each rule is a 2-tuple like (r'kernel$', P('data'))"))
+                continue
+            pattern, spec = item
+            if not isinstance(pattern, str):
+                problems.append(Problem("Rules", where, f"pattern {pattern!r} is not a string"))
+                continue
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                problems.append(Problem("Rules", where, f"pattern {pattern!r} is not a valid "
+                                        f"regular expression: {e}"))
+                continue
+            try:
+                compiled.append((rx, to_spec(spec, where)))
+            except SpecError as e:
+                problems.extend(
+                    dataclasses.replace(p, arg="Rules", path=where) for p in e.problems
+                )
+        if self.logical is not None:
+            if not isinstance(self.logical, Mapping):
+                problems.append(Problem("Rules", "logical", f"logical must be a mapping of "
+                                        f"logical name -> mesh axis, got {type(self.logical).__name__}"))
+            else:
+                for name, target in self.logical.items():
+                    if not isinstance(name, str) or not _is_entry(target):
+                        problems.append(Problem(
+                            "Rules", f"logical[{name!r}]",
+                            f"{name!r} -> {target!r} is not a logical name -> mesh axis mapping",
+                            hint="map to a mesh axis name, a tuple of names, or None"))
+        if problems:
+            raise SpecError(problems, header="invalid Rules:")
+        object.__setattr__(self, "rules", tuple((p.pattern, s) for p, s in compiled))
+        object.__setattr__(self, "_compiled", tuple(compiled))
+
+    def match(self, path: str) -> tuple[int, PartitionSpec] | None:
+        """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None."""
+        try:
+            return self._cache[path]
+        except KeyError:
+            pass
+        hit = None
+        for i, (rx, spec) in enumerate(self._compiled):
+            if rx.search(path):
+                hit = (i, spec)
+                break
+        if len(self._cache) < 1_000_000:
+            self._cache[path] = hit
+        return hit
+
+    def describe(self, index: int) -> str:
+        """``rule 0 'kernel$'``: how plans and errors name a rule."""
+        return f"rule {index} {self.rules[index][0]!r}"
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"({p!r}, {format_spec(s)})" for p, s in self.rules)
+        extra = "" if self.logical is None else f", logical={dict(self.logical)!r}"
+        return f"Rules([{inner}]{extra}, strict={self.strict})"
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """Fully-sharded data parallel: shard each leaf's largest dimension divisible by ``axis``.
+
+    Built by :func:`fsdp`. Leaves with fewer than ``min_size`` elements, rank-0 leaves, and
+    leaves with no divisible dimension replicate (the plan says why).
+    """
+
+    axis: str | tuple[str, ...] = "data"
+    min_size: int = 2**14
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.axis, str) or (
+            isinstance(self.axis, tuple) and self.axis and all(isinstance(a, str) for a in self.axis)
+        )
+        if not ok:
+            raise SpecError([Problem("fsdp", "axis", f"axis must be a mesh axis name or a tuple "
+                                     f"of names, got {self.axis!r}")])
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 0:
+            raise SpecError([Problem("fsdp", "min_size", f"min_size must be an int >= 0, got "
+                                     f"{self.min_size!r}")])
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else self.axis
+
+    def spec_for(self, shape: tuple[int, ...], sizes: Mapping[str, int]) -> tuple[PartitionSpec, str]:
+        """The spec for a leaf of ``shape`` and a note saying how it was chosen."""
+        if any(a not in sizes for a in self.axes):
+            # Let validation report the unknown axis on the first shardable leaf.
+            dim = max(range(len(shape)), key=lambda d: shape[d]) if shape else None
+            if dim is None:
+                return _P(), "scalar"
+            return _P(*([None] * dim), self.axis), str(self)
+        n = math.prod(sizes[a] for a in self.axes)
+        if not shape:
+            return _P(), "scalar"
+        if math.prod(shape) < self.min_size:
+            return _P(), f"{self} (size < min_size={self.min_size}: replicated)"
+        order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+        for d in order:
+            if shape[d] % n == 0 and shape[d] > 0:
+                entry = self.axis
+                return _P(*([None] * d), entry), str(self)
+        return _P(), f"{self} (no dimension divisible by {n}: replicated)"
+
+    def __str__(self) -> str:
+        return f"fsdp({self.axis!r})"
+
+
+def fsdp(axis: str | tuple[str, ...] = "data", min_size: int = 2**14) -> FSDP:
+    """Shard every leaf over ``axis`` along its largest divisible dimension.
+
+    Args:
+        axis: the mesh axis (or tuple of axes, sharded together) to shard over.
+        min_size: leaves with fewer elements than this replicate. The default, 16,384
+            elements (64 KiB in float32), keeps biases and norm scales whole, where
+            sharding costs more in collectives than it saves in memory.
+
+    Returns:
+        An :class:`FSDP` spec-like, usable wherever a spec is accepted.
+
+    Example:
+        >>> fsdp("data").spec_for((1024, 4096), {"data": 8})
+        (PartitionSpec(None, 'data'), "fsdp('data')")
+    """
+    return FSDP(axis, min_size)
+
+
+def is_leaf_spec(x: Any) -> bool:
+    """Whether ``x`` is a single spec-like (as opposed to a prefix tree of them)."""
+    return (
+        x is None
+        or isinstance(x, PartitionSpec | Rules | FSDP)
+        or (callable(x) and not isinstance(x, type) and not _is_pytree_node(x))
+    )
+
+
+def _is_pytree_node(x: Any) -> bool:
+    import jax
+
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+SpecFn: TypeAlias = Callable[[str, Any], Any]
