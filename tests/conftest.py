@@ -46,6 +46,7 @@ def mesh_axis_types(mesh) -> set[AxisType]:
 
 # ---- containers of every kind --------------------------------------------------------
 
+
 def make_pytree() -> Any:
     return {
         "embed": jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16),
@@ -110,7 +111,10 @@ def make_linen() -> Any:
             x = nn.Dense(16, kernel_init=part("embed", "mlp"))(x)
             x = nn.BatchNorm(use_running_average=False)(x)
             x, _ = nn.scan(
-                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4,
+                Layer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=4,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )()(x, None)
             return x

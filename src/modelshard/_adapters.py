@@ -73,7 +73,10 @@ class Adapter(Protocol):
     ``describe`` (paths and metadata) runs only when a plan is made.
     """
 
-    kind: str
+    @property
+    def kind(self) -> str:
+        """The container kind recorded in plans and checkpoints (``"nnx.Module"``...)."""
+        ...
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
         """All leaves of ``obj`` (array and static) and a hashable structure key."""
@@ -342,7 +345,9 @@ def register_container(
 
 # Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
 # so ``override=True`` can replace them.
-_CALLBACKS: dict[type, tuple[Callable[[Any], Mapping[str, Any]], Callable[[Mapping[str, Any]], Any]]] = {}
+_CALLBACKS: dict[
+    type, tuple[Callable[[Any], Mapping[str, Any]], Callable[[Mapping[str, Any]], Any]]
+] = {}
 
 
 def _register_pytree(

@@ -87,18 +87,36 @@ class _Ctx:
         self.used: dict[int, tuple[Rules, set[int]]] = {}
         self.valid_cache: dict[tuple[Any, ...], tuple[str, str] | None] = {}
 
-    def problem(self, arg: str, path: str, leaf: Any, what: str, spec: Any = None,
-                rule: str | None = None, hint: str | None = None) -> None:
+    def problem(
+        self,
+        arg: str,
+        path: str,
+        leaf: Any,
+        what: str,
+        spec: Any = None,
+        rule: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
         dtype = _dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
-        self.problems.append(Problem(
-            arg=arg, path=path, what=what, shape=shape, dtype=dtype,
-            spec=format_spec(spec) if spec is not None else None, rule=rule,
-            mesh=self.mesh_text, hint=hint))
+        self.problems.append(
+            Problem(
+                arg=arg,
+                path=path,
+                what=what,
+                shape=shape,
+                dtype=dtype,
+                spec=format_spec(spec) if spec is not None else None,
+                rule=rule,
+                mesh=self.mesh_text,
+                hint=hint,
+            )
+        )
 
 
-def _resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None,
-                   sizes: Mapping[str, int]) -> tuple[PartitionSpec, list[str]]:
+def _resolve_names(
+    spec: PartitionSpec, logical: Mapping[str, Any] | None, sizes: Mapping[str, int]
+) -> tuple[PartitionSpec, list[str]]:
     """Map logical names through ``logical``; return the mesh spec and unknown names."""
     out: list[Any] = []
     unknown: list[str] = []
@@ -123,47 +141,66 @@ def _resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None,
     return PartitionSpec(*out), unknown
 
 
-def _check(spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
-           ) -> list[tuple[str, str]]:
+def _check(
+    spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
+) -> list[tuple[str, str]]:
     """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
     out: list[tuple[str, str]] = []
     entries = tuple(spec)
     if len(entries) > len(shape):
-        out.append((
-            f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
-            f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
-            "P() to replicate it)",
-        ))
+        out.append(
+            (
+                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
+                "P() to replicate it)",
+            )
+        )
     seen: dict[str, int] = {}
     for dim, entry in enumerate(entries):
         if entry is None:
             continue
-        if not (isinstance(entry, str) or (isinstance(entry, tuple) and all(
-                isinstance(a, str) for a in entry))):
-            out.append((f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
-                        "spec entries are mesh axis names such as 'data', tuples of them, or None"))
+        if not (
+            isinstance(entry, str)
+            or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
+        ):
+            out.append(
+                (
+                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
+                )
+            )
             continue
         axes = (entry,) if isinstance(entry, str) else entry
         for a in axes:
             if a not in sizes:
-                out.append((f"axis {a!r} (dimension {dim}) is not in the mesh",
-                            f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
-                            f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})"))
+                out.append(
+                    (
+                        f"axis {a!r} (dimension {dim}) is not in the mesh",
+                        f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
+                        f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})",
+                    )
+                )
             elif a in seen:
-                out.append((f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
-                            "each mesh axis may shard at most one dimension of a leaf"))
+                out.append(
+                    (
+                        f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
+                        "each mesh axis may shard at most one dimension of a leaf",
+                    )
+                )
             else:
                 seen[a] = dim
         if dim < len(shape) and all(a in sizes for a in axes):
             n = math.prod(sizes[a] for a in axes)
             if shape[dim] % n:
                 by = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                out.append((
-                    f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
-                    f"but {shape[dim]} is not divisible by {n}",
-                    "shard this dimension over axes whose sizes divide it, pad it, or "
-                    "replicate it with None",
-                ))
+                out.append(
+                    (
+                        f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                        f"but {shape[dim]} is not divisible by {n}",
+                        "shard this dimension over axes whose sizes divide it, pad it, or "
+                        "replicate it with None",
+                    )
+                )
     return out
 
 
@@ -171,8 +208,14 @@ def _prefix_entries(prefix: Any, arg: str, ctx: _Ctx) -> list[tuple[tuple[str, .
     try:
         items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
     except Exception as e:
-        ctx.problems.append(Problem(arg, "", f"the spec {type(prefix).__name__} could not be "
-                                    f"read as a prefix tree: {type(e).__name__}: {e}"))
+        ctx.problems.append(
+            Problem(
+                arg,
+                "",
+                f"the spec {type(prefix).__name__} could not be "
+                f"read as a prefix tree: {type(e).__name__}: {e}",
+            )
+        )
         return None
     return [(split_path(format_path(k)), v) for k, v in items]
 
@@ -200,9 +243,14 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
                     hit_keys.add(key)
                     break
             if found is _NOTHING:
-                ctx.problem(arg, info.path, leaf, "no entry of the prefix tree covers this leaf",
-                            hint="add its path (or a parent of it) to the spec tree; the "
-                                 "container's top-level keys are " + _top_keys(flat))
+                ctx.problem(
+                    arg,
+                    info.path,
+                    leaf,
+                    "no entry of the prefix tree covers this leaf",
+                    hint="add its path (or a parent of it) to the spec tree; the "
+                    "container's top-level keys are " + _top_keys(flat),
+                )
             per_leaf.append(found)
         all_paths = None
         for key, value in entries:
@@ -210,10 +258,15 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
                 continue
             all_paths = all_paths or [split_path(p) for p in flat.static_paths()]
             if not any(p[: len(key)] == key for p in all_paths):
-                ctx.problems.append(Problem(
-                    arg, "/".join(key), "this prefix-tree entry matches nothing in the container",
-                    spec=format_spec(value),
-                    hint="the container's top-level keys are " + _top_keys(flat)))
+                ctx.problems.append(
+                    Problem(
+                        arg,
+                        "/".join(key),
+                        "this prefix-tree entry matches nothing in the container",
+                        spec=format_spec(value),
+                        hint="the container's top-level keys are " + _top_keys(flat),
+                    )
+                )
     out = []
     for info, leaf, s in zip(infos, arrays, per_leaf, strict=True):
         if s is _NOTHING:
@@ -233,7 +286,9 @@ def _top_keys(flat: Flat) -> str:
         head = split_path(p)[:1]
         if head and head[0] not in tops:
             tops.append(head[0])
-    return ", ".join(map(repr, tops[:20])) + (" ..." if len(tops) > 20 else "") if tops else "(none)"
+    return (
+        ", ".join(map(repr, tops[:20])) + (" ..." if len(tops) > 20 else "") if tops else "(none)"
+    )
 
 
 def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | None:
@@ -254,11 +309,16 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
             elif info.names is not None:
                 spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
             elif s.strict:
-                ctx.problem(arg, info.path, leaf, "no rule matches this leaf",
-                            rule=repr(s) if len(s.rules) <= 3 else f"Rules with {len(s.rules)} rules",
-                            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
-                                 "(r'.*', P()), or use Rules(..., strict=False) to replicate "
-                                 "unmatched leaves")
+                ctx.problem(
+                    arg,
+                    info.path,
+                    leaf,
+                    "no rule matches this leaf",
+                    rule=repr(s) if len(s.rules) <= 3 else f"Rules with {len(s.rules)} rules",
+                    hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
+                    "(r'.*', P()), or use Rules(..., strict=False) to replicate "
+                    "unmatched leaves",
+                )
                 return None
             else:
                 spec, rule = PartitionSpec(), "unmatched (replicated, strict=False)"
@@ -266,26 +326,42 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
     elif isinstance(s, FSDP):
         spec, rule = s.spec_for(shape, ctx.sizes)
     elif s is None:
-        ctx.problem(arg, info.path, leaf, "the spec is None",
-                    hint="use P() to replicate; None is not a spec in modelshard")
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "the spec is None",
+            hint="use P() to replicate; None is not a spec in modelshard",
+        )
         return None
     elif callable(s):
         name = getattr(s, "__name__", type(s).__name__)
         try:
             got = s(info.path, leaf)
         except Exception as e:
-            ctx.problem(arg, info.path, leaf, f"spec function {name} raised "
-                        f"{type(e).__name__}: {e}")
+            ctx.problem(
+                arg, info.path, leaf, f"spec function {name} raised {type(e).__name__}: {e}"
+            )
             return None
         if not isinstance(got, PartitionSpec):
-            ctx.problem(arg, info.path, leaf, f"spec function {name} returned {got!r}, "
-                        "not a PartitionSpec", hint="return P(...) for every leaf (P() replicates)")
+            ctx.problem(
+                arg,
+                info.path,
+                leaf,
+                f"spec function {name} returned {got!r}, not a PartitionSpec",
+                hint="return P(...) for every leaf (P() replicates)",
+            )
             return None
         spec, rule = got, f"function {name}"
     else:
-        ctx.problem(arg, info.path, leaf, f"{s!r} ({type(s).__name__}) is not a spec",
-                    hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
-                         "PartitionSpec, or a prefix tree of these")
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            f"{s!r} ({type(s).__name__}) is not a spec",
+            hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
+            "PartitionSpec, or a prefix tree of these",
+        )
         return None
     if logical is not None or any(isinstance(e, str) and e not in ctx.sizes for e in spec):
         spec, _ = _resolve_names(spec, logical, ctx.sizes)
@@ -327,11 +403,17 @@ def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan
             continue
         for i, (pattern, spec) in enumerate(rules.rules):
             if i not in used:
-                ctx.problems.append(Problem(
-                    "Rules", f"rule {i}", f"rule {i} {pattern!r} matched no leaf",
-                    spec=format_spec(spec), mesh=ctx.mesh_text,
-                    hint="fix the pattern (plan with Rules(..., strict=False) to list every "
-                         "path), remove the rule, or pass strict=False"))
+                ctx.problems.append(
+                    Problem(
+                        "Rules",
+                        f"rule {i}",
+                        f"rule {i} {pattern!r} matched no leaf",
+                        spec=format_spec(spec),
+                        mesh=ctx.mesh_text,
+                        hint="fix the pattern (plan with Rules(..., strict=False) to list every "
+                        "path), remove the rule, or pass strict=False",
+                    )
+                )
     if ctx.problems:
         raise SpecError(ctx.problems)
     return out

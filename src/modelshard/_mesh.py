@@ -68,8 +68,14 @@ def make_mesh(
         raise MeshError(f"make_mesh needs a non-empty mapping of axis name -> size, got {axes!r}.")
     names = list(axes)
     sizes = list(axes.values())
-    bad = [f"{k}={v!r}" for k, v in axes.items() if not isinstance(k, str) or isinstance(v, bool)
-           or not isinstance(v, int) or (v < 1 and v != -1)]
+    bad = [
+        f"{k}={v!r}"
+        for k, v in axes.items()
+        if not isinstance(k, str)
+        or isinstance(v, bool)
+        or not isinstance(v, int)
+        or (v < 1 and v != -1)
+    ]
     if bad:
         raise MeshError(f"mesh axis sizes must be positive ints (or one -1): {', '.join(bad)}.")
     types = _axis_types(axis_types, len(names))
@@ -83,8 +89,10 @@ def make_mesh(
     if -1 in sizes:
         rest = math.prod(s for s in sizes if s != -1)
         if len(devs) % rest:
-            raise MeshError(f"cannot infer the -1 axis: {len(devs)} devices are not divisible by "
-                            f"{rest} (the product of the other axes) in {dict(axes)}.")
+            raise MeshError(
+                f"cannot infer the -1 axis: {len(devs)} devices are not divisible by "
+                f"{rest} (the product of the other axes) in {dict(axes)}."
+            )
         sizes[sizes.index(-1)] = len(devs) // rest
     need = math.prod(sizes)
     if need > len(devs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -66,11 +67,18 @@ class Plan:
             for leaf in a.leaves:
                 if leaf.path == rest:
                     return leaf
-        from ._errors import SpecError, Problem
+        from ._errors import Problem, SpecError
 
-        raise SpecError([Problem(arg or self.args[0].name if self.args else "plan", path,
-                                 "no array leaf has this path in the plan",
-                                 hint="list paths with [leaf.path for leaf in plan]")])
+        raise SpecError(
+            [
+                Problem(
+                    arg or self.args[0].name if self.args else "plan",
+                    path,
+                    "no array leaf has this path in the plan",
+                    hint="list paths with [leaf.path for leaf in plan]",
+                )
+            ]
+        )
 
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """The (cached) ``NamedSharding`` of ``spec`` on this plan's mesh."""
@@ -133,15 +141,17 @@ class Plan:
         out = []
         for a in self.args:
             for leaf in a.leaves:
-                out.append({
-                    "path": f"{a.name}:{leaf.path}" if multi else leaf.path,
-                    "shape": list(leaf.shape),
-                    "dtype": str(leaf.dtype),
-                    "spec": format_spec(leaf.spec),
-                    "rule": leaf.rule,
-                    "bytes_per_device": self.bytes_per_device(leaf),
-                    "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
-                })
+                out.append(
+                    {
+                        "path": f"{a.name}:{leaf.path}" if multi else leaf.path,
+                        "shape": list(leaf.shape),
+                        "dtype": str(leaf.dtype),
+                        "spec": format_spec(leaf.spec),
+                        "rule": leaf.rule,
+                        "bytes_per_device": self.bytes_per_device(leaf),
+                        "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+                    }
+                )
         return out
 
     def summary(self) -> str:
@@ -149,22 +159,36 @@ class Plan:
         per, total = self.bytes_per_device(), self.total_bytes
         mesh = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
         ratio = f" ({per / total:.1%} of replicated)" if total else ""
-        return (f"{len(self)} array leaves on mesh ({mesh}), {self.num_devices} devices: "
-                f"{format_bytes(per)} per device{ratio}; replicated {format_bytes(total)}")
+        return (
+            f"{len(self)} array leaves on mesh ({mesh}), {self.num_devices} devices: "
+            f"{format_bytes(per)} per device{ratio}; replicated {format_bytes(total)}"
+        )
 
     def table(self, max_rows: int | None = 60) -> Any:
         """A ``rich.table.Table`` of the plan (first ``max_rows`` leaves, then totals)."""
         from rich.table import Table
 
         t = Table(title="modelshard plan", caption=self.summary(), show_lines=False)
-        for col, kw in [("path", {}), ("shape", {}), ("dtype", {}), ("spec", {}),
-                        ("rule", {}), ("per device", {"justify": "right"})]:
+        for col, kw in [
+            ("path", {}),
+            ("shape", {}),
+            ("dtype", {}),
+            ("spec", {}),
+            ("rule", {}),
+            ("per device", {"justify": "right"}),
+        ]:
             t.add_column(col, **kw)
         rows = self.rows()
         shown = rows if max_rows is None else rows[:max_rows]
         for r in shown:
-            t.add_row(r["path"], str(tuple(r["shape"])), r["dtype"], r["spec"], r["rule"],
-                      format_bytes(r["bytes_per_device"]))
+            t.add_row(
+                r["path"],
+                str(tuple(r["shape"])),
+                r["dtype"],
+                r["spec"],
+                r["rule"],
+                format_bytes(r["bytes_per_device"]),
+            )
         if len(shown) < len(rows):
             t.add_row(f"... {len(rows) - len(shown)} more leaves", "", "", "", "", "")
         return t
@@ -175,21 +199,14 @@ class Plan:
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=140, record=True, force_terminal=False, color_system=None,
-                          file=_NullIO())
+        console = Console(
+            width=140, record=True, force_terminal=False, color_system=None, file=io.StringIO()
+        )
         console.print(self.table())
         return console.export_text().rstrip()
 
     def __repr__(self) -> str:
         return f"<Plan: {self.summary()}>"
-
-
-class _NullIO:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def plan(tree: Any, specs: SpecLike, mesh: Any) -> Plan:

@@ -26,16 +26,19 @@ def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     todo_i, todo_x, todo_s = [], [], []
     for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
         if isinstance(x, jax.ShapeDtypeStruct):
-            out[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s,
-                                          weak_type=getattr(x, "weak_type", False))
+            out[i] = jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False)
+            )
         elif not (isinstance(x, jax.Array) and x.sharding == s):
             todo_i.append(i)
             todo_x.append(x)
             todo_s.append(s)
     if todo_x:
         if is_abstract(todo_s[0].mesh):
-            raise MeshError("cannot place concrete arrays on an AbstractMesh; build a real mesh "
-                            "with modelshard.make_mesh, or pass jax.ShapeDtypeStruct leaves.")
+            raise MeshError(
+                "cannot place concrete arrays on an AbstractMesh; build a real mesh "
+                "with modelshard.make_mesh, or pass jax.ShapeDtypeStruct leaves."
+            )
         for i, y in zip(todo_i, jax.device_put(todo_x, todo_s), strict=True):
             out[i] = y
     return out

@@ -61,8 +61,10 @@ def to_spec(value: Any, where: str) -> PartitionSpec:
 
 
 def _is_entry(e: Any) -> bool:
-    return e is None or isinstance(e, str) or (
-        isinstance(e, tuple) and all(isinstance(x, str) for x in e)
+    return (
+        e is None
+        or isinstance(e, str)
+        or (isinstance(e, tuple) and all(isinstance(x, str) for x in e))
     )
 
 
@@ -111,15 +113,28 @@ class Rules:
             rules = list(rules.items())
         if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
             raise SpecError(
-                [Problem("Rules", "", f"rules must be a list of (pattern, spec) pairs, got "
-                         f"{type(self.rules).__name__}", hint="Rules([(r'kernel$', P('data', None))])")]
+                [
+                    Problem(
+                        "Rules",
+                        "",
+                        f"rules must be a list of (pattern, spec) pairs, got "
+                        f"{type(self.rules).__name__}",
+                        hint="Rules([(r'kernel$', P('data', None))])",
+                    )
+                ]
             )
         rules = list(rules)
         for i, item in enumerate(rules):
             where = f"rule {i}"
             if not (isinstance(item, tuple | list) and len(item) == 2):
-                problems.append(Problem("Rules", where, f"{item!r} is not a (pattern, spec) pair",
-                                        hint="each rule is a 2-tuple like (r'kernel$', P('data'))"))
+                problems.append(
+                    Problem(
+                        "Rules",
+                        where,
+                        f"{item!r} is not a (pattern, spec) pair",
+                        hint="each rule is a 2-tuple like (r'kernel$', P('data'))",
+                    )
+                )
                 continue
             pattern, spec = item
             if not isinstance(pattern, str):
@@ -128,26 +143,39 @@ class Rules:
             try:
                 rx = re.compile(pattern)
             except re.error as e:
-                problems.append(Problem("Rules", where, f"pattern {pattern!r} is not a valid "
-                                        f"regular expression: {e}"))
+                problems.append(
+                    Problem(
+                        "Rules",
+                        where,
+                        f"pattern {pattern!r} is not a valid regular expression: {e}",
+                    )
+                )
                 continue
             try:
                 compiled.append((rx, to_spec(spec, where)))
             except SpecError as e:
-                problems.extend(
-                    dataclasses.replace(p, arg="Rules", path=where) for p in e.problems
-                )
+                problems.extend(dataclasses.replace(p, arg="Rules", path=where) for p in e.problems)
         if self.logical is not None:
             if not isinstance(self.logical, Mapping):
-                problems.append(Problem("Rules", "logical", f"logical must be a mapping of "
-                                        f"logical name -> mesh axis, got {type(self.logical).__name__}"))
+                problems.append(
+                    Problem(
+                        "Rules",
+                        "logical",
+                        f"logical must be a mapping of "
+                        f"logical name -> mesh axis, got {type(self.logical).__name__}",
+                    )
+                )
             else:
                 for name, target in self.logical.items():
                     if not isinstance(name, str) or not _is_entry(target):
-                        problems.append(Problem(
-                            "Rules", f"logical[{name!r}]",
-                            f"{name!r} -> {target!r} is not a logical name -> mesh axis mapping",
-                            hint="map to a mesh axis name, a tuple of names, or None"))
+                        problems.append(
+                            Problem(
+                                "Rules",
+                                f"logical[{name!r}]",
+                                f"{name!r} -> {target!r} is not a logical name -> mesh axis mapping",
+                                hint="map to a mesh axis name, a tuple of names, or None",
+                            )
+                        )
         if problems:
             raise SpecError(problems, header="invalid Rules:")
         object.__setattr__(self, "rules", tuple((p.pattern, s) for p, s in compiled))
@@ -191,20 +219,40 @@ class FSDP:
 
     def __post_init__(self) -> None:
         ok = isinstance(self.axis, str) or (
-            isinstance(self.axis, tuple) and self.axis and all(isinstance(a, str) for a in self.axis)
+            isinstance(self.axis, tuple)
+            and self.axis
+            and all(isinstance(a, str) for a in self.axis)
         )
         if not ok:
-            raise SpecError([Problem("fsdp", "axis", f"axis must be a mesh axis name or a tuple "
-                                     f"of names, got {self.axis!r}")])
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 0:
-            raise SpecError([Problem("fsdp", "min_size", f"min_size must be an int >= 0, got "
-                                     f"{self.min_size!r}")])
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp",
+                        "axis",
+                        f"axis must be a mesh axis name or a tuple of names, got {self.axis!r}",
+                    )
+                ]
+            )
+        if (
+            isinstance(self.min_size, bool)
+            or not isinstance(self.min_size, int)
+            or self.min_size < 0
+        ):
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp", "min_size", f"min_size must be an int >= 0, got {self.min_size!r}"
+                    )
+                ]
+            )
 
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else self.axis
 
-    def spec_for(self, shape: tuple[int, ...], sizes: Mapping[str, int]) -> tuple[PartitionSpec, str]:
+    def spec_for(
+        self, shape: tuple[int, ...], sizes: Mapping[str, int]
+    ) -> tuple[PartitionSpec, str]:
         """The spec for a leaf of ``shape`` and a note saying how it was chosen."""
         if any(a not in sizes for a in self.axes):
             # Let validation report the unknown axis on the first shardable leaf.
