@@ -18,7 +18,7 @@ import importlib
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -39,6 +39,19 @@ __all__ = [
 ]
 
 
+# Exact types that are always pytree leaves (a fast path for describing big trees).
+_ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
+try:
+    from jax._src.array import ArrayImpl as _ArrayImpl
+
+    _ARRAY_TYPES.add(_ArrayImpl)
+except ImportError:  # pragma: no cover - private location moved; the generic path still works
+    pass
+
+
+_ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
 
@@ -46,11 +59,10 @@ def is_array(x: Any) -> bool:
     ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
     other objects are static: they pass through untouched, as in Equinox.
     """
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+    return type(x) in _ARRAY_TYPES or isinstance(x, _ARRAY_BASES)
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafInfo:
+class LeafInfo(NamedTuple):
     """What an adapter knows about one leaf beyond its value.
 
     Attributes:
@@ -91,17 +103,22 @@ class Adapter(Protocol):
         ...
 
 
-def _box_info(x: Any) -> tuple[bool, tuple[Any, ...] | None]:
-    """(is this a metadata box, the axis names it carries)."""
-    if "flax" not in sys.modules:
-        return False, None
+def _box_types() -> tuple[type, ...]:
+    """The metadata box classes of the Flax modules imported so far."""
+    out: list[type] = []
     meta = sys.modules.get("flax.core.meta")
-    if meta is not None and isinstance(x, meta.AxisMetadata):
-        names = getattr(x, "names", None)
-        return True, tuple(names) if names is not None else None
+    if meta is not None:
+        out.append(meta.AxisMetadata)
     nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(x, nnx.Variable):
-        names = None
+    if nnx is not None:
+        out.append(nnx.Variable)
+    return tuple(out)
+
+
+def _box_names(x: Any) -> tuple[Any, ...] | None:
+    """The axis names a linen box or NNX Variable carries, if any."""
+    names = getattr(x, "names", None)  # linen Partitioned / LogicallyPartitioned
+    if names is None and hasattr(x, "get_metadata"):  # NNX Variable
         for key in ("out_sharding", "sharding_names", "sharding"):
             try:
                 names = x.get_metadata(key, None)
@@ -109,31 +126,59 @@ def _box_info(x: Any) -> tuple[bool, tuple[Any, ...] | None]:
                 names = getattr(x, key, None)
             if names is not None:
                 break
-        if names is not None and not isinstance(names, tuple | list):
-            names = tuple(names) if hasattr(names, "__iter__") else None
-        return True, tuple(names) if names is not None else None
-    return False, None
-
-
-def _is_box(x: Any) -> bool:
-    return _box_info(x)[0]
+    if names is None or not isinstance(names, tuple | list):
+        return None
+    return tuple(names)
 
 
 def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
-    """Describe every leaf of a JAX pytree; box payload artifacts (``/value``) are dropped."""
+    """Describe every leaf of a JAX pytree, in ``tree_flatten`` order.
+
+    Plain dicts, lists and tuples are walked directly (this runs on every plan, over
+    10,000-leaf trees); any other node is opened one level with JAX's own
+    ``tree_flatten_with_path``, so custom pytrees keep their key names. Metadata boxes
+    give their payload the box's path (no ``/value``) and their axis names.
+    """
+    boxes = _box_types()
     out: list[LeafInfo] = []
-    items = jax.tree_util.tree_flatten_with_path(obj, is_leaf=_is_box)[0]
-    for keys, node in items:
-        path = join(prefix, format_path(keys))
-        is_box, names = _box_info(node)
-        if not is_box:
-            out.append(LeafInfo(path))
-            continue
-        inner = jax.tree_util.tree_flatten_with_path(node)[0]
-        box = type(node).__name__
-        for inner_keys, _ in inner:
-            sub = format_path(inner_keys, drop_artifacts=True) if len(inner) > 1 else ""
-            out.append(LeafInfo(join(path, sub), names, box))
+    append = out.append
+
+    def walk(x: Any, path: str) -> None:
+        t = type(x)
+        if t in _ARRAY_TYPES:
+            append(LeafInfo(path))
+            return
+        if t is dict:
+            try:
+                keys = sorted(x)
+            except TypeError:  # mixed key types: let JAX order them
+                keys = None
+            if keys is not None:
+                for k in keys:
+                    walk(x[k], f"{path}/{k}" if path else str(k))
+                return
+        elif t is list or t is tuple:
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}" if path else str(i))
+            return
+        elif x is None:
+            return
+        if boxes and isinstance(x, boxes):
+            names = _box_names(x)
+            box = t.__name__
+            inner = jax.tree_util.tree_flatten_with_path(x)[0]
+            for inner_keys, _ in inner:
+                sub = format_path(inner_keys, drop_artifacts=True) if len(inner) > 1 else ""
+                append(LeafInfo(join(path, sub), names, box))
+            return
+        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
+        if len(children) == 1 and not children[0][0] and children[0][1] is x:
+            append(LeafInfo(path))
+            return
+        for keys, child in children:
+            walk(child, join(path, format_path(keys)))
+
+    walk(obj, prefix)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,8 +25,7 @@ from ._specs import FSDP, Rules, format_spec, is_leaf_spec
 __all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafPlan:
+class LeafPlan(NamedTuple):
     """The plan for one array leaf.
 
     Attributes:
@@ -85,7 +84,7 @@ class _Ctx:
         self.mesh_text = _fmt_mesh(sizes)
         self.problems: list[Problem] = []
         self.used: dict[int, tuple[Rules, set[int]]] = {}
-        self.valid_cache: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+        self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
 
     def problem(
         self,
@@ -121,10 +120,13 @@ def _resolve_names(
     out: list[Any] = []
     unknown: list[str] = []
     for entry in spec:
-        if entry is None:
-            out.append(None)
+        if entry is None or not (
+            isinstance(entry, str)
+            or (isinstance(entry, tuple) and all(isinstance(n, str) for n in entry))
+        ):
+            out.append(entry)  # junk stays as it is, for _check to report
             continue
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        names = (entry,) if isinstance(entry, str) else entry
         mapped: list[str] = []
         for n in names:
             if logical is not None and n in logical:
@@ -292,40 +294,89 @@ def _top_keys(flat: Flat) -> str:
 
 
 def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | None:
-    shape = tuple(int(d) for d in leaf.shape)
-    logical = None
-    if isinstance(s, PartitionSpec):
-        spec, rule = s, f"{format_spec(s)} for the whole argument"
-    elif isinstance(s, Rules):
-        logical = s.logical
+    shape = tuple(leaf.shape)
+    t = type(s)
+    # Leaves that resolve the same way (same spec source, same shape) share one resolution
+    # and one validation: a 200-layer model repeats a few dozen cases 10,000 times.
+    key: tuple[Any, ...] | None
+    if t is PartitionSpec:
+        key = (id(s), shape)
+    elif t is Rules:
         if not shape:
-            spec, rule = PartitionSpec(), "scalar (replicated)"
+            # Scalars always replicate; a rule naming one still counts as used.
+            hit = s.match(info.path)
+            used = ctx.used.setdefault(id(s), (s, set()))[1]
+            if hit is not None:
+                used.add(hit[0])
+            key = (id(s), "scalar")
         else:
             hit = s.match(info.path)
+            used = ctx.used.setdefault(id(s), (s, set()))[1]
             if hit is not None:
-                idx, spec = hit
-                rule = s.describe(idx)
-                ctx.used.setdefault(id(s), (s, set()))[1].add(idx)
+                used.add(hit[0])
+                key = (id(s), hit[0], shape)
             elif info.names is not None:
-                spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
+                key = (id(s), "metadata", info.names, info.box, shape)
             elif s.strict:
                 ctx.problem(
                     arg,
                     info.path,
                     leaf,
                     "no rule matches this leaf",
-                    rule=repr(s) if len(s.rules) <= 3 else f"Rules with {len(s.rules)} rules",
                     hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
                     "(r'.*', P()), or use Rules(..., strict=False) to replicate "
                     "unmatched leaves",
                 )
                 return None
             else:
-                spec, rule = PartitionSpec(), "unmatched (replicated, strict=False)"
-            ctx.used.setdefault(id(s), (s, set()))
-    elif isinstance(s, FSDP):
-        spec, rule = s.spec_for(shape, ctx.sizes)
-    elif s is None:
+                key = (id(s), "unmatched")
+    elif t is FSDP:
+        key = (id(s), shape)
+    else:
+        key = None
+    cached = ctx.resolved.get(key) if key is not None else None
+    if cached is None:
+        got = _resolve(arg, info, leaf, s, shape, ctx)
+        if got is None:
+            return None
+        spec, rule = got
+        try:
+            problems = _check(spec, shape, ctx.sizes)
+        except TypeError:  # junk inside a spec from a function: report, never crash
+            problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+        cached = (spec, rule, problems)
+        if key is not None:
+            ctx.resolved[key] = cached
+    spec, rule, problems = cached
+    if problems:
+        for what, hint in problems:
+            ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
+        return None
+    return LeafPlan(info.path, shape, leaf.dtype, spec, rule)
+
+
+def _resolve(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: _Ctx
+) -> tuple[PartitionSpec, str] | None:
+    """The (mesh-axis spec, rule text) for one leaf; None after reporting a problem."""
+    if isinstance(s, PartitionSpec):
+        return s, f"{format_spec(s)} for the whole argument"
+    if isinstance(s, Rules):
+        if not shape:
+            return PartitionSpec(), "scalar (replicated)"
+        hit = s.match(info.path)
+        if hit is not None:
+            spec, rule = hit[1], s.describe(hit[0])
+        elif info.names is not None:
+            spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
+        else:
+            return PartitionSpec(), "unmatched (replicated, strict=False)"
+        if s.logical is not None:
+            spec, _ = _resolve_names(spec, s.logical, ctx.sizes)
+        return spec, rule
+    if isinstance(s, FSDP):
+        return s.spec_for(shape, ctx.sizes)
+    if s is None:
         ctx.problem(
             arg,
             info.path,
@@ -334,7 +385,7 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
             hint="use P() to replicate; None is not a spec in modelshard",
         )
         return None
-    elif callable(s):
+    if callable(s):
         name = getattr(s, "__name__", type(s).__name__)
         try:
             got = s(info.path, leaf)
@@ -352,31 +403,16 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
                 hint="return P(...) for every leaf (P() replicates)",
             )
             return None
-        spec, rule = got, f"function {name}"
-    else:
-        ctx.problem(
-            arg,
-            info.path,
-            leaf,
-            f"{s!r} ({type(s).__name__}) is not a spec",
-            hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
-            "PartitionSpec, or a prefix tree of these",
-        )
-        return None
-    if logical is not None or any(isinstance(e, str) and e not in ctx.sizes for e in spec):
-        spec, _ = _resolve_names(spec, logical, ctx.sizes)
-    key = (tuple(spec), shape)
-    try:
-        found = ctx.valid_cache[key]
-    except KeyError:
-        found = ctx.valid_cache[key] = _check(spec, shape, ctx.sizes) or None  # type: ignore[assignment]
-    except TypeError:  # unhashable junk inside the spec
-        found = _check(spec, shape, ctx.sizes) or None  # type: ignore[assignment]
-    if found:
-        for what, hint in found:  # type: ignore[union-attr]
-            ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint)
-        return None
-    return LeafPlan(info.path, shape, leaf.dtype, spec, rule)
+        return got, f"function {name}"
+    ctx.problem(
+        arg,
+        info.path,
+        leaf,
+        f"{s!r} ({type(s).__name__}) is not a spec",
+        hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
+        "PartitionSpec, or a prefix tree of these",
+    )
+    return None
 
 
 def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:

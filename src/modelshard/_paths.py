@@ -13,16 +13,14 @@ SEPARATOR = "/"
 _ARTIFACTS = frozenset({"value", "raw_value", "_value"})
 
 
+_ATTR = {DictKey: "key", GetAttrKey: "name", SequenceKey: "idx", FlattenedIndexKey: "key"}
+
+
 def key_name(key: Any) -> str:
     """The path component for one JAX key entry (or a plain str/int)."""
-    if isinstance(key, DictKey):
-        return str(key.key)
-    if isinstance(key, GetAttrKey):
-        return key.name
-    if isinstance(key, SequenceKey):
-        return str(key.idx)
-    if isinstance(key, FlattenedIndexKey):
-        return str(key.key)
+    attr = _ATTR.get(type(key))
+    if attr is not None:
+        return str(getattr(key, attr))
     name = getattr(key, "name", None)
     if isinstance(name, str):
         return name
