@@ -71,7 +71,7 @@ def shard(tree: Any, specs: SpecLike, mesh: Any) -> Any:
         >>> mesh = ms.make_mesh({"data": 8})
         >>> params = ms.shard({"w": jnp.zeros((16, 4)), "b": jnp.zeros(4)}, ms.fsdp("data", min_size=0), mesh)
         >>> params["w"].sharding.spec
-        PartitionSpec('data',)
+        P('data',)
     """
     return shard_plan(plan(tree, specs, mesh))
 

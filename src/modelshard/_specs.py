@@ -290,7 +290,7 @@ def fsdp(axis: str | tuple[str, ...] = "data", min_size: int = 2**14) -> FSDP:
 
     Example:
         >>> fsdp("data").spec_for((1024, 4096), {"data": 8})
-        (PartitionSpec(None, 'data'), "fsdp('data')")
+        (P(None, 'data'), "fsdp('data')")
     """
     return FSDP(axis, min_size)
 
