@@ -233,6 +233,19 @@ class FSDP:
                     )
                 ]
             )
+        # Checked here, not per leaf: with no big or divisible leaf it would pass silently.
+        twice = sorted({a for a in self.axes if self.axes.count(a) > 1})
+        if twice:
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp",
+                        "axis",
+                        f"mesh axis {twice[0]!r} is used twice in {self.axis!r}",
+                        hint="each mesh axis may shard at most one dimension of a leaf",
+                    )
+                ]
+            )
         if (
             isinstance(self.min_size, bool)
             or not isinstance(self.min_size, int)
