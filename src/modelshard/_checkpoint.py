@@ -1,0 +1,619 @@
+"""``save`` and ``restore``: sharded Orbax checkpoints of any container, restored onto any mesh.
+
+On disk a checkpoint is a plain Orbax PyTree checkpoint (OCDBT, each process writing its
+own shards) of a nested dict keyed by the components of each leaf's canonical path, plus
+``modelshard.json`` (see :mod:`modelshard._record`). ``orbax.checkpoint.StandardCheckpointer``
+restores it without modelshard; typed PRNG keys are stored as their key data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ._adapters import split
+from ._errors import CheckpointError
+from ._mesh import is_abstract, make_mesh
+from ._paths import format_path, key_name
+from ._paths import split as split_path
+from ._plan import plan
+from ._record import (
+    RECORD_FILE,
+    LeafRecord,
+    Record,
+    checksums,
+    dtype_name,
+    mesh_json,
+    parse_dtype,
+    saved_spec,
+    versions,
+)
+from ._shard import place
+
+__all__ = ["Source", "locate", "prepare", "restore", "save"]
+
+STATE_ITEM = "state"
+RECORD_ITEM = "modelshard"
+
+
+# ---- writing -------------------------------------------------------------------------
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _nest(items: Sequence[tuple[tuple[str, ...], Any]], what: str) -> dict[str, Any]:
+    """Nested dicts from ``(key path, value)`` pairs; a path both leaf and node is an error."""
+    root: dict[str, Any] = {}
+    for key, value in items:
+        node = root
+        for i, k in enumerate(key[:-1]):
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise CheckpointError(
+                    f"{what}: leaf {'/'.join(key[: i + 1])!r} is also a parent "
+                    f"of {'/'.join(key)!r}; canonical paths must form a tree."
+                )
+            node = child
+        if key[-1] in node:
+            raise CheckpointError(
+                f"{what}: two leaves have the canonical path {'/'.join(key)!r}; rename one of them."
+            )
+        node[key[-1]] = value
+    return root
+
+
+def _storage_key(path: str) -> tuple[str, ...]:
+    return split_path(path) or ("value",)
+
+
+def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Record]:
+    """Split ``state`` into the nested dict Orbax stores and the record beside it."""
+    flat = split(state)
+    infos, arrays = flat.infos, flat.arrays
+    if not arrays:
+        raise CheckpointError(f"nothing to save: the {type(state).__name__} has no array leaves.")
+    mesh = None
+    for x in arrays:
+        s = getattr(x, "sharding", None)
+        if isinstance(s, NamedSharding) and not is_abstract(s.mesh):
+            mesh = s.mesh
+            break
+    stored, leaves = [], []
+    for info, x in zip(infos, arrays, strict=True):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise CheckpointError(
+                f"cannot save {info.path or '<root>'}: it is an abstract "
+                f"ShapeDtypeStruct {dtype_name(x.dtype)}{list(x.shape)}, "
+                "not an array."
+            )
+        if isinstance(x, np.ndarray | np.generic):
+            x = jnp.asarray(x)
+        impl = None
+        data = x
+        if _is_key(x):
+            impl = str(jax.random.key_impl(x))
+            data = jax.random.key_data(x)
+        stored.append(data)
+        leaves.append(
+            LeafRecord(
+                path=info.path,
+                key=_storage_key(info.path),
+                shape=tuple(x.shape),
+                dtype=dtype_name(x.dtype),
+                stored_shape=tuple(data.shape),
+                stored_dtype=dtype_name(data.dtype),
+                key_impl=impl,
+                spec=saved_spec(x, mesh),
+                names=info.names,
+            )
+        )
+    for leaf, cs in zip(leaves, checksums(stored), strict=True):
+        leaf.checksum = cs
+    tree = _nest([(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)], "save")
+    record = Record(
+        kind=flat.kind,
+        leaves=leaves,
+        mesh=None if mesh is None else mesh_json(mesh),
+        versions=versions(),
+        metadata=dict(metadata or {}),
+    )
+    return tree, record
+
+
+def _abs(directory: str | os.PathLike[str]) -> Path:
+    return Path(directory).expanduser().absolute()
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def write_text_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
+    """Write a checkpoint into a staging directory, add the record, then rename it into place.
+
+    A crash at any point leaves an existing checkpoint at ``path`` untouched; with
+    ``overwrite`` the old one is renamed aside only once the new one is complete.
+    """
+    if path.exists() and not overwrite:
+        raise CheckpointError(
+            f"{path} already exists; pass overwrite=True to replace it (the "
+            "old checkpoint is kept until the new one is complete)."
+        )
+    staging = path.parent / f".{path.name}.modelshard-tmp"
+    old = path.parent / f".{path.name}.modelshard-old"
+    primary = jax.process_index() == 0
+    if primary:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    _sync("modelshard:save:start")
+    write(staging)
+    if primary:
+        write_text_durable(staging / RECORD_FILE, record.dumps())
+        _fsync_dir(staging)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(staging, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _sync("modelshard:save:end")
+
+
+def orbax_save(directory: Path, tree: Any) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        ckptr.save(directory, args=ocp.args.StandardSave(tree))
+
+
+def save(
+    directory: str | os.PathLike[str],
+    state: Any,
+    *,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save any registered container as a sharded Orbax checkpoint with a modelshard record.
+
+    Each process writes its own shards (Orbax OCDBT). Beside the data, ``modelshard.json``
+    records each leaf's canonical path, shape, dtype, the spec and mesh it was saved with,
+    the container kind, package versions and a checksum. The directory appears only when
+    complete: a save that fails or is killed leaves any earlier checkpoint there intact.
+
+    Args:
+        directory: where to write (made absolute; its parent is created).
+        state: any registered container (pytree, optax state, NNX module or state, linen
+            variables, Equinox module, TrainState...). Typed PRNG keys, bfloat16 and NumPy
+            leaves are fine; abstract leaves are not.
+        overwrite: replace an existing checkpoint at ``directory``.
+        metadata: JSON-serialisable user metadata stored in the record.
+
+    Returns:
+        The absolute path of the checkpoint.
+
+    Raises:
+        CheckpointError: ``directory`` exists (without ``overwrite``), a leaf is abstract,
+            or two leaves share a canonical path.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> path = ms.save(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones((4, 2))})
+        >>> ms.restore(path)["w"].shape
+        (4, 2)
+    """
+    path = _abs(directory)
+    tree, record = prepare(state, metadata)
+    write_atomic(path, lambda d: orbax_save(d, tree), record, overwrite=overwrite)
+    return path
+
+
+# ---- reading -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Source:
+    """A located checkpoint: its Orbax tree directory and its (possibly inferred) record.
+
+    Attributes:
+        path: what was asked for (absolute).
+        tree_dir: the Orbax PyTree checkpoint directory.
+        record: the modelshard record, or one inferred from Orbax metadata.
+        template: for plain Orbax checkpoints, the stored tree structure (Orbax metadata).
+    """
+
+    path: Path
+    tree_dir: Path
+    record: Record
+    template: Any = None
+
+
+def _manager_hint(p: Path) -> str:
+    steps = sorted(c.name for c in p.iterdir() if c.is_dir() and c.name.isdigit())
+    if steps:
+        return (
+            f" It looks like a CheckpointManager directory (steps {', '.join(steps[-5:])}): "
+            f"pass a step directory such as {p / steps[-1]}, or use "
+            "modelshard.CheckpointManager(...).restore()."
+        )
+    return ""
+
+
+def locate(directory: str | os.PathLike[str]) -> Source:
+    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax."""
+    p = _abs(directory)
+    if not p.is_dir():
+        old = p.parent / f".{p.name}.modelshard-old"
+        extra = (
+            f" A previous checkpoint was moved aside to {old} by an interrupted overwrite."
+            if old.exists()
+            else ""
+        )
+        raise CheckpointError(f"no checkpoint at {p}: the directory does not exist.{extra}")
+    record_file = None
+    if (p / "_METADATA").exists():
+        tree_dir = p
+        record_file = p / RECORD_FILE
+    else:
+        items = [c for c in sorted(p.iterdir()) if (c / "_METADATA").exists()]
+        named = [c for c in items if c.name == STATE_ITEM] or items
+        if len(named) != 1:
+            found = ", ".join(c.name for c in items) or "none"
+            raise CheckpointError(
+                f"no Orbax checkpoint at {p}: expected a _METADATA file there or "
+                f"in exactly one item directory (found: {found})." + _manager_hint(p)
+            )
+        tree_dir = named[0]
+        record_file = p / RECORD_ITEM / RECORD_FILE
+    if record_file.exists():
+        import json
+
+        try:
+            data = json.loads(record_file.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
+        return Source(p, tree_dir, Record.from_json(data, str(record_file)))
+    return _from_orbax(p, tree_dir)
+
+
+def _from_orbax(p: Path, tree_dir: Path) -> Source:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(tree_dir)).tree
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read the Orbax metadata of {tree_dir}: {type(e).__name__}: {e}"
+        ) from e
+    leaves, mesh = [], None
+    for keys, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(int(d) for d in getattr(meta, "shape", ()) or ())
+        dtype = dtype_name(getattr(meta, "dtype", None) or jnp.float32)
+        spec = None
+        sh = getattr(meta, "sharding", None)
+        if type(sh).__name__ == "NamedShardingMetadata":
+            axes = dict(zip(sh.axis_names, (int(s) for s in sh.shape), strict=True))
+            if mesh is None:
+                mesh = {"axes": axes, "axis_types": []}
+            if axes == mesh["axes"]:
+                spec = PartitionSpec(*sh.partition_spec)
+        leaves.append(
+            LeafRecord(
+                path=format_path(keys),
+                key=tuple(key_name(k) for k in keys),
+                shape=shape,
+                dtype=dtype,
+                stored_shape=shape,
+                stored_dtype=dtype,
+                spec=spec,
+            )
+        )
+    record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
+    return Source(p, tree_dir, record, template=tree)
+
+
+def _concrete(mesh: Any) -> Any:
+    if is_abstract(mesh):
+        return make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
+    return mesh
+
+
+def _leaf_target_dtype(rec: LeafRecord, dtype: Any) -> Any:
+    if rec.key_impl is not None:
+        return None
+    stored = parse_dtype(rec.dtype)
+    if dtype is not None and jnp.issubdtype(stored, jnp.floating):
+        return jnp.dtype(dtype)
+    return stored
+
+
+def _diff(
+    paths: Sequence[str], arrays: Sequence[Any], stored: Mapping[str, LeafRecord], dtype: Any
+) -> tuple[list[str], list[str], list[str]]:
+    missing, changed = [], []
+    seen = set()
+    for path, x in zip(paths, arrays, strict=True):
+        rec = stored.get(path)
+        here = f"{dtype_name(x.dtype)}{list(x.shape)}"
+        if rec is None:
+            missing.append(
+                f"  missing  {path or '<root>'}  {here} (in the target, not in the checkpoint)"
+            )
+            continue
+        seen.add(path)
+        want = _leaf_target_dtype(rec, dtype)
+        want_name = rec.dtype if want is None else dtype_name(want)
+        if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
+            changed.append(
+                f"  changed  {path or '<root>'}  checkpoint {want_name}{list(rec.shape)}"
+                f" -> target {here}"
+            )
+    extra = [
+        f"  extra    {p or '<root>'}  {r.dtype}{list(r.shape)} (in the checkpoint, not in the "
+        "target)"
+        for p, r in stored.items()
+        if p not in seen
+    ]
+    return missing, extra, changed
+
+
+def _saved_specs(record: Record) -> Any:
+    specs = {leaf.path: leaf.spec for leaf in record.leaves}
+
+    def saved(path: str, leaf: Any) -> PartitionSpec:
+        return specs.get(path) or PartitionSpec()
+
+    saved.__name__ = "saved_specs"
+    return saved
+
+
+def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+        return NamedSharding(_concrete(s.mesh), s.spec) if is_abstract(s.mesh) else s
+    if s is not None and not isinstance(x, jax.ShapeDtypeStruct | np.ndarray):
+        return s
+    sizes = record.mesh_sizes()
+    if sizes and rec.spec is not None and int(np.prod(list(sizes.values()))) == jax.device_count():
+        return NamedSharding(make_mesh(sizes), rec.spec)
+    return SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _stored_sharding(sharding: Any, rec: LeafRecord) -> Any:
+    extra = len(rec.stored_shape) - len(rec.shape)
+    if extra and isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
+    return sharding
+
+
+def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct)."""
+    import orbax.checkpoint as ocp
+
+    recs = source.record.by_path()
+    full = len(targets) == len(recs)
+    if full and source.template is not None:
+        flat_t = jax.tree_util.tree_flatten_with_path(source.template)
+        tree = jax.tree_util.tree_unflatten(
+            flat_t[1], [targets[format_path(k)] for k, _ in flat_t[0]]
+        )
+    else:
+        tree = _nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
+    args = ocp.args.PyTreeRestore(
+        item=tree,
+        partial_restore=not full,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        out = ckptr.restore(source.tree_dir, args=args)
+    flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+    return {p: flat_out[format_path([*recs[p].key])] for p in targets}
+
+
+def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`orbax_read`, turning any failure into a CheckpointError naming the bad leaves."""
+    try:
+        return orbax_read(source, targets)
+    except Exception as e:
+        bad = []
+        if len(targets) > 1:
+            for p, t in targets.items():
+                try:
+                    orbax_read(source, {p: t})
+                except Exception as e1:
+                    bad.append(
+                        f"  {p or '<root>'}: {type(e1).__name__}: "
+                        f"{str(e1).strip().splitlines()[0][:300]}"
+                    )
+        detail = "\n".join(bad) if bad else f"  {type(e).__name__}: {str(e).strip()[:500]}"
+        n = len(bad)
+        what = f"{n} lea{'ves' if n != 1 else 'f'}" if bad else "the checkpoint"
+        raise CheckpointError(
+            f"cannot read {what} of {source.path} (damaged or incomplete checkpoint):\n{detail}"
+        ) from e
+
+
+def verify_checksums(source: Source, values: Mapping[str, Any]) -> None:
+    """Raise CheckpointError naming every leaf whose stored bits changed since saving."""
+    recs = source.record.by_path()
+    paths = [p for p in values if recs[p].checksum is not None]
+    if not paths:
+        return
+    got = checksums([values[p] for p in paths])
+    bad = [
+        f"  {p or '<root>'} {recs[p].stored_dtype}{list(recs[p].stored_shape)}: recorded "
+        f"{recs[p].checksum}, read {g}"
+        for p, g in zip(paths, got, strict=True)
+        if g != recs[p].checksum
+    ]
+    if bad:
+        n = len(bad)
+        raise CheckpointError(
+            f"checksum mismatch in {source.path}: the stored bytes of {n} lea"
+            f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
+            + "\n".join(bad)
+            + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
+            "to load it anyway."
+        )
+
+
+def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
+    """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
+    if rec.key_impl is not None:
+        return jax.random.wrap_key_data(x, impl=rec.key_impl)
+    want = _leaf_target_dtype(rec, dtype)
+    return x if want is None or x.dtype == want else x.astype(want)
+
+
+def partial_wrap(impl: str) -> Any:
+    return lambda data: jax.random.wrap_key_data(data, impl=impl)
+
+
+def abstract_tree(record: Record) -> dict[str, Any]:
+    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (logical dtypes)."""
+    items = []
+    for leaf in record.leaves:
+        if leaf.key_impl is not None:
+            data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
+            sds = jax.eval_shape(partial_wrap(leaf.key_impl), data)
+        else:
+            sds = jax.ShapeDtypeStruct(leaf.shape, parse_dtype(leaf.dtype))
+        items.append((_storage_key(leaf.path), sds))
+    return _nest(items, "record")
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    *,
+    like: Any = None,
+    specs: Any = None,
+    mesh: Any = None,
+    dtype: Any = None,
+    partial: bool = False,
+    verify: bool = True,
+) -> Any:
+    """Restore a checkpoint, every leaf read directly into its planned sharding.
+
+    Args:
+        directory: a checkpoint written by :func:`save`, by Orbax's
+            ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
+        like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
+            giving the type to return; without it a nested dict of arrays is rebuilt from
+            the checkpoint's record (or Orbax metadata).
+        specs: one spec-like for the whole container (``P()``, :class:`Rules`,
+            :func:`fsdp`, ...), planned on ``mesh`` by the same pipeline as :func:`shard`.
+            Default with a mesh: the specs the checkpoint was saved with.
+        mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
+            leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
+            its devices, else the first local device.
+        dtype: cast floating-point leaves to this dtype (stored values are verified
+            first).
+        partial: restore only the leaves both sides have: extra checkpoint leaves are
+            skipped and missing ones keep ``like``'s (concrete) values.
+        verify: check each leaf's checksum against the record.
+
+    Returns:
+        The container (same type as ``like``; a nested dict without it).
+
+    Raises:
+        CheckpointError: no checkpoint, a structure mismatch (a path-first diff), a damaged
+            leaf or a checksum mismatch (naming the leaves).
+        SpecError: ``specs`` do not fit the container or the mesh.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> path = ms.save(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones((8, 2))})
+        >>> like = jax.eval_shape(lambda: {"w": jnp.ones((8, 2))})
+        >>> out = ms.restore(path, like=like, specs=ms.Rules([("w", P("data"))]),
+        ...                  mesh=ms.make_mesh({"data": 8}))
+        >>> out["w"].sharding.spec
+        PartitionSpec('data',)
+    """
+    source = locate(directory)
+    record = source.record
+    if like is None:
+        like = abstract_tree(record)
+    flat = split(like)
+    paths, arrays = flat.paths, flat.arrays
+    stored = record.by_path()
+    missing, extra, changed = _diff(paths, arrays, stored, dtype)
+    concrete_missing = all(
+        not isinstance(x, jax.ShapeDtypeStruct)
+        for p, x in zip(paths, arrays, strict=True)
+        if p not in stored
+    )
+    if changed or ((missing or extra) and not (partial and concrete_missing)):
+        lines = changed + ([] if partial and concrete_missing else missing + extra)
+        hint = (
+            "hint: shapes must match; pass dtype=... to cast floating leaves"
+            if changed and not (missing or extra)
+            else "hint: pass partial=True to restore only the leaves both have (missing leaves "
+            "then keep like's values, so like must be concrete for them)"
+        )
+        raise CheckpointError(
+            f"checkpoint {source.path} does not match the target {type(like).__name__} "
+            f"({len(lines)} difference{'s' if len(lines) != 1 else ''}, paths first):\n"
+            + "\n".join(lines)
+            + "\n"
+            + hint
+        )
+    if specs is not None and mesh is None:
+        raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
+    if mesh is not None:
+        mesh = _concrete(mesh)
+        p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
+        shardings = p.flat_shardings(0)
+    else:
+        shardings = [
+            _default_sharding(x, stored[path], record) if path in stored else None
+            for path, x in zip(paths, arrays, strict=True)
+        ]
+    targets = {}
+    for path, s in zip(paths, shardings, strict=True):
+        rec = stored.get(path)
+        if rec is not None:
+            targets[path] = jax.ShapeDtypeStruct(
+                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=_stored_sharding(s, rec)
+            )
+    values = read_checked(source, targets)
+    if verify:
+        verify_checksums(source, values)
+    out = []
+    for path, x, s in zip(paths, arrays, shardings, strict=True):
+        if path in values:
+            out.append(finish_leaf(values.pop(path), stored[path], dtype))
+        else:  # partial restore: a missing leaf keeps like's value
+            out.append(place([x], [s])[0] if s is not None else x)
+    return flat.rebuild(out)

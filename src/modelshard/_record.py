@@ -1,0 +1,338 @@
+"""The checkpoint record: what modelshard knows about each stored leaf, as plain JSON.
+
+A record sits beside the Orbax data (``modelshard.json`` inside the checkpoint directory,
+or the ``modelshard`` item of a :class:`~modelshard.CheckpointManager` step). It holds no
+pickle: canonical paths, shapes, dtypes, the spec and mesh each leaf was saved with, the
+container kind, package versions and a checksum per leaf.
+
+The checksum is a position-weighted sum of each leaf's bits modulo 2**32 (two lanes with
+different weights), computed on device. Integer sums do not depend on reduction order, so
+the value is the same whatever sharding the leaf has when it is computed: a checkpoint
+saved on 8 devices verifies after a restore onto 2x4 without gathering anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ._errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "LeafRecord",
+    "Record",
+    "checksums",
+    "dtype_name",
+    "spec_from_json",
+    "spec_to_json",
+]
+
+FORMAT = "modelshard.checkpoint/1"
+RECORD_FILE = "modelshard.json"
+CHECKSUM = "wsum32x2"
+
+
+def dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``, ``key<fry>``: how the record spells a dtype."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+def parse_dtype(name: str) -> Any:
+    """The dtype named by :func:`dtype_name` (PRNG key dtypes are not parsed here)."""
+    try:
+        return jnp.dtype(name)
+    except TypeError as e:
+        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint record") from e
+
+
+def spec_to_json(spec: PartitionSpec | None) -> list[Any] | None:
+    """``P('data', None, ('a', 'b'))`` -> ``["data", null, ["a", "b"]]``."""
+    if spec is None:
+        return None
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(value: Any) -> PartitionSpec | None:
+    if value is None:
+        return None
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
+
+
+@dataclasses.dataclass
+class LeafRecord:
+    """What the record says about one leaf.
+
+    Attributes:
+        path: canonical path (``"layers/0/kernel"``).
+        key: the leaf's key path in the stored Orbax tree (nested dicts).
+        shape: logical shape.
+        dtype: logical dtype name (``"key<fry>"`` for typed PRNG keys).
+        stored_shape: shape of the stored array (key data adds trailing dimensions).
+        stored_dtype: dtype name of the stored array.
+        key_impl: PRNG implementation name for typed keys (``"threefry2x32"``), else None.
+        spec: the ``PartitionSpec`` it was saved with, or None if it was not
+            ``NamedSharding``-placed on the recorded mesh.
+        names: logical axis names carried by its metadata (linen/NNX boxes), if any.
+        checksum: ``"xxxxxxxx:yyyyyyyy"`` over the stored bits, or None.
+    """
+
+    path: str
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    stored_shape: tuple[int, ...]
+    stored_dtype: str
+    key_impl: str | None = None
+    spec: PartitionSpec | None = None
+    names: tuple[Any, ...] | None = None
+    checksum: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.stored_shape) * parse_dtype(self.stored_dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "key": list(self.key),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "stored_shape": list(self.stored_shape),
+            "stored_dtype": self.stored_dtype,
+            "key_impl": self.key_impl,
+            "spec": spec_to_json(self.spec),
+            "names": None if self.names is None else [_json_name(n) for n in self.names],
+            "checksum": self.checksum,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LeafRecord:
+        names = d.get("names")
+        return cls(
+            path=str(d["path"]),
+            key=tuple(str(k) for k in d["key"]),
+            shape=tuple(int(s) for s in d["shape"]),
+            dtype=str(d["dtype"]),
+            stored_shape=tuple(int(s) for s in d["stored_shape"]),
+            stored_dtype=str(d["stored_dtype"]),
+            key_impl=d.get("key_impl"),
+            spec=spec_from_json(d.get("spec")),
+            names=None
+            if names is None
+            else tuple(tuple(n) if isinstance(n, list) else n for n in names),
+            checksum=d.get("checksum"),
+        )
+
+
+def _json_name(n: Any) -> Any:
+    if n is None or isinstance(n, str):
+        return n
+    if isinstance(n, tuple | list):
+        return [str(x) for x in n]
+    return str(n)
+
+
+@dataclasses.dataclass
+class Record:
+    """The whole record of one checkpoint.
+
+    Attributes:
+        kind: the container kind it was saved from (``flat.kind``: ``"nnx.Module"``...).
+        leaves: one :class:`LeafRecord` per array leaf, in container order.
+        mesh: ``{"axes": {name: size}, "axis_types": [...]}`` of the saving mesh, or None.
+        versions: package name -> version at save time.
+        metadata: user metadata passed to ``save``.
+        source: ``"modelshard"``, or ``"orbax"`` for a record inferred from Orbax metadata.
+    """
+
+    kind: str
+    leaves: list[LeafRecord]
+    mesh: dict[str, Any] | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: str = "modelshard"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def by_path(self) -> dict[str, LeafRecord]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+    def mesh_sizes(self) -> dict[str, int] | None:
+        return None if self.mesh is None else dict(self.mesh["axes"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "kind": self.kind,
+            "mesh": self.mesh,
+            "versions": self.versions,
+            "checksum": CHECKSUM,
+            "metadata": self.metadata,
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], where: str = "") -> Record:
+        fmt = d.get("format")
+        if fmt != FORMAT:
+            raise CheckpointError(
+                f"{where}: record format {fmt!r} is not {FORMAT!r}; it was "
+                "written by another version of modelshard."
+            )
+        if d.get("checksum", CHECKSUM) != CHECKSUM:
+            raise CheckpointError(f"{where}: unknown checksum algorithm {d.get('checksum')!r}.")
+        try:
+            leaves = [LeafRecord.from_json(x) for x in d["leaves"]]
+            return cls(
+                kind=str(d["kind"]),
+                leaves=leaves,
+                mesh=d.get("mesh"),
+                versions=dict(d.get("versions") or {}),
+                metadata=dict(d.get("metadata") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"{where}: the modelshard record is malformed ({type(e).__name__}: {e})."
+            ) from e
+
+
+def mesh_json(mesh: Any) -> dict[str, Any]:
+    return {
+        "axes": {str(k): int(v) for k, v in dict(mesh.shape).items()},
+        "axis_types": [str(t).rsplit(".", 1)[-1] for t in getattr(mesh, "axis_types", ())],
+    }
+
+
+def saved_spec(x: Any, mesh: Any) -> PartitionSpec | None:
+    """The spec ``x`` was placed with, if it is a NamedSharding on ``mesh``'s shape."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, NamedSharding) or mesh is None:
+        return None
+    if dict(s.mesh.shape) != dict(mesh.shape):
+        return None
+    return s.spec
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("modelshard", "jax", "jaxlib", "orbax-checkpoint", "flax", "equinox", "optax"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[pkg] = version(pkg)
+    return out
+
+
+# ---- checksums -----------------------------------------------------------------------
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _lanes(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as uint32 values (64-bit elements become two lanes)."""
+    dt = x.dtype
+    if dt == jnp.bool_:
+        return x.astype(jnp.uint32)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        return jnp.stack([_lanes(x.real), _lanes(x.imag)], axis=-1)
+    size = dt.itemsize
+    if _bits(dt) < size * 8:
+        # sub-byte types (int4, float4): widen exactly, then take the wide bits
+        wide = jnp.float32 if jnp.issubdtype(dt, jnp.floating) else jnp.int32
+        return jax.lax.bitcast_convert_type(x.astype(wide), jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
+
+
+def _bits(dt: Any) -> int:
+    try:
+        info = jnp.finfo(dt) if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo(dt)
+        return int(info.bits)
+    except (TypeError, ValueError):
+        return dt.itemsize * 8
+
+
+def _checksum_one(x: jax.Array) -> jax.Array:
+    v = _lanes(x)
+    idx = jnp.zeros(v.shape, jnp.uint32)
+    stride = 1
+    for d in range(v.ndim - 1, -1, -1):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, v.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= v.shape[d]
+    w1 = (idx * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
+    w2 = ((idx ^ (idx >> 16)) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)) | jnp.uint32(1)
+    s1 = jnp.sum(v * w1, dtype=jnp.uint32)
+    s2 = jnp.sum((v ^ (v >> 13)) * w2, dtype=jnp.uint32)
+    return jnp.stack([s1, s2])
+
+
+_checksum_jit = jax.jit(_checksum_one)
+
+# Leaves up to this many elements are checksummed on the host: no compilation, and the
+# bytes are few. Larger ones are reduced where they live.
+HOST_MAX_ELEMENTS = 1 << 20
+
+
+def _np_lanes(a: np.ndarray) -> np.ndarray:
+    dt = a.dtype
+    if dt == np.bool_:
+        return a.astype(np.uint32)
+    if np.issubdtype(dt, np.complexfloating):
+        return np.stack([_np_lanes(a.real), _np_lanes(a.imag)], axis=-1)
+    size = dt.itemsize
+    if _bits(dt) < size * 8:
+        wide = np.float32 if jnp.issubdtype(dt, jnp.floating) else np.int32
+        return a.astype(wide).view(np.uint32)
+    a = np.ascontiguousarray(a)
+    if size == 8:
+        return a.view(np.uint32).reshape(*a.shape, 2)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
+
+
+def _np_checksum(a: np.ndarray) -> tuple[int, int]:
+    v = _np_lanes(a).reshape(-1)
+    idx = (np.arange(v.size, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
+    w1 = (idx * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)) | np.uint32(1)
+    w2 = ((idx ^ (idx >> 16)) * np.uint32(0x85EBCA6B) + np.uint32(0xC2B2AE35)) | np.uint32(1)
+    s1 = np.sum(v * w1, dtype=np.uint32)
+    s2 = np.sum((v ^ (v >> 13)) * w2, dtype=np.uint32)
+    return int(s1), int(s2)
+
+
+def checksums(arrays: Sequence[jax.Array], *, host_max_elements: int | None = None) -> list[str]:
+    """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding.
+
+    Small leaves are summed on the host; large ones are reduced where they live (one small
+    compiled program per shape, dtype and sharding, cached by JAX), so nothing large is
+    gathered to one device.
+    """
+    limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
+    pending: dict[int, Any] = {}
+    out: list[Any] = [None] * len(arrays)
+    for i, x in enumerate(arrays):
+        if x.size <= limit and (x.is_fully_addressable if isinstance(x, jax.Array) else True):
+            out[i] = _np_checksum(np.asarray(x))
+        else:
+            pending[i] = _checksum_jit(x)
+    for i, s in zip(pending, jax.device_get(list(pending.values())), strict=True):
+        out[i] = (int(s[0]), int(s[1]))
+    return [f"{a:08x}:{b:08x}" for a, b in out]
