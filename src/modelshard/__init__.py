@@ -9,10 +9,12 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import adapters as adapters
+from . import distributed as distributed
 from ._adapters import register_container as register_container
 from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
+from ._errors import DistributedError as DistributedError
 from ._errors import MeshError as MeshError
 from ._errors import Problem as Problem
 from ._errors import ShardingMismatchError as ShardingMismatchError

@@ -9,6 +9,7 @@ __all__ = [
     "AdapterError",
     "AssembleError",
     "CheckpointError",
+    "DistributedError",
     "MeshError",
     "ModelshardError",
     "Problem",
@@ -112,5 +113,12 @@ class AssembleError(ModelshardError, ValueError):
 
 class CheckpointError(ModelshardError, ValueError):
     """A checkpoint that is missing, damaged, or does not match the requested target."""
+
+    __module__ = "modelshard"
+
+
+class DistributedError(ModelshardError, ValueError):
+    """A multi-process setting that is malformed or comes too late, or a value that spans
+    devices of other processes where this process needs all of it."""
 
     __module__ = "modelshard"

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ._errors import MeshError
 from ._mesh import is_abstract
@@ -39,9 +40,31 @@ def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
                 "cannot place concrete arrays on an AbstractMesh; build a real mesh "
                 "with modelshard.make_mesh, or pass jax.ShapeDtypeStruct leaves."
             )
+        if jax.process_count() > 1:
+            todo_x = [_local_to_global(x, s) for x, s in zip(todo_x, todo_s, strict=True)]
         for i, y in zip(todo_i, jax.device_put(todo_x, todo_s), strict=True):
             out[i] = y
     return out
+
+
+def _local_to_global(x: Any, s: Any) -> Any:
+    """Multi-process: an array committed to this process's devices, as a global array.
+
+    ``device_put`` refuses committed arrays for shardings that span other processes; like
+    NumPy inputs, such an array must hold the same full value on every process.
+    """
+    if not (
+        isinstance(x, jax.Array)
+        and x.is_fully_addressable
+        and x.committed
+        and not s.is_fully_addressable
+    ):
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _local_to_global(jax.random.key_data(x), s)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 
 
 def shard(tree: Any, specs: SpecLike, mesh: Any) -> Any:
