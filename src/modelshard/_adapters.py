@@ -414,6 +414,12 @@ def _register_pytree(
     def unflatten_pytree(names: tuple[str, ...], children: Any) -> Any:
         return _CALLBACKS[ty][1](dict(zip(names, children, strict=True)))
 
+    if ty not in _CALLBACKS and issubclass(ty, dict | list | tuple):
+        raise AdapterError(
+            f"{ty.__name__} is a {ty.__mro__[1].__name__} subclass, which JAX already "
+            f"flattens; register it with an adapter instead: register_container("
+            f"{ty.__name__}, modelshard.adapters.PytreeAdapter({kind!r}))."
+        )
     if ty not in _CALLBACKS:
         try:
             jax.tree_util.register_pytree_with_keys(ty, flatten_with_keys, unflatten_pytree)
