@@ -1,0 +1,236 @@
+"""``reshard``: rewrite a checkpoint for another mesh and specs, a few leaves at a time.
+
+Host memory stays near one chunk of leaves however large the checkpoint is: each chunk
+is restored straight into its new sharding, verified, optionally cast, and written as its
+own Orbax PyTree piece. The pieces are then merged into one plain Orbax checkpoint the way
+Orbax merges per-process pieces (and its own partial saves): the per-piece OCDBT stores
+become ``ocdbt.process_*`` stores of the result, the JSON metadata files are merged, and
+Orbax's finalize step writes the root OCDBT manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ._checkpoint import (
+    Source,
+    _abs,
+    _concrete,
+    _nest,
+    _saved_specs,
+    _stored_sharding,
+    abstract_tree,
+    finish_leaf,
+    locate,
+    orbax_save,
+    read_checked,
+    verify_checksums,
+    write_atomic,
+)
+from ._errors import CheckpointError
+from ._plan import Plan, plan
+from ._record import LeafRecord, Record, checksums, dtype_name, mesh_json, parse_dtype, versions
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "reshard"]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class _Item:
+    rec: LeafRecord
+    sharding: Any
+    host_bytes: int  # bytes materialised on this host, replicas included
+
+
+def _chunks(items: list[_Item], budget: int) -> Iterator[list[_Item]]:
+    chunk: list[_Item] = []
+    size = 0
+    for it in items:
+        if chunk and size + it.host_bytes > budget:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(it)
+        size += it.host_bytes
+    if chunk:
+        yield chunk
+
+
+def _merge_json(dst: Path, src: Path, merge: Callable[[Any, Any], Any]) -> None:
+    if not src.exists():
+        return
+    new = json.loads(src.read_text())
+    if dst.exists():
+        new = merge(json.loads(dst.read_text()), new)
+    dst.write_text(json.dumps(new))
+
+
+def _merge_tree_metadata(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    out["tree_metadata"] = {**a.get("tree_metadata", {}), **b.get("tree_metadata", {})}
+    return out
+
+
+def _merge_array_metadatas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {**a, "array_metadatas": a.get("array_metadatas", []) + b.get("array_metadatas", [])}
+
+
+def _merge_piece(piece: Path, into: Path, index: int) -> None:
+    """Move one piece's per-process OCDBT stores and metadata into ``into``."""
+    for store in sorted(piece.glob("ocdbt.process_*")):
+        # Orbax reads the process id up to the first '_' after "process"; keep it a suffix.
+        os.rename(store, into / f"{store.name}piece{index:05d}")
+    _merge_json(into / "_METADATA", piece / "_METADATA", _merge_tree_metadata)
+    _merge_json(into / "_sharding", piece / "_sharding", lambda a, b: {**a, **b})
+    for meta in sorted((piece / "array_metadatas").glob("*")):
+        (into / "array_metadatas").mkdir(exist_ok=True)
+        _merge_json(into / "array_metadatas" / meta.name, meta, _merge_array_metadatas)
+    if not (into / "_CHECKPOINT_METADATA").exists() and (piece / "_CHECKPOINT_METADATA").exists():
+        shutil.copy(piece / "_CHECKPOINT_METADATA", into / "_CHECKPOINT_METADATA")
+
+
+def _finalize(directory: Path) -> None:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    use_zarr3 = bool(json.loads((directory / "_METADATA").read_text()).get("use_zarr3", False))
+    ocp.PyTreeCheckpointHandler(use_zarr3=use_zarr3).finalize(epath.Path(directory))
+
+
+def _host_bytes(p: Plan, leaf_index: int, rec: LeafRecord) -> int:
+    leaf = p.args[0].leaves[leaf_index]
+    per_device = math.prod(p.shard_shape(leaf)) * parse_dtype(rec.stored_dtype).itemsize
+    extra = math.prod(rec.stored_shape[len(rec.shape) :])
+    local = len([d for d in p.mesh.devices.flat if d.process_index == jax.process_index()])
+    return per_device * extra * local
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    specs: Any = None,
+    mesh: Any,
+    dtype: Any = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    verify: bool = True,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Record:
+    """Rewrite checkpoint ``src`` as ``dst`` laid out for ``specs`` on ``mesh``.
+
+    No model code is needed: the structure comes from the record (or Orbax metadata).
+
+    Args:
+        src: a checkpoint written by :func:`modelshard.save` or plain Orbax.
+        dst: the new checkpoint directory (appears only when complete).
+        specs: a spec-like over the checkpoint's canonical paths (default: the saved specs).
+        mesh: the target mesh (concrete: its devices hold the chunks while they pass).
+        dtype: cast floating-point leaves to this dtype.
+        chunk_bytes: host bytes materialised per chunk (replicas included); a leaf
+            larger than this is a chunk of its own.
+        verify: check source checksums as leaves are read.
+        overwrite: replace an existing ``dst``.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
+
+    Returns:
+        The record written beside the new checkpoint.
+
+    Raises:
+        SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
+        CheckpointError: ``src`` is missing or damaged, or ``dst`` exists.
+    """
+    source: Source = locate(src)
+    out_path = _abs(dst)
+    if out_path.exists() and not overwrite:
+        raise CheckpointError(f"{out_path} already exists; pass overwrite=True to replace it.")
+    record = source.record
+    mesh = _concrete(mesh)
+    like = abstract_tree(record)
+    p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
+    shardings = p.flat_shardings(0)
+    by_path = record.by_path()
+    items = []
+    for i, (leaf, s) in enumerate(zip(p.args[0].leaves, shardings, strict=True)):
+        rec = by_path[leaf.path]
+        items.append(_Item(rec, s, _host_bytes(p, i, rec)))
+    total = sum(it.rec.nbytes for it in items)
+    new_leaves: list[LeafRecord] = []
+    order = {leaf.path: i for i, leaf in enumerate(record.leaves)}
+
+    def write(staging: Path) -> None:
+        pieces = staging.parent / f".{staging.name}.pieces"
+        shutil.rmtree(pieces, ignore_errors=True)
+        pieces.mkdir(parents=True)
+        done = 0
+        try:
+            for k, chunk in enumerate(_chunks(items, chunk_bytes)):
+                targets = {
+                    it.rec.path: jax.ShapeDtypeStruct(
+                        it.rec.stored_shape,
+                        parse_dtype(it.rec.stored_dtype),
+                        sharding=_stored_sharding(it.sharding, it.rec),
+                    )
+                    for it in chunk
+                }
+                values = read_checked(source, targets)
+                del targets
+                if verify:
+                    verify_checksums(source, values)
+                stored = []
+                for it in chunk:
+                    x = values.pop(it.rec.path)
+                    if it.rec.key_impl is None:
+                        x = finish_leaf(x, it.rec, dtype)
+                    stored.append(x)
+                sums = checksums(stored)
+                for it, x, cs in zip(chunk, stored, sums, strict=True):
+                    new_leaves.append(
+                        dataclasses.replace(
+                            it.rec,
+                            dtype=it.rec.dtype if it.rec.key_impl else dtype_name(x.dtype),
+                            stored_dtype=dtype_name(x.dtype),
+                            spec=it.sharding.spec,
+                            checksum=cs,
+                        )
+                    )
+                tree = _nest(
+                    [(it.rec.key, x) for it, x in zip(chunk, stored, strict=True)], "reshard"
+                )
+                orbax_save(pieces / f"piece{k:05d}", tree)
+                del stored, tree, values
+                if k == 0:
+                    (pieces / "merged").mkdir()
+                _merge_piece(pieces / f"piece{k:05d}", pieces / "merged", k)
+                done += sum(it.rec.nbytes for it in chunk)
+                if progress is not None:
+                    progress(done, total)
+            _finalize(pieces / "merged")
+            new_leaves.sort(key=lambda r: order[r.path])
+            os.rename(pieces / "merged", staging)
+        finally:
+            shutil.rmtree(pieces, ignore_errors=True)
+
+    new_record = Record(
+        kind=record.kind,
+        leaves=new_leaves,
+        mesh=mesh_json(mesh),
+        versions=versions(),
+        metadata={**record.metadata, "resharded_from": str(source.path)},
+    )
+    write_atomic(
+        out_path,
+        write,
+        new_record,
+        overwrite=overwrite,
+    )
+    return new_record

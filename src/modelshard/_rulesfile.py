@@ -1,0 +1,197 @@
+"""Rules files: :class:`~modelshard.Rules` written as TOML, for the CLI and for configs.
+
+The format (documented in ``docs/guides/rules-file.md``)::
+
+    strict = true                    # optional, default true
+
+    [[rules]]                        # first match wins, patterns use re.search
+    pattern = "embedding$"
+    spec = ["vocab", "embed"]        # one entry per dimension
+
+    [[rules]]
+    pattern = "kernel$"
+    spec = ["embed", ["data", "model"]]   # a list shards one dimension over several axes
+
+    [[rules]]
+    pattern = ".*"
+    spec = []                        # replicate
+
+    [logical]                        # logical name -> mesh axis
+    vocab = "model"
+    embed = "none"                   # "none" replicates the dimension
+    mlp = ["data", "model"]
+
+TOML has no null, so a replicated dimension is written ``"none"``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from ._errors import Problem, SpecError
+from ._specs import Rules
+
+__all__ = ["NONE", "load_rules", "parse_rules", "rules_to_toml"]
+
+NONE = "none"
+_TOP = {"strict", "rules", "logical"}
+_RULE = {"pattern", "spec"}
+
+
+def _entry(value: Any, where: str, problems: list[Problem], arg: str) -> Any:
+    if isinstance(value, str):
+        return None if value == NONE else value
+    if isinstance(value, list) and value and all(isinstance(v, str) and v != NONE for v in value):
+        return tuple(value)
+    problems.append(
+        Problem(
+            arg,
+            where,
+            f"{value!r} is not an axis name, a list of axis names, or {NONE!r}",
+            hint=f'write "data", ["data", "model"] or "{NONE}" (TOML has no null)',
+        )
+    )
+    return None
+
+
+def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
+    """Build :class:`Rules` from parsed TOML (a dict); every problem is reported at once.
+
+    Raises:
+        SpecError: unknown keys, missing fields, wrong types, bad patterns or specs.
+
+    Example:
+        >>> parse_rules({"rules": [{"pattern": "kernel$", "spec": ["data", "none"]}]})
+        Rules([('kernel$', P('data', None))], strict=True)
+    """
+    problems: list[Problem] = []
+    for k in data:
+        if k not in _TOP:
+            problems.append(
+                Problem(
+                    source,
+                    k,
+                    f"unknown top-level key {k!r}",
+                    hint="allowed: strict, rules, logical",
+                )
+            )
+    strict = data.get("strict", True)
+    if not isinstance(strict, bool):
+        problems.append(Problem(source, "strict", f"strict must be true or false, got {strict!r}"))
+        strict = True
+    raw = data.get("rules", [])
+    rules: list[tuple[str, PartitionSpec]] = []
+    if not isinstance(raw, list):
+        problems.append(
+            Problem(
+                source, "rules", "rules must be an array of tables", hint="write [[rules]] blocks"
+            )
+        )
+        raw = []
+    for i, item in enumerate(raw):
+        where = f"rules[{i}]"
+        if not isinstance(item, Mapping):
+            problems.append(
+                Problem(source, where, f"{item!r} is not a table with pattern and spec")
+            )
+            continue
+        for k in item:
+            if k not in _RULE:
+                problems.append(
+                    Problem(
+                        source, f"{where}.{k}", f"unknown key {k!r}", hint="allowed: pattern, spec"
+                    )
+                )
+        pattern, spec = item.get("pattern"), item.get("spec")
+        if not isinstance(pattern, str):
+            problems.append(
+                Problem(source, f"{where}.pattern", f"pattern must be a string, got {pattern!r}")
+            )
+            continue
+        if not isinstance(spec, list):
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.spec",
+                    f"spec must be an array of entries, got {spec!r}",
+                    hint='spec = [] replicates; spec = ["data", "none"] shards dimension 0',
+                )
+            )
+            continue
+        entries = [_entry(e, f"{where}.spec[{j}]", problems, source) for j, e in enumerate(spec)]
+        rules.append((pattern, PartitionSpec(*entries)))
+    logical: dict[str, Any] | None = None
+    raw_logical = data.get("logical")
+    if raw_logical is not None:
+        if not isinstance(raw_logical, Mapping):
+            problems.append(Problem(source, "logical", "logical must be a table of name = axis"))
+        else:
+            logical = {
+                name: _entry(v, f"logical.{name}", problems, source)
+                for name, v in raw_logical.items()
+            }
+    if problems:
+        raise SpecError(problems, header=f"invalid rules file {source}:")
+    try:
+        return Rules(rules, logical=logical, strict=strict)
+    except SpecError as e:
+        raise SpecError(e.problems, header=f"invalid rules file {source}:") from e
+
+
+def load_rules(path: str | os.PathLike[str]) -> Rules:
+    """Read a TOML rules file into :class:`Rules`.
+
+    Raises:
+        SpecError: the file is missing, is not valid TOML, or does not describe Rules.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise SpecError(
+            [Problem(str(p), "", f"cannot read the rules file: {e.strerror or e}")],
+            header=f"invalid rules file {p}:",
+        ) from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(
+            [Problem(str(p), "", f"not valid TOML: {e}")], header=f"invalid rules file {p}:"
+        ) from e
+    return parse_rules(data, str(p))
+
+
+def _toml_entry(e: Any) -> str:
+    if e is None:
+        return f'"{NONE}"'
+    if isinstance(e, tuple):
+        return "[" + ", ".join(f'"{x}"' for x in e) + "]"
+    return f'"{e}"'
+
+
+def rules_to_toml(rules: Rules) -> str:
+    """The TOML text :func:`load_rules` reads back as ``rules``."""
+    lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
+    for pattern, spec in rules.rules:
+        lit = pattern.replace("'", "")
+        quoted = (
+            f"'{pattern}'"
+            if lit == pattern
+            else '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        )
+        lines += [
+            "[[rules]]",
+            f"pattern = {quoted}",
+            "spec = [" + ", ".join(_toml_entry(e) for e in spec) + "]",
+            "",
+        ]
+    if rules.logical:
+        lines.append("[logical]")
+        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in rules.logical.items()]
+    return "\n".join(lines) + "\n"
