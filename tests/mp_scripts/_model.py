@@ -1,0 +1,81 @@
+"""The model, data and training step shared by the multi-process scripts and their tests.
+
+Everything is built from NumPy with fixed seeds, so every process (and the single-process
+reference in the test) holds the same values without communicating.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+
+BATCH, D_IN, D_HID, D_OUT = 16, 8, 16, 4
+STEPS = 2
+
+# Tensor-parallel rules over (data, model); anchored patterns cover params and Adam moments.
+RULES = ms.Rules(
+    [(r"w1$", P(None, "model")), (r"b1$", P("model")), (r"w2$", P("model", None)), (r".*", P())]
+)
+BATCH_SPEC = P("data")
+
+
+def init_params() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.normal(size=(D_IN, D_HID)) / np.sqrt(D_IN)).astype(np.float32),
+        "b1": np.zeros(D_HID, np.float32),
+        "w2": (rng.normal(size=(D_HID, D_OUT)) / np.sqrt(D_HID)).astype(np.float32),
+        "b2": np.zeros(D_OUT, np.float32),
+    }
+
+
+def optimizer() -> Any:
+    import optax
+
+    return optax.adam(1e-2)
+
+
+def init_state() -> dict[str, Any]:
+    params = init_params()
+    return {"params": params, "opt": optimizer().init(params)}
+
+
+def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    x = rng.normal(size=(BATCH, D_IN)).astype(np.float32)
+    y = rng.normal(size=(BATCH, D_OUT)).astype(np.float32)
+    return x, y
+
+
+def local_rows(mesh: Any, n: int) -> slice:
+    """The rows of an ``n``-row batch sharded over ``data`` that this process's devices hold."""
+    sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
+    rows = sorted(
+        {idx[0].indices(n)[:2] for idx in sharding.addressable_devices_indices_map((n,)).values()}
+    )
+    return slice(rows[0][0], rows[-1][1])
+
+
+def train_step(state: dict[str, Any], x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:
+    import optax
+
+    def loss_fn(params: dict[str, Any]) -> jax.Array:
+        h = jax.nn.relu(x @ params["w1"] + params["b1"])
+        return jnp.mean((h @ params["w2"] + params["b2"] - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt = optimizer().update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+
+def flat_values(tree: Any) -> dict[str, np.ndarray]:
+    """``{path: full value}`` of every array leaf (all-gathered across processes)."""
+    flat = ms.adapters.split(tree)
+    host = ms.adapters.split(ms.distributed.to_host(tree)).arrays
+    return dict(zip(flat.paths, host, strict=True))
