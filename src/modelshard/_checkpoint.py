@@ -559,7 +559,7 @@ def restore(
         >>> out = ms.restore(path, like=like, specs=ms.Rules([("w", P("data"))]),
         ...                  mesh=ms.make_mesh({"data": 8}))
         >>> out["w"].sharding.spec
-        PartitionSpec('data',)
+        P('data',)
     """
     source = locate(directory)
     record = source.record
