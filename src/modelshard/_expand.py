@@ -352,7 +352,16 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
         for what, hint in problems:
             ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
         return None
-    return LeafPlan(info.path, shape, leaf.dtype, spec, rule)
+    return LeafPlan(info.path, shape, _placed_dtype(leaf.dtype), spec, rule)
+
+
+
+def _placed_dtype(dtype: Any) -> Any:
+    """The dtype a leaf has once placed: without ``jax_enable_x64``, ``device_put`` turns
+    NumPy float64/int64/uint64/complex128 into their 32-bit kinds, and plans count bytes."""
+    if getattr(dtype, "itemsize", 0) < 8:  # the fast path: nothing narrower changes
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def _resolve(
