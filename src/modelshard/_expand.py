@@ -355,7 +355,6 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
     return LeafPlan(info.path, shape, _placed_dtype(leaf.dtype), spec, rule)
 
 
-
 def _placed_dtype(dtype: Any) -> Any:
     """The dtype a leaf has once placed: without ``jax_enable_x64``, ``device_put`` turns
     NumPy float64/int64/uint64/complex128 into their 32-bit kinds, and plans count bytes."""
