@@ -83,7 +83,7 @@ def reference() -> dict:
 def two_by_four(tmp_path_factory) -> Path:
     """2 processes x 4 devices: train on a global (2, 4) mesh, save a checkpoint."""
     out = tmp_path_factory.mktemp("two_by_four")
-    rc, output, seconds = launch(2, 4, "train.py", str(out), "--save", str(out / "ckpt"))
+    rc, output, seconds = launch(2, 4, "train.py", str(out), "--save", str(out / "saved"))
     assert rc == 0, output
     print(f"2x4 run: {seconds:.1f} s")
     return out
@@ -114,18 +114,20 @@ def test_process_local_batches_assemble_into_the_global_batch(two_by_four):
 def test_a_two_process_checkpoint_restores_in_one_process_onto_8(two_by_four):
     mesh = ms.make_mesh({"data": 8})
     like = jax.eval_shape(m.init_state)
-    restore = getattr(ms, "restore", None)
-    if restore is None:
-        from modelshard._checkpoint import restore
     specs = ms.fsdp("data", min_size=0)
-    restored = restore(two_by_four / "ckpt", like=like, specs=specs, mesh=mesh)
     planned = ms.plan(like, specs, mesh).flat_shardings(0)
     want = np.load(two_by_four / "state.npz")
-    flat = ms.adapters.split(restored)
-    assert sorted(flat.paths) == sorted(want.files)
-    for path, x, s in zip(flat.paths, flat.arrays, planned, strict=True):
-        assert x.sharding == s, path
-        np.testing.assert_array_equal(np.asarray(x), want[path], err_msg=path)  # bit-exact
+    saved = two_by_four / "saved"
+    restored = ms.restore(saved / "ckpt", like=like, specs=specs, mesh=mesh)
+    with ms.CheckpointManager(saved / "mngr") as mngr:
+        assert mngr.all_steps() == [m.STEPS]
+        from_manager = mngr.restore(like=like, specs=specs, mesh=mesh)
+    for tree in (restored, from_manager):
+        flat = ms.adapters.split(tree)
+        assert sorted(flat.paths) == sorted(want.files)
+        for path, x, s in zip(flat.paths, flat.arrays, planned, strict=True):
+            assert x.sharding == s, path
+            np.testing.assert_array_equal(np.asarray(x), want[path], err_msg=path)  # bit-exact
 
 
 def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, reference, tmp_path):
@@ -135,7 +137,7 @@ def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, referen
         "train.py",
         str(tmp_path),
         "--restore",
-        str(two_by_four / "ckpt"),
+        str(two_by_four / "saved"),
         "--expect",
         str(two_by_four / "state.npz"),
         "--restore-mesh",
@@ -152,9 +154,15 @@ def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, referen
         assert r["assembled"]["equal"]
         restored = r["restored"]
         assert restored["mesh"] == [4, 2]
-        assert len(restored["paths"]) == 13
-        assert all(restored["bit_exact"]), restored
-        assert all(restored["planned_shardings"]), restored
+        assert restored["manager"]["step"] == m.STEPS
+        for how in ("save", "manager"):
+            assert len(restored[how]["paths"]) == 13
+            assert all(restored[how]["bit_exact"]), (how, restored[how])
+            assert all(restored[how]["planned_shardings"]), (how, restored[how])
+        cli = r["cli"]
+        assert cli["inspect"]["rc"] == 0 and cli["plan"]["rc"] == 0, cli
+        assert cli["plan"]["json"]["mesh"] == {"data": 4, "model": 2}
+        assert len(cli["plan"]["json"]["leaves"]) == 13
 
 
 def test_killing_one_process_stops_the_run_with_no_process_left(tmp_path):

@@ -1,8 +1,10 @@
 """One training run on a global (data=2, model=4) mesh, alone or under ``modelshard launch``.
 
-Usage: ``python train.py OUT [--save CKPT] [--restore CKPT --expect NPZ --restore-mesh 4,2]``.
+Usage: ``python train.py OUT [--save DIR] [--restore DIR --expect NPZ --restore-mesh 4,2]``.
 Writes ``OUT/result_<process>.json`` (losses, checks) and, on process 0, ``OUT/state.npz``
-(the trained state's full values, all-gathered).
+(the trained state's full values, all-gathered). ``--save`` writes ``DIR/ckpt`` with
+``modelshard.save`` and ``DIR/mngr`` with a ``CheckpointManager``; ``--restore`` reads both
+back onto another mesh and runs the CLI's read-only commands on ``DIR/ckpt``.
 """
 
 from __future__ import annotations
@@ -83,48 +85,74 @@ def main() -> None:
     if me == 0:
         np.savez(os.path.join(args.out, "state.npz"), **values)
     if args.save:
-        ckpt_api().save(args.save, state)
+        save_both(args.save, state)
     if args.restore:
         result["restored"] = check_restore(args.restore, args.expect, args.restore_mesh)
+        result["cli"] = run_cli(os.path.join(args.restore, "ckpt"))
     result["seconds"] = {"initialize": t_init, "total": time.perf_counter() - T0}
     with open(os.path.join(args.out, f"result_{me}.json"), "w") as f:
         json.dump(result, f)
     ms.distributed.barrier("done")
 
 
-def ckpt_api():
-    if hasattr(ms, "save"):
-        return ms
-    from modelshard import _checkpoint
+def save_both(directory: str, state: dict) -> None:
+    """``ms.save`` to ``directory/ckpt``; a ``CheckpointManager`` step to ``directory/mngr``."""
+    ms.save(os.path.join(directory, "ckpt"), state)
+    with ms.CheckpointManager(os.path.join(directory, "mngr"), max_to_keep=1) as mngr:
+        mngr.save(m.STEPS, state)
+        mngr.wait_until_finished()
 
-    return _checkpoint
 
-
-def check_restore(ckpt: str, expect: str, shape: str) -> dict:
-    """Restore ``ckpt`` onto a (data, model) mesh of ``shape``; compare with ``expect``."""
-    data, model = (int(v) for v in shape.split(","))
-    mesh = ms.make_mesh({"data": data, "model": model})
-    like = jax.eval_shape(m.init_state)
-    restored = ckpt_api().restore(ckpt, like=like, specs=m.RULES, mesh=mesh)
-    planned = ms.plan(like, m.RULES, mesh).flat_shardings(0)
+def compare(restored: dict, planned: list, want: np.lib.npyio.NpzFile) -> dict:
     flat = ms.adapters.split(restored)
-    want = np.load(expect)
     exact, placed = [], []
     for path, x, s in zip(flat.paths, flat.arrays, planned, strict=True):
         placed.append(x.sharding == s)
-        # Compare this process's shards only: no communication, bit for bit.
+        # This process's shards only: no communication, bit for bit.
         exact.append(
             all(
                 np.array_equal(np.asarray(sh.data), want[path][sh.index])
                 for sh in x.addressable_shards
             )
         )
+    return {"paths": flat.paths, "bit_exact": exact, "planned_shardings": placed}
+
+
+def check_restore(directory: str, expect: str, shape: str) -> dict:
+    """Restore what ``save_both`` wrote onto a (data, model) mesh of ``shape``."""
+    data, model = (int(v) for v in shape.split(","))
+    mesh = ms.make_mesh({"data": data, "model": model})
+    like = jax.eval_shape(m.init_state)
+    planned = ms.plan(like, m.RULES, mesh).flat_shardings(0)
+    want = np.load(expect)
+    restored = ms.restore(os.path.join(directory, "ckpt"), like=like, specs=m.RULES, mesh=mesh)
+    with ms.CheckpointManager(os.path.join(directory, "mngr")) as mngr:
+        step = mngr.latest_step()
+        from_manager = mngr.restore(like=like, specs=m.RULES, mesh=mesh)
     return {
-        "paths": flat.paths,
-        "bit_exact": exact,
-        "planned_shardings": placed,
         "mesh": [data, model],
+        "save": compare(restored, planned, want),
+        "manager": {"step": step, **compare(from_manager, planned, want)},
     }
+
+
+def run_cli(ckpt: str) -> dict:
+    """The CLI's read-only commands, from inside a multi-process run."""
+    import contextlib
+    import io
+
+    from modelshard._cli import main as cli
+
+    out = {}
+    for name, argv in {
+        "inspect": ["inspect", ckpt, "--json"],
+        "plan": ["plan", ckpt, "--mesh", "data=4,model=2", "--json"],
+    }.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = cli(argv)
+        out[name] = {"rc": rc, "json": json.loads(buf.getvalue()) if rc == 0 else None}
+    return out
 
 
 if __name__ == "__main__":
