@@ -227,6 +227,12 @@ class NnxModuleAdapter:
 
         return describe_pytree(nnx.state(obj))
 
+    def tree_of(self, obj: Any) -> Any:
+        """The pytree whose structure the canonical paths follow (the module's state)."""
+        from flax import nnx
+
+        return nnx.state(obj)
+
     def state_of(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
         """The ``nnx.State`` holding ``leaves`` (what NNX users expect for mirrors)."""
         _, treedef = aux  # type: ignore[misc]
@@ -501,9 +507,20 @@ class Flat:
     def paths(self) -> list[str]:
         return [info.path for info in self.infos]
 
-    def static_paths(self) -> list[str]:
-        """Paths of every leaf, array and static (for prefix-tree checks)."""
-        return [info.path for info in self.adapter.describe(self.obj)]
+    def children(self, components: Sequence[str]) -> list[str] | None:
+        """Names of the children of the node at ``components`` (``None``: no such node).
+
+        Empty subtrees (an optax ``EmptyState``) exist here though they hold no leaf, so
+        prefix trees that mirror the container's structure always line up.
+        """
+        tree_of = getattr(self.adapter, "tree_of", None)
+        node = tree_of(self.obj) if tree_of is not None else self.obj
+        for c in components:
+            kids = _children(node)
+            if c not in kids:
+                return None
+            node = kids[c]
+        return list(_children(node))
 
     def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
         """The same container with its array leaves replaced by ``arrays``.
@@ -526,6 +543,27 @@ class Flat:
                 leaves[i] = v
             return self.adapter.update(self.obj, self.aux, leaves)
         return self.rebuild(arrays)
+
+
+def _children(node: Any) -> dict[str, Any]:
+    """One level of a pytree node, keyed by canonical path component."""
+    t = type(node)
+    if t is dict:
+        try:
+            return {str(k): node[k] for k in sorted(node)}  # JAX's order
+        except TypeError:
+            return {str(k): v for k, v in node.items()}
+    if t is list or t is tuple:
+        return {str(i): v for i, v in enumerate(node)}
+    if node is None or is_array(node):
+        return {}
+    boxes = _box_types()
+    if boxes and isinstance(node, boxes):
+        return {}
+    items = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[0]
+    if len(items) == 1 and not items[0][0] and items[0][1] is node:
+        return {}
+    return {format_path(k): v for k, v in items}
 
 
 def split(obj: Any) -> Flat:

@@ -254,12 +254,10 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
                     "container's top-level keys are " + _top_keys(flat),
                 )
             per_leaf.append(found)
-        all_paths = None
         for key, value in entries:
             if key in hit_keys:
                 continue
-            all_paths = all_paths or [split_path(p) for p in flat.static_paths()]
-            if not any(p[: len(key)] == key for p in all_paths):
+            if flat.children(key) is None:
                 ctx.problems.append(
                     Problem(
                         arg,
@@ -283,11 +281,7 @@ _NOTHING = object()
 
 
 def _top_keys(flat: Flat) -> str:
-    tops: list[str] = []
-    for p in flat.static_paths():
-        head = split_path(p)[:1]
-        if head and head[0] not in tops:
-            tops.append(head[0])
+    tops = flat.children(()) or []
     return (
         ", ".join(map(repr, tops[:20])) + (" ..." if len(tops) > 20 else "") if tops else "(none)"
     )
