@@ -11,6 +11,13 @@ from importlib.metadata import version as _version
 from . import adapters as adapters
 from . import distributed as distributed
 from ._adapters import register_container as register_container
+from ._assemble import assemble as assemble
+from ._assemble import assemble_process_local as assemble_process_local
+from ._assemble import global_shape as global_shape
+from ._assemble import partitions as partitions
+from ._constrain import constrain as constrain
+from ._checkpoint import restore as restore
+from ._checkpoint import save as save
 from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
@@ -20,6 +27,9 @@ from ._errors import Problem as Problem
 from ._errors import ShardingMismatchError as ShardingMismatchError
 from ._errors import SpecError as SpecError
 from ._expand import LeafPlan as LeafPlan
+from ._jit import ShardJit as ShardJit
+from ._jit import shard_jit as shard_jit
+from ._manager import CheckpointManager as CheckpointManager
 from ._mesh import make_mesh as make_mesh
 from ._plan import Plan as Plan
 from ._plan import plan as plan

@@ -1,0 +1,491 @@
+"""``shard_jit``: ``jax.jit`` over containers, with one spec-like per argument.
+
+The first call with a new abstract signature (structure, shapes, dtypes, static leaves and
+static arguments) plans every argument through :func:`~modelshard._expand.expand_args`,
+traces the function once to learn its output, and builds a ``jax.jit`` over the flat array
+leaves with ``in_shardings``/``out_shardings`` and donation mapped onto those leaves. Every
+later call only flattens its arguments, looks the signature up and calls the compiled
+function: no regex, no validation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from ._adapters import _REGISTRY, is_array, split
+from ._errors import AdapterError, Problem, ShardingMismatchError, SpecError
+from ._expand import mesh_sizes
+from ._jit_build import NOSPEC, Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
+from ._shard import place
+from ._specs import format_spec
+
+__all__ = ["ShardJit", "shard_jit"]
+
+_lookup = _REGISTRY.lookup
+# Types known to be array leaves; anything else is checked with ``is_array`` (then cached).
+_ARRAY_TYPES: set[type] = {np.ndarray}
+_NOT_ARRAY_TYPES: set[type] = set()
+_MAX_FAST = 512
+
+
+def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
+    return SpecError(
+        [Problem("shard_jit", path, what, hint=hint)], header="invalid shard_jit arguments:"
+    )
+
+
+def _take(value: Any) -> tuple[Any, list[Any], Hashable, tuple[int, ...] | None, list[Any]]:
+    """(adapter, leaves, aux, array positions or None if every leaf is one, arrays)."""
+    adapter = _lookup(type(value))
+    try:
+        leaves, aux = adapter.flatten(value)
+    except AdapterError:
+        raise
+    except Exception:
+        split(value)  # raises the AdapterError that names the container
+        raise
+    types = set(map(type, leaves))
+    if types <= _ARRAY_TYPES:
+        return adapter, leaves, aux, None, leaves
+    for t in types - _ARRAY_TYPES - _NOT_ARRAY_TYPES:
+        sample = next(x for x in leaves if type(x) is t)
+        (_ARRAY_TYPES if is_array(sample) else _NOT_ARRAY_TYPES).add(t)
+    index = tuple(i for i, x in enumerate(leaves) if type(x) in _ARRAY_TYPES)
+    if len(index) == len(leaves):
+        return adapter, leaves, aux, None, leaves
+    return adapter, leaves, aux, index, [leaves[i] for i in index]
+
+
+def _static_part(leaves: list[Any], index: tuple[int, ...] | None) -> tuple[Any, ...] | None:
+    if index is None:
+        return None
+    at = set(index)
+    return tuple((i, x) for i, x in enumerate(leaves) if i not in at)
+
+
+class ShardJit:
+    """A function compiled per abstract signature, with container arguments placed by plan.
+
+    Built by :func:`shard_jit`; call it like the wrapped function.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        mesh: Any,
+        in_specs: Sequence[Any] | Mapping[str, Any],
+        out_specs: Any = None,
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        on_mismatch: Literal["move", "raise"] = "move",
+    ):
+        if not callable(fn):
+            raise _invalid("fn", f"{fn!r} is not callable")
+        mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
+        if on_mismatch not in ("move", "raise"):
+            raise _invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
+        if not isinstance(in_specs, Mapping | tuple | list):
+            raise _invalid(
+                "in_specs",
+                f"in_specs must be a tuple (one entry per positional "
+                f"argument) or a dict (parameter name -> entry), got "
+                f"{type(in_specs).__name__}",
+                hint="write in_specs=(rules, P('data')) or in_specs={'state': rules}",
+            )
+        self.fn = fn
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.on_mismatch = on_mismatch
+        as_tuple = lambda v: (v,) if isinstance(v, int | str) else tuple(v)  # noqa: E731
+        self._donate_nums = as_tuple(donate_argnums)
+        self._donate_names = as_tuple(donate_argnames)
+        self._static_nums = as_tuple(static_argnums)
+        self._static_names = as_tuple(static_argnames)
+        try:
+            self._sig: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._sig = None
+        self._check_names()
+        params = list(self._sig.parameters.values()) if self._sig else []
+        plain = self._sig is not None and all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+        )
+        self._nplain = len(params) if plain else -1
+        self._layouts: dict[tuple[int, tuple[str, ...]], tuple[Slot, ...]] = {}
+        self._entries: dict[Hashable, Entry] = {}
+        self._fast: dict[Hashable, Entry] = {}
+        functools.update_wrapper(self, fn)
+
+    # ---- argument layout --------------------------------------------------------------
+    def _check_names(self) -> None:
+        if self._sig is None:
+            if isinstance(self.in_specs, Mapping) or self._donate_names or self._static_names:
+                raise _invalid(
+                    "in_specs",
+                    f"{self.fn!r} has no inspectable signature, so "
+                    "arguments can only be given by position",
+                    hint="pass in_specs as a tuple and use *_argnums",
+                )
+            return
+        params = self._sig.parameters
+        named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        names = {p.name for p in named}
+        varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        problems = []
+        given = list(self.in_specs) if isinstance(self.in_specs, Mapping) else []
+        for what, items in (
+            ("in_specs", given),
+            ("donate_argnames", self._donate_names),
+            ("static_argnames", self._static_names),
+        ):
+            for n in items:
+                if n not in names and not varkw:
+                    problems.append(
+                        Problem(
+                            "shard_jit",
+                            f"{what}[{n!r}]",
+                            f"{self.fn.__name__} has no parameter {n!r}",
+                            hint=f"its parameters are {', '.join(map(repr, names))}",
+                        )
+                    )
+        if problems:
+            raise SpecError(problems, header="invalid shard_jit arguments:")
+
+    def _layout(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
+        key = (npos, kwnames)
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit
+        params = list(self._sig.parameters.values()) if self._sig else []
+        posnames = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        var = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+        slots = []
+        specs = self.in_specs
+        if not isinstance(specs, Mapping) and len(specs) != npos:
+            raise _invalid(
+                "in_specs",
+                f"in_specs has {len(specs)} entries but "
+                f"{self.fn.__name__} was called with {npos} positional arguments",
+                hint="give one entry per positional argument (anything, e.g. None, "
+                "for static ones), or a dict of parameter name -> entry",
+            )
+        for i in range(npos):
+            name = posnames[i] if i < len(posnames) else f"{var}[{i - len(posnames)}]"
+            static = (
+                i in self._static_nums
+                or i - npos in self._static_nums
+                or name in self._static_names
+            )
+            spec = specs.get(name, NOSPEC) if isinstance(specs, Mapping) else specs[i]
+            donate = i in self._donate_nums or name in self._donate_names
+            slots.append(Slot(name, i, None, static, NOSPEC if spec is None else spec, donate))
+        for k in kwnames:
+            static = k in self._static_names
+            spec = specs.get(k, NOSPEC) if isinstance(specs, Mapping) else NOSPEC
+            slots.append(
+                Slot(k, None, k, static, NOSPEC if spec is None else spec, k in self._donate_names)
+            )
+        bad = [s.name for s in slots if s.static and s.donate]
+        if bad:
+            raise _invalid("donate_argnums", f"static argument {bad[0]!r} cannot be donated")
+        out = self._layouts[key] = tuple(slots)
+        return out
+
+    def _bind(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._sig is None:
+            if kwargs:
+                raise _invalid(
+                    "kwargs",
+                    f"{self.fn!r} has no inspectable signature; pass arguments by position",
+                )
+            return args, kwargs
+        try:
+            bound = self._sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.fn.__name__}(): {e}") from None
+        bound.apply_defaults()
+        return bound.args, bound.kwargs
+
+    # ---- calling ----------------------------------------------------------------------
+    def _gather(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if kwargs or len(args) != self._nplain:
+            args, kwargs = self._bind(args, kwargs)
+        slots = self._layout(len(args), tuple(kwargs))
+        statics = []
+        taken = []
+        sigs = []
+        for s in slots:
+            v = kwargs[s.kw] if s.pos is None else args[s.pos]  # type: ignore[index]
+            if s.static:
+                statics.append(v)
+                continue
+            adapter, leaves, aux, index, arrays = _take(v)
+            sigs.append((adapter, aux, index and _static_part(leaves, index)))
+            taken.append((s, v, adapter, leaves, aux, index, arrays))
+        return args, kwargs, slots, tuple(statics), taken, sigs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, slots, statics, taken, sigs = self._gather(args, kwargs)
+        key = (slots, statics, tuple(sigs))
+        try:
+            entry = self._fast.get(key)
+        except TypeError:
+            entry = None
+        if entry is None:
+            entry = self._miss(slots, statics, taken, args, kwargs, key)
+        flat = taken[0][6] if len(taken) == 1 else [x for t in taken for x in t[6]]
+        try:
+            out = entry.jitted(*flat)
+        except Stale:
+            # Same structure, new shapes or dtypes: plan afresh (jax.jit's own cache
+            # checks shapes on the fast path, so this costs nothing until they change).
+            entry = self._miss(slots, statics, taken, args, kwargs, key, stale=True)
+            out = self._run(entry, flat)
+        except ValueError:
+            out = self._recover(entry, flat)
+            if out is None:
+                raise
+        return entry.finish(out, taken)
+
+    def _run(self, entry: Entry, flat: Sequence[Any]) -> Any:
+        try:
+            return entry.jitted(*flat)
+        except ValueError:
+            out = self._recover(entry, flat)
+            if out is None:
+                raise
+            return out
+
+    def _miss(
+        self,
+        slots: tuple[Slot, ...],
+        statics: tuple[Any, ...],
+        taken: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fast_key: Any,
+        stale: bool = False,
+    ) -> Entry:
+        """Find or build the entry for a signature the fast table has not seen.
+
+        The fast table is keyed by structure and static values only; shapes and dtypes
+        are checked by ``jax.jit``'s own cache, and a retrace with other shapes raises
+        :class:`Stale`, which lands here with ``stale=True``.
+        """
+        self._check_hashable(slots, statics, taken)
+        canon = (
+            slots,
+            statics,
+            tuple(
+                (
+                    a,
+                    aux,
+                    _static_part(leaves, idx),
+                    tuple([(tuple(np.shape(x)), canonical_dtype(x.dtype)) for x in arrays]),
+                )
+                for _, _, a, leaves, aux, idx, arrays in taken
+            ),
+        )
+        entry = self._entries.get(canon)
+        if entry is None:
+            entry = self._entries[canon] = build_entry(self, slots, taken, args, kwargs)
+        if len(self._fast) >= _MAX_FAST and not stale:
+            self._fast.clear()
+        self._fast[fast_key] = entry
+        return entry
+
+    def _check_hashable(
+        self, slots: tuple[Slot, ...], statics: tuple[Any, ...], taken: list[Any]
+    ) -> None:
+        for s, v in zip([s for s in slots if s.static], statics, strict=True):
+            try:
+                hash(v)
+            except TypeError:
+                raise _invalid(
+                    s.name,
+                    f"static argument {s.name!r} is a {type(v).__name__}, which is not hashable",
+                    hint="static arguments are part of the compilation cache key; "
+                    "pass a hashable value (tuple, not list)",
+                ) from None
+        for s, v, _, leaves, _, index, _ in taken:
+            if index is None:
+                continue
+            for i, leaf in enumerate(leaves):
+                if i in index:
+                    continue
+                try:
+                    hash(leaf)
+                except TypeError:
+                    flat = split(v)
+                    path = flat.adapter.describe(flat.obj)[i].path
+                    raise AdapterError(
+                        f"{s.name}:{path} is a {type(leaf).__name__}, which is neither an array "
+                        "nor hashable; shard_jit carries non-array leaves statically (they are "
+                        "part of the compilation cache key). Make it an array or a hashable "
+                        "value, or mark the field static in its container."
+                    ) from None
+
+    def _recover(self, entry: Entry, flat: Sequence[Any]) -> Any:
+        """After jit refused the inputs: move committed arrays placed otherwise, or raise."""
+        bad = [
+            i
+            for i, (x, s) in enumerate(zip(flat, entry.in_shardings, strict=True))
+            if isinstance(x, jax.Array)
+            and x.committed
+            and not x.sharding.is_equivalent_to(s, x.ndim)
+        ]
+        if not bad:
+            return None
+        if self.on_mismatch == "raise":
+            raise self._mismatch(entry, flat, bad)
+        return entry.jitted(*place(flat, entry.in_shardings))
+
+    def _mismatch(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> ShardingMismatchError:
+        problems = []
+        for i in bad:
+            arg, leaf = entry.leaf_plans[i]
+            x = flat[i]
+            problems.append(
+                Problem(
+                    arg=arg,
+                    path=leaf.path,
+                    shape=tuple(x.shape),
+                    dtype=np.dtype(x.dtype).name
+                    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+                    else str(x.dtype),
+                    what=f"is {fmt_sharding(x.sharding)}, but the plan places it "
+                    f"{fmt_sharding(entry.in_shardings[i])}",
+                    spec=format_spec(leaf.spec),
+                    rule=leaf.rule,
+                    hint="place inputs first with modelshard.shard(...), or pass "
+                    "on_mismatch='move' to let shard_jit move them",
+                )
+            )
+        n = len(problems)
+        return ShardingMismatchError(
+            problems,
+            header=(
+                f"{n} input leaf{'s are' if n != 1 else ' is'} not in the planned sharding "
+                "(on_mismatch='raise'):"
+            ),
+        )
+
+    # ---- inspection ---------------------------------------------------------------------
+    def _entry_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Entry, list[Any]]:
+        args, kwargs, slots, statics, taken, sigs = self._gather(args, kwargs)
+        entry = self._miss(slots, statics, taken, args, kwargs, (slots, statics, tuple(sigs)))
+        flat = [x for t in taken for x in t[6]]
+        return entry, place(flat, entry.in_shardings)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """``jax.stages.Lowered`` for these arguments (``ShapeDtypeStruct`` leaves work too).
+
+        ``.lower(...).compile().input_shardings[0]`` lists the flat array leaves' shardings.
+        """
+        entry, flat = self._entry_for(args, kwargs)
+        return entry.jitted.lower(*flat)
+
+    def plan(self, *args: Any, **kwargs: Any) -> Any:
+        """The :class:`~modelshard.Plan` of the dynamic arguments for these arguments."""
+        return self._entry_for(args, kwargs)[0].plan
+
+    def clear_cache(self) -> None:
+        """Forget every compiled signature."""
+        self._entries.clear()
+        self._fast.clear()
+
+    @property
+    def cache_size(self) -> int:
+        """How many abstract signatures have been planned and compiled."""
+        return len(self._entries)
+
+
+def shard_jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mesh: Any,
+    in_specs: Sequence[Any] | Mapping[str, Any],
+    out_specs: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    on_mismatch: Literal["move", "raise"] = "move",
+) -> Any:
+    """Compile ``fn`` for ``mesh`` with one spec-like per argument; usable as a decorator.
+
+    Arguments may be containers of every registered kind (pytrees, optax states,
+    ``TrainState``, NNX modules, linen variables, Equinox modules); each argument's
+    spec-like is expanded onto every array leaf inside it by the one rule engine, and
+    non-array leaves are carried statically (they are part of the cache key). NNX modules
+    behave as with ``nnx.jit``: state updated inside the function (BatchNorm statistics,
+    RNG counts, optimizer steps) is written back into the caller's module.
+
+    Inputs are placed before the call whatever they are: NumPy arrays, uncommitted
+    arrays, arrays committed to one device, or arrays sharded another way. With
+    ``on_mismatch="raise"``, a committed array whose sharding differs from the plan raises
+    :class:`~modelshard.ShardingMismatchError` naming the leaf and both shardings instead.
+
+    Args:
+        fn: the function.
+        mesh: the ``jax.sharding.Mesh`` to compile for (Auto or Explicit axes).
+        in_specs: a tuple with one spec-like per positional argument (ignored for static
+            ones; ``None`` for an argument holding no arrays), or a dict from parameter
+            name to spec-like, resolved against ``fn``'s signature so keyword arguments
+            work too.
+        out_specs: ``None``: outputs with the structure of an input keep that input's
+            shardings (``state -> new_state``), the compiler decides the rest. Otherwise
+            one spec-like (or prefix tree of them) for the whole output.
+        donate_argnums: positional arguments whose array leaves are donated.
+        donate_argnames: the same, by parameter name.
+        static_argnums: positional arguments passed as compile-time constants (hashable).
+        static_argnames: the same, by parameter name.
+        on_mismatch: ``"move"`` (default) or ``"raise"``.
+
+    Returns:
+        A :class:`ShardJit` (or a decorator making one when ``fn`` is omitted), with
+        ``.lower(*args)`` and ``.plan(*args)``.
+
+    Raises:
+        SpecError: at the first call with a new signature, listing every leaf of every
+            argument that cannot be placed.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> mesh = ms.make_mesh({"data": 8})
+        >>> @ms.shard_jit(mesh=mesh, in_specs=(ms.fsdp("data", min_size=0), P("data")))
+        ... def step(params, x):
+        ...     return {"w": params["w"] + x.sum()}
+        >>> out = step({"w": jnp.zeros((16, 4))}, jnp.ones((8, 2)))
+        >>> out["w"].sharding.spec
+        PartitionSpec('data',)
+    """
+    kw = dict(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        on_mismatch=on_mismatch,
+    )
+    if fn is None:
+        return lambda f: ShardJit(f, **kw)  # type: ignore[arg-type]
+    return ShardJit(fn, **kw)  # type: ignore[arg-type]
