@@ -157,3 +157,13 @@ def test_single_process_helpers():
     distributed.barrier()  # returns at once
     distributed.require_addressable(jnp.ones(3), "test")  # addressable: no error
     distributed.require_addressable("not an array", "test")
+
+
+def test_local_slice_in_one_process_is_the_whole_array():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    assert distributed.local_slice((16, 8), P("data", "model"), mesh) == (
+        slice(0, 16),
+        slice(0, 8),
+    )

@@ -111,6 +111,19 @@ def test_process_local_batches_assemble_into_the_global_batch(two_by_four):
         assert r["assembled"] == {"shape": [m.BATCH, m.D_IN], "spec": "P('data',)", "equal": True}
 
 
+def test_values_and_layouts_other_processes_hold_raise_clear_errors(two_by_four):
+    r = results(two_by_four, 2)[1]
+    assert r["errors"] == {
+        "local_slice": "process 1's shards of a [16] array with spec P('data',) do not form one "
+        "block along dimension 0 ([(4, 6), (6, 8), (12, 14), (14, 16)]); use "
+        "NamedSharding(mesh, spec).addressable_devices_indices_map(shape).",
+        "require_addressable": "the test needs the full value of a float32[8, 4] array that "
+        "spans devices of other processes (process 1 of 2 holds 4 of its 8 devices); call "
+        "modelshard.distributed.to_host(value) on every process to all-gather it, or work on "
+        "value.addressable_shards.",
+    }
+
+
 def test_a_two_process_checkpoint_restores_in_one_process_onto_8(two_by_four):
     mesh = ms.make_mesh({"data": 8})
     like = jax.eval_shape(m.init_state)

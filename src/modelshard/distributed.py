@@ -13,11 +13,12 @@ The helpers below are the few multi-process operations a training script needs:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ._adapters import split
 from ._errors import DistributedError
@@ -32,6 +33,7 @@ __all__ = [
     "cluster_detected",
     "initialize",
     "is_main_process",
+    "local_slice",
     "require_addressable",
     "to_host",
 ]
@@ -231,6 +233,46 @@ def to_host(tree: Any) -> Any:
         else:
             out.append(np.asarray(x))
     return flat.rebuild(out, mirror=True)
+
+
+def local_slice(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[slice, ...]:
+    """The block of a global array that this process's devices hold: what to load here.
+
+    With a batch sharded over ``data``, each process reads only these rows from disk and
+    passes them to :func:`modelshard.assemble` (or ``jax.make_array_from_process_local_data``).
+
+    Args:
+        shape: the global shape.
+        spec: its ``PartitionSpec`` on ``mesh``.
+        mesh: a concrete mesh (it may span several processes).
+
+    Returns:
+        One ``slice`` per dimension.
+
+    Raises:
+        DistributedError: this process's shards do not form one block (an unusual device
+            order); use ``NamedSharding(mesh, spec).addressable_devices_indices_map``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> ms.distributed.local_slice((16, 8), P("data"), ms.make_mesh({"data": 8}))
+        (slice(0, 16, None), slice(0, 8, None))
+    """
+    shape = tuple(int(n) for n in shape)
+    index = NamedSharding(mesh, spec).addressable_devices_indices_map(shape).values()
+    out = []
+    for d, n in enumerate(shape):
+        ranges = sorted({idx[d].indices(n)[:2] for idx in index})
+        lo, hi = ranges[0][0], ranges[-1][1]
+        if sum(b - a for a, b in ranges) != hi - lo:
+            raise DistributedError(
+                f"process {jax.process_index()}'s shards of a {list(shape)} array with spec "
+                f"{spec} do not form one block along dimension {d} ({ranges}); use "
+                "NamedSharding(mesh, spec).addressable_devices_indices_map(shape)."
+            )
+        out.append(slice(lo, hi))
+    return tuple(out)
 
 
 def require_addressable(x: Any, what: str) -> None:

@@ -55,11 +55,7 @@ def batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 def local_rows(mesh: Any, n: int) -> slice:
     """The rows of an ``n``-row batch sharded over ``data`` that this process's devices hold."""
-    sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
-    rows = sorted(
-        {idx[0].indices(n)[:2] for idx in sharding.addressable_devices_indices_map((n,)).values()}
-    )
-    return slice(rows[0][0], rows[-1][1])
+    return ms.distributed.local_slice((n,), BATCH_SPEC, mesh)[0]
 
 
 def train_step(state: dict[str, Any], x: jax.Array, y: jax.Array) -> tuple[Any, jax.Array]:

@@ -24,6 +24,7 @@ ms.distributed.initialize()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model as m  # noqa: E402
@@ -86,6 +87,8 @@ def main() -> None:
         np.savez(os.path.join(args.out, "state.npz"), **values)
     if args.save:
         save_both(args.save, state)
+    if jax.process_count() > 1:
+        result["errors"] = errors()
     if args.restore:
         result["restored"] = check_restore(args.restore, args.expect, args.restore_mesh)
         result["cli"] = run_cli(os.path.join(args.restore, "ckpt"))
@@ -93,6 +96,23 @@ def main() -> None:
     with open(os.path.join(args.out, f"result_{me}.json"), "w") as f:
         json.dump(result, f)
     ms.distributed.barrier("done")
+
+
+def errors() -> dict:
+    """What modelshard says when a value or a layout cannot be had on this process."""
+    out = {}
+    devices = sorted(jax.devices(), key=lambda d: (d.id % 2, d.id))  # interleave processes
+    odd = ms.make_mesh({"data": 8}, devices=devices)
+    try:
+        ms.distributed.local_slice((16,), m.BATCH_SPEC, odd)
+    except ms.DistributedError as e:
+        out["local_slice"] = str(e)
+    x = ms.shard({"w": np.ones((8, 4), np.float32)}, P(), ms.make_mesh({"data": 8}))
+    try:
+        ms.distributed.require_addressable(x["w"], "the test")
+    except ms.DistributedError as e:
+        out["require_addressable"] = str(e)
+    return out
 
 
 def save_both(directory: str, state: dict) -> None:
