@@ -260,7 +260,8 @@ def local_slice(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[slice, ...]
         (slice(0, 16, None), slice(0, 8, None))
     """
     shape = tuple(int(n) for n in shape)
-    index = NamedSharding(mesh, spec).addressable_devices_indices_map(shape).values()
+    sharding = NamedSharding(mesh, spec)
+    index = [i for i in sharding.addressable_devices_indices_map(shape).values() if i is not None]
     out = []
     for d, n in enumerate(shape):
         ranges = sorted({idx[d].indices(n)[:2] for idx in index})
