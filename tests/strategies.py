@@ -42,6 +42,8 @@ DTYPES = (
     "float8_e4m3fn",
     "int4",
     "key",
+    "float64",  # as NumPy leaves; placed as float32 without jax_enable_x64
+    "int64",
 )
 KEYS = ("a", "b", "w", "kernel", "bias")
 MAX_ELEMENTS = 4096
@@ -85,6 +87,10 @@ class Leaf:
         return "/".join(str(k) for kind, k in self.access if kind != "var")
 
     @property
+    def is_node(self) -> bool:
+        return self.value is NODE
+
+    @property
     def is_array(self) -> bool:
         return isinstance(self.value, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
 
@@ -105,6 +111,9 @@ def reach(obj: Any, access: tuple[tuple[str, Any], ...]) -> Any:
     return obj
 
 
+NODE = object()  # marks an inner node (dict, list, module...): prefix entries may name it
+
+
 class Pair(NamedTuple):
     first: Any
     second: Any
@@ -119,11 +128,16 @@ class Box(eqx.Module):
 @dataclasses.dataclass
 class Container:
     tree: Any
-    leaves: list[Leaf]  # array and static leaves, in no particular order
+    leaves: list[Leaf]  # array leaves, static leaves and NODE markers, in no particular order
 
     @property
     def arrays(self) -> list[Leaf]:
         return [x for x in self.leaves if x.is_array]
+
+    @property
+    def values(self) -> list[Leaf]:
+        """Array and static leaves (no inner-node markers)."""
+        return [x for x in self.leaves if not x.is_node]
 
 
 def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -131,7 +145,7 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.
         return rng.integers(0, 2, shape).astype(bool)
     if dtype == "int4":
         return rng.integers(-8, 8, shape).astype(jnp.int4)
-    if dtype in ("int8", "int32", "uint8"):
+    if dtype in ("int8", "int32", "uint8", "int64"):
         info = np.iinfo(dtype)
         return rng.integers(max(info.min, -1000), min(info.max, 1000), shape).astype(dtype)
     if dtype == "complex64":
@@ -159,7 +173,7 @@ def arrays(draw: st.DrawFn, jax_only: bool = False) -> Any:
     form = draw(st.sampled_from([*forms, "jax", "committed", "resharded"]))
     if dtype == "key":
         x = jax.random.wrap_key_data(
-            jnp.asarray(rng.integers(0, 2**32, (*shape, 2), dtype=np.uint32))
+            jax.device_put(rng.integers(0, 2**32, (*shape, 2), dtype=np.uint32))
         )
         if form == "sds":
             return jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -170,7 +184,7 @@ def arrays(draw: st.DrawFn, jax_only: bool = False) -> Any:
             return x[()] if not shape and draw(st.booleans()) else x
         if form == "sds":
             return jax.ShapeDtypeStruct(shape, x.dtype)
-        x = jnp.asarray(x)
+        x = jax.device_put(x)
     if form == "committed":
         return jax.device_put(x, jax.devices()[draw(st.integers(0, 7))])
     if form == "resharded":
@@ -198,14 +212,14 @@ def _node(draw: st.DrawFn, depth: int) -> tuple[Any, list[Leaf]]:
         children = {k: draw(_node(depth + 1)) for k in keys}
         return (
             {k: c[0] for k, c in children.items()},
-            _prefixed([(("item", k), c[1]) for k, c in children.items()]),
+            [Leaf((), NODE), *_prefixed([(("item", k), c[1]) for k, c in children.items()])],
         )
     if kind in ("list", "tuple"):
         children = draw(st.lists(_node(depth + 1), max_size=3))
         obj = [c[0] for c in children]
         return (
             obj if kind == "list" else tuple(obj),
-            _prefixed([(("item", i), c[1]) for i, c in enumerate(children)]),
+            [Leaf((), NODE), *_prefixed([(("item", i), c[1]) for i, c in enumerate(children)])],
         )
     first, second = draw(_node(depth + 1)), draw(_node(depth + 1))
     if kind == "pair":
@@ -214,7 +228,8 @@ def _node(draw: st.DrawFn, depth: int) -> tuple[Any, list[Leaf]]:
     else:
         obj = Box(first[0], second[0])
         names = ("w", "b")
-    return obj, _prefixed([(("attr", names[0]), first[1]), (("attr", names[1]), second[1])])
+    steps = [(("attr", names[0]), first[1]), (("attr", names[1]), second[1])]
+    return obj, [Leaf((), NODE), *_prefixed(steps)]
 
 
 def _prefixed(children: list[tuple[tuple[str, Any], list[Leaf]]]) -> list[Leaf]:
@@ -228,13 +243,14 @@ def _nnx_state(draw: st.DrawFn) -> tuple[Any, list[Leaf]]:
         return nnx.Param(x), x
 
     out: dict[str, Any] = {}
-    leaves = []
+    leaves = [Leaf((), NODE)]
     for k in draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True)):
         if draw(st.booleans()):
             out[k], x = param()
             leaves.append(Leaf((("item", k), ("var", None)), x))
         else:
             inner = {}
+            leaves.append(Leaf((("item", k),), NODE))
             for k2 in draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=2, unique=True)):
                 inner[k2], x = param()
                 leaves.append(Leaf((("item", k), ("item", k2), ("var", None)), x))
@@ -242,23 +258,49 @@ def _nnx_state(draw: st.DrawFn) -> tuple[Any, list[Leaf]]:
     return nnx.State(out), leaves
 
 
+# Built abstractly and filled from NumPy: their random init compiles once per shape, which
+# would make generation, not the pipeline, the cost of each example. Modules are immutable.
+def _filled(module: Any) -> Any:
+    rng = np.random.default_rng(0)
+    return jax.tree.map(
+        lambda x: (
+            jax.device_put(rng.standard_normal(x.shape).astype(x.dtype))
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        module,
+    )
+
+
+@functools.cache
+def _eqx_linear(fin: int, fout: int, bias: bool) -> Any:
+    return _filled(eqx.filter_eval_shape(eqx.nn.Linear, fin, fout, bias, key=jax.random.key(0)))
+
+
+@functools.cache
+def _eqx_mlp(fin: int, fout: int, width: int, depth: int) -> Any:
+    return _filled(
+        eqx.filter_eval_shape(eqx.nn.MLP, fin, fout, width, depth, key=jax.random.key(1))
+    )
+
+
 @st.composite
 def _eqx_builtin(draw: st.DrawFn) -> tuple[Any, list[Leaf]]:
-    key = jax.random.key(draw(st.integers(0, 100)))
-    fin, fout = draw(st.sampled_from([1, 2, 3, 4, 5, 8])), draw(st.sampled_from([1, 2, 3, 4, 8]))
+    fin, fout = draw(st.sampled_from([1, 2, 3, 5, 8])), draw(st.sampled_from([1, 2, 4, 7]))
     if draw(st.booleans()):
         bias = draw(st.booleans())
-        m = eqx.nn.Linear(fin, fout, use_bias=bias, key=key)
+        m = _eqx_linear(fin, fout, bias)
         names = ["weight", "bias"] if bias else ["weight"]
-        return m, [Leaf((("attr", n),), getattr(m, n)) for n in names]
-    depth = draw(st.integers(0, 2))
-    m = eqx.nn.MLP(fin, fout, draw(st.sampled_from([2, 4, 7])), depth, key=key)
+        return m, [Leaf((), NODE), *(Leaf((("attr", n),), getattr(m, n)) for n in names)]
+    m = _eqx_mlp(fin, fout, draw(st.sampled_from([2, 7])), draw(st.integers(0, 2)))
     leaves = [
         Leaf((("attr", "layers"), ("item", i), ("attr", n)), getattr(layer, n))
         for i, layer in enumerate(m.layers)
         for n in ("weight", "bias")
     ]
     leaves += [Leaf((("attr", n),), getattr(m, n)) for n in ("activation", "final_activation")]
+    leaves += [Leaf((), NODE), Leaf((("attr", "layers"),), NODE)]
+    leaves += [Leaf((("attr", "layers"), ("item", i)), NODE) for i in range(len(m.layers))]
     return m, leaves
 
 
@@ -634,9 +676,11 @@ def expect(
         else:
             v.specs[leaf.path] = spec
     if recipe[0] not in _LEAF_SPECS and recipe != ("junk", None):  # a prefix tree
+        # An entry must name a node of the container (a leaf, or an inner node even if it
+        # holds no leaf, like an optax EmptyState); the root always exists.
         all_paths = [tuple(x.path.split("/")) if x.path else () for x in c.leaves]
         for key in entries:
-            if key not in hit and not any(p[: len(key)] == key for p in all_paths):
+            if key and key not in hit and not any(p[: len(key)] == key for p in all_paths):
                 v.bad.add((arg, "/".join(key)))
     seen_rules: set[int] = set()
     for r in entries.values():

@@ -11,7 +11,7 @@ in ``tests/strategies.py`` decides validity on its own; then:
 - an invalid case raises ``SpecError`` naming exactly the offending leaves (and unused rules);
 - nothing else ever escapes.
 
-Profiles: ``MODELSHARD_FUZZ_EXAMPLES`` (default 40) examples per default test; the ``slow``
+Profiles: ``MODELSHARD_FUZZ_EXAMPLES`` (default 60) examples per default test; the ``slow``
 test (``pytest -m slow tests/test_fuzz.py``) runs ``MODELSHARD_FUZZ_SLOW_EXAMPLES`` (default
 10,000).
 """
@@ -42,7 +42,7 @@ from strategies import (
     spec_recipes,
 )
 
-FUZZ_EXAMPLES = int(os.environ.get("MODELSHARD_FUZZ_EXAMPLES", "40"))
+FUZZ_EXAMPLES = int(os.environ.get("MODELSHARD_FUZZ_EXAMPLES", "60"))
 SLOW_EXAMPLES = int(os.environ.get("MODELSHARD_FUZZ_SLOW_EXAMPLES", "10000"))
 
 _COMMON: dict[str, Any] = {
@@ -97,7 +97,7 @@ def check(mesh: Any, c: Container, recipe: tuple[Any, ...]) -> None:
 
     out = ms.shard(c.tree, spec, mesh)
     event(f"outcome: placed ({'no' if not planned else 'some'} array leaves)")
-    for leaf in c.leaves:
+    for leaf in c.values:
         assert reach(c.tree, leaf.access) is leaf.value, f"input leaf {leaf.path} was replaced"
         got = reach(out, leaf.access)
         if not leaf.is_array:
