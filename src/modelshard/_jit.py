@@ -349,6 +349,10 @@ class ShardJit:
             and not x.sharding.is_equivalent_to(s, x.ndim)
         ]
         if not bad:
+            if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in flat):
+                # Multi-process jit refuses host values for shardings spanning other
+                # processes; place them as shard does (each process holds the full value).
+                return entry.jitted(*place(flat, entry.in_shardings))
             return None
         if self.on_mismatch == "raise":
             raise self._mismatch(entry, flat, bad)
