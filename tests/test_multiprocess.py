@@ -17,7 +17,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 import modelshard as ms
 from modelshard import _launch
@@ -69,12 +68,10 @@ def reference() -> dict:
     """The same training steps in this single process, on a (2, 4) mesh of 8 devices."""
     mesh = ms.make_mesh({"data": 2, "model": 4})
     state = ms.shard(m.init_state(), m.RULES, mesh)
-    step = jax.jit(m.train_step)
-    batch = NamedSharding(mesh, m.BATCH_SPEC)
+    step = ms.shard_jit(m.train_step, mesh=mesh, in_specs=(m.RULES, m.BATCH_SPEC, m.BATCH_SPEC))
     losses = []
     for i in range(m.STEPS):
-        x, y = (jax.device_put(a, batch) for a in m.batch(i))
-        state, loss = step(state, x, y)
+        state, loss = step(state, *m.batch(i))
         losses.append(float(loss))
     return {"losses": losses, "values": m.flat_values(state)}
 
@@ -95,6 +92,7 @@ def test_two_processes_train_like_one(two_by_four, reference):
         assert (r["process_count"], r["devices"], r["local_devices"]) == (2, 8, 4)
         # The loss is the same, bit for bit, as one process with 8 devices.
         assert r["losses"] == reference["losses"]
+        assert r["numpy_loss"] == reference["losses"][0]  # NumPy inputs placed by shard_jit
         assert r["state_specs"]["params/w1"] == "P(None, 'model')"
         assert r["state_specs"]["opt/0/mu/w2"] == "P('model', None)"
         assert "13 array leaves on mesh (data=2, model=4), 8 devices" in r["plan"]
@@ -107,8 +105,10 @@ def test_two_processes_train_like_one(two_by_four, reference):
 def test_process_local_batches_assemble_into_the_global_batch(two_by_four):
     res = results(two_by_four, 2)
     assert [r["rows"] for r in res] == [[0, 8], [8, 16]]
+    want = {"shape": [m.BATCH, m.D_IN], "spec": "P('data',)", "equal": True}
     for r in res:
-        assert r["assembled"] == {"shape": [m.BATCH, m.D_IN], "spec": "P('data',)", "equal": True}
+        # assemble_process_local (this process's rows) and assemble (its devices' pieces)
+        assert r["assembled"] == {"process_local": want, "pieces": want}
 
 
 def test_values_and_layouts_other_processes_hold_raise_clear_errors(two_by_four):
@@ -164,7 +164,8 @@ def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, referen
     for r in res:
         assert (r["process_count"], r["devices"], r["local_devices"]) == (4, 8, 2)
         assert r["losses"] == reference["losses"]
-        assert r["assembled"]["equal"]
+        assert r["numpy_loss"] == reference["losses"][0]
+        assert all(a["equal"] and a["shape"] == [m.BATCH, m.D_IN] for a in r["assembled"].values())
         restored = r["restored"]
         assert restored["mesh"] == [4, 2]
         assert restored["manager"]["step"] == m.STEPS

@@ -62,24 +62,32 @@ def main() -> None:
         )
     }
 
-    step = jax.jit(m.train_step)
-    batch_sharding = NamedSharding(mesh, m.BATCH_SPEC)
+    step = ms.shard_jit(m.train_step, mesh=mesh, in_specs=(m.RULES, m.BATCH_SPEC, m.BATCH_SPEC))
+    # NumPy inputs (the same full values on every process) are placed by shard_jit.
+    x, y = m.batch(0)
+    result["numpy_loss"] = float(ms.distributed.to_host(step(m.init_state(), x, y)[1]))
     losses = []
     rows = m.local_rows(mesh, m.BATCH)
     result["rows"] = [rows.start, rows.stop]
+    result["assembled"] = {}
     for i in range(m.STEPS):
         x, y = m.batch(i)
-        gx, gy = (
-            jax.make_array_from_process_local_data(batch_sharding, a[rows], a.shape) for a in (x, y)
-        )
-        if i == 0:
-            host = ms.distributed.to_host({"x": gx, "y": gy})
-            result["assembled"] = {
-                "shape": list(gx.shape),
-                "spec": str(gx.sharding.spec),
-                "equal": bool(np.array_equal(host["x"], x) and np.array_equal(host["y"], y)),
-            }
-        state, loss = step(state, gx, gy)
+        if i % 2 == 0:  # this process's rows of the batch
+            how = "process_local"
+            batch = ms.assemble_process_local({"x": x[rows], "y": y[rows]}, m.BATCH_SPEC, mesh)
+        else:  # one piece per device this process addresses, in mesh order
+            how = "pieces"
+            index = NamedSharding(mesh, m.BATCH_SPEC).devices_indices_map(x.shape)
+            mine = [d for d in mesh.devices.flat if d.process_index == me]
+            pieces = [{"x": x[index[d]], "y": y[index[d]]} for d in mine]
+            batch = ms.assemble(pieces, m.BATCH_SPEC, mesh)
+        host = ms.distributed.to_host(batch)
+        result["assembled"][how] = {
+            "shape": list(batch["x"].shape),
+            "spec": str(batch["x"].sharding.spec),
+            "equal": bool(np.array_equal(host["x"], x) and np.array_equal(host["y"], y)),
+        }
+        state, loss = step(state, batch["x"], batch["y"])
         losses.append(float(ms.distributed.to_host(loss)))
     result["losses"] = losses
     values = m.flat_values(state)
