@@ -357,34 +357,40 @@ def _leaf_target_dtype(rec: LeafRecord, dtype: Any) -> Any:
     return stored
 
 
+Diff = list[tuple[str, str, str]]  # (what, path, detail)
+
+
 def _diff(
     paths: Sequence[str], arrays: Sequence[Any], stored: Mapping[str, LeafRecord], dtype: Any
-) -> tuple[list[str], list[str], list[str]]:
-    missing, changed = [], []
+) -> tuple[Diff, Diff, Diff]:
+    """Missing, extra and changed leaves between a target and a checkpoint, path first."""
+    missing: Diff = []
+    changed: Diff = []
     seen = set()
     for path, x in zip(paths, arrays, strict=True):
         rec = stored.get(path)
         here = f"{dtype_name(x.dtype)}{list(x.shape)}"
         if rec is None:
-            missing.append(
-                f"  missing  {path or '<root>'}  {here} (in the target, not in the checkpoint)"
-            )
+            missing.append(("missing", path, f"{here} (in the target, not in the checkpoint)"))
             continue
         seen.add(path)
         want = _leaf_target_dtype(rec, dtype)
         want_name = rec.dtype if want is None else dtype_name(want)
         if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
             changed.append(
-                f"  changed  {path or '<root>'}  checkpoint {want_name}{list(rec.shape)}"
-                f" -> target {here}"
+                ("changed", path, f"checkpoint {want_name}{list(rec.shape)} -> target {here}")
             )
-    extra = [
-        f"  extra    {p or '<root>'}  {r.dtype}{list(r.shape)} (in the checkpoint, not in the "
-        "target)"
+    extra: Diff = [
+        ("extra", p, f"{r.dtype}{list(r.shape)} (in the checkpoint, not in the target)")
         for p, r in stored.items()
         if p not in seen
     ]
     return missing, extra, changed
+
+
+def _format_diff(rows: Diff) -> list[str]:
+    width = max(len(p or "<root>") for _, p, _ in rows)
+    return [f"  {what:<7}  {(p or '<root>'):<{width}}  {detail}" for what, p, detail in rows]
 
 
 def _saved_specs(record: Record) -> Any:
@@ -499,17 +505,28 @@ def partial_wrap(impl: str) -> Any:
     return lambda data: jax.random.wrap_key_data(data, impl=impl)
 
 
-def abstract_tree(record: Record) -> dict[str, Any]:
-    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (logical dtypes)."""
-    items = []
-    for leaf in record.leaves:
-        if leaf.key_impl is not None:
-            data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
-            sds = jax.eval_shape(partial_wrap(leaf.key_impl), data)
-        else:
-            sds = jax.ShapeDtypeStruct(leaf.shape, parse_dtype(leaf.dtype))
-        items.append((_storage_key(leaf.path), sds))
+def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
+    if leaf.key_impl is not None:
+        data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
+        return jax.eval_shape(partial_wrap(leaf.key_impl), data)
+    return jax.ShapeDtypeStruct(leaf.shape, _leaf_target_dtype(leaf, dtype))
+
+
+def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
+    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``)."""
+    items = [(_storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
     return _nest(items, "record")
+
+
+def abstract_like(source: Source, dtype: Any = None) -> Any:
+    """The abstract container a checkpoint describes: Orbax's own structure (lists stay
+    lists) for plain Orbax checkpoints, nested dicts from the record otherwise."""
+    if source.template is None:
+        return abstract_tree(source.record, dtype)
+    by_path = source.record.by_path()
+    keys, treedef = jax.tree_util.tree_flatten_with_path(source.template)
+    leaves = [_abstract_leaf(by_path[format_path(path)], dtype) for path, _ in keys]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def restore(
@@ -564,7 +581,7 @@ def restore(
     source = locate(directory)
     record = source.record
     if like is None:
-        like = abstract_tree(record)
+        like = abstract_like(source, dtype)
     flat = split(like)
     paths, arrays = flat.paths, flat.arrays
     stored = record.by_path()
@@ -574,20 +591,24 @@ def restore(
         for p, x in zip(paths, arrays, strict=True)
         if p not in stored
     )
-    if changed or ((missing or extra) and not (partial and concrete_missing)):
-        lines = changed + ([] if partial and concrete_missing else missing + extra)
-        hint = (
-            "hint: shapes must match; pass dtype=... to cast floating leaves"
-            if changed and not (missing or extra)
-            else "hint: pass partial=True to restore only the leaves both have (missing leaves "
-            "then keep like's values, so like must be concrete for them)"
-        )
+    allowed = partial and concrete_missing
+    rows = changed + ([] if allowed else missing) + ([] if partial else extra)
+    if rows:
+        hints = []
+        if (missing and not allowed) or extra:
+            hints.append(
+                "pass partial=True to restore only the leaves both have (missing leaves then "
+                "keep like's values, so like must be concrete for them)"
+            )
+        if changed:
+            hints.append("shapes must match; pass dtype=... to cast floating leaves")
+        n = len(rows)
         raise CheckpointError(
             f"checkpoint {source.path} does not match the target {type(like).__name__} "
-            f"({len(lines)} difference{'s' if len(lines) != 1 else ''}, paths first):\n"
-            + "\n".join(lines)
-            + "\n"
-            + hint
+            f"({n} difference{'s' if n != 1 else ''}, paths first):\n"
+            + "\n".join(_format_diff(rows))
+            + "\nhint: "
+            + "; ".join(hints)
         )
     if specs is not None and mesh is None:
         raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")

@@ -1,0 +1,327 @@
+"""save/restore: round trips of every container kind onto three meshes, interop with plain
+Orbax, structure diffs, partial restore, checksums and damaged shards."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+
+
+@pytest.fixture
+def mesh8():
+    """One (8,) mesh: these tests do not depend on the axis type."""
+    return ms.make_mesh({"data": 8})
+
+
+from conftest import MAKERS
+
+BIG = r"(kernel|weight|embedding|embed)$"
+
+# (mesh axes, axis types, specs): three layouts with different rules.
+LAYOUTS = {
+    "8": ({"data": 8}, "auto", ms.fsdp("data", min_size=0)),
+    "2x4": (
+        {"data": 2, "model": 4},
+        "explicit",
+        ms.Rules([(BIG, P("data", "model")), (".*", P())], strict=False),
+    ),
+    "4x2": (
+        {"data": 4, "model": 2},
+        "auto",
+        ms.Rules([(BIG, P("model", "data")), ("bias$", P("data"))], strict=False),
+    ),
+}
+
+
+def _bits(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def assert_same_values(a, b):
+    fa, fb = ms.adapters.split(a), ms.adapters.split(b)
+    assert fa.paths == fb.paths
+    for path, x, y in zip(fa.paths, fa.arrays, fb.arrays, strict=True):
+        assert x.dtype == y.dtype, path
+        np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=path)
+
+
+def test_round_trip_every_kind_onto_three_meshes(container, tmp_path):
+    path = ms.save(tmp_path / "ckpt", container)
+    for axes, types, specs in LAYOUTS.values():
+        mesh = ms.make_mesh(axes, axis_types=types)
+        out = ms.restore(path, like=container, specs=specs, mesh=mesh)
+        assert type(out) is type(container)
+        assert_same_values(container, out)
+        planned = ms.plan(container, specs, mesh).flat_shardings(0)
+        got = ms.adapters.split(out).arrays
+        for leaf, want in zip(got, planned, strict=True):
+            assert leaf.sharding == want
+        assert any(s.spec != P() for s in planned)
+
+
+def test_restore_onto_abstract_like_from_eval_shape(tmp_path, mesh24):
+    from flax import nnx
+
+    model = MAKERS["nnx"]()
+    ms.save(tmp_path / "c", model)
+    abstract = nnx.eval_shape(MAKERS["nnx"])
+    specs = ms.Rules([("kernel$", P(None, "model")), (".*", P())])
+    out = ms.restore(tmp_path / "c", like=abstract, specs=specs, mesh=mesh24)
+    assert isinstance(out, nnx.Module)
+    assert_same_values(model, out)
+    assert out.mlp.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_restore_pytree_like_from_jax_eval_shape_and_abstract_mesh(tmp_path):
+    tree = MAKERS["pytree"]()
+    ms.save(tmp_path / "c", tree)
+    like = jax.eval_shape(MAKERS["pytree"])
+    mesh = ms.make_mesh({"data": 8}, abstract=True)
+    out = ms.restore(tmp_path / "c", like=like, specs=ms.fsdp("data", min_size=0), mesh=mesh)
+    assert_same_values(tree, out)
+    assert out["embed"].sharding.spec == P("data")
+    assert not isinstance(out["embed"].sharding.mesh, jax.sharding.AbstractMesh)
+
+
+def test_bfloat16_and_sharded_typed_keys_round_trip(tmp_path, mesh8):
+    rules = ms.Rules([("w|keys", P("data")), (".*", P())])
+    state = ms.shard(
+        {
+            "w": jnp.arange(64, dtype=jnp.bfloat16).reshape(8, 8),
+            "keys": jax.random.split(jax.random.key(3), 8),
+            "rbg": jax.random.key(1, impl="rbg"),
+        },
+        rules,
+        mesh8,
+    )
+    ms.save(tmp_path / "c", state)
+    rec = json.loads((tmp_path / "c" / "modelshard.json").read_text())
+    keys = next(leaf for leaf in rec["leaves"] if leaf["path"] == "keys")
+    assert (keys["dtype"], keys["key_impl"], keys["stored_shape"]) == (
+        "key<fry>",
+        "threefry2x32",
+        [8, 2],
+    )
+    assert keys["spec"] == ["data"]
+    assert rec["mesh"]["axes"] == {"data": 8}
+    out = ms.restore(tmp_path / "c", like=state, specs=rules, mesh=mesh8)
+    assert_same_values(state, out)
+    assert out["keys"].sharding.spec == P("data")
+    assert str(jax.random.key_impl(out["rbg"])) == "rbg"
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_restore_without_like_gives_nested_dict_and_saved_shardings(tmp_path, axis_type):
+    mesh = ms.make_mesh({"data": 8}, axis_types=axis_type)
+    state = ms.shard(MAKERS["nnx"](), ms.fsdp("data", min_size=0), mesh)
+    ms.save(tmp_path / "c", state)
+    out = ms.restore(tmp_path / "c")
+    assert isinstance(out, dict)
+    assert out["mlp"]["kernel"].sharding.spec == P(None, "data")  # the saved mesh and spec
+    assert jax.dtypes.issubdtype(out["drop"]["rngs"]["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(out["mlp"]["kernel"], state.mlp.kernel[...])
+
+
+def test_restore_with_mesh_and_no_specs_uses_saved_specs(tmp_path, mesh8):
+    state = ms.shard(MAKERS["pytree"](), ms.fsdp("data", min_size=0), mesh8)
+    ms.save(tmp_path / "c", state)
+    mesh = ms.make_mesh({"data": 8}, axis_types="explicit")
+    out = ms.restore(tmp_path / "c", like=state, mesh=mesh)
+    assert out["layers"][0]["kernel"].sharding == NamedSharding(mesh, P(None, "data"))
+
+
+def test_dtype_casts_floating_leaves_after_verifying(tmp_path):
+    tree = MAKERS["pytree"]()
+    ms.save(tmp_path / "c", tree)
+    out = ms.restore(tmp_path / "c", dtype="bfloat16")
+    assert out["embed"].dtype == jnp.bfloat16 and out["step"].dtype == jnp.int32
+    np.testing.assert_array_equal(out["embed"], tree["embed"].astype(jnp.bfloat16))
+
+
+def test_numpy_leaves_and_default_single_device(tmp_path):
+    ms.save(tmp_path / "c", {"a": np.arange(6, dtype=np.int32).reshape(2, 3)})
+    out = ms.restore(tmp_path / "c", like={"a": np.zeros((2, 3), np.int32)})
+    assert isinstance(out["a"].sharding, SingleDeviceSharding)
+    np.testing.assert_array_equal(out["a"], np.arange(6).reshape(2, 3))
+
+
+# ---- interop with plain Orbax ----------------------------------------------------------
+
+
+def test_plain_orbax_standard_checkpointer_reads_ours(tmp_path):
+    tree = MAKERS["linen"]()
+    ms.save(tmp_path / "c", tree)
+    plain = ocp.StandardCheckpointer().restore(str(tmp_path / "c"))
+    kernel = plain["params"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(kernel, tree["params"]["Dense_0"]["kernel"].value)
+    nnx_path = ms.save(tmp_path / "n", MAKERS["nnx"]())
+    key_data = ocp.StandardCheckpointer().restore(str(nnx_path))["drop"]["rngs"]["key"]
+    assert key_data.dtype == jnp.uint32 and key_data.shape == (2,)
+
+
+def test_we_read_plain_standard_checkpointer(tmp_path, mesh24):
+    tree = MAKERS["pytree"]()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(str(tmp_path / "plain"), tree)
+    out = ms.restore(tmp_path / "plain", like=tree, specs=ms.fsdp("model", min_size=0), mesh=mesh24)
+    assert_same_values(tree, out)
+    assert out["embed"].sharding.spec == P("model")
+    nested = ms.restore(tmp_path / "plain")
+    np.testing.assert_array_equal(nested["layers"][0]["kernel"], tree["layers"][0]["kernel"])
+
+
+def test_we_read_plain_orbax_checkpoint_manager(tmp_path, mesh8):
+    tree = MAKERS["optax"]()
+    with ocp.CheckpointManager(str(tmp_path / "m")) as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(tree))
+        mngr.wait_until_finished()
+    out = ms.restore(tmp_path / "m" / "7", like=tree, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
+    assert_same_values(tree, out)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "m")
+    assert str(e.value).endswith(
+        f"It looks like a CheckpointManager directory (steps 7): pass a step directory such as "
+        f"{tmp_path / 'm' / '7'}, or use modelshard.CheckpointManager(...).restore()."
+    )
+
+
+# ---- structure mismatches and partial restore ------------------------------------------
+
+
+def test_structure_mismatch_is_a_path_first_diff(tmp_path):
+    ms.save(tmp_path / "c", {"a": jnp.ones((2, 3)), "b": jnp.ones(4), "gone": jnp.ones(1)})
+    like = {"a": jnp.ones((3, 3)), "b": jnp.ones(4), "new": jnp.ones(2)}
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=like)
+    assert str(e.value).splitlines() == [
+        f"checkpoint {tmp_path / 'c'} does not match the target dict (3 differences, paths first):",
+        "  changed  a     checkpoint float32[2, 3] -> target float32[3, 3]",
+        "  missing  new   float32[2] (in the target, not in the checkpoint)",
+        "  extra    gone  float32[1] (in the checkpoint, not in the target)",
+        "hint: pass partial=True to restore only the leaves both have (missing leaves then keep "
+        "like's values, so like must be concrete for them); shapes must match; pass dtype=... "
+        "to cast floating leaves",
+    ]
+
+
+def test_dtype_change_needs_dtype_argument(tmp_path):
+    ms.save(tmp_path / "c", {"a": jnp.ones(2)})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like={"a": jnp.ones(2, jnp.bfloat16)})
+    assert str(e.value).splitlines()[1:] == [
+        "  changed  a  checkpoint float32[2] -> target bfloat16[2]",
+        "hint: shapes must match; pass dtype=... to cast floating leaves",
+    ]
+    out = ms.restore(tmp_path / "c", like={"a": jnp.ones(2, jnp.bfloat16)}, dtype=jnp.bfloat16)
+    assert out["a"].dtype == jnp.bfloat16
+
+
+def test_partial_restore_skips_extra_and_keeps_concrete_missing(tmp_path, mesh8):
+    ms.save(tmp_path / "c", {"a": jnp.arange(8.0), "extra": jnp.ones(3)})
+    like = {"a": jnp.zeros(8), "fresh": jnp.full((8,), 5.0)}
+    out = ms.restore(tmp_path / "c", like=like, specs=P("data"), mesh=mesh8, partial=True)
+    np.testing.assert_array_equal(out["a"], np.arange(8.0))
+    np.testing.assert_array_equal(out["fresh"], np.full(8, 5.0))
+    assert out["fresh"].sharding.spec == P("data")
+    with pytest.raises(ms.CheckpointError, match="missing  fresh"):
+        ms.restore(tmp_path / "c", like=jax.eval_shape(lambda: like), partial=True)
+
+
+# ---- damage ------------------------------------------------------------------------------
+
+
+def _flip_largest_shard(ckpt):
+    files = sorted(glob.glob(str(ckpt / "ocdbt.process_*" / "d" / "*")), key=os.path.getsize)
+    data = bytearray(open(files[-1], "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(files[-1], "wb") as f:
+        f.write(bytes(data))
+
+
+def test_flipped_bytes_in_a_shard_name_the_leaf(tmp_path, mesh8):
+    big = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)
+    ms.save(
+        tmp_path / "c",
+        {"big": ms.shard(jnp.asarray(big), P("data"), mesh8), "small": jnp.arange(8.0)},
+    )
+    _flip_largest_shard(tmp_path / "c")
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c")
+    msg = str(e.value)
+    assert "\n  big float32[256, 64]" in msg or "\n  big:" in msg
+    assert "small" not in msg
+
+
+def test_checksum_mismatch_message(tmp_path):
+    ms.save(tmp_path / "c", {"w": jnp.arange(4.0), "v": jnp.ones(2)})
+    rec_file = tmp_path / "c" / "modelshard.json"
+    rec = json.loads(rec_file.read_text())
+    rec["leaves"][1]["checksum"] = "00000000:00000000"
+    rec_file.write_text(json.dumps(rec))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c")
+    lines = str(e.value).splitlines()
+    assert lines[0] == (
+        f"checksum mismatch in {tmp_path / 'c'}: the stored bytes of 1 leaf changed "
+        "since they were saved:"
+    )
+    assert lines[1].startswith("  w float32[4]: recorded 00000000:00000000, read ")
+    assert lines[2] == (
+        "hint: the checkpoint is damaged; restore an earlier one, or pass "
+        "verify=False to load it anyway."
+    )
+    assert ms.restore(tmp_path / "c", verify=False)["w"][3] == 3.0
+
+
+# ---- save errors and atomic overwrite ----------------------------------------------------
+
+
+def test_save_refuses_existing_and_abstract(tmp_path):
+    ms.save(tmp_path / "c", {"w": jnp.ones(2)})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", {"w": jnp.ones(2)})
+    assert str(e.value) == (
+        f"{tmp_path / 'c'} already exists; pass overwrite=True to replace it "
+        "(the old checkpoint is kept until the new one is complete)."
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "d", {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+    assert str(e.value) == (
+        "cannot save w: it is an abstract ShapeDtypeStruct float32[2], not an array."
+    )
+    ms.save(tmp_path / "c", {"w": jnp.zeros(2)}, overwrite=True, metadata={"note": "v2"})
+    assert ms.restore(tmp_path / "c")["w"][0] == 0.0
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_save_refuses_paths_that_do_not_form_a_tree(tmp_path):
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", {"a": jnp.ones(1), "a/b": jnp.ones(1)})
+    assert str(e.value) == (
+        "save: leaf 'a' is also a parent of 'a/b'; canonical paths must form a tree."
+    )
+
+
+def test_restore_errors(tmp_path, mesh8):
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "nope")
+    assert str(e.value) == f"no checkpoint at {tmp_path / 'nope'}: the directory does not exist."
+    ms.save(tmp_path / "c", {"w": jnp.ones(8)})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", specs=P("data"))
+    assert str(e.value) == "restore(specs=...) needs mesh=...: specs are planned on a mesh."
+    with pytest.raises(ms.SpecError, match="axis 'model'"):
+        ms.restore(tmp_path / "c", specs=P("model"), mesh=mesh8)
