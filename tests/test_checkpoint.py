@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
+from conftest import MAKERS
 
 
 @pytest.fixture
@@ -23,8 +24,6 @@ def mesh8():
     """One (8,) mesh: these tests do not depend on the axis type."""
     return ms.make_mesh({"data": 8})
 
-
-from conftest import MAKERS
 
 BIG = r"(kernel|weight|embedding|embed)$"
 
@@ -245,7 +244,8 @@ def test_partial_restore_skips_extra_and_keeps_concrete_missing(tmp_path, mesh8)
 
 def _flip_largest_shard(ckpt):
     files = sorted(glob.glob(str(ckpt / "ocdbt.process_*" / "d" / "*")), key=os.path.getsize)
-    data = bytearray(open(files[-1], "rb").read())
+    with open(files[-1], "rb") as f:
+        data = bytearray(f.read())
     data[len(data) // 2] ^= 0xFF
     with open(files[-1], "wb") as f:
         f.write(bytes(data))
