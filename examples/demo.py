@@ -1,15 +1,17 @@
 """modelshard end to end, on 8 simulated CPU devices and text that ships with Python.
 
-1. Build a small decoder-only transformer (Flax NNX), a character-level language model.
-2. Plan it: fully sharded (FSDP) on an (8,) mesh, tensor parallel on a (2, 4) mesh.
-3. Pretrain it with FSDP on the source code of a standard-library module.
-4. Move the whole training state onto the (2, 4) tensor-parallel layout and fine-tune it on
-   a different text (the Zen of Python), showing the loss fall and the bytes per device.
+1. Build a small decoder-only transformer (Flax NNX), a character-level language model, and
+   plan its training state two ways: fully sharded (FSDP) on an (8,) mesh, tensor parallel
+   on a (2, 4) mesh.
+2. Pretrain it with FSDP (``shard_jit``) on the source code of a standard-library module.
+3. Save a sharded checkpoint; reshard it offline with the ``modelshard reshard`` command onto
+   the (2, 4) tensor-parallel layout.
+4. Restore it there and fine-tune on a different text (the Zen of Python), showing the loss
+   fall and the bytes per device before and after.
 
-Run it with ``make demo`` (or ``python examples/demo.py``); ``--fast`` runs a few steps only.
+Run it with ``make demo`` (or ``python examples/demo.py``); ``--fast`` runs a tiny model for
+a few steps (what the test suite does).
 """
-
-from __future__ import annotations
 
 import os
 
@@ -20,38 +22,24 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import argparse
-import codecs
-import contextlib
 import dataclasses
-import inspect
-import io
-import textwrap
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import optax
+from _common import batches, console, finetune_text, human, pretrain_text, train
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 import modelshard as ms
 
-console = Console(width=max(Console().width, 130))
 
-
-def human(n: float) -> str:
-    """``1.29 MiB``-style text for a byte count."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-# ---- configuration ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Config:
     vocab: int = 128  # ASCII: one token per character
@@ -104,8 +92,46 @@ class CharLM(nnx.Module):
         return self.embed.attend(self.norm(x))
 
 
-# Megatron-style tensor parallelism over "model": column-parallel in, row-parallel out.
-# Anchored patterns cover the parameters and the optimizer's moments (``opt/0/mu/...``).
+# ---- the two layouts --------------------------------------------------------------------------
+# FSDP: every leaf of 4,096+ elements sharded 8 ways along its largest divisible dimension.
+FSDP = ms.fsdp("data", min_size=2**12)
+
+# Megatron-style tensor parallelism over "model": column-parallel in, row-parallel out. The
+# patterns are anchored at the end, so they cover the parameters and the optimizer's moments
+# (``opt/0/mu/blocks/0/up/kernel``) alike. The same rules, as a TOML file for the CLI:
+TP_RULES_TOML = """
+[[rules]]
+pattern = "embed/embedding$"
+spec = ["model", "none"]
+
+[[rules]]
+pattern = "attn/(query|key|value)/kernel$"
+spec = ["none", "model", "none"]
+
+[[rules]]
+pattern = "attn/(query|key|value)/bias$"
+spec = ["model", "none"]
+
+[[rules]]
+pattern = "attn/out/kernel$"
+spec = ["model", "none", "none"]
+
+[[rules]]
+pattern = "up/kernel$"
+spec = ["none", "model"]
+
+[[rules]]
+pattern = "up/bias$"
+spec = ["model"]
+
+[[rules]]
+pattern = "down/kernel$"
+spec = ["model", "none"]
+
+[[rules]]
+pattern = ".*"
+spec = []
+"""
 TP_RULES = ms.Rules(
     [
         (r"embed/embedding$", P("model", None)),
@@ -120,130 +146,128 @@ TP_RULES = ms.Rules(
 )
 
 
-# ---- data: text that ships with Python --------------------------------------------------------
-def encode(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("ascii", "replace"), np.uint8).astype(np.int32) % 128
-
-
-def pretrain_text() -> str:
-    return inspect.getsource(textwrap)
-
-
-def finetune_text() -> str:
-    """The Zen of Python, from the ``this`` module (which prints it when imported)."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this
-    return codecs.decode(this.s, "rot13")
-
-
-def batches(tokens: np.ndarray, cfg: Config, seed: int):
-    """Endless random windows ``(inputs, targets)`` of ``cfg.seq`` characters."""
-    rng = np.random.default_rng(seed)
-    while True:
-        start = rng.integers(0, len(tokens) - cfg.seq - 1, cfg.batch)
-        window = np.stack([tokens[s : s + cfg.seq + 1] for s in start])
-        yield window[:, :-1], window[:, 1:]
-
-
-# ---- training -----------------------------------------------------------------------------------
-def make_step(graphdef: Any, tx: optax.GradientTransformation):
+# ---- training ------------------------------------------------------------------------------------
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation):
     def train_step(state: dict[str, Any], ids: jax.Array, targets: jax.Array):
-        def loss_fn(params):
+        def loss_fn(params: Any) -> jax.Array:
             logits = nnx.merge(graphdef, params)(ids)
             return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
         updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt": opt}, loss
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
     return train_step
 
 
-def compile_step(graphdef: Any, tx: optax.GradientTransformation, state_plan: ms.Plan, mesh: Any):
-    batch = NamedSharding(mesh, P("data"))
-    return jax.jit(
-        make_step(graphdef, tx),
-        in_shardings=(state_plan.shardings, batch, batch),
-        out_shardings=(state_plan.shardings, None),
-        donate_argnums=0,
+def modelshard_cli(*args: str, in_process: bool = False) -> None:
+    """Run the ``modelshard`` command installed with the package, as a user would type it
+    (``in_process``: call its ``main`` here instead, saving a Python start-up)."""
+    console.print(f"[bold]$ modelshard {' '.join(args)}")
+    if in_process:
+        from modelshard._cli import main as cli_main
+
+        if cli_main(list(args)):
+            raise RuntimeError(f"modelshard {args[0]} failed")
+        return
+    exe = Path(sys.executable).with_name("modelshard")
+    cmd = (
+        [str(exe)]
+        if exe.exists()
+        else [
+            sys.executable,
+            "-c",
+            "import sys; from modelshard._cli import main; sys.exit(main())",
+        ]
     )
-
-
-def train(step, state: Any, data, steps: int, title: str) -> tuple[Any, list[float]]:
-    losses: list[float] = []
-    with Progress(
-        TextColumn(f"[bold]{title}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss [cyan]{task.fields[loss]}"),
-        console=console,
-    ) as bar:
-        task = bar.add_task(title, total=steps, loss="-")
-        for _ in range(steps):
-            ids, targets = next(data)
-            state, loss = step(state, ids, targets)
-            losses.append(float(loss))
-            bar.update(task, advance=1, loss=f"{losses[-1]:.3f}")
-    return state, losses
-
-
-def show_losses(name: str, losses: list[float]) -> None:
-    k = max(1, len(losses) // 10)
-    first, last = np.mean(losses[:k]), np.mean(losses[-k:])
-    console.print(f"{name}: loss {first:.3f} -> {last:.3f} (mean of first/last {k} steps)")
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, check=False)
+    console.print(out.stdout.rstrip())
+    if out.returncode:
+        raise RuntimeError(f"modelshard {args[0]} failed:\n{out.stderr}")
 
 
 # ---- the demo --------------------------------------------------------------------------------------
-def main(fast: bool = False) -> dict[str, Any]:
+def main(fast: bool = False, workdir: str | None = None) -> dict[str, Any]:
     cfg = FAST if fast else Config()
     t0 = time.perf_counter()
     console.rule("[bold]modelshard demo")
     console.print(f"{jax.device_count()} simulated {jax.devices()[0].platform} devices; {cfg}")
-
     tx = optax.adamw(cfg.lr)
 
     def init_state() -> dict[str, Any]:
         params = nnx.state(CharLM(cfg, nnx.Rngs(0)), nnx.Param)
         return {"params": params, "opt": tx.init(params)}
 
-    # 1. Plans: the same (abstract) state, two layouts. Nothing is allocated yet.
+    # 1. Plan the (abstract) training state two ways. Nothing is allocated yet.
     abstract = jax.eval_shape(init_state)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: CharLM(cfg, nnx.Rngs(0))))
     fsdp_mesh = ms.make_mesh({"data": 8})
     tp_mesh = ms.make_mesh({"data": 2, "model": 4})
-    fsdp = ms.fsdp("data", min_size=2**12)
-    fsdp_plan = ms.plan(abstract, fsdp, fsdp_mesh)
+    fsdp_plan = ms.plan(abstract, FSDP, fsdp_mesh)
     tp_plan = ms.plan(abstract, TP_RULES, tp_mesh)
-    console.print(ms.plan(abstract["params"], fsdp, fsdp_mesh).table(max_rows=12))
-    console.print(ms.plan(abstract["params"], TP_RULES, tp_mesh).table(max_rows=12))
+    console.print(ms.plan(abstract["params"], FSDP, fsdp_mesh).table(max_rows=14))
+    console.print(ms.plan(abstract["params"], TP_RULES, tp_mesh).table(max_rows=14))
 
-    # Initialise straight into the FSDP layout: no device ever holds the whole state.
-    state = jax.jit(init_state, out_shardings=fsdp_plan.shardings)()
-
-    # 2. Pretrain with FSDP on (8,).
-    step = compile_step(graphdef, tx, fsdp_plan, fsdp_mesh)
-    data = batches(encode(pretrain_text()), cfg, seed=0)
+    # 2. Pretrain with FSDP on (8,). The state is created directly in its sharded layout.
+    state = ms.shard_jit(init_state, mesh=fsdp_mesh, in_specs=(), out_specs=FSDP)()
+    step = ms.shard_jit(
+        make_train_step(graphdef, tx),
+        mesh=fsdp_mesh,
+        in_specs=(FSDP, P("data"), P("data")),  # the state by FSDP, each batch over "data"
+        donate_argnums=0,
+    )
+    data = batches(pretrain_text(), cfg.batch, cfg.seq, seed=0)
     state, pre_losses = train(step, state, data, cfg.pretrain_steps, "pretrain (FSDP, data=8)")
-    show_losses("pretraining", pre_losses)
 
-    # 3. Reshard the whole state onto the tensor-parallel layout and fine-tune on new text.
-    state = ms.shard(state, TP_RULES, tp_mesh)
+    # 3. Save the sharded checkpoint, then reshard it offline onto the tensor-parallel layout.
+    work = Path(workdir or tempfile.mkdtemp(prefix="modelshard-demo-"))
+    pretrained, resharded, rules_file = work / "pretrained", work / "tp", work / "tp_rules.toml"
+    ms.save(pretrained, state, overwrite=True)
+    rules_file.write_text(TP_RULES_TOML)
+    modelshard_cli("inspect", str(pretrained), "--max-rows", "6", in_process=fast)
+    shutil.rmtree(resharded, ignore_errors=True)
+    modelshard_cli(
+        "reshard",
+        str(pretrained),
+        str(resharded),
+        "--mesh",
+        "data=2,model=4",
+        "--rules",
+        str(rules_file),
+        in_process=fast,
+    )
+
+    # 4. Restore onto the (2, 4) mesh (with the layout the checkpoint now records) and
+    #    fine-tune on a different text.
+    kernel_before = np.asarray(state["params"]["blocks"][0]["up"]["kernel"][...])
+    state = ms.restore(resharded, like=abstract, mesh=tp_mesh)
     kernel = state["params"]["blocks"][0]["up"]["kernel"][...]
-    console.print(f"blocks/0/up/kernel is now {kernel.sharding.spec} on {dict(tp_mesh.shape)}")
-    step = compile_step(graphdef, tx, tp_plan, tp_mesh)
-    data = batches(encode(finetune_text()), cfg, seed=1)
+    assert np.array_equal(np.asarray(kernel), kernel_before), "restore changed the values"
+    placed = [x.sharding for x in ms.adapters.split(state).arrays]
+    assert placed == tp_plan.flat_shardings(0), "restored layout differs from the plan"
+    console.print(
+        f"restored: blocks/0/up/kernel is {kernel.sharding.spec} on "
+        f"{dict(tp_mesh.shape)}, values bit-exact"
+    )
+    step = ms.shard_jit(
+        make_train_step(graphdef, tx),
+        mesh=tp_mesh,
+        in_specs=(TP_RULES, P("data"), P("data")),
+        donate_argnums=0,
+    )
+    data = batches(finetune_text(), cfg.batch, cfg.seq, seed=1)
     state, ft_losses = train(
         step, state, data, cfg.finetune_steps, "fine-tune (TP, data=2 x model=4)"
     )
-    show_losses("fine-tuning", ft_losses)
 
     before, after = fsdp_plan.bytes_per_device(), tp_plan.bytes_per_device()
     console.print(
-        f"train state per device: {human(before)} (FSDP on 8) -> {human(after)} "
-        f"(tensor parallel on 2x4); replicated it would be {human(fsdp_plan.total_bytes)}"
+        f"training state per device: {human(before)} with FSDP on (8,) -> {human(after)} "
+        f"tensor parallel on (2, 4); {human(fsdp_plan.total_bytes)} if replicated"
     )
-    console.print(f"done in {time.perf_counter() - t0:.1f} s")
+    console.print(f"done in {time.perf_counter() - t0:.1f} s (checkpoints in {work})")
+    if workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
     return {
         "pretrain_losses": pre_losses,
         "finetune_losses": ft_losses,
@@ -254,7 +278,8 @@ def main(fast: bool = False) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fast", action="store_true", help="a few steps of a tiny model")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help="a tiny model for a few steps")
+    parser.add_argument("--workdir", help="keep the checkpoints here (default: a temp dir)")
     args = parser.parse_args()
-    main(fast=args.fast or os.environ.get("MODELSHARD_DEMO_FAST") == "1")
+    main(fast=args.fast or os.environ.get("MODELSHARD_DEMO_FAST") == "1", workdir=args.workdir)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 MARK = "@@EXAMPLE-RESULTS@@"
 
 _RUNNER = r"""
@@ -27,6 +27,7 @@ import importlib.util, json, os, sys, time, traceback
 from pathlib import Path
 
 modules = {}
+sys.path.insert(0, str(Path(sys.argv[2]).parent))  # examples import their shared _common
 for path in sys.argv[2:]:
     name = Path(path).stem
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
