@@ -224,8 +224,10 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _launch(rest: Sequence[str]) -> int:
+    import importlib
+
     try:
-        from . import _launch
+        _launch = importlib.import_module("modelshard._launch")
     except ImportError as e:
         sys.stderr.write(f"modelshard launch is not available in this installation ({e}).\n")
         return 1

@@ -1,0 +1,190 @@
+"""The modelshard command: inspect, plan, reshard, launch routing, and the installed script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from conftest import MAKERS
+from modelshard._cli import main, parse_mesh
+
+RULES = """
+[[rules]]
+pattern = 'embedding$'
+spec = ["vocab", "none"]
+
+[[rules]]
+pattern = 'kernel$'
+spec = ["none", "model"]
+
+[[rules]]
+pattern = ".*"
+spec = []
+
+[logical]
+vocab = "model"
+"""
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    mesh = ms.make_mesh({"data": 8})
+    model = ms.shard(MAKERS["nnx"](), ms.fsdp("data", min_size=0), mesh)
+    path = ms.save(root / "ckpt", model)
+    (root / "rules.toml").write_text(RULES)
+    return path
+
+
+def test_help_on_every_command(capsys):
+    assert main(["--help"]) == 0
+    assert "inspect" in capsys.readouterr().out
+    for cmd in ("inspect", "plan", "reshard"):
+        assert main([cmd, "--help"]) == 0
+        assert f"usage: modelshard {cmd}" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["plan"]) == 2
+    assert "the following arguments are required: CKPT, --mesh" in capsys.readouterr().err
+
+
+def test_inspect_table_and_json(ckpt, capsys):
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "embed/embedding" in out and "P(None, 'data')" in out
+    assert "19 array leaves, 11.01 KiB; kind nnx.Module; saved on mesh (data=8)" in out
+    assert main(["inspect", str(ckpt), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "nnx.Module" and data["total_bytes"] == 11276
+    leaf = next(x for x in data["leaves"] if x["path"] == "mlp/kernel")
+    assert (leaf["shape"], leaf["spec"], leaf["bytes"]) == ([16, 32], [None, "data"], 2048)
+
+
+def test_inspect_plain_orbax_and_missing(tmp_path, capsys):
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(tmp_path / "plain"), {"a": {"b": jnp.ones((4, 2))}})
+    assert main(["inspect", str(tmp_path / "plain"), "--max-rows", "1"]) == 0
+    assert "written by orbax" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "nope")]) == 1
+    assert capsys.readouterr().err == (
+        f"modelshard inspect: error: no checkpoint at {tmp_path / 'nope'}: the directory does not "
+        "exist.\n"
+    )
+
+
+def test_plan_table_json_and_errors(ckpt, capsys):
+    rules = str(ckpt.parent / "rules.toml")
+    assert main(["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", rules]) == 0
+    out = capsys.readouterr().out
+    assert "rule 0 'embedding$'" in out and "P('model', None)" in out
+    assert main(["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", rules, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["mesh"] == {"data": 2, "model": 4}
+    assert data["bytes_per_device"] == sum(r["bytes_per_device"] for r in data["leaves"])
+    # model=3 divides nothing: every offending leaf is listed, exit status 1
+    assert main(["plan", str(ckpt), "--mesh", "data=2,model=3", "--rules", rules]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("modelshard plan: error: 6 sharding problems found")
+    assert err.count("is not divisible by 3") == 6
+    # without --rules the saved specs are planned
+    assert main(["plan", str(ckpt), "--mesh", "data=8", "--json"]) == 0
+    rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}
+    assert rows["mlp/kernel"]["spec"] == "P(None, 'data')"
+
+
+def test_bad_mesh_text(ckpt, capsys):
+    assert main(["plan", str(ckpt), "--mesh", "data:2"]) == 1
+    assert capsys.readouterr().err == (
+        "modelshard plan: error: --mesh 'data:2': 'data:2' is not name=size with a positive size; "
+        "write e.g. --mesh data=2,model=4.\n"
+    )
+    assert parse_mesh("data=2, model=4") == {"data": 2, "model": 4}
+    with pytest.raises(ms.MeshError, match="axis 'a' is given twice"):
+        parse_mesh("a=1,a=2")
+
+
+def test_reshard_in_process(ckpt, tmp_path, capsys):
+    dst = tmp_path / "out"
+    rules = str(ckpt.parent / "rules.toml")
+    argv = [
+        "reshard",
+        str(ckpt),
+        str(dst),
+        "--mesh",
+        "data=2,model=4",
+        "--rules",
+        rules,
+        "--dtype",
+        "bfloat16",
+        "--chunk-mb",
+        "0.001",
+        "--json",
+    ]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == {
+        "source": str(ckpt),
+        "destination": str(dst),
+        "mesh": {"data": 2, "model": 4},
+        "leaves": 19,
+        "bytes": 5644,
+    }
+    out = ms.restore(dst)
+    assert out["mlp"]["kernel"].dtype == jnp.bfloat16
+    assert out["mlp"]["kernel"].sharding.spec == P(None, "model")
+    original = ms.restore(ckpt)
+    np.testing.assert_array_equal(
+        out["embed"]["embedding"], original["embed"]["embedding"].astype(jnp.bfloat16)
+    )
+    assert main(argv) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["reshard", str(ckpt), str(tmp_path / "x"), "--mesh", "data=16"]) == 1
+    assert capsys.readouterr().err == (
+        "modelshard reshard: error: the target mesh needs 16 devices but JAX already started "
+        "with 8; run modelshard reshard in a fresh process.\n"
+    )
+
+
+def test_launch_is_routed_lazily(monkeypatch, capsys):
+    import modelshard._launch as launch
+
+    calls = []
+    monkeypatch.setattr(launch, "main", lambda argv: calls.append(argv) or 7)
+    assert main(["launch", "-n", "2", "--", "python", "x.py"]) == 7
+    assert calls == [["-n", "2", "--", "python", "x.py"]]
+    monkeypatch.setitem(sys.modules, "modelshard._launch", None)
+    assert main(["launch", "-n", "2"]) == 1
+    assert capsys.readouterr().err.startswith("modelshard launch is not available")
+
+
+def test_installed_command_end_to_end(ckpt, tmp_path):
+    exe = Path(sys.executable).parent / "modelshard"
+    assert exe.exists()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    dst = tmp_path / "four"
+    run = subprocess.run(
+        [str(exe), "reshard", str(ckpt), str(dst), "--mesh", "data=4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["mesh"] == {"data": 4}
+    record = json.loads((dst / "modelshard.json").read_text())
+    assert record["mesh"]["axes"] == {"data": 4}
+    spec = {leaf["path"]: leaf["spec"] for leaf in record["leaves"]}
+    assert spec["mlp/kernel"] == [None, "data"]
+    out = ms.restore(dst, mesh=ms.make_mesh({"data": 4}))
+    assert out["mlp"]["kernel"].sharding.spec == P(None, "data")
+    assert jax.dtypes.issubdtype(out["drop"]["rngs"]["key"].dtype, jax.dtypes.prng_key)
