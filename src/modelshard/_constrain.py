@@ -61,7 +61,7 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
         ... def f(params):
         ...     return ms.constrain(params, P("data"), mesh)
         >>> f({"w": jnp.ones((16, 2))})["w"].sharding.spec
-        PartitionSpec('data',)
+        P('data',)
     """
     if mesh is None:
         mesh = current_mesh()

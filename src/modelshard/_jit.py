@@ -478,7 +478,7 @@ def shard_jit(
         ...     return {"w": params["w"] + x.sum()}
         >>> out = step({"w": jnp.zeros((16, 4))}, jnp.ones((8, 2)))
         >>> out["w"].sharding.spec
-        PartitionSpec('data',)
+        P('data',)
     """
     kw = dict(
         mesh=mesh,
