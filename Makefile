@@ -19,7 +19,7 @@ typecheck: env
 	$(PY) -m pyright
 
 docs: env
-	$(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # The full suite: lint, types, strict docs build, then every test.
 test: lint typecheck docs

@@ -288,7 +288,9 @@ def _top_keys(flat: Flat) -> str:
 
 
 def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | None:
-    shape = tuple(leaf.shape)
+    shape = leaf.shape
+    if type(shape) is not tuple:
+        shape = tuple(shape)
     t = type(s)
     # Leaves that resolve the same way (same spec source, same shape) share one resolution
     # and one validation: a 200-layer model repeats a few dozen cases 10,000 times.
@@ -296,16 +298,17 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
     if t is PartitionSpec:
         key = (id(s), shape)
     elif t is Rules:
+        entry = ctx.used.get(id(s))
+        if entry is None:
+            entry = ctx.used[id(s)] = (s, set())
+        used = entry[1]
+        hit = s.match(info.path)
         if not shape:
             # Scalars always replicate; a rule naming one still counts as used.
-            hit = s.match(info.path)
-            used = ctx.used.setdefault(id(s), (s, set()))[1]
             if hit is not None:
                 used.add(hit[0])
             key = (id(s), "scalar")
         else:
-            hit = s.match(info.path)
-            used = ctx.used.setdefault(id(s), (s, set()))[1]
             if hit is not None:
                 used.add(hit[0])
                 key = (id(s), hit[0], shape)

@@ -68,6 +68,9 @@ def _is_entry(e: Any) -> bool:
     )
 
 
+_MISS = object()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rules:
     """Regex rules over canonical leaf paths; the first rule whose pattern matches wins.
@@ -183,10 +186,9 @@ class Rules:
 
     def match(self, path: str) -> tuple[int, PartitionSpec] | None:
         """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None."""
-        try:
-            return self._cache[path]
-        except KeyError:
-            pass
+        hit = self._cache.get(path, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
         hit = None
         for i, (rx, spec) in enumerate(self._compiled):
             if rx.search(path):
