@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._adapters import split
 from ._errors import CheckpointError
@@ -120,6 +120,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         )
     for leaf, cs in zip(leaves, checksums(stored), strict=True):
         leaf.checksum = cs
+    if jax.process_count() > 1:
+        stored = [_replicated_if_local(x) for x in stored]
     tree = _nest([(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)], "save")
     record = Record(
         kind=flat.kind,
@@ -129,6 +131,18 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         metadata=dict(metadata or {}),
     )
     return tree, record
+
+
+def _replicated_if_local(x: Any) -> Any:
+    """Multi-process: a leaf held by this process only (NumPy, one device), as a global
+    array replicated on every device, which Orbax can write (process 0's value is kept)."""
+    if not (isinstance(x, jax.Array) and x.is_fully_addressable):
+        return x
+    mesh = Mesh(np.array(jax.devices()), ("devices",))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(
+        host.shape, NamedSharding(mesh, PartitionSpec()), lambda idx: host[idx]
+    )
 
 
 def _abs(directory: str | os.PathLike[str]) -> Path:
