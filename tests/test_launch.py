@@ -108,6 +108,13 @@ def test_gloo_connection_noise_is_dropped_unless_asked():
     )
     _, _, err = launch(code, 1)
     assert err.splitlines() == ["[process 0] kept"]
+    # gloo's threads write concurrently: two messages may share a line, then split
+    mixed = (
+        "import sys; print('[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected "
+        "number of connected peer ranks is : 7\\n2 is connected to 7 peer ranks. Expected "
+        "number of connected peer ranks is : 7', file=sys.stderr)"
+    )
+    assert launch(mixed, 1)[2] == ""
     _, _, err = launch(code, 1, show_gloo=True)
     assert len(err.splitlines()) == 2
 

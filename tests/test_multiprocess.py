@@ -143,6 +143,15 @@ def test_a_two_process_checkpoint_restores_in_one_process_onto_8(two_by_four):
             np.testing.assert_array_equal(np.asarray(x), want[path], err_msg=path)  # bit-exact
 
 
+def test_process_local_leaves_saved_by_two_processes_restore(two_by_four):
+    restored = ms.restore(two_by_four / "saved" / "local")
+    np.testing.assert_array_equal(np.asarray(restored["np"]), np.arange(6.0, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(restored["one"]), np.ones(3, np.float32))
+    assert jax.numpy.array_equal(
+        jax.random.key_data(restored["key"]), jax.random.key_data(jax.random.key(7))
+    )
+
+
 def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, reference, tmp_path):
     rc, output, seconds = launch(
         4,

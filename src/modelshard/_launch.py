@@ -33,7 +33,11 @@ ENV_PROCESS_ID = "MODELSHARD_PROCESS_ID"
 ENV_LOCAL_DEVICES = "MODELSHARD_LOCAL_DEVICES"
 
 # Gloo prints one line per peer for every new communicator: noise, not information.
-_NOISE = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Its threads write concurrently, so a line may start with another's "[Gloo] Rank ".
+_NOISE = re.compile(
+    rb"^(\[Gloo\] Rank )*\d* ?is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\s*$"
+)
 _POLL_S = 0.02
 
 

@@ -126,6 +126,13 @@ def errors() -> dict:
 def save_both(directory: str, state: dict) -> None:
     """``ms.save`` to ``directory/ckpt``; a ``CheckpointManager`` step to ``directory/mngr``."""
     ms.save(os.path.join(directory, "ckpt"), state)
+    # Leaves only this process holds (NumPy, one device, a typed key) are saved too.
+    local = {
+        "np": np.arange(6.0, dtype=np.float32),
+        "one": jax.numpy.ones(3),
+        "key": jax.random.key(7),
+    }
+    ms.save(os.path.join(directory, "local"), local)
     with ms.CheckpointManager(os.path.join(directory, "mngr"), max_to_keep=1) as mngr:
         mngr.save(m.STEPS, state)
         mngr.wait_until_finished()
