@@ -64,6 +64,10 @@ def _bytes(x: Any) -> bytes:
     return np.asarray(x).tobytes()
 
 
+def _abstract(mesh: Any) -> Any:
+    return ms.make_mesh(sizes_of(mesh), axis_types=list(mesh.axis_types), abstract=True)
+
+
 def _problems(e: ms.SpecError) -> set[tuple[str, str]]:
     return {(p.arg, p.path) for p in e.problems}
 
@@ -87,6 +91,9 @@ def check(mesh: Any, c: Container, recipe: tuple[Any, ...]) -> None:
         with pytest.raises(ms.SpecError) as again:
             ms.shard(c.tree, spec, mesh)
         assert _problems(again.value) == v.bad
+        with pytest.raises(ms.SpecError) as abstract:
+            ms.plan(c.tree, spec, _abstract(mesh))
+        assert _problems(abstract.value) == v.bad
         return
     assert not v.bad, f"plan accepted a case the oracle rejects at {v.bad}"
     planned = {leaf.path: leaf for leaf in p}
@@ -94,6 +101,10 @@ def check(mesh: Any, c: Container, recipe: tuple[Any, ...]) -> None:
     for path, leaf in planned.items():
         want = NamedSharding(mesh, P(*v.specs[path]))
         assert p.sharding(leaf.spec).is_equivalent_to(want, len(leaf.shape)), (path, leaf.spec)
+    # Planning needs no devices: an abstract mesh of the same shape plans the same.
+    assert [(x.path, x.spec) for x in ms.plan(c.tree, spec, _abstract(mesh))] == [
+        (x.path, x.spec) for x in p
+    ]
 
     out = ms.shard(c.tree, spec, mesh)
     event(f"outcome: placed ({'no' if not planned else 'some'} array leaves)")
