@@ -427,3 +427,33 @@ def test_rules_repr_is_readable():
     assert (
         repr(r) == "Rules([('kernel$', P('data', None))], logical={'embed': 'model'}, strict=True)"
     )
+
+
+def test_one_rule_set_covers_params_and_their_adamw_moments(mesh24):
+    """optax moments repeat the parameter paths, so anchored rules cover both at once."""
+    import equinox as eqx
+    import optax
+    from flax import nnx
+
+    rules = ms.Rules(
+        [
+            (r"(query|key|value)/kernel$", P(None, "model", None)),
+            (r"out/kernel$", P("model", None, None)),
+            (r"mlp/kernel$", P(None, "model")),
+            (r"embedding$", P("model", None)),
+            (r"weight$", P("model", None)),
+            (r".*", P()),
+        ],
+        strict=False,
+    )  # one rule set for two models: each leaves some rules unused
+    nnx_params = nnx.state(MAKERS["nnx"](), nnx.Param)
+    eqx_params = eqx.filter(MAKERS["equinox"](), eqx.is_array)
+    for params in (nnx_params, eqx_params):
+        opt = optax.adamw(1e-3).init(params)
+        p = ms.plan({"params": params, "opt": opt}, rules, mesh24)
+        by_path = {leaf.path: leaf.spec for leaf in p}
+        param_paths = ms.adapters.split(params).paths
+        for path in param_paths:
+            assert by_path[f"opt/0/mu/{path}"] == by_path[f"params/{path}"]
+            assert by_path[f"opt/0/nu/{path}"] == by_path[f"params/{path}"]
+    assert by_path["params/layers/0/weight"] == P("model", None)  # type: ignore[possibly-undefined]
