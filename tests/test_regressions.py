@@ -65,3 +65,22 @@ def test_strict_rules_that_match_nothing_are_reported_with_the_leaves(mesh8) -> 
         ms.plan({"kernel": jnp.zeros(8)}, ms.Rules([("kernal$", P("data"))]), mesh8)
     assert [(p.arg, p.path) for p in e.value.problems] == [("tree", "kernel"), ("Rules", "rule 0")]
     assert "    problem: rule 0 'kernal$' matched no leaf" in str(e.value).splitlines()
+
+
+@pytest.mark.parametrize("kind", ["unreduced", "reduced"])
+def test_unreduced_or_reduced_specs_are_a_spec_error(kind: str, mesh24) -> None:
+    """Finding 5: a PartitionSpec with unreduced=/reduced= axes made every step that iterates
+    a spec raise JAX's ValueError ("Using *pspec is dangerous ..."), from plan, from Rules
+    with logical names and from formatting the error itself."""
+    spec = P("data", **{kind: {"model"}})
+    tree = {"w": jnp.zeros((8, 4))}
+    for spec_like in (spec, ms.Rules([("w", spec)], logical={"embed": "data"}), lambda p, x: spec):
+        with pytest.raises(ms.SpecError) as e:
+            ms.shard(tree, spec_like, mesh24)
+        lines = str(e.value).splitlines()
+        assert lines[1:3] == [
+            "  tree:w float32[8, 4]",
+            "    problem: the spec marks mesh axes 'model' unreduced or reduced, which placing "
+            "arrays does not support",
+        ]
+        assert lines[3].startswith(f"    spec: P('data', {kind}={{'model'}}")

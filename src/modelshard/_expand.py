@@ -20,7 +20,7 @@ from ._adapters import Flat, LeafInfo, split
 from ._errors import AdapterError, Problem, SpecError
 from ._paths import format_path
 from ._paths import split as split_path
-from ._specs import FSDP, Rules, format_spec, is_leaf_spec
+from ._specs import FSDP, Rules, format_spec, is_leaf_spec, partial_axes
 
 __all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
 
@@ -119,6 +119,8 @@ def _resolve_names(
     """Map logical names through ``logical``; return the mesh spec and unknown names."""
     out: list[Any] = []
     unknown: list[str] = []
+    if partial_axes(spec):  # left for _check to report
+        return spec, unknown
     for entry in spec:
         if entry is None or not (
             isinstance(entry, str)
@@ -148,6 +150,16 @@ def _check(
 ) -> list[tuple[str, str]]:
     """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
     out: list[tuple[str, str]] = []
+    partial = partial_axes(spec)
+    if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
+        return [
+            (
+                f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
+                "reduced, which placing arrays does not support",
+                "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
+                "jitted computation",
+            )
+        ]
     entries = tuple(spec)
     if len(entries) > len(shape):
         out.append(

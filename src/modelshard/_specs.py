@@ -23,7 +23,16 @@ from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
 
-__all__ = ["FSDP", "Rules", "SpecLike", "fsdp", "format_spec", "is_leaf_spec", "to_spec"]
+__all__ = [
+    "FSDP",
+    "Rules",
+    "SpecLike",
+    "format_spec",
+    "fsdp",
+    "is_leaf_spec",
+    "partial_axes",
+    "to_spec",
+]
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
 SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
@@ -34,8 +43,15 @@ _P = PartitionSpec
 def format_spec(spec: Any) -> str:
     """``P('data', None)``-style text for a spec (or ``repr`` for anything else)."""
     if isinstance(spec, PartitionSpec):
+        if partial_axes(spec):  # iterating such a spec raises in JAX; its repr is fine
+            return repr(spec)
         return "P(" + ", ".join(repr(e) for e in spec) + ")"
     return repr(spec)
+
+
+def partial_axes(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes ``spec`` marks ``unreduced`` or ``reduced`` (empty for plain specs)."""
+    return frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
 
 
 def to_spec(value: Any, where: str) -> PartitionSpec:
