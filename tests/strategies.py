@@ -379,7 +379,18 @@ def leaf_recipes(
     shape, sizes = fit if fit is not None else (None, None)
     kind = draw(
         st.sampled_from(
-            ["P", "P", "rules", "fsdp", "fn", "fn_table", "fn_junk", "fn_raise", "junk"]
+            [
+                "P",
+                "P",
+                "rules",
+                "fsdp",
+                "fn",
+                "fn_table",
+                "fn_junk",
+                "fn_raise",
+                "junk",
+                "P_partial",
+            ]
         )
     )
     if kind == "P":
@@ -426,6 +437,10 @@ def leaf_recipes(
             "fn_raise",
             draw(st.sampled_from([KeyError, IndexError, AttributeError, ZeroDivisionError])),
         )
+    if kind == "P_partial":  # unreduced=/reduced= axes: never placeable by device_put
+        entries = draw(entries_for(names))
+        free = [a for a in names if a not in _used(list(entries))] or ["zzz"]
+        return ("P_partial", entries, draw(st.sampled_from(free)), draw(st.booleans()))
     return ("junk", draw(JUNK))
 
 
@@ -483,6 +498,9 @@ def build(recipe: tuple[Any, ...]) -> Any:
     kind = recipe[0]
     if kind == "P":
         return P(*recipe[1])
+    if kind == "P_partial":
+        _, entries, axis, unreduced = recipe
+        return P(*entries, **{"unreduced" if unreduced else "reduced": {axis}})
     if kind == "rules":
         _, rules, logical, strict = recipe
         return ms.Rules(
@@ -610,7 +628,7 @@ def _fsdp_entries(
     return ()
 
 
-_LEAF_SPECS = ("P", "rules", "fsdp", "fn", "fn_table", "fn_junk", "fn_raise")
+_LEAF_SPECS = ("P", "P_partial", "rules", "fsdp", "fn", "fn_table", "fn_junk", "fn_raise")
 
 
 def _entries_of(
@@ -669,7 +687,7 @@ def expect(
                 spec = _logical(rules[first][1], logical)
             else:
                 spec = None if strict else ()
-        else:  # fn_junk, fn_raise, junk
+        else:  # P_partial, fn_junk, fn_raise, junk
             spec = None
         if spec is None or not fits(spec, shape, sizes):
             v.bad.add((arg, leaf.path))
