@@ -234,3 +234,13 @@ def test_help_names_the_distributed_entry_point(capsys):
     out = capsys.readouterr().out
     assert "modelshard launch" in out
     assert "modelshard.distributed.initialize()" in out
+
+
+def test_the_modelshard_command_routes_launch_here(capfd):
+    from modelshard._cli import main as cli
+
+    assert cli(["launch", "-n", "2", "--", PY, "-c", "print('via the CLI')"]) == 0
+    assert sorted(capfd.readouterr().out.splitlines()) == [
+        "[process 0] via the CLI",
+        "[process 1] via the CLI",
+    ]
