@@ -244,3 +244,20 @@ def test_the_modelshard_command_routes_launch_here(capfd):
         "[process 0] via the CLI",
         "[process 1] via the CLI",
     ]
+
+
+def test_a_command_that_cannot_start_returns_127():
+    err = io.StringIO()
+    rc = run(["/nonexistent/python", "-c", "pass"], 2, stdout=io.StringIO(), stderr=err)
+    assert rc == 127
+    assert err.getvalue() == (
+        "[modelshard launch] cannot start '/nonexistent/python': No such file or directory\n"
+    )
+
+
+def test_a_closed_output_does_not_block_the_processes():
+    out = io.StringIO()
+    out.close()  # like `modelshard launch ... | head` after head exits
+    code = "import sys\nfor i in range(20000): print('x' * 100)"
+    rc = run([PY, "-c", code], 2, stdout=out, stderr=io.StringIO(), timeout=60)
+    assert rc == 0

@@ -136,11 +136,14 @@ def _forward(
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
-            if sink is not None:
-                sink.write(prefix + line)
-            else:
-                out.write((prefix + line).decode("utf-8", "replace"))
-            out.flush()
+            try:
+                if sink is not None:
+                    sink.write(prefix + line)
+                else:
+                    out.write((prefix + line).decode("utf-8", "replace"))
+                out.flush()
+            except (OSError, ValueError):  # our reader went away (`| head`): keep draining
+                pass
     stream.close()
 
 
@@ -182,7 +185,8 @@ def run(
     """Run ``command`` as ``num`` processes; return 0 if all succeed, else a failing code.
 
     Returns the first failing process's exit code (128 + signal if it was killed), 124
-    on timeout, 130 on Ctrl-C; every process group is gone when it returns.
+    on timeout, 128 + signal when the launcher is interrupted, 127 when the command cannot
+    be started; every process group is gone when it returns.
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
@@ -203,15 +207,19 @@ def run(
     try:
         for i in range(num):
             env = child_env(dict(os.environ), coordinator, num, i, devices)
-            proc = subprocess.Popen(
-                list(command),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+            try:
+                proc = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as e:
+                _note(stderr, lock, f"cannot start {command[0]!r}: {e.strerror or e}")
+                return 127
             procs.append(proc)
             prefix = f"[process {i}] ".encode()
             for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
