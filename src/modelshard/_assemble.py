@@ -236,6 +236,14 @@ def assemble_process_local(data: Any, specs: SpecLike, mesh: Any) -> Any:
     """
     flat = split(data)
     specs_local = _local_specs(flat, specs, mesh)
+    for i, x in enumerate(flat.arrays):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise AssembleError(
+                f"assemble_process_local: leaf {flat.paths[i]!r} {x.dtype}{list(x.shape)} is "
+                "already a global array spanning devices of other processes; pass this "
+                "process's part as a NumPy or local array (modelshard.distributed.local_slice "
+                "says which), or use the global array as it is."
+            )
     out = [
         jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(x))
         for x, spec in zip(flat.arrays, specs_local, strict=True)
