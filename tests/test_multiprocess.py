@@ -121,6 +121,10 @@ def test_values_and_layouts_other_processes_hold_raise_clear_errors(two_by_four)
         "spans devices of other processes (process 1 of 2 holds 4 of its 8 devices); call "
         "modelshard.distributed.to_host(value) on every process to all-gather it, or work on "
         "value.addressable_shards.",
+        "assemble_process_local": "assemble_process_local: leaf 'batch' float32[8, 4] is "
+        "already a global array spanning devices of other processes; pass this process's part "
+        "as a NumPy or local array (modelshard.distributed.local_slice says which), or use the "
+        "global array as it is.",
     }
 
 

@@ -120,6 +120,10 @@ def errors() -> dict:
         ms.distributed.require_addressable(x["w"], "the test")
     except ms.DistributedError as e:
         out["require_addressable"] = str(e)
+    try:
+        ms.assemble_process_local({"batch": x["w"]}, m.BATCH_SPEC, ms.make_mesh({"data": 8}))
+    except ms.AssembleError as e:
+        out["assemble_process_local"] = str(e)
     return out
 
 
