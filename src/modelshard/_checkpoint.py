@@ -334,7 +334,7 @@ def _from_orbax(p: Path, tree_dir: Path) -> Source:
         shape = tuple(int(d) for d in getattr(meta, "shape", ()) or ())
         dtype = dtype_name(getattr(meta, "dtype", None) or jnp.float32)
         spec = None
-        sh = getattr(meta, "sharding", None)
+        sh: Any = getattr(meta, "sharding", None)
         if type(sh).__name__ == "NamedShardingMetadata":
             axes = dict(zip(sh.axis_names, (int(s) for s in sh.shape), strict=True))
             if mesh is None:

@@ -297,7 +297,7 @@ def _np_lanes(a: np.ndarray) -> np.ndarray:
     if dt == np.bool_:
         return a.astype(np.uint32)
     if np.issubdtype(dt, np.complexfloating):
-        return np.stack([_np_lanes(a.real), _np_lanes(a.imag)], axis=-1)
+        return np.stack([_np_lanes(np.real(a)), _np_lanes(np.imag(a))], axis=-1)
     size = dt.itemsize
     if _bits(dt) < size * 8:
         wide = np.float32 if jnp.issubdtype(dt, jnp.floating) else np.int32
