@@ -95,3 +95,38 @@ def test_demo(results: dict[str, Any]) -> None:
     assert (
         "modelshard plan" in text and "mesh (data=8)" in text and "mesh (data=2, model=4)" in text
     )
+
+
+def test_equinox_lm(results: dict[str, Any]) -> None:
+    out = _ok(results, "equinox_lm")
+    assert _falls(out["pretrain_losses"]) and _falls(out["finetune_losses"])
+    assert out["up_spec"] == "P('model', None)"  # restored straight into tensor parallel
+
+
+def test_linen_scan(results: dict[str, Any]) -> None:
+    out = _ok(results, "linen_scan")
+    assert _falls(out["pretrain_losses"]) and _falls(out["finetune_losses"])
+    assert out["step"] == 14  # pretrain + fine-tune steps, carried through save/restore
+    # the scanned kernel (layers, embed, mlp) and its adam moment: mlp -> model
+    assert out["up_spec"] == out["moment_spec"] == "P(None, None, 'model')"
+
+
+def test_constrain_activations(results: dict[str, Any]) -> None:
+    out = _ok(results, "constrain_activations")
+    assert out["hidden_spec"] == "P('data', None, 'model')"
+    assert out["max_err"] < 1e-4
+    assert "6 is not divisible by 4" in out["problem"]
+
+
+def test_restore_without_code(results: dict[str, Any]) -> None:
+    out = _ok(results, "restore_without_code")
+    assert out["paths"] == ["down/bias", "down/kernel", "embed/embedding", "up/bias", "up/kernel"]
+    assert out["tp_spec"] == "P(None, 'model')"
+    assert "changed  up/kernel" in out["error"]
+
+
+def test_custom_container(results: dict[str, Any]) -> None:
+    out = _ok(results, "custom_container")
+    assert out["losses"][-1] < out["losses"][0] / 2
+    assert "opt/0/mu/w1" in out["paths"] and "weights/w1" in out["paths"]
+    assert out["step"] == 10
