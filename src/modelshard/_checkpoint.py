@@ -9,6 +9,7 @@ restores it without modelshard; typed PRNG keys are stored as their key data.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -73,6 +74,17 @@ def _nest(items: Sequence[tuple[tuple[str, ...], Any]], what: str) -> dict[str, 
     return root
 
 
+# Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
+# dtype it has (the record keeps the real dtype).
+STORED_AS = {"float8_e4m3": "uint8", "uint4": "int4", "uint2": "int2"}
+
+
+def storable(x: Any) -> Any:
+    """``x``, or its bits in a dtype TensorStore can store (see ``STORED_AS``)."""
+    to = STORED_AS.get(dtype_name(x.dtype))
+    return x if to is None else jax.lax.bitcast_convert_type(x, jnp.dtype(to))
+
+
 def _storage_key(path: str) -> tuple[str, ...]:
     return split_path(path) or ("value",)
 
@@ -104,6 +116,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         if _is_key(x):
             impl = str(jax.random.key_impl(x))
             data = jax.random.key_data(x)
+        else:
+            data = storable(x)
         stored.append(data)
         leaves.append(
             LeafRecord(
@@ -511,6 +525,8 @@ def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
     if rec.key_impl is not None:
         return jax.random.wrap_key_data(x, impl=rec.key_impl)
+    if STORED_AS.get(rec.dtype) == rec.stored_dtype:
+        x = jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype))
     want = _leaf_target_dtype(rec, dtype)
     return x if want is None or x.dtype == want else x.astype(want)
 
