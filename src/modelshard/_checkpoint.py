@@ -136,7 +136,14 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         leaf.checksum = cs
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
-    tree = _nest([(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)], "save")
+    items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
+    _nest(items, "save")  # canonical paths must form a tree, zero-size leaves included
+    # Orbax refuses zero-size arrays: the record's shape and dtype say all there is.
+    tree = _nest([(k, x) for k, x in items if x.size], "save")
+    if not tree:
+        raise CheckpointError(
+            f"nothing to save: every array leaf of the {type(state).__name__} is zero-size."
+        )
     record = Record(
         kind=flat.kind,
         leaves=leaves,
@@ -455,7 +462,13 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     recs = source.record.by_path()
-    full = len(targets) == len(recs)
+    # zero-size leaves are in the record only (Orbax refuses to store them)
+    empty = {p: t for p, t in targets.items() if math.prod(t.shape) == 0}
+    zeros = {p: jnp.zeros(t.shape, t.dtype, device=t.sharding) for p, t in empty.items()}
+    targets = {p: t for p, t in targets.items() if p not in empty}
+    if not targets:
+        return zeros
+    full = len(targets) == sum(math.prod(r.stored_shape) > 0 for r in recs.values())
     if full and source.template is not None:
         flat_t = jax.tree_util.tree_flatten_with_path(source.template)
         tree = jax.tree_util.tree_unflatten(
@@ -471,7 +484,7 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         out = ckptr.restore(source.tree_dir, args=args)
     flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-    return {p: flat_out[format_path([*recs[p].key])] for p in targets}
+    return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}
 
 
 def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
