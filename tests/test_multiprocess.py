@@ -73,14 +73,14 @@ def reference() -> dict:
     for i in range(m.STEPS):
         state, loss = step(state, *m.batch(i))
         losses.append(float(loss))
-    return {"losses": losses, "values": m.flat_values(state)}
+    return {"losses": losses, "values": m.flat_values(state), "nnx_losses": m.nnx_losses(mesh)}
 
 
 @pytest.fixture(scope="module")
 def two_by_four(tmp_path_factory) -> Path:
     """2 processes x 4 devices: train on a global (2, 4) mesh, save a checkpoint."""
     out = tmp_path_factory.mktemp("two_by_four")
-    rc, output, seconds = launch(2, 4, "train.py", str(out), "--save", str(out / "saved"))
+    rc, output, seconds = launch(2, 4, "train.py", str(out), "--save", str(out / "saved"), "--nnx")
     assert rc == 0, output
     print(f"2x4 run: {seconds:.1f} s")
     return out
@@ -93,6 +93,7 @@ def test_two_processes_train_like_one(two_by_four, reference):
         # The loss is the same, bit for bit, as one process with 8 devices.
         assert r["losses"] == reference["losses"]
         assert r["numpy_loss"] == reference["losses"][0]  # NumPy inputs placed by shard_jit
+        assert r["nnx_losses"] == reference["nnx_losses"]  # an NNX module updated in place
         assert r["state_specs"]["params/w1"] == "P(None, 'model')"
         assert r["state_specs"]["opt/0/mu/w2"] == "P('model', None)"
         assert "13 array leaves on mesh (data=2, model=4), 8 devices" in r["plan"]

@@ -75,3 +75,23 @@ def flat_values(tree: Any) -> dict[str, np.ndarray]:
     flat = ms.adapters.split(tree)
     host = ms.adapters.split(ms.distributed.to_host(tree)).arrays
     return dict(zip(flat.paths, host, strict=True))
+
+
+def nnx_losses(mesh: Any) -> list[float]:
+    """Two steps of an NNX model updated in place by ``shard_jit``; the losses."""
+    from flax import nnx
+
+    model = nnx.Linear(D_IN, D_HID, rngs=nnx.Rngs(0))
+    rules = ms.Rules([(r"kernel$", P(None, "model")), (r"bias$", P("model"))])
+    ms.shard(model, rules, mesh)
+
+    @ms.shard_jit(mesh=mesh, in_specs=(rules, BATCH_SPEC))
+    def step(model: Any, x: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+        return loss
+
+    x, _ = batch(0)
+    xb = ms.assemble_process_local(x[local_rows(mesh, BATCH)], BATCH_SPEC, mesh)
+    return [float(ms.distributed.to_host(step(model, xb))) for _ in range(2)]

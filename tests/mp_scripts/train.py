@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--restore")
     ap.add_argument("--expect")
     ap.add_argument("--restore-mesh", default="4,2")
+    ap.add_argument("--nnx", action="store_true", help="also train an NNX model in place")
     args = ap.parse_args()
     t_init = time.perf_counter() - T0
     me = jax.process_index()
@@ -90,6 +91,8 @@ def main() -> None:
         state, loss = step(state, batch["x"], batch["y"])
         losses.append(float(ms.distributed.to_host(loss)))
     result["losses"] = losses
+    if args.nnx:
+        result["nnx_losses"] = m.nnx_losses(mesh)
     values = m.flat_values(state)
     if me == 0:
         np.savez(os.path.join(args.out, "state.npz"), **values)
