@@ -84,3 +84,29 @@ def test_unreduced_or_reduced_specs_are_a_spec_error(kind: str, mesh24) -> None:
             "arrays does not support",
         ]
         assert lines[3].startswith(f"    spec: P('data', {kind}={{'model'}}")
+
+
+@pytest.mark.parametrize(
+    ("leaf", "what"),
+    [
+        (np.array(["a", "b"] * 4), "dtype <U1 cannot be placed on devices"),
+        (np.array([None] * 8, dtype=object), "dtype object cannot be placed on devices"),
+        (np.arange(8).astype("datetime64[s]"), "dtype datetime64[s] cannot be placed on devices"),
+        (np.ones(8, np.longdouble), f"dtype {np.dtype(np.longdouble)} cannot be placed on devices"),
+        (
+            np.ma.array(np.arange(8.0), mask=[0, 1] * 4),
+            "a NumPy masked array cannot be placed on devices",
+        ),
+        (np.str_("x"), "dtype <U1 cannot be placed on devices"),
+    ],
+)
+def test_numpy_leaves_jax_cannot_hold_are_a_spec_error(leaf, what: str, mesh8) -> None:
+    """Finding 6: NumPy leaves JAX refuses (str/object/datetime/float128 dtypes, masked
+    arrays) were planned as fine, then shard raised JAX's TypeError/ValueError naming no
+    leaf."""
+    tree = {"ok": np.ones(8, np.float32), "bad": leaf}
+    for call in (ms.plan, ms.shard):
+        with pytest.raises(ms.SpecError) as e:
+            call(tree, P(), mesh8)
+        assert [(p.arg, p.path) for p in e.value.problems] == [("tree", "bad")]
+        assert str(e.value).splitlines()[2] == f"    problem: {what}"

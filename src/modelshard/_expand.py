@@ -361,7 +361,40 @@ def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | 
         for what, hint in problems:
             ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
         return None
+    if isinstance(leaf, np.ndarray | np.generic):
+        refused = _refused_by_jax(leaf)
+        if refused is not None:
+            ctx.problem(arg, info.path, leaf, refused[0], spec=spec, rule=rule, hint=refused[1])
+            return None
     return LeafPlan(info.path, shape, _placed_dtype(leaf.dtype), spec, rule)
+
+
+_REFUSED: dict[Any, tuple[str, str] | None] = {}
+
+
+def _refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
+    """(what, hint) if JAX cannot hold this NumPy leaf: masked arrays, str/bytes/object/
+    datetime/structured/float128 dtypes. Plans must say so, not ``device_put`` later."""
+    if isinstance(leaf, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array cannot be placed on devices",
+            "JAX does not support masked arrays; pass arr.filled(...) instead",
+        )
+    try:
+        return _REFUSED[leaf.dtype]
+    except KeyError:
+        pass
+    try:
+        jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
+        refused = None
+    except TypeError:
+        refused = (
+            f"dtype {leaf.dtype} cannot be placed on devices",
+            "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
+            "it out of the container",
+        )
+    _REFUSED[leaf.dtype] = refused
+    return refused
 
 
 def _placed_dtype(dtype: Any) -> Any:
