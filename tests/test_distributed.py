@@ -18,7 +18,13 @@ _VARS = [
     "MODELSHARD_LOCAL_DEVICES",
     "JAX_COORDINATOR_ADDRESS",
     "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
     "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
     "OMPI_MCA_orte_hnp_uri",
     "TPU_WORKER_HOSTNAMES",
 ]
@@ -123,8 +129,17 @@ def test_bad_or_late_settings_raise_a_clear_error(env, values, message):
             },
             None,
         ),
-        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
-        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}, None),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "4",
+            },
+            "openmpi",
+        ),
+        ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+        ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}, None),  # not all three
         ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, "tpu"),
     ],
 )
@@ -167,3 +182,28 @@ def test_local_slice_in_one_process_is_the_whole_array():
         slice(0, 16),
         slice(0, 8),
     )
+
+
+@pytest.mark.parametrize(
+    ("values", "kwargs"),
+    [
+        ({}, {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 0}),
+        ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, {}),
+        (
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "n[1-2]",
+                "SLURM_PROCID": "0",
+                "SLURM_LOCALID": "0",
+                "SLURM_NTASKS": "8",
+            },
+            {},
+        ),
+    ],
+)
+def test_explicit_arguments_and_cluster_environments_start_the_runtime(env, values, kwargs):
+    jax.devices()  # too late here, so the attempt is visible as the error
+    for k, v in values.items():
+        env.setenv(k, v)
+    with pytest.raises(ms.DistributedError, match=r"^JAX's backend was already started"):
+        distributed.initialize(**kwargs)

@@ -74,7 +74,8 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
     slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
     if all(k in env for k in slurm) and many("SLURM_NTASKS"):
         return "slurm"
-    if ("OMPI_MCA_orte_hnp_uri" in env or "OMPI_COMM_WORLD_RANK" in env) and many(
+    ompi = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    if ("OMPI_MCA_orte_hnp_uri" in env or all(k in env for k in ompi)) and many(
         "OMPI_COMM_WORLD_SIZE"
     ):
         return "openmpi"
@@ -144,8 +145,7 @@ def initialize(**jax_kwargs: Any) -> bool:
                 f"{ENV_COORDINATOR} is set but {', '.join(missing)} is not; "
                 "start processes with `modelshard launch -n N -- ...`."
             )
-        assert num is not None and pid is not None
-        if pid >= num:
+        if pid >= num:  # type: ignore[operator]  # both are set: checked just above
             raise DistributedError(
                 f"{ENV_PROCESS_ID}={pid} is not below {ENV_NUM_PROCESSES}={num}."
             )
@@ -162,7 +162,7 @@ def initialize(**jax_kwargs: Any) -> bool:
 def _backend_started() -> bool:
     from jax._src import xla_bridge
 
-    return bool(getattr(xla_bridge, "_backends", None))
+    return bool(xla_bridge.backends_are_initialized())
 
 
 def _set_cpu_devices(count: int) -> None:
