@@ -1,5 +1,5 @@
 """The docs cannot rot: every public name is documented, docstring examples and the code
-blocks shown in the docs run, and the site's navigation points at pages that exist."""
+blocks shown in the docs and the README run, and the site's navigation points at pages that exist."""
 
 from __future__ import annotations
 
@@ -112,7 +112,10 @@ def test_docstring_examples_run(module: str) -> None:
 
 # Every ```python block of these pages runs, in order, in one namespace per page.
 # (``py`` blocks are shown but not run: schematic fragments.)
-RUNNABLE = sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text())
+RUNNABLE = [
+    ROOT / "README.md",
+    *sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text()),
+]
 
 _RUNNER = r"""
 import os, re, sys, traceback
