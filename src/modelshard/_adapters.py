@@ -269,6 +269,9 @@ _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     ("flax.training.train_state", "TrainState", lambda: PytreeAdapter("flax.TrainState")),
     ("flax.core.frozen_dict", "FrozenDict", lambda: PytreeAdapter("flax.FrozenDict")),
     ("equinox", "Module", lambda: PytreeAdapter("equinox.Module")),
+    # Other NNX graph objects (nnx.Optimizer, ...) are mutable too: split and update them
+    # like modules, so state changed inside shard_jit reaches the caller's object.
+    ("flax.nnx", "Pytree", lambda: NnxModuleAdapter("nnx.Pytree")),
 ]
 
 _DEFAULT = PytreeAdapter()
