@@ -256,9 +256,13 @@ class ShardJit:
             entry = self._miss(slots, statics, taken, args, kwargs, key, stale=True)
             out = self._run(entry, flat)
         except ValueError:
-            out = self._recover(entry, flat)
-            if out is None:
-                raise
+            if not entry.fits(flat):  # jit refused the old shardings for the new shapes
+                entry = self._miss(slots, statics, taken, args, kwargs, key, stale=True)
+                out = self._run(entry, flat)
+            else:
+                out = self._recover(entry, flat)
+                if out is None:
+                    raise
         return entry.finish(out, taken)
 
     def _run(self, entry: Entry, flat: Sequence[Any]) -> Any:
@@ -383,7 +387,7 @@ class ShardJit:
         return ShardingMismatchError(
             problems,
             header=(
-                f"{n} input leaf{'s are' if n != 1 else ' is'} not in the planned sharding "
+                f"{n} input {'leaves are' if n != 1 else 'leaf is'} not in the planned sharding "
                 "(on_mismatch='raise'):"
             ),
         )

@@ -87,6 +87,14 @@ class Entry:
     plan: Plan
     desc: OutDesc
     updates: tuple[tuple[int, tuple[int, ...]], ...]
+    expect: list[tuple[tuple[int, ...], Any]]
+
+    def fits(self, flat: Sequence[Any]) -> bool:
+        """Whether ``flat`` has the shapes and dtypes this entry was planned for."""
+        return len(flat) == len(self.expect) and all(
+            tuple(x.shape) == shape and canonical_dtype(x.dtype) == dtype
+            for x, (shape, dtype) in zip(flat, self.expect, strict=True)
+        )
 
     def finish(self, out: Sequence[Any], taken: Sequence[Any]) -> Any:
         """Rebuild the output and write NNX state updates into the caller's modules."""
@@ -181,7 +189,7 @@ def build_entry(
     ]
     out_avals = jax.eval_shape(flat_fn, *abstract)
     desc: OutDesc = cell["desc"]
-    updates = cell["updates"]
+    updates = cell["frozen"] = cell["updates"]
     n = desc.num_arrays
     if sj.out_specs is None:
         out_sh = leaf_shardings(
@@ -200,7 +208,8 @@ def build_entry(
     jitted = jax.jit(
         flat_fn, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
     )
-    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates)
+    expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for t in taken for x in t[6]]
+    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect)
 
 
 def _explicit_out(sj: ShardJit, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
@@ -279,7 +288,8 @@ def _flat_fn(
         with jax.sharding.use_abstract_mesh(abstract_mesh):
             out = fn(*pos, **kw)
         arrays, desc = split_output(out, sources)
-        updates = []
+        frozen = cell.get("frozen")
+        updates: list[tuple[int, tuple[int, ...]]] = []
         for k in nnx_args:
             s, adapter, aux, _, index = dyn[k]
             leaves, aux2 = adapter.flatten(values[k])
@@ -291,7 +301,12 @@ def _flat_fn(
                 )
             new = leaves if index is None else [leaves[i] for i in index]
             a, _ = bounds[k]
-            changed = tuple(m for m, x in enumerate(new) if s.donate or x is not flat[a + m])
+            if frozen is not None:
+                # The first trace decides; a later trace can only differ by ops that
+                # return their input unchanged (a no-op constraint).
+                changed = frozen[len(updates)][1]
+            else:
+                changed = tuple(m for m, x in enumerate(new) if s.donate or x is not flat[a + m])
             arrays.extend(new[m] for m in changed)
             updates.append((k, changed))
         cell["desc"] = desc

@@ -1,0 +1,373 @@
+"""``shard_jit``: placement of any input, mismatch errors, compiled shardings, the cache,
+keyword and static arguments, outputs; ``shard`` gets the same input handling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from conftest import MAKERS
+
+
+def _arrays(tree):
+    return ms.adapters.split(tree).arrays
+
+
+def _params():
+    return {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones(4)}
+
+
+RULES = ms.Rules([("w$", P("data", None)), ("b$", P())])
+
+
+# ---- placement of inputs wherever they live -------------------------------------------
+
+
+def _committed_to_device0(tree):
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.devices()[0]), tree)
+
+
+def _sharded_otherwise(tree, mesh):
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(
+            x,
+            NamedSharding(mesh, P(*([None] * (x.ndim - 1)), "data"))
+            if x.shape[-1] % 8 == 0
+            else NamedSharding(mesh, P()),
+        ),
+        tree,
+    )
+
+
+@pytest.mark.parametrize("where", ["numpy", "uncommitted", "device0", "other-sharding"])
+def test_inputs_are_moved_to_the_plan(mesh8, where):
+    params, x = _params(), jnp.ones((8, 3))
+    if where == "numpy":
+        params, x = jax.tree_util.tree_map(np.asarray, (params, x))
+    elif where == "device0":
+        params, x = _committed_to_device0((params, x))
+        assert x.committed
+    elif where == "other-sharding":
+        params = {
+            "w": jax.device_put(params["w"], NamedSharding(mesh8, P(None, None))),
+            "b": params["b"],
+        }
+        x = jax.device_put(x, NamedSharding(mesh8, P()))
+    f = ms.shard_jit(lambda p, x: (p, x.sum()), mesh=mesh8, in_specs=(RULES, P("data")))
+    (out, total), p = f(params, x), f.plan(params, x)
+    assert float(total) == 24.0
+    np.testing.assert_array_equal(out["w"], np.arange(64.0).reshape(16, 4))
+    assert out["w"].sharding.is_equivalent_to(p.sharding(P("data", None)), 2)
+    assert out["b"].sharding.is_equivalent_to(p.sharding(P()), 1)
+
+
+def test_raise_mode_names_every_leaf_and_both_shardings(mesh8):
+    params, x = _committed_to_device0((_params(), jnp.ones((8, 3))))
+    f = ms.shard_jit(
+        lambda p, x: x.sum() + p["b"].sum(),
+        mesh=mesh8,
+        in_specs=(RULES, P("data")),
+        on_mismatch="raise",
+    )
+    with pytest.raises(ms.ShardingMismatchError) as e:
+        f(params, x)
+    mesh = "mesh (data=8)"
+    assert str(e.value).splitlines() == [
+        "3 input leaves are not in the planned sharding (on_mismatch='raise'):",
+        "  p:b float32[4]",
+        f"    problem: is on device 0 (cpu, SingleDeviceSharding), but the plan places it P() on {mesh}",
+        "    spec: P() (from rule 1 'b$')",
+        "    hint: place inputs first with modelshard.shard(...), or pass on_mismatch='move' to let shard_jit move them",
+        "  p:w float32[16, 4]",
+        f"    problem: is on device 0 (cpu, SingleDeviceSharding), but the plan places it P('data', None) on {mesh}",
+        "    spec: P('data', None) (from rule 0 'w$')",
+        "    hint: place inputs first with modelshard.shard(...), or pass on_mismatch='move' to let shard_jit move them",
+        "  x:<root> float32[8, 3]",
+        f"    problem: is on device 0 (cpu, SingleDeviceSharding), but the plan places it P('data') on {mesh}",
+        "    spec: P('data') (from P('data') for the whole argument)",
+        "    hint: place inputs first with modelshard.shard(...), or pass on_mismatch='move' to let shard_jit move them",
+    ]
+    assert isinstance(e.value, ValueError)
+    # placed inputs pass, and so do NumPy and uncommitted arrays (as with jax.jit)
+    assert float(f(ms.shard(_params(), RULES, mesh8), np.ones((8, 3)))) == 28.0
+    assert float(f(_params(), jnp.ones((8, 3)))) == 28.0
+
+
+def test_raise_mode_differently_sharded(mesh8):
+    f = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,), on_mismatch="raise")
+    assert float(f(ms.shard(_params(), RULES, mesh8))) == float(np.arange(64.0).sum())
+    params = ms.shard(_params(), P(), mesh8)  # replicated, planned P('data', None) for w
+    with pytest.raises(ms.ShardingMismatchError) as e:
+        f(params)
+    lines = str(e.value).splitlines()
+    assert lines[:3] == [
+        "1 input leaf is not in the planned sharding (on_mismatch='raise'):",
+        "  p:w float32[16, 4]",
+        "    problem: is P() on mesh (data=8), but the plan places it P('data', None) on mesh (data=8)",
+    ]
+    # and in move mode the same call goes through, on the fast path too
+    g = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,))
+    for tree in (ms.shard(_params(), RULES, mesh8), params, params):
+        assert float(g(tree)) == float(np.arange(64.0).sum())
+    assert g.cache_size == 1
+
+
+# ---- compiled shardings equal the plan, leaf for leaf ----------------------------------
+
+
+def test_compiled_input_shardings_equal_the_plan(container, mesh24):
+    spec = ms.fsdp("model", min_size=0)
+    f = ms.shard_jit(lambda t: t, mesh=mesh24, in_specs=(spec,))
+    compiled = f.lower(container).compile()
+    planned = ms.plan(container, spec, mesh24)
+    got = compiled.input_shardings[0]
+    arrays = _arrays(container)
+    assert len(got) == len(planned) == len(arrays)
+    for s, leaf, x in zip(got, planned, arrays, strict=True):
+        assert s.is_equivalent_to(planned.sharding(leaf.spec), x.ndim), leaf.path
+    assert any(leaf.spec != P() for leaf in planned)
+
+
+def test_lower_takes_abstract_arguments(mesh8):
+    abstract = jax.eval_shape(_params)
+    f = ms.shard_jit(lambda p: p["w"] * 2, mesh=mesh8, in_specs=(RULES,))
+    compiled = f.lower(abstract).compile()
+    assert compiled.input_shardings[0][1].spec == P("data", None)  # leaves in key order: b, w
+
+
+# ---- the cache ------------------------------------------------------------------------
+
+
+def test_cache_by_abstract_signature_replans_new_shapes(mesh8):
+    calls = []
+
+    def f(t):
+        calls.append(1)
+        return t
+
+    sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
+    a = sj({"w": jnp.ones((8, 3))})
+    sj({"w": jnp.zeros((8, 3))})
+    assert sj.cache_size == 1 and len(calls) == 2  # eval_shape + jit trace, once
+    b = sj({"w": jnp.ones((3, 16))})  # FSDP now shards dimension 1
+    assert a["w"].sharding.spec == P("data") and b["w"].sharding.spec == P(None, "data")
+    assert sj.cache_size == 2
+    c = sj({"w": jnp.ones((8, 3))})  # back to the first shape: no new plan
+    assert c["w"].sharding.spec == P("data") and sj.cache_size == 2
+    sj({"w": jnp.ones((8, 3), jnp.int32)})  # new dtype
+    assert sj.cache_size == 3
+
+
+def test_static_leaves_and_static_args_are_part_of_the_key(mesh8):
+    def f(t, scale, *, power):
+        return {"y": t["x"] * scale**power, "act": t["act"]}
+
+    sj = ms.shard_jit(f, mesh=mesh8, in_specs={"t": P("data")}, static_argnames=("scale", "power"))
+    tree = {"x": jnp.ones(8), "act": "relu"}
+    out = sj(tree, 2.0, power=3)
+    assert out["act"] == "relu" and float(out["y"][0]) == 8.0
+    assert float(sj(tree, 3.0, power=1)["y"][0]) == 3.0
+    assert sj({"x": jnp.ones(8), "act": "gelu"}, 3.0, power=1)["act"] == "gelu"
+    assert sj.cache_size == 3
+
+
+def test_unhashable_static_leaf_is_a_clear_error(mesh8):
+    sj = ms.shard_jit(lambda t: t["x"], mesh=mesh8, in_specs=(P(),))
+    with pytest.raises(
+        ms.AdapterError,
+        match=r"t:cfg is a bytearray, which is neither an array nor "
+        r"hashable",
+    ):
+        sj({"x": jnp.ones(2), "cfg": bytearray(b"ab")})
+
+
+def test_unhashable_static_argument(mesh8):
+    sj = ms.shard_jit(lambda x, n: x * len(n), mesh=mesh8, in_specs=(P(), None), static_argnums=1)
+    assert float(sj(jnp.ones(2), (1, 2))[0]) == 2.0
+    with pytest.raises(ms.SpecError) as e:
+        sj(jnp.ones(2), [1, 2])
+    assert str(e.value).splitlines()[:2] == ["invalid shard_jit arguments:", "  shard_jit:n"]
+
+
+# ---- arguments: kwargs, dict specs, missing specs --------------------------------------
+
+
+def test_dict_in_specs_resolve_keywords_and_defaults(mesh24):
+    def step(params, batch, lr=0.5):
+        return jax.tree_util.tree_map(lambda p: p - lr * batch.mean(), params)
+
+    sj = ms.shard_jit(step, mesh=mesh24, in_specs={"params": RULES, "batch": P("data")})
+    a = sj(_params(), jnp.ones((4, 2)))
+    b = sj(batch=jnp.ones((4, 2)), params=_params())
+    c = sj(_params(), batch=jnp.ones((4, 2)), lr=0.5)
+    for out in (a, b, c):
+        np.testing.assert_allclose(out["b"], 0.5)
+        assert out["w"].sharding.spec == P("data", None)
+
+
+def test_argument_with_arrays_but_no_spec(mesh8):
+    sj = ms.shard_jit(lambda a, b: a + b, mesh=mesh8, in_specs={"a": P()})
+    with pytest.raises(ms.SpecError) as e:
+        sj(jnp.ones(2), jnp.ones(2))
+    assert str(e.value).splitlines()[1:4] == [
+        "  b:<root>",
+        "    problem: argument 'b' holds 1 array leaves but in_specs gives it no spec",
+        "    hint: add an entry for 'b' to in_specs (P() replicates it), or make it static",
+    ]
+    assert float(sj(jnp.ones(2), 1.0)[0]) == 2.0  # a Python number is static: no spec needed
+
+
+def test_bad_arguments_are_reported(mesh8):
+    with pytest.raises(ms.SpecError) as e:
+        ms.shard_jit(lambda a: a, mesh=mesh8, in_specs={"b": P()})
+    assert str(e.value).splitlines() == [
+        "invalid shard_jit arguments:",
+        "  shard_jit:in_specs['b']",
+        "    problem: <lambda> has no parameter 'b'",
+        "    hint: its parameters are 'a'",
+    ]
+    with pytest.raises(ms.SpecError, match="on_mismatch='copy' is not 'move' or 'raise'"):
+        ms.shard_jit(lambda a: a, mesh=mesh8, in_specs=(P(),), on_mismatch="copy")  # type: ignore[arg-type]
+    with pytest.raises(ms.MeshError):
+        ms.shard_jit(lambda a: a, mesh="mesh", in_specs=(P(),))
+    sj = ms.shard_jit(lambda a, b=1: a, mesh=mesh8, in_specs=(P(),))
+    with pytest.raises(ms.SpecError, match="in_specs has 1 entries but <lambda> was called with 2"):
+        sj(jnp.ones(2), 2)
+
+
+def test_spec_errors_list_every_argument(mesh8):
+    sj = ms.shard_jit(lambda a, b: a, mesh=mesh8, in_specs=(P("data"), P("model")))
+    with pytest.raises(ms.SpecError) as e:
+        sj(jnp.ones(6), jnp.ones(8))
+    text = str(e.value)
+    assert "a:<root> float32[6]" in text and "b:<root> float32[8]" in text
+    assert "axis 'model' (dimension 0) is not in the mesh" in text
+
+
+# ---- outputs --------------------------------------------------------------------------
+
+
+def test_out_specs_none_keeps_input_layouts_and_lets_the_compiler_choose(mesh24):
+    def f(params, x):
+        return {"new": params, "loss": x.sum(), "pair": (x * 2, "tag")}
+
+    sj = ms.shard_jit(f, mesh=mesh24, in_specs=(RULES, P("data", "model")))
+    out = sj(_params(), jnp.ones((4, 8)))
+    assert out["new"]["w"].sharding.spec == P("data", None)
+    assert out["pair"][1] == "tag" and out["pair"][0].shape == (4, 8)
+
+
+def test_explicit_out_specs(mesh24):
+    def f(params):
+        return params, params["w"].sum()
+
+    sj = ms.shard_jit(
+        f,
+        mesh=mesh24,
+        in_specs=(RULES,),
+        out_specs=(ms.Rules([("w$", P(None, "model")), ("b$", P("model"))]), P()),
+    )
+    new, total = sj(_params())
+    assert new["w"].sharding.spec == P(None, "model") and new["b"].sharding.spec == P("model")
+    assert total.sharding.spec == P()
+
+
+def test_equinox_module_in_and_out(mesh8):
+    import equinox as eqx
+
+    mlp = MAKERS["equinox"]()
+    # gathering the weights keeps the matmuls legal under Explicit axes too
+    sj = ms.shard_jit(
+        lambda m, x: (m, jax.vmap(ms.constrain(m, P()))(x)),
+        mesh=mesh8,
+        in_specs=(ms.fsdp("data", min_size=0), P("data")),
+    )
+    m2, y = sj(mlp, jnp.ones((8, 16)))
+    assert isinstance(m2, eqx.nn.MLP) and y.shape == (8, 8)
+    np.testing.assert_allclose(y, jax.vmap(mlp)(jnp.ones((8, 16))), rtol=1e-5)
+    assert m2.layers[0].weight.sharding.spec == P("data")
+
+
+def test_decorator_and_wrapping(mesh8):
+    @ms.shard_jit(mesh=mesh8, in_specs=(P("data"),))
+    def double(x):
+        """Doubles."""
+        return x * 2
+
+    assert double.__name__ == "double" and double.__doc__ == "Doubles."
+    assert double(jnp.arange(8.0)).sharding.spec == P("data")
+
+
+# ---- NNX modules behave as with nnx.jit ------------------------------------------------
+
+
+def test_nnx_state_updates_reach_the_caller(mesh8):
+    from flax import nnx
+
+    model = MAKERS["nnx"]()
+    ids = jnp.zeros((8, 4), jnp.int32)
+
+    def run(m, ids):
+        ms.constrain(m, P())  # all-gather (FSDP); under Explicit axes the gather needs it
+        return m(ids).sum()
+
+    # (ids replicated: under Explicit axes an embedding gather of sharded ids needs an out
+    # sharding that nnx.Embed does not take)
+    sj = ms.shard_jit(run, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0), P()))
+    counts = lambda: [int(c) for c in jax.tree_util.tree_leaves(nnx.state(model, nnx.RngCount))]  # noqa: E731
+    before, before_counts = np.asarray(model.bn.mean[...]).copy(), counts()
+    sj(model, ids)
+    assert not np.allclose(model.bn.mean[...], before)  # BatchNorm stats updated in place
+    assert before_counts and counts() != before_counts  # Dropout drew from the RNG stream
+    assert isinstance(model, nnx.Module)
+
+
+def test_nnx_optimizer_is_split_and_updated_like_a_module(mesh8):
+    # Regression: nnx.Optimizer is an nnx.Pytree, not an nnx.Module; it used to go through the
+    # plain-pytree adapter, so updates made inside shard_jit never reached the caller's object.
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    assert ms.adapters.get_adapter(opt).kind == "nnx.Pytree"
+
+    def step(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: m(x).sum())(model))
+
+    ms.shard_jit(step, mesh=mesh8, in_specs=(P(), P(), P("data")))(model, opt, jnp.ones((8, 8)))
+    assert int(opt.step[...]) == 1
+
+
+def test_nnx_structure_change_inside_is_an_error(mesh8):
+    from flax import nnx
+
+    def grow(m):
+        m.extra = nnx.Param(jnp.ones(2))
+
+    sj = ms.shard_jit(grow, mesh=mesh8, in_specs=(P(),))
+    with pytest.raises(ms.AdapterError, match="the NNX module argument 'm' changed structure"):
+        sj(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# ---- shard() places inputs wherever they live -----------------------------------------
+
+
+@pytest.mark.parametrize("where", ["numpy", "device0", "other-sharding"])
+def test_shard_moves_inputs_wherever_they_live(mesh8, where):
+    params = _params()
+    if where == "numpy":
+        params = jax.tree_util.tree_map(np.asarray, params)
+    elif where == "device0":
+        params = _committed_to_device0(params)
+    else:
+        params = _sharded_otherwise(params, mesh8)
+    out = ms.shard(params, RULES, mesh8)
+    assert out["w"].sharding == NamedSharding(mesh8, P("data", None))
+    assert out["b"].sharding == NamedSharding(mesh8, P())
+    np.testing.assert_array_equal(out["w"], np.arange(64.0).reshape(16, 4))
