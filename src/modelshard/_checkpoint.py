@@ -539,7 +539,8 @@ def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     if rec.key_impl is not None:
         return jax.random.wrap_key_data(x, impl=rec.key_impl)
     if STORED_AS.get(rec.dtype) == rec.stored_dtype:
-        x = jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype))
+        # device_put: a zero-size bitcast forgets its sharding
+        x = jax.device_put(jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype)), x.sharding)
     want = _leaf_target_dtype(rec, dtype)
     return x if want is None or x.dtype == want else x.astype(want)
 
