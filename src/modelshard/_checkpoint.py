@@ -43,6 +43,9 @@ from ._shard import place
 __all__ = ["Source", "locate", "prepare", "restore", "save"]
 
 STATE_ITEM = "state"
+# Bytes Orbax may read at once during a restore: bounds host memory beyond the restored
+# arrays themselves (each read buffer is copied onto its devices, then freed).
+RESTORE_CONCURRENT_BYTES = 64 << 20
 RECORD_ITEM = "modelshard"
 
 
@@ -481,7 +484,14 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         partial_restore=not full,
         restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
     )
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+    from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
+        BasePyTreeCheckpointHandler,
+    )
+
+    handler = ocp.PyTreeCheckpointHandler(
+        handler_impl=BasePyTreeCheckpointHandler(restore_concurrent_bytes=RESTORE_CONCURRENT_BYTES)
+    )
+    with ocp.Checkpointer(handler) as ckptr:
         out = ckptr.restore(source.tree_dir, args=args)
     flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
     return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}

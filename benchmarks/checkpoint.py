@@ -1,0 +1,296 @@
+"""Checkpoint benchmark: modelshard save/restore vs raw Orbax vs np.save+fsync, and peak RSS.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/checkpoint.py            # ~1 GiB state, 3 repeats
+    .venv/bin/python benchmarks/checkpoint.py --gib 0.25 --repeats 1   # quick look
+
+What it measures (medians over ``--repeats``):
+
+- save throughput of ``modelshard.save`` (record and checksums included), of Orbax's
+  ``StandardCheckpointHandler`` on the same nested dict, and of ``np.save`` + ``fsync`` of
+  the same bytes (one file per leaf);
+- restore throughput of ``modelshard.restore`` (into the planned sharding, with and without
+  checksum verification), of Orbax restoring the same sharded targets, and of ``np.load`` +
+  ``device_put`` onto the same shardings. Reads are from a warm page cache;
+- peak RSS, each in a fresh subprocess (``VmHWM``, or ``RUSAGE_CHILDREN`` of a small
+  wrapper for the command): a baseline process (imports and 8 CPU devices only),
+  ``modelshard.restore`` resharding from fsdp over (8,) onto (2, 4) rules, and the
+  ``modelshard reshard`` command doing the same offline. Ratios are peak RSS over the state
+  (or checkpoint) bytes, with and without the baseline.
+
+The state is ``--leaves`` float32 matrices of random normals sharded by ``fsdp('data')`` over
+8 simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+import modelshard as ms  # noqa: E402
+
+RULES_TOML = """
+[[rules]]
+pattern = "w$"
+spec = ["data", "model"]
+"""
+
+CHILD_RESTORE = textwrap.dedent(
+    """
+    import os, sys, json
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import orbax.checkpoint
+    from jax.sharding import PartitionSpec as P
+    import modelshard as ms
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    jnp.ones(8).block_until_ready()
+
+    def vm_hwm():  # peak RSS of this process image (ru_maxrss would include the parent's)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    base = vm_hwm()
+    if sys.argv[1] != "baseline":
+        out = ms.restore(sys.argv[1], specs=ms.Rules([("w$", P("data", "model"))]), mesh=mesh)
+        jax.block_until_ready(out)
+    print(json.dumps({"baseline": base, "peak": vm_hwm()}))
+    """
+)
+
+# ru_maxrss of a grandchild forked from this small wrapper is that process's own peak.
+CHILD_CLI = textwrap.dedent(
+    """
+    import resource, subprocess, sys, json
+    rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+    print(json.dumps({"rc": rc,
+                      "peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+    """
+)
+
+
+def _median_time(fn, repeats, setup=None):
+    times = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _make_state(gib, leaves, mesh):
+    rows = 2048
+    cols = max(8, int(gib * (1 << 30) / 4 / leaves / rows) // 8 * 8)
+    keys = jax.random.split(jax.random.key(0), leaves)
+    state = {
+        f"layer{i:03d}": {"w": jax.random.normal(k, (rows, cols), jnp.float32)}
+        for i, k in enumerate(keys)
+    }
+    return ms.shard(state, ms.fsdp("data"), mesh)
+
+
+def _np_save(directory, state):
+    directory.mkdir(parents=True)
+    for name, leaf in state.items():
+        with open(directory / f"{name}.npy", "wb") as f:
+            np.save(f, np.asarray(leaf["w"]))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _np_load(directory, shardings):
+    host = {name: {"w": np.load(directory / f"{name}.npy")} for name in shardings}
+    return jax.block_until_ready(jax.device_put(host, shardings))
+
+
+def _run_json(cmd, timeout=900):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{cmd} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    parser.add_argument("--leaves", type=int, default=64, help="number of leaves (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per timing (default 3)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=16.0,
+        help="--chunk-mb for modelshard reshard (default 16)",
+    )
+    args = parser.parse_args(argv)
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="ms-bench-")).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    mesh = ms.make_mesh({"data": 8})
+    state = _make_state(args.gib, args.leaves, mesh)
+    jax.block_until_ready(state)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    gb = nbytes / 1e9
+    tree_shardings = jax.tree.map(lambda x: x.sharding, state)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    results: dict[str, float] = {"state_bytes": nbytes}
+
+    def fresh(name):
+        return lambda: shutil.rmtree(root / name, ignore_errors=True)
+
+    # ---- save -----------------------------------------------------------------------
+    handler = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    results["save_modelshard_s"] = _median_time(
+        lambda: ms.save(root / "ms", state), args.repeats, fresh("ms")
+    )
+    results["save_orbax_s"] = _median_time(
+        lambda: handler.save(root / "orbax", args=ocp.args.StandardSave(state)),
+        args.repeats,
+        fresh("orbax"),
+    )
+    results["save_np_s"] = _median_time(
+        lambda: _np_save(root / "np", state), args.repeats, fresh("np")
+    )
+
+    # ---- restore (warm page cache) --------------------------------------------------
+    pytree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+    specs = ms.fsdp("data")
+    results["restore_modelshard_s"] = _median_time(
+        lambda: jax.block_until_ready(
+            ms.restore(root / "ms", like=abstract, specs=specs, mesh=mesh)
+        ),
+        args.repeats,
+    )
+    results["restore_modelshard_noverify_s"] = _median_time(
+        lambda: jax.block_until_ready(
+            ms.restore(root / "ms", like=abstract, specs=specs, mesh=mesh, verify=False)
+        ),
+        args.repeats,
+    )
+    results["restore_orbax_s"] = _median_time(
+        lambda: jax.block_until_ready(
+            pytree.restore(
+                root / "orbax",
+                args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args),
+            )
+        ),
+        args.repeats,
+    )
+    results["restore_np_s"] = _median_time(
+        lambda: _np_load(root / "np", tree_shardings), args.repeats
+    )
+    state = None  # free the source state before the fresh-process measurements
+    ckpt_bytes = sum(f.stat().st_size for f in (root / "ms").rglob("*") if f.is_file())
+    results["checkpoint_bytes_on_disk"] = ckpt_bytes
+
+    # ---- peak RSS in fresh processes ------------------------------------------------
+    child = root / "child_restore.py"
+    child.write_text(CHILD_RESTORE)
+    base = _run_json([sys.executable, str(child), "baseline"])
+    rss = _run_json([sys.executable, str(child), str(root / "ms")])
+    results["rss_baseline"] = base["peak"]
+    results["rss_restore_reshard"] = rss["peak"]
+    rules = root / "rules.toml"
+    rules.write_text(RULES_TOML)
+    cli_child = root / "child_cli.py"
+    cli_child.write_text(CHILD_CLI)
+    exe = str(Path(sys.executable).parent / "modelshard")
+    shutil.rmtree(root / "resharded", ignore_errors=True)
+    t = time.perf_counter()
+    cli = _run_json(
+        [
+            sys.executable,
+            str(cli_child),
+            exe,
+            "reshard",
+            str(root / "ms"),
+            str(root / "resharded"),
+            "--mesh",
+            "data=2,model=4",
+            "--rules",
+            str(rules),
+            "--chunk-mb",
+            str(args.chunk_mb),
+        ]
+    )
+    results["reshard_cli_s"] = time.perf_counter() - t
+    if cli["rc"] != 0:
+        raise RuntimeError("modelshard reshard failed")
+    results["rss_reshard_cli"] = cli["peak"]
+
+    # ---- report ---------------------------------------------------------------------
+    def row(name, seconds, ref=None):
+        ratio = "" if ref is None else f"{seconds / ref:.2f}x"
+        return f"| {name} | {seconds:.2f} s | {gb / seconds:.2f} GB/s | {ratio} |"
+
+    mb = 1 << 20
+    lines = [
+        f"state: {args.leaves} float32 leaves, {nbytes / (1 << 30):.2f} GiB "
+        f"({nbytes / 1e9:.2f} GB), fsdp over 8 CPU devices; checkpoint on disk "
+        f"{ckpt_bytes / (1 << 30):.2f} GiB; median of {args.repeats}",
+        "",
+        "| operation | time | throughput | time vs raw Orbax |",
+        "|---|---|---|---|",
+        row("save: modelshard.save", results["save_modelshard_s"], results["save_orbax_s"]),
+        row("save: raw Orbax", results["save_orbax_s"], results["save_orbax_s"]),
+        row("save: np.save + fsync", results["save_np_s"], results["save_orbax_s"]),
+        row(
+            "restore: modelshard.restore",
+            results["restore_modelshard_s"],
+            results["restore_orbax_s"],
+        ),
+        row(
+            "restore: modelshard.restore(verify=False)",
+            results["restore_modelshard_noverify_s"],
+            results["restore_orbax_s"],
+        ),
+        row("restore: raw Orbax", results["restore_orbax_s"], results["restore_orbax_s"]),
+        row("restore: np.load + device_put", results["restore_np_s"], results["restore_orbax_s"]),
+        "",
+        "| peak RSS (fresh process) | MiB | / state bytes | above baseline / state bytes |",
+        "|---|---|---|---|",
+        f"| baseline (imports, 8 CPU devices) | {base['peak'] / mb:.0f} | "
+        f"{base['peak'] / nbytes:.2f} | - |",
+        f"| restore with reshard (8,) -> (2,4) | {rss['peak'] / mb:.0f} | "
+        f"{rss['peak'] / nbytes:.2f} | {(rss['peak'] - base['peak']) / nbytes:.2f} |",
+        f"| `modelshard reshard` (chunk {args.chunk_mb:g} MiB, {results['reshard_cli_s']:.1f} s)"
+        f" | {cli['peak'] / mb:.0f} | {cli['peak'] / ckpt_bytes:.2f} (of checkpoint) | "
+        f"{(cli['peak'] - base['peak']) / ckpt_bytes:.2f} (of checkpoint) |",
+    ]
+    print("\n".join(lines))
+    print(json.dumps(results))
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
