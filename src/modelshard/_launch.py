@@ -117,13 +117,25 @@ def child_env(
     return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # Linux: if the launcher itself is SIGKILLed, the kernel kills this child too.
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _die_with_parent() -> Any:
+    """On Linux, a pre-exec hook making the kernel SIGKILL the child if the launcher dies.
 
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc is loaded here, in the parent: the hook itself only makes one call, since little is
+    safe between fork and exec.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - unusual libc
+        return None
+
+    def hook() -> None:  # pragma: no cover - runs in the child before exec
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+    return hook
 
 
 def _forward(
@@ -204,7 +216,9 @@ def run(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
+    hook = _die_with_parent()
     try:
+        # Every process is started before any forwarding thread: fork is safest with one thread.
         for i in range(num):
             env = child_env(dict(os.environ), coordinator, num, i, devices)
             try:
@@ -215,12 +229,13 @@ def run(
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=hook,
                 )
             except OSError as e:
                 _note(stderr, lock, f"cannot start {command[0]!r}: {e.strerror or e}")
                 return 127
             procs.append(proc)
+        for i, proc in enumerate(procs):
             prefix = f"[process {i}] ".encode()
             for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
                 assert stream is not None
