@@ -101,6 +101,12 @@ def check(mesh: Any, c: Container, recipe: tuple[Any, ...]) -> None:
     for path, leaf in planned.items():
         want = NamedSharding(mesh, P(*v.specs[path]))
         assert p.sharding(leaf.spec).is_equivalent_to(want, len(leaf.shape)), (path, leaf.spec)
+    # The plan renders, and its container mirrors hold each leaf's spec at the leaf's place.
+    assert len(p.rows()) == len(planned) and str(p) and p.summary()
+    specs, shardings = p.specs, p.shardings
+    for leaf in c.arrays:
+        assert reach(specs, leaf.access) == planned[leaf.path].spec, leaf.path
+        assert reach(shardings, leaf.access) == p.sharding(planned[leaf.path].spec), leaf.path
     # Planning needs no devices: an abstract mesh of the same shape plans the same.
     assert [(x.path, x.spec) for x in ms.plan(c.tree, spec, _abstract(mesh))] == [
         (x.path, x.spec) for x in p
