@@ -59,6 +59,10 @@ def launch(n: int, devices: int, script: str, *args: str) -> tuple[int, str, flo
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
+def same(got: object, want: object) -> None:
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=0)
+
+
 def results(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"result_{i}.json").read_text()) for i in range(n)]
 
@@ -91,9 +95,11 @@ def test_two_processes_train_like_one(two_by_four, reference):
     for r in res:
         assert (r["process_count"], r["devices"], r["local_devices"]) == (2, 8, 4)
         # The loss is the same, bit for bit, as one process with 8 devices.
-        assert r["losses"] == reference["losses"]
-        assert r["numpy_loss"] == reference["losses"][0]  # NumPy inputs placed by shard_jit
-        assert r["nnx_losses"] == reference["nnx_losses"]  # an NNX module updated in place
+        # The same loss as one process with 8 devices. (Bit-identical in every run so far;
+        # the tolerance only allows gloo to sum in another order than one process does.)
+        same(r["losses"], reference["losses"])
+        same(r["numpy_loss"], reference["losses"][0])  # NumPy inputs placed by shard_jit
+        same(r["nnx_losses"], reference["nnx_losses"])  # an NNX module updated in place
         assert r["state_specs"]["params/w1"] == "P(None, 'model')"
         assert r["state_specs"]["opt/0/mu/w2"] == "P('model', None)"
         assert "13 array leaves on mesh (data=2, model=4), 8 devices" in r["plan"]
@@ -177,8 +183,8 @@ def test_four_processes_train_like_one_and_restore_onto_4x2(two_by_four, referen
     assert [r["rows"] for r in res] == [[0, 8], [0, 8], [8, 16], [8, 16]]
     for r in res:
         assert (r["process_count"], r["devices"], r["local_devices"]) == (4, 8, 2)
-        assert r["losses"] == reference["losses"]
-        assert r["numpy_loss"] == reference["losses"][0]
+        same(r["losses"], reference["losses"])
+        same(r["numpy_loss"], reference["losses"][0])
         assert all(a["equal"] and a["shape"] == [m.BATCH, m.D_IN] for a in r["assembled"].values())
         restored = r["restored"]
         assert restored["mesh"] == [4, 2]
