@@ -80,6 +80,13 @@ def _local_specs(flat0: Flat, specs: SpecLike, mesh: Any) -> list[PartitionSpec]
     return [leaf.spec for leaf in arg.leaves]
 
 
+def _dtype(x: Any) -> str:
+    try:
+        return np.dtype(x.dtype).name
+    except TypeError:  # extended dtypes (PRNG keys)
+        return str(x.dtype)
+
+
 def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
     first = flats[0]
     problems: list[str] = []
@@ -112,10 +119,10 @@ def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
                     f"  partition {p}, leaf {path!r}: shape {tuple(np.shape(b))} "
                     f"but partition {ids[0]} has {tuple(np.shape(a))}"
                 )
-            if np.dtype(b.dtype) != np.dtype(a.dtype):
+            if _dtype(b) != _dtype(a):
                 problems.append(
-                    f"  partition {p}, leaf {path!r}: dtype {np.dtype(b.dtype).name} "
-                    f"but partition {ids[0]} has {np.dtype(a.dtype).name}"
+                    f"  partition {p}, leaf {path!r}: dtype {_dtype(b)} "
+                    f"but partition {ids[0]} has {_dtype(a)}"
                 )
     if problems:
         raise AssembleError(
