@@ -325,3 +325,35 @@ def test_restore_errors(tmp_path, mesh8):
     assert str(e.value) == "restore(specs=...) needs mesh=...: specs are planned on a mesh."
     with pytest.raises(ms.SpecError, match="axis 'model'"):
         ms.restore(tmp_path / "c", specs=P("model"), mesh=mesh8)
+
+
+# ---- checksums -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float32",
+        "bfloat16",
+        "float16",
+        "int8",
+        "uint32",
+        "bool",
+        "int4",
+        "float8_e4m3fn",
+        "complex64",
+    ],
+)
+def test_host_and_device_checksums_agree_and_ignore_sharding(dtype, mesh8):
+    from modelshard._record import checksums
+
+    values = np.random.default_rng(1).normal(size=(16, 8)) * 20
+    if dtype == "complex64":
+        values = values + 1j * values[::-1]
+    x = jnp.asarray(values).astype(dtype)
+    sharded = ms.shard(x, P("data"), mesh8)
+    host, device = checksums([x, sharded]), checksums([x, sharded], host_max_elements=0)
+    assert host[0] == host[1] == device[0] == device[1]
+    flipped = jnp.asarray(np.asarray(x)[::-1].copy())
+    if not bool(jnp.all(flipped == x)):
+        assert checksums([flipped])[0] != host[0]

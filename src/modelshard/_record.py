@@ -5,8 +5,8 @@ or the ``modelshard`` item of a :class:`~modelshard.CheckpointManager` step). It
 pickle: canonical paths, shapes, dtypes, the spec and mesh each leaf was saved with, the
 container kind, package versions and a checksum per leaf.
 
-The checksum is a position-weighted sum of each leaf's bits modulo 2**32 (two lanes with
-different weights), computed on device. Integer sums do not depend on reduction order, so
+The checksum is two sums modulo 2**32 over each leaf's bits: each value times a hashed
+weight of its position, and a hash of (value, position), computed on device. Integer sums do not depend on reduction order, so
 the value is the same whatever sharding the leaf has when it is computed: a checkpoint
 saved on 8 devices verifies after a restore onto 2x4 without gathering anything.
 """
@@ -39,7 +39,7 @@ __all__ = [
 
 FORMAT = "modelshard.checkpoint/1"
 RECORD_FILE = "modelshard.json"
-CHECKSUM = "wsum32x2"
+CHECKSUM = "fmix32x2"
 
 
 def dtype_name(dtype: Any) -> str:
@@ -278,11 +278,23 @@ def _checksum_one(x: jax.Array) -> jax.Array:
     for d in range(v.ndim - 1, -1, -1):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, v.shape, d) * jnp.uint32(stride % 2**32)
         stride *= v.shape[d]
-    w1 = (idx * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15)) | jnp.uint32(1)
-    w2 = ((idx ^ (idx >> 16)) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)) | jnp.uint32(1)
-    s1 = jnp.sum(v * w1, dtype=jnp.uint32)
-    s2 = jnp.sum((v ^ (v >> 13)) * w2, dtype=jnp.uint32)
-    return jnp.stack([s1, s2])
+    return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in _terms(v, idx, jnp.uint32)])
+
+
+def _fmix(h: Any, u32: Any) -> Any:
+    """MurmurHash3's 32-bit finaliser: a bijective, non-linear mix (jnp or np uint32)."""
+    h = h ^ (h >> 16)
+    h = h * u32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * u32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
+    """Per-element terms of the two lanes: value times a hashed position weight, and a hash
+    of (value, position). Sums of either over all elements do not depend on order."""
+    w = _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1)
+    return v * w, _fmix(v ^ _fmix(idx + u32(0x7F4A7C15), u32), u32)
 
 
 _checksum_jit = jax.jit(_checksum_one)
@@ -311,11 +323,8 @@ def _np_lanes(a: np.ndarray) -> np.ndarray:
 def _np_checksum(a: np.ndarray) -> tuple[int, int]:
     v = _np_lanes(a).reshape(-1)
     idx = (np.arange(v.size, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
-    w1 = (idx * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)) | np.uint32(1)
-    w2 = ((idx ^ (idx >> 16)) * np.uint32(0x85EBCA6B) + np.uint32(0xC2B2AE35)) | np.uint32(1)
-    s1 = np.sum(v * w1, dtype=np.uint32)
-    s2 = np.sum((v ^ (v >> 13)) * w2, dtype=np.uint32)
-    return int(s1), int(s2)
+    t1, t2 = _terms(v, idx, np.uint32)
+    return int(np.sum(t1, dtype=np.uint32)), int(np.sum(t2, dtype=np.uint32))
 
 
 def checksums(arrays: Sequence[jax.Array], *, host_max_elements: int | None = None) -> list[str]:
