@@ -7,9 +7,15 @@ wrong value may come back. The numbers these tests measure are in ``docs/reliabi
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import queue
+import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
@@ -36,9 +43,15 @@ def _bits(x: Any) -> tuple[str, tuple[int, ...], bytes]:
     return dtype, a.shape, np.ascontiguousarray(a).tobytes()
 
 
-def assert_bit_exact(want: dict[str, Any], got: dict[str, Any]) -> None:
-    assert sorted(got) == sorted(want)
-    bad = [k for k in want if _bits(want[k]) != _bits(got[k])]
+def assert_bit_exact(want: Any, got: Any) -> None:
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    bad = [
+        jax.tree_util.keystr(p)
+        for (p, a), (_, b) in zip(flat_want, flat_got, strict=True)
+        if _bits(a) != _bits(b)
+    ]
     assert not bad, f"not bit-exact: {bad}"
 
 
@@ -47,16 +60,17 @@ def assert_bit_exact(want: dict[str, Any], got: dict[str, Any]) -> None:
 
 def every_dtype_state(mesh: Any) -> dict[str, Any]:
     """Each dtype sharded (8, 3), as a scalar and zero-size; typed keys; odd NumPy inputs."""
+    rows = NamedSharding(mesh, P("data"))
     tree: dict[str, Any] = {}
     for dt in DTYPES:
-        tree[f"{dt}/sharded"] = ms.shard(jnp.asarray(values(dt, (8, 3))), P("data"), mesh)
+        tree[f"{dt}/sharded"] = jax.device_put(values(dt, (8, 3)), rows)
         tree[f"{dt}/scalar"] = jnp.asarray(values(dt, (), seed=1))
-        tree[f"{dt}/empty"] = ms.shard(jnp.asarray(values(dt, (0, 4))), P("data"), mesh)
+        tree[f"{dt}/empty"] = jax.device_put(values(dt, (0, 4)), rows)
     for dt in ["float32", "bfloat16", "int4", "int8", "bool", "complex64"]:
         tree[f"{dt}/numpy_strided"] = values(dt, (6, 10), seed=2)[::2, 1::3]
     for impl in KEY_IMPLS:
         keys = jax.random.split(jax.random.key(7, impl=impl), 8)
-        tree[f"key_{impl}/sharded"] = ms.shard(keys, P("data"), mesh)
+        tree[f"key_{impl}/sharded"] = jax.device_put(keys, rows)
         tree[f"key_{impl}/scalar"] = jax.random.key(3, impl=impl)
         tree[f"key_{impl}/empty"] = jax.random.split(jax.random.key(1, impl=impl), 0)
     f32 = np.arange(60, dtype=np.float32).reshape(6, 10)
@@ -122,6 +136,8 @@ def test_zero_size_only_state_is_refused_clearly(tmp_path):
 
 _X64 = """
 import sys
+import threading
+import time
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_num_cpu_devices", 8)
 import modelshard as ms
@@ -161,3 +177,143 @@ def test_64_bit_dtypes_round_trip_under_x64_in_a_subprocess(tmp_path):
     assert run.stdout.strip().splitlines()[-1] == (
         "X64 OK ['complex128', 'float64', 'float64', 'int64', 'int64', 'uint64', 'uint64']"
     )
+
+
+# ---- SIGKILL at random moments --------------------------------------------------------------
+
+
+def _load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"ckpt_{name}", SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Zygote:
+    """``ckpt_scripts/save_loop.py``: imports once, forks a saver per :meth:`start`."""
+
+    def __init__(self, timeout_s: float):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "save_loop.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.deadline = time.monotonic() + timeout_s
+        self.saver: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("READY")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def expect(self, prefix: str) -> str:
+        while True:
+            left = self.deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for {prefix!r}"
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line.startswith(prefix):
+                return line
+
+    def start(self, root: Path) -> int:
+        """Fork a saver on ``root``; return the step it resumes at once its backend is up."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"fork {root}\n")
+        self.proc.stdin.flush()
+        self.saver = int(self.expect("FORKED ").split()[1])
+        return int(self.expect(f"{self.saver} START ").split()[2])
+
+    def kill_saver(self) -> list[str]:
+        """SIGKILL the saver, wait until it is gone; return what it printed since START."""
+        assert self.saver is not None
+        os.kill(self.saver, signal.SIGKILL)
+        while os.path.exists(f"/proc/{self.saver}") and _alive(self.saver):
+            assert time.monotonic() < self.deadline, "the killed saver did not go away"
+            time.sleep(0.01)
+        self.saver = None
+        out = []
+        while not self.lines.empty():
+            out.append(self.lines.get())
+        return out
+
+    def close(self) -> None:
+        if self.saver is not None:
+            os.kill(self.saver, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> dict[str, Any]:
+    """Start a saver, SIGKILL it at a random moment, check the directory, restart; repeat.
+
+    After every kill: the steps listed are complete and restore bit-exact, the latest is
+    at least the last step the saver saw committed, the next saver resumes right after it,
+    and the plain ``save(overwrite=True)`` checkpoint restores bit-exact to some step at
+    least as new as the last one that returned.
+    """
+    loop = _load_script("save_loop")
+    rng = random.Random(seed)
+    stats = {"kills": 0, "steps_seen": 0, "restores": 0, "killed_before_first_commit": 0}
+    committed = plain = 0
+    resume_at = 1
+    zygote = Zygote(timeout_s)
+    try:
+        for i in range(kills):
+            assert zygote.start(tmp_path) == resume_at, (seed, i)
+            time.sleep(rng.uniform(0.0, 2.5))
+            printed = zygote.kill_saver()
+            stats["kills"] += 1
+            done = [int(x.split()[2]) for x in printed if x.split()[1] == "COMMITTED"]
+            plain_done = [int(x.split()[2]) for x in printed if x.split()[1] == "PLAIN"]
+            stats["killed_before_first_commit"] += not done
+            committed = max([committed, *done])
+            plain = max([plain, *plain_done])
+            with ms.CheckpointManager(tmp_path / "mngr") as mngr:
+                steps = mngr.all_steps()
+                assert (mngr.latest_step() or 0) >= committed, (seed, i, steps, committed)
+                assert len(steps) <= 3 + 1, steps  # max_to_keep, plus one not yet rotated
+                for step in steps:
+                    assert_bit_exact(loop.state(step), mngr.restore(step)), (seed, i, step)
+                    stats["restores"] += 1
+            stats["steps_seen"] = max(steps or [0])
+            resume_at = max(steps or [0]) + 1
+            if plain:
+                out = ms.restore(tmp_path / "plain")
+                step = int(out["step"])
+                assert step >= plain, (seed, i, step, plain)
+                assert_bit_exact(loop.state(step), out)
+                stats["restores"] += 1
+    finally:
+        zygote.close()
+    return stats
+
+
+def test_sigkill_at_random_moments_never_lists_a_partial_step(tmp_path):
+    start = time.monotonic()
+    stats = sigkill_rounds(tmp_path, kills=20, seed=20261130, timeout_s=150)
+    assert stats["kills"] == 20
+    assert stats["steps_seen"] > 10  # the kills landed while saves were going on
+    assert time.monotonic() - start < 150
+
+
+@pytest.mark.slow
+def test_sigkill_many_more_times(tmp_path):
+    stats = sigkill_rounds(tmp_path, kills=100, seed=7, timeout_s=900)
+    assert stats["kills"] == 100

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,11 @@ from ._errors import CheckpointError
 from ._record import RECORD_FILE
 
 __all__ = ["CheckpointManager"]
+
+# Orbax deletes a rotated-out step file by file, so a SIGKILL part-way left a half-deleted
+# step that all_steps() still listed. Orbax renames rotated steps in here instead (one
+# atomic rename) and the manager removes them whenever it is used.
+ROTATED = ".modelshard-rotated"
 
 
 class CheckpointManager:
@@ -64,6 +70,7 @@ class CheckpointManager:
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,
             create=True,
+            todelete_subdir=ROTATED,
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -73,6 +80,16 @@ class CheckpointManager:
                 RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
             },
         )
+        self._purge_rotated()
+
+    def _purge_rotated(self) -> None:
+        """Delete the steps Orbax rotated out (renamed into ``ROTATED``, never listed)."""
+        import jax
+
+        rotated = self.directory / ROTATED
+        if jax.process_index() == 0 and rotated.is_dir():
+            for step_dir in rotated.iterdir():
+                shutil.rmtree(step_dir, ignore_errors=True)
 
     def save(self, step: int, state: Any, *, force: bool = False, metadata: Any = None) -> bool:
         """Save ``state`` as ``step`` if the save interval says so (or ``force``).
@@ -91,6 +108,7 @@ class CheckpointManager:
             )
         if not force and not self._manager.should_save(step):
             return False
+        self._purge_rotated()
         tree, record = prepare(state, metadata)
         args = ocp.args.Composite(
             **{
@@ -152,10 +170,12 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until background saves are written."""
         self._manager.wait_until_finished()
+        self._purge_rotated()
 
     def close(self) -> None:
         """Wait for pending saves and release Orbax's resources."""
         self._manager.close()
+        self._purge_rotated()
 
     def __enter__(self) -> CheckpointManager:
         return self
