@@ -154,3 +154,22 @@ def test_nav_pages_exist() -> None:
     assert pages
     missing = [p for p in pages if not (DOCS / p).is_file()]
     assert not missing, f"mkdocs.yml nav names pages that do not exist: {missing}"
+
+
+def test_cli_page_matches_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command and option the CLI page shows exists in that command's --help."""
+    from modelshard._cli import main
+
+    text = (DOCS / "cli.md").read_text()
+    shown = re.findall(r"`modelshard (\w+)([^`]*)`", text)
+    assert {c for c, _ in shown} >= {"inspect", "plan", "reshard", "launch"}
+    for command, rest in shown:
+        capsys.readouterr()
+        try:
+            status = main([command, "--help"])
+        except SystemExit as e:  # `launch` hands its arguments to argparse directly
+            status = e.code or 0
+        assert status == 0
+        helptext = capsys.readouterr().out
+        for option in re.findall(r"--[a-z][\w-]*", rest):
+            assert option in helptext, f"modelshard {command} has no {option}"
