@@ -224,7 +224,7 @@ def main(fast: bool = False, workdir: str | None = None) -> dict[str, Any]:
     pretrained, resharded, rules_file = work / "pretrained", work / "tp", work / "tp_rules.toml"
     ms.save(pretrained, state, overwrite=True)
     rules_file.write_text(TP_RULES_TOML)
-    modelshard_cli("inspect", str(pretrained), "--max-rows", "6", in_process=fast)
+    modelshard_cli("inspect", str(pretrained), "--max-rows", "8", in_process=True)
     shutil.rmtree(resharded, ignore_errors=True)
     modelshard_cli(
         "reshard",
