@@ -317,3 +317,117 @@ def test_sigkill_at_random_moments_never_lists_a_partial_step(tmp_path):
 def test_sigkill_many_more_times(tmp_path):
     stats = sigkill_rounds(tmp_path, kills=100, seed=7, timeout_s=900)
     assert stats["kills"] == 100
+
+
+# ---- hostile records -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    """A saved checkpoint and its record as a dict: (path, record)."""
+    import json
+
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "k": jax.random.key(1), "n": {"i": jnp.arange(5)}}
+    path = ms.save(tmp_path / "c", state)
+    return path, json.loads((path / "modelshard.json").read_text())
+
+
+def _leaf(record: dict[str, Any], path: str) -> dict[str, Any]:
+    return next(leaf for leaf in record["leaves"] if leaf["path"] == path)
+
+
+EDITS = {
+    "storage key walks up": (
+        lambda r: _leaf(r, "w").update(key=["..", "..", "w"]),
+        "leaf 'w' of the record is invalid: its storage key ['..', '..', 'w'] is not the one "
+        "its path gives, ['w'].",
+    ),
+    "storage key names another leaf": (
+        lambda r: _leaf(r, "w").update(key=["n", "i"]),
+        "leaf 'w' of the record is invalid: its storage key ['n', 'i'] is not the one its "
+        "path gives, ['w'].",
+    ),
+    "path walks up": (
+        lambda r: _leaf(r, "w").update(path="../../etc/passwd"),
+        "leaf '../../etc/passwd' of the record is invalid: its storage key ['w'] is not the "
+        "one its path gives, ['..', '..', 'etc', 'passwd'].",
+    ),
+    "shape": (
+        lambda r: _leaf(r, "w").update(shape=[4, 3]),
+        "leaf 'w' of the record is invalid: a float32[4, 3] leaf is never stored as float32[3, 4].",
+    ),
+    "dtype": (
+        lambda r: _leaf(r, "w").update(dtype="int32"),
+        "leaf 'w' of the record is invalid: a int32[3, 4] leaf is never stored as float32[3, 4].",
+    ),
+    "object dtype": (
+        lambda r: _leaf(r, "w").update(dtype="object", stored_dtype="object"),
+        "leaf 'w' of the record is invalid: dtype 'object' is not a numeric dtype.",
+    ),
+    "dtype that is code": (
+        lambda r: _leaf(r, "w").update(stored_dtype="os.system"),
+        "leaf 'w' of the record is invalid: unknown dtype 'os.system' in the checkpoint record.",
+    ),
+    "negative shape": (
+        lambda r: _leaf(r, "w").update(shape=[-3, 4], stored_shape=[-3, 4]),
+        "leaf 'w' of the record is invalid: negative dimension in [-3, 4] (stored [-3, 4]).",
+    ),
+    "key impl": (
+        lambda r: _leaf(r, "k").update(key_impl="evil"),
+        "leaf 'k' of the record is invalid: it is not key data of PRNG impl 'evil': "
+        'unrecognized PRNG implementation "evil".',
+    ),
+    "key data shape": (
+        lambda r: _leaf(r, "k").update(stored_shape=[3]),
+        "leaf 'k' of the record is invalid: it is not key data of PRNG impl 'threefry2x32': "
+        "JAX encountered invalid PRNG key data",
+    ),
+    "spec axis": (
+        lambda r: (r.update(mesh={"axes": {"data": 8}}), _leaf(r, "w").update(spec=["model"])),
+        "leaf 'w' of the record is invalid: its spec P('model',) names 'model', not an axis "
+        "of the recorded mesh.",
+    ),
+    "spec rank": (
+        lambda r: (
+            r.update(mesh={"axes": {"data": 8}}),
+            _leaf(r, "n/i").update(spec=[None, "data"]),
+        ),
+        "leaf 'n/i' of the record is invalid: its spec P(None, 'data') is longer than its rank 1.",
+    ),
+    "mesh": (
+        lambda r: r.update(mesh={"axes": {"data": -8}}),
+        "the modelshard record is malformed (ValueError: mesh axes {'data': -8} are not names "
+        "and positive sizes).",
+    ),
+    "leaves not a list of objects": (
+        lambda r: r.update(leaves=["w"]),
+        "the modelshard record is malformed (AttributeError: 'str' object has no attribute 'get').",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edited_record_is_refused_naming_leaf_and_file(small_ckpt, edit):
+    import json
+
+    path, record = small_ckpt
+    change, message = EDITS[edit]
+    change(record)
+    (path / "modelshard.json").write_text(json.dumps(record))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value).startswith(f"{path / 'modelshard.json'}: {message}")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1]", "the record is a JSON list, not an object."),
+        ('{"format": "modelshard.checkpoint/1", "kind": 1', "is not valid JSON"),
+    ],
+)
+def test_record_that_is_not_an_object_is_refused(small_ckpt, text, message):
+    path, _ = small_ckpt
+    (path / "modelshard.json").write_text(text)
+    with pytest.raises(ms.CheckpointError, match=message):
+        ms.restore(path)

@@ -29,6 +29,7 @@ from ._paths import split as split_path
 from ._plan import plan
 from ._record import (
     RECORD_FILE,
+    STORED_AS,
     LeafRecord,
     Record,
     checksums,
@@ -75,11 +76,6 @@ def _nest(items: Sequence[tuple[tuple[str, ...], Any]], what: str) -> dict[str, 
             )
         node[key[-1]] = value
     return root
-
-
-# Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
-# dtype it has (the record keeps the real dtype).
-STORED_AS = {"float8_e4m3": "uint8", "uint4": "int4", "uint2": "int2"}
 
 
 def storable(x: Any) -> Any:

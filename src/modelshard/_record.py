@@ -39,6 +39,10 @@ __all__ = [
 
 FORMAT = "modelshard.checkpoint/1"
 RECORD_FILE = "modelshard.json"
+
+# Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
+# dtype it has (the record keeps the real dtype).
+STORED_AS = {"float8_e4m3": "uint8", "uint4": "int4", "uint2": "int2"}
 CHECKSUM = "fmix32x2"
 
 
@@ -137,6 +141,58 @@ class LeafRecord:
         )
 
 
+def _numeric(name: str) -> np.dtype[Any]:
+    dt = np.dtype(parse_dtype(name))
+    if dt.kind not in "biufcV":  # bool, ints, floats of every width, complex
+        raise CheckpointError(f"dtype {name!r} is not a numeric dtype")
+    return dt
+
+
+def leaf_problem(leaf: LeafRecord, axes: Mapping[str, int] | None) -> str | None:
+    """What is wrong with one leaf of a record read from disk, or None.
+
+    A record is input like any other: a leaf's storage key must be the one its path gives
+    (so it can name nothing else in the checkpoint), its shapes and dtypes must describe
+    what is stored, and its spec must fit its rank and the recorded mesh.
+    """
+    key = tuple(leaf.path.split("/")) if leaf.path else ("value",)
+    if leaf.key != key:
+        return f"its storage key {list(leaf.key)} is not the one its path gives, {list(key)}"
+    if min((*leaf.shape, *leaf.stored_shape), default=0) < 0:
+        return f"negative dimension in {list(leaf.shape)} (stored {list(leaf.stored_shape)})"
+    try:
+        stored = _numeric(leaf.stored_dtype)
+        if leaf.key_impl is None:
+            _numeric(leaf.dtype)
+    except CheckpointError as e:
+        return str(e)
+    if leaf.key_impl is not None:
+        impl = str(leaf.key_impl)
+        try:
+            data = jax.ShapeDtypeStruct(leaf.stored_shape, stored)
+            key_shape = jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
+        except (TypeError, ValueError) as e:
+            return f"it is not key data of PRNG impl {impl!r}: {str(e).splitlines()[0][:200]}"
+        if key_shape.shape != leaf.shape:
+            return f"its key data {list(leaf.stored_shape)} holds keys {list(key_shape.shape)}"
+    elif leaf.stored_shape != leaf.shape or leaf.stored_dtype not in (
+        leaf.dtype,
+        STORED_AS.get(leaf.dtype),
+    ):
+        return (
+            f"a {leaf.dtype}{list(leaf.shape)} leaf is never stored as "
+            f"{leaf.stored_dtype}{list(leaf.stored_shape)}"
+        )
+    if leaf.spec is not None:
+        if len(leaf.spec) > len(leaf.shape):
+            return f"its spec {leaf.spec} is longer than its rank {len(leaf.shape)}"
+        for entry in leaf.spec:
+            for axis in entry if isinstance(entry, tuple) else (entry,):
+                if axis is not None and (not isinstance(axis, str) or axis not in (axes or {})):
+                    return f"its spec {leaf.spec} names {axis!r}, not an axis of the recorded mesh"
+    return None
+
+
 def _json_name(n: Any) -> Any:
     if n is None or isinstance(n, str):
         return n
@@ -191,6 +247,10 @@ class Record:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str = "") -> Record:
+        if not isinstance(d, Mapping):
+            raise CheckpointError(
+                f"{where}: the record is a JSON {type(d).__name__}, not an object."
+            )
         fmt = d.get("format")
         if fmt != FORMAT:
             raise CheckpointError(
@@ -201,17 +261,29 @@ class Record:
             raise CheckpointError(f"{where}: unknown checksum algorithm {d.get('checksum')!r}.")
         try:
             leaves = [LeafRecord.from_json(x) for x in d["leaves"]]
-            return cls(
+            record = cls(
                 kind=str(d["kind"]),
                 leaves=leaves,
                 mesh=d.get("mesh"),
                 versions=dict(d.get("versions") or {}),
                 metadata=dict(d.get("metadata") or {}),
             )
-        except (KeyError, TypeError, ValueError) as e:
+            axes = record.mesh_sizes()
+            if axes is not None and not all(
+                isinstance(k, str) and type(v) is int and v > 0 for k, v in axes.items()
+            ):
+                raise ValueError(f"mesh axes {axes} are not names and positive sizes")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(
                 f"{where}: the modelshard record is malformed ({type(e).__name__}: {e})."
             ) from e
+        for leaf in record.leaves:
+            problem = leaf_problem(leaf, axes)
+            if problem is not None:
+                raise CheckpointError(
+                    f"{where}: leaf {leaf.path or '<root>'!r} of the record is invalid: {problem}."
+                )
+        return record
 
 
 def mesh_json(mesh: Any) -> dict[str, Any]:
