@@ -431,3 +431,66 @@ def test_record_that_is_not_an_object_is_refused(small_ckpt, text, message):
     (path / "modelshard.json").write_text(text)
     with pytest.raises(ms.CheckpointError, match=message):
         ms.restore(path)
+
+
+def test_deeply_nested_record_is_refused(small_ckpt):
+    path, _ = small_ckpt
+    (path / "modelshard.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value).startswith(
+        f"{path / 'modelshard.json'} is not valid JSON: maximum recursion"
+    )
+
+
+@pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
+def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
+    import modelshard._checkpoint as ckpt
+
+    path, _ = small_ckpt
+    with open(path / name, "a") as f:
+        f.write(" " * 4096)  # still valid JSON, now the largest metadata file
+    size = (path / name).stat().st_size
+    monkeypatch.setattr(ckpt, "MAX_METADATA_BYTES", size - 1)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{path / name} is {size} bytes, more than the {size - 1} that checkpoint metadata "
+        "may have; refusing to read it."
+    )
+    monkeypatch.setattr(ckpt, "MAX_METADATA_BYTES", size)
+    assert ms.restore(path)["w"].shape == (3, 4)
+
+
+def _largest_data_file(path: Path) -> Path:
+    return max((f for f in path.rglob("*") if f.parent.name == "d"), key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.parametrize("what", ["data file", "directory", "record"])
+def test_symlinks_leading_outside_are_not_followed(small_ckpt, tmp_path, what):
+    import shutil
+
+    path, _ = small_ckpt
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if what == "data file":
+        link = _largest_data_file(path)
+    elif what == "directory":
+        link = next(path.glob("ocdbt.process_*"))
+    else:
+        link = path / "modelshard.json"
+    target = outside / link.name
+    shutil.move(link, target)  # the same bytes, now reached through a link
+    link.symlink_to(target)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{link} is a symbolic link to {target}, outside the checkpoint {path}; "
+        "refusing to follow it."
+    )
+
+
+def test_symlinks_inside_the_checkpoint_are_fine(small_ckpt):
+    path, _ = small_ckpt
+    (path / "alias").symlink_to(path / "modelshard.json")
+    assert ms.restore(path)["w"].shape == (3, 4)

@@ -302,8 +302,28 @@ def _manager_hint(p: Path) -> str:
     return ""
 
 
+# A record or Orbax tree metadata file larger than this is refused unread.
+MAX_METADATA_BYTES = 256 << 20
+
+
+def _links_outside(root: Path) -> list[tuple[Path, Path]]:
+    """Symbolic links under ``root`` that lead outside it (``os.walk`` does not enter them)."""
+    real = root.resolve()
+    found = []
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            link = Path(here, name)
+            if link.is_symlink() and not link.resolve().is_relative_to(real):
+                found.append((link, link.resolve()))
+    return found
+
+
 def locate(directory: str | os.PathLike[str]) -> Source:
-    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax."""
+    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax.
+
+    A checkpoint is untrusted input: a symbolic link leading out of it, or metadata over
+    ``MAX_METADATA_BYTES``, is refused before anything is read.
+    """
     p = _abs(directory)
     if not p.is_dir():
         old = p.parent / f".{p.name}.modelshard-old"
@@ -313,6 +333,11 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             else ""
         )
         raise CheckpointError(f"no checkpoint at {p}: the directory does not exist.{extra}")
+    for link, target in _links_outside(p)[:1]:
+        raise CheckpointError(
+            f"{link} is a symbolic link to {target}, outside the checkpoint {p}; "
+            "refusing to follow it."
+        )
     record_file = None
     if (p / "_METADATA").exists():
         tree_dir = p
@@ -328,12 +353,19 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             )
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
+    for meta in (record_file, tree_dir / "_METADATA"):
+        size = meta.stat().st_size if meta.is_file() else 0
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(
+                f"{meta} is {size} bytes, more than the {MAX_METADATA_BYTES} that checkpoint "
+                "metadata may have; refusing to read it."
+            )
     if record_file.exists():
         import json
 
         try:
             data = json.loads(record_file.read_text())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
         return Source(p, tree_dir, Record.from_json(data, str(record_file)))
     return _from_orbax(p, tree_dir)
