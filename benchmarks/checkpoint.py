@@ -5,7 +5,8 @@ Run from the repository root::
     .venv/bin/python benchmarks/checkpoint.py            # ~1 GiB state, 3 repeats
     .venv/bin/python benchmarks/checkpoint.py --gib 0.25 --repeats 1   # quick look
 
-What it measures (medians over ``--repeats``):
+What it measures (medians over ``--repeats``; the methods are interleaved within each
+repeat so that background load and disk write-back hit them alike):
 
 - save throughput of ``modelshard.save`` (record and checksums included), of Orbax's
   ``StandardCheckpointHandler`` on the same nested dict, and of ``np.save`` + ``fsync`` of
@@ -92,15 +93,12 @@ CHILD_CLI = textwrap.dedent(
 )
 
 
-def _median_time(fn, repeats, setup=None):
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def _timed(fn, setup=None):
+    if setup is not None:
+        setup()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def _make_state(gib, leaves, mesh):
@@ -165,48 +163,39 @@ def main(argv=None) -> int:
     def fresh(name):
         return lambda: shutil.rmtree(root / name, ignore_errors=True)
 
-    # ---- save -----------------------------------------------------------------------
+    # ---- save, then restore (warm page cache); methods interleaved within each repeat ----
     handler = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-    results["save_modelshard_s"] = _median_time(
-        lambda: ms.save(root / "ms", state), args.repeats, fresh("ms")
-    )
-    results["save_orbax_s"] = _median_time(
-        lambda: handler.save(root / "orbax", args=ocp.args.StandardSave(state)),
-        args.repeats,
-        fresh("orbax"),
-    )
-    results["save_np_s"] = _median_time(
-        lambda: _np_save(root / "np", state), args.repeats, fresh("np")
-    )
-
-    # ---- restore (warm page cache) --------------------------------------------------
     pytree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
     specs = ms.fsdp("data")
-    results["restore_modelshard_s"] = _median_time(
-        lambda: jax.block_until_ready(
-            ms.restore(root / "ms", like=abstract, specs=specs, mesh=mesh)
+    saves = {
+        "save_modelshard_s": ("ms", lambda: ms.save(root / "ms", state)),
+        "save_orbax_s": (
+            "orbax",
+            lambda: handler.save(root / "orbax", args=ocp.args.StandardSave(state)),
         ),
-        args.repeats,
-    )
-    results["restore_modelshard_noverify_s"] = _median_time(
-        lambda: jax.block_until_ready(
-            ms.restore(root / "ms", like=abstract, specs=specs, mesh=mesh, verify=False)
+        "save_np_s": ("np", lambda: _np_save(root / "np", state)),
+    }
+    restores = {
+        "restore_modelshard_s": lambda: ms.restore(
+            root / "ms", like=abstract, specs=specs, mesh=mesh
         ),
-        args.repeats,
-    )
-    results["restore_orbax_s"] = _median_time(
-        lambda: jax.block_until_ready(
-            pytree.restore(
-                root / "orbax",
-                args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args),
-            )
+        "restore_modelshard_noverify_s": lambda: ms.restore(
+            root / "ms", like=abstract, specs=specs, mesh=mesh, verify=False
         ),
-        args.repeats,
-    )
-    results["restore_np_s"] = _median_time(
-        lambda: _np_load(root / "np", tree_shardings), args.repeats
-    )
+        "restore_orbax_s": lambda: pytree.restore(
+            root / "orbax",
+            args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args),
+        ),
+        "restore_np_s": lambda: _np_load(root / "np", tree_shardings),
+    }
+    times: dict[str, list[float]] = {k: [] for k in [*saves, *restores]}
+    for _ in range(args.repeats):
+        for key, (name, fn) in saves.items():
+            times[key].append(_timed(fn, setup=fresh(name)))
+        for key, fn in restores.items():
+            times[key].append(_timed(lambda fn=fn: jax.block_until_ready(fn())))
+    results.update({k: statistics.median(v) for k, v in times.items()})
     state = None  # free the source state before the fresh-process measurements
     ckpt_bytes = sum(f.stat().st_size for f in (root / "ms").rglob("*") if f.is_file())
     results["checkpoint_bytes_on_disk"] = ckpt_bytes

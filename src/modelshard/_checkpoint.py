@@ -37,6 +37,7 @@ from ._record import (
     mesh_json,
     parse_dtype,
     saved_spec,
+    start_checksums,
     versions,
 )
 from ._shard import place
@@ -131,8 +132,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
                 names=info.names,
             )
         )
-    for leaf, cs in zip(leaves, checksums(stored), strict=True):
-        leaf.checksum = cs
+    # Device reductions run while the data is written; the record resolves them at the end.
+    pending = start_checksums(stored)
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
     items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
@@ -149,6 +150,7 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         mesh=None if mesh is None else mesh_json(mesh),
         versions=versions(),
         metadata=dict(metadata or {}),
+        pending=pending,
     )
     return tree, record
 

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -220,6 +220,14 @@ class Record:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "modelshard"
+    pending: Callable[[], list[str]] | None = dataclasses.field(default=None, repr=False)
+
+    def resolve(self) -> None:
+        """Fill in checksums still being computed (see :func:`start_checksums`)."""
+        if self.pending is not None:
+            for leaf, cs in zip(self.leaves, self.pending(), strict=True):
+                leaf.checksum = cs
+            self.pending = None
 
     @property
     def nbytes(self) -> int:
@@ -232,6 +240,7 @@ class Record:
         return None if self.mesh is None else dict(self.mesh["axes"])
 
     def to_json(self) -> dict[str, Any]:
+        self.resolve()
         return {
             "format": FORMAT,
             "kind": self.kind,
@@ -406,6 +415,16 @@ def checksums(arrays: Sequence[jax.Array], *, host_max_elements: int | None = No
     compiled program per shape, dtype and sharding, cached by JAX), so nothing large is
     gathered to one device.
     """
+    return start_checksums(arrays, host_max_elements=host_max_elements)()
+
+
+def start_checksums(
+    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None
+) -> Callable[[], list[str]]:
+    """Dispatch :func:`checksums` without waiting; call the result to collect them.
+
+    The device reductions run while the caller goes on (``save`` writes the data meanwhile).
+    """
     limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
     pending: dict[int, Any] = {}
     out: list[Any] = [None] * len(arrays)
@@ -414,6 +433,10 @@ def checksums(arrays: Sequence[jax.Array], *, host_max_elements: int | None = No
             out[i] = _np_checksum(np.asarray(x))
         else:
             pending[i] = _checksum_jit(x)
-    for i, s in zip(pending, jax.device_get(list(pending.values())), strict=True):
-        out[i] = (int(s[0]), int(s[1]))
-    return [f"{a:08x}:{b:08x}" for a, b in out]
+
+    def collect() -> list[str]:
+        for i, s in zip(pending, jax.device_get(list(pending.values())), strict=True):
+            out[i] = (int(s[0]), int(s[1]))
+        return [f"{a:08x}:{b:08x}" for a, b in out]
+
+    return collect
