@@ -494,3 +494,40 @@ def test_symlinks_inside_the_checkpoint_are_fine(small_ckpt):
     path, _ = small_ckpt
     (path / "alias").symlink_to(path / "modelshard.json")
     assert ms.restore(path)["w"].shape == (3, 4)
+
+
+@pytest.mark.parametrize("step", [-1, True, 1.5, "3", "../x", None])
+def test_manager_refuses_steps_that_are_not_non_negative_ints(tmp_path, step):
+    with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.save(step, {"w": jnp.ones(2)})
+        assert str(e.value) == f"step must be a non-negative int, got {step!r}."
+        assert mngr.save(np.int64(2), {"w": jnp.ones(2)})
+        assert mngr.all_steps() == [2]
+    assert os.listdir(tmp_path) == ["2"]
+
+
+def test_manager_does_not_follow_a_step_linked_outside(tmp_path):
+    import shutil
+
+    with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+        mngr.save(1, {"w": jnp.ones(2)})
+        shutil.move(tmp_path / "m" / "1", tmp_path / "elsewhere")
+        (tmp_path / "m" / "1").symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.restore(1)
+    assert str(e.value) == (
+        f"{tmp_path / 'm' / '1'} is a symbolic link to {tmp_path / 'elsewhere'}; steps are "
+        f"directories of {tmp_path / 'm'}, refusing to follow it."
+    )
+
+
+def test_rotation_leaves_nothing_half_deleted(tmp_path):
+    with ms.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as mngr:
+        for step in range(4):
+            mngr.save(step, {"w": jnp.full(3, step)})
+        # a step a killed purge left half-deleted in the rotation area is never listed
+        (tmp_path / ".modelshard-rotated" / "99" / "state").mkdir(parents=True)
+        assert mngr.all_steps() == [3]
+    assert sorted(os.listdir(tmp_path)) == [".modelshard-rotated", "3"]
+    assert os.listdir(tmp_path / ".modelshard-rotated") == []  # purged on close

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
 from pathlib import Path
@@ -102,6 +103,10 @@ class CheckpointManager:
         """
         import orbax.checkpoint as ocp
 
+        # Orbax writes "-1", "True" or "1.5" step directories it then never lists
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
+        step = int(step)
         if step in self.all_steps():
             raise CheckpointError(
                 f"step {step} already exists in {self.directory}; steps are never overwritten."
@@ -149,8 +154,14 @@ class CheckpointManager:
                 f"no step {step} in {self.directory}; steps there: "
                 f"{', '.join(map(str, steps)) or 'none'}."
             )
+        path = self.step_directory(step)
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path} is a symbolic link to {path.resolve()}; steps are directories of "
+                f"{self.directory}, refusing to follow it."
+            )
         return restore(
-            self.step_directory(step),
+            path,
             like=like,
             specs=specs,
             mesh=mesh,
