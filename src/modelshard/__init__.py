@@ -15,9 +15,9 @@ from ._assemble import assemble as assemble
 from ._assemble import assemble_process_local as assemble_process_local
 from ._assemble import global_shape as global_shape
 from ._assemble import partitions as partitions
-from ._constrain import constrain as constrain
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
+from ._constrain import constrain as constrain
 from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
