@@ -371,3 +371,28 @@ def test_shard_moves_inputs_wherever_they_live(mesh8, where):
     assert out["w"].sharding == NamedSharding(mesh8, P("data", None))
     assert out["b"].sharding == NamedSharding(mesh8, P())
     np.testing.assert_array_equal(out["w"], np.arange(64.0).reshape(16, 4))
+
+
+def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8):
+    from flax import nnx
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.zeros(8))
+            self.b = self.a  # the same Variable twice
+            self.count = nnx.BatchStat(jnp.zeros(()))
+
+    def f(m):
+        m.a[...] = m.a[...] + 1
+        m.count[...] = m.count[...] + 1
+        return m.b[...].sum()
+
+    m = M()
+    sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
+    for i in range(3):
+        assert float(sj(m)) == 8.0 * (i + 1)
+    assert float(m.count[...]) == 3.0 and m.a is m.b
+    assert m.a[...].sharding.spec == P("data") and sj.cache_size == 1
+    m.count = nnx.Param(m.count[...])  # same structure, another Variable type: replanned
+    assert float(sj(m)) == 32.0 and float(m.count[...]) == 4.0
+    assert sj.cache_size == 2

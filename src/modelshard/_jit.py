@@ -18,19 +18,16 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ._adapters import _REGISTRY, is_array, split
+from ._adapters import split
 from ._errors import AdapterError, Problem, ShardingMismatchError, SpecError
 from ._expand import mesh_sizes
 from ._jit_build import NOSPEC, Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
+from ._jit_take import NnxCall, static_part, take, take_slow
 from ._shard import place
 from ._specs import format_spec
 
 __all__ = ["ShardJit", "shard_jit"]
 
-_lookup = _REGISTRY.lookup
-# Types known to be array leaves; anything else is checked with ``is_array`` (then cached).
-_ARRAY_TYPES: set[type] = {np.ndarray}
-_NOT_ARRAY_TYPES: set[type] = set()
 _MAX_FAST = 512
 
 
@@ -38,35 +35,6 @@ def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
     return SpecError(
         [Problem("shard_jit", path, what, hint=hint)], header="invalid shard_jit arguments:"
     )
-
-
-def _take(value: Any) -> tuple[Any, list[Any], Hashable, tuple[int, ...] | None, list[Any]]:
-    """(adapter, leaves, aux, array positions or None if every leaf is one, arrays)."""
-    adapter = _lookup(type(value))
-    try:
-        leaves, aux = adapter.flatten(value)
-    except AdapterError:
-        raise
-    except Exception:
-        split(value)  # raises the AdapterError that names the container
-        raise
-    types = set(map(type, leaves))
-    if types <= _ARRAY_TYPES:
-        return adapter, leaves, aux, None, leaves
-    for t in types - _ARRAY_TYPES - _NOT_ARRAY_TYPES:
-        sample = next(x for x in leaves if type(x) is t)
-        (_ARRAY_TYPES if is_array(sample) else _NOT_ARRAY_TYPES).add(t)
-    index = tuple(i for i, x in enumerate(leaves) if type(x) in _ARRAY_TYPES)
-    if len(index) == len(leaves):
-        return adapter, leaves, aux, None, leaves
-    return adapter, leaves, aux, index, [leaves[i] for i in index]
-
-
-def _static_part(leaves: list[Any], index: tuple[int, ...] | None) -> tuple[Any, ...] | None:
-    if index is None:
-        return None
-    at = set(index)
-    return tuple((i, x) for i, x in enumerate(leaves) if i not in at)
 
 
 class ShardJit:
@@ -233,8 +201,8 @@ class ShardJit:
             if s.static:
                 statics.append(v)
                 continue
-            adapter, leaves, aux, index, arrays = _take(v)
-            sigs.append((adapter, aux, index and _static_part(leaves, index)))
+            (adapter, leaves, aux, index, arrays), key = take(v)
+            sigs.append((key, None if index is None else static_part(leaves, index)))
             taken.append((s, v, adapter, leaves, aux, index, arrays))
         return args, kwargs, slots, tuple(statics), taken, sigs
 
@@ -290,6 +258,9 @@ class ShardJit:
         are checked by ``jax.jit``'s own cache, and a retrace with other shapes raises
         :class:`Stale`, which lands here with ``stale=True``.
         """
+        # NNX arguments that took the fast route are flattened again the slow way here,
+        # so planning and tracing see exactly what their adapter makes of them.
+        taken = [(t[0], t[1], *take_slow(t[1])) if isinstance(t[2], NnxCall) else t for t in taken]
         self._check_hashable(slots, statics, taken)
         canon = (
             slots,
@@ -298,7 +269,7 @@ class ShardJit:
                 (
                     a,
                     aux,
-                    _static_part(leaves, idx),
+                    static_part(leaves, idx),
                     tuple([(tuple(np.shape(x)), canonical_dtype(x.dtype)) for x in arrays]),
                 )
                 for _, _, a, leaves, aux, idx, arrays in taken

@@ -105,6 +105,11 @@ class Entry:
             if not changed:
                 continue
             _, value, adapter, leaves, aux, index, _ = taken[k]
+            setter = getattr(adapter, "set_changed", None)
+            if setter is not None:  # the fast NNX route: set the changed Variables
+                setter(changed, out[at : at + len(changed)])
+                at += len(changed)
+                continue
             new = list(leaves)
             positions = index if index is not None else range(len(leaves))
             for m in changed:
