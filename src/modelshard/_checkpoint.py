@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -527,22 +528,56 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
     return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}
 
 
+_STATUS = re.compile(r"^[A-Z_]+: ")  # TensorStore's status codes: "DATA_LOSS: ..."
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def _json_unreadable(tree_dir: Path) -> str | None:
+    """The first of Orbax's JSON metadata files in ``tree_dir`` that does not parse."""
+    import json
+
+    names = ["_METADATA", "_sharding", "_CHECKPOINT_METADATA"]
+    for f in [*(tree_dir / n for n in names), *sorted(tree_dir.glob("array_metadatas/*"))]:
+        try:
+            if f.is_file():
+                json.loads(f.read_bytes())
+        except (ValueError, RecursionError):
+            return str(f)
+    return None
+
+
+def _failure(e: BaseException, tree_dir: Path) -> str:
+    """One leaf's read failure: TensorStore's innermost status (Orbax wraps it in vaguer
+    errors) names the chunk and the file; a JSON error is pinned on the file that fails."""
+    chain: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and len(chain) < 16:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    best = next((c for c in reversed(chain) if _STATUS.match(str(c))), e)
+    text = (str(best).strip().splitlines() or [""])[0]
+    files = _LOCAL_FILE.findall(text)
+    where = files[-1] if files else None
+    if where is None and any(type(c).__name__ == "JSONDecodeError" for c in chain):
+        where = _json_unreadable(tree_dir)
+    return f"{type(best).__name__}: {text[:300]}" + (f"\n    file: {where}" if where else "")
+
+
 def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`orbax_read`, turning any failure into a CheckpointError naming the bad leaves."""
+    """:func:`orbax_read`, turning any failure into a CheckpointError naming the bad leaves
+    and, where it can be told, the file at fault."""
     try:
         return orbax_read(source, targets)
     except Exception as e:
         bad = []
-        if len(targets) > 1:
-            for p, t in targets.items():
-                try:
-                    orbax_read(source, {p: t})
-                except Exception as e1:
-                    bad.append(
-                        f"  {p or '<root>'}: {type(e1).__name__}: "
-                        f"{str(e1).strip().splitlines()[0][:300]}"
-                    )
-        detail = "\n".join(bad) if bad else f"  {type(e).__name__}: {str(e).strip()[:500]}"
+        for p, t in targets.items():
+            try:
+                if len(targets) == 1:
+                    raise e
+                orbax_read(source, {p: t})
+            except Exception as e1:
+                bad.append(f"  {p or '<root>'}: {_failure(e1, source.tree_dir)}")
+        detail = "\n".join(bad) if bad else f"  {_failure(e, source.tree_dir)}"
         n = len(bad)
         what = f"{n} lea{'ves' if n != 1 else 'f'}" if bad else "the checkpoint"
         raise CheckpointError(
