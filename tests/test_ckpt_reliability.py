@@ -43,16 +43,16 @@ def _bits(x: Any) -> tuple[str, tuple[int, ...], bytes]:
     return dtype, a.shape, np.ascontiguousarray(a).tobytes()
 
 
-def assert_bit_exact(want: Any, got: Any) -> None:
+def assert_bit_exact(want: Any, got: Any, where: Any = "") -> None:
     flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
     flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
-    assert [p for p, _ in flat_got] == [p for p, _ in flat_want]
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want], where
     bad = [
         jax.tree_util.keystr(p)
         for (p, a), (_, b) in zip(flat_want, flat_got, strict=True)
         if _bits(a) != _bits(b)
     ]
-    assert not bad, f"not bit-exact: {bad}"
+    assert not bad, f"{where}: not bit-exact: {bad}"
 
 
 # ---- every dtype -------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> d
                 assert (mngr.latest_step() or 0) >= committed, (seed, i, steps, committed)
                 assert len(steps) <= 3 + 1, steps  # max_to_keep, plus one not yet rotated
                 for step in steps:
-                    assert_bit_exact(loop.state(step), mngr.restore(step)), (seed, i, step)
+                    assert_bit_exact(loop.state(step), mngr.restore(step), (seed, i, step))
                     stats["restores"] += 1
             stats["steps_seen"] = max(steps or [0])
             resume_at = max(steps or [0]) + 1
@@ -298,7 +298,7 @@ def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> d
                 out = ms.restore(tmp_path / "plain")
                 step = int(out["step"])
                 assert step >= plain, (seed, i, step, plain)
-                assert_bit_exact(loop.state(step), out)
+                assert_bit_exact(loop.state(step), out, (seed, i, step))
                 stats["restores"] += 1
     finally:
         zygote.close()
@@ -531,3 +531,124 @@ def test_rotation_leaves_nothing_half_deleted(tmp_path):
         assert mngr.all_steps() == [3]
     assert sorted(os.listdir(tmp_path)) == [".modelshard-rotated", "3"]
     assert os.listdir(tmp_path / ".modelshard-rotated") == []  # purged on close
+
+
+# ---- damaged files ---------------------------------------------------------------------------
+
+
+def _truncate(f: Path) -> None:
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+
+
+def _flip(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    if data:
+        data[len(data) // 2] ^= 0x5A
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {"truncated": _truncate, "flipped": _flip, "deleted": Path.unlink}
+
+
+def test_every_file_damaged_every_way_errors_or_restores_bit_exact(tmp_path):
+    """Each file of a checkpoint truncated, flipped or deleted: restore is bit-exact (the file
+    was not needed) or a CheckpointError; nothing else escapes, no wrong value comes back."""
+    import shutil
+
+    mesh = ms.make_mesh({"data": 8})
+    rng = np.random.default_rng(0)
+    state = {
+        "big": jax.device_put(
+            rng.standard_normal((256, 64)).astype(np.float32), NamedSharding(mesh, P("data"))
+        ),
+        "small": jnp.arange(8.0),
+        "k": jax.random.key(5),
+    }
+    base = ms.save(tmp_path / "base", state)
+    files = sorted(f.relative_to(base) for f in base.rglob("*") if f.is_file())
+    outcomes: dict[str, list[str]] = {"bit-exact": [], "CheckpointError": []}
+    for rel in files:
+        for how, damage in DAMAGE.items():
+            case = (
+                tmp_path / f"{how}-{len(outcomes['bit-exact']) + len(outcomes['CheckpointError'])}"
+            )
+            shutil.copytree(base, case)
+            damage(case / rel)
+            try:
+                out = ms.restore(case)
+            except ms.CheckpointError:
+                outcomes["CheckpointError"].append(f"{how} {rel}")
+            else:
+                assert_bit_exact(state, out, f"{how} {rel}")
+                outcomes["bit-exact"].append(f"{how} {rel}")
+            shutil.rmtree(case)
+    # every data file, the record and the Orbax metadata are checked
+    for must_fail in ["modelshard.json", "_METADATA", "manifest.ocdbt"]:
+        assert f"flipped {must_fail}" in outcomes["CheckpointError"], outcomes
+    assert any(s.startswith("truncated d/") for s in outcomes["CheckpointError"]), outcomes
+
+
+def test_truncated_data_names_the_leaf_and_the_file(tmp_path):
+    mesh = ms.make_mesh({"data": 8})
+    big = np.random.default_rng(1).standard_normal((256, 64)).astype(np.float32)
+    path = ms.save(
+        tmp_path / "c",
+        {"big": jax.device_put(big, NamedSharding(mesh, P("data"))), "small": jnp.ones(3)},
+    )
+    _truncate(_largest_data_file(path))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
+    assert lines[1].startswith("  big: ValueError: ")
+    assert lines[2].startswith(f"    file: {path}")
+    assert "small" not in str(e.value)
+
+
+def test_broken_orbax_metadata_names_the_file(tmp_path):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(3)})
+    _truncate(path / "_METADATA")
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
+    assert lines[1].startswith("  w: JSONDecodeError: ")
+    assert lines[2] == f"    file: {path / '_METADATA'}"
+
+
+def test_deleted_process_shard_directory(tmp_path):
+    import shutil
+
+    path = ms.save(tmp_path / "c", {"w": jnp.arange(4096.0), "v": jnp.ones(3)})
+    shutil.rmtree(next(path.glob("ocdbt.process_*")))
+    try:
+        out = ms.restore(path)
+    except ms.CheckpointError as e:
+        assert "\n  w: " in str(e) or "\n  v: " in str(e)
+    else:  # the root manifest may hold everything this small checkpoint needs
+        np.testing.assert_array_equal(out["w"], np.arange(4096.0))
+
+
+@pytest.mark.parametrize("layout", ["save", "manager"])
+def test_deleted_record_is_an_error_not_a_plain_orbax_checkpoint(tmp_path, layout):
+    import shutil
+
+    state = {"w": jnp.ones(3), "k": jax.random.key(0)}
+    if layout == "save":
+        path = ms.save(tmp_path / "c", state)
+        record = path / "modelshard.json"
+        record.unlink()
+    else:
+        with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+            mngr.save(1, state)
+        path = tmp_path / "m" / "1"
+        record = path / "modelshard" / "modelshard.json"
+        shutil.rmtree(path / "modelshard")
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{record} is missing, but modelshard wrote {path}: without the record the leaves' "
+        "paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a complete copy "
+        "of the checkpoint."
+    )

@@ -29,6 +29,7 @@ from ._paths import format_path, key_name
 from ._paths import split as split_path
 from ._plan import plan
 from ._record import (
+    FORMAT,
     RECORD_FILE,
     STORED_AS,
     LeafRecord,
@@ -50,6 +51,9 @@ STATE_ITEM = "state"
 # arrays themselves (each read buffer is copied onto its devices, then freed).
 RESTORE_CONCURRENT_BYTES = 64 << 20
 RECORD_ITEM = "modelshard"
+# In Orbax's own _CHECKPOINT_METADATA: says a record must be there (typed PRNG keys, paths
+# and checksums are only in the record; without it a checkpoint reads as plain Orbax).
+MARKER = {"modelshard": FORMAT}
 
 
 # ---- writing -------------------------------------------------------------------------
@@ -229,7 +233,7 @@ def orbax_save(directory: Path, tree: Any) -> None:
     import orbax.checkpoint as ocp
 
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        ckptr.save(directory, args=ocp.args.StandardSave(tree))
+        ckptr.save(directory, args=ocp.args.StandardSave(tree), custom_metadata=MARKER)
 
 
 def save(
@@ -371,7 +375,27 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
         return Source(p, tree_dir, Record.from_json(data, str(record_file)))
+    if _marked(p / "_CHECKPOINT_METADATA"):
+        raise CheckpointError(
+            f"{record_file} is missing, but modelshard wrote {p}: without the record the "
+            "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
+            "complete copy of the checkpoint."
+        )
     return _from_orbax(p, tree_dir)
+
+
+def _marked(meta: Path) -> bool:
+    """Whether Orbax's ``_CHECKPOINT_METADATA`` carries modelshard's ``MARKER``."""
+    import json
+
+    try:
+        if meta.stat().st_size > MAX_METADATA_BYTES:
+            return False
+        data = json.loads(meta.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    custom = data.get("custom_metadata") if isinstance(data, dict) else None
+    return isinstance(custom, dict) and "modelshard" in custom
 
 
 def _from_orbax(p: Path, tree_dir: Path) -> Source:

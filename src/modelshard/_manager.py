@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._checkpoint import RECORD_ITEM, STATE_ITEM, prepare, restore
+from ._checkpoint import MARKER, RECORD_ITEM, STATE_ITEM, prepare, restore
 from ._errors import CheckpointError
 from ._record import RECORD_FILE
 
@@ -121,7 +121,7 @@ class CheckpointManager:
                 RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
             }
         )
-        return bool(self._manager.save(step, args=args, force=force))
+        return bool(self._manager.save(step, args=args, force=force, custom_metadata=MARKER))
 
     def step_directory(self, step: int) -> Path:
         """The directory of ``step`` (which :func:`modelshard.restore` also reads)."""
