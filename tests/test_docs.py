@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import subprocess
@@ -138,12 +139,15 @@ sys.exit(1 if failed else 0)
 
 def test_docs_code_blocks_run() -> None:
     assert RUNNABLE, "no runnable code blocks found under docs/"
+    # Tiny arrays: compile time dominates, so XLA's backend optimisations are turned down.
+    xla = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, *map(str, RUNNABLE)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
