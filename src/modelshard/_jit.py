@@ -19,9 +19,10 @@ import jax
 import numpy as np
 
 from ._adapters import split
-from ._errors import AdapterError, Problem, ShardingMismatchError, SpecError
+from ._errors import AdapterError, Problem, ShardingMismatchError
 from ._expand import mesh_sizes
-from ._jit_build import NOSPEC, Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
+from ._jit_args import ArgumentLayout, invalid
+from ._jit_build import Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
 from ._jit_take import NnxCall, static_part, take, take_slow
 from ._shard import place
 from ._specs import format_spec
@@ -31,13 +32,7 @@ __all__ = ["ShardJit", "shard_jit"]
 _MAX_FAST = 512
 
 
-def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
-    return SpecError(
-        [Problem("shard_jit", path, what, hint=hint)], header="invalid shard_jit arguments:"
-    )
-
-
-class ShardJit:
+class ShardJit(ArgumentLayout):
     """A function compiled per abstract signature, with container arguments placed by plan.
 
     Built by :func:`shard_jit`; call it like the wrapped function.
@@ -57,12 +52,12 @@ class ShardJit:
         on_mismatch: Literal["move", "raise"] = "move",
     ):
         if not callable(fn):
-            raise _invalid("fn", f"{fn!r} is not callable")
+            raise invalid("fn", f"{fn!r} is not callable")
         mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
         if on_mismatch not in ("move", "raise"):
-            raise _invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
+            raise invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
         if not isinstance(in_specs, Mapping | tuple | list):
-            raise _invalid(
+            raise invalid(
                 "in_specs",
                 f"in_specs must be a tuple (one entry per positional "
                 f"argument) or a dict (parameter name -> entry), got "
@@ -95,100 +90,6 @@ class ShardJit:
         functools.update_wrapper(self, fn)
 
     # ---- argument layout --------------------------------------------------------------
-    def _check_names(self) -> None:
-        if self._sig is None:
-            if isinstance(self.in_specs, Mapping) or self._donate_names or self._static_names:
-                raise _invalid(
-                    "in_specs",
-                    f"{self.fn!r} has no inspectable signature, so "
-                    "arguments can only be given by position",
-                    hint="pass in_specs as a tuple and use *_argnums",
-                )
-            return
-        params = self._sig.parameters
-        named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        names = {p.name for p in named}
-        varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        problems = []
-        given = list(self.in_specs) if isinstance(self.in_specs, Mapping) else []
-        for what, items in (
-            ("in_specs", given),
-            ("donate_argnames", self._donate_names),
-            ("static_argnames", self._static_names),
-        ):
-            for n in items:
-                if n not in names and not varkw:
-                    problems.append(
-                        Problem(
-                            "shard_jit",
-                            f"{what}[{n!r}]",
-                            f"{self.fn.__name__} has no parameter {n!r}",
-                            hint=f"its parameters are {', '.join(map(repr, names))}",
-                        )
-                    )
-        if problems:
-            raise SpecError(problems, header="invalid shard_jit arguments:")
-
-    def _layout(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
-        key = (npos, kwnames)
-        hit = self._layouts.get(key)
-        if hit is not None:
-            return hit
-        params = list(self._sig.parameters.values()) if self._sig else []
-        posnames = [
-            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        var = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
-        slots = []
-        specs = self.in_specs
-        if not isinstance(specs, Mapping) and len(specs) != npos:
-            raise _invalid(
-                "in_specs",
-                f"in_specs has {len(specs)} entries but "
-                f"{self.fn.__name__} was called with {npos} positional arguments",
-                hint="give one entry per positional argument (anything, e.g. None, "
-                "for static ones), or a dict of parameter name -> entry",
-            )
-        for i in range(npos):
-            name = posnames[i] if i < len(posnames) else f"{var}[{i - len(posnames)}]"
-            static = (
-                i in self._static_nums
-                or i - npos in self._static_nums
-                or name in self._static_names
-            )
-            spec = specs.get(name, NOSPEC) if isinstance(specs, Mapping) else specs[i]
-            donate = i in self._donate_nums or name in self._donate_names
-            slots.append(Slot(name, i, None, static, NOSPEC if spec is None else spec, donate))
-        for k in kwnames:
-            static = k in self._static_names
-            spec = specs.get(k, NOSPEC) if isinstance(specs, Mapping) else NOSPEC
-            slots.append(
-                Slot(k, None, k, static, NOSPEC if spec is None else spec, k in self._donate_names)
-            )
-        bad = [s.name for s in slots if s.static and s.donate]
-        if bad:
-            raise _invalid("donate_argnums", f"static argument {bad[0]!r} cannot be donated")
-        out = self._layouts[key] = tuple(slots)
-        return out
-
-    def _bind(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self._sig is None:
-            if kwargs:
-                raise _invalid(
-                    "kwargs",
-                    f"{self.fn!r} has no inspectable signature; pass arguments by position",
-                )
-            return args, kwargs
-        try:
-            bound = self._sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{self.fn.__name__}(): {e}") from None
-        bound.apply_defaults()
-        return bound.args, bound.kwargs
-
-    # ---- calling ----------------------------------------------------------------------
     def _gather(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         if kwargs or len(args) != self._nplain:
             args, kwargs = self._bind(args, kwargs)
@@ -290,7 +191,7 @@ class ShardJit:
             try:
                 hash(v)
             except TypeError:
-                raise _invalid(
+                raise invalid(
                     s.name,
                     f"static argument {s.name!r} is a {type(v).__name__}, which is not hashable",
                     hint="static arguments are part of the compilation cache key; "
