@@ -6,7 +6,7 @@ handling and rebuilding the output. Every variant runs in the same process, inte
 round by round so machine noise hits them alike; each number is the median of many calls.
 
 Run: ``python benchmarks/dispatch.py [--leaves 1000] [--rounds 15] [--calls 40] [--markdown]``
-(about two minutes on 2 cores).
+(about four minutes on 2 cores).
 """
 
 from __future__ import annotations
