@@ -396,3 +396,15 @@ def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8):
     m.count = nnx.Param(m.count[...])  # same structure, another Variable type: replanned
     assert float(sj(m)) == 32.0 and float(m.count[...]) == 4.0
     assert sj.cache_size == 2
+
+
+def test_nnx_static_attributes_are_part_of_the_key(mesh8):
+    model = MAKERS["nnx"]()
+    ids = jnp.zeros((8, 4), jnp.int32)
+    sj = ms.shard_jit(lambda m, ids: m(ids), mesh=mesh8, in_specs=(P(), P()))
+    train = sj(model, ids)
+    model.eval()  # flips static flags (Dropout.deterministic, BatchNorm running averages)
+    evaluated = sj(model, ids)
+    assert sj.cache_size == 2
+    assert not np.allclose(train, evaluated)
+    np.testing.assert_allclose(sj(model, ids), evaluated, rtol=1e-6)
