@@ -504,7 +504,7 @@ def test_manager_refuses_steps_that_are_not_non_negative_ints(tmp_path, step):
         assert str(e.value) == f"step must be a non-negative int, got {step!r}."
         assert mngr.save(np.int64(2), {"w": jnp.ones(2)})
         assert mngr.all_steps() == [2]
-    assert os.listdir(tmp_path) == ["2"]
+    assert sorted(os.listdir(tmp_path)) == [".modelshard-lock", "2"]
 
 
 def test_manager_does_not_follow_a_step_linked_outside(tmp_path):
@@ -529,7 +529,7 @@ def test_rotation_leaves_nothing_half_deleted(tmp_path):
         # a step a killed purge left half-deleted in the rotation area is never listed
         (tmp_path / ".modelshard-rotated" / "99" / "state").mkdir(parents=True)
         assert mngr.all_steps() == [3]
-    assert sorted(os.listdir(tmp_path)) == [".modelshard-rotated", "3"]
+    assert sorted(os.listdir(tmp_path)) == [".modelshard-lock", ".modelshard-rotated", "3"]
     assert os.listdir(tmp_path / ".modelshard-rotated") == []  # purged on close
 
 
@@ -652,3 +652,109 @@ def test_deleted_record_is_an_error_not_a_plain_orbax_checkpoint(tmp_path, layou
         "paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a complete copy "
         "of the checkpoint."
     )
+
+
+# ---- two writers, a reader racing a writer ---------------------------------------------------
+
+
+def _writer_message(directory: Path) -> str:
+    return (
+        f"another CheckpointManager is saving to {directory} (it holds "
+        f"{directory / '.modelshard-lock'}); two writers would overwrite each other's steps. "
+        "Save from one manager, or give each its own directory."
+    )
+
+
+def test_two_managers_on_one_directory_serialise_or_fail_clearly(tmp_path):
+    first = ms.CheckpointManager(tmp_path, async_save=False)
+    second = ms.CheckpointManager(tmp_path, async_save=False)
+    assert first.save(1, {"w": jnp.full(3, 1.0)})
+    with pytest.raises(ms.CheckpointError) as e:
+        second.save(2, {"w": jnp.full(3, 2.0)})
+    assert str(e.value) == _writer_message(tmp_path)
+    assert second.restore(1)["w"][0] == 1.0  # reading needs no lock
+    first.close()
+    assert second.save(2, {"w": jnp.full(3, 2.0)})  # the first one is gone: serialised
+    with pytest.raises(ms.CheckpointError, match="another CheckpointManager is saving"):
+        first.save(3, {"w": jnp.full(3, 3.0)})  # even a closed manager cannot write now
+    second.close()
+    with ms.CheckpointManager(tmp_path) as third:
+        assert third.all_steps() == [1, 2]
+        assert third.restore(2)["w"][0] == 2.0
+
+
+def test_restores_racing_saves_are_bit_exact_or_clear_errors(tmp_path):
+    """A reader restores the latest step over and over while a writer saves and rotates."""
+    steps, seen, errors = 12, [], []
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "w": np.full((64, 64), step, np.float32),
+            "i": np.arange(1000, dtype=np.int32) * step,
+        }
+
+    def write() -> None:
+        with ms.CheckpointManager(tmp_path, max_to_keep=2) as mngr:
+            for step in range(1, steps + 1):
+                mngr.save(step, state(step))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader = ms.CheckpointManager(tmp_path)
+    deadline = time.monotonic() + 120
+    try:
+        while (writer.is_alive() or not seen) and time.monotonic() < deadline:
+            latest = reader.latest_step()
+            if latest is None:
+                time.sleep(0.01)
+                continue
+            try:
+                out = reader.restore(latest)
+            except ms.CheckpointError as e:  # rotated away while being read
+                errors.append(str(e))
+                continue
+            assert_bit_exact(state(latest), {k: np.asarray(v) for k, v in out.items()}, latest)
+            seen.append(latest)
+    finally:
+        writer.join(timeout=120)
+        reader.close()
+    assert seen[-1] == steps or not writer.is_alive()
+    assert len(seen) >= 2, seen
+
+
+@pytest.mark.slow
+def test_two_writer_processes_never_both_claim_a_step(tmp_path):
+    writers = {
+        name: subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "two_writers.py"), str(tmp_path), name, str(off), "8"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        for name, off in [("A", 0), ("B", 1000)]
+    }
+    time.sleep(1.0)
+    (tmp_path / "go").touch()
+    lines = []
+    for proc in writers.values():
+        try:
+            lines += proc.communicate(timeout=240)[0].splitlines()
+        finally:
+            proc.kill()
+    saved = {(int(x.split()[2]), x.split()[0]) for x in lines if x.split()[1] == "SAVED"}
+    refused = [x for x in lines if x.split()[1] == "REFUSED"]
+    # refused while the other one writes, or (if it finished first) because the step exists
+    assert all(
+        "CheckpointError: another CheckpointManager is saving" in x or "already exists" in x
+        for x in refused
+    ), refused
+    assert len(saved) + len(refused) == 16, lines
+    owner = dict(saved)
+    assert len(owner) == len(saved), f"a step claimed twice: {sorted(saved)}"
+    with ms.CheckpointManager(tmp_path / "mngr") as mngr:
+        assert mngr.all_steps() == sorted(owner)
+        for step, name in owner.items():
+            offset = 0 if name == "A" else 1000
+            out = mngr.restore(step)
+            np.testing.assert_array_equal(out["w"], np.full((64, 64), offset + step, np.float32))

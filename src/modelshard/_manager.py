@@ -18,6 +18,9 @@ __all__ = ["CheckpointManager"]
 # step that all_steps() still listed. Orbax renames rotated steps in here instead (one
 # atomic rename) and the manager removes them whenever it is used.
 ROTATED = ".modelshard-rotated"
+# Held (flock) by the one manager that saves into a directory: two writers would each
+# believe they wrote a step that only one of them did.
+LOCK = ".modelshard-lock"
 
 
 class CheckpointManager:
@@ -81,6 +84,8 @@ class CheckpointManager:
                 RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
             },
         )
+        self._lock_fd: int | None = None
+        self._writer = False
         self._purge_rotated()
 
     def _purge_rotated(self) -> None:
@@ -91,6 +96,28 @@ class CheckpointManager:
         if jax.process_index() == 0 and rotated.is_dir():
             for step_dir in rotated.iterdir():
                 shutil.rmtree(step_dir, ignore_errors=True)
+
+    def _become_writer(self) -> None:
+        """Hold ``LOCK`` until :meth:`close` (the OS drops it if the process dies)."""
+        import fcntl
+
+        import jax
+
+        if self._lock_fd is not None or jax.process_index() != 0:
+            self._writer = True
+            return
+        fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"another CheckpointManager is saving to {self.directory} (it holds "
+                f"{self.directory / LOCK}); two writers would overwrite each other's steps. "
+                "Save from one manager, or give each its own directory."
+            ) from None
+        self._lock_fd = fd
+        self._writer = True
 
     def save(self, step: int, state: Any, *, force: bool = False, metadata: Any = None) -> bool:
         """Save ``state`` as ``step`` if the save interval says so (or ``force``).
@@ -107,6 +134,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
+        self._become_writer()
         if step in self.all_steps():
             raise CheckpointError(
                 f"step {step} already exists in {self.directory}; steps are never overwritten."
@@ -172,10 +200,13 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
         """Every complete step, ascending."""
+        if not self._writer:  # Orbax caches steps: another manager may have saved since
+            self._manager.reload()
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
@@ -187,6 +218,9 @@ class CheckpointManager:
         """Wait for pending saves and release Orbax's resources."""
         self._manager.close()
         self._purge_rotated()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> CheckpointManager:
         return self
