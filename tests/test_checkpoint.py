@@ -357,3 +357,23 @@ def test_host_and_device_checksums_agree_and_ignore_sharding(dtype, mesh8):
     flipped = jnp.asarray(np.asarray(x)[::-1].copy())
     if not bool(jnp.all(flipped == x)):
         assert checksums([flipped])[0] != host[0]
+
+
+def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):
+    from modelshard._reshard import reshard
+
+    tree = {"layers": [{"w": jnp.ones((8, 4))}, {"w": jnp.zeros((8, 4))}], "b": jnp.arange(8.0)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(str(tmp_path / "src"), tree)
+    out = ms.restore(tmp_path / "src", like={"b": jnp.zeros(8)}, partial=True)
+    np.testing.assert_array_equal(out["b"], np.arange(8.0))
+    reshard(
+        tmp_path / "src",
+        tmp_path / "dst",
+        specs=ms.fsdp("data", min_size=0),
+        mesh=mesh8,
+        chunk_bytes=64,
+    )
+    back = ms.restore(tmp_path / "dst")
+    assert back["layers"]["1"]["w"].sharding.spec == P("data")
+    np.testing.assert_array_equal(back["layers"]["0"]["w"], np.ones((8, 4)))

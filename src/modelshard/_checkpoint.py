@@ -527,18 +527,19 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
     if not targets:
         return zeros
     full = len(targets) == sum(math.prod(r.stored_shape) > 0 for r in recs.values())
-    if full and source.template is not None:
+    if source.template is not None:
+        # Orbax's own structure (lists stay lists); leaves not asked for are placeholders.
         flat_t = jax.tree_util.tree_flatten_with_path(source.template)
         tree = jax.tree_util.tree_unflatten(
-            flat_t[1], [targets[format_path(k)] for k, _ in flat_t[0]]
+            flat_t[1], [targets.get(format_path(k), ocp.PLACEHOLDER) for k, _ in flat_t[0]]
         )
+        restore_args = jax.tree.map(lambda t: t if t is ocp.PLACEHOLDER else _restore_args(t), tree)
+        partial = False
     else:
         tree = _nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
-    args = ocp.args.PyTreeRestore(
-        item=tree,
-        partial_restore=not full,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-    )
+        restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
+        partial = not full
+    args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
     from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
         BasePyTreeCheckpointHandler,
     )
@@ -550,6 +551,12 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         out = ckptr.restore(source.tree_dir, args=args)
     flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
     return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}
+
+
+def _restore_args(target: jax.ShapeDtypeStruct) -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.checkpoint_utils.construct_restore_args(target)
 
 
 _STATUS = re.compile(r"^[A-Z_]+: ")  # TensorStore's status codes: "DATA_LOSS: ..."
