@@ -79,8 +79,12 @@ class NnxCall:
         return self.route.adapter.kind
 
     def set_changed(self, changed: Sequence[int], values: Sequence[Any]) -> None:
-        for m, v in zip(changed, values, strict=True):
-            self.variables[m].set_value(v)
+        for m, value in zip(changed, values, strict=True):
+            var = self.variables[m]
+            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
+                var.set_value(value)
+            else:  # what set_value does for a plain array, minus its copy and hook lookup
+                var._raw_value = value
 
 
 _ROUTES: dict[Hashable, _Route | None] = {}
