@@ -177,3 +177,15 @@ def test_cli_page_matches_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
         helptext = capsys.readouterr().out
         for option in re.findall(r"--[a-z][\w-]*", rest):
             assert option in helptext, f"modelshard {command} has no {option}"
+
+
+def test_readme_commands_exist() -> None:
+    """The README's two commands are Makefile targets, and `make demo` runs the demo."""
+    readme = (ROOT / "README.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("demo", "test"):
+        assert f"make {target}" in readme
+        assert re.search(rf"^{target}:", makefile, flags=re.MULTILINE), target
+    demo_recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "examples/demo.py" in demo_recipe
+    assert "bootstrap" in makefile and (ROOT / "scripts" / "bootstrap.sh").is_file()
