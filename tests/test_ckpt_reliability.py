@@ -846,3 +846,29 @@ def test_leaf_names_are_data_not_paths(tmp_path, name):
     assert set(tmp_path.iterdir()) - before == {path}
     out = ms.restore(path, like=state)
     np.testing.assert_array_equal(out["outer"][name], np.arange(3.0))
+
+
+def test_concurrent_saves_of_one_path_take_turns(tmp_path):
+    def state(i: int) -> dict[str, Any]:
+        return {"w": np.full((128, 128), i, np.float32), "v": np.arange(3000, dtype=np.int32) + i}
+
+    errors: list[str] = []
+
+    def saves(offset: int) -> None:
+        for i in range(offset, offset + 4):
+            try:
+                ms.save(tmp_path / "c", state(i), overwrite=True)
+            except Exception as e:  # any failure here is the finding
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=saves, args=(off,)) for off in (0, 1000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    out = ms.restore(tmp_path / "c")
+    last = int(out["v"][0])
+    assert last in (3, 1003)
+    assert_bit_exact(state(last), {k: np.asarray(v) for k, v in out.items()})
+    assert os.listdir(tmp_path) == ["c"]

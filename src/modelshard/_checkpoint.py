@@ -202,8 +202,25 @@ def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> 
     """Write a checkpoint into a staging directory, add the record, then rename it into place.
 
     A crash at any point leaves an existing checkpoint at ``path`` untouched; with
-    ``overwrite`` the old one is renamed aside only once the new one is complete.
+    ``overwrite`` the old one is renamed aside only once the new one is complete. Saves
+    into one parent directory take turns (an flock on it): two saves of one path would
+    otherwise write into the same staging directory.
     """
+    import fcntl
+
+    lock = None
+    if jax.process_index() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(path.parent, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        _write_atomic(path, write, record, overwrite=overwrite)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
     if path.exists() and not overwrite:
         raise CheckpointError(
             f"{path} already exists; pass overwrite=True to replace it (the "
