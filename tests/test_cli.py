@@ -192,3 +192,35 @@ def test_installed_command_end_to_end(ckpt, tmp_path):
     out = ms.restore(dst, mesh=ms.make_mesh({"data": 4}))
     assert out["mlp"]["kernel"].sharding.spec == P(None, "data")
     assert jax.dtypes.issubdtype(out["drop"]["rngs"]["key"].dtype, jax.dtypes.prng_key)
+
+
+def test_plan_uses_recorded_metadata_names(tmp_path, capsys):
+    variables = MAKERS["linen"]()
+    ms.save(tmp_path / "linen", variables)
+    (tmp_path / "rules.toml").write_text(
+        '[[rules]]\npattern = "bias$|scale$|mean$|var$"\nspec = []\n\n'
+        '[logical]\nembed = "none"\nmlp = "model"\nlayers = "none"\n'
+    )
+    argv = [
+        "plan",
+        str(tmp_path / "linen"),
+        "--mesh",
+        "data=2,model=4",
+        "--json",
+        "--rules",
+        str(tmp_path / "rules.toml"),
+    ]
+    assert main(argv) == 0
+    rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}
+    kernel = rows["params/ScanLayer_0/Dense_0/kernel"]
+    assert (kernel["spec"], kernel["rule"]) == (
+        "P(None, None, 'model')",
+        "metadata (LogicallyPartitioned)",
+    )
+    # the same plan as on the live variables
+    live = ms.plan(
+        variables,
+        ms._rulesfile.load_rules(tmp_path / "rules.toml"),
+        ms.make_mesh({"data": 2, "model": 4}, abstract=True),
+    )
+    assert [r["spec"] for r in rows.values()] == [row["spec"] for row in live.rows()]

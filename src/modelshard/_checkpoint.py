@@ -685,6 +685,27 @@ def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
     return _nest(items, "record")
 
 
+def planning_tree(record: Record) -> dict[str, Any]:
+    """:func:`abstract_tree` for planning without the model code: leaves whose metadata
+    carried axis names at save time (linen ``LogicallyPartitioned``, NNX ``out_sharding``)
+    are boxed again with those names, so :class:`Rules` fall back to them exactly as they
+    would on the live model. Needs Flax for the box; without it the names are dropped."""
+    tree = abstract_tree(record)
+    if not any(leaf.names for leaf in record.leaves):
+        return tree
+    try:
+        from flax.linen import LogicallyPartitioned
+    except ImportError:
+        return tree
+    items = []
+    flat = {leaf.path: leaf for leaf in record.leaves}
+    for keys, sds in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaf = flat[format_path(keys)]
+        value = sds if not leaf.names else LogicallyPartitioned(sds, tuple(leaf.names))
+        items.append((leaf.key, value))
+    return _nest(items, "record")
+
+
 def abstract_like(source: Source, dtype: Any = None) -> Any:
     """The abstract container a checkpoint describes: Orbax's own structure (lists stay
     lists) for plain Orbax checkpoints, nested dicts from the record otherwise."""

@@ -123,7 +123,7 @@ def _specs(args: argparse.Namespace, record: Any) -> Any:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ._checkpoint import abstract_tree, locate
+    from ._checkpoint import locate, planning_tree
     from ._mesh import make_mesh
     from ._plan import plan
 
@@ -131,7 +131,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     source = locate(args.checkpoint)
     specs = _specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
-    p = plan(abstract_tree(source.record), specs, mesh)
+    p = plan(planning_tree(source.record), specs, mesh)
     if args.json:
         _print_json(
             {

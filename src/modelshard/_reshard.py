@@ -28,10 +28,10 @@ from ._checkpoint import (
     _nest,
     _saved_specs,
     _stored_sharding,
-    abstract_tree,
     finish_leaf,
     locate,
     orbax_save,
+    planning_tree,
     read_checked,
     verify_checksums,
     write_atomic,
@@ -155,7 +155,7 @@ def reshard(
         raise CheckpointError(f"{out_path} already exists; pass overwrite=True to replace it.")
     record = source.record
     mesh = _concrete(mesh)
-    like = abstract_tree(record)
+    like = planning_tree(record)
     p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
     shardings = p.flat_shardings(0)
     by_path = record.by_path()
