@@ -872,3 +872,21 @@ def test_concurrent_saves_of_one_path_take_turns(tmp_path):
     assert last in (3, 1003)
     assert_bit_exact(state(last), {k: np.asarray(v) for k, v in out.items()})
     assert os.listdir(tmp_path) == ["c"]
+
+
+def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
+    from modelshard._reshard import reshard
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    state = {
+        "f8": jnp.asarray(values("float8_e4m3", (8, 4))),
+        "u4": jnp.asarray(values("uint4", (8, 4))),
+        "empty": jnp.zeros((0, 8), jnp.bfloat16),
+        "key": jax.random.split(jax.random.key(2), 8),
+        "w": jnp.arange(32.0).reshape(8, 4),
+    }
+    ms.save(tmp_path / "src", state)
+    reshard(tmp_path / "src", tmp_path / "dst", mesh=mesh, specs=P("model"), chunk_bytes=1)
+    out = ms.restore(tmp_path / "dst")
+    assert_bit_exact(state, out)
+    assert out["f8"].sharding.spec == P("model")

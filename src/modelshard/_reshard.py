@@ -33,6 +33,7 @@ from ._checkpoint import (
     orbax_save,
     planning_tree,
     read_checked,
+    storable,
     verify_checksums,
     write_atomic,
 )
@@ -186,31 +187,34 @@ def reshard(
                 del targets
                 if verify:
                     verify_checksums(source, values)
-                stored = []
+                stored, logical = [], []
                 for it in chunk:
                     x = values.pop(it.rec.path)
                     if it.rec.key_impl is None:
                         x = finish_leaf(x, it.rec, dtype)
-                    stored.append(x)
+                    logical.append(it.rec.dtype if it.rec.key_impl else dtype_name(x.dtype))
+                    stored.append(x if it.rec.key_impl else storable(x))
                 sums = checksums(stored)
-                for it, x, cs in zip(chunk, stored, sums, strict=True):
+                for it, x, cs, dt in zip(chunk, stored, sums, logical, strict=True):
                     new_leaves.append(
                         dataclasses.replace(
                             it.rec,
-                            dtype=it.rec.dtype if it.rec.key_impl else dtype_name(x.dtype),
+                            dtype=dt,
                             stored_dtype=dtype_name(x.dtype),
                             spec=it.sharding.spec,
                             checksum=cs,
                         )
                     )
+                # as in save: zero-size leaves live in the record only
                 tree = _nest(
-                    [(it.rec.key, x) for it, x in zip(chunk, stored, strict=True)], "reshard"
+                    [(it.rec.key, x) for it, x in zip(chunk, stored, strict=True) if x.size],
+                    "reshard",
                 )
-                orbax_save(pieces / f"piece{k:05d}", tree)
+                if tree:
+                    orbax_save(pieces / f"piece{k:05d}", tree)
+                    (pieces / "merged").mkdir(exist_ok=True)
+                    _merge_piece(pieces / f"piece{k:05d}", pieces / "merged", k)
                 del stored, tree, values
-                if k == 0:
-                    (pieces / "merged").mkdir()
-                _merge_piece(pieces / f"piece{k:05d}", pieces / "merged", k)
                 done += sum(it.rec.nbytes for it in chunk)
                 if progress is not None:
                     progress(done, total)
