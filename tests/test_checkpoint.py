@@ -377,3 +377,15 @@ def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):
     back = ms.restore(tmp_path / "dst")
     assert back["layers"]["1"]["w"].sharding.spec == P("data")
     np.testing.assert_array_equal(back["layers"]["0"]["w"], np.ones((8, 4)))
+
+
+def test_like_with_abstract_mesh_shardings_is_made_concrete(tmp_path):
+    ms.save(tmp_path / "c", {"w": jnp.arange(16.0)})
+    abstract = ms.make_mesh({"data": 8}, abstract=True)
+    like = {
+        "w": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=NamedSharding(abstract, P("data")))
+    }
+    out = ms.restore(tmp_path / "c", like=like)
+    assert out["w"].sharding.spec == P("data")
+    assert not isinstance(out["w"].sharding.mesh, jax.sharding.AbstractMesh)
+    np.testing.assert_array_equal(out["w"], np.arange(16.0))
