@@ -193,17 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="update calls per variant per round (each runs 1,000 tiny kernels)",
     )
+    ap.add_argument("--read-only", action="store_true", help="skip the update workload")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     work = variants(args.leaves)
-    results = {
-        READ: (measure(work[READ], args.rounds, args.calls), args.rounds, args.calls),
-        UPDATE: (
+    results = {READ: (measure(work[READ], args.rounds, args.calls), args.rounds, args.calls)}
+    if not args.read_only:
+        results[UPDATE] = (
             measure(work[UPDATE], args.rounds, args.update_calls),
             args.rounds,
             args.update_calls,
-        ),
-    }
+        )
     print(report(results, args.leaves, args.markdown))
     return 0
 
