@@ -130,3 +130,51 @@ def test_custom_container(results: dict[str, Any]) -> None:
     assert out["losses"][-1] < out["losses"][0] / 2
     assert "opt/0/mu/w1" in out["paths"] and "weights/w1" in out["paths"]
     assert out["step"] == 10
+
+
+def _import_example(name: str) -> Any:
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            f"example_{name}", ROOT / "examples" / f"{name}.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return module
+
+
+def test_demo_full_size_plans_and_rules_file_agree() -> None:
+    """`make demo` runs the full size, which the suite does not train: plan it abstractly on
+    both layouts, and check the TOML the demo hands to `modelshard reshard` says the same as
+    its Python rules."""
+    import tomllib
+
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    import modelshard as ms
+    from modelshard._rulesfile import parse_rules
+
+    demo = _import_example("demo")
+    cfg = demo.Config()
+    tx = optax.adamw(cfg.lr)
+
+    def init_state() -> dict[str, Any]:
+        params = nnx.state(demo.CharLM(cfg, nnx.Rngs(0)), nnx.Param)
+        return {"params": params, "opt": tx.init(params)}
+
+    abstract = jax.eval_shape(init_state)
+    fsdp = ms.plan(abstract, demo.FSDP, ms.make_mesh({"data": 8}, abstract=True))
+    tp = ms.plan(abstract, demo.TP_RULES, ms.make_mesh({"data": 2, "model": 4}, abstract=True))
+    assert fsdp.bytes_per_device() < tp.bytes_per_device() < tp.total_bytes
+    assert tp["params/blocks/0/up/kernel"].spec == P(None, "model")
+    assert tp["opt/0/mu/blocks/0/up/kernel"].spec == P(None, "model")
+    toml_rules = parse_rules(tomllib.loads(demo.TP_RULES_TOML))
+    assert toml_rules.rules == demo.TP_RULES.rules
