@@ -11,9 +11,12 @@ import importlib.util
 import os
 import queue
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +34,14 @@ from test_dtypes import DTYPES, values
 
 SCRIPTS = Path(__file__).parent / "ckpt_scripts"
 KEY_IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
+
+
+@pytest.fixture(autouse=True)
+def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("slow") and "slow" not in (
+        request.config.getoption("markexpr") or ""
+    ):
+        pytest.skip("runs with `pytest -m slow`")
 
 
 def _bits(x: Any) -> tuple[str, tuple[int, ...], bytes]:
@@ -134,47 +145,10 @@ def test_zero_size_only_state_is_refused_clearly(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-_X64 = """
-import sys
-import threading
-import time
-import jax, jax.numpy as jnp, numpy as np
-jax.config.update("jax_num_cpu_devices", 8)
-import modelshard as ms
-from jax.sharding import PartitionSpec as P
-assert jax.config.jax_enable_x64
-mesh = ms.make_mesh({"data": 8})
-rng = np.random.default_rng(0)
-state = {
-    "f64": ms.shard(jnp.asarray(rng.standard_normal((8, 5))), P("data"), mesh),
-    "i64": jnp.asarray(rng.integers(-(2**62), 2**62, (3, 4)), jnp.int64),
-    "u64": jnp.asarray(rng.integers(0, 2**63, 7, dtype=np.uint64) * 2 + 1),
-    "c128": jnp.asarray(rng.standard_normal(6) + 1j * rng.standard_normal(6)),
-    "f64_scalar": jnp.float64(np.pi),
-    "i64_empty": jnp.zeros((0, 2), jnp.int64),
-    "u64_strided": (np.arange(40, dtype=np.uint64) * (2**40 + 3))[::3],
-}
-path = ms.save(sys.argv[1], state)
-for out in [ms.restore(path), ms.restore(path, like=state, specs=P(), mesh=mesh)]:
-    for k, v in state.items():
-        a, b = np.asarray(v), np.asarray(out[k])
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), (k, a.dtype, b.dtype)
-        assert a.tobytes() == np.ascontiguousarray(b).tobytes(), k
-print("X64 OK", sorted(str(np.asarray(v).dtype) for v in state.values()))
-"""
-
-
-def test_64_bit_dtypes_round_trip_under_x64_in_a_subprocess(tmp_path):
-    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", _X64, str(tmp_path / "c")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == (
+def test_64_bit_dtypes_round_trip_under_x64_in_a_subprocess(zygote):
+    """float64, int64, uint64, complex128 need ``jax_enable_x64``, which is process-wide: a
+    child forked from the zygote turns it on before it first uses JAX."""
+    assert zygote.x64(timeout_s=120) == (
         "X64 OK ['complex128', 'float64', 'float64', 'int64', 'int64', 'uint64', 'uint64']"
     )
 
@@ -204,6 +178,7 @@ class Zygote:
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.deadline = time.monotonic() + timeout_s
+        self.tmp = Path(tempfile.mkdtemp(prefix="zygote"))
         self.saver: int | None = None
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("READY")
@@ -221,14 +196,25 @@ class Zygote:
                 line = self.lines.get(timeout=left)
             except queue.Empty:
                 continue
-            if line.startswith(prefix):
+            if re.match(prefix, line):
                 return line
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def x64(self, timeout_s: float) -> str:
+        """Fork a child that round-trips 64-bit dtypes; return its ``X64 OK`` line."""
+        self.deadline = time.monotonic() + timeout_s
+        self.send(f"x64 {self.tmp}")
+        pid = self.expect("FORKED ").split()[1]
+        line = self.expect(f"X64 OK|{pid} FAILED")
+        return line
 
     def start(self, root: Path) -> int:
         """Fork a saver on ``root``; return the step it resumes at once its backend is up."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"fork {root}\n")
-        self.proc.stdin.flush()
+        self.send(f"fork {root}")
         self.saver = int(self.expect("FORKED ").split()[1])
         return int(self.expect(f"{self.saver} START ").split()[2])
 
@@ -250,6 +236,16 @@ class Zygote:
             os.kill(self.saver, signal.SIGKILL)
         self.proc.kill()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote(timeout_s=120)
+    try:
+        yield z
+    finally:
+        z.close()
 
 
 def _alive(pid: int) -> bool:
@@ -260,7 +256,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> dict[str, Any]:
+def sigkill_rounds(
+    zygote: Zygote, tmp_path: Path, kills: int, seed: int, timeout_s: float
+) -> dict[str, Any]:
     """Start a saver, SIGKILL it at a random moment, check the directory, restart; repeat.
 
     After every kill: the steps listed are complete and restore bit-exact, the latest is
@@ -273,11 +271,11 @@ def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> d
     stats = {"kills": 0, "steps_seen": 0, "restores": 0, "killed_before_first_commit": 0}
     committed = plain = 0
     resume_at = 1
-    zygote = Zygote(timeout_s)
+    zygote.deadline = time.monotonic() + timeout_s
     try:
         for i in range(kills):
             assert zygote.start(tmp_path) == resume_at, (seed, i)
-            time.sleep(rng.uniform(0.0, 2.5))
+            time.sleep(rng.uniform(0.0, 1.5))
             printed = zygote.kill_saver()
             stats["kills"] += 1
             done = [int(x.split()[2]) for x in printed if x.split()[1] == "COMMITTED"]
@@ -301,21 +299,25 @@ def sigkill_rounds(tmp_path: Path, kills: int, seed: int, timeout_s: float) -> d
                 assert_bit_exact(loop.state(step), out, (seed, i, step))
                 stats["restores"] += 1
     finally:
-        zygote.close()
+        if zygote.saver is not None:
+            zygote.kill_saver()
     return stats
 
 
-def test_sigkill_at_random_moments_never_lists_a_partial_step(tmp_path):
+def test_sigkill_at_random_moments_never_lists_a_partial_step(zygote, tmp_path):
     start = time.monotonic()
-    stats = sigkill_rounds(tmp_path, kills=20, seed=20261130, timeout_s=150)
+    stats = sigkill_rounds(zygote, tmp_path, kills=20, seed=20261130, timeout_s=150)
+    print("sigkill stats:", stats, f"{time.monotonic() - start:.1f}s")
     assert stats["kills"] == 20
     assert stats["steps_seen"] > 10  # the kills landed while saves were going on
     assert time.monotonic() - start < 150
 
 
 @pytest.mark.slow
-def test_sigkill_many_more_times(tmp_path):
-    stats = sigkill_rounds(tmp_path, kills=100, seed=7, timeout_s=900)
+def test_sigkill_many_more_times(zygote, tmp_path):
+    start = time.monotonic()
+    stats = sigkill_rounds(zygote, tmp_path, kills=100, seed=7, timeout_s=900)
+    print("sigkill stats:", stats, f"{time.monotonic() - start:.1f}s")
     assert stats["kills"] == 100
 
 

@@ -1,5 +1,6 @@
 """A zygote for crash tests: import JAX, Orbax and modelshard once, then fork one saver per
-``fork ROOT`` line on stdin. Each saver resumes the ``CheckpointManager`` in ROOT at its
+``fork ROOT`` line on stdin (or, for ``x64 ROOT``, a child running ``x64_round_trip.py``,
+which turns on ``jax_enable_x64`` before it uses JAX). Each saver resumes the ``CheckpointManager`` in ROOT at its
 latest step + 1 and saves forever, printing ``<pid> START <step>`` once its backend is up
 and ``<pid> COMMITTED <step>`` after each step it knows is on disk. The test SIGKILLs savers
 at random moments; SIGCHLD is ignored so the zygote never leaves zombies.
@@ -67,13 +68,21 @@ def main() -> None:
     print("READY", flush=True)
     for line in sys.stdin:
         cmd, _, root = line.strip().partition(" ")
-        if cmd != "fork":
+        if cmd not in ("fork", "x64"):
             break
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             try:
+                if cmd == "x64":
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                    import x64_round_trip
+
+                    x64_round_trip.main(root)
+                    os._exit(0)
                 saver(root)
+            except BaseException as e:
+                print(f"{os.getpid()} FAILED {type(e).__name__}: {e}", flush=True)
             finally:
                 os._exit(1)
         print(f"FORKED {pid}", flush=True)
