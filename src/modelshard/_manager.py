@@ -206,7 +206,16 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Every complete step, ascending."""
         if not self._writer:  # Orbax caches steps: another manager may have saved since
-            self._manager.reload()
+            for attempt in range(5):
+                try:
+                    self._manager.reload()
+                    break
+                except OSError as e:  # a step was rotated away while Orbax listed it
+                    if attempt == 4:
+                        raise CheckpointError(
+                            f"cannot list the steps of {self.directory}: they kept changing "
+                            f"while being read ({type(e).__name__}: {e})."
+                        ) from e
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
