@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -457,3 +459,18 @@ def test_one_rule_set_covers_params_and_their_adamw_moments(mesh24):
             assert by_path[f"opt/0/mu/{path}"] == by_path[f"params/{path}"]
             assert by_path[f"opt/0/nu/{path}"] == by_path[f"params/{path}"]
     assert by_path["params/layers/0/weight"] == P("model", None)  # type: ignore[possibly-undefined]
+
+
+def test_rule_matches_shared_across_layer_indices_stay_exact():
+    """Digit-free patterns share searches across ``layers/N``; patterns with digits do not."""
+    blind = ms.Rules([(r"/\w\w/kernel$", P("model")), (r"\d/kernel$", P("data")), (".*", P())])
+    sighted = ms.Rules([(r"layers/1\d*/kernel$", P("model")), (".*", P())])
+    paths = [f"layers/{i}/kernel" for i in (0, 7, 10, 17, 99, 100, 123)]
+    for rules in (blind, sighted):
+        for path in paths * 2:  # the second pass is answered from the caches
+            want = next(i for i, (pat, _) in enumerate(rules.rules) if re.search(pat, path))
+            assert rules.match(path)[0] == want, (rules, path)  # type: ignore[index]
+    assert blind.match("layers/17/kernel")[0] == 0  # type: ignore[index]
+    assert blind.match("layers/7/kernel")[0] == 1  # type: ignore[index]
+    assert sighted.match("layers/123/kernel")[0] == 0  # type: ignore[index]
+    assert sighted.match("layers/23/kernel")[0] == 1  # type: ignore[index]

@@ -85,6 +85,7 @@ def _is_entry(e: Any) -> bool:
 
 
 _MISS = object()
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,6 +120,10 @@ class Rules:
     strict: bool = True
     _compiled: tuple[tuple[re.Pattern[str], PartitionSpec], ...] = dataclasses.field(
         init=False, repr=False
+    )
+    _digit_blind: bool = dataclasses.field(init=False, repr=False, default=False)
+    _blind: dict[bytes, tuple[int, PartitionSpec] | None] = dataclasses.field(
+        init=False, repr=False, default_factory=dict
     )
     _cache: dict[str, tuple[int, PartitionSpec] | None] = dataclasses.field(
         init=False, repr=False, default_factory=dict
@@ -199,20 +204,33 @@ class Rules:
             raise SpecError(problems, header="invalid Rules:")
         object.__setattr__(self, "rules", tuple((p.pattern, s) for p, s in compiled))
         object.__setattr__(self, "_compiled", tuple(compiled))
+        blind = not any(ch.isdigit() for rx, _ in compiled for ch in rx.pattern)
+        object.__setattr__(self, "_digit_blind", blind)
 
     def match(self, path: str) -> tuple[int, PartitionSpec] | None:
         """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None."""
         hit = self._cache.get(path, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
-        hit = None
+        if self._digit_blind:
+            # No pattern mentions a digit, so a match cannot depend on which digits a path
+            # holds (each becomes '0': \d, \w, . and lengths behave the same), and
+            # ``layers/0/...`` .. ``layers/199/...`` share one regex search.
+            key = path.encode().translate(_ZEROS)
+            hit = self._blind.get(key, _MISS)
+            if hit is _MISS:
+                hit = self._blind[key] = self._search(path)
+        else:
+            hit = self._search(path)
+        if len(self._cache) < 1_000_000:
+            self._cache[path] = hit  # type: ignore[assignment]
+        return hit  # type: ignore[return-value]
+
+    def _search(self, path: str) -> tuple[int, PartitionSpec] | None:
         for i, (rx, spec) in enumerate(self._compiled):
             if rx.search(path):
-                hit = (i, spec)
-                break
-        if len(self._cache) < 1_000_000:
-            self._cache[path] = hit
-        return hit
+                return i, spec
+        return None
 
     def describe(self, index: int) -> str:
         """``rule 0 'kernel$'``: how plans and errors name a rule."""
