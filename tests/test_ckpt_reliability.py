@@ -7,6 +7,7 @@ wrong value may come back. The numbers these tests measure are in ``docs/reliabi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import queue
@@ -894,3 +895,30 @@ def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
     out = ms.restore(tmp_path / "dst")
     assert_bit_exact(state, out)
     assert out["f8"].sharding.spec == P("model")
+
+
+def test_overwrite_never_leaves_the_path_without_a_checkpoint(tmp_path, monkeypatch):
+    """A crash at any rename of an overwrite: here every rename of the checkpoint's own
+    directory is followed by a simulated crash. The path still holds a whole checkpoint."""
+    import modelshard._checkpoint as ckpt
+
+    path = ms.save(tmp_path / "c", {"w": jnp.zeros(4)})
+
+    class Crash(Exception):
+        pass
+
+    class CrashingOs:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        def rename(self, src: Any, dst: Any) -> None:
+            os.rename(src, dst)
+            if Path(src) == path or Path(dst) == path:
+                raise Crash(f"crashed after renaming {src} -> {dst}")
+
+    monkeypatch.setattr(ckpt, "os", CrashingOs())
+    with contextlib.suppress(Crash):
+        ms.save(path, {"w": jnp.ones(4)}, overwrite=True)
+    monkeypatch.undo()
+    assert float(ms.restore(path)["w"][0]) in (0.0, 1.0)
+    assert ckpt._exchange(tmp_path / "c", tmp_path / "c")  # this system can swap

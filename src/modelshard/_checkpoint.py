@@ -198,6 +198,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``), so an
+    overwrite never leaves the path empty; False where the system cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
     """Write a checkpoint into a staging directory, add the record, then rename it into place.
 
@@ -237,10 +250,13 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
     if primary:
         write_text_durable(staging / RECORD_FILE, record.dumps())
         _fsync_dir(staging)
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(staging, path)
+        if path.exists() and _exchange(staging, path):
+            old = staging  # the swap put the old checkpoint there
+        else:
+            if path.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
+            os.rename(staging, path)
         _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     _sync("modelshard:save:end")
