@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AxisType
 
 import modelshard as ms
 
@@ -38,10 +36,6 @@ def mesh8(axis_type):
 def mesh24(axis_type):
     """A (2, 4) mesh named ``data``, ``model``."""
     return ms.make_mesh({"data": 2, "model": 4}, axis_types=axis_type)
-
-
-def mesh_axis_types(mesh) -> set[AxisType]:
-    return set(mesh.axis_types)
 
 
 # ---- containers of every kind --------------------------------------------------------
@@ -141,12 +135,3 @@ def kind(request) -> str:
 def container(kind) -> Any:
     """A real container of each kind (pytree, optax, equinox, nnx, linen)."""
     return MAKERS[kind]()
-
-
-def array_leaves(tree: Any) -> list[Any]:
-    return ms.adapters.split(tree).arrays
-
-
-@dataclasses.dataclass
-class Recorded:
-    calls: list[Any]

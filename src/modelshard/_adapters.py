@@ -14,7 +14,6 @@ optax itself.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -246,22 +245,6 @@ class NnxModuleAdapter:
         return obj
 
 
-@dataclasses.dataclass(frozen=True)
-class _Callbacks:
-    """Adapter built by ``register_container(ty, flatten=..., unflatten=...)``."""
-
-    kind: str
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return PytreeAdapter.flatten(self, obj)  # type: ignore[arg-type]
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return PytreeAdapter.unflatten(self, aux, leaves)  # type: ignore[arg-type]
-
-    def describe(self, obj: Any) -> list[LeafInfo]:
-        return describe_pytree(obj)
-
-
 # (module, attribute, adapter factory): resolved once the module has been imported.
 _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     ("flax.nnx", "Module", NnxModuleAdapter),
@@ -439,7 +422,7 @@ def _register_pytree(
                 f"modelshard.adapters.PytreeAdapter({kind!r}))."
             ) from e
     _CALLBACKS[ty] = (flatten, unflatten)
-    return _Callbacks(kind)
+    return PytreeAdapter(kind)
 
 
 def get_adapter(obj: Any) -> Adapter:
@@ -591,13 +574,3 @@ def split(obj: Any) -> Flat:
         ) from e
     index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
     return Flat(obj, adapter, leaves, aux, index)
-
-
-def import_optional(module: str, extra: str) -> Any:
-    """Import an optional dependency or raise an error naming the extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"{module} is needed for this; install it with `pip install modelshard[{extra}]`."
-        ) from e

@@ -113,14 +113,11 @@ class _Ctx:
         )
 
 
-def _resolve_names(
-    spec: PartitionSpec, logical: Mapping[str, Any] | None, sizes: Mapping[str, int]
-) -> tuple[PartitionSpec, list[str]]:
-    """Map logical names through ``logical``; return the mesh spec and unknown names."""
+def _resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None) -> PartitionSpec:
+    """Map logical names through ``logical`` (unknown names stay, for ``_check`` to report)."""
     out: list[Any] = []
-    unknown: list[str] = []
     if partial_axes(spec):  # left for _check to report
-        return spec, unknown
+        return spec
     for entry in spec:
         if entry is None or not (
             isinstance(entry, str)
@@ -136,13 +133,10 @@ def _resolve_names(
                 if target is None:
                     continue
                 mapped.extend((target,) if isinstance(target, str) else target)
-            elif n in sizes:
-                mapped.append(n)
             else:
-                unknown.append(n)
                 mapped.append(n)
         out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
-    return PartitionSpec(*out), unknown
+    return PartitionSpec(*out)
 
 
 def _check(
@@ -422,7 +416,7 @@ def _resolve(
         else:
             return PartitionSpec(), "unmatched (replicated, strict=False)"
         if s.logical is not None:
-            spec, _ = _resolve_names(spec, s.logical, ctx.sizes)
+            spec = _resolve_names(spec, s.logical)
         return spec, rule
     if isinstance(s, FSDP):
         return s.spec_for(shape, ctx.sizes)
