@@ -1,4 +1,4 @@
-"""Container adapters: any registered model-state type <-> leaves with canonical paths.
+"""Container adapters: the registry of model-state types and the built-in adapters.
 
 The registry follows Orbax's type-handler registry: a protocol, one global default,
 ``register_container(ty, adapter, override=False)`` and ``get_adapter(obj)``. Lookup is
@@ -8,7 +8,8 @@ states, registered dataclasses such as ``TrainState``, ``None``).
 
 Built-ins for Flax and Equinox are registered lazily: an object can only be an
 ``nnx.Module`` once Flax has been imported, so modelshard never imports Flax, Equinox or
-optax itself.
+optax itself. Splitting a container with its adapter is :func:`modelshard.adapters.split`
+(``_flat.py``); naming its leaves is ``_describe.py``.
 """
 
 from __future__ import annotations
@@ -17,63 +18,22 @@ import dataclasses
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
-import numpy as np
 
+from ._describe import LeafInfo, describe_pytree
 from ._errors import AdapterError
-from ._paths import format_path, join
 
 __all__ = [
     "Adapter",
-    "Flat",
-    "LeafInfo",
+    "NnxModuleAdapter",
     "PytreeAdapter",
     "get_adapter",
-    "is_array",
     "register_container",
     "registered",
-    "split",
+    "registry_snapshot",
 ]
-
-
-# Exact types that are always pytree leaves (a fast path for describing big trees).
-_ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
-try:
-    from jax._src.array import ArrayImpl as _ArrayImpl
-
-    _ARRAY_TYPES.add(_ArrayImpl)
-except ImportError:  # pragma: no cover - private location moved; the generic path still works
-    pass
-
-
-_ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
-
-
-def is_array(x: Any) -> bool:
-    """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
-
-    Arrays are ``jax.Array`` (typed PRNG keys included), NumPy arrays and scalars, and
-    ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
-    other objects are static: they pass through untouched, as in Equinox.
-    """
-    return type(x) in _ARRAY_TYPES or isinstance(x, _ARRAY_BASES)
-
-
-class LeafInfo(NamedTuple):
-    """What an adapter knows about one leaf beyond its value.
-
-    Attributes:
-        path: canonical ``/``-joined path (``"layers/0/attn/kernel"``).
-        names: axis names carried by metadata (a linen ``Partitioned`` /
-            ``LogicallyPartitioned`` box, an NNX ``out_sharding``), or ``None``.
-        box: the type name of the box the value came from, or ``None``.
-    """
-
-    path: str
-    names: tuple[Any, ...] | None = None
-    box: str | None = None
 
 
 @runtime_checkable
@@ -100,85 +60,6 @@ class Adapter(Protocol):
     def describe(self, obj: Any) -> list[LeafInfo]:
         """One :class:`LeafInfo` per leaf, in ``flatten`` order."""
         ...
-
-
-def _box_types() -> tuple[type, ...]:
-    """The metadata box classes of the Flax modules imported so far."""
-    out: list[type] = []
-    meta = sys.modules.get("flax.core.meta")
-    if meta is not None:
-        out.append(meta.AxisMetadata)
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None:
-        out.append(nnx.Variable)
-    return tuple(out)
-
-
-def _box_names(x: Any) -> tuple[Any, ...] | None:
-    """The axis names a linen box or NNX Variable carries, if any."""
-    names = getattr(x, "names", None)  # linen Partitioned / LogicallyPartitioned
-    if names is None and hasattr(x, "get_metadata"):  # NNX Variable
-        for key in ("out_sharding", "sharding_names", "sharding"):
-            try:
-                names = x.get_metadata(key, None)
-            except Exception:  # older Flax spells metadata access differently
-                names = getattr(x, key, None)
-            if names is not None:
-                break
-    if names is None or not isinstance(names, tuple | list):
-        return None
-    return tuple(names)
-
-
-def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
-    """Describe every leaf of a JAX pytree, in ``tree_flatten`` order.
-
-    Plain dicts, lists and tuples are walked directly (this runs on every plan, over
-    10,000-leaf trees); any other node is opened one level with JAX's own
-    ``tree_flatten_with_path``, so custom pytrees keep their key names. Metadata boxes
-    give their payload the box's path (no ``/value``) and their axis names.
-    """
-    boxes = _box_types()
-    out: list[LeafInfo] = []
-    append = out.append
-
-    def walk(x: Any, path: str) -> None:
-        t = type(x)
-        if t in _ARRAY_TYPES:
-            append(LeafInfo(path))
-            return
-        if t is dict:
-            try:
-                keys = sorted(x)
-            except TypeError:  # mixed key types: let JAX order them
-                keys = None
-            if keys is not None:
-                for k in keys:
-                    walk(x[k], f"{path}/{k}" if path else str(k))
-                return
-        elif t is list or t is tuple:
-            for i, v in enumerate(x):
-                walk(v, f"{path}/{i}" if path else str(i))
-            return
-        elif x is None:
-            return
-        if boxes and isinstance(x, boxes):
-            names = _box_names(x)
-            box = t.__name__
-            inner = jax.tree_util.tree_flatten_with_path(x)[0]
-            for inner_keys, _ in inner:
-                sub = format_path(inner_keys, drop_artifacts=True) if len(inner) > 1 else ""
-                append(LeafInfo(join(path, sub), names, box))
-            return
-        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
-        if len(children) == 1 and not children[0][0] and children[0][1] is x:
-            append(LeafInfo(path))
-            return
-        for keys, child in children:
-            walk(child, join(path, format_path(keys)))
-
-    walk(obj, prefix)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,131 +327,3 @@ def registry_snapshot() -> Iterator[None]:
     finally:
         _REGISTRY.user[:] = saved
         _REGISTRY.cache.clear()
-
-
-@dataclasses.dataclass
-class Flat:
-    """A container split into leaves, ready for planning and rebuilding.
-
-    Attributes:
-        obj: the original container.
-        adapter: the adapter that split it.
-        leaves: every leaf, in adapter order (array and static).
-        aux: the hashable structure key from the adapter.
-        array_index: positions of the array leaves within ``leaves``.
-    """
-
-    obj: Any
-    adapter: Adapter
-    leaves: list[Any]
-    aux: Hashable
-    array_index: tuple[int, ...]
-    _infos: list[LeafInfo] | None = None
-
-    @property
-    def kind(self) -> str:
-        return self.adapter.kind
-
-    @property
-    def arrays(self) -> list[Any]:
-        """The array leaves, in order."""
-        return [self.leaves[i] for i in self.array_index]
-
-    @property
-    def infos(self) -> list[LeafInfo]:
-        """Path and metadata of every array leaf (computed on first use)."""
-        if self._infos is None:
-            described = self.adapter.describe(self.obj)
-            if len(described) != len(self.leaves):
-                raise AdapterError(
-                    f"adapter {self.adapter!r} described {len(described)} leaves but "
-                    f"flattened {len(self.leaves)}; describe() and flatten() must agree."
-                )
-            self._infos = [described[i] for i in self.array_index]
-        return self._infos
-
-    @property
-    def paths(self) -> list[str]:
-        return [info.path for info in self.infos]
-
-    def children(self, components: Sequence[str]) -> list[str] | None:
-        """Names of the children of the node at ``components`` (``None``: no such node).
-
-        Empty subtrees (an optax ``EmptyState``) exist here though they hold no leaf, so
-        prefix trees that mirror the container's structure always line up.
-        """
-        tree_of = getattr(self.adapter, "tree_of", None)
-        node = tree_of(self.obj) if tree_of is not None else self.obj
-        for c in components:
-            kids = _children(node)
-            if c not in kids:
-                return None
-            node = kids[c]
-        return list(_children(node))
-
-    def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
-        """The same container with its array leaves replaced by ``arrays``.
-
-        With ``mirror=True`` NNX modules come back as their ``nnx.State`` (the form NNX
-        uses for sharding trees); every other kind is rebuilt as itself.
-        """
-        leaves = list(self.leaves)
-        for i, v in zip(self.array_index, arrays, strict=True):
-            leaves[i] = v
-        if mirror and isinstance(self.adapter, NnxModuleAdapter):
-            return self.adapter.state_of(self.aux, leaves)
-        return self.adapter.unflatten(self.aux, leaves)
-
-    def update_inplace(self, arrays: Sequence[Any]) -> Any:
-        """Rebuild, writing into the original object where its kind is mutable (NNX)."""
-        if isinstance(self.adapter, NnxModuleAdapter):
-            leaves = list(self.leaves)
-            for i, v in zip(self.array_index, arrays, strict=True):
-                leaves[i] = v
-            return self.adapter.update(self.obj, self.aux, leaves)
-        return self.rebuild(arrays)
-
-
-def _children(node: Any) -> dict[str, Any]:
-    """One level of a pytree node, keyed by canonical path component."""
-    t = type(node)
-    if t is dict:
-        try:
-            return {str(k): node[k] for k in sorted(node)}  # JAX's order
-        except TypeError:
-            return {str(k): v for k, v in node.items()}
-    if t is list or t is tuple:
-        return {str(i): v for i, v in enumerate(node)}
-    if node is None or is_array(node):
-        return {}
-    boxes = _box_types()
-    if boxes and isinstance(node, boxes):
-        return {}
-    items = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[0]
-    if len(items) == 1 and not items[0][0] and items[0][1] is node:
-        return {}
-    return {format_path(k): v for k, v in items}
-
-
-def split(obj: Any) -> Flat:
-    """Split any registered container into a :class:`Flat`.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> import modelshard as ms
-        >>> flat = ms.adapters.split({"w": jnp.ones((2, 3)), "act": print})
-        >>> flat.paths, flat.kind
-        (['w'], 'pytree')
-    """
-    adapter = get_adapter(obj)
-    try:
-        leaves, aux = adapter.flatten(obj)
-    except AdapterError:
-        raise
-    except Exception as e:
-        raise AdapterError(
-            f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
-    return Flat(obj, adapter, leaves, aux, index)

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._adapters import Flat, split
 from ._errors import AdapterError, AssembleError
 from ._expand import expand_args, mesh_sizes
+from ._flat import Flat, split
 from ._mesh import make_mesh
 from ._specs import SpecLike
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ._adapters import split
 from ._errors import CheckpointError
+from ._flat import split
 from ._mesh import is_abstract, make_mesh
 from ._paths import format_path, key_name
 from ._paths import split as split_path

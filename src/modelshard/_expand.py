@@ -7,17 +7,20 @@ expands or validates specs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._adapters import Flat, LeafInfo, split
+from ._describe import _ARRAY_TYPES, LeafInfo
 from ._errors import AdapterError, Problem, SpecError
+from ._flat import Flat, split
 from ._paths import format_path
 from ._paths import split as split_path
 from ._specs import FSDP, Rules, format_spec, is_leaf_spec, partial_axes
@@ -85,6 +88,14 @@ class _Ctx:
         self.problems: list[Problem] = []
         self.used: dict[int, tuple[Rules, set[int]]] = {}
         self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
+        self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
+
+    def used_by(self, rules: Rules) -> set[int]:
+        """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
+        entry = self.used.get(id(rules))
+        if entry is None:
+            entry = self.used[id(rules)] = (rules, set())
+        return entry[1]
 
     def problem(
         self,
@@ -273,14 +284,7 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
                         hint="the container's top-level keys are " + _top_keys(flat),
                     )
                 )
-    out = []
-    for info, leaf, s in zip(infos, arrays, per_leaf, strict=True):
-        if s is _NOTHING:
-            continue
-        lp = _leaf(arg, info, leaf, s, ctx)
-        if lp is not None:
-            out.append(lp)
-    return out
+    return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
 
 
 _NOTHING = object()
@@ -293,74 +297,116 @@ def _top_keys(flat: Flat) -> str:
     )
 
 
-def _leaf(arg: str, info: LeafInfo, leaf: Any, s: Any, ctx: _Ctx) -> LeafPlan | None:
-    shape = leaf.shape
-    if type(shape) is not tuple:
-        shape = tuple(shape)
-    t = type(s)
-    # Leaves that resolve the same way (same spec source, same shape) share one resolution
-    # and one validation: a 200-layer model repeats a few dozen cases 10,000 times.
-    key: tuple[Any, ...] | None
-    if t is PartitionSpec:
-        key = (id(s), shape)
-    elif t is Rules:
-        entry = ctx.used.get(id(s))
-        if entry is None:
-            entry = ctx.used[id(s)] = (s, set())
-        used = entry[1]
-        hit = s.match(info.path)
-        if not shape:
-            # Scalars always replicate; a rule naming one still counts as used.
+# Leaf types that are never NumPy arrays (skip the refused-dtype check without isinstance).
+_NOT_NUMPY: frozenset[type] = frozenset(
+    t for t in _ARRAY_TYPES if not issubclass(t, np.ndarray | np.generic)
+)
+_new = tuple.__new__
+
+
+def _plan_leaves(
+    arg: str, infos: list[LeafInfo], arrays: list[Any], per_leaf: list[Any], ctx: _Ctx
+) -> list[LeafPlan]:
+    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING).
+
+    This loop runs over every leaf of every plan (10,000-leaf trees), so it is written
+    flat: leaves that resolve the same way (same spec source, same shape, same matched
+    rule) share one resolution and one validation, cached in ``ctx.resolved``; per leaf
+    there is a dict lookup and one tuple built.
+    """
+    resolved = ctx.resolved
+    placed = ctx.placed
+    out: list[LeafPlan] = []
+    append = out.append
+    rules: Rules | None = None  # the Rules last seen, and its match cache and used set
+    matched: dict[str, Any] = {}
+    used: set[int] = set()
+    for info, leaf, s in zip(infos, arrays, per_leaf, strict=True):
+        if s is _NOTHING:
+            continue
+        shape = leaf.shape
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        t = type(s)
+        key: tuple[Any, ...] | None
+        if t is PartitionSpec or t is FSDP:
+            key = (id(s), shape)
+        elif t is Rules:
+            if s is not rules:
+                rules, matched, used = s, s._cache, ctx.used_by(s)  # match() fills _cache
+            hit = matched.get(info.path, _NOTHING)
+            if hit is _NOTHING:
+                hit = s.match(info.path)
             if hit is not None:
-                used.add(hit[0])
-            key = (id(s), "scalar")
-        else:
-            if hit is not None:
-                used.add(hit[0])
-                key = (id(s), hit[0], shape)
-            elif info.names is not None:
-                key = (id(s), "metadata", info.names, info.box, shape)
-            elif s.strict:
-                ctx.problem(
-                    arg,
-                    info.path,
-                    leaf,
-                    "no rule matches this leaf",
-                    hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
-                    "(r'.*', P()), or use Rules(..., strict=False) to replicate "
-                    "unmatched leaves",
-                )
-                return None
+                used.add(hit[0])  # a rule naming a scalar still counts as used
+                key = (id(s), hit[0], shape) if shape else (id(s), "scalar")
             else:
-                key = (id(s), "unmatched")
-    elif t is FSDP:
-        key = (id(s), shape)
-    else:
-        key = None
-    cached = ctx.resolved.get(key) if key is not None else None
-    if cached is None:
-        got = _resolve(arg, info, leaf, s, shape, ctx)
-        if got is None:
-            return None
-        spec, rule = got
+                key = _unmatched_key(arg, info, leaf, s, shape, ctx)
+                if key is None:
+                    continue
+        else:
+            key = None
+        cached = resolved.get(key) if key is not None else None
+        if cached is None:
+            cached = _resolve_checked(arg, info, leaf, s, shape, ctx)
+            if cached is None:
+                continue
+            if key is not None:
+                resolved[key] = cached
+        spec, rule, problems = cached
+        if problems:
+            for what, hint in problems:
+                ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
+            continue
+        if type(leaf) not in _NOT_NUMPY and isinstance(leaf, np.ndarray | np.generic):
+            refused = _refused_by_jax(leaf)
+            if refused is not None:
+                ctx.problem(arg, info.path, leaf, refused[0], spec=spec, rule=rule, hint=refused[1])
+                continue
+        dtype = leaf.dtype
         try:
-            problems = _check(spec, shape, ctx.sizes)
-        except TypeError:  # junk inside a spec from a function: report, never crash
-            problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
-        cached = (spec, rule, problems)
-        if key is not None:
-            ctx.resolved[key] = cached
-    spec, rule, problems = cached
-    if problems:
-        for what, hint in problems:
-            ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
+            dtype = placed[dtype]
+        except KeyError:
+            dtype = placed[dtype] = _placed_dtype(dtype)
+        append(_new(LeafPlan, (info.path, shape, dtype, spec, rule)))
+    return out
+
+
+def _unmatched_key(
+    arg: str, info: LeafInfo, leaf: Any, s: Rules, shape: tuple[int, ...], ctx: _Ctx
+) -> tuple[Any, ...] | None:
+    """The resolution-cache key of a leaf no rule matches, or None after reporting it
+    (under ``strict``)."""
+    if not shape:
+        return (id(s), "scalar")  # scalars always replicate
+    if info.names is not None:
+        return (id(s), "metadata", info.names, info.box, shape)
+    if s.strict:
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "no rule matches this leaf",
+            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
+            "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves",
+        )
         return None
-    if isinstance(leaf, np.ndarray | np.generic):
-        refused = _refused_by_jax(leaf)
-        if refused is not None:
-            ctx.problem(arg, info.path, leaf, refused[0], spec=spec, rule=rule, hint=refused[1])
-            return None
-    return LeafPlan(info.path, shape, _placed_dtype(leaf.dtype), spec, rule)
+    return (id(s), "unmatched")
+
+
+def _resolve_checked(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: _Ctx
+) -> tuple[PartitionSpec, str, list[tuple[str, str]]] | None:
+    """Resolve one leaf's spec and validate it: (spec, rule text, problems), or None."""
+    got = _resolve(arg, info, leaf, s, shape, ctx)
+    if got is None:
+        return None
+    spec, rule = got
+    try:
+        problems = _check(spec, shape, ctx.sizes)
+    except TypeError:  # junk inside a spec from a function: report, never crash
+        problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    return spec, rule, problems
 
 
 _REFUSED: dict[Any, tuple[str, str] | None] = {}
@@ -469,6 +515,29 @@ def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan
         SpecError: listing every problem across every argument.
         AdapterError: a container could not be split.
     """
+    with _gc_paused():
+        return _expand_args(args, mesh)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a plan is built.
+
+    A plan allocates a few objects per leaf, and nothing in it forms a reference cycle;
+    with the collector running, those allocations set off collections that scan the whole
+    heap (every object JAX and the model hold) several times per 10,000-leaf plan.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
     sizes = mesh_sizes(mesh)
     ctx = _Ctx(sizes)
     out = []

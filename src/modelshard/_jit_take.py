@@ -18,7 +18,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._adapters import _REGISTRY, AdapterError, NnxModuleAdapter, is_array, split
+from ._adapters import _REGISTRY, NnxModuleAdapter
+from ._describe import is_array
+from ._errors import AdapterError
+from ._flat import split
 
 __all__ = ["ARRAY_TYPES", "Taken", "static_part", "take"]
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import jax
 
-from ._adapters import Adapter, PytreeAdapter, get_adapter, is_array
+from ._adapters import Adapter, PytreeAdapter, get_adapter
+from ._describe import is_array
 
 __all__ = ["OutDesc", "Part", "split_output"]
 

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ._adapters import split
 from ._errors import DistributedError
+from ._flat import split
 from ._launch import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 __all__ = [

@@ -1,0 +1,124 @@
+"""A container split by its adapter: leaves, structure, paths, and rebuilding it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from ._adapters import Adapter, NnxModuleAdapter, PytreeAdapter, get_adapter
+from ._describe import _ARRAY_TYPES, LeafInfo, children_of, describe_cached, is_array
+from ._errors import AdapterError
+
+__all__ = ["Flat", "split"]
+
+
+@dataclasses.dataclass
+class Flat:
+    """A container split into leaves, ready for planning and rebuilding.
+
+    Attributes:
+        obj: the original container.
+        adapter: the adapter that split it.
+        leaves: every leaf, in adapter order (array and static).
+        aux: the hashable structure key from the adapter.
+        array_index: positions of the array leaves within ``leaves``.
+    """
+
+    obj: Any
+    adapter: Adapter
+    leaves: list[Any]
+    aux: Hashable
+    array_index: tuple[int, ...]
+    _infos: list[LeafInfo] | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.adapter.kind
+
+    @property
+    def arrays(self) -> list[Any]:
+        """The array leaves, in order."""
+        return [self.leaves[i] for i in self.array_index]
+
+    @property
+    def infos(self) -> list[LeafInfo]:
+        """Path and metadata of every array leaf (computed on first use)."""
+        if self._infos is None:
+            if type(self.adapter) is PytreeAdapter:  # paths follow the JAX structure
+                described = describe_cached(self.obj, self.aux)
+            else:
+                described = self.adapter.describe(self.obj)
+            if len(described) != len(self.leaves):
+                raise AdapterError(
+                    f"adapter {self.adapter!r} described {len(described)} leaves but "
+                    f"flattened {len(self.leaves)}; describe() and flatten() must agree."
+                )
+            self._infos = [described[i] for i in self.array_index]
+        return self._infos
+
+    @property
+    def paths(self) -> list[str]:
+        return [info.path for info in self.infos]
+
+    def children(self, components: Sequence[str]) -> list[str] | None:
+        """Names of the children of the node at ``components`` (``None``: no such node).
+
+        Empty subtrees (an optax ``EmptyState``) exist here though they hold no leaf, so
+        prefix trees that mirror the container's structure always line up.
+        """
+        tree_of = getattr(self.adapter, "tree_of", None)
+        node = tree_of(self.obj) if tree_of is not None else self.obj
+        for c in components:
+            kids = children_of(node)
+            if c not in kids:
+                return None
+            node = kids[c]
+        return list(children_of(node))
+
+    def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
+        """The same container with its array leaves replaced by ``arrays``.
+
+        With ``mirror=True`` NNX modules come back as their ``nnx.State`` (the form NNX
+        uses for sharding trees); every other kind is rebuilt as itself.
+        """
+        leaves = list(self.leaves)
+        for i, v in zip(self.array_index, arrays, strict=True):
+            leaves[i] = v
+        if mirror and isinstance(self.adapter, NnxModuleAdapter):
+            return self.adapter.state_of(self.aux, leaves)
+        return self.adapter.unflatten(self.aux, leaves)
+
+    def update_inplace(self, arrays: Sequence[Any]) -> Any:
+        """Rebuild, writing into the original object where its kind is mutable (NNX)."""
+        if isinstance(self.adapter, NnxModuleAdapter):
+            leaves = list(self.leaves)
+            for i, v in zip(self.array_index, arrays, strict=True):
+                leaves[i] = v
+            return self.adapter.update(self.obj, self.aux, leaves)
+        return self.rebuild(arrays)
+
+
+def split(obj: Any) -> Flat:
+    """Split any registered container into a :class:`Flat`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> flat = ms.adapters.split({"w": jnp.ones((2, 3)), "act": print})
+        >>> flat.paths, flat.kind
+        (['w'], 'pytree')
+    """
+    adapter = get_adapter(obj)
+    try:
+        leaves, aux = adapter.flatten(obj)
+    except AdapterError:
+        raise
+    except Exception as e:
+        raise AdapterError(
+            f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    fast = _ARRAY_TYPES  # exact array types first: this runs over every leaf of every plan
+    index = tuple(i for i, leaf in enumerate(leaves) if type(leaf) in fast or is_array(leaf))
+    return Flat(obj, adapter, leaves, aux, index)
