@@ -325,6 +325,23 @@ def test_import_modelshard_imports_no_optional_dependency():
     assert out.stdout.strip() == "[]"
 
 
+def test_builtin_adapters_appear_when_their_library_is_imported_later():
+    # modelshard is used (and its registry looked up) before Flax is imported: the NNX
+    # adapter must still take over once Flax is there.
+    code = (
+        "import jax.numpy as jnp, modelshard as ms\n"
+        "assert ms.adapters.split({'w': jnp.ones(2)}).kind == 'pytree'\n"
+        "from flax import nnx\n"
+        "m = nnx.Linear(2, 3, rngs=nnx.Rngs(0))\n"
+        "flat = ms.adapters.split(m)\n"
+        "print(flat.kind, flat.paths)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "nnx.Module ['bias', 'kernel']"
+
+
 def test_pytree_fixture_is_plain():
     assert split(make_pytree()).kind == "pytree"
 

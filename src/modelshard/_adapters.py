@@ -147,22 +147,25 @@ class _Registry:
         self.builtin: list[tuple[type, Adapter]] = []
         self.pending = list(_LAZY_BUILTINS)
         self.cache: dict[type, Adapter] = {}
+        self.modules_seen = -1  # len(sys.modules) when pending was last resolved
 
     def _resolve_lazy(self) -> None:
+        self.modules_seen = len(sys.modules)
         still = []
         for module, attr, factory in self.pending:
             mod = sys.modules.get(module)
-            if mod is None:
+            ty = getattr(mod, attr, None) if mod is not None else None
+            if not isinstance(ty, type):  # not imported yet, or still being imported
                 still.append((module, attr, factory))
                 continue
-            ty = getattr(mod, attr, None)
-            if isinstance(ty, type):
-                self.builtin.append((ty, factory()))
-                self.cache.clear()
+            self.builtin.append((ty, factory()))
+            self.cache.clear()
         self.pending = still
 
     def lookup(self, ty: type) -> Adapter:
-        if self.pending:
+        # Lazy built-ins can only appear once more modules are imported (every call of
+        # shard_jit looks its arguments up here, so this check must be cheap).
+        if self.pending and len(sys.modules) != self.modules_seen:
             self._resolve_lazy()
         hit = self.cache.get(ty)
         if hit is not None:

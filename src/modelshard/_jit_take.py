@@ -46,9 +46,10 @@ def _known_arrays(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     return None if len(index) == len(leaves) else index
 
 
-def take_slow(value: Any) -> Taken:
-    """Flatten ``value`` with its adapter."""
-    adapter = _lookup(type(value))
+def take_slow(value: Any, adapter: Any = None) -> Taken:
+    """Flatten ``value`` with its adapter (looked up when not given)."""
+    if adapter is None:
+        adapter = _lookup(type(value))
     try:
         leaves, aux = adapter.flatten(value)
     except AdapterError:
@@ -154,7 +155,7 @@ def take(value: Any) -> tuple[Taken, Hashable]:
         fast = _take_nnx(value, adapter)
         if fast is not None:
             return fast
-    taken = take_slow(value)
+    taken = take_slow(value, adapter)
     return taken, (adapter, taken[2])
 
 
