@@ -125,7 +125,9 @@ def test_compiled_input_shardings_equal_the_plan(container, mesh24):
     f = ms.shard_jit(lambda t: t, mesh=mesh24, in_specs=(spec,))
     compiled = f.lower(container).compile()
     planned = ms.plan(container, spec, mesh24)
-    got = compiled.input_shardings[0]
+    # Plain pytrees arrive as their tree of shardings (jax.jit flattens them itself),
+    # other containers as their flat array leaves: the leaves are the plan either way.
+    got = jax.tree_util.tree_leaves(compiled.input_shardings[0])
     arrays = _arrays(container)
     assert len(got) == len(planned) == len(arrays)
     for s, leaf, x in zip(got, planned, arrays, strict=True):
@@ -137,7 +139,8 @@ def test_lower_takes_abstract_arguments(mesh8):
     abstract = jax.eval_shape(_params)
     f = ms.shard_jit(lambda p: p["w"] * 2, mesh=mesh8, in_specs=(RULES,))
     compiled = f.lower(abstract).compile()
-    assert compiled.input_shardings[0][1].spec == P("data", None)  # leaves in key order: b, w
+    (per_arg,) = compiled.input_shardings[0]
+    assert per_arg["w"].spec == P("data", None)
 
 
 # ---- the cache ------------------------------------------------------------------------
@@ -192,6 +195,109 @@ def test_unhashable_static_argument(mesh8):
     with pytest.raises(ms.SpecError) as e:
         sj(jnp.ones(2), [1, 2])
     assert str(e.value).splitlines()[:2] == ["invalid shard_jit arguments:", "  shard_jit:n"]
+
+
+# ---- the plain-pytree route: jax.jit flattens plain pytrees itself --------------------
+
+
+def _no_full_path(sj):
+    """Make the full path (modelshard's own flattening) fail loudly if it is taken."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("took the full path")
+
+    sj._gather = refuse
+
+
+def test_plain_pytrees_skip_modelshard_flattening_after_the_first_call(mesh8):
+    sj = ms.shard_jit(lambda p, x: (p, x.sum()), mesh=mesh8, in_specs=(RULES, P("data")))
+    params = ms.shard(_params(), RULES, mesh8)
+    sj(params, jnp.ones((8, 3)))
+    full = sj._gather
+    _no_full_path(sj)
+    out, total = sj(params, np.ones((8, 3)))  # NumPy input: jax.jit places it itself
+    assert float(total) == 24.0 and out["w"].sharding.spec == P("data", None)
+    sj._gather = full
+    with pytest.raises(AssertionError, match="full path"):
+        _no_full_path(sj)
+        sj({"w": params["w"]}, jnp.ones((8, 3)))  # another structure goes the full way
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["structure", "shape", "dtype", "python scalar", "string leaf", "device0", "sharding"],
+)
+def test_plain_pytree_route_falls_back_to_the_full_path(mesh8, change):
+    def f(p):
+        return {k: v * 2 if hasattr(v, "shape") else v for k, v in p.items()}
+
+    sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
+    base = {"w": jnp.ones((8, 4)), "s": jnp.float32(1.0)}
+    sj(base)
+    assert sj._tree is not None
+    arg = {
+        "structure": {"w": jnp.ones((8, 4)), "t": jnp.float32(1.0)},
+        "shape": {"w": jnp.ones((16, 4)), "s": jnp.float32(1.0)},
+        "dtype": {"w": jnp.ones((8, 4), jnp.int32), "s": jnp.float32(1.0)},
+        "python scalar": {"w": jnp.ones((8, 4)), "s": 3},
+        "string leaf": {"w": jnp.ones((8, 4)), "s": "tag"},
+        "device0": {"w": jax.device_put(jnp.ones((8, 4)), jax.devices()[0]), "s": jnp.ones(())},
+        "sharding": {"w": ms.shard(jnp.ones((8, 4)), P(), mesh8), "s": jnp.ones(())},
+    }[change]
+    out = sj(arg)
+    for k, v in arg.items():
+        if hasattr(v, "shape"):
+            np.testing.assert_array_equal(out[k], np.asarray(v) * 2)
+            assert out[k].sharding.spec == ms.plan(arg, ms.fsdp("data", min_size=0), mesh8)[k].spec
+        else:
+            assert out[k] == v  # non-array leaves stay static, as on the full path
+    assert sj(base)["w"].sharding.spec == P("data")  # and back again
+
+
+def test_plain_pytree_route_keeps_raise_mode(mesh8):
+    sj = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,), on_mismatch="raise")
+    placed = ms.shard(_params(), RULES, mesh8)
+    assert float(sj(placed)) == float(sj(placed)) == float(np.arange(64.0).sum())
+    assert sj._tree is not None
+    with pytest.raises(ms.ShardingMismatchError, match="p:w float32"):
+        sj(ms.shard(_params(), P(), mesh8))
+    with pytest.raises(ms.ShardingMismatchError, match="on device 0"):
+        sj(_committed_to_device0(_params()))
+
+
+def test_plain_pytree_route_donates(mesh8):
+    sj = ms.shard_jit(
+        lambda p, x: jax.tree_util.tree_map(lambda v: v + x.sum(), p),
+        mesh=mesh8,
+        in_specs=(RULES, P("data")),
+        donate_argnums=0,
+    )
+    x = ms.shard(jnp.ones((8, 3)), P("data"), mesh8)
+    p = sj(ms.shard(_params(), RULES, mesh8), x)
+    assert sj._tree is not None
+    q = sj(p, x)  # the route's call
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(p))
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(q["b"], np.full(4, 49.0))
+
+
+def test_plain_pytree_route_stops_after_repeated_misses(mesh8):
+    sj = ms.shard_jit(lambda p: p, mesh=mesh8, in_specs=(P(),))
+    a, b = {"a": jnp.ones(2)}, {"b": jnp.ones(2)}
+    for _ in range(40):  # alternating structures miss the route every call
+        assert set(sj(a)) == {"a"} and set(sj(b)) == {"b"}
+    assert sj._tree is None and sj.cache_size == 2
+
+
+def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    sj = ms.shard_jit(lambda m, x: m(x), mesh=mesh8, in_specs=(P(), P()))
+    sj(mlp, jnp.ones(4))
+    assert sj._tree is None  # the activation function is a static leaf
+    sj2 = ms.shard_jit(lambda p, n: p["w"] * n, mesh=mesh8, in_specs=(RULES, None))
+    sj2(_params(), 2)
+    assert sj2._tree is None  # a Python scalar argument is static
 
 
 # ---- arguments: kwargs, dict specs, missing specs --------------------------------------
