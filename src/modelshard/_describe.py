@@ -19,8 +19,10 @@ from ._paths import format_path, join
 __all__ = ["LeafInfo", "children_of", "describe_cached", "describe_pytree", "is_array"]
 
 
-# Exact types that are always pytree leaves (a fast path for describing big trees).
+# Exact types known to be array leaves, and known not to be (both learned by is_array):
+# describing big trees and flattening shard_jit arguments check these sets first.
 _ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
+_NOT_ARRAY_TYPES: set[type] = set()
 try:
     from jax._src.array import ArrayImpl as _ArrayImpl
 
@@ -39,7 +41,14 @@ def is_array(x: Any) -> bool:
     ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
     other objects are static: they pass through untouched, as in Equinox.
     """
-    return type(x) in _ARRAY_TYPES or isinstance(x, _ARRAY_BASES)
+    t = type(x)
+    if t in _ARRAY_TYPES:
+        return True
+    if t in _NOT_ARRAY_TYPES:
+        return False
+    yes = isinstance(x, _ARRAY_BASES)  # decided by the type alone (ABC registration)
+    (_ARRAY_TYPES if yes else _NOT_ARRAY_TYPES).add(t)
+    return yes
 
 
 class LeafInfo(NamedTuple):

@@ -16,19 +16,16 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from ._adapters import _REGISTRY, NnxModuleAdapter
+from ._describe import _ARRAY_TYPES as ARRAY_TYPES
 from ._describe import is_array
 from ._errors import AdapterError
 from ._flat import split
 
-__all__ = ["ARRAY_TYPES", "Taken", "static_part", "take"]
+__all__ = ["Taken", "static_part", "take"]
 
 _lookup = _REGISTRY.lookup
-# Types known to be array leaves; anything else is checked with ``is_array`` (then cached).
-ARRAY_TYPES: set[type] = {np.ndarray}
-_NOT_ARRAY_TYPES: set[type] = set()
 
 # (adapter, leaves, aux, array positions or None when every leaf is an array, arrays)
 Taken = tuple[Any, list[Any], Hashable, "tuple[int, ...] | None", list[Any]]
@@ -39,9 +36,8 @@ def _known_arrays(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     types = set(map(type, leaves))
     if types <= ARRAY_TYPES:
         return None
-    for t in types - ARRAY_TYPES - _NOT_ARRAY_TYPES:
-        sample = next(x for x in leaves if type(x) is t)
-        (ARRAY_TYPES if is_array(sample) else _NOT_ARRAY_TYPES).add(t)
+    for t in types - ARRAY_TYPES:
+        is_array(next(x for x in leaves if type(x) is t))  # learns whether t is an array type
     index = tuple(i for i, x in enumerate(leaves) if type(x) in ARRAY_TYPES)
     return None if len(index) == len(leaves) else index
 
