@@ -83,3 +83,41 @@ def test_planning_leaves_the_garbage_collector_as_it_was(mesh8):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def _random_tree(rng, depth=0):
+    kind = rng.choice(["leaf", "dict", "list", "stack"] if depth < 4 else ["leaf"])
+    if kind == "leaf":
+        return rng.choice([np.ones(1), np.float32(1), 1.0, None, "s"])
+    if kind == "dict":
+        keys = rng.sample(["a", "b", "c", "kernel", "bias", "10", "2"], rng.randint(0, 4))
+        return {k: _random_tree(rng, depth + 1) for k in keys}
+    if kind == "list":
+        return [_random_tree(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    # a stack of layers: mostly one structure, sometimes another, sometimes other keys
+    layer = _random_tree(rng, depth + 1)
+    if not isinstance(layer, dict):
+        layer = {"w": layer}
+    out = []
+    for _ in range(rng.randint(2, 5)):
+        pick = rng.random()
+        if pick < 0.6:
+            out.append(dict(layer))
+        elif pick < 0.8:
+            out.append({**layer, "extra": np.ones(2)})
+        else:
+            out.append({1: np.ones(1)} if rng.random() < 0.5 else {True: np.ones(1)})
+    return out
+
+
+def test_paths_agree_with_jax_key_paths_on_random_trees():
+    import random
+
+    from modelshard._paths import format_path
+
+    rng = random.Random(0)
+    for _ in range(300):
+        tree = {"root": _random_tree(rng)}
+        want = [format_path(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        assert [i.path for i in describe_pytree(tree)] == want
+        assert paths(tree) == want

@@ -173,8 +173,11 @@ def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
         elif t is list or t is tuple:
             pre = path + "/" if path else ""
             for i, v in enumerate(x):
-                if type(v) in arrays:
+                tv = type(v)
+                if tv in arrays:
                     append(_new(LeafInfo, (f"{pre}{i}", None, None)))
+                elif tv is dict and len(x) > 1:
+                    stacked(v, f"{pre}{i}")
                 else:
                     walk(v, f"{pre}{i}")
             return
@@ -201,8 +204,33 @@ def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
                     inexact.append(k)
             walk(child, join(path, format_path(keys)))
 
+    # Layer stacks repeat one structure hundreds of times (and again in each optimizer
+    # moment): describe each structure of a list element once, then only join paths.
+    seen: dict[Any, list[LeafInfo] | None] = {}
+
+    def stacked(v: Any, path: str) -> None:
+        try:
+            treedef = jax.tree_util.tree_structure(v)
+            rel = seen.get(treedef, _NOTHING)
+        except Exception:  # unhashable aux data
+            walk(v, path)
+            return
+        if rel is _NOTHING:
+            got, exact = _describe(v, "")
+            rel = seen[treedef] = got if exact else None
+        if rel is None:  # a dict key that is not a str: equal structures may differ
+            walk(v, path)
+            return
+        pre = path + "/"
+        for info in rel:  # type: ignore[union-attr]
+            sub = info[0]
+            append(_new(LeafInfo, (pre + sub if sub else path, info[1], info[2])))
+
     walk(obj, prefix)
     return out, not inexact
+
+
+_NOTHING: Any = object()
 
 
 def children_of(node: Any) -> dict[str, Any]:

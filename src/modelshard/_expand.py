@@ -243,8 +243,11 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
     infos = flat.infos
     arrays = flat.arrays
     per_leaf: list[Any]
+    hits = None
     if is_leaf_spec(spec_like):
         per_leaf = [spec_like] * len(arrays)
+        if type(spec_like) is Rules:  # match every path in one loop
+            hits = spec_like.match_all([info.path for info in infos])
     else:
         entries = _prefix_entries(spec_like, arg, ctx)
         if entries is None:
@@ -284,7 +287,7 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPla
                         hint="the container's top-level keys are " + _top_keys(flat),
                     )
                 )
-    return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
+    return _plan_leaves(arg, infos, arrays, per_leaf, ctx, hits)
 
 
 _NOTHING = object()
@@ -305,9 +308,15 @@ _new = tuple.__new__
 
 
 def _plan_leaves(
-    arg: str, infos: list[LeafInfo], arrays: list[Any], per_leaf: list[Any], ctx: _Ctx
+    arg: str,
+    infos: list[LeafInfo],
+    arrays: list[Any],
+    per_leaf: list[Any],
+    ctx: _Ctx,
+    hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
-    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING).
+    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING;
+    ``hits``: when every leaf has the same ``Rules``, each leaf's match, found in bulk).
 
     This loop runs over every leaf of every plan (10,000-leaf trees), so it is written
     flat: leaves that resolve the same way (same spec source, same shape, same matched
@@ -321,7 +330,8 @@ def _plan_leaves(
     rules: Rules | None = None  # the Rules last seen, and its match cache and used set
     matched: dict[str, Any] = {}
     used: set[int] = set()
-    for info, leaf, s in zip(infos, arrays, per_leaf, strict=True):
+    pre: list[Any] = [_NOTHING] * len(infos) if hits is None else hits
+    for info, leaf, s, hit in zip(infos, arrays, per_leaf, pre, strict=True):
         if s is _NOTHING:
             continue
         shape = leaf.shape
@@ -334,9 +344,10 @@ def _plan_leaves(
         elif t is Rules:
             if s is not rules:
                 rules, matched, used = s, s._cache, ctx.used_by(s)  # match() fills _cache
-            hit = matched.get(info.path, _NOTHING)
             if hit is _NOTHING:
-                hit = s.match(info.path)
+                hit = matched.get(info.path, _NOTHING)
+                if hit is _NOTHING:
+                    hit = s.match(info.path)
             if hit is not None:
                 used.add(hit[0])  # a rule naming a scalar still counts as used
                 key = (id(s), hit[0], shape) if shape else (id(s), "scalar")

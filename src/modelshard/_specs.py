@@ -208,23 +208,35 @@ class Rules:
         object.__setattr__(self, "_digit_blind", blind)
 
     def match(self, path: str) -> tuple[int, PartitionSpec] | None:
-        """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None."""
-        hit = self._cache.get(path, _MISS)
-        if hit is not _MISS:
-            return hit  # type: ignore[return-value]
-        if self._digit_blind:
-            # No pattern mentions a digit, so a match cannot depend on which digits a path
-            # holds (each becomes '0': \d, \w, . and lengths behave the same), and
-            # ``layers/0/...`` .. ``layers/199/...`` share one regex search.
-            key = path.encode().translate(_ZEROS)
-            hit = self._blind.get(key, _MISS)
+        """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None.
+
+        Matches are cached per path. When no pattern mentions a digit, a match cannot
+        depend on which digits a path holds (each becomes '0': ``\\d``, ``\\w``, ``.`` and
+        lengths behave the same), so ``layers/0/...`` .. ``layers/199/...`` share one
+        regex search.
+        """
+        return self.match_all((path,))[0]
+
+    def match_all(self, paths: Sequence[str]) -> list[tuple[int, PartitionSpec] | None]:
+        """:meth:`match` of every path in ``paths`` (one loop: plans match 10,000 paths)."""
+        cache, blind, search = self._cache, self._blind, self._search
+        out: list[tuple[int, PartitionSpec] | None] = []
+        append = out.append
+        zeros = _ZEROS if self._digit_blind else None
+        for path in paths:
+            hit = cache.get(path, _MISS)
             if hit is _MISS:
-                hit = self._blind[key] = self._search(path)
-        else:
-            hit = self._search(path)
-        if len(self._cache) < 1_000_000:
-            self._cache[path] = hit  # type: ignore[assignment]
-        return hit  # type: ignore[return-value]
+                if zeros is not None:
+                    key = path.encode().translate(zeros)
+                    hit = blind.get(key, _MISS)
+                    if hit is _MISS:
+                        hit = blind[key] = search(path)
+                else:
+                    hit = search(path)
+                if len(cache) < 1_000_000:
+                    cache[path] = hit  # type: ignore[assignment]
+            append(hit)  # type: ignore[arg-type]
+        return out
 
     def _search(self, path: str) -> tuple[int, PartitionSpec] | None:
         for i, (rx, spec) in enumerate(self._compiled):
