@@ -173,8 +173,9 @@ def test_train_state_kind_and_paths():
     ts = train_state.TrainState.create(apply_fn=lambda x: x, params=params, tx=optax.adamw(1e-3))
     flat = split(ts)
     assert flat.kind == "flax.TrainState"
-    # TrainState.create sets step to the Python int 0: a static leaf until a step returns it.
+    # TrainState.create sets step to the Python int 0: state all the same, an array leaf.
     assert flat.paths == [
+        "step",
         "params/dense/bias",
         "params/dense/kernel",
         "opt_state/0/count",
@@ -375,3 +376,46 @@ def test_register_jax_dataclass_twice_is_refused():
         )
     ms.register_container(Registered, PytreeAdapter("registered"))
     assert split(Registered(jnp.ones(1))).kind == "registered"
+
+
+# ---- Python numbers: static leaves, or arrays where the adapter says so ----------------
+
+
+def _train_state(step=0):
+    optax = pytest.importorskip("optax")
+    ts = pytest.importorskip("flax.training.train_state")
+    return ts.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones((8, 2))}, tx=optax.sgd(0.1)
+    ).replace(step=step)
+
+
+def test_train_state_step_is_an_array_leaf_even_as_a_python_int():
+    flat = split(_train_state(step=7))
+    assert flat.paths[0] == "step" and flat.kind == "flax.TrainState"
+    step = flat.arrays[0]
+    assert isinstance(step, jax.Array) and step.shape == () and int(step) == 7
+    assert step.dtype == jnp.int32 and step.weak_type  # what jax.jit makes of 7
+
+
+def test_python_numbers_stay_static_in_other_containers():
+    eqx = pytest.importorskip("equinox")
+    assert split({"w": jnp.ones(2), "lr": 0.1, "n": 3, "flag": True}).paths == ["w"]
+    drop = eqx.nn.Dropout(p=0.25)
+    assert split(drop).paths == []  # p and inference are configuration
+
+
+def test_a_registered_container_can_ask_for_numbers_as_arrays():
+    class Counter:
+        def __init__(self, w, n):
+            self.w, self.n = w, n
+
+    ms.register_container(
+        Counter,
+        ms.adapters.PytreeAdapter("counter", numbers_are_arrays=True),
+    )
+    jax.tree_util.register_pytree_node(
+        Counter, lambda c: ((c.w, c.n), None), lambda _, kids: Counter(*kids)
+    )
+    flat = split(Counter(jnp.ones(2), 5))
+    assert flat.paths == ["0", "1"] and int(flat.arrays[1]) == 5
+    assert type(flat.rebuild(flat.arrays).n) is type(flat.arrays[1])

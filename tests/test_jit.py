@@ -514,3 +514,20 @@ def test_nnx_static_attributes_are_part_of_the_key(mesh8):
     assert sj.cache_size == 2
     assert not np.allclose(train, evaluated)
     np.testing.assert_allclose(sj(model, ids), evaluated, rtol=1e-6)
+
+
+def test_train_state_from_create_compiles_once(mesh8):
+    optax = pytest.importorskip("optax")
+    ts = pytest.importorskip("flax.training.train_state")
+    state = ts.TrainState.create(apply_fn=None, params={"w": jnp.ones((8, 2))}, tx=optax.sgd(0.1))
+    assert type(state.step) is int  # Flax starts the step as a Python int
+
+    @ms.shard_jit(mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0), P("data")))
+    def step(state, x):
+        grads = jax.grad(lambda p: (p["w"] * x.sum()).sum())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    for _ in range(3):
+        state = step(state, jnp.ones((8, 3)))
+    assert int(state.step) == 3 and step.cache_size == 1
+    assert state.step.sharding.is_fully_replicated

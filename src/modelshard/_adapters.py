@@ -68,9 +68,16 @@ class PytreeAdapter:
 
     Attributes:
         kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
+        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
+            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
+            instead of static leaves. On for Flax's ``TrainState``, whose ``step`` starts
+            as the Python int 0 and is state like any other: it is traced, sharded
+            (replicated) and saved. Off elsewhere, as in Equinox: a Python number in a
+            container is configuration, part of the compilation key.
     """
 
     kind: str = "pytree"
+    numbers_are_arrays: bool = False
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
         leaves, treedef = jax.tree_util.tree_flatten(obj)
@@ -130,7 +137,11 @@ class NnxModuleAdapter:
 _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     ("flax.nnx", "Module", NnxModuleAdapter),
     ("flax.nnx", "State", lambda: PytreeAdapter("nnx.State")),
-    ("flax.training.train_state", "TrainState", lambda: PytreeAdapter("flax.TrainState")),
+    (
+        "flax.training.train_state",
+        "TrainState",
+        lambda: PytreeAdapter("flax.TrainState", numbers_are_arrays=True),
+    ),
     ("flax.core.frozen_dict", "FrozenDict", lambda: PytreeAdapter("flax.FrozenDict")),
     ("equinox", "Module", lambda: PytreeAdapter("equinox.Module")),
     # Other NNX graph objects (nnx.Optimizer, ...) are mutable too: split and update them

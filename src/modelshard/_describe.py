@@ -33,13 +33,29 @@ except ImportError:  # pragma: no cover - private location moved; the generic pa
 
 _ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
+# Python numbers: static leaves, except in containers whose adapter says
+# ``numbers_are_arrays`` (then converted to rank-0 arrays when split).
+NUMBER_TYPES = frozenset({bool, int, float, complex})
+
+
+def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every Python number made a rank-0 array, as ``jax.jit`` makes it
+    (weakly typed: ``0`` becomes an int32, ``0.1`` a float32 under default precision)."""
+    if not any(type(x) in NUMBER_TYPES for x in leaves):
+        return leaves
+    import jax.numpy as jnp
+
+    return [jnp.asarray(x) if type(x) in NUMBER_TYPES else x for x in leaves]
+
 
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
 
     Arrays are ``jax.Array`` (typed PRNG keys included), NumPy arrays and scalars, and
     ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
-    other objects are static: they pass through untouched, as in Equinox.
+    other objects are static: they pass through untouched, as in Equinox (a container
+    whose adapter sets ``numbers_are_arrays``, such as Flax's ``TrainState``, makes its
+    Python numbers rank-0 arrays when it is split).
     """
     t = type(x)
     if t in _ARRAY_TYPES:

@@ -7,7 +7,14 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from ._adapters import Adapter, NnxModuleAdapter, PytreeAdapter, get_adapter
-from ._describe import _ARRAY_TYPES, LeafInfo, children_of, describe_cached, is_array
+from ._describe import (
+    _ARRAY_TYPES,
+    LeafInfo,
+    children_of,
+    describe_cached,
+    is_array,
+    numbers_to_arrays,
+)
 from ._errors import AdapterError
 
 __all__ = ["Flat", "split"]
@@ -119,6 +126,8 @@ def split(obj: Any) -> Flat:
             f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
             f"{type(e).__name__}: {e}"
         ) from e
+    if getattr(adapter, "numbers_are_arrays", False):
+        leaves = numbers_to_arrays(leaves)
     fast = _ARRAY_TYPES  # exact array types first: this runs over every leaf of every plan
     index = tuple(i for i, leaf in enumerate(leaves) if type(leaf) in fast or is_array(leaf))
     return Flat(obj, adapter, leaves, aux, index)

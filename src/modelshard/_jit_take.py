@@ -19,7 +19,7 @@ import jax
 
 from ._adapters import _REGISTRY, NnxModuleAdapter
 from ._describe import _ARRAY_TYPES as ARRAY_TYPES
-from ._describe import is_array
+from ._describe import is_array, numbers_to_arrays
 from ._errors import AdapterError
 from ._flat import split
 
@@ -53,6 +53,8 @@ def take_slow(value: Any, adapter: Any = None) -> Taken:
     except Exception:
         split(value)  # raises the AdapterError that names the container
         raise
+    if getattr(adapter, "numbers_are_arrays", False):
+        leaves = numbers_to_arrays(leaves)
     index = _known_arrays(leaves)
     return adapter, leaves, aux, index, leaves if index is None else [leaves[i] for i in index]
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from ._adapters import Adapter, PytreeAdapter, get_adapter
-from ._describe import is_array
+from ._describe import NUMBER_TYPES, is_array
 
 __all__ = ["OutDesc", "Part", "split_output"]
 
@@ -128,7 +128,12 @@ def split_output(
                 arrays.append(x)
         else:
             adapter, leaves, aux, j = hit
-            idx = tuple(i for i, v in enumerate(leaves) if is_array(v))
+            numbers = getattr(adapter, "numbers_are_arrays", False)
+            idx = tuple(
+                i
+                for i, v in enumerate(leaves)
+                if is_array(v) or (numbers and type(v) in NUMBER_TYPES)
+            )
             at = set(idx)
             template = tuple(None if i in at else v for i, v in enumerate(leaves))
             parts.append(Part(adapter, aux, template, idx, j))
