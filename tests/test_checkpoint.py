@@ -353,10 +353,76 @@ def test_host_and_device_checksums_agree_and_ignore_sharding(dtype, mesh8):
     x = jnp.asarray(values).astype(dtype)
     sharded = ms.shard(x, P("data"), mesh8)
     host, device = checksums([x, sharded]), checksums([x, sharded], host_max_elements=0)
-    assert host[0] == host[1] == device[0] == device[1]
+    shards = checksums([x, sharded], host=True)
+    assert host[0] == host[1] == device[0] == device[1] == shards[0] == shards[1]
     flipped = jnp.asarray(np.asarray(x)[::-1].copy())
     if not bool(jnp.all(flipped == x)):
         assert checksums([flipped])[0] != host[0]
+
+
+@pytest.mark.parametrize("spec", [P(), P("data", "model"), P(None, "model", "data")])
+def test_shard_by_shard_host_checksums_match_in_small_blocks(spec, monkeypatch):
+    from modelshard import _record
+
+    x = jnp.asarray(np.random.default_rng(2).integers(0, 2**31, size=(6, 4, 10)), jnp.uint32)
+    mesh = ms.make_mesh({"data": 2, "model": 2})
+    sharded = jax.device_put(x, NamedSharding(mesh, spec))
+    want = _record.checksums([x], host_max_elements=0)
+    monkeypatch.setattr(_record, "HOST_BLOCK_ELEMENTS", 3)  # blocks split rows and columns
+    assert _record.checksums([sharded], host=True) == want
+    assert _record.checksums([x]) == want
+
+
+def test_device_checksum_needs_no_temporary_as_large_as_the_leaf():
+    """Both sums are one variadic reduction with every term fused into it; two separate
+    sums made XLA write out the terms (twice the leaf's bytes), which restore paid for."""
+    from modelshard._record import _checksum_jit
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    for spec in (P(), P("data", "model")):
+        x = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=NamedSharding(mesh, spec))
+        stats = _checksum_jit.lower(x).compile().memory_analysis()
+        assert stats.temp_size_in_bytes < 4096, spec
+
+
+def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, mesh8):
+    """Orbax refuses any single read at or above its concurrent-bytes cap; restore raises
+    its cap above its largest read (here a 128 KiB leaf stored as one chunk)."""
+    import modelshard._checkpoint as ckpt
+
+    monkeypatch.setattr(ckpt, "RESTORE_CONCURRENT_BYTES", 4096)
+    values = np.arange(32 * 1024, dtype=np.float32).reshape(256, 128)
+    path = ms.save(tmp_path / "c", {"w": jnp.asarray(values), "b": jnp.ones(8)})
+    np.testing.assert_array_equal(ms.restore(path)["w"], values)
+    out = ms.restore(path, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
+    assert out["w"].sharding.spec == P("data")
+    np.testing.assert_array_equal(out["w"], values)
+    target = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=out["w"].sharding)
+    assert ckpt.largest_read(target, (256, 128)) == values.nbytes  # one stored chunk
+    assert ckpt.largest_read(target, (32, 128)) == values.nbytes // 8
+    assert ckpt.largest_read(target, (48, 128)) == 48 * 128 * 4 * 2  # rows 0-47 and 48-95
+    assert ckpt.largest_read(target, None) == values.nbytes * 4  # unknown: a bound
+
+
+def test_reshard_compiles_no_checksum_and_keeps_unchanged_checksums(tmp_path, monkeypatch, mesh8):
+    from modelshard import _record
+    from modelshard._checkpoint import locate
+    from modelshard._reshard import reshard
+
+    state = {"w": jnp.arange(2.0**21).reshape(2048, 1024), "b": jnp.ones(8)}
+    ms.save(tmp_path / "src", state)
+
+    def compiled(*args):
+        raise AssertionError("reshard compiled a checksum program")
+
+    monkeypatch.setattr(_record, "_checksum_jit", compiled)
+    record = reshard(tmp_path / "src", tmp_path / "dst", specs=P("data"), mesh=mesh8)
+    monkeypatch.undo()
+    before = {leaf.path: leaf.checksum for leaf in locate(tmp_path / "src").record.leaves}
+    assert {leaf.path: leaf.checksum for leaf in record.leaves} == before
+    out = ms.restore(tmp_path / "dst")  # verifies the checksums on the devices
+    assert out["w"].sharding.spec == P("data")
+    np.testing.assert_array_equal(out["w"], np.asarray(state["w"]))
 
 
 def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):

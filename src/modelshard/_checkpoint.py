@@ -41,6 +41,7 @@ from ._record import (
     saved_spec,
     start_checksums,
     versions,
+    warm_checksums,
 )
 from ._shard import place
 
@@ -48,8 +49,10 @@ __all__ = ["Source", "locate", "prepare", "restore", "save"]
 
 STATE_ITEM = "state"
 # Bytes Orbax may read at once during a restore: bounds host memory beyond the restored
-# arrays themselves (each read buffer is copied onto its devices, then freed).
-RESTORE_CONCURRENT_BYTES = 64 << 20
+# arrays themselves (each read buffer is copied onto its devices, then freed). A restore
+# whose largest single read is bigger raises its own cap just above that read (Orbax
+# refuses a read larger than the cap).
+RESTORE_CONCURRENT_BYTES = 16 << 20
 RECORD_ITEM = "modelshard"
 # In Orbax's own _CHECKPOINT_METADATA: says a record must be there (typed PRNG keys, paths
 # and checksums are only in the record; without it a checkpoint reads as plain Orbax).
@@ -329,6 +332,52 @@ class Source:
     tree_dir: Path
     record: Record
     template: Any = None
+    _write_shapes: dict[tuple[str, ...], tuple[int, ...]] | None = dataclasses.field(
+        default=None, repr=False
+    )
+
+    def write_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """Each stored array's write (chunk) shape, by storage key, where Orbax's
+        ``_METADATA`` records it (read once)."""
+        if self._write_shapes is None:
+            self._write_shapes = _read_write_shapes(self.tree_dir / "_METADATA")
+        return self._write_shapes
+
+
+def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
+    import json
+
+    out: dict[tuple[str, ...], tuple[int, ...]] = {}
+    try:
+        if meta.stat().st_size > MAX_METADATA_BYTES:
+            return out
+        for entry in json.loads(meta.read_bytes())["tree_metadata"].values():
+            shape = entry["value_metadata"].get("write_shape")
+            if shape:
+                key = tuple(str(k["key"]) for k in entry["key_metadata"])
+                out[key] = tuple(int(d) for d in shape)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass  # unknown chunking: largest_read falls back to a bound
+    return out
+
+
+def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> int:
+    """The most bytes Orbax reserves to read one of this host's shards of ``target``: the
+    shard's extent rounded out to whole stored chunks (as its
+    ``estimate_read_memory_footprint`` counts; with the chunk shape unknown, a bound)."""
+    shape = tuple(target.shape)
+    whole = (slice(None),) * len(shape)
+    s = target.sharding
+    indices = [whole] if s is None else s.addressable_devices_indices_map(shape).values()
+    n = 0
+    for index in indices:
+        size = np.dtype(target.dtype).itemsize
+        for i, (d, sl) in enumerate(zip(shape, index or whole, strict=True)):
+            lo, hi, _ = sl.indices(d)
+            c = chunk[i] if chunk is not None and len(chunk) == len(target.shape) else 0
+            size *= max(1, (-(-hi // c) - lo // c) * c if c > 0 else 2 * d)
+        n = max(n, size)
+    return n
 
 
 def _manager_hint(p: Path) -> str:
@@ -577,8 +626,13 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         BasePyTreeCheckpointHandler,
     )
 
+    chunks = source.write_shapes()
+    cap = max(
+        RESTORE_CONCURRENT_BYTES,
+        1 + max(largest_read(t, chunks.get(recs[p].key)) for p, t in targets.items()),
+    )
     handler = ocp.PyTreeCheckpointHandler(
-        handler_impl=BasePyTreeCheckpointHandler(restore_concurrent_bytes=RESTORE_CONCURRENT_BYTES)
+        handler_impl=BasePyTreeCheckpointHandler(restore_concurrent_bytes=cap)
     )
     with ocp.Checkpointer(handler) as ckptr:
         out = ckptr.restore(source.tree_dir, args=args)
@@ -649,13 +703,24 @@ def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         ) from e
 
 
-def verify_checksums(source: Source, values: Mapping[str, Any]) -> None:
-    """Raise CheckpointError naming every leaf whose stored bits changed since saving."""
+def _checked(source: Source, targets: Mapping[str, Any]) -> list[Any]:
+    """The targets whose checksums :func:`verify_checksums` will compute."""
+    recs = source.record.by_path()
+    return [t for p, t in targets.items() if recs[p].checksum is not None]
+
+
+def verify_checksums(
+    source: Source, values: Mapping[str, Any], sums: Mapping[str, str] | None = None
+) -> None:
+    """Raise CheckpointError naming every leaf whose stored bits changed since saving.
+
+    ``sums``: the checksums of ``values`` where the caller has computed them already.
+    """
     recs = source.record.by_path()
     paths = [p for p in values if recs[p].checksum is not None]
     if not paths:
         return
-    got = checksums([values[p] for p in paths])
+    got = [sums[p] for p in paths] if sums is not None else checksums([values[p] for p in paths])
     bad = [
         f"  {p or '<root>'} {recs[p].stored_dtype}{list(recs[p].stored_shape)}: recorded "
         f"{recs[p].checksum}, read {g}"
@@ -832,6 +897,8 @@ def restore(
             targets[path] = jax.ShapeDtypeStruct(
                 rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=_stored_sharding(s, rec)
             )
+    if verify:
+        warm_checksums(_checked(source, targets))
     values = read_checked(source, targets)
     if verify:
         verify_checksums(source, values)

@@ -167,8 +167,30 @@ def _use_cpu_devices(n: int) -> None:
         )
 
 
+def _return_freed_memory() -> None:
+    """glibc: give every block of 128 KiB or more its own mapping, unmapped when freed, and
+    keep one malloc arena.
+
+    By default glibc raises that threshold to the largest block freed so far (up to 32
+    MiB), so the chunk-sized buffers resharding frees and allocates again, chunk after
+    chunk and on many reader threads, would stay resident as fragmented heap (about 40 MiB
+    more peak for a 1 GiB checkpoint). This process exists only to reshard, so the
+    allocator's settings are ours to choose. Elsewhere (no glibc) nothing changes.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_mmap_threshold, m_arena_max = -3, -8
+    mallopt(m_mmap_threshold, 128 << 10)
+    mallopt(m_arena_max, 1)
+
+
 def _cmd_reshard(args: argparse.Namespace) -> int:
     sizes = parse_mesh(args.mesh)
+    _return_freed_memory()
     _use_cpu_devices(math.prod(sizes.values()))
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 

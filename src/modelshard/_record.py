@@ -328,12 +328,10 @@ _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def _lanes(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as uint32 values (64-bit elements become two lanes)."""
+    """The bits of a real ``x`` as uint32 values (64-bit elements become two lanes)."""
     dt = x.dtype
     if dt == jnp.bool_:
         return x.astype(jnp.uint32)
-    if jnp.issubdtype(dt, jnp.complexfloating):
-        return jnp.stack([_lanes(x.real), _lanes(x.imag)], axis=-1)
     size = dt.itemsize
     if _bits(dt) < size * 8:
         # sub-byte types (int4, float4): widen exactly, then take the wide bits
@@ -353,13 +351,27 @@ def _bits(dt: Any) -> int:
 
 
 def _checksum_one(x: jax.Array) -> jax.Array:
-    v = _lanes(x)
-    idx = jnp.zeros(v.shape, jnp.uint32)
-    stride = 1
-    for d in range(v.ndim - 1, -1, -1):
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, v.shape, d) * jnp.uint32(stride % 2**32)
-        stride *= v.shape[d]
-    return jnp.stack([jnp.sum(t, dtype=jnp.uint32) for t in _terms(v, idx, jnp.uint32)])
+    """The two sums over the lanes of ``x`` (complex: real and imaginary lanes interleaved,
+    as :func:`_np_lanes` stacks them), in one variadic reduction: XLA fuses every term into
+    it, so no temporary as large as ``x`` is materialised (two separate sums would each
+    need their terms written out first)."""
+    parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    lanes = [_lanes(p) for p in parts]
+    shape = lanes[0].shape
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = len(lanes)
+    for d in range(len(shape) - 1, -1, -1):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    terms = [t for k, v in enumerate(lanes) for t in _terms(v, idx + jnp.uint32(k), jnp.uint32)]
+    zero = jnp.uint32(0)
+    sums = jax.lax.reduce(
+        tuple(terms),
+        (zero,) * len(terms),
+        lambda a, b: tuple(p + q for p, q in zip(a, b, strict=True)),
+        tuple(range(len(shape))),
+    )
+    return jnp.stack([sum(sums[0::2], zero), sum(sums[1::2], zero)])
 
 
 def _fmix(h: Any, u32: Any) -> Any:
@@ -401,25 +413,93 @@ def _np_lanes(a: np.ndarray) -> np.ndarray:
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
 
 
+# Elements per step of a host checksum: its temporaries stay a few hundred KiB.
+HOST_BLOCK_ELEMENTS = 1 << 14
+
+
+def _np_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    """The two sums over the lanes of ``a``, the block at ``origin`` of an array of
+    ``shape``, taken :data:`HOST_BLOCK_ELEMENTS` elements at a time."""
+    if a.size == 0:
+        return 0, 0
+    if a.ndim == 0:
+        a, origin, shape = a.reshape(1), (0,), (1,)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    row_base = np.full(1, origin[-1], np.int64)  # global index of each row's first element
+    for d in range(a.ndim - 1):
+        along = (origin[d] + np.arange(a.shape[d], dtype=np.int64)) * strides[d]
+        row_base = (row_base[:, None] + along[None, :]).reshape(-1)
+    rows = a.reshape(-1, a.shape[-1])
+    cols = rows.shape[1]
+    step_r, step_c = max(1, HOST_BLOCK_ELEMENTS // cols), min(cols, HOST_BLOCK_ELEMENTS)
+    s1 = s2 = 0
+    for r in range(0, rows.shape[0], step_r):
+        for c in range(0, cols, step_c):
+            v = _np_lanes(rows[r : r + step_r, c : c + step_c])
+            per = math.prod(v.shape[2:])  # lanes per element
+            e = row_base[r : r + step_r, None] + np.arange(c, c + v.shape[1], dtype=np.int64)
+            idx = e[..., None] * per + np.arange(per, dtype=np.int64)
+            idx = (idx.reshape(v.shape) & 0xFFFFFFFF).astype(np.uint32)
+            t1, t2 = _terms(v, idx, np.uint32)
+            s1 += int(np.sum(t1, dtype=np.uint32))
+            s2 += int(np.sum(t2, dtype=np.uint32))
+    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
+
+
 def _np_checksum(a: np.ndarray) -> tuple[int, int]:
-    v = _np_lanes(a).reshape(-1)
-    idx = (np.arange(v.size, dtype=np.uint64) & 0xFFFFFFFF).astype(np.uint32)
-    t1, t2 = _terms(v, idx, np.uint32)
-    return int(np.sum(t1, dtype=np.uint32)), int(np.sum(t2, dtype=np.uint32))
+    return _np_sums(a, (0,) * a.ndim, a.shape)
 
 
-def checksums(arrays: Sequence[jax.Array], *, host_max_elements: int | None = None) -> list[str]:
+def _shard_checksum(x: jax.Array) -> tuple[int, int]:
+    """:func:`_np_checksum` of a fully addressable array, summed shard by shard (one replica
+    of each) where the shards live: zero-copy views on CPU devices, nothing gathered."""
+    s1 = s2 = 0
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            origin = [sl.indices(d)[0] for sl, d in zip(shard.index, x.shape, strict=True)]
+            a, b = _np_sums(np.asarray(shard.data), origin, x.shape)
+            s1, s2 = s1 + a, s2 + b
+    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
+
+
+def _on_host(x: Any, limit: int) -> bool:
+    if x.size > limit:
+        return False
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.sharding is None or x.sharding.is_fully_addressable
+    return x.is_fully_addressable if isinstance(x, jax.Array) else True
+
+
+def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """Compile the device checksum programs ``targets`` (sharded abstract arrays) will need.
+
+    A restore calls this before reading, so that compiling (tens of MiB for a moment)
+    happens while little is resident rather than on top of the restored state.
+    """
+    seen = set()
+    for t in targets:
+        key = (tuple(t.shape), t.dtype, t.sharding)
+        if key not in seen and not _on_host(t, HOST_MAX_ELEMENTS):
+            seen.add(key)
+            _checksum_jit.lower(t).compile()
+
+
+def checksums(
+    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None, host: bool = False
+) -> list[str]:
     """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding.
 
     Small leaves are summed on the host; large ones are reduced where they live (one small
     compiled program per shape, dtype and sharding, cached by JAX), so nothing large is
-    gathered to one device.
+    gathered to one device. With ``host``, every array this process holds whole is summed
+    on the host shard by shard instead: no compilation (which costs tens of MiB of
+    resident compiler code), slower than a device reduction; ``reshard`` uses it.
     """
-    return start_checksums(arrays, host_max_elements=host_max_elements)()
+    return start_checksums(arrays, host_max_elements=host_max_elements, host=host)()
 
 
 def start_checksums(
-    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None
+    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None, host: bool = False
 ) -> Callable[[], list[str]]:
     """Dispatch :func:`checksums` without waiting; call the result to collect them.
 
@@ -429,7 +509,9 @@ def start_checksums(
     pending: dict[int, Any] = {}
     out: list[Any] = [None] * len(arrays)
     for i, x in enumerate(arrays):
-        if x.size <= limit and (x.is_fully_addressable if isinstance(x, jax.Array) else True):
+        if host and isinstance(x, jax.Array) and x.is_fully_addressable:
+            out[i] = _shard_checksum(x)
+        elif _on_host(x, limit):
             out[i] = _np_checksum(np.asarray(x))
         else:
             pending[i] = _checksum_jit(x)

@@ -39,7 +39,15 @@ from ._checkpoint import (
 )
 from ._errors import CheckpointError
 from ._plan import Plan, plan
-from ._record import LeafRecord, Record, checksums, dtype_name, mesh_json, parse_dtype, versions
+from ._record import (
+    LeafRecord,
+    Record,
+    checksums,
+    dtype_name,
+    mesh_json,
+    parse_dtype,
+    versions,
+)
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "reshard"]
 
@@ -185,8 +193,16 @@ def reshard(
                 }
                 values = read_checked(source, targets)
                 del targets
+                # One checksum pass over the stored bits checks the source and, where
+                # no cast changes them, is the new checkpoint's checksum too. Summed on
+                # the host: compiling a reduction per shape would cost more resident
+                # memory (compiler code and buffers) than a chunk.
+                read_sums = checksums([values[it.rec.path] for it in chunk], host=True)
                 if verify:
-                    verify_checksums(source, values)
+                    sums_by_path = {
+                        it.rec.path: cs for it, cs in zip(chunk, read_sums, strict=True)
+                    }
+                    verify_checksums(source, values, sums_by_path)
                 stored, logical = [], []
                 for it in chunk:
                     x = values.pop(it.rec.path)
@@ -194,7 +210,16 @@ def reshard(
                         x = finish_leaf(x, it.rec, dtype)
                     logical.append(it.rec.dtype if it.rec.key_impl else dtype_name(x.dtype))
                     stored.append(x if it.rec.key_impl else storable(x))
-                sums = checksums(stored)
+                sums = list(read_sums)
+                changed = [
+                    i
+                    for i, (it, x) in enumerate(zip(chunk, stored, strict=True))
+                    if dtype_name(x.dtype) != it.rec.stored_dtype
+                ]
+                if changed:
+                    new_sums = checksums([stored[i] for i in changed], host=True)
+                    for i, cs in zip(changed, new_sums, strict=True):
+                        sums[i] = cs
                 for it, x, cs, dt in zip(chunk, stored, sums, logical, strict=True):
                     new_leaves.append(
                         dataclasses.replace(
