@@ -313,6 +313,14 @@ def test_broken_flatten_raises_adapter_error():
         split(Pair(jnp.ones(1), jnp.ones(1)))
 
 
+def _python(code: str) -> str:
+    """What a fresh interpreter prints running ``code``."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return out.stdout.strip()
+
+
 def test_import_modelshard_imports_no_optional_dependency():
     code = (
         "import sys, modelshard\n"
@@ -320,10 +328,7 @@ def test_import_modelshard_imports_no_optional_dependency():
         "{'flax', 'equinox', 'optax', 'orbax', 'tensorstore'})\n"
         "print(heavy)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]"
+    assert _python(code) == "[]"
 
 
 def test_builtin_adapters_appear_when_their_library_is_imported_later():
@@ -337,10 +342,7 @@ def test_builtin_adapters_appear_when_their_library_is_imported_later():
         "flat = ms.adapters.split(m)\n"
         "print(flat.kind, flat.paths)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "nnx.Module ['bias', 'kernel']"
+    assert _python(code) == "nnx.Module ['bias', 'kernel']"
 
 
 def test_pytree_fixture_is_plain():
