@@ -388,7 +388,7 @@ def test_device_checksum_needs_no_temporary_as_large_as_the_leaf():
 def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, mesh8):
     """Orbax refuses any single read at or above its concurrent-bytes cap; restore raises
     its cap above its largest read (here a 128 KiB leaf stored as one chunk)."""
-    import modelshard._checkpoint as ckpt
+    import modelshard._checkpoint_read as ckpt
 
     monkeypatch.setattr(ckpt, "RESTORE_CONCURRENT_BYTES", 4096)
     values = np.arange(32 * 1024, dtype=np.float32).reshape(256, 128)

@@ -449,7 +449,7 @@ def test_deeply_nested_record_is_refused(small_ckpt):
 
 @pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
 def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
-    import modelshard._checkpoint as ckpt
+    import modelshard._checkpoint_locate as ckpt
 
     path, _ = small_ckpt
     with open(path / name, "a") as f:
@@ -908,7 +908,7 @@ def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
 def test_overwrite_never_leaves_the_path_without_a_checkpoint(tmp_path, monkeypatch):
     """A crash at any rename of an overwrite: here every rename of the checkpoint's own
     directory is followed by a simulated crash. The path still holds a whole checkpoint."""
-    import modelshard._checkpoint as ckpt
+    import modelshard._checkpoint_write as ckpt
 
     path = ms.save(tmp_path / "c", {"w": jnp.zeros(4)})
 

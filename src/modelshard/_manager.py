@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._checkpoint import MARKER, RECORD_ITEM, STATE_ITEM, prepare, restore
+from ._checkpoint_read import restore
+from ._checkpoint_write import MARKER, RECORD_ITEM, STATE_ITEM, prepare
 from ._errors import CheckpointError
 from ._record import RECORD_FILE
 

@@ -21,22 +21,16 @@ from typing import Any
 
 import jax
 
-from ._checkpoint import (
-    Source,
-    _abs,
+from ._checkpoint_locate import Source, locate, planning_tree
+from ._checkpoint_read import (
     _concrete,
-    _nest,
     _saved_specs,
     _stored_sharding,
     finish_leaf,
-    locate,
-    orbax_save,
-    planning_tree,
     read_checked,
-    storable,
     verify_checksums,
-    write_atomic,
 )
+from ._checkpoint_write import _abs, _nest, orbax_save, storable, write_atomic
 from ._errors import CheckpointError
 from ._plan import Plan, plan
 from ._record import (

@@ -1,0 +1,406 @@
+"""Reading checkpoints: ``restore``, every leaf read straight into its planned sharding.
+
+Reads go through Orbax with a cap on the bytes in flight, are verified against the
+record's checksums on the devices, and fail with a :class:`CheckpointError` that names the
+damaged leaves and, where it can be told, the file at fault.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ._checkpoint_locate import (
+    Source,
+    _leaf_target_dtype,
+    abstract_like,
+    locate,
+)
+from ._checkpoint_write import _nest
+from ._errors import CheckpointError
+from ._flat import split
+from ._mesh import is_abstract, make_mesh
+from ._paths import format_path
+from ._plan import plan
+from ._record import (
+    STORED_AS,
+    LeafRecord,
+    Record,
+    checksums,
+    dtype_name,
+    parse_dtype,
+    warm_checksums,
+)
+from ._shard import place
+
+__all__ = ["restore"]
+
+# Bytes Orbax may read at once during a restore: bounds host memory beyond the restored
+# arrays themselves (each read buffer is copied onto its devices, then freed). A restore
+# whose largest single read is bigger raises its own cap just above that read (Orbax
+# refuses a read larger than the cap).
+RESTORE_CONCURRENT_BYTES = 16 << 20
+
+
+def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> int:
+    """The most bytes Orbax reserves to read one of this host's shards of ``target``: the
+    shard's extent rounded out to whole stored chunks (as its
+    ``estimate_read_memory_footprint`` counts; with the chunk shape unknown, a bound)."""
+    shape = tuple(target.shape)
+    whole = (slice(None),) * len(shape)
+    s = target.sharding
+    indices = [whole] if s is None else s.addressable_devices_indices_map(shape).values()
+    n = 0
+    for index in indices:
+        size = np.dtype(target.dtype).itemsize
+        for i, (d, sl) in enumerate(zip(shape, index or whole, strict=True)):
+            lo, hi, _ = sl.indices(d)
+            c = chunk[i] if chunk is not None and len(chunk) == len(target.shape) else 0
+            size *= max(1, (-(-hi // c) - lo // c) * c if c > 0 else 2 * d)
+        n = max(n, size)
+    return n
+
+
+def _concrete(mesh: Any) -> Any:
+    if is_abstract(mesh):
+        return make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
+    return mesh
+
+
+Diff = list[tuple[str, str, str]]  # (what, path, detail)
+
+
+def _diff(
+    paths: Sequence[str], arrays: Sequence[Any], stored: Mapping[str, LeafRecord], dtype: Any
+) -> tuple[Diff, Diff, Diff]:
+    """Missing, extra and changed leaves between a target and a checkpoint, path first."""
+    missing: Diff = []
+    changed: Diff = []
+    seen = set()
+    for path, x in zip(paths, arrays, strict=True):
+        rec = stored.get(path)
+        here = f"{dtype_name(x.dtype)}{list(x.shape)}"
+        if rec is None:
+            missing.append(("missing", path, f"{here} (in the target, not in the checkpoint)"))
+            continue
+        seen.add(path)
+        want = _leaf_target_dtype(rec, dtype)
+        want_name = rec.dtype if want is None else dtype_name(want)
+        if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
+            changed.append(
+                ("changed", path, f"checkpoint {want_name}{list(rec.shape)} -> target {here}")
+            )
+    extra: Diff = [
+        ("extra", p, f"{r.dtype}{list(r.shape)} (in the checkpoint, not in the target)")
+        for p, r in stored.items()
+        if p not in seen
+    ]
+    return missing, extra, changed
+
+
+def _format_diff(rows: Diff) -> list[str]:
+    width = max(len(p or "<root>") for _, p, _ in rows)
+    return [f"  {what:<7}  {(p or '<root>'):<{width}}  {detail}" for what, p, detail in rows]
+
+
+def _saved_specs(record: Record) -> Any:
+    specs = {leaf.path: leaf.spec for leaf in record.leaves}
+
+    def saved(path: str, leaf: Any) -> PartitionSpec:
+        return specs.get(path) or PartitionSpec()
+
+    saved.__name__ = "saved_specs"
+    return saved
+
+
+def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+        return NamedSharding(_concrete(s.mesh), s.spec) if is_abstract(s.mesh) else s
+    if s is not None and not isinstance(x, jax.ShapeDtypeStruct | np.ndarray):
+        return s
+    sizes = record.mesh_sizes()
+    if sizes and rec.spec is not None and int(np.prod(list(sizes.values()))) == jax.device_count():
+        return NamedSharding(make_mesh(sizes), rec.spec)
+    return SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _stored_sharding(sharding: Any, rec: LeafRecord) -> Any:
+    extra = len(rec.stored_shape) - len(rec.shape)
+    if extra and isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
+    return sharding
+
+
+def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct)."""
+    import orbax.checkpoint as ocp
+
+    recs = source.record.by_path()
+    # zero-size leaves are in the record only (Orbax refuses to store them)
+    empty = {p: t for p, t in targets.items() if math.prod(t.shape) == 0}
+    zeros = {p: jnp.zeros(t.shape, t.dtype, device=t.sharding) for p, t in empty.items()}
+    targets = {p: t for p, t in targets.items() if p not in empty}
+    if not targets:
+        return zeros
+    full = len(targets) == sum(math.prod(r.stored_shape) > 0 for r in recs.values())
+    if source.template is not None:
+        # Orbax's own structure (lists stay lists); leaves not asked for are placeholders.
+        flat_t = jax.tree_util.tree_flatten_with_path(source.template)
+        tree = jax.tree_util.tree_unflatten(
+            flat_t[1], [targets.get(format_path(k), ocp.PLACEHOLDER) for k, _ in flat_t[0]]
+        )
+        restore_args = jax.tree.map(lambda t: t if t is ocp.PLACEHOLDER else _restore_args(t), tree)
+        partial = False
+    else:
+        tree = _nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
+        partial = not full
+    args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
+    from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
+        BasePyTreeCheckpointHandler,
+    )
+
+    chunks = source.write_shapes()
+    cap = max(
+        RESTORE_CONCURRENT_BYTES,
+        1 + max(largest_read(t, chunks.get(recs[p].key)) for p, t in targets.items()),
+    )
+    handler = ocp.PyTreeCheckpointHandler(
+        handler_impl=BasePyTreeCheckpointHandler(restore_concurrent_bytes=cap)
+    )
+    with ocp.Checkpointer(handler) as ckptr:
+        out = ckptr.restore(source.tree_dir, args=args)
+    flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
+    return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}
+
+
+def _restore_args(target: jax.ShapeDtypeStruct) -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.checkpoint_utils.construct_restore_args(target)
+
+
+_STATUS = re.compile(r"^[A-Z_]+: ")  # TensorStore's status codes: "DATA_LOSS: ..."
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+
+
+def _json_unreadable(tree_dir: Path) -> str | None:
+    """The first of Orbax's JSON metadata files in ``tree_dir`` that does not parse."""
+    import json
+
+    names = ["_METADATA", "_sharding", "_CHECKPOINT_METADATA"]
+    for f in [*(tree_dir / n for n in names), *sorted(tree_dir.glob("array_metadatas/*"))]:
+        try:
+            if f.is_file():
+                json.loads(f.read_bytes())
+        except (ValueError, RecursionError):
+            return str(f)
+    return None
+
+
+def _failure(e: BaseException, tree_dir: Path) -> str:
+    """One leaf's read failure: TensorStore's innermost status (Orbax wraps it in vaguer
+    errors) names the chunk and the file; a JSON error is pinned on the file that fails."""
+    chain: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and len(chain) < 16:
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    best = next((c for c in reversed(chain) if _STATUS.match(str(c))), e)
+    text = (str(best).strip().splitlines() or [""])[0]
+    files = _LOCAL_FILE.findall(text)
+    where = files[-1] if files else None
+    if where is None and any(type(c).__name__ == "JSONDecodeError" for c in chain):
+        where = _json_unreadable(tree_dir)
+    return f"{type(best).__name__}: {text[:300]}" + (f"\n    file: {where}" if where else "")
+
+
+def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`orbax_read`, turning any failure into a CheckpointError naming the bad leaves
+    and, where it can be told, the file at fault."""
+    try:
+        return orbax_read(source, targets)
+    except Exception as e:
+        bad = []
+        for p, t in targets.items():
+            try:
+                if len(targets) == 1:
+                    raise e
+                orbax_read(source, {p: t})
+            except Exception as e1:
+                bad.append(f"  {p or '<root>'}: {_failure(e1, source.tree_dir)}")
+        detail = "\n".join(bad) if bad else f"  {_failure(e, source.tree_dir)}"
+        n = len(bad)
+        what = f"{n} lea{'ves' if n != 1 else 'f'}" if bad else "the checkpoint"
+        raise CheckpointError(
+            f"cannot read {what} of {source.path} (damaged or incomplete checkpoint):\n{detail}"
+        ) from e
+
+
+def _checked(source: Source, targets: Mapping[str, Any]) -> list[Any]:
+    """The targets whose checksums :func:`verify_checksums` will compute."""
+    recs = source.record.by_path()
+    return [t for p, t in targets.items() if recs[p].checksum is not None]
+
+
+def verify_checksums(
+    source: Source, values: Mapping[str, Any], sums: Mapping[str, str] | None = None
+) -> None:
+    """Raise CheckpointError naming every leaf whose stored bits changed since saving.
+
+    ``sums``: the checksums of ``values`` where the caller has computed them already.
+    """
+    recs = source.record.by_path()
+    paths = [p for p in values if recs[p].checksum is not None]
+    if not paths:
+        return
+    got = [sums[p] for p in paths] if sums is not None else checksums([values[p] for p in paths])
+    bad = [
+        f"  {p or '<root>'} {recs[p].stored_dtype}{list(recs[p].stored_shape)}: recorded "
+        f"{recs[p].checksum}, read {g}"
+        for p, g in zip(paths, got, strict=True)
+        if g != recs[p].checksum
+    ]
+    if bad:
+        n = len(bad)
+        raise CheckpointError(
+            f"checksum mismatch in {source.path}: the stored bytes of {n} lea"
+            f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
+            + "\n".join(bad)
+            + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
+            "to load it anyway."
+        )
+
+
+def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
+    """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
+    if rec.key_impl is not None:
+        return jax.random.wrap_key_data(x, impl=rec.key_impl)
+    if STORED_AS.get(rec.dtype) == rec.stored_dtype:
+        # device_put: a zero-size bitcast forgets its sharding
+        x = jax.device_put(jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype)), x.sharding)
+    want = _leaf_target_dtype(rec, dtype)
+    return x if want is None or x.dtype == want else x.astype(want)
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    *,
+    like: Any = None,
+    specs: Any = None,
+    mesh: Any = None,
+    dtype: Any = None,
+    partial: bool = False,
+    verify: bool = True,
+) -> Any:
+    """Restore a checkpoint, every leaf read directly into its planned sharding.
+
+    Args:
+        directory: a checkpoint written by :func:`save`, by Orbax's
+            ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
+        like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
+            giving the type to return; without it a nested dict of arrays is rebuilt from
+            the checkpoint's record (or Orbax metadata).
+        specs: one spec-like for the whole container (``P()``, :class:`Rules`,
+            :func:`fsdp`, ...), planned on ``mesh`` by the same pipeline as :func:`shard`.
+            Default with a mesh: the specs the checkpoint was saved with.
+        mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
+            leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
+            its devices, else the first local device.
+        dtype: cast floating-point leaves to this dtype (stored values are verified
+            first).
+        partial: restore only the leaves both sides have: extra checkpoint leaves are
+            skipped and missing ones keep ``like``'s (concrete) values.
+        verify: check each leaf's checksum against the record.
+
+    Returns:
+        The container (same type as ``like``; a nested dict without it).
+
+    Raises:
+        CheckpointError: no checkpoint, a structure mismatch (a path-first diff), a damaged
+            leaf or a checksum mismatch (naming the leaves).
+        SpecError: ``specs`` do not fit the container or the mesh.
+
+    Example:
+        >>> import tempfile, jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> path = ms.save(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones((8, 2))})
+        >>> like = jax.eval_shape(lambda: {"w": jnp.ones((8, 2))})
+        >>> out = ms.restore(path, like=like, specs=ms.Rules([("w", P("data"))]),
+        ...                  mesh=ms.make_mesh({"data": 8}))
+        >>> out["w"].sharding.spec
+        P('data',)
+    """
+    source = locate(directory)
+    record = source.record
+    if like is None:
+        like = abstract_like(source, dtype)
+    flat = split(like)
+    paths, arrays = flat.paths, flat.arrays
+    stored = record.by_path()
+    missing, extra, changed = _diff(paths, arrays, stored, dtype)
+    concrete_missing = all(
+        not isinstance(x, jax.ShapeDtypeStruct)
+        for p, x in zip(paths, arrays, strict=True)
+        if p not in stored
+    )
+    allowed = partial and concrete_missing
+    rows = changed + ([] if allowed else missing) + ([] if partial else extra)
+    if rows:
+        hints = []
+        if (missing and not allowed) or extra:
+            hints.append(
+                "pass partial=True to restore only the leaves both have (missing leaves then "
+                "keep like's values, so like must be concrete for them)"
+            )
+        if changed:
+            hints.append("shapes must match; pass dtype=... to cast floating leaves")
+        n = len(rows)
+        raise CheckpointError(
+            f"checkpoint {source.path} does not match the target {type(like).__name__} "
+            f"({n} difference{'s' if n != 1 else ''}, paths first):\n"
+            + "\n".join(_format_diff(rows))
+            + "\nhint: "
+            + "; ".join(hints)
+        )
+    if specs is not None and mesh is None:
+        raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
+    if mesh is not None:
+        mesh = _concrete(mesh)
+        p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
+        shardings = p.flat_shardings(0)
+    else:
+        shardings = [
+            _default_sharding(x, stored[path], record) if path in stored else None
+            for path, x in zip(paths, arrays, strict=True)
+        ]
+    targets = {}
+    for path, s in zip(paths, shardings, strict=True):
+        rec = stored.get(path)
+        if rec is not None:
+            targets[path] = jax.ShapeDtypeStruct(
+                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=_stored_sharding(s, rec)
+            )
+    if verify:
+        warm_checksums(_checked(source, targets))
+    values = read_checked(source, targets)
+    if verify:
+        verify_checksums(source, values)
+    out = []
+    for path, x, s in zip(paths, arrays, shardings, strict=True):
+        if path in values:
+            out.append(finish_leaf(values.pop(path), stored[path], dtype))
+        else:  # partial restore: a missing leaf keeps like's value
+            out.append(place([x], [s])[0] if s is not None else x)
+    return flat.rebuild(out)
