@@ -160,6 +160,22 @@ def test_numpy_leaves_and_default_single_device(tmp_path):
 # ---- interop with plain Orbax ----------------------------------------------------------
 
 
+def test_train_state_python_int_step_is_saved_and_restored(tmp_path, mesh8):
+    optax = pytest.importorskip("optax")
+    ts = pytest.importorskip("flax.training.train_state")
+
+    def make(step):
+        state = ts.TrainState.create(
+            apply_fn=None, params={"w": jnp.ones((8, 2))}, tx=optax.sgd(0.1)
+        )
+        return state.replace(step=step)
+
+    ms.save(str(tmp_path / "ck"), make(7))  # TrainState.create-style Python int step
+    restored = ms.restore(str(tmp_path / "ck"), like=make(0), specs=P(), mesh=mesh8)
+    assert int(restored.step) == 7 and restored.step.sharding.is_fully_replicated
+    assert int(ms.restore(str(tmp_path / "ck"))["step"]) == 7  # in the record, too
+
+
 def test_plain_orbax_standard_checkpointer_reads_ours(tmp_path):
     tree = MAKERS["linen"]()
     ms.save(tmp_path / "c", tree)
