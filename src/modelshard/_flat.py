@@ -46,6 +46,8 @@ class Flat:
     @property
     def arrays(self) -> list[Any]:
         """The array leaves, in order."""
+        if len(self.array_index) == len(self.leaves):
+            return list(self.leaves)
         return [self.leaves[i] for i in self.array_index]
 
     @property
@@ -61,7 +63,10 @@ class Flat:
                     f"adapter {self.adapter!r} described {len(described)} leaves but "
                     f"flattened {len(self.leaves)}; describe() and flatten() must agree."
                 )
-            self._infos = [described[i] for i in self.array_index]
+            if len(self.array_index) == len(described):
+                self._infos = described  # may be shared with the structure cache: read-only
+            else:
+                self._infos = [described[i] for i in self.array_index]
         return self._infos
 
     @property
@@ -128,6 +133,10 @@ def split(obj: Any) -> Flat:
         ) from e
     if getattr(adapter, "numbers_are_arrays", False):
         leaves = numbers_to_arrays(leaves)
-    fast = _ARRAY_TYPES  # exact array types first: this runs over every leaf of every plan
-    index = tuple(i for i, leaf in enumerate(leaves) if type(leaf) in fast or is_array(leaf))
+    # This runs over every leaf of every plan: when every leaf has a known array type,
+    # one set of types decides it.
+    if set(map(type, leaves)) <= _ARRAY_TYPES:
+        index = tuple(range(len(leaves)))
+    else:
+        index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
     return Flat(obj, adapter, leaves, aux, index)
