@@ -2,7 +2,8 @@
 
 Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
 CLI) calls :func:`expand_args` and consumes its :class:`LeafPlan` lists; nothing else
-expands or validates specs.
+expands or validates specs. This module walks arguments, prefix trees and leaves; how one
+leaf's spec is resolved and checked is :mod:`modelshard._resolve`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +23,8 @@ from ._errors import AdapterError, Problem, SpecError
 from ._flat import Flat, split
 from ._paths import format_path
 from ._paths import split as split_path
-from ._specs import FSDP, Rules, format_spec, is_leaf_spec, partial_axes
+from ._resolve import Ctx, placed_dtype, refused_by_jax, resolve_checked, unmatched_key
+from ._specs import FSDP, Rules, format_spec, is_leaf_spec
 
 __all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
 
@@ -68,162 +69,7 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
         ) from e
 
 
-def _fmt_mesh(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
-
-
-def _dtype_name(dtype: Any) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
-
-
-class _Ctx:
-    """State shared across all arguments of one expansion (rule usage, problems)."""
-
-    def __init__(self, sizes: dict[str, int]):
-        self.sizes = sizes
-        self.mesh_text = _fmt_mesh(sizes)
-        self.problems: list[Problem] = []
-        self.used: dict[int, tuple[Rules, set[int]]] = {}
-        self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
-        self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
-
-    def used_by(self, rules: Rules) -> set[int]:
-        """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
-        entry = self.used.get(id(rules))
-        if entry is None:
-            entry = self.used[id(rules)] = (rules, set())
-        return entry[1]
-
-    def problem(
-        self,
-        arg: str,
-        path: str,
-        leaf: Any,
-        what: str,
-        spec: Any = None,
-        rule: str | None = None,
-        hint: str | None = None,
-    ) -> None:
-        shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
-        dtype = _dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
-        self.problems.append(
-            Problem(
-                arg=arg,
-                path=path,
-                what=what,
-                shape=shape,
-                dtype=dtype,
-                spec=format_spec(spec) if spec is not None else None,
-                rule=rule,
-                mesh=self.mesh_text,
-                hint=hint,
-            )
-        )
-
-
-def _resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None) -> PartitionSpec:
-    """Map logical names through ``logical`` (unknown names stay, for ``_check`` to report)."""
-    out: list[Any] = []
-    if partial_axes(spec):  # left for _check to report
-        return spec
-    for entry in spec:
-        if entry is None or not (
-            isinstance(entry, str)
-            or (isinstance(entry, tuple) and all(isinstance(n, str) for n in entry))
-        ):
-            out.append(entry)  # junk stays as it is, for _check to report
-            continue
-        names = (entry,) if isinstance(entry, str) else entry
-        mapped: list[str] = []
-        for n in names:
-            if logical is not None and n in logical:
-                target = logical[n]
-                if target is None:
-                    continue
-                mapped.extend((target,) if isinstance(target, str) else target)
-            else:
-                mapped.append(n)
-        out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
-    return PartitionSpec(*out)
-
-
-def _check(
-    spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
-) -> list[tuple[str, str]]:
-    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
-    out: list[tuple[str, str]] = []
-    partial = partial_axes(spec)
-    if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
-        return [
-            (
-                f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
-                "reduced, which placing arrays does not support",
-                "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
-                "jitted computation",
-            )
-        ]
-    entries = tuple(spec)
-    if len(entries) > len(shape):
-        out.append(
-            (
-                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
-                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
-                "P() to replicate it)",
-            )
-        )
-    seen: dict[str, int] = {}
-    for dim, entry in enumerate(entries):
-        if entry is None:
-            continue
-        if not (
-            isinstance(entry, str)
-            or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
-        ):
-            out.append(
-                (
-                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
-                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
-                )
-            )
-            continue
-        axes = (entry,) if isinstance(entry, str) else entry
-        for a in axes:
-            if a not in sizes:
-                out.append(
-                    (
-                        f"axis {a!r} (dimension {dim}) is not in the mesh",
-                        f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
-                        f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})",
-                    )
-                )
-            elif a in seen:
-                out.append(
-                    (
-                        f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
-                        "each mesh axis may shard at most one dimension of a leaf",
-                    )
-                )
-            else:
-                seen[a] = dim
-        if dim < len(shape) and all(a in sizes for a in axes):
-            n = math.prod(sizes[a] for a in axes)
-            if shape[dim] % n:
-                by = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                out.append(
-                    (
-                        f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
-                        f"but {shape[dim]} is not divisible by {n}",
-                        "shard this dimension over axes whose sizes divide it, pad it, or "
-                        "replicate it with None",
-                    )
-                )
-    return out
-
-
-def _prefix_entries(prefix: Any, arg: str, ctx: _Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
+def _prefix_entries(prefix: Any, arg: str, ctx: Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
     try:
         items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
     except Exception as e:
@@ -239,7 +85,7 @@ def _prefix_entries(prefix: Any, arg: str, ctx: _Ctx) -> list[tuple[tuple[str, .
     return [(split_path(format_path(k)), v) for k, v in items]
 
 
-def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: _Ctx) -> list[LeafPlan]:
+def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan]:
     infos = flat.infos
     arrays = flat.arrays
     per_leaf: list[Any]
@@ -312,7 +158,7 @@ def _plan_leaves(
     infos: list[LeafInfo],
     arrays: list[Any],
     per_leaf: list[Any],
-    ctx: _Ctx,
+    ctx: Ctx,
     hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
     """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING;
@@ -352,14 +198,14 @@ def _plan_leaves(
                 used.add(hit[0])  # a rule naming a scalar still counts as used
                 key = (id(s), hit[0], shape) if shape else (id(s), "scalar")
             else:
-                key = _unmatched_key(arg, info, leaf, s, shape, ctx)
+                key = unmatched_key(arg, info, leaf, s, shape, ctx)
                 if key is None:
                     continue
         else:
             key = None
         cached = resolved.get(key) if key is not None else None
         if cached is None:
-            cached = _resolve_checked(arg, info, leaf, s, shape, ctx)
+            cached = resolve_checked(arg, info, leaf, s, shape, ctx)
             if cached is None:
                 continue
             if key is not None:
@@ -370,7 +216,7 @@ def _plan_leaves(
                 ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
             continue
         if type(leaf) not in _NOT_NUMPY and isinstance(leaf, np.ndarray | np.generic):
-            refused = _refused_by_jax(leaf)
+            refused = refused_by_jax(leaf)
             if refused is not None:
                 ctx.problem(arg, info.path, leaf, refused[0], spec=spec, rule=rule, hint=refused[1])
                 continue
@@ -378,142 +224,9 @@ def _plan_leaves(
         try:
             dtype = placed[dtype]
         except KeyError:
-            dtype = placed[dtype] = _placed_dtype(dtype)
+            dtype = placed[dtype] = placed_dtype(dtype)
         append(_new(LeafPlan, (info.path, shape, dtype, spec, rule)))
     return out
-
-
-def _unmatched_key(
-    arg: str, info: LeafInfo, leaf: Any, s: Rules, shape: tuple[int, ...], ctx: _Ctx
-) -> tuple[Any, ...] | None:
-    """The resolution-cache key of a leaf no rule matches, or None after reporting it
-    (under ``strict``)."""
-    if not shape:
-        return (id(s), "scalar")  # scalars always replicate
-    if info.names is not None:
-        return (id(s), "metadata", info.names, info.box, shape)
-    if s.strict:
-        ctx.problem(
-            arg,
-            info.path,
-            leaf,
-            "no rule matches this leaf",
-            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
-            "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves",
-        )
-        return None
-    return (id(s), "unmatched")
-
-
-def _resolve_checked(
-    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: _Ctx
-) -> tuple[PartitionSpec, str, list[tuple[str, str]]] | None:
-    """Resolve one leaf's spec and validate it: (spec, rule text, problems), or None."""
-    got = _resolve(arg, info, leaf, s, shape, ctx)
-    if got is None:
-        return None
-    spec, rule = got
-    try:
-        problems = _check(spec, shape, ctx.sizes)
-    except TypeError:  # junk inside a spec from a function: report, never crash
-        problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
-    return spec, rule, problems
-
-
-_REFUSED: dict[Any, tuple[str, str] | None] = {}
-
-
-def _refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
-    """(what, hint) if JAX cannot hold this NumPy leaf: masked arrays, str/bytes/object/
-    datetime/structured/float128 dtypes. Plans must say so, not ``device_put`` later."""
-    if isinstance(leaf, np.ma.MaskedArray):
-        return (
-            "a NumPy masked array cannot be placed on devices",
-            "JAX does not support masked arrays; pass arr.filled(...) instead",
-        )
-    try:
-        return _REFUSED[leaf.dtype]
-    except KeyError:
-        pass
-    try:
-        jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
-        refused = None
-    except TypeError:
-        refused = (
-            f"dtype {leaf.dtype} cannot be placed on devices",
-            "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
-            "it out of the container",
-        )
-    _REFUSED[leaf.dtype] = refused
-    return refused
-
-
-def _placed_dtype(dtype: Any) -> Any:
-    """The dtype a leaf has once placed: without ``jax_enable_x64``, ``device_put`` turns
-    NumPy float64/int64/uint64/complex128 into their 32-bit kinds, and plans count bytes."""
-    if getattr(dtype, "itemsize", 0) < 8:  # the fast path: nothing narrower changes
-        return dtype
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
-
-
-def _resolve(
-    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: _Ctx
-) -> tuple[PartitionSpec, str] | None:
-    """The (mesh-axis spec, rule text) for one leaf; None after reporting a problem."""
-    if isinstance(s, PartitionSpec):
-        return s, f"{format_spec(s)} for the whole argument"
-    if isinstance(s, Rules):
-        if not shape:
-            return PartitionSpec(), "scalar (replicated)"
-        hit = s.match(info.path)
-        if hit is not None:
-            spec, rule = hit[1], s.describe(hit[0])
-        elif info.names is not None:
-            spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
-        else:
-            return PartitionSpec(), "unmatched (replicated, strict=False)"
-        if s.logical is not None:
-            spec = _resolve_names(spec, s.logical)
-        return spec, rule
-    if isinstance(s, FSDP):
-        return s.spec_for(shape, ctx.sizes)
-    if s is None:
-        ctx.problem(
-            arg,
-            info.path,
-            leaf,
-            "the spec is None",
-            hint="use P() to replicate; None is not a spec in modelshard",
-        )
-        return None
-    if callable(s):
-        name = getattr(s, "__name__", type(s).__name__)
-        try:
-            got = s(info.path, leaf)
-        except Exception as e:
-            ctx.problem(
-                arg, info.path, leaf, f"spec function {name} raised {type(e).__name__}: {e}"
-            )
-            return None
-        if not isinstance(got, PartitionSpec):
-            ctx.problem(
-                arg,
-                info.path,
-                leaf,
-                f"spec function {name} returned {got!r}, not a PartitionSpec",
-                hint="return P(...) for every leaf (P() replicates)",
-            )
-            return None
-        return got, f"function {name}"
-    ctx.problem(
-        arg,
-        info.path,
-        leaf,
-        f"{s!r} ({type(s).__name__}) is not a spec",
-        hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
-        "PartitionSpec, or a prefix tree of these",
-    )
-    return None
 
 
 def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
@@ -550,7 +263,7 @@ def _gc_paused() -> Iterator[None]:
 
 def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
     sizes = mesh_sizes(mesh)
-    ctx = _Ctx(sizes)
+    ctx = Ctx(sizes)
     out = []
     for name, tree, spec_like in args:
         try:

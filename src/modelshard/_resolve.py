@@ -1,0 +1,320 @@
+"""One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline.
+
+:mod:`modelshard._expand` walks every argument and leaf and calls into this module to turn
+a leaf's spec source (a ``PartitionSpec``, ``Rules``, ``fsdp``, a function) into a mesh-axis
+``PartitionSpec`` and to check it against the leaf and the mesh; every problem is collected
+in one :class:`Ctx` so a ``SpecError`` lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._describe import LeafInfo
+from ._errors import Problem
+from ._specs import FSDP, Rules, format_spec, partial_axes
+
+__all__ = [
+    "Ctx",
+    "check",
+    "placed_dtype",
+    "refused_by_jax",
+    "resolve",
+    "resolve_checked",
+    "resolve_names",
+    "unmatched_key",
+]
+
+
+def _fmt_mesh(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
+class Ctx:
+    """State shared across all arguments of one expansion (rule usage, problems)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+        self.mesh_text = _fmt_mesh(sizes)
+        self.problems: list[Problem] = []
+        self.used: dict[int, tuple[Rules, set[int]]] = {}
+        self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
+        self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
+
+    def used_by(self, rules: Rules) -> set[int]:
+        """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
+        entry = self.used.get(id(rules))
+        if entry is None:
+            entry = self.used[id(rules)] = (rules, set())
+        return entry[1]
+
+    def problem(
+        self,
+        arg: str,
+        path: str,
+        leaf: Any,
+        what: str,
+        spec: Any = None,
+        rule: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
+        dtype = _dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
+        self.problems.append(
+            Problem(
+                arg=arg,
+                path=path,
+                what=what,
+                shape=shape,
+                dtype=dtype,
+                spec=format_spec(spec) if spec is not None else None,
+                rule=rule,
+                mesh=self.mesh_text,
+                hint=hint,
+            )
+        )
+
+
+def resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None) -> PartitionSpec:
+    """Map logical names through ``logical`` (unknown names stay, for ``check`` to report)."""
+    out: list[Any] = []
+    if partial_axes(spec):  # left for check to report
+        return spec
+    for entry in spec:
+        if entry is None or not (
+            isinstance(entry, str)
+            or (isinstance(entry, tuple) and all(isinstance(n, str) for n in entry))
+        ):
+            out.append(entry)  # junk stays as it is, for check to report
+            continue
+        names = (entry,) if isinstance(entry, str) else entry
+        mapped: list[str] = []
+        for n in names:
+            if logical is not None and n in logical:
+                target = logical[n]
+                if target is None:
+                    continue
+                mapped.extend((target,) if isinstance(target, str) else target)
+            else:
+                mapped.append(n)
+        out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
+    return PartitionSpec(*out)
+
+
+def check(
+    spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
+) -> list[tuple[str, str]]:
+    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
+    out: list[tuple[str, str]] = []
+    partial = partial_axes(spec)
+    if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
+        return [
+            (
+                f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
+                "reduced, which placing arrays does not support",
+                "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
+                "jitted computation",
+            )
+        ]
+    entries = tuple(spec)
+    if len(entries) > len(shape):
+        out.append(
+            (
+                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
+                "P() to replicate it)",
+            )
+        )
+    seen: dict[str, int] = {}
+    for dim, entry in enumerate(entries):
+        if entry is None:
+            continue
+        if not (
+            isinstance(entry, str)
+            or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
+        ):
+            out.append(
+                (
+                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
+                )
+            )
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        for a in axes:
+            if a not in sizes:
+                out.append(
+                    (
+                        f"axis {a!r} (dimension {dim}) is not in the mesh",
+                        f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
+                        f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})",
+                    )
+                )
+            elif a in seen:
+                out.append(
+                    (
+                        f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
+                        "each mesh axis may shard at most one dimension of a leaf",
+                    )
+                )
+            else:
+                seen[a] = dim
+        if dim < len(shape) and all(a in sizes for a in axes):
+            n = math.prod(sizes[a] for a in axes)
+            if shape[dim] % n:
+                by = " x ".join(f"{a}={sizes[a]}" for a in axes)
+                out.append(
+                    (
+                        f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                        f"but {shape[dim]} is not divisible by {n}",
+                        "shard this dimension over axes whose sizes divide it, pad it, or "
+                        "replicate it with None",
+                    )
+                )
+    return out
+
+
+def unmatched_key(
+    arg: str, info: LeafInfo, leaf: Any, s: Rules, shape: tuple[int, ...], ctx: Ctx
+) -> tuple[Any, ...] | None:
+    """The resolution-cache key of a leaf no rule matches, or None after reporting it
+    (under ``strict``)."""
+    if not shape:
+        return (id(s), "scalar")  # scalars always replicate
+    if info.names is not None:
+        return (id(s), "metadata", info.names, info.box, shape)
+    if s.strict:
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "no rule matches this leaf",
+            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
+            "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves",
+        )
+        return None
+    return (id(s), "unmatched")
+
+
+def resolve_checked(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
+) -> tuple[PartitionSpec, str, list[tuple[str, str]]] | None:
+    """Resolve one leaf's spec and validate it: (spec, rule text, problems), or None."""
+    got = resolve(arg, info, leaf, s, shape, ctx)
+    if got is None:
+        return None
+    spec, rule = got
+    try:
+        problems = check(spec, shape, ctx.sizes)
+    except TypeError:  # junk inside a spec from a function: report, never crash
+        problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    return spec, rule, problems
+
+
+_REFUSED: dict[Any, tuple[str, str] | None] = {}
+
+
+def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
+    """(what, hint) if JAX cannot hold this NumPy leaf: masked arrays, str/bytes/object/
+    datetime/structured/float128 dtypes. Plans must say so, not ``device_put`` later."""
+    if isinstance(leaf, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array cannot be placed on devices",
+            "JAX does not support masked arrays; pass arr.filled(...) instead",
+        )
+    try:
+        return _REFUSED[leaf.dtype]
+    except KeyError:
+        pass
+    try:
+        jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
+        refused = None
+    except TypeError:
+        refused = (
+            f"dtype {leaf.dtype} cannot be placed on devices",
+            "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
+            "it out of the container",
+        )
+    _REFUSED[leaf.dtype] = refused
+    return refused
+
+
+def placed_dtype(dtype: Any) -> Any:
+    """The dtype a leaf has once placed: without ``jax_enable_x64``, ``device_put`` turns
+    NumPy float64/int64/uint64/complex128 into their 32-bit kinds, and plans count bytes."""
+    if getattr(dtype, "itemsize", 0) < 8:  # the fast path: nothing narrower changes
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def resolve(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
+) -> tuple[PartitionSpec, str] | None:
+    """The (mesh-axis spec, rule text) for one leaf; None after reporting a problem."""
+    if isinstance(s, PartitionSpec):
+        return s, f"{format_spec(s)} for the whole argument"
+    if isinstance(s, Rules):
+        if not shape:
+            return PartitionSpec(), "scalar (replicated)"
+        hit = s.match(info.path)
+        if hit is not None:
+            spec, rule = hit[1], s.describe(hit[0])
+        elif info.names is not None:
+            spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
+        else:
+            return PartitionSpec(), "unmatched (replicated, strict=False)"
+        if s.logical is not None:
+            spec = resolve_names(spec, s.logical)
+        return spec, rule
+    if isinstance(s, FSDP):
+        return s.spec_for(shape, ctx.sizes)
+    if s is None:
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "the spec is None",
+            hint="use P() to replicate; None is not a spec in modelshard",
+        )
+        return None
+    if callable(s):
+        name = getattr(s, "__name__", type(s).__name__)
+        try:
+            got = s(info.path, leaf)
+        except Exception as e:
+            ctx.problem(
+                arg, info.path, leaf, f"spec function {name} raised {type(e).__name__}: {e}"
+            )
+            return None
+        if not isinstance(got, PartitionSpec):
+            ctx.problem(
+                arg,
+                info.path,
+                leaf,
+                f"spec function {name} returned {got!r}, not a PartitionSpec",
+                hint="return P(...) for every leaf (P() replicates)",
+            )
+            return None
+        return got, f"function {name}"
+    ctx.problem(
+        arg,
+        info.path,
+        leaf,
+        f"{s!r} ({type(s).__name__}) is not a spec",
+        hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
+        "PartitionSpec, or a prefix tree of these",
+    )
+    return None
