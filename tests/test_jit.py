@@ -125,9 +125,7 @@ def test_compiled_input_shardings_equal_the_plan(container, mesh24):
     f = ms.shard_jit(lambda t: t, mesh=mesh24, in_specs=(spec,))
     compiled = f.lower(container).compile()
     planned = ms.plan(container, spec, mesh24)
-    # Plain pytrees arrive as their tree of shardings (jax.jit flattens them itself),
-    # other containers as their flat array leaves: the leaves are the plan either way.
-    got = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    got = compiled.input_shardings[0]
     arrays = _arrays(container)
     assert len(got) == len(planned) == len(arrays)
     for s, leaf, x in zip(got, planned, arrays, strict=True):
@@ -139,8 +137,7 @@ def test_lower_takes_abstract_arguments(mesh8):
     abstract = jax.eval_shape(_params)
     f = ms.shard_jit(lambda p: p["w"] * 2, mesh=mesh8, in_specs=(RULES,))
     compiled = f.lower(abstract).compile()
-    (per_arg,) = compiled.input_shardings[0]
-    assert per_arg["w"].spec == P("data", None)
+    assert compiled.input_shardings[0][1].spec == P("data", None)  # leaves in key order: b, w
 
 
 # ---- the cache ------------------------------------------------------------------------
@@ -197,7 +194,7 @@ def test_unhashable_static_argument(mesh8):
     assert str(e.value).splitlines()[:2] == ["invalid shard_jit arguments:", "  shard_jit:n"]
 
 
-# ---- the plain-pytree route: jax.jit flattens plain pytrees itself --------------------
+# ---- the route for plain containers: leaves gathered by the last call's layout -------
 
 
 def _no_full_path(sj):
@@ -209,7 +206,7 @@ def _no_full_path(sj):
     sj._gather = refuse
 
 
-def test_plain_pytrees_skip_modelshard_flattening_after_the_first_call(mesh8):
+def test_plain_containers_skip_the_full_path_after_the_first_call(mesh8):
     sj = ms.shard_jit(lambda p, x: (p, x.sum()), mesh=mesh8, in_specs=(RULES, P("data")))
     params = ms.shard(_params(), RULES, mesh8)
     sj(params, jnp.ones((8, 3)))
@@ -227,14 +224,14 @@ def test_plain_pytrees_skip_modelshard_flattening_after_the_first_call(mesh8):
     "change",
     ["structure", "shape", "dtype", "python scalar", "string leaf", "device0", "sharding"],
 )
-def test_plain_pytree_route_falls_back_to_the_full_path(mesh8, change):
+def test_route_falls_back_to_the_full_path(mesh8, change):
     def f(p):
         return {k: v * 2 if hasattr(v, "shape") else v for k, v in p.items()}
 
     sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
     base = {"w": jnp.ones((8, 4)), "s": jnp.float32(1.0)}
     sj(base)
-    assert sj._tree is not None
+    assert sj._route is not None
     arg = {
         "structure": {"w": jnp.ones((8, 4)), "t": jnp.float32(1.0)},
         "shape": {"w": jnp.ones((16, 4)), "s": jnp.float32(1.0)},
@@ -254,18 +251,49 @@ def test_plain_pytree_route_falls_back_to_the_full_path(mesh8, change):
     assert sj(base)["w"].sharding.spec == P("data")  # and back again
 
 
-def test_plain_pytree_route_keeps_raise_mode(mesh8):
+def test_route_layouts_of_every_plain_container(mesh8):
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones((8, 4)), "b": jnp.ones(8)}  # insertion order is not JAX's
+    state = {
+        "params": params,
+        "opt": optax.adam(0.1).init(params),  # NamedTuples: flattened by JAX, compared
+        "layers": [{"k": jnp.ones((8, 2)), "skip": None}, (jnp.ones(8), jnp.ones(8))],
+    }
+    sj = ms.shard_jit(
+        lambda s: jax.tree_util.tree_map(lambda x: x * 2, s),
+        mesh=mesh8,
+        in_specs=(ms.fsdp("data", min_size=0),),
+    )
+    first = sj(state)
+    assert sj._route is not None
+    full = sj._gather
+    _no_full_path(sj)
+    again = sj(state)  # same layout: the route, with the keys reordered as JAX orders them
+    for a, b in zip(
+        jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding == b.sharding
+    sj._gather = full
+    second = sj(first)  # JAX's own output (sorted keys): a new layout, the full path once
+    _no_full_path(sj)
+    third = sj(second)  # and the route from then on
+    np.testing.assert_array_equal(third["params"]["w"], np.full((8, 4), 8.0))
+    assert sj.cache_size == 1
+
+
+def test_route_keeps_raise_mode(mesh8):
     sj = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,), on_mismatch="raise")
     placed = ms.shard(_params(), RULES, mesh8)
     assert float(sj(placed)) == float(sj(placed)) == float(np.arange(64.0).sum())
-    assert sj._tree is not None
+    assert sj._route is not None
     with pytest.raises(ms.ShardingMismatchError, match="p:w float32"):
         sj(ms.shard(_params(), P(), mesh8))
     with pytest.raises(ms.ShardingMismatchError, match="on device 0"):
         sj(_committed_to_device0(_params()))
 
 
-def test_plain_pytree_route_donates(mesh8):
+def test_route_donates(mesh8):
     sj = ms.shard_jit(
         lambda p, x: jax.tree_util.tree_map(lambda v: v + x.sum(), p),
         mesh=mesh8,
@@ -274,19 +302,19 @@ def test_plain_pytree_route_donates(mesh8):
     )
     x = ms.shard(jnp.ones((8, 3)), P("data"), mesh8)
     p = sj(ms.shard(_params(), RULES, mesh8), x)
-    assert sj._tree is not None
+    assert sj._route is not None
     q = sj(p, x)  # the route's call
     assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(p))
     assert not x.is_deleted()
     np.testing.assert_array_equal(q["b"], np.full(4, 49.0))
 
 
-def test_plain_pytree_route_stops_after_repeated_misses(mesh8):
+def test_route_stops_after_repeated_misses(mesh8):
     sj = ms.shard_jit(lambda p: p, mesh=mesh8, in_specs=(P(),))
     a, b = {"a": jnp.ones(2)}, {"b": jnp.ones(2)}
     for _ in range(40):  # alternating structures miss the route every call
         assert set(sj(a)) == {"a"} and set(sj(b)) == {"b"}
-    assert sj._tree is None and sj.cache_size == 2
+    assert sj._route is None and sj.cache_size == 2
 
 
 def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
@@ -294,10 +322,10 @@ def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
     mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
     sj = ms.shard_jit(lambda m, x: m(x), mesh=mesh8, in_specs=(P(), P()))
     sj(mlp, jnp.ones(4))
-    assert sj._tree is None  # the activation function is a static leaf
+    assert sj._route is None  # the activation function is a static leaf
     sj2 = ms.shard_jit(lambda p, n: p["w"] * n, mesh=mesh8, in_specs=(RULES, None))
     sj2(_params(), 2)
-    assert sj2._tree is None  # a Python scalar argument is static
+    assert sj2._route is None  # a Python scalar argument is static
 
 
 # ---- arguments: kwargs, dict specs, missing specs --------------------------------------

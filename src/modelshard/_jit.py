@@ -26,11 +26,11 @@ from ._jit_build import (
     Entry,
     Slot,
     Stale,
-    TreeCall,
     build_entry,
     canonical_dtype,
     fmt_sharding,
 )
+from ._jit_fast import Route
 from ._jit_take import NnxCall, static_part, take, take_slow
 from ._shard import place
 from ._specs import format_spec
@@ -38,7 +38,7 @@ from ._specs import format_spec
 __all__ = ["ShardJit", "shard_jit"]
 
 _MAX_FAST = 512
-_MAX_TREE_MISSES = 16
+_MAX_ROUTE_MISSES = 16
 
 
 class ShardJit(ArgumentLayout):
@@ -96,8 +96,8 @@ class ShardJit(ArgumentLayout):
         self._layouts: dict[tuple[int, tuple[str, ...]], tuple[Slot, ...]] = {}
         self._entries: dict[Hashable, Entry] = {}
         self._fast: dict[Hashable, Entry] = {}
-        self._tree: TreeCall | None = None  # the route of the last plain-pytree call
-        self._tree_misses = 0
+        self._route: Route | None = None  # the layout of the last plain-container call
+        self._route_misses = 0
         functools.update_wrapper(self, fn)
 
     # ---- argument layout --------------------------------------------------------------
@@ -119,18 +119,21 @@ class ShardJit(ArgumentLayout):
         return args, kwargs, slots, tuple(statics), taken, sigs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tree = self._tree
-        if tree is not None and not kwargs:
-            # The route for plain pytrees: jax.jit flattens and checks them itself.
-            try:
-                out = tree.jitted(*args)
-            except (Stale, ValueError, TypeError):
-                # Another structure, shapes, placement or a non-array leaf: the full path
-                # decides. A ShardJit that keeps missing stops trying this route.
-                self._tree = None
-                self._tree_misses += 1
-            else:
-                return tree.desc.build(out)
+        route = self._route
+        if route is not None and not kwargs:
+            # Plain containers laid out as last time: gather their leaves and call.
+            flat = route.gather(args)
+            if flat is not None:
+                entry = route.entry
+                try:
+                    out = entry.jitted(*flat)
+                except (Stale, ValueError):
+                    pass  # new shapes or misplaced inputs: the full path decides
+                else:
+                    return entry.desc.build(out)
+            # A ShardJit whose calls keep changing layout stops trying this route.
+            self._route = None
+            self._route_misses += 1
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -158,8 +161,8 @@ class ShardJit(ArgumentLayout):
                 out = self._recover(entry, flat)
                 if out is None:
                     raise
-        if entry.tree is not None and self._tree_misses < _MAX_TREE_MISSES:
-            self._tree = entry.tree
+        if entry.plain and self._route_misses < _MAX_ROUTE_MISSES:
+            self._route = Route(entry, args)
         return entry.finish(out, taken)
 
     def _run(self, entry: Entry, flat: Sequence[Any]) -> Any:
@@ -302,10 +305,7 @@ class ShardJit(ArgumentLayout):
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jax.stages.Lowered`` for these arguments (``ShapeDtypeStruct`` leaves work too).
 
-        ``jax.tree.leaves(.lower(...).compile().input_shardings[0])`` lists every array
-        leaf's sharding in flatten order (plain pytree arguments appear there as their
-        tree of shardings, since ``jax.jit`` flattens them itself; other containers as
-        their flat array leaves).
+        ``.lower(...).compile().input_shardings[0]`` lists the flat array leaves' shardings.
         """
         entry, flat = self._entry_for(args, kwargs)
         return entry.jitted.lower(*flat)
@@ -318,7 +318,7 @@ class ShardJit(ArgumentLayout):
         """Forget every compiled signature."""
         self._entries.clear()
         self._fast.clear()
-        self._tree = None
+        self._route = None
 
     @property
     def cache_size(self) -> int:

@@ -24,7 +24,6 @@ __all__ = [
     "Entry",
     "Stale",
     "Slot",
-    "TreeCall",
     "build_entry",
     "canonical_dtype",
     "fmt_sharding",
@@ -88,6 +87,8 @@ class Entry:
         plan: the :class:`Plan` of every argument that has a spec.
         desc: the output's recorded structure.
         updates: per NNX-module argument ``(index among dynamic args, changed leaves)``.
+        plain: its arguments are positional plain pytrees of arrays, so calls may gather
+            their leaves by a remembered layout (``_jit_fast.Route``).
     """
 
     jitted: Any
@@ -97,7 +98,7 @@ class Entry:
     desc: OutDesc
     updates: tuple[tuple[int, tuple[int, ...]], ...]
     expect: list[tuple[tuple[int, ...], Any]]
-    tree: TreeCall | None = None
+    plain: bool = False
 
     def fits(self, flat: Sequence[Any]) -> bool:
         """Whether ``flat`` has the shapes and dtypes this entry was planned for."""
@@ -129,76 +130,13 @@ class Entry:
         return result
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class TreeCall:
-    """A ``jax.jit`` that takes the dynamic arguments as pytrees, not as flat leaves.
-
-    Built for entries whose arguments are all positional plain pytrees of arrays (no
-    static leaves, no NNX modules): ``jax.jit`` then flattens them natively and checks
-    their structure against ``in_shardings`` in C++, so a call with the same structure
-    skips modelshard's own flattening altogether. A call with another structure, other
-    shapes or other shardings makes ``jax.jit`` raise (``Stale`` for shapes), and the
-    caller falls back to the full path. Called with flat leaves (``__call__``,
-    ``lower``), it rebuilds the trees first, so each entry compiles once.
-
-    Attributes:
-        jitted: the ``jax.jit`` over the argument trees.
-        treedefs: the structure of each dynamic argument.
-        bounds: ``(start, stop)`` of each argument's leaves in the flat list.
-        desc: the output's recorded structure.
-    """
-
-    jitted: Any
-    treedefs: tuple[Any, ...]
-    bounds: tuple[tuple[int, int], ...]
-    desc: OutDesc
-
-    def _trees(self, flat: Sequence[Any]) -> list[Any]:
-        return [
-            jax.tree_util.tree_unflatten(td, flat[a:b])
-            for td, (a, b) in zip(self.treedefs, self.bounds, strict=True)
-        ]
-
-    def __call__(self, *flat: Any) -> Any:
-        return self.jitted(*self._trees(flat))
-
-    def lower(self, *flat: Any) -> Any:
-        return self.jitted.lower(*self._trees(flat))
-
-
-def _tree_call(
-    slots: tuple[Slot, ...],
-    taken: list[Any],
-    flat_fn: Any,
-    in_sh: tuple[Any, ...],
-    bounds: list[tuple[int, int]],
-    out_sh: tuple[Any, ...],
-    donate: tuple[int, ...],
-    desc: OutDesc,
-) -> TreeCall | None:
-    """The :class:`TreeCall` of an entry, or ``None`` when its arguments do not allow one."""
+def _plain(slots: tuple[Slot, ...], taken: list[Any]) -> bool:
+    """Whether an entry's calls may take :class:`~modelshard._jit_fast.Route`: every
+    argument positional and dynamic, a plain pytree of arrays only (no static leaves, no
+    NNX modules)."""
     if [(s.pos, s.kw, s.static) for s in slots] != [(i, None, False) for i in range(len(slots))]:
-        return None  # keyword or static arguments: the full path binds them
-    if not all(type(t[2]) is PytreeAdapter and t[5] is None for t in taken):
-        return None  # static leaves, NNX modules, other adapters
-    treedefs = tuple(t[4] for t in taken)
-
-    def tree_fn(*trees: Any) -> Any:
-        flat: list[Any] = []
-        for tree, td in zip(trees, treedefs, strict=True):
-            leaves, got = jax.tree_util.tree_flatten(tree)
-            if got != td:  # never reached: jit checks trees against in_shardings first
-                raise Stale
-            flat.extend(leaves)
-        return flat_fn(*flat)  # raises Stale for other shapes or dtypes
-
-    shardings = tuple(
-        jax.tree_util.tree_unflatten(td, in_sh[a:b])
-        for td, (a, b) in zip(treedefs, bounds, strict=True)
-    )
-    by_arg = tuple(sorted({k for k, (a, b) in enumerate(bounds) for i in donate if a <= i < b}))
-    jitted = jax.jit(tree_fn, in_shardings=shardings, out_shardings=out_sh, donate_argnums=by_arg)
-    return TreeCall(jitted, treedefs, tuple(bounds), desc)
+        return False  # keyword or static arguments: the full path binds them
+    return all(type(t[2]) is PytreeAdapter and t[5] is None for t in taken)
 
 
 def canonical_dtype(dtype: Any) -> Any:
@@ -292,14 +230,12 @@ def build_entry(
     donate = tuple(
         i for (s, *_), (a, b) in zip(taken, bounds, strict=True) if s.donate for i in range(a, b)
     )
-    tree = None
-    if not updates:
-        tree = _tree_call(slots, taken, flat_fn, tuple(in_sh), bounds, tuple(out_sh), donate, desc)
-    jitted = tree or jax.jit(
+    jitted = jax.jit(
         flat_fn, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
     )
     expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for t in taken for x in t[6]]
-    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, tree)
+    plain = not updates and _plain(slots, taken)
+    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, plain)
 
 
 def _explicit_out(sj: ShardJit, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:

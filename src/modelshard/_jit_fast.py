@@ -1,0 +1,141 @@
+"""``shard_jit``'s per-call route for plain containers: gather leaves by a remembered layout.
+
+JAX flattens a dict by sorting its keys on every call (``jax.jit`` on a dict of 1,000 arrays
+costs 1.1-1.4x the same jit on the pre-flattened arrays here). Model state passed to a step
+is the same structure call after call, and dicts rebuilt by JAX even keep their keys in
+the same (sorted) order. A :class:`Route` remembers, for every dict, list and tuple of the
+last call's arguments, its keys in insertion order and where each child goes; the next call
+only checks that each node still has those keys in that order and gathers the leaves with
+C-level list operations. Any other node (optax states, ``TrainState``, registered types) is
+flattened by JAX and its structure compared. Anything that differs (a key, a length, a
+node type, a leaf that is not a known array type) makes :meth:`Route.gather` return
+``None``, and ``shard_jit`` takes its full path: the route can only be faster, never
+different.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from ._describe import _ARRAY_TYPES
+
+__all__ = ["Route"]
+
+_LEAF: Any = ("leaf",)
+_NONE: Any = ("none",)
+
+
+def _layout(x: Any) -> Any:
+    """The layout of one node: what :func:`_gather` checks and how it orders children."""
+    t = type(x)
+    if t in _ARRAY_TYPES:
+        return _LEAF
+    if t is dict:
+        keys = list(x)
+        try:
+            ordered = sorted(keys)  # JAX's leaf order
+        except TypeError:
+            return ("jax", jax.tree_util.tree_structure(x))
+        if ordered == keys:
+            perm = None
+        else:
+            at = {k: i for i, k in enumerate(keys)}
+            perm = [at[k] for k in ordered]
+        kids = tuple(_layout(x[k]) for k in ordered)
+        return ("dict", keys, perm, kids, all(k is _LEAF for k in kids))
+    if t is list or t is tuple:
+        kids = tuple(_layout(v) for v in x)
+        return ("seq", t, len(x), kids, all(k is _LEAF for k in kids))
+    if x is None:
+        return _NONE
+    return ("jax", jax.tree_util.tree_structure(x))
+
+
+def _count(lay: Any) -> tuple[int, int]:
+    """(dict/list/tuple nodes, leaves) of a layout."""
+    if lay[0] in ("dict", "seq"):
+        nodes, leaves = 1, 0
+        for k in lay[3]:
+            n, m = _count(k)
+            nodes, leaves = nodes + n, leaves + m
+        return nodes, leaves
+    return 0, 1 if lay is _LEAF else 0
+
+
+def _cheaper(x: Any, lay: Any) -> Any:
+    """``lay``, or JAX's flattening when that is cheaper for ``x``.
+
+    Checking a node in Python costs about a microsecond; JAX flattens about four leaves in
+    that time. Wide containers (a dict of 1,000 arrays: 20 us against 250 us) gather
+    faster in Python, deep ones (hundreds of small dicts) flatten faster in JAX, whose
+    structure is then compared whole.
+    """
+    if lay[0] not in ("dict", "seq"):
+        return lay
+    nodes, leaves = _count(lay)
+    if nodes * 5 <= leaves:
+        return lay
+    return ("jax", jax.tree_util.tree_structure(x))
+
+
+def _gather(x: Any, lay: Any, out: list[Any]) -> bool:
+    """Append ``x``'s leaves to ``out`` if ``x`` still has layout ``lay``; else ``False``."""
+    kind = lay[0]
+    if kind == "dict":
+        if type(x) is not dict or list(x) != lay[1]:
+            return False
+        values = list(x.values())
+        if lay[2] is not None:
+            values = [values[i] for i in lay[2]]
+        kids = lay[3]
+    elif kind == "seq":
+        if type(x) is not lay[1] or len(x) != lay[2]:
+            return False
+        values, kids = x, lay[3]
+    elif kind == "leaf":
+        out.append(x)
+        return True
+    elif kind == "none":
+        return x is None
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        if treedef != lay[1]:
+            return False
+        out.extend(leaves)
+        return True
+    if lay[4]:  # every child is a leaf
+        out.extend(values)
+        return True
+    for v, k in zip(values, kids, strict=True):
+        if k is _LEAF:
+            out.append(v)
+        elif not _gather(v, k, out):
+            return False
+    return True
+
+
+class Route:
+    """The remembered layout of one call's arguments, for an entry of plain containers.
+
+    Attributes:
+        entry: the compiled entry the arguments belong to (a ``_jit_build.Entry``).
+    """
+
+    def __init__(self, entry: Any, args: Sequence[Any]):
+        self.entry = entry
+        self._layouts = [_cheaper(a, _layout(a)) for a in args]
+
+    def gather(self, args: Sequence[Any]) -> list[Any] | None:
+        """The flat array leaves of ``args``, or ``None`` if anything is laid out otherwise."""
+        if len(args) != len(self._layouts):
+            return None
+        out: list[Any] = []
+        for a, lay in zip(args, self._layouts, strict=True):
+            if not _gather(a, lay, out):
+                return None
+        if not set(map(type, out)) <= _ARRAY_TYPES:
+            return None  # a Python number or another static leaf: the full path decides
+        return out
