@@ -22,14 +22,7 @@ from ._errors import AdapterError, Problem, ShardingMismatchError
 from ._expand import mesh_sizes
 from ._flat import split
 from ._jit_args import ArgumentLayout, invalid
-from ._jit_build import (
-    Entry,
-    Slot,
-    Stale,
-    build_entry,
-    canonical_dtype,
-    fmt_sharding,
-)
+from ._jit_build import Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
 from ._jit_fast import Route
 from ._jit_take import NnxCall, static_part, take, take_slow
 from ._shard import place

@@ -19,15 +19,7 @@ from ._specs import format_spec
 if TYPE_CHECKING:
     from ._jit import ShardJit
 
-__all__ = [
-    "NOSPEC",
-    "Entry",
-    "Stale",
-    "Slot",
-    "build_entry",
-    "canonical_dtype",
-    "fmt_sharding",
-]
+__all__ = ["NOSPEC", "Entry", "Stale", "Slot", "build_entry", "canonical_dtype", "fmt_sharding"]
 
 
 class Stale(Exception):
