@@ -173,8 +173,7 @@ def _plan_leaves(
     placed = ctx.placed
     out: list[LeafPlan] = []
     append = out.append
-    rules: Rules | None = None  # the Rules last seen, and its match cache and used set
-    matched: dict[str, Any] = {}
+    rules: Rules | None = None  # the Rules last seen, and the indices of its rules used
     used: set[int] = set()
     pre: list[Any] = [_NOTHING] * len(infos) if hits is None else hits
     for info, leaf, s, hit in zip(infos, arrays, per_leaf, pre, strict=True):
@@ -189,11 +188,9 @@ def _plan_leaves(
             key = (id(s), shape)
         elif t is Rules:
             if s is not rules:
-                rules, matched, used = s, s._cache, ctx.used_by(s)  # match() fills _cache
-            if hit is _NOTHING:
-                hit = matched.get(info.path, _NOTHING)
-                if hit is _NOTHING:
-                    hit = s.match(info.path)
+                rules, used = s, ctx.used_by(s)
+            if hit is _NOTHING:  # not matched in bulk: Rules differ between leaves
+                hit = s.match(info.path)
             if hit is not None:
                 used.add(hit[0])  # a rule naming a scalar still counts as used
                 key = (id(s), hit[0], shape) if shape else (id(s), "scalar")
