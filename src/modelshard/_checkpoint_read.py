@@ -26,6 +26,7 @@ from ._checkpoint_locate import (
     locate,
 )
 from ._checkpoint_write import _nest
+from ._checksum import checksums, warm_checksums
 from ._errors import CheckpointError
 from ._flat import split
 from ._mesh import is_abstract, make_mesh
@@ -35,10 +36,8 @@ from ._record import (
     STORED_AS,
     LeafRecord,
     Record,
-    checksums,
     dtype_name,
     parse_dtype,
-    warm_checksums,
 )
 from ._shard import place
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._checksum import start_checksums
 from ._errors import CheckpointError
 from ._flat import split
 from ._mesh import is_abstract
@@ -32,7 +33,6 @@ from ._record import (
     dtype_name,
     mesh_json,
     saved_spec,
-    start_checksums,
     versions,
 )
 

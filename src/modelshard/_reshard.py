@@ -31,12 +31,12 @@ from ._checkpoint_read import (
     verify_checksums,
 )
 from ._checkpoint_write import _abs, _nest, orbax_save, storable, write_atomic
+from ._checksum import checksums
 from ._errors import CheckpointError
 from ._plan import Plan, plan
 from ._record import (
     LeafRecord,
     Record,
-    checksums,
     dtype_name,
     mesh_json,
     parse_dtype,

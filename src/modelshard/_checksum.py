@@ -1,0 +1,222 @@
+"""Per-leaf checksums of a checkpoint (``fmix32x2``), on the devices or on the host.
+
+Two sums modulo 2**32 over each leaf's bits: each value times a hashed weight of its
+position, and a hash of (value, position). Integer sums do not depend on reduction order, so
+the value is the same whatever sharding the leaf has when it is computed. Device checksums
+reduce each leaf in one XLA program; host checksums sum each shard in small blocks (nothing
+compiled, nothing gathered), which is what ``modelshard reshard`` uses; both give the same
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["CHECKSUM", "checksums", "start_checksums", "warm_checksums"]
+
+CHECKSUM = "fmix32x2"
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _lanes(x: jax.Array) -> jax.Array:
+    """The bits of a real ``x`` as uint32 values (64-bit elements become two lanes)."""
+    dt = x.dtype
+    if dt == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = dt.itemsize
+    if _bits(dt) < size * 8:
+        # sub-byte types (int4, float4): widen exactly, then take the wide bits
+        wide = jnp.float32 if jnp.issubdtype(dt, jnp.floating) else jnp.int32
+        return jax.lax.bitcast_convert_type(x.astype(wide), jnp.uint32)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
+
+
+def _bits(dt: Any) -> int:
+    try:
+        info = jnp.finfo(dt) if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo(dt)
+        return int(info.bits)
+    except (TypeError, ValueError):
+        return dt.itemsize * 8
+
+
+def _checksum_one(x: jax.Array) -> jax.Array:
+    """The two sums over the lanes of ``x`` (complex: real and imaginary lanes interleaved,
+    as :func:`_np_lanes` stacks them), in one variadic reduction: XLA fuses every term into
+    it, so no temporary as large as ``x`` is materialised (two separate sums would each
+    need their terms written out first)."""
+    parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    lanes = [_lanes(p) for p in parts]
+    shape = lanes[0].shape
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = len(lanes)
+    for d in range(len(shape) - 1, -1, -1):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+        stride *= shape[d]
+    terms = [t for k, v in enumerate(lanes) for t in _terms(v, idx + jnp.uint32(k), jnp.uint32)]
+    zero = jnp.uint32(0)
+    sums = jax.lax.reduce(
+        tuple(terms),
+        (zero,) * len(terms),
+        lambda a, b: tuple(p + q for p, q in zip(a, b, strict=True)),
+        tuple(range(len(shape))),
+    )
+    return jnp.stack([sum(sums[0::2], zero), sum(sums[1::2], zero)])
+
+
+def _fmix(h: Any, u32: Any) -> Any:
+    """MurmurHash3's 32-bit finaliser: a bijective, non-linear mix (jnp or np uint32)."""
+    h = h ^ (h >> 16)
+    h = h * u32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * u32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
+    """Per-element terms of the two lanes: value times a hashed position weight, and a hash
+    of (value, position). Sums of either over all elements do not depend on order."""
+    w = _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1)
+    return v * w, _fmix(v ^ _fmix(idx + u32(0x7F4A7C15), u32), u32)
+
+
+_checksum_jit = jax.jit(_checksum_one)
+
+# Leaves up to this many elements are checksummed on the host: no compilation, and the
+# bytes are few. Larger ones are reduced where they live.
+HOST_MAX_ELEMENTS = 1 << 20
+
+
+def _np_lanes(a: np.ndarray) -> np.ndarray:
+    dt = a.dtype
+    if dt == np.bool_:
+        return a.astype(np.uint32)
+    if np.issubdtype(dt, np.complexfloating):
+        return np.stack([_np_lanes(np.real(a)), _np_lanes(np.imag(a))], axis=-1)
+    size = dt.itemsize
+    if _bits(dt) < size * 8:
+        wide = np.float32 if jnp.issubdtype(dt, jnp.floating) else np.int32
+        return a.astype(wide).view(np.uint32)
+    a = np.ascontiguousarray(a)
+    if size == 8:
+        return a.view(np.uint32).reshape(*a.shape, 2)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
+
+
+# Elements per step of a host checksum: its temporaries stay a few hundred KiB.
+HOST_BLOCK_ELEMENTS = 1 << 14
+
+
+def _np_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    """The two sums over the lanes of ``a``, the block at ``origin`` of an array of
+    ``shape``, taken :data:`HOST_BLOCK_ELEMENTS` elements at a time."""
+    if a.size == 0:
+        return 0, 0
+    if a.ndim == 0:
+        a, origin, shape = a.reshape(1), (0,), (1,)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    row_base = np.full(1, origin[-1], np.int64)  # global index of each row's first element
+    for d in range(a.ndim - 1):
+        along = (origin[d] + np.arange(a.shape[d], dtype=np.int64)) * strides[d]
+        row_base = (row_base[:, None] + along[None, :]).reshape(-1)
+    rows = a.reshape(-1, a.shape[-1])
+    cols = rows.shape[1]
+    step_r, step_c = max(1, HOST_BLOCK_ELEMENTS // cols), min(cols, HOST_BLOCK_ELEMENTS)
+    s1 = s2 = 0
+    for r in range(0, rows.shape[0], step_r):
+        for c in range(0, cols, step_c):
+            v = _np_lanes(rows[r : r + step_r, c : c + step_c])
+            per = math.prod(v.shape[2:])  # lanes per element
+            e = row_base[r : r + step_r, None] + np.arange(c, c + v.shape[1], dtype=np.int64)
+            idx = e[..., None] * per + np.arange(per, dtype=np.int64)
+            idx = (idx.reshape(v.shape) & 0xFFFFFFFF).astype(np.uint32)
+            t1, t2 = _terms(v, idx, np.uint32)
+            s1 += int(np.sum(t1, dtype=np.uint32))
+            s2 += int(np.sum(t2, dtype=np.uint32))
+    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
+
+
+def _np_checksum(a: np.ndarray) -> tuple[int, int]:
+    return _np_sums(a, (0,) * a.ndim, a.shape)
+
+
+def _shard_checksum(x: jax.Array) -> tuple[int, int]:
+    """:func:`_np_checksum` of a fully addressable array, summed shard by shard (one replica
+    of each) where the shards live: zero-copy views on CPU devices, nothing gathered."""
+    s1 = s2 = 0
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            origin = [sl.indices(d)[0] for sl, d in zip(shard.index, x.shape, strict=True)]
+            a, b = _np_sums(np.asarray(shard.data), origin, x.shape)
+            s1, s2 = s1 + a, s2 + b
+    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
+
+
+def _on_host(x: Any, limit: int) -> bool:
+    if x.size > limit:
+        return False
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.sharding is None or x.sharding.is_fully_addressable
+    return x.is_fully_addressable if isinstance(x, jax.Array) else True
+
+
+def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
+    """Compile the device checksum programs ``targets`` (sharded abstract arrays) will need.
+
+    A restore calls this before reading, so that compiling (tens of MiB for a moment)
+    happens while little is resident rather than on top of the restored state.
+    """
+    seen = set()
+    for t in targets:
+        key = (tuple(t.shape), t.dtype, t.sharding)
+        if key not in seen and not _on_host(t, HOST_MAX_ELEMENTS):
+            seen.add(key)
+            _checksum_jit.lower(t).compile()
+
+
+def checksums(
+    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None, host: bool = False
+) -> list[str]:
+    """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding.
+
+    Small leaves are summed on the host; large ones are reduced where they live (one small
+    compiled program per shape, dtype and sharding, cached by JAX), so nothing large is
+    gathered to one device. With ``host``, every array this process holds whole is summed
+    on the host shard by shard instead: no compilation (which costs tens of MiB of
+    resident compiler code), slower than a device reduction; ``reshard`` uses it.
+    """
+    return start_checksums(arrays, host_max_elements=host_max_elements, host=host)()
+
+
+def start_checksums(
+    arrays: Sequence[jax.Array], *, host_max_elements: int | None = None, host: bool = False
+) -> Callable[[], list[str]]:
+    """Dispatch :func:`checksums` without waiting; call the result to collect them.
+
+    The device reductions run while the caller goes on (``save`` writes the data meanwhile).
+    """
+    limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
+    pending: dict[int, Any] = {}
+    out: list[Any] = [None] * len(arrays)
+    for i, x in enumerate(arrays):
+        if host and isinstance(x, jax.Array) and x.is_fully_addressable:
+            out[i] = _shard_checksum(x)
+        elif _on_host(x, limit):
+            out[i] = _np_checksum(np.asarray(x))
+        else:
+            pending[i] = _checksum_jit(x)
+
+    def collect() -> list[str]:
+        for i, s in zip(pending, jax.device_get(list(pending.values())), strict=True):
+            out[i] = (int(s[0]), int(s[1]))
+        return [f"{a:08x}:{b:08x}" for a, b in out]
+
+    return collect
