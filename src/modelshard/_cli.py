@@ -280,9 +280,22 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--max-rows", type=int, default=None, metavar="N", help="show at most N leaves")
     i.set_defaults(run=_cmd_inspect)
 
-    mesh_help = "target mesh as name=size pairs, e.g. data=2,model=4"
-    rules_help = "TOML rules file (see docs/guides/rules-file.md); default: the saved specs"
-    types_help = "mesh axis types (default auto)"
+    def target(p: argparse.ArgumentParser) -> None:
+        """The options naming the target layout: --mesh, --rules, --axis-types."""
+        p.add_argument(
+            "--mesh", required=True, help="target mesh as name=size pairs, e.g. data=2,model=4"
+        )
+        p.add_argument(
+            "--rules",
+            metavar="RULES.toml",
+            help="TOML rules file (see docs/guides/rules-file.md); default: the saved specs",
+        )
+        p.add_argument(
+            "--axis-types",
+            choices=["auto", "explicit"],
+            default="auto",
+            help="mesh axis types (default auto)",
+        )
 
     pl = sub.add_parser(
         "plan",
@@ -292,9 +305,7 @@ def _parser() -> argparse.ArgumentParser:
         "(exit status 1). No devices are needed.",
     )
     pl.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
-    pl.add_argument("--mesh", required=True, help=mesh_help)
-    pl.add_argument("--rules", metavar="RULES.toml", help=rules_help)
-    pl.add_argument("--axis-types", choices=["auto", "explicit"], default="auto", help=types_help)
+    target(pl)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--max-rows", type=int, default=None, metavar="N", help="show at most N leaves")
     pl.set_defaults(run=_cmd_plan)
@@ -308,10 +319,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("source", metavar="SRC", help="source checkpoint directory")
     r.add_argument("destination", metavar="DST", help="new checkpoint directory")
-    r.add_argument("--mesh", required=True, help=mesh_help)
-    r.add_argument("--rules", metavar="RULES.toml", help=rules_help)
+    target(r)
     r.add_argument("--dtype", default=None, help="cast floating-point leaves, e.g. bfloat16")
-    r.add_argument("--axis-types", choices=["auto", "explicit"], default="auto", help=types_help)
     r.add_argument(
         "--chunk-mb",
         type=float,
