@@ -38,10 +38,16 @@ _ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 NUMBER_TYPES = frozenset({bool, int, float, complex})
 
 
-def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
-    """``leaves`` with every Python number made a rank-0 array, as ``jax.jit`` makes it
-    (weakly typed: ``0`` becomes an int32, ``0.1`` a float32 under default precision)."""
-    if not any(type(x) in NUMBER_TYPES for x in leaves):
+def numbers_are_arrays(adapter: Any) -> bool:
+    """Whether ``adapter``'s containers hold Python numbers as array leaves."""
+    return bool(getattr(adapter, "numbers_are_arrays", False))
+
+
+def numbers_to_arrays(leaves: list[Any], adapter: Any) -> list[Any]:
+    """``leaves`` as ``adapter`` keeps them: when :func:`numbers_are_arrays`, every Python
+    number made a rank-0 array, as ``jax.jit`` makes it (weakly typed: ``0`` becomes an
+    int32, ``0.1`` a float32 under default precision); otherwise unchanged."""
+    if not numbers_are_arrays(adapter) or not any(type(x) in NUMBER_TYPES for x in leaves):
         return leaves
     import jax.numpy as jnp
 

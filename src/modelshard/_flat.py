@@ -131,8 +131,7 @@ def split(obj: Any) -> Flat:
             f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
             f"{type(e).__name__}: {e}"
         ) from e
-    if getattr(adapter, "numbers_are_arrays", False):
-        leaves = numbers_to_arrays(leaves)
+    leaves = numbers_to_arrays(leaves, adapter)
     # This runs over every leaf of every plan: when every leaf has a known array type,
     # one set of types decides it.
     if set(map(type, leaves)) <= _ARRAY_TYPES:

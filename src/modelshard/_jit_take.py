@@ -53,8 +53,7 @@ def take_slow(value: Any, adapter: Any = None) -> Taken:
     except Exception:
         split(value)  # raises the AdapterError that names the container
         raise
-    if getattr(adapter, "numbers_are_arrays", False):
-        leaves = numbers_to_arrays(leaves)
+    leaves = numbers_to_arrays(leaves, adapter)
     index = _known_arrays(leaves)
     return adapter, leaves, aux, index, leaves if index is None else [leaves[i] for i in index]
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from ._adapters import Adapter, PytreeAdapter, get_adapter
-from ._describe import NUMBER_TYPES, is_array
+from ._describe import NUMBER_TYPES, is_array, numbers_are_arrays
 
 __all__ = ["OutDesc", "Part", "split_output"]
 
@@ -128,7 +128,7 @@ def split_output(
                 arrays.append(x)
         else:
             adapter, leaves, aux, j = hit
-            numbers = getattr(adapter, "numbers_are_arrays", False)
+            numbers = numbers_are_arrays(adapter)
             idx = tuple(
                 i
                 for i, v in enumerate(leaves)
