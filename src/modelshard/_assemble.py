@@ -16,10 +16,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import AdapterError, AssembleError
-from ._expand import expand_args, mesh_sizes
+from ._expand import expand_args
 from ._flat import Flat, split
-from ._mesh import make_mesh
-from ._specs import SpecLike
+from ._mesh import make_mesh, mesh_sizes
+from ._specs import SpecLike, entry_axes
 
 __all__ = ["assemble", "assemble_process_local", "global_shape", "partitions"]
 
@@ -53,8 +53,7 @@ def global_shape(local_shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> 
     for d, entry in enumerate(spec):
         if entry is None or d >= len(candidate):
             continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        candidate[d] *= math.prod(sizes.get(a, 1) for a in axes)
+        candidate[d] *= math.prod(sizes.get(a, 1) for a in entry_axes(entry))
     leaf = jax.ShapeDtypeStruct(tuple(candidate), np.float32)
     expand_args([("spec", leaf, spec)], mesh)
     return tuple(candidate)

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from ._errors import MeshError
 from ._expand import expand_args
-from ._specs import SpecLike
+from ._specs import SpecLike, entry_axes, is_axes_entry
 
 __all__ = ["constrain", "current_mesh"]
 
@@ -82,13 +82,7 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
 
 
 def _names(spec: Any) -> set[str]:
-    out: set[str] = set()
-    for e in spec:
-        if isinstance(e, str):
-            out.add(e)
-        elif isinstance(e, tuple):
-            out.update(e)
-    return out
+    return {a for e in spec if is_axes_entry(e) for a in entry_axes(e)}
 
 
 def _explicit_typed(x: Any, explicit: set[str]) -> bool:

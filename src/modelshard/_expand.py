@@ -19,11 +19,13 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._describe import _ARRAY_TYPES, LeafInfo
+from ._dtypes import canonical_dtype
 from ._errors import AdapterError, Problem, SpecError
 from ._flat import Flat, split
+from ._mesh import mesh_sizes
 from ._paths import format_path
 from ._paths import split as split_path
-from ._resolve import Ctx, placed_dtype, refused_by_jax, resolve_checked, unmatched_key
+from ._resolve import Ctx, refused_by_jax, resolve_checked, unmatched_key
 from ._specs import FSDP, Rules, format_spec, is_leaf_spec
 
 __all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
@@ -54,19 +56,6 @@ class ArgPlan:
     name: str
     flat: Flat
     leaves: list[LeafPlan]
-
-
-def mesh_sizes(mesh: Any) -> dict[str, int]:
-    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``."""
-    try:
-        return {str(k): int(v) for k, v in dict(mesh.shape).items()}
-    except Exception as e:
-        from ._errors import MeshError
-
-        raise MeshError(
-            f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
-            "one with modelshard.make_mesh({'data': 8})."
-        ) from e
 
 
 def _prefix_entries(prefix: Any, arg: str, ctx: Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
@@ -221,7 +210,7 @@ def _plan_leaves(
         try:
             dtype = placed[dtype]
         except KeyError:
-            dtype = placed[dtype] = placed_dtype(dtype)
+            dtype = placed[dtype] = canonical_dtype(dtype)
         append(_new(LeafPlan, (info.path, shape, dtype, spec, rule)))
     return out
 

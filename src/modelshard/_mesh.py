@@ -1,4 +1,5 @@
-"""``make_mesh``: a device mesh from ``{"axis": size}``, Auto axes by default."""
+"""Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default) and the
+mesh vocabulary every module shares (``mesh_sizes``, ``format_mesh``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from ._errors import MeshError
-
-__all__ = ["make_mesh"]
 
 _TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -108,3 +107,23 @@ def make_mesh(
 def is_abstract(mesh: Any) -> bool:
     """Whether ``mesh`` has no devices (an ``AbstractMesh``)."""
     return isinstance(mesh, AbstractMesh) and not isinstance(mesh, Mesh)
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``.
+
+    Raises:
+        MeshError: ``mesh`` is not a mesh.
+    """
+    try:
+        return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+    except Exception as e:
+        raise MeshError(
+            f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
+            "one with modelshard.make_mesh({'data': 8})."
+        ) from e
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    """``data=2, model=4``: how errors and tables spell a mesh (``(no axes)`` when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"

@@ -9,8 +9,9 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._expand import ArgPlan, LeafPlan, expand_args, mesh_sizes
-from ._specs import SpecLike, format_spec
+from ._expand import ArgPlan, LeafPlan, expand_args
+from ._mesh import format_mesh, mesh_sizes
+from ._specs import SpecLike, entry_axes, format_spec
 
 __all__ = ["Plan", "format_bytes", "plan"]
 
@@ -113,10 +114,7 @@ class Plan:
         """The shape of one device's shard of ``leaf``."""
         out = list(leaf.shape)
         for d, entry in enumerate(leaf.spec):
-            if entry is None:
-                continue
-            axes = (entry,) if isinstance(entry, str) else entry
-            out[d] //= math.prod(self.sizes[a] for a in axes)
+            out[d] //= math.prod(self.sizes[a] for a in entry_axes(entry))
         return tuple(out)
 
     def bytes_per_device(self, leaf: LeafPlan | None = None) -> int:
@@ -157,7 +155,7 @@ class Plan:
     def summary(self) -> str:
         """One line: leaves, bytes per device versus replicated bytes, the mesh."""
         per, total = self.bytes_per_device(), self.total_bytes
-        mesh = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
+        mesh = format_mesh(self.sizes)
         ratio = f" ({per / total:.1%} of replicated)" if total else ""
         return (
             f"{len(self)} array leaves on mesh ({mesh}), {self.num_devices} devices: "

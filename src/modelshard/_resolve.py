@@ -17,30 +17,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._describe import LeafInfo
+from ._dtypes import dtype_name
 from ._errors import Problem
-from ._specs import FSDP, Rules, format_spec, partial_axes
-
-__all__ = [
-    "Ctx",
-    "check",
-    "placed_dtype",
-    "refused_by_jax",
-    "resolve",
-    "resolve_checked",
-    "resolve_names",
-    "unmatched_key",
-]
-
-
-def _fmt_mesh(sizes: Mapping[str, int]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
-
-
-def _dtype_name(dtype: Any) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
+from ._mesh import format_mesh
+from ._specs import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
 
 
 class Ctx:
@@ -48,7 +28,7 @@ class Ctx:
 
     def __init__(self, sizes: dict[str, int]):
         self.sizes = sizes
-        self.mesh_text = _fmt_mesh(sizes)
+        self.mesh_text = format_mesh(sizes)
         self.problems: list[Problem] = []
         self.used: dict[int, tuple[Rules, set[int]]] = {}
         self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
@@ -72,7 +52,7 @@ class Ctx:
         hint: str | None = None,
     ) -> None:
         shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
-        dtype = _dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
+        dtype = dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
         self.problems.append(
             Problem(
                 arg=arg,
@@ -94,20 +74,17 @@ def resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None) -> Par
     if partial_axes(spec):  # left for check to report
         return spec
     for entry in spec:
-        if entry is None or not (
-            isinstance(entry, str)
-            or (isinstance(entry, tuple) and all(isinstance(n, str) for n in entry))
-        ):
-            out.append(entry)  # junk stays as it is, for check to report
+        if not is_axes_entry(entry):
+            out.append(entry)  # None, and junk left as it is for check to report
             continue
-        names = (entry,) if isinstance(entry, str) else entry
+        names = entry_axes(entry)
         mapped: list[str] = []
         for n in names:
             if logical is not None and n in logical:
                 target = logical[n]
                 if target is None:
                     continue
-                mapped.extend((target,) if isinstance(target, str) else target)
+                mapped.extend(entry_axes(target))
             else:
                 mapped.append(n)
         out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
@@ -142,10 +119,7 @@ def check(
     for dim, entry in enumerate(entries):
         if entry is None:
             continue
-        if not (
-            isinstance(entry, str)
-            or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
-        ):
+        if not is_axes_entry(entry):
             out.append(
                 (
                     f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
@@ -153,7 +127,7 @@ def check(
                 )
             )
             continue
-        axes = (entry,) if isinstance(entry, str) else entry
+        axes = entry_axes(entry)
         for a in axes:
             if a not in sizes:
                 out.append(
@@ -250,14 +224,6 @@ def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
         )
     _REFUSED[leaf.dtype] = refused
     return refused
-
-
-def placed_dtype(dtype: Any) -> Any:
-    """The dtype a leaf has once placed: without ``jax_enable_x64``, ``device_put`` turns
-    NumPy float64/int64/uint64/complex128 into their 32-bit kinds, and plans count bytes."""
-    if getattr(dtype, "itemsize", 0) < 8:  # the fast path: nothing narrower changes
-        return dtype
-    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def resolve(

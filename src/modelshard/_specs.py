@@ -62,7 +62,7 @@ def to_spec(value: Any, where: str) -> PartitionSpec:
     """
     if isinstance(value, PartitionSpec):
         return value
-    if isinstance(value, tuple | list) and all(_is_entry(e) for e in value):
+    if isinstance(value, tuple | list) and all(is_entry(e) for e in value):
         return PartitionSpec(*value)
     raise SpecError(
         [
@@ -76,12 +76,21 @@ def to_spec(value: Any, where: str) -> PartitionSpec:
     )
 
 
-def _is_entry(e: Any) -> bool:
-    return (
-        e is None
-        or isinstance(e, str)
-        or (isinstance(e, tuple) and all(isinstance(x, str) for x in e))
-    )
+def is_axes_entry(e: Any) -> bool:
+    """Whether ``e`` names axes as a spec entry may: a name or a tuple of names (not ``None``)."""
+    return isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(x, str) for x in e))
+
+
+def is_entry(e: Any) -> bool:
+    """Whether ``e`` is a spec entry: ``None``, a name, or a tuple of names."""
+    return e is None or is_axes_entry(e)
+
+
+def entry_axes(e: Any) -> tuple[str, ...]:
+    """The axis names a spec entry names, in order: ``None`` -> ``()``, ``"a"`` -> ``("a",)``."""
+    if e is None:
+        return ()
+    return (e,) if isinstance(e, str) else tuple(e)
 
 
 _MISS = object()
@@ -191,7 +200,7 @@ class Rules:
                 )
             else:
                 for name, target in self.logical.items():
-                    if not isinstance(name, str) or not _is_entry(target):
+                    if not isinstance(name, str) or not is_entry(target):
                         problems.append(
                             Problem(
                                 "Rules",
