@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 
-from ._adapters import Adapter, PytreeAdapter, get_adapter
-from ._describe import NUMBER_TYPES, is_array, numbers_are_arrays
+from .._adapters import Adapter, PytreeAdapter, get_adapter
+from .._describe import NUMBER_TYPES, is_array, numbers_are_arrays
 
 __all__ = ["OutDesc", "Part", "split_output"]
 

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import NamedSharding
 
-from ._adapters import NnxModuleAdapter, PytreeAdapter
-from ._errors import AdapterError, Problem, SpecError
-from ._expand import LeafPlan, expand_args
-from ._outputs import OutDesc, leaf_shardings, split_output
-from ._plan import Plan
-from ._specs import format_spec
+from .._adapters import NnxModuleAdapter, PytreeAdapter
+from .._errors import AdapterError, Problem, SpecError
+from .._expand import LeafPlan, expand_args
+from .._plan import Plan
+from .._specs import format_spec
+from .outputs import OutDesc, leaf_shardings, split_output
 
 if TYPE_CHECKING:
-    from ._jit import ShardJit
+    from .wrapper import ShardJit
 
 __all__ = ["NOSPEC", "Entry", "Stale", "Slot", "build_entry", "canonical_dtype", "fmt_sharding"]
 
@@ -80,7 +80,7 @@ class Entry:
         desc: the output's recorded structure.
         updates: per NNX-module argument ``(index among dynamic args, changed leaves)``.
         plain: its arguments are positional plain pytrees of arrays, so calls may gather
-            their leaves by a remembered layout (``_jit_fast.Route``).
+            their leaves by a remembered layout (``route.Route``).
     """
 
     jitted: Any
@@ -123,7 +123,7 @@ class Entry:
 
 
 def _plain(slots: tuple[Slot, ...], taken: list[Any]) -> bool:
-    """Whether an entry's calls may take :class:`~modelshard._jit_fast.Route`: every
+    """Whether an entry's calls may take :class:`~modelshard._jit.route.Route`: every
     argument positional and dynamic, a plain pytree of arrays only (no static leaves, no
     NNX modules)."""
     if [(s.pos, s.kw, s.static) for s in slots] != [(i, None, False) for i in range(len(slots))]:

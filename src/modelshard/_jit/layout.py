@@ -1,7 +1,7 @@
 """How ``shard_jit`` maps a call's arguments onto the function's parameters.
 
 Each distinct call layout (number of positional arguments, keyword names) is resolved once
-against the signature into :class:`~modelshard._jit_build.Slot` objects (name, static,
+against the signature into :class:`~modelshard._jit.build.Slot` objects (name, static,
 spec, donated), which are then reused, and compared by identity, on every call.
 """
 
@@ -11,8 +11,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._errors import Problem, SpecError
-from ._jit_build import NOSPEC, Slot
+from .._errors import Problem, SpecError
+from .build import NOSPEC, Slot
 
 __all__ = ["ArgumentLayout", "invalid"]
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import jax
 
-from ._adapters import _REGISTRY, NnxModuleAdapter
-from ._describe import _ARRAY_TYPES as ARRAY_TYPES
-from ._describe import is_array, numbers_to_arrays
-from ._errors import AdapterError
-from ._flat import split
+from .._adapters import _REGISTRY, NnxModuleAdapter
+from .._describe import _ARRAY_TYPES as ARRAY_TYPES
+from .._describe import is_array, numbers_to_arrays
+from .._errors import AdapterError
+from .._flat import split
 
 __all__ = ["Taken", "static_part", "take"]
 

@@ -18,15 +18,15 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from ._errors import AdapterError, Problem, ShardingMismatchError
-from ._expand import mesh_sizes
-from ._flat import split
-from ._jit_args import ArgumentLayout, invalid
-from ._jit_build import Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
-from ._jit_fast import Route
-from ._jit_take import NnxCall, static_part, take, take_slow
-from ._shard import place
-from ._specs import format_spec
+from .._errors import AdapterError, Problem, ShardingMismatchError
+from .._expand import mesh_sizes
+from .._flat import split
+from .._shard import place
+from .._specs import format_spec
+from .build import Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
+from .layout import ArgumentLayout, invalid
+from .route import Route
+from .take import NnxCall, static_part, take, take_slow
 
 __all__ = ["ShardJit", "shard_jit"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from ._describe import _ARRAY_TYPES
+from .._describe import _ARRAY_TYPES
 
 __all__ = ["Route"]
 
@@ -121,7 +121,7 @@ class Route:
     """The remembered layout of one call's arguments, for an entry of plain containers.
 
     Attributes:
-        entry: the compiled entry the arguments belong to (a ``_jit_build.Entry``).
+        entry: the compiled entry the arguments belong to (a ``build.Entry``).
     """
 
     def __init__(self, entry: Any, args: Sequence[Any]):
