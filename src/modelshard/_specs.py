@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from jax.sharding import PartitionSpec
@@ -379,5 +379,3 @@ def _is_pytree_node(x: Any) -> bool:
 
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
-
-SpecFn: TypeAlias = Callable[[str, Any], Any]

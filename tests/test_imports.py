@@ -1,0 +1,172 @@
+"""The package's import graph: no cycles between modules, and no underscore names borrowed
+across modules (a private name another module needs belongs to a public-in-package helper).
+
+The graph is read from the source (module-level imports, ``if TYPE_CHECKING:`` blocks included:
+a type-only import back up the call path is still a cycle a reader has to follow), so the test
+sees the structure a newcomer reads, not only what happens to import in one order.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "modelshard"
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out: dict[str, Path] = {}
+    for f in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(f.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def _top_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Imports at module level: top level and inside ``try``/``if``/``with`` blocks there
+    (``if TYPE_CHECKING:`` included), but not inside functions or classes."""
+    todo: list[ast.stmt] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            todo.extend(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            todo.extend(node.body + node.orelse + node.finalbody)
+            for h in node.handlers:
+                todo.extend(h.body)
+        elif isinstance(node, ast.With):
+            todo.extend(node.body)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """``module -> modules it imports at import time`` (inside the package), and every
+    ``(importer, module, name)`` where an underscore name is imported from another module."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    borrowed: list[tuple[str, str, str]] = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        for node in _top_level_imports(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = _resolve(mod, is_pkg, node)
+                targets = []
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    targets.append(sub if sub in mods else base)
+                    if (
+                        sub not in mods
+                        and base.startswith(PACKAGE)
+                        and a.name.startswith("_")
+                        and not a.name.startswith("__")
+                    ):
+                        borrowed.append((mod, base, a.name))
+            for t in targets:
+                # Importing a submodule first initialises its parents: an edge to one's own
+                # ancestor package is how packages work, not a cycle.
+                if t in mods and t != mod and not mod.startswith(t + "."):
+                    graph[mod].add(t)
+    # Lazy imports (inside functions) of underscore names are borrowing too.
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        top = set(map(id, _top_level_imports(tree)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and id(node) not in top:
+                base = _resolve(mod, is_pkg, node)
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    if (
+                        base.startswith(PACKAGE)
+                        and sub not in mods
+                        and a.name.startswith("_")
+                        and not a.name.startswith("__")
+                    ):
+                        borrowed.append((mod, base, a.name))
+    return graph, borrowed
+
+
+def find_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan), each as a
+    sorted list: the modules that import each other round in a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_detector_finds_cycles() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_is_read_from_the_package() -> None:
+    graph, _ = import_graph()
+    assert f"{PACKAGE}._expand" in graph[PACKAGE]  # the façade imports the core
+    assert f"{PACKAGE}._errors" in graph[f"{PACKAGE}._expand"]
+
+
+def test_no_import_cycles() -> None:
+    graph, _ = import_graph()
+    cycles = find_cycles(graph)
+    if cycles:
+        lines = [
+            " -> ".join(c + [c[0]])
+            + "\n    edges: "
+            + "; ".join(f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c)
+            for c in cycles
+        ]
+        pytest.fail("import cycles in src/:\n  " + "\n  ".join(lines))
+
+
+def test_no_private_names_borrowed_across_modules() -> None:
+    _, borrowed = import_graph()
+    assert not borrowed, "underscore names imported from another module:\n" + "\n".join(
+        f"  {importer}: from {module} import {name}" for importer, module, name in borrowed
+    )
