@@ -361,7 +361,7 @@ def test_restore_errors(tmp_path, mesh8):
     ],
 )
 def test_host_and_device_checksums_agree_and_ignore_sharding(dtype, mesh8):
-    from modelshard._checksum import checksums
+    from modelshard._checkpoint.checksum import checksums
 
     values = np.random.default_rng(1).normal(size=(16, 8)) * 20
     if dtype == "complex64":
@@ -378,7 +378,7 @@ def test_host_and_device_checksums_agree_and_ignore_sharding(dtype, mesh8):
 
 @pytest.mark.parametrize("spec", [P(), P("data", "model"), P(None, "model", "data")])
 def test_shard_by_shard_host_checksums_match_in_small_blocks(spec, monkeypatch):
-    from modelshard import _checksum as _record
+    from modelshard._checkpoint import checksum as _record
 
     x = jnp.asarray(np.random.default_rng(2).integers(0, 2**31, size=(6, 4, 10)), jnp.uint32)
     mesh = ms.make_mesh({"data": 2, "model": 2})
@@ -392,7 +392,7 @@ def test_shard_by_shard_host_checksums_match_in_small_blocks(spec, monkeypatch):
 def test_device_checksum_needs_no_temporary_as_large_as_the_leaf():
     """Both sums are one variadic reduction with every term fused into it; two separate
     sums made XLA write out the terms (twice the leaf's bytes), which restore paid for."""
-    from modelshard._checksum import _checksum_jit
+    from modelshard._checkpoint.checksum import _checksum_jit
 
     mesh = ms.make_mesh({"data": 2, "model": 4})
     for spec in (P(), P("data", "model")):
@@ -404,7 +404,7 @@ def test_device_checksum_needs_no_temporary_as_large_as_the_leaf():
 def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, mesh8):
     """Orbax refuses any single read at or above its concurrent-bytes cap; restore raises
     its cap above its largest read (here a 128 KiB leaf stored as one chunk)."""
-    import modelshard._checkpoint_read as ckpt
+    import modelshard._checkpoint.read as ckpt
 
     monkeypatch.setattr(ckpt, "RESTORE_CONCURRENT_BYTES", 4096)
     values = np.arange(32 * 1024, dtype=np.float32).reshape(256, 128)
@@ -421,9 +421,9 @@ def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, m
 
 
 def test_reshard_compiles_no_checksum_and_keeps_unchanged_checksums(tmp_path, monkeypatch, mesh8):
-    from modelshard import _checksum as _record
+    from modelshard._checkpoint import checksum as _record
     from modelshard._checkpoint import locate
-    from modelshard._reshard import reshard
+    from modelshard._checkpoint.reshard import reshard
 
     state = {"w": jnp.arange(2.0**21).reshape(2048, 1024), "b": jnp.ones(8)}
     ms.save(tmp_path / "src", state)
@@ -442,7 +442,7 @@ def test_reshard_compiles_no_checksum_and_keeps_unchanged_checksums(tmp_path, mo
 
 
 def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):
-    from modelshard._reshard import reshard
+    from modelshard._checkpoint.reshard import reshard
 
     tree = {"layers": [{"w": jnp.ones((8, 4))}, {"w": jnp.zeros((8, 4))}], "b": jnp.arange(8.0)}
     with ocp.StandardCheckpointer() as ckptr:

@@ -8,6 +8,7 @@ wrong value may come back. The numbers these tests measure are in ``docs/reliabi
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import queue
@@ -449,7 +450,7 @@ def test_deeply_nested_record_is_refused(small_ckpt):
 
 @pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
 def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
-    import modelshard._checkpoint_locate as ckpt
+    ckpt = importlib.import_module("modelshard._checkpoint.locate")  # the package exports a function `locate`
 
     path, _ = small_ckpt
     with open(path / name, "a") as f:
@@ -888,7 +889,7 @@ def test_concurrent_saves_of_one_path_take_turns(tmp_path):
 
 
 def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
-    from modelshard._reshard import reshard
+    from modelshard._checkpoint.reshard import reshard
 
     mesh = ms.make_mesh({"data": 2, "model": 4})
     state = {
@@ -908,7 +909,7 @@ def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
 def test_overwrite_never_leaves_the_path_without_a_checkpoint(tmp_path, monkeypatch):
     """A crash at any rename of an overwrite: here every rename of the checkpoint's own
     directory is followed by a simulated crash. The path still holds a whole checkpoint."""
-    import modelshard._checkpoint_write as ckpt
+    import modelshard._checkpoint.write as ckpt
 
     path = ms.save(tmp_path / "c", {"w": jnp.zeros(4)})
 

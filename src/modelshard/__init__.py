@@ -15,6 +15,7 @@ from ._assemble import assemble as assemble
 from ._assemble import assemble_process_local as assemble_process_local
 from ._assemble import global_shape as global_shape
 from ._assemble import partitions as partitions
+from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._constrain import constrain as constrain
@@ -23,13 +24,13 @@ from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import DistributedError as DistributedError
 from ._errors import MeshError as MeshError
+from ._errors import ModelshardError as ModelshardError
 from ._errors import Problem as Problem
 from ._errors import ShardingMismatchError as ShardingMismatchError
 from ._errors import SpecError as SpecError
 from ._expand import LeafPlan as LeafPlan
 from ._jit import ShardJit as ShardJit
 from ._jit import shard_jit as shard_jit
-from ._manager import CheckpointManager as CheckpointManager
 from ._mesh import make_mesh as make_mesh
 from ._plan import Plan as Plan
 from ._plan import plan as plan

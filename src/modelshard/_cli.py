@@ -197,7 +197,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     from ._checkpoint import locate
     from ._mesh import make_mesh
     from ._plan import format_bytes
-    from ._reshard import reshard
+    from ._checkpoint.reshard import reshard
 
     source = locate(args.source)
     specs = _specs(args, source.record)

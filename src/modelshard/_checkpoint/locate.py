@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from ._checkpoint_write import RECORD_ITEM, STATE_ITEM, _abs, _nest, _storage_key
-from ._errors import CheckpointError
-from ._paths import format_path, key_name
-from ._record import (
+from .._errors import CheckpointError
+from .._paths import format_path, key_name
+from .record import (
     RECORD_FILE,
     LeafRecord,
     Record,
     dtype_name,
     parse_dtype,
 )
+from .write import RECORD_ITEM, STATE_ITEM, _abs, _nest, _storage_key
 
 __all__ = ["Source", "abstract_like", "abstract_tree", "locate", "planning_tree"]
 

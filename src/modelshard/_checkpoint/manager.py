@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ._checkpoint_read import restore
-from ._checkpoint_write import MARKER, RECORD_ITEM, STATE_ITEM, prepare
-from ._errors import CheckpointError
-from ._record import RECORD_FILE
+from .._errors import CheckpointError
+from .read import restore
+from .record import RECORD_FILE
+from .write import MARKER, RECORD_ITEM, STATE_ITEM, prepare
 
 __all__ = ["CheckpointManager"]
 

@@ -19,27 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ._checkpoint_locate import (
+from .._errors import CheckpointError
+from .._flat import split
+from .._mesh import is_abstract, make_mesh
+from .._paths import format_path
+from .._plan import plan
+from .._shard import place
+from .checksum import checksums, warm_checksums
+from .locate import (
     Source,
     _leaf_target_dtype,
     abstract_like,
     locate,
 )
-from ._checkpoint_write import _nest
-from ._checksum import checksums, warm_checksums
-from ._errors import CheckpointError
-from ._flat import split
-from ._mesh import is_abstract, make_mesh
-from ._paths import format_path
-from ._plan import plan
-from ._record import (
+from .record import (
     STORED_AS,
     LeafRecord,
     Record,
     dtype_name,
     parse_dtype,
 )
-from ._shard import place
+from .write import _nest
 
 __all__ = ["restore"]
 

@@ -12,15 +12,16 @@ staging), :mod:`modelshard._checkpoint_locate` (finding a checkpoint and its rec
 
 from __future__ import annotations
 
-from ._checkpoint_locate import Source as Source
-from ._checkpoint_locate import locate as locate
-from ._checkpoint_locate import planning_tree as planning_tree
-from ._checkpoint_read import _saved_specs as _saved_specs
-from ._checkpoint_read import restore as restore
-from ._checkpoint_write import MARKER as MARKER
-from ._checkpoint_write import RECORD_ITEM as RECORD_ITEM
-from ._checkpoint_write import STATE_ITEM as STATE_ITEM
-from ._checkpoint_write import prepare as prepare
-from ._checkpoint_write import save as save
+from .locate import Source as Source
+from .locate import locate as locate
+from .locate import planning_tree as planning_tree
+from .manager import CheckpointManager as CheckpointManager
+from .read import _saved_specs as _saved_specs
+from .read import restore as restore
+from .write import MARKER as MARKER
+from .write import RECORD_ITEM as RECORD_ITEM
+from .write import STATE_ITEM as STATE_ITEM
+from .write import prepare as prepare
+from .write import save as save
 
 __all__ = ["Source", "locate", "prepare", "restore", "save"]

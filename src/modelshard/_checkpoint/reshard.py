@@ -21,8 +21,11 @@ from typing import Any
 
 import jax
 
-from ._checkpoint_locate import Source, locate, planning_tree
-from ._checkpoint_read import (
+from .._errors import CheckpointError
+from .._plan import Plan, plan
+from .checksum import checksums
+from .locate import Source, locate, planning_tree
+from .read import (
     _concrete,
     _saved_specs,
     _stored_sharding,
@@ -30,11 +33,7 @@ from ._checkpoint_read import (
     read_checked,
     verify_checksums,
 )
-from ._checkpoint_write import _abs, _nest, orbax_save, storable, write_atomic
-from ._checksum import checksums
-from ._errors import CheckpointError
-from ._plan import Plan, plan
-from ._record import (
+from .record import (
     LeafRecord,
     Record,
     dtype_name,
@@ -42,6 +41,7 @@ from ._record import (
     parse_dtype,
     versions,
 )
+from .write import _abs, _nest, orbax_save, storable, write_atomic
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "reshard"]
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._checksum import CHECKSUM
-from ._errors import CheckpointError
+from .._errors import CheckpointError
+from .checksum import CHECKSUM
 
 __all__ = [
     "FORMAT",

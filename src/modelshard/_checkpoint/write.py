@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._checksum import start_checksums
-from ._errors import CheckpointError
-from ._flat import split
-from ._mesh import is_abstract
-from ._paths import split as split_path
-from ._record import (
+from .._errors import CheckpointError
+from .._flat import split
+from .._mesh import is_abstract
+from .._paths import split as split_path
+from .checksum import start_checksums
+from .record import (
     FORMAT,
     RECORD_FILE,
     STORED_AS,
