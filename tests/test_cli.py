@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -99,18 +100,23 @@ def test_plan_table_json_and_errors(ckpt, capsys):
     # without --rules the saved specs are planned
     assert main(["plan", str(ckpt), "--mesh", "data=8", "--json"]) == 0
     rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}
-    assert rows["mlp/kernel"]["spec"] == "P(None, 'data')"
+    assert rows["mlp/kernel"]["spec"] == [None, "data"]
 
 
-def test_bad_mesh_text(ckpt, capsys):
-    assert main(["plan", str(ckpt), "--mesh", "data:2"]) == 1
+def test_bad_mesh_text_is_a_usage_error(ckpt, capsys):
+    assert main(["plan", str(ckpt), "--mesh", "data:2"]) == 2
     assert capsys.readouterr().err == (
-        "modelshard plan: error: --mesh 'data:2': 'data:2' is not name=size with a positive size; "
-        "write e.g. --mesh data=2,model=4.\n"
+        "modelshard plan: error: argument --mesh: 'data:2' is not name=size with a positive "
+        "whole size; write e.g. --mesh data=2,model=4 (see 'modelshard plan --help')\n"
     )
+    # str.isdigit() accepts a superscript two; int() does not
+    assert main(["plan", str(ckpt), "--mesh", "data=\u00b2"]) == 2
+    assert "'data=\u00b2' is not name=size" in capsys.readouterr().err
     assert parse_mesh("data=2, model=4") == {"data": 2, "model": 4}
-    with pytest.raises(ms.MeshError, match="axis 'a' is given twice"):
+    with pytest.raises(ms.MeshError, match="gives axis 'a' twice"):
         parse_mesh("a=1,a=2")
+    with pytest.raises(ms.MeshError, match=r"'b=0' in 'a=1,b=0' is not name=size"):
+        parse_mesh("a=1,b=0")
 
 
 def test_reshard_in_process(ckpt, tmp_path, capsys):
@@ -133,6 +139,9 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary == {
+        "schema": 1,
+        "command": "reshard",
+        "ok": True,
         "source": str(ckpt),
         "destination": str(dst),
         "mesh": {"data": 2, "model": 4},
@@ -150,8 +159,10 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
     np.testing.assert_array_equal(
         out["embed"]["embedding"], original["embed"]["embedding"].astype(jnp.bfloat16)
     )
-    assert main(argv) == 1
-    assert "already exists" in capsys.readouterr().err
+    assert main(argv[:-1]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("modelshard reshard: error: ") and err.count("\n") == 1
+    assert "already exists; pass --overwrite to replace it" in err
     assert main(["reshard", str(ckpt), str(tmp_path / "x"), "--mesh", "data=16"]) == 1
     assert capsys.readouterr().err == (
         "modelshard reshard: error: the target mesh needs 16 devices but JAX already started "
@@ -214,7 +225,7 @@ def test_plan_uses_recorded_metadata_names(tmp_path, capsys):
     rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}
     kernel = rows["params/ScanLayer_0/Dense_0/kernel"]
     assert (kernel["spec"], kernel["rule"]) == (
-        "P(None, None, 'model')",
+        [None, None, "model"],
         "metadata (LogicallyPartitioned)",
     )
     # the same plan as on the live variables
@@ -224,3 +235,123 @@ def test_plan_uses_recorded_metadata_names(tmp_path, capsys):
         ms.make_mesh({"data": 2, "model": 4}, abstract=True),
     )
     assert [r["spec"] for r in rows.values()] == [row["spec"] for row in live.rows()]
+
+
+# ---- user errors: one line (or one JSON object), exit 1 for problems, 2 for usage --------------
+
+
+def _one_line(err: str, command: str) -> str:
+    assert err.startswith(f"modelshard {command}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--dtype", "bogus", "argument --dtype: 'bogus' is not a floating-point dtype"),
+        ("--dtype", "int8", "argument --dtype: 'int8' is not a floating-point dtype"),
+        ("--chunk-mb", "nan", "argument --chunk-mb: 'nan' is not a finite number above 0"),
+        ("--chunk-mb", "-1", "argument --chunk-mb: '-1' is not a finite number above 0"),
+        ("--mesh", "data=0", "argument --mesh: 'data=0' is not name=size"),
+    ],
+)
+def test_bad_reshard_values_are_usage_errors(ckpt, tmp_path, capsys, flag, value, says):
+    argv = ["reshard", str(ckpt), str(tmp_path / "out"), "--mesh", "data=2", flag, value]
+    assert main(argv) == 2
+    err = _one_line(capsys.readouterr().err, "reshard")
+    assert says in err and err.endswith("(see 'modelshard reshard --help')\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_error_as_json(ckpt, capsys):
+    assert main(["plan", str(ckpt), "--mesh", "data=\u00b2", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = json.loads(captured.err)
+    assert err["schema"] == 1 and err["command"] == "plan"
+    assert (err["ok"], err["exit_status"], err["error"]["type"]) == (False, 2, "UsageError")
+    assert "is not name=size" in err["error"]["message"]
+
+
+def test_problems_as_json(ckpt, capsys):
+    rules = str(ckpt.parent / "rules.toml")
+    assert main(["plan", str(ckpt), "--mesh", "data=2,model=3", "--rules", rules, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = json.loads(captured.err)
+    assert (err["ok"], err["exit_status"], err["error"]["type"]) == (False, 1, "SpecError")
+    problems = err["error"]["problems"]
+    assert len(problems) == 6 and all("is not divisible by 3" in p["what"] for p in problems)
+    assert {"arg", "path", "what", "shape", "dtype", "spec", "rule", "mesh", "hint"} <= set(
+        problems[0]
+    )
+
+
+def test_destination_below_a_regular_file(ckpt, tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a directory")
+    for dst in (tmp_path / "afile" / "sub", tmp_path / "afile" / "a" / "b"):
+        assert main(["reshard", str(ckpt), str(dst), "--mesh", "data=2"]) == 1
+        err = _one_line(capsys.readouterr().err, "reshard")
+        assert f"{tmp_path / 'afile'} is a regular file, not a directory" in err
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.EROFS, "Read-only file system (the file system is read-only; choose a writable"),
+        (errno.ENOSPC, "No space left on device (the disk is full; free space or choose"),
+        (errno.EACCES, "Permission denied"),
+    ],
+)
+def test_destination_os_errors(ckpt, tmp_path, capsys, monkeypatch, code, says):
+    """A read-only mount or a full disk (simulated: the writer fails as the OS would)."""
+    import modelshard._checkpoint.reshard as reshard_module
+
+    dst = tmp_path / "out"
+
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(dst))
+
+    monkeypatch.setattr(reshard_module, "reshard", fail)
+    for extra in ([], ["--json"]):
+        assert main(["reshard", str(ckpt), str(dst), "--mesh", "data=2", *extra]) == 1
+        err = capsys.readouterr().err
+        if extra:
+            error = json.loads(err)["error"]
+            assert (error["type"], error["errno"]) == (type(OSError(code, "")).__name__, code)
+            assert says in error["message"]
+        else:
+            assert says in _one_line(err, "reshard") and str(dst) in err
+
+
+def test_rules_file_that_is_not_utf8(ckpt, tmp_path, capsys):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'[[rules]]\npattern = "caf\xe9"\nspec = []\n')
+    assert main(["plan", str(ckpt), "--mesh", "data=2", "--rules", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "not UTF-8 text (byte 24)" in err
+    missing = tmp_path / "missing.toml"
+    assert main(["plan", str(ckpt), "--mesh", "data=2", "--rules", str(missing)]) == 1
+    assert "cannot read the rules file: No such file or directory" in capsys.readouterr().err
+
+
+def test_inspect_a_regular_file(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    assert main(["inspect", str(tmp_path / "weights.bin")]) == 1
+    err = _one_line(capsys.readouterr().err, "inspect")
+    assert "is a file, not a checkpoint directory" in err and "does not exist" not in err
+
+
+def test_every_command_takes_json(capsys):
+    for cmd in ("inspect", "plan", "reshard"):
+        assert main([cmd, "--help"]) == 0
+        assert "--json" in capsys.readouterr().out
+
+
+def test_help_explains_rules_inline(capsys):
+    assert main(["plan", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[[rules]] tables" in out and "[logical]" in out
+    assert "docs/" not in out and ".md" not in out

@@ -29,7 +29,7 @@ def test_bytes_per_device_and_totals(mesh24):
         "path": "w",
         "shape": [64, 32],
         "dtype": "float32",
-        "spec": "P('data', 'model')",
+        "spec": ["data", "model"],
         "rule": "rule 0 'w'",
         "bytes_per_device": 1024,
         "bytes": 8192,

@@ -1,21 +1,49 @@
 """The ``modelshard`` command: inspect, plan and reshard checkpoints; launch local processes.
 
-Every command has ``--help``; commands whose output is data take ``--json``. Errors are
-printed as modelshard formats them (every offending leaf at once) with exit status 1;
-usage errors exit with status 2.
+Every command has ``--help`` and ``--json``. One place, :func:`main`, turns every user
+error into one line on stderr (``modelshard CMD: error: ...``) or, with ``--json``, one
+JSON object on stderr; exit status 1 for a problem (modelshard's errors, unreadable or
+unwritable paths), 2 for a usage error (argparse's convention). No traceback is printed
+for a user error.
+
+Adding a command: build its parser in :func:`_parser` with ``add_json(parser)``, give it
+``set_defaults(run=fn)``; ``fn(args)`` returns an exit status and prints its result with
+:func:`emit` (a dict; the JSON envelope or the text rendering is chosen here). Raise a
+``ModelshardError`` (or let an ``OSError`` on the user's paths escape) for problems, and use
+argument types :func:`mesh_arg`, :func:`positive_float`, :func:`positive_int`,
+:func:`float_dtype` so bad values are usage errors.
+
+The JSON schema (documented in docs/cli.md): every object has ``"schema": 1``,
+``"command"`` and ``"ok"``. Success (stdout): the command's fields beside those. Failure
+(stderr): ``"exit_status"`` and ``"error"``: ``{"type", "message"}``, plus ``"problems"``
+(one object per offending leaf) and ``"causes"`` for errors that list leaves.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["main", "parse_mesh"]
+__all__ = [
+    "add_json",
+    "emit",
+    "float_dtype",
+    "main",
+    "mesh_arg",
+    "parse_mesh",
+    "positive_float",
+    "positive_int",
+]
+
+SCHEMA = 1
+"""Version of the ``--json`` envelope (``"schema"`` in every object)."""
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -28,16 +56,79 @@ def parse_mesh(text: str) -> dict[str, int]:
 
     out: dict[str, int] = {}
     for part in text.split(","):
-        name, eq, size = part.strip().partition("=")
-        if not eq or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        name, eq, size = (x.strip() for x in part.partition("="))
+        # isdigit() alone accepts '²'; int() does not
+        if not eq or not name or not (size.isascii() and size.isdigit()) or int(size) < 1:
+            where = f"{text!r}" if part.strip() == text.strip() else f"{part.strip()!r} in {text!r}"
             raise MeshError(
-                f"--mesh {text!r}: {part.strip()!r} is not name=size with a positive size; "
-                "write e.g. --mesh data=2,model=4."
+                f"{where} is not name=size with a positive whole size; "
+                "write e.g. --mesh data=2,model=4"
             )
-        if name.strip() in out:
-            raise MeshError(f"--mesh {text!r}: axis {name.strip()!r} is given twice.")
-        out[name.strip()] = int(size)
+        if name in out:
+            raise MeshError(f"{text!r} gives axis {name!r} twice")
+        out[name] = int(size)
     return out
+
+
+# ---- argument types: a bad value is a usage error (exit 2) ---------------------------------
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+    """argparse type of ``--mesh``: :func:`parse_mesh`, its error a usage error."""
+    from ._errors import MeshError
+
+    try:
+        return parse_mesh(text)
+    except MeshError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (``nan``, ``inf``, ``0`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def float_dtype(text: str) -> str:
+    """argparse type of ``--dtype``: the name of a floating-point dtype (``bfloat16``, ...)."""
+    import jax.numpy as jnp
+
+    from ._dtypes import dtype_name
+
+    try:
+        dt = jnp.dtype(text)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a floating-point dtype; choose e.g. bfloat16, float16 or float32"
+        )
+    return dtype_name(dt)
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    """Give a command the ``--json`` flag (results and problems as JSON objects)."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on stdout; problems as one JSON "
+        "object on stderr (schema in the module docs and the CLI docs page)",
+    )
+
+
+# ---- output --------------------------------------------------------------------------------
 
 
 def _console(stderr: bool = False) -> Any:
@@ -46,14 +137,106 @@ def _console(stderr: bool = False) -> Any:
     return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
 
 
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=1) + "\n")
+def _write_json(stream: Any, data: Any) -> None:
+    stream.write(json.dumps(data, indent=1) + "\n")
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Print a command's JSON result: ``data`` inside the envelope, on stdout."""
+    _write_json(sys.stdout, {"schema": SCHEMA, "command": args.command, "ok": True, **data})
 
 
 def _fmt_spec(spec: Any) -> str:
     from ._specs import format_spec
 
     return "-" if spec is None else format_spec(spec)
+
+
+# Python keyword arguments that error messages name, as this command's flags.
+_FLAGS = [
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bverify=False\b"), "--no-verify"),
+    (re.compile(r"\bdtype=(\.\.\.)?"), "--dtype "),
+    (re.compile(r"\bmesh=(\.\.\.)?"), "--mesh "),
+    (re.compile(r"\brules=(\.\.\.)?"), "--rules "),
+]
+
+
+def _in_flags(text: str) -> str:
+    for pattern, flag in _FLAGS:
+        text = pattern.sub(flag, text)
+    return text.replace(" \n", "\n").replace("  ", " ")
+
+
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full; free space or choose another destination",
+    errno.EROFS: "the file system is read-only; choose a writable destination",
+    errno.ENOTDIR: "a component of the path is a regular file, not a directory",
+    errno.EACCES: "permission denied; choose a path you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted on this path",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "the path already exists",
+    errno.EISDIR: "the path is a directory where a file is expected",
+}
+
+
+def _file_ancestor(path: str) -> str | None:
+    """The nearest existing ancestor of ``path`` (itself included) if it is not a directory."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p if os.path.lexists(p) and not os.path.isdir(p) else None
+
+
+def _os_message(e: OSError) -> str:
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = e.strerror or str(e)
+    hint = _OS_HINTS.get(e.errno or -1)
+    if e.errno in (errno.EEXIST, errno.ENOTDIR) and e.filename is not None:
+        blocker = _file_ancestor(os.fsdecode(e.filename))
+        if blocker is not None:
+            return f"{e.filename}: {blocker} is a regular file, not a directory"
+    text = f"{where}: {what}" if where else what
+    return text + (f" ({hint})" if hint and hint.lower() != what.lower() else "")
+
+
+def _problem_json(e: Exception) -> dict[str, Any]:
+    from ._errors import ModelshardError
+
+    out: dict[str, Any] = (
+        e.to_json()
+        if isinstance(e, ModelshardError)
+        else {"type": type(e).__name__, "message": str(e)}
+    )
+    out["message"] = _in_flags(str(out["message"]))
+    for p in out.get("problems", ()):
+        if p.get("hint"):
+            p["hint"] = _in_flags(p["hint"])
+    return out
+
+
+def _fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        envelope = {"schema": SCHEMA, "command": command, "ok": False, "exit_status": status}
+        _write_json(sys.stderr, {**envelope, "error": error})
+    else:
+        sys.stderr.write(
+            f"modelshard{' ' + command if command else ''}: error: {error['message']}\n"
+        )
+    return status
+
+
+class _UsageError(Exception):
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors raised (so :func:`main` formats them) not printed."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise _UsageError(self.prog, message)
 
 
 # ---- inspect -----------------------------------------------------------------------------
@@ -74,7 +257,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         data["total_bytes"] = rec.nbytes
         for leaf_json, leaf in zip(data["leaves"], rec.leaves, strict=True):
             leaf_json["bytes"] = leaf.nbytes
-        _print_json(data)
+        emit(args, data)
         return 0
     mesh = rec.mesh_sizes()
     mesh_text = ", ".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
@@ -116,10 +299,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _specs(args: argparse.Namespace, record: Any) -> Any:
-    from ._checkpoint import _saved_specs
     from ._rulesfile import load_rules
 
-    return load_rules(args.rules) if args.rules else _saved_specs(record)
+    return load_rules(args.rules) if args.rules else record.saved_specs()
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -127,20 +309,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ._mesh import make_mesh
     from ._plan import plan
 
-    sizes = parse_mesh(args.mesh)
+    sizes = args.mesh
     source = locate(args.checkpoint)
     specs = _specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
     p = plan(planning_tree(source.record), specs, mesh)
     if args.json:
-        _print_json(
+        emit(
+            args,
             {
                 "checkpoint": str(source.path),
                 "mesh": sizes,
                 "bytes_per_device": p.bytes_per_device(),
                 "total_bytes": p.total_bytes,
                 "leaves": p.rows(),
-            }
+            },
         )
         return 0
     _console().print(p.table(max_rows=args.max_rows))
@@ -189,15 +372,15 @@ def _return_freed_memory() -> None:
 
 
 def _cmd_reshard(args: argparse.Namespace) -> int:
-    sizes = parse_mesh(args.mesh)
+    sizes = args.mesh
     _return_freed_memory()
     _use_cpu_devices(math.prod(sizes.values()))
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from ._checkpoint import locate
+    from ._checkpoint.reshard import reshard
     from ._mesh import make_mesh
     from ._plan import format_bytes
-    from ._checkpoint.reshard import reshard
 
     source = locate(args.source)
     specs = _specs(args, source.record)
@@ -224,14 +407,15 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
         )
     dest = os.path.abspath(args.destination)
     if args.json:
-        _print_json(
+        emit(
+            args,
             {
                 "source": str(source.path),
                 "destination": dest,
                 "mesh": sizes,
                 "leaves": len(record.leaves),
                 "bytes": record.nbytes,
-            }
+            },
         )
     else:
         _console().print(
@@ -258,13 +442,23 @@ def _launch(rest: Sequence[str]) -> int:
 
 # ---- parser ------------------------------------------------------------------------------
 
+_RULES_HELP = (
+    "TOML rules file: [[rules]] tables, each with pattern (a regular expression searched in "
+    "every leaf path, e.g. 'kernel$') and spec (one entry per dimension: a mesh axis, a "
+    'list of axes, or "none"; [] replicates); the first matching rule wins. An optional '
+    '[logical] table maps logical axis names to mesh axes (vocab = "model"). '
+    "Default: the specs the checkpoint was saved with."
+)
+
 
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="modelshard",
-        description="Inspect, plan and reshard JAX checkpoints; launch local multi-process runs.",
+        description="Inspect, plan and reshard JAX checkpoints; launch local multi-process runs. "
+        "Exit status: 0 done, 1 a problem (printed as one line, or a JSON object with --json), "
+        "2 a usage error.",
     )
     p.add_argument("--version", action="version", version=f"modelshard {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -276,20 +470,21 @@ def _parser() -> argparse.ArgumentParser:
         "path, shape, dtype, bytes, the spec it was saved with, and totals.",
     )
     i.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
-    i.add_argument("--json", action="store_true", help="print the record as JSON")
-    i.add_argument("--max-rows", type=int, default=None, metavar="N", help="show at most N leaves")
+    add_json(i)
+    i.add_argument(
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N leaves"
+    )
     i.set_defaults(run=_cmd_inspect)
 
     def target(p: argparse.ArgumentParser) -> None:
         """The options naming the target layout: --mesh, --rules, --axis-types."""
         p.add_argument(
-            "--mesh", required=True, help="target mesh as name=size pairs, e.g. data=2,model=4"
+            "--mesh",
+            required=True,
+            type=mesh_arg,
+            help="target mesh as name=size pairs, e.g. data=2,model=4",
         )
-        p.add_argument(
-            "--rules",
-            metavar="RULES.toml",
-            help="TOML rules file (see docs/guides/rules-file.md); default: the saved specs",
-        )
+        p.add_argument("--rules", metavar="RULES.toml", help=_RULES_HELP)
         p.add_argument(
             "--axis-types",
             choices=["auto", "explicit"],
@@ -306,8 +501,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     target(pl)
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.add_argument("--max-rows", type=int, default=None, metavar="N", help="show at most N leaves")
+    add_json(pl)
+    pl.add_argument(
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
     pl.set_defaults(run=_cmd_plan)
 
     r = sub.add_parser(
@@ -320,17 +517,24 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("source", metavar="SRC", help="source checkpoint directory")
     r.add_argument("destination", metavar="DST", help="new checkpoint directory")
     target(r)
-    r.add_argument("--dtype", default=None, help="cast floating-point leaves, e.g. bfloat16")
+    r.add_argument(
+        "--dtype",
+        default=None,
+        type=float_dtype,
+        help="cast floating-point leaves to this dtype, e.g. bfloat16",
+    )
     r.add_argument(
         "--chunk-mb",
-        type=float,
+        type=positive_float,
         default=64.0,
         metavar="MB",
         help="host memory per chunk of leaves, replicas included (default 64)",
     )
     r.add_argument("--no-verify", action="store_true", help="skip source checksum verification")
-    r.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    r.add_argument("--json", action="store_true", help="print a JSON summary")
+    r.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
+    )
+    add_json(r)
     r.set_defaults(run=_cmd_reshard)
 
     sub.add_parser(
@@ -343,28 +547,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    args = list(argv)
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``modelshard`` command line; returns the exit status.
 
+    A user error never ends in a traceback: it is one line on stderr (a JSON object with
+    ``--json``), exit status 1 for a problem and 2 for a usage error.
+
     Example:
-        >>> main(["--help"])  # doctest: +SKIP
-        0
+        >>> main(["plan", "ckpt", "--mesh", "data=2,model=x"])  # doctest: +SKIP
+        2
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         return _launch(argv[1:])
+    as_json = _wants_json(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:
+    except SystemExit as e:  # --help, --version
         return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except _UsageError as e:
+        cmd = e.prog.removeprefix("modelshard").strip() or command
+        message = f"{e} (see 'modelshard {cmd + ' ' if cmd else ''}--help')"
+        return _fail(cmd, 2, {"type": "UsageError", "message": message}, as_json)
     if getattr(args, "run", None) is None:
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return 2
     from ._errors import ModelshardError
 
     try:
         return int(args.run(args))
     except ModelshardError as e:
-        sys.stderr.write(f"modelshard {args.command}: error: {e}\n")
-        return 1
+        return _fail(args.command, 1, _problem_json(e), as_json)
+    except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
+        error = {"type": type(e).__name__, "message": _os_message(e), "errno": e.errno}
+        return _fail(args.command, 1, error, as_json)

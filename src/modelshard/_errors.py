@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "AdapterError",
@@ -22,6 +23,11 @@ class ModelshardError(Exception):
     """Base class of modelshard's own errors (each also subclasses ValueError or TypeError)."""
 
     __module__ = "modelshard"
+
+    def to_json(self) -> dict[str, Any]:
+        """The error as a JSON-ready dict: ``{"type": "SpecError", "message": ...}``
+        (``SpecError`` adds ``problems``); what the CLI prints with ``--json``."""
+        return {"type": type(self).__name__, "message": str(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +91,15 @@ class SpecError(ModelshardError, ValueError):
         for p in self.problems:
             lines.extend(p.lines())
         super().__init__("\n".join(lines))
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"type", "message", "problems": [one dict per Problem]}``."""
+        out = super().to_json()
+        out["problems"] = [
+            {**dataclasses.asdict(p), "shape": None if p.shape is None else list(p.shape)}
+            for p in self.problems
+        ]
+        return out
 
 
 class ShardingMismatchError(SpecError):

@@ -25,6 +25,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
+def spec_json(spec: PartitionSpec) -> list[Any]:
+    """A spec as JSON: one entry per dimension, None or an axis name or a list of names."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
 def _itemsize(dtype: Any) -> int:
     size = getattr(dtype, "itemsize", None)
     return int(size) if size is not None else 0
@@ -134,7 +139,12 @@ class Plan:
 
     # ---- rendering ------------------------------------------------------------------
     def rows(self) -> list[dict[str, Any]]:
-        """One JSON-ready dict per leaf (the CLI's ``--json``)."""
+        """One JSON-ready dict per leaf (the CLI's ``--json``).
+
+        ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
+        one entry per dimension, ``null`` for a replicated dimension, a list for several
+        axes (``[["data", "fsdp"], null]``).
+        """
         multi = len(self.args) > 1
         out = []
         for a in self.args:
@@ -144,7 +154,7 @@ class Plan:
                         "path": f"{a.name}:{leaf.path}" if multi else leaf.path,
                         "shape": list(leaf.shape),
                         "dtype": str(leaf.dtype),
-                        "spec": format_spec(leaf.spec),
+                        "spec": spec_json(leaf.spec),
                         "rule": leaf.rule,
                         "bytes_per_device": self.bytes_per_device(leaf),
                         "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
@@ -178,12 +188,12 @@ class Plan:
             t.add_column(col, **kw)
         rows = self.rows()
         shown = rows if max_rows is None else rows[:max_rows]
-        for r in shown:
+        for r, leaf in zip(shown, self.leaves, strict=False):
             t.add_row(
                 r["path"],
                 str(tuple(r["shape"])),
                 r["dtype"],
-                r["spec"],
+                format_spec(leaf.spec),
                 r["rule"],
                 format_bytes(r["bytes_per_device"]),
             )

@@ -152,10 +152,15 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(
             [Problem(str(p), "", f"cannot read the rules file: {e.strerror or e}")],
+            header=f"invalid rules file {p}:",
+        ) from e
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            [Problem(str(p), "", f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
             header=f"invalid rules file {p}:",
         ) from e
     try:

@@ -17,18 +17,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .._paths import format_path, key_name
-from .record import (
+from .record import LeafRecord, Record
+from .storage import (
+    CHECKPOINT_METADATA,
+    MARKER,
+    MAX_METADATA_BYTES,
     RECORD_FILE,
-    LeafRecord,
-    Record,
-    dtype_name,
-    parse_dtype,
+    RECORD_ITEM,
+    STATE_ITEM,
+    TREE_METADATA,
+    absolute,
+    aside_dir,
+    kind_of,
+    nest,
+    read_small,
+    storage_key,
 )
-from .write import RECORD_ITEM, STATE_ITEM, _abs, _nest, _storage_key
-
-__all__ = ["Source", "abstract_like", "abstract_tree", "locate", "planning_tree"]
 
 
 @dataclasses.dataclass
@@ -54,7 +61,7 @@ class Source:
         """Each stored array's write (chunk) shape, by storage key, where Orbax's
         ``_METADATA`` records it (read once)."""
         if self._write_shapes is None:
-            self._write_shapes = _read_write_shapes(self.tree_dir / "_METADATA")
+            self._write_shapes = _read_write_shapes(self.tree_dir / TREE_METADATA)
         return self._write_shapes
 
 
@@ -63,15 +70,13 @@ def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
 
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     try:
-        if meta.stat().st_size > MAX_METADATA_BYTES:
-            return out
-        for entry in json.loads(meta.read_bytes())["tree_metadata"].values():
+        for entry in json.loads(read_small(meta))["tree_metadata"].values():
             shape = entry["value_metadata"].get("write_shape")
             if shape:
                 key = tuple(str(k["key"]) for k in entry["key_metadata"])
                 out[key] = tuple(int(d) for d in shape)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        pass  # unknown chunking: largest_read falls back to a bound
+        pass  # unknown chunking (CheckpointError is a ValueError): largest_read falls back to a bound
     return out
 
 
@@ -84,10 +89,6 @@ def _manager_hint(p: Path) -> str:
             "modelshard.CheckpointManager(...).restore()."
         )
     return ""
-
-
-# A record or Orbax tree metadata file larger than this is refused unread.
-MAX_METADATA_BYTES = 256 << 20
 
 
 def _links_outside(root: Path) -> list[tuple[Path, Path]]:
@@ -108,9 +109,14 @@ def locate(directory: str | os.PathLike[str]) -> Source:
     A checkpoint is untrusted input: a symbolic link leading out of it, or metadata over
     ``MAX_METADATA_BYTES``, is refused before anything is read.
     """
-    p = _abs(directory)
+    p = absolute(directory)
+    if p.exists() and not p.is_dir():
+        raise CheckpointError(
+            f"no checkpoint at {p}: it is a file, not a checkpoint directory "
+            "(a checkpoint is the directory save() wrote)."
+        )
     if not p.is_dir():
-        old = p.parent / f".{p.name}.modelshard-old"
+        old = aside_dir(p)
         extra = (
             f" A previous checkpoint was moved aside to {old} by an interrupted overwrite."
             if old.exists()
@@ -123,11 +129,11 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             "refusing to follow it."
         )
     record_file = None
-    if (p / "_METADATA").exists():
+    if (p / TREE_METADATA).exists():
         tree_dir = p
         record_file = p / RECORD_FILE
     else:
-        items = [c for c in sorted(p.iterdir()) if (c / "_METADATA").exists()]
+        items = [c for c in sorted(p.iterdir()) if (c / TREE_METADATA).exists()]
         named = [c for c in items if c.name == STATE_ITEM] or items
         if len(named) != 1:
             found = ", ".join(c.name for c in items) or "none"
@@ -137,22 +143,18 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             )
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
-    for meta in (record_file, tree_dir / "_METADATA"):
-        size = meta.stat().st_size if meta.is_file() else 0
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointError(
-                f"{meta} is {size} bytes, more than the {MAX_METADATA_BYTES} that checkpoint "
-                "metadata may have; refusing to read it."
-            )
-    if record_file.exists():
+    read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
+    if record_file.exists() or record_file.is_symlink():
         import json
 
         try:
-            data = json.loads(record_file.read_text())
+            data = json.loads(read_small(record_file))
         except (ValueError, RecursionError) as e:
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
         return Source(p, tree_dir, Record.from_json(data, str(record_file)))
-    if _marked(p / "_CHECKPOINT_METADATA"):
+    if is_marked(p):
         raise CheckpointError(
             f"{record_file} is missing, but modelshard wrote {p}: without the record the "
             "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
@@ -161,18 +163,17 @@ def locate(directory: str | os.PathLike[str]) -> Source:
     return _from_orbax(p, tree_dir)
 
 
-def _marked(meta: Path) -> bool:
-    """Whether Orbax's ``_CHECKPOINT_METADATA`` carries modelshard's ``MARKER``."""
+def is_marked(directory: Path) -> bool:
+    """Whether Orbax's ``_CHECKPOINT_METADATA`` in ``directory`` carries modelshard's
+    ``MARKER`` (unreadable, oversized or not a regular file: no)."""
     import json
 
     try:
-        if meta.stat().st_size > MAX_METADATA_BYTES:
-            return False
-        data = json.loads(meta.read_bytes())
+        data = json.loads(read_small(directory / CHECKPOINT_METADATA))
     except (OSError, ValueError, RecursionError):
         return False
     custom = data.get("custom_metadata") if isinstance(data, dict) else None
-    return isinstance(custom, dict) and "modelshard" in custom
+    return isinstance(custom, dict) and all(k in custom for k in MARKER)
 
 
 def _from_orbax(p: Path, tree_dir: Path) -> Source:
@@ -212,15 +213,6 @@ def _from_orbax(p: Path, tree_dir: Path) -> Source:
     return Source(p, tree_dir, record, template=tree)
 
 
-def _leaf_target_dtype(rec: LeafRecord, dtype: Any) -> Any:
-    if rec.key_impl is not None:
-        return None
-    stored = parse_dtype(rec.dtype)
-    if dtype is not None and jnp.issubdtype(stored, jnp.floating):
-        return jnp.dtype(dtype)
-    return stored
-
-
 def partial_wrap(impl: str) -> Any:
     return lambda data: jax.random.wrap_key_data(data, impl=impl)
 
@@ -229,13 +221,13 @@ def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
     if leaf.key_impl is not None:
         data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
         return jax.eval_shape(partial_wrap(leaf.key_impl), data)
-    return jax.ShapeDtypeStruct(leaf.shape, _leaf_target_dtype(leaf, dtype))
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.restored_dtype(dtype))
 
 
 def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
     """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``)."""
-    items = [(_storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
-    return _nest(items, "record")
+    items = [(storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
+    return nest(items, "record")
 
 
 def planning_tree(record: Record) -> dict[str, Any]:
@@ -256,7 +248,7 @@ def planning_tree(record: Record) -> dict[str, Any]:
         leaf = flat[format_path(keys)]
         value = sds if not leaf.names else LogicallyPartitioned(sds, tuple(leaf.names))
         items.append((leaf.key, value))
-    return _nest(items, "record")
+    return nest(items, "record")
 
 
 def abstract_like(source: Source, dtype: Any = None) -> Any:
