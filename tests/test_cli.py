@@ -355,3 +355,29 @@ def test_help_explains_rules_inline(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "[[rules]] tables" in out and "[logical]" in out
     assert "docs/" not in out and ".md" not in out
+
+
+def test_full_disk_reported_by_tensorstore(ckpt, tmp_path, capsys, monkeypatch):
+    """TensorStore reports a failed write as ValueError with the OS error code inside (the
+    text below is what a real 64 KiB tmpfs produced)."""
+    import modelshard._checkpoint.reshard as reshard_module
+
+    target = tmp_path / "..out.modelshard-tmp.pieces/merged/manifest.ocdbt"
+
+    def fail(*args, **kwargs):
+        raise ValueError(
+            f'RESOURCE_EXHAUSTED: Error writing local file "{target}": Failed writing: '
+            f'"{target}.__lock": Failed to write 113 bytes to file 8: No space left on device '
+            "[os_error_code='28']"
+        )
+
+    monkeypatch.setattr(reshard_module, "reshard", fail)
+    assert main(["reshard", str(ckpt), str(tmp_path / "out"), "--mesh", "data=2"]) == 1
+    assert capsys.readouterr().err == (
+        f"modelshard reshard: error: {target}: No space left on device (the disk is full; "
+        "free space or choose another destination)\n"
+    )
+    # any other ValueError from the library is a bug: it is not disguised as a user error
+    monkeypatch.setattr(reshard_module, "reshard", lambda *a, **k: int("x"))
+    with pytest.raises(ValueError, match="invalid literal"):
+        main(["reshard", str(ckpt), str(tmp_path / "out"), "--mesh", "data=2"])

@@ -188,6 +188,21 @@ def _file_ancestor(path: str) -> str | None:
     return p if os.path.lexists(p) and not os.path.isdir(p) else None
 
 
+_TS_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+_TS_FILE = re.compile(r'(?:writing|reading|opening)[^"]*"([^"]+)"', re.IGNORECASE)
+
+
+def tensorstore_os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` inside a TensorStore error (``... [os_error_code='28']``), if any."""
+    text = str(e)
+    code = _TS_OS_ERROR.search(text)
+    if code is None:
+        return None
+    n = int(code.group(1))
+    file = _TS_FILE.search(text)
+    return OSError(n, os.strerror(n), file.group(1) if file else None)
+
+
 def _os_message(e: OSError) -> str:
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
     what = e.strerror or str(e)
@@ -587,4 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args.command, 1, _problem_json(e), as_json)
     except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
         error = {"type": type(e).__name__, "message": _os_message(e), "errno": e.errno}
+        return _fail(args.command, 1, error, as_json)
+    except ValueError as e:  # TensorStore reports a failed write (full disk) as ValueError
+        os_error = tensorstore_os_error(e)
+        if os_error is None:
+            raise
+        message = _os_message(os_error)
+        error = {"type": type(os_error).__name__, "message": message, "errno": os_error.errno}
         return _fail(args.command, 1, error, as_json)
