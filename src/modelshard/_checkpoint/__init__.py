@@ -1,13 +1,14 @@
-"""``save`` and ``restore``: sharded Orbax checkpoints of any container, restored onto any mesh.
+"""The checkpoint area's façade: ``save``, ``restore``, ``reshard``, ``CheckpointManager``
+and what the CLI needs to look inside a checkpoint without reading its arrays.
 
 On disk a checkpoint is a plain Orbax PyTree checkpoint (OCDBT, each process writing its
 own shards) of a nested dict keyed by the components of each leaf's canonical path, plus
-``modelshard.json`` (see :mod:`modelshard._record`). ``orbax.checkpoint.StandardCheckpointer``
-restores it without modelshard; typed PRNG keys are stored as their key data.
+the JSON record (:mod:`.record`). ``orbax.checkpoint.StandardCheckpointer`` restores it
+without modelshard; typed PRNG keys are stored as their key data. README.md beside this
+module gives the call path and the format; :mod:`.storage` owns every name on disk.
 
-The work is split by direction: :mod:`modelshard._checkpoint_write` (``save``, atomic
-staging), :mod:`modelshard._checkpoint_locate` (finding a checkpoint and its record) and
-:mod:`modelshard._checkpoint_read` (``restore``). This module gathers their entry points.
+The submodules ``locate`` and ``reshard`` share their names with the functions exported
+here: reach the modules with ``importlib.import_module("modelshard._checkpoint.locate")``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,7 @@ from .locate import Source as Source
 from .locate import locate as locate
 from .locate import planning_tree as planning_tree
 from .manager import CheckpointManager as CheckpointManager
-from .read import _saved_specs as _saved_specs
 from .read import restore as restore
-from .write import MARKER as MARKER
-from .write import RECORD_ITEM as RECORD_ITEM
-from .write import STATE_ITEM as STATE_ITEM
+from .record import Record as Record
 from .write import prepare as prepare
 from .write import save as save
-
-__all__ = ["Source", "locate", "prepare", "restore", "save"]

@@ -10,8 +10,8 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .read import restore
-from .record import RECORD_FILE
-from .write import MARKER, RECORD_ITEM, STATE_ITEM, prepare
+from .storage import MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
+from .write import prepare
 
 __all__ = ["CheckpointManager"]
 

@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
+from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .._flat import split
 from .._mesh import is_abstract, make_mesh
@@ -26,22 +27,9 @@ from .._paths import format_path
 from .._plan import plan
 from .._shard import place
 from .checksum import checksums, warm_checksums
-from .locate import (
-    Source,
-    _leaf_target_dtype,
-    abstract_like,
-    locate,
-)
-from .record import (
-    STORED_AS,
-    LeafRecord,
-    Record,
-    dtype_name,
-    parse_dtype,
-)
-from .write import _nest
-
-__all__ = ["restore"]
+from .locate import Source, abstract_like, locate
+from .record import STORED_AS, LeafRecord, Record, parse_dtype
+from .storage import nest
 
 # Bytes Orbax may read at once during a restore: bounds host memory beyond the restored
 # arrays themselves (each read buffer is copied onto its devices, then freed). A restore
@@ -69,7 +57,8 @@ def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> i
     return n
 
 
-def _concrete(mesh: Any) -> Any:
+def concrete_mesh(mesh: Any) -> Any:
+    """``mesh``, or for an ``AbstractMesh`` a concrete mesh of its shape and axis types."""
     if is_abstract(mesh):
         return make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
     return mesh
@@ -92,7 +81,7 @@ def _diff(
             missing.append(("missing", path, f"{here} (in the target, not in the checkpoint)"))
             continue
         seen.add(path)
-        want = _leaf_target_dtype(rec, dtype)
+        want = rec.restored_dtype(dtype)
         want_name = rec.dtype if want is None else dtype_name(want)
         if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
             changed.append(
@@ -111,33 +100,16 @@ def _format_diff(rows: Diff) -> list[str]:
     return [f"  {what:<7}  {(p or '<root>'):<{width}}  {detail}" for what, p, detail in rows]
 
 
-def _saved_specs(record: Record) -> Any:
-    specs = {leaf.path: leaf.spec for leaf in record.leaves}
-
-    def saved(path: str, leaf: Any) -> PartitionSpec:
-        return specs.get(path) or PartitionSpec()
-
-    saved.__name__ = "saved_specs"
-    return saved
-
-
 def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
     s = getattr(x, "sharding", None)
     if isinstance(s, NamedSharding):
-        return NamedSharding(_concrete(s.mesh), s.spec) if is_abstract(s.mesh) else s
+        return NamedSharding(concrete_mesh(s.mesh), s.spec) if is_abstract(s.mesh) else s
     if s is not None and not isinstance(x, jax.ShapeDtypeStruct | np.ndarray):
         return s
     sizes = record.mesh_sizes()
     if sizes and rec.spec is not None and int(np.prod(list(sizes.values()))) == jax.device_count():
         return NamedSharding(make_mesh(sizes), rec.spec)
     return SingleDeviceSharding(jax.local_devices()[0])
-
-
-def _stored_sharding(sharding: Any, rec: LeafRecord) -> Any:
-    extra = len(rec.stored_shape) - len(rec.shape)
-    if extra and isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
-    return sharding
 
 
 def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,7 +133,7 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         restore_args = jax.tree.map(lambda t: t if t is ocp.PLACEHOLDER else _restore_args(t), tree)
         partial = False
     else:
-        tree = _nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
+        tree = nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         partial = not full
     args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
@@ -288,7 +260,7 @@ def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     if STORED_AS.get(rec.dtype) == rec.stored_dtype:
         # device_put: a zero-size bitcast forgets its sharding
         x = jax.device_put(jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype)), x.sharding)
-    want = _leaf_target_dtype(rec, dtype)
+    want = rec.restored_dtype(dtype)
     return x if want is None or x.dtype == want else x.astype(want)
 
 
@@ -376,8 +348,8 @@ def restore(
     if specs is not None and mesh is None:
         raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
     if mesh is not None:
-        mesh = _concrete(mesh)
-        p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
+        mesh = concrete_mesh(mesh)
+        p = plan(like, record.saved_specs() if specs is None else specs, mesh)
         shardings = p.flat_shardings(0)
     else:
         shardings = [
@@ -389,7 +361,7 @@ def restore(
         rec = stored.get(path)
         if rec is not None:
             targets[path] = jax.ShapeDtypeStruct(
-                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=_stored_sharding(s, rec)
+                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=rec.stored_sharding(s)
             )
     if verify:
         warm_checksums(_checked(source, targets))

@@ -1,11 +1,12 @@
 """The checkpoint record: what modelshard knows about each stored leaf, as plain JSON.
 
-A record sits beside the Orbax data (``modelshard.json`` inside the checkpoint directory,
-or the ``modelshard`` item of a :class:`~modelshard.CheckpointManager` step). It holds no
+A record sits beside the Orbax data (``storage.RECORD_FILE`` inside the checkpoint
+directory, or in the ``storage.RECORD_ITEM`` item of a :class:`~modelshard.CheckpointManager`
+step). It holds no
 pickle: canonical paths, shapes, dtypes, the spec and mesh each leaf was saved with, the
 container kind, package versions and a checksum per leaf.
 
-The checksum (:mod:`modelshard._checksum`) does not depend on the sharding a leaf has
+The checksum (:mod:`.checksum`) does not depend on the sharding a leaf has
 when it is computed: a checkpoint saved on 8 devices verifies after a restore onto 2x4
 without gathering anything.
 """
@@ -25,35 +26,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._errors import CheckpointError
+from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
-
-__all__ = [
-    "FORMAT",
-    "LeafRecord",
-    "Record",
-    "dtype_name",
-    "spec_from_json",
-    "spec_to_json",
-]
-
-FORMAT = "modelshard.checkpoint/1"
-RECORD_FILE = "modelshard.json"
+from .storage import FORMAT, storage_key
 
 # Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
 # dtype it has (the record keeps the real dtype).
 STORED_AS = {"float8_e4m3": "uint8", "uint4": "int4", "uint2": "int2"}
 
 
-def dtype_name(dtype: Any) -> str:
-    """``float32``, ``bfloat16``, ``key<fry>``: how the record spells a dtype."""
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
-
-
 def parse_dtype(name: str) -> Any:
-    """The dtype named by :func:`dtype_name` (PRNG key dtypes are not parsed here)."""
+    """The dtype named by ``_dtypes.dtype_name`` (PRNG key dtypes are not parsed here)."""
     try:
         return jnp.dtype(name)
     except TypeError as e:
@@ -106,6 +89,24 @@ class LeafRecord:
     def nbytes(self) -> int:
         return math.prod(self.stored_shape) * parse_dtype(self.stored_dtype).itemsize
 
+    def restored_dtype(self, dtype: Any = None) -> Any:
+        """The dtype this leaf is restored as: its own, or ``dtype`` for a floating-point
+        leaf (None for typed PRNG keys, which are rewrapped rather than cast)."""
+        if self.key_impl is not None:
+            return None
+        stored = parse_dtype(self.dtype)
+        if dtype is not None and jnp.issubdtype(stored, jnp.floating):
+            return jnp.dtype(dtype)
+        return stored
+
+    def stored_sharding(self, sharding: Any) -> Any:
+        """The sharding of the stored array for a leaf placed with ``sharding``: key data's
+        trailing dimensions are not split."""
+        extra = len(self.stored_shape) - len(self.shape)
+        if extra and isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
+        return sharding
+
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path,
@@ -153,7 +154,7 @@ def leaf_problem(leaf: LeafRecord, axes: Mapping[str, int] | None) -> str | None
     (so it can name nothing else in the checkpoint), its shapes and dtypes must describe
     what is stored, and its spec must fit its rank and the recorded mesh.
     """
-    key = tuple(leaf.path.split("/")) if leaf.path else ("value",)
+    key = storage_key(leaf.path)
     if leaf.key != key:
         return f"its storage key {list(leaf.key)} is not the one its path gives, {list(key)}"
     if min((*leaf.shape, *leaf.stored_shape), default=0) < 0:
@@ -185,8 +186,10 @@ def leaf_problem(leaf: LeafRecord, axes: Mapping[str, int] | None) -> str | None
         if len(leaf.spec) > len(leaf.shape):
             return f"its spec {leaf.spec} is longer than its rank {len(leaf.shape)}"
         for entry in leaf.spec:
-            for axis in entry if isinstance(entry, tuple) else (entry,):
-                if axis is not None and (not isinstance(axis, str) or axis not in (axes or {})):
+            if not is_entry(entry):
+                return f"its spec {leaf.spec} has the entry {entry!r}, not an axis name"
+            for axis in entry_axes(entry):
+                if axis not in (axes or {}):
                     return f"its spec {leaf.spec} names {axis!r}, not an axis of the recorded mesh"
     return None
 
@@ -236,6 +239,16 @@ class Record:
 
     def mesh_sizes(self) -> dict[str, int] | None:
         return None if self.mesh is None else dict(self.mesh["axes"])
+
+    def saved_specs(self) -> Callable[[str, Any], PartitionSpec]:
+        """A spec function giving each leaf the spec it was saved with (replicated where
+        the record has none): the default layout of ``restore`` and ``reshard``."""
+        specs = {leaf.path: leaf.spec for leaf in self.leaves}
+
+        def saved_specs(path: str, leaf: Any) -> PartitionSpec:
+            return specs.get(path) or PartitionSpec()
+
+        return saved_specs
 
     def to_json(self) -> dict[str, Any]:
         self.resolve()

@@ -21,29 +21,15 @@ from typing import Any
 
 import jax
 
+from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .._plan import Plan, plan
 from .checksum import checksums
 from .locate import Source, locate, planning_tree
-from .read import (
-    _concrete,
-    _saved_specs,
-    _stored_sharding,
-    finish_leaf,
-    read_checked,
-    verify_checksums,
-)
-from .record import (
-    LeafRecord,
-    Record,
-    dtype_name,
-    mesh_json,
-    parse_dtype,
-    versions,
-)
-from .write import _abs, _nest, orbax_save, storable, write_atomic
-
-__all__ = ["DEFAULT_CHUNK_BYTES", "reshard"]
+from .read import concrete_mesh, finish_leaf, read_checked, verify_checksums
+from .record import LeafRecord, Record, mesh_json, parse_dtype, versions
+from .storage import absolute, nest, pieces_dir
+from .write import orbax_save, storable, write_atomic
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -153,13 +139,13 @@ def reshard(
         CheckpointError: ``src`` is missing or damaged, or ``dst`` exists.
     """
     source: Source = locate(src)
-    out_path = _abs(dst)
+    out_path = absolute(dst)
     if out_path.exists() and not overwrite:
         raise CheckpointError(f"{out_path} already exists; pass overwrite=True to replace it.")
     record = source.record
-    mesh = _concrete(mesh)
+    mesh = concrete_mesh(mesh)
     like = planning_tree(record)
-    p = plan(like, _saved_specs(record) if specs is None else specs, mesh)
+    p = plan(like, record.saved_specs() if specs is None else specs, mesh)
     shardings = p.flat_shardings(0)
     by_path = record.by_path()
     items = []
@@ -171,7 +157,7 @@ def reshard(
     order = {leaf.path: i for i, leaf in enumerate(record.leaves)}
 
     def write(staging: Path) -> None:
-        pieces = staging.parent / f".{staging.name}.pieces"
+        pieces = pieces_dir(staging)
         shutil.rmtree(pieces, ignore_errors=True)
         pieces.mkdir(parents=True)
         done = 0
@@ -181,7 +167,7 @@ def reshard(
                     it.rec.path: jax.ShapeDtypeStruct(
                         it.rec.stored_shape,
                         parse_dtype(it.rec.stored_dtype),
-                        sharding=_stored_sharding(it.sharding, it.rec),
+                        sharding=it.rec.stored_sharding(it.sharding),
                     )
                     for it in chunk
                 }
@@ -225,7 +211,7 @@ def reshard(
                         )
                     )
                 # as in save: zero-size leaves live in the record only
-                tree = _nest(
+                tree = nest(
                     [(it.rec.key, x) for it, x in zip(chunk, stored, strict=True) if x.size],
                     "reshard",
                 )

@@ -3,14 +3,15 @@
 The state is split into the nested dict Orbax stores (keyed by the components of each
 leaf's canonical path; typed PRNG keys as their key data, dtypes TensorStore cannot name as
 their bits) and the record beside it, written into a staging directory and renamed into
-place only when complete. See :mod:`modelshard._checkpoint` for the layout on disk.
+place only when complete. The names on disk are :mod:`.storage`'s; README.md beside this
+module describes the layout.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,65 +20,31 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .._flat import split
 from .._mesh import is_abstract
-from .._paths import split as split_path
 from .checksum import start_checksums
-from .record import (
-    FORMAT,
+from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
+from .storage import (
+    MARKER,
     RECORD_FILE,
-    STORED_AS,
-    LeafRecord,
-    Record,
-    dtype_name,
-    mesh_json,
-    saved_spec,
-    versions,
+    absolute,
+    aside_dir,
+    nest,
+    staging_dir,
+    storage_key,
 )
-
-__all__ = ["prepare", "save"]
-
-STATE_ITEM = "state"
-RECORD_ITEM = "modelshard"
-# In Orbax's own _CHECKPOINT_METADATA: says a record must be there (typed PRNG keys, paths
-# and checksums are only in the record; without it a checkpoint reads as plain Orbax).
-MARKER = {"modelshard": FORMAT}
 
 
 def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _nest(items: Sequence[tuple[tuple[str, ...], Any]], what: str) -> dict[str, Any]:
-    """Nested dicts from ``(key path, value)`` pairs; a path both leaf and node is an error."""
-    root: dict[str, Any] = {}
-    for key, value in items:
-        node = root
-        for i, k in enumerate(key[:-1]):
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise CheckpointError(
-                    f"{what}: leaf {'/'.join(key[: i + 1])!r} is also a parent "
-                    f"of {'/'.join(key)!r}; canonical paths must form a tree."
-                )
-            node = child
-        if key[-1] in node:
-            raise CheckpointError(
-                f"{what}: two leaves have the canonical path {'/'.join(key)!r}; rename one of them."
-            )
-        node[key[-1]] = value
-    return root
-
-
 def storable(x: Any) -> Any:
     """``x``, or its bits in a dtype TensorStore can store (see ``STORED_AS``)."""
     to = STORED_AS.get(dtype_name(x.dtype))
     return x if to is None else jax.lax.bitcast_convert_type(x, jnp.dtype(to))
-
-
-def _storage_key(path: str) -> tuple[str, ...]:
-    return split_path(path) or ("value",)
 
 
 def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Record]:
@@ -113,7 +80,7 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         leaves.append(
             LeafRecord(
                 path=info.path,
-                key=_storage_key(info.path),
+                key=storage_key(info.path),
                 shape=tuple(x.shape),
                 dtype=dtype_name(x.dtype),
                 stored_shape=tuple(data.shape),
@@ -128,9 +95,9 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
     items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
-    _nest(items, "save")  # canonical paths must form a tree, zero-size leaves included
+    nest(items, "save")  # canonical paths must form a tree, zero-size leaves included
     # Orbax refuses zero-size arrays: the record's shape and dtype say all there is.
-    tree = _nest([(k, x) for k, x in items if x.size], "save")
+    tree = nest([(k, x) for k, x in items if x.size], "save")
     if not tree:
         raise CheckpointError(
             f"nothing to save: every array leaf of the {type(state).__name__} is zero-size."
@@ -156,10 +123,6 @@ def _replicated_if_local(x: Any) -> Any:
     return jax.make_array_from_callback(
         host.shape, NamedSharding(mesh, PartitionSpec()), lambda idx: host[idx]
     )
-
-
-def _abs(directory: str | os.PathLike[str]) -> Path:
-    return Path(directory).expanduser().absolute()
 
 
 def _sync(name: str) -> None:
@@ -225,8 +188,8 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
             f"{path} already exists; pass overwrite=True to replace it (the "
             "old checkpoint is kept until the new one is complete)."
         )
-    staging = path.parent / f".{path.name}.modelshard-tmp"
-    old = path.parent / f".{path.name}.modelshard-old"
+    staging = staging_dir(path)
+    old = aside_dir(path)
     primary = jax.process_index() == 0
     if primary:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,7 +254,7 @@ def save(
         >>> ms.restore(path)["w"].shape
         (4, 2)
     """
-    path = _abs(directory)
+    path = absolute(directory)
     tree, record = prepare(state, metadata)
     write_atomic(path, lambda d: orbax_save(d, tree), record, overwrite=overwrite)
     return path
