@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from conftest import MAKERS, make_pytree
@@ -421,3 +422,83 @@ def test_a_registered_container_can_ask_for_numbers_as_arrays():
     flat = split(Counter(jnp.ones(2), 5))
     assert flat.paths == ["0", "1"] and int(flat.arrays[1]) == 5
     assert type(flat.rebuild(flat.arrays).n) is type(flat.arrays[1])
+
+
+# ---- the capability interface: a user adapter gets what a built-in one gets -------------
+
+
+class _Weights:
+    """A container changed in place: weights in a dict, plus a Python step count."""
+
+    def __init__(self, step=0, **arrays):
+        self.arrays, self.step = arrays, step
+
+
+class _WeightsAdapter(ms.adapters.Adapter):
+    kind = "Weights"
+    mutable = True
+    numbers_are_arrays = True
+
+    def flatten(self, obj):
+        keys = tuple(sorted(obj.arrays))
+        return [obj.step, *(obj.arrays[k] for k in keys)], keys
+
+    def unflatten(self, aux, leaves):
+        return _Weights(leaves[0], **dict(zip(aux, leaves[1:], strict=True)))
+
+    def describe(self, obj):
+        return [LeafInfo("step"), *(LeafInfo(k) for k in sorted(obj.arrays))]
+
+    def update(self, obj, aux, leaves):
+        obj.step = leaves[0]
+        obj.arrays.update(zip(aux, leaves[1:], strict=True))
+        return obj
+
+
+def test_an_adapter_must_subclass_adapter_and_the_error_says_so():
+    class DuckAdapter:  # the four members, but not an Adapter
+        kind = "duck"
+
+        def flatten(self, obj):
+            return [], None
+
+        def unflatten(self, aux, leaves):
+            return None
+
+        def describe(self, obj):
+            return []
+
+    with pytest.raises(ms.AdapterError, match=r"subclass modelshard\.adapters\.Adapter"):
+        ms.register_container(Pair, DuckAdapter())  # type: ignore[arg-type]
+
+
+def test_capability_defaults_fit_an_immutable_container():
+    a = ms.adapters.Adapter()
+    assert (a.numbers_are_arrays, a.follows_pytree, a.mutable) == (False, False, False)
+    assert ms.adapters.PytreeAdapter().follows_pytree
+    assert ms.adapters.NnxModuleAdapter().mutable
+    with pytest.raises(NotImplementedError, match=r"Adapter\.flatten"):
+        a.flatten(None)
+
+
+def test_a_user_mutable_adapter_is_written_back_by_shard_and_shard_jit(mesh8):
+    ms.register_container(_Weights, _WeightsAdapter())
+    w = _Weights(w=jnp.ones((8, 4)))
+    rules = ms.Rules([(r"^w$", P("data")), (r".*", P())])
+    flat = split(w)
+    assert flat.paths == ["step", "w"] and int(flat.arrays[0]) == 0  # numbers_are_arrays
+    placed = ms.shard(w, rules, mesh8)
+    assert placed is w and w.arrays["w"].sharding.spec == P("data")  # written in place
+
+    @ms.shard_jit(mesh=mesh8, in_specs=(rules,))
+    def step(ws):
+        ws.arrays["w"] = ws.arrays["w"] * 0.5
+        ws.step = ws.step + 1
+        return ws.arrays["w"].sum()
+
+    for n in (1, 2):
+        total = step(w)
+        assert float(total) == 32.0 / 2**n and int(w.step) == n
+        assert float(np.asarray(w.arrays["w"]).max()) == 0.5**n
+        assert w.arrays["w"].sharding.spec == P("data")
+    assert step.cache_size == 1  # the Python step became an array: one compile

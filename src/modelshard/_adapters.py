@@ -1,6 +1,7 @@
 """Container adapters: the registry of model-state types and the built-in adapters.
 
-The registry follows Orbax's type-handler registry: a protocol, one global default,
+The registry follows Orbax's type-handler registry: a base class (:class:`Adapter`, which
+declares every capability modelshard uses, with defaults), one global default,
 ``register_container(ty, adapter, override=False)`` and ``get_adapter(obj)``. Lookup is
 first match: user registrations (most recent first), then built-ins, then the plain-pytree
 adapter that serves every JAX pytree (dicts, lists, tuples, NamedTuples such as optax
@@ -18,53 +19,126 @@ import dataclasses
 import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import LeafInfo, describe_pytree
+from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree, set_nested_types
 from ._errors import AdapterError
 
-__all__ = [
-    "Adapter",
-    "NnxModuleAdapter",
-    "PytreeAdapter",
-    "get_adapter",
-    "register_container",
-    "registered",
-    "registry_snapshot",
-]
+
+class CallLeaves(NamedTuple):
+    """One container flattened for one compiled call (:meth:`Adapter.flatten_for_call`).
+
+    Attributes:
+        leaves: every leaf, in ``flatten`` order.
+        aux: the structure key (as from ``flatten``).
+        key: a hashable stand-in for ``aux`` in per-call cache keys (``aux`` itself by
+            default; an adapter whose ``aux`` is costly to hash may give an interned object).
+        write_back: for a mutable container, ``write_back(positions, values)`` sets the
+            leaves at those ``flatten`` positions to ``values`` in the caller's object;
+            ``None`` for an immutable one.
+    """
+
+    leaves: list[Any]
+    aux: Hashable
+    key: Hashable
+    write_back: Callable[[Sequence[int], Sequence[Any]], None] | None
 
 
-@runtime_checkable
-class Adapter(Protocol):
-    """How one container type is split into leaves and rebuilt.
+class Adapter:
+    """How one container type is split into leaves and rebuilt: the base of every adapter.
+
+    A subclass must give ``kind`` and the three methods ``flatten``, ``unflatten`` and
+    ``describe``. Everything else modelshard asks of a container is a *capability* declared
+    here with a default that is right for an immutable container whose paths come from
+    ``describe``; override the ones your container differs in:
+
+    - :attr:`numbers_are_arrays`: Python numbers among the leaves are rank-0 array leaves.
+    - :attr:`follows_pytree`: ``flatten``/``unflatten``/``describe`` are exactly JAX's
+      flattening of the object (``aux`` is its ``PyTreeDef``), so descriptions can be cached
+      per structure and ``shard_jit`` may gather leaves as JAX does.
+    - :attr:`mutable` with :meth:`update`: the container is changed in place (an NNX
+      module): ``shard``, ``constrain`` and ``shard_jit`` write new values into the caller's
+      object instead of returning a copy only.
+    - :meth:`tree_of`: the pytree whose structure canonical paths follow, for prefix trees.
+    - :meth:`mirror`: what a tree of shardings or plans for this container looks like.
+    - :meth:`flatten_for_call`: flattening on ``shard_jit``'s per-call path.
 
     ``flatten`` is on the hot path of every ``shard_jit`` call and must be cheap;
     ``describe`` (paths and metadata) runs only when a plan is made.
+
+    Attributes:
+        kind: the container kind recorded in plans and checkpoints (``"nnx.Module"``...).
+        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
+            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
+            instead of static leaves (default ``False``, as in Equinox).
+        follows_pytree: the adapter is JAX's own flattening of the object (default
+            ``False``).
+        mutable: :meth:`update` writes into the object it is given (default ``False``).
     """
 
-    @property
-    def kind(self) -> str:
-        """The container kind recorded in plans and checkpoints (``"nnx.Module"``...)."""
-        ...
+    kind: str = "container"
+    numbers_are_arrays: bool = False
+    follows_pytree: bool = False
+    mutable: bool = False
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
         """All leaves of ``obj`` (array and static) and a hashable structure key."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__}.flatten")
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
         """Rebuild an object of the original type from ``flatten``'s output."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__}.unflatten")
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         """One :class:`LeafInfo` per leaf, in ``flatten`` order."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__}.describe")
+
+    def tree_of(self, obj: Any) -> Any:
+        """The pytree whose structure the canonical paths follow (default: ``obj``).
+
+        Prefix trees given for the container (one spec per subtree) are matched against
+        this tree's nodes.
+        """
+        return obj
+
+    def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """The container's structure holding ``leaves`` as a tree of values such as
+        shardings (default: ``unflatten``)."""
+        return self.unflatten(aux, leaves)
+
+    def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """``obj`` with its leaves replaced by ``leaves``: written into ``obj`` itself when
+        :attr:`mutable`, otherwise (the default) a new object from ``unflatten``."""
+        return self.unflatten(aux, leaves)
+
+    def flatten_for_call(self, obj: Any) -> CallLeaves:
+        """Flatten ``obj`` for one ``shard_jit`` call.
+
+        The default is :meth:`flatten`, with a ``write_back`` through :meth:`update` when
+        :attr:`mutable`. An adapter may override it with a faster route that gives the same
+        leaves and ``aux``.
+        """
+        leaves, aux = self.flatten(obj)
+        if not self.mutable:
+            return CallLeaves(leaves, aux, aux, None)
+
+        def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
+            new = list(leaves)
+            for i, v in zip(positions, values, strict=True):
+                new[i] = v
+            self.update(obj, aux, new)
+
+        return CallLeaves(leaves, aux, aux, write_back)
 
 
 @dataclasses.dataclass(frozen=True)
-class PytreeAdapter:
+class PytreeAdapter(Adapter):
     """The adapter for anything JAX can flatten (the default for unregistered types).
+
+    Its paths follow the pytree (:attr:`Adapter.follows_pytree`); a subclass that changes
+    ``flatten`` must set ``follows_pytree = False``.
 
     Attributes:
         kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
@@ -78,23 +152,31 @@ class PytreeAdapter:
 
     kind: str = "pytree"
     numbers_are_arrays: bool = False
+    follows_pytree = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        leaves, treedef = jax.tree_util.tree_flatten(obj)
-        return leaves, treedef
+        return flatten_pytree(obj)
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
+        return unflatten_pytree(aux, leaves)
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return describe_pytree(obj)
 
 
 @dataclasses.dataclass(frozen=True)
-class NnxModuleAdapter:
-    """Flax NNX modules: ``nnx.split`` into graph + state, Variables as leaves."""
+class NnxModuleAdapter(Adapter):
+    """Flax NNX modules: ``nnx.split`` into graph + state, Variables as leaves.
+
+    Mutable: updates are written into the caller's module (``nnx.update``). Prefix trees
+    and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
+    seen before is flattened as a JAX pytree down to its Variables (about a millisecond for
+    a thousand, where ``nnx.split`` takes tens), mapped onto ``nnx.split``'s leaf order by a
+    cached route, and written back with ``Variable.set_value`` on the Variables that changed.
+    """
 
     kind: str = "nnx.Module"
+    mutable = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
         from flax import nnx
@@ -115,13 +197,13 @@ class NnxModuleAdapter:
         return describe_pytree(nnx.state(obj))
 
     def tree_of(self, obj: Any) -> Any:
-        """The pytree whose structure the canonical paths follow (the module's state)."""
+        """The module's ``nnx.State``."""
         from flax import nnx
 
         return nnx.state(obj)
 
-    def state_of(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """The ``nnx.State`` holding ``leaves`` (what NNX users expect for mirrors)."""
+    def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        """The ``nnx.State`` holding ``leaves`` (what NNX users expect for sharding trees)."""
         _, treedef = aux  # type: ignore[misc]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -129,8 +211,87 @@ class NnxModuleAdapter:
         """Write ``leaves`` into the caller's module in place (``nnx.update``)."""
         from flax import nnx
 
-        nnx.update(obj, self.state_of(aux, leaves))
+        nnx.update(obj, self.mirror(aux, leaves))
         return obj
+
+    def flatten_for_call(self, obj: Any) -> CallLeaves:
+        fast = _nnx_call_leaves(self, obj)
+        return fast if fast is not None else Adapter.flatten_for_call(self, obj)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _NnxLeafOrder:
+    """How one NNX structure's pytree leaves (Variables) map onto ``nnx.split``'s order."""
+
+    aux: Hashable
+    perm: tuple[int, ...]
+    unique: int
+
+
+_NNX_ORDERS: dict[Hashable, _NnxLeafOrder | None] = {}
+_MAX_NNX_ORDERS = 256
+
+
+def _is_variable(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
+def _nnx_call_leaves(adapter: NnxModuleAdapter, value: Any) -> CallLeaves | None:
+    """The fast per-call order for an NNX object, or ``None`` to use ``nnx.split``."""
+    try:
+        variables, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
+    except Exception:
+        return None
+    key = (treedef, tuple(map(type, variables)))
+    try:
+        known = key in _NNX_ORDERS
+    except TypeError:
+        return None
+    if known:
+        order = _NNX_ORDERS[key]
+    else:
+        order = _nnx_leaf_order(value, variables)
+        if len(_NNX_ORDERS) >= _MAX_NNX_ORDERS:
+            _NNX_ORDERS.clear()
+        _NNX_ORDERS[key] = order
+    if order is None or len(set(map(id, variables))) != order.unique:
+        return None
+    ordered = [variables[i] for i in order.perm]
+    try:
+        raws = [v._raw_value for v in ordered]
+    except AttributeError:
+        return None
+    if not set(map(type, raws)) <= ARRAY_TYPES or any(
+        v._var_metadata.get("on_get_value") for v in ordered
+    ):
+        return None
+
+    def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
+        for m, new in zip(positions, values, strict=True):
+            var = ordered[m]
+            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
+                var.set_value(new)
+            else:  # what set_value does for a plain array, minus its copy and hook lookup
+                var._raw_value = new
+
+    return CallLeaves(raws, order.aux, order, write_back)
+
+
+def _nnx_leaf_order(value: Any, variables: list[Any]) -> _NnxLeafOrder | None:
+    if not variables or not all(_is_variable(v) for v in variables):
+        return None
+    from flax import nnx
+
+    graphdef, state = nnx.split(value)
+    in_state = jax.tree_util.tree_leaves(state, is_leaf=_is_variable)
+    where = {id(v): i for i, v in enumerate(variables)}
+    if len(in_state) != len(where) or any(id(v) not in where for v in in_state):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if len(leaves) != len(in_state):  # a Variable holding several arrays
+        return None
+    return _NnxLeafOrder((graphdef, treedef), tuple(where[id(v)] for v in in_state), len(where))
 
 
 # (module, attribute, adapter factory): resolved once the module has been imported.
@@ -159,8 +320,29 @@ class _Registry:
         self.pending = list(_LAZY_BUILTINS)
         self.cache: dict[type, Adapter] = {}
         self.modules_seen = -1  # len(sys.modules) when pending was last resolved
+        self._nested: tuple[type, ...] | None = None
 
-    def _resolve_lazy(self) -> None:
+    def changed(self) -> None:
+        """Forget what was looked up (a registration came or went)."""
+        self.cache.clear()
+        self._nested = None
+        set_nested_types(())  # until nested() is asked again
+
+    def nested(self) -> tuple[type, ...]:
+        """The registered types whose adapter is not JAX's own flattening: wherever one
+        appears inside another container it is split by its own adapter."""
+        if self.pending and len(sys.modules) != self.modules_seen:
+            self.resolve_lazy()
+        if self._nested is None:
+            self._nested = tuple(
+                ty
+                for ty, a in [*reversed(self.user), *self.builtin]
+                if not a.follows_pytree or a.numbers_are_arrays
+            )
+            set_nested_types(self._nested)
+        return self._nested
+
+    def resolve_lazy(self) -> None:
         self.modules_seen = len(sys.modules)
         still = []
         for module, attr, factory in self.pending:
@@ -170,14 +352,14 @@ class _Registry:
                 still.append((module, attr, factory))
                 continue
             self.builtin.append((ty, factory()))
-            self.cache.clear()
+            self.changed()
         self.pending = still
 
     def lookup(self, ty: type) -> Adapter:
         # Lazy built-ins can only appear once more modules are imported (every call of
         # shard_jit looks its arguments up here, so this check must be cheap).
         if self.pending and len(sys.modules) != self.modules_seen:
-            self._resolve_lazy()
+            self.resolve_lazy()
         hit = self.cache.get(ty)
         if hit is not None:
             return hit
@@ -199,7 +381,7 @@ def optax_kind(ty: type) -> bool:
     return getattr(ty, "__module__", "").startswith("optax")
 
 
-_REGISTRY = _Registry()
+REGISTRY = _Registry()
 
 
 def register_container(
@@ -220,7 +402,7 @@ def register_container(
 
     Args:
         ty: the container class (subclasses match too).
-        adapter: a full adapter (``flatten``/``unflatten``/``describe``/``kind``).
+        adapter: a full adapter: an :class:`Adapter` subclass instance.
         flatten: child-name -> child mapping for an instance.
         unflatten: rebuild an instance from that mapping.
         kind: the container kind recorded in plans and checkpoints (default: class name).
@@ -256,10 +438,11 @@ def register_container(
         )
     if adapter is not None and not isinstance(adapter, Adapter):
         raise AdapterError(
-            f"register_container({ty.__name__}): {adapter!r} is not an Adapter (it needs "
-            "kind, flatten, unflatten and describe)."
+            f"register_container({ty.__name__}): {adapter!r} is not an Adapter; subclass "
+            "modelshard.adapters.Adapter (it needs kind, flatten, unflatten and describe, and "
+            "gives every other capability a default)."
         )
-    existing = [i for i, (t, _) in enumerate(_REGISTRY.user) if t is ty]
+    existing = [i for i, (t, _) in enumerate(REGISTRY.user) if t is ty]
     if existing and not override:
         raise AdapterError(
             f"{ty.__module__}.{ty.__qualname__} is already registered as a container; pass "
@@ -270,9 +453,9 @@ def register_container(
         adapter = _register_pytree(ty, flatten, unflatten, kind or ty.__name__)
     assert adapter is not None
     for i in reversed(existing):
-        del _REGISTRY.user[i]
-    _REGISTRY.user.append((ty, adapter))
-    _REGISTRY.cache.clear()
+        del REGISTRY.user[i]
+    REGISTRY.user.append((ty, adapter))
+    REGISTRY.changed()
 
 
 # Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
@@ -322,22 +505,43 @@ def _register_pytree(
 
 def get_adapter(obj: Any) -> Adapter:
     """The adapter that handles ``obj`` (first match; plain pytrees by default)."""
-    return _REGISTRY.lookup(type(obj))
+    return REGISTRY.lookup(type(obj))
 
 
 def registered() -> list[tuple[type, str]]:
     """Registered container types and their kinds, in lookup order."""
-    _REGISTRY._resolve_lazy()
-    entries = [*reversed(_REGISTRY.user), *_REGISTRY.builtin]
+    REGISTRY.resolve_lazy()
+    entries = [*reversed(REGISTRY.user), *REGISTRY.builtin]
     return [(t, a.kind) for t, a in entries]
 
 
 @contextmanager
 def registry_snapshot() -> Iterator[None]:
     """Restore the registry's user registrations on exit (used by the test fixture)."""
-    saved = list(_REGISTRY.user)
+    saved = list(REGISTRY.user)
     try:
         yield
     finally:
-        _REGISTRY.user[:] = saved
-        _REGISTRY.cache.clear()
+        REGISTRY.user[:] = saved
+        REGISTRY.changed()
+
+
+def nested_types() -> tuple[type, ...]:
+    """The registered container types that are split by their own adapter wherever they
+    appear inside another container (those whose adapter is not JAX's own flattening)."""
+    return REGISTRY.nested()
+
+
+def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
+    """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
+    (:func:`nested_types`) below the root: such a container is one leaf here, for its own
+    adapter to split."""
+    stop = REGISTRY.nested()
+    if not stop:
+        return jax.tree_util.tree_flatten(obj)
+    return jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj and isinstance(x, stop))
+
+
+def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
+    """The inverse of :func:`flatten_pytree`."""
+    return jax.tree_util.tree_unflatten(aux, leaves)

@@ -16,17 +16,14 @@ from jax.tree_util import DictKey
 
 from ._paths import format_path, join
 
-__all__ = ["LeafInfo", "children_of", "describe_cached", "describe_pytree", "is_array"]
-
-
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.
-_ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
+ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
 _NOT_ARRAY_TYPES: set[type] = set()
 try:
     from jax._src.array import ArrayImpl as _ArrayImpl
 
-    _ARRAY_TYPES.add(_ArrayImpl)
+    ARRAY_TYPES.add(_ArrayImpl)
 except ImportError:  # pragma: no cover - private location moved; the generic path still works
     pass
 
@@ -38,16 +35,11 @@ _ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 NUMBER_TYPES = frozenset({bool, int, float, complex})
 
 
-def numbers_are_arrays(adapter: Any) -> bool:
-    """Whether ``adapter``'s containers hold Python numbers as array leaves."""
-    return bool(getattr(adapter, "numbers_are_arrays", False))
-
-
-def numbers_to_arrays(leaves: list[Any], adapter: Any) -> list[Any]:
-    """``leaves`` as ``adapter`` keeps them: when :func:`numbers_are_arrays`, every Python
-    number made a rank-0 array, as ``jax.jit`` makes it (weakly typed: ``0`` becomes an
-    int32, ``0.1`` a float32 under default precision); otherwise unchanged."""
-    if not numbers_are_arrays(adapter) or not any(type(x) in NUMBER_TYPES for x in leaves):
+def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every Python number made a rank-0 array, as ``jax.jit`` makes it
+    (weakly typed: ``0`` becomes an int32, ``0.1`` a float32 under default precision), for
+    containers whose adapter says ``numbers_are_arrays``."""
+    if not any(type(x) in NUMBER_TYPES for x in leaves):
         return leaves
     import jax.numpy as jnp
 
@@ -64,12 +56,12 @@ def is_array(x: Any) -> bool:
     Python numbers rank-0 arrays when it is split).
     """
     t = type(x)
-    if t in _ARRAY_TYPES:
+    if t in ARRAY_TYPES:
         return True
     if t in _NOT_ARRAY_TYPES:
         return False
     yes = isinstance(x, _ARRAY_BASES)  # decided by the type alone (ABC registration)
-    (_ARRAY_TYPES if yes else _NOT_ARRAY_TYPES).add(t)
+    (ARRAY_TYPES if yes else _NOT_ARRAY_TYPES).add(t)
     return yes
 
 
@@ -165,7 +157,7 @@ _new = tuple.__new__
 def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
     """The leaf descriptions, and whether every dict key on the way was a ``str``."""
     boxes = _box_types()
-    arrays = _ARRAY_TYPES
+    arrays = ARRAY_TYPES
     out: list[LeafInfo] = []
     append = out.append
     inexact: list[Any] = []

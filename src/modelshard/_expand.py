@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._describe import _ARRAY_TYPES, LeafInfo
+from ._describe import ARRAY_TYPES, LeafInfo
 from ._dtypes import canonical_dtype
 from ._errors import AdapterError, Problem, SpecError
 from ._flat import Flat, split
@@ -137,7 +137,7 @@ def _top_keys(flat: Flat) -> str:
 
 # Leaf types that are never NumPy arrays (skip the refused-dtype check without isinstance).
 _NOT_NUMPY: frozenset[type] = frozenset(
-    t for t in _ARRAY_TYPES if not issubclass(t, np.ndarray | np.generic)
+    t for t in ARRAY_TYPES if not issubclass(t, np.ndarray | np.generic)
 )
 _new = tuple.__new__
 

@@ -6,9 +6,9 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._adapters import Adapter, NnxModuleAdapter, PytreeAdapter, get_adapter
+from ._adapters import Adapter, get_adapter
 from ._describe import (
-    _ARRAY_TYPES,
+    ARRAY_TYPES,
     LeafInfo,
     children_of,
     describe_cached,
@@ -16,8 +16,6 @@ from ._describe import (
     numbers_to_arrays,
 )
 from ._errors import AdapterError
-
-__all__ = ["Flat", "split"]
 
 
 @dataclasses.dataclass
@@ -54,7 +52,7 @@ class Flat:
     def infos(self) -> list[LeafInfo]:
         """Path and metadata of every array leaf (computed on first use)."""
         if self._infos is None:
-            if type(self.adapter) is PytreeAdapter:  # paths follow the JAX structure
+            if self.adapter.follows_pytree:  # paths follow the JAX structure: cached
                 described = describe_cached(self.obj, self.aux)
             else:
                 described = self.adapter.describe(self.obj)
@@ -79,8 +77,7 @@ class Flat:
         Empty subtrees (an optax ``EmptyState``) exist here though they hold no leaf, so
         prefix trees that mirror the container's structure always line up.
         """
-        tree_of = getattr(self.adapter, "tree_of", None)
-        node = tree_of(self.obj) if tree_of is not None else self.obj
+        node = self.adapter.tree_of(self.obj)
         for c in components:
             kids = children_of(node)
             if c not in kids:
@@ -91,24 +88,25 @@ class Flat:
     def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
         """The same container with its array leaves replaced by ``arrays``.
 
-        With ``mirror=True`` NNX modules come back as their ``nnx.State`` (the form NNX
-        uses for sharding trees); every other kind is rebuilt as itself.
+        With ``mirror=True`` the container comes back in the form its adapter uses for
+        trees of shardings or plans (:meth:`Adapter.mirror`: an NNX module's
+        ``nnx.State``); otherwise it is rebuilt as itself.
         """
-        leaves = list(self.leaves)
-        for i, v in zip(self.array_index, arrays, strict=True):
-            leaves[i] = v
-        if mirror and isinstance(self.adapter, NnxModuleAdapter):
-            return self.adapter.state_of(self.aux, leaves)
+        leaves = self._with(arrays)
+        if mirror:
+            return self.adapter.mirror(self.aux, leaves)
         return self.adapter.unflatten(self.aux, leaves)
 
     def update_inplace(self, arrays: Sequence[Any]) -> Any:
-        """Rebuild, writing into the original object where its kind is mutable (NNX)."""
-        if isinstance(self.adapter, NnxModuleAdapter):
-            leaves = list(self.leaves)
-            for i, v in zip(self.array_index, arrays, strict=True):
-                leaves[i] = v
-            return self.adapter.update(self.obj, self.aux, leaves)
-        return self.rebuild(arrays)
+        """Rebuild, writing into the original object where its adapter is
+        :attr:`~Adapter.mutable` (NNX)."""
+        return self.adapter.update(self.obj, self.aux, self._with(arrays))
+
+    def _with(self, arrays: Sequence[Any]) -> list[Any]:
+        leaves = list(self.leaves)
+        for i, v in zip(self.array_index, arrays, strict=True):
+            leaves[i] = v
+        return leaves
 
 
 def split(obj: Any) -> Flat:
@@ -131,10 +129,11 @@ def split(obj: Any) -> Flat:
             f"adapter {adapter.kind!r} failed to flatten a {type(obj).__name__}: "
             f"{type(e).__name__}: {e}"
         ) from e
-    leaves = numbers_to_arrays(leaves, adapter)
+    if adapter.numbers_are_arrays:
+        leaves = numbers_to_arrays(leaves)
     # This runs over every leaf of every plan: when every leaf has a known array type,
     # one set of types decides it.
-    if set(map(type, leaves)) <= _ARRAY_TYPES:
+    if set(map(type, leaves)) <= ARRAY_TYPES:
         index = tuple(range(len(leaves)))
     else:
         index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))

@@ -1,6 +1,7 @@
 """Container adapters: the registry and the built-in adapters (public module)."""
 
 from ._adapters import Adapter as Adapter
+from ._adapters import CallLeaves as CallLeaves
 from ._adapters import NnxModuleAdapter as NnxModuleAdapter
 from ._adapters import PytreeAdapter as PytreeAdapter
 from ._adapters import get_adapter as get_adapter

@@ -3,69 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh
 
-from .._adapters import NnxModuleAdapter, PytreeAdapter
+from .._dtypes import canonical_dtype
 from .._errors import AdapterError, Problem, SpecError
 from .._expand import LeafPlan, expand_args
 from .._plan import Plan
-from .._specs import format_spec
+from .layout import NOSPEC, Slot
 from .outputs import OutDesc, leaf_shardings, split_output
-
-if TYPE_CHECKING:
-    from .wrapper import ShardJit
-
-__all__ = ["NOSPEC", "Entry", "Stale", "Slot", "build_entry", "canonical_dtype", "fmt_sharding"]
+from .take import Taken
 
 
 class Stale(Exception):
     """Raised while tracing when ``jax.jit`` retraces for shapes the plan was not made for."""
-
-
-class _NoSpec:
-    def __repr__(self) -> str:
-        return "<no spec>"
-
-
-NOSPEC: Any = _NoSpec()
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Slot:
-    """One argument of a call: where it comes from and how it is treated.
-
-    Slots are made once per call layout and compared by identity (cheap cache keys).
-
-    Attributes:
-        name: parameter name (``args[2]`` for extra positional arguments).
-        pos: positional index, or ``None`` for a keyword argument.
-        kw: keyword name, or ``None`` for a positional argument.
-        static: passed as a compile-time constant.
-        spec: the spec-like from ``in_specs`` (``NOSPEC`` when none was given).
-        donate: its array leaves are donated.
-    """
-
-    name: str
-    pos: int | None
-    kw: str | None
-    static: bool
-    spec: Any
-    donate: bool
-
-
-def fmt_sharding(s: Any) -> str:
-    """How mismatch errors name a sharding."""
-    if isinstance(s, NamedSharding):
-        mesh = ", ".join(f"{k}={v}" for k, v in dict(s.mesh.shape).items())
-        return f"{format_spec(s.spec)} on mesh ({mesh})"
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
-        (d,) = s.device_set
-        return f"on device {d.id} ({d.platform}, SingleDeviceSharding)"
-    return repr(s)
 
 
 @dataclasses.dataclass
@@ -78,9 +32,12 @@ class Entry:
         leaf_plans: ``(argument name, LeafPlan)`` of every flat input leaf.
         plan: the :class:`Plan` of every argument that has a spec.
         desc: the output's recorded structure.
-        updates: per NNX-module argument ``(index among dynamic args, changed leaves)``.
+        updates: per mutable-container argument ``(index among dynamic args, positions
+            among its array leaves that the function changed)``; their new values follow
+            the output's arrays in the flat result.
+        expect: ``(shape, canonical dtype)`` of every flat input leaf.
         plain: its arguments are positional plain pytrees of arrays, so calls may gather
-            their leaves by a remembered layout (``route.Route``).
+            their leaves by a remembered layout (:class:`~modelshard._jit.route.Route`).
     """
 
     jitted: Any
@@ -99,44 +56,29 @@ class Entry:
             for x, (shape, dtype) in zip(flat, self.expect, strict=True)
         )
 
-    def finish(self, out: Sequence[Any], taken: Sequence[Any]) -> Any:
-        """Rebuild the output and write NNX state updates into the caller's modules."""
+    def finish(self, out: Sequence[Any], taken: Sequence[Taken]) -> Any:
+        """Rebuild the output and write state updates into the caller's mutable containers."""
         n = self.desc.num_arrays
         result = self.desc.build(out if not self.updates else out[:n])
         at = n
         for k, changed in self.updates:
             if not changed:
                 continue
-            _, value, adapter, leaves, aux, index, _ = taken[k]
-            setter = getattr(adapter, "set_changed", None)
-            if setter is not None:  # the fast NNX route: set the changed Variables
-                setter(changed, out[at : at + len(changed)])
-                at += len(changed)
-                continue
-            new = list(leaves)
-            positions = index if index is not None else range(len(leaves))
-            for m in changed:
-                new[positions[m]] = out[at]
-                at += 1
-            adapter.update(value, aux, new)
+            t = taken[k]
+            positions = changed if t.array_index is None else [t.array_index[m] for m in changed]
+            assert t.write_back is not None  # updates exist only for mutable containers
+            t.write_back(positions, out[at : at + len(changed)])
+            at += len(changed)
         return result
 
 
-def _plain(slots: tuple[Slot, ...], taken: list[Any]) -> bool:
+def _plain(slots: tuple[Slot, ...], taken: Sequence[Taken]) -> bool:
     """Whether an entry's calls may take :class:`~modelshard._jit.route.Route`: every
-    argument positional and dynamic, a plain pytree of arrays only (no static leaves, no
-    NNX modules)."""
+    argument positional and dynamic, a container JAX flattens itself holding arrays only
+    (no static leaves, nothing written back)."""
     if [(s.pos, s.kw, s.static) for s in slots] != [(i, None, False) for i in range(len(slots))]:
         return False  # keyword or static arguments: the full path binds them
-    return all(type(t[2]) is PytreeAdapter and t[5] is None for t in taken)
-
-
-def canonical_dtype(dtype: Any) -> Any:
-    """The dtype JAX computes in (``float64`` is ``float32`` unless x64 is enabled)."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except Exception:  # extended dtypes (PRNG keys) are canonical already
-        return dtype
+    return all(t.adapter.follows_pytree and t.array_index is None for t in taken)
 
 
 def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
@@ -148,67 +90,89 @@ def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
     )
 
 
-def build_entry(
-    sj: ShardJit,
-    slots: tuple[Slot, ...],
-    taken: list[Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Entry:
-    """Plan the arguments, trace ``sj.fn`` once for its output, and build the ``jax.jit``."""
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a cache miss builds from: the function, its mesh and output specs, and one
+    call's arguments.
+
+    Attributes:
+        fn: the user's function.
+        mesh: the mesh compiled for.
+        out_specs: ``shard_jit``'s ``out_specs`` (``None``: inferred).
+        slots: the call's argument slots.
+        taken: its dynamic arguments, flattened (in slot order, static slots skipped).
+        args: positional arguments (static ones are passed as they are).
+        kwargs: keyword arguments.
+    """
+
+    fn: Callable[..., Any]
+    mesh: Mesh | AbstractMesh
+    out_specs: Any
+    slots: tuple[Slot, ...]
+    taken: Sequence[Taken]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+def build_entry(call: Call) -> Entry:
+    """Plan the arguments, trace ``call.fn`` once for its output, and build the ``jax.jit``."""
+    taken, mesh = call.taken, call.mesh
     problems = []
     plan_args = []
-    for s, v, _, _, _, _, arrays in taken:
+    for t in taken:
+        s = t.slot
         if s.spec is NOSPEC:
-            if arrays:
+            if t.arrays:
                 problems.append(
                     Problem(
                         s.name,
                         "",
-                        f"argument {s.name!r} holds {len(arrays)} array leaves but "
+                        f"argument {s.name!r} holds {len(t.arrays)} array leaves but "
                         "in_specs gives it no spec",
                         hint=f"add an entry for {s.name!r} to in_specs (P() replicates it), or "
                         "make it static",
                     )
                 )
             continue
-        plan_args.append((s.name, v, s.spec))
+        plan_args.append((s.name, t.value, s.spec))
     if problems:
         raise SpecError(problems)
-    argplans = expand_args(plan_args, sj.mesh)
-    plan = Plan(argplans, sj.mesh)
+    argplans = expand_args(plan_args, mesh)
+    plan = Plan(argplans, mesh)
     by_name = {a.name: i for i, a in enumerate(argplans)}
     per_arg_sh: list[list[Any]] = []
     per_arg_lp: list[list[LeafPlan]] = []
     in_sh: list[Any] = []
     leaf_plans: list[tuple[str, LeafPlan]] = []
     bounds: list[tuple[int, int]] = []
-    for s, _, _, _, _, _, arrays in taken:
+    for t in taken:
+        s = t.slot
         if s.name in by_name and s.spec is not NOSPEC:
             i = by_name[s.name]
             sh, lps = plan.flat_shardings(i), argplans[i].leaves
         else:
             sh, lps = [], []
-        if len(sh) != len(arrays):
+        if len(sh) != len(t.arrays):
             raise AdapterError(
                 f"argument {s.name!r}: the plan has {len(sh)} array leaves but flattening gave "
-                f"{len(arrays)}; the container's adapter is not deterministic."
+                f"{len(t.arrays)}; the container's adapter is not deterministic."
             )
-        bounds.append((len(in_sh), len(in_sh) + len(arrays)))
+        bounds.append((len(in_sh), len(in_sh) + len(t.arrays)))
         per_arg_sh.append(sh)
         per_arg_lp.append(lps)
         in_sh.extend(sh)
         leaf_plans.extend((s.name, lp) for lp in lps)
-    cell: dict[str, Any] = {}
-    flat_fn = _flat_fn(sj, slots, taken, args, kwargs, bounds, cell)
-    abstract = [
-        _abstract(x, s) for x, s in zip((x for t in taken for x in t[6]), in_sh, strict=True)
-    ]
-    out_avals = jax.eval_shape(flat_fn, *abstract)
-    desc: OutDesc = cell["desc"]
-    updates = cell["frozen"] = cell["updates"]
+    flat_in = [x for t in taken for x in t.arrays]
+    expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat_in]
+    traced = _FlatFunction(call, bounds, expect)
+    out_avals = jax.eval_shape(
+        traced, *[_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
+    )
+    desc, updates = traced.desc, traced.updates
+    assert desc is not None  # set by the trace
+    traced.frozen = updates
     n = desc.num_arrays
-    if sj.out_specs is None:
+    if call.out_specs is None:
         out_sh = leaf_shardings(
             desc,
             out_avals[:n],
@@ -216,25 +180,24 @@ def build_entry(
             lambda j: [lp.shape for lp in per_arg_lp[j]],
         )
     else:
-        out_sh = _explicit_out(sj, desc, out_avals[:n])
+        out_sh = _explicit_out(call, desc, out_avals[:n])
     for k, changed in updates:
         out_sh.extend(per_arg_sh[k][m] for m in changed)
     donate = tuple(
-        i for (s, *_), (a, b) in zip(taken, bounds, strict=True) if s.donate for i in range(a, b)
+        i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
     )
     jitted = jax.jit(
-        flat_fn, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
+        traced, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
     )
-    expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for t in taken for x in t[6]]
-    plain = not updates and _plain(slots, taken)
+    plain = not updates and _plain(call.slots, taken)
     return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, plain)
 
 
-def _explicit_out(sj: ShardJit, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
+def _explicit_out(call: Call, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
     """Out shardings from ``out_specs``, expanded by the one pipeline on the abstract output."""
     tree = desc.build([jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
-    (ap,) = expand_args([("out", tree, sj.out_specs)], sj.mesh)
-    mirror = ap.flat.rebuild(Plan([ap], sj.mesh).flat_shardings(0))
+    (ap,) = expand_args([("out", tree, call.out_specs)], call.mesh)
+    mirror = ap.flat.rebuild(Plan([ap], call.mesh).flat_shardings(0))
     subs = [mirror] if desc.outer is None else desc.outer.flatten_up_to(mirror)
     out: list[Any] = []
     for part, sub in zip(desc.parts, subs, strict=True):
@@ -250,85 +213,92 @@ def _explicit_out(sj: ShardJit, desc: OutDesc, avals: Sequence[Any]) -> list[Any
     return out
 
 
-def _flat_fn(
-    sj: ShardJit,
-    slots: tuple[Slot, ...],
-    taken: list[Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    bounds: list[tuple[int, int]],
-    cell: dict[str, Any],
-) -> Any:
-    """The function ``jax.jit`` sees: flat array leaves in, flat array leaves out."""
-    fn = sj.fn
-    pos_tmpl: list[Any] = [None] * len(args)
-    kw_tmpl: dict[str, Any] = {}
-    for s in slots:
-        if s.static:
-            if s.kw is None:
-                pos_tmpl[s.pos] = args[s.pos]  # type: ignore[index]
-            else:
-                kw_tmpl[s.kw] = kwargs[s.kw]
-    dyn = []
-    sources: list[tuple[Any, Hashable]] = []
-    for s, _, adapter, leaves, aux, index, _ in taken:
-        template = None
-        if index is not None:
-            at = set(index)
-            template = tuple(None if i in at else x for i, x in enumerate(leaves))
-        dyn.append((s, adapter, aux, template, index))
-        sources.append((adapter, aux))
-    nnx_args = [
-        k for k, (_, adapter, *_rest) in enumerate(dyn) if isinstance(adapter, NnxModuleAdapter)
-    ]
-    abstract_mesh = sj.mesh.abstract_mesh
-    expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for t in taken for x in t[6]]
+class _FlatFunction:
+    """The function ``jax.jit`` sees: flat array leaves in, flat array leaves out.
 
-    def flat_fn(*flat: Any) -> tuple[Any, ...]:
-        if [(tuple(x.shape), x.dtype) for x in flat] != expect:
+    It rebuilds the arguments from the leaves, calls the user's function under the mesh,
+    splits its output, and appends the new values of mutable containers' changed leaves.
+    Tracing records the output's structure in :attr:`desc` and the changed leaves in
+    :attr:`updates`; once :attr:`frozen` is set (after the first trace) later traces keep
+    those updates.
+    """
+
+    def __init__(
+        self, call: Call, bounds: list[tuple[int, int]], expect: list[tuple[tuple[int, ...], Any]]
+    ):
+        self.fn = call.fn
+        self.__name__ = getattr(call.fn, "__name__", "shard_jit_function")
+        self._bounds = bounds
+        self._expect = expect
+        self._abstract_mesh = (
+            call.mesh if isinstance(call.mesh, AbstractMesh) else call.mesh.abstract_mesh
+        )
+        pos: list[Any] = [None] * len(call.args)
+        kw: dict[str, Any] = {}
+        for s in call.slots:
+            if s.static:
+                if s.kw is None:
+                    pos[s.pos] = call.args[s.pos]  # type: ignore[index]
+                else:
+                    kw[s.kw] = call.kwargs[s.kw]
+        self._pos, self._kw = pos, kw
+        self._dyn: list[tuple[Taken, tuple[Any, ...] | None]] = []
+        for t in call.taken:
+            template = None
+            if t.array_index is not None:
+                at = set(t.array_index)
+                template = tuple(None if i in at else x for i, x in enumerate(t.leaves))
+            self._dyn.append((t, template))
+        self._sources: list[tuple[Any, Hashable]] = [(t.adapter, t.aux) for t in call.taken]
+        self._mutable = [k for k, t in enumerate(call.taken) if t.adapter.mutable]
+        self.desc: OutDesc | None = None
+        self.updates: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        self.frozen: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+
+    def __call__(self, *flat: Any) -> tuple[Any, ...]:
+        if [(tuple(x.shape), x.dtype) for x in flat] != self._expect:
             raise Stale
-        pos = list(pos_tmpl)
-        kw = dict(kw_tmpl)
+        pos = list(self._pos)
+        kw = dict(self._kw)
         values = []
-        for (s, adapter, aux, template, index), (a, b) in zip(dyn, bounds, strict=True):
-            if index is None:
+        for (t, template), (a, b) in zip(self._dyn, self._bounds, strict=True):
+            if t.array_index is None:
                 leaves = list(flat[a:b])
             else:
                 leaves = list(template)  # type: ignore[arg-type]
-                for i, x in zip(index, flat[a:b], strict=True):
+                for i, x in zip(t.array_index, flat[a:b], strict=True):
                     leaves[i] = x
-            v = adapter.unflatten(aux, leaves)
+            v = t.adapter.unflatten(t.aux, leaves)
             values.append(v)
-            if s.kw is None:
-                pos[s.pos] = v
+            if t.slot.kw is None:
+                pos[t.slot.pos] = v  # type: ignore[index]
             else:
-                kw[s.kw] = v
-        with jax.sharding.use_abstract_mesh(abstract_mesh):
-            out = fn(*pos, **kw)
-        arrays, desc = split_output(out, sources)
-        frozen = cell.get("frozen")
+                kw[t.slot.kw] = v
+        with jax.sharding.use_abstract_mesh(self._abstract_mesh):
+            out = self.fn(*pos, **kw)
+        arrays, desc = split_output(out, self._sources)
         updates: list[tuple[int, tuple[int, ...]]] = []
-        for k in nnx_args:
-            s, adapter, aux, _, index = dyn[k]
-            leaves, aux2 = adapter.flatten(values[k])
-            if aux2 != aux:
+        for k in self._mutable:
+            t, _ = self._dyn[k]
+            leaves, aux2 = t.adapter.flatten(values[k])
+            if aux2 != t.aux:
                 raise AdapterError(
-                    f"the NNX module argument {s.name!r} changed structure inside "
-                    f"{getattr(fn, '__name__', 'the function')} (Variables or submodules were "
-                    "added, removed or replaced); shard_jit can only write back value updates."
+                    f"the {t.adapter.kind} argument {t.slot.name!r} changed structure inside "
+                    f"{self.__name__} (Variables or submodules were added, removed or "
+                    "replaced); shard_jit can only write back value updates."
                 )
-            new = leaves if index is None else [leaves[i] for i in index]
-            a, _ = bounds[k]
-            if frozen is not None:
+            new = leaves if t.array_index is None else [leaves[i] for i in t.array_index]
+            a, _ = self._bounds[k]
+            if self.frozen is not None:
                 # The first trace decides; a later trace can only differ by ops that
                 # return their input unchanged (a no-op constraint).
-                changed = frozen[len(updates)][1]
+                changed = self.frozen[len(updates)][1]
             else:
-                changed = tuple(m for m, x in enumerate(new) if s.donate or x is not flat[a + m])
+                changed = tuple(
+                    m for m, x in enumerate(new) if t.slot.donate or x is not flat[a + m]
+                )
             arrays.extend(new[m] for m in changed)
             updates.append((k, changed))
-        cell["desc"] = desc
-        cell["updates"] = tuple(updates)
+        self.desc = desc
+        self.updates = tuple(updates)
         return tuple(arrays)
-
-    return flat_fn

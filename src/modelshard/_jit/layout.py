@@ -1,46 +1,106 @@
 """How ``shard_jit`` maps a call's arguments onto the function's parameters.
 
 Each distinct call layout (number of positional arguments, keyword names) is resolved once
-against the signature into :class:`~modelshard._jit.build.Slot` objects (name, static,
-spec, donated), which are then reused, and compared by identity, on every call.
+against the signature into :class:`Slot` objects (name, static, spec, donated), which are
+then reused, and compared by identity, on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import Problem, SpecError
-from .build import NOSPEC, Slot
 
-__all__ = ["ArgumentLayout", "invalid"]
+
+class _NoSpec:
+    def __repr__(self) -> str:
+        return "<no spec>"
+
+
+NOSPEC: Any = _NoSpec()
+"""The spec of an argument ``in_specs`` says nothing about (or gives ``None``)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Slot:
+    """One argument of a call: where it comes from and how it is treated.
+
+    Slots are made once per call layout and compared by identity (cheap cache keys).
+
+    Attributes:
+        name: parameter name (``args[2]`` for extra positional arguments).
+        pos: positional index, or ``None`` for a keyword argument.
+        kw: keyword name, or ``None`` for a positional argument.
+        static: passed as a compile-time constant.
+        spec: the spec-like from ``in_specs`` (``NOSPEC`` when none was given).
+        donate: its array leaves are donated.
+    """
+
+    name: str
+    pos: int | None
+    kw: str | None
+    static: bool
+    spec: Any
+    donate: bool
 
 
 def invalid(path: str, what: str, hint: str | None = None) -> SpecError:
+    """The error for a ``shard_jit`` argument that cannot work."""
     return SpecError(
         [Problem("shard_jit", path, what, hint=hint)], header="invalid shard_jit arguments:"
     )
 
 
-class ArgumentLayout:
-    """Signature handling shared by :class:`~modelshard.ShardJit` (a mixin)."""
+def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
+    return (v,) if isinstance(v, int | str) else tuple(v)
 
-    fn: Callable[..., Any]
-    in_specs: Sequence[Any] | Mapping[str, Any]
-    _sig: inspect.Signature | None
-    _donate_nums: tuple[Any, ...]
-    _donate_names: tuple[Any, ...]
-    _static_nums: tuple[Any, ...]
-    _static_names: tuple[Any, ...]
-    _layouts: dict[tuple[int, tuple[str, ...]], tuple[Slot, ...]]
+
+class ArgumentLayout:
+    """A function's signature with ``shard_jit``'s ``in_specs``, donation and static
+    arguments: checked once, then resolved per call layout into :class:`Slot` objects.
+
+    Attributes:
+        plain_arity: the number of parameters when every one is positional (a call with
+            exactly that many positional arguments needs no binding), else ``-1``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        in_specs: Sequence[Any] | Mapping[str, Any],
+        *,
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+    ):
+        self._fn = fn
+        self._in_specs = in_specs
+        self._donate_nums = _as_tuple(donate_argnums)
+        self._donate_names = _as_tuple(donate_argnames)
+        self._static_nums = _as_tuple(static_argnums)
+        self._static_names = _as_tuple(static_argnames)
+        try:
+            self._sig: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._sig = None
+        self._check_names()
+        params = list(self._sig.parameters.values()) if self._sig else []
+        plain = self._sig is not None and all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+        )
+        self.plain_arity = len(params) if plain else -1
+        self._layouts: dict[tuple[int, tuple[str, ...]], tuple[Slot, ...]] = {}
 
     def _check_names(self) -> None:
         if self._sig is None:
-            if isinstance(self.in_specs, Mapping) or self._donate_names or self._static_names:
+            if isinstance(self._in_specs, Mapping) or self._donate_names or self._static_names:
                 raise invalid(
                     "in_specs",
-                    f"{self.fn!r} has no inspectable signature, so "
+                    f"{self._fn!r} has no inspectable signature, so "
                     "arguments can only be given by position",
                     hint="pass in_specs as a tuple and use *_argnums",
                 )
@@ -50,7 +110,7 @@ class ArgumentLayout:
         names = {p.name for p in named}
         varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
         problems = []
-        given = list(self.in_specs) if isinstance(self.in_specs, Mapping) else []
+        given = list(self._in_specs) if isinstance(self._in_specs, Mapping) else []
         for what, items in (
             ("in_specs", given),
             ("donate_argnames", self._donate_names),
@@ -62,14 +122,16 @@ class ArgumentLayout:
                         Problem(
                             "shard_jit",
                             f"{what}[{n!r}]",
-                            f"{self.fn.__name__} has no parameter {n!r}",
+                            f"{self._fn.__name__} has no parameter {n!r}",
                             hint=f"its parameters are {', '.join(map(repr, names))}",
                         )
                     )
         if problems:
             raise SpecError(problems, header="invalid shard_jit arguments:")
 
-    def _layout(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
+    def slots(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
+        """The slots of a call with ``npos`` positional arguments and these keywords
+        (made once per layout, then the same objects)."""
         key = (npos, kwnames)
         hit = self._layouts.get(key)
         if hit is not None:
@@ -80,12 +142,12 @@ class ArgumentLayout:
         ]
         var = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
         slots = []
-        specs = self.in_specs
+        specs = self._in_specs
         if not isinstance(specs, Mapping) and len(specs) != npos:
             raise invalid(
                 "in_specs",
                 f"in_specs has {len(specs)} entries but "
-                f"{self.fn.__name__} was called with {npos} positional arguments",
+                f"{self._fn.__name__} was called with {npos} positional arguments",
                 hint="give one entry per positional argument (anything, e.g. None, "
                 "for static ones), or a dict of parameter name -> entry",
             )
@@ -111,21 +173,20 @@ class ArgumentLayout:
         out = self._layouts[key] = tuple(slots)
         return out
 
-    def _bind(
+    def bind(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` bound to the signature, defaults applied."""
         if self._sig is None:
             if kwargs:
                 raise invalid(
                     "kwargs",
-                    f"{self.fn!r} has no inspectable signature; pass arguments by position",
+                    f"{self._fn!r} has no inspectable signature; pass arguments by position",
                 )
             return args, kwargs
         try:
             bound = self._sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{self.fn.__name__}(): {e}") from None
+            raise TypeError(f"{self._fn.__name__}(): {e}") from None
         bound.apply_defaults()
         return bound.args, bound.kwargs
-
-    # ---- calling ----------------------------------------------------------------------

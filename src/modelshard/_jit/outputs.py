@@ -2,7 +2,8 @@
 
 A function's output is cut into *parts*: containers that have the structure of an input
 argument (so they can inherit that argument's shardings), containers whose adapter is not
-a plain pytree (NNX modules), and single leaves. The description is recorded once, while
+JAX's own flattening (NNX modules: :attr:`~modelshard.adapters.Adapter.follows_pytree`
+is false), and single leaves. The description is recorded once, while
 tracing, and replayed on every call.
 """
 
@@ -14,10 +15,8 @@ from typing import Any
 
 import jax
 
-from .._adapters import Adapter, PytreeAdapter, get_adapter
-from .._describe import NUMBER_TYPES, is_array, numbers_are_arrays
-
-__all__ = ["OutDesc", "Part", "split_output"]
+from .._adapters import Adapter, get_adapter
+from .._describe import NUMBER_TYPES, is_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +74,6 @@ class OutDesc:
         return jax.tree_util.tree_unflatten(self.outer, parts)
 
 
-def _plain(adapter: Adapter) -> bool:
-    return type(adapter) is PytreeAdapter
-
-
 def split_output(
     out: Any, sources: Sequence[tuple[Adapter, Hashable]]
 ) -> tuple[list[Any], OutDesc]:
@@ -101,12 +96,12 @@ def split_output(
             j = index.get((id(adapter), aux))
         except TypeError:  # unhashable structure key: never an input's
             j = None
-        if j is None and _plain(adapter):
+        if j is None and adapter.follows_pytree:
             return None
         return adapter, leaves, aux, j
 
     top = match(out)
-    if top is not None and (top[3] is not None or not _plain(top[0])):
+    if top is not None and (top[3] is not None or not top[0].follows_pytree):
         found: list[Any] = [out]
         outer = None
     else:
@@ -128,7 +123,7 @@ def split_output(
                 arrays.append(x)
         else:
             adapter, leaves, aux, j = hit
-            numbers = numbers_are_arrays(adapter)
+            numbers = adapter.numbers_are_arrays
             idx = tuple(
                 i
                 for i, v in enumerate(leaves)

@@ -20,9 +20,8 @@ from typing import Any
 
 import jax
 
-from .._describe import _ARRAY_TYPES
-
-__all__ = ["Route"]
+from .._describe import ARRAY_TYPES
+from .build import Entry
 
 _LEAF: Any = ("leaf",)
 _NONE: Any = ("none",)
@@ -31,7 +30,7 @@ _NONE: Any = ("none",)
 def _layout(x: Any) -> Any:
     """The layout of one node: what :func:`_gather` checks and how it orders children."""
     t = type(x)
-    if t in _ARRAY_TYPES:
+    if t in ARRAY_TYPES:
         return _LEAF
     if t is dict:
         keys = list(x)
@@ -121,10 +120,10 @@ class Route:
     """The remembered layout of one call's arguments, for an entry of plain containers.
 
     Attributes:
-        entry: the compiled entry the arguments belong to (a ``build.Entry``).
+        entry: the compiled entry the arguments belong to.
     """
 
-    def __init__(self, entry: Any, args: Sequence[Any]):
+    def __init__(self, entry: Entry, args: Sequence[Any]):
         self.entry = entry
         self._layouts = [_cheaper(a, _layout(a)) for a in args]
 
@@ -136,6 +135,6 @@ class Route:
         for a, lay in zip(args, self._layouts, strict=True):
             if not _gather(a, lay, out):
                 return None
-        if not set(map(type, out)) <= _ARRAY_TYPES:
+        if not set(map(type, out)) <= ARRAY_TYPES:
             return None  # a Python number or another static leaf: the full path decides
         return out

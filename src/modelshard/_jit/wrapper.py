@@ -11,30 +11,29 @@ function: no regex, no validation.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from .._dtypes import canonical_dtype, dtype_name
 from .._errors import AdapterError, Problem, ShardingMismatchError
-from .._expand import mesh_sizes
 from .._flat import split
+from .._mesh import format_mesh, mesh_sizes
 from .._shard import place
 from .._specs import format_spec
-from .build import Entry, Slot, Stale, build_entry, canonical_dtype, fmt_sharding
-from .layout import ArgumentLayout, invalid
+from .build import Call, Entry, Stale, build_entry
+from .layout import ArgumentLayout, Slot, invalid
 from .route import Route
-from .take import NnxCall, static_part, take, take_slow
+from .take import Taken, static_part, take, take_plainly
 
-__all__ = ["ShardJit", "shard_jit"]
-
-_MAX_FAST = 512
+_MAX_BY_STRUCTURE = 512
 _MAX_ROUTE_MISSES = 16
 
 
-class ShardJit(ArgumentLayout):
+class ShardJit:
     """A function compiled per abstract signature, with container arguments placed by plan.
 
     Built by :func:`shard_jit`; call it like the wrapped function.
@@ -44,7 +43,7 @@ class ShardJit(ArgumentLayout):
         self,
         fn: Callable[..., Any],
         *,
-        mesh: Any,
+        mesh: Mesh | AbstractMesh,
         in_specs: Sequence[Any] | Mapping[str, Any],
         out_specs: Any = None,
         donate_argnums: int | Sequence[int] = (),
@@ -54,7 +53,10 @@ class ShardJit(ArgumentLayout):
         on_mismatch: Literal["move", "raise"] = "move",
     ):
         if not callable(fn):
-            raise invalid("fn", f"{fn!r} is not callable")
+            raise TypeError(
+                f"shard_jit needs a callable to compile, got {fn!r} ({type(fn).__name__}); "
+                "pass the function, or use @shard_jit(mesh=..., in_specs=...) as a decorator"
+            )
         mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
         if on_mismatch not in ("move", "raise"):
             raise invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
@@ -71,45 +73,42 @@ class ShardJit(ArgumentLayout):
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.on_mismatch = on_mismatch
-        as_tuple = lambda v: (v,) if isinstance(v, int | str) else tuple(v)  # noqa: E731
-        self._donate_nums = as_tuple(donate_argnums)
-        self._donate_names = as_tuple(donate_argnames)
-        self._static_nums = as_tuple(static_argnums)
-        self._static_names = as_tuple(static_argnames)
-        try:
-            self._sig: inspect.Signature | None = inspect.signature(fn)
-        except (TypeError, ValueError):
-            self._sig = None
-        self._check_names()
-        params = list(self._sig.parameters.values()) if self._sig else []
-        plain = self._sig is not None and all(
-            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
+        self._layout = ArgumentLayout(
+            fn,
+            in_specs,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
         )
-        self._nplain = len(params) if plain else -1
-        self._layouts: dict[tuple[int, tuple[str, ...]], tuple[Slot, ...]] = {}
-        self._entries: dict[Hashable, Entry] = {}
-        self._fast: dict[Hashable, Entry] = {}
+        self._nplain = self._layout.plain_arity
+        # Compiled entries by full abstract signature (shapes and dtypes included), and the
+        # same entries by structure and static values only (what each call looks up).
+        self._by_signature: dict[Hashable, Entry] = {}
+        self._by_structure: dict[Hashable, Entry] = {}
         self._route: Route | None = None  # the layout of the last plain-container call
         self._route_misses = 0
         functools.update_wrapper(self, fn)
 
-    # ---- argument layout --------------------------------------------------------------
-    def _gather(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def _take(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Slot, ...], list[Taken], Hashable]:
+        """Bind and flatten a call: its slots, dynamic arguments and structure key."""
         if kwargs or len(args) != self._nplain:
-            args, kwargs = self._bind(args, kwargs)
-        slots = self._layout(len(args), tuple(kwargs))
+            args, kwargs = self._layout.bind(args, kwargs)
+        slots = self._layout.slots(len(args), tuple(kwargs))
         statics = []
         taken = []
-        sigs = []
+        keys = []
         for s in slots:
             v = kwargs[s.kw] if s.pos is None else args[s.pos]  # type: ignore[index]
             if s.static:
                 statics.append(v)
                 continue
-            (adapter, leaves, aux, index, arrays), key = take(v)
-            sigs.append((key, None if index is None else static_part(leaves, index)))
-            taken.append((s, v, adapter, leaves, aux, index, arrays))
-        return args, kwargs, slots, tuple(statics), taken, sigs
+            t, key = take(s, v)
+            taken.append(t)
+            keys.append(key)
+        return args, kwargs, slots, taken, (slots, tuple(statics), tuple(keys))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self._route
@@ -130,25 +129,24 @@ class ShardJit(ArgumentLayout):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs, slots, statics, taken, sigs = self._gather(args, kwargs)
-        key = (slots, statics, tuple(sigs))
+        args, kwargs, slots, taken, key = self._take(args, kwargs)
         try:
-            entry = self._fast.get(key)
+            entry = self._by_structure.get(key)
         except TypeError:
             entry = None
         if entry is None:
-            entry = self._miss(slots, statics, taken, args, kwargs, key)
-        flat = taken[0][6] if len(taken) == 1 else [x for t in taken for x in t[6]]
+            entry = self._miss(slots, taken, args, kwargs, key)
+        flat = taken[0].arrays if len(taken) == 1 else [x for t in taken for x in t.arrays]
         try:
             out = entry.jitted(*flat)
         except Stale:
             # Same structure, new shapes or dtypes: plan afresh (jax.jit's own cache
             # checks shapes on the fast path, so this costs nothing until they change).
-            entry = self._miss(slots, statics, taken, args, kwargs, key, stale=True)
+            entry = self._miss(slots, taken, args, kwargs, key, stale=True)
             out = self._run(entry, flat)
         except ValueError:
             if not entry.fits(flat):  # jit refused the old shardings for the new shapes
-                entry = self._miss(slots, statics, taken, args, kwargs, key, stale=True)
+                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
                 out = self._run(entry, flat)
             else:
                 out = self._recover(entry, flat)
@@ -170,46 +168,47 @@ class ShardJit(ArgumentLayout):
     def _miss(
         self,
         slots: tuple[Slot, ...],
-        statics: tuple[Any, ...],
-        taken: list[Any],
+        taken: list[Taken],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        fast_key: Any,
+        structure_key: Hashable,
         stale: bool = False,
     ) -> Entry:
-        """Find or build the entry for a signature the fast table has not seen.
+        """Find or build the entry for a signature the structure table has not seen.
 
-        The fast table is keyed by structure and static values only; shapes and dtypes
+        The structure table is keyed by structure and static values only; shapes and dtypes
         are checked by ``jax.jit``'s own cache, and a retrace with other shapes raises
         :class:`Stale`, which lands here with ``stale=True``.
         """
-        # NNX arguments that took the fast route are flattened again the slow way here,
-        # so planning and tracing see exactly what their adapter makes of them.
-        taken = [(t[0], t[1], *take_slow(t[1])) if isinstance(t[2], NnxCall) else t for t in taken]
+        # Arguments are flattened again by their adapter's own flatten here (not a per-call
+        # route), so planning and tracing see exactly what the adapter makes of them.
+        taken = [take_plainly(t) for t in taken]
+        statics = tuple(args[s.pos] if s.kw is None else kwargs[s.kw] for s in slots if s.static)  # type: ignore[index]
         self._check_hashable(slots, statics, taken)
-        canon = (
+        signature = (
             slots,
             statics,
             tuple(
                 (
-                    a,
-                    aux,
-                    static_part(leaves, idx),
-                    tuple([(tuple(np.shape(x)), canonical_dtype(x.dtype)) for x in arrays]),
+                    t.adapter,
+                    t.aux,
+                    static_part(t.leaves, t.array_index),
+                    tuple([(tuple(np.shape(x)), canonical_dtype(x.dtype)) for x in t.arrays]),
                 )
-                for _, _, a, leaves, aux, idx, arrays in taken
+                for t in taken
             ),
         )
-        entry = self._entries.get(canon)
+        entry = self._by_signature.get(signature)
         if entry is None:
-            entry = self._entries[canon] = build_entry(self, slots, taken, args, kwargs)
-        if len(self._fast) >= _MAX_FAST and not stale:
-            self._fast.clear()
-        self._fast[fast_key] = entry
+            call = Call(self.fn, self.mesh, self.out_specs, slots, taken, args, kwargs)
+            entry = self._by_signature[signature] = build_entry(call)
+        if len(self._by_structure) >= _MAX_BY_STRUCTURE and not stale:
+            self._by_structure.clear()
+        self._by_structure[structure_key] = entry
         return entry
 
     def _check_hashable(
-        self, slots: tuple[Slot, ...], statics: tuple[Any, ...], taken: list[Any]
+        self, slots: tuple[Slot, ...], statics: tuple[Any, ...], taken: list[Taken]
     ) -> None:
         for s, v in zip([s for s in slots if s.static], statics, strict=True):
             try:
@@ -221,21 +220,20 @@ class ShardJit(ArgumentLayout):
                     hint="static arguments are part of the compilation cache key; "
                     "pass a hashable value (tuple, not list)",
                 ) from None
-        for s, v, _, leaves, _, index, _ in taken:
-            if index is None:
+        for t in taken:
+            if t.array_index is None:
                 continue
-            for i, leaf in enumerate(leaves):
-                if i in index:
+            for i, leaf in enumerate(t.leaves):
+                if i in t.array_index:
                     continue
                 try:
                     hash(leaf)
                 except TypeError:
-                    flat = split(v)
-                    path = flat.adapter.describe(flat.obj)[i].path
+                    path = split(t.value).adapter.describe(t.value)[i].path
                     raise AdapterError(
-                        f"{s.name}:{path} is a {type(leaf).__name__}, which is neither an array "
-                        "nor hashable; shard_jit carries non-array leaves statically (they are "
-                        "part of the compilation cache key). Make it an array or a hashable "
+                        f"{t.slot.name}:{path} is a {type(leaf).__name__}, which is neither an "
+                        "array nor hashable; shard_jit carries non-array leaves statically (they "
+                        "are part of the compilation cache key). Make it an array or a hashable "
                         "value, or mark the field static in its container."
                     ) from None
 
@@ -268,11 +266,9 @@ class ShardJit(ArgumentLayout):
                     arg=arg,
                     path=leaf.path,
                     shape=tuple(x.shape),
-                    dtype=np.dtype(x.dtype).name
-                    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
-                    else str(x.dtype),
-                    what=f"is {fmt_sharding(x.sharding)}, but the plan places it "
-                    f"{fmt_sharding(entry.in_shardings[i])}",
+                    dtype=dtype_name(x.dtype),
+                    what=f"is {_format_sharding(x.sharding)}, but the plan places it "
+                    f"{_format_sharding(entry.in_shardings[i])}",
                     spec=format_spec(leaf.spec),
                     rule=leaf.rule,
                     hint="place inputs first with modelshard.shard(...), or pass "
@@ -290,9 +286,9 @@ class ShardJit(ArgumentLayout):
 
     # ---- inspection ---------------------------------------------------------------------
     def _entry_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Entry, list[Any]]:
-        args, kwargs, slots, statics, taken, sigs = self._gather(args, kwargs)
-        entry = self._miss(slots, statics, taken, args, kwargs, (slots, statics, tuple(sigs)))
-        flat = [x for t in taken for x in t[6]]
+        args, kwargs, slots, taken, key = self._take(args, kwargs)
+        entry = self._miss(slots, taken, args, kwargs, key)
+        flat = [x for t in taken for x in t.arrays]
         return entry, place(flat, entry.in_shardings)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
@@ -309,20 +305,30 @@ class ShardJit(ArgumentLayout):
 
     def clear_cache(self) -> None:
         """Forget every compiled signature."""
-        self._entries.clear()
-        self._fast.clear()
+        self._by_signature.clear()
+        self._by_structure.clear()
         self._route = None
 
     @property
     def cache_size(self) -> int:
         """How many abstract signatures have been planned and compiled."""
-        return len(self._entries)
+        return len(self._by_signature)
+
+
+def _format_sharding(s: Any) -> str:
+    """How mismatch errors name a sharding."""
+    if isinstance(s, NamedSharding):
+        return f"{format_spec(s.spec)} on mesh ({format_mesh(dict(s.mesh.shape))})"
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        (d,) = s.device_set
+        return f"on device {d.id} ({d.platform}, SingleDeviceSharding)"
+    return repr(s)
 
 
 def shard_jit(
     fn: Callable[..., Any] | None = None,
     *,
-    mesh: Any,
+    mesh: Mesh | AbstractMesh,
     in_specs: Sequence[Any] | Mapping[str, Any],
     out_specs: Any = None,
     donate_argnums: int | Sequence[int] = (),
