@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree, set_nested_types
+from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree
 from ._errors import AdapterError
 
 
@@ -155,10 +155,11 @@ class PytreeAdapter(Adapter):
     follows_pytree = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return flatten_pytree(obj)
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        return leaves, treedef
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return unflatten_pytree(aux, leaves)
+        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return describe_pytree(obj)
@@ -320,27 +321,6 @@ class _Registry:
         self.pending = list(_LAZY_BUILTINS)
         self.cache: dict[type, Adapter] = {}
         self.modules_seen = -1  # len(sys.modules) when pending was last resolved
-        self._nested: tuple[type, ...] | None = None
-
-    def changed(self) -> None:
-        """Forget what was looked up (a registration came or went)."""
-        self.cache.clear()
-        self._nested = None
-        set_nested_types(())  # until nested() is asked again
-
-    def nested(self) -> tuple[type, ...]:
-        """The registered types whose adapter is not JAX's own flattening: wherever one
-        appears inside another container it is split by its own adapter."""
-        if self.pending and len(sys.modules) != self.modules_seen:
-            self.resolve_lazy()
-        if self._nested is None:
-            self._nested = tuple(
-                ty
-                for ty, a in [*reversed(self.user), *self.builtin]
-                if not a.follows_pytree or a.numbers_are_arrays
-            )
-            set_nested_types(self._nested)
-        return self._nested
 
     def resolve_lazy(self) -> None:
         self.modules_seen = len(sys.modules)
@@ -352,7 +332,7 @@ class _Registry:
                 still.append((module, attr, factory))
                 continue
             self.builtin.append((ty, factory()))
-            self.changed()
+            self.cache.clear()
         self.pending = still
 
     def lookup(self, ty: type) -> Adapter:
@@ -455,7 +435,7 @@ def register_container(
     for i in reversed(existing):
         del REGISTRY.user[i]
     REGISTRY.user.append((ty, adapter))
-    REGISTRY.changed()
+    REGISTRY.cache.clear()
 
 
 # Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
@@ -523,25 +503,4 @@ def registry_snapshot() -> Iterator[None]:
         yield
     finally:
         REGISTRY.user[:] = saved
-        REGISTRY.changed()
-
-
-def nested_types() -> tuple[type, ...]:
-    """The registered container types that are split by their own adapter wherever they
-    appear inside another container (those whose adapter is not JAX's own flattening)."""
-    return REGISTRY.nested()
-
-
-def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
-    """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
-    (:func:`nested_types`) below the root: such a container is one leaf here, for its own
-    adapter to split."""
-    stop = REGISTRY.nested()
-    if not stop:
-        return jax.tree_util.tree_flatten(obj)
-    return jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj and isinstance(x, stop))
-
-
-def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
-    """The inverse of :func:`flatten_pytree`."""
-    return jax.tree_util.tree_unflatten(aux, leaves)
+        REGISTRY.cache.clear()
