@@ -135,3 +135,65 @@ def kind(request) -> str:
 def container(kind) -> Any:
     """A real container of each kind (pytree, optax, equinox, nnx, linen)."""
     return MAKERS[kind]()
+
+
+def gemma_like(layers: int = 62, vision_blocks: int = 27) -> dict[str, Any]:
+    """An abstract Gemma-3-27B-like state (``jax.ShapeDtypeStruct`` leaves, nothing
+    allocated): a text decoder of ``layers`` layers and a SigLIP-like vision encoder of
+    ``vision_blocks`` blocks (14 leaves each, 5 more around them)."""
+
+    def s(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    d, f, h, hd, v = 5376, 21504, 32, 128, 1152
+    text: dict[str, Any] = {"embedder": {"input_embedding": s(262144, d)}}
+    text["final_norm"] = {"scale": s(d)}
+    for i in range(layers):
+        text[f"layer_{i}"] = {
+            "attn": {
+                "q_einsum": {"w": s(h, d, hd)},
+                "kv_einsum": {"w": s(2, 16, d, hd)},
+                "attn_vec_einsum": {"w": s(h, hd, d)},
+            },
+            "mlp": {"gating_einsum": s(2, f, d), "linear": s(f, d)},
+            "pre_attention_norm": {"scale": s(d)},
+            "pre_ffw_norm": {"scale": s(d)},
+        }
+    attn: dict[str, Any] = {n: {"kernel": s(v, 16, 72), "bias": s(16, 72)} for n in "qkv"}
+    attn = {"query": attn["q"], "key": attn["k"], "value": attn["v"]}
+    attn["out"] = {"kernel": s(16, 72, v), "bias": s(v)}
+    block = {
+        "LayerNorm_0": {"scale": s(v)},
+        "LayerNorm_1": {"scale": s(v)},
+        "MlpBlock_0": {
+            "Dense_0": {"kernel": s(v, 4304), "bias": s(4304)},
+            "Dense_1": {"kernel": s(4304, v), "bias": s(v)},
+        },
+        "MultiHeadDotProductAttention_0": attn,
+    }
+    vision = {
+        "embedding": {"kernel": s(14, 14, 3, v), "bias": s(v)},
+        "pos_embedding": s(1, 4096, v),
+        "Transformer": {
+            "encoder_norm": {"scale": s(v), "bias": s(v)},
+            "encoder": {f"encoderblock_{i}": block for i in range(vision_blocks)},
+        },
+    }
+    return {"transformer": text, "vision_encoder": vision}
+
+
+def gemma_text_rules() -> ms.Rules:
+    """Tensor-parallel rules written for the text decoder only (strict)."""
+    from jax.sharding import PartitionSpec as P
+
+    return ms.Rules(
+        [
+            (r"input_embedding$", P("model", None)),
+            (r"q_einsum/w$", P("model", None, None)),
+            (r"kv_einsum/w$", P(None, "model", None, None)),
+            (r"attn_vec_einsum/w$", P("model", None, None)),
+            (r"gating_einsum$", P(None, "model", None)),
+            (r"mlp/linear$", P("model", None)),
+            (r"transformer/.*scale$", P()),
+        ]
+    )

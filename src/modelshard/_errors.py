@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "AdapterError",
     "AssembleError",
+    "Cause",
     "CheckpointError",
     "DistributedError",
+    "MappingError",
     "MeshError",
     "ModelshardError",
     "Problem",
@@ -44,6 +47,8 @@ class Problem:
         rule: which rule produced it (``"rule 0 'kernel$'"``, ``"metadata"``, ...).
         mesh: the mesh axis sizes, formatted (``"data=2, model=4"``).
         hint: how to fix it.
+        cause: what problems of the same kind share, for grouping (default: ``what``
+            without its numbers).
     """
 
     arg: str
@@ -55,6 +60,7 @@ class Problem:
     rule: str | None = None
     mesh: str | None = None
     hint: str | None = None
+    cause: str | None = None
 
     def lines(self) -> list[str]:
         where = f"{self.arg}:{self.path or '<root>'}"
@@ -71,6 +77,125 @@ class Problem:
         return out
 
 
+LIST_IN_FULL = 8
+"""Errors with at most this many problems list each in full; larger ones group by cause."""
+
+_DIGITS = re.compile(r"\d+")
+_PARENS_WITH_DIGITS = re.compile(r"\s*\([^()]*\d[^()]*\)")
+_NOT_IN_MESH = re.compile(r"axis '([^']+)' .*is not in the mesh")
+
+
+def cause_key(p: Problem) -> str:
+    """What problems share when they have one cause: the sentence without its numbers
+    (``dimension 0 (size 7) ...`` and ``dimension 1 (size 9) ...`` are one cause)."""
+    if p.cause is not None:
+        return p.cause
+    return _DIGITS.sub("#", _PARENS_WITH_DIGITS.sub("", p.what)).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """Problems with one cause: a summary, how many, an example, and the hint that fits.
+
+    Attributes:
+        what: the cause in one sentence (the example's own when they differ in numbers).
+        problems: every problem with this cause, in order.
+        hint: how to fix all of them.
+    """
+
+    what: str
+    problems: tuple[Problem, ...]
+    hint: str | None
+
+    @property
+    def count(self) -> int:
+        return len(self.problems)
+
+    @property
+    def example(self) -> Problem:
+        return self.problems[0]
+
+    def folded(self) -> list[Any]:
+        """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
+        from ._fold import fold
+
+        return fold(self.problems, lambda p: f"{p.arg}:{p.path or '<root>'}")
+
+    def head_lines(self, index: int = 0) -> list[str]:
+        e = self.example
+        leaves = f"{self.count} lea{'ves' if self.count != 1 else 'f'}"
+        out = [f"  [{index}] {self.what}: {leaves}"]
+        detail = f"{e.arg}:{e.path or '<root>'}"
+        if e.shape is not None:
+            detail += f" {e.dtype}{list(e.shape)}"
+        if e.spec is not None:
+            detail += f", spec {e.spec}" + (f" from {e.rule}" if e.rule else "")
+        if e.mesh is not None:
+            detail += f", mesh ({e.mesh})"
+        out.append(f"      e.g. {detail}" + ("" if e.what == self.what else f": {e.what}"))
+        if self.hint:
+            out.append(f"      hint: {self.hint}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "what": self.what,
+            "count": self.count,
+            "hint": self.hint,
+            "example": self.example.path,
+            "paths": [{"path": g.path, "count": g.count} for g in self.folded()],
+        }
+
+
+def _fitting_hint(problems: Sequence[Problem]) -> str | None:
+    """The hint that fits a whole cause (e.g. ``fsdp('fsdp')`` on a mesh without 'fsdp'),
+    else the problems' own hint (the first's, when they differ)."""
+    e = problems[0]
+    m = _NOT_IN_MESH.search(e.what)
+    if m is not None and e.rule is not None and e.rule.startswith("fsdp("):
+        axes = [a.split("=")[0].strip() for a in (e.mesh or "").split(",") if a.strip()]
+        instead = f"fsdp({axes[0]!r})" if axes else "fsdp(<mesh axis>)"
+        return (
+            f"{e.rule} shards over the mesh axis {m.group(1)!r}, which this mesh "
+            f"({e.mesh or 'no axes'}) does not have: write {instead}, or build the mesh with "
+            f"an {m.group(1)!r} axis"
+        )
+    if e.what == "no rule matches this leaf" and len(problems) > 1:
+        prefix = _common_prefix([p.path for p in problems])
+        if prefix:
+            return (
+                f"no rule covers anything under {prefix + '/'!r}: add rules for it, e.g. "
+                f"(r'^{prefix}/', P()) to replicate it, a catch-all (r'.*', P()) last, or "
+                "Rules(..., strict=False) to replicate unmatched leaves"
+            )
+    return e.hint
+
+
+def _common_prefix(paths: Sequence[str]) -> str:
+    """The longest run of leading path components every path shares (``""`` if none)."""
+    split = [p.split("/")[:-1] for p in paths]
+    out: list[str] = []
+    for parts in zip(*split, strict=False):
+        if any(x != parts[0] for x in parts):
+            break
+        out.append(parts[0])
+    return "/".join(out)
+
+
+def group_problems(problems: Sequence[Problem]) -> list[Cause]:
+    """``problems`` grouped by :func:`cause_key`, largest group first (ties: first seen)."""
+    groups: dict[str, list[Problem]] = {}
+    for p in problems:
+        groups.setdefault(cause_key(p), []).append(p)
+    out = []
+    for key, ps in groups.items():
+        same = all(p.what == ps[0].what for p in ps)
+        what = ps[0].what if same else key.replace("#", "N")
+        out.append(Cause(what, tuple(ps), _fitting_hint(ps)))
+    order = {id(c): i for i, c in enumerate(out)}
+    return sorted(out, key=lambda c: (-c.count, order[id(c)]))
+
+
 class SpecError(ModelshardError, ValueError):
     """Specs that do not fit the tree or the mesh; lists every offending leaf at once.
 
@@ -82,15 +207,61 @@ class SpecError(ModelshardError, ValueError):
 
     def __init__(self, problems: Sequence[Problem], header: str | None = None):
         self.problems = tuple(problems)
+        self.header = header
         n = len(self.problems)
-        header = header or (
-            f"{n} sharding problem{'s' if n != 1 else ''} found "
-            f"(every offending leaf is listed; paths are arg:path):"
-        )
-        lines = [header]
+        if n <= LIST_IN_FULL:
+            header = header or (
+                f"{n} sharding problem{'s' if n != 1 else ''} found "
+                f"(every offending leaf is listed; paths are arg:path):"
+            )
+            lines = [header]
+            for p in self.problems:
+                lines.extend(p.lines())
+        else:
+            lines = self._grouped(header)
+        super().__init__("\n".join(lines))
+
+    @property
+    def causes(self) -> list[Cause]:
+        """The problems grouped by cause, largest group first (see :class:`Cause`)."""
+        return group_problems(self.problems)
+
+    def report(self) -> str:
+        """Every problem in full, one block per leaf (``str(err)`` summarises large lists)."""
+        n = len(self.problems)
+        lines = [self.header or f"{n} sharding problem{'s' if n != 1 else ''} (every one):"]
         for p in self.problems:
             lines.extend(p.lines())
-        super().__init__("\n".join(lines))
+        return "\n".join(lines)
+
+    def _grouped(self, header: str | None, max_lines: int = 36) -> list[str]:
+        causes = self.causes
+        n, k = len(self.problems), len(causes)
+        lines = [
+            (header + " " if header else "")
+            + f"{n} sharding problems, {k} cause{'s' if k != 1 else ''} "
+            "(paths are arg:path; numbered layers folded as {0..N}):"
+        ]
+        budget = max_lines - 2 - sum(len(c.head_lines()) for c in causes[:8])
+        shown = causes[:8]
+        per_cause = max(2, budget // max(len(shown), 1))
+        for i, c in enumerate(shown, 1):
+            lines.extend(c.head_lines(index=i))
+            groups = c.folded()
+            for g in groups[:per_cause]:
+                lines.append(f"      {g.path}" + (f"  ({g.count} leaves)" if g.count > 1 else ""))
+            rest = groups[per_cause:]
+            if rest:
+                leaves = sum(g.count for g in rest)
+                lines.append(f"      ... {len(rest)} more paths ({leaves} leaves)")
+        if len(causes) > len(shown):
+            more = causes[len(shown) :]
+            lines.append(f"... {len(more)} more causes ({sum(c.count for c in more)} problems)")
+        lines.append(
+            f"All {n} problems are on this error: err.problems (structured), err.causes, "
+            "print(err.report()) for every one in full."
+        )
+        return lines
 
     def to_json(self) -> dict[str, Any]:
         """``{"type", "message", "problems": [one dict per Problem]}``."""
@@ -99,11 +270,21 @@ class SpecError(ModelshardError, ValueError):
             {**dataclasses.asdict(p), "shape": None if p.shape is None else list(p.shape)}
             for p in self.problems
         ]
+        out["causes"] = [c.to_json() for c in self.causes]
         return out
 
 
 class ShardingMismatchError(SpecError):
     """An input's current sharding differs from the planned one and moving it was refused."""
+
+    __module__ = "modelshard"
+
+
+class MappingError(SpecError):
+    """A weight mapping that does not fit its source or target: every stored tensor no rule
+    maps, every target leaf with no source, every shape or dtype that does not fit after
+    the transforms, every rule that matched nothing (paths are ``source:NAME``,
+    ``target:PATH`` and ``mapping:rules[i]``)."""
 
     __module__ = "modelshard"
 

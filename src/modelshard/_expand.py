@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -261,7 +262,7 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
         if not rules.strict:
             continue
         for i, (pattern, spec) in enumerate(rules.rules):
-            if i not in used:
+            if i not in used and not is_catch_all(pattern):
                 ctx.problems.append(
                     Problem(
                         "Rules",
@@ -276,3 +277,10 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
     if ctx.problems:
         raise SpecError(ctx.problems)
     return out
+
+
+def is_catch_all(pattern: str) -> bool:
+    """A pattern that matches every path (``.*``, ``^``, ``""``): a fallback, never "unused"
+    when earlier rules took every leaf."""
+    rx = re.compile(pattern)
+    return all(rx.search(p) is not None for p in ("", "a", "a/b/0/c"))

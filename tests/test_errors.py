@@ -1,0 +1,117 @@
+"""Errors at model scale: problems grouped by cause, layer numbers folded, every problem kept."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from conftest import gemma_like, gemma_text_rules
+from modelshard._errors import LIST_IN_FULL, Problem, SpecError
+
+MESH = {"data": 16, "model": 8}
+
+
+def _raise(tree, specs, sizes=MESH) -> SpecError:
+    with pytest.raises(SpecError) as e:
+        ms.plan(tree, specs, ms.make_mesh(sizes, abstract=True))
+    return e.value
+
+
+def test_gemma_like_with_text_only_rules_fits_in_40_lines():
+    """Gemma-3-27B-like, planned with rules for its text decoder only: the 383 leaves of the
+    vision encoder are one cause, folded over the 27 blocks."""
+    err = _raise(gemma_like(), gemma_text_rules())
+    lines = str(err).splitlines()
+    assert len(err.problems) == 383 and len(lines) <= 40
+    assert lines[0] == (
+        "383 sharding problems, 1 cause (paths are arg:path; numbered layers folded as {0..N}):"
+    )
+    assert lines[1] == "  [1] no rule matches this leaf: 383 leaves"
+    assert lines[3].startswith("      hint: no rule covers anything under 'vision_encoder/': add ")
+    assert (
+        "      tree:vision_encoder/Transformer/encoder/encoderblock_{0..26}/MlpBlock_0/"
+        "Dense_{0..1}/kernel  (54 leaves)"
+    ) in lines
+    assert "      tree:vision_encoder/pos_embedding" in lines
+    assert lines[-1].startswith("All 383 problems are on this error: err.problems")
+    # every problem stays on the exception, in full, structured and as JSON
+    paths = {p.path for p in err.problems}
+    assert "vision_encoder/Transformer/encoder/encoderblock_26/MlpBlock_0/Dense_1/bias" in paths
+    assert err.report().count("    problem: no rule matches this leaf") == 383
+    data = err.to_json()
+    assert len(data["problems"]) == 383
+    assert [(c["what"], c["count"]) for c in data["causes"]] == [("no rule matches this leaf", 383)]
+    assert sum(p["count"] for p in data["causes"][0]["paths"]) == 383
+
+
+def test_fsdp_axis_missing_gets_the_fsdp_hint():
+    err = _raise(gemma_like(layers=4, vision_blocks=2), ms.fsdp("fsdp"), {"data": 2, "model": 4})
+    text = str(err)
+    assert len(text.splitlines()) <= 40 and len(err.causes) == 1
+    assert "  [1] axis 'fsdp' is not in the mesh: " in text
+    assert (
+        "hint: fsdp('fsdp') shards over the mesh axis 'fsdp', which this mesh "
+        "(data=2, model=4) does not have: write fsdp('data'), or build the mesh with an "
+        "'fsdp' axis"
+    ) in text
+    assert "logical" not in text
+
+
+def test_no_specs_at_all_is_one_cause():
+    """plan(state, None, mesh) on a small transformer: one line per kind of leaf, not 4 per leaf."""
+    tree = gemma_like(layers=16, vision_blocks=0)
+    n = len(jax.tree.leaves(tree))
+    err = _raise(tree, None)
+    lines = str(err).splitlines()
+    assert len(err.problems) == n > 100
+    assert len(err.causes) == 1 and len(lines) <= 20
+    assert "      tree:transformer/layer_{0..15}/mlp/linear  (16 leaves)" in lines
+
+
+def test_causes_group_numbers_and_keep_each_example():
+    """Divisibility problems differing only in sizes are one cause; its title says N."""
+    tree = {
+        f"layer_{i}": {"w": jax.ShapeDtypeStruct((5 + 2 * i, 4), jnp.float32)} for i in range(9)
+    }
+    tree["odd"] = {"w": jax.ShapeDtypeStruct((4, 7), jnp.float32)}
+    err = _raise(tree, ms.Rules([("layer", P("model")), ("odd", P(None, "model"))]))
+    assert len(err.problems) == 10 > LIST_IN_FULL
+    [cause] = err.causes
+    assert cause.what == "dimension N is partitioned N times, but N is not divisible by N"
+    assert "e.g. tree:layer_0/w float32[5, 4], spec P('model') from rule 0 'layer'" in str(err)
+    assert "      tree:layer_{0..8}/w  (9 leaves)" in str(err).splitlines()
+
+
+def test_many_causes_are_capped():
+    problems = [
+        Problem("tree", f"m{i}/w_{j}", f"problem kind {chr(65 + i)}")
+        for i in range(12)
+        for j in range(30)
+    ]
+    err = SpecError(problems)
+    lines = str(err).splitlines()
+    assert len(lines) <= 40
+    assert "... 4 more causes (120 problems)" in lines
+    assert len(err.causes) == 12 and len(err.problems) == 360
+
+
+def test_explicit_cause_groups_different_sentences():
+    problems = [
+        Problem("tree", f"p{i}", f"sentence {chr(65 + i)}", cause="one cause") for i in range(9)
+    ]
+    [cause] = SpecError(problems).causes
+    assert (cause.what, cause.count) == ("one cause", 9)
+
+
+def test_strict_rules_do_not_report_an_unused_catch_all():
+    tree = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+    p = ms.plan(
+        tree, ms.Rules([("w$", P("data")), (r".*", P())]), ms.make_mesh(MESH, abstract=True)
+    )
+    assert p["w"].spec == P("data")
+    # a rule that is not a catch-all still must match something
+    err = _raise(tree, ms.Rules([("w$", P("data")), ("nope", P())]))
+    assert "rule 1 'nope' matched no leaf" in str(err)
