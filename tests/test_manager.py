@@ -149,3 +149,195 @@ def test_sigkill_part_way_through_saves_keeps_the_previous_checkpoint(tmp_path):
     )
     ms.save(tmp_path / "ckpt", {"w": jnp.ones(3)}, overwrite=True)
     assert ms.restore(tmp_path / "ckpt")["w"].shape == (3,)
+
+
+def _w(step):
+    return {"w": jnp.arange(8.0) + step}
+
+
+def test_keep_policy_union_and_never_the_only_step():
+    from modelshard._checkpoint.policy import KeepPolicy
+
+    steps = list(range(10))
+    loss = {s: {"loss": abs(s - 4) + 0.5} for s in steps}  # best (lowest) at 4, then 3/5
+    assert KeepPolicy().keep(steps, {}) == set(steps)
+    assert KeepPolicy(max_to_keep=2).keep(steps, {}) == {8, 9}
+    assert KeepPolicy(keep_period=4).keep(steps, {}) == {0, 4, 8, 9}
+    best = KeepPolicy(keep_best=2, best_fn=lambda m: m["loss"], best_mode="min")
+    assert best.keep(steps, loss) == {4, 5, 9}  # ties: the newer of 3 and 5
+    both = KeepPolicy(
+        max_to_keep=1,
+        keep_period=5,
+        keep_best=1,
+        best_fn=lambda m: -m["loss"],
+        keep_steps=frozenset({2}),
+    )
+    assert both.keep(steps, loss) == {0, 2, 4, 5, 9}
+    # steps saved without metrics never rank; the newest is kept whatever the rules say
+    assert best.keep([1, 2, 3], {1: {"loss": 9.0}}) == {1, 3}
+    assert KeepPolicy(keep_best=1, best_fn=len).keep([7], {}) == {7}
+
+
+def test_keep_policy_errors():
+    from modelshard._checkpoint.policy import KeepPolicy
+
+    cases = {
+        "max_to_keep must be a positive int or None, got 0.": dict(max_to_keep=0),
+        "keep_period must be a positive int or None, got True.": dict(keep_period=True),
+        "best_mode must be 'max' or 'min', got 'low'.": dict(best_mode="low"),
+        "keep_best and best_fn go together: keep_best=N keeps the N steps with the best "
+        "best_fn(metrics); pass both or neither.": dict(keep_best=2),
+        "keep_steps must be ints, got '3'.": dict(keep_steps=frozenset({"3"})),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ms.CheckpointError) as e:
+            KeepPolicy(**kwargs)
+        assert str(e.value) == message
+    bad = KeepPolicy(keep_best=1, best_fn=lambda m: m["acc"])
+    with pytest.raises(ms.CheckpointError) as e:
+        bad.keep([1, 2], {1: {"loss": 1.0}, 2: {"loss": 2.0}})
+    assert str(e.value).startswith(
+        "best_fn failed on the metrics of step 1 ({'loss': 1.0}): KeyError: 'acc'."
+    )
+
+
+def test_manager_rotation_by_every_rule(tmp_path):
+    kw = dict(max_to_keep=2, keep_period=4, keep_best=1, best_fn=lambda m: m["acc"])
+    with ms.CheckpointManager(tmp_path, keep_steps=[1], **kw) as mngr:
+        for step in range(10):
+            acc = 1.0 if step == 6 else 0.1 * (step % 3)
+            assert mngr.save(step, _w(step), metrics={"acc": acc})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 1, 4, 6, 8, 9]
+        assert mngr.best_step() == 6
+        assert mngr.metrics(6) == {"acc": 1.0}
+        np.testing.assert_array_equal(mngr.restore(6)["w"], np.arange(8.0) + 6)
+        # a bad metric is refused before anything is written
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.save(10, _w(10), metrics={"loss": 1.0})
+        assert "best_fn failed on the metrics of step 10 ({'loss': 1.0}): KeyError" in str(e.value)
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.save(10, _w(10), metrics={"acc": np.float32(1)})
+        assert str(e.value).startswith("metrics must be JSON (nothing was written): TypeError")
+        assert mngr.all_steps() == [0, 1, 4, 6, 8, 9]
+    # a fresh manager ranks by the metrics on disk
+    with ms.CheckpointManager(tmp_path, **kw) as mngr:
+        assert mngr.best_step() == 6
+        mngr.save(10, _w(10), metrics={"acc": 0.0})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 4, 6, 8, 9, 10]
+
+
+def test_save_interval_is_arithmetic_and_should_save_agrees(tmp_path):
+    with ms.CheckpointManager(tmp_path, save_interval_steps=5, handle_signals=False) as mngr:
+        asked = [s for s in range(1, 12) if mngr.should_save(s)]
+        saved = [s for s in range(1, 12) if mngr.save(s, _w(s))]
+        assert asked == saved == [5, 10]  # Orbax would also save the first step, 1
+        assert not mngr.should_save(10)  # just saved
+        assert mngr.save(3, _w(3), force=True)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [3, 5, 10]
+
+
+def test_items_beside_the_state(tmp_path):
+    class Loader:  # the get_state/set_state protocol of grain's iterators
+        def __init__(self):
+            self.pos = 0
+
+        def get_state(self):
+            return {"pos": self.pos, "epoch": 1}
+
+        def set_state(self, state):
+            self.pos = state["pos"]
+
+    loader, key = Loader(), jax.random.key(7)
+    loader.pos = 42
+    items = {
+        "config": {"lr": 1e-3, "layers": [4, 4], "name": "run"},
+        "data": loader,
+        "rng": key,
+        "raw": jax.random.PRNGKey(3),
+    }
+    with ms.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, _w(0), items=items, metadata={"note": "first"})
+        fresh = Loader()
+        got = mngr.items(like={"data": fresh})
+        assert mngr.metadata() == {"note": "first"}
+    assert got["config"] == items["config"]
+    assert got["data"] is fresh and fresh.pos == 42
+    np.testing.assert_array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(key))
+    assert jax.random.key_impl(got["rng"]) == jax.random.key_impl(key)
+    np.testing.assert_array_equal(got["raw"], jax.random.PRNGKey(3))
+    # without ``like`` the iterator's state comes back; the public readers agree
+    step = tmp_path / "0"
+    assert ms.read_items(step)["data"] == {"pos": 42, "epoch": 1}
+    assert ms.read_metadata(step) == {"note": "first"}
+
+
+def test_items_that_cannot_be_saved_are_all_listed_and_nothing_is_written(tmp_path):
+    with ms.CheckpointManager(tmp_path) as mngr:
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.save(
+                0,
+                _w(0),
+                items={"cfg": {"lr": np.float32(1), 3: "x"}, "big": jnp.ones((4, 4)), "": 1},
+            )
+        assert os.listdir(tmp_path) == [".modelshard-lock"] or mngr.all_steps() == []
+    assert str(e.value).splitlines() == [
+        "cannot save these items (nothing was written):",
+        "  items['cfg']['lr']: numpy.float32 is not JSON (use int(...) or float(...))",
+        "  items['cfg']: key 3 is a int, JSON keys are strings",
+        "  items['big']: an array of float32[4, 4]; put arrays in the sharded state (only "
+        "PRNG keys are items)",
+        "  item name '': names are non-empty strings",
+        "Items are JSON values, data iterators with get_state()/set_state(), or PRNG keys.",
+    ]
+    assert not any(n[0].isdigit() for n in os.listdir(tmp_path))
+
+
+def test_empty_or_foreign_numbered_folders_are_not_steps(tmp_path):
+    with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(0, _w(0))
+        (tmp_path / "7").mkdir()
+        (tmp_path / "8").mkdir()
+        (tmp_path / "8" / "notes.txt").write_text("mine")
+        (tmp_path / "007").mkdir()
+        assert mngr.all_steps() == [0]
+        np.testing.assert_array_equal(mngr.restore()["w"], np.arange(8.0))
+        assert mngr.save(7, _w(7))  # an empty folder of that name is replaced
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.save(8, _w(8))
+        assert str(e.value) == (
+            f"cannot save step 8: {tmp_path / '8'} exists and is not a checkpoint "
+            "modelshard wrote (nor empty); move it away or save another step."
+        )
+        assert mngr.all_steps() == [0, 7]
+    assert (tmp_path / "8" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_failed_async_save_keeps_the_steps_on_disk(tmp_path, monkeypatch, keep):
+    import orbax.checkpoint as ocp
+
+    with ms.CheckpointManager(tmp_path, max_to_keep=keep) as mngr:
+        mngr.save(0, _w(0))
+        mngr.save(1, _w(1))
+        mngr.wait_until_finished()
+
+        def full(self, directory):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ocp.StandardCheckpointHandler, "finalize", full)
+        mngr.save(2, _w(2))
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.wait_until_finished()
+        kept = [1] if keep == 1 else [0, 1]
+        assert str(e.value).startswith(f"step 2 was not saved to {tmp_path}: ")
+        assert str(e.value).endswith(f"Steps on disk: {', '.join(map(str, kept))}.")
+        assert mngr.all_steps() == kept
+        np.testing.assert_array_equal(mngr.restore()["w"], np.arange(8.0) + 1)
+        monkeypatch.undo()
+        mngr.save(2, _w(2))  # the failed attempt's leftovers are replaced
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == ([2] if keep == 1 else [1, 2])
+    assert not [n for n in os.listdir(tmp_path) if "orbax-checkpoint-tmp" in n]

@@ -16,6 +16,8 @@ from ._assemble import assemble_process_local as assemble_process_local
 from ._assemble import global_shape as global_shape
 from ._assemble import partitions as partitions
 from ._checkpoint import CheckpointManager as CheckpointManager
+from ._checkpoint import read_items as read_items
+from ._checkpoint import read_metadata as read_metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._constrain import constrain as constrain

@@ -13,10 +13,13 @@ here: reach the modules with ``importlib.import_module("modelshard._checkpoint.l
 
 from __future__ import annotations
 
+from .items import read_items as read_items
+from .items import read_metadata as read_metadata
 from .locate import Source as Source
 from .locate import locate as locate
 from .locate import planning_tree as planning_tree
 from .manager import CheckpointManager as CheckpointManager
+from .manager import manager_step as manager_step
 from .read import restore as restore
 from .record import Record as Record
 from .write import prepare as prepare

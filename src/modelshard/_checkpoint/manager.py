@@ -1,54 +1,159 @@
-"""``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints over Orbax's."""
+"""``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
+
+Each step is written by Orbax (its ``AsyncCheckpointer`` over a composite of items:
+``state`` the sharded arrays, ``modelshard`` the record, ``items`` and ``metrics`` small
+JSON) into a temporary directory that is renamed when complete, or, on object storage,
+completed by Orbax's commit file. Everything else is the manager's own, so that one
+definition decides what a step is (:func:`complete_steps`), read from storage every time:
+
+- listing never trusts a cache, so a failed save does not hide steps on disk, and an
+  empty numbered folder is not a step;
+- rotation (:class:`~modelshard._checkpoint.policy.KeepPolicy`) runs on complete steps
+  only and never removes the newest;
+- exit safety and preemption live in :mod:`~modelshard._checkpoint.guard`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import numbers
 import os
+import re
 import shutil
-from pathlib import Path
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import CheckpointError
+from . import guard
+from .items import decode_items, encode_items
+from .policy import KeepPolicy, as_steps, save_step_ok
 from .read import restore
-from .storage import MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
+from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
+    ITEMS_FILE,
+    ITEMS_ITEM,
+    LOCK,
+    MARKER,
+    METRICS_FILE,
+    METRICS_ITEM,
+    ORBAX_TMP,
+    RECORD_FILE,
+    RECORD_ITEM,
+    ROTATED,
+    STATE_ITEM,
+)
+from .urls import is_remote, location
 from .write import prepare
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "complete_steps", "is_complete_step", "manager_step"]
 
-# Orbax deletes a rotated-out step file by file, so a SIGKILL part-way left a half-deleted
-# step that all_steps() still listed. Orbax renames rotated steps in here instead (one
-# atomic rename) and the manager removes them whenever it is used.
-ROTATED = ".modelshard-rotated"
-# Held (flock) by the one manager that saves into a directory: two writers would each
-# believe they wrote a step that only one of them did.
-LOCK = ".modelshard-lock"
+_STEP = re.compile(r"0|[1-9][0-9]*")
+
+
+def is_complete_step(step_dir: Any) -> bool:
+    """Whether ``step_dir`` holds a finished manager step: a real directory with Orbax's
+    checkpoint metadata and modelshard's record, plus the commit file on object storage."""
+    try:
+        if not is_remote(step_dir) and step_dir.is_symlink():
+            return False
+        if not step_dir.is_dir():
+            return False
+        needed = [step_dir / CHECKPOINT_METADATA, step_dir / RECORD_ITEM / RECORD_FILE]
+        if is_remote(step_dir):
+            needed.append(step_dir / COMMIT_FILE)
+        return all(p.is_file() for p in needed)
+    except OSError:
+        return False
+
+
+def complete_steps(root: Any) -> list[int]:
+    """Every complete step under a manager's ``root``, ascending (the one definition)."""
+    try:
+        children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c))
+
+
+def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
+    """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
+    step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
+    tree of its own). What ``modelshard inspect|plan|reshard`` read."""
+    from .storage import TREE_METADATA
+
+    root = location(directory)
+    try:
+        if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
+            return root, None
+    except OSError:
+        return root, None
+    steps = complete_steps(root)
+    if not steps:
+        return root, None
+    return root / str(steps[-1]), steps[-1]
+
+
+def _read_json(path: Any) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON: {type(e).__name__}: {e}") from e
+
+
+def _json_or_error(what: str, value: Any) -> None:
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{what} must be JSON (nothing was written): {type(e).__name__}: {e}. "
+            "Convert NumPy/JAX scalars with float(...) or int(...)."
+        ) from e
 
 
 class CheckpointManager:
-    """Save a training state every few steps, keep the last few, restore onto any mesh.
+    """Save a training state every few steps, keep the ones that matter, restore anywhere.
 
-    A thin layer over ``orbax.checkpoint.CheckpointManager``. Each step directory holds
-    two Orbax items: ``state`` (the sharded leaves, a plain Orbax PyTree checkpoint) and
-    ``modelshard`` (the JSON record with paths, specs and checksums). Orbax writes a step
-    into a temporary directory and renames it when complete, so an interrupted save never
-    becomes :meth:`latest_step` and never touches earlier steps.
+    Each step directory holds the sharded state (a plain Orbax PyTree checkpoint that
+    :func:`modelshard.restore` reads), modelshard's record, and optionally named
+    ``items`` and ``metrics``, all written as one Orbax step: a step appears complete or
+    not at all. Pending asynchronous saves are finished when the program ends, when an
+    exception leaves a ``with`` block, and on SIGTERM/SIGINT; a save that cannot be
+    finished is reported with its step and the exit status is non-zero.
+
+    Rotation keeps the union of the rules given (none given: keep every step), and
+    always the newest complete step.
 
     Args:
-        directory: the root directory (made absolute; created if missing).
-        max_to_keep: keep at most this many steps (oldest deleted first); None keeps all.
-        save_interval_steps: :meth:`save` only writes steps that are multiples of this.
+        directory: the root: a local path (made absolute, created if missing), or a
+            ``gs://`` / ``s3://`` URL.
+        max_to_keep: keep the newest N steps.
+        keep_period: also keep every step that is a multiple of K.
+        keep_best: also keep the N best steps by ``best_fn(metrics)``; needs ``best_fn``.
+        best_fn: metrics dict (as passed to :meth:`save`) -> number.
+        best_mode: ``"max"`` or ``"min"``: which end of ``best_fn`` is best.
+        keep_steps: steps never deleted.
+        save_interval_steps: :meth:`should_save` and :meth:`save` accept the steps that
+            are multiples of this (step 0 included, no other first step); ``force=True``
+            saves any step.
         async_save: return from :meth:`save` once the arrays are copied off device and
             write in the background; :meth:`wait_until_finished` blocks until done.
+        handle_signals: install the SIGTERM/SIGINT handler that turns a signal into a
+            stop request (see :meth:`should_save`) or, if the loop never polls,
+            finishes pending saves before the process dies of the signal.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
         >>> import modelshard as ms
         >>> with ms.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as mngr:
         ...     for step in range(3):
-        ...         _ = mngr.save(step, {"w": jnp.full((4,), step)})
+        ...         _ = mngr.save(step, {"w": jnp.full((4,), step)}, items={"data": {"pos": step}})
         ...     mngr.wait_until_finished()
-        ...     mngr.all_steps(), int(mngr.restore()["w"][0])
-        ([1, 2], 2)
+        ...     mngr.all_steps(), int(mngr.restore()["w"][0]), mngr.items()["data"]
+        ([1, 2], 2, {'pos': 2})
     """
 
     def __init__(
@@ -56,57 +161,155 @@ class CheckpointManager:
         directory: str | os.PathLike[str],
         *,
         max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        keep_best: int | None = None,
+        best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+        best_mode: str = "max",
+        keep_steps: Iterable[int] | None = None,
         save_interval_steps: int = 1,
         async_save: bool = True,
+        handle_signals: bool = True,
     ):
-        import orbax.checkpoint as ocp
-
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise CheckpointError(
-                f"max_to_keep must be a positive int or None, got {max_to_keep!r}."
-            )
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+        if (
+            isinstance(save_interval_steps, bool)
+            or not isinstance(save_interval_steps, int)
+            or save_interval_steps < 1
+        ):
             raise CheckpointError(
                 f"save_interval_steps must be a positive int, got {save_interval_steps!r}."
             )
-        self.directory = Path(directory).expanduser().absolute()
-        options = ocp.CheckpointManagerOptions(
+        self.policy = KeepPolicy(
             max_to_keep=max_to_keep,
-            save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_save,
-            create=True,
-            todelete_subdir=ROTATED,
+            keep_period=keep_period,
+            keep_best=keep_best,
+            best_fn=best_fn,
+            best_mode=best_mode,
+            keep_steps=as_steps(keep_steps),
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                STATE_ITEM: ocp.StandardCheckpointHandler(),
-                RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-            },
-        )
+        self.save_interval_steps = save_interval_steps
+        self.async_save = async_save
+        self.directory = location(directory)
+        self._remote = is_remote(self.directory)
+        if self._primary():
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self._ckptr: Any = None
+        self._pending: int | None = None
+        self._polled = False
+        self._last_saved: int | None = None
         self._lock_fd: int | None = None
-        self._writer = False
+        self._metrics: dict[int, Any] = {}
+        self._closed = False
         self._purge_rotated()
+        guard.watch(self, handle_signals=handle_signals)
 
-    def _purge_rotated(self) -> None:
-        """Delete the steps Orbax rotated out (renamed into ``ROTATED``, never listed)."""
+    # -- what the exit guard needs ---------------------------------------------------------
+
+    def pending_step(self) -> int | None:
+        """The step being written in the background, or None."""
+        return self._pending
+
+    def has_polled(self) -> bool:
+        """Whether the training loop asks :meth:`should_save` (it then handles stops)."""
+        return self._polled
+
+    def finish(self) -> None:
+        self.wait_until_finished()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _primary() -> bool:
         import jax
 
+        return jax.process_index() == 0
+
+    @staticmethod
+    def _sync(name: str) -> None:
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
+    def _checkpointer(self) -> Any:
+        if self._ckptr is None:
+            import orbax.checkpoint as ocp
+
+            handler = ocp.CompositeCheckpointHandler(
+                **{
+                    STATE_ITEM: ocp.StandardCheckpointHandler(),
+                    RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
+                    ITEMS_ITEM: ocp.JsonCheckpointHandler(filename=ITEMS_FILE),
+                    METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
+                }
+            )
+            if self.async_save:
+                self._ckptr = ocp.AsyncCheckpointer(handler)
+            else:
+                self._ckptr = ocp.Checkpointer(handler)
+        return self._ckptr
+
+    def _purge_rotated(self) -> None:
+        """Delete the steps rotation moved aside (one rename each, so never listed)."""
         rotated = self.directory / ROTATED
-        if jax.process_index() == 0 and rotated.is_dir():
+        if self._primary() and not self._remote and rotated.is_dir():
             for step_dir in rotated.iterdir():
                 shutil.rmtree(step_dir, ignore_errors=True)
 
+    def _delete_step(self, step: int) -> None:
+        step_dir = self.step_directory(step)
+        if self._remote:
+            # no atomic rename: first make it incomplete, then remove the rest
+            for marker in (COMMIT_FILE, CHECKPOINT_METADATA):
+                with contextlib.suppress(FileNotFoundError):
+                    (step_dir / marker).unlink()
+            step_dir.rmtree(missing_ok=True)
+            return
+        rotated = self.directory / ROTATED
+        rotated.mkdir(exist_ok=True)
+        target = rotated / f"{step}.{os.getpid()}"
+        os.rename(step_dir, target)
+        shutil.rmtree(target, ignore_errors=True)
+
+    def _remove_partial(self, step: int) -> None:
+        """Remove what an interrupted or failed save of ``step`` left behind, or refuse
+        a folder of that name that modelshard did not write."""
+        step_dir = self.step_directory(step)
+        try:
+            children = list(self.directory.iterdir())
+        except FileNotFoundError:  # object storage: no "directory" before the first object
+            children = []
+        for c in children:
+            if c.name.startswith(f"{step}{ORBAX_TMP}"):
+                if self._remote:
+                    c.rmtree(missing_ok=True)
+                else:
+                    shutil.rmtree(c, ignore_errors=True)
+        if not step_dir.exists():
+            return
+        entries = list(step_dir.iterdir()) if step_dir.is_dir() else None
+        ours = entries is not None and (
+            not entries
+            or (step_dir / CHECKPOINT_METADATA).exists()
+            or (step_dir / STATE_ITEM).exists()
+        )
+        if not ours or (not self._remote and step_dir.is_symlink()):
+            raise CheckpointError(
+                f"cannot save step {step}: {step_dir} exists and is not a checkpoint "
+                "modelshard wrote (nor empty); move it away or save another step."
+            )
+        if self._remote:
+            step_dir.rmtree(missing_ok=True)
+        else:
+            shutil.rmtree(step_dir)
+
     def _become_writer(self) -> None:
         """Hold ``LOCK`` until :meth:`close` (the OS drops it if the process dies)."""
+        if self._lock_fd is not None or self._remote or not self._primary():
+            return
         import fcntl
 
-        import jax
-
-        if self._lock_fd is not None or jax.process_index() != 0:
-            self._writer = True
-            return
         fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,43 +321,154 @@ class CheckpointManager:
                 "Save from one manager, or give each its own directory."
             ) from None
         self._lock_fd = fd
-        self._writer = True
 
-    def save(self, step: int, state: Any, *, force: bool = False, metadata: Any = None) -> bool:
-        """Save ``state`` as ``step`` if the save interval says so (or ``force``).
+    def _rotate(self) -> None:
+        steps = complete_steps(self.directory)
+        if self.policy.keeps_everything or len(steps) <= 1:
+            return
+        metrics = {s: m for s in steps if (m := self.metrics(s)) is not None}
+        drop = [s for s in steps if s not in self.policy.keep(steps, metrics)]
+        if drop and self._primary():
+            for s in drop:
+                self._delete_step(s)
+                self._metrics.pop(s, None)
+        self._sync("modelshard:manager:rotate")
+
+    # -- the public API --------------------------------------------------------------------
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the process was asked to stop: a SIGTERM/SIGINT on this host, or, under
+        ``jax.distributed``, JAX's preemption sync point at ``step`` (every process gets
+        True at the same step; call it at every step on every process)."""
+        self._polled = True
+        if guard.stop_signal() is not None:
+            return True
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # no preemption service in this process group
+                return False
+        return False
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would write ``step``: a multiple of ``save_interval_steps``,
+        or any step once the process was asked to stop (see :meth:`reached_preemption`).
+
+        A loop that calls this every step handles stops itself: the first SIGTERM or
+        SIGINT makes the next step a saving step; after the loop the process exits with
+        ``128 + signal``.
+        """
+        if step == self._last_saved:
+            return False
+        return self.reached_preemption(step) or save_step_ok(step, self.save_interval_steps)
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        force: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        items: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Save ``state`` (and ``items``, ``metrics``) as ``step`` if :meth:`should_save`
+        says so, or ``force``.
+
+        Args:
+            step: a non-negative int, not saved before.
+            state: any registered container.
+            force: save even if the step is not a saving step.
+            metadata: JSON user metadata, in the record (:func:`modelshard.read_metadata`).
+            metrics: JSON dict of numbers; ``best_fn`` ranks steps by it.
+            items: named items saved in the same step: JSON values, data iterators with
+                ``get_state``/``set_state`` (grain), PRNG keys (see :meth:`items`).
 
         Returns:
-            Whether a save was started.
+            Whether a save was started (it is complete once :meth:`wait_until_finished`
+            returns; during a stop request it is complete when ``save`` returns).
 
         Raises:
-            CheckpointError: the step already exists, or the state cannot be saved.
+            CheckpointError: the step exists, or the state, items or metrics cannot be
+                saved (checked before anything is written), or the previous
+                asynchronous save failed.
         """
         import orbax.checkpoint as ocp
 
-        # Orbax writes "-1", "True" or "1.5" step directories it then never lists
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
+        if self._closed:
+            raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
         self._become_writer()
-        if step in self.all_steps():
+        stopping = guard.stop_signal() is not None
+        if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
+            return False
+        self.wait_until_finished()  # one save at a time; rotation of the finished one
+        if step in complete_steps(self.directory):
             raise CheckpointError(
                 f"step {step} already exists in {self.directory}; steps are never overwritten."
             )
-        if not force and not self._manager.should_save(step):
-            return False
-        self._purge_rotated()
+        encoded = encode_items(items)
+        if metrics is not None:
+            if not isinstance(metrics, Mapping):
+                raise CheckpointError(f"metrics must be a dict, got {type(metrics).__name__}.")
+            _json_or_error("metrics", dict(metrics))
+            if self.policy.best_fn is not None:
+                self.policy.score(step, metrics)
+        if metadata is not None:
+            _json_or_error("metadata", dict(metadata))
         tree, record = prepare(state, metadata)
-        args = ocp.args.Composite(
-            **{
-                STATE_ITEM: ocp.args.StandardSave(tree),
-                RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
-            }
-        )
-        return bool(self._manager.save(step, args=args, force=force, custom_metadata=MARKER))
+        if self._primary():
+            self._remove_partial(step)
+        self._sync("modelshard:manager:save")
+        args = {
+            STATE_ITEM: ocp.args.StandardSave(tree),
+            RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
+            ITEMS_ITEM: ocp.args.JsonSave(encoded),
+        }
+        if metrics is not None:
+            args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
+            self._metrics[step] = dict(metrics)
+        ckptr = self._checkpointer()
+        try:
+            ckptr.save(
+                self.step_directory(step), args=ocp.args.Composite(**args), custom_metadata=MARKER
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"step {step} was not saved to {self.directory}: {type(e).__name__}: {e}"
+            ) from e
+        self._last_saved = step
+        if self.async_save:
+            self._pending = step
+            if stopping:
+                self.wait_until_finished()
+        else:
+            self._rotate()
+        return True
 
-    def step_directory(self, step: int) -> Path:
+    def step_directory(self, step: int) -> Any:
         """The directory of ``step`` (which :func:`modelshard.restore` also reads)."""
         return self.directory / str(step)
+
+    def _existing(self, step: int | None) -> int:
+        self.wait_until_finished()
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoint in {self.directory}: no step was saved yet.")
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no step {step} in {self.directory}; steps there: "
+                f"{', '.join(map(str, steps)) or 'none'}."
+            )
+        return step
 
     def restore(
         self,
@@ -172,25 +486,9 @@ class CheckpointManager:
         Raises:
             CheckpointError: there is no such step (the message lists the steps there are).
         """
-        self.wait_until_finished()
-        steps = self.all_steps()
-        if step is None:
-            if not steps:
-                raise CheckpointError(f"no checkpoint in {self.directory}: no step was saved yet.")
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(
-                f"no step {step} in {self.directory}; steps there: "
-                f"{', '.join(map(str, steps)) or 'none'}."
-            )
-        path = self.step_directory(step)
-        if path.is_symlink():
-            raise CheckpointError(
-                f"{path} is a symbolic link to {path.resolve()}; steps are directories of "
-                f"{self.directory}, refusing to follow it."
-            )
+        step = self._existing(step)
         return restore(
-            path,
+            self.step_directory(step),
             like=like,
             specs=specs,
             mesh=mesh,
@@ -199,38 +497,86 @@ class CheckpointManager:
             verify=verify,
         )
 
+    def items(
+        self, step: int | None = None, *, like: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The named items of ``step`` (default: the latest).
+
+        A data iterator passed in ``like`` under its name gets its saved state
+        (``set_state``) and is returned; PRNG keys come back as keys.
+        """
+        step = self._existing(step)
+        doc = _read_json(self.step_directory(step) / ITEMS_ITEM / ITEMS_FILE)
+        return decode_items(doc or {}, like)
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with ``step``, or None if it was saved without."""
+        if step not in self._metrics:
+            found = _read_json(self.step_directory(step) / METRICS_ITEM / METRICS_FILE)
+            if found is None:
+                return None
+            self._metrics[step] = found
+        return self._metrics[step]
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The user metadata saved with ``step`` (default: the latest)."""
+        step = self._existing(step)
+        record = _read_json(self.step_directory(step) / RECORD_ITEM / RECORD_FILE) or {}
+        return dict(record.get("metadata") or {})
+
+    def best_step(self) -> int | None:
+        """The best complete step by ``best_fn``, or None (no ``best_fn``, or no metrics)."""
+        if self.policy.best_fn is None:
+            return None
+        scored = [(self.policy.score(s, m), s) for s in self.all_steps() if (m := self.metrics(s))]
+        if not scored:
+            return None
+        sign = 1.0 if self.policy.best_mode == "max" else -1.0
+        return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
+
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every complete step, ascending."""
-        if not self._writer:  # Orbax caches steps: another manager may have saved since
-            for attempt in range(5):
-                try:
-                    self._manager.reload()
-                    break
-                except OSError as e:  # a step was rotated away while Orbax listed it
-                    if attempt == 4:
-                        raise CheckpointError(
-                            f"cannot list the steps of {self.directory}: they kept changing "
-                            f"while being read ({type(e).__name__}: {e})."
-                        ) from e
-        return sorted(self._manager.all_steps())
+        """Every complete step, ascending, read from storage (see :func:`complete_steps`)."""
+        return complete_steps(self.directory)
 
     def wait_until_finished(self) -> None:
-        """Block until background saves are written."""
-        self._manager.wait_until_finished()
+        """Block until the background save is written, then apply rotation.
+
+        Raises:
+            CheckpointError: the background save failed (its step is named; the steps
+                already on disk are still listed and restorable).
+        """
+        step, self._pending = self._pending, None
+        if step is not None and self._ckptr is not None:
+            try:
+                self._ckptr.wait_until_finished()
+            except Exception as e:
+                steps = complete_steps(self.directory)
+                raise CheckpointError(
+                    f"step {step} was not saved to {self.directory}: {type(e).__name__}: "
+                    f"{e}. Steps on disk: {', '.join(map(str, steps)) or 'none'}."
+                ) from e
         self._purge_rotated()
+        self._rotate()
 
     def close(self) -> None:
         """Wait for pending saves and release Orbax's resources."""
-        self._manager.close()
-        self._purge_rotated()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            guard.unwatch(self)
+            if self._ckptr is not None:
+                self._ckptr.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,0 +1,208 @@
+"""Named items saved beside the sharded state: configs, data iterator states, RNG keys.
+
+A step of a :class:`~modelshard.CheckpointManager` holds, besides the sharded arrays, one
+small JSON document of named items, written inside the same Orbax step (so it appears
+with the arrays or not at all). Each item is one of:
+
+- JSON (dicts with string keys, lists, strings, finite or infinite numbers, bools, None);
+- a data iterator with ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator``
+  and ``DataLoader`` iterators; bytes states are kept as base64);
+- a JAX PRNG key, typed (``jax.random.key``) or raw (``jax.random.PRNGKey``).
+
+Everything is checked before any byte of the step is written; the error lists every item
+that cannot be stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import CheckpointError
+
+__all__ = ["decode_items", "encode_items", "read_items", "read_metadata"]
+
+# Tags of the non-JSON kinds inside the items document.
+_TAG = "__modelshard_item__"
+
+
+def _is_iterator(x: Any) -> bool:
+    return callable(getattr(x, "get_state", None)) and callable(getattr(x, "set_state", None))
+
+
+def _json_problems(x: Any, where: str, out: list[str]) -> None:
+    if x is None or isinstance(x, bool | str):
+        return
+    if isinstance(x, int | float):
+        if isinstance(x, float) and math.isnan(x):
+            out.append(f"{where}: NaN is not JSON")
+        return
+    if isinstance(x, Mapping):
+        for k, v in x.items():
+            if not isinstance(k, str):
+                out.append(f"{where}: key {k!r} is a {type(k).__name__}, JSON keys are strings")
+            else:
+                _json_problems(v, f"{where}[{k!r}]", out)
+        return
+    if isinstance(x, list | tuple):
+        for i, v in enumerate(x):
+            _json_problems(v, f"{where}[{i}]", out)
+        return
+    hint = " (use int(...) or float(...))" if hasattr(x, "dtype") else ""
+    out.append(f"{where}: {type(x).__module__}.{type(x).__qualname__} is not JSON{hint}")
+
+
+def _encode(name: str, value: Any, problems: list[str]) -> Any:
+    import jax
+    import numpy as np
+
+    where = f"items[{name!r}]"
+    if _is_iterator(value):
+        try:
+            state = value.get_state()
+        except Exception as e:
+            problems.append(f"{where}: get_state() failed: {type(e).__name__}: {e}")
+            return None
+        if isinstance(state, bytes):
+            return {_TAG: "iterator", "bytes": base64.b64encode(state).decode("ascii")}
+        _json_problems(state, f"{where}.get_state()", problems)
+        return {_TAG: "iterator", "state": state}
+    if isinstance(value, jax.Array | np.ndarray):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(value))
+            impl = str(jax.random.key_impl(value))
+            return {
+                _TAG: "key",
+                "impl": impl,
+                "shape": list(data.shape),
+                "data": data.ravel().tolist(),
+            }
+        if value.dtype == np.uint32 and value.size <= 1024:
+            data = np.asarray(value)
+            return {_TAG: "raw_key", "shape": list(data.shape), "data": data.ravel().tolist()}
+        problems.append(
+            f"{where}: an array of {value.dtype}{list(value.shape)}; put arrays in the "
+            "sharded state (only PRNG keys are items)"
+        )
+        return None
+    _json_problems(value, where, problems)
+    return value
+
+
+def encode_items(items: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The JSON document for ``items``; every item that cannot be stored is an error."""
+    if items is None:
+        return {}
+    if not isinstance(items, Mapping):
+        raise CheckpointError(f"items must be a dict of name -> item, got {type(items).__name__}.")
+    problems: list[str] = []
+    out: dict[str, Any] = {}
+    for name, value in items.items():
+        if not isinstance(name, str) or not name:
+            problems.append(f"item name {name!r}: names are non-empty strings")
+            continue
+        out[name] = _encode(name, value, problems)
+    if not problems:
+        try:
+            json.dumps(out, allow_nan=True)
+        except (TypeError, ValueError, RecursionError) as e:
+            problems.append(f"items: {type(e).__name__}: {e}")
+    if problems:
+        raise CheckpointError(
+            "cannot save these items (nothing was written):\n"
+            + "\n".join(f"  {p}" for p in problems)
+            + "\nItems are JSON values, data iterators with get_state()/set_state(), or PRNG keys."
+        )
+    return out
+
+
+def _decode(name: str, value: Any, like: Any) -> Any:
+    if not (isinstance(value, dict) and _TAG in value):
+        return value
+    kind = value[_TAG]
+    if kind == "iterator":
+        state = base64.b64decode(value["bytes"]) if "bytes" in value else value.get("state")
+        if like is not None and _is_iterator(like):
+            like.set_state(state)
+            return like
+        return state
+    import jax
+    import numpy as np
+
+    if kind == "key":
+        data = jax.numpy.asarray(np.asarray(value["data"], np.uint32).reshape(value["shape"]))
+        return jax.random.wrap_key_data(data, impl=value["impl"])
+    if kind == "raw_key":
+        return jax.numpy.asarray(np.asarray(value["data"], np.uint32).reshape(value["shape"]))
+    raise CheckpointError(
+        f"items[{name!r}] has an unknown kind {kind!r}; written by a newer modelshard?"
+    )
+
+
+def decode_items(doc: Mapping[str, Any], like: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Items back from their JSON document. An iterator given in ``like`` under the same
+    name has its state set and is returned; otherwise its saved state is returned."""
+    like = like or {}
+    return {name: _decode(name, value, like.get(name)) for name, value in doc.items()}
+
+
+def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The named items saved with a checkpoint (a :class:`~modelshard.CheckpointManager`
+    step directory); ``{}`` if it has none.
+
+    Args:
+        directory: the step directory (``mngr.step_directory(step)``).
+        like: data iterators by item name: each gets its saved state (``set_state``) and
+            is returned in place of the state.
+
+    Returns:
+        A dict of name -> JSON value, iterator state (or the iterator from ``like``), or
+        PRNG key.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> with ms.CheckpointManager(tempfile.mkdtemp()) as mngr:
+        ...     _ = mngr.save(5, {"w": jnp.ones(2)}, items={"config": {"lr": 0.1}})
+        ...     mngr.wait_until_finished()
+        ...     ms.read_items(mngr.step_directory(5))
+        {'config': {'lr': 0.1}}
+    """
+    from .locate import locate
+    from .storage import ITEMS_FILE, ITEMS_ITEM, read_small
+
+    source = locate(directory)
+    try:
+        raw = read_small(source.path / ITEMS_ITEM / ITEMS_FILE)
+    except FileNotFoundError:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{source.path / ITEMS_ITEM / ITEMS_FILE} is not valid JSON: {e}"
+        ) from e
+    if not isinstance(doc, dict):
+        raise CheckpointError(
+            f"{source.path / ITEMS_ITEM / ITEMS_FILE} is a JSON {type(doc).__name__}, not an object."
+        )
+    return decode_items(doc, like)
+
+
+def read_metadata(directory: Any) -> dict[str, Any]:
+    """The user metadata saved with a checkpoint (``save(..., metadata=...)``, or a
+    manager step's), without reading any array.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> path = ms.save(tempfile.mkdtemp() + "/ck", {"w": jnp.ones(2)}, metadata={"step": 3})
+        >>> ms.read_metadata(path)
+        {'step': 3}
+    """
+    from .locate import locate
+
+    return dict(locate(directory).record.metadata)

@@ -1,0 +1,109 @@
+"""Which steps a :class:`~modelshard.CheckpointManager` saves and which it keeps.
+
+Keeping is a union: a step stays if any rule keeps it (the latest ``N``, every ``K``-th,
+the best ``N`` by a metric, a step the user named). The newest complete step is always
+kept, so rotation never deletes the only checkpoint there is. Saving is arithmetic on the
+step (``step % save_interval_steps == 0``), with no hidden first save; a stop request
+(preemption) makes any step a saving step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .._errors import CheckpointError
+
+__all__ = ["KeepPolicy"]
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise CheckpointError(f"{name} must be a positive int or None, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepPolicy:
+    """The rules that decide which complete steps survive rotation.
+
+    Attributes:
+        max_to_keep: keep the newest ``max_to_keep`` steps.
+        keep_period: keep every step that is a multiple of ``keep_period``.
+        keep_best: keep the ``keep_best`` best steps by ``best_fn`` of their metrics.
+        best_fn: metrics dict -> number (steps saved without metrics never rank).
+        best_mode: ``"max"`` (higher is better) or ``"min"``.
+        keep_steps: steps kept whatever the other rules say.
+    """
+
+    max_to_keep: int | None = None
+    keep_period: int | None = None
+    keep_best: int | None = None
+    best_fn: Callable[[Mapping[str, Any]], float] | None = None
+    best_mode: str = "max"
+    keep_steps: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        _positive("max_to_keep", self.max_to_keep)
+        _positive("keep_period", self.keep_period)
+        _positive("keep_best", self.keep_best)
+        if self.best_mode not in ("max", "min"):
+            raise CheckpointError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}.")
+        if (self.keep_best is None) != (self.best_fn is None):
+            raise CheckpointError(
+                "keep_best and best_fn go together: keep_best=N keeps the N steps with the "
+                "best best_fn(metrics); pass both or neither."
+            )
+        bad = [s for s in self.keep_steps if isinstance(s, bool) or not isinstance(s, int)]
+        if bad:
+            raise CheckpointError(f"keep_steps must be ints, got {', '.join(map(repr, bad))}.")
+
+    @property
+    def keeps_everything(self) -> bool:
+        return self.max_to_keep is None and self.keep_period is None and self.keep_best is None
+
+    def score(self, step: int, metrics: Mapping[str, Any]) -> float:
+        """``best_fn(metrics)`` as a float; a clear error when it fails or is not a number."""
+        fn = self.best_fn
+        if fn is None:
+            raise CheckpointError("this CheckpointManager has no best_fn to rank steps by.")
+        try:
+            value = fn(metrics)
+            value = float(value)
+        except Exception as e:
+            raise CheckpointError(
+                f"best_fn failed on the metrics of step {step} ({metrics!r}): "
+                f"{type(e).__name__}: {e}. best_fn must return a number from the dict "
+                "passed as save(..., metrics=...)."
+            ) from e
+        if math.isnan(value):
+            raise CheckpointError(f"best_fn returned NaN for the metrics of step {step}.")
+        return value
+
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, Any]]) -> set[int]:
+        """The subset of ``steps`` (complete, ascending) to keep; always holds the newest."""
+        steps = sorted(steps)
+        if not steps or self.keeps_everything:
+            return set(steps)
+        kept = {steps[-1]} | (set(steps) & self.keep_steps)
+        if self.max_to_keep is not None:
+            kept.update(steps[-self.max_to_keep :])
+        if self.keep_period is not None:
+            kept.update(s for s in steps if s % self.keep_period == 0)
+        if self.keep_best is not None:
+            scored = [(self.score(s, metrics[s]), s) for s in steps if s in metrics]
+            # best first; among equal scores the newer step wins
+            sign = -1.0 if self.best_mode == "max" else 1.0
+            scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+            kept.update(s for _, s in scored[: self.keep_best])
+        return kept
+
+
+def save_step_ok(step: int, interval: int) -> bool:
+    """Whether ``step`` is a saving step of the interval (no special first step)."""
+    return step % interval == 0
+
+
+def as_steps(steps: Iterable[int] | None) -> frozenset[int]:
+    return frozenset(steps or ())

@@ -1,0 +1,132 @@
+"""CheckpointManager exit safety: every way a training script ends, in a real subprocess.
+
+Each child saves steps 0 and 1, then step 2 asynchronously with Orbax's finalize held
+back, so step 2 is still being written when the script ends. Before this guard, a
+script's end lost step 2 (and could hang for minutes in Orbax's signalling threads)
+while exiting 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import modelshard as ms
+
+CHILD = Path(__file__).parent / "manager_scripts" / "exit_child.py"
+N = 1 << 16
+LIMIT_S = 90
+
+
+def run_child(root, mode, send=None):
+    """Run the child to its end (SIGKILL after LIMIT_S); ``send`` a signal after READY."""
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), str(root), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    timer = threading.Timer(LIMIT_S, proc.kill)
+    timer.start()
+    start = time.monotonic()
+    try:
+        out = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line.strip())
+            if line.strip() == "READY" and send is not None:
+                os.kill(proc.pid, send)
+        err = proc.stderr.read() if proc.stderr else ""
+        proc.wait(timeout=LIMIT_S)
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wall = time.monotonic() - start
+    assert wall < LIMIT_S, f"{mode}: killed after {wall:.0f} s (a hang)"
+    return proc.returncode, out, err, wall
+
+
+def assert_step(root, step):
+    """``step`` is complete and holds exactly what the child saved."""
+    with ms.CheckpointManager(root, handle_signals=False) as mngr:
+        assert step in mngr.all_steps()
+        out = mngr.restore(step)
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(N, dtype=np.float32) + step)
+    want = jax.random.key_data(jax.random.fold_in(jax.random.key(0), step))
+    np.testing.assert_array_equal(jax.random.key_data(out["k"]), want)
+
+
+@pytest.mark.parametrize(
+    ("mode", "rc"),
+    [
+        ("end", 0),
+        pytest.param("exit3", 3, marks=pytest.mark.slow),
+        ("raises", 1),
+        ("with_raises", 1),
+    ],
+)
+def test_script_end_finishes_the_pending_save(tmp_path, mode, rc):
+    code, out, err, _ = run_child(tmp_path, mode)
+    assert code == rc, err
+    assert out[-1] == "READY"
+    assert_step(tmp_path, 2)
+    assert ms.CheckpointManager(tmp_path, handle_signals=False).all_steps() == [0, 1, 2]
+    if mode in ("raises", "with_raises"):
+        assert "RuntimeError: the training step failed" in err
+
+
+@pytest.mark.parametrize(
+    ("mode", "sig"),
+    [("sigterm", signal.SIGTERM), pytest.param("sigint", signal.SIGINT, marks=pytest.mark.slow)],
+)
+def test_signal_finishes_the_pending_save_then_dies_of_it(tmp_path, mode, sig):
+    code, _out, _, wall = run_child(tmp_path, mode, send=sig)
+    # the default action of the signal, after the save: what the scheduler expects
+    assert code in (-sig, 128 + sig)
+    assert_step(tmp_path, 2)
+    assert wall < 30
+
+
+@pytest.mark.slow
+def test_sigterm_sent_by_the_process_itself(tmp_path):
+    code, _, _, _ = run_child(tmp_path, "kill_self")
+    assert code == -signal.SIGTERM
+    assert_step(tmp_path, 2)
+
+
+def test_cooperative_loop_saves_the_step_it_was_stopped_at(tmp_path):
+    code, out, err, _ = run_child(tmp_path, "cooperative", send=signal.SIGTERM)
+    stopped = int(out[-1].removeprefix("PREEMPTED "))
+    assert stopped >= 3
+    assert code == 128 + signal.SIGTERM, err  # sys.exit(0) after a stop is not success
+    assert ms.CheckpointManager(tmp_path, handle_signals=False).all_steps() == [0, stopped]
+    assert_step(tmp_path, stopped)
+
+
+def test_save_that_cannot_be_finished_is_reported_and_fails_the_exit(tmp_path):
+    code, _, err, _ = run_child(tmp_path, "lost")
+    assert code == 1
+    assert f"step 2 of {tmp_path} is still being written" in err
+    assert "LOST" in err
+    assert ms.CheckpointManager(tmp_path, handle_signals=False).all_steps() == [0, 1]
+
+
+def test_failed_background_save_fails_the_exit_and_names_the_step(tmp_path):
+    code, _, err, _ = run_child(tmp_path, "fails")
+    assert code == 1
+    assert f"NOT SAVED (the main module ended): step 2 was not saved to {tmp_path}: " in err
+    assert "No space left on device" in err
+    with ms.CheckpointManager(tmp_path, handle_signals=False) as mngr:
+        assert mngr.all_steps() == [0, 1]
+        assert_step(tmp_path, 1)
