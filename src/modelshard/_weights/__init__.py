@@ -1,0 +1,27 @@
+"""The weights area's façade: pretrained weights in and out through one mapping language.
+
+:class:`WeightMap` (rules from stored tensor names to canonical target paths, with
+transforms), its TOML form, ``load_safetensors`` / ``save_safetensors``, and what
+``restore(mapping=...)`` and the CLI's ``convert`` need. README.md beside this module gives
+the design.
+"""
+
+from __future__ import annotations
+
+from .load import as_mapping as as_mapping
+from .load import invert_resolution as invert_resolution
+from .load import load_safetensors as load_safetensors
+from .load import nest_paths as nest_paths
+from .load import place_mapped as place_mapped
+from .load import save_safetensors as save_safetensors
+from .load import target_table as target_table
+from .mapfile import load_weight_map as load_weight_map
+from .mapfile import parse_weight_map as parse_weight_map
+from .mapping import MapRule as MapRule
+from .mapping import Resolution as Resolution
+from .mapping import Stack as Stack
+from .mapping import Unstack as Unstack
+from .mapping import WeightMap as WeightMap
+from .mapping import resolve as resolve
+from .safetensors import open_safetensors as open_safetensors
+from .safetensors import write_safetensors as write_safetensors

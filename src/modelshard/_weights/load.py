@@ -1,0 +1,354 @@
+"""``load_safetensors`` and ``save_safetensors``: pretrained weights in and out.
+
+Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
+them against the target's leaves (:func:`.mapping.resolve`, all problems at once); the
+target is planned by the one pipeline (:func:`modelshard.plan`); then each leaf is built
+with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
+addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
+time, so host memory stays at the placed state plus, at most, one stored tensor.
+
+Export runs the same resolution against a reference checkpoint's header (the names,
+shapes and dtypes to write), inverts every recipe and writes one stored tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from .._errors import CheckpointError, MappingError, Problem
+from .._flat import split
+from .._mesh import is_abstract, make_mesh
+from .._paths import split as split_path
+from . import transforms as T
+from .mapping import Resolution, WeightMap, resolve
+from .safetensors import SafetensorsFiles, open_safetensors, write_safetensors
+
+__all__ = ["load_safetensors", "nest_paths", "save_safetensors", "target_table"]
+
+MappingLike = WeightMap | str | os.PathLike[str] | None
+
+
+def as_mapping(mapping: MappingLike, *, split_dots: bool) -> WeightMap:
+    """A :class:`WeightMap`, a path to a mapping TOML file, or ``None`` (every tensor under
+    its own name; ``split_dots``: ``a.b.c`` -> ``a/b/c``)."""
+    if mapping is None:
+        return WeightMap.identity(split_dots=split_dots)
+    if isinstance(mapping, WeightMap):
+        return mapping
+    from .mapfile import load_weight_map
+
+    return load_weight_map(mapping)
+
+
+def nest_paths(items: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested dict from ``path -> value`` (``a/b`` -> ``{"a": {"b": value}}``).
+
+    Raises:
+        MappingError: a path that is both a leaf and a parent of another leaf.
+    """
+    out: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for path, value in items.items():
+        node = out
+        parts = split_path(path)
+        for c in parts[:-1]:
+            nxt = node.setdefault(c, {})
+            if not isinstance(nxt, dict):
+                problems.append(Problem("target", path, f"{c!r} is a leaf and a parent"))
+                break
+            node = nxt
+        else:
+            if parts[-1] in node:
+                problems.append(Problem("target", path, "a leaf and a parent at once"))
+            else:
+                node[parts[-1]] = value
+    if problems:
+        raise MappingError(problems)
+    return out
+
+
+def target_table(like: Any) -> tuple[Any, dict[str, tuple[tuple[int, ...], Any]]]:
+    flat = split(like)
+    return flat, {
+        p: (tuple(x.shape), x.dtype) for p, x in zip(flat.paths, flat.arrays, strict=True)
+    }
+
+
+def _sharding_of(x: Any) -> Any:
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+        if is_abstract(s.mesh):
+            return NamedSharding(make_mesh(dict(s.mesh.shape)), s.spec)
+        return s
+    if s is not None and not isinstance(x, jax.ShapeDtypeStruct | np.ndarray):
+        return s
+    return SingleDeviceSharding(jax.local_devices()[0])
+
+
+def build_leaf(
+    node: T.Node,
+    sharding: Any,
+    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+) -> jax.Array:
+    """One target leaf from its recipe: each addressable device's slice read once."""
+    cache: dict[Any, np.ndarray] = {}
+    fetch = fetch_for(cache)
+    seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def piece(index: Any) -> np.ndarray:
+        idx = T.full_index(node.shape) if index is None else index
+        norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
+        got = seen.get(norm)
+        if got is None:
+            got = seen[norm] = node.read(tuple(slice(a, b) for a, b in norm), fetch)
+        return got
+
+    out = jax.make_array_from_callback(node.shape, sharding, piece)
+    cache.clear()
+    seen.clear()
+    return out
+
+
+def load_safetensors(
+    path: str | os.PathLike[str],
+    *,
+    like: Any = None,
+    mapping: MappingLike = None,
+    specs: Any = None,
+    mesh: Any = None,
+    dtype: Any = None,
+    dry_run: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Any:
+    """Load a safetensors checkpoint (one file or a sharded index) into a container, each
+    device reading only its slice of each stored tensor.
+
+    Args:
+        path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
+            with either.
+        like: a concrete or abstract container (``nnx.eval_shape``, ``jax.eval_shape``)
+            giving the leaves to fill and the type to return. Without it a nested dict of
+            every mapped leaf.
+        mapping: a :class:`WeightMap`, or a path to a mapping TOML file. Default: every
+            stored tensor under its own name with ``.`` read as ``/``
+            (``model.norm.weight`` -> ``model/norm/weight``).
+        specs: one spec-like for the container, planned on ``mesh`` by the same pipeline as
+            :func:`shard` (default: replicated).
+        mesh: the target mesh. Without it each leaf takes ``like``'s sharding, else the
+            first local device.
+        dtype: cast floating-point stored tensors to this dtype first (a bfloat16 file into
+            a float32 model: ``dtype="float32"``).
+        dry_run: resolve and plan only: return the mapping table
+            (:class:`~modelshard._weights.mapping.Resolution`; ``print`` it) without reading
+            a tensor.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each leaf.
+
+    Returns:
+        The container (same type as ``like``), leaves placed in their planned shardings;
+        leaves the mapping keeps hold ``like``'s values. With ``dry_run``, the table.
+
+    Raises:
+        MappingError: every unmapped stored tensor, every target leaf with no source, every
+            shape or dtype that does not fit after the transforms, every rule that matched
+            nothing, listed at once.
+        SpecError: the specs do not fit the container or the mesh.
+        CheckpointError: a missing or malformed file or index.
+
+    Example:
+        >>> import tempfile, numpy as np, jax, modelshard as ms
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from modelshard._weights.safetensors import write_safetensors
+        >>> w = np.arange(32, dtype=np.float32).reshape(4, 8)  # PyTorch [out, in]
+        >>> path = tempfile.mkdtemp() + "/model.safetensors"
+        >>> _ = write_safetensors(path, [("fc.weight", w.shape, w.dtype)], lambda n: w)
+        >>> like = {"fc": {"kernel": jax.ShapeDtypeStruct((8, 4), np.float32)}}
+        >>> wm = ms.WeightMap([ms.MapRule(r"(\\w+)\\.weight", "{1}/kernel", transpose=(1, 0))])
+        >>> out = ms.load_safetensors(path, like=like, mapping=wm,
+        ...                           specs=P("data"), mesh=ms.make_mesh({"data": 8}))
+        >>> out["fc"]["kernel"].sharding.spec, bool((out["fc"]["kernel"] == w.T).all())
+        (P('data',), True)
+    """
+    wm = as_mapping(mapping, split_dots=True)
+    with open_safetensors(path) as files:
+        return load_with(files, like, wm, specs, mesh, dtype, dry_run, progress)
+
+
+def load_with(
+    files: SafetensorsFiles,
+    like: Any,
+    wm: WeightMap,
+    specs: Any,
+    mesh: Any,
+    dtype: Any,
+    dry_run: bool,
+    progress: Callable[[int, int], None] | None,
+) -> Any:
+    if like is not None:
+        flat, targets = target_table(like)
+        res = resolve(wm, files.table(), targets, dtype=dtype)
+    else:
+        res = resolve(wm, files.table(), None, dtype=dtype)
+        like = nest_paths(
+            {p: jax.ShapeDtypeStruct(n.shape, n.dtype) for p, n in res.recipes.items()}
+        )
+        flat = split(like)
+    if specs is not None and mesh is None:
+        raise CheckpointError(
+            "load_safetensors(specs=...) needs mesh=...: specs are planned on a mesh."
+        )
+    shardings = _shardings(like, flat, specs, mesh)
+    if dry_run:
+        return res
+    return place_mapped(flat, res, shardings, files.fetch, progress)
+
+
+def _shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
+    if mesh is None:
+        return [_sharding_of(x) for x in flat.arrays]
+    from jax.sharding import PartitionSpec
+
+    from .._plan import plan
+
+    if is_abstract(mesh):
+        mesh = make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
+    return plan(like, PartitionSpec() if specs is None else specs, mesh).flat_shardings(0)
+
+
+def place_mapped(
+    flat: Any,
+    res: Resolution,
+    shardings: list[Any],
+    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+    progress: Callable[[int, int], None] | None = None,
+) -> Any:
+    """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
+    from .._shard import place
+
+    total = sum(int(np.prod(n.shape)) * n.dtype.itemsize for n in res.recipes.values())
+    done = 0
+    out = []
+    for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
+        node = res.recipes.get(path)
+        if node is None:
+            if isinstance(x, jax.ShapeDtypeStruct):
+                raise MappingError(
+                    [
+                        Problem(
+                            "target",
+                            path,
+                            "kept (no stored tensor) but like holds no value for it",
+                            hint="pass a concrete like for kept leaves (a freshly "
+                            "initialised model)",
+                        )
+                    ]
+                )
+            out.append(place([x], [s])[0])
+            continue
+        out.append(build_leaf(node, s, fetch_for))
+        done += int(np.prod(node.shape)) * node.dtype.itemsize
+        if progress is not None:
+            progress(done, total)
+    return flat.update_inplace(out)
+
+
+def save_safetensors(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    reference: str | os.PathLike[str] | Mapping[str, tuple[tuple[int, ...], Any]],
+    mapping: MappingLike = None,
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write ``state`` as one safetensors file in a checkpoint's names, shapes and dtypes:
+    the import mapping run backwards.
+
+    Args:
+        path: the ``.safetensors`` file to write (replaced once complete).
+        state: the container (a fine-tuned model); its leaves may be sharded.
+        reference: the checkpoint the mapping was written for (a file, index or directory
+            whose headers give the names, shapes and dtypes to write), or that table
+            itself (name -> (shape, dtype)).
+        mapping: the same mapping that imports ``reference`` into ``state``.
+        metadata: ``__metadata__`` strings for the header (default: the reference's).
+        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor.
+
+    Returns:
+        The path written. Importing it again gives ``state`` back bit for bit (casts
+        that lose precision aside).
+
+    Raises:
+        MappingError: the mapping does not fit the reference and the state (the same
+            checks as an import).
+
+    Example:
+        >>> import tempfile, numpy as np, jax.numpy as jnp, modelshard as ms
+        >>> table = {"fc.weight": ((4, 8), np.float32)}  # PyTorch [out, in]
+        >>> wm = ms.WeightMap([ms.MapRule(r"(\\w+)\\.weight", "{1}/kernel", transpose=(1, 0))])
+        >>> state = {"fc": {"kernel": jnp.ones((8, 4))}}
+        >>> p = ms.save_safetensors(tempfile.mkdtemp() + "/out.safetensors", state,
+        ...                         reference=table, mapping=wm)
+        >>> ms.load_safetensors(p, like=state, mapping=wm)["fc"]["kernel"].shape
+        (8, 4)
+    """
+    wm = as_mapping(mapping, split_dots=True)
+    meta: dict[str, str] = {}
+    if isinstance(reference, Mapping):
+        table = {k: (tuple(s), np.dtype(d)) for k, (s, d) in reference.items()}
+    else:
+        with open_safetensors(reference) as ref:
+            table = ref.table()
+            meta = dict(ref.metadata)
+    flat, targets = target_table(state)
+    res = resolve(wm, table, targets)
+    values = dict(zip(flat.paths, flat.arrays, strict=True))
+    sources = invert_resolution(res)
+    cache: dict[str, np.ndarray] = {}
+
+    def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
+        whole = cache.get(key)
+        if whole is None:
+            whole = cache[key] = np.asarray(jax.device_get(values[key]))
+        return whole[index]
+
+    order = [n for n in table if n in sources]
+    total = sum(int(np.prod(table[n][0])) * np.dtype(table[n][1]).itemsize for n in order)
+    done = [0]
+
+    def compute(name: str) -> np.ndarray:
+        value = sources[name].read(None, fetch)
+        needed = {k for n in order[order.index(name) + 1 :] for k in sources[n].reads()}
+        for k in list(cache):
+            if k not in needed:
+                del cache[k]
+        return value
+
+    def step(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
+    return write_safetensors(
+        path,
+        [(n, table[n][0], table[n][1]) for n in order],
+        compute,
+        metadata if metadata is not None else meta,
+        step,
+    )
+
+
+def invert_resolution(res: Resolution) -> dict[str, T.Node]:
+    """For each stored tensor the resolution reads, the recipe computing it from targets."""
+    out: dict[str, T.Node] = {}
+    pieces: dict[int, dict[str, Any]] = {}
+    for path, node in res.recipes.items():
+        T.invert(path, node, out, pieces)
+    T.finish_inverse(out, pieces)
+    return out

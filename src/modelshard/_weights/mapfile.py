@@ -1,0 +1,262 @@
+"""Mapping files: a :class:`~modelshard.WeightMap` written as TOML (``--mapping`` of the CLI).
+
+The format (documented in ``docs/concepts/mapping.md``)::
+
+    strict = true                      # optional: a rule matching nothing is an error
+    keep = ["lora", "^head/"]          # target leaves that may keep like's values
+
+    [config]                           # sizes named in reshape
+    heads = 4
+
+    [[rules]]                          # first match wins; re.fullmatch on stored names
+    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.(q|k|v|o)_proj\\.weight'
+    target = "layers/{1}/attn/{2}/kernel"
+    transpose = [1, 0]
+
+    [[rules]]
+    source = 'model\\.layers\\.(\\d+)\\.mlp\\.(gate|up)_proj\\.weight'
+    target = "layers/{1}/mlp/gate_up/kernel"
+    transpose = [1, 0]
+    stack = { group = 2, axis = 0, order = ["gate", "up"] }
+
+    [[rules]]
+    source = 'params/layers/(.+)'
+    target = "layers/{layer}/{1}"
+    unstack = { key = "layer", axis = 0 }
+
+    [[rules]]
+    source = '.*\\.rotary_emb\\.inv_freq'
+    skip = true
+
+A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import MappingError, Problem
+from .mapping import MapRule, Stack, Unstack, WeightMap
+
+__all__ = ["load_weight_map", "parse_weight_map"]
+
+_TOP = {"strict", "keep", "config", "rules"}
+_RULE = {"source", "target", "skip", "transpose", "reshape", "stack", "unstack", "cast"}
+
+
+def _ints(value: Any, where: str, problems: list[Problem], src: str, names: bool) -> Any:
+    ok = isinstance(value, list) and all(
+        (isinstance(v, int) and not isinstance(v, bool)) or (names and isinstance(v, str))
+        for v in value
+    )
+    if not ok:
+        what = "integers or config names" if names else "integers"
+        problems.append(Problem(src, where, f"{value!r} is not an array of {what}"))
+        return None
+    return tuple(value)
+
+
+def _table(
+    value: Any, where: str, keys: dict[str, Any], required: str, problems: list[Problem], src: str
+) -> dict[str, Any] | None:
+    if not isinstance(value, Mapping):
+        problems.append(Problem(src, where, f"{value!r} is not a table"))
+        return None
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if k not in keys:
+            problems.append(
+                Problem(
+                    src, f"{where}.{k}", f"unknown key {k!r}", hint=f"allowed: {', '.join(keys)}"
+                )
+            )
+        elif not isinstance(v, keys[k]) or isinstance(v, bool):
+            problems.append(Problem(src, f"{where}.{k}", f"{v!r} has the wrong type"))
+        else:
+            out[k] = v
+    if required not in value:
+        problems.append(Problem(src, where, f"{required} is required"))
+        return None
+    return out
+
+
+def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> WeightMap:
+    """Build a :class:`~modelshard.WeightMap` from parsed TOML; every problem at once.
+
+    Raises:
+        MappingError: unknown keys, missing fields, wrong types, malformed rules.
+
+    Example:
+        >>> wm = parse_weight_map({"rules": [{"source": "w", "target": "dense/kernel",
+        ...                                   "transpose": [1, 0]}]})
+        >>> wm.target_of("w")
+        'dense/kernel'
+    """
+    problems: list[Problem] = []
+    for k in data:
+        if k not in _TOP:
+            problems.append(
+                Problem(
+                    source,
+                    k,
+                    f"unknown top-level key {k!r}",
+                    hint="allowed: " + ", ".join(sorted(_TOP)),
+                )
+            )
+    strict = data.get("strict", True)
+    if not isinstance(strict, bool):
+        problems.append(Problem(source, "strict", f"strict must be true or false, got {strict!r}"))
+        strict = True
+    keep = data.get("keep", [])
+    if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
+        problems.append(Problem(source, "keep", f"keep must be an array of regexes, got {keep!r}"))
+        keep = []
+    config = data.get("config", {})
+    if not (
+        isinstance(config, Mapping)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in config.values())
+    ):
+        problems.append(
+            Problem(source, "config", f"config must be a table of integers, got {config!r}")
+        )
+        config = {}
+    raw = data.get("rules", [])
+    if not isinstance(raw, list):
+        problems.append(
+            Problem(
+                source, "rules", "rules must be an array of tables", hint="write [[rules]] blocks"
+            )
+        )
+        raw = []
+    rules: list[MapRule] = []
+    for i, item in enumerate(raw):
+        where = f"rules[{i}]"
+        if not isinstance(item, Mapping):
+            problems.append(Problem(source, where, f"{item!r} is not a table"))
+            continue
+        bad = False
+        for k in item:
+            if k not in _RULE:
+                problems.append(
+                    Problem(
+                        source,
+                        f"{where}.{k}",
+                        f"unknown key {k!r}",
+                        hint="allowed: " + ", ".join(sorted(_RULE)),
+                    )
+                )
+                bad = True
+        src, target, skip = item.get("source"), item.get("target"), item.get("skip", False)
+        if not isinstance(src, str):
+            problems.append(
+                Problem(source, f"{where}.source", f"source must be a regex string, got {src!r}")
+            )
+            bad = True
+        if skip is not True and not isinstance(target, str):
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.target",
+                    f"target must be a path template, got {target!r}",
+                    hint="or write skip = true to ignore the matched tensors",
+                )
+            )
+            bad = True
+        if skip is True and target is not None:
+            problems.append(
+                Problem(source, where, "a rule cannot have both target and skip = true")
+            )
+            bad = True
+        transpose = item.get("transpose")
+        if transpose is not None:
+            transpose = _ints(transpose, f"{where}.transpose", problems, source, False)
+            bad |= transpose is None
+        reshape = item.get("reshape")
+        if reshape is not None:
+            reshape = _ints(reshape, f"{where}.reshape", problems, source, True)
+            bad |= reshape is None
+        stack = unstack = None
+        if "stack" in item:
+            t = _table(
+                item["stack"],
+                f"{where}.stack",
+                {"group": (int, str), "axis": int, "order": list},
+                "group",
+                problems,
+                source,
+            )  # type: ignore[dict-item]
+            if t is None:
+                bad = True
+            else:
+                order = t.get("order")
+                stack = Stack(
+                    t["group"], t.get("axis", 0), None if order is None else tuple(map(str, order))
+                )
+        if "unstack" in item:
+            t = _table(
+                item["unstack"],
+                f"{where}.unstack",
+                {"key": str, "axis": int},
+                "key",
+                problems,
+                source,
+            )
+            if t is None:
+                bad = True
+            else:
+                unstack = Unstack(t["key"], t.get("axis", 0))
+        cast = item.get("cast")
+        if cast is not None and not isinstance(cast, str):
+            problems.append(
+                Problem(source, f"{where}.cast", f"cast must be a dtype name, got {cast!r}")
+            )
+            bad = True
+        if not bad:
+            rules.append(
+                MapRule(
+                    src,  # type: ignore[arg-type]
+                    None if skip is True else target,
+                    transpose=transpose,
+                    reshape=reshape,
+                    stack=stack,
+                    unstack=unstack,
+                    cast=cast,
+                )
+            )
+    header = f"invalid mapping file {source}:"
+    if problems:
+        raise MappingError(problems, header=header)
+    try:
+        return WeightMap(rules, keep=keep, config=config, strict=strict)
+    except MappingError as e:
+        raise MappingError(e.problems, header=header) from e
+
+
+def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
+    """Read a TOML mapping file into a :class:`~modelshard.WeightMap`.
+
+    Raises:
+        MappingError: the file is missing, not UTF-8 TOML, or does not describe a mapping.
+    """
+    p = Path(path)
+    header = f"invalid mapping file {p}:"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise MappingError(
+            [Problem(str(p), "", f"cannot read the mapping file: {e.strerror or e}")], header=header
+        ) from e
+    except UnicodeDecodeError as e:
+        raise MappingError(
+            [Problem(str(p), "", f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
+            header=header,
+        ) from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise MappingError([Problem(str(p), "", f"not valid TOML: {e}")], header=header) from e
+    return parse_weight_map(data, str(p))

@@ -1,0 +1,724 @@
+"""The mapping language: stored tensor names -> canonical target paths, with transforms.
+
+A :class:`WeightMap` is an ordered list of :class:`MapRule`; each stored tensor takes the
+first rule whose ``source`` regex matches its whole name. The rule's ``target`` template
+names the leaf (``{1}`` or ``{name}`` insert the regex's groups) and its transforms say how
+the stored tensor becomes that leaf. :func:`resolve` turns a mapping, the stored tensors'
+names, shapes and dtypes, and (optionally) the target's leaves into one recipe per target
+leaf (:mod:`.transforms`), reading nothing, and reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import dtype_name
+from .._errors import MappingError, Problem
+from . import transforms as T
+
+__all__ = ["MapRule", "Resolution", "Row", "Stack", "Unstack", "WeightMap", "resolve"]
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Several stored tensors into one target leaf, along a new axis.
+
+    Stored tensors matched by one rule whose names differ only in regex group ``group``
+    (the target template must not use it) are stacked along ``axis`` of the target, in
+    ``order`` of that group's values (default: numeric, ``0..N-1``, every index present).
+    Numbered layers into a scanned axis: ``Stack(1)``; fused gate and up projections:
+    ``Stack(2, order=("gate", "up"))``.
+
+    Attributes:
+        group: the regex group (number or name) that varies between the stacked tensors.
+        axis: where the new axis goes in the target (after the rule's transforms).
+        order: the group's values in stacking order; ``None`` for numbers.
+    """
+
+    group: int | str
+    axis: int = 0
+    order: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack:
+    """One stored tensor into several target leaves, one per index of ``axis``.
+
+    The inverse of :class:`Stack`: a scanned checkpoint (``layers/mlp/kernel`` of shape
+    ``[L, ...]``) into an unscanned model (``layers/{layer}/mlp/kernel``).
+
+    Attributes:
+        key: the name of the index in the target template (``{layer}``).
+        axis: the stored tensor's axis to split (before the rule's transforms).
+    """
+
+    key: str
+    axis: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MapRule:
+    """One rule of a :class:`WeightMap`.
+
+    Transforms apply in this order: ``unstack`` (on the stored tensor), ``transpose``,
+    ``reshape`` (on each piece), ``stack`` (across tensors), then ``cast``.
+
+    Attributes:
+        source: regex matched against the whole stored name (``re.fullmatch``).
+        target: the target path template (``layers/{1}/attn/q/kernel``); ``None`` skips
+            the matched tensors (rotary caches, tied copies).
+        transpose: a permutation of the axes (``(1, 0)``: PyTorch's ``[out, in]`` linear
+            weight to a JAX ``[in, out]`` kernel).
+        reshape: the new shape: ints, ``-1`` (inferred), or names looked up in the
+            mapping's ``config`` (``("embed", "heads", -1)``).
+        stack: several tensors into one leaf (:class:`Stack`).
+        unstack: one tensor into several leaves (:class:`Unstack`).
+        cast: the dtype the leaf is cast to (``"float32"``).
+    """
+
+    source: str
+    target: str | None
+    transpose: tuple[int, ...] | None = None
+    reshape: tuple[int | str, ...] | None = None
+    stack: Stack | None = None
+    unstack: Unstack | None = None
+    cast: str | None = None
+
+    def transforms_text(self) -> str:
+        parts = []
+        if self.unstack:
+            parts.append(f"unstack(axis {self.unstack.axis} -> {{{self.unstack.key}}})")
+        if self.transpose:
+            parts.append(f"transpose{tuple(self.transpose)}")
+        if self.reshape:
+            parts.append(f"reshape{tuple(self.reshape)}")
+        if self.stack:
+            parts.append(f"stack(group {self.stack.group}, axis {self.stack.axis})")
+        if self.cast:
+            parts.append(f"cast({self.cast})")
+        return ", ".join(parts) or ("skip" if self.target is None else "-")
+
+
+class WeightMap:
+    """Stored tensor names to target paths, with transforms; first matching rule wins.
+
+    The same mapping reads a checkpoint into a model (:func:`~modelshard.load_safetensors`,
+    :func:`~modelshard.restore` with ``mapping=``) and writes the model back in the
+    checkpoint's names, shapes and dtypes (:func:`~modelshard.save_safetensors`).
+
+    Args:
+        rules: the rules, tried in order.
+        keep: regexes over target paths (``re.search``): target leaves they match may have
+            no stored tensor and keep ``like``'s values (a new head, LoRA adapters). Every
+            other target leaf must be mapped.
+        config: sizes named in ``reshape`` (``{"heads": 32, "head_dim": 128}``).
+        strict: a rule (or ``keep`` pattern) that matches nothing is an error.
+
+    Raises:
+        MappingError: a rule is malformed (bad regex, a template naming a group the regex
+            lacks, a stack group used in the template, ...); every one is listed.
+
+    Example:
+        >>> import modelshard as ms
+        >>> wm = ms.WeightMap([
+        ...     ms.MapRule(r"model\\.layers\\.(\\d+)\\.mlp\\.down_proj\\.weight",
+        ...                "layers/{1}/mlp/down/kernel", transpose=(1, 0)),
+        ...     ms.MapRule(r".*\\.rotary_emb\\.inv_freq", None),
+        ... ], keep=["lora"])
+        >>> wm.target_of("model.layers.3.mlp.down_proj.weight")
+        'layers/3/mlp/down/kernel'
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[MapRule],
+        *,
+        keep: Sequence[str] = (),
+        config: Mapping[str, int] | None = None,
+        strict: bool = True,
+    ):
+        self.rules = tuple(rules)
+        self.keep = tuple(keep)
+        self.config = dict(config or {})
+        self.strict = strict
+        self.split_dots = False
+        problems: list[Problem] = []
+        self._compiled = [_compile(i, r, problems) for i, r in enumerate(self.rules)]
+        self._keep = []
+        for i, k in enumerate(self.keep):
+            try:
+                self._keep.append(re.compile(k))
+            except re.error as e:
+                problems.append(Problem("mapping", f"keep[{i}]", f"{k!r} is not a regex: {e}"))
+        if problems:
+            raise MappingError(problems, header=_header(problems))
+
+    @classmethod
+    def identity(cls, *, split_dots: bool = False) -> WeightMap:
+        """Every stored tensor under its own name (``split_dots``: ``a.b.c`` -> ``a/b/c``)."""
+        wm = cls([MapRule("(.*)", "{1}")], strict=False)
+        wm.split_dots = split_dots
+        return wm
+
+    def match(self, name: str) -> tuple[int, re.Match[str]] | None:
+        """The index of the first rule matching ``name`` and the match, or ``None``."""
+        for i, pattern in enumerate(self._compiled):
+            if pattern is None:
+                continue
+            m = pattern.fullmatch(name)
+            if m is not None:
+                return i, m
+        return None
+
+    def target_of(self, name: str) -> str | None:
+        """The target path of one stored tensor (for stacked rules, the stacked leaf)."""
+        hit = self.match(name)
+        if hit is None or self.rules[hit[0]].target is None:
+            return None
+        rule = self.rules[hit[0]]
+        extra = {rule.unstack.key: "0"} if rule.unstack else {}
+        return self._format(rule, hit[1], extra)
+
+    def _format(self, rule: MapRule, m: re.Match[str], extra: Mapping[str, str]) -> str:
+        assert rule.target is not None
+        out = _FIELD.sub(lambda f: _field(m, f.group(1), extra), rule.target)
+        return out.replace(".", "/") if self.split_dots else out
+
+    def kept(self, path: str) -> bool:
+        return any(k.search(path) for k in self._keep)
+
+    def __repr__(self) -> str:
+        return f"WeightMap({len(self.rules)} rules, keep={list(self.keep)!r})"
+
+
+def _field(m: re.Match[str], name: str, extra: Mapping[str, str]) -> str:
+    if name in extra:
+        return extra[name]
+    value = m.group(int(name)) if name.isdigit() else m.group(name)
+    return "" if value is None else value
+
+
+def _header(problems: Sequence[Problem]) -> str:
+    n = len(problems)
+    return (
+        f"{n} mapping problem{'s' if n != 1 else ''} found (every offending tensor, leaf and "
+        "rule is listed; paths are source:NAME, target:PATH, mapping:rules[i]):"
+    )
+
+
+def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] | None:
+    where = f"rules[{i}]"
+    try:
+        pattern = re.compile(rule.source)
+    except re.error as e:
+        problems.append(Problem("mapping", where, f"source {rule.source!r} is not a regex: {e}"))
+        return None
+    groups = {str(n) for n in range(pattern.groups + 1)} | set(pattern.groupindex)
+    fields = set(_FIELD.findall(rule.target or ""))
+    if rule.unstack is not None:
+        if rule.unstack.key not in fields:
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"unstack key {{{rule.unstack.key}}} is not in the target {rule.target!r}",
+                    hint="the target template must name each piece, e.g. layers/{layer}/...",
+                )
+            )
+        fields.discard(rule.unstack.key)
+    for f in sorted(fields - groups):
+        problems.append(
+            Problem(
+                "mapping",
+                where,
+                f"target {rule.target!r} uses {{{f}}} but the source regex "
+                f"{rule.source!r} has no group {f!r}",
+                hint="name a group of the regex ({1}, {name}) or write the text literally",
+            )
+        )
+    if rule.stack is not None:
+        g = str(rule.stack.group)
+        if g not in groups or g == "0":
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"stack group {rule.stack.group!r} is not a group of {rule.source!r}",
+                )
+            )
+        elif g in fields or (g in pattern.groupindex and str(pattern.groupindex[g]) in fields):
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"the target {rule.target!r} uses the stacked group {{{g}}}",
+                    hint="the stacked tensors share one target: leave the group out of it",
+                )
+            )
+    if rule.stack is not None and rule.unstack is not None:
+        problems.append(Problem("mapping", where, "a rule cannot both stack and unstack"))
+    if rule.target is None and (rule.transpose or rule.reshape or rule.stack or rule.unstack):
+        problems.append(Problem("mapping", where, "a skip rule (target None) takes no transforms"))
+    if rule.cast is not None:
+        try:
+            np.dtype(rule.cast)
+        except TypeError:
+            problems.append(Problem("mapping", where, f"cast {rule.cast!r} is not a dtype name"))
+    return pattern
+
+
+# ---- resolution ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the mapping table: target leaf, where it comes from, how."""
+
+    target: str
+    sources: tuple[str, ...]
+    how: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+
+
+@dataclasses.dataclass
+class Resolution:
+    """A mapping resolved against stored tensors (and a target): nothing read yet.
+
+    Attributes:
+        recipes: target path -> the recipe computing it.
+        kept: target paths with no stored tensor that keep ``like``'s values.
+        skipped: stored tensors skipped by a rule.
+        rows: the mapping table, in target order.
+    """
+
+    recipes: dict[str, T.Node]
+    kept: list[str]
+    skipped: list[str]
+    rows: list[Row]
+
+    def table(self, max_rows: int | None = None) -> Any:
+        """The mapping table as a ``rich.table.Table``."""
+        from rich.table import Table
+
+        t = Table(
+            title="weight mapping",
+            caption=f"{len(self.recipes)} leaves mapped, {len(self.kept)} kept, "
+            f"{len(self.skipped)} stored tensors skipped",
+        )
+        for col in ("target", "shape", "dtype", "from", "transforms"):
+            t.add_column(col)
+        rows = self.rows if max_rows is None else self.rows[:max_rows]
+        for r in rows:
+            src = r.sources[0] if len(r.sources) == 1 else f"{r.sources[0]} (+{len(r.sources) - 1})"
+            shape = "-" if r.shape is None else str(list(r.shape))
+            t.add_row(r.target or "<root>", shape, r.dtype or "-", src or "-", r.how)
+        if len(rows) < len(self.rows):
+            t.add_row(f"... {len(self.rows) - len(rows)} more", "", "", "", "")
+        return t
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=160, color_system=None).print(self.table())
+        return buf.getvalue()
+
+
+Tensors = Mapping[str, tuple[tuple[int, ...], Any]]
+
+
+def resolve(
+    mapping: WeightMap,
+    sources: Tensors,
+    targets: Tensors | None,
+    *,
+    dtype: Any = None,
+) -> Resolution:
+    """Resolve ``mapping`` against stored tensors ``sources`` (name -> (shape, dtype)) and
+    target leaves ``targets`` (path -> (shape, dtype); ``None``: whatever the mapping makes).
+
+    ``dtype``: floating-point stored tensors are cast to it (before the rules' ``cast``).
+
+    Raises:
+        MappingError: every unmapped stored tensor, every target leaf with no source,
+            every shape or dtype that does not fit, every rule that matched nothing.
+    """
+    problems: list[Problem] = []
+    used: set[int] = set()
+    plain: list[tuple[int, str, re.Match[str]]] = []
+    stacks: dict[tuple[int, str], dict[str, str]] = {}
+    skipped: list[str] = []
+    for name in sources:
+        hit = mapping.match(name)
+        shape, dt = sources[name]
+        if hit is None:
+            problems.append(
+                Problem(
+                    "source",
+                    name,
+                    "no rule maps this stored tensor",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="add a rule for it, or a skip rule (target None / skip = true)",
+                    cause="no rule maps this stored tensor",
+                )
+            )
+            continue
+        i, m = hit
+        used.add(i)
+        rule = mapping.rules[i]
+        if rule.target is None:
+            skipped.append(name)
+        elif rule.stack is not None:
+            key = mapping._format(rule, m, {})
+            stacks.setdefault((i, key), {})[m.group(rule.stack.group) or ""] = name
+        else:
+            plain.append((i, name, m))
+
+    made: dict[str, tuple[T.Node, int, tuple[str, ...]]] = {}
+
+    def add(path: str, node: T.Node | None, i: int, names: tuple[str, ...]) -> None:
+        if node is None:
+            return
+        if path in made:
+            other = made[path][2]
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"stored tensors {', '.join(other + names)} all map to this leaf "
+                    f"(rules[{made[path][1]}] and rules[{i}])",
+                    hint="give them distinct targets, or Stack(...) them into one leaf",
+                    cause="several stored tensors map to one leaf",
+                )
+            )
+            return
+        made[path] = (node, i, names)
+
+    for i, name, m in plain:
+        rule = mapping.rules[i]
+        shape, dt = sources[name]
+        read = T.Read(name, tuple(shape), np.dtype(dt))
+        if rule.unstack is not None:
+            ax = rule.unstack.axis
+            if not -len(shape) <= ax < len(shape):
+                problems.append(_bad(name, read, f"unstack axis {ax} is out of range", i))
+                continue
+            ax %= len(shape)
+            for k in range(shape[ax]):
+                path = mapping._format(rule, m, {rule.unstack.key: str(k)})
+                piece = _piece(mapping, rule, i, T.Take(read, ax, k), name, dtype, problems)
+                if piece is None:
+                    break  # the same problem for every piece: reported once
+                add(path, piece, i, (name,))
+        else:
+            path = mapping._format(rule, m, {})
+            add(path, _piece(mapping, rule, i, read, name, dtype, problems), i, (name,))
+
+    for (i, path), members in stacks.items():
+        rule = mapping.rules[i]
+        assert rule.stack is not None
+        order = _stack_order(rule.stack, members, i, path, problems)
+        if order is None:
+            continue
+        names = tuple(members[v] for v in order)
+        pieces = []
+        for name in names:
+            shape, dt = sources[name]
+            read = T.Read(name, tuple(shape), np.dtype(dt))
+            pieces.append(_pre_cast(mapping, rule, i, read, name, dtype, problems))
+        if any(p is None for p in pieces):
+            continue
+        shapes = {(p.shape, p.dtype) for p in pieces if p is not None}
+        if len(shapes) > 1:
+            detail = ", ".join(
+                f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
+                for n, p in zip(names, pieces, strict=True)
+                if p is not None
+            )
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"the stacked tensors differ in shape or dtype: {detail}",
+                    hint="only tensors of one shape and dtype stack",
+                )
+            )
+            continue
+        ndim = len(pieces[0].shape) + 1  # type: ignore[union-attr]
+        ax = rule.stack.axis
+        if not -ndim <= ax < ndim:
+            problems.append(Problem("mapping", f"rules[{i}]", f"stack axis {ax} is out of range"))
+            continue
+        node: T.Node = T.Stack([p for p in pieces if p is not None], ax % ndim)
+        add(path, _cast(rule, node), i, names)
+
+    if mapping.strict:
+        for i, rule in enumerate(mapping.rules):
+            if i not in used:
+                problems.append(
+                    Problem(
+                        "mapping",
+                        f"rules[{i}]",
+                        f"source {rule.source!r} matched no stored tensor",
+                        hint="fix the regex (it must match the whole name), remove the rule, "
+                        "or pass strict=False",
+                        cause="a rule matched no stored tensor",
+                    )
+                )
+
+    kept: list[str] = []
+    rows: list[Row] = []
+    if targets is not None:
+        keep_used: set[int] = set()
+        for path, (shape, dt) in targets.items():
+            hit = made.get(path)
+            if hit is None:
+                ks = [j for j, k in enumerate(mapping._keep) if k.search(path)]
+                if ks:
+                    keep_used.update(ks)
+                    kept.append(path)
+                    rows.append(Row(path, (), "kept (like's value)", tuple(shape), dtype_name(dt)))
+                    continue
+                problems.append(
+                    Problem(
+                        "target",
+                        path,
+                        "no stored tensor maps to this leaf",
+                        shape=tuple(shape),
+                        dtype=dtype_name(dt),
+                        hint="add a rule producing it, or list it in keep=[...] to keep "
+                        "like's value (a new head, LoRA adapters)",
+                        cause="no stored tensor maps to this leaf",
+                    )
+                )
+                continue
+            node, i, names = hit
+            want = f"{dtype_name(dt)}{list(shape)}"
+            got = f"{dtype_name(node.dtype)}{list(node.shape)}"
+            if tuple(shape) != node.shape or np.dtype(dt) != node.dtype:
+                hints = []
+                if tuple(shape) != node.shape:
+                    hints.append("fix the rule's transpose/reshape/stack")
+                if np.dtype(dt) != node.dtype:
+                    hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
+                problems.append(
+                    Problem(
+                        "target",
+                        path,
+                        f"the mapped value is {got} but the target leaf is {want} "
+                        f"(from {', '.join(names)} by rules[{i}]: "
+                        f"{mapping.rules[i].transforms_text()})",
+                        shape=tuple(shape),
+                        dtype=dtype_name(dt),
+                        hint="; ".join(hints),
+                        cause="shape or dtype does not fit",
+                    )
+                )
+                continue
+            rows.append(_row(path, node, mapping.rules[i]))
+        for path in made:
+            if path not in targets:
+                node, i, names = made[path]
+                problems.append(
+                    Problem(
+                        "target",
+                        path,
+                        f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
+                        hint="fix the target template; target paths are canonical "
+                        "(modelshard.plan(like, ...) lists them)",
+                        cause="mapped to a path the target does not have",
+                    )
+                )
+        if mapping.strict:
+            for j, k in enumerate(mapping.keep):
+                if j not in keep_used:
+                    problems.append(
+                        Problem(
+                            "mapping",
+                            f"keep[{j}]",
+                            f"keep pattern {k!r} matched no unmapped target leaf",
+                            hint="fix or remove the pattern",
+                        )
+                    )
+    else:
+        rows = [_row(p, n, mapping.rules[i]) for p, (n, i, _) in made.items()]
+    if problems:
+        raise MappingError(problems, header=_header(problems))
+    return Resolution({p: n for p, (n, _, _) in made.items()}, kept, skipped, rows)
+
+
+def _row(path: str, node: T.Node, rule: MapRule) -> Row:
+    return Row(
+        path, tuple(node.reads()), rule.transforms_text(), node.shape, dtype_name(node.dtype)
+    )
+
+
+def _bad(name: str, read: T.Node, what: str, i: int, hint: str | None = None) -> Problem:
+    return Problem(
+        "source",
+        name,
+        f"{what} (rules[{i}])",
+        shape=read.shape,
+        dtype=dtype_name(read.dtype),
+        hint=hint,
+    )
+
+
+def _pre_cast(
+    mapping: WeightMap,
+    rule: MapRule,
+    i: int,
+    node: T.Node,
+    name: str,
+    dtype: Any,
+    problems: list[Problem],
+) -> T.Node | None:
+    """``node`` through the load's dtype, the rule's transpose and reshape."""
+    if dtype is not None and np.issubdtype(node.dtype, np.floating) and node.dtype != dtype:
+        node = T.Cast(node, np.dtype(dtype))
+    if rule.transpose is not None:
+        perm = tuple(rule.transpose)
+        if sorted(perm) != list(range(len(node.shape))):
+            problems.append(
+                _bad(
+                    name,
+                    node,
+                    f"transpose{perm} is not a permutation of this tensor's {len(node.shape)} axes",
+                    i,
+                )
+            )
+            return None
+        node = T.Transpose(node, perm)
+    if rule.reshape is not None:
+        shape = _reshape(mapping, rule.reshape, node, name, i, problems)
+        if shape is None:
+            return None
+        node = T.Reshape(node, shape)
+    return node
+
+
+def _piece(
+    mapping: WeightMap,
+    rule: MapRule,
+    i: int,
+    node: T.Node,
+    name: str,
+    dtype: Any,
+    problems: list[Problem],
+) -> T.Node | None:
+    pre = _pre_cast(mapping, rule, i, node, name, dtype, problems)
+    return None if pre is None else _cast(rule, pre)
+
+
+def _cast(rule: MapRule, node: T.Node) -> T.Node:
+    if rule.cast is not None and np.dtype(rule.cast) != node.dtype:
+        return T.Cast(node, np.dtype(rule.cast))
+    return node
+
+
+def _reshape(
+    mapping: WeightMap,
+    entries: Iterable[int | str],
+    node: T.Node,
+    name: str,
+    i: int,
+    problems: list[Problem],
+) -> tuple[int, ...] | None:
+    sizes: list[int] = []
+    for e in entries:
+        if isinstance(e, str):
+            if e not in mapping.config:
+                problems.append(
+                    _bad(
+                        name,
+                        node,
+                        f"reshape size {e!r} is not in the mapping's config "
+                        f"({', '.join(sorted(mapping.config)) or 'empty'})",
+                        i,
+                        hint=f"add {e} = <size> to the config",
+                    )
+                )
+                return None
+            sizes.append(int(mapping.config[e]))
+        else:
+            sizes.append(int(e))
+    total = math.prod(node.shape)
+    if sizes.count(-1) > 1:
+        problems.append(_bad(name, node, f"reshape{tuple(sizes)} has more than one -1", i))
+        return None
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if known <= 0 or total % known:
+            problems.append(
+                _bad(name, node, f"cannot reshape {list(node.shape)} to {tuple(sizes)}", i)
+            )
+            return None
+        sizes[sizes.index(-1)] = total // known
+    if math.prod(sizes) != total or any(s < 0 for s in sizes):
+        problems.append(_bad(name, node, f"cannot reshape {list(node.shape)} to {tuple(sizes)}", i))
+        return None
+    return tuple(sizes)
+
+
+def _stack_order(
+    stack: Stack, members: Mapping[str, str], i: int, path: str, problems: list[Problem]
+) -> list[str] | None:
+    values = list(members)
+    if stack.order is not None:
+        order = list(stack.order)
+        missing = [v for v in order if v not in members]
+        extra = [v for v in values if v not in order]
+        if missing or extra:
+            what = []
+            if missing:
+                what.append(f"missing {', '.join(map(repr, missing))}")
+            if extra:
+                what.append(
+                    "not in the order: " + ", ".join(f"{members[v]} ({v!r})" for v in extra)
+                )
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"cannot stack by rules[{i}]: {'; '.join(what)} (order {tuple(order)!r})",
+                    hint="every value of the order must be stored once",
+                )
+            )
+            return None
+        return order
+    if not all(v.isdigit() for v in values):
+        problems.append(
+            Problem(
+                "mapping",
+                f"rules[{i}]",
+                f"stack group values {sorted(values)!r} are not numbers: give Stack(order=...)",
+            )
+        )
+        return None
+    nums = sorted(int(v) for v in values)
+    if nums != list(range(len(nums))):
+        gaps = sorted(set(range(max(nums) + 1)) - set(nums))
+        problems.append(
+            Problem(
+                "target",
+                path,
+                f"cannot stack by rules[{i}]: indices {gaps} are missing "
+                f"(found {len(nums)} tensors, {nums[0]}..{nums[-1]})",
+                hint="every index 0..N-1 must be stored once",
+            )
+        )
+        return None
+    by_num = {int(v): v for v in values}
+    return [by_num[n] for n in nums]

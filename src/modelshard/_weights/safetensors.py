@@ -1,0 +1,332 @@
+"""The safetensors format, read a slice at a time and written a tensor at a time.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (tensor name
+-> ``dtype``, ``shape``, ``data_offsets`` into the data that follows; optional
+``__metadata__`` of strings), then the tensors' bytes, C order. A sharded checkpoint adds
+``model.safetensors.index.json`` with ``weight_map``: tensor name -> file.
+
+Reads use positioned reads (``os.pread``) into fresh buffers rather than a memory map:
+the pages of a mapped file count in the process's resident memory for as long as the map
+is open, so a mapped load peaks at the file *plus* the device copies; a read of rows
+``[lo, hi)`` of a C-order tensor is one contiguous byte range, so a device's slice along
+the first axis costs exactly its bytes. A slice along another axis reads the tensor once
+(cached while its leaf is placed) and slices it in memory. Dtypes map through
+``ml_dtypes`` (bf16 and every fp8 variant), which the ``safetensors`` package's NumPy
+backend cannot return for fp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .._errors import CheckpointError
+
+__all__ = ["DTYPES", "SafetensorsFiles", "TensorEntry", "open_safetensors", "write_safetensors"]
+
+DTYPES: dict[str, Any] = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "C64": np.complex64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
+"""Every safetensors dtype code with a NumPy dtype of one or more bytes per element."""
+_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+MAX_HEADER = 100 << 20  # the safetensors library's own limit
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def dtype_code(dtype: Any) -> str:
+    try:
+        return _CODES[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise CheckpointError(
+            f"dtype {dtype} has no safetensors code (known: {', '.join(DTYPES)})"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one stored tensor lives: file, byte offset of its data, shape, dtype."""
+
+    name: str
+    file: Path
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    code: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > size:
+            raise CheckpointError(
+                f"{path}: not a safetensors file (header length {n} does not fit the "
+                f"{size}-byte file)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    out: dict[str, TensorEntry] = {}
+    bad: list[str] = []
+    for name, h in header.items():
+        try:
+            code, shape, (lo, hi) = h["dtype"], tuple(int(d) for d in h["shape"]), h["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            bad.append(f"  {name}: malformed entry {h!r}")
+            continue
+        if code not in DTYPES:
+            bad.append(f"  {name}: dtype {code!r} is not supported (known: {', '.join(DTYPES)})")
+            continue
+        dt = np.dtype(DTYPES[code])
+        if hi - lo != math.prod(shape) * dt.itemsize or lo < 0 or base + hi > size:
+            bad.append(
+                f"  {name}: data_offsets [{lo}, {hi}] do not hold {code}{list(shape)} "
+                f"inside the {size}-byte file"
+            )
+            continue
+        out[name] = TensorEntry(name, path, base + lo, shape, dt, code)
+    if bad:
+        raise CheckpointError(
+            f"{path}: {len(bad)} unreadable tensor entr{'ies' if len(bad) != 1 else 'y'}:\n"
+            + "\n".join(bad)
+        )
+    return out, {str(k): str(v) for k, v in dict(meta).items()}
+
+
+class SafetensorsFiles:
+    """One safetensors file or a sharded checkpoint (an index and its files), header only.
+
+    Attributes:
+        path: the file, or the index file.
+        tensors: name -> :class:`TensorEntry`, in stored order.
+        metadata: the ``__metadata__`` strings (of every file, merged).
+    """
+
+    def __init__(self, path: Path, tensors: dict[str, TensorEntry], metadata: dict[str, str]):
+        self.path = path
+        self.tensors = tensors
+        self.metadata = metadata
+        self._fds: dict[Path, int] = {}
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({t.file for t in self.tensors.values()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def table(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """name -> (shape, dtype): what a mapping is resolved against."""
+        return {n: (t.shape, t.dtype) for n, t in self.tensors.items()}
+
+    def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> SafetensorsFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of the first axis (a scalar: all of it), one positioned read."""
+        t = self.tensors[name]
+        shape = t.shape
+        if not shape:
+            lo, hi, row_shape = 0, 1, ()
+        else:
+            row_shape = shape[1:]
+        row = math.prod(row_shape) * t.dtype.itemsize
+        out = np.empty(((hi - lo), *row_shape) if shape else (), t.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        fd, pos, done = self._fd(t.file), t.offset + lo * row, 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], pos + done)
+            if n <= 0:
+                raise CheckpointError(f"{t.file}: file ends inside tensor {name}")
+            done += n
+        return out
+
+    def fetch(self, cache: dict[Any, np.ndarray]) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
+        """A ``fetch(name, index)`` for recipes; whole tensors read for off-axis slices stay
+        in ``cache`` (the caller drops it after each leaf)."""
+
+        def fetch(name: str, index: tuple[slice, ...]) -> np.ndarray:
+            t = self.tensors[name]
+            if not index:
+                return self.read_rows(name, 0, 1)
+            first, rest = index[0], index[1:]
+            if all(s.start == 0 and s.stop == d for s, d in zip(rest, t.shape[1:], strict=True)):
+                return self.read_rows(name, first.start, first.stop)
+            whole = cache.get(name)
+            if whole is None:
+                whole = cache[name] = self.read_rows(name, 0, t.shape[0])
+            return np.ascontiguousarray(whole[index])
+
+        return fetch
+
+
+def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
+    """Read the header(s) of a safetensors file, an index file, or a directory holding
+    ``model.safetensors.index.json`` or one ``*.safetensors`` file. Nothing else is read.
+
+    Raises:
+        CheckpointError: no such file, a malformed header or index, or a tensor named in
+            the index missing from its file.
+    """
+    p = Path(path)
+    if p.is_dir():
+        index = p / INDEX_NAME
+        files = sorted(p.glob("*.safetensors"))
+        if index.is_file():
+            p = index
+        elif len(files) == 1:
+            p = files[0]
+        else:
+            raise CheckpointError(
+                f"{p}: a directory without {INDEX_NAME} and with {len(files)} .safetensors "
+                "files; pass the index or one file"
+            )
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such safetensors file or index")
+    if p.name.endswith(".json"):
+        return _open_index(p)
+    tensors, meta = _read_header(p)
+    return SafetensorsFiles(p, tensors, meta)
+
+
+def _open_index(p: Path) -> SafetensorsFiles:
+    try:
+        doc = json.loads(p.read_text())
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{p}: not a safetensors index (want a JSON object with weight_map: "
+            f"name -> file): {type(e).__name__}: {e}"
+        ) from None
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(str(file), []).append(name)
+    tensors: dict[str, TensorEntry] = {}
+    meta: dict[str, str] = {}
+    problems = []
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    for file in by_file:
+        f = p.parent / file
+        if not f.is_file():
+            problems.append(f"  {file}: listed in the index, no such file")
+            continue
+        headers[file], m = _read_header(f)
+        meta.update(m)
+    for name, file in weight_map.items():
+        h = headers.get(str(file))
+        if h is None:
+            continue
+        if name not in h:
+            problems.append(f"  {name}: the index puts it in {file}, which does not hold it")
+            continue
+        tensors[name] = h[name]
+    if problems:
+        raise CheckpointError(
+            f"{p}: {len(problems)} problems in the index:\n" + "\n".join(problems)
+        )
+    return SafetensorsFiles(p, tensors, meta)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Iterable[tuple[str, tuple[int, ...], Any]],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write a safetensors file a tensor at a time: the header from ``entries`` (name,
+    shape, dtype), then each tensor's bytes from ``compute(name)``, which may free it
+    after. The file appears under ``path`` only once complete.
+    """
+    p = Path(path)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos = 0
+    items = list(entries)
+    for name, shape, dt in items:
+        n = math.prod(shape) * np.dtype(dt).itemsize
+        header[name] = {
+            "dtype": dtype_code(dt),
+            "shape": list(shape),
+            "data_offsets": [pos, pos + n],
+        }
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = p.with_name(p.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dt in items:
+            a = np.ascontiguousarray(compute(name))
+            if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
+                raise CheckpointError(
+                    f"{name}: computed {a.dtype}{list(a.shape)}, the header says "
+                    f"{np.dtype(dt)}{list(shape)}"
+                )
+            f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+            if progress is not None:
+                progress(a.nbytes)
+            del a
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return p

@@ -1,0 +1,262 @@
+"""Recipes: how one array is computed from stored tensors, read a slice at a time.
+
+A mapping resolves every target leaf to a small expression tree of :class:`Node` objects:
+``Read`` leaves name a stored tensor; ``Transpose``, ``Reshape``, ``Take`` (one index of
+an axis), ``Stack`` (a new axis) and ``Cast`` compute on top. Every node knows its shape
+and dtype without reading anything, so a whole mapping is validated before one byte is
+read, and every node can be inverted, which is how the same mapping writes an export.
+
+``node.read(index, fetch)`` computes only the part of the result selected by ``index``
+(a tuple of slices, one per dimension, as ``jax.make_array_from_callback`` hands them
+out): transposes, takes, stacks and casts pass the slice down to the stored tensor, so a
+device reads only its part of each tensor; a reshape needs its whole input (read once per
+leaf through the ``fetch`` cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import dtype_name
+
+__all__ = ["Cast", "Fetch", "Node", "Read", "Reshape", "Stack", "Take", "Transpose", "full_index"]
+
+Index = tuple[slice, ...]
+Fetch = Callable[[str, Index], np.ndarray]
+"""``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
+
+
+def full_index(shape: Sequence[int]) -> Index:
+    return tuple(slice(0, d) for d in shape)
+
+
+def _norm(index: Index | None, shape: Sequence[int]) -> Index:
+    if index is None:
+        return full_index(shape)
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+class Node:
+    """One step of a recipe: its ``shape`` and ``dtype`` are known before any read."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        """The part of this node's value selected by ``index`` (``None``: all of it)."""
+        raise NotImplementedError
+
+    def reads(self) -> list[str]:
+        """The stored tensors this node reads, in order."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The recipe as text: ``transpose(1, 0) of model.w``."""
+        raise NotImplementedError
+
+    @property
+    def sliceable(self) -> bool:
+        """Whether a slice of the result reads only a slice of every stored tensor."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()}: {dtype_name(self.dtype)}{list(self.shape)}>"
+
+
+@dataclasses.dataclass(repr=False)
+class Read(Node):
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        return fetch(self.key, _norm(index, self.shape))
+
+    def reads(self) -> list[str]:
+        return [self.key]
+
+    def describe(self) -> str:
+        return self.key
+
+
+@dataclasses.dataclass(repr=False)
+class Transpose(Node):
+    child: Node
+    perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.child.shape[p] for p in self.perm)
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = _norm(index, self.shape)
+        inner = [slice(None)] * len(self.perm)
+        for j, p in enumerate(self.perm):
+            inner[p] = index[j]
+        return np.ascontiguousarray(self.child.read(tuple(inner), fetch).transpose(self.perm))
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"transpose{self.perm} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
+class Reshape(Node):
+    child: Node
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        whole = self.child.read(None, fetch).reshape(self.shape)
+        return whole if index is None else np.ascontiguousarray(whole[index])
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"reshape{self.shape} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass(repr=False)
+class Take(Node):
+    """Index ``i`` of axis ``axis`` of ``child`` (the axis is dropped)."""
+
+    child: Node
+    axis: int
+    i: int
+
+    def __post_init__(self) -> None:
+        s = self.child.shape
+        self.shape = s[: self.axis] + s[self.axis + 1 :]
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = _norm(index, self.shape)
+        inner = (*index[: self.axis], slice(self.i, self.i + 1), *index[self.axis :])
+        return np.squeeze(self.child.read(inner, fetch), axis=self.axis)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"[{self.i}] of axis {self.axis} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
+class Stack(Node):
+    """``children`` stacked along a new axis ``axis``."""
+
+    children: list[Node]
+    axis: int
+
+    def __post_init__(self) -> None:
+        s = self.children[0].shape
+        self.shape = (*s[: self.axis], len(self.children), *s[self.axis :])
+        self.dtype = self.children[0].dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = _norm(index, self.shape)
+        lo, hi = index[self.axis].start, index[self.axis].stop
+        rest = index[: self.axis] + index[self.axis + 1 :]
+        parts = [c.read(rest, fetch) for c in self.children[lo:hi]]
+        if not parts:
+            return np.empty([s.stop - s.start for s in index], self.dtype)
+        return np.stack(parts, axis=self.axis)
+
+    def reads(self) -> list[str]:
+        return [k for c in self.children for k in c.reads()]
+
+    def describe(self) -> str:
+        first = self.children[0].describe()
+        return f"stack(axis {self.axis}) of {len(self.children)}: {first}, ..."
+
+    @property
+    def sliceable(self) -> bool:
+        return all(c.sliceable for c in self.children)
+
+
+@dataclasses.dataclass(repr=False)
+class Cast(Node):
+    child: Node
+    dtype: np.dtype[Any]
+
+    def __post_init__(self) -> None:
+        self.shape = self.child.shape
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        return self.child.read(index, fetch).astype(self.dtype)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"cast({dtype_name(self.dtype)}) of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+def invert(
+    target: str, node: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
+) -> None:
+    """Walk one target's recipe backwards: for each stored tensor it reads, the recipe that
+    computes that tensor from the target ``Read(target)`` (into ``out``).
+
+    A ``Take`` (one layer of an unstacked source) contributes one piece of its source;
+    :func:`finish_inverse` stacks the pieces once every target has been walked.
+    """
+    _invert(node, Read(target, node.shape, node.dtype), out, pieces)
+
+
+def _invert(
+    node: Node, value: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
+) -> None:
+    if isinstance(node, Read):
+        out[node.key] = value
+    elif isinstance(node, Cast):
+        _invert(node.child, Cast(value, node.child.dtype), out, pieces)
+    elif isinstance(node, Transpose):
+        back = tuple(int(i) for i in np.argsort(node.perm))
+        _invert(node.child, Transpose(value, back), out, pieces)
+    elif isinstance(node, Reshape):
+        _invert(node.child, Reshape(value, node.child.shape), out, pieces)
+    elif isinstance(node, Stack):
+        for i, c in enumerate(node.children):
+            _invert(c, Take(value, node.axis, i), out, pieces)
+    elif isinstance(node, Take):
+        child = node.child
+        slot = pieces.setdefault(id(child), {"node": child, "axis": node.axis, "parts": {}})
+        slot["parts"][node.i] = value
+    else:  # pragma: no cover - every node type is handled above
+        raise TypeError(type(node).__name__)
+
+
+def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> None:
+    """Stack the pieces :func:`invert` collected into the tensors they came from."""
+    for slot in pieces.values():
+        parts = slot["parts"]
+        child: Node = slot["node"]
+        n = child.shape[slot["axis"]]
+        stacked = Stack([parts[i] for i in range(n)], slot["axis"])
+        _invert(child, stacked, out, {})
