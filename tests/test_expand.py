@@ -312,7 +312,8 @@ def test_message_unknown_axis(mesh24):
         "    spec: P('batch') (from rule 0 'w')",
         "    mesh: data=2, model=4",
         "    hint: mesh axes are 'data', 'model'; map logical names with "
-        "Rules(..., logical={'batch': <mesh axis or None>})",
+        "Rules(..., logical={'batch': <mesh axes or None>}) or inside "
+        "`with ms.logical_rules({'batch': ...}):`",
     ]
 
 
@@ -414,7 +415,7 @@ def test_invalid_rules_construction():
         "  Rules:rule 3",
         "    problem: pattern 3 is not a string",
     ]
-    with pytest.raises(ms.SpecError, match="is not a logical name -> mesh axis mapping"):
+    with pytest.raises(ms.SpecError, match="is not a logical name -> mesh axes mapping"):
         ms.Rules([], logical={"embed": 3})
     assert ms.Rules([("k", ("data", None))]).rules == (("k", P("data", None)),)
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey
 
+from ._logical import with_sharding_rules
 from ._paths import format_path, join
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
@@ -103,6 +104,12 @@ def _box_names(x: Any) -> tuple[Any, ...] | None:
                 names = getattr(x, key, None)
             if names is not None:
                 break
+        try:
+            rules = x.get_metadata("sharding_rules", None)
+        except Exception:
+            rules = getattr(x, "sharding_rules", None)
+        if rules and isinstance(names, tuple | list):
+            return with_sharding_rules(tuple(names), rules)
     if names is None or not isinstance(names, tuple | list):
         return None
     return tuple(names)

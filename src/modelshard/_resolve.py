@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 from ._describe import LeafInfo
 from ._dtypes import dtype_name
 from ._errors import Problem
+from ._logical import LogicalRules, active_logical
 from ._mesh import format_mesh
 from ._specs import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
 
@@ -33,6 +34,8 @@ class Ctx:
         self.used: dict[int, tuple[Rules, set[int]]] = {}
         self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
         self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
+        # The context's logical rules, read once: every leaf of one plan sees the same.
+        self.logical = active_logical()
 
     def used_by(self, rules: Rules) -> set[int]:
         """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
@@ -68,33 +71,77 @@ class Ctx:
         )
 
 
-def resolve_names(spec: PartitionSpec, logical: Mapping[str, Any] | None) -> PartitionSpec:
-    """Map logical names through ``logical`` (unknown names stay, for ``check`` to report)."""
-    out: list[Any] = []
-    if partial_axes(spec):  # left for check to report
-        return spec
-    for entry in spec:
+def resolve_names(
+    spec: PartitionSpec, logical: LogicalRules | None
+) -> tuple[PartitionSpec, str | None]:
+    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem).
+
+    Names ``logical`` does not know stay as they are (mesh axes, or names ``check``
+    reports). A mapping substitutes each name; Flax's ordered list assigns pairs in order,
+    each only while none of its mesh axes is taken by another dimension (names that are
+    mesh axes already take theirs), exactly as ``flax.linen.logical_to_mesh_axes``.
+    """
+    if logical is None or partial_axes(spec):  # partial specs are left for check to report
+        return spec, None
+    entries = list(spec)
+    known = logical.candidates
+    if not logical.ordered:
+        for dim, entry in enumerate(entries):
+            if is_axes_entry(entry) and any(n in known for n in entry_axes(entry)):
+                mapped = [
+                    a for n in entry_axes(entry) for a in (known[n][0] if n in known else (n,))
+                ]
+                entries[dim] = _entry(mapped)
+        return PartitionSpec(*entries), None
+    # Flax's priority rules: (dim, position) slots of logical names, filled pair by pair.
+    slots: dict[str, tuple[int, int]] = {}
+    taken: set[str] = set()
+    parts: list[list[Any]] = []
+    for dim, entry in enumerate(entries):
         if not is_axes_entry(entry):
-            out.append(entry)  # None, and junk left as it is for check to report
+            parts.append([entry])
             continue
         names = entry_axes(entry)
-        mapped: list[str] = []
-        for n in names:
-            if logical is not None and n in logical:
-                target = logical[n]
-                if target is None:
-                    continue
-                mapped.extend(entry_axes(target))
+        for i, n in enumerate(names):
+            if n in known:
+                if n in slots:
+                    return spec, (
+                        f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
+                        "Flax-style logical rules map each name to one dimension"
+                    )
+                slots[n] = (dim, i)
             else:
-                mapped.append(n)
-        out.append(None if not mapped else mapped[0] if len(mapped) == 1 else tuple(mapped))
-    return PartitionSpec(*out)
+                taken.add(n)
+        parts.append(list(names))
+    if not slots:
+        return spec, None
+    assigned: dict[str, tuple[str, ...]] = {}
+    for name, target in logical.pairs:
+        if name in slots and name not in assigned and taken.isdisjoint(target):
+            assigned[name] = target
+            taken.update(target)
+    for name, (dim, i) in slots.items():
+        parts[dim][i] = assigned.get(name, ())
+    for dim, entry in enumerate(entries):
+        if is_axes_entry(entry):
+            entries[dim] = _entry(
+                [a for p in parts[dim] for a in (p if isinstance(p, tuple) else (p,))]
+            )
+    return PartitionSpec(*entries), None
+
+
+def _entry(axes: list[str]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def check(
-    spec: PartitionSpec, shape: tuple[int, ...], sizes: Mapping[str, int]
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    logical: LogicalRules | None = None,
 ) -> list[tuple[str, str]]:
-    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
+    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``
+    (``logical``: the rules its names went through, named in the hint for unknown names)."""
     out: list[tuple[str, str]] = []
     partial = partial_axes(spec)
     if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
@@ -133,8 +180,7 @@ def check(
                 out.append(
                     (
                         f"axis {a!r} (dimension {dim}) is not in the mesh",
-                        f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}; map logical "
-                        f"names with Rules(..., logical={{{a!r}: <mesh axis or None>}})",
+                        _unknown(a, sizes, logical),
                     )
                 )
             elif a in seen:
@@ -190,12 +236,38 @@ def resolve_checked(
     got = resolve(arg, info, leaf, s, shape, ctx)
     if got is None:
         return None
-    spec, rule = got
+    spec, rule, logical = got
+    if logical is not None:
+        spec, twice = resolve_names(spec, logical)
+        if twice is not None:
+            ctx.problem(
+                arg,
+                info.path,
+                leaf,
+                twice,
+                spec=spec,
+                rule=rule,
+                hint="give each dimension its own logical name",
+            )
+            return None
     try:
-        problems = check(spec, shape, ctx.sizes)
+        problems = check(spec, shape, ctx.sizes, logical)
     except TypeError:  # junk inside a spec from a function: report, never crash
         problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
     return spec, rule, problems
+
+
+def _unknown(name: str, sizes: Mapping[str, int], logical: LogicalRules | None) -> str:
+    axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
+    if logical is None:
+        return (
+            f"{axes}; map logical names with Rules(..., logical={{{name!r}: <mesh axes or "
+            f"None>}}) or inside `with ms.logical_rules({{{name!r}: ...}}):`"
+        )
+    return (
+        f"{axes}, and {name!r} is not a logical name of {logical.describe()}; "
+        f"add ({name!r}, <mesh axes or None>) there"
+    )
 
 
 _REFUSED: dict[Any, tuple[str, str] | None] = {}
@@ -228,25 +300,24 @@ def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
 
 def resolve(
     arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
-) -> tuple[PartitionSpec, str] | None:
-    """The (mesh-axis spec, rule text) for one leaf; None after reporting a problem."""
+) -> tuple[PartitionSpec, str, LogicalRules | None] | None:
+    """The (spec, rule text, logical rules to map its names through) for one leaf; None
+    after reporting a problem. Explicit ``Rules(logical=...)`` wins over the context."""
     if isinstance(s, PartitionSpec):
-        return s, f"{format_spec(s)} for the whole argument"
+        return s, f"{format_spec(s)} for the whole argument", ctx.logical
     if isinstance(s, Rules):
         if not shape:
-            return PartitionSpec(), "scalar (replicated)"
+            return PartitionSpec(), "scalar (replicated)", None
         hit = s.match(info.path)
         if hit is not None:
             spec, rule = hit[1], s.describe(hit[0])
         elif info.names is not None:
             spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
         else:
-            return PartitionSpec(), "unmatched (replicated, strict=False)"
-        if s.logical is not None:
-            spec = resolve_names(spec, s.logical)
-        return spec, rule
+            return PartitionSpec(), "unmatched (replicated, strict=False)", None
+        return spec, rule, s.compiled_logical if s.logical is not None else ctx.logical
     if isinstance(s, FSDP):
-        return s.spec_for(shape, ctx.sizes)
+        return *s.spec_for(shape, ctx.sizes), None
     if s is None:
         ctx.problem(
             arg,
@@ -274,7 +345,7 @@ def resolve(
                 hint="return P(...) for every leaf (P() replicates)",
             )
             return None
-        return got, f"function {name}"
+        return got, f"function {name}", ctx.logical
     ctx.problem(
         arg,
         info.path,

@@ -21,7 +21,16 @@ The format (documented in ``docs/guides/rules-file.md``)::
     embed = "none"                   # "none" replicates the dimension
     mlp = ["data", "model"]
 
-TOML has no null, so a replicated dimension is written ``"none"``.
+TOML has no null, so a replicated dimension is written ``"none"``. Logical rules may also
+be Flax's ordered list of pairs (a name may repeat; a later pair applies when an earlier
+one's mesh axes are taken by another dimension), written as MaxText writes them::
+
+    logical = [
+      ["embed", ["fsdp", "fsdp_transpose"]],
+      ["embed", "fsdp"],
+      ["mlp", ["tensor", "fsdp_transpose"]],
+      ["norm", []],                  # [] (or "none") replicates
+    ]
 """
 
 from __future__ import annotations
@@ -44,9 +53,11 @@ _TOP = {"strict", "rules", "logical"}
 _RULE = {"pattern", "spec"}
 
 
-def _entry(value: Any, where: str, problems: list[Problem], arg: str) -> Any:
+def _entry(value: Any, where: str, problems: list[Problem], arg: str, empty: bool = False) -> Any:
     if isinstance(value, str):
         return None if value == NONE else value
+    if isinstance(value, list) and empty and not value:
+        return None
     if isinstance(value, list) and value and all(isinstance(v, str) and v != NONE for v in value):
         return tuple(value)
     problems.append(
@@ -126,16 +137,38 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
             continue
         entries = [_entry(e, f"{where}.spec[{j}]", problems, source) for j, e in enumerate(spec)]
         rules.append((pattern, PartitionSpec(*entries)))
-    logical: dict[str, Any] | None = None
+    logical: Any = None
     raw_logical = data.get("logical")
-    if raw_logical is not None:
-        if not isinstance(raw_logical, Mapping):
-            problems.append(Problem(source, "logical", "logical must be a table of name = axis"))
-        else:
-            logical = {
-                name: _entry(v, f"logical.{name}", problems, source)
-                for name, v in raw_logical.items()
-            }
+    if isinstance(raw_logical, Mapping):
+        logical = {
+            name: _entry(v, f"logical.{name}", problems, source, empty=True)
+            for name, v in raw_logical.items()
+        }
+    elif isinstance(raw_logical, list):
+        logical = []
+        for i, pair in enumerate(raw_logical):
+            where = f"logical[{i}]"
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                problems.append(
+                    Problem(
+                        source,
+                        where,
+                        f"{pair!r} is not a [logical name, mesh axes] pair",
+                        hint='write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or '
+                        '["norm", []]',
+                    )
+                )
+                continue
+            logical.append((pair[0], _entry(pair[1], f"{where}[1]", problems, source, True)))
+    elif raw_logical is not None:
+        problems.append(
+            Problem(
+                source,
+                "logical",
+                "logical must be a table of name = axis, or an array of [name, axes] pairs",
+                hint='[logical] embed = "model", or logical = [["embed", "model"]]',
+            )
+        )
     if problems:
         raise SpecError(problems, header=f"invalid rules file {source}:")
     try:
@@ -196,7 +229,11 @@ def rules_to_toml(rules: Rules) -> str:
             "spec = [" + ", ".join(_toml_entry(e) for e in spec) + "]",
             "",
         ]
-    if rules.logical:
+    logical = rules.logical
+    if isinstance(logical, Mapping) and logical:
         lines.append("[logical]")
-        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in rules.logical.items()]
+        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in logical.items()]
+    elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
+        pairs = [f'  ["{k}", {_toml_entry(v)}],' for k, v in logical]
+        lines[1:1] = ["logical = [", *pairs, "]"]
     return "\n".join(lines) + "\n"

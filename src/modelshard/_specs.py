@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
+from ._logical import LogicalRules, compile_logical
 
 __all__ = [
     "FSDP",
@@ -110,8 +111,12 @@ class Rules:
 
     Args:
         rules: ``(pattern, spec)`` pairs; a spec is a ``PartitionSpec`` or a tuple of entries.
-        logical: logical name -> mesh axis (a name, a tuple of names, or ``None`` to
-            replicate that dimension).
+        logical: logical names -> mesh axes, either a mapping (``{"embed": "model"}``;
+            a target is a name, a tuple of names, or ``None`` to replicate that dimension)
+            or Flax's ordered list of ``(name, mesh axes)`` pairs, where a name may repeat
+            and a later pair applies when an earlier one's mesh axes are taken by another
+            dimension (exactly ``flax.linen.logical_to_mesh_axes``). ``None``: the
+            active :func:`~modelshard.logical_rules` context (or Flax's), if any.
         strict: if true, a leaf matched by no rule and carrying no metadata is an error,
             and so is a rule that matched no leaf anywhere in the plan; if false, such
             leaves replicate and unused rules are only reported in the plan.
@@ -125,8 +130,9 @@ class Rules:
     """
 
     rules: Sequence[tuple[str, Any]] = ()
-    logical: Mapping[str, AxisEntry] | None = None
+    logical: Mapping[str, AxisEntry] | Sequence[tuple[str, AxisEntry]] | None = None
     strict: bool = True
+    compiled_logical: LogicalRules | None = dataclasses.field(init=False, repr=False, default=None)
     _compiled: tuple[tuple[re.Pattern[str], PartitionSpec], ...] = dataclasses.field(
         init=False, repr=False
     )
@@ -188,30 +194,14 @@ class Rules:
                 compiled.append((rx, to_spec(spec, where)))
             except SpecError as e:
                 problems.extend(dataclasses.replace(p, arg="Rules", path=where) for p in e.problems)
-        if self.logical is not None:
-            if not isinstance(self.logical, Mapping):
-                problems.append(
-                    Problem(
-                        "Rules",
-                        "logical",
-                        f"logical must be a mapping of "
-                        f"logical name -> mesh axis, got {type(self.logical).__name__}",
-                    )
-                )
-            else:
-                for name, target in self.logical.items():
-                    if not isinstance(name, str) or not is_entry(target):
-                        problems.append(
-                            Problem(
-                                "Rules",
-                                f"logical[{name!r}]",
-                                f"{name!r} -> {target!r} is not a logical name -> mesh axis mapping",
-                                hint="map to a mesh axis name, a tuple of names, or None",
-                            )
-                        )
+        logical, bad = compile_logical(self.logical, "Rules(logical=...)")
+        problems.extend(bad)
         if problems:
             raise SpecError(problems, header="invalid Rules:")
         object.__setattr__(self, "rules", tuple((p.pattern, s) for p, s in compiled))
+        object.__setattr__(self, "compiled_logical", logical)
+        if logical is not None:
+            object.__setattr__(self, "logical", logical.public)
         object.__setattr__(self, "_compiled", tuple(compiled))
         blind = not any(ch.isdigit() for rx, _ in compiled for ch in rx.pattern)
         object.__setattr__(self, "_digit_blind", blind)
@@ -259,7 +249,7 @@ class Rules:
 
     def __repr__(self) -> str:
         inner = ", ".join(f"({p!r}, {format_spec(s)})" for p, s in self.rules)
-        extra = "" if self.logical is None else f", logical={dict(self.logical)!r}"
+        extra = "" if self.logical is None else f", logical={self.logical!r}"
         return f"Rules([{inner}]{extra}, strict={self.strict})"
 
 
@@ -378,4 +368,3 @@ def _is_pytree_node(x: Any) -> bool:
     import jax
 
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
-
