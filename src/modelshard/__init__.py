@@ -25,6 +25,7 @@ from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import DistributedError as DistributedError
+from ._errors import MappingError as MappingError
 from ._errors import MeshError as MeshError
 from ._errors import ModelshardError as ModelshardError
 from ._errors import Problem as Problem
@@ -41,6 +42,13 @@ from ._shard import shard as shard
 from ._specs import FSDP as FSDP
 from ._specs import Rules as Rules
 from ._specs import fsdp as fsdp
+from ._weights import MapRule as MapRule
+from ._weights import Stack as Stack
+from ._weights import Unstack as Unstack
+from ._weights import WeightMap as WeightMap
+from ._weights import load_safetensors as load_safetensors
+from ._weights import load_weight_map as load_weight_map
+from ._weights import save_safetensors as save_safetensors
 
 try:
     __version__ = _version("modelshard")
