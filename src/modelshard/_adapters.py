@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree
+from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree, set_nested_types
 from ._errors import AdapterError
 
 
@@ -155,11 +155,10 @@ class PytreeAdapter(Adapter):
     follows_pytree = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        leaves, treedef = jax.tree_util.tree_flatten(obj)
-        return leaves, treedef
+        return flatten_pytree(obj)
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
+        return unflatten_pytree(aux, leaves)
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return describe_pytree(obj)
@@ -309,7 +308,24 @@ _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     # Other NNX graph objects (nnx.Optimizer, ...) are mutable too: split and update them
     # like modules, so state changed inside shard_jit reaches the caller's object.
     ("flax.nnx", "Pytree", lambda: NnxModuleAdapter("nnx.Pytree")),
+    # Third-party containers, each in a module of its own (imported only once the library is).
+    (
+        "penzai.core.variables",
+        "LabeledVariable",
+        lambda: _third_party("_penzai.PenzaiVariableAdapter"),
+    ),
+    ("penzai.core.named_axes", "NamedArrayBase", lambda: _third_party("_penzai.NamedArrayAdapter")),
+    ("qwix._src.providers.ptq", "WithAux", lambda: _third_party("_qwix.QwixWithAuxAdapter")),
 ]
+
+
+def _third_party(name: str) -> Adapter:
+    """An instance of a built-in adapter for a third-party library, by ``module.Class``."""
+    import importlib
+
+    module, cls = name.split(".")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)()
+
 
 _DEFAULT = PytreeAdapter()
 
@@ -321,6 +337,27 @@ class _Registry:
         self.pending = list(_LAZY_BUILTINS)
         self.cache: dict[type, Adapter] = {}
         self.modules_seen = -1  # len(sys.modules) when pending was last resolved
+        self._nested: tuple[type, ...] | None = None
+
+    def changed(self) -> None:
+        """Forget what was looked up (a registration came or went)."""
+        self.cache.clear()
+        self._nested = None
+        set_nested_types(())  # until nested() is asked again
+
+    def nested(self) -> tuple[type, ...]:
+        """The registered types whose adapter is not JAX's own flattening: wherever one
+        appears inside another container it is split by its own adapter."""
+        if self.pending and len(sys.modules) != self.modules_seen:
+            self.resolve_lazy()
+        if self._nested is None:
+            self._nested = tuple(
+                ty
+                for ty, a in [*reversed(self.user), *self.builtin]
+                if not a.follows_pytree or a.numbers_are_arrays
+            )
+            set_nested_types(self._nested)
+        return self._nested
 
     def resolve_lazy(self) -> None:
         self.modules_seen = len(sys.modules)
@@ -332,7 +369,7 @@ class _Registry:
                 still.append((module, attr, factory))
                 continue
             self.builtin.append((ty, factory()))
-            self.cache.clear()
+            self.changed()
         self.pending = still
 
     def lookup(self, ty: type) -> Adapter:
@@ -435,7 +472,7 @@ def register_container(
     for i in reversed(existing):
         del REGISTRY.user[i]
     REGISTRY.user.append((ty, adapter))
-    REGISTRY.cache.clear()
+    REGISTRY.changed()
 
 
 # Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
@@ -503,4 +540,25 @@ def registry_snapshot() -> Iterator[None]:
         yield
     finally:
         REGISTRY.user[:] = saved
-        REGISTRY.cache.clear()
+        REGISTRY.changed()
+
+
+def nested_types() -> tuple[type, ...]:
+    """The registered container types that are split by their own adapter wherever they
+    appear inside another container (those whose adapter is not JAX's own flattening)."""
+    return REGISTRY.nested()
+
+
+def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
+    """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
+    (:func:`nested_types`) below the root: such a container is one leaf here, for its own
+    adapter to split."""
+    stop = REGISTRY.nested()
+    if not stop:
+        return jax.tree_util.tree_flatten(obj)
+    return jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj and isinstance(x, stop))
+
+
+def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
+    """The inverse of :func:`flatten_pytree`."""
+    return jax.tree_util.tree_unflatten(aux, leaves)

@@ -160,11 +160,23 @@ def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
 _last: tuple[Any, list[LeafInfo]] = (None, [])
 _new = tuple.__new__
 
+# Container types split by their own adapter wherever they appear (kept by the registry in
+# _adapters, which this module cannot import): below the root, each is one leaf here.
+_nested: tuple[type, ...] = ()
+
+
+def set_nested_types(types: tuple[type, ...]) -> None:
+    """Set the container types that descriptions stop at (the registry calls this)."""
+    global _nested
+    _nested = types
+
 
 def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
     """The leaf descriptions, and whether every dict key on the way was a ``str``."""
     boxes = _box_types()
     arrays = ARRAY_TYPES
+    nested = _nested
+    root = obj
     out: list[LeafInfo] = []
     append = out.append
     inexact: list[Any] = []
@@ -206,6 +218,9 @@ def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
             leaf(path)
             return
         elif x is None:
+            return
+        if nested and x is not root and isinstance(x, nested):
+            leaf(path)  # a container of its own: its adapter describes what is inside
             return
         if boxes and isinstance(x, boxes):
             names = _box_names(x)

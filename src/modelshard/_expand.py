@@ -257,6 +257,8 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
             flat = split(tree)
         except AdapterError:
             raise
+        if not flat.array_index and flat.leaves:
+            _refuse_hidden_arrays(name, flat)
         out.append(ArgPlan(name, flat, _expand_one(name, flat, spec_like, ctx)))
     for rules, used in ctx.used.values():
         if not rules.strict:
@@ -284,3 +286,23 @@ def is_catch_all(pattern: str) -> bool:
     when earlier rules took every leaf."""
     rx = re.compile(pattern)
     return all(rx.search(p) is not None for p in ("", "a", "a/b/0/c"))
+
+
+def _refuse_hidden_arrays(arg: str, flat: Flat) -> None:
+    """An argument with no array leaf whose static leaves hold arrays: a container
+    modelshard cannot open, which would otherwise plan silently as nothing."""
+    hidden = flat.hidden_arrays()
+    if not hidden:
+        return
+    lines = [f"{arg}: no array leaves, but arrays are held by an object modelshard cannot open:"]
+    lines += [
+        f"  {path or '<root>'}: a {ty.__module__}.{ty.__qualname__} holding arrays at "
+        + ", ".join(attrs)
+        for path, ty, attrs in hidden
+    ]
+    name = hidden[0][1].__name__
+    lines.append(
+        f"hint: register its type with modelshard.register_container({name}, flatten=..., "
+        "unflatten=...) (see the custom-container guide), or make it a JAX pytree."
+    )
+    raise AdapterError("\n".join(lines))

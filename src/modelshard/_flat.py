@@ -1,12 +1,18 @@
-"""A container split by its adapter: leaves, structure, paths, and rebuilding it."""
+"""A container split by its adapter: leaves, structure, paths, and rebuilding it.
+
+Containers nest: a registered container found among another container's leaves (a custom
+class inside a dict, penzai's ``Parameter`` inside a penzai model) is split by its own
+adapter, through :class:`NestedAdapter`, so its leaves, paths and metadata are seen at any
+depth and it is rebuilt as itself.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
-from ._adapters import Adapter, get_adapter
+from ._adapters import Adapter, get_adapter, nested_types
 from ._describe import (
     ARRAY_TYPES,
     LeafInfo,
@@ -16,6 +22,7 @@ from ._describe import (
     numbers_to_arrays,
 )
 from ._errors import AdapterError
+from ._paths import join
 
 
 @dataclasses.dataclass
@@ -102,6 +109,22 @@ class Flat:
         :attr:`~Adapter.mutable` (NNX)."""
         return self.adapter.update(self.obj, self.aux, self._with(arrays))
 
+    def hidden_arrays(self) -> list[tuple[str, type, list[str]]]:
+        """Static leaves that hold arrays in their attributes (an object modelshard cannot
+        open): ``(path, type, attribute names)`` for each, looked at one level deep."""
+        at = set(self.array_index)
+        found = [(i, x) for i, x in enumerate(self.leaves) if i not in at and _holds_arrays(x)]
+        if not found:
+            return []
+        try:
+            paths = [info.path for info in self.adapter.describe(self.obj)]
+        except Exception:  # a path is a courtesy here; the position still names the leaf
+            paths = []
+        return [
+            (paths[i] if i < len(paths) else f"<leaf {i}>", type(x), _holds_arrays(x))
+            for i, x in found
+        ]
+
     def _with(self, arrays: Sequence[Any]) -> list[Any]:
         leaves = list(self.leaves)
         for i, v in zip(self.array_index, arrays, strict=True):
@@ -119,7 +142,17 @@ def split(obj: Any) -> Flat:
         >>> flat.paths, flat.kind
         (['w'], 'pytree')
     """
-    adapter = get_adapter(obj)
+    adapter, leaves, aux = flatten_nested(get_adapter(obj), obj)
+    # This runs over every leaf of every plan: when every leaf has a known array type,
+    # one set of types decides it.
+    if set(map(type, leaves)) <= ARRAY_TYPES:
+        index = tuple(range(len(leaves)))
+    else:
+        index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
+    return Flat(obj, adapter, leaves, aux, index)
+
+
+def _flatten_one(adapter: Adapter, obj: Any) -> tuple[list[Any], Hashable]:
     try:
         leaves, aux = adapter.flatten(obj)
     except AdapterError:
@@ -131,10 +164,167 @@ def split(obj: Any) -> Flat:
         ) from e
     if adapter.numbers_are_arrays:
         leaves = numbers_to_arrays(leaves)
-    # This runs over every leaf of every plan: when every leaf has a known array type,
-    # one set of types decides it.
-    if set(map(type, leaves)) <= ARRAY_TYPES:
-        index = tuple(range(len(leaves)))
-    else:
-        index = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
-    return Flat(obj, adapter, leaves, aux, index)
+    return leaves, aux
+
+
+def _holds_arrays(x: Any) -> list[str]:
+    """Names of ``x``'s attributes that are arrays or plain containers of arrays."""
+    try:
+        attrs = vars(x)
+    except TypeError:  # no __dict__: numbers, strings, functions' builtins, ...
+        return []
+    if callable(x) and not attrs:
+        return []
+    out = []
+    for k, v in attrs.items():
+        vals = v.values() if type(v) is dict else v if type(v) in (list, tuple) else (v,)
+        if any(is_array(u) for u in vals):
+            out.append(str(k))
+    return out
+
+
+def holds_nested(leaves: Sequence[Any]) -> bool:
+    """Whether any of ``leaves`` is a container to be split by its own adapter."""
+    stop = nested_types()
+    if not stop:
+        return False
+    types = set(map(type, leaves)) - ARRAY_TYPES
+    return any(issubclass(t, stop) for t in types)
+
+
+def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hashable]:
+    """``obj`` flattened by ``adapter``, then every nested container among its leaves by
+    its own adapter: the adapter that rebuilds it all (``adapter`` itself when nothing
+    nests, else a :class:`NestedAdapter`), the leaves and their structure key."""
+    leaves, aux = _flatten_one(adapter, obj)
+    if not holds_nested(leaves):
+        return adapter, leaves, aux
+    nested = nested_adapter(adapter)
+    leaves, aux = nested.nest(leaves, aux)
+    return nested, leaves, aux
+
+
+_NESTED: dict[Adapter, NestedAdapter] = {}
+
+
+def nested_adapter(outer: Adapter) -> NestedAdapter:
+    """The :class:`NestedAdapter` over ``outer``: one object per outer adapter, so that
+    structure keys that include the adapter (``shard_jit``'s caches) compare by identity."""
+    try:
+        hit = _NESTED.get(outer)
+    except TypeError:  # an unhashable user adapter
+        return NestedAdapter(outer)
+    if hit is None:
+        hit = _NESTED[outer] = NestedAdapter(outer)
+    return hit
+
+
+class Inner(NamedTuple):
+    """One container nested among an outer container's leaves.
+
+    Attributes:
+        pos: its position among the outer adapter's leaves.
+        adapter: its adapter (a :class:`NestedAdapter` when it nests further).
+        aux: its structure key.
+        size: how many leaves it contributes.
+    """
+
+    pos: int
+    adapter: Adapter
+    aux: Hashable
+    size: int
+
+
+class NestedAux(NamedTuple):
+    """The structure of a container with nested containers: the outer adapter's ``aux``
+    and each nested container, in leaf order."""
+
+    outer: Hashable
+    inner: tuple[Inner, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NestedAdapter(Adapter):
+    """A container holding containers of registered kinds: the outer adapter's leaves, with
+    each nested container replaced by its own leaves (recursively).
+
+    Its kind is the outer container's. It counts as mutable (so ``shard_jit`` writes back
+    through :meth:`update`): nested containers that are mutable themselves (NNX modules,
+    penzai variables) are updated in place, the rest rebuilt.
+    """
+
+    outer: Adapter
+    mutable = True
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.outer.kind
+
+    def nest(self, leaves: Sequence[Any], outer_aux: Hashable) -> tuple[list[Any], NestedAux]:
+        """The outer adapter's ``leaves`` with every nested container split in place."""
+        stop = nested_types()
+        out: list[Any] = []
+        inner: list[Inner] = []
+        for i, x in enumerate(leaves):
+            if stop and type(x) not in ARRAY_TYPES and isinstance(x, stop):
+                adapter, sub, aux = flatten_nested(get_adapter(x), x)
+                inner.append(Inner(i, adapter, aux, len(sub)))
+                out.extend(sub)
+            else:
+                out.append(x)
+        return out, NestedAux(outer_aux, tuple(inner))
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        return self.nest(*_flatten_one(self.outer, obj))
+
+    def _outer(
+        self, aux: NestedAux, leaves: Sequence[Any], make: Callable[[Inner, list[Any]], Any]
+    ) -> list[Any]:
+        """The outer adapter's leaves, each nested container made from its own leaves."""
+        out: list[Any] = []
+        j = 0
+        for inn in aux.inner:
+            plain = inn.pos - len(out)
+            out.extend(leaves[j : j + plain])
+            j += plain
+            out.append(make(inn, list(leaves[j : j + inn.size])))
+            j += inn.size
+        out.extend(leaves[j:])
+        return out
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        assert isinstance(aux, NestedAux)
+        outer = self._outer(aux, leaves, lambda inn, sub: inn.adapter.unflatten(inn.aux, sub))
+        return self.outer.unflatten(aux.outer, outer)
+
+    def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        assert isinstance(aux, NestedAux)
+        outer = self._outer(aux, leaves, lambda inn, sub: inn.adapter.mirror(inn.aux, sub))
+        return self.outer.mirror(aux.outer, outer)
+
+    def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        assert isinstance(aux, NestedAux)
+        originals = _flatten_one(self.outer, obj)[0]
+        outer = self._outer(
+            aux, leaves, lambda inn, sub: inn.adapter.update(originals[inn.pos], inn.aux, sub)
+        )
+        return self.outer.update(obj, aux.outer, outer)
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        outer_infos = self.outer.describe(obj)
+        leaves = _flatten_one(self.outer, obj)[0]
+        stop = nested_types()
+        out: list[LeafInfo] = []
+        for info, x in zip(outer_infos, leaves, strict=True):
+            if stop and type(x) not in ARRAY_TYPES and isinstance(x, stop):
+                adapter = flatten_nested(get_adapter(x), x)[0]
+                out.extend(
+                    LeafInfo(join(info.path, sub.path), sub.names, sub.box)
+                    for sub in adapter.describe(x)
+                )
+            else:
+                out.append(info)
+        return out
+
+    def tree_of(self, obj: Any) -> Any:
+        return self.outer.tree_of(obj)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from .._adapters import REGISTRY, Adapter, CallLeaves
 from .._describe import ARRAY_TYPES, is_array, numbers_to_arrays
 from .._errors import AdapterError
-from .._flat import split
+from .._flat import holds_nested, nested_adapter, split
 from .layout import Slot
 
 _lookup = REGISTRY.lookup
@@ -83,6 +83,9 @@ def take(slot: Slot, value: Any) -> tuple[Taken, Hashable]:
     are equal."""
     adapter = _lookup(type(value))
     call = _flatten_for_call(adapter, value, plain=False)
+    if holds_nested(call.leaves):  # containers inside: each split by its own adapter
+        adapter = nested_adapter(adapter)
+        call = _flatten_for_call(adapter, value, plain=False)
     taken = _taken(slot, value, adapter, call)
     return taken, (adapter, call.key, static_part(taken.leaves, taken.array_index))
 
