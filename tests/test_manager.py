@@ -341,3 +341,47 @@ def test_failed_async_save_keeps_the_steps_on_disk(tmp_path, monkeypatch, keep):
         mngr.wait_until_finished()
         assert mngr.all_steps() == ([2] if keep == 1 else [1, 2])
     assert not [n for n in os.listdir(tmp_path) if "orbax-checkpoint-tmp" in n]
+
+
+def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
+    import json
+
+    from modelshard._cli import main
+
+    root = tmp_path / "run"
+    with ms.CheckpointManager(root, handle_signals=False) as mngr:
+        mngr.save(
+            3,
+            _w(3),
+            items={"cfg": {"lr": 0.1}, "rng": jax.random.key(1)},
+            metrics={"loss": 0.5},
+            metadata={"note": "x"},
+        )
+        mngr.save(5, _w(5), items={"cfg": {"lr": 0.2}})
+    (root / "9").mkdir()  # not a step
+    capsys.readouterr()
+    assert main(["inspect", str(root / "3"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["step"] is None and data["metadata"] == {"note": "x"}
+    assert data["metrics"] == {"loss": 0.5}
+    assert data["items"]["cfg"] == {"lr": 0.1}
+    assert data["items"]["rng"]["impl"] == "threefry2x32"
+    assert main(["inspect", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["step"], data["path"], data["items"]) == (5, str(root / "5"), {"cfg": {"lr": 0.2}})
+    assert main(["inspect", str(root)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        err.split()
+        == (
+            f"{root} is a CheckpointManager directory: using its latest complete step 5 "
+            f"({root / '5'})"
+        ).split()
+    )
+    assert main(["plan", str(root), "--mesh", "data=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 5
+    dst = tmp_path / "resharded"
+    assert main(["reshard", str(root), str(dst), "--mesh", "data=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["step"], out["source"]) == (5, str(root / "5"))
+    np.testing.assert_array_equal(ms.restore(dst)["w"], np.arange(8.0) + 5)

@@ -130,3 +130,53 @@ def test_failed_background_save_fails_the_exit_and_names_the_step(tmp_path):
     with ms.CheckpointManager(tmp_path, handle_signals=False) as mngr:
         assert mngr.all_steps() == [0, 1]
         assert_step(tmp_path, 1)
+
+
+RESUME = Path(__file__).parent / "manager_scripts" / "resume_child.py"
+
+
+def _run_resume(root, send=None):
+    proc = subprocess.Popen(
+        [sys.executable, str(RESUME), str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    timer = threading.Timer(LIMIT_S, proc.kill)
+    timer.start()
+    try:
+        out = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line.strip())
+            if line.strip() == "READY" and send is not None:
+                os.kill(proc.pid, send)
+        err = proc.stderr.read() if proc.stderr else ""
+        proc.wait(timeout=LIMIT_S)
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def test_preempted_and_resumed_run_ends_bit_exact(tmp_path):
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert _run_resume(whole)[:2] == (0, ["READY", "DONE"])
+    code, out, err = _run_resume(stopped, send=signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    at = int(out[-1].removeprefix("PREEMPTED "))
+    assert 5 < at < 30
+    code, out, err = _run_resume(stopped)
+    assert code == 0, err
+    assert out[0] == f"RESUMED {at}" and out[-1] == "DONE"
+    a = ms.CheckpointManager(whole, handle_signals=False)
+    b = ms.CheckpointManager(stopped, handle_signals=False)
+    assert a.latest_step() == b.latest_step() == 30
+    wa, wb = a.restore()["w"], b.restore()["w"]
+    ia, ib = a.items(), b.items()
+    np.testing.assert_array_equal(np.asarray(wa), np.asarray(wb))
+    assert np.asarray(wa).view(np.uint32).tolist() == np.asarray(wb).view(np.uint32).tolist()
+    assert ia["data"] == ib["data"] == {"pos": 30}
+    np.testing.assert_array_equal(jax.random.key_data(ia["rng"]), jax.random.key_data(ib["rng"]))

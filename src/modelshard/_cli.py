@@ -257,17 +257,46 @@ class _Parser(argparse.ArgumentParser):
 # ---- inspect -----------------------------------------------------------------------------
 
 
+_CKPT_HELP = (
+    "checkpoint directory, or a CheckpointManager's root directory (then its latest "
+    "complete step)"
+)
+
+
+def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
+    """A checkpoint directory as given, or, for a CheckpointManager's root, its latest
+    complete step's directory (said on stderr; ``args.step`` records it for --json)."""
+    from ._checkpoint import manager_step
+
+    path, step = manager_step(text)
+    args.step = step
+    if step is None:
+        return text
+    if not args.json:
+        _console(stderr=True).print(
+            f"{text} is a CheckpointManager directory: using its latest complete step "
+            f"{step} ({path})",
+            highlight=False,
+        )
+    return str(path)
+
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from ._checkpoint import locate
     from ._plan import format_bytes
 
-    source = locate(args.checkpoint)
+    source = locate(checkpoint_arg(args, args.checkpoint))
     rec = source.record
     if args.json:
+        from ._checkpoint import extras_json
+
         data = rec.to_json()
         data["path"] = str(source.path)
+        data["step"] = args.step
+        data.update(extras_json(source.path))
         data["source"] = rec.source
         data["total_bytes"] = rec.nbytes
         for leaf_json, leaf in zip(data["leaves"], rec.leaves, strict=True):
@@ -325,7 +354,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ._plan import plan
 
     sizes = args.mesh
-    source = locate(args.checkpoint)
+    source = locate(checkpoint_arg(args, args.checkpoint))
     specs = _specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
     p = plan(planning_tree(source.record), specs, mesh)
@@ -334,6 +363,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             args,
             {
                 "checkpoint": str(source.path),
+                "step": args.step,
                 "mesh": sizes,
                 "bytes_per_device": p.bytes_per_device(),
                 "total_bytes": p.total_bytes,
@@ -397,6 +427,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
     from ._mesh import make_mesh
     from ._plan import format_bytes
 
+    args.source = checkpoint_arg(args, args.source)
     source = locate(args.source)
     specs = _specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
@@ -426,6 +457,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             args,
             {
                 "source": str(source.path),
+                "step": args.step,
                 "destination": dest,
                 "mesh": sizes,
                 "leaves": len(record.leaves),
@@ -484,7 +516,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Show every leaf of a checkpoint (modelshard or plain Orbax): "
         "path, shape, dtype, bytes, the spec it was saved with, and totals.",
     )
-    i.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    i.add_argument("checkpoint", metavar="CKPT", help=_CKPT_HELP)
     add_json(i)
     i.add_argument(
         "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N leaves"
@@ -514,7 +546,7 @@ def _parser() -> argparse.ArgumentParser:
         "matching rule and bytes per device; or list every problem at once "
         "(exit status 1). No devices are needed.",
     )
-    pl.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    pl.add_argument("checkpoint", metavar="CKPT", help=_CKPT_HELP)
     target(pl)
     add_json(pl)
     pl.add_argument(
@@ -529,7 +561,7 @@ def _parser() -> argparse.ArgumentParser:
         "rules, offline on simulated CPU devices, a chunk of leaves at a time so "
         "host memory stays a small fraction of the checkpoint.",
     )
-    r.add_argument("source", metavar="SRC", help="source checkpoint directory")
+    r.add_argument("source", metavar="SRC", help="source " + _CKPT_HELP)
     r.add_argument("destination", metavar="DST", help="new checkpoint directory")
     target(r)
     r.add_argument(

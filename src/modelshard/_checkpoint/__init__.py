@@ -13,6 +13,7 @@ here: reach the modules with ``importlib.import_module("modelshard._checkpoint.l
 
 from __future__ import annotations
 
+from .items import extras_json as extras_json
 from .items import read_items as read_items
 from .items import read_metadata as read_metadata
 from .locate import Source as Source

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 
-__all__ = ["decode_items", "encode_items", "read_items", "read_metadata"]
+__all__ = ["decode_items", "encode_items", "extras_json", "read_items", "read_metadata"]
 
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
@@ -190,6 +190,35 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
             f"{source.path / ITEMS_ITEM / ITEMS_FILE} is a JSON {type(doc).__name__}, not an object."
         )
     return decode_items(doc, like)
+
+
+def _document(path: Any) -> Any:
+    from .storage import read_small
+
+    try:
+        raw = read_small(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def extras_json(directory: Any) -> dict[str, Any]:
+    """A manager step's items (as stored: JSON, keys and iterator states tagged) and
+    metrics, for ``modelshard inspect --json``; ``{}`` for a checkpoint without them."""
+    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM, absolute
+
+    root = absolute(directory)
+    out: dict[str, Any] = {}
+    items = _document(root / ITEMS_ITEM / ITEMS_FILE)
+    if items is not None:
+        out["items"] = items
+    metrics = _document(root / METRICS_ITEM / METRICS_FILE)
+    if metrics is not None:
+        out["metrics"] = metrics
+    return out
 
 
 def read_metadata(directory: Any) -> dict[str, Any]:
