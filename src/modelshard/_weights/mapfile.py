@@ -81,7 +81,7 @@ def _table(
     if required not in value:
         problems.append(Problem(src, where, f"{required} is required"))
         return None
-    return out
+    return out if required in out else None
 
 
 def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> WeightMap:

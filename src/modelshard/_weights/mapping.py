@@ -16,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from .._dtypes import dtype_name
@@ -318,7 +319,9 @@ class Resolution:
             t.add_column(col)
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
-            src = r.sources[0] if len(r.sources) == 1 else f"{r.sources[0]} (+{len(r.sources) - 1})"
+            src = ", ".join(r.sources[:1]) + (
+                f" (+{len(r.sources) - 1})" if len(r.sources) > 1 else ""
+            )
             shape = "-" if r.shape is None else str(list(r.shape))
             t.add_row(r.target or "<root>", shape, r.dtype or "-", src or "-", r.how)
         if len(rows) < len(self.rows):
@@ -586,7 +589,7 @@ def _pre_cast(
     problems: list[Problem],
 ) -> T.Node | None:
     """``node`` through the load's dtype, the rule's transpose and reshape."""
-    if dtype is not None and np.issubdtype(node.dtype, np.floating) and node.dtype != dtype:
+    if dtype is not None and jnp.issubdtype(node.dtype, jnp.floating) and node.dtype != dtype:
         node = T.Cast(node, np.dtype(dtype))
     if rule.transpose is not None:
         perm = tuple(rule.transpose)

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from .._errors import CheckpointError
+from .transforms import contiguous
 
 __all__ = ["DTYPES", "SafetensorsFiles", "TensorEntry", "open_safetensors", "write_safetensors"]
 
@@ -210,7 +211,7 @@ class SafetensorsFiles:
             whole = cache.get(name)
             if whole is None:
                 whole = cache[name] = self.read_rows(name, 0, t.shape[0])
-            return np.ascontiguousarray(whole[index])
+            return contiguous(whole[index])
 
         return fetch
 
@@ -316,7 +317,7 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dt in items:
-            a = np.ascontiguousarray(compute(name))
+            a = contiguous(compute(name))
             if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
                 raise CheckpointError(
                     f"{name}: computed {a.dtype}{list(a.shape)}, the header says "

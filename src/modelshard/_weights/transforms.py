@@ -23,11 +23,28 @@ import numpy as np
 
 from .._dtypes import dtype_name
 
-__all__ = ["Cast", "Fetch", "Node", "Read", "Reshape", "Stack", "Take", "Transpose", "full_index"]
+__all__ = [
+    "Cast",
+    "Fetch",
+    "Node",
+    "Read",
+    "Reshape",
+    "Stack",
+    "Take",
+    "Transpose",
+    "contiguous",
+    "full_index",
+]
 
 Index = tuple[slice, ...]
 Fetch = Callable[[str, Index], np.ndarray]
 """``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
+
+
+def contiguous(a: Any) -> np.ndarray:
+    """``a`` as a C-contiguous array, rank kept (``np.ascontiguousarray`` makes 0-d 1-d)."""
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def full_index(shape: Sequence[int]) -> Index:
@@ -97,7 +114,7 @@ class Transpose(Node):
         inner = [slice(None)] * len(self.perm)
         for j, p in enumerate(self.perm):
             inner[p] = index[j]
-        return np.ascontiguousarray(self.child.read(tuple(inner), fetch).transpose(self.perm))
+        return contiguous(self.child.read(tuple(inner), fetch).transpose(self.perm))
 
     def reads(self) -> list[str]:
         return self.child.reads()
@@ -120,7 +137,7 @@ class Reshape(Node):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         whole = self.child.read(None, fetch).reshape(self.shape)
-        return whole if index is None else np.ascontiguousarray(whole[index])
+        return whole if index is None else contiguous(whole[index])
 
     def reads(self) -> list[str]:
         return self.child.reads()
