@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,17 @@ from jax.sharding import PartitionSpec
 from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .._paths import format_path, key_name
-from .record import LeafRecord, Record
+from .record import LeafRecord, Record, dims
 from .storage import (
-    CHECKPOINT_METADATA,
-    MARKER,
+    MAX_METADATA_BYTES,
     RECORD_FILE,
     RECORD_ITEM,
     STATE_ITEM,
     TREE_METADATA,
     absolute,
     aside_dir,
+    is_marked,
+    kind_of,
     nest,
     read_small,
     storage_key,
@@ -89,22 +91,52 @@ def _manager_hint(p: Path) -> str:
     return ""
 
 
-def _links_outside(root: Path) -> list[tuple[Path, Path]]:
-    """Symbolic links under ``root`` that lead outside it (``os.walk`` does not enter them)."""
+def _untrusted_entries(root: Path) -> list[str]:
+    """What under ``root`` a reader must not open: symbolic links leading outside it
+    (``os.walk`` does not enter them), anything that is not a regular file or a directory
+    (a named pipe would block a reader forever), and any file other than array data
+    (``d/`` of an OCDBT store) over ``MAX_METADATA_BYTES``."""
     real = root.resolve()
-    found = []
+    found: list[str] = []
     for here, dirs, files in os.walk(root):
         for name in dirs + files:
-            link = Path(here, name)
-            if link.is_symlink() and not link.resolve().is_relative_to(real):
-                found.append((link, link.resolve()))
+            entry = Path(here, name)
+            try:
+                st = entry.lstat()
+                if stat.S_ISLNK(st.st_mode):
+                    target = entry.resolve()
+                    if not target.is_relative_to(real):
+                        found.append(
+                            f"{entry} is a symbolic link to {target}, outside the checkpoint "
+                            f"{root}; refusing to follow it."
+                        )
+                        continue
+                    st = target.stat()
+            except (OSError, RuntimeError) as e:
+                found.append(f"{entry} cannot be examined ({type(e).__name__}: {e}).")
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                found.append(
+                    f"{entry} is a {kind_of(st.st_mode)}, not a regular file; a checkpoint "
+                    "holds only files and directories, refusing to read it."
+                )
+            elif (
+                stat.S_ISREG(st.st_mode)
+                and Path(here).name != "d"
+                and st.st_size > MAX_METADATA_BYTES
+            ):
+                found.append(
+                    f"{entry} is {st.st_size} bytes, more than the {MAX_METADATA_BYTES} that "
+                    "checkpoint metadata may have; refusing to read it."
+                )
     return found
 
 
 def locate(directory: str | os.PathLike[str]) -> Source:
     """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax.
 
-    A checkpoint is untrusted input: a symbolic link leading out of it, or metadata over
+    A checkpoint is untrusted input: a symbolic link leading out of it, anything in it
+    that is not a regular file or directory (a named pipe), or metadata over
     ``MAX_METADATA_BYTES``, is refused before anything is read.
     """
     p = absolute(directory)
@@ -121,11 +153,8 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             else ""
         )
         raise CheckpointError(f"no checkpoint at {p}: the directory does not exist.{extra}")
-    for link, target in _links_outside(p)[:1]:
-        raise CheckpointError(
-            f"{link} is a symbolic link to {target}, outside the checkpoint {p}; "
-            "refusing to follow it."
-        )
+    for problem in _untrusted_entries(p)[:1]:
+        raise CheckpointError(problem)
     record_file = None
     if (p / TREE_METADATA).exists():
         tree_dir = p
@@ -161,19 +190,6 @@ def locate(directory: str | os.PathLike[str]) -> Source:
     return _from_orbax(p, tree_dir)
 
 
-def is_marked(directory: Path) -> bool:
-    """Whether Orbax's ``_CHECKPOINT_METADATA`` in ``directory`` carries modelshard's
-    ``MARKER`` (unreadable, oversized or not a regular file: no)."""
-    import json
-
-    try:
-        data = json.loads(read_small(directory / CHECKPOINT_METADATA))
-    except (OSError, ValueError, RecursionError):
-        return False
-    custom = data.get("custom_metadata") if isinstance(data, dict) else None
-    return isinstance(custom, dict) and all(k in custom for k in MARKER)
-
-
 def _from_orbax(p: Path, tree_dir: Path) -> Source:
     import orbax.checkpoint as ocp
     from etils import epath
@@ -186,7 +202,12 @@ def _from_orbax(p: Path, tree_dir: Path) -> Source:
         ) from e
     leaves, mesh = [], None
     for keys, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shape = tuple(int(d) for d in getattr(meta, "shape", ()) or ())
+        try:
+            shape = dims(list(getattr(meta, "shape", ()) or ()))
+        except ValueError as e:
+            raise CheckpointError(
+                f"{tree_dir / TREE_METADATA}: the array {format_path(keys)!r} is invalid: {e}."
+            ) from e
         dtype = dtype_name(getattr(meta, "dtype", None) or jnp.float32)
         spec = None
         sh: Any = getattr(meta, "sharding", None)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._dtypes import dtype_name
+from .._dtypes import canonical_dtype, dtype_name
 from .._errors import CheckpointError
 from .._flat import split
 from .._mesh import is_abstract, make_mesh
@@ -84,8 +84,13 @@ def _diff(
         want = rec.restored_dtype(dtype)
         want_name = rec.dtype if want is None else dtype_name(want)
         if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
+            cast = f" (restored as {want_name} by dtype=)" if want_name != rec.dtype else ""
             changed.append(
-                ("changed", path, f"checkpoint {want_name}{list(rec.shape)} -> target {here}")
+                (
+                    "changed",
+                    path,
+                    f"checkpoint {rec.dtype}{list(rec.shape)}{cast} -> target {here}",
+                )
             )
     extra: Diff = [
         ("extra", p, f"{r.dtype}{list(r.shape)} (in the checkpoint, not in the target)")
@@ -93,6 +98,50 @@ def _diff(
         if p not in seen
     ]
     return missing, extra, changed
+
+
+def check_cast(dtype: Any) -> Any:
+    """``dtype`` (the cast of ``restore(dtype=)``/``reshard``) as a JAX dtype, or None:
+    only a floating-point dtype this process can hold (float64 needs x64) is accepted."""
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise CheckpointError(f"dtype={dtype!r} is not a dtype.") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise CheckpointError(
+            f"dtype={dtype_name(dt)} is not a floating-point dtype: dtype= casts the "
+            "floating-point leaves (integers, booleans and PRNG keys keep theirs); casting "
+            "weights to an integer dtype would silently destroy them."
+        )
+    if canonical_dtype(dt) != dt:
+        raise CheckpointError(
+            f"dtype={dtype_name(dt)} needs jax_enable_x64, which is off in this process "
+            f"(JAX would hold {dtype_name(canonical_dtype(dt))})."
+        )
+    return dt
+
+
+def check_holdable(source: Source, paths: Sequence[str]) -> None:
+    """CheckpointError listing every leaf of ``paths`` whose stored dtype this process
+    cannot hold (64-bit dtypes with x64 off): read anyway it would come back narrowed
+    (int64 values above 2**31 wrapped) and fail its checksum as if damaged."""
+    recs = source.record.by_path()
+    bad = []
+    for p in paths:
+        dt = parse_dtype(recs[p].stored_dtype)
+        if canonical_dtype(dt) != dt:
+            bad.append(f"  {p or '<root>'}: {recs[p].stored_dtype}{list(recs[p].stored_shape)}")
+    if bad:
+        n = len(bad)
+        raise CheckpointError(
+            f"cannot restore {n} lea{'ves' if n != 1 else 'f'} of {source.path} in this "
+            "process: their 64-bit dtypes need jax_enable_x64, which is off (the checkpoint "
+            "is fine):\n"
+            + "\n".join(bad)
+            + "\nhint: jax.config.update('jax_enable_x64', True) before using JAX."
+        )
 
 
 def _format_diff(rows: Diff) -> list[str]:
@@ -288,8 +337,8 @@ def restore(
         mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
             leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
             its devices, else the first local device.
-        dtype: cast floating-point leaves to this dtype (stored values are verified
-            first).
+        dtype: cast floating-point leaves to this floating-point dtype (stored values are
+            verified first; an integer dtype is refused).
         partial: restore only the leaves both sides have: extra checkpoint leaves are
             skipped and missing ones keep ``like``'s (concrete) values.
         verify: check each leaf's checksum against the record.
@@ -313,6 +362,7 @@ def restore(
         >>> out["w"].sharding.spec
         P('data',)
     """
+    dtype = check_cast(dtype)
     source = locate(directory)
     record = source.record
     if like is None:
@@ -363,6 +413,7 @@ def restore(
             targets[path] = jax.ShapeDtypeStruct(
                 rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=rec.stored_sharding(s)
             )
+    check_holdable(source, list(targets))
     if verify:
         warm_checksums(_checked(source, targets))
     values = read_checked(source, targets)

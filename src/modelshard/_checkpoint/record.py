@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._errors import CheckpointError
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
-from .storage import FORMAT, storage_key
+from .storage import FORMAT, name_collisions, storage_key
 
 # Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
 # dtype it has (the record keeps the real dtype).
@@ -124,12 +124,18 @@ class LeafRecord:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LeafRecord:
         names = d.get("names")
+        try:
+            shape, stored_shape = dims(d["shape"], "shape"), dims(d["stored_shape"], "stored_shape")
+        except ValueError as e:
+            raise CheckpointError(
+                f"leaf {str(d.get('path')) or '<root>'!r} of the record is invalid: {e}."
+            ) from e
         return cls(
             path=str(d["path"]),
             key=tuple(str(k) for k in d["key"]),
-            shape=tuple(int(s) for s in d["shape"]),
+            shape=shape,
             dtype=str(d["dtype"]),
-            stored_shape=tuple(int(s) for s in d["stored_shape"]),
+            stored_shape=stored_shape,
             stored_dtype=str(d["stored_dtype"]),
             key_impl=d.get("key_impl"),
             spec=spec_from_json(d.get("spec")),
@@ -138,6 +144,27 @@ class LeafRecord:
             else tuple(tuple(n) if isinstance(n, list) else n for n in names),
             checksum=d.get("checksum"),
         )
+
+
+MAX_ELEMENTS = 1 << 56
+"""The most elements a leaf of a record may have (about 7e16: far beyond any device)."""
+
+
+def dims(value: Any, what: str = "shape") -> tuple[int, ...]:
+    """A shape read from disk: a list of JSON integers, each and their product at most
+    ``MAX_ELEMENTS`` (``Infinity``, ``1e30``, ``2.5`` or ``10**30`` are refused: ValueError)."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{what} {value!r} is not a list of integers")
+    out = []
+    for d in value:
+        if type(d) is not int:
+            raise ValueError(f"{what} {list(value)!r} has {d!r}, not an integer")
+        if d > MAX_ELEMENTS:
+            raise ValueError(f"{what} {list(value)!r} has the dimension {d}, out of range")
+        out.append(d)  # a negative one is reported with its leaf by leaf_problem
+    if math.prod(abs(d) for d in out) > MAX_ELEMENTS:
+        raise ValueError(f"{what} {list(value)!r} has more than {MAX_ELEMENTS} elements")
+    return tuple(out)
 
 
 def _numeric(name: str) -> np.dtype[Any]:
@@ -293,6 +320,8 @@ class Record:
                 isinstance(k, str) and type(v) is int and v > 0 for k, v in axes.items()
             ):
                 raise ValueError(f"mesh axes {axes} are not names and positive sizes")
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from e
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(
                 f"{where}: the modelshard record is malformed ({type(e).__name__}: {e})."
@@ -303,6 +332,12 @@ class Record:
                 raise CheckpointError(
                     f"{where}: leaf {leaf.path or '<root>'!r} of the record is invalid: {problem}."
                 )
+        clashes = name_collisions(((leaf.path, leaf.key) for leaf in record.leaves), None)
+        if clashes:
+            raise CheckpointError(
+                f"{where}: the record's leaves do not name distinct stored arrays:\n"
+                + "\n".join(clashes)
+            )
         return record
 
 

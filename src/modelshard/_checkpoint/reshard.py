@@ -26,10 +26,17 @@ from .._errors import CheckpointError
 from .._plan import Plan, plan
 from .checksum import checksums
 from .locate import Source, locate, planning_tree
-from .read import concrete_mesh, finish_leaf, read_checked, verify_checksums
+from .read import (
+    check_cast,
+    check_holdable,
+    concrete_mesh,
+    finish_leaf,
+    read_checked,
+    verify_checksums,
+)
 from .record import LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import absolute, nest, pieces_dir
-from .write import orbax_save, storable, write_atomic
+from .write import check_destination, orbax_save, storable, write_atomic
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -140,9 +147,15 @@ def reshard(
     """
     source: Source = locate(src)
     out_path = absolute(dst)
-    if out_path.exists() and not overwrite:
-        raise CheckpointError(f"{out_path} already exists; pass overwrite=True to replace it.")
+    check_destination(out_path, overwrite=overwrite)
+    if out_path != source.path and out_path.is_relative_to(source.path):
+        raise CheckpointError(
+            f"cannot reshard {source.path} into {out_path}: the destination is inside the "
+            "source checkpoint; choose a path outside it."
+        )
     record = source.record
+    dtype = check_cast(dtype)
+    check_holdable(source, [leaf.path for leaf in record.leaves])
     mesh = concrete_mesh(mesh)
     like = planning_tree(record)
     p = plan(like, record.saved_specs() if specs is None else specs, mesh)

@@ -86,18 +86,20 @@ def orbax_name(key: Sequence[str]) -> str:
     return ".".join(key)
 
 
-def name_collisions(keys: Iterable[tuple[str, tuple[str, ...]]]) -> list[str]:
+def name_collisions(
+    keys: Iterable[tuple[str, tuple[str, ...]]], max_chars: int | None = MAX_NAME_CHARS
+) -> list[str]:
     """For ``(canonical path, storage key)`` pairs, one line per group of distinct leaves
     that Orbax would store under one dotted name (the later one would overwrite the
-    earlier on disk), and per name too long for TensorStore."""
+    earlier on disk), and per name longer than ``max_chars``."""
     seen: dict[str, list[str]] = {}
     long: list[str] = []
     for path, key in keys:
         name = orbax_name(key)
-        if len(name) > MAX_NAME_CHARS:
+        if max_chars is not None and len(name) > max_chars:
             long.append(
                 f"  {(path or '<root>')[:80]}...: its storage name has {len(name)} "
-                f"characters, more than {MAX_NAME_CHARS}"
+                f"characters, more than {max_chars}"
             )
         seen.setdefault(name, []).append(path or "<root>")
     clashes = [
@@ -185,6 +187,20 @@ def kind_of(mode: int) -> str:
         if test(mode):
             return name
     return "special file"
+
+
+def is_marked(directory: Path) -> bool:
+    """Whether ``directory`` is a checkpoint modelshard wrote: Orbax's
+    ``_CHECKPOINT_METADATA`` there carries ``MARKER`` (unreadable, oversized or not a
+    regular file: no)."""
+    import json
+
+    try:
+        data = json.loads(read_small(directory / CHECKPOINT_METADATA))
+    except (OSError, ValueError, RecursionError):
+        return False
+    custom = data.get("custom_metadata") if isinstance(data, dict) else None
+    return isinstance(custom, dict) and all(k in custom for k in MARKER)
 
 
 def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +20,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._dtypes import dtype_name
+from .._dtypes import canonical_dtype, dtype_name
 from .._errors import CheckpointError
 from .._flat import split
 from .._mesh import is_abstract
 from .checksum import start_checksums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
+    CHECKPOINT_METADATA,
     MARKER,
+    MAX_METADATA_BYTES,
     RECORD_FILE,
     absolute,
     aside_dir,
+    check_names,
+    is_marked,
     nest,
+    orbax_tmp_dirs,
+    pieces_dir,
     staging_dir,
     storage_key,
 )
@@ -47,12 +53,105 @@ def storable(x: Any) -> Any:
     return x if to is None else jax.lax.bitcast_convert_type(x, jnp.dtype(to))
 
 
+def _json_problems(value: Any, where: str, depth: int = 0) -> list[str]:
+    """Every entry of user ``metadata`` that JSON would not give back as it was."""
+    if depth > 64:
+        return [f"  {where}: nested more than 64 levels deep"]
+    if value is None or isinstance(value, bool | str):
+        return []
+    if type(value) in (int, float):
+        return []
+    if isinstance(value, Mapping):
+        out = []
+        for k, v in value.items():
+            if not isinstance(k, str):
+                out.append(f"  {where}[{k!r}]: the key is a {type(k).__name__}, not a str")
+            else:
+                out.extend(_json_problems(v, f"{where}[{k!r}]", depth + 1))
+        return out
+    if isinstance(value, list | tuple):
+        return [
+            p for i, v in enumerate(value) for p in _json_problems(v, f"{where}[{i}]", depth + 1)
+        ]
+    hint = ""
+    if isinstance(value, np.generic | np.ndarray | jax.Array):
+        hint = " (convert it: int(x), float(x) or x.tolist())"
+    return [f"  {where}: a {type(value).__module__}.{type(value).__name__}, not JSON{hint}"]
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """``metadata`` as the record stores it, or CheckpointError listing every entry that
+    is not plain JSON (checked before any data is written)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise CheckpointError(
+            f"metadata must be a dict of JSON values, got a {type(metadata).__name__}."
+        )
+    problems = _json_problems(metadata, "metadata")
+    if not problems:
+        import json
+
+        size = len(json.dumps(metadata))
+        if size > MAX_METADATA_BYTES // 2:
+            problems = [f"  metadata: {size} bytes of JSON, more than {MAX_METADATA_BYTES // 2}"]
+    if problems:
+        n = len(problems)
+        raise CheckpointError(
+            f"cannot save: {n} metadata entr{'ies are' if n != 1 else 'y is'} not plain JSON "
+            "(str, int, float, bool, None, lists and dicts with str keys):\n" + "\n".join(problems)
+        )
+    return dict(metadata)
+
+
+def _leaf_problem(path: str, x: Any) -> str | None:
+    """Why the leaf ``x`` at ``path`` cannot be saved, or None."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (
+            f"it is an abstract ShapeDtypeStruct {dtype_name(x.dtype)}{list(x.shape)}, not an array"
+        )
+    if isinstance(x, jax.Array) and x.is_deleted():
+        return (
+            "the array was deleted (donated to a jitted step, or .delete() called); save "
+            "the step's output instead"
+        )
+    if isinstance(x, np.ndarray | np.generic) and canonical_dtype(x.dtype) != x.dtype:
+        return (
+            f"it is a NumPy {dtype_name(x.dtype)} array, which JAX holds as "
+            f"{dtype_name(canonical_dtype(x.dtype))} with jax_enable_x64 off (its values "
+            "could change); enable x64 or cast it first"
+        )
+    return None
+
+
+def check_leaves(paths: Sequence[str], arrays: Sequence[Any]) -> None:
+    """CheckpointError listing every leaf that cannot be saved as it is."""
+    problems = [
+        f"  {p or '<root>'}: {why}"
+        for p, x in zip(paths, arrays, strict=True)
+        if (why := _leaf_problem(p, x)) is not None
+    ]
+    if problems:
+        n = len(problems)
+        raise CheckpointError(
+            f"cannot save {n} lea{'ves' if n != 1 else 'f'} (nothing was written):\n"
+            + "\n".join(problems)
+        )
+
+
 def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Record]:
-    """Split ``state`` into the nested dict Orbax stores and the record beside it."""
+    """Split ``state`` into the nested dict Orbax stores and the record beside it.
+
+    Everything that can refuse the state is checked here, before the caller writes a
+    byte: the leaves themselves, their storage names and the metadata.
+    """
     flat = split(state)
     infos, arrays = flat.infos, flat.arrays
     if not arrays:
         raise CheckpointError(f"nothing to save: the {type(state).__name__} has no array leaves.")
+    check_leaves([info.path for info in infos], arrays)
+    check_names([(info.path, storage_key(info.path)) for info in infos], "cannot save")
+    user_metadata = check_metadata(metadata)
     mesh = None
     for x in arrays:
         s = getattr(x, "sharding", None)
@@ -61,12 +160,6 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
             break
     stored, leaves = [], []
     for info, x in zip(infos, arrays, strict=True):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            raise CheckpointError(
-                f"cannot save {info.path or '<root>'}: it is an abstract "
-                f"ShapeDtypeStruct {dtype_name(x.dtype)}{list(x.shape)}, "
-                "not an array."
-            )
         if isinstance(x, np.ndarray | np.generic):
             x = jnp.asarray(x)
         impl = None
@@ -107,7 +200,7 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         leaves=leaves,
         mesh=None if mesh is None else mesh_json(mesh),
         versions=versions(),
-        metadata=dict(metadata or {}),
+        metadata=user_metadata,
         pending=pending,
     )
     return tree, record
@@ -182,23 +275,64 @@ def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> 
             os.close(lock)
 
 
-def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
-    if path.exists() and not overwrite:
+def check_destination(path: Path, *, overwrite: bool) -> None:
+    """Refuse to write a checkpoint at ``path`` unless nothing is there, or ``overwrite``
+    and what is there is an empty directory or a checkpoint modelshard wrote (the marker in
+    its ``_CHECKPOINT_METADATA``): ``overwrite`` never deletes anything else."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not overwrite:
         raise CheckpointError(
             f"{path} already exists; pass overwrite=True to replace it (the "
             "old checkpoint is kept until the new one is complete)."
         )
+    if path.is_symlink():
+        raise CheckpointError(
+            f"cannot overwrite {path}: it is a symbolic link (to {path.resolve()}), not a "
+            "checkpoint directory; remove the link or choose another path."
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"cannot overwrite {path}: it is a file, not a checkpoint; overwrite=True only "
+            "replaces a checkpoint. Remove it yourself or choose another path."
+        )
+    if is_marked(path) or not any(path.iterdir()):
+        return
+    raise CheckpointError(
+        f"cannot overwrite {path}: it is a directory but not a modelshard checkpoint (no "
+        f"marker in its {CHECKPOINT_METADATA}), and overwrite=True only replaces a "
+        "checkpoint; nothing was deleted. Choose a new path (a run folder's checkpoints "
+        "belong in a directory of their own), or remove it yourself."
+    )
+
+
+def remove_leftovers(staging: Path) -> None:
+    """Remove what a failed or killed save into ``staging`` left: the staging directory,
+    reshard's pieces, and Orbax's own temporary copies of either."""
+    pieces = pieces_dir(staging)
+    for d in (staging, pieces, *orbax_tmp_dirs(staging), *orbax_tmp_dirs(pieces)):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
+    check_destination(path, overwrite=overwrite)
     staging = staging_dir(path)
     old = aside_dir(path)
     primary = jax.process_index() == 0
     if primary:
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_leftovers(staging)
     _sync("modelshard:save:start")
-    write(staging)
+    try:
+        write(staging)
+        if primary:
+            write_text_durable(staging / RECORD_FILE, record.dumps())
+            _fsync_dir(staging)
+    except BaseException:
+        if primary:
+            remove_leftovers(staging)
+        raise
     if primary:
-        write_text_durable(staging / RECORD_FILE, record.dumps())
-        _fsync_dir(staging)
         if path.exists() and _exchange(staging, path):
             old = staging  # the swap put the old checkpoint there
         else:
