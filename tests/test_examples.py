@@ -178,3 +178,13 @@ def test_demo_full_size_plans_and_rules_file_agree() -> None:
     assert tp["opt/0/mu/blocks/0/up/kernel"].spec == P(None, "model")
     toml_rules = parse_rules(tomllib.loads(demo.TP_RULES_TOML))
     assert toml_rules.rules == demo.TP_RULES.rules
+
+
+def test_llama_weights(results: dict[str, Any]) -> None:
+    out = _ok(results, "llama_weights")
+    assert out["max_err"] < 1e-4  # logits match the NumPy reference on the stored tensors
+    assert out["bit_exact"]  # exported back in the checkpoint's names, shapes, dtypes
+    assert out["q_spec"] == "P('data', 'model', None)"
+    assert out["lora_b_zero"]  # the new LoRA adapters kept their init
+    assert len(out["skipped"]) == 2 and all("inv_freq" in s for s in out["skipped"])
+    assert "lm_head.weight" in out["exported"]

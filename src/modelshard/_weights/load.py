@@ -264,6 +264,7 @@ def save_safetensors(
     *,
     reference: str | os.PathLike[str] | Mapping[str, tuple[tuple[int, ...], Any]],
     mapping: MappingLike = None,
+    dtype: Any = None,
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
@@ -277,6 +278,8 @@ def save_safetensors(
             whose headers give the names, shapes and dtypes to write), or that table
             itself (name -> (shape, dtype)).
         mapping: the same mapping that imports ``reference`` into ``state``.
+        dtype: the ``dtype`` the import was given (the export casts back to the
+            reference's dtypes).
         metadata: ``__metadata__`` strings for the header (default: the reference's).
         progress: called as ``progress(bytes_done, bytes_total)`` after each tensor.
 
@@ -307,7 +310,7 @@ def save_safetensors(
             table = ref.table()
             meta = dict(ref.metadata)
     flat, targets = target_table(state)
-    res = resolve(wm, table, targets)
+    res = resolve(wm, table, targets, dtype=dtype)
     values = dict(zip(flat.paths, flat.arrays, strict=True))
     sources = invert_resolution(res)
     cache: dict[str, np.ndarray] = {}
