@@ -370,3 +370,16 @@ def test_a_cast_mismatch_names_the_checkpoint_dtype_and_the_cast(tmp_path):
     assert "checkpoint float32[3] (restored as bfloat16 by dtype=) -> target float32[3]" in str(
         e.value
     )
+
+
+def test_cli_reshard_refuses_a_mesh_too_large_to_simulate(tmp_path, capsys):
+    from modelshard._cli import main
+
+    src = ms.save(tmp_path / "src", {"w": jnp.ones(8)})
+    code = _in_time(
+        lambda: main(["reshard", str(src), str(tmp_path / "d"), "--mesh", "data=100000"])
+    )
+    assert code is None or isinstance(code, SystemExit)
+    err = capsys.readouterr().err
+    assert "the target mesh has 100000 devices; reshard on this host simulates at most 4096" in err
+    assert not (tmp_path / "d").exists()

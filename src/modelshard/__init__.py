@@ -20,6 +20,7 @@ from ._checkpoint import read_items as read_items
 from ._checkpoint import read_metadata as read_metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
+from ._checkpoint.reshard import reshard as reshard
 from ._constrain import constrain as constrain
 from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError

@@ -378,6 +378,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 # ---- reshard -----------------------------------------------------------------------------
 
 
+# Simulating 4096 CPU devices takes ~25 s and ~1.4 GB; 100,000 took minutes (issue 17).
+MAX_CPU_DEVICES = 4096
+
+
 def _use_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices if JAX has not started yet; else check there are enough."""
     import jax
@@ -385,6 +389,12 @@ def _use_cpu_devices(n: int) -> None:
 
     from ._errors import MeshError
 
+    if n > MAX_CPU_DEVICES:
+        raise MeshError(
+            f"the target mesh has {n} devices; reshard on this host simulates at most "
+            f"{MAX_CPU_DEVICES} CPU devices (more takes minutes and gigabytes). Reshard for "
+            "a larger mesh on the target cluster itself (modelshard.reshard with its mesh)."
+        )
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", max(n, 1))
@@ -440,7 +450,7 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
         disable=args.json or not sys.stderr.isatty(),
     ) as progress:
         task = progress.add_task("resharding", total=source.record.nbytes)
-        record = reshard(
+        written = reshard(
             args.source,
             args.destination,
             specs=specs,
@@ -451,7 +461,8 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=lambda done, total: progress.update(task, completed=done),
         )
-    dest = os.path.abspath(args.destination)
+    record = locate(written).record
+    dest = str(written)
     if args.json:
         emit(
             args,

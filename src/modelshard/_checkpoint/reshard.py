@@ -121,30 +121,76 @@ def reshard(
     verify: bool = True,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
-) -> Record:
-    """Rewrite checkpoint ``src`` as ``dst`` laid out for ``specs`` on ``mesh``.
+) -> Path:
+    """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
 
-    No model code is needed: the structure comes from the record (or Orbax metadata).
+    No model code is needed: the structure comes from the checkpoint's record (or Orbax
+    metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint
+    is: a few leaves at a time are read straight into their new sharding, verified,
+    optionally cast, and written. ``dst`` is a checkpoint like any :func:`save` wrote
+    (the record says it was resharded from ``src``), and it appears only when complete.
+    ``modelshard reshard`` on the command line calls this.
 
     Args:
-        src: a checkpoint written by :func:`modelshard.save` or plain Orbax.
-        dst: the new checkpoint directory (appears only when complete).
-        specs: a spec-like over the checkpoint's canonical paths (default: the saved specs).
-        mesh: the target mesh (concrete: its devices hold the chunks while they pass).
-        dtype: cast floating-point leaves to this dtype.
+        src: a checkpoint written by :func:`save`, plain Orbax, or a manager step.
+        dst: the new checkpoint directory.
+        specs: a spec-like over the checkpoint's canonical paths (``P(...)``,
+            :class:`Rules`, :func:`fsdp`, a rules file's ``load_rules``...), planned on
+            ``mesh`` as :func:`plan` does. Default: the specs it was saved with.
+        mesh: the target ``Mesh`` (an ``AbstractMesh`` is made concrete); its devices hold
+            each chunk while it passes.
+        dtype: cast floating-point leaves to this floating-point dtype.
         chunk_bytes: host bytes materialised per chunk (replicas included); a leaf
             larger than this is a chunk of its own.
-        verify: check source checksums as leaves are read.
-        overwrite: replace an existing ``dst``.
+        verify: check the source's checksums as leaves are read.
+        overwrite: replace ``dst`` if it is a checkpoint (anything else is refused).
         progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
 
     Returns:
-        The record written beside the new checkpoint.
+        The absolute path of the new checkpoint.
 
     Raises:
         SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
-        CheckpointError: ``src`` is missing or damaged, or ``dst`` exists.
+        CheckpointError: ``src`` is missing or damaged, ``dst`` exists (without
+            ``overwrite``, or is not a checkpoint), or ``dtype`` is not a float dtype.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> d = tempfile.mkdtemp()
+        >>> src = ms.save(d + "/src", {"w": jnp.ones((8, 2))})
+        >>> dst = ms.reshard(src, d + "/dst", specs=P("data"), mesh=ms.make_mesh({"data": 8}))
+        >>> ms.restore(dst)["w"].sharding.spec
+        P('data',)
     """
+    rewrite(
+        src,
+        dst,
+        specs=specs,
+        mesh=mesh,
+        dtype=dtype,
+        chunk_bytes=chunk_bytes,
+        verify=verify,
+        overwrite=overwrite,
+        progress=progress,
+    )
+    return absolute(dst)
+
+
+def rewrite(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    specs: Any = None,
+    mesh: Any,
+    dtype: Any = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    verify: bool = True,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Record:
+    """:func:`reshard`, returning the record written beside the new checkpoint."""
     source: Source = locate(src)
     out_path = absolute(dst)
     check_destination(out_path, overwrite=overwrite)
