@@ -383,3 +383,14 @@ def test_cli_reshard_refuses_a_mesh_too_large_to_simulate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the target mesh has 100000 devices; reshard on this host simulates at most 4096" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_mesh_whose_axis_names_are_not_strings_is_refused_not_recorded_replicated(tmp_path):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), (0, "model"))
+    x = jax.device_put(jnp.arange(16.0).reshape(2, 8), NamedSharding(mesh, P(0, "model")))
+    with pytest.raises(ms.CheckpointError, match=r"mesh with axis names \(0, 'model'\)"):
+        ms.save(tmp_path / "c", {"w": x})
+    assert not (tmp_path / "c").exists()

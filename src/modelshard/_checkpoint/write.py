@@ -158,6 +158,12 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         if isinstance(s, NamedSharding) and not is_abstract(s.mesh):
             mesh = s.mesh
             break
+    if mesh is not None and not all(isinstance(a, str) for a in mesh.axis_names):
+        raise CheckpointError(
+            f"cannot save: the arrays are placed on a mesh with axis names "
+            f"{tuple(mesh.axis_names)!r}; a checkpoint records specs by axis name, so the "
+            "names must be strings (modelshard.make_mesh({'data': 8}) makes such a mesh)."
+        )
     stored, leaves = [], []
     for info, x in zip(infos, arrays, strict=True):
         if isinstance(x, np.ndarray | np.generic):
