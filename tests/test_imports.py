@@ -170,3 +170,38 @@ def test_no_private_names_borrowed_across_modules() -> None:
     assert not borrowed, "underscore names imported from another module:\n" + "\n".join(
         f"  {importer}: from {module} import {name}" for importer, module, name in borrowed
     )
+
+
+
+def _all_of(tree: ast.Module) -> list[str] | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return [ast.literal_eval(e) for e in getattr(node.value, "elts", [])]
+    return None
+
+
+def test_private_modules_have_no_all() -> None:
+    """What is public is what a façade re-exports (``from ._x import y as y``); a private
+    module's ``__all__`` would be a second list to keep true, and such lists went stale."""
+    found = [
+        mod
+        for mod, path in _modules().items()
+        if any(part.startswith("_") for part in mod.split(".")[1:])
+        and path.name != "__init__.py"
+        and _all_of(ast.parse(path.read_text())) is not None
+    ]
+    assert not found, f"private modules with __all__: {found}"
+
+
+def test_public_modules_all_is_true() -> None:
+    import importlib
+
+    for mod, path in _modules().items():
+        if any(part.startswith("_") for part in mod.split(".")[1:]):
+            continue
+        names = _all_of(ast.parse(path.read_text())) or []
+        module = importlib.import_module(mod)
+        missing = [n for n in names if not hasattr(module, n)]
+        assert not missing, f"{mod}.__all__ names what it lacks: {missing}"

@@ -21,8 +21,6 @@ from ._flat import Flat, split
 from ._mesh import make_mesh, mesh_sizes
 from ._specs import SpecLike, entry_axes
 
-__all__ = ["assemble", "assemble_process_local", "global_shape", "partitions"]
-
 
 def global_shape(local_shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:
     """The global shape of a leaf whose every device holds ``local_shape`` under ``spec``.

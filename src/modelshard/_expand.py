@@ -29,8 +29,6 @@ from ._paths import split as split_path
 from ._resolve import Ctx, refused_by_jax, resolve_checked, unmatched_key
 from ._specs import FSDP, Rules, format_spec, is_leaf_spec
 
-__all__ = ["ArgPlan", "LeafPlan", "expand_args", "mesh_sizes"]
-
 
 class LeafPlan(NamedTuple):
     """The plan for one array leaf.

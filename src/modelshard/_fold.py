@@ -10,8 +10,6 @@ import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
-__all__ = ["Fold", "fold", "format_numbers", "template"]
-
 T = TypeVar("T")
 
 _NUMBER = re.compile(r"\d+")

@@ -23,8 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-__all__ = ["main"]
-
 # What each process finds in its environment; modelshard.distributed.initialize reads it.
 # This module imports no JAX, so it also runs as a plain script (fast start-up in tests).
 ENV_COORDINATOR = "MODELSHARD_COORDINATOR"

@@ -31,8 +31,6 @@ from typing import Any, TypeAlias
 
 from ._errors import Problem, SpecError
 
-__all__ = ["LogicalRules", "active_logical", "compile_logical", "logical_rules"]
-
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
 

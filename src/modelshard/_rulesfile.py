@@ -46,8 +46,6 @@ from jax.sharding import PartitionSpec
 from ._errors import Problem, SpecError
 from ._specs import Rules
 
-__all__ = ["NONE", "load_rules", "parse_rules", "rules_to_toml"]
-
 NONE = "none"
 _TOP = {"strict", "rules", "logical"}
 _RULE = {"pattern", "spec"}

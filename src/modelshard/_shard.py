@@ -13,8 +13,6 @@ from ._mesh import is_abstract
 from ._plan import Plan, plan
 from ._specs import SpecLike
 
-__all__ = ["place", "shard"]
-
 
 def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     """Put each array on its sharding; abstract leaves get the sharding attached.

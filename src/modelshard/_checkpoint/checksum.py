@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CHECKSUM", "checksums", "start_checksums", "warm_checksums"]
-
 CHECKSUM = "fmix32x2"
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}

@@ -29,8 +29,6 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-__all__ = ["Watched", "stop_signal", "watch"]
-
 
 class Watched(Protocol):
     """What the guard needs from a manager."""

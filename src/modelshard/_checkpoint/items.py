@@ -23,8 +23,6 @@ from typing import Any
 
 from .._errors import CheckpointError
 
-__all__ = ["decode_items", "encode_items", "extras_json", "read_items", "read_metadata"]
-
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
 

@@ -16,8 +16,6 @@ from typing import Any
 
 from .._errors import CheckpointError
 
-__all__ = ["KeepPolicy"]
-
 
 def _positive(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

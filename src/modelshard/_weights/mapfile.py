@@ -42,8 +42,6 @@ from typing import Any
 from .._errors import MappingError, Problem
 from .mapping import MapRule, Stack, Unstack, WeightMap
 
-__all__ = ["load_weight_map", "parse_weight_map"]
-
 _TOP = {"strict", "keep", "config", "rules"}
 _RULE = {"source", "target", "skip", "transpose", "reshape", "stack", "unstack", "cast"}
 

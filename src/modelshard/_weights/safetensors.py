@@ -32,8 +32,6 @@ import numpy as np
 from .._errors import CheckpointError
 from .transforms import contiguous
 
-__all__ = ["DTYPES", "SafetensorsFiles", "TensorEntry", "open_safetensors", "write_safetensors"]
-
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
     "U8": np.uint8,
