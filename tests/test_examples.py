@@ -188,3 +188,10 @@ def test_llama_weights(results: dict[str, Any]) -> None:
     assert out["lora_b_zero"]  # the new LoRA adapters kept their init
     assert len(out["skipped"]) == 2 and all("inv_freq" in s for s in out["skipped"])
     assert "lm_head.weight" in out["exported"]
+
+
+def test_linen_to_nnx(results: dict[str, Any]) -> None:
+    out = _ok(results, "linen_to_nnx")
+    assert out["max_err"] < 1e-4  # the NNX model restored through the mapping = linen's
+    assert out["bit_exact"]  # and mapped back into linen's layout, restored by linen
+    assert out["up_spec"] == "P(None, 'model')"

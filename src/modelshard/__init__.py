@@ -50,6 +50,7 @@ from ._weights import WeightMap as WeightMap
 from ._weights import load_safetensors as load_safetensors
 from ._weights import load_weight_map as load_weight_map
 from ._weights import save_safetensors as save_safetensors
+from ._weights import unmap as unmap
 
 try:
     __version__ = _version("modelshard")

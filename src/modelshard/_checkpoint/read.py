@@ -322,6 +322,7 @@ def restore(
     dtype: Any = None,
     partial: bool = False,
     verify: bool = True,
+    mapping: Any = None,
 ) -> Any:
     """Restore a checkpoint, every leaf read directly into its planned sharding.
 
@@ -342,6 +343,11 @@ def restore(
         partial: restore only the leaves both sides have: extra checkpoint leaves are
             skipped and missing ones keep ``like``'s (concrete) values.
         verify: check each leaf's checksum against the record.
+        mapping: a :class:`WeightMap` (or a path to its TOML file) from the checkpoint's
+            leaf paths to ``like``'s: a checkpoint of another layout (linen scanned layers
+            into an unscanned NNX model, t5x/MaxText names, a model without the new head).
+            Every unmapped or unfitting leaf is reported at once (:class:`MappingError`);
+            ``specs`` default to replicated and ``partial`` is the mapping's ``keep``.
 
     Returns:
         The container (same type as ``like``; a nested dict without it).
@@ -364,6 +370,12 @@ def restore(
     """
     dtype = check_cast(dtype)
     source = locate(directory)
+    if mapping is not None:
+        from .mapped import restore_mapped
+
+        return restore_mapped(
+            source, like=like, mapping=mapping, specs=specs, mesh=mesh, dtype=dtype, verify=verify
+        )
     record = source.record
     if like is None:
         like = abstract_like(source, dtype)

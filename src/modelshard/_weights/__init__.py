@@ -15,6 +15,7 @@ from .load import nest_paths as nest_paths
 from .load import place_mapped as place_mapped
 from .load import save_safetensors as save_safetensors
 from .load import target_table as target_table
+from .load import unmap as unmap
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
 from .mapping import MapRule as MapRule

@@ -13,6 +13,7 @@ shapes and dtypes to write), inverts every recipe and writes one stored tensor a
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,8 +30,6 @@ from .._paths import split as split_path
 from . import transforms as T
 from .mapping import Resolution, WeightMap, resolve
 from .safetensors import SafetensorsFiles, open_safetensors, write_safetensors
-
-__all__ = ["load_safetensors", "nest_paths", "save_safetensors", "target_table"]
 
 MappingLike = WeightMap | str | os.PathLike[str] | None
 
@@ -190,26 +189,31 @@ def load_with(
     dry_run: bool,
     progress: Callable[[int, int], None] | None,
 ) -> Any:
-    if like is not None:
-        flat, targets = target_table(like)
-        res = resolve(wm, files.table(), targets, dtype=dtype)
-    else:
-        res = resolve(wm, files.table(), None, dtype=dtype)
-        like = nest_paths(
-            {p: jax.ShapeDtypeStruct(n.shape, n.dtype) for p, n in res.recipes.items()}
-        )
-        flat = split(like)
-    if specs is not None and mesh is None:
-        raise CheckpointError(
-            "load_safetensors(specs=...) needs mesh=...: specs are planned on a mesh."
-        )
-    shardings = _shardings(like, flat, specs, mesh)
+    like, flat, res = resolve_target(wm, files.table(), like, dtype)
+    shardings = leaf_shardings(like, flat, specs, mesh)
     if dry_run:
         return res
     return place_mapped(flat, res, shardings, files.fetch, progress)
 
 
-def _shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
+def resolve_target(
+    wm: WeightMap, table: Mapping[str, tuple[tuple[int, ...], Any]], like: Any, dtype: Any
+) -> tuple[Any, Any, Resolution]:
+    """``(like, its Flat, the resolution)``; without ``like``, a nested dict of
+    ``ShapeDtypeStruct`` of every mapped leaf stands in for it."""
+    if like is not None:
+        flat, targets = target_table(like)
+        return like, flat, resolve(wm, table, targets, dtype=dtype)
+    res = resolve(wm, table, None, dtype=dtype)
+    like = nest_paths({p: jax.ShapeDtypeStruct(n.shape, n.dtype) for p, n in res.recipes.items()})
+    return like, split(like), res
+
+
+def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
+    """One sharding per array leaf: planned by :func:`modelshard.plan` on ``mesh``
+    (``specs`` default: replicated), else ``like``'s own, else the first local device."""
+    if specs is not None and mesh is None:
+        raise CheckpointError("specs=... needs mesh=...: specs are planned on a mesh.")
     if mesh is None:
         return [_sharding_of(x) for x in flat.arrays]
     from jax.sharding import PartitionSpec
@@ -229,27 +233,13 @@ def place_mapped(
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
-    from .._shard import place
-
     total = sum(int(np.prod(n.shape)) * n.dtype.itemsize for n in res.recipes.values())
     done = 0
     out = []
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
         node = res.recipes.get(path)
         if node is None:
-            if isinstance(x, jax.ShapeDtypeStruct):
-                raise MappingError(
-                    [
-                        Problem(
-                            "target",
-                            path,
-                            "kept (no stored tensor) but like holds no value for it",
-                            hint="pass a concrete like for kept leaves (a freshly "
-                            "initialised model)",
-                        )
-                    ]
-                )
-            out.append(place([x], [s])[0])
+            out.append(keep_value(path, x, s))
             continue
         out.append(build_leaf(node, s, fetch_for))
         done += int(np.prod(node.shape)) * node.dtype.itemsize
@@ -258,11 +248,29 @@ def place_mapped(
     return flat.update_inplace(out)
 
 
+def keep_value(path: str, x: Any, sharding: Any) -> Any:
+    """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
+    from .._shard import place
+
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise MappingError(
+            [
+                Problem(
+                    "target",
+                    path,
+                    "kept (no stored tensor) but like holds no value for it",
+                    hint="pass a concrete like for kept leaves (a freshly initialised model)",
+                )
+            ]
+        )
+    return x if sharding is None else place([x], [sharding])[0]
+
+
 def save_safetensors(
     path: str | os.PathLike[str],
     state: Any,
     *,
-    reference: str | os.PathLike[str] | Mapping[str, tuple[tuple[int, ...], Any]],
+    reference: Any,
     mapping: MappingLike = None,
     dtype: Any = None,
     metadata: Mapping[str, str] | None = None,
@@ -275,8 +283,8 @@ def save_safetensors(
         path: the ``.safetensors`` file to write (replaced once complete).
         state: the container (a fine-tuned model); its leaves may be sharded.
         reference: the checkpoint the mapping was written for (a file, index or directory
-            whose headers give the names, shapes and dtypes to write), or that table
-            itself (name -> (shape, dtype)).
+            whose headers give the names, shapes and dtypes to write), or a container
+            of those (``{"fc.weight": jax.ShapeDtypeStruct(...)}``).
         mapping: the same mapping that imports ``reference`` into ``state``.
         dtype: the ``dtype`` the import was given (the export casts back to the
             reference's dtypes).
@@ -292,8 +300,8 @@ def save_safetensors(
             checks as an import).
 
     Example:
-        >>> import tempfile, numpy as np, jax.numpy as jnp, modelshard as ms
-        >>> table = {"fc.weight": ((4, 8), np.float32)}  # PyTorch [out, in]
+        >>> import tempfile, jax, numpy as np, jax.numpy as jnp, modelshard as ms
+        >>> table = {"fc.weight": jax.ShapeDtypeStruct((4, 8), np.float32)}  # [out, in]
         >>> wm = ms.WeightMap([ms.MapRule(r"(\\w+)\\.weight", "{1}/kernel", transpose=(1, 0))])
         >>> state = {"fc": {"kernel": jnp.ones((8, 4))}}
         >>> p = ms.save_safetensors(tempfile.mkdtemp() + "/out.safetensors", state,
@@ -302,36 +310,10 @@ def save_safetensors(
         (8, 4)
     """
     wm = as_mapping(mapping, split_dots=True)
-    meta: dict[str, str] = {}
-    if isinstance(reference, Mapping):
-        table = {k: (tuple(s), np.dtype(d)) for k, (s, d) in reference.items()}
-    else:
-        with open_safetensors(reference) as ref:
-            table = ref.table()
-            meta = dict(ref.metadata)
-    flat, targets = target_table(state)
-    res = resolve(wm, table, targets, dtype=dtype)
-    values = dict(zip(flat.paths, flat.arrays, strict=True))
-    sources = invert_resolution(res)
-    cache: dict[str, np.ndarray] = {}
-
-    def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
-        whole = cache.get(key)
-        if whole is None:
-            whole = cache[key] = np.asarray(jax.device_get(values[key]))
-        return whole[index]
-
-    order = [n for n in table if n in sources]
-    total = sum(int(np.prod(table[n][0])) * np.dtype(table[n][1]).itemsize for n in order)
+    table, meta = reference_table(reference)
+    ex = Exporter(state, table, wm, dtype)
+    total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in ex.order)
     done = [0]
-
-    def compute(name: str) -> np.ndarray:
-        value = sources[name].read(None, fetch)
-        needed = {k for n in order[order.index(name) + 1 :] for k in sources[n].reads()}
-        for k in list(cache):
-            if k not in needed:
-                del cache[k]
-        return value
 
     def step(n: int) -> None:
         done[0] += n
@@ -340,10 +322,118 @@ def save_safetensors(
 
     return write_safetensors(
         path,
-        [(n, table[n][0], table[n][1]) for n in order],
-        compute,
+        [(n, table[n][0], table[n][1]) for n in ex.order],
+        ex.compute,
         metadata if metadata is not None else meta,
         step,
+    )
+
+
+def reference_table(
+    reference: Any,
+) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str]]:
+    """``(name -> (shape, dtype), metadata)`` of an export's reference: a safetensors
+    file/index/directory (its headers), or any container (its leaves' paths)."""
+    if isinstance(reference, str | os.PathLike):
+        with open_safetensors(reference) as ref:
+            return ref.table(), dict(ref.metadata)
+    return target_table(reference)[1], {}
+
+
+class Exporter:
+    """The stored tensors of a reference computed from ``state`` by the inverted mapping,
+    one at a time (:meth:`compute` in :attr:`order`); each target leaf is fetched to the
+    host once and dropped when no later tensor reads it."""
+
+    def __init__(
+        self,
+        state: Any,
+        table: Mapping[str, tuple[tuple[int, ...], Any]],
+        wm: WeightMap,
+        dtype: Any,
+    ):
+        flat, targets = target_table(state)
+        res = resolve(wm, table, targets, dtype=dtype)
+        self.values = dict(zip(flat.paths, flat.arrays, strict=True))
+        self.sources = invert_resolution(res)
+        self.order = [n for n in table if n in self.sources]
+        self._pos = {n: i for i, n in enumerate(self.order)}
+        last: dict[str, int] = {}
+        for i, n in enumerate(self.order):
+            for k in self.sources[n].reads():
+                last[k] = i
+        self._last = last
+        self._cache: dict[str, np.ndarray] = {}
+
+    def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
+        whole = self._cache.get(key)
+        if whole is None:
+            whole = self._cache[key] = np.asarray(jax.device_get(self.values[key]))
+        return whole[index]
+
+    def compute(self, name: str) -> np.ndarray:
+        value = self.sources[name].read(None, self._fetch)
+        i = self._pos[name]
+        for k in self.sources[name].reads():
+            if self._last[k] <= i:
+                self._cache.pop(k, None)
+        return value
+
+
+def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any = None) -> Any:
+    r"""``state`` in the layout of ``reference``: the mapping that imports ``reference`` into
+    ``state``, run backwards, on this host.
+
+    Args:
+        state: the container in the target layout (an NNX model).
+        reference: the source layout: a container (concrete or abstract, e.g. a linen
+            model's ``jax.eval_shape(init)``; the result has its type) or a safetensors
+            file (the result is a dict of stored name -> array).
+        mapping: the import mapping (a :class:`WeightMap` or a TOML path).
+        dtype: the ``dtype`` the import was given.
+
+    Returns:
+        The reference's container with NumPy leaves computed from ``state``; write it with
+        :func:`~modelshard.save` to get a checkpoint the other code base restores. Leaves a
+        rule skips keep the reference's (concrete) values.
+
+    Raises:
+        MappingError: the mapping does not fit ``reference`` and ``state``.
+
+    Example:
+        >>> import jax, numpy as np, modelshard as ms
+        >>> wm = ms.WeightMap([ms.MapRule(r"params/layers/(\w+)", "layers/{i}/{1}",
+        ...                               unstack=ms.Unstack("i"))])
+        >>> scanned = {"params": {"layers": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}}}
+        >>> state = {"layers": {"0": {"w": np.zeros(3, np.float32)}, "1": {"w": np.ones(3, np.float32)}}}
+        >>> ms.unmap(state, reference=scanned, mapping=wm)["params"]["layers"]["w"].tolist()
+        [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    """
+    wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
+    table, _ = reference_table(reference)
+    ex = Exporter(state, table, wm, dtype)
+    if isinstance(reference, str | os.PathLike):
+        return {n: ex.compute(n) for n in ex.order}
+    flat = split(reference)
+    out = []
+    for path, x in zip(flat.paths, flat.arrays, strict=True):
+        if path in ex.sources:
+            out.append(ex.compute(path))
+        else:
+            out.append(_no_value(path) if isinstance(x, jax.ShapeDtypeStruct) else x)
+    return flat.rebuild(out)
+
+
+def _no_value(path: str) -> Any:
+    raise MappingError(
+        [
+            Problem(
+                "source",
+                path,
+                "a rule skips this leaf, and the reference holds no value for it",
+                hint="pass a concrete reference, or map the leaf",
+            )
+        ]
     )
 
 

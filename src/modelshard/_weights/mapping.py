@@ -23,8 +23,6 @@ from .._dtypes import dtype_name
 from .._errors import MappingError, Problem
 from . import transforms as T
 
-__all__ = ["MapRule", "Resolution", "Row", "Stack", "Unstack", "WeightMap", "resolve"]
-
 _FIELD = re.compile(r"\{(\w+)\}")
 
 
@@ -510,11 +508,11 @@ def resolve(
             node, i, names = hit
             want = f"{dtype_name(dt)}{list(shape)}"
             got = f"{dtype_name(node.dtype)}{list(node.shape)}"
-            if tuple(shape) != node.shape or np.dtype(dt) != node.dtype:
+            if tuple(shape) != node.shape or dtype_name(dt) != dtype_name(node.dtype):
                 hints = []
                 if tuple(shape) != node.shape:
                     hints.append("fix the rule's transpose/reshape/stack")
-                if np.dtype(dt) != node.dtype:
+                if dtype_name(dt) != dtype_name(node.dtype):
                     hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
                 problems.append(
                     Problem(

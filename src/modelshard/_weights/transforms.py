@@ -23,19 +23,6 @@ import numpy as np
 
 from .._dtypes import dtype_name
 
-__all__ = [
-    "Cast",
-    "Fetch",
-    "Node",
-    "Read",
-    "Reshape",
-    "Stack",
-    "Take",
-    "Transpose",
-    "contiguous",
-    "full_index",
-]
-
 Index = tuple[slice, ...]
 Fetch = Callable[[str, Index], np.ndarray]
 """``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
