@@ -59,7 +59,12 @@ mngr = ms.CheckpointManager(root)
 for step in range(2):
     mngr.save(step, state(step))
 mngr.wait_until_finished()
-ocp.StandardCheckpointHandler.finalize = failing_finalize if mode == "fails" else slow_finalize
+if mode == "fails":
+    ocp.StandardCheckpointHandler.finalize = failing_finalize
+elif mode == "stall":  # the parent SIGKILLs the process while step 2 is written
+    ocp.StandardCheckpointHandler.finalize = lambda self, directory: time.sleep(60)
+else:
+    ocp.StandardCheckpointHandler.finalize = slow_finalize
 if mode == "lost":
     # as in an embedding or a REPL: no __main__ module end to finish the save at
     tool = next(t for t in range(6) if sys.monitoring.get_tool(t) == "modelshard-exit-guard")
@@ -72,7 +77,7 @@ if mode == "with_raises":
         raise RuntimeError("the training step failed")
 mngr.save(2, state(2))
 print("READY", flush=True)
-if mode in ("sigterm", "sigint"):
+if mode in ("sigterm", "sigint", "stall"):
     time.sleep(60)  # the parent's signal arrives while step 2 is in flight
 if mode == "raises":
     raise RuntimeError("the training step failed")

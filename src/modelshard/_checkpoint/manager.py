@@ -47,8 +47,6 @@ from .storage import (
 from .urls import is_remote, location
 from .write import prepare
 
-__all__ = ["CheckpointManager", "complete_steps", "is_complete_step", "manager_step"]
-
 _STEP = re.compile(r"0|[1-9][0-9]*")
 
 
@@ -191,7 +189,12 @@ class CheckpointManager:
         self.directory = location(directory)
         self._remote = is_remote(self.directory)
         if self._primary():
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot create or reach {self.directory}: {type(e).__name__}: {e}"
+                ) from e
         self._ckptr: Any = None
         self._pending: int | None = None
         self._polled = False
@@ -322,6 +325,11 @@ class CheckpointManager:
             ) from None
         self._lock_fd = fd
 
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def _rotate(self) -> None:
         steps = complete_steps(self.directory)
         if self.policy.keeps_everything or len(steps) <= 1:
@@ -402,9 +410,10 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
+        self._become_writer()  # first: another writer is the error to report
         if self._closed:
+            self._release_lock()
             raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
-        self._become_writer()
         stopping = guard.stop_signal() is not None
         if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
             return False
@@ -463,6 +472,12 @@ class CheckpointManager:
             if not steps:
                 raise CheckpointError(f"no checkpoint in {self.directory}: no step was saved yet.")
             return steps[-1]
+        path = self.step_directory(step)
+        if step not in steps and not self._remote and path.is_symlink():
+            raise CheckpointError(
+                f"{path} is a symbolic link to {path.resolve()}; steps are directories of "
+                f"{self.directory}, refusing to follow it."
+            )
         if step not in steps:
             raise CheckpointError(
                 f"no step {step} in {self.directory}; steps there: "
@@ -574,9 +589,7 @@ class CheckpointManager:
             guard.unwatch(self)
             if self._ckptr is not None:
                 self._ckptr.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
         return self

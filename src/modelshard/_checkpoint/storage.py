@@ -203,6 +203,26 @@ def is_marked(directory: Path) -> bool:
     return isinstance(custom, dict) and all(k in custom for k in MARKER)
 
 
+def _read_small_remote(path: Any, limit: int) -> bytes:
+    try:
+        size = path.stat().length
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+    if size > limit:
+        raise CheckpointError(
+            f"{path} is {size} bytes, more than the {limit} that checkpoint "
+            "metadata may have; refusing to read it."
+        )
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+
 def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
 
@@ -213,6 +233,8 @@ def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:
         FileNotFoundError: there is no ``path`` (the caller says what that means).
         CheckpointError: it is not a regular file, is too large, or cannot be read.
     """
+    if not isinstance(path, Path):  # object storage (etils.epath): objects, no pipes
+        return _read_small_remote(path, limit)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)

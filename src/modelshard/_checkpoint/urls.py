@@ -16,10 +16,9 @@ from typing import Any
 
 from .._errors import CheckpointError
 
-__all__ = ["OBJECT_SCHEMES", "is_remote", "location"]
-
-OBJECT_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
-"""The URL schemes checkpoints may use, with the package epath needs for each."""
+OBJECT_SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+"""The URL schemes checkpoints may use, with the package epath needs for each and the
+modelshard extra that installs it."""
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -52,17 +51,39 @@ def location(directory: str | os.PathLike[str]) -> Any:
             f"unsupported URL scheme {scheme!r} in {text!r}: checkpoints go to a local "
             f"path or to {', '.join(s + '://' for s in OBJECT_SCHEMES)}."
         )
-    package = OBJECT_SCHEMES[scheme]
+    package, extra = OBJECT_SCHEMES[scheme]
     import importlib.util
 
     if importlib.util.find_spec(package) is None:
         raise CheckpointError(
             f"{text!r} needs the {package!r} package (etils.epath reads {scheme}:// "
-            f"through it): pip install {package}."
+            f"through it): pip install 'modelshard[{extra}]'."
+        )
+    if scheme == "s3" and not _orbax_keeps_s3_urls():
+        raise CheckpointError(
+            f"cannot write {text!r}: this Orbax ({_orbax_version()}) turns s3://bucket/x "
+            "into s3:/bucket/x before TensorStore sees it, so every save would fail. "
+            "Use gs:// or a local (or mounted) path."
         )
     from etils import epath
 
     return epath.Path(text)
+
+
+def _orbax_version() -> str:
+    from importlib.metadata import version
+
+    return f"orbax-checkpoint {version('orbax-checkpoint')}"
+
+
+def _orbax_keeps_s3_urls() -> bool:
+    """Whether Orbax's TensorStore path normalisation leaves an s3:// URL intact."""
+    try:
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+        return tsu._normalize_path("s3://bucket/x") == "s3://bucket/x"  # pyright: ignore[reportPrivateUsage]
+    except (ImportError, AttributeError):
+        return True
 
 
 def is_remote(path: Any) -> bool:
