@@ -143,6 +143,7 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
         "command": "reshard",
         "ok": True,
         "source": str(ckpt),
+        "step": None,
         "destination": str(dst),
         "mesh": {"data": 2, "model": 4},
         "leaves": 19,
@@ -381,3 +382,37 @@ def test_full_disk_reported_by_tensorstore(ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(reshard_module, "reshard", lambda *a, **k: int("x"))
     with pytest.raises(ValueError, match="invalid literal"):
         main(["reshard", str(ckpt), str(tmp_path / "out"), "--mesh", "data=2"])
+
+
+def test_plan_fold_filter_and_budget(ckpt, capsys):
+    rules = str(ckpt.parent / "rules.toml")
+    base = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", rules]
+    assert main([*base, "--filter", "kernel$", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["leaves"] and all(r["path"].endswith("kernel") for r in data["leaves"])
+    assert sum(r["count"] for r in data["rows"]) == len(data["leaves"])
+    assert sum(m["bytes_per_device"] for m in data["modules"]) == sum(
+        r["bytes_per_device"] for r in data["leaves"]
+    )
+    assert main([*base, "--filter", "kernel$"]) == 0
+    out = capsys.readouterr().out
+    assert "filter kernel$:" in out and "embedding" not in out
+    assert main([*base, "--no-fold", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["rows"]) == len(data["leaves"]) == 19
+    # a budget the plan exceeds: the table, then the problem; exit status 1
+    assert main([*base, "--budget", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert "modelshard plan" in captured.out
+    assert captured.err.startswith(
+        "modelshard plan: error: the plan does not fit the memory budget:"
+    )
+    assert "per device > budget 1.00 KiB (by module: " in captured.err
+    assert main([*base, "--budget", "1KiB", "--json"]) == 1
+    error = json.loads(capsys.readouterr().err)["error"]
+    assert error["causes"][0]["what"] == "bytes per device > budget"
+    assert main([*base, "--budget", "1GiB"]) == 0
+    capsys.readouterr()
+    for flag, value in (("--budget", "lots"), ("--filter", "(")):
+        assert main([*base, flag, value]) == 2
+        assert f"argument {flag}: '{value}' is not" in _one_line(capsys.readouterr().err, "plan")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import jax
@@ -101,7 +102,8 @@ def test_plan_table_and_str(mesh24):
     assert "replicated 8.12 KiB" in text
     assert repr(p).startswith("<Plan: 2 array leaves")
     many = ms.plan({f"x{i}": SDS((8,), jnp.float32) for i in range(70)}, P(), mesh24)
-    assert "... 10 more leaves" in str(many)
+    assert "x{0..69} │     70 │ (8,)" in str(many)
+    assert "... 10 more rows (10 leaves); max_rows=None shows all" in str(many.table(fold=False))
 
 
 def test_getitem_unknown_path(mesh24):
@@ -128,3 +130,143 @@ def test_plan_typed_prng_keys_and_zero_size(mesh8):
     )
     assert p.bytes_per_device(p["keys"]) == 8  # one key (2 x uint32) per device
     assert p.bytes_per_device(p["empty"]) == 0
+
+
+# ---- plans that read at model scale --------------------------------------------------------
+
+
+def _tp_rules():
+    return ms.Rules(
+        [
+            ("input_embedding", P("model", None)),
+            ("kv_einsum/w", P(None, "model")),
+            ("einsum/w", P("model")),
+            ("mlp", P(None, "model")),
+            (".*", P()),
+        ]
+    )
+
+
+def test_a_1000_layer_leaf_plan_prints_in_60_lines():
+    from conftest import gemma_like
+
+    tree = gemma_like(layers=150, vision_blocks=0)
+    p = ms.plan(tree, _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True))
+    assert len(p) == 150 * 7 + 7 > 1000
+    text = str(p)
+    lines = text.splitlines()
+    assert len(lines) <= 60
+    for kind in (
+        "attn/attn_vec_einsum/w",
+        "attn/kv_einsum/w",
+        "attn/q_einsum/w",
+        "mlp/gating_einsum",
+        "mlp/linear",
+        "pre_attention_norm/scale",
+        "pre_ffw_norm/scale",
+    ):
+        assert f"transformer/layer_{{0..149}}/{kind} " in text, kind
+    for leaf in ("transformer/embedder/input_embedding", "vision_encoder/pos_embedding"):
+        assert leaf in text
+    row = next(line for line in lines if "layer_{0..149}/mlp/linear " in line)
+    assert "│    150 │ (21504, 5376)" in row and "P(None, 'model')" in row and "x150" in row
+    # the per-module summary, with bytes per device
+    modules = {m["module"]: m for m in p.modules()}
+    assert sum(m["bytes_per_device"] for m in modules.values()) == p.bytes_per_device()
+    assert sum(m["leaves"] for m in modules.values()) == len(p)
+    per = ms._plan.format_bytes(modules["transformer"]["bytes_per_device"])
+    assert any(line.split()[:2] == ["transformer", "1052"] and per in line for line in lines)
+    # folding off: one row per leaf
+    assert len(p.groups(fold=False)) == len(p)
+    assert sum(g["count"] for g in p.groups()) == len(p)
+
+
+def test_table_prints_properly_and_never_cuts_paths():
+    """A linen model using Flax's standard attention inside nn.scan: the query/key/value/out
+    kernels share a long prefix; no column cut hides which is which."""
+    import flax.linen as nn
+    from rich.console import Console
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            x = x + nn.MultiHeadDotProductAttention(num_heads=4)(x)
+            return x + nn.Dense(32)(x), None
+
+    class Decoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            return scan(name="decoder")(x, None)[0]
+
+    variables = jax.eval_shape(lambda: Decoder().init(jax.random.key(0), jnp.zeros((1, 4, 32))))
+    p = ms.plan(
+        variables,
+        ms.Rules([("kernel", P()), (".*", P())]),
+        ms.make_mesh({"data": 2}, abstract=True),
+    )
+    table = p.table()
+    assert not repr(table).startswith("<") and str(table) == str(p)
+    for name in ("query", "key", "value", "out"):
+        assert f"params/decoder/MultiHeadDotProductAttention_0/{name}/kernel" in str(p)
+    for width in (60, 100):
+        out = io.StringIO()
+        Console(file=out, width=width, color_system=None).print(table)
+        text = out.getvalue()
+        assert "…" not in text
+        joined = "".join(
+            line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 2
+        )
+        for name in ("query", "key", "value", "out"):
+            assert f"params/decoder/MultiHeadDotProductAttention_0/{name}/kernel" in joined
+        if width == 60:
+            assert "rule" not in text.splitlines()[2]  # the first column to go
+
+
+def test_filter_rows_and_tables():
+    from conftest import gemma_like
+
+    p = ms.plan(
+        gemma_like(4, 2), _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True)
+    )
+    rows = p.rows(filter=r"layer_\d+/mlp/")
+    assert {r["path"] for r in rows} == {
+        f"transformer/layer_{i}/mlp/{k}" for i in range(4) for k in ("gating_einsum", "linear")
+    }
+    text = str(p.table(filter="mlp/linear"))
+    assert "filter mlp/linear: 4 of" in text and "gating" not in text
+    with pytest.raises(ms.SpecError, match="invalid memory budget"):
+        p.check_budget("lots")
+
+
+def test_budget_names_the_top_contributors():
+    from conftest import gemma_like
+
+    p = ms.plan(gemma_like(), _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True))
+    p.check_budget("16GiB")  # 7.07 GiB fits
+    p.check_budget(p.bytes_per_device())
+    with pytest.raises(ms.SpecError) as e:
+        p.check_budget("4GiB", top=2)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "the plan does not fit the memory budget:"
+    assert lines[2] == (
+        "    problem: 7.07 GiB per device > budget 4.00 GiB (by module: transformer 6.29 GiB, "
+        "vision_encoder 794.99 MiB); largest per device: "
+        "transformer/layer_{0..61}/mlp/gating_einsum 3.34 GiB (62 leaves); "
+        "transformer/layer_{0..61}/mlp/linear 1.67 GiB (62 leaves)"
+    )
+    assert [p.cause for p in e.value.problems] == ["bytes per device > budget"]
+
+
+def test_parse_bytes():
+    from modelshard._plan import parse_bytes
+
+    assert parse_bytes("16GiB") == 16 << 30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes("1.5KiB") == 1536
+    assert parse_bytes(1000) == parse_bytes("1000") == parse_bytes("1kB") == 1000
+    for bad in ("", "-1GiB", "16 GiBs", float("nan"), True):
+        with pytest.raises(ms.SpecError):
+            parse_bytes(bad)

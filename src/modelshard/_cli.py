@@ -31,17 +31,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-__all__ = [
-    "add_json",
-    "emit",
-    "float_dtype",
-    "main",
-    "mesh_arg",
-    "parse_mesh",
-    "positive_float",
-    "positive_int",
-]
-
 SCHEMA = 1
 """Version of the ``--json`` envelope (``"schema"`` in every object)."""
 
@@ -118,6 +107,27 @@ def float_dtype(text: str) -> str:
     return dtype_name(dt)
 
 
+def regex_arg(text: str) -> re.Pattern[str]:
+    """argparse type: a regular expression (``--filter``)."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {e}") from None
+
+
+def bytes_arg(text: str) -> int:
+    """argparse type: a size such as ``16GiB``, ``80GB``, ``512MiB`` or plain bytes."""
+    from ._errors import SpecError
+    from ._plan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except SpecError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB"
+        ) from None
+
+
 def add_json(parser: argparse.ArgumentParser) -> None:
     """Give a command the ``--json`` flag (results and problems as JSON objects)."""
     parser.add_argument(
@@ -134,7 +144,8 @@ def add_json(parser: argparse.ArgumentParser) -> None:
 def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(stderr=stderr, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    tty = sys.stdout.isatty() or "COLUMNS" in os.environ
+    return Console(stderr=stderr, soft_wrap=False, width=None if tty else 160)
 
 
 def _write_json(stream: Any, data: Any) -> None:
@@ -258,8 +269,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 _CKPT_HELP = (
-    "checkpoint directory, or a CheckpointManager's root directory (then its latest "
-    "complete step)"
+    "checkpoint directory, or a CheckpointManager's root directory (then its latest complete step)"
 )
 
 
@@ -279,7 +289,6 @@ def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
             highlight=False,
         )
     return str(path)
-
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -359,6 +368,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
     p = plan(planning_tree(source.record), specs, mesh)
     if args.json:
+        if args.budget is not None:
+            p.check_budget(args.budget)
         emit(
             args,
             {
@@ -367,11 +378,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "mesh": sizes,
                 "bytes_per_device": p.bytes_per_device(),
                 "total_bytes": p.total_bytes,
-                "leaves": p.rows(),
+                "modules": p.modules(filter=args.filter),
+                "rows": p.groups(fold=not args.no_fold, filter=args.filter),
+                "leaves": p.rows(filter=args.filter),
             },
         )
         return 0
-    _console().print(p.table(max_rows=args.max_rows))
+    _console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
+    if args.budget is not None:
+        p.check_budget(args.budget)
     return 0
 
 
@@ -562,6 +577,27 @@ def _parser() -> argparse.ArgumentParser:
     add_json(pl)
     pl.add_argument(
         "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
+    pl.add_argument(
+        "--filter",
+        type=regex_arg,
+        default=None,
+        metavar="REGEX",
+        help="show only leaves whose path this regular expression is found in, e.g. 'attn'",
+    )
+    pl.add_argument(
+        "--no-fold",
+        action="store_true",
+        help="one row per leaf (by default leaves that differ only in layer numbers and are "
+        "planned alike share a row: layers_{0..61}/mlp/kernel)",
+    )
+    pl.add_argument(
+        "--budget",
+        type=bytes_arg,
+        default=None,
+        metavar="SIZE",
+        help="memory per device, e.g. 16GiB or 80GB: exit status 1 if the plan needs more, "
+        "naming the largest contributors",
     )
     pl.set_defaults(run=_cmd_plan)
 

@@ -7,20 +7,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = [
-    "AdapterError",
-    "AssembleError",
-    "Cause",
-    "CheckpointError",
-    "DistributedError",
-    "MappingError",
-    "MeshError",
-    "ModelshardError",
-    "Problem",
-    "ShardingMismatchError",
-    "SpecError",
-]
-
 
 class ModelshardError(Exception):
     """Base class of modelshard's own errors (each also subclasses ValueError or TypeError)."""
@@ -190,7 +176,7 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
     out = []
     for key, ps in groups.items():
         same = all(p.what == ps[0].what for p in ps)
-        what = ps[0].what if same else key.replace("#", "N")
+        what = ps[0].cause or (ps[0].what if same else key.replace("#", "N"))
         out.append(Cause(what, tuple(ps), _fitting_hint(ps)))
     order = {id(c): i for i, c in enumerate(out)}
     return sorted(out, key=lambda c: (-c.count, order[id(c)]))

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._dtypes import dtype_name
 from ._expand import ArgPlan, LeafPlan, expand_args
 from ._mesh import format_mesh, mesh_sizes
 from ._specs import SpecLike, entry_axes, format_spec
-
-__all__ = ["Plan", "format_bytes", "plan"]
 
 
 def format_bytes(n: float) -> str:
@@ -28,6 +28,11 @@ def format_bytes(n: float) -> str:
 def spec_json(spec: PartitionSpec) -> list[Any]:
     """A spec as JSON: one entry per dimension, None or an axis name or a list of names."""
     return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
+    """The inverse of :func:`spec_json`."""
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
 
 
 def _itemsize(dtype: Any) -> int:
@@ -137,30 +142,136 @@ class Plan:
     def num_devices(self) -> int:
         return math.prod(self.sizes.values()) if self.sizes else 1
 
+    # ---- grouped views ---------------------------------------------------------------
+    def _named(self, filter: str | re.Pattern[str] | None = None) -> list[tuple[str, LeafPlan]]:
+        """``(displayed path, leaf)`` of every leaf whose displayed path matches ``filter``."""
+        multi = len(self.args) > 1
+        out = [
+            (f"{a.name}:{leaf.path}" if multi else leaf.path, leaf)
+            for a in self.args
+            for leaf in a.leaves
+        ]
+        if filter is None:
+            return out
+        rx = re.compile(filter) if isinstance(filter, str) else filter
+        return [(p, leaf) for p, leaf in out if rx.search(p)]
+
+    def groups(
+        self, fold: bool = True, filter: str | re.Pattern[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Rows of the plan: with ``fold``, leaves whose paths differ only in layer numbers
+        and that are planned alike (shape, dtype, spec, rule) are one row,
+        ``layers_{0..61}/mlp/kernel`` with ``count`` 62. ``filter`` is a regex searched in
+        each path. JSON-ready dicts: ``path``, ``count``, ``shape``, ``dtype``, ``spec``,
+        ``rule``, ``bytes_per_device`` and ``bytes`` (each per leaf), ``paths`` (every
+        leaf's path).
+        """
+        from ._fold import fold as fold_paths
+
+        named = self._named(filter)
+
+        def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
+            leaf = leaves[0]
+            return {
+                "path": path,
+                "count": len(leaves),
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "spec": spec_json(leaf.spec),
+                "rule": leaf.rule,
+                "bytes_per_device": self.bytes_per_device(leaf),
+                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+                "paths": paths,
+            }
+
+        if not fold:
+            return [row(p, [leaf], [p]) for p, leaf in named]
+        folded = fold_paths(
+            named,
+            lambda x: x[0],
+            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule),
+        )
+        return [
+            row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
+            for g in folded
+        ]
+
+    def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
+        """One summary per top-level module (first path component: ``params``,
+        ``opt_state``, ...): ``module``, ``leaves``, ``bytes`` (unsharded) and
+        ``bytes_per_device``, in order of first appearance."""
+        out: dict[str, dict[str, Any]] = {}
+        for path, leaf in self._named(filter):
+            arg, colon, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
+            top = (arg + colon) + (rest.split("/", 1)[0] or "<root>")
+            m = out.setdefault(top, {"module": top, "leaves": 0, "bytes": 0, "bytes_per_device": 0})
+            m["leaves"] += 1
+            m["bytes"] += math.prod(leaf.shape) * _itemsize(leaf.dtype)
+            m["bytes_per_device"] += self.bytes_per_device(leaf)
+        return list(out.values())
+
+    def check_budget(self, budget: int | float | str, top: int = 5) -> None:
+        """Raise if one device would hold more than ``budget`` bytes of this plan.
+
+        Args:
+            budget: bytes, or text such as ``"16GiB"``, ``"80 GB"``, ``"512MiB"``.
+            top: how many of the largest rows (folded) to name.
+
+        Raises:
+            SpecError: one problem, ``bytes per device > budget``, naming the top-level
+                modules and the rows that contribute most.
+        """
+        from ._errors import Problem, SpecError
+
+        limit = parse_bytes(budget)
+        per = self.bytes_per_device()
+        if per <= limit:
+            return
+        rows = sorted(self.groups(), key=lambda r: -r["bytes_per_device"] * r["count"])
+        biggest = "; ".join(
+            f"{r['path']} {format_bytes(r['bytes_per_device'] * r['count'])}"
+            + (f" ({r['count']} leaves)" if r["count"] > 1 else "")
+            for r in rows[:top]
+        )
+        modules = ", ".join(
+            f"{m['module']} {format_bytes(m['bytes_per_device'])}" for m in self.modules()
+        )
+        raise SpecError(
+            [
+                Problem(
+                    "plan",
+                    "",
+                    f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
+                    f"(by module: {modules}); largest per device: {biggest}",
+                    mesh=format_mesh(self.sizes),
+                    hint="shard the largest leaves over more mesh axes (or a bigger mesh), "
+                    "or keep a smaller dtype",
+                    cause="bytes per device > budget",
+                )
+            ],
+            header="the plan does not fit the memory budget:",
+        )
+
     # ---- rendering ------------------------------------------------------------------
-    def rows(self) -> list[dict[str, Any]]:
-        """One JSON-ready dict per leaf (the CLI's ``--json``).
+    def rows(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
+        """One JSON-ready dict per leaf (the CLI's ``--json``); ``filter``: a regex.
 
         ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
         one entry per dimension, ``null`` for a replicated dimension, a list for several
         axes (``[["data", "fsdp"], null]``).
         """
-        multi = len(self.args) > 1
-        out = []
-        for a in self.args:
-            for leaf in a.leaves:
-                out.append(
-                    {
-                        "path": f"{a.name}:{leaf.path}" if multi else leaf.path,
-                        "shape": list(leaf.shape),
-                        "dtype": str(leaf.dtype),
-                        "spec": spec_json(leaf.spec),
-                        "rule": leaf.rule,
-                        "bytes_per_device": self.bytes_per_device(leaf),
-                        "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
-                    }
-                )
-        return out
+        return [
+            {
+                "path": path,
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "spec": spec_json(leaf.spec),
+                "rule": leaf.rule,
+                "bytes_per_device": self.bytes_per_device(leaf),
+                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+            }
+            for path, leaf in self._named(filter)
+        ]
 
     def summary(self) -> str:
         """One line: leaves, bytes per device versus replicated bytes, the mesh."""
@@ -172,49 +283,182 @@ class Plan:
             f"{format_bytes(per)} per device{ratio}; replicated {format_bytes(total)}"
         )
 
-    def table(self, max_rows: int | None = 60) -> Any:
-        """A ``rich.table.Table`` of the plan (first ``max_rows`` leaves, then totals)."""
-        from rich.table import Table
+    def table(
+        self,
+        max_rows: int | None = 60,
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+    ) -> PlanTable:
+        """The plan as a table that prints properly: ``print(plan.table())`` (plain text),
+        ``rich.print(...)`` (colour, the terminal's width) and notebooks alike.
 
-        t = Table(title="modelshard plan", caption=self.summary(), show_lines=False)
-        for col, kw in [
-            ("path", {}),
-            ("shape", {}),
-            ("dtype", {}),
-            ("spec", {}),
-            ("rule", {}),
-            ("per device", {"justify": "right"}),
-        ]:
-            t.add_column(col, **kw)
-        rows = self.rows()
-        shown = rows if max_rows is None else rows[:max_rows]
-        for r, leaf in zip(shown, self.leaves, strict=False):
-            t.add_row(
-                r["path"],
-                str(tuple(r["shape"])),
-                r["dtype"],
-                format_spec(leaf.spec),
-                r["rule"],
-                format_bytes(r["bytes_per_device"]),
-            )
-        if len(shown) < len(rows):
-            t.add_row(f"... {len(rows) - len(shown)} more leaves", "", "", "", "", "")
-        return t
+        Args:
+            max_rows: show at most this many rows (then a line counting the rest);
+                ``None`` shows every row.
+            fold: fold leaves that differ only in layer numbers into one row.
+            filter: a regex; only leaves whose path it matches are shown.
+        """
+        return PlanTable(self, max_rows=max_rows, fold=fold, filter=filter)
 
     def __rich__(self) -> Any:
-        return self.table()
+        return self.table().__rich__()
+
+    def __str__(self) -> str:
+        return str(self.table())
+
+    def __repr__(self) -> str:
+        return f"<Plan: {self.summary()}>"
+
+
+class PlanTable:
+    """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable.
+
+    Paths are never cut: the path column wraps, and on a narrow console the rule and
+    dtype columns go first. Below the rows: one line per top-level module with its bytes
+    per device.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        max_rows: int | None = 60,
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+    ):
+        self.plan = plan
+        self.rows = plan.groups(fold=fold, filter=filter)
+        self.modules = plan.modules(filter=filter)
+        self.max_rows = max_rows
+        self.filter = filter
+
+    def renderable(self, width: int | None = None) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        p = self.plan
+        shown = self.rows if self.max_rows is None else self.rows[: self.max_rows]
+        cells = self._cells(shown)
+        cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device"]
+        if width is not None:  # narrow: drop the least useful columns, never cut paths
+            for col in ("rule", "dtype", "leaves"):
+                if self._width(cells, cols) > width and col in cols:
+                    cols.remove(col)
+        t = Table(title="modelshard plan", show_lines=False, title_justify="left")
+        longest = max((len(c["path"]) for c in cells), default=4)
+        t.add_column("path", overflow="fold", ratio=1, min_width=min(longest, 30))
+        names = cols[1:]
+        for col in names:
+            right = col in ("leaves", "per device")
+            t.add_column(col, no_wrap=True, justify="right" if right else "left")
+        for c in cells:
+            t.add_row(c["path"], *[c[n] for n in names])
+        parts: list[Any] = [t]
+        if len(shown) < len(self.rows):
+            rest = self.rows[len(shown) :]
+            n = sum(r["count"] for r in rest)
+            parts.append(Text(f"... {len(rest)} more rows ({n} leaves); max_rows=None shows all"))
+        if self.filter is not None:
+            n = sum(r["count"] for r in self.rows)
+            pattern = getattr(self.filter, "pattern", self.filter)
+            parts.append(Text(f"filter {pattern}: {n} of {len(p)} leaves"))
+        if len(self.modules) > 1:
+            m = Table(show_header=True, box=None, pad_edge=False, title=None)
+            m.add_column("module")
+            m.add_column("leaves", justify="right")
+            m.add_column("replicated", justify="right")
+            m.add_column("per device", justify="right")
+            for row in self.modules:
+                m.add_row(
+                    row["module"],
+                    str(row["leaves"]),
+                    format_bytes(row["bytes"]),
+                    format_bytes(row["bytes_per_device"]),
+                )
+            parts.append(m)
+        parts.append(Text(p.summary()))
+        return Group(*parts)
+
+    @staticmethod
+    def _cells(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+        folded = any(r["count"] > 1 for r in rows)
+        out = []
+        for r in rows:
+            c = {"path": r["path"]}
+            if folded:
+                c["leaves"] = str(r["count"])
+            c["shape"] = str(tuple(r["shape"]))
+            c["dtype"] = r["dtype"]
+            c["spec"] = format_spec(spec_from_json(r["spec"]))
+            c["rule"] = r["rule"]
+            c["per device"] = format_bytes(r["bytes_per_device"]) + (
+                f" x{r['count']}" if r["count"] > 1 else ""
+            )
+            out.append(c)
+        return out
+
+    @staticmethod
+    def _width(cells: list[dict[str, str]], cols: list[str]) -> int:
+        """Characters a table of these columns needs without wrapping a cell."""
+        widths = [max([len(col)] + [len(c[col]) for c in cells]) for col in cols]
+        return sum(widths) + 3 * len(cols) + 1
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.renderable(options.max_width)
+
+    def __rich__(self) -> Any:
+        return self
 
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(
-            width=140, record=True, force_terminal=False, color_system=None, file=io.StringIO()
+        cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
+        width = max(
+            100, len(self.plan.summary()), self._width(cells, list(cells[0])) if cells else 0
         )
-        console.print(self.table())
-        return console.export_text().rstrip()
+        console = Console(
+            width=width, record=True, force_terminal=False, color_system=None, file=io.StringIO()
+        )
+        console.print(self.renderable(width))
+        return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
 
     def __repr__(self) -> str:
-        return f"<Plan: {self.summary()}>"
+        return str(self)
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"16GiB"`` -> 17179869184; ``"80GB"`` -> 80e9; ``"512 MiB"``; a number is bytes.
+
+    Raises:
+        SpecError: the text is not a size.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if math.isfinite(value) and value >= 0:
+            return int(value)
+    elif isinstance(value, str):
+        m = _SIZE.fullmatch(value.strip())
+        if m is not None:
+            unit = (m.group(2) or "B").lower()
+            return int(float(m.group(1)) * _UNITS[unit])
+    from ._errors import Problem, SpecError
+
+    raise SpecError(
+        [
+            Problem(
+                "budget",
+                "",
+                f"{value!r} is not a size",
+                hint="write bytes or a number with a unit: 16GiB, 80GB, 512MiB",
+            )
+        ],
+        header="invalid memory budget:",
+    )
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"b": 1} | {
+    f"{u}{i}b": (1024 if i else 1000) ** (n + 1) for n, u in enumerate("kmgt") for i in ("i", "")
+}
 
 
 def plan(tree: Any, specs: SpecLike, mesh: Any) -> Plan:
