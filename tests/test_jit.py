@@ -153,7 +153,7 @@ def test_cache_by_abstract_signature_replans_new_shapes(mesh8):
     sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
     a = sj({"w": jnp.ones((8, 3))})
     sj({"w": jnp.zeros((8, 3))})
-    assert sj.cache_size == 1 and len(calls) == 2  # eval_shape + jit trace, once
+    assert sj.cache_size == 1 and len(calls) == 2  # make_jaxpr + jit trace, once
     b = sj({"w": jnp.ones((3, 16))})  # FSDP now shards dimension 1
     assert a["w"].sharding.spec == P("data") and b["w"].sharding.spec == P(None, "data")
     assert sj.cache_size == 2
@@ -559,3 +559,115 @@ def test_train_state_from_create_compiles_once(mesh8):
         state = step(state, jnp.ones((8, 3)))
     assert int(state.step) == 3 and step.cache_size == 1
     assert state.step.sharding.is_fully_replicated
+
+
+# ---- out specs: the function's own shardings win; state coming back keeps its own -------
+
+
+def _jax_jit_out_shardings(f, mesh, in_shardings, *args):
+    """What ``jax.jit`` with the same input shardings gives each output leaf."""
+    with jax.set_mesh(mesh):
+        out = jax.jit(f, in_shardings=in_shardings)(*args)
+    return [x.sharding.spec for x in jax.tree_util.tree_leaves(out)]
+
+
+def _collectives(compiled_text: str) -> int:
+    return sum(compiled_text.count(op) for op in ("all-gather", "all-to-all", "collective-permute"))
+
+
+def test_a_constraint_inside_the_function_wins_over_the_input_sharding(mesh24):
+    # The issue's example: the output has the input's structure and shape, but the
+    # function constrains it; jax.jit keeps the constraint, and so does shard_jit.
+    def f(s):
+        return {"h": ms.constrain(s["h"] * 2, P(None, "model"))}
+
+    x = {"h": jnp.ones((8, 16))}
+    sj = ms.shard_jit(f, mesh=mesh24, in_specs=(P("data"),))
+    assert sj(x)["h"].sharding.spec == P(None, "model")
+    ref = _jax_jit_out_shardings(f, mesh24, (NamedSharding(mesh24, P("data")),), x)
+    assert ref == [P(None, "model")]
+    placed = ms.shard(x, P("data"), mesh24)
+    with jax.set_mesh(mesh24):
+        raw = jax.jit(f, in_shardings=(NamedSharding(mesh24, P("data")),)).lower(placed)
+    # The same program as jax.jit's: no resharding of the output after the constraint.
+    assert _collectives(sj.lower(placed).compile().as_text()) == _collectives(
+        raw.compile().as_text()
+    )
+
+
+def test_with_sharding_constraint_is_kept_and_state_coming_back_keeps_its_sharding(mesh24):
+    explicit = jax.sharding.AxisType.Explicit in set(mesh24.axis_types)
+
+    def pin(x, spec):
+        if explicit:
+            return jax.sharding.reshard(x, spec)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh24, spec))
+
+    def step(state, x):
+        new = {"w": state["w"] - 0.1, "b": pin(state["b"] + 1.0, P("model"))}
+        return new, x + 1.0
+
+    state = {"w": jnp.ones((8, 16)), "b": jnp.ones((16,))}
+    sj = ms.shard_jit(step, mesh=mesh24, in_specs=(P("data"), P(None, "model")))
+    new, y = sj(state, jnp.ones((8, 16)))
+    assert new["w"].sharding.spec == P("data")  # the same state coming back
+    assert new["b"].sharding.spec == P("model")  # set by the function
+    assert y.sharding.spec == P(None, "model")  # a bare array: the compiler decides (jax.jit's)
+
+
+def test_a_linen_model_with_an_internal_constraint(mesh24):
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return ms.constrain(nn.Dense(16)(x), P(None, "model"))
+
+    x = jnp.ones((8, 16))
+    with jax.set_mesh(mesh24):
+        variables = Model().init(jax.random.key(0), x)
+
+    def apply(v, x):
+        return Model().apply(v, x)
+
+    sj = ms.shard_jit(apply, mesh=mesh24, in_specs=(P(), P("data")))
+    y = sj(variables, x)
+    # y has x's structure and shape, but the model put it on "model".
+    assert y.sharding.spec == P(None, "model")
+    rep, dat = NamedSharding(mesh24, P()), NamedSharding(mesh24, P("data"))
+    ref = _jax_jit_out_shardings(apply, mesh24, (rep, dat), ms.shard(variables, P(), mesh24), x)
+    assert [y.sharding.spec] == ref
+
+
+def test_an_nnx_model_with_an_internal_constraint(mesh24):
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.dense = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return ms.constrain(self.dense(x), P(None, "model"))
+
+    model = Model()
+    sj = ms.shard_jit(lambda m, x: m(x), mesh=mesh24, in_specs=(P(), P("data")))
+    y = sj(model, jnp.ones((8, 16)))
+    assert y.sharding.spec == P(None, "model")
+
+
+# ---- NNX: inputs placed by shard_jit are written back, changed by the step or not --------
+
+
+def test_nnx_variables_placed_by_shard_jit_are_written_back_even_when_unchanged(mesh8):
+    from flax import nnx
+
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))  # on one device, not as planned
+    rules = ms.Rules([(r"kernel$", P("data", None)), (r".*", P())])
+    sj = ms.shard_jit(lambda m, x: m(x), mesh=mesh8, in_specs=(rules, P("data")))
+    sj(model, jnp.ones((8, 16)))
+    kernel, bias = model.kernel[...], model.bias[...]
+    assert kernel.sharding.spec == P("data", None)  # read only, yet now placed in the module
+    assert bias.sharding.spec == P()
+    sj(model, jnp.ones((8, 16)))
+    # The second call found them in place: nothing moved, the same arrays are there.
+    assert model.kernel[...] is kernel and model.bias[...] is bias

@@ -7,14 +7,14 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .._dtypes import canonical_dtype
 from .._errors import AdapterError, Problem, SpecError
 from .._expand import LeafPlan, expand_args
 from .._plan import Plan
 from .layout import NOSPEC, Slot
-from .outputs import OutDesc, leaf_shardings, split_output
+from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
 from .take import Taken
 
 
@@ -36,6 +36,7 @@ class Entry:
             among its array leaves that the function changed)``; their new values follow
             the output's arrays in the flat result.
         expect: ``(shape, canonical dtype)`` of every flat input leaf.
+        bounds: ``(start, stop)`` of each dynamic argument's leaves among the flat inputs.
         plain: its arguments are positional plain pytrees of arrays, so calls may gather
             their leaves by a remembered layout (:class:`~modelshard._jit.route.Route`).
     """
@@ -47,6 +48,7 @@ class Entry:
     desc: OutDesc
     updates: tuple[tuple[int, tuple[int, ...]], ...]
     expect: list[tuple[tuple[int, ...], Any]]
+    bounds: list[tuple[int, int]]
     plain: bool = False
 
     def fits(self, flat: Sequence[Any]) -> bool:
@@ -141,7 +143,6 @@ def build_entry(call: Call) -> Entry:
     plan = Plan(argplans, mesh)
     by_name = {a.name: i for i, a in enumerate(argplans)}
     per_arg_sh: list[list[Any]] = []
-    per_arg_lp: list[list[LeafPlan]] = []
     in_sh: list[Any] = []
     leaf_plans: list[tuple[str, LeafPlan]] = []
     bounds: list[tuple[int, int]] = []
@@ -159,25 +160,28 @@ def build_entry(call: Call) -> Entry:
             )
         bounds.append((len(in_sh), len(in_sh) + len(t.arrays)))
         per_arg_sh.append(sh)
-        per_arg_lp.append(lps)
         in_sh.extend(sh)
         leaf_plans.extend((s.name, lp) for lp in lps)
     flat_in = [x for t in taken for x in t.arrays]
     expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat_in]
     traced = _FlatFunction(call, bounds, expect)
-    out_avals = jax.eval_shape(
-        traced, *[_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
-    )
+    abstract = [_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
+    # The jaxpr shows which outputs the function constrained itself. (jax.jit below traces
+    # the function again: replaying this jaxpr instead is not type-exact on Explicit meshes,
+    # where transposed dot_generals carry shardings their rule does not recompute.)
+    closed = jax.make_jaxpr(traced)(*abstract)
     desc, updates = traced.desc, traced.updates
     assert desc is not None  # set by the trace
     traced.frozen = updates
     n = desc.num_arrays
+    out_avals = closed.out_avals
     if call.out_specs is None:
-        out_sh = leaf_shardings(
+        out_sh = inferred_shardings(
             desc,
             out_avals[:n],
-            lambda j: per_arg_sh[j],
-            lambda j: [lp.shape for lp in per_arg_lp[j]],
+            set_by_function(closed)[:n],
+            lambda j: (per_arg_sh[j], abstract[bounds[j][0] : bounds[j][1]]),
+            explicit_axes(mesh),
         )
     else:
         out_sh = _explicit_out(call, desc, out_avals[:n])
@@ -187,10 +191,22 @@ def build_entry(call: Call) -> Entry:
         i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
     )
     jitted = jax.jit(
-        traced, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
+        traced,
+        in_shardings=tuple(in_sh),
+        out_shardings=tuple(out_sh),
+        donate_argnums=donate,
     )
     plain = not updates and _plain(call.slots, taken)
-    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, plain)
+    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, plain)
+
+
+def explicit_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:
+    """The names of the mesh's Explicit axes."""
+    return frozenset(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    )
 
 
 def _explicit_out(call: Call, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
@@ -220,7 +236,8 @@ class _FlatFunction:
     splits its output, and appends the new values of mutable containers' changed leaves.
     Tracing records the output's structure in :attr:`desc` and the changed leaves in
     :attr:`updates`; once :attr:`frozen` is set (after the first trace) later traces keep
-    those updates.
+    those updates. A trace for other shapes or dtypes than :attr:`expect` raises
+    :class:`Stale`.
     """
 
     def __init__(
@@ -230,7 +247,7 @@ class _FlatFunction:
         self.__name__ = getattr(call.fn, "__name__", "shard_jit_function")
         self._bounds = bounds
         self._expect = expect
-        self._abstract_mesh = (
+        self.abstract_mesh = (
             call.mesh if isinstance(call.mesh, AbstractMesh) else call.mesh.abstract_mesh
         )
         pos: list[Any] = [None] * len(call.args)
@@ -256,7 +273,7 @@ class _FlatFunction:
         self.frozen: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
     def __call__(self, *flat: Any) -> tuple[Any, ...]:
-        if [(tuple(x.shape), x.dtype) for x in flat] != self._expect:
+        if [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat] != self._expect:
             raise Stale
         pos = list(self._pos)
         kw = dict(self._kw)
@@ -274,7 +291,7 @@ class _FlatFunction:
                 pos[t.slot.pos] = v  # type: ignore[index]
             else:
                 kw[t.slot.kw] = v
-        with jax.sharding.use_abstract_mesh(self._abstract_mesh):
+        with jax.sharding.use_abstract_mesh(self.abstract_mesh):
             out = self.fn(*pos, **kw)
         arrays, desc = split_output(out, self._sources)
         updates: list[tuple[int, tuple[int, ...]]] = []

@@ -17,6 +17,7 @@ import jax
 
 from .._adapters import Adapter, get_adapter
 from .._describe import NUMBER_TYPES, is_array
+from .._specs import entry_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,26 +139,106 @@ def split_output(
     return arrays, OutDesc(outer, tuple(parts), tuple(bounds))
 
 
-def leaf_shardings(
+def set_by_function(jaxpr: Any) -> list[bool]:
+    """Per output of a closed jaxpr: whether the function itself gave it a sharding.
+
+    An output is set by the function when the value it returns comes from a sharding
+    constraint (``constrain``, ``jax.lax.with_sharding_constraint``) or a ``reshard``,
+    directly or through dtype conversions and copies, and through nested jitted, remat'd
+    or custom-derivative calls. (On Explicit meshes the output's type carries its sharding
+    too: :func:`inferred_shardings` compares that separately.)
+    """
+    tables: dict[int, dict[int, Any]] = {}
+
+    def producers(j: Any) -> dict[int, Any]:
+        t = tables.get(id(j))
+        if t is None:
+            t = tables[id(j)] = {id(v): eqn for eqn in j.eqns for v in eqn.outvars}
+        return t
+
+    def constrained(j: Any, var: Any, depth: int) -> bool:
+        while depth < 64:
+            eqn = producers(j).get(id(var))
+            if eqn is None:  # an input or a literal
+                return False
+            name = eqn.primitive.name
+            if name in _CONSTRAINTS:
+                return True
+            at = next(i for i, v in enumerate(eqn.outvars) if v is var)
+            if name in _PASS_THROUGH and eqn.invars:
+                var = eqn.invars[at if len(eqn.invars) == len(eqn.outvars) else 0]
+                continue
+            return any(
+                constrained(inner, inner.outvars[at], depth + 1)
+                for inner in _inner_jaxprs(eqn, len(eqn.outvars))
+            )
+        return False  # pragma: no cover - pathological nesting: say "not set"
+
+    inner = jaxpr.jaxpr
+    return [constrained(inner, v, 0) for v in inner.outvars]
+
+
+_CONSTRAINTS = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "optimization_barrier"})
+
+
+def _inner_jaxprs(eqn: Any, nout: int) -> list[Any]:
+    """The open jaxprs of a call-like equation whose outputs are its outputs, one to one."""
+    out = []
+    for p in eqn.params.values():
+        inner = getattr(p, "jaxpr", p)  # ClosedJaxpr -> Jaxpr
+        if hasattr(inner, "eqns") and hasattr(inner, "outvars") and len(inner.outvars) == nout:
+            out.append(inner)
+    return out
+
+
+def inferred_shardings(
     desc: OutDesc,
     avals: Sequence[Any],
-    input_shardings: Callable[[int], Sequence[Any] | None],
-    input_shapes: Callable[[int], Sequence[tuple[int, ...]] | None],
+    by_function: Sequence[bool],
+    inputs: Callable[[int], tuple[Sequence[Any], Sequence[Any]]],
+    explicit_axes: frozenset[str],
 ) -> list[Any]:
-    """Out shardings when ``out_specs`` is omitted: an input's, where the structure matches.
+    """Out shardings when ``out_specs`` is omitted.
 
-    Leaves of a part that mirrors an input take that input's shardings, leaf for leaf,
-    where the shapes agree; every other leaf is ``None`` (the compiler decides).
+    Every leaf is ``None`` (the compiler decides, as with ``jax.jit``) except a leaf of an
+    output part that is the same state coming back: the part has exactly the structure of a
+    dynamic input argument (same adapter and structure key), and the leaf has the shape and
+    dtype of the input's leaf at the same position. Such a leaf keeps the input's sharding,
+    unless the function set one itself: a constraint (``by_function``) or, on a mesh with
+    Explicit axes, an output type whose sharding over those axes differs from the input's.
+
+    Args:
+        desc: the output's structure.
+        avals: the abstract output array leaves.
+        by_function: per output leaf, whether a constraint in the function produced it.
+        inputs: ``inputs(j)`` gives dynamic argument ``j``'s flat shardings and abstract
+            leaves.
+        explicit_axes: the mesh's Explicit axis names.
     """
     out: list[Any] = [None] * desc.num_arrays
     for part, (a, b) in zip(desc.parts, desc.bounds, strict=True):
         if part.source is None:
             continue
-        shardings = input_shardings(part.source)
-        shapes = input_shapes(part.source)
-        if shardings is None or shapes is None or len(shardings) != b - a:
+        shardings, leaves = inputs(part.source)
+        if len(shardings) != b - a or len(leaves) != b - a:
             continue
         for k in range(b - a):
-            if tuple(avals[a + k].shape) == tuple(shapes[k]):
-                out[a + k] = shardings[k]
+            o, x, s = avals[a + k], leaves[k], shardings[k]
+            if by_function[a + k] or tuple(o.shape) != tuple(x.shape) or o.dtype != x.dtype:
+                continue
+            if explicit_axes and _explicit_part(
+                getattr(o, "sharding", None), o.ndim, explicit_axes
+            ) != _explicit_part(s, o.ndim, explicit_axes):
+                continue  # the output's type says where it lives: keep that
+            out[a + k] = s
     return out
+
+
+def _explicit_part(
+    sharding: Any, ndim: int, explicit: frozenset[str]
+) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the Explicit axes a sharding splits it over."""
+    spec = tuple(getattr(sharding, "spec", None) or ())
+    spec = spec + (None,) * (ndim - len(spec))
+    return tuple(tuple(a for a in entry_axes(e) if a in explicit) for e in spec[:ndim])

@@ -134,33 +134,34 @@ class ShardJit:
             entry = self._by_structure.get(key)
         except TypeError:
             entry = None
+        flat = taken[0].arrays if len(taken) == 1 else [x for t in taken for x in t.arrays]
         if entry is None:
             entry = self._miss(slots, taken, args, kwargs, key)
-        flat = taken[0].arrays if len(taken) == 1 else [x for t in taken for x in t.arrays]
+            flat = _place_mutable(entry, taken, flat)
         try:
             out = entry.jitted(*flat)
         except Stale:
             # Same structure, new shapes or dtypes: plan afresh (jax.jit's own cache
             # checks shapes on the fast path, so this costs nothing until they change).
             entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-            out = self._run(entry, flat)
+            out = self._run(entry, _place_mutable(entry, taken, flat), taken)
         except ValueError:
             if not entry.fits(flat):  # jit refused the old shardings for the new shapes
                 entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-                out = self._run(entry, flat)
+                out = self._run(entry, _place_mutable(entry, taken, flat), taken)
             else:
-                out = self._recover(entry, flat)
+                out = self._recover(entry, flat, taken)
                 if out is None:
                     raise
         if entry.plain and self._route_misses < _MAX_ROUTE_MISSES:
             self._route = Route(entry, args)
         return entry.finish(out, taken)
 
-    def _run(self, entry: Entry, flat: Sequence[Any]) -> Any:
+    def _run(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
         try:
             return entry.jitted(*flat)
         except ValueError:
-            out = self._recover(entry, flat)
+            out = self._recover(entry, flat, taken)
             if out is None:
                 raise
             return out
@@ -237,8 +238,9 @@ class ShardJit:
                         "value, or mark the field static in its container."
                     ) from None
 
-    def _recover(self, entry: Entry, flat: Sequence[Any]) -> Any:
-        """After jit refused the inputs: move committed arrays placed otherwise, or raise."""
+    def _recover(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
+        """After jit refused the inputs: move committed arrays placed otherwise (writing
+        them back into mutable containers), or raise."""
         bad = [
             i
             for i, (x, s) in enumerate(zip(flat, entry.in_shardings, strict=True))
@@ -254,7 +256,7 @@ class ShardJit:
             return None
         if self.on_mismatch == "raise":
             raise self._mismatch(entry, flat, bad)
-        return entry.jitted(*place(flat, entry.in_shardings))
+        return entry.jitted(*place(_place_mutable(entry, taken, flat), entry.in_shardings))
 
     def _mismatch(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> ShardingMismatchError:
         problems = []
@@ -315,6 +317,26 @@ class ShardJit:
         return len(self._by_signature)
 
 
+def _place_mutable(entry: Entry, taken: Sequence[Taken], flat: Sequence[Any]) -> Sequence[Any]:
+    """``flat`` with the leaves of mutable containers (NNX modules) placed as planned, and
+    those placed arrays written back into the caller's objects, so that later calls find
+    them in place (for Variables the function does not change too)."""
+    out: list[Any] | None = None
+    for t, (a, b) in zip(taken, entry.bounds, strict=True):
+        if t.write_back is None or a == b:
+            continue
+        placed = place(flat[a:b], entry.in_shardings[a:b])
+        moved = [m for m in range(b - a) if placed[m] is not flat[a + m]]
+        if not moved:
+            continue
+        ix = t.array_index
+        t.write_back([m if ix is None else ix[m] for m in moved], [placed[m] for m in moved])
+        if out is None:
+            out = list(flat)
+        out[a:b] = placed
+    return flat if out is None else out
+
+
 def _format_sharding(s: Any) -> str:
     """How mismatch errors name a sharding."""
     if isinstance(s, NamedSharding):
@@ -358,9 +380,13 @@ def shard_jit(
             ones; ``None`` for an argument holding no arrays), or a dict from parameter
             name to spec-like, resolved against ``fn``'s signature so keyword arguments
             work too.
-        out_specs: ``None``: outputs with the structure of an input keep that input's
-            shardings (``state -> new_state``), the compiler decides the rest. Otherwise
-            one spec-like (or prefix tree of them) for the whole output.
+        out_specs: ``None`` (default): a sharding the function set itself (``constrain``,
+            ``jax.lax.with_sharding_constraint``, an Explicit-mesh sharding in the output's
+            type) is kept; an output that is the same state coming back (exactly an input
+            argument's container structure, leaf by leaf with the same shape and dtype)
+            keeps that input's shardings (``state -> new_state``); the compiler decides the
+            rest, as with ``jax.jit``. Otherwise one spec-like (or prefix tree of them) for
+            the whole output.
         donate_argnums: positional arguments whose array leaves are donated.
         donate_argnames: the same, by parameter name.
         static_argnums: positional arguments passed as compile-time constants (hashable).
