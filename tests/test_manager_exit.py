@@ -180,3 +180,40 @@ def test_preempted_and_resumed_run_ends_bit_exact(tmp_path):
     assert np.asarray(wa).view(np.uint32).tolist() == np.asarray(wb).view(np.uint32).tolist()
     assert ia["data"] == ib["data"] == {"pos": 30}
     np.testing.assert_array_equal(jax.random.key_data(ia["rng"]), jax.random.key_data(ib["rng"]))
+
+
+def _launch(root, *extra):
+    from modelshard import _launch as launch_module
+
+    cmd = [
+        sys.executable, launch_module.__file__, "-n", "2", "--devices-per-process", "2",
+        "--timeout", "150", "--grace", "1", "--",
+        sys.executable, str(CHILD.parent / "preempt_mp.py"), str(root), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_preemption_under_launch_saves_one_step_everywhere_and_resumes_bit_exact(tmp_path):
+    """SIGTERM to one of two jax.distributed processes: JAX's preemption sync point makes
+    both save the same step and exit 143; the resumed run ends where an unstopped one does."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    rc, out = _launch(whole)
+    assert rc == 0, out
+    rc, out = _launch(stopped, "--stop")
+    assert rc == 128 + signal.SIGTERM, out
+    at = {line.split()[-1] for line in out.splitlines() if "PREEMPTED" in line}
+    assert len(at) == 1, out  # the same step on both processes
+    (step,) = at
+    assert ms.CheckpointManager(stopped, handle_signals=False).all_steps() == [int(step)]
+    rc, out = _launch(stopped)
+    assert rc == 0, out
+    assert f"[process 0] RESUMED {step}" in out and f"[process 1] RESUMED {step}" in out
+    a = ms.CheckpointManager(whole, handle_signals=False)
+    b = ms.CheckpointManager(stopped, handle_signals=False)
+    assert a.latest_step() == b.latest_step() == 40
+    wa, wb = np.asarray(a.restore()["w"]), np.asarray(b.restore()["w"])
+    assert wa.view(np.uint32).tolist() == wb.view(np.uint32).tolist()
+    ka, kb = a.items()["rng"], b.items()["rng"]
+    np.testing.assert_array_equal(jax.random.key_data(ka), jax.random.key_data(kb))

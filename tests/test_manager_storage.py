@@ -185,4 +185,6 @@ def test_gs_restore_onto_another_mesh_is_bit_exact(gs_root, mesh24):
     np.testing.assert_array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(key))
     step = f"{gs_root}/0"
     assert ms.read_metadata(step) == {"run": "a"}
+    rng = ms.read_items(step)["rng"]
+    np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(key))
     assert ms.restore(step)["w"].shape == (8, 4)

@@ -214,6 +214,12 @@ def unwatch(mngr: Any) -> None:
         _live.discard(mngr)
 
 
+def request_stop(signum: int) -> None:
+    """Record a stop request that arrived another way (JAX's preemption sync point)."""
+    if not _stop:
+        _stop.append(signum)
+
+
 def clear_stop() -> None:
     """Forget a stop request (tests, and loops that decide to carry on)."""
     _stop.clear()

@@ -357,9 +357,14 @@ class CheckpointManager:
             from jax.experimental import multihost_utils
 
             try:
-                return bool(multihost_utils.reached_preemption_sync_point(step))
+                reached = bool(multihost_utils.reached_preemption_sync_point(step))
             except RuntimeError:  # no preemption service in this process group
                 return False
+            if reached:  # every process saves this step and exits 128 + SIGTERM
+                import signal
+
+                guard.request_stop(signal.SIGTERM)
+            return reached
         return False
 
     def should_save(self, step: int) -> bool:
