@@ -309,22 +309,22 @@ _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     # like modules, so state changed inside shard_jit reaches the caller's object.
     ("flax.nnx", "Pytree", lambda: NnxModuleAdapter("nnx.Pytree")),
     # Third-party containers, each in a module of its own (imported only once the library is).
-    (
-        "penzai.core.variables",
-        "LabeledVariable",
-        lambda: _third_party("_penzai.PenzaiVariableAdapter"),
-    ),
-    ("penzai.core.named_axes", "NamedArrayBase", lambda: _third_party("_penzai.NamedArrayAdapter")),
-    ("qwix._src.providers.ptq", "WithAux", lambda: _third_party("_qwix.QwixWithAuxAdapter")),
+    ("penzai.core.variables", "LabeledVariable", lambda: _penzai().PenzaiVariableAdapter()),
+    ("penzai.core.named_axes", "NamedArrayBase", lambda: _penzai().NamedArrayAdapter()),
+    ("qwix._src.providers.ptq", "WithAux", lambda: _qwix().QwixWithAuxAdapter()),
 ]
 
 
-def _third_party(name: str) -> Adapter:
-    """An instance of a built-in adapter for a third-party library, by ``module.Class``."""
-    import importlib
+def _penzai() -> Any:
+    from . import _penzai
 
-    module, cls = name.split(".")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)()
+    return _penzai
+
+
+def _qwix() -> Any:
+    from . import _qwix
+
+    return _qwix
 
 
 _DEFAULT = PytreeAdapter()
