@@ -296,7 +296,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from ._checkpoint import locate
     from ._plan import format_bytes
+    from ._weights import is_safetensors
 
+    if is_safetensors(args.checkpoint):
+        return _inspect_safetensors(args)
     source = locate(checkpoint_arg(args, args.checkpoint))
     rec = source.record
     if args.json:
@@ -345,6 +348,197 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     console.print(table)
     if rec.versions:
         console.print("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
+    return 0
+
+
+def _inspect_safetensors(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from ._plan import format_bytes
+    from ._weights import open_safetensors
+
+    with open_safetensors(args.checkpoint) as st:
+        tensors = list(st.tensors.values())
+        files = st.files
+        if args.json:
+            emit(
+                args,
+                {
+                    "path": str(st.path),
+                    "format": "safetensors",
+                    "files": [str(f) for f in files],
+                    "metadata": st.metadata,
+                    "total_bytes": st.nbytes,
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "shape": list(t.shape),
+                            "dtype": t.code,
+                            "bytes": t.nbytes,
+                            "file": t.file.name,
+                        }
+                        for t in tensors
+                    ],
+                },
+            )
+            return 0
+        table = Table(
+            title=str(st.path),
+            caption=f"{len(tensors)} tensors, {format_bytes(st.nbytes)} in {len(files)} "
+            f"safetensors file{'s' if len(files) != 1 else ''}",
+        )
+        for col, kw in [
+            ("name", {}),
+            ("shape", {}),
+            ("dtype", {}),
+            ("bytes", {"justify": "right"}),
+        ]:
+            table.add_column(col, **kw)
+        if len(files) > 1:
+            table.add_column("file")
+        shown = tensors if args.max_rows is None else tensors[: args.max_rows]
+        for t in shown:
+            row = [t.name, str(t.shape), t.code, format_bytes(t.nbytes)]
+            table.add_row(*row, *([t.file.name] if len(files) > 1 else []))
+        if len(shown) < len(tensors):
+            table.add_row(f"... {len(tensors) - len(shown)} more tensors", "", "", "")
+        console = _console()
+        console.print(table)
+        if st.metadata:
+            console.print("metadata: " + ", ".join(f"{k}={v}" for k, v in st.metadata.items()))
+    return 0
+
+
+# ---- convert -----------------------------------------------------------------------------
+
+
+def _progress(args: argparse.Namespace, what: str) -> Any:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    return Progress(
+        f"[progress.description]{what}",
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=_console(stderr=True),
+        disable=args.json or not sys.stderr.isatty(),
+    )
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
+    from ._plan import format_bytes
+    from ._weights import is_safetensors
+
+    if args.to == "safetensors":
+        return _convert_to_safetensors(args)
+    if not is_safetensors(args.source):
+        from ._errors import CheckpointError
+
+        raise CheckpointError(
+            f"{args.source} is not a safetensors file, index or directory; "
+            "to write safetensors from a checkpoint pass --to safetensors"
+        )
+    sizes = args.mesh or {"data": 1}
+    if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
+        _use_cpu_devices(math.prod(sizes.values()))
+    from jax.sharding import PartitionSpec
+
+    from ._checkpoint import save
+    from ._mesh import make_mesh
+    from ._rulesfile import load_rules
+    from ._weights import load_safetensors
+
+    specs = load_rules(args.rules) if args.rules else PartitionSpec()
+    mesh = make_mesh(sizes, axis_types=args.axis_types)
+    common = dict(mapping=args.mapping, specs=specs, mesh=mesh, dtype=args.dtype)
+    if args.dry_run:
+        table = load_safetensors(args.source, dry_run=True, **common)
+        if args.json:
+            emit(args, {"source": args.source, "rows": [_row_json(r) for r in table.rows]})
+        else:
+            _console().print(table.table(max_rows=args.max_rows))
+        return 0
+    with _progress(args, "loading") as progress:
+        task = progress.add_task("loading", total=None)
+        state = load_safetensors(
+            args.source,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+            **common,
+        )
+    dest = save(args.destination, state, overwrite=args.overwrite)
+    import jax
+
+    leaves = jax.tree.leaves(state)
+    nbytes = sum(x.nbytes for x in leaves)
+    if args.json:
+        emit(
+            args,
+            {
+                "source": args.source,
+                "destination": str(dest),
+                "mesh": sizes,
+                "leaves": len(leaves),
+                "bytes": nbytes,
+            },
+        )
+    else:
+        _console().print(
+            f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh "
+            + ", ".join(f"{k}={v}" for k, v in sizes.items())
+        )
+    return 0
+
+
+def _row_json(r: Any) -> dict[str, Any]:
+    return {
+        "target": r.target,
+        "sources": list(r.sources),
+        "transforms": r.how,
+        "shape": None if r.shape is None else list(r.shape),
+        "dtype": r.dtype,
+    }
+
+
+def _convert_to_safetensors(args: argparse.Namespace) -> int:
+    from ._checkpoint import restore
+    from ._plan import format_bytes
+    from ._weights import save_safetensors
+
+    state = restore(checkpoint_arg(args, args.source))
+    if args.reference is None and args.mapping is not None:
+        from ._errors import CheckpointError
+
+        raise CheckpointError(
+            "--to safetensors with --mapping needs --reference SRC.safetensors: the "
+            "checkpoint the mapping imports, whose names, shapes and dtypes are written"
+        )
+    if args.reference is None:  # every leaf under its path, '/' written as '.'
+        import jax
+
+        from ._weights import target_table
+
+        _, table = target_table(state)
+        reference: Any = {
+            p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt) for p, (shape, dt) in table.items()
+        }
+    else:
+        reference = args.reference
+    with _progress(args, "writing") as progress:
+        task = progress.add_task("writing", total=None)
+        dest = save_safetensors(
+            args.destination,
+            state,
+            reference=reference,
+            mapping=args.mapping,
+            dtype=args.dtype,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    nbytes = dest.stat().st_size
+    if args.json:
+        emit(args, {"source": args.source, "destination": str(dest), "bytes": nbytes})
+    else:
+        _console().print(f"wrote {dest}: {format_bytes(nbytes)}")
     return 0
 
 
@@ -538,8 +732,9 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser(
         "inspect",
-        help="list the leaves of a checkpoint",
-        description="Show every leaf of a checkpoint (modelshard or plain Orbax): "
+        help="list the leaves of a checkpoint or safetensors file",
+        description="Show every leaf of a checkpoint (modelshard or plain Orbax) or every "
+        "tensor of a safetensors file, index or directory: "
         "path, shape, dtype, bytes, the spec it was saved with, and totals.",
     )
     i.add_argument("checkpoint", metavar="CKPT", help=_CKPT_HELP)
@@ -630,6 +825,64 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_json(r)
     r.set_defaults(run=_cmd_reshard)
+
+    c = sub.add_parser(
+        "convert",
+        help="safetensors weights to a sharded checkpoint, or back",
+        description="Read a safetensors checkpoint SRC (a file, a model.safetensors.index.json "
+        "or a directory with either) through a mapping file and write DST, a sharded "
+        "modelshard checkpoint laid out for --mesh and --rules, each device reading only its "
+        "slice of every tensor; with --to safetensors, write the checkpoint SRC back as the "
+        "safetensors file DST (the mapping backwards; --reference names the file it was "
+        "imported from). --dry-run prints the mapping table without reading a tensor.",
+    )
+    c.add_argument("source", metavar="SRC", help="safetensors file/index/directory (or checkpoint)")
+    c.add_argument("destination", metavar="DST", help="checkpoint directory (or .safetensors file)")
+    c.add_argument(
+        "--mapping",
+        metavar="MAP.toml",
+        help="TOML mapping file: [[rules]] with source (a regex over stored names), target "
+        "(a path template, {1} inserts a group) and transforms (transpose, reshape, stack, "
+        "unstack, cast; skip = true ignores tensors). Default: every tensor under its own name, "
+        "'.' read as '/'",
+    )
+    c.add_argument(
+        "--mesh", type=mesh_arg, default=None, help="target mesh, e.g. data=8 (default data=1)"
+    )
+    c.add_argument(
+        "--rules",
+        metavar="RULES.toml",
+        help=_RULES_HELP.replace(
+            "Default: the specs the checkpoint was saved with.", "Default: replicated."
+        ),
+    )
+    c.add_argument(
+        "--axis-types", choices=["auto", "explicit"], default="auto", help="mesh axis types"
+    )
+    c.add_argument(
+        "--dtype", default=None, type=float_dtype, help="cast floating-point tensors, e.g. float32"
+    )
+    c.add_argument(
+        "--to",
+        choices=["checkpoint", "safetensors"],
+        default="checkpoint",
+        help="what DST is (default: a modelshard checkpoint)",
+    )
+    c.add_argument(
+        "--reference",
+        metavar="REF",
+        default=None,
+        help="with --to safetensors: the safetensors checkpoint the mapping imports",
+    )
+    c.add_argument("--dry-run", action="store_true", help="print the mapping table only")
+    c.add_argument(
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
+    )
+    add_json(c)
+    c.set_defaults(run=_cmd_convert)
 
     sub.add_parser(
         "launch",

@@ -24,5 +24,6 @@ from .mapping import Stack as Stack
 from .mapping import Unstack as Unstack
 from .mapping import WeightMap as WeightMap
 from .mapping import resolve as resolve
+from .safetensors import is_safetensors as is_safetensors
 from .safetensors import open_safetensors as open_safetensors
 from .safetensors import write_safetensors as write_safetensors

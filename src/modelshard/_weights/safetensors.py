@@ -214,6 +214,17 @@ class SafetensorsFiles:
         return fetch
 
 
+def is_safetensors(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a safetensors checkpoint: a ``.safetensors`` file, an
+    ``*.index.json`` file, or a directory holding either (and no Orbax metadata)."""
+    p = Path(path)
+    if p.is_file():
+        return p.suffix == ".safetensors" or p.name.endswith(".index.json")
+    if p.is_dir() and not (p / "_CHECKPOINT_METADATA").exists():
+        return (p / INDEX_NAME).is_file() or any(p.glob("*.safetensors"))
+    return False
+
+
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
     """Read the header(s) of a safetensors file, an index file, or a directory holding
     ``model.safetensors.index.json`` or one ``*.safetensors`` file. Nothing else is read.
