@@ -94,3 +94,14 @@ def test_every_container_kind_eagerly(container, mesh24):
     assert type(out) is type(container)
     if ms.adapters.get_adapter(container).kind == "nnx.Module":
         assert out is container  # updated in place
+
+
+def test_shard_and_plan_use_the_set_mesh(mesh24):
+    tree = {"w": jnp.ones((8, 4))}
+    with jax.set_mesh(mesh24):
+        p = ms.plan(tree, P("data", "model"))
+        placed = ms.shard(tree, P("data", "model"))
+    assert p.mesh is mesh24
+    assert placed["w"].sharding == NamedSharding(mesh24, P("data", "model"))
+    with pytest.raises(ms.MeshError, match="no mesh given and none is active"):
+        ms.shard(tree, P())

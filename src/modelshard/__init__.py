@@ -40,6 +40,8 @@ from ._mesh import make_mesh as make_mesh
 from ._plan import Plan as Plan
 from ._plan import plan as plan
 from ._shard import shard as shard
+from ._shard_map import ShardMap as ShardMap
+from ._shard_map import shard_map as shard_map
 from ._specs import FSDP as FSDP
 from ._specs import Rules as Rules
 from ._specs import fsdp as fsdp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -11,15 +12,25 @@ from ._errors import MeshError
 from ._expand import expand_args
 from ._specs import SpecLike, entry_axes, is_axes_entry
 
-__all__ = ["constrain", "current_mesh"]
 
+def current_mesh(concrete: bool = False) -> Any:
+    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when
+    ``mesh=`` is not given.
 
-def current_mesh() -> Any:
-    """The mesh of the active ``jax.set_mesh`` context (abstract inside ``jit``).
+    Args:
+        concrete: prefer the concrete ``Mesh`` (outside a trace, where arrays can be
+            placed); inside ``jit``, and otherwise, the ``AbstractMesh``.
 
     Raises:
         MeshError: no mesh is active.
     """
+    if concrete:
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # inside a trace: only the abstract mesh is known
+            mesh = None
+        if mesh is not None and not getattr(mesh, "empty", False) and mesh.axis_names:
+            return mesh
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
         raise MeshError(
@@ -66,19 +77,27 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
     if mesh is None:
         mesh = current_mesh()
     (arg,) = expand_args([("tree", tree, specs)], mesh)
+    return arg.flat.update_inplace(
+        constrain_leaves(arg.flat.arrays, [leaf.spec for leaf in arg.leaves], mesh)
+    )
+
+
+def constrain_leaves(arrays: Sequence[Any], specs: Sequence[Any], mesh: Any) -> list[Any]:
+    """Each array constrained to its spec: ``with_sharding_constraint`` on Auto axes,
+    ``jax.sharding.reshard`` where an Explicit axis is involved (which refuses the former)."""
     explicit = {
         name
         for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
         if t == AxisType.Explicit
     }
     out = []
-    for x, leaf in zip(arg.flat.arrays, arg.leaves, strict=True):
-        s = NamedSharding(mesh, leaf.spec)
-        if (explicit and _names(leaf.spec) & explicit) or _explicit_typed(x, explicit):
+    for x, spec in zip(arrays, specs, strict=True):
+        s = NamedSharding(mesh, spec)
+        if (explicit and _names(spec) & explicit) or _explicit_typed(x, explicit):
             out.append(jax.sharding.reshard(x, s))
         else:
             out.append(jax.lax.with_sharding_constraint(x, s))
-    return arg.flat.update_inplace(out)
+    return out
 
 
 def _names(spec: Any) -> set[str]:

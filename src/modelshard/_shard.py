@@ -65,7 +65,7 @@ def _local_to_global(x: Any, s: Any) -> Any:
     return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 
 
-def shard(tree: Any, specs: SpecLike, mesh: Any) -> Any:
+def shard(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
     """Place every array leaf of ``tree`` by its plan; return the same container type.
 
     Inputs may be NumPy arrays, uncommitted or committed JAX arrays, or arrays already
@@ -77,13 +77,15 @@ def shard(tree: Any, specs: SpecLike, mesh: Any) -> Any:
     Args:
         tree: any registered container.
         specs: one spec-like for the whole tree (see :func:`plan`).
-        mesh: a concrete ``jax.sharding.Mesh`` (abstract ones only for abstract leaves).
+        mesh: a concrete ``jax.sharding.Mesh`` (abstract ones only for abstract leaves);
+            default: the mesh set by ``jax.set_mesh``.
 
     Returns:
         The container, same type, with placed leaves.
 
     Raises:
         SpecError: listing every leaf that cannot be placed.
+        MeshError: ``mesh`` is omitted and no mesh is active.
 
     Example:
         >>> import jax.numpy as jnp
