@@ -261,3 +261,82 @@ def test_a_closed_output_does_not_block_the_processes():
     code = "import sys\nfor i in range(20000): print('x' * 100)"
     rc = run([PY, "-c", code], 2, stdout=out, stderr=io.StringIO(), timeout=60)
     assert rc == 0
+
+
+_COORDINATOR_STANDIN = """
+import os, socket, sys, time
+host, port = os.environ["MODELSHARD_COORDINATOR"].rsplit(":", 1)
+port = int(port)
+if os.environ["MODELSHARD_PROCESS_ID"] == "0":
+    plain = socket.socket()
+    try:
+        plain.bind((host, port))
+    except OSError:
+        pass  # held by the launcher: nobody else can take it
+    else:
+        sys.exit("the coordinator port was free for any program to take")
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as gRPC does
+    server.bind((host, port))
+    server.listen()
+    for _ in range(int(os.environ["MODELSHARD_NUM_PROCESSES"]) - 1):
+        conn, _ = server.accept()
+        conn.sendall(b"ok")
+        conn.close()
+else:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            c = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    assert c.recv(2) == b"ok"
+"""
+
+
+def test_many_launches_back_to_back_each_hold_their_coordinator_port():
+    # Process 0 stands in for JAX's coordinator (a gRPC server: SO_REUSEPORT, then listen);
+    # it checks that a program not sharing the port cannot bind it while the run lasts.
+    ports = set()
+    for _ in range(12):
+        rc, out, err = launch(_COORDINATOR_STANDIN + "\nprint(port)", 2, timeout=60, grace=0.2)
+        assert rc == 0, err
+        ports.update(ln.split()[-1] for ln in out.splitlines())
+    assert len(ports) >= 2  # a fresh port per run, released afterwards
+
+
+def test_reserve_port_holds_the_port_until_closed():
+    s = _launch.reserve_port()
+    assert s is not None
+    port = s.getsockname()[1]
+    import socket
+
+    other = socket.socket()
+    with pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    s.close()
+    other.bind(("127.0.0.1", port))  # released
+    other.close()
+
+
+def test_launching_from_a_multithreaded_program_does_not_fork_it():
+    import threading
+    import warnings
+
+    import jax
+
+    jax.devices()  # JAX's backend is up: it warns on any fork (its runtime is multithreaded)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()  # the launcher's caller has threads (as JAX or a web server has)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rc, out, _ = launch("print('ok')", 2, timeout=60)
+    finally:
+        stop.set()
+    assert rc == 0 and sorted(out.splitlines()) == ["[process 0] ok", "[process 1] ok"]
+    assert not [w for w in caught if "fork" in str(w.message)]

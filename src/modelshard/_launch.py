@@ -1,19 +1,27 @@
 """``modelshard launch``: N local processes on JAX's distributed runtime, as one command.
 
-Each process gets the coordinator address (a free loopback port), the process count, its
-index and its number of simulated CPU devices in the environment, which
+Each process gets the coordinator address (a loopback port), the process count, its index
+and its number of simulated CPU devices in the environment, which
 :func:`modelshard.distributed.initialize` reads. Output is forwarded line by line with a
 ``[process i]`` prefix. When one process fails, the others are stopped: SIGTERM, then
 SIGKILL after a grace period (JAX ignores SIGTERM while it waits in a collective), each
 process in its own process group so nothing it started stays behind.
+
+The coordinator's port is reserved for the whole run (:func:`reserve_port`): the launcher
+keeps it bound with ``SO_REUSEPORT``, which JAX's coordinator (a gRPC server) also sets, so
+the coordinator can bind it while no other program can take it in between. Processes are
+started without a ``preexec_fn`` (which would fork a multithreaded process): on Linux each
+goes through a small exec helper that asks the kernel to kill it if the launcher dies.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,10 +98,34 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now (another program may take it next;
+    :func:`reserve_port` holds one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def reserve_port() -> socket.socket | None:
+    """A socket holding a free port on 127.0.0.1 until it is closed, or ``None`` where the
+    platform has no ``SO_REUSEPORT``.
+
+    The socket is bound with ``SO_REUSEPORT`` and never listens: a server that also sets
+    ``SO_REUSEPORT`` (JAX's coordinator does, through gRPC) can bind and listen on the port,
+    and only listening sockets receive connections, while a program that does not set it
+    gets "address in use". So the port cannot be taken between choosing it and the
+    coordinator binding it.
+    """
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    if reuse is None:  # pragma: no cover - not Linux/macOS
+        return None
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, reuse, 1)
+        s.bind(("127.0.0.1", 0))
+    except OSError:  # pragma: no cover - a kernel refusing the option
+        s.close()
+        return None
+    return s
 
 
 def child_env(
@@ -115,25 +147,41 @@ def child_env(
     return env
 
 
-def _die_with_parent() -> Any:
-    """On Linux, a pre-exec hook making the kernel SIGKILL the child if the launcher dies.
+# Run between the launcher and each process on Linux: the kernel SIGKILLs the process if the
+# launcher dies (PR_SET_PDEATHSIG survives exec), and a launcher that died before that was
+# set is noticed through the parent pid. A helper, not a preexec_fn: those fork the launcher,
+# which is multithreaded when it runs inside a program (deadlock-prone, and Python warns).
+_EXEC_HELPER = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(128 + 9)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    sys.stderr.write(f"cannot start {sys.argv[2]!r}: {e.strerror or e}\\n")
+    os._exit(127)
+"""
 
-    libc is loaded here, in the parent: the hook itself only makes one call, since little is
-    safe between fork and exec.
-    """
+
+def _with_exec_helper(command: Sequence[str]) -> list[str]:
+    """``command`` run through :data:`_EXEC_HELPER` on Linux; as it is elsewhere."""
     if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
+        return list(command)
+    return [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *command]
 
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # pragma: no cover - unusual libc
-        return None
 
-    def hook() -> None:  # pragma: no cover - runs in the child before exec
-        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-    return hook
+def _cannot_start(program: str) -> str | None:
+    """Why ``program`` cannot be executed (``strerror``-style), or ``None``."""
+    path = program if os.sep in program else shutil.which(program)
+    if path is None or not os.path.exists(path):
+        return os.strerror(errno.ENOENT)
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
 
 
 def _forward(
@@ -200,8 +248,15 @@ def run(
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    coordinator = f"127.0.0.1:{port or free_port()}"
     lock = threading.Lock()
+    why = _cannot_start(command[0])
+    if why is not None:
+        _note(stderr, lock, f"cannot start {command[0]!r}: {why}")
+        return 127
+    reservation = reserve_port() if port is None else None
+    if port is None:
+        port = reservation.getsockname()[1] if reservation is not None else free_port()
+    coordinator = f"127.0.0.1:{port}"
     procs: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     status = 0
@@ -214,20 +269,18 @@ def run(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
-    hook = _die_with_parent()
+    argv = _with_exec_helper(command)
     try:
-        # Every process is started before any forwarding thread: fork is safest with one thread.
         for i in range(num):
             env = child_env(dict(os.environ), coordinator, num, i, devices)
             try:
                 proc = subprocess.Popen(
-                    list(command),
+                    argv,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
-                    preexec_fn=hook,
                 )
             except OSError as e:
                 _note(stderr, lock, f"cannot start {command[0]!r}: {e.strerror or e}")
@@ -268,6 +321,8 @@ def run(
             t.join(timeout=2.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if reservation is not None:
+            reservation.close()
     return status
 
 
