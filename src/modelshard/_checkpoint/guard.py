@@ -35,6 +35,8 @@ class Watched(Protocol):
 
     def pending_step(self) -> int | None: ...
 
+    def unfinished_step(self) -> int | None: ...
+
     def finish(self) -> None: ...
 
     def has_polled(self) -> bool: ...
@@ -142,14 +144,15 @@ def _install_monitoring() -> None:
 
 def _at_shutdown() -> None:
     """Runs before Python joins threads: too late to write, so say what was lost."""
-    lost = [(m.directory, m.pending_step()) for m in list(_live) if m.pending_step() is not None]
+    lost = [(m.directory, m.unfinished_step()) for m in list(_live)]
+    lost = [(directory, step) for directory, step in lost if step is not None]
     for directory, step in lost:
         _say(
             f"the interpreter is exiting while step {step} of {directory} is still being "
             "written; it cannot be finished now and is LOST. Call close() (or use the "
             "manager in a `with` block) before the program ends."
         )
-    if lost or _failed:
+    if lost:  # (a failure already reported has set the exit status itself)
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
         os._exit(1)

@@ -211,6 +211,17 @@ class CheckpointManager:
         """The step being written in the background, or None."""
         return self._pending
 
+    def unfinished_step(self) -> int | None:
+        """The pending step unless it is complete on storage by now (its background save
+        may have finished without anyone waiting for it)."""
+        step = self._pending
+        if step is None:
+            return None
+        try:
+            return None if is_complete_step(self.step_directory(step)) else step
+        except Exception:  # at interpreter shutdown anything may fail: count it lost
+            return step
+
     def has_polled(self) -> bool:
         """Whether the training loop asks :meth:`should_save` (it then handles stops)."""
         return self._polled
