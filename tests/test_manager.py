@@ -385,3 +385,18 @@ def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["step"], out["source"]) == (5, str(root / "5"))
     np.testing.assert_array_equal(ms.restore(dst)["w"], np.arange(8.0) + 5)
+
+
+def test_grain_iterator_resumes_where_it_was_saved(tmp_path):
+    grain = pytest.importorskip("grain")
+    ds = grain.MapDataset.range(100).map(lambda x: x * 2).to_iter_dataset()
+    it = iter(ds)
+    seen = [next(it) for _ in range(7)]
+    with ms.CheckpointManager(tmp_path, handle_signals=False) as mngr:
+        mngr.save(7, _w(7), items={"data": it})
+        fresh = iter(ds)
+        resumed = mngr.items(like={"data": fresh})["data"]
+    assert seen == list(range(0, 14, 2))
+    assert resumed is fresh
+    assert [next(resumed) for _ in range(3)] == [next(it) for _ in range(3)] == [14, 16, 18]
+    assert ms.read_items(tmp_path / "7")["data"] == {"next_index": 7}
