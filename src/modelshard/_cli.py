@@ -562,6 +562,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
     p = plan(planning_tree(source.record), specs, mesh)
     if args.json:
+        if args.html is not None:
+            p.to_html(args.html, fold=not args.no_fold, filter=args.filter)
         if args.budget is not None:
             p.check_budget(args.budget)
         emit(
@@ -578,7 +580,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             },
         )
         return 0
+    if args.html is not None:
+        p.to_html(
+            args.html, fold=not args.no_fold, filter=args.filter, title=f"plan of {source.path}"
+        )
     _console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
+    if args.html is not None:
+        _console(stderr=True).print(f"wrote {os.path.abspath(args.html)}", highlight=False)
     if args.budget is not None:
         p.check_budget(args.budget)
     return 0
@@ -793,6 +801,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory per device, e.g. 16GiB or 80GB: exit status 1 if the plan needs more, "
         "naming the largest contributors",
+    )
+    pl.add_argument(
+        "--html",
+        metavar="OUT.html",
+        default=None,
+        help="also write the plan as a self-contained HTML page (memory per device by "
+        "module, the grouped table, each leaf's tiles on the mesh); opens offline",
     )
     pl.set_defaults(run=_cmd_plan)
 

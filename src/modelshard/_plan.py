@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
@@ -144,7 +146,7 @@ class Plan:
         return math.prod(self.sizes.values()) if self.sizes else 1
 
     # ---- grouped views ---------------------------------------------------------------
-    def _named(self, filter: str | re.Pattern[str] | None = None) -> list[tuple[str, LeafPlan]]:
+    def named(self, filter: str | re.Pattern[str] | None = None) -> list[tuple[str, LeafPlan]]:
         """``(displayed path, leaf)`` of every leaf whose displayed path matches ``filter``."""
         multi = len(self.args) > 1
         out = [
@@ -169,7 +171,7 @@ class Plan:
         """
         from ._fold import fold as fold_paths
 
-        named = self._named(filter)
+        named = self.named(filter)
 
         def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
             leaf = leaves[0]
@@ -202,7 +204,7 @@ class Plan:
         ``opt_state``, ...): ``module``, ``leaves``, ``bytes`` (unsharded) and
         ``bytes_per_device``, in order of first appearance."""
         out: dict[str, dict[str, Any]] = {}
-        for path, leaf in self._named(filter):
+        for path, leaf in self.named(filter):
             arg, colon, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
             top = (arg + colon) + (rest.split("/", 1)[0] or "<root>")
             m = out.setdefault(top, {"module": top, "leaves": 0, "bytes": 0, "bytes_per_device": 0})
@@ -271,7 +273,7 @@ class Plan:
                 "bytes_per_device": self.bytes_per_device(leaf),
                 "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
             }
-            for path, leaf in self._named(filter)
+            for path, leaf in self.named(filter)
         ]
 
     def summary(self) -> str:
@@ -300,6 +302,72 @@ class Plan:
             filter: a regex; only leaves whose path it matches are shown.
         """
         return PlanTable(self, max_rows=max_rows, fold=fold, filter=filter)
+
+    def tiles(self, path: str) -> Any:
+        """Which device holds which slice of the leaf at ``path`` (``"arg:path"`` with
+        several args): one tile per shard, replicas listed together. Prints as a grid in a
+        terminal (rich), renders as HTML in notebooks; grids above 16 x 16 shards are
+        summarised. Returns a ``Tiles`` object: ``tiles`` (index, slices, device ids per
+        shard), ``parts``, ``replicas``, ``describe()``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> import modelshard as ms
+            >>> mesh = ms.make_mesh({"data": 4, "model": 2}, abstract=True)
+            >>> p = ms.plan({"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}, P("data"), mesh)
+            >>> t = p.tiles("w")
+            >>> len(t.tiles), t.replicas, t.tiles[1]
+            (4, 2, ((1, 0), (slice(2, 4, None), slice(0, 6, None)), [2, 3]))
+        """
+        from ._plan_html import Tiles
+
+        leaf = self[path]
+        return Tiles(self, path, leaf)
+
+    def html(self, fold: bool = True, filter: str | re.Pattern[str] | None = None) -> str:
+        """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
+        bar split by top-level module, and the grouped table whose rows open their tiles on
+        the mesh. Inline CSS only: no script, no external resource."""
+        from ._plan_html import plan_html
+
+        return plan_html(self, fold=fold, filter=filter)
+
+    def to_html(
+        self,
+        path: str | os.PathLike[str],
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+        title: str = "modelshard plan",
+    ) -> Path:
+        """Write :meth:`html` as a self-contained page (opens offline); returns the path.
+
+        Example:
+            >>> import tempfile, jax, jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> import modelshard as ms
+            >>> mesh = ms.make_mesh({"data": 8}, abstract=True)
+            >>> p = ms.plan({"w": jax.ShapeDtypeStruct((8, 2), jnp.float32)}, P("data"), mesh)
+            >>> p.to_html(tempfile.mkdtemp() + "/plan.html").read_text().startswith("<!DOCTYPE")
+            True
+        """
+        from ._plan_html import page
+
+        out = Path(path)
+        out.write_text(page(self, title=title, fold=fold, filter=filter), encoding="utf-8")
+        return out
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """treescope (if installed) shows the same HTML as the notebook repr."""
+        from treescope import rendering_parts
+
+        return rendering_parts.embedded_iframe(
+            embedded_html=self.html(),
+            fallback_in_text_mode=rendering_parts.text(repr(self)),
+        )
 
     def __rich__(self) -> Any:
         return self.table().__rich__()
