@@ -532,6 +532,35 @@ def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8):
     assert sj.cache_size == 2
 
 
+def test_nnx_same_module_called_again_sees_every_change_made_between_calls(mesh8):
+    from flax import nnx
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.ps = nnx.List([nnx.Param(jnp.ones(8)) for _ in range(3)])
+            self.scale = 1.0
+            self.extra = nnx.data({"w": nnx.Param(jnp.zeros(8))})  # a plain dict of Variables
+
+    def f(m):
+        return sum(p[...].sum() for p in m.ps) * m.scale + m.extra["w"][...].sum()
+
+    m = M()
+    sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
+    assert float(sj(m)) == 24.0 and float(sj(m)) == 24.0  # the second call: the snapshot
+    with jax.set_mesh(mesh8):  # Explicit axes: eager updates of sharded values need it
+        m.ps[0][...] = jnp.full(8, 2.0)  # a value set in place
+    assert float(sj(m)) == 32.0
+    m.ps[1] = nnx.Param(jnp.full(8, 3.0))  # a Variable replaced in an nnx.List
+    assert float(sj(m)) == 48.0
+    m.ps.append(nnx.Param(jnp.ones(8)))  # the list grew: a new structure
+    assert float(sj(m)) == 56.0
+    m.scale = 0.5  # a static attribute: part of the key
+    assert float(sj(m)) == 28.0
+    m.extra["w"] = nnx.Param(jnp.ones(8))  # a Variable replaced in a plain dict
+    assert float(sj(m)) == 36.0
+    assert sj.cache_size == 3
+
+
 def test_nnx_static_attributes_are_part_of_the_key(mesh8):
     model = MAKERS["nnx"]()
     ids = jnp.zeros((8, 4), jnp.int32)

@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import ARRAY_TYPES, LeafInfo, describe_pytree, set_nested_types
+from ._describe import LeafInfo, describe_pytree, set_nested_types
 from ._errors import AdapterError
+from ._nnx_route import nnx_call_leaves
 
 
 class CallLeaves(NamedTuple):
@@ -172,7 +173,8 @@ class NnxModuleAdapter(Adapter):
     and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
     seen before is flattened as a JAX pytree down to its Variables (about a millisecond for
     a thousand, where ``nnx.split`` takes tens), mapped onto ``nnx.split``'s leaf order by a
-    cached route, and written back with ``Variable.set_value`` on the Variables that changed.
+    cached route, and written back with ``Variable.set_value`` on the Variables that changed;
+    the same module object called again is only checked for changes (``_nnx_route.py``).
     """
 
     kind: str = "nnx.Module"
@@ -215,83 +217,10 @@ class NnxModuleAdapter(Adapter):
         return obj
 
     def flatten_for_call(self, obj: Any) -> CallLeaves:
-        fast = _nnx_call_leaves(self, obj)
-        return fast if fast is not None else Adapter.flatten_for_call(self, obj)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _NnxLeafOrder:
-    """How one NNX structure's pytree leaves (Variables) map onto ``nnx.split``'s order."""
-
-    aux: Hashable
-    perm: tuple[int, ...]
-    unique: int
-
-
-_NNX_ORDERS: dict[Hashable, _NnxLeafOrder | None] = {}
-_MAX_NNX_ORDERS = 256
-
-
-def _is_variable(x: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable)
-
-
-def _nnx_call_leaves(adapter: NnxModuleAdapter, value: Any) -> CallLeaves | None:
-    """The fast per-call order for an NNX object, or ``None`` to use ``nnx.split``."""
-    try:
-        variables, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
-    except Exception:
-        return None
-    key = (treedef, tuple(map(type, variables)))
-    try:
-        known = key in _NNX_ORDERS
-    except TypeError:
-        return None
-    if known:
-        order = _NNX_ORDERS[key]
-    else:
-        order = _nnx_leaf_order(value, variables)
-        if len(_NNX_ORDERS) >= _MAX_NNX_ORDERS:
-            _NNX_ORDERS.clear()
-        _NNX_ORDERS[key] = order
-    if order is None or len(set(map(id, variables))) != order.unique:
-        return None
-    ordered = [variables[i] for i in order.perm]
-    try:
-        raws = [v._raw_value for v in ordered]
-    except AttributeError:
-        return None
-    if not set(map(type, raws)) <= ARRAY_TYPES or any(
-        v._var_metadata.get("on_get_value") for v in ordered
-    ):
-        return None
-
-    def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
-        for m, new in zip(positions, values, strict=True):
-            var = ordered[m]
-            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
-                var.set_value(new)
-            else:  # what set_value does for a plain array, minus its copy and hook lookup
-                var._raw_value = new
-
-    return CallLeaves(raws, order.aux, order, write_back)
-
-
-def _nnx_leaf_order(value: Any, variables: list[Any]) -> _NnxLeafOrder | None:
-    if not variables or not all(_is_variable(v) for v in variables):
-        return None
-    from flax import nnx
-
-    graphdef, state = nnx.split(value)
-    in_state = jax.tree_util.tree_leaves(state, is_leaf=_is_variable)
-    where = {id(v): i for i, v in enumerate(variables)}
-    if len(in_state) != len(where) or any(id(v) not in where for v in in_state):
-        return None
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    if len(leaves) != len(in_state):  # a Variable holding several arrays
-        return None
-    return _NnxLeafOrder((graphdef, treedef), tuple(where[id(v)] for v in in_state), len(where))
+        fast = nnx_call_leaves(obj)
+        if fast is None:
+            return Adapter.flatten_for_call(self, obj)
+        return CallLeaves(fast.leaves, fast.aux, fast.key, fast.write_back)
 
 
 # (module, attribute, adapter factory): resolved once the module has been imported.
