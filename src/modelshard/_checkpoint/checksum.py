@@ -88,8 +88,10 @@ def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
 
 _checksum_jit = jax.jit(_checksum_one)
 
-# Leaves up to this many elements are checksummed on the host: no compilation, and the
-# bytes are few. Larger ones are reduced where they live.
+# Leaves are checksummed on the host when all the leaves sharing their shape, dtype and
+# sharding (one compiled program) hold at most this many elements together: then compiling
+# costs more than summing with NumPy. Otherwise they are reduced where they live, one
+# compilation shared by the whole group (a device reduction is ~40x faster than NumPy's).
 HOST_MAX_ELEMENTS = 1 << 20
 
 
@@ -158,12 +160,26 @@ def _shard_checksum(x: jax.Array) -> tuple[int, int]:
     return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
 
 
-def _on_host(x: Any, limit: int) -> bool:
-    if x.size > limit:
-        return False
+def _addressable(x: Any) -> bool:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x.sharding is None or x.sharding.is_fully_addressable
     return x.is_fully_addressable if isinstance(x, jax.Array) else True
+
+
+def _program(x: Any) -> tuple[Any, ...]:
+    """What one compiled checksum program is specialised on."""
+    return (tuple(x.shape), np.dtype(x.dtype).str, getattr(x, "sharding", None))
+
+
+def on_host(arrays: Sequence[Any], limit: int) -> list[bool]:
+    """For each array, whether its checksum is summed on the host (see ``HOST_MAX_ELEMENTS``)."""
+    total: dict[tuple[Any, ...], int] = {}
+    keys = []
+    for x in arrays:
+        key = _program(x)
+        keys.append(key)
+        total[key] = total.get(key, 0) + math.prod(x.shape)
+    return [total[k] <= limit and _addressable(x) for k, x in zip(keys, arrays, strict=True)]
 
 
 def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
@@ -173,9 +189,9 @@ def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
     happens while little is resident rather than on top of the restored state.
     """
     seen = set()
-    for t in targets:
-        key = (tuple(t.shape), t.dtype, t.sharding)
-        if key not in seen and not _on_host(t, HOST_MAX_ELEMENTS):
+    for t, host in zip(targets, on_host(targets, HOST_MAX_ELEMENTS), strict=True):
+        key = _program(t)
+        if key not in seen and not host:
             seen.add(key)
             _checksum_jit.lower(t).compile()
 
@@ -185,9 +201,10 @@ def checksums(
 ) -> list[str]:
     """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding.
 
-    Small leaves are summed on the host; large ones are reduced where they live (one small
-    compiled program per shape, dtype and sharding, cached by JAX), so nothing large is
-    gathered to one device. With ``host``, every array this process holds whole is summed
+    Leaves are reduced where they live (one small compiled program per shape, dtype and
+    sharding, cached by JAX), so nothing large is gathered to one device; those whose
+    program would serve fewer than ``host_max_elements`` elements in all are summed on
+    the host instead (compiling would cost more). With ``host``, every array this process holds whole is summed
     on the host shard by shard instead: no compilation (which costs tens of MiB of
     resident compiler code), slower than a device reduction; ``reshard`` uses it.
     """
@@ -204,10 +221,11 @@ def start_checksums(
     limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
     pending: dict[int, Any] = {}
     out: list[Any] = [None] * len(arrays)
+    small = on_host(arrays, limit)
     for i, x in enumerate(arrays):
         if host and isinstance(x, jax.Array) and x.is_fully_addressable:
             out[i] = _shard_checksum(x)
-        elif _on_host(x, limit):
+        elif small[i]:
             out[i] = _np_checksum(np.asarray(x))
         else:
             pending[i] = _checksum_jit(x)

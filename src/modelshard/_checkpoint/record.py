@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -359,6 +360,12 @@ def saved_spec(x: Any, mesh: Any) -> PartitionSpec | None:
 
 
 def versions() -> dict[str, str]:
+    """Package name -> version of the stack that writes a checkpoint (looked up once)."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}

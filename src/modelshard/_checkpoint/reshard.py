@@ -216,10 +216,15 @@ def rewrite(
     order = {leaf.path: i for i, leaf in enumerate(record.leaves)}
 
     def write(staging: Path) -> None:
+        import orbax.checkpoint as ocp
+
         pieces = pieces_dir(staging)
         shutil.rmtree(pieces, ignore_errors=True)
         pieces.mkdir(parents=True)
         done = 0
+        # One Checkpointer for every piece: its setup and teardown (thread pools, an
+        # event loop) cost more than writing a small piece.
+        ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         try:
             for k, chunk in enumerate(_chunks(items, chunk_bytes)):
                 targets = {
@@ -275,7 +280,7 @@ def rewrite(
                     "reshard",
                 )
                 if tree:
-                    orbax_save(pieces / f"piece{k:05d}", tree)
+                    orbax_save(pieces / f"piece{k:05d}", tree, ckptr)
                     (pieces / "merged").mkdir(exist_ok=True)
                     _merge_piece(pieces / f"piece{k:05d}", pieces / "merged", k)
                 del stored, tree, values
@@ -286,6 +291,7 @@ def rewrite(
             new_leaves.sort(key=lambda r: order[r.path])
             os.rename(pieces / "merged", staging)
         finally:
+            ckptr.close()
             shutil.rmtree(pieces, ignore_errors=True)
 
     new_record = Record(
