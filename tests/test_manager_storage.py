@@ -114,6 +114,21 @@ def test_gs_save_rotate_items_and_commit_files(gs_root):
     assert ms.CheckpointManager(gs_root, handle_signals=False).all_steps() == [1, 2]
 
 
+def test_gs_inspect_of_a_manager_root(gs_root, capsys):
+    import json
+
+    from modelshard._cli import main
+
+    with ms.CheckpointManager(gs_root, handle_signals=False) as mngr:
+        mngr.save(4, {"w": jnp.arange(8.0)}, items={"data": {"pos": 4}}, metrics={"loss": 1.0})
+    capsys.readouterr()
+    assert main(["inspect", gs_root, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["step"], data["path"]) == (4, f"{gs_root}/4")
+    assert data["items"] == {"data": {"pos": 4}} and data["metrics"] == {"loss": 1.0}
+    assert [leaf["path"] for leaf in data["leaves"]] == ["w"]
+
+
 def test_gs_step_without_commit_file_is_not_a_step(gs_root):
     from etils import epath
 

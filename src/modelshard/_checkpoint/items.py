@@ -206,9 +206,10 @@ def _document(path: Any) -> Any:
 def extras_json(directory: Any) -> dict[str, Any]:
     """A manager step's items (as stored: JSON, keys and iterator states tagged) and
     metrics, for ``modelshard inspect --json``; ``{}`` for a checkpoint without them."""
-    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM, absolute
+    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM
+    from .urls import location
 
-    root = absolute(directory)
+    root = location(directory)
     out: dict[str, Any] = {}
     items = _document(root / ITEMS_ITEM / ITEMS_FILE)
     if items is not None:
