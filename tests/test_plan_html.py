@@ -170,3 +170,22 @@ def _check_page(text: str) -> _Page:
     page.feed(text)
     assert page.external == []
     return page
+
+
+def test_docs_pictures_come_from_a_real_plan():
+    """The mkdocs hook replaces the markers with the demo plan's HTML at build time."""
+    import importlib.util
+    from pathlib import Path
+
+    hook = Path(__file__).parents[1] / "docs" / "_ext" / "plan_pictures.py"
+    spec = importlib.util.spec_from_file_location("plan_pictures", hook)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = Path(__file__).parents[1] / "docs" / "concepts" / "plan.md"
+    text = module.on_page_markdown(page.read_text())
+    assert "modelshard:plan" not in text and "modelshard:tiles" not in text
+    p = module.demo_plan()
+    parsed = _check(p, text[text.index('<div class="ms-plan" data-leaves') :])
+    assert {s["data-module"] for s in parsed.segments} == {"opt_state", "params"}
+    assert any(t["data-path"] == "params/layer_0/mlp/up" for t in parsed.tile_sets)

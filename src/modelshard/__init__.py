@@ -32,6 +32,7 @@ from ._errors import ModelshardError as ModelshardError
 from ._errors import Problem as Problem
 from ._errors import ShardingMismatchError as ShardingMismatchError
 from ._errors import SpecError as SpecError
+from ._expand import ArgPlan as ArgPlan
 from ._expand import LeafPlan as LeafPlan
 from ._jit import ShardJit as ShardJit
 from ._jit import shard_jit as shard_jit

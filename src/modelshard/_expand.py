@@ -50,7 +50,13 @@ class LeafPlan(NamedTuple):
 
 @dataclasses.dataclass
 class ArgPlan:
-    """One argument's split container and the plan of each of its array leaves."""
+    """One argument of a plan: its name, its split container and each array leaf's plan.
+
+    Attributes:
+        name: the argument's name (``"tree"`` for [`plan`][modelshard.plan]'s single tree).
+        flat: the container split into leaves (``modelshard.adapters.Flat``).
+        leaves: one [`LeafPlan`][modelshard.LeafPlan] per array leaf, in flatten order.
+    """
 
     name: str
     flat: Flat

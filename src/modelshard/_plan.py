@@ -51,7 +51,7 @@ class Plan:
 
     Attributes:
         mesh: the ``Mesh`` or ``AbstractMesh`` planned for.
-        args: one :class:`~modelshard._expand.ArgPlan` per argument.
+        args: one [`ArgPlan`][modelshard.ArgPlan] per argument.
     """
 
     def __init__(self, args: Sequence[ArgPlan], mesh: Any):
@@ -325,13 +325,16 @@ class Plan:
         leaf = self[path]
         return Tiles(self, path, leaf)
 
-    def html(self, fold: bool = True, filter: str | re.Pattern[str] | None = None) -> str:
+    def html(
+        self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
+    ) -> str:
         """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
         bar split by top-level module, and the grouped table whose rows open their tiles on
-        the mesh. Inline CSS only: no script, no external resource."""
+        the mesh (``tiles=False``: without them). Inline CSS only: no script, no external
+        resource."""
         from ._plan_html import plan_html
 
-        return plan_html(self, fold=fold, filter=filter)
+        return plan_html(self, fold=fold, filter=filter, tiles=tiles)
 
     def to_html(
         self,

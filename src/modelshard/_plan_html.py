@@ -186,7 +186,8 @@ class Tiles:
             out.append(
                 f'<div class="ms-tile" data-index="{_esc(tile)}" data-replicas="{len(devs)}"'
                 f' style="background:{colour};grid-row:{r + 1};grid-column:{c + 1}"'
-                f' title="devices {_esc(", ".join(map(str, devs)))}">'
+                + (f' title="devices {_esc(", ".join(map(str, devs)))}"' if len(devs) <= 64 else "")
+                + ">"
                 f"<code>{_esc(self._slice_text(slices, self.shape))}</code><br>"
                 f'<span class="ms-devs">{"replicas" if len(devs) > 1 else "device"} '
                 f"{_esc(self._devices_text(devs))}</span></div>"
