@@ -411,7 +411,7 @@ class PlanTable:
         p = self.plan
         shown = self.rows if self.max_rows is None else self.rows[: self.max_rows]
         cells = self._cells(shown)
-        cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device"]
+        cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
             for col in ("rule", "dtype", "leaves"):
                 if self._width(cells, cols) > width and col in cols:
@@ -462,10 +462,10 @@ class PlanTable:
             c["shape"] = str(tuple(r["shape"]))
             c["dtype"] = r["dtype"]
             c["spec"] = format_spec(spec_from_json(r["spec"]))
-            c["rule"] = r["rule"]
             c["per device"] = format_bytes(r["bytes_per_device"]) + (
                 f" x{r['count']}" if r["count"] > 1 else ""
             )
+            c["rule"] = r["rule"]
             out.append(c)
         return out
 
@@ -485,9 +485,7 @@ class PlanTable:
         from rich.console import Console
 
         cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
-        width = max(
-            100, len(self.plan.summary()), self._width(cells, list(cells[0])) if cells else 0
-        )
+        width = max(100, self._width(cells, list(cells[0])) if cells else 0)
         console = Console(
             width=width, record=True, force_terminal=False, color_system=None, file=io.StringIO()
         )
