@@ -1,6 +1,6 @@
 """Container adapters: the registry of model-state types and the built-in adapters.
 
-The registry follows Orbax's type-handler registry: a base class (:class:`Adapter`, which
+The registry follows Orbax's type-handler registry: a base class ([`Adapter`][modelshard.adapters.Adapter], which
 declares every capability modelshard uses, with defaults), one global default,
 ``register_container(ty, adapter, override=False)`` and ``get_adapter(obj)``. Lookup is
 first match: user registrations (most recent first), then built-ins, then the plain-pytree
@@ -9,7 +9,7 @@ states, registered dataclasses such as ``TrainState``, ``None``).
 
 Built-ins for Flax and Equinox are registered lazily: an object can only be an
 ``nnx.Module`` once Flax has been imported, so modelshard never imports Flax, Equinox or
-optax itself. Splitting a container with its adapter is :func:`modelshard.adapters.split`
+optax itself. Splitting a container with its adapter is [`modelshard.adapters.split`][modelshard.adapters.split]
 (``_flat.py``); naming its leaves is ``_describe.py``.
 """
 
@@ -29,7 +29,7 @@ from ._nnx_route import nnx_call_leaves
 
 
 class CallLeaves(NamedTuple):
-    """One container flattened for one compiled call (:meth:`Adapter.flatten_for_call`).
+    """One container flattened for one compiled call (``Adapter.flatten_for_call``).
 
     Attributes:
         leaves: every leaf, in ``flatten`` order.
@@ -55,16 +55,16 @@ class Adapter:
     here with a default that is right for an immutable container whose paths come from
     ``describe``; override the ones your container differs in:
 
-    - :attr:`numbers_are_arrays`: Python numbers among the leaves are rank-0 array leaves.
-    - :attr:`follows_pytree`: ``flatten``/``unflatten``/``describe`` are exactly JAX's
+    - ``numbers_are_arrays``: Python numbers among the leaves are rank-0 array leaves.
+    - ``follows_pytree``: ``flatten``/``unflatten``/``describe`` are exactly JAX's
       flattening of the object (``aux`` is its ``PyTreeDef``), so descriptions can be cached
       per structure and ``shard_jit`` may gather leaves as JAX does.
-    - :attr:`mutable` with :meth:`update`: the container is changed in place (an NNX
+    - ``mutable`` with ``update``: the container is changed in place (an NNX
       module): ``shard``, ``constrain`` and ``shard_jit`` write new values into the caller's
       object instead of returning a copy only.
-    - :meth:`tree_of`: the pytree whose structure canonical paths follow, for prefix trees.
-    - :meth:`mirror`: what a tree of shardings or plans for this container looks like.
-    - :meth:`flatten_for_call`: flattening on ``shard_jit``'s per-call path.
+    - ``tree_of``: the pytree whose structure canonical paths follow, for prefix trees.
+    - ``mirror``: what a tree of shardings or plans for this container looks like.
+    - ``flatten_for_call``: flattening on ``shard_jit``'s per-call path.
 
     ``flatten`` is on the hot path of every ``shard_jit`` call and must be cheap;
     ``describe`` (paths and metadata) runs only when a plan is made.
@@ -76,7 +76,7 @@ class Adapter:
             instead of static leaves (default ``False``, as in Equinox).
         follows_pytree: the adapter is JAX's own flattening of the object (default
             ``False``).
-        mutable: :meth:`update` writes into the object it is given (default ``False``).
+        mutable: ``update`` writes into the object it is given (default ``False``).
     """
 
     kind: str = "container"
@@ -93,7 +93,7 @@ class Adapter:
         raise NotImplementedError(f"{type(self).__name__}.unflatten")
 
     def describe(self, obj: Any) -> list[LeafInfo]:
-        """One :class:`LeafInfo` per leaf, in ``flatten`` order."""
+        """One [`LeafInfo`][modelshard.adapters.LeafInfo] per leaf, in ``flatten`` order."""
         raise NotImplementedError(f"{type(self).__name__}.describe")
 
     def tree_of(self, obj: Any) -> Any:
@@ -111,14 +111,14 @@ class Adapter:
 
     def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
         """``obj`` with its leaves replaced by ``leaves``: written into ``obj`` itself when
-        :attr:`mutable`, otherwise (the default) a new object from ``unflatten``."""
+        ``mutable``, otherwise (the default) a new object from ``unflatten``."""
         return self.unflatten(aux, leaves)
 
     def flatten_for_call(self, obj: Any) -> CallLeaves:
         """Flatten ``obj`` for one ``shard_jit`` call.
 
-        The default is :meth:`flatten`, with a ``write_back`` through :meth:`update` when
-        :attr:`mutable`. An adapter may override it with a faster route that gives the same
+        The default is ``flatten``, with a ``write_back`` through ``update`` when
+        ``mutable``. An adapter may override it with a faster route that gives the same
         leaves and ``aux``.
         """
         leaves, aux = self.flatten(obj)
@@ -138,7 +138,7 @@ class Adapter:
 class PytreeAdapter(Adapter):
     """The adapter for anything JAX can flatten (the default for unregistered types).
 
-    Its paths follow the pytree (:attr:`Adapter.follows_pytree`); a subclass that changes
+    Its paths follow the pytree (``Adapter.follows_pytree``); a subclass that changes
     ``flatten`` must set ``follows_pytree = False``.
 
     Attributes:
@@ -341,14 +341,14 @@ def register_container(
 ) -> None:
     """Register a container type so modelshard can split it into named leaves.
 
-    Either pass an :class:`Adapter`, or the two callbacks: ``flatten(obj)`` returns a
+    Either pass an [`Adapter`][modelshard.adapters.Adapter], or the two callbacks: ``flatten(obj)`` returns a
     mapping from child name to child (children may be arrays, static values or other
     containers), and ``unflatten(children)`` builds the object back. The callbacks also
     register ``ty`` as a JAX pytree, so ``jax.jit`` and friends accept it too.
 
     Args:
         ty: the container class (subclasses match too).
-        adapter: a full adapter: an :class:`Adapter` subclass instance.
+        adapter: a full adapter: an [`Adapter`][modelshard.adapters.Adapter] subclass instance.
         flatten: child-name -> child mapping for an instance.
         unflatten: rebuild an instance from that mapping.
         kind: the container kind recorded in plans and checkpoints (default: class name).
@@ -480,7 +480,7 @@ def nested_types() -> tuple[type, ...]:
 
 def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
     """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
-    (:func:`nested_types`) below the root: such a container is one leaf here, for its own
+    (``nested_types``) below the root: such a container is one leaf here, for its own
     adapter to split."""
     stop = REGISTRY.nested()
     if not stop:
@@ -489,5 +489,5 @@ def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
 
 
 def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
-    """The inverse of :func:`flatten_pytree`."""
+    """The inverse of ``flatten_pytree``."""
     return jax.tree_util.tree_unflatten(aux, leaves)

@@ -139,8 +139,8 @@ def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: A
     Args:
         pieces: one container per mesh position (or per addressable position), or a
             mapping from device to container.
-        specs: one spec-like for the container (see :func:`~modelshard.plan`); each
-            leaf's global shape is computed from its own spec (:func:`global_shape`).
+        specs: one spec-like for the container (see [`plan`][modelshard.plan]); each
+            leaf's global shape is computed from its own spec ([`global_shape`][modelshard.global_shape]).
         mesh: a concrete ``jax.sharding.Mesh``.
 
     Returns:
@@ -220,7 +220,7 @@ def assemble_process_local(data: Any, specs: SpecLike, mesh: Any) -> Any:
 
     Every process passes its own slice (for a leaf sharded over ``data`` on 2 processes,
     each process passes half the rows); the result spans all processes. In a
-    single-process run this equals :func:`~modelshard.shard`.
+    single-process run this equals [`shard`][modelshard.shard].
 
     Args:
         data: a container holding this process's slice of every leaf.

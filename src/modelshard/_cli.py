@@ -1,17 +1,17 @@
 """The ``modelshard`` command: inspect, plan and reshard checkpoints; launch local processes.
 
-Every command has ``--help`` and ``--json``. One place, :func:`main`, turns every user
+Every command has ``--help`` and ``--json``. One place, ``main``, turns every user
 error into one line on stderr (``modelshard CMD: error: ...``) or, with ``--json``, one
 JSON object on stderr; exit status 1 for a problem (modelshard's errors, unreadable or
 unwritable paths), 2 for a usage error (argparse's convention). No traceback is printed
 for a user error.
 
-Adding a command: build its parser in :func:`_parser` with ``add_json(parser)``, give it
+Adding a command: build its parser in ``_parser`` with ``add_json(parser)``, give it
 ``set_defaults(run=fn)``; ``fn(args)`` returns an exit status and prints its result with
-:func:`emit` (a dict; the JSON envelope or the text rendering is chosen here). Raise a
+``emit`` (a dict; the JSON envelope or the text rendering is chosen here). Raise a
 ``ModelshardError`` (or let an ``OSError`` on the user's paths escape) for problems, and use
-argument types :func:`mesh_arg`, :func:`positive_float`, :func:`positive_int`,
-:func:`float_dtype` so bad values are usage errors.
+argument types ``mesh_arg``, ``positive_float``, ``positive_int``,
+``float_dtype`` so bad values are usage errors.
 
 The JSON schema (documented in docs/cli.md): every object has ``"schema": 1``,
 ``"command"`` and ``"ok"``. Success (stdout): the command's fields beside those. Failure
@@ -63,7 +63,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def mesh_arg(text: str) -> dict[str, int]:
-    """argparse type of ``--mesh``: :func:`parse_mesh`, its error a usage error."""
+    """argparse type of ``--mesh``: ``parse_mesh``, its error a usage error."""
     from ._errors import MeshError
 
     try:
@@ -259,7 +259,7 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors raised (so :func:`main` formats them) not printed."""
+    """argparse, with its usage errors raised (so ``main`` formats them) not printed."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         raise _UsageError(self.prog, message)

@@ -44,16 +44,16 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
     """Constrain every array leaf of ``tree`` to its planned sharding; same container back.
 
     For use inside traced model code (it also works eagerly). Each leaf's spec comes from
-    the one rule engine, exactly as for :func:`~modelshard.shard`. Leaves whose spec names
+    the one rule engine, exactly as for [`shard`][modelshard.shard]. Leaves whose spec names
     only Auto mesh axes get ``jax.lax.with_sharding_constraint``; where an Explicit axis is
     involved (which ``with_sharding_constraint`` refuses), the leaf is resharded with
     ``jax.sharding.reshard``, so the same model code runs on Auto and Explicit meshes.
 
     Args:
         tree: any registered container (or a single array).
-        specs: one spec-like for the whole tree (see :func:`~modelshard.plan`).
+        specs: one spec-like for the whole tree (see [`plan`][modelshard.plan]).
         mesh: the mesh; default: the active ``jax.set_mesh`` context (inside
-            :func:`~modelshard.shard_jit`, its mesh).
+            [`shard_jit`][modelshard.shard_jit], its mesh).
 
     Returns:
         The same container type with constrained leaves. NNX modules are updated in

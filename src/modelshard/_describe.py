@@ -1,6 +1,6 @@
 """What a leaf is and what it is called: array leaves, canonical paths, metadata boxes.
 
-:func:`describe_pytree` walks any JAX pytree once and names every leaf by its canonical
+``describe_pytree`` walks any JAX pytree once and names every leaf by its canonical
 path; it runs on every plan (over 10,000-leaf trees), so it is written for speed, and its
 result is cached per tree structure.
 """
@@ -132,7 +132,7 @@ def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
 
 
 def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
-    """:func:`describe_pytree` of ``obj``, whose ``jax.tree_util`` structure is ``treedef``.
+    """``describe_pytree`` of ``obj``, whose ``jax.tree_util`` structure is ``treedef``.
 
     Paths and metadata are a function of the tree structure alone (dict keys, sequence
     lengths, node types and their aux data, where boxes keep their axis names), so the

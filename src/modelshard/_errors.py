@@ -169,7 +169,7 @@ def _common_prefix(paths: Sequence[str]) -> str:
 
 
 def group_problems(problems: Sequence[Problem]) -> list[Cause]:
-    """``problems`` grouped by :func:`cause_key`, largest group first (ties: first seen)."""
+    """``problems`` grouped by ``cause_key``, largest group first (ties: first seen)."""
     groups: dict[str, list[Problem]] = {}
     for p in problems:
         groups.setdefault(cause_key(p), []).append(p)
@@ -186,7 +186,7 @@ class SpecError(ModelshardError, ValueError):
     """Specs that do not fit the tree or the mesh; lists every offending leaf at once.
 
     Attributes:
-        problems: one :class:`Problem` per offending leaf or prefix entry.
+        problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
     """
 
     __module__ = "modelshard"
@@ -209,7 +209,7 @@ class SpecError(ModelshardError, ValueError):
 
     @property
     def causes(self) -> list[Cause]:
-        """The problems grouped by cause, largest group first (see :class:`Cause`)."""
+        """The problems grouped by cause, largest group first (see ``Cause``)."""
         return group_problems(self.problems)
 
     def report(self) -> str:

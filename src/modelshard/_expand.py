@@ -1,9 +1,9 @@
 """The one pipeline: split each argument, expand its spec onto every array leaf, validate.
 
 Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
-CLI) calls :func:`expand_args` and consumes its :class:`LeafPlan` lists; nothing else
+CLI) calls ``expand_args`` and consumes its [`LeafPlan`][modelshard.LeafPlan] lists; nothing else
 expands or validates specs. This module walks arguments, prefix trees and leaves; how one
-leaf's spec is resolved and checked is :mod:`modelshard._resolve`.
+leaf's spec is resolved and checked is ``modelshard._resolve``.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan
     """Split and plan several ``(name, container, spec_like)`` arguments at once.
 
     Returns:
-        One :class:`ArgPlan` per argument.
+        One [`ArgPlan`][modelshard.ArgPlan] per argument.
 
     Raises:
         SpecError: listing every problem across every argument.

@@ -2,7 +2,7 @@
 
 Containers nest: a registered container found among another container's leaves (a custom
 class inside a dict, penzai's ``Parameter`` inside a penzai model) is split by its own
-adapter, through :class:`NestedAdapter`, so its leaves, paths and metadata are seen at any
+adapter, through ``NestedAdapter``, so its leaves, paths and metadata are seen at any
 depth and it is rebuilt as itself.
 """
 
@@ -96,7 +96,7 @@ class Flat:
         """The same container with its array leaves replaced by ``arrays``.
 
         With ``mirror=True`` the container comes back in the form its adapter uses for
-        trees of shardings or plans (:meth:`Adapter.mirror`: an NNX module's
+        trees of shardings or plans (``Adapter.mirror``: an NNX module's
         ``nnx.State``); otherwise it is rebuilt as itself.
         """
         leaves = self._with(arrays)
@@ -106,7 +106,7 @@ class Flat:
 
     def update_inplace(self, arrays: Sequence[Any]) -> Any:
         """Rebuild, writing into the original object where its adapter is
-        :attr:`~Adapter.mutable` (NNX)."""
+        ``mutable`` (NNX)."""
         return self.adapter.update(self.obj, self.aux, self._with(arrays))
 
     def hidden_arrays(self) -> list[tuple[str, type, list[str]]]:
@@ -133,7 +133,7 @@ class Flat:
 
 
 def split(obj: Any) -> Flat:
-    """Split any registered container into a :class:`Flat`.
+    """Split any registered container into a [`Flat`][modelshard.adapters.Flat].
 
     Example:
         >>> import jax.numpy as jnp
@@ -195,7 +195,7 @@ def holds_nested(leaves: Sequence[Any]) -> bool:
 def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hashable]:
     """``obj`` flattened by ``adapter``, then every nested container among its leaves by
     its own adapter: the adapter that rebuilds it all (``adapter`` itself when nothing
-    nests, else a :class:`NestedAdapter`), the leaves and their structure key."""
+    nests, else a ``NestedAdapter``), the leaves and their structure key."""
     leaves, aux = _flatten_one(adapter, obj)
     if not holds_nested(leaves):
         return adapter, leaves, aux
@@ -208,7 +208,7 @@ _NESTED: dict[Adapter, NestedAdapter] = {}
 
 
 def nested_adapter(outer: Adapter) -> NestedAdapter:
-    """The :class:`NestedAdapter` over ``outer``: one object per outer adapter, so that
+    """The ``NestedAdapter`` over ``outer``: one object per outer adapter, so that
     structure keys that include the adapter (``shard_jit``'s caches) compare by identity."""
     try:
         hit = _NESTED.get(outer)
@@ -224,7 +224,7 @@ class Inner(NamedTuple):
 
     Attributes:
         pos: its position among the outer adapter's leaves.
-        adapter: its adapter (a :class:`NestedAdapter` when it nests further).
+        adapter: its adapter (a ``NestedAdapter`` when it nests further).
         aux: its structure key.
         size: how many leaves it contributes.
     """
@@ -249,7 +249,7 @@ class NestedAdapter(Adapter):
     each nested container replaced by its own leaves (recursively).
 
     Its kind is the outer container's. It counts as mutable (so ``shard_jit`` writes back
-    through :meth:`update`): nested containers that are mutable themselves (NNX modules,
+    through ``update``): nested containers that are mutable themselves (NNX modules,
     penzai variables) are updated in place, the rest rebuilt.
     """
 

@@ -2,12 +2,12 @@
 
 Each process gets the coordinator address (a loopback port), the process count, its index
 and its number of simulated CPU devices in the environment, which
-:func:`modelshard.distributed.initialize` reads. Output is forwarded line by line with a
+[`modelshard.distributed.initialize`][modelshard.distributed.initialize] reads. Output is forwarded line by line with a
 ``[process i]`` prefix. When one process fails, the others are stopped: SIGTERM, then
 SIGKILL after a grace period (JAX ignores SIGTERM while it waits in a collective), each
 process in its own process group so nothing it started stays behind.
 
-The coordinator's port is reserved for the whole run (:func:`reserve_port`): the launcher
+The coordinator's port is reserved for the whole run (``reserve_port``): the launcher
 keeps it bound with ``SO_REUSEPORT``, which JAX's coordinator (a gRPC server) also sets, so
 the coordinator can bind it while no other program can take it in between. Processes are
 started without a ``preexec_fn`` (which would fork a multithreaded process): on Linux each
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (another program may take it next;
-    :func:`reserve_port` holds one)."""
+    ``reserve_port`` holds one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -168,7 +168,7 @@ except OSError as e:
 
 
 def _with_exec_helper(command: Sequence[str]) -> list[str]:
-    """``command`` run through :data:`_EXEC_HELPER` on Linux; as it is elsewhere."""
+    """``command`` run through ``_EXEC_HELPER`` on Linux; as it is elsewhere."""
     if not sys.platform.startswith("linux"):
         return list(command)
     return [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *command]

@@ -1,7 +1,7 @@
 """Logical axis names: the rules that map them to mesh axes, and the context that sets them.
 
 Logical rules come in two forms, accepted wherever ``logical=`` is (``Rules``, rules files,
-:func:`logical_rules`):
+[`logical_rules`][modelshard.logical_rules]):
 
 - a mapping ``{"batch": ("data", "fsdp"), "embed": None}``: one target per name. Two names
   of one leaf mapped onto the same mesh axis is an error (the plan says which).
@@ -12,11 +12,11 @@ Logical rules come in two forms, accepted wherever ``logical=`` is (``Rules``, r
   A name whose every pair is blocked replicates that dimension, as in Flax.
 
 Model code names logical axes only; the script decides what they mean, either with
-``Rules(logical=...)`` or with the :func:`logical_rules` context (a ``ContextVar``, so it is
+``Rules(logical=...)`` or with the [`logical_rules`][modelshard.logical_rules] context (a ``ContextVar``, so it is
 per thread and per task, and a ``shard_jit`` trace sees the context of its call). Flax's
 own ``nn.logical_axis_rules`` context is honoured when no modelshard context is active.
 
-How one spec is resolved through the rules lives in :mod:`modelshard._resolve`; this module
+How one spec is resolved through the rules lives in ``modelshard._resolve``; this module
 only validates and holds the rules.
 """
 
@@ -78,7 +78,7 @@ def _public_entry(t: Target) -> str | tuple[str, ...] | None:
 def compile_logical(
     value: LogicalLike, source: str, arg: str = "Rules", where: str = "logical"
 ) -> tuple[LogicalRules | None, list[Problem]]:
-    """Validate ``value`` (a mapping or Flax's list of pairs) into :class:`LogicalRules`.
+    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules``.
 
     Returns:
         The rules (None when ``value`` is None or invalid) and every problem found.
@@ -163,11 +163,11 @@ _flax_last: tuple[Any, LogicalRules | None] = (None, None)
 def logical_rules(rules: LogicalLike) -> Iterator[LogicalRules | None]:
     """Set the logical rules for the code inside the ``with`` block.
 
-    Inside it, every logical name that a spec or :class:`~modelshard.Rules` does not map
+    Inside it, every logical name that a spec or [`Rules`][modelshard.Rules] does not map
     itself (a ``Rules`` without ``logical=``, a plain ``PartitionSpec``, a spec function's
-    result) resolves through ``rules``, in :func:`~modelshard.constrain`,
-    :func:`~modelshard.shard`, :func:`~modelshard.plan`, :func:`~modelshard.shard_jit`
-    (while tracing and planning) and :func:`~modelshard.shard_map`. An explicit
+    result) resolves through ``rules``, in [`constrain`][modelshard.constrain],
+    [`shard`][modelshard.shard], [`plan`][modelshard.plan], [`shard_jit`][modelshard.shard_jit]
+    (while tracing and planning) and [`shard_map`][modelshard.shard_map]. An explicit
     ``Rules(logical=...)`` wins. Contexts nest (the innermost replaces the outer rules;
     ``None`` clears them); the rules live in a ``ContextVar``, so each thread and task
     sees its own.
@@ -175,7 +175,7 @@ def logical_rules(rules: LogicalLike) -> Iterator[LogicalRules | None]:
     Args:
         rules: a mapping ``{"batch": ("data", "fsdp"), "embed": None}``, Flax's ordered
             list of ``(name, mesh axes)`` pairs (repeats fall back as in Flax), a
-            :class:`~modelshard.Rules` (its ``logical``), or ``None``.
+            [`Rules`][modelshard.Rules] (its ``logical``), or ``None``.
 
     Yields:
         The validated rules (``None`` inside ``logical_rules(None)``).

@@ -2,10 +2,10 @@
 
 ``nnx.split`` walks the whole graph and builds a ``GraphDef`` (tens of milliseconds for a
 thousand Variables). A module seen before is instead flattened as a JAX pytree down to its
-``Variable`` objects, and a cached :class:`LeafOrder` maps those onto ``nnx.split``'s leaf
+``Variable`` objects, and a cached ``LeafOrder`` maps those onto ``nnx.split``'s leaf
 order. Flattening an NNX pytree still runs Flax's Python per node (about half a
 millisecond for a thousand Variables), so the same module *object* called again is only
-checked: a :class:`Snapshot` remembers every container in its graph (modules, ``nnx.List``,
+checked: a ``Snapshot`` remembers every container in its graph (modules, ``nnx.List``,
 plain lists, tuples and dicts) with the identity of each attribute or item, and a call
 whose containers still hold the very same objects (C-level identity comparisons) reuses
 the Variables and their order. Anything else (an attribute set, a Variable replaced, a
@@ -13,8 +13,8 @@ list grown) takes the JAX-pytree route, and a new structure ``nnx.split``.
 
 Updates are written back with ``Variable.set_value`` on the Variables that changed.
 
-This module imports neither Flax nor the adapter registry; :class:`NnxModuleAdapter`
-(``_adapters.py``) calls :func:`nnx_call_leaves`.
+This module imports neither Flax nor the adapter registry; [`NnxModuleAdapter`][modelshard.adapters.NnxModuleAdapter]
+(``_adapters.py``) calls ``nnx_call_leaves``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class LeafOrder:
 
 class NnxCall(NamedTuple):
     """One call's NNX leaves: the array values, the adapter's ``aux``, a cheap cache key
-    (the :class:`LeafOrder`) and the write-back into the caller's Variables."""
+    (the ``LeafOrder``) and the write-back into the caller's Variables."""
 
     leaves: list[Any]
     aux: Hashable
@@ -75,7 +75,7 @@ class Snapshot:
         containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
             dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
         variables: the Variables in ``nnx.split`` order.
-        order: the structure's :class:`LeafOrder`.
+        order: the structure's ``LeafOrder``.
     """
 
     ref: Any
@@ -166,7 +166,7 @@ def nnx_call_leaves(value: Any) -> NnxCall | None:
 
 
 def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
-    """``value``'s Variables in ``nnx.split`` order and their :class:`LeafOrder`."""
+    """``value``'s Variables in ``nnx.split`` order and their ``LeafOrder``."""
     try:
         variables, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
     except Exception:

@@ -7,10 +7,10 @@ model's own logical vocabulary (``"embedding"``, ``"neurons"``, ``"heads"``).
 
 Two adapters, registered lazily once penzai is imported, let modelshard see through both:
 
-- :class:`PenzaiVariableAdapter` splits a variable into the leaves of its value; the
+- ``PenzaiVariableAdapter`` splits a variable into the leaves of its value; the
   variable's own path is the path of its value (``blocks/0/attn/query/weights``, no
   ``/value``). It is mutable: ``update`` writes new values into the caller's variable.
-- :class:`NamedArrayAdapter` names a named array's data by its axis names: positional axes
+- ``NamedArrayAdapter`` names a named array's data by its axis names: positional axes
   first (``None``), then the named axes in order, so ``Rules(logical={"embedding": "data",
   "neurons": "model"})`` shards it as penzai's own ``name_to_name_sharding`` would.
 
@@ -44,7 +44,7 @@ class _VariableAux:
 class PenzaiVariableAdapter(Adapter):
     """``pz.Parameter`` and ``pz.StateVariable``: the leaves of the variable's value.
 
-    Rebuilding makes a new variable with the same label and metadata; :meth:`update`
+    Rebuilding makes a new variable with the same label and metadata; ``update``
     writes into the caller's variable instead (penzai variables are mutable).
     """
 

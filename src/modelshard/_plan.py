@@ -34,7 +34,7 @@ def spec_json(spec: PartitionSpec) -> list[Any]:
 
 
 def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
-    """The inverse of :func:`spec_json`."""
+    """The inverse of ``spec_json``."""
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
 
 
@@ -46,7 +46,7 @@ def _itemsize(dtype: Any) -> int:
 class Plan:
     """Where every array leaf of one or more containers goes on a mesh.
 
-    Built by :func:`plan` (one container) or by ``shard_jit`` (one per argument). A plan
+    Built by [`plan`][modelshard.plan] (one container) or by ``shard_jit`` (one per argument). A plan
     holds no arrays, so it works on abstract trees and abstract meshes.
 
     Attributes:
@@ -119,7 +119,7 @@ class Plan:
 
     @property
     def specs(self) -> Any:
-        """Like :attr:`shardings`, with ``PartitionSpec`` leaves."""
+        """Like ``shardings``, with ``PartitionSpec`` leaves."""
         return self._mirror([[leaf.spec for leaf in a.leaves] for a in self.args])
 
     # ---- sizes ----------------------------------------------------------------------
@@ -343,7 +343,7 @@ class Plan:
         filter: str | re.Pattern[str] | None = None,
         title: str = "modelshard plan",
     ) -> Path:
-        """Write :meth:`html` as a self-contained page (opens offline); returns the path.
+        """Write ``html`` as a self-contained page (opens offline); returns the path.
 
         Example:
             >>> import tempfile, jax, jax.numpy as jnp
@@ -538,13 +538,13 @@ def plan(tree: Any, specs: SpecLike, mesh: Any = None) -> Plan:
         tree: any registered container: pytree, optax state, ``TrainState``, NNX module or
             state, linen variables, Equinox module. Leaves may be arrays or
             ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``), so nothing is allocated.
-        specs: one spec-like for the whole tree (``P()``, :class:`Rules`, :func:`fsdp`,
+        specs: one spec-like for the whole tree (``P()``, [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp],
             a function, or a prefix tree of these).
         mesh: a ``jax.sharding.Mesh`` or an ``AbstractMesh`` of any size; default: the
             mesh set by ``jax.set_mesh``.
 
     Returns:
-        A :class:`Plan`; ``print(plan)`` shows a table with bytes per device.
+        A [`Plan`][modelshard.Plan]; ``print(plan)`` shows a table with bytes per device.
 
     Raises:
         SpecError: listing every leaf that cannot be placed, with the rule and a hint.

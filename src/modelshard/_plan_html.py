@@ -67,7 +67,7 @@ def _esc(x: Any) -> str:
 class Tiles:
     """Which device holds which slice of one leaf: one tile per distinct shard.
 
-    Built by :meth:`modelshard.Plan.tiles`. ``tiles`` lists, per shard, its index along
+    Built by [`modelshard.Plan.tiles`][modelshard.Plan.tiles]. ``tiles`` lists, per shard, its index along
     each dimension, the slice of the global shape and the devices holding it (more than
     one: replicas). Renders as HTML in notebooks, as a rich table in terminals.
 
@@ -346,7 +346,7 @@ def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = T
 
 
 def page(plan: Plan, title: str = "modelshard plan", **kwargs: Any) -> str:
-    """A whole HTML document around :func:`plan_html` (no script, no external resource)."""
+    """A whole HTML document around ``plan_html`` (no script, no external resource)."""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -1,9 +1,9 @@
 """One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline.
 
-:mod:`modelshard._expand` walks every argument and leaf and calls into this module to turn
+``modelshard._expand`` walks every argument and leaf and calls into this module to turn
 a leaf's spec source (a ``PartitionSpec``, ``Rules``, ``fsdp``, a function) into a mesh-axis
 ``PartitionSpec`` and to check it against the leaf and the mesh; every problem is collected
-in one :class:`Ctx` so a ``SpecError`` lists them all.
+in one ``Ctx`` so a ``SpecError`` lists them all.
 """
 
 from __future__ import annotations

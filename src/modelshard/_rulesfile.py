@@ -1,4 +1,4 @@
-"""Rules files: :class:`~modelshard.Rules` written as TOML, for the CLI and for configs.
+"""Rules files: [`Rules`][modelshard.Rules] written as TOML, for the CLI and for configs.
 
 The format (documented in ``docs/guides/rules-file.md``)::
 
@@ -70,7 +70,7 @@ def _entry(value: Any, where: str, problems: list[Problem], arg: str, empty: boo
 
 
 def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
-    """Build :class:`Rules` from parsed TOML (a dict); every problem is reported at once.
+    """Build [`Rules`][modelshard.Rules] from parsed TOML (a dict); every problem is reported at once.
 
     Raises:
         SpecError: unknown keys, missing fields, wrong types, bad patterns or specs.
@@ -176,7 +176,7 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
 
 
 def load_rules(path: str | os.PathLike[str]) -> Rules:
-    """Read a TOML rules file into :class:`Rules`.
+    """Read a TOML rules file into [`Rules`][modelshard.Rules].
 
     Raises:
         SpecError: the file is missing, is not valid TOML, or does not describe Rules.
@@ -212,7 +212,7 @@ def _toml_entry(e: Any) -> str:
 
 
 def rules_to_toml(rules: Rules) -> str:
-    """The TOML text :func:`load_rules` reads back as ``rules``."""
+    """The TOML text ``load_rules`` reads back as ``rules``."""
     lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
     for pattern, spec in rules.rules:
         lit = pattern.replace("'", "")

@@ -76,7 +76,7 @@ def shard(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
 
     Args:
         tree: any registered container.
-        specs: one spec-like for the whole tree (see :func:`plan`).
+        specs: one spec-like for the whole tree (see [`plan`][modelshard.plan]).
         mesh: a concrete ``jax.sharding.Mesh`` (abstract ones only for abstract leaves);
             default: the mesh set by ``jax.set_mesh``.
 

@@ -1,7 +1,7 @@
 """``shard_map``: ``jax.shard_map`` over containers, with one spec-like per argument.
 
 Each argument's spec-like is expanded onto its array leaves by the one pipeline
-(:func:`~modelshard._expand.expand_args`), so every problem (unknown axis, rank,
+(``expand_args``), so every problem (unknown axis, rank,
 a dimension its mesh axes do not divide, so no whole local shard) is listed, with the leaf's
 path, before ``fn`` is traced. ``jax.shard_map`` then runs over the flat leaves; inside,
 each container is rebuilt from its local shards, and ``fn``'s output is split again.
@@ -45,7 +45,7 @@ class _Entry:
 
 
 class ShardMap:
-    """``fn`` mapped over the shards of container arguments. Built by :func:`shard_map`."""
+    """``fn`` mapped over the shards of container arguments. Built by [`shard_map`][modelshard.shard_map]."""
 
     def __init__(
         self,
@@ -326,13 +326,13 @@ def shard_map(
 
     Each argument (NNX module or state, linen variables, Equinox module, optax state, any
     pytree) is split into array leaves and its spec-like expanded onto every leaf by the
-    same rule engine as :func:`~modelshard.plan`; every problem, across all arguments, is
+    same rule engine as [`plan`][modelshard.plan]; every problem, across all arguments, is
     listed with the leaf's path before ``fn`` is traced (each sharded dimension must
     divide into whole local shards). Inside ``fn`` each argument is the same container
     type holding its local shards; ``fn`` may return any container, and ``out_specs``
     (one spec-like, or a prefix tree of them over the output) says how each output
     leaf's shards are concatenated, as in ``jax.shard_map``. Logical names resolve
-    through ``Rules(logical=...)`` or the active :func:`~modelshard.logical_rules`.
+    through ``Rules(logical=...)`` or the active [`logical_rules`][modelshard.logical_rules].
 
     Args:
         fn: the per-shard function. Containers it receives are rebuilt from shards:

@@ -2,10 +2,10 @@
 
 One *spec-like* value is given per argument and expanded onto every array leaf inside it:
 
-- a :class:`~jax.sharding.PartitionSpec`: the same spec for every array leaf (``P()``
+- a ``PartitionSpec``: the same spec for every array leaf (``P()``
   replicates everything);
-- :class:`Rules`: regex rules over canonical paths, first match wins, plus logical names;
-- :func:`fsdp`: shard each leaf's largest divisible dimension over one mesh axis;
+- [`Rules`][modelshard.Rules]: regex rules over canonical paths, first match wins, plus logical names;
+- [`fsdp`][modelshard.fsdp]: shard each leaf's largest divisible dimension over one mesh axis;
 - a callable ``(path, leaf) -> PartitionSpec``;
 - a prefix tree (dict / list / tuple / NamedTuple / dataclass pytree) of the above, whose
   keys follow the container's canonical paths (``{"params": rules, "batch_stats": P()}``).
@@ -102,7 +102,7 @@ _ZEROS = bytes.maketrans(b"123456789", b"000000000")
 class Rules:
     """Regex rules over canonical leaf paths; the first rule whose pattern matches wins.
 
-    Patterns use :func:`re.search`, so ``"kernel"`` matches anywhere in the path; anchor
+    Patterns use ``re.search``, so ``"kernel"`` matches anywhere in the path; anchor
     with ``$`` (``r"attn/kernel$"``) or ``^`` to be exact. Rank-0 leaves always replicate.
     A leaf no rule matches takes the axis names carried by its metadata (linen
     ``Partitioned`` / ``LogicallyPartitioned`` boxes, NNX ``out_sharding``) if it has any.
@@ -116,7 +116,7 @@ class Rules:
             or Flax's ordered list of ``(name, mesh axes)`` pairs, where a name may repeat
             and a later pair applies when an earlier one's mesh axes are taken by another
             dimension (exactly ``flax.linen.logical_to_mesh_axes``). ``None``: the
-            active :func:`~modelshard.logical_rules` context (or Flax's), if any.
+            active [`logical_rules`][modelshard.logical_rules] context (or Flax's), if any.
         strict: if true, a leaf matched by no rule and carrying no metadata is an error,
             and so is a rule that matched no leaf anywhere in the plan; if false, such
             leaves replicate and unused rules are only reported in the plan.
@@ -217,7 +217,7 @@ class Rules:
         return self.match_all((path,))[0]
 
     def match_all(self, paths: Sequence[str]) -> list[tuple[int, PartitionSpec] | None]:
-        """:meth:`match` of every path in ``paths`` (one loop: plans match 10,000 paths)."""
+        """``match`` of every path in ``paths`` (one loop: plans match 10,000 paths)."""
         cache, blind, search = self._cache, self._blind, self._search
         out: list[tuple[int, PartitionSpec] | None] = []
         append = out.append
@@ -257,7 +257,7 @@ class Rules:
 class FSDP:
     """Fully-sharded data parallel: shard each leaf's largest dimension divisible by ``axis``.
 
-    Built by :func:`fsdp`. Leaves with fewer than ``min_size`` elements, rank-0 leaves, and
+    Built by [`fsdp`][modelshard.fsdp]. Leaves with fewer than ``min_size`` elements, rank-0 leaves, and
     leaves with no divisible dimension replicate (the plan says why).
     """
 
@@ -346,7 +346,7 @@ def fsdp(axis: str | tuple[str, ...] = "data", min_size: int = 2**14) -> FSDP:
             sharding costs more in collectives than it saves in memory.
 
     Returns:
-        An :class:`FSDP` spec-like, usable wherever a spec is accepted.
+        An [`FSDP`][modelshard.FSDP] spec-like, usable wherever a spec is accepted.
 
     Example:
         >>> fsdp("data").spec_for((1024, 4096), {"data": 8})

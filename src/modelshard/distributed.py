@@ -102,7 +102,7 @@ def initialize(**jax_kwargs: Any) -> bool:
     1. ``modelshard launch`` variables: ``MODELSHARD_COORDINATOR`` (``host:port``),
        ``MODELSHARD_NUM_PROCESSES``, ``MODELSHARD_PROCESS_ID`` and, for simulated CPU
        devices, ``MODELSHARD_LOCAL_DEVICES`` (sets ``jax_num_cpu_devices`` first);
-    2. a cluster environment JAX detects itself (see :func:`cluster_detected`): then
+    2. a cluster environment JAX detects itself (see ``cluster_detected``): then
        ``jax.distributed.initialize()`` is called without arguments;
     3. nothing: a single process, and this is a no-op (``MODELSHARD_LOCAL_DEVICES`` is
        still honoured).
@@ -239,7 +239,7 @@ def local_slice(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[slice, ...]
     """The block of a global array that this process's devices hold: what to load here.
 
     With a batch sharded over ``data``, each process reads only these rows from disk and
-    passes them to :func:`modelshard.assemble` (or ``jax.make_array_from_process_local_data``).
+    passes them to [`modelshard.assemble`][modelshard.assemble] (or ``jax.make_array_from_process_local_data``).
 
     Args:
         shape: the global shape.

@@ -3,9 +3,9 @@ and what the CLI needs to look inside a checkpoint without reading its arrays.
 
 On disk a checkpoint is a plain Orbax PyTree checkpoint (OCDBT, each process writing its
 own shards) of a nested dict keyed by the components of each leaf's canonical path, plus
-the JSON record (:mod:`.record`). ``orbax.checkpoint.StandardCheckpointer`` restores it
+the JSON record (``.record``). ``orbax.checkpoint.StandardCheckpointer`` restores it
 without modelshard; typed PRNG keys are stored as their key data. README.md beside this
-module gives the call path and the format; :mod:`.storage` owns every name on disk.
+module gives the call path and the format; ``.storage`` owns every name on disk.
 
 The submodules ``locate`` and ``reshard`` share their names with the functions exported
 here: reach the modules with ``importlib.import_module("modelshard._checkpoint.locate")``.

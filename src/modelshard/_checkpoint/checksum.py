@@ -48,7 +48,7 @@ def _bits(dt: Any) -> int:
 
 def _checksum_one(x: jax.Array) -> jax.Array:
     """The two sums over the lanes of ``x`` (complex: real and imaginary lanes interleaved,
-    as :func:`_np_lanes` stacks them), in one variadic reduction: XLA fuses every term into
+    as ``_np_lanes`` stacks them), in one variadic reduction: XLA fuses every term into
     it, so no temporary as large as ``x`` is materialised (two separate sums would each
     need their terms written out first)."""
     parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
@@ -117,7 +117,7 @@ HOST_BLOCK_ELEMENTS = 1 << 14
 
 def _np_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
     """The two sums over the lanes of ``a``, the block at ``origin`` of an array of
-    ``shape``, taken :data:`HOST_BLOCK_ELEMENTS` elements at a time."""
+    ``shape``, taken ``HOST_BLOCK_ELEMENTS`` elements at a time."""
     if a.size == 0:
         return 0, 0
     if a.ndim == 0:
@@ -149,7 +149,7 @@ def _np_checksum(a: np.ndarray) -> tuple[int, int]:
 
 
 def _shard_checksum(x: jax.Array) -> tuple[int, int]:
-    """:func:`_np_checksum` of a fully addressable array, summed shard by shard (one replica
+    """``_np_checksum`` of a fully addressable array, summed shard by shard (one replica
     of each) where the shards live: zero-copy views on CPU devices, nothing gathered."""
     s1 = s2 = 0
     for shard in x.addressable_shards:
@@ -214,7 +214,7 @@ def checksums(
 def start_checksums(
     arrays: Sequence[jax.Array], *, host_max_elements: int | None = None, host: bool = False
 ) -> Callable[[], list[str]]:
-    """Dispatch :func:`checksums` without waiting; call the result to collect them.
+    """Dispatch ``checksums`` without waiting; call the result to collect them.
 
     The device reductions run while the caller goes on (``save`` writes the data meanwhile).
     """

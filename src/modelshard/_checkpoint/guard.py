@@ -9,12 +9,12 @@ interpreter is still whole. Three moments are watched, for every live manager:
 - the end of the ``__main__`` module, normal or by an exception (``sys.exit``, an
   uncaught error): ``sys.monitoring`` reports the module frame's return (a local event on
   that one code object, free elsewhere) and its unwinding;
-- SIGTERM and SIGINT, through our handler (see :func:`on_signal`);
+- SIGTERM and SIGINT, through our handler (see ``on_signal``);
 - the interpreter's own shutdown, if neither came first (a REPL, an embedding): then
   finishing is impossible, so the lost steps are printed and the exit status is 1.
 
 A stop request (the first SIGTERM/SIGINT while a training loop polls
-:meth:`~modelshard.CheckpointManager.should_save`) is a preemption: the loop saves its
+[`should_save`][modelshard.CheckpointManager.should_save]) is a preemption: the loop saves its
 current step, and when the main module ends the process exits with ``128 + signal``, as
 an unhandled signal would, so schedulers see the truth.
 """

@@ -1,6 +1,6 @@
 """Named items saved beside the sharded state: configs, data iterator states, RNG keys.
 
-A step of a :class:`~modelshard.CheckpointManager` holds, besides the sharded arrays, one
+A step of a [`CheckpointManager`][modelshard.CheckpointManager] holds, besides the sharded arrays, one
 small JSON document of named items, written inside the same Orbax step (so it appears
 with the arrays or not at all). Each item is one of:
 
@@ -148,7 +148,7 @@ def decode_items(doc: Mapping[str, Any], like: Mapping[str, Any] | None = None) 
 
 
 def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The named items saved with a checkpoint (a :class:`~modelshard.CheckpointManager`
+    """The named items saved with a checkpoint (a [`CheckpointManager`][modelshard.CheckpointManager]
     step directory); ``{}`` if it has none.
 
     Args:

@@ -251,9 +251,9 @@ def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
 
 
 def planning_tree(record: Record) -> dict[str, Any]:
-    """:func:`abstract_tree` for planning without the model code: leaves whose metadata
+    """``abstract_tree`` for planning without the model code: leaves whose metadata
     carried axis names at save time (linen ``LogicallyPartitioned``, NNX ``out_sharding``)
-    are boxed again with those names, so :class:`Rules` fall back to them exactly as they
+    are boxed again with those names, so [`Rules`][modelshard.Rules] fall back to them exactly as they
     would on the live model. Needs Flax for the box; without it the names are dropped."""
     tree = abstract_tree(record)
     if not any(leaf.names for leaf in record.leaves):

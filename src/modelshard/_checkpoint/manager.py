@@ -4,13 +4,13 @@ Each step is written by Orbax (its ``AsyncCheckpointer`` over a composite of ite
 ``state`` the sharded arrays, ``modelshard`` the record, ``items`` and ``metrics`` small
 JSON) into a temporary directory that is renamed when complete, or, on object storage,
 completed by Orbax's commit file. Everything else is the manager's own, so that one
-definition decides what a step is (:func:`complete_steps`), read from storage every time:
+definition decides what a step is (``complete_steps``), read from storage every time:
 
 - listing never trusts a cache, so a failed save does not hide steps on disk, and an
   empty numbered folder is not a step;
-- rotation (:class:`~modelshard._checkpoint.policy.KeepPolicy`) runs on complete steps
+- rotation (``KeepPolicy``) runs on complete steps
   only and never removes the newest;
-- exit safety and preemption live in :mod:`~modelshard._checkpoint.guard`.
+- exit safety and preemption live in ``guard``.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class CheckpointManager:
     """Save a training state every few steps, keep the ones that matter, restore anywhere.
 
     Each step directory holds the sharded state (a plain Orbax PyTree checkpoint that
-    :func:`modelshard.restore` reads), modelshard's record, and optionally named
+    [`modelshard.restore`][modelshard.restore] reads), modelshard's record, and optionally named
     ``items`` and ``metrics``, all written as one Orbax step: a step appears complete or
     not at all. Pending asynchronous saves are finished when the program ends, when an
     exception leaves a ``with`` block, and on SIGTERM/SIGINT; a save that cannot be
@@ -131,16 +131,16 @@ class CheckpointManager:
         max_to_keep: keep the newest N steps.
         keep_period: also keep every step that is a multiple of K.
         keep_best: also keep the N best steps by ``best_fn(metrics)``; needs ``best_fn``.
-        best_fn: metrics dict (as passed to :meth:`save`) -> number.
+        best_fn: metrics dict (as passed to ``save``) -> number.
         best_mode: ``"max"`` or ``"min"``: which end of ``best_fn`` is best.
         keep_steps: steps never deleted.
-        save_interval_steps: :meth:`should_save` and :meth:`save` accept the steps that
+        save_interval_steps: ``should_save`` and ``save`` accept the steps that
             are multiples of this (step 0 included, no other first step); ``force=True``
             saves any step.
-        async_save: return from :meth:`save` once the arrays are copied off device and
-            write in the background; :meth:`wait_until_finished` blocks until done.
+        async_save: return from ``save`` once the arrays are copied off device and
+            write in the background; ``wait_until_finished`` blocks until done.
         handle_signals: install the SIGTERM/SIGINT handler that turns a signal into a
-            stop request (see :meth:`should_save`) or, if the loop never polls,
+            stop request (see ``should_save``) or, if the loop never polls,
             finishes pending saves before the process dies of the signal.
 
     Example:
@@ -223,7 +223,7 @@ class CheckpointManager:
             return step
 
     def has_polled(self) -> bool:
-        """Whether the training loop asks :meth:`should_save` (it then handles stops)."""
+        """Whether the training loop asks ``should_save`` (it then handles stops)."""
         return self._polled
 
     def finish(self) -> None:
@@ -319,7 +319,7 @@ class CheckpointManager:
             shutil.rmtree(step_dir)
 
     def _become_writer(self) -> None:
-        """Hold ``LOCK`` until :meth:`close` (the OS drops it if the process dies)."""
+        """Hold ``LOCK`` until ``close`` (the OS drops it if the process dies)."""
         if self._lock_fd is not None or self._remote or not self._primary():
             return
         import fcntl
@@ -379,8 +379,8 @@ class CheckpointManager:
         return False
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step``: a multiple of ``save_interval_steps``,
-        or any step once the process was asked to stop (see :meth:`reached_preemption`).
+        """Whether ``save`` would write ``step``: a multiple of ``save_interval_steps``,
+        or any step once the process was asked to stop (see ``reached_preemption``).
 
         A loop that calls this every step handles stops itself: the first SIGTERM or
         SIGINT makes the next step a saving step; after the loop the process exits with
@@ -400,20 +400,20 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         items: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Save ``state`` (and ``items``, ``metrics``) as ``step`` if :meth:`should_save`
+        """Save ``state`` (and ``items``, ``metrics``) as ``step`` if ``should_save``
         says so, or ``force``.
 
         Args:
             step: a non-negative int, not saved before.
             state: any registered container.
             force: save even if the step is not a saving step.
-            metadata: JSON user metadata, in the record (:func:`modelshard.read_metadata`).
+            metadata: JSON user metadata, in the record ([`modelshard.read_metadata`][modelshard.read_metadata]).
             metrics: JSON dict of numbers; ``best_fn`` ranks steps by it.
             items: named items saved in the same step: JSON values, data iterators with
-                ``get_state``/``set_state`` (grain), PRNG keys (see :meth:`items`).
+                ``get_state``/``set_state`` (grain), PRNG keys (see ``items``).
 
         Returns:
-            Whether a save was started (it is complete once :meth:`wait_until_finished`
+            Whether a save was started (it is complete once ``wait_until_finished``
             returns; during a stop request it is complete when ``save`` returns).
 
         Raises:
@@ -478,7 +478,7 @@ class CheckpointManager:
         return True
 
     def step_directory(self, step: int) -> Any:
-        """The directory of ``step`` (which :func:`modelshard.restore` also reads)."""
+        """The directory of ``step`` (which [`modelshard.restore`][modelshard.restore] also reads)."""
         return self.directory / str(step)
 
     def _existing(self, step: int | None) -> int:
@@ -512,7 +512,7 @@ class CheckpointManager:
         partial: bool = False,
         verify: bool = True,
     ) -> Any:
-        """Restore ``step`` (default: the latest) exactly as :func:`modelshard.restore` does.
+        """Restore ``step`` (default: the latest) exactly as [`modelshard.restore`][modelshard.restore] does.
 
         Raises:
             CheckpointError: there is no such step (the message lists the steps there are).
@@ -571,7 +571,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every complete step, ascending, read from storage (see :func:`complete_steps`)."""
+        """Every complete step, ascending, read from storage (see ``complete_steps``)."""
         return complete_steps(self.directory)
 
     def wait_until_finished(self) -> None:

@@ -1,5 +1,5 @@
 """``restore(..., mapping=...)``: an Orbax checkpoint of another layout, read through a
-weight mapping (:mod:`modelshard._weights`).
+weight mapping (``modelshard._weights``).
 
 The checkpoint's leaves are the stored tensors (named by their canonical paths,
 ``params/layers/mlp/kernel``); the mapping resolves them against the target's leaves
@@ -48,7 +48,7 @@ def restore_mapped(
     verify: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
-    """The body of ``restore`` when a mapping is given (see :func:`~modelshard.restore`)."""
+    """The body of ``restore`` when a mapping is given (see [`restore`][modelshard.restore])."""
     wm = as_mapping(mapping, split_dots=False)
     recs = source.record.by_path()
     table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}

@@ -1,4 +1,4 @@
-"""Which steps a :class:`~modelshard.CheckpointManager` saves and which it keeps.
+"""Which steps a [`CheckpointManager`][modelshard.CheckpointManager] saves and which it keeps.
 
 Keeping is a union: a step stays if any rule keeps it (the latest ``N``, every ``K``-th,
 the best ``N`` by a metric, a step the user named). The newest complete step is always

@@ -1,7 +1,7 @@
 """Reading checkpoints: ``restore``, every leaf read straight into its planned sharding.
 
 Reads go through Orbax with a cap on the bytes in flight, are verified against the
-record's checksums on the devices, and fail with a :class:`CheckpointError` that names the
+record's checksums on the devices, and fail with a [`CheckpointError`][modelshard.CheckpointError] that names the
 damaged leaves and, where it can be told, the file at fault.
 """
 
@@ -246,7 +246,7 @@ def _failure(e: BaseException, tree_dir: Path) -> str:
 
 
 def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`orbax_read`, turning any failure into a CheckpointError naming the bad leaves
+    """``orbax_read``, turning any failure into a CheckpointError naming the bad leaves
     and, where it can be told, the file at fault."""
     try:
         return orbax_read(source, targets)
@@ -268,7 +268,7 @@ def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _checked(source: Source, targets: Mapping[str, Any]) -> list[Any]:
-    """The targets whose checksums :func:`verify_checksums` will compute."""
+    """The targets whose checksums ``verify_checksums`` will compute."""
     recs = source.record.by_path()
     return [t for p, t in targets.items() if recs[p].checksum is not None]
 
@@ -327,13 +327,13 @@ def restore(
     """Restore a checkpoint, every leaf read directly into its planned sharding.
 
     Args:
-        directory: a checkpoint written by :func:`save`, by Orbax's
+        directory: a checkpoint written by [`save`][modelshard.save], by Orbax's
             ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
         like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
             giving the type to return; without it a nested dict of arrays is rebuilt from
             the checkpoint's record (or Orbax metadata).
-        specs: one spec-like for the whole container (``P()``, :class:`Rules`,
-            :func:`fsdp`, ...), planned on ``mesh`` by the same pipeline as :func:`shard`.
+        specs: one spec-like for the whole container (``P()``, [`Rules`][modelshard.Rules],
+            [`fsdp`][modelshard.fsdp], ...), planned on ``mesh`` by the same pipeline as [`shard`][modelshard.shard].
             Default with a mesh: the specs the checkpoint was saved with.
         mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
             leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
@@ -343,10 +343,10 @@ def restore(
         partial: restore only the leaves both sides have: extra checkpoint leaves are
             skipped and missing ones keep ``like``'s (concrete) values.
         verify: check each leaf's checksum against the record.
-        mapping: a :class:`WeightMap` (or a path to its TOML file) from the checkpoint's
+        mapping: a [`WeightMap`][modelshard.WeightMap] (or a path to its TOML file) from the checkpoint's
             leaf paths to ``like``'s: a checkpoint of another layout (linen scanned layers
             into an unscanned NNX model, t5x/MaxText names, a model without the new head).
-            Every unmapped or unfitting leaf is reported at once (:class:`MappingError`);
+            Every unmapped or unfitting leaf is reported at once (``MappingError``);
             ``specs`` default to replicated and ``partial`` is the mapping's ``keep``.
 
     Returns:

@@ -1,12 +1,12 @@
 """The checkpoint record: what modelshard knows about each stored leaf, as plain JSON.
 
 A record sits beside the Orbax data (``storage.RECORD_FILE`` inside the checkpoint
-directory, or in the ``storage.RECORD_ITEM`` item of a :class:`~modelshard.CheckpointManager`
+directory, or in the ``storage.RECORD_ITEM`` item of a [`CheckpointManager`][modelshard.CheckpointManager]
 step). It holds no
 pickle: canonical paths, shapes, dtypes, the spec and mesh each leaf was saved with, the
 container kind, package versions and a checksum per leaf.
 
-The checksum (:mod:`.checksum`) does not depend on the sharding a leaf has
+The checksum (``.checksum``) does not depend on the sharding a leaf has
 when it is computed: a checkpoint saved on 8 devices verifies after a restore onto 2x4
 without gathering anything.
 """
@@ -236,7 +236,7 @@ class Record:
 
     Attributes:
         kind: the container kind it was saved from (``flat.kind``: ``"nnx.Module"``...).
-        leaves: one :class:`LeafRecord` per array leaf, in container order.
+        leaves: one ``LeafRecord`` per array leaf, in container order.
         mesh: ``{"axes": {name: size}, "axis_types": [...]}`` of the saving mesh, or None.
         versions: package name -> version at save time.
         metadata: user metadata passed to ``save``.
@@ -252,7 +252,7 @@ class Record:
     pending: Callable[[], list[str]] | None = dataclasses.field(default=None, repr=False)
 
     def resolve(self) -> None:
-        """Fill in checksums still being computed (see :func:`start_checksums`)."""
+        """Fill in checksums still being computed (see ``start_checksums``)."""
         if self.pending is not None:
             for leaf, cs in zip(self.leaves, self.pending(), strict=True):
                 leaf.checksum = cs

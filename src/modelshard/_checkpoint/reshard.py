@@ -127,16 +127,16 @@ def reshard(
     No model code is needed: the structure comes from the checkpoint's record (or Orbax
     metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint
     is: a few leaves at a time are read straight into their new sharding, verified,
-    optionally cast, and written. ``dst`` is a checkpoint like any :func:`save` wrote
+    optionally cast, and written. ``dst`` is a checkpoint like any [`save`][modelshard.save] wrote
     (the record says it was resharded from ``src``), and it appears only when complete.
     ``modelshard reshard`` on the command line calls this.
 
     Args:
-        src: a checkpoint written by :func:`save`, plain Orbax, or a manager step.
+        src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step.
         dst: the new checkpoint directory.
         specs: a spec-like over the checkpoint's canonical paths (``P(...)``,
-            :class:`Rules`, :func:`fsdp`, a rules file's ``load_rules``...), planned on
-            ``mesh`` as :func:`plan` does. Default: the specs it was saved with.
+            [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp], a rules file's ``load_rules``...), planned on
+            ``mesh`` as [`plan`][modelshard.plan] does. Default: the specs it was saved with.
         mesh: the target ``Mesh`` (an ``AbstractMesh`` is made concrete); its devices hold
             each chunk while it passes.
         dtype: cast floating-point leaves to this floating-point dtype.
@@ -190,7 +190,7 @@ def rewrite(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Record:
-    """:func:`reshard`, returning the record written beside the new checkpoint."""
+    """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
     source: Source = locate(src)
     out_path = absolute(dst)
     check_destination(out_path, overwrite=overwrite)

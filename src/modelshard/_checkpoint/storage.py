@@ -111,7 +111,7 @@ def name_collisions(
 
 
 def check_names(keys: Sequence[tuple[str, tuple[str, ...]]], what: str) -> None:
-    """Raise CheckpointError listing every leaf :func:`name_collisions` finds."""
+    """Raise CheckpointError listing every leaf ``name_collisions`` finds."""
     problems = name_collisions(keys)
     if problems:
         raise CheckpointError(

@@ -87,5 +87,5 @@ def _orbax_keeps_s3_urls() -> bool:
 
 
 def is_remote(path: Any) -> bool:
-    """Whether ``path`` (from :func:`location`) is on object storage."""
+    """Whether ``path`` (from ``location``) is on object storage."""
     return not isinstance(path, Path)

@@ -3,7 +3,7 @@
 The state is split into the nested dict Orbax stores (keyed by the components of each
 leaf's canonical path; typed PRNG keys as their key data, dtypes TensorStore cannot name as
 their bits) and the record beside it, written into a staging directory and renamed into
-place only when complete. The names on disk are :mod:`.storage`'s; README.md beside this
+place only when complete. The names on disk are ``.storage``'s; README.md beside this
 module describes the layout.
 """
 

@@ -30,7 +30,7 @@ class Entry:
         jitted: the ``jax.jit`` over the flat array leaves.
         in_shardings: the planned sharding of every flat input leaf.
         leaf_plans: ``(argument name, LeafPlan)`` of every flat input leaf.
-        plan: the :class:`Plan` of every argument that has a spec.
+        plan: the [`Plan`][modelshard.Plan] of every argument that has a spec.
         desc: the output's recorded structure.
         updates: per mutable-container argument ``(index among dynamic args, positions
             among its array leaves that the function changed)``; their new values follow
@@ -38,7 +38,7 @@ class Entry:
         expect: ``(shape, canonical dtype)`` of every flat input leaf.
         bounds: ``(start, stop)`` of each dynamic argument's leaves among the flat inputs.
         plain: its arguments are positional plain pytrees of arrays, so calls may gather
-            their leaves by a remembered layout (:class:`~modelshard._jit.route.Route`).
+            their leaves by a remembered layout (``Route``).
     """
 
     jitted: Any
@@ -75,7 +75,7 @@ class Entry:
 
 
 def _plain(slots: tuple[Slot, ...], taken: Sequence[Taken]) -> bool:
-    """Whether an entry's calls may take :class:`~modelshard._jit.route.Route`: every
+    """Whether an entry's calls may take ``Route``: every
     argument positional and dynamic, a container JAX flattens itself holding arrays only
     (no static leaves, nothing written back)."""
     if [(s.pos, s.kw, s.static) for s in slots] != [(i, None, False) for i in range(len(slots))]:
@@ -234,10 +234,10 @@ class _FlatFunction:
 
     It rebuilds the arguments from the leaves, calls the user's function under the mesh,
     splits its output, and appends the new values of mutable containers' changed leaves.
-    Tracing records the output's structure in :attr:`desc` and the changed leaves in
-    :attr:`updates`; once :attr:`frozen` is set (after the first trace) later traces keep
-    those updates. A trace for other shapes or dtypes than :attr:`expect` raises
-    :class:`Stale`.
+    Tracing records the output's structure in ``desc`` and the changed leaves in
+    ``updates``; once ``frozen`` is set (after the first trace) later traces keep
+    those updates. A trace for other shapes or dtypes than ``expect`` raises
+    ``Stale``.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """How ``shard_jit`` maps a call's arguments onto the function's parameters.
 
 Each distinct call layout (number of positional arguments, keyword names) is resolved once
-against the signature into :class:`Slot` objects (name, static, spec, donated), which are
+against the signature into ``Slot`` objects (name, static, spec, donated), which are
 then reused, and compared by identity, on every call.
 """
 
@@ -60,7 +60,7 @@ def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
 
 class ArgumentLayout:
     """A function's signature with ``shard_jit``'s ``in_specs``, donation and static
-    arguments: checked once, then resolved per call layout into :class:`Slot` objects.
+    arguments: checked once, then resolved per call layout into ``Slot`` objects.
 
     Attributes:
         plain_arity: the number of parameters when every one is positional (a call with

@@ -2,7 +2,7 @@
 
 A function's output is cut into *parts*: containers that have the structure of an input
 argument (so they can inherit that argument's shardings), containers whose adapter is not
-JAX's own flattening (NNX modules: :attr:`~modelshard.adapters.Adapter.follows_pytree`
+JAX's own flattening (NNX modules: [`follows_pytree`][modelshard.adapters.Adapter.follows_pytree]
 is false), and single leaves. The description is recorded once, while
 tracing, and replayed on every call.
 """
@@ -78,7 +78,7 @@ class OutDesc:
 def split_output(
     out: Any, sources: Sequence[tuple[Adapter, Hashable]]
 ) -> tuple[list[Any], OutDesc]:
-    """Split ``out`` into its array leaves and an :class:`OutDesc`.
+    """Split ``out`` into its array leaves and an ``OutDesc``.
 
     Args:
         out: what the function returned (traced or abstract leaves).
@@ -146,7 +146,7 @@ def set_by_function(jaxpr: Any) -> list[bool]:
     constraint (``constrain``, ``jax.lax.with_sharding_constraint``) or a ``reshard``,
     directly or through dtype conversions and copies, and through nested jitted, remat'd
     or custom-derivative calls. (On Explicit meshes the output's type carries its sharding
-    too: :func:`inferred_shardings` compares that separately.)
+    too: ``inferred_shardings`` compares that separately.)
     """
     tables: dict[int, dict[int, Any]] = {}
 

@@ -3,12 +3,12 @@
 JAX flattens a dict by sorting its keys on every call (``jax.jit`` on a dict of 1,000 arrays
 costs 1.1-1.4x the same jit on the pre-flattened arrays here). Model state passed to a step
 is the same structure call after call, and dicts rebuilt by JAX even keep their keys in
-the same (sorted) order. A :class:`Route` remembers, for every dict, list and tuple of the
+the same (sorted) order. A ``Route`` remembers, for every dict, list and tuple of the
 last call's arguments, its keys in insertion order and where each child goes; the next call
 only checks that each node still has those keys in that order and gathers the leaves with
 C-level list operations. Any other node (optax states, ``TrainState``, registered types) is
 flattened by JAX and its structure compared. Anything that differs (a key, a length, a
-node type, a leaf that is not a known array type) makes :meth:`Route.gather` return
+node type, a leaf that is not a known array type) makes ``Route.gather`` return
 ``None``, and ``shard_jit`` takes its full path: the route can only be faster, never
 different.
 """
@@ -28,7 +28,7 @@ _NONE: Any = ("none",)
 
 
 def _layout(x: Any) -> Any:
-    """The layout of one node: what :func:`_gather` checks and how it orders children."""
+    """The layout of one node: what ``_gather`` checks and how it orders children."""
     t = type(x)
     if t in ARRAY_TYPES:
         return _LEAF

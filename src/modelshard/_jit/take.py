@@ -1,7 +1,7 @@
 """Flattening ``shard_jit``'s dynamic arguments on every call, as cheaply as each allows.
 
 Each argument is flattened by its adapter's ``flatten_for_call`` (an NNX module seen before
-takes its adapter's Variable route instead of ``nnx.split``) into a :class:`Taken`: its
+takes its adapter's Variable route instead of ``nnx.split``) into a ``Taken``: its
 leaves, which of them are arrays, and how to write updates back into the caller's object.
 """
 

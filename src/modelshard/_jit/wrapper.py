@@ -1,7 +1,7 @@
 """``shard_jit``: ``jax.jit`` over containers, with one spec-like per argument.
 
 The first call with a new abstract signature (structure, shapes, dtypes, static leaves and
-static arguments) plans every argument through :func:`~modelshard._expand.expand_args`,
+static arguments) plans every argument through ``expand_args``,
 traces the function once to learn its output, and builds a ``jax.jit`` over the flat array
 leaves with ``in_shardings``/``out_shardings`` and donation mapped onto those leaves. Every
 later call only flattens its arguments, looks the signature up and calls the compiled
@@ -36,7 +36,7 @@ _MAX_ROUTE_MISSES = 16
 class ShardJit:
     """A function compiled per abstract signature, with container arguments placed by plan.
 
-    Built by :func:`shard_jit`; call it like the wrapped function.
+    Built by [`shard_jit`][modelshard.shard_jit]; call it like the wrapped function.
     """
 
     def __init__(
@@ -179,7 +179,7 @@ class ShardJit:
 
         The structure table is keyed by structure and static values only; shapes and dtypes
         are checked by ``jax.jit``'s own cache, and a retrace with other shapes raises
-        :class:`Stale`, which lands here with ``stale=True``.
+        ``Stale``, which lands here with ``stale=True``.
         """
         # Arguments are flattened again by their adapter's own flatten here (not a per-call
         # route), so planning and tracing see exactly what the adapter makes of them.
@@ -302,7 +302,7 @@ class ShardJit:
         return entry.jitted.lower(*flat)
 
     def plan(self, *args: Any, **kwargs: Any) -> Any:
-        """The :class:`~modelshard.Plan` of the dynamic arguments for these arguments."""
+        """The [`Plan`][modelshard.Plan] of the dynamic arguments for these arguments."""
         return self._entry_for(args, kwargs)[0].plan
 
     def clear_cache(self) -> None:
@@ -371,7 +371,7 @@ def shard_jit(
     Inputs are placed before the call whatever they are: NumPy arrays, uncommitted
     arrays, arrays committed to one device, or arrays sharded another way. With
     ``on_mismatch="raise"``, a committed array whose sharding differs from the plan raises
-    :class:`~modelshard.ShardingMismatchError` naming the leaf and both shardings instead.
+    [`ShardingMismatchError`][modelshard.ShardingMismatchError] naming the leaf and both shardings instead.
 
     Args:
         fn: the function.
@@ -394,7 +394,7 @@ def shard_jit(
         on_mismatch: ``"move"`` (default) or ``"raise"``.
 
     Returns:
-        A :class:`ShardJit` (or a decorator making one when ``fn`` is omitted), with
+        A [`ShardJit`][modelshard.ShardJit] (or a decorator making one when ``fn`` is omitted), with
         ``.lower(*args)`` and ``.plan(*args)``.
 
     Raises:

@@ -1,6 +1,6 @@
 """The weights area's façade: pretrained weights in and out through one mapping language.
 
-:class:`WeightMap` (rules from stored tensor names to canonical target paths, with
+[`WeightMap`][modelshard.WeightMap] (rules from stored tensor names to canonical target paths, with
 transforms), its TOML form, ``load_safetensors`` / ``save_safetensors``, and what
 ``restore(mapping=...)`` and the CLI's ``convert`` need. README.md beside this module gives
 the design.

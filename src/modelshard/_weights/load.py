@@ -1,8 +1,8 @@
 """``load_safetensors`` and ``save_safetensors``: pretrained weights in and out.
 
 Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
-them against the target's leaves (:func:`.mapping.resolve`, all problems at once); the
-target is planned by the one pipeline (:func:`modelshard.plan`); then each leaf is built
+them against the target's leaves (``.mapping.resolve``, all problems at once); the
+target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]); then each leaf is built
 with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
 addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
 time, so host memory stays at the placed state plus, at most, one stored tensor.
@@ -35,7 +35,7 @@ MappingLike = WeightMap | str | os.PathLike[str] | None
 
 
 def as_mapping(mapping: MappingLike, *, split_dots: bool) -> WeightMap:
-    """A :class:`WeightMap`, a path to a mapping TOML file, or ``None`` (every tensor under
+    """A [`WeightMap`][modelshard.WeightMap], a path to a mapping TOML file, or ``None`` (every tensor under
     its own name; ``split_dots``: ``a.b.c`` -> ``a/b/c``)."""
     if mapping is None:
         return WeightMap.identity(split_dots=split_dots)
@@ -135,17 +135,17 @@ def load_safetensors(
         like: a concrete or abstract container (``nnx.eval_shape``, ``jax.eval_shape``)
             giving the leaves to fill and the type to return. Without it a nested dict of
             every mapped leaf.
-        mapping: a :class:`WeightMap`, or a path to a mapping TOML file. Default: every
+        mapping: a [`WeightMap`][modelshard.WeightMap], or a path to a mapping TOML file. Default: every
             stored tensor under its own name with ``.`` read as ``/``
             (``model.norm.weight`` -> ``model/norm/weight``).
         specs: one spec-like for the container, planned on ``mesh`` by the same pipeline as
-            :func:`shard` (default: replicated).
+            [`shard`][modelshard.shard] (default: replicated).
         mesh: the target mesh. Without it each leaf takes ``like``'s sharding, else the
             first local device.
         dtype: cast floating-point stored tensors to this dtype first (a bfloat16 file into
             a float32 model: ``dtype="float32"``).
         dry_run: resolve and plan only: return the mapping table
-            (:class:`~modelshard._weights.mapping.Resolution`; ``print`` it) without reading
+            (``Resolution``; ``print`` it) without reading
             a tensor.
         progress: called as ``progress(bytes_done, bytes_total)`` after each leaf.
 
@@ -210,7 +210,7 @@ def resolve_target(
 
 
 def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
-    """One sharding per array leaf: planned by :func:`modelshard.plan` on ``mesh``
+    """One sharding per array leaf: planned by [`modelshard.plan`][modelshard.plan] on ``mesh``
     (``specs`` default: replicated), else ``like``'s own, else the first local device."""
     if specs is not None and mesh is None:
         raise CheckpointError("specs=... needs mesh=...: specs are planned on a mesh.")
@@ -342,7 +342,7 @@ def reference_table(
 
 class Exporter:
     """The stored tensors of a reference computed from ``state`` by the inverted mapping,
-    one at a time (:meth:`compute` in :attr:`order`); each target leaf is fetched to the
+    one at a time (``compute`` in ``order``); each target leaf is fetched to the
     host once and dropped when no later tensor reads it."""
 
     def __init__(
@@ -389,12 +389,12 @@ def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any
         reference: the source layout: a container (concrete or abstract, e.g. a linen
             model's ``jax.eval_shape(init)``; the result has its type) or a safetensors
             file (the result is a dict of stored name -> array).
-        mapping: the import mapping (a :class:`WeightMap` or a TOML path).
+        mapping: the import mapping (a [`WeightMap`][modelshard.WeightMap] or a TOML path).
         dtype: the ``dtype`` the import was given.
 
     Returns:
         The reference's container with NumPy leaves computed from ``state``; write it with
-        :func:`~modelshard.save` to get a checkpoint the other code base restores. Leaves a
+        [`save`][modelshard.save] to get a checkpoint the other code base restores. Leaves a
         rule skips keep the reference's (concrete) values.
 
     Raises:

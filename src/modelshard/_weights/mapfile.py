@@ -1,4 +1,4 @@
-"""Mapping files: a :class:`~modelshard.WeightMap` written as TOML (``--mapping`` of the CLI).
+"""Mapping files: a [`WeightMap`][modelshard.WeightMap] written as TOML (``--mapping`` of the CLI).
 
 The format (documented in ``docs/concepts/mapping.md``)::
 
@@ -83,7 +83,7 @@ def _table(
 
 
 def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> WeightMap:
-    """Build a :class:`~modelshard.WeightMap` from parsed TOML; every problem at once.
+    """Build a [`WeightMap`][modelshard.WeightMap] from parsed TOML; every problem at once.
 
     Raises:
         MappingError: unknown keys, missing fields, wrong types, malformed rules.
@@ -235,7 +235,7 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
 
 
 def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
-    """Read a TOML mapping file into a :class:`~modelshard.WeightMap`.
+    """Read a TOML mapping file into a [`WeightMap`][modelshard.WeightMap].
 
     Raises:
         MappingError: the file is missing, not UTF-8 TOML, or does not describe a mapping.

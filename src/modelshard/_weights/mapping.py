@@ -1,11 +1,11 @@
 """The mapping language: stored tensor names -> canonical target paths, with transforms.
 
-A :class:`WeightMap` is an ordered list of :class:`MapRule`; each stored tensor takes the
+A [`WeightMap`][modelshard.WeightMap] is an ordered list of [`MapRule`][modelshard.MapRule]; each stored tensor takes the
 first rule whose ``source`` regex matches its whole name. The rule's ``target`` template
 names the leaf (``{1}`` or ``{name}`` insert the regex's groups) and its transforms say how
-the stored tensor becomes that leaf. :func:`resolve` turns a mapping, the stored tensors'
+the stored tensor becomes that leaf. ``resolve`` turns a mapping, the stored tensors'
 names, shapes and dtypes, and (optionally) the target's leaves into one recipe per target
-leaf (:mod:`.transforms`), reading nothing, and reports every problem at once.
+leaf (``.transforms``), reading nothing, and reports every problem at once.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Stack:
 class Unstack:
     """One stored tensor into several target leaves, one per index of ``axis``.
 
-    The inverse of :class:`Stack`: a scanned checkpoint (``layers/mlp/kernel`` of shape
+    The inverse of [`Stack`][modelshard.Stack]: a scanned checkpoint (``layers/mlp/kernel`` of shape
     ``[L, ...]``) into an unscanned model (``layers/{layer}/mlp/kernel``).
 
     Attributes:
@@ -65,7 +65,7 @@ class Unstack:
 
 @dataclasses.dataclass(frozen=True)
 class MapRule:
-    """One rule of a :class:`WeightMap`.
+    """One rule of a [`WeightMap`][modelshard.WeightMap].
 
     Transforms apply in this order: ``unstack`` (on the stored tensor), ``transpose``,
     ``reshape`` (on each piece), ``stack`` (across tensors), then ``cast``.
@@ -78,8 +78,8 @@ class MapRule:
             weight to a JAX ``[in, out]`` kernel).
         reshape: the new shape: ints, ``-1`` (inferred), or names looked up in the
             mapping's ``config`` (``("embed", "heads", -1)``).
-        stack: several tensors into one leaf (:class:`Stack`).
-        unstack: one tensor into several leaves (:class:`Unstack`).
+        stack: several tensors into one leaf ([`Stack`][modelshard.Stack]).
+        unstack: one tensor into several leaves ([`Unstack`][modelshard.Unstack]).
         cast: the dtype the leaf is cast to (``"float32"``).
     """
 
@@ -109,9 +109,9 @@ class MapRule:
 class WeightMap:
     """Stored tensor names to target paths, with transforms; first matching rule wins.
 
-    The same mapping reads a checkpoint into a model (:func:`~modelshard.load_safetensors`,
-    :func:`~modelshard.restore` with ``mapping=``) and writes the model back in the
-    checkpoint's names, shapes and dtypes (:func:`~modelshard.save_safetensors`).
+    The same mapping reads a checkpoint into a model ([`load_safetensors`][modelshard.load_safetensors],
+    [`restore`][modelshard.restore] with ``mapping=``) and writes the model back in the
+    checkpoint's names, shapes and dtypes ([`save_safetensors`][modelshard.save_safetensors]).
 
     Args:
         rules: the rules, tried in order.

@@ -137,7 +137,7 @@ class SafetensorsFiles:
 
     Attributes:
         path: the file, or the index file.
-        tensors: name -> :class:`TensorEntry`, in stored order.
+        tensors: name -> ``TensorEntry``, in stored order.
         metadata: the ``__metadata__`` strings (of every file, merged).
     """
 

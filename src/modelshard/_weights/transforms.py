@@ -1,6 +1,6 @@
 """Recipes: how one array is computed from stored tensors, read a slice at a time.
 
-A mapping resolves every target leaf to a small expression tree of :class:`Node` objects:
+A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
 ``Read`` leaves name a stored tensor; ``Transpose``, ``Reshape``, ``Take`` (one index of
 an axis), ``Stack`` (a new axis) and ``Cast`` compute on top. Every node knows its shape
 and dtype without reading anything, so a whole mapping is validated before one byte is
@@ -228,7 +228,7 @@ def invert(
     computes that tensor from the target ``Read(target)`` (into ``out``).
 
     A ``Take`` (one layer of an unstacked source) contributes one piece of its source;
-    :func:`finish_inverse` stacks the pieces once every target has been walked.
+    ``finish_inverse`` stacks the pieces once every target has been walked.
     """
     _invert(node, Read(target, node.shape, node.dtype), out, pieces)
 
@@ -257,7 +257,7 @@ def _invert(
 
 
 def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> None:
-    """Stack the pieces :func:`invert` collected into the tensors they came from."""
+    """Stack the pieces ``invert`` collected into the tensors they came from."""
     for slot in pieces.values():
         parts = slot["parts"]
         child: Node = slot["node"]
