@@ -763,3 +763,17 @@ def test_cli_convert_to_a_checkpoint_and_back(tmp_path, capsys, monkeypatch):
     assert all(
         back[k].tobytes() == v.tobytes() and back[k].dtype == v.dtype for k, v in src.items()
     )
+
+
+def test_two_varying_groups_under_one_stack_are_named():
+    wm = ms.WeightMap([ms.MapRule(r"l\.(\d+)\.(gate|up)", "mlp/wi", stack=ms.Stack(1))])
+    table = {f"l.{i}.{n}": ((2,), np.float32) for i in range(2) for n in ("gate", "up")}
+    from modelshard._weights import resolve
+
+    with pytest.raises(ms.MappingError) as e:
+        resolve(wm, table, None)
+    assert str(e.value).count("problem:") == 2
+    assert (
+        "target:mlp/wi\n    problem: stored tensors l.0.gate, l.0.up all map to this leaf, both at stack index '0'"
+        in str(e.value)
+    )

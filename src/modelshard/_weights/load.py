@@ -106,7 +106,7 @@ def build_leaf(
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = node.read(tuple(slice(a, b) for a, b in norm), fetch)
+            got = seen[norm] = T.contiguous(node.read(tuple(slice(a, b) for a, b in norm), fetch))
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)

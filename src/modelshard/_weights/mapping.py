@@ -359,6 +359,7 @@ def resolve(
     used: set[int] = set()
     plain: list[tuple[int, str, re.Match[str]]] = []
     stacks: dict[tuple[int, str], dict[str, str]] = {}
+    clashed: set[tuple[int, str]] = set()
     skipped: list[str] = []
     for name in sources:
         hit = mapping.match(name)
@@ -383,7 +384,24 @@ def resolve(
             skipped.append(name)
         elif rule.stack is not None:
             key = mapping._format(rule, m, {})
-            stacks.setdefault((i, key), {})[m.group(rule.stack.group) or ""] = name
+            members = stacks.setdefault((i, key), {})
+            value = m.group(rule.stack.group) or ""
+            if value in members:
+                problems.append(
+                    Problem(
+                        "target",
+                        key,
+                        f"stored tensors {members[value]}, {name} all map to this leaf, both "
+                        f"at stack index {value!r} (rules[{i}] stacks by group "
+                        f"{rule.stack.group!r})",
+                        hint="another group varies too: put it in the target template, or "
+                        "stack by it",
+                        cause="several stored tensors map to one leaf",
+                    )
+                )
+                clashed.add((i, key))
+            else:
+                members[value] = name
         else:
             plain.append((i, name, m))
 
@@ -428,6 +446,8 @@ def resolve(
             add(path, _piece(mapping, rule, i, read, name, dtype, problems), i, (name,))
 
     for (i, path), members in stacks.items():
+        if (i, path) in clashed:
+            continue
         rule = mapping.rules[i]
         assert rule.stack is not None
         order = _stack_order(rule.stack, members, i, path, problems)

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from .._errors import CheckpointError
-from .transforms import contiguous
+from .transforms import contiguous, host_empty
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -185,7 +185,7 @@ class SafetensorsFiles:
         else:
             row_shape = shape[1:]
         row = math.prod(row_shape) * t.dtype.itemsize
-        out = np.empty(((hi - lo), *row_shape) if shape else (), t.dtype)
+        out = host_empty(((hi - lo), *row_shape) if shape else (), t.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
         fd, pos, done = self._fd(t.file), t.offset + lo * row, 0
         while done < len(view):
@@ -209,7 +209,7 @@ class SafetensorsFiles:
             whole = cache.get(name)
             if whole is None:
                 whole = cache[name] = self.read_rows(name, 0, t.shape[0])
-            return contiguous(whole[index])
+            return whole[index]  # a view: the recipe's last step copies it once
 
         return fetch
 

@@ -16,6 +16,8 @@ leaf through the ``fetch`` cache).
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,10 +30,31 @@ Fetch = Callable[[str, Index], np.ndarray]
 """``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
 
 
+# Buffers at least this large get their own anonymous memory map, returned to the system
+# when freed. A load allocates and frees one device slice after another; from malloc's
+# heap those freed slices stay resident as fragments (about 0.2x the state more peak
+# memory for a 1 GiB load), since glibc raises its own mmap threshold to the largest block
+# freed so far.
+OWN_MAP_BYTES = 1 << 20
+
+
+def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-order array; large ones in their own memory map (see above)."""
+    dt = np.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+    if n < OWN_MAP_BYTES:
+        return np.empty(tuple(shape), dt)
+    return np.frombuffer(mmap.mmap(-1, n), dt).reshape(tuple(shape))
+
+
 def contiguous(a: Any) -> np.ndarray:
     """``a`` as a C-contiguous array, rank kept (``np.ascontiguousarray`` makes 0-d 1-d)."""
     a = np.asarray(a)
-    return a if a.flags.c_contiguous else a.copy(order="C")
+    if a.flags.c_contiguous:
+        return a
+    out = host_empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return out
 
 
 def full_index(shape: Sequence[int]) -> Index:
@@ -51,7 +74,8 @@ class Node:
     dtype: np.dtype[Any]
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        """The part of this node's value selected by ``index`` (``None``: all of it)."""
+        """The part of this node's value selected by ``index`` (``None``: all of it); may
+        be a view of a stored tensor (``contiguous`` makes it an array of its own)."""
         raise NotImplementedError
 
     def reads(self) -> list[str]:
@@ -101,7 +125,7 @@ class Transpose(Node):
         inner = [slice(None)] * len(self.perm)
         for j, p in enumerate(self.perm):
             inner[p] = index[j]
-        return contiguous(self.child.read(tuple(inner), fetch).transpose(self.perm))
+        return self.child.read(tuple(inner), fetch).transpose(self.perm)
 
     def reads(self) -> list[str]:
         return self.child.reads()
@@ -124,7 +148,7 @@ class Reshape(Node):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         whole = self.child.read(None, fetch).reshape(self.shape)
-        return whole if index is None else contiguous(whole[index])
+        return whole if index is None else whole[index]
 
     def reads(self) -> list[str]:
         return self.child.reads()
@@ -185,7 +209,12 @@ class Stack(Node):
         parts = [c.read(rest, fetch) for c in self.children[lo:hi]]
         if not parts:
             return np.empty([s.stop - s.start for s in index], self.dtype)
-        return np.stack(parts, axis=self.axis)
+        out = host_empty(
+            (*parts[0].shape[: self.axis], len(parts), *parts[0].shape[self.axis :]), self.dtype
+        )
+        for i, p in enumerate(parts):
+            out[(slice(None),) * self.axis + (i,)] = p
+        return out
 
     def reads(self) -> list[str]:
         return [k for c in self.children for k in c.reads()]
@@ -208,7 +237,10 @@ class Cast(Node):
         self.shape = self.child.shape
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        return self.child.read(index, fetch).astype(self.dtype)
+        x = self.child.read(index, fetch)
+        out = host_empty(x.shape, self.dtype)
+        np.copyto(out, x, casting="unsafe")
+        return out
 
     def reads(self) -> list[str]:
         return self.child.reads()
