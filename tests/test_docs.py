@@ -189,3 +189,48 @@ def test_readme_commands_exist() -> None:
     demo_recipe = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
     assert "examples/demo.py" in demo_recipe
     assert "bootstrap" in makefile and (ROOT / "scripts" / "bootstrap.sh").is_file()
+
+
+_ROLE = re.compile(r":(func|class|mod|meth|attr|exc|data|obj):`")
+
+
+def test_no_sphinx_roles_in_sources() -> None:
+    """Cross-references are mkdocstrings autorefs ([`plan`][modelshard.plan]); a Sphinx role
+    (:func:`plan`) would render as literal text in the API reference."""
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in sorted([*(ROOT / "src").rglob("*.py"), *DOCS.rglob("*.md")])
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _ROLE.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.slow
+def test_built_api_reference_has_no_sphinx_roles(tmp_path: Path) -> None:
+    """The strict docs build, then its HTML: no role text survives, cross-refs are links."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--quiet",
+            "--site-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    pages = list((tmp_path / "api").rglob("*.html"))
+    assert pages
+    for page in pages:
+        text = page.read_text()
+        assert not _ROLE.search(text), page
+    core = (tmp_path / "api" / "core" / "index.html").read_text()
+    assert 'href="#modelshard.LeafPlan"' in core  # ArgPlan's docstring links LeafPlan
