@@ -1,5 +1,6 @@
-"""The checkpoint area's façade: ``save``, ``restore``, ``reshard``, ``CheckpointManager``
-and what the CLI needs to look inside a checkpoint without reading its arrays.
+"""The checkpoint area's façade: ``save``, ``restore``, ``CheckpointManager`` and what the CLI
+needs to look inside a checkpoint without reading its arrays. (``reshard`` is imported from
+``.reshard`` itself: exported here, the function would hide its module.)
 
 On disk a checkpoint is a plain Orbax PyTree checkpoint (OCDBT, each process writing its
 own shards) of a nested dict keyed by the components of each leaf's canonical path, plus
@@ -7,8 +8,8 @@ the JSON record (``.record``). ``orbax.checkpoint.StandardCheckpointer`` restore
 without modelshard; typed PRNG keys are stored as their key data. README.md beside this
 module gives the call path and the format; ``.storage`` owns every name on disk.
 
-The submodules ``locate`` and ``reshard`` share their names with the functions exported
-here: reach the modules with ``importlib.import_module("modelshard._checkpoint.locate")``.
+The submodule ``locate`` shares its name with the function exported here: reach the
+module with ``importlib.import_module("modelshard._checkpoint.locate")``.
 """
 
 from __future__ import annotations
