@@ -450,7 +450,8 @@ def test_deeply_nested_record_is_refused(small_ckpt):
 
 @pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
 def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
-    ckpt = importlib.import_module("modelshard._checkpoint.locate")  # the package exports a function `locate`
+    # the package's attribute `locate` is the function, not this module
+    ckpt = importlib.import_module("modelshard._checkpoint.locate")
 
     path, _ = small_ckpt
     with open(path / name, "a") as f:
