@@ -222,7 +222,8 @@ def test_structure_mismatch_is_a_path_first_diff(tmp_path):
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(tmp_path / "c", like=like)
     assert str(e.value).splitlines() == [
-        f"checkpoint {tmp_path / 'c'} does not match the target dict (3 differences, paths first):",
+        f"checkpoint {tmp_path / 'c'} does not match the target dict (3 differences: 1 changed, "
+        "1 missing, 1 extra; paths first):",
         "  changed  a     checkpoint float32[2, 3] -> target float32[3, 3]",
         "  missing  new   float32[2] (in the target, not in the checkpoint)",
         "  extra    gone  float32[1] (in the checkpoint, not in the target)",
@@ -230,6 +231,46 @@ def test_structure_mismatch_is_a_path_first_diff(tmp_path):
         "like's values, so like must be concrete for them); shapes must match; pass dtype=... "
         "to cast floating leaves",
     ]
+
+
+def _layers(n: int, d: int) -> dict:
+    return {
+        "embed": jnp.ones((32, d)),
+        **{f"layer_{i}": {"w": jnp.ones((d, 2 * d)), "b": jnp.ones(2 * d)} for i in range(n)},
+    }
+
+
+def test_model_only_like_of_a_model_and_optimizer_checkpoint(tmp_path):
+    """A {model, optimizer} checkpoint restored into the model alone: the hint names the
+    subtree restore, and the rows fold over layers instead of listing every leaf."""
+    model = _layers(25, 8)
+    ms.save(tmp_path / "c", {"model": model, "optimizer": {"mu": model, "nu": model}})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=model)
+    lines = str(e.value).splitlines()
+    assert len(lines) <= 30
+    assert lines[0].endswith("(204 differences: 51 missing, 153 extra; paths first):")
+    assert "  missing  layer_{0..24}/w" in "\n".join(lines)
+    assert lines[-1] == (
+        "hint: every leaf of the target is in the checkpoint under 'model/': restore that part "
+        "with like={'model': like}, partial=True (and take ['model'] of the result)"
+    )
+    out = ms.restore(tmp_path / "c", like={"model": model}, partial=True)["model"]
+    assert out["layer_3"]["w"].shape == (8, 16)
+
+
+def test_changed_sizes_do_not_suggest_partial(tmp_path):
+    """d_model 8 -> 16 before a restore: the sizes that changed, not partial=True."""
+    ms.save(tmp_path / "c", _layers(20, 8))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=_layers(20, 16))
+    text = str(e.value)
+    assert len(text.splitlines()) <= 8 and "partial=True cannot help" in text
+    assert "(sizes 16 -> 32 (40 leaves); 8 -> 16 (21 leaves)): build the target with the " in text
+    assert (
+        "  changed  layer_{0..19}/w  checkpoint float32[8, 16] -> target float32[16, 32]  (20 leaves)"
+        in text
+    )
 
 
 def test_dtype_change_needs_dtype_argument(tmp_path):

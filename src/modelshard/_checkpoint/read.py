@@ -144,9 +144,109 @@ def check_holdable(source: Source, paths: Sequence[str]) -> None:
         )
 
 
-def _format_diff(rows: Diff) -> list[str]:
-    width = max(len(p or "<root>") for _, p, _ in rows)
-    return [f"  {what:<7}  {(p or '<root>'):<{width}}  {detail}" for what, p, detail in rows]
+def _format_diff(rows: Diff, limit: int = 24) -> list[str]:
+    """The rows, leaves that differ only in layer numbers (and alike) folded into one
+    (``layers_{0..61}/mlp/kernel  (62 leaves)``); at most ``limit`` lines."""
+    from .._fold import fold
+
+    groups = fold(rows, lambda r: r[1] or "<root>", key=lambda r: (r[0], r[2]))
+    width = max(len(g.path) for g in groups[:limit])
+    out = []
+    for g in groups[:limit]:
+        what, _, detail = g.items[0]  # type: ignore[misc]
+        n = f"  ({g.count} leaves)" if g.count > 1 else ""
+        out.append(f"  {what:<7}  {g.path:<{width}}  {detail}{n}")
+    rest = groups[limit:]
+    if rest:
+        out.append(f"  ... {len(rest)} more rows ({sum(g.count for g in rest)} leaves)")
+    return out
+
+
+def _subtree(paths: Sequence[str], stored: Mapping[str, LeafRecord]) -> str | None:
+    """``"model"`` if every target path is stored under ``model/`` (a model-only ``like``
+    for a ``{model, optimizer}`` checkpoint)."""
+    tops = sorted({p.split("/", 1)[0] for p in stored if "/" in p})
+    for top in tops:
+        if paths and all(f"{top}/{p}" in stored for p in paths):
+            return top
+    return None
+
+
+def _size_changes(
+    paths: Sequence[str], arrays: Sequence[Any], stored: Mapping[str, LeafRecord]
+) -> tuple[list[str], bool]:
+    """The dimension sizes that changed (``"64 -> 128 (12 leaves)"``), most frequent
+    first, and whether some leaves differ in dtype only."""
+    counts: dict[tuple[int, int], int] = {}
+    dtype_only = False
+    for p, x in zip(paths, arrays, strict=True):
+        rec = stored.get(p)
+        if rec is None:
+            continue
+        shape = tuple(x.shape)
+        if shape == rec.shape:
+            dtype_only = dtype_only or dtype_name(x.dtype) != rec.dtype
+            continue
+        if len(shape) == len(rec.shape):
+            for a, b in zip(rec.shape, shape, strict=True):
+                if a != b:
+                    counts[(a, b)] = counts.get((a, b), 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return [f"{a} -> {b} ({n} leaves)" for (a, b), n in ranked[:3]], dtype_only
+
+
+def mismatch_message(
+    source: Source,
+    like: Any,
+    paths: Sequence[str],
+    arrays: Sequence[Any],
+    stored: Mapping[str, LeafRecord],
+    rows: Diff,
+    missing: Diff,
+    extra: Diff,
+    changed: Diff,
+) -> str:
+    """Why ``like`` does not match the checkpoint: counts by kind, the folded rows, and
+    the hint that fits (a subtree restore, changed sizes, or ``partial=True``)."""
+    n = len(rows)
+    kinds = ", ".join(
+        f"{len(r)} {k}"
+        for k, r in (("changed", changed), ("missing", missing), ("extra", extra))
+        if r
+    )
+    hints = []
+    top = _subtree(paths, stored)
+    if top is not None:
+        hints.append(
+            f"every leaf of the target is in the checkpoint under {top + '/'!r}: restore that "
+            f"part with like={{{top!r}: like}}, partial=True (and take [{top!r}] of the result)"
+        )
+    elif changed and not missing and not extra:
+        sizes, dtype_only = _size_changes(paths, arrays, stored)
+        if sizes:
+            hints.append(
+                "the checkpoint's shapes differ from the target's (sizes "
+                + "; ".join(sizes)
+                + "): build the target with the configuration the checkpoint was saved with "
+                "(partial=True cannot help: these leaves exist on both sides)"
+            )
+        if dtype_only:
+            hints.append("shapes must match; pass dtype=... to cast floating leaves")
+    else:
+        if missing or extra:
+            hints.append(
+                "pass partial=True to restore only the leaves both have (missing leaves then "
+                "keep like's values, so like must be concrete for them)"
+            )
+        if changed:
+            hints.append("shapes must match; pass dtype=... to cast floating leaves")
+    return (
+        f"checkpoint {source.path} does not match the target {type(like).__name__} "
+        f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
+        + "\n".join(_format_diff(rows))
+        + "\nhint: "
+        + "; ".join(hints)
+    )
 
 
 def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
@@ -391,21 +491,18 @@ def restore(
     allowed = partial and concrete_missing
     rows = changed + ([] if allowed else missing) + ([] if partial else extra)
     if rows:
-        hints = []
-        if (missing and not allowed) or extra:
-            hints.append(
-                "pass partial=True to restore only the leaves both have (missing leaves then "
-                "keep like's values, so like must be concrete for them)"
-            )
-        if changed:
-            hints.append("shapes must match; pass dtype=... to cast floating leaves")
-        n = len(rows)
         raise CheckpointError(
-            f"checkpoint {source.path} does not match the target {type(like).__name__} "
-            f"({n} difference{'s' if n != 1 else ''}, paths first):\n"
-            + "\n".join(_format_diff(rows))
-            + "\nhint: "
-            + "; ".join(hints)
+            mismatch_message(
+                source,
+                like,
+                paths,
+                arrays,
+                stored,
+                rows,
+                [] if allowed else missing,
+                [] if partial else extra,
+                changed,
+            )
         )
     if specs is not None and mesh is None:
         raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
