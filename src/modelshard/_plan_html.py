@@ -176,6 +176,13 @@ class Tiles:
             f'<div class="ms-tiles" data-path="{_esc(self.path)}" data-shards="{len(self.tiles)}"'
             f' data-devices="{self.num_devices}" data-replicas="{self.replicas}">',
             f'<div class="ms-note">{_esc(self.describe())}</div>',
+        ]
+        if shown_r < rows or shown_c < cols:
+            out.append(
+                f'<div class="ms-note ms-summarised">showing {shown_r} of {rows} rows and '
+                f"{shown_c} of {cols} columns of shards ({len(self.tiles)} shards in all)</div>"
+            )
+        out += [
             f'<div class="ms-grid" style="grid-template-columns:repeat({shown_c},minmax(0,9em))">',
         ]
         for tile, slices, devs in self.tiles:
@@ -193,11 +200,6 @@ class Tiles:
                 f"{_esc(self._devices_text(devs))}</span></div>"
             )
         out.append("</div>")
-        if shown_r < rows or shown_c < cols:
-            out.append(
-                f'<div class="ms-note ms-summarised">showing {shown_r} of {rows} rows and '
-                f"{shown_c} of {cols} columns of shards ({len(self.tiles)} shards in all)</div>"
-            )
         out.append("</div>")
         return "".join(out)
 
