@@ -11,6 +11,7 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
 from flax import nnx
@@ -53,12 +54,14 @@ def flax_specs(tree: dict, mesh, rules) -> dict[str, P]:
 
 
 def test_maxtext_rule_list_matches_flax(axis_type):
-    axes, rules = maxtext()
+    _, rules = maxtext()
     mesh = maxtext_mesh(axis_type)
     names = list(dict.fromkeys(n for n, _ in rules))
     rng = random.Random(0)
     cases = [(n,) for n in names] + [
-        tuple(rng.sample(names, k)) + ((None,) if k == 3 else ()) for k in (2, 3, 4) for _ in range(120)
+        tuple(rng.sample(names, k)) + ((None,) if k == 3 else ())
+        for k in (2, 3, 4)
+        for _ in range(120)
     ]
     tree = boxed(cases)
     ours = specs_of(tree, ms.Rules([], logical=rules, strict=False), mesh)
@@ -113,8 +116,12 @@ def test_literal_mesh_axis_takes_its_axis_first(mesh24):
 
 
 def test_tuple_entries_resolve_each_name(mesh24):
-    rules = ms.Rules([("x", P(("batch", "seq"), None))], logical=[("batch", "data"), ("seq", "model")])
-    assert specs_of({"x": SDS((8, 8), jnp.float32)}, rules, mesh24) == {"x": P(("data", "model"), None)}
+    rules = ms.Rules(
+        [("x", P(("batch", "seq"), None))], logical=[("batch", "data"), ("seq", "model")]
+    )
+    assert specs_of({"x": SDS((8, 8), jnp.float32)}, rules, mesh24) == {
+        "x": P(("data", "model"), None)
+    }
 
 
 def test_mapping_form_keeps_conflicts_an_error(mesh24):
@@ -176,7 +183,12 @@ pattern = "k$"
 spec = ["embed"]
 """
     r = parse_rules(tomllib.loads(text))
-    assert r.logical == (("embed", ("data", "model")), ("embed", "data"), ("norm", None), ("x", None))
+    assert r.logical == (
+        ("embed", ("data", "model")),
+        ("embed", "data"),
+        ("norm", None),
+        ("x", None),
+    )
     assert parse_rules(tomllib.loads(rules_to_toml(r))).logical == r.logical
     bad = 'logical = [["embed"], ["mlp", 3], "x"]'
     with pytest.raises(ms.SpecError) as e:
@@ -210,7 +222,10 @@ class Local(nnx.Module):
             **kw,
         )
         self.u = nnx.Param(
-            jnp.ones((16, 8)), out_sharding=("mlp", "embed"), sharding_rules=(("mlp", "model"),), **kw
+            jnp.ones((16, 8)),
+            out_sharding=("mlp", "embed"),
+            sharding_rules=(("mlp", "model"),),
+            **kw,
         )
         self.b = nnx.Param(jnp.ones((16,)), out_sharding=("mlp",), **kw)
 
@@ -228,3 +243,141 @@ def test_nnx_sharding_rules_metadata_as_flax(mesh24):
         flax = {k: v.get_value() for k, v in nnx.get_partition_spec(state).items()}
         assert specs_of(state, ms.Rules([], strict=False), mesh24) == flax
     assert flax["u"] == P("model", "data")
+
+
+# ---- the logical_rules context (issue 20) ------------------------------------------------
+
+X = jnp.arange(64.0).reshape(8, 8)
+BATCH_EMBED = P("batch", "embed")
+RULES = {"batch": "data", "embed": "model"}
+
+
+def spec_of(x) -> P:
+    return x.sharding.spec
+
+
+def test_context_every_entry_point(mesh24):
+    tree = {"h": X}
+    with ms.logical_rules(RULES):
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("data", "model")
+        assert spec_of(ms.shard(tree, BATCH_EMBED, mesh24)["h"]) == P("data", "model")
+        with jax.set_mesh(mesh24):  # Explicit meshes need it around jax.jit
+            constrained = jax.jit(lambda t: ms.constrain(t, BATCH_EMBED))(tree)
+        assert spec_of(constrained["h"]) == P("data", "model")
+        jitted = ms.shard_jit(lambda t: t["h"] * 2, mesh=mesh24, in_specs=(BATCH_EMBED,))
+        assert jitted.plan(tree)["h"].spec == P("data", "model")
+        np.testing.assert_array_equal(np.asarray(jitted(tree)), np.asarray(X) * 2)
+        mapped = ms.shard_map(
+            lambda t: t["h"] * 2, mesh=mesh24, in_specs=(BATCH_EMBED,), out_specs=BATCH_EMBED
+        )
+        assert spec_of(mapped(tree)) == P("data", "model")
+    # outside the context, the names mean nothing: the same clear error everywhere
+    for call in (
+        lambda: ms.plan(tree, BATCH_EMBED, mesh24),
+        lambda: ms.shard(tree, BATCH_EMBED, mesh24),
+        lambda: ms.constrain(tree, BATCH_EMBED, mesh24),
+        lambda: jitted(tree),
+        lambda: mapped(tree),
+    ):
+        with pytest.raises(ms.SpecError, match="axis 'batch' \\(dimension 0\\) is not in the mesh"):
+            call()
+
+
+def test_model_code_constrains_inside_shard_jit_trace(mesh24):
+    def model(params, x):  # names no mesh axis
+        h = ms.constrain(x @ params["w"], BATCH_EMBED)
+        return h.sum()
+
+    step = ms.shard_jit(model, mesh=mesh24, in_specs=(P(), P("data")))
+    params = {"w": jnp.ones((8, 8))}
+    with ms.logical_rules(RULES):
+        assert float(step(params, X)) == float((X @ params["w"]).sum())
+    with ms.logical_rules({"batch": "model", "embed": "data"}):  # new rules: traced again
+        assert float(step(params, X)) == float((X @ params["w"]).sum())
+    assert step.cache_size == 2
+    with pytest.raises(ms.SpecError, match="axis 'batch'"):
+        step(params, X)
+
+
+def test_explicit_logical_wins_and_nesting(mesh24):
+    tree = {"h": X}
+    explicit = ms.Rules([("h", BATCH_EMBED)], logical={"batch": "model", "embed": None})
+    with ms.logical_rules(RULES):
+        assert ms.plan(tree, explicit, mesh24)["h"].spec == P("model", None)
+        assert ms.plan(tree, ms.Rules([("h", BATCH_EMBED)]), mesh24)["h"].spec == P("data", "model")
+        with ms.logical_rules([("batch", ("data", "model")), ("embed", None)]):
+            assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P(("data", "model"), None)
+            with ms.logical_rules(None), pytest.raises(ms.SpecError):
+                ms.plan(tree, BATCH_EMBED, mesh24)
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("data", "model")
+    with ms.logical_rules(explicit):  # a Rules gives its logical names
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("model", None)
+
+
+def test_unmapped_name_names_the_context_rules(mesh24):
+    with ms.logical_rules({"batch": "data"}), pytest.raises(ms.SpecError) as e:
+        ms.plan({"h": X}, BATCH_EMBED, mesh24)
+    assert str(e.value).splitlines()[2:] == [
+        "    problem: axis 'embed' (dimension 1) is not in the mesh",
+        "    spec: P('data', 'embed') (from P('batch', 'embed') for the whole argument)",
+        "    mesh: data=2, model=4",
+        "    hint: mesh axes are 'data', 'model', and 'embed' is not a logical name of the "
+        "active ms.logical_rules context (names: batch); add ('embed', <mesh axes or None>) "
+        "there",
+    ]
+    with pytest.raises(ms.SpecError) as e, ms.logical_rules({"batch": 3}):
+        pass
+    assert str(e.value).splitlines() == [
+        "invalid logical rules:",
+        "  logical_rules:rules['batch']",
+        "    problem: 'batch' -> 3 is not a logical name -> mesh axes mapping",
+        "    hint: map to a mesh axis name, a list of names, or None (replicate)",
+    ]
+
+
+def test_context_is_per_thread(mesh24):
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def worker(name, rules):
+        with ms.logical_rules(rules):
+            barrier.wait(timeout=30)  # both contexts are active at once
+            results[name] = ms.plan({"h": X}, BATCH_EMBED, mesh24)["h"].spec
+
+    threads = [
+        threading.Thread(target=worker, args=("a", RULES)),
+        threading.Thread(target=worker, args=("b", {"batch": "model", "embed": "data"})),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {"a": P("data", "model"), "b": P("model", "data")}
+
+
+def test_flax_context_is_honoured(mesh24):
+    _, rules = maxtext()
+    mesh = maxtext_mesh()
+    names = ("activation_batch", "activation_length", "activation_embed")
+    tree = {"h": SDS((8, 8, 8), jnp.float32)}
+    with nn.logical_axis_rules(rules):
+        want = nn.logical_to_mesh_sharding(P(*names), mesh).spec
+        assert ms.plan(tree, P(*names), mesh)["h"].spec == want
+        with ms.logical_rules(
+            {"activation_batch": "fsdp", "activation_length": None, "activation_embed": "tensor"}
+        ):  # modelshard's wins
+            assert ms.plan(tree, P(*names), mesh)["h"].spec == P("fsdp", None, "tensor")
+    with pytest.raises(ms.SpecError, match="not in the mesh"):
+        ms.plan(tree, P(*names), mesh)
+
+
+def test_shard_jit_uses_the_set_mesh(mesh24):
+    step = ms.shard_jit(lambda x: x * 2, in_specs=(P("data"),))
+    with jax.set_mesh(mesh24):
+        assert spec_of(step(X)) == P("data")
+    other = ms.make_mesh({"data": 4, "model": 2})
+    with jax.set_mesh(other):
+        y = step(X)
+    assert y.sharding.mesh.shape == other.shape and step.cache_size == 2
+    with pytest.raises(ms.MeshError, match="no mesh given and none is active"):
+        step(X)

@@ -18,9 +18,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from .._constrain import current_mesh
 from .._dtypes import canonical_dtype, dtype_name
 from .._errors import AdapterError, Problem, ShardingMismatchError
 from .._flat import split
+from .._logical import active_logical
 from .._mesh import format_mesh, mesh_sizes
 from .._shard import place
 from .._specs import format_spec
@@ -43,7 +45,7 @@ class ShardJit:
         self,
         fn: Callable[..., Any],
         *,
-        mesh: Mesh | AbstractMesh,
+        mesh: Mesh | AbstractMesh | None = None,
         in_specs: Sequence[Any] | Mapping[str, Any],
         out_specs: Any = None,
         donate_argnums: int | Sequence[int] = (),
@@ -57,7 +59,8 @@ class ShardJit:
                 f"shard_jit needs a callable to compile, got {fn!r} ({type(fn).__name__}); "
                 "pass the function, or use @shard_jit(mesh=..., in_specs=...) as a decorator"
             )
-        mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
+        if mesh is not None:
+            mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
         if on_mismatch not in ("move", "raise"):
             raise invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
         if not isinstance(in_specs, Mapping | tuple | list):
@@ -88,6 +91,7 @@ class ShardJit:
         self._by_structure: dict[Hashable, Entry] = {}
         self._route: Route | None = None  # the layout of the last plain-container call
         self._route_misses = 0
+        self._route_env: tuple[Any, Any] | None = None  # the _env() the route was built in
         functools.update_wrapper(self, fn)
 
     def _take(
@@ -108,11 +112,17 @@ class ShardJit:
             t, key = take(s, v)
             taken.append(t)
             keys.append(key)
-        return args, kwargs, slots, taken, (slots, tuple(statics), tuple(keys))
+        return args, kwargs, slots, taken, (slots, tuple(statics), tuple(keys), self._env())
+
+    def _env(self) -> tuple[Any, Any]:
+        """What a plan depends on besides the arguments: the mesh (``mesh=``, else the one
+        ``jax.set_mesh`` sets at call time) and the active ``ms.logical_rules`` context."""
+        mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
+        return mesh, active_logical()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self._route
-        if route is not None and not kwargs:
+        if route is not None and not kwargs and self._env() == self._route_env:
             # Plain containers laid out as last time: gather their leaves and call.
             flat = route.gather(args)
             if flat is not None:
@@ -155,6 +165,7 @@ class ShardJit:
                     raise
         if entry.plain and self._route_misses < _MAX_ROUTE_MISSES:
             self._route = Route(entry, args)
+            self._route_env = key[-1]  # type: ignore[index]  # _take's key: env last
         return entry.finish(out, taken)
 
     def _run(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
@@ -186,7 +197,9 @@ class ShardJit:
         taken = [take_plainly(t) for t in taken]
         statics = tuple(args[s.pos] if s.kw is None else kwargs[s.kw] for s in slots if s.static)  # type: ignore[index]
         self._check_hashable(slots, statics, taken)
+        env = self._env()
         signature = (
+            env,
             slots,
             statics,
             tuple(
@@ -201,7 +214,7 @@ class ShardJit:
         )
         entry = self._by_signature.get(signature)
         if entry is None:
-            call = Call(self.fn, self.mesh, self.out_specs, slots, taken, args, kwargs)
+            call = Call(self.fn, env[0], self.out_specs, slots, taken, args, kwargs)
             entry = self._by_signature[signature] = build_entry(call)
         if len(self._by_structure) >= _MAX_BY_STRUCTURE and not stale:
             self._by_structure.clear()
@@ -350,7 +363,7 @@ def _format_sharding(s: Any) -> str:
 def shard_jit(
     fn: Callable[..., Any] | None = None,
     *,
-    mesh: Mesh | AbstractMesh,
+    mesh: Mesh | AbstractMesh | None = None,
     in_specs: Sequence[Any] | Mapping[str, Any],
     out_specs: Any = None,
     donate_argnums: int | Sequence[int] = (),
@@ -375,7 +388,10 @@ def shard_jit(
 
     Args:
         fn: the function.
-        mesh: the ``jax.sharding.Mesh`` to compile for (Auto or Explicit axes).
+        mesh: the ``jax.sharding.Mesh`` to compile for (Auto or Explicit axes); default:
+            the mesh set by ``jax.set_mesh`` when the function is called (each mesh is
+            planned and compiled once). Logical names resolve through the
+            [`logical_rules`][modelshard.logical_rules] context active at the call.
         in_specs: a tuple with one spec-like per positional argument (ignored for static
             ones; ``None`` for an argument holding no arrays), or a dict from parameter
             name to spec-like, resolved against ``fn``'s signature so keyword arguments
