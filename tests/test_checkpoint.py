@@ -563,3 +563,19 @@ def test_checksums_of_many_same_shaped_leaves_are_reduced_on_the_devices():
     assert on_host([one, one, small], HOST_MAX_ELEMENTS) == [False, False, True]
     many_small = [jax.ShapeDtypeStruct((1024,), jnp.float32)] * 2048
     assert not any(on_host(many_small, HOST_MAX_ELEMENTS))
+
+
+def test_host_checksums_reuse_position_terms_across_alike_leaves(monkeypatch):
+    """Leaves of one layout share the cached position terms; values still change the sums."""
+    from modelshard._checkpoint import checksum as cs
+
+    monkeypatch.setattr(cs, "_WEIGHTS", {})
+    monkeypatch.setattr(cs, "_weight_bytes", [0])
+    rng = np.random.default_rng(3)
+    a, b = (jnp.asarray(rng.normal(size=(64, 32)), jnp.float32) for _ in range(2))
+    want = cs.checksums([a, b], host_max_elements=0)  # on the devices
+    assert cs.checksums([a, b, a], host=True) == [*want, want[0]]
+    assert len(cs._WEIGHTS) > 0 and want[0] != want[1]
+    monkeypatch.setattr(cs, "HOST_WEIGHT_CACHE_BYTES", 1)  # nothing fits: computed each time
+    monkeypatch.setattr(cs, "_WEIGHTS", {})
+    assert cs.checksums([b, a], host=True) == want[::-1] and cs._WEIGHTS == {}

@@ -79,11 +79,16 @@ def _fmix(h: Any, u32: Any) -> Any:
     return h ^ (h >> 16)
 
 
+def _weights(idx: Any, u32: Any) -> tuple[Any, Any]:
+    """The position-only parts of :func:`_terms`: a hashed odd weight and a position hash."""
+    return _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1), _fmix(idx + u32(0x7F4A7C15), u32)
+
+
 def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
     """Per-element terms of the two lanes: value times a hashed position weight, and a hash
     of (value, position). Sums of either over all elements do not depend on order."""
-    w = _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1)
-    return v * w, _fmix(v ^ _fmix(idx + u32(0x7F4A7C15), u32), u32)
+    w, h = _weights(idx, u32)
+    return v * w, _fmix(v ^ h, u32)
 
 
 _checksum_jit = jax.jit(_checksum_one)
@@ -130,18 +135,41 @@ def _np_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> tupl
     rows = a.reshape(-1, a.shape[-1])
     cols = rows.shape[1]
     step_r, step_c = max(1, HOST_BLOCK_ELEMENTS // cols), min(cols, HOST_BLOCK_ELEMENTS)
+    layout = (tuple(origin), a.shape, tuple(shape), a.dtype.str, step_r, step_c)
     s1 = s2 = 0
     for r in range(0, rows.shape[0], step_r):
         for c in range(0, cols, step_c):
             v = _np_lanes(rows[r : r + step_r, c : c + step_c])
-            per = math.prod(v.shape[2:])  # lanes per element
-            e = row_base[r : r + step_r, None] + np.arange(c, c + v.shape[1], dtype=np.int64)
-            idx = e[..., None] * per + np.arange(per, dtype=np.int64)
-            idx = (idx.reshape(v.shape) & 0xFFFFFFFF).astype(np.uint32)
-            t1, t2 = _terms(v, idx, np.uint32)
-            s1 += int(np.sum(t1, dtype=np.uint32))
-            s2 += int(np.sum(t2, dtype=np.uint32))
+            key = (*layout, r, c)
+            wh = _WEIGHTS.get(key)
+            if wh is None:
+                per = math.prod(v.shape[2:])  # lanes per element
+                e = row_base[r : r + step_r, None] + np.arange(c, c + v.shape[1], dtype=np.int64)
+                idx = e[..., None] * per + np.arange(per, dtype=np.int64)
+                idx = (idx.reshape(v.shape) & 0xFFFFFFFF).astype(np.uint32)
+                wh = _weights(idx, np.uint32)
+                _remember(key, wh)
+            w, h = wh
+            s1 += int(np.sum(v * w, dtype=np.uint32))
+            s2 += int(np.sum(_fmix(v ^ h, np.uint32), dtype=np.uint32))
     return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
+
+
+# Host checksums of leaves laid out alike (every layer's kernel, each shard at its origin)
+# share their position terms: they are kept for reuse, up to this many bytes.
+HOST_WEIGHT_CACHE_BYTES = 16 << 20
+_WEIGHTS: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
+_weight_bytes = [0]
+
+
+def _remember(key: tuple[Any, ...], wh: tuple[np.ndarray, np.ndarray]) -> None:
+    size = wh[0].nbytes + wh[1].nbytes
+    if _weight_bytes[0] + size > HOST_WEIGHT_CACHE_BYTES:
+        _WEIGHTS.clear()
+        _weight_bytes[0] = 0
+    if size <= HOST_WEIGHT_CACHE_BYTES:
+        _WEIGHTS[key] = wh
+        _weight_bytes[0] += size
 
 
 def _np_checksum(a: np.ndarray) -> tuple[int, int]:
