@@ -115,3 +115,14 @@ def test_strict_rules_do_not_report_an_unused_catch_all():
     # a rule that is not a catch-all still must match something
     err = _raise(tree, ms.Rules([("w$", P("data")), ("nope", P())]))
     assert "rule 1 'nope' matched no leaf" in str(err)
+
+
+def test_logical_name_errors_name_the_logical_name():
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    err = _raise(tree, ms.Rules([("w", P(None, "embed"))], logical={"embed": "fsdp"}), {"data": 2})
+    [problem] = err.problems
+    assert problem.what == (
+        "logical name 'embed' (dimension 1) maps to mesh axis 'fsdp', which is not in the mesh"
+    )
+    assert problem.hint is not None
+    assert problem.hint.startswith("mesh axes are 'data': map 'embed' to one of them")

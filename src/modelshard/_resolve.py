@@ -9,6 +9,7 @@ in one ``Ctx`` so a ``SpecError`` lists them all.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -237,6 +238,7 @@ def resolve_checked(
     if got is None:
         return None
     spec, rule, logical = got
+    named = spec
     if logical is not None:
         spec, twice = resolve_names(spec, logical)
         if twice is not None:
@@ -254,7 +256,35 @@ def resolve_checked(
         problems = check(spec, shape, ctx.sizes, logical)
     except TypeError:  # junk inside a spec from a function: report, never crash
         problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    if logical is not None and problems:
+        problems = [_name_logical(what, hint, named, ctx.sizes, logical) for what, hint in problems]
     return spec, rule, problems
+
+
+_NOT_IN_MESH = re.compile(r"axis '([^']+)' \(dimension (\d+)\) is not in the mesh")
+
+
+def _name_logical(
+    what: str, hint: str, named: PartitionSpec, sizes: Mapping[str, int], logical: Any
+) -> tuple[str, str]:
+    """A mesh axis that is not in the mesh but came from a logical name: say which name."""
+    m = _NOT_IN_MESH.fullmatch(what)
+    if m is None:
+        return what, hint
+    axis, dim = m.group(1), int(m.group(2))
+    entries = tuple(named)
+    if dim >= len(entries) or not is_axes_entry(entries[dim]):
+        return what, hint
+    names = [n for n in entry_axes(entries[dim]) if n not in sizes and n != axis]
+    if not names:
+        return what, hint
+    axes = ", ".join(map(repr, sizes)) or "none"
+    return (
+        f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
+        "in the mesh",
+        f"mesh axes are {axes}: map {names[0]!r} to one of them (or None to replicate) in "
+        f"{logical.describe()}",
+    )
 
 
 def _unknown(name: str, sizes: Mapping[str, int], logical: LogicalRules | None) -> str:
