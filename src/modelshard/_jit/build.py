@@ -166,10 +166,16 @@ def build_entry(call: Call) -> Entry:
     expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat_in]
     traced = _FlatFunction(call, bounds, expect)
     abstract = [_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
-    # The jaxpr shows which outputs the function constrained itself. (jax.jit below traces
-    # the function again: replaying this jaxpr instead is not type-exact on Explicit meshes,
-    # where transposed dot_generals carry shardings their rule does not recompute.)
-    closed = jax.make_jaxpr(traced)(*abstract)
+    explicit = explicit_axes(mesh)
+    donate = tuple(
+        i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
+    )
+    # The one trace of the function: its jaxpr shows which outputs the function constrained
+    # itself, and jax.jit's trace cache (keyed by the function and the input types, not the
+    # out shardings) serves the same jaxpr to the jax.jit built below.
+    closed = (
+        jax.jit(traced, in_shardings=tuple(in_sh), donate_argnums=donate).trace(*abstract).jaxpr
+    )
     desc, updates = traced.desc, traced.updates
     assert desc is not None  # set by the trace
     traced.frozen = updates
@@ -181,15 +187,12 @@ def build_entry(call: Call) -> Entry:
             out_avals[:n],
             set_by_function(closed)[:n],
             lambda j: (per_arg_sh[j], abstract[bounds[j][0] : bounds[j][1]]),
-            explicit_axes(mesh),
+            explicit,
         )
     else:
         out_sh = _explicit_out(call, desc, out_avals[:n])
     for k, changed in updates:
         out_sh.extend(per_arg_sh[k][m] for m in changed)
-    donate = tuple(
-        i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
-    )
     jitted = jax.jit(
         traced,
         in_shardings=tuple(in_sh),

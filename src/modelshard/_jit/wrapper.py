@@ -147,18 +147,18 @@ class ShardJit:
         flat = taken[0].arrays if len(taken) == 1 else [x for t in taken for x in t.arrays]
         if entry is None:
             entry = self._miss(slots, taken, args, kwargs, key)
-            flat = _place_mutable(entry, taken, flat)
+            flat = _place(entry, taken, flat, False)
         try:
             out = entry.jitted(*flat)
         except Stale:
             # Same structure, new shapes or dtypes: plan afresh (jax.jit's own cache
             # checks shapes on the fast path, so this costs nothing until they change).
             entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-            out = self._run(entry, _place_mutable(entry, taken, flat), taken)
+            out = self._run(entry, _place(entry, taken, flat, False), taken)
         except ValueError:
             if not entry.fits(flat):  # jit refused the old shardings for the new shapes
                 entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-                out = self._run(entry, _place_mutable(entry, taken, flat), taken)
+                out = self._run(entry, _place(entry, taken, flat, False), taken)
             else:
                 out = self._recover(entry, flat, taken)
                 if out is None:
@@ -269,7 +269,7 @@ class ShardJit:
             return None
         if self.on_mismatch == "raise":
             raise self._mismatch(entry, flat, bad)
-        return entry.jitted(*place(_place_mutable(entry, taken, flat), entry.in_shardings))
+        return entry.jitted(*_place(entry, taken, flat, True))
 
     def _mismatch(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> ShardingMismatchError:
         problems = []
@@ -330,24 +330,37 @@ class ShardJit:
         return len(self._by_signature)
 
 
-def _place_mutable(entry: Entry, taken: Sequence[Taken], flat: Sequence[Any]) -> Sequence[Any]:
-    """``flat`` with the leaves of mutable containers (NNX modules) placed as planned, and
-    those placed arrays written back into the caller's objects, so that later calls find
-    them in place (for Variables the function does not change too)."""
-    out: list[Any] | None = None
+def _place(
+    entry: Entry, taken: Sequence[Taken], flat: Sequence[Any], move_committed: bool
+) -> list[Any]:
+    """``flat`` placed as planned before an entry's first call (or after ``jax.jit``
+    refused the inputs), with the placed arrays of mutable containers (NNX modules) written
+    back into the caller's objects, so later calls find them in place (Variables the function
+    does not change included).
+
+    The entry was traced with every input in its planned sharding, so placed inputs let
+    ``jax.jit`` reuse that trace (and outputs fed back into the next call match it too).
+    Committed arrays are moved only with ``move_committed`` (after ``jax.jit`` refused
+    committed arrays placed otherwise, with ``on_mismatch="move"``); otherwise they are left
+    for ``jax.jit`` to accept or refuse.
+    """
+    todo = [
+        i
+        for i, x in enumerate(flat)
+        if move_committed or not (isinstance(x, jax.Array) and x.committed)
+    ]
+    out = list(flat)
+    placed = place([flat[i] for i in todo], [entry.in_shardings[i] for i in todo])
+    for i, y in zip(todo, placed, strict=True):
+        out[i] = y
     for t, (a, b) in zip(taken, entry.bounds, strict=True):
-        if t.write_back is None or a == b:
+        if t.write_back is None:
             continue
-        placed = place(flat[a:b], entry.in_shardings[a:b])
-        moved = [m for m in range(b - a) if placed[m] is not flat[a + m]]
-        if not moved:
-            continue
-        ix = t.array_index
-        t.write_back([m if ix is None else ix[m] for m in moved], [placed[m] for m in moved])
-        if out is None:
-            out = list(flat)
-        out[a:b] = placed
-    return flat if out is None else out
+        moved = [m for m in range(b - a) if out[a + m] is not flat[a + m]]
+        if moved:
+            ix = t.array_index
+            t.write_back([m if ix is None else ix[m] for m in moved], [out[a + m] for m in moved])
+    return out
 
 
 def _format_sharding(s: Any) -> str:
