@@ -110,11 +110,10 @@ def test_sys_exit_keeps_its_status_and_the_save(tmp_path):
 
 
 def test_sigterm_finishes_the_pending_save_then_dies_of_it(ended):
-    root, code, _, _, wall = child(ended, "sigterm")
+    root, code, _, _, _ = child(ended, "sigterm")
     # the default action of the signal, after the save: what the scheduler expects
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM)
     assert_step(root, 2)
-    assert wall < 60
 
 
 @pytest.mark.slow

@@ -49,6 +49,7 @@ _stop: list[int] = []  # the signal that asked this process to stop, if any
 _failed: list[str] = []
 _previous: dict[int, Any] = {}
 _main_code: list[Any] = []
+_tool: list[int] = []
 _TOOL_NAME = "modelshard-exit-guard"
 
 
@@ -139,7 +140,19 @@ def _install_monitoring() -> None:
     mon.register_callback(tool, mon.events.PY_RETURN, on_return)
     mon.register_callback(tool, mon.events.PY_UNWIND, on_unwind)
     mon.set_local_events(tool, code, mon.events.PY_RETURN)
-    mon.set_events(tool, mon.events.PY_UNWIND)
+    _tool.append(tool)
+    pending_changed()
+
+
+def pending_changed() -> None:
+    """Watch the main module's unwinding (a global event: every frame that exits by an
+    exception calls back, about 0.3 us each) only while some save is pending or a stop
+    was requested (its exit status is set when the main module ends)."""
+    mon = getattr(sys, "monitoring", None)
+    if mon is None or not _tool:
+        return
+    pending = _stop or any(m.pending_step() is not None for m in list(_live))
+    mon.set_events(_tool[0], mon.events.PY_UNWIND if pending else 0)
 
 
 def _at_shutdown() -> None:
@@ -163,6 +176,7 @@ def on_signal(signum: int, frame: Any) -> None:
     first = not _stop
     if first:
         _stop.append(signum)
+        pending_changed()
     polled = any(m.has_polled() for m in list(_live))
     if first and polled:
         _say(
@@ -215,12 +229,14 @@ def watch(mngr: Any, *, handle_signals: bool) -> None:
 def unwatch(mngr: Any) -> None:
     with _lock:
         _live.discard(mngr)
+        pending_changed()
 
 
 def request_stop(signum: int) -> None:
     """Record a stop request that arrived another way (JAX's preemption sync point)."""
     if not _stop:
         _stop.append(signum)
+        pending_changed()
 
 
 def clear_stop() -> None:

@@ -471,6 +471,7 @@ class CheckpointManager:
         self._last_saved = step
         if self.async_save:
             self._pending = step
+            guard.pending_changed()
             if stopping:
                 self.wait_until_finished()
         else:
@@ -582,6 +583,8 @@ class CheckpointManager:
                 already on disk are still listed and restorable).
         """
         step, self._pending = self._pending, None
+        if step is not None:
+            guard.pending_changed()
         if step is not None and self._ckptr is not None:
             try:
                 self._ckptr.wait_until_finished()
