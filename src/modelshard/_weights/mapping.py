@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._dtypes import dtype_name
-from .._errors import MappingError, Problem
+from .._errors import LIST_IN_FULL, MappingError, Problem
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -207,9 +207,12 @@ def _field(m: re.Match[str], name: str, extra: Mapping[str, str]) -> str:
 
 def _header(problems: Sequence[Problem]) -> str:
     n = len(problems)
+    where = "paths are source:NAME, target:PATH, mapping:rules[i]"
+    if n > LIST_IN_FULL:  # SpecError adds the count and the causes
+        return f"the weight mapping does not fit ({where}):"
     return (
         f"{n} mapping problem{'s' if n != 1 else ''} found (every offending tensor, leaf and "
-        "rule is listed; paths are source:NAME, target:PATH, mapping:rules[i]):"
+        f"rule is listed; {where}):"
     )
 
 
