@@ -716,3 +716,26 @@ def test_nnx_variables_placed_by_shard_jit_are_written_back_even_when_unchanged(
     sj(model, jnp.ones((8, 16)))
     # The second call found them in place: nothing moved, the same arrays are there.
     assert model.kernel[...] is kernel and model.bias[...] is bias
+
+
+def test_warns_once_when_the_same_inputs_are_moved_every_call(mesh8):
+    """An input committed in another sharding is copied on every call: say so, once."""
+    import warnings
+
+    step = ms.shard_jit(lambda s: s["w"].sum(), in_specs=(P("data"),), mesh=mesh8)
+    w = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh8, P(None, "data")))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            step({"w": w})
+    assert [str(r.message) for r in rec] == [
+        "<lambda>: moved s:w (16.00 KiB) to the planned sharding again on this call; every "
+        "call copies them. Place them once with modelshard.shard(...) (or feed back the "
+        "step's outputs), or pass on_mismatch='raise' to be told instead."
+    ]
+    assert rec[0].filename == __file__  # points at the caller's line
+    placed = ms.shard({"w": w}, P("data"), mesh8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            step(placed)

@@ -11,6 +11,7 @@ function: no regex, no validation.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -91,6 +92,7 @@ class ShardJit:
         self._by_structure: dict[Hashable, Entry] = {}
         self._route: Route | None = None  # the layout of the last plain-container call
         self._route_misses = 0
+        self._moved: dict[int, int] = {}  # entry id -> calls that moved its inputs
         self._route_env: tuple[Any, Any] | None = None  # the _env() the route was built in
         functools.update_wrapper(self, fn)
 
@@ -269,7 +271,27 @@ class ShardJit:
             return None
         if self.on_mismatch == "raise":
             raise self._mismatch(entry, flat, bad)
+        self._warn_moves(entry, flat, bad)
         return entry.jitted(*_place(entry, taken, flat, True))
+
+    def _warn_moves(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> None:
+        """Warn once per entry when the same inputs are moved on a second call: each call
+        copies them again (place them once with ``modelshard.shard``)."""
+        n = self._moved[id(entry)] = self._moved.get(id(entry), 0) + 1
+        if n != 2:
+            return
+        nbytes = sum(int(flat[i].nbytes) for i in bad)
+        names = ", ".join(
+            f"{entry.leaf_plans[i][0]}:{entry.leaf_plans[i][1].path or '<root>'}" for i in bad[:5]
+        )
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        warnings.warn(
+            f"{getattr(self, '__name__', 'shard_jit')}: moved {names}{more} ({_fmt_bytes(nbytes)}) to the planned "
+            "sharding again on this call; every call copies them. Place them once with "
+            "modelshard.shard(...) (or feed back the step's outputs), or pass "
+            "on_mismatch='raise' to be told instead.",
+            stacklevel=_caller_level(),
+        )
 
     def _mismatch(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> ShardingMismatchError:
         problems = []
@@ -455,3 +477,19 @@ def shard_jit(
     if fn is None:
         return lambda f: ShardJit(f, **kw)  # type: ignore[arg-type]
     return ShardJit(fn, **kw)  # type: ignore[arg-type]
+
+
+def _caller_level() -> int:
+    """``stacklevel`` of the first frame outside modelshard (the user's call)."""
+    import sys
+
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("modelshard."):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _fmt_bytes(n: int) -> str:
+    from .._plan import format_bytes
+
+    return format_bytes(n)
