@@ -281,3 +281,39 @@ def test_s3_tensorstore_works_but_orbax_mangles_the_url_so_s3_is_refused(
     assert str(e.value).startswith(
         f"cannot write 's3://{BUCKET}/run': this Orbax (orbax-checkpoint "
     )
+
+
+def test_gs_plain_checkpoint_written_in_one_commit(gs_root):
+    from etils import epath
+
+    from modelshard._checkpoint.remote import save_remote
+    from modelshard._checkpoint.write import prepare
+
+    path = epath.Path(f"{gs_root}/ck")
+    key = jax.random.key(5)
+    state = {"w": jnp.arange(6.0), "k": key}
+    tree, record = prepare(state, {"note": "gs"})
+    save_remote(path, tree, record, overwrite=False)
+    assert "commit_success.txt" in _names(str(path))
+    out = ms.restore(str(path))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(6.0))
+    np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(key))
+    assert ms.read_metadata(str(path)) == {"note": "gs"}
+    with pytest.raises(ms.CheckpointError) as e:
+        save_remote(path, tree, record, overwrite=False)
+    assert str(e.value).startswith(f"{path} already exists; pass overwrite=True")
+    tree2, record2 = prepare({"w": jnp.zeros(3), "k": key})
+    save_remote(path, tree2, record2, overwrite=True)
+    assert ms.restore(str(path))["w"].shape == (3,)
+    (path / "commit_success.txt").unlink()  # as a save killed part-way leaves it
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(str(path))
+    assert str(e.value) == (
+        f"no complete checkpoint at {path}: Orbax's commit file commit_success.txt is "
+        "missing (on object storage it is written last, so the save there did not finish)."
+    )
+    foreign = epath.Path(f"{gs_root}/notes")
+    (foreign / "a.txt").write_text("mine")
+    with pytest.raises(ms.CheckpointError, match="is not a checkpoint modelshard wrote"):
+        save_remote(foreign, tree, record, overwrite=True)
+    assert (foreign / "a.txt").read_text() == "mine"

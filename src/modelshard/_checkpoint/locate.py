@@ -23,6 +23,7 @@ from .._errors import CheckpointError
 from .._paths import format_path, key_name
 from .record import LeafRecord, Record, dims
 from .storage import (
+    COMMIT_FILE,
     MAX_METADATA_BYTES,
     RECORD_FILE,
     RECORD_ITEM,
@@ -154,6 +155,11 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             else ""
         )
         raise CheckpointError(f"no checkpoint at {p}: the directory does not exist.{extra}")
+    if remote and not (p / COMMIT_FILE).exists():
+        raise CheckpointError(
+            f"no complete checkpoint at {p}: Orbax's commit file {COMMIT_FILE} is missing "
+            "(on object storage it is written last, so the save there did not finish)."
+        )
     for problem in [] if remote else _untrusted_entries(p)[:1]:
         raise CheckpointError(problem)
     record_file = None

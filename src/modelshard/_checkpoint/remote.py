@@ -1,0 +1,66 @@
+"""``save`` to object storage (``gs://``), where a directory cannot be renamed into place.
+
+On a local disk ``save`` writes into a staging directory and renames it (see
+:mod:`.write`). Object stores have no rename, so there the checkpoint is written where it
+belongs, in one Orbax save of two items, ``state/`` (the arrays) and
+``modelshard/modelshard.json`` (the record), the layout of a manager step that
+:func:`~modelshard._checkpoint.locate.locate` reads. Orbax writes its commit file
+(``storage.COMMIT_FILE``) last; a checkpoint without it is incomplete and ``locate``
+refuses it. ``overwrite`` removes the old checkpoint first (only one modelshard wrote):
+there is no atomic swap on object storage, so a crash in between leaves none.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._errors import CheckpointError
+from .record import Record
+from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
+
+__all__ = ["save_remote"]
+
+
+def _ours(path: Any) -> bool:
+    try:
+        meta = json.loads((path / CHECKPOINT_METADATA).read_text())
+    except (OSError, ValueError):
+        return False
+    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
+    return isinstance(custom, dict) and "modelshard" in custom
+
+
+def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> None:
+    """Write ``tree`` and ``record`` as a checkpoint at the object-storage ``path``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if path.exists() and any(True for _ in path.iterdir()):
+        if not overwrite:
+            raise CheckpointError(
+                f"{path} already exists; pass overwrite=True to replace it (on object "
+                "storage the old checkpoint is removed before the new one is written)."
+            )
+        if not _ours(path):
+            raise CheckpointError(
+                f"{path} is not a checkpoint modelshard wrote; overwrite=True replaces only "
+                "those. Choose another path or remove it yourself."
+            )
+        if jax.process_index() == 0:
+            (path / COMMIT_FILE).unlink(missing_ok=True)
+            path.rmtree()
+    handler = ocp.CompositeCheckpointHandler(
+        **{
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
+        }
+    )
+    args = ocp.args.Composite(
+        **{
+            STATE_ITEM: ocp.args.StandardSave(tree),
+            RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
+        }
+    )
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(path, args=args, custom_metadata=MARKER)
