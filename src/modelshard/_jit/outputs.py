@@ -17,6 +17,7 @@ import jax
 
 from .._adapters import Adapter, get_adapter
 from .._describe import NUMBER_TYPES, is_array
+from .._flat import flatten_nested
 from .._specs import entry_axes
 
 
@@ -88,9 +89,8 @@ def split_output(
     index = {(id(a), aux): j for j, (a, aux) in reversed(list(enumerate(sources)))}
 
     def match(x: Any) -> tuple[Adapter, list[Any], Hashable, int | None] | None:
-        adapter = get_adapter(x)
         try:
-            leaves, aux = adapter.flatten(x)
+            adapter, leaves, aux = flatten_nested(get_adapter(x), x)
         except Exception:
             return None
         try:
