@@ -80,7 +80,7 @@ def _fmix(h: Any, u32: Any) -> Any:
 
 
 def _weights(idx: Any, u32: Any) -> tuple[Any, Any]:
-    """The position-only parts of :func:`_terms`: a hashed odd weight and a position hash."""
+    """The position-only parts of ``_terms``: a hashed odd weight and a position hash."""
     return _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1), _fmix(idx + u32(0x7F4A7C15), u32)
 
 
