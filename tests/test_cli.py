@@ -232,7 +232,7 @@ def test_plan_uses_recorded_metadata_names(tmp_path, capsys):
     # the same plan as on the live variables
     live = ms.plan(
         variables,
-        ms._rulesfile.load_rules(tmp_path / "rules.toml"),
+        ms.load_rules(tmp_path / "rules.toml"),
         ms.make_mesh({"data": 2, "model": 4}, abstract=True),
     )
     assert [r["spec"] for r in rows.values()] == [row["spec"] for row in live.rows()]

@@ -40,6 +40,7 @@ from ._logical import logical_rules as logical_rules
 from ._mesh import make_mesh as make_mesh
 from ._plan import Plan as Plan
 from ._plan import plan as plan
+from ._rulesfile import load_rules as load_rules
 from ._shard import shard as shard
 from ._shard_map import ShardMap as ShardMap
 from ._shard_map import shard_map as shard_map

@@ -176,10 +176,25 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
 
 
 def load_rules(path: str | os.PathLike[str]) -> Rules:
-    """Read a TOML rules file into [`Rules`][modelshard.Rules].
+    """Read a TOML rules file (format: the Rules files guide) into [`Rules`][modelshard.Rules].
+
+    Args:
+        path: the ``.toml`` file.
+
+    Returns:
+        The rules it describes; [`Rules.to_toml`][modelshard.Rules.to_toml] writes one back.
 
     Raises:
-        SpecError: the file is missing, is not valid TOML, or does not describe Rules.
+        SpecError: the file is missing, is not valid TOML, or does not describe Rules
+            (every problem listed).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> import modelshard as ms
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "rules.toml"
+        >>> _ = path.write_text('[[rules]]\\npattern = "kernel$"\\nspec = ["none", "model"]\\n')
+        >>> ms.load_rules(path)
+        Rules([('kernel$', P(None, 'model'))], strict=True)
     """
     p = Path(path)
     try:

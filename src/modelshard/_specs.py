@@ -24,17 +24,6 @@ from jax.sharding import PartitionSpec
 from ._errors import Problem, SpecError
 from ._logical import LogicalRules, compile_logical
 
-__all__ = [
-    "FSDP",
-    "Rules",
-    "SpecLike",
-    "format_spec",
-    "fsdp",
-    "is_leaf_spec",
-    "partial_axes",
-    "to_spec",
-]
-
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
 SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
 
@@ -242,6 +231,23 @@ class Rules:
             if rx.search(path):
                 return i, spec
         return None
+
+    def to_toml(self) -> str:
+        """These rules as a TOML rules file, which [`load_rules`][modelshard.load_rules]
+        reads back as the same rules.
+
+        Example:
+            >>> from jax.sharding import PartitionSpec as P
+            >>> print(Rules([("kernel$", P(None, "model"))]).to_toml().strip())
+            strict = true
+            <BLANKLINE>
+            [[rules]]
+            pattern = 'kernel$'
+            spec = ["none", "model"]
+        """
+        from ._rulesfile import rules_to_toml  # the file format lives with its reader
+
+        return rules_to_toml(self)
 
     def describe(self, index: int) -> str:
         """``rule 0 'kernel$'``: how plans and errors name a rule."""
