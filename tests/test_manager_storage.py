@@ -292,8 +292,8 @@ def test_gs_plain_checkpoint_written_in_one_commit(gs_root):
     path = epath.Path(f"{gs_root}/ck")
     key = jax.random.key(5)
     state = {"w": jnp.arange(6.0), "k": key}
+    assert ms.save(str(path), state, metadata={"note": "gs"}) == path
     tree, record = prepare(state, {"note": "gs"})
-    save_remote(path, tree, record, overwrite=False)
     assert "commit_success.txt" in _names(str(path))
     out = ms.restore(str(path))
     np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(6.0))

@@ -31,7 +31,6 @@ from .storage import (
     MARKER,
     MAX_METADATA_BYTES,
     RECORD_FILE,
-    absolute,
     aside_dir,
     check_names,
     is_marked,
@@ -41,6 +40,7 @@ from .storage import (
     staging_dir,
     storage_key,
 )
+from .urls import is_remote, location
 
 
 def _is_key(x: Any) -> bool:
@@ -380,7 +380,8 @@ def save(
     complete: a save that fails or is killed leaves any earlier checkpoint there intact.
 
     Args:
-        directory: where to write (made absolute; its parent is created).
+        directory: where to write (made absolute; its parent is created), or a
+            ``gs://`` URL (written in place and committed by Orbax's commit file).
         state: any registered container (pytree, optax state, NNX module or state, linen
             variables, Equinox module, TrainState...). Typed PRNG keys, bfloat16 and NumPy
             leaves are fine; abstract leaves are not.
@@ -401,7 +402,12 @@ def save(
         >>> ms.restore(path)["w"].shape
         (4, 2)
     """
-    path = absolute(directory)
+    path = location(directory)
     tree, record = prepare(state, metadata)
+    if is_remote(path):
+        from .remote import save_remote
+
+        save_remote(path, tree, record, overwrite=overwrite)
+        return path
     write_atomic(path, lambda d: orbax_save(d, tree), record, overwrite=overwrite)
     return path
