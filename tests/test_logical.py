@@ -381,3 +381,41 @@ def test_shard_jit_uses_the_set_mesh(mesh24):
     assert y.sharding.mesh.shape == other.shape and step.cache_size == 2
     with pytest.raises(ms.MeshError, match="no mesh given and none is active"):
         step(X)
+
+
+def test_sharded_initialisation_never_whole_on_one_device(mesh24):
+    """The recipe of the model-code guide: shard_jit the constructor with out_specs; the
+    transfer guard refuses any copy, so every leaf is created on its devices."""
+    import equinox as eqx
+
+    init = nn.initializers.lecun_normal()
+    rules = [("embed", None), ("mlp", "model")]
+    named = ms.Rules([], strict=False)
+    by_path = ms.Rules([(r"weight$", P("mlp", "embed")), (r".*", P())])
+    x = jnp.zeros((2, 16))
+    # modelshard's context (Flax's would make linen constrain with with_sharding_constraint,
+    # which Explicit meshes refuse; NNX's eager sharding only reads Flax's: off here).
+    with (
+        jax.set_mesh(mesh24),
+        ms.logical_rules(rules),
+        nnx.use_eager_sharding(False),
+        jax.transfer_guard("disallow"),
+    ):
+        dense = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))
+        linen = ms.shard_jit(
+            lambda: dense.init(jax.random.key(0), x), in_specs=(), out_specs=named
+        )()
+        module = ms.shard_jit(
+            lambda: nnx.Linear(
+                16, 32, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=nnx.Rngs(0)
+            ),
+            in_specs=(),
+            out_specs=named,
+        )()
+        eqx_linear = ms.shard_jit(
+            lambda: eqx.nn.Linear(16, 32, key=jax.random.key(0)), in_specs=(), out_specs=by_path
+        )()
+    assert linen["params"]["kernel"].value.sharding.spec == P(None, "model")
+    assert module.kernel.get_value().sharding.spec == P(None, "model")
+    assert eqx_linear.weight.sharding.spec == P("model", None)
+    assert isinstance(module, nnx.Linear) and isinstance(eqx_linear, eqx.nn.Linear)
