@@ -1,10 +1,10 @@
 """``save`` to object storage (``gs://``), where a directory cannot be renamed into place.
 
 On a local disk ``save`` writes into a staging directory and renames it (see
-:mod:`.write`). Object stores have no rename, so there the checkpoint is written where it
+`write.py`). Object stores have no rename, so there the checkpoint is written where it
 belongs, in one Orbax save of two items, ``state/`` (the arrays) and
 ``modelshard/modelshard.json`` (the record), the layout of a manager step that
-:func:`~modelshard._checkpoint.locate.locate` reads. Orbax writes its commit file
+`locate.locate` reads. Orbax writes its commit file
 (``storage.COMMIT_FILE``) last; a checkpoint without it is incomplete and ``locate``
 refuses it. ``overwrite`` removes the old checkpoint first (only one modelshard wrote):
 there is no atomic swap on object storage, so a crash in between leaves none.
@@ -18,9 +18,6 @@ from typing import Any
 from .._errors import CheckpointError
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
-
-__all__ = ["save_remote"]
-
 
 def _ours(path: Any) -> bool:
     try:
