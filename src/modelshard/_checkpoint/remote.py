@@ -19,6 +19,7 @@ from .._errors import CheckpointError
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
 
+
 def _ours(path: Any) -> bool:
     try:
         meta = json.loads((path / CHECKPOINT_METADATA).read_text())
