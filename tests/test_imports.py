@@ -157,7 +157,7 @@ def test_no_import_cycles() -> None:
     cycles = find_cycles(graph)
     if cycles:
         lines = [
-            " -> ".join(c + [c[0]])
+            " -> ".join([*c, c[0]])
             + "\n    edges: "
             + "; ".join(f"{a} imports {b}" for a in c for b in sorted(graph[a]) if b in c)
             for c in cycles
