@@ -172,7 +172,6 @@ def test_no_private_names_borrowed_across_modules() -> None:
     )
 
 
-
 def _all_of(tree: ast.Module) -> list[str] | None:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(

@@ -135,7 +135,9 @@ def test_out_specs_fsdp_is_refused(mesh24):
 
 
 def test_call_errors(mesh24):
-    with pytest.raises(ms.SpecError, match=r"in_specs has 1 entries but <lambda> was called with 2"):
+    with pytest.raises(
+        ms.SpecError, match=r"in_specs has 1 entries but <lambda> was called with 2"
+    ):
         ms.shard_map(lambda a, b: a, mesh=mesh24, in_specs=(P(),), out_specs=P())(1.0, 2.0)
     with pytest.raises(ms.SpecError) as e:
         ms.shard_map(lambda a: a, mesh=mesh24, in_specs={"b": P(), "c": P()}, out_specs=P())
@@ -214,4 +216,3 @@ def test_logical_rules_context(mesh24):
     assert y.sharding.is_equivalent_to(NamedSharding(mesh24, P("model", None)), 2)
     with jax.set_mesh(mesh24), pytest.raises(ms.SpecError, match="axis 'batch'"):
         g(x)
-
