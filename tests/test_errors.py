@@ -126,3 +126,16 @@ def test_logical_name_errors_name_the_logical_name():
     )
     assert problem.hint is not None
     assert problem.hint.startswith("mesh axes are 'data': map 'embed' to one of them")
+
+
+def test_a_large_mapping_error_calls_its_problems_mapping_problems() -> None:
+    problems = [
+        ms.Problem("target", f"layers/{i}/w", "no source tensor maps to this leaf")
+        for i in range(12)
+    ]
+    err = ms.MappingError(problems)
+    first = str(err).splitlines()[0]
+    assert first.startswith("12 mapping problems, 1 cause ")
+    assert (
+        ms.SpecError(problems).args[0].splitlines()[0].startswith("12 sharding problems, 1 cause ")
+    )

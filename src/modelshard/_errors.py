@@ -190,6 +190,7 @@ class SpecError(ModelshardError, ValueError):
     """
 
     __module__ = "modelshard"
+    noun = "sharding problem"  # what a problem is called in the summary line
 
     def __init__(self, problems: Sequence[Problem], header: str | None = None):
         self.problems = tuple(problems)
@@ -197,7 +198,7 @@ class SpecError(ModelshardError, ValueError):
         n = len(self.problems)
         if n <= LIST_IN_FULL:
             header = header or (
-                f"{n} sharding problem{'s' if n != 1 else ''} found "
+                f"{n} {self.noun}{'s' if n != 1 else ''} found "
                 f"(every offending leaf is listed; paths are arg:path):"
             )
             lines = [header]
@@ -215,7 +216,7 @@ class SpecError(ModelshardError, ValueError):
     def report(self) -> str:
         """Every problem in full, one block per leaf (``str(err)`` summarises large lists)."""
         n = len(self.problems)
-        lines = [self.header or f"{n} sharding problem{'s' if n != 1 else ''} (every one):"]
+        lines = [self.header or f"{n} {self.noun}{'s' if n != 1 else ''} (every one):"]
         for p in self.problems:
             lines.extend(p.lines())
         return "\n".join(lines)
@@ -225,7 +226,7 @@ class SpecError(ModelshardError, ValueError):
         n, k = len(self.problems), len(causes)
         lines = [
             (header + " " if header else "")
-            + f"{n} sharding problems, {k} cause{'s' if k != 1 else ''} "
+            + f"{n} {self.noun}s, {k} cause{'s' if k != 1 else ''} "
             "(paths are arg:path; numbered layers folded as {0..N}):"
         ]
         budget = max_lines - 2 - sum(len(c.head_lines()) for c in causes[:8])
@@ -273,6 +274,7 @@ class MappingError(SpecError):
     ``target:PATH`` and ``mapping:rules[i]``)."""
 
     __module__ = "modelshard"
+    noun = "mapping problem"
 
 
 class AdapterError(ModelshardError, TypeError):
