@@ -512,8 +512,11 @@ class CheckpointManager:
         dtype: Any = None,
         partial: bool = False,
         verify: bool = True,
+        mapping: Any = None,
     ) -> Any:
-        """Restore ``step`` (default: the latest) exactly as [`modelshard.restore`][modelshard.restore] does.
+        """Restore ``step`` (default: the latest) exactly as [`modelshard.restore`][modelshard.restore] does
+        (``mapping=`` included: a step of another layout read through a
+        [`WeightMap`][modelshard.WeightMap]).
 
         Raises:
             CheckpointError: there is no such step (the message lists the steps there are).
@@ -527,6 +530,7 @@ class CheckpointManager:
             dtype=dtype,
             partial=partial,
             verify=verify,
+            mapping=mapping,
         )
 
     def items(
