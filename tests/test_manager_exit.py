@@ -29,8 +29,14 @@ LIMIT_S = 90
 
 def run_child(root, mode, send=None):
     """Run the child to its end (SIGKILL after LIMIT_S); ``send`` a signal after READY."""
+    return run_script([str(CHILD), str(root), mode], send)
+
+
+def run_script(argv, send=None):
+    """Run ``python *argv`` to its end (SIGKILL after LIMIT_S), sending ``send`` after it
+    prints READY: its exit status, stdout lines, stderr and wall time."""
     proc = subprocess.Popen(
-        [sys.executable, str(CHILD), str(root), mode],
+        [sys.executable, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -158,29 +164,8 @@ RESUME = Path(__file__).parent / "manager_scripts" / "resume_child.py"
 
 
 def _run_resume(root, send=None):
-    proc = subprocess.Popen(
-        [sys.executable, str(RESUME), str(root)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    timer = threading.Timer(LIMIT_S, proc.kill)
-    timer.start()
-    try:
-        out = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line.strip())
-            if line.strip() == "READY" and send is not None:
-                os.kill(proc.pid, send)
-        err = proc.stderr.read() if proc.stderr else ""
-        proc.wait(timeout=LIMIT_S)
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, out, err
+    code, out, err, _ = run_script([str(RESUME), str(root)], send)
+    return code, out, err
 
 
 def _uninterrupted(total=30):
