@@ -8,6 +8,7 @@ renames are not atomic, so a step is complete once Orbax's commit file is there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -40,54 +41,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def gcs_env():
+@contextlib.contextmanager
+def _local_server(argv, what, wait_s):
+    """Start ``python *argv`` (a server on 127.0.0.1), wait until it answers HTTP, yield
+    its URL, and stop it at the end (SIGKILL if it does not stop)."""
     port = _free_port()
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gcp_storage_emulator",
-            "start",
-            "--port",
-            str(port),
-            "--in-memory",
-            "--default-bucket",
-            BUCKET,
-        ],
+        [sys.executable, *[a.format(port=port) for a in argv]],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except urllib.error.HTTPError:
-            break  # it answers
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("the GCS emulator did not start")
-            time.sleep(0.1)
-    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    deadline = time.monotonic() + wait_s
     try:
-        yield env
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"{what} did not start")
+                time.sleep(0.1)
+        yield url
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.terminate()
         try:
             server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.fixture(scope="session")
+def gcs_env():
+    argv = ["-m", "gcp_storage_emulator", "start", "--port", "{port}", "--in-memory"]
+    with _local_server([*argv, "--default-bucket", BUCKET], "the GCS emulator", 30) as url:
+        env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture
@@ -213,36 +214,13 @@ def test_gs_restore_onto_another_mesh_is_bit_exact(gs_root, mesh24):
 def s3_url():
     pytest.importorskip("moto")
     boto3 = pytest.importorskip("boto3")
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except urllib.error.HTTPError:
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("the S3 server (moto) did not start")
-            time.sleep(0.1)
-    creds = dict(aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
-    boto3.client("s3", endpoint_url=url, **creds).create_bucket(Bucket=BUCKET)
-    try:
+    argv = ["-m", "moto.server", "-p", "{port}"]
+    with _local_server(argv, "the S3 server (moto)", 60) as url:
+        creds = dict(
+            aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+        )
+        boto3.client("s3", endpoint_url=url, **creds).create_bucket(Bucket=BUCKET)
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_s3_tensorstore_works_but_orbax_mangles_the_url_so_s3_is_refused(
