@@ -113,7 +113,11 @@ class Flat:
         """Static leaves that hold arrays in their attributes (an object modelshard cannot
         open): ``(path, type, attribute names)`` for each, looked at one level deep."""
         at = set(self.array_index)
-        found = [(i, x) for i, x in enumerate(self.leaves) if i not in at and _holds_arrays(x)]
+        found = [
+            (i, x, attrs)
+            for i, x in enumerate(self.leaves)
+            if i not in at and (attrs := _holds_arrays(x))
+        ]
         if not found:
             return []
         try:
@@ -121,8 +125,7 @@ class Flat:
         except Exception:  # a path is a courtesy here; the position still names the leaf
             paths = []
         return [
-            (paths[i] if i < len(paths) else f"<leaf {i}>", type(x), _holds_arrays(x))
-            for i, x in found
+            (paths[i] if i < len(paths) else f"<leaf {i}>", type(x), attrs) for i, x, attrs in found
         ]
 
     def _with(self, arrays: Sequence[Any]) -> list[Any]:
@@ -181,6 +184,11 @@ def _holds_arrays(x: Any) -> list[str]:
         if any(is_array(u) for u in vals):
             out.append(str(k))
     return out
+
+
+def _is_nested(x: Any, stop: tuple[type, ...]) -> bool:
+    """Whether leaf ``x`` is a container of one of the ``stop`` types (arrays never are)."""
+    return bool(stop) and type(x) not in ARRAY_TYPES and isinstance(x, stop)
 
 
 def holds_nested(leaves: Sequence[Any]) -> bool:
@@ -266,7 +274,7 @@ class NestedAdapter(Adapter):
         out: list[Any] = []
         inner: list[Inner] = []
         for i, x in enumerate(leaves):
-            if stop and type(x) not in ARRAY_TYPES and isinstance(x, stop):
+            if _is_nested(x, stop):
                 adapter, sub, aux = flatten_nested(get_adapter(x), x)
                 inner.append(Inner(i, adapter, aux, len(sub)))
                 out.extend(sub)
@@ -316,7 +324,7 @@ class NestedAdapter(Adapter):
         stop = nested_types()
         out: list[LeafInfo] = []
         for info, x in zip(outer_infos, leaves, strict=True):
-            if stop and type(x) not in ARRAY_TYPES and isinstance(x, stop):
+            if _is_nested(x, stop):
                 adapter = flatten_nested(get_adapter(x), x)[0]
                 out.extend(
                     LeafInfo(join(info.path, sub.path), sub.names, sub.box)
