@@ -46,7 +46,7 @@ def _bits(dt: Any) -> int:
         return dt.itemsize * 8
 
 
-def _checksum_one(x: jax.Array) -> jax.Array:
+def _checksum_one(x: jax.Array, offset: Any = 0) -> jax.Array:
     """The two sums over the lanes of ``x`` (complex: real and imaginary lanes interleaved,
     as ``_np_lanes`` stacks them), in one variadic reduction: XLA fuses every term into
     it, so no temporary as large as ``x`` is materialised (two separate sums would each
@@ -54,7 +54,9 @@ def _checksum_one(x: jax.Array) -> jax.Array:
     parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
     lanes = [_lanes(p) for p in parts]
     shape = lanes[0].shape
-    idx = jnp.zeros(shape, jnp.uint32)
+    # ``offset``: the flat index of ``x``'s first element in the leaf it is part of
+    per_element = len(lanes) * (math.prod(shape) // max(1, x.size) if x.size else 1)
+    idx = jnp.full(shape, jnp.asarray(offset, jnp.uint32) * jnp.uint32(per_element % 2**32))
     stride = len(lanes)
     for d in range(len(shape) - 1, -1, -1):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
@@ -92,6 +94,21 @@ def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
 
 
 _checksum_jit = jax.jit(_checksum_one)
+_slab_jit = jax.jit(_checksum_one)
+
+
+def slab_sums(x: jax.Array, offset: int) -> jax.Array:
+    """The two sums (a ``uint32[2]`` device array, not waited for) over ``x``, the part
+    of a leaf whose first element has the flat (C-order) index ``offset`` in it: a run of
+    whole rows along the leaf's first dimension. The sums of a leaf's parts add up
+    (modulo 2**32) to the leaf's own; ``format_sums`` writes them as a checksum."""
+    return _slab_jit(x, np.uint32(offset % 2**32))
+
+
+def format_sums(s1: int, s2: int) -> str:
+    """Two sums (each taken modulo 2**32) as a checksum, ``"xxxxxxxx:yyyyyyyy"``."""
+    return f"{s1 & 0xFFFFFFFF:08x}:{s2 & 0xFFFFFFFF:08x}"
+
 
 # Leaves are checksummed on the host when all the leaves sharing their shape, dtype and
 # sharding (one compiled program) hold at most this many elements together: then compiling
