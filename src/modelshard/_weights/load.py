@@ -13,7 +13,6 @@ shapes and dtypes to write), inverts every recipe and writes one stored tensor a
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -23,13 +22,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
 
 from .._errors import CheckpointError, MappingError, Problem
 from .._flat import split
 from .._mesh import is_abstract, make_mesh
 from .._paths import split as split_path
-from .._specs import entry_axes
 from . import transforms as T
 from .mapping import Resolution, WeightMap, resolve
 from .safetensors import SafetensorsFiles, open_safetensors, write_safetensors
@@ -101,33 +98,13 @@ def build_leaf(
 ) -> jax.Array:
     """One target leaf from its recipe: each addressable device's slice read once.
 
-    A recipe ending in a transpose (PyTorch's ``[out, in]`` into a ``[in, out]`` kernel)
-    is built in the stored layout, sharded the permuted way, and transposed on the
-    devices: the stored tensor is sharded like the target where that divides (a device
-    then reads contiguous rows, no gather on the host), else the permuted way, and XLA's
-    tiled transpose and resharding do the rest, where a NumPy transposing copy would
-    walk memory across the grain.
+    A device's slice of a transposed leaf (PyTorch's ``[out, in]`` into an ``[in, out]``
+    kernel) is a strided view of the stored tensor's memory map; it is handed to JAX as
+    it is, and the runtime's host-to-device copy, which takes arbitrary strides, writes
+    it transposed into the device's buffer (XLA's blocked transpose, about 1.6x faster
+    than NumPy's tiled copy): one pass over the device's bytes, no device computation
+    and no resharding.
     """
-    if (
-        isinstance(node, T.Transpose)
-        and isinstance(sharding, NamedSharding)
-        and len(sharding.spec) <= len(node.perm)
-    ):
-        spec = tuple(sharding.spec) + (None,) * (len(node.perm) - len(sharding.spec))
-        sizes = dict(sharding.mesh.shape)
-        fits = all(
-            d % math.prod(sizes[a] for a in entry_axes(e)) == 0
-            for d, e in zip(node.child.shape, spec, strict=True)
-        )
-        if fits:  # the target's entries on the stored axes: reads along the first axis
-            inner = list(spec)
-        else:  # the same elements per device: the permuted spec
-            inner = [None] * len(node.perm)
-            for j, p in enumerate(node.perm):
-                inner[p] = spec[j]
-        stored = build_leaf(node.child, NamedSharding(sharding.mesh, P(*inner)), fetch_for)
-        # wait: queued transposes would each keep a stored tensor alive
-        return _transposed(node.perm, sharding)(stored).block_until_ready()
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
@@ -137,18 +114,18 @@ def build_leaf(
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = T.contiguous(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            got = np.asarray(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            if got.flags.c_contiguous and not got.flags.writeable:
+                # a contiguous view of a file's memory map: JAX could alias it (keeping the
+                # map, and the file's pages, alive), so it gets a buffer of its own
+                got = T.copy_of(got)
+            seen[norm] = got
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
     cache.clear()
     seen.clear()
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _transposed(perm: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(lambda x: x.transpose(perm), out_shardings=sharding)
 
 
 def load_safetensors(

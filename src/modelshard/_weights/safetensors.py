@@ -5,14 +5,15 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (tens
 ``__metadata__`` of strings), then the tensors' bytes, C order. A sharded checkpoint adds
 ``model.safetensors.index.json`` with ``weight_map``: tensor name -> file.
 
-Reads use positioned reads (``os.pread``) into fresh buffers rather than a memory map:
-the pages of a mapped file count in the process's resident memory for as long as the map
-is open, so a mapped load peaks at the file *plus* the device copies; a read of rows
-``[lo, hi)`` of a C-order tensor is one contiguous byte range, so a device's slice along
-the first axis costs exactly its bytes. A slice along another axis reads the tensor once
-(cached while its leaf is placed) and slices it in memory. Dtypes map through
-``ml_dtypes`` (bf16 and every fp8 variant), which the ``safetensors`` package's NumPy
-backend cannot return for fp8.
+A device's slice along the first axis (rows ``[lo, hi)`` of a C-order tensor, one
+contiguous byte range) is one positioned read (``os.preadv``) into a buffer of its own,
+which JAX then owns: exactly its bytes, copied once. Not a memory map of the file: mapped
+pages count in the process's resident memory for as long as the map is open, so mapping
+the whole file peaks at the file *plus* the device copies (``safetensors``' ``safe_open``
+maps it). A slice across the rows (a transposed leaf's device block) is a strided view
+of a map of that one tensor, open while its leaf is placed: JAX's host-to-device copy
+reads it straight from the page cache. Dtypes map through ``ml_dtypes`` (bf16 and every
+fp8 variant), which the ``safetensors`` package's NumPy backend cannot return for fp8.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -195,9 +197,34 @@ class SafetensorsFiles:
             done += n
         return out
 
+    def mapped(self, name: str) -> np.ndarray:
+        """The stored tensor as a read-only array over a memory map of its bytes only.
+
+        For slices across the rows (a transposed leaf's device block): the slice is
+        copied straight out of the page cache, where a read would first copy the whole
+        tensor into a buffer. The mapped pages count in RSS only while the map lives; the
+        map is closed when the last view of it is dropped (``fetch``'s cache holds it for
+        one leaf).
+        """
+        t = self.tensors[name]
+        if t.nbytes == 0:
+            return np.empty(t.shape, t.dtype)
+        start = t.offset - t.offset % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(
+            self._fd(t.file),
+            t.offset - start + t.nbytes,
+            flags=flags,
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
+        return np.frombuffer(mm, t.dtype, math.prod(t.shape), t.offset - start).reshape(t.shape)
+
     def fetch(self, cache: dict[Any, np.ndarray]) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
-        """A ``fetch(name, index)`` for recipes; whole tensors read for off-axis slices stay
-        in ``cache`` (the caller drops it after each leaf)."""
+        """A ``fetch(name, index)`` for recipes. A slice of whole rows is one positioned
+        read of its bytes; any other slice is a read-only view of the tensor's memory map
+        (kept in ``cache``, which the caller drops after each leaf), copied once by the
+        recipe's last step."""
 
         def fetch(name: str, index: tuple[slice, ...]) -> np.ndarray:
             t = self.tensors[name]
@@ -208,8 +235,8 @@ class SafetensorsFiles:
                 return self.read_rows(name, first.start, first.stop)
             whole = cache.get(name)
             if whole is None:
-                whole = cache[name] = self.read_rows(name, 0, t.shape[0])
-            return whole[index]  # a view: the recipe's last step copies it once
+                whole = cache[name] = self.mapped(name)
+            return whole[index]
 
         return fetch
 

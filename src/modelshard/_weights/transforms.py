@@ -2,13 +2,14 @@
 
 A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
 ``Read`` leaves name a stored tensor; ``Transpose``, ``Reshape``, ``Take`` (one index of
-an axis), ``Stack`` (a new axis) and ``Cast`` compute on top. Every node knows its shape
+an axis), ``Slice`` (a range of an axis), ``Stack`` (along a new axis), ``Concat`` (along
+an existing one) and ``Cast`` compute on top. Every node knows its shape
 and dtype without reading anything, so a whole mapping is validated before one byte is
 read, and every node can be inverted, which is how the same mapping writes an export.
 
 ``node.read(index, fetch)`` computes only the part of the result selected by ``index``
 (a tuple of slices, one per dimension, as ``jax.make_array_from_callback`` hands them
-out): transposes, takes, stacks and casts pass the slice down to the stored tensor, so a
+out): transposes, takes, slices, stacks, concatenations and casts pass the slice down to the stored tensor, so a
 device reads only its part of each tensor; a reshape needs its whole input (read once per
 leaf through the ``fetch`` cache).
 """
@@ -50,11 +51,41 @@ def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
 def contiguous(a: Any) -> np.ndarray:
     """``a`` as a C-contiguous array, rank kept (``np.ascontiguousarray`` makes 0-d 1-d)."""
     a = np.asarray(a)
-    if a.flags.c_contiguous:
-        return a
+    return a if a.flags.c_contiguous else copy_of(a)
+
+
+def copy_of(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a`` in a buffer of its own."""
     out = host_empty(a.shape, a.dtype)
-    np.copyto(out, a)
+    copy_tiled(out, a)
     return out
+
+
+# A transposing copy walks one side across the grain: element by element, every read (or
+# write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
+# block in cache: 3-4x faster than one ``np.copyto`` of the whole transposed view.
+TILE = 128
+
+
+def copy_tiled(out: np.ndarray, a: np.ndarray, casting: Any = "same_kind") -> None:
+    """``out[...] = a`` for a C-contiguous ``out``, in tiles when ``a`` is transposed (its
+    innermost axis in memory is not its last)."""
+    moving = [i for i in range(a.ndim) if a.shape[i] > 1]
+    if len(moving) < 2:
+        np.copyto(out, a, casting=casting)
+        return
+    inner = min(moving, key=lambda i: abs(a.strides[i]))
+    last = moving[-1]
+    if inner == last:
+        np.copyto(out, a, casting=casting)
+        return
+    whole = [slice(None)] * a.ndim
+    for i in range(0, a.shape[inner], TILE):
+        for j in range(0, a.shape[last], TILE):
+            idx = list(whole)
+            idx[inner], idx[last] = slice(i, i + TILE), slice(j, j + TILE)
+            t = tuple(idx)
+            np.copyto(out[t], a[t], casting=casting)
 
 
 def full_index(shape: Sequence[int]) -> Index:
@@ -213,7 +244,7 @@ class Stack(Node):
             (*parts[0].shape[: self.axis], len(parts), *parts[0].shape[self.axis :]), self.dtype
         )
         for i, p in enumerate(parts):
-            out[(slice(None),) * self.axis + (i,)] = p
+            copy_tiled(out[(slice(None),) * self.axis + (i,)], p)
         return out
 
     def reads(self) -> list[str]:
@@ -229,6 +260,82 @@ class Stack(Node):
 
 
 @dataclasses.dataclass(repr=False)
+class Concat(Node):
+    """``children`` joined along their existing axis ``axis`` (fused q, k, v)."""
+
+    children: list[Node]
+    axis: int
+
+    def __post_init__(self) -> None:
+        s = self.children[0].shape
+        n = sum(c.shape[self.axis] for c in self.children)
+        self.shape = (*s[: self.axis], n, *s[self.axis + 1 :])
+        self.dtype = self.children[0].dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = _norm(index, self.shape)
+        ax = self.axis
+        lo, hi = index[ax].start, index[ax].stop
+        parts, start = [], 0
+        for c in self.children:
+            a, b = max(lo, start), min(hi, start + c.shape[ax])
+            if a < b:
+                sub = (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])
+                parts.append(c.read(sub, fetch))
+            start += c.shape[ax]
+        if len(parts) == 1:
+            return parts[0]
+        out = host_empty([s.stop - s.start for s in index], self.dtype)
+        at = 0
+        for p in parts:
+            copy_tiled(out[(slice(None),) * ax + (slice(at, at + p.shape[ax]),)], p)
+            at += p.shape[ax]
+        return out
+
+    def reads(self) -> list[str]:
+        return [k for c in self.children for k in c.reads()]
+
+    def describe(self) -> str:
+        first = self.children[0].describe()
+        return f"concat(axis {self.axis}) of {len(self.children)}: {first}, ..."
+
+    @property
+    def sliceable(self) -> bool:
+        return all(c.sliceable for c in self.children)
+
+
+@dataclasses.dataclass(repr=False)
+class Slice(Node):
+    """Indices ``[lo, hi)`` of axis ``axis`` of ``child`` (one part of a fused tensor)."""
+
+    child: Node
+    axis: int
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        s = self.child.shape
+        self.shape = (*s[: self.axis], self.hi - self.lo, *s[self.axis + 1 :])
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = _norm(index, self.shape)
+        ax, lo = self.axis, self.lo
+        inner = (*index[:ax], slice(index[ax].start + lo, index[ax].stop + lo), *index[ax + 1 :])
+        return self.child.read(inner, fetch)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"[{self.lo}:{self.hi}] of axis {self.axis} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
 class Cast(Node):
     child: Node
     dtype: np.dtype[Any]
@@ -239,7 +346,7 @@ class Cast(Node):
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         x = self.child.read(index, fetch)
         out = host_empty(x.shape, self.dtype)
-        np.copyto(out, x, casting="unsafe")
+        copy_tiled(out, x, casting="unsafe")
         return out
 
     def reads(self) -> list[str]:
@@ -280,19 +387,29 @@ def _invert(
     elif isinstance(node, Stack):
         for i, c in enumerate(node.children):
             _invert(c, Take(value, node.axis, i), out, pieces)
-    elif isinstance(node, Take):
+    elif isinstance(node, Concat):
+        start = 0
+        for c in node.children:
+            n = c.shape[node.axis]
+            _invert(c, Slice(value, node.axis, start, start + n), out, pieces)
+            start += n
+    elif isinstance(node, Take | Slice):
         child = node.child
         slot = pieces.setdefault(id(child), {"node": child, "axis": node.axis, "parts": {}})
-        slot["parts"][node.i] = value
+        slot["parts"][node.i if isinstance(node, Take) else node.lo] = value
     else:  # pragma: no cover - every node type is handled above
         raise TypeError(type(node).__name__)
 
 
 def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> None:
-    """Stack the pieces ``invert`` collected into the tensors they came from."""
+    """Join the pieces ``invert`` collected into the tensors they came from: one layer
+    each (``Take``) stacked, the parts of a fused tensor (``Slice``) concatenated."""
     for slot in pieces.values():
         parts = slot["parts"]
         child: Node = slot["node"]
-        n = child.shape[slot["axis"]]
-        stacked = Stack([parts[i] for i in range(n)], slot["axis"])
-        _invert(child, stacked, out, {})
+        values = [parts[k] for k in sorted(parts)]
+        if len(values[0].shape) < len(child.shape):
+            joined: Node = Stack(values, slot["axis"])
+        else:
+            joined = Concat(values, slot["axis"])
+        _invert(child, joined, out, {})
