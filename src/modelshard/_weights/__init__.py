@@ -18,8 +18,10 @@ from .load import target_table as target_table
 from .load import unmap as unmap
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
+from .mapping import Concat as Concat
 from .mapping import MapRule as MapRule
 from .mapping import Resolution as Resolution
+from .mapping import Split as Split
 from .mapping import Stack as Stack
 from .mapping import Unstack as Unstack
 from .mapping import WeightMap as WeightMap

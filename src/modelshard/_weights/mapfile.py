@@ -9,8 +9,8 @@ The format (documented in ``docs/concepts/mapping.md``)::
     heads = 4
 
     [[rules]]                          # first match wins; re.fullmatch on stored names
-    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.(q|k|v|o)_proj\\.weight'
-    target = "layers/{1}/attn/{2}/kernel"
+    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.o_proj\\.weight'
+    target = "layers/{1}/attn/o/kernel"
     transpose = [1, 0]
 
     [[rules]]
@@ -28,7 +28,19 @@ The format (documented in ``docs/concepts/mapping.md``)::
     source = '.*\\.rotary_emb\\.inv_freq'
     skip = true
 
-A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``.
+    [[rules]]                          # q, k, v into one fused kernel [embed, q+k+v]
+    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.(q|k|v)_proj\\.weight'
+    target = "layers/{1}/attn/qkv/kernel"
+    transpose = [1, 0]
+    concat = { group = 2, axis = 1, order = ["q", "k", "v"] }
+
+    [[rules]]                          # a fused tensor into its parts
+    source = 'h\\.(\\d+)\\.attn\\.c_attn\\.weight'
+    target = "layers/{1}/attn/{part}/kernel"
+    split = { key = "part", names = ["q", "k", "v"], axis = 1 }
+
+A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``; ``split`` takes
+``sizes = [...]`` (ints or config names) for unequal parts.
 """
 
 from __future__ import annotations
@@ -40,10 +52,21 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MappingError, Problem
-from .mapping import MapRule, Stack, Unstack, WeightMap
+from .mapping import Concat, MapRule, Split, Stack, Unstack, WeightMap
 
 _TOP = {"strict", "keep", "config", "rules"}
-_RULE = {"source", "target", "skip", "transpose", "reshape", "stack", "unstack", "cast"}
+_RULE = {
+    "source",
+    "target",
+    "skip",
+    "transpose",
+    "reshape",
+    "stack",
+    "unstack",
+    "concat",
+    "split",
+    "cast",
+}
 
 
 def _ints(value: Any, where: str, problems: list[Problem], src: str, names: bool) -> Any:
@@ -177,11 +200,13 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         if reshape is not None:
             reshape = _ints(reshape, f"{where}.reshape", problems, source, True)
             bad |= reshape is None
-        stack = unstack = None
-        if "stack" in item:
+        joins: dict[str, Any] = {}
+        for kind, cls in (("stack", Stack), ("concat", Concat)):
+            if kind not in item:
+                continue
             t = _table(
-                item["stack"],
-                f"{where}.stack",
+                item[kind],
+                f"{where}.{kind}",
                 {"group": (int, str), "axis": int, "order": list},
                 "group",
                 problems,
@@ -191,9 +216,10 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 bad = True
             else:
                 order = t.get("order")
-                stack = Stack(
+                joins[kind] = cls(
                     t["group"], t.get("axis", 0), None if order is None else tuple(map(str, order))
                 )
+        unstack = split = None
         if "unstack" in item:
             t = _table(
                 item["unstack"],
@@ -207,6 +233,31 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 bad = True
             else:
                 unstack = Unstack(t["key"], t.get("axis", 0))
+        if "split" in item:
+            t = _table(
+                item["split"],
+                f"{where}.split",
+                {"key": str, "names": list, "axis": int, "sizes": list},
+                "key",
+                problems,
+                source,
+            )  # type: ignore[dict-item]
+            names = None if t is None else t.get("names")
+            sizes = None if t is None else t.get("sizes")
+            if names is not None and not all(isinstance(n, str) for n in names):
+                problems.append(
+                    Problem(source, f"{where}.split.names", f"{names!r} is not an array of strings")
+                )
+                names = None
+            if sizes is not None:
+                sizes = _ints(sizes, f"{where}.split.sizes", problems, source, True)
+                bad |= sizes is None
+            if t is not None and names is None and "names" not in t:
+                problems.append(Problem(source, f"{where}.split", "names is required"))
+            if t is None or names is None:
+                bad = True
+            else:
+                split = Split(t["key"], tuple(names), t.get("axis", 0), sizes)
         cast = item.get("cast")
         if cast is not None and not isinstance(cast, str):
             problems.append(
@@ -220,9 +271,11 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                     None if skip is True else target,
                     transpose=transpose,
                     reshape=reshape,
-                    stack=stack,
+                    stack=joins.get("stack"),
                     unstack=unstack,
                     cast=cast,
+                    concat=joins.get("concat"),
+                    split=split,
                 )
             )
     header = f"invalid mapping file {source}:"

@@ -64,11 +64,54 @@ class Unstack:
 
 
 @dataclasses.dataclass(frozen=True)
+class Concat:
+    """Several stored tensors into one target leaf, joined along an existing axis.
+
+    Like [`Stack`][modelshard.Stack], but the tensors are concatenated along an axis they
+    already have: separate q, k and v projections into one fused ``[embed, (q+k+v)]``
+    kernel, ``Concat(2, axis=1, order=("q", "k", "v"))``. Their sizes along ``axis`` may
+    differ (grouped-query attention); every other dimension must agree.
+
+    Attributes:
+        group: the regex group (number or name) that varies between the joined tensors.
+        axis: the axis to join along (after the rule's transforms).
+        order: the group's values in joining order; ``None`` for numbers.
+    """
+
+    group: int | str
+    axis: int = 0
+    order: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One stored tensor into several target leaves, cut along an existing axis.
+
+    The inverse of [`Concat`][modelshard.Concat]: a fused checkpoint tensor (``qkv_proj``,
+    ``gate_up_proj``) into separate leaves. The target template names each part
+    ``{key}``, taking the values ``names``.
+
+    Attributes:
+        key: the name of the part in the target template (``{part}``).
+        names: the parts' names, in stored order (``("q", "k", "v")``).
+        axis: the stored tensor's axis to cut (before the rule's transforms).
+        sizes: each part's size along ``axis``: ints or names in the mapping's ``config``;
+            ``None``: equal parts.
+    """
+
+    key: str
+    names: tuple[str, ...]
+    axis: int = 0
+    sizes: tuple[int | str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class MapRule:
     """One rule of a [`WeightMap`][modelshard.WeightMap].
 
-    Transforms apply in this order: ``unstack`` (on the stored tensor), ``transpose``,
-    ``reshape`` (on each piece), ``stack`` (across tensors), then ``cast``.
+    Transforms apply in this order: ``unstack`` or ``split`` (on the stored tensor),
+    ``transpose``, ``reshape`` (on each piece), ``stack`` or ``concat`` (across tensors),
+    then ``cast``.
 
     Attributes:
         source: regex matched against the whole stored name (``re.fullmatch``).
@@ -78,9 +121,13 @@ class MapRule:
             weight to a JAX ``[in, out]`` kernel).
         reshape: the new shape: ints, ``-1`` (inferred), or names looked up in the
             mapping's ``config`` (``("embed", "heads", -1)``).
-        stack: several tensors into one leaf ([`Stack`][modelshard.Stack]).
-        unstack: one tensor into several leaves ([`Unstack`][modelshard.Unstack]).
+        stack: several tensors into one leaf along a new axis ([`Stack`][modelshard.Stack]).
+        unstack: one tensor into one leaf per index of an axis ([`Unstack`][modelshard.Unstack]).
         cast: the dtype the leaf is cast to (``"float32"``).
+        concat: several tensors into one leaf along an existing axis
+            ([`Concat`][modelshard.Concat]).
+        split: one tensor into several leaves along an existing axis
+            ([`Split`][modelshard.Split]).
     """
 
     source: str
@@ -90,17 +137,29 @@ class MapRule:
     stack: Stack | None = None
     unstack: Unstack | None = None
     cast: str | None = None
+    concat: Concat | None = None
+    split: Split | None = None
+
+    @property
+    def join(self) -> Stack | Concat | None:
+        """The rule's ``stack`` or ``concat``: several stored tensors into one leaf."""
+        return self.stack or self.concat
 
     def transforms_text(self) -> str:
         parts = []
         if self.unstack:
             parts.append(f"unstack(axis {self.unstack.axis} -> {{{self.unstack.key}}})")
+        if self.split:
+            names = "|".join(self.split.names)
+            parts.append(f"split(axis {self.split.axis} -> {{{self.split.key}}} = {names})")
         if self.transpose:
             parts.append(f"transpose{tuple(self.transpose)}")
         if self.reshape:
             parts.append(f"reshape{tuple(self.reshape)}")
         if self.stack:
             parts.append(f"stack(group {self.stack.group}, axis {self.stack.axis})")
+        if self.concat:
+            parts.append(f"concat(group {self.concat.group}, axis {self.concat.axis})")
         if self.cast:
             parts.append(f"cast({self.cast})")
         return ", ".join(parts) or ("skip" if self.target is None else "-")
@@ -184,6 +243,8 @@ class WeightMap:
             return None
         rule = self.rules[hit[0]]
         extra = {rule.unstack.key: "0"} if rule.unstack else {}
+        if rule.split and rule.split.names:
+            extra = {rule.split.key: rule.split.names[0]}
         return self._format(rule, hit[1], extra)
 
     def _format(self, rule: MapRule, m: re.Match[str], extra: Mapping[str, str]) -> str:
@@ -225,17 +286,39 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
         return None
     groups = {str(n) for n in range(pattern.groups + 1)} | set(pattern.groupindex)
     fields = set(_FIELD.findall(rule.target or ""))
-    if rule.unstack is not None:
-        if rule.unstack.key not in fields:
+    for what, cut in (("unstack", rule.unstack), ("split", rule.split)):
+        if cut is None:
+            continue
+        if cut.key not in fields:
             problems.append(
                 Problem(
                     "mapping",
                     where,
-                    f"unstack key {{{rule.unstack.key}}} is not in the target {rule.target!r}",
+                    f"{what} key {{{cut.key}}} is not in the target {rule.target!r}",
                     hint="the target template must name each piece, e.g. layers/{layer}/...",
                 )
             )
-        fields.discard(rule.unstack.key)
+        fields.discard(cut.key)
+    if rule.split is not None:
+        names = rule.split.names
+        if not names or len(set(names)) != len(names):
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"split names {tuple(names)!r} must be distinct and at least one",
+                )
+            )
+        elif rule.split.sizes is not None and len(rule.split.sizes) != len(names):
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"split has {len(names)} names {tuple(names)!r} but "
+                    f"{len(rule.split.sizes)} sizes {tuple(rule.split.sizes)!r}",
+                    hint="give one size per name, or none for equal parts",
+                )
+            )
     for f in sorted(fields - groups):
         problems.append(
             Problem(
@@ -246,28 +329,48 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
                 hint="name a group of the regex ({1}, {name}) or write the text literally",
             )
         )
-    if rule.stack is not None:
-        g = str(rule.stack.group)
+    join = rule.join
+    verb = "stack" if rule.stack is not None else "concat"
+    if join is not None:
+        g = str(join.group)
         if g not in groups or g == "0":
             problems.append(
                 Problem(
                     "mapping",
                     where,
-                    f"stack group {rule.stack.group!r} is not a group of {rule.source!r}",
+                    f"{verb} group {join.group!r} is not a group of {rule.source!r}",
                 )
             )
         elif g in fields or (g in pattern.groupindex and str(pattern.groupindex[g]) in fields):
+            joined = "stacked" if rule.stack is not None else "concatenated"
             problems.append(
                 Problem(
                     "mapping",
                     where,
-                    f"the target {rule.target!r} uses the stacked group {{{g}}}",
-                    hint="the stacked tensors share one target: leave the group out of it",
+                    f"the target {rule.target!r} uses the {joined} group {{{g}}}",
+                    hint=f"the {joined} tensors share one target: leave the group out of it",
                 )
             )
-    if rule.stack is not None and rule.unstack is not None:
-        problems.append(Problem("mapping", where, "a rule cannot both stack and unstack"))
-    if rule.target is None and (rule.transpose or rule.reshape or rule.stack or rule.unstack):
+    steps = [
+        n
+        for n, v in (
+            ("stack", rule.stack),
+            ("concat", rule.concat),
+            ("unstack", rule.unstack),
+            ("split", rule.split),
+        )
+        if v is not None
+    ]
+    if len(steps) > 1:
+        problems.append(
+            Problem(
+                "mapping",
+                where,
+                f"a rule cannot both {steps[0]} and {steps[1]}",
+                hint="one rule joins or cuts tensors in one way; write two rules",
+            )
+        )
+    if rule.target is None and (rule.transpose or rule.reshape or steps):
         problems.append(Problem("mapping", where, "a skip rule (target None) takes no transforms"))
     if rule.cast is not None:
         try:
@@ -385,18 +488,19 @@ def resolve(
         rule = mapping.rules[i]
         if rule.target is None:
             skipped.append(name)
-        elif rule.stack is not None:
+        elif rule.join is not None:
             key = mapping._format(rule, m, {})
             members = stacks.setdefault((i, key), {})
-            value = m.group(rule.stack.group) or ""
+            value = m.group(rule.join.group) or ""
+            verb = "stack" if rule.stack is not None else "concat"
             if value in members:
                 problems.append(
                     Problem(
                         "target",
                         key,
                         f"stored tensors {members[value]}, {name} all map to this leaf, both "
-                        f"at stack index {value!r} (rules[{i}] stacks by group "
-                        f"{rule.stack.group!r})",
+                        f"at {verb} index {value!r} (rules[{i}] {verb}s by group "
+                        f"{rule.join.group!r})",
                         hint="another group varies too: put it in the target template, or "
                         "stack by it",
                         cause="several stored tensors map to one leaf",
@@ -444,6 +548,14 @@ def resolve(
                 if piece is None:
                     break  # the same problem for every piece: reported once
                 add(path, piece, i, (name,))
+        elif rule.split is not None:
+            parts = _split_parts(mapping, rule, i, read, name, problems)
+            for part, cut in parts:
+                path = mapping._format(rule, m, {rule.split.key: part})
+                leaf = _piece(mapping, rule, i, cut, name, dtype, problems)
+                if leaf is None:
+                    break  # the same problem for every part: reported once
+                add(path, leaf, i, (name,))
         else:
             path = mapping._format(rule, m, {})
             add(path, _piece(mapping, rule, i, read, name, dtype, problems), i, (name,))
@@ -452,8 +564,10 @@ def resolve(
         if (i, path) in clashed:
             continue
         rule = mapping.rules[i]
-        assert rule.stack is not None
-        order = _stack_order(rule.stack, members, i, path, problems)
+        join = rule.join
+        assert join is not None
+        verb = "stack" if rule.stack is not None else "concat"
+        order = _stack_order(join, verb, members, i, path, problems)
         if order is None:
             continue
         names = tuple(members[v] for v in order)
@@ -462,30 +576,41 @@ def resolve(
             shape, dt = sources[name]
             read = T.Read(name, tuple(shape), np.dtype(dt))
             pieces.append(_pre_cast(mapping, rule, i, read, name, dtype, problems))
-        if any(p is None for p in pieces):
+        nodes = [p for p in pieces if p is not None]
+        if len(nodes) < len(pieces):
             continue
-        shapes = {(p.shape, p.dtype) for p in pieces if p is not None}
-        if len(shapes) > 1:
+        ndim = len(nodes[0].shape) + (1 if rule.stack is not None else 0)
+        ax = join.axis
+        if not -ndim <= ax < ndim:
+            problems.append(Problem("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range"))
+            continue
+        ax %= ndim
+
+        if rule.stack is not None:  # what must agree between the pieces
+            agree = {(p.shape, p.dtype) for p in nodes}
+        else:
+            agree = {(len(p.shape), p.shape[:ax], p.shape[ax + 1 :], p.dtype) for p in nodes}
+        if len(agree) > 1:
             detail = ", ".join(
                 f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
-                for n, p in zip(names, pieces, strict=True)
-                if p is not None
+                for n, p in zip(names, nodes, strict=True)
             )
+            if rule.stack is not None:
+                what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
+            else:
+                what = f"dtype or shape outside axis {ax}"
+                hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
             problems.append(
                 Problem(
                     "target",
                     path,
-                    f"the stacked tensors differ in shape or dtype: {detail}",
-                    hint="only tensors of one shape and dtype stack",
+                    f"the {'stacked' if rule.stack is not None else 'concatenated'} tensors differ "
+                    f"in {what}: {detail}",
+                    hint=hint,
                 )
             )
             continue
-        ndim = len(pieces[0].shape) + 1  # type: ignore[union-attr]
-        ax = rule.stack.axis
-        if not -ndim <= ax < ndim:
-            problems.append(Problem("mapping", f"rules[{i}]", f"stack axis {ax} is out of range"))
-            continue
-        node: T.Node = T.Stack([p for p in pieces if p is not None], ax % ndim)
+        node: T.Node = T.Stack(nodes, ax) if rule.stack is not None else T.Concat(nodes, ax)
         add(path, _cast(rule, node), i, names)
 
     if mapping.strict:
@@ -660,24 +785,10 @@ def _reshape(
     i: int,
     problems: list[Problem],
 ) -> tuple[int, ...] | None:
-    sizes: list[int] = []
-    for e in entries:
-        if isinstance(e, str):
-            if e not in mapping.config:
-                problems.append(
-                    _bad(
-                        name,
-                        node,
-                        f"reshape size {e!r} is not in the mapping's config "
-                        f"({', '.join(sorted(mapping.config)) or 'empty'})",
-                        i,
-                        hint=f"add {e} = <size> to the config",
-                    )
-                )
-                return None
-            sizes.append(int(mapping.config[e]))
-        else:
-            sizes.append(int(e))
+    got = _sizes(mapping, entries, node, name, i, problems, "reshape size")
+    if got is None:
+        return None
+    sizes = got
     total = math.prod(node.shape)
     if sizes.count(-1) > 1:
         problems.append(_bad(name, node, f"reshape{tuple(sizes)} has more than one -1", i))
@@ -696,8 +807,95 @@ def _reshape(
     return tuple(sizes)
 
 
+def _split_parts(
+    mapping: WeightMap, rule: MapRule, i: int, read: T.Read, name: str, problems: list[Problem]
+) -> list[tuple[str, T.Node]]:
+    """``(part name, Slice of the stored tensor)`` for a rule's ``split``; ``[]`` after a
+    problem."""
+    split = rule.split
+    assert split is not None
+    shape, ax = read.shape, split.axis
+    if not -len(shape) <= ax < len(shape):
+        problems.append(_bad(name, read, f"split axis {ax} is out of range", i))
+        return []
+    ax %= len(shape)
+    n = shape[ax]
+    if split.sizes is None:
+        if n % len(split.names):
+            problems.append(
+                _bad(
+                    name,
+                    read,
+                    f"axis {ax} of size {n} does not split into {len(split.names)} equal parts "
+                    f"{tuple(split.names)!r}",
+                    i,
+                    hint="give sizes = [...], one per name",
+                )
+            )
+            return []
+        sizes = [n // len(split.names)] * len(split.names)
+    else:
+        got = _sizes(mapping, split.sizes, read, name, i, problems, "split size")
+        if got is None:
+            return []
+        sizes = got
+        if sum(sizes) != n or any(s <= 0 for s in sizes):
+            problems.append(
+                _bad(
+                    name,
+                    read,
+                    f"split sizes {tuple(sizes)} (sum {sum(sizes)}) do not cut axis {ax} of "
+                    f"size {n}",
+                    i,
+                    hint="the sizes must be positive and add up to the axis",
+                )
+            )
+            return []
+    out, start = [], 0
+    for part, size in zip(split.names, sizes, strict=True):
+        out.append((part, T.Slice(read, ax, start, start + size)))
+        start += size
+    return out
+
+
+def _sizes(
+    mapping: WeightMap,
+    entries: Iterable[int | str],
+    node: T.Node,
+    name: str,
+    i: int,
+    problems: list[Problem],
+    what: str,
+) -> list[int] | None:
+    """Sizes written as ints or names in the mapping's config."""
+    sizes: list[int] = []
+    for e in entries:
+        if isinstance(e, str):
+            if e not in mapping.config:
+                problems.append(
+                    _bad(
+                        name,
+                        node,
+                        f"{what} {e!r} is not in the mapping's config "
+                        f"({', '.join(sorted(mapping.config)) or 'empty'})",
+                        i,
+                        hint=f"add {e} = <size> to the config",
+                    )
+                )
+                return None
+            sizes.append(int(mapping.config[e]))
+        else:
+            sizes.append(int(e))
+    return sizes
+
+
 def _stack_order(
-    stack: Stack, members: Mapping[str, str], i: int, path: str, problems: list[Problem]
+    stack: Stack | Concat,
+    verb: str,
+    members: Mapping[str, str],
+    i: int,
+    path: str,
+    problems: list[Problem],
 ) -> list[str] | None:
     values = list(members)
     if stack.order is not None:
@@ -716,7 +914,7 @@ def _stack_order(
                 Problem(
                     "target",
                     path,
-                    f"cannot stack by rules[{i}]: {'; '.join(what)} (order {tuple(order)!r})",
+                    f"cannot {verb} by rules[{i}]: {'; '.join(what)} (order {tuple(order)!r})",
                     hint="every value of the order must be stored once",
                 )
             )
@@ -727,7 +925,8 @@ def _stack_order(
             Problem(
                 "mapping",
                 f"rules[{i}]",
-                f"stack group values {sorted(values)!r} are not numbers: give Stack(order=...)",
+                f"{verb} group values {sorted(values)!r} are not numbers: give "
+                f"{verb.capitalize()}(order=...)",
             )
         )
         return None
@@ -738,7 +937,7 @@ def _stack_order(
             Problem(
                 "target",
                 path,
-                f"cannot stack by rules[{i}]: indices {gaps} are missing "
+                f"cannot {verb} by rules[{i}]: indices {gaps} are missing "
                 f"(found {len(nums)} tensors, {nums[0]}..{nums[-1]})",
                 hint="every index 0..N-1 must be stored once",
             )
