@@ -137,6 +137,38 @@ def test_nested_container_registered_as_pytree_keeps_its_metadata(mesh24) -> Non
     assert type(out["model"]) is Tagged
 
 
+def test_registering_after_a_plan_takes_effect_at_once(registered_annotated, mesh24) -> None:
+    """Which types are nested is remembered per type for speed; a registration made after
+    a plan has seen the type applies to the next plan."""
+
+    class Late:  # not an Annotated: unknown to modelshard until registered below
+        def __init__(self, arrays, names):
+            self.arrays, self.names = arrays, names
+
+    jax.tree_util.register_pytree_node(
+        Late,
+        lambda t: ([t.arrays[k] for k in sorted(t.arrays)], (tuple(sorted(t.arrays)), t.names)),
+        lambda aux, ch: Late(dict(zip(aux[0], ch, strict=True)), aux[1]),
+    )
+    t = annotated()
+    state = {"model": Late(t.arrays, t.names), "other": annotated()}
+    before = ms.plan(state, LOGICAL, mesh24)  # JAX opens it: no names, pytree paths
+    assert [p for p, _ in before.named()][:2] == ["model/0", "model/1"]
+
+    @dataclasses.dataclass(frozen=True)
+    class LateAdapter(AnnotatedAdapter):
+        kind: str = "Late"
+
+        def unflatten(self, aux, leaves):
+            keys, names = aux
+            return Late(dict(zip(keys, leaves, strict=True)), dict(zip(keys, names, strict=True)))
+
+    ms.register_container(Late, LateAdapter())
+    after = ms.plan(state, LOGICAL, mesh24)
+    assert [p for p, _ in after.named()][:2] == ["model/embed", "model/head"]
+    assert after["model/embed"].spec == P("model", None)
+
+
 def test_nested_through_shard_jit_in_and_out(registered_annotated, mesh24) -> None:
     def step(state):
         m = state["model"]

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
-from ._adapters import Adapter, get_adapter, nested_types
+from ._adapters import Adapter, get_adapter, nested_leaf, nested_types
 from ._describe import (
     ARRAY_TYPES,
     LeafInfo,
@@ -186,9 +186,9 @@ def _holds_arrays(x: Any) -> list[str]:
     return out
 
 
-def _is_nested(x: Any, stop: tuple[type, ...]) -> bool:
-    """Whether leaf ``x`` is a container of one of the ``stop`` types (arrays never are)."""
-    return bool(stop) and type(x) not in ARRAY_TYPES and isinstance(x, stop)
+def _is_nested(x: Any, is_nested: Callable[[Any], bool] | None) -> bool:
+    """Whether leaf ``x`` is a nested container (``nested_leaf``'s test; arrays never are)."""
+    return is_nested is not None and type(x) not in ARRAY_TYPES and is_nested(x)
 
 
 def holds_nested(leaves: Sequence[Any]) -> bool:
@@ -270,7 +270,7 @@ class NestedAdapter(Adapter):
 
     def nest(self, leaves: Sequence[Any], outer_aux: Hashable) -> tuple[list[Any], NestedAux]:
         """The outer adapter's ``leaves`` with every nested container split in place."""
-        stop = nested_types()
+        stop = nested_leaf()
         out: list[Any] = []
         inner: list[Inner] = []
         for i, x in enumerate(leaves):
@@ -321,7 +321,7 @@ class NestedAdapter(Adapter):
     def describe(self, obj: Any) -> list[LeafInfo]:
         outer_infos = self.outer.describe(obj)
         leaves = _flatten_one(self.outer, obj)[0]
-        stop = nested_types()
+        stop = nested_leaf()
         out: list[LeafInfo] = []
         for info, x in zip(outer_infos, leaves, strict=True):
             if _is_nested(x, stop):

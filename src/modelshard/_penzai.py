@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from ._adapters import Adapter, nested_types
+from ._adapters import Adapter, nested_leaf
 from ._describe import LeafInfo, describe_pytree
 
 
@@ -54,10 +54,7 @@ class PenzaiVariableAdapter(Adapter):
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
         # The value may itself be a container of its own (a NamedArray): then it is the one
         # leaf here, for its adapter to split.
-        stop = nested_types()
-        leaves, treedef = jax.tree_util.tree_flatten(
-            obj.value, is_leaf=(lambda x: isinstance(x, stop)) if stop else None
-        )
+        leaves, treedef = jax.tree_util.tree_flatten(obj.value, is_leaf=nested_leaf())
         return leaves, _VariableAux(type(obj), obj.label, treedef, dict(obj.metadata))
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
@@ -66,8 +63,8 @@ class PenzaiVariableAdapter(Adapter):
         return aux.cls(label=aux.label, value=value, metadata=dict(aux.metadata))
 
     def describe(self, obj: Any) -> list[LeafInfo]:
-        stop = nested_types()
-        if stop and isinstance(obj.value, stop):
+        is_nested = nested_leaf()
+        if is_nested is not None and is_nested(obj.value):
             return [LeafInfo("")]
         return describe_pytree(obj.value)
 
