@@ -2,7 +2,8 @@
 
 Prints the median time of ``modelshard.plan`` with path rules and with fsdp, against a
 baseline measured in the same run: ``jax.tree_util.tree_flatten_with_path`` plus one
-``NamedSharding`` per leaf (the least any sharding helper must do). Target: plan < 50 ms.
+``NamedSharding`` per leaf (the least any sharding helper must do). Targets: a cold plan
+(new structure, new ``Rules``) <= 30 ms, with and without Flax imported; every plan < 50 ms.
 
 Run: ``.venv/bin/python benchmarks/expand.py``
 """
@@ -117,13 +118,28 @@ def main(repeat: int = 15) -> int:
         "plan(fsdp)": median_ms(lambda: ms.plan(tree, ms.fsdp("data"), mesh), repeat),
         "plan(P())": median_ms(lambda: ms.plan(tree, P(), mesh), repeat),
     }
+    # Most users have Flax imported, which registers nested container types (NNX
+    # Variables): flattening then stops at them, at a cost per node.
+    import flax.linen
+    import flax.nnx  # noqa: F401
+
+    fresh = iter(
+        [{**tree, f"flax_{chr(97 + i // 26)}{chr(97 + i % 26)}": SCALAR} for i in range(repeat + 1)]
+    )
+    results["plan(Rules), cold, Flax imported"] = median_ms(cold_rules, repeat)
+    results["plan(Rules), warm, Flax imported"] = median_ms(
+        lambda: ms.plan(tree, RULES, mesh), repeat
+    )
     base = results["baseline (flatten_with_path + NamedSharding)"]
     print(f"{n} array leaves, abstract mesh data=32 x model=8, median CPU time of {repeat} runs")
     for name, ms_ in results.items():
         print(f"  {name:<48} {ms_:8.1f} ms   {ms_ / base:5.2f}x baseline")
+    cold = max(v for k, v in results.items() if "cold" in k)
     worst = max(v for k, v in results.items() if k.startswith("plan"))
     print(
-        f"target: every plan < 50 ms -> {'OK' if worst < 50 else 'MISSED'} (worst {worst:.1f} ms)"
+        f"targets: cold plan <= 30 ms -> {'OK' if cold <= 30 else 'MISSED'} "
+        f"(worst cold {cold:.1f} ms); every plan < 50 ms -> "
+        f"{'OK' if worst < 50 else 'MISSED'} (worst {worst:.1f} ms)"
     )
     return 0
 
