@@ -1,8 +1,18 @@
-"""Shared fixtures: meshes (Auto and Explicit) and real containers of every kind."""
+"""Shared fixtures: meshes (Auto and Explicit), real containers of every kind, and local
+object-storage servers (gs:// and s3://) started once per session."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -197,3 +207,110 @@ def gemma_text_rules() -> ms.Rules:
             (r"transformer/.*scale$", P()),
         ]
     )
+
+
+# ---- object storage on localhost: gs:// (GCS emulator) and s3:// (moto) -----------------
+
+BUCKET = "modelshard-test"
+"""The bucket both servers hold (S3 names need 3+ characters)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(argv: list[str], what: str, wait_s: float) -> Iterator[str]:
+    """Start ``python *argv`` (a server on 127.0.0.1; ``{port}`` in argv is a free port),
+    wait until it answers HTTP, yield its URL, and stop it at the end (SIGKILL if it does
+    not stop)."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, *[a.format(port=port) for a in argv]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"{what} did not start")
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def gcs_env() -> Iterator[dict[str, str]]:
+    """A GCS emulator (in memory) holding ``BUCKET``; the environment that points
+    etils.epath (gcsfs) and TensorStore at it, set for the session and yielded (for
+    child processes)."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("gcp_storage_emulator")
+    argv = ["-m", "gcp_storage_emulator", "start", "--port", "{port}", "--in-memory"]
+    with local_server([*argv, "--default-bucket", BUCKET], "the GCS emulator", 30) as url:
+        env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
+        with _environ(env):
+            yield env
+
+
+@pytest.fixture(scope="session")
+def s3_env() -> Iterator[dict[str, str]]:
+    """An S3 server (moto, in memory) holding ``BUCKET``; the environment that points
+    botocore (so s3fs and etils.epath) and modelshard's TensorStore s3 spec at it, set
+    for the session and yielded (for child processes)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    boto3 = pytest.importorskip("boto3")
+    with local_server(["-m", "moto.server", "-p", "{port}"], "the S3 server (moto)", 60) as url:
+        env = {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+        }
+        with _environ(env):
+            boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+            yield env
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket_root(request) -> str:
+    """A fresh ``gs://`` or ``s3://`` folder on the local servers above."""
+    request.getfixturevalue(f"{'gcs' if request.param == 'gs' else 's3'}_env")
+    return f"{request.param}://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def s3_root(s3_env) -> str:
+    """A fresh ``s3://`` folder on the local S3 server."""
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"

@@ -44,7 +44,7 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import is_remote, location
+from .urls import atomicity_options, is_remote, location
 from .write import prepare
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -250,18 +250,18 @@ class CheckpointManager:
         if self._ckptr is None:
             import orbax.checkpoint as ocp
 
+            atomicity = atomicity_options(self.directory)
             handler = ocp.CompositeCheckpointHandler(
+                composite_options=ocp.CompositeOptions(atomicity_options=atomicity),
                 **{
                     STATE_ITEM: ocp.StandardCheckpointHandler(),
                     RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
                     ITEMS_ITEM: ocp.JsonCheckpointHandler(filename=ITEMS_FILE),
                     METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
-                }
+                },
             )
-            if self.async_save:
-                self._ckptr = ocp.AsyncCheckpointer(handler)
-            else:
-                self._ckptr = ocp.Checkpointer(handler)
+            kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
+            self._ckptr = kind(handler, atomicity_options=atomicity)
         return self._ckptr
 
     def _purge_rotated(self) -> None:

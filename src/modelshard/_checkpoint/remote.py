@@ -1,4 +1,4 @@
-"""``save`` to object storage (``gs://``), where a directory cannot be renamed into place.
+"""``save`` to object storage (``gs://``, ``s3://``): no directory can be renamed there.
 
 On a local disk ``save`` writes into a staging directory and renames it (see
 `write.py`). Object stores have no rename, so there the checkpoint is written where it
@@ -18,6 +18,7 @@ from typing import Any
 from .._errors import CheckpointError
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
+from .urls import atomicity_options
 
 
 def _ours(path: Any) -> bool:
@@ -48,11 +49,13 @@ def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> Non
         if jax.process_index() == 0:
             (path / COMMIT_FILE).unlink(missing_ok=True)
             path.rmtree()
+    atomicity = atomicity_options(path)
     handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(atomicity_options=atomicity),
         **{
             STATE_ITEM: ocp.StandardCheckpointHandler(),
             RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-        }
+        },
     )
     args = ocp.args.Composite(
         **{
@@ -60,5 +63,5 @@ def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> Non
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
         }
     )
-    with ocp.Checkpointer(handler) as ckptr:
+    with ocp.Checkpointer(handler, atomicity_options=atomicity) as ckptr:
         ckptr.save(path, args=args, custom_metadata=MARKER)

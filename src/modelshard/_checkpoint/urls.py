@@ -2,9 +2,10 @@
 
 A location is a local path (made absolute) or a URL whose scheme Orbax and TensorStore
 can write: ``gs://`` (Google Cloud Storage; epath needs ``gcsfs``) and ``s3://`` (epath
-needs ``s3fs``). Any other ``scheme://`` is refused by name, instead of becoming a local
-folder called ``scheme:``. Object stores have no atomic rename, so a checkpoint there is
-complete only once Orbax's commit file is written (see ``storage.COMMIT_FILE``).
+needs ``s3fs``; ``s3.enable`` makes Orbax hand it to TensorStore's s3 driver). Any other
+``scheme://`` is refused by name, instead of becoming a local folder called ``scheme:``.
+Object stores have no atomic rename, so a checkpoint there is complete only once
+Orbax's commit file is written (see ``storage.COMMIT_FILE``, ``atomicity_options``).
 """
 
 from __future__ import annotations
@@ -59,33 +60,27 @@ def location(directory: str | os.PathLike[str]) -> Any:
             f"{text!r} needs the {package!r} package (etils.epath reads {scheme}:// "
             f"through it): pip install 'modelshard[{extra}]'."
         )
-    if scheme == "s3" and not _orbax_keeps_s3_urls():
-        raise CheckpointError(
-            f"cannot write {text!r}: this Orbax ({_orbax_version()}) turns s3://bucket/x "
-            "into s3:/bucket/x before TensorStore sees it, so every save would fail. "
-            "Use gs:// or a local (or mounted) path."
-        )
+    if scheme == "s3":
+        from .s3 import enable
+
+        enable()
     from etils import epath
 
     return epath.Path(text)
 
 
-def _orbax_version() -> str:
-    from importlib.metadata import version
-
-    return f"orbax-checkpoint {version('orbax-checkpoint')}"
-
-
-def _orbax_keeps_s3_urls() -> bool:
-    """Whether Orbax's TensorStore path normalisation leaves an s3:// URL intact."""
-    try:
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
-
-        return tsu._normalize_path("s3://bucket/x") == "s3://bucket/x"  # pyright: ignore[reportPrivateUsage]
-    except (ImportError, AttributeError):
-        return True
-
-
 def is_remote(path: Any) -> bool:
     """Whether ``path`` (from ``location``) is on object storage."""
     return not isinstance(path, Path)
+
+
+def atomicity_options(path: Any) -> Any:
+    """Orbax's ``AtomicityOptions`` for a save at ``path``, for its ``Checkpointer`` and
+    its ``CompositeOptions`` alike: the commit file on object storage (Orbax picks it
+    by itself for ``gs://`` only; an ``s3://`` save would be written aside and "renamed",
+    which there is a copy of every object, and fails), None (Orbax's rename) on disk."""
+    if not is_remote(path):
+        return None
+    import orbax.checkpoint as ocp
+
+    return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
