@@ -2,30 +2,48 @@
 weight mapping (``modelshard._weights``).
 
 The checkpoint's leaves are the stored tensors (named by their canonical paths,
-``params/layers/mlp/kernel``); the mapping resolves them against the target's leaves
-with every problem reported at once. A target leaf that is one stored leaf renamed (and
-perhaps cast) is read by Orbax straight into its planned sharding, as a plain restore
-reads it. Any other recipe (a transpose, a reshape, a stack of layers, one layer of a
-scanned leaf) reads each stored leaf it needs to this host once, in full, builds the
-target leaves from it, then drops it before the next: host memory stays near the largest
-stored leaf beyond the restored state.
+``params/layers/mlp/kernel``; typed PRNG keys by their logical shape and key dtype); the
+mapping resolves them against the target's leaves with every problem reported at once.
+The target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]): with
+``specs``, or by default each leaf's saved spec carried through its recipe (a transposed
+kernel keeps its sharding, permuted; one layer of a scanned stack keeps its other axes').
+
+Every stored leaf is read by Orbax straight into a sharding on the target's mesh:
+
+- a target leaf that is one stored leaf renamed (perhaps cast) in its planned sharding;
+- any other recipe's stored leaves in the sharding its devices' blocks need
+  (``transforms.needed_specs``: a transposed kernel's stored tensor sharded the permuted
+  way, a scanned stack sharded like one layer along the other axes), one stored leaf at a
+  time, dropped once no later leaf reads it; each device then computes its block of the
+  target from the shards on that device, with no gather and no resharding. Axes a step
+  cannot follow (a reshape, the cut axis of a slice) are read unsplit.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._weights import as_mapping
 from .._weights import transforms as T
-from .._weights.load import build_leaf, keep_value, leaf_shardings, resolve_target
+from .._weights.load import keep_value, leaf_shardings, resolve_target
 from .locate import Source
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
-from .record import parse_dtype
+from .record import LeafRecord, parse_dtype
+
+
+@functools.cache
+def _key_dtype(impl: str) -> Any:
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _logical_dtype(rec: LeafRecord) -> Any:
+    return _key_dtype(rec.key_impl) if rec.key_impl is not None else parse_dtype(rec.dtype)
 
 
 def _direct(node: T.Node) -> tuple[str, Any] | None:
@@ -37,6 +55,64 @@ def _direct(node: T.Node) -> tuple[str, Any] | None:
     return None
 
 
+def carried_specs(res: Any, recs: dict[str, LeafRecord]) -> Callable[[str, Any], PartitionSpec]:
+    """The default layout of a mapped restore: each target leaf's saved spec carried
+    through its recipe (``transforms.carried_spec``), replicated where none carries."""
+    saved = {k: None if r.spec is None else tuple(r.spec) for k, r in recs.items()}
+    specs: dict[str, PartitionSpec] = {}
+    for path, node in res.recipes.items():
+        s = T.carried_spec(node, saved.__getitem__)
+        if s is not None:
+            specs[path] = PartitionSpec(*s)
+
+    def spec(path: str, leaf: Any) -> PartitionSpec:
+        return specs.get(path) or PartitionSpec()
+
+    return spec
+
+
+def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray | None:
+    """The block ``index`` of ``x`` from its shard on ``device`` (or any addressable shard)
+    holding all of it, as a host view; None if no one shard holds it."""
+    shards = sorted(x.addressable_shards, key=lambda s: s.device != device)
+    for sh in shards:
+        inner = []
+        for want, have, d in zip(index, sh.index, x.shape, strict=True):
+            lo, hi, _ = have.indices(d)
+            if want.start < lo or want.stop > hi:
+                break
+            inner.append(slice(want.start - lo, want.stop - lo))
+        else:
+            return np.asarray(sh.data)[tuple(inner)]
+    return None
+
+
+def _build_on_devices(node: T.Node, sharding: Any, stored: dict[str, jax.Array]) -> jax.Array:
+    """A leaf from its recipe over stored arrays already on the mesh: each device's block
+    computed from the stored shards on that device, put on it, and assembled."""
+    gathered: dict[str, np.ndarray] = {}
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(node.shape).items():
+        norm = tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, node.shape, strict=True))
+
+        def fetch(key: str, idx: tuple[slice, ...], device: Any = device) -> np.ndarray:
+            got = _covering(stored[key], device, idx)
+            if got is None:  # no shard holds the block (a spec the recipe cannot follow)
+                whole = gathered.get(key)
+                if whole is None:
+                    whole = gathered[key] = np.asarray(stored[key])
+                got = whole[idx]
+            return got
+
+        block = np.asarray(node.read(norm, fetch))
+        if block.flags.c_contiguous and not block.flags.writeable:
+            # a view of a stored shard: put as it is, the new array could alias the shard
+            # and keep all of it alive
+            block = T.copy_of(block)
+        arrays.append(jax.device_put(block, device))
+    return jax.make_array_from_single_device_arrays(node.shape, sharding, arrays)
+
+
 def restore_mapped(
     source: Source,
     *,
@@ -46,72 +122,71 @@ def restore_mapped(
     mesh: Any,
     dtype: Any,
     verify: bool,
-    progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """The body of ``restore`` when a mapping is given (see [`restore`][modelshard.restore])."""
     wm = as_mapping(mapping, split_dots=False)
     recs = source.record.by_path()
-    table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
+    table = {p: (r.shape, _logical_dtype(r)) for p, r in recs.items()}
     like, flat, res = resolve_target(wm, table, like, dtype)
+    if mesh is not None and specs is None:
+        specs = carried_specs(res, recs)
     shardings = leaf_shardings(like, flat, specs, mesh)
+    by_path = dict(zip(flat.paths, shardings, strict=True))
     uses: dict[str, int] = {}
     for node in res.recipes.values():
         for k in node.reads():
             uses[k] = uses.get(k, 0) + 1
     check_holdable(source, list(uses))
 
+    def read(targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+        got = read_checked(source, targets)
+        if verify:
+            verify_checksums(source, got)
+        return got
+
     direct: dict[str, tuple[str, Any]] = {}
     for path, node in res.recipes.items():
         d = _direct(node)
         if d is not None and uses[d[0]] == 1:
             direct[path] = d
-    by_path = dict(zip(flat.paths, shardings, strict=True))
     targets_direct = {}
     for path, (key, _) in direct.items():
         rec = recs[key]
         targets_direct[key] = jax.ShapeDtypeStruct(
-            rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=by_path[path]
+            rec.stored_shape,
+            parse_dtype(rec.stored_dtype),
+            sharding=rec.stored_sharding(by_path[path]),
         )
-    values = read_checked(source, targets_direct) if targets_direct else {}
-    if verify and values:
-        verify_checksums(source, values)
+    values = read(targets_direct) if targets_direct else {}
 
     # The other leaves, in the order of the first stored leaf each reads, so every stored
     # leaf is read once and dropped as soon as no later leaf needs it.
-    order = list(recs)
-    rank = {k: i for i, k in enumerate(order)}
+    rank = {k: i for i, k in enumerate(recs)}
     rest = sorted(
         (p for p in res.recipes if p not in direct),
         key=lambda p: min(rank[k] for k in res.recipes[p].reads()),
     )
-    host: dict[str, np.ndarray] = {}
+    plans: dict[str, tuple[T.Node, Any, str | None]] = {}
+    needs: dict[str, list[T.Spec]] = {}
+    for path in rest:
+        plans[path] = plan = _executed(res.recipes[path], by_path[path], recs)
+        node, sharding, _ = plan
+        if isinstance(sharding, NamedSharding):
+            T.needed_specs(node, tuple(sharding.spec), needs)
+    on_mesh: dict[str, jax.Array] = {}
     remaining = dict(uses)
-    device0 = SingleDeviceSharding(jax.local_devices()[0])
-
-    def fetch_for(cache: dict[Any, np.ndarray]) -> T.Fetch:
-        def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
-            whole = host.get(key)
-            if whole is None:
-                rec = recs[key]
-                target = jax.ShapeDtypeStruct(
-                    rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=device0
-                )
-                got = read_checked(source, {key: target})
-                if verify:
-                    verify_checksums(source, got)
-                whole = host[key] = np.asarray(finish_leaf(got[key], rec, None))
-            return whole[index]
-
-        return fetch
-
     built: dict[str, Any] = {}
     for path in rest:
-        node = res.recipes[path]
-        built[path] = build_leaf(node, by_path[path], fetch_for)
+        node, sharding, impl = plans[path]
+        for k in node.reads():
+            if k not in on_mesh:
+                on_mesh[k] = _read_stored(read, k, recs[k], needs.get(k), sharding)
+        x = _build_on_devices(node, sharding, on_mesh)
+        built[path] = x if impl is None else jax.random.wrap_key_data(x, impl=impl)
         for k in node.reads():
             remaining[k] -= 1
             if remaining[k] == 0:
-                host.pop(k, None)
+                del on_mesh[k]
 
     out = []
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
@@ -124,3 +199,45 @@ def restore_mapped(
         else:  # kept: like's value
             out.append(keep_value(path, x, s))
     return flat.update_inplace(out)
+
+
+def _executed(
+    node: T.Node, sharding: Any, recs: dict[str, LeafRecord]
+) -> tuple[T.Node, Any, str | None]:
+    """``(recipe over the stored arrays, its sharding, key impl)``: a typed key leaf is
+    computed on its key data (trailing dimensions unsplit) and wrapped after."""
+    impl = recs[node.reads()[0]].key_impl
+    if impl is None:
+        return node, sharding, None
+    data = T.on_key_data(node, lambda k: (recs[k].stored_shape, parse_dtype(recs[k].stored_dtype)))
+    if isinstance(sharding, NamedSharding):
+        extra = len(data.shape) - len(node.shape)
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
+    return data, sharding, impl
+
+
+def _read_stored(
+    read: Callable[[dict[str, jax.ShapeDtypeStruct]], dict[str, Any]],
+    key: str,
+    rec: LeafRecord,
+    wanted: list[T.Spec] | None,
+    sharding: Any,
+) -> jax.Array:
+    """One stored leaf read by Orbax onto the target's mesh, in the spec every leaf reading
+    it needs (replicated where they disagree); its bits as stored (finish_leaf casts)."""
+    if isinstance(sharding, NamedSharding):
+        specs = set(wanted or [])
+        spec = PartitionSpec(*specs.pop()) if len(specs) == 1 else PartitionSpec()
+        target = NamedSharding(sharding.mesh, spec)
+    else:
+        target = sharding
+    got = read(
+        {
+            key: jax.ShapeDtypeStruct(
+                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=target
+            )
+        }
+    )[key]
+    if rec.key_impl is not None:
+        return got  # key data: the recipe runs on it and wraps the result
+    return finish_leaf(got, rec, None)

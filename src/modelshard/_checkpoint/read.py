@@ -447,7 +447,8 @@ def restore(
             leaf paths to ``like``'s: a checkpoint of another layout (linen scanned layers
             into an unscanned NNX model, t5x/MaxText names, a model without the new head).
             Every unmapped or unfitting leaf is reported at once (``MappingError``);
-            ``specs`` default to replicated and ``partial`` is the mapping's ``keep``.
+            with a mesh, ``specs`` default to each leaf's saved spec carried through its
+            recipe; typed PRNG keys map too; ``partial`` is the mapping's ``keep``.
 
     Returns:
         The container (same type as ``like``; a nested dict without it).

@@ -535,7 +535,7 @@ def resolve(
     for i, name, m in plain:
         rule = mapping.rules[i]
         shape, dt = sources[name]
-        read = T.Read(name, tuple(shape), np.dtype(dt))
+        read = T.Read(name, tuple(shape), T.as_dtype(dt))
         if rule.unstack is not None:
             ax = rule.unstack.axis
             if not -len(shape) <= ax < len(shape):
@@ -574,7 +574,7 @@ def resolve(
         pieces = []
         for name in names:
             shape, dt = sources[name]
-            read = T.Read(name, tuple(shape), np.dtype(dt))
+            read = T.Read(name, tuple(shape), T.as_dtype(dt))
             pieces.append(_pre_cast(mapping, rule, i, read, name, dtype, problems))
         nodes = [p for p in pieces if p is not None]
         if len(nodes) < len(pieces):
@@ -735,6 +735,9 @@ def _pre_cast(
     problems: list[Problem],
 ) -> T.Node | None:
     """``node`` through the load's dtype, the rule's transpose and reshape."""
+    if rule.cast is not None and T.is_key(node.dtype):
+        problems.append(_bad(name, node, f"a PRNG key cannot be cast (cast = {rule.cast!r})", i))
+        return None
     if dtype is not None and jnp.issubdtype(node.dtype, jnp.floating) and node.dtype != dtype:
         node = T.Cast(node, np.dtype(dtype))
     if rule.transpose is not None:

@@ -413,3 +413,113 @@ def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> N
         else:
             joined = Concat(values, slot["axis"])
         _invert(child, joined, out, {})
+
+
+def as_dtype(dtype: Any) -> Any:
+    """``np.dtype(dtype)``, or ``dtype`` itself for JAX's extended dtypes (``key<fry>``)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
+def is_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype."""
+    import jax
+
+    return not isinstance(dtype, np.dtype) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def on_key_data(node: Node, data: Callable[[str], tuple[tuple[int, ...], Any]]) -> Node:
+    """A typed PRNG key leaf's recipe over the stored key data (``data(key)``: the stored
+    shape and dtype, ``[..., 2]`` uint32 for threefry): the same steps on the leading
+    axes, the trailing ones carried along (a key cannot be cast: refused when resolved)."""
+
+    def rw(n: Node) -> Node:
+        if isinstance(n, Read):
+            shape, dtype = data(n.key)
+            return Read(n.key, tuple(shape), np.dtype(dtype))
+        if isinstance(n, Transpose):
+            child = rw(n.child)
+            k = len(n.perm)
+            return Transpose(child, (*n.perm, *range(k, len(child.shape))))
+        if isinstance(n, Reshape):
+            child = rw(n.child)
+            return Reshape(child, (*n.shape, *child.shape[len(n.child.shape) :]))
+        if isinstance(n, Take):
+            return Take(rw(n.child), n.axis, n.i)
+        if isinstance(n, Slice):
+            return Slice(rw(n.child), n.axis, n.lo, n.hi)
+        if isinstance(n, Stack):
+            return Stack([rw(c) for c in n.children], n.axis)
+        if isinstance(n, Concat):
+            return Concat([rw(c) for c in n.children], n.axis)
+        raise TypeError(f"a PRNG key leaf cannot be computed by {n.describe()}")
+
+    return rw(node)
+
+
+Spec = tuple[Any, ...]
+"""A partition spec as a tuple of entries, one per dimension (``None``: not split)."""
+
+
+def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
+    """For each stored tensor ``node`` reads, a spec under which every device's shard of
+    it holds all that device's block of ``node`` (placed with ``spec``) reads (into
+    ``out``): a transposed leaf's stored tensor sharded the permuted way, one layer's
+    stored stack sharded like the layer along the other axes; axes a step cannot follow
+    (a reshape, the cut axis of a slice) not split."""
+    spec = tuple(spec) + (None,) * (len(node.shape) - len(spec))
+    if isinstance(node, Read):
+        out.setdefault(node.key, []).append(spec)
+    elif isinstance(node, Cast):
+        needed_specs(node.child, spec, out)
+    elif isinstance(node, Transpose):
+        inner: list[Any] = [None] * len(node.perm)
+        for j, p in enumerate(node.perm):
+            inner[p] = spec[j]
+        needed_specs(node.child, tuple(inner), out)
+    elif isinstance(node, Take):
+        needed_specs(node.child, (*spec[: node.axis], None, *spec[node.axis :]), out)
+    elif isinstance(node, Slice | Concat):
+        cut = (*spec[: node.axis], None, *spec[node.axis + 1 :])
+        for c in node.children if isinstance(node, Concat) else [node.child]:
+            needed_specs(c, cut, out)
+    elif isinstance(node, Stack):
+        for c in node.children:
+            needed_specs(c, spec[: node.axis] + spec[node.axis + 1 :], out)
+    elif isinstance(node, Reshape):
+        needed_specs(node.child, (None,) * len(node.child.shape), out)
+    else:  # pragma: no cover - every node type is handled above
+        raise TypeError(type(node).__name__)
+
+
+def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | None:
+    """The spec of ``node``'s result when each stored tensor it reads keeps its own
+    (``spec_of(key)``; ``None``: not known): a transpose permutes it, a layer taken out of
+    a stack drops the stacked axis's entry; ``None`` where the stored specs disagree (the
+    parts of a stack) or a reshape intervenes."""
+    if isinstance(node, Read):
+        s = spec_of(node.key)
+        return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
+    if isinstance(node, Cast):
+        return carried_spec(node.child, spec_of)
+    if isinstance(node, Transpose):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else tuple(s[p] for p in node.perm)
+    if isinstance(node, Take):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else s[: node.axis] + s[node.axis + 1 :]
+    if isinstance(node, Slice):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else (*s[: node.axis], None, *s[node.axis + 1 :])
+    if isinstance(node, Stack | Concat):
+        parts = {carried_spec(c, spec_of) for c in node.children}
+        if len(parts) != 1 or None in parts:
+            return None
+        (s,) = parts
+        assert s is not None
+        if isinstance(node, Stack):
+            return (*s[: node.axis], None, *s[node.axis :])
+        return (*s[: node.axis], None, *s[node.axis + 1 :])
+    return None  # a reshape: the stored spec does not carry over
