@@ -30,10 +30,16 @@ def _ours(path: Any) -> bool:
     return isinstance(custom, dict) and "modelshard" in custom
 
 
-def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> None:
-    """Write ``tree`` and ``record`` as a checkpoint at the object-storage ``path``."""
+def prepare_remote(path: Any, *, overwrite: bool) -> None:
+    """Make the object-storage ``path`` ready for a new checkpoint: refuse one that is
+    there (without ``overwrite``) or that modelshard did not write; remove the old one,
+    its commit file first, so that a crash part-way leaves no complete-looking remains.
+
+    Raises:
+        CheckpointError: ``path`` holds objects and ``overwrite`` is False, or they are
+            not a checkpoint modelshard wrote.
+    """
     import jax
-    import orbax.checkpoint as ocp
 
     if path.exists() and any(True for _ in path.iterdir()):
         if not overwrite:
@@ -49,6 +55,14 @@ def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> Non
         if jax.process_index() == 0:
             (path / COMMIT_FILE).unlink(missing_ok=True)
             path.rmtree()
+
+
+def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> None:
+    """Write ``tree`` and ``record`` as a checkpoint at the object-storage ``path``, in
+    one Orbax save committed by its commit file (see ``prepare_remote`` for an old one)."""
+    import orbax.checkpoint as ocp
+
+    prepare_remote(path, overwrite=overwrite)
     atomicity = atomicity_options(path)
     handler = ocp.CompositeCheckpointHandler(
         composite_options=ocp.CompositeOptions(atomicity_options=atomicity),
