@@ -127,7 +127,9 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan
                         hint="the container's top-level keys are " + _top_keys(flat),
                     )
                 )
-    return _plan_leaves(arg, infos, arrays, per_leaf, ctx, hits)
+    if hits is not None:
+        return _plan_matched(arg, infos, arrays, spec_like, ctx, hits)
+    return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
 
 
 _NOTHING = object()
@@ -217,6 +219,40 @@ def _plan_leaves(
         except KeyError:
             dtype = placed[dtype] = canonical_dtype(dtype)
         append(_new(LeafPlan, (info.path, shape, dtype, spec, rule)))
+    return out
+
+
+def _plan_matched(
+    arg: str, infos: list[LeafInfo], arrays: list[Any], rules: Rules, ctx: Ctx, hits: list[Any]
+) -> list[LeafPlan]:
+    """``_plan_leaves`` when one ``Rules`` was matched against every path in bulk.
+
+    A leaf that matched rule ``i`` with shape ``shape`` and dtype ``dtype`` plans exactly
+    like every other such leaf, so the first one goes through ``_plan_leaves`` (resolution,
+    validation, rule usage, problems) and the others reuse its spec, rule and placed
+    dtype. Leaves that matched no rule, NumPy leaves (checked one by one for dtypes JAX
+    refuses) and leaves with problems always take the full path.
+    """
+    out: list[LeafPlan] = []
+    append = out.append
+    done: dict[tuple[Any, ...], LeafPlan] = {}
+    for info, leaf, hit in zip(infos, arrays, hits, strict=True):
+        shape = leaf.shape
+        if hit is not None and type(leaf) in _NOT_NUMPY:
+            if type(shape) is not tuple:
+                shape = tuple(shape)
+            key = (hit[0], shape, leaf.dtype)
+            like = done.get(key)
+            if like is not None:
+                append(_new(LeafPlan, (info.path, shape, like[2], like[3], like[4])))
+                continue
+        else:
+            key = None
+        got = _plan_leaves(arg, [info], [leaf], [rules], ctx, [hit])
+        if got:
+            append(got[0])
+            if key is not None:
+                done[key] = got[0]
     return out
 
 
