@@ -176,3 +176,37 @@ def test_every_object_lands_on_the_configured_server(s3_root, s3_env, tmp_path, 
     assert any(k.startswith("state/ocdbt.process_0/") for k in keys)  # TensorStore's
     assert list(tmp_path.iterdir()) == []
     assert ms.restore(s3_root)["w"].shape == (1024,)
+
+
+def test_an_unreachable_server_is_named_with_the_setting_that_chose_it(monkeypatch):
+    s3fs = pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for name, value in {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_MAX_ATTEMPTS": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    s3fs.S3FileSystem.clear_instance_cache()  # s3fs reads the environment once per instance
+    where = f"on the S3 server {url} (from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)"
+    try:
+        for call, target, asked in (
+            (lambda: ms.CheckpointManager("s3://nowhere/run", handle_signals=False), "run", ""),
+            (lambda: ms.save("s3://nowhere/ck", {"w": jnp.ones(2)}), "ck", "/ck"),
+            (lambda: ms.restore("s3://nowhere/ck"), "ck", "/ck"),
+        ):
+            with pytest.raises(ms.CheckpointError) as e:
+                call()
+            assert str(e.value) == (
+                f"cannot reach s3://nowhere/{target} {where}: EndpointConnectionError: Could "
+                f'not connect to the endpoint URL: "{url}/nowhere{asked}"'
+            )
+    finally:
+        monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()

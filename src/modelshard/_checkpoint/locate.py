@@ -36,7 +36,7 @@ from .storage import (
     read_small,
     storage_key,
 )
-from .urls import is_remote, location
+from .urls import is_remote, location, reaching
 
 
 @dataclasses.dataclass
@@ -142,7 +142,9 @@ def locate(directory: str | os.PathLike[str]) -> Source:
     """
     p = location(directory)
     remote = is_remote(p)
-    if p.exists() and not p.is_dir():
+    with reaching(p):
+        found = p.exists()
+    if found and not p.is_dir():
         raise CheckpointError(
             f"no checkpoint at {p}: it is a file, not a checkpoint directory "
             "(a checkpoint is the directory save() wrote)."

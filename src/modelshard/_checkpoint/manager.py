@@ -44,7 +44,7 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import atomicity_options, is_remote, location
+from .urls import atomicity_options, is_remote, location, reaching
 from .write import prepare
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -190,7 +190,8 @@ class CheckpointManager:
         self._remote = is_remote(self.directory)
         if self._primary():
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                with reaching(self.directory):
+                    self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise CheckpointError(
                     f"cannot create or reach {self.directory}: {type(e).__name__}: {e}"

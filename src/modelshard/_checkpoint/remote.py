@@ -18,7 +18,7 @@ from typing import Any
 from .._errors import CheckpointError
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
-from .urls import atomicity_options
+from .urls import atomicity_options, reaching
 
 
 def _ours(path: Any) -> bool:
@@ -41,7 +41,9 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
     """
     import jax
 
-    if path.exists() and any(True for _ in path.iterdir()):
+    with reaching(path):
+        taken = path.exists() and any(True for _ in path.iterdir())
+    if taken:
         if not overwrite:
             raise CheckpointError(
                 f"{path} already exists; pass overwrite=True to replace it (on object "

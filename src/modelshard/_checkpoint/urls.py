@@ -10,8 +10,10 @@ Orbax's commit file is written (see ``storage.COMMIT_FILE``, ``atomicity_options
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ OBJECT_SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
 modelshard extra that installs it."""
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_CLIENTS = ("botocore.", "aiobotocore.", "s3fs.", "gcsfs.", "google.auth.", "google.api_core.")
+"""Modules whose exceptions mean an object store's client could not do a request."""
 
 
 def scheme_of(directory: Any) -> str | None:
@@ -84,3 +88,33 @@ def atomicity_options(path: Any) -> Any:
     import orbax.checkpoint as ocp
 
     return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+
+
+def server_of(path: Any) -> str:
+    """Which server requests for the object-storage ``path`` go to, and what chose it."""
+    if scheme_of(path) == "s3":
+        from .s3 import endpoint
+
+        url = endpoint()
+        if url is None:
+            return "AWS S3 (neither AWS_ENDPOINT_URL_S3 nor AWS_ENDPOINT_URL is set)"
+        return f"the S3 server {url} (from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)"
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if host:
+        return f"the GCS server {host} (from STORAGE_EMULATOR_HOST)"
+    return "Google Cloud Storage"
+
+
+@contextlib.contextmanager
+def reaching(path: Any) -> Iterator[None]:
+    """Turn an object-storage client's failure (no connection, no credentials) inside the
+    block into a ``CheckpointError`` that names the server and the settings that chose it;
+    anything else, and any error on a local path, passes unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if not is_remote(path) or not type(e).__module__.startswith(_CLIENTS):
+            raise
+        raise CheckpointError(
+            f"cannot reach {path} on {server_of(path)}: {type(e).__name__}: {e}"
+        ) from e
