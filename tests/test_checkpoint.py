@@ -462,27 +462,6 @@ def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, m
     assert ckpt.largest_read(target, None) == values.nbytes * 4  # unknown: a bound
 
 
-def test_reshard_compiles_no_checksum_and_keeps_unchanged_checksums(tmp_path, monkeypatch, mesh8):
-    from modelshard._checkpoint import checksum as _record
-    from modelshard._checkpoint import locate
-    from modelshard._checkpoint.reshard import rewrite
-
-    state = {"w": jnp.arange(2.0**21).reshape(2048, 1024), "b": jnp.ones(8)}
-    ms.save(tmp_path / "src", state)
-
-    def compiled(*args):
-        raise AssertionError("reshard compiled a checksum program")
-
-    monkeypatch.setattr(_record, "_checksum_jit", compiled)
-    record = rewrite(tmp_path / "src", tmp_path / "dst", specs=P("data"), mesh=mesh8)
-    monkeypatch.undo()
-    before = {leaf.path: leaf.checksum for leaf in locate(tmp_path / "src").record.leaves}
-    assert {leaf.path: leaf.checksum for leaf in record.leaves} == before
-    out = ms.restore(tmp_path / "dst")  # verifies the checksums on the devices
-    assert out["w"].sharding.spec == P("data")
-    np.testing.assert_array_equal(out["w"], np.asarray(state["w"]))
-
-
 def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):
     from modelshard._checkpoint.reshard import reshard
 
@@ -513,43 +492,6 @@ def test_like_with_abstract_mesh_shardings_is_made_concrete(tmp_path):
     assert out["w"].sharding.spec == P("data")
     assert not isinstance(out["w"].sharding.mesh, jax.sharding.AbstractMesh)
     np.testing.assert_array_equal(out["w"], np.arange(16.0))
-
-
-def test_public_reshard_lays_a_checkpoint_out_for_a_new_mesh_and_casts(tmp_path):
-    state = {"w": jnp.arange(64.0).reshape(16, 4), "step": jnp.asarray(3), "k": jax.random.key(0)}
-    src = ms.save(tmp_path / "src", state)
-    mesh = ms.make_mesh({"data": 2, "model": 4})
-    rules = ms.Rules([("w", P("model", "data"))])
-    dst = ms.reshard(src, tmp_path / "dst", specs=rules, mesh=mesh, dtype=jnp.bfloat16)
-    assert dst == tmp_path / "dst"
-    out = ms.restore(dst, mesh=mesh)  # the saved specs of dst are the new ones
-    assert out["w"].sharding.spec == P("model", "data")
-    assert out["w"].dtype == jnp.bfloat16 and out["step"].dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.arange(64.0).reshape(16, 4))
-    np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(state["k"]))
-    with pytest.raises(ms.CheckpointError, match="already exists; pass overwrite=True"):
-        ms.reshard(src, dst, mesh=mesh)
-
-
-def test_the_cli_reshard_command_calls_the_public_function(tmp_path, monkeypatch, capsys):
-    import importlib
-
-    from modelshard._cli import main
-
-    module = importlib.import_module("modelshard._checkpoint.reshard")
-    calls = []
-    real = module.reshard
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "reshard", spy)
-    src = ms.save(tmp_path / "src", {"w": jnp.arange(8.0)})
-    assert main(["reshard", str(src), str(tmp_path / "dst"), "--mesh", "data=8"]) == 0
-    assert calls == [(str(src), str(tmp_path / "dst"))]
-    assert ms.reshard is real
-    assert "wrote " + str(tmp_path / "dst") in capsys.readouterr().out
 
 
 def test_checksums_of_many_same_shaped_leaves_are_reduced_on_the_devices():

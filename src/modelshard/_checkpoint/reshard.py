@@ -1,113 +1,82 @@
-"""``reshard``: rewrite a checkpoint for another mesh and specs, a few leaves at a time.
+"""``reshard``: rewrite a checkpoint for another mesh and specs, a slab of rows at a time.
 
-Host memory stays near one chunk of leaves however large the checkpoint is: each chunk
-is restored straight into its new sharding, verified, optionally cast, and written as its
-own Orbax PyTree piece. The pieces are then merged into one plain Orbax checkpoint the way
-Orbax merges per-process pieces (and its own partial saves): the per-piece OCDBT stores
-become ``ocdbt.process_*`` stores of the result, the JSON metadata files are merged, and
-Orbax's finalize step writes the root OCDBT manifest.
+A checkpoint on disk holds global arrays: resharding changes only how each array is
+chunked and the sharding its metadata records. So no array is placed on a device: each
+stored array is read straight from the source's TensorStore store, a slab of whole rows
+at a time (aligned to the source's stored chunks), verified against the source's checksum
+as it streams, optionally cast, and written into the new checkpoint by
+`stream.write_stream`, in chunks of whole rows of its new shards. Host memory stays near
+a few slabs, however large a leaf is. Under several processes each writes a share of the
+leaves (see `stream.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-
-from .._dtypes import dtype_name
 from .._errors import CheckpointError
-from .._plan import Plan, plan
-from .checksum import checksums
+from .._plan import plan
 from .locate import Source, locate, planning_tree
-from .read import (
-    check_cast,
-    check_holdable,
-    concrete_mesh,
-    finish_leaf,
-    read_checked,
-    verify_checksums,
-)
-from .record import LeafRecord, Record, mesh_json, parse_dtype, versions
-from .storage import absolute, nest, pieces_dir
-from .write import check_destination, orbax_save, storable, write_atomic
+from .read import check_cast, check_holdable, concrete_mesh
+from .record import LeafRecord, Record, parse_dtype
+from .storage import TREE_METADATA, absolute, orbax_name, read_small
+from .stream import Stream, StreamLeaf
+from .urls import is_remote, location
+from .write import check_destination, write_atomic
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
-
-@dataclasses.dataclass
-class _Item:
-    rec: LeafRecord
-    sharding: Any
-    host_bytes: int  # bytes materialised on this host, replicas included
+# A chunk's bytes are shared by the slab being read, the one being checksummed and
+# written, and TensorStore's decode and encode buffers.
+SLABS_PER_CHUNK = 4
 
 
-def _chunks(items: list[_Item], budget: int) -> Iterator[list[_Item]]:
-    chunk: list[_Item] = []
-    size = 0
-    for it in items:
-        if chunk and size + it.host_bytes > budget:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(it)
-        size += it.host_bytes
-    if chunk:
-        yield chunk
+def _store_format(source: Source) -> tuple[bool, bool]:
+    """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
+    try:
+        meta = json.loads(read_small(source.tree_dir / TREE_METADATA))
+        return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
+    except (OSError, ValueError, AttributeError):
+        return True, False
 
 
-def _merge_json(dst: Path, src: Path, merge: Callable[[Any, Any], Any]) -> None:
-    if not src.exists():
-        return
-    new = json.loads(src.read_text())
-    if dst.exists():
-        new = merge(json.loads(dst.read_text()), new)
-    dst.write_text(json.dumps(new))
+def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> CheckpointError:
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return CheckpointError(
+        f"cannot read 1 leaf of {source.path} (damaged or incomplete checkpoint):\n"
+        f"  {rec.path or '<root>'}: {type(e).__name__}: {text}"
+    )
 
 
-def _merge_tree_metadata(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = dict(a)
-    out["tree_metadata"] = {**a.get("tree_metadata", {}), **b.get("tree_metadata", {})}
-    return out
+class _Reader:
+    """Reads runs of rows of one stored array of the source, through TensorStore."""
 
+    def __init__(self, source: Source, rec: LeafRecord, fmt: tuple[bool, bool], context: Any):
+        self.source, self.rec, self.fmt, self.context = source, rec, fmt, context
+        self.store: Any = None
 
-def _merge_array_metadatas(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {**a, "array_metadatas": a.get("array_metadatas", []) + b.get("array_metadatas", [])}
+    def __call__(self, start: int, stop: int) -> Any:
+        import tensorstore as ts
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
-
-def _merge_piece(piece: Path, into: Path, index: int) -> None:
-    """Move one piece's per-process OCDBT stores and metadata into ``into``."""
-    for store in sorted(piece.glob("ocdbt.process_*")):
-        # Orbax reads the process id up to the first '_' after "process"; keep it a suffix.
-        os.rename(store, into / f"{store.name}piece{index:05d}")
-    _merge_json(into / "_METADATA", piece / "_METADATA", _merge_tree_metadata)
-    _merge_json(into / "_sharding", piece / "_sharding", lambda a, b: {**a, **b})
-    for meta in sorted((piece / "array_metadatas").glob("*")):
-        (into / "array_metadatas").mkdir(exist_ok=True)
-        _merge_json(into / "array_metadatas" / meta.name, meta, _merge_array_metadatas)
-    if not (into / "_CHECKPOINT_METADATA").exists() and (piece / "_CHECKPOINT_METADATA").exists():
-        shutil.copy(piece / "_CHECKPOINT_METADATA", into / "_CHECKPOINT_METADATA")
-
-
-def _finalize(directory: Path) -> None:
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    use_zarr3 = bool(json.loads((directory / "_METADATA").read_text()).get("use_zarr3", False))
-    ocp.PyTreeCheckpointHandler(use_zarr3=use_zarr3).finalize(epath.Path(directory))
-
-
-def _host_bytes(p: Plan, leaf_index: int, rec: LeafRecord) -> int:
-    leaf = p.args[0].leaves[leaf_index]
-    per_device = math.prod(p.shard_shape(leaf)) * parse_dtype(rec.stored_dtype).itemsize
-    extra = math.prod(rec.stored_shape[len(rec.shape) :])
-    local = len([d for d in p.mesh.devices.flat if d.process_index == jax.process_index()])
-    return per_device * extra * local
+        try:
+            if self.store is None:
+                use_ocdbt, use_zarr3 = self.fmt
+                spec = tsu.ArrayReadSpec(
+                    str(self.source.tree_dir),
+                    orbax_name(self.rec.key),
+                    use_zarr3,
+                    use_ocdbt=use_ocdbt,
+                )
+                self.store = ts.open(spec.json, context=self.context).result()
+            view = self.store[start:stop] if self.rec.stored_shape else self.store
+            return view.read().result()
+        except Exception as e:
+            raise _unreadable(self.source, self.rec, e) from e
 
 
 def reshard(
@@ -192,13 +161,14 @@ def rewrite(
 ) -> Record:
     """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
     source: Source = locate(src)
-    out_path = absolute(dst)
-    check_destination(out_path, overwrite=overwrite)
-    if out_path != source.path and out_path.is_relative_to(source.path):
-        raise CheckpointError(
-            f"cannot reshard {source.path} into {out_path}: the destination is inside the "
-            "source checkpoint; choose a path outside it."
-        )
+    out_path = location(dst)
+    if not is_remote(out_path):
+        check_destination(out_path, overwrite=overwrite)
+        if out_path != source.path and out_path.is_relative_to(source.path):
+            raise CheckpointError(
+                f"cannot reshard {source.path} into {out_path}: the destination is inside the "
+                "source checkpoint; choose a path outside it."
+            )
     record = source.record
     dtype = check_cast(dtype)
     check_holdable(source, [leaf.path for leaf in record.leaves])
@@ -207,104 +177,43 @@ def rewrite(
     p = plan(like, record.saved_specs() if specs is None else specs, mesh)
     shardings = p.flat_shardings(0)
     by_path = record.by_path()
-    items = []
-    for i, (leaf, s) in enumerate(zip(p.args[0].leaves, shardings, strict=True)):
+    fmt = _store_format(source)
+    chunks = source.write_shapes()
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+    context = tsu.get_ts_context(use_ocdbt=fmt[0])
+    leaves = []
+    for leaf, s in zip(p.args[0].leaves, shardings, strict=True):
         rec = by_path[leaf.path]
-        items.append(_Item(rec, s, _host_bytes(p, i, rec)))
-    total = sum(it.rec.nbytes for it in items)
-    new_leaves: list[LeafRecord] = []
-    order = {leaf.path: i for i, leaf in enumerate(record.leaves)}
-
-    def write(staging: Path) -> None:
-        import orbax.checkpoint as ocp
-
-        pieces = pieces_dir(staging)
-        shutil.rmtree(pieces, ignore_errors=True)
-        pieces.mkdir(parents=True)
-        done = 0
-        # One Checkpointer for every piece: its setup and teardown (thread pools, an
-        # event loop) cost more than writing a small piece.
-        ckptr = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        try:
-            for k, chunk in enumerate(_chunks(items, chunk_bytes)):
-                targets = {
-                    it.rec.path: jax.ShapeDtypeStruct(
-                        it.rec.stored_shape,
-                        parse_dtype(it.rec.stored_dtype),
-                        sharding=it.rec.stored_sharding(it.sharding),
-                    )
-                    for it in chunk
-                }
-                values = read_checked(source, targets)
-                del targets
-                # One checksum pass over the stored bits checks the source and, where
-                # no cast changes them, is the new checkpoint's checksum too. Summed on
-                # the host: compiling a reduction per shape would cost more resident
-                # memory (compiler code and buffers) than a chunk.
-                read_sums = checksums([values[it.rec.path] for it in chunk], host=True)
-                if verify:
-                    sums_by_path = {
-                        it.rec.path: cs for it, cs in zip(chunk, read_sums, strict=True)
-                    }
-                    verify_checksums(source, values, sums_by_path)
-                stored, logical = [], []
-                for it in chunk:
-                    x = values.pop(it.rec.path)
-                    if it.rec.key_impl is None:
-                        x = finish_leaf(x, it.rec, dtype)
-                    logical.append(it.rec.dtype if it.rec.key_impl else dtype_name(x.dtype))
-                    stored.append(x if it.rec.key_impl else storable(x))
-                sums = list(read_sums)
-                changed = [
-                    i
-                    for i, (it, x) in enumerate(zip(chunk, stored, strict=True))
-                    if dtype_name(x.dtype) != it.rec.stored_dtype
-                ]
-                if changed:
-                    new_sums = checksums([stored[i] for i in changed], host=True)
-                    for i, cs in zip(changed, new_sums, strict=True):
-                        sums[i] = cs
-                for it, x, cs, dt in zip(chunk, stored, sums, logical, strict=True):
-                    new_leaves.append(
-                        dataclasses.replace(
-                            it.rec,
-                            dtype=dt,
-                            stored_dtype=dtype_name(x.dtype),
-                            spec=it.sharding.spec,
-                            checksum=cs,
-                        )
-                    )
-                # as in save: zero-size leaves live in the record only
-                tree = nest(
-                    [(it.rec.key, x) for it, x in zip(chunk, stored, strict=True) if x.size],
-                    "reshard",
-                )
-                if tree:
-                    orbax_save(pieces / f"piece{k:05d}", tree, ckptr)
-                    (pieces / "merged").mkdir(exist_ok=True)
-                    _merge_piece(pieces / f"piece{k:05d}", pieces / "merged", k)
-                del stored, tree, values
-                done += sum(it.rec.nbytes for it in chunk)
-                if progress is not None:
-                    progress(done, total)
-            _finalize(pieces / "merged")
-            new_leaves.sort(key=lambda r: order[r.path])
-            os.rename(pieces / "merged", staging)
-        finally:
-            ckptr.close()
-            shutil.rmtree(pieces, ignore_errors=True)
-
-    new_record = Record(
+        stored_chunk = chunks.get(rec.key)
+        leaves.append(
+            StreamLeaf(
+                path=rec.path,
+                shape=rec.stored_shape,
+                dtype=parse_dtype(rec.stored_dtype),
+                read=_Reader(source, rec, fmt, context),
+                spec=s.spec,
+                key_impl=rec.key_impl,
+                names=rec.names,
+                rows=stored_chunk[0] if stored_chunk else None,
+                expect=rec.checksum if verify else None,
+                logical_dtype=None if rec.key_impl else parse_dtype(rec.dtype),
+            )
+        )
+    stream = Stream(
+        leaves,
+        mesh=mesh,
+        dtype=dtype,
+        slab_bytes=max(1, chunk_bytes // SLABS_PER_CHUNK),
         kind=record.kind,
-        leaves=new_leaves,
-        mesh=mesh_json(mesh),
-        versions=versions(),
         metadata={**record.metadata, "resharded_from": str(source.path)},
+        source=str(source.path),
+        progress=progress,
     )
-    write_atomic(
-        out_path,
-        write,
-        new_record,
-        overwrite=overwrite,
-    )
-    return new_record
+    if is_remote(out_path):
+        from .stream import write_remote
+
+        write_remote(out_path, stream, overwrite=overwrite)
+    else:
+        write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
+    return stream.record

@@ -1,0 +1,616 @@
+"""Writing a checkpoint from a stream of leaves, a slab of rows at a time, through TensorStore.
+
+``write_stream`` is what ``reshard`` (and ``modelshard convert``) write with. Each leaf comes
+as a `StreamLeaf`: its canonical path, shape, dtype, spec and a function that reads any run
+of its rows. It is copied into the new checkpoint one slab of whole rows (along its first
+dimension) at a time, the next slab read while the last is written, so host memory stays
+near a few slabs however large a leaf is. Nothing is placed on the mesh's devices.
+
+The result is the checkpoint ``save`` writes, readable by raw Orbax: every array is created
+with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the process
+that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside the arrays
+(``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
+here in Orbax's format, and Orbax's own finalize step merges the per-process stores.
+
+Chunks: an array is stored in chunks of whole rows of its shards (the shard shape of its
+spec on the mesh, cut along the first dimension), so that every slab covers whole chunks
+and a device restoring its shard reads only its own chunks.
+
+Checksums are summed slab by slab on this process's first local device
+(``checksum.slab_sums``, one small program per slab shape and dtype), while TensorStore
+reads and writes. A leaf given an expected checksum (``reshard`` passes the source's) is
+verified on the way; every mismatch is reported, with its leaf, before anything is
+published. Under several processes each writes a share of the leaves (largest first, to
+the least loaded), and process 0 writes the metadata and the record once all are done.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .._dtypes import dtype_name
+from .._errors import CheckpointError
+from .checksum import format_sums, slab_sums
+from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
+from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
+    MARKER,
+    TREE_METADATA,
+    check_names,
+    nest,
+    orbax_name,
+    storage_key,
+)
+
+DEFAULT_SLAB_BYTES = 16 << 20
+"""Host bytes of one slab (a run of whole rows) of a leaf being copied."""
+
+_PART = "modelshard.part.{}.json"  # each process's checksums, merged by process 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLeaf:
+    """One leaf of a checkpoint being written by ``write_stream``.
+
+    Attributes:
+        path: canonical path (``"layers/0/kernel"``).
+        shape: the shape of the array ``read`` gives (for typed PRNG keys: the key data,
+            with its trailing dimensions).
+        dtype: its dtype (a NumPy/ml_dtypes dtype or its name: ``bfloat16``, ``float8_e4m3``
+            and ``uint4`` are fine; for keys ``uint32``).
+        read: ``read(start, stop)`` -> the rows ``start:stop`` along the first dimension as a
+            NumPy array of ``shape[0] = stop - start`` and ``dtype`` (a 0-d leaf is read as
+            ``read(0, 1)`` and may return the scalar array). Called once per slab, in
+            order, from a worker thread.
+        spec: the ``PartitionSpec`` of the leaf on the mesh (of the logical leaf; key data's
+            trailing dimensions are never split). None: replicated.
+        key_impl: for typed PRNG keys, the implementation name (``"threefry2x32"``).
+        names: logical axis names to record (linen/NNX boxes), if any.
+        rows: rows per read that suit the producer (the source's stored chunk rows):
+            slabs are made a multiple of it where the slab budget allows.
+        expect: the checksum the array read must have (``reshard`` passes the source's);
+            a mismatch is reported as damage of the source.
+        logical_dtype: the dtype the record gives the leaf, where ``read`` gives its bits
+            in another (a float8 leaf read as uint8); default ``dtype``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    read: Callable[[int, int], Any]
+    spec: PartitionSpec | None = None
+    key_impl: str | None = None
+    names: tuple[Any, ...] | None = None
+    rows: int | None = None
+    expect: str | None = None
+    logical_dtype: Any = None
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Where and how one leaf is stored: decided before any byte is written."""
+
+    leaf: StreamLeaf
+    rec: LeafRecord  # checksum filled in once written
+    src_dtype: Any  # dtype of what ``read`` gives
+    cast: Any  # dtype the stored bits are cast to (None: stored as read)
+    sharding: NamedSharding
+    chunk: tuple[int, ...]
+    slab_rows: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read (what ``progress`` counts)."""
+        return math.prod(self.rec.stored_shape) * self.src_dtype.itemsize
+
+
+def _logical_dtype(leaf: StreamLeaf) -> Any:
+    return parse_dtype(
+        dtype_name(leaf.logical_dtype if leaf.logical_dtype is not None else leaf.dtype)
+    )
+
+
+def slab_plan(
+    shape: Sequence[int],
+    itemsize: int,
+    shard_rows: int,
+    slab_bytes: int,
+    rows: int | None = None,
+) -> tuple[int, int]:
+    """``(rows per slab, rows per stored chunk)`` for a leaf of ``shape`` whose shards have
+    ``shard_rows`` rows: a slab is at most ``slab_bytes`` (at least one row), a multiple of
+    ``rows`` where that fits, and a multiple of the chunk rows, which divide the shard's."""
+    if not shape or not math.prod(shape):
+        return 1, 1
+    n, shard_rows = shape[0], max(1, shard_rows)
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    cap = max(1, slab_bytes // row)
+    if shard_rows <= cap and (rows is None or shard_rows % rows == 0 or rows > cap):
+        slab = shard_rows * (cap // shard_rows)
+    elif rows is not None and rows <= cap:
+        slab = rows * (cap // rows)
+    else:
+        slab = cap
+    slab = min(slab, n)
+    return slab, math.gcd(slab, shard_rows)
+
+
+def _layouts(leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: int) -> list[_Layout]:
+    out = []
+    for leaf in leaves:
+        src = parse_dtype(dtype_name(leaf.dtype))
+        logical = _logical_dtype(leaf)
+        cast = None
+        floating = leaf.key_impl is None and jnp.issubdtype(logical, jnp.floating)
+        if floating and dtype is not None and jnp.dtype(dtype) != logical:
+            cast = jnp.dtype(dtype)
+        final = cast if cast is not None else logical
+        stored_name = STORED_AS.get(dtype_name(final), dtype_name(final))
+        shape = tuple(int(d) for d in leaf.shape)
+        if leaf.key_impl is not None:
+            data = jax.ShapeDtypeStruct(shape, jnp.uint32)
+            impl = leaf.key_impl
+            keys = jax.eval_shape(lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl), data)
+            logical_shape, logical_name = tuple(keys.shape), dtype_name(keys.dtype)
+        else:
+            logical_shape, logical_name = shape, dtype_name(final)
+        spec = leaf.spec if leaf.spec is not None else PartitionSpec()
+        extra = len(shape) - len(logical_shape)
+        stored_spec = PartitionSpec(*spec, *([None] * (len(logical_shape) - len(spec) + extra)))
+        sharding = NamedSharding(mesh, stored_spec)
+        shard = sharding.shard_shape(shape) if shape else ()
+        itemsize = parse_dtype(stored_name).itemsize
+        slab, chunk_rows = slab_plan(
+            shape, max(itemsize, src.itemsize), shard[0] if shard else 1, slab_bytes, leaf.rows
+        )
+        chunk = (chunk_rows, *shard[1:]) if shape else ()
+        rec = LeafRecord(
+            path=leaf.path,
+            key=storage_key(leaf.path),
+            shape=logical_shape,
+            dtype=logical_name,
+            stored_shape=shape,
+            stored_dtype=stored_name,
+            key_impl=leaf.key_impl,
+            spec=spec if leaf.spec is not None else None,
+            names=leaf.names,
+        )
+        out.append(_Layout(leaf, rec, src, cast, sharding, chunk, slab))
+    return out
+
+
+def assign(sizes: Sequence[int], processes: int) -> list[int]:
+    """The process that writes each leaf of ``sizes`` (bytes): largest first, each to the
+    least loaded process (ties: the lowest index), the same answer on every process."""
+    load = [0] * processes
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(processes), key=lambda q: (load[q], q))
+        owner[i] = p
+        load[p] += sizes[i]
+    return owner
+
+
+def _slabs(lay: _Layout) -> Iterator[tuple[int, int]]:
+    n = lay.rec.stored_shape[0] if lay.rec.stored_shape else 1
+    for start in range(0, n, lay.slab_rows):
+        yield start, min(n, start + lay.slab_rows)
+
+
+def _ts_spec(directory: Any, lay: _Layout, process: int) -> Any:
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+    return tsu.ArrayWriteSpec(
+        _posix(directory),
+        orbax_name(lay.rec.key),
+        global_shape=lay.rec.stored_shape,
+        write_shape=lay.chunk,
+        dtype=parse_dtype(lay.rec.stored_dtype),
+        use_ocdbt=True,
+        process_id=process,
+    )
+
+
+def _posix(directory: Any) -> str:
+    return directory.as_posix() if hasattr(directory, "as_posix") else str(directory)
+
+
+class _Sums:
+    """The running checksum of one array, summed on the device slab by slab."""
+
+    def __init__(self) -> None:
+        self.parts: list[jax.Array] = []
+
+    def add(self, x: jax.Array, offset: int) -> None:
+        self.parts.append(slab_sums(x, offset))
+
+    def value(self) -> str:
+        if not self.parts:
+            return format_sums(0, 0)
+        both = np.asarray(jax.device_get(self.parts), dtype=np.uint64).sum(axis=0)
+        return format_sums(int(both[0]), int(both[1]))
+
+
+def _as_array(x: Any, lay: _Layout, start: int, stop: int) -> np.ndarray:
+    a = np.asarray(x)
+    want = (stop - start, *lay.rec.stored_shape[1:]) if lay.rec.stored_shape else ()
+    if tuple(a.shape) != want and a.size == math.prod(want) and a.dtype == lay.src_dtype:
+        return a.reshape(want)  # a 0-d leaf read as one element
+    if a.dtype != lay.src_dtype or tuple(a.shape) != want:
+        raise CheckpointError(
+            f"leaf {lay.rec.path or '<root>'!r}: rows {start}:{stop} were read as "
+            f"{dtype_name(a.dtype)}{list(a.shape)}, not {dtype_name(lay.src_dtype)}{list(want)}."
+        )
+    return a
+
+
+@dataclasses.dataclass
+class _Open:
+    """A leaf being copied: its destination store and running checksums."""
+
+    store: Any
+    read_sums: _Sums
+    out_sums: _Sums
+
+
+def _copy_all(
+    layouts: Sequence[_Layout],
+    directory: Any,
+    process: int,
+    device: Any,
+    progress: Callable[[int], None],
+) -> dict[str, tuple[str, str | None]]:
+    """Write ``layouts`` slab by slab, each slab read (on a worker thread) while the one
+    before it is checksummed and written. Returns, per path, the checksum of what was
+    stored and, where ``expect`` is set, that of what was read (else None)."""
+    import tensorstore as ts
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+    context = tsu.get_ts_context(use_ocdbt=True)
+    tasks = [(lay, start, stop) for lay in layouts for start, stop in _slabs(lay)]
+    out: dict[str, tuple[str, str | None]] = {}
+    # Every array is created before any is written, all at once: OCDBT commits the
+    # creations together, where one at a time each would wait for the writes before it.
+    opening = [
+        ts.open(_ts_spec(directory, lay, process).json, create=True, context=context)
+        for lay in layouts
+    ]
+    opened = {
+        lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
+        for lay, f in zip(layouts, opening, strict=True)
+    }
+    del opening
+    writing: tuple[Any, Any] | None = None  # (future, store): one write in flight
+    with ThreadPoolExecutor(1, thread_name_prefix="modelshard-read") as pool:
+        nxt = pool.submit(tasks[0][0].leaf.read, *tasks[0][1:]) if tasks else None
+        for i, (lay, start, stop) in enumerate(tasks):
+            assert nxt is not None
+            host = _as_array(nxt.result(), lay, start, stop)
+            if i + 1 < len(tasks):
+                after = tasks[i + 1]
+                nxt = pool.submit(after[0].leaf.read, after[1], after[2])
+            leaf = lay.leaf
+            here = opened[leaf.path]
+            row = math.prod(lay.rec.stored_shape[1:]) if lay.rec.stored_shape else 1
+            offset = start * row
+            bits = _bits_view(host, lay)
+            x = jax.device_put(bits, device)
+            if leaf.expect is not None:
+                here.read_sums.add(x, offset)
+            if lay.cast is not None:
+                stored_dt = parse_dtype(lay.rec.stored_dtype)
+                logical = _logical_dtype(leaf)
+                value = x if logical == x.dtype else jax.lax.bitcast_convert_type(x, logical)
+                y = value.astype(lay.cast)
+                if stored_dt != y.dtype:
+                    y = jax.lax.bitcast_convert_type(y, stored_dt)
+                here.out_sums.add(y, offset)
+                data = np.asarray(y)
+            else:
+                if leaf.expect is None:
+                    here.out_sums.add(x, offset)
+                data = bits
+            if writing is not None:
+                writing[0].result()
+            view = here.store[start:stop] if lay.rec.stored_shape else here.store
+            writing = (view.write(data), here.store)
+            del x, host, bits, data
+            progress((stop - start) * row * lay.src_dtype.itemsize)
+            last = lay.rec.stored_shape[0] if lay.rec.stored_shape else 1
+            if stop == last:
+                del opened[leaf.path]
+                got = here.read_sums.value() if leaf.expect is not None else None
+                separate = lay.cast is not None or leaf.expect is None
+                out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
+        if writing is not None:
+            writing[0].result()
+    return out
+
+
+def _bits_view(host: np.ndarray, lay: _Layout) -> np.ndarray:
+    """``host`` as the dtype it is stored in, when that is not the dtype it was read as
+    (no cast: the bits are stored as they are)."""
+    if lay.cast is not None:
+        return host
+    stored = parse_dtype(lay.rec.stored_dtype)
+    return host if host.dtype == stored else host.view(stored)
+
+
+def _tree_metadata(layouts: Sequence[_Layout]) -> dict[str, Any]:
+    entries = {}
+    for lay in layouts:
+        if not math.prod(lay.rec.stored_shape):
+            continue
+        entries[str(tuple(lay.rec.key))] = {
+            "key_metadata": [{"key": k, "key_type": 2} for k in lay.rec.key],
+            "value_metadata": {
+                "value_type": "jax.Array",
+                "skip_deserialize": False,
+                "write_shape": list(lay.chunk),
+            },
+        }
+    return {
+        "tree_metadata": entries,
+        "use_ocdbt": True,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+
+
+def _sharding_file(layouts: Sequence[_Layout]) -> dict[str, str]:
+    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+
+    out = {}
+    for lay in layouts:
+        if not math.prod(lay.rec.stored_shape):
+            continue
+        name = base64.urlsafe_b64encode(orbax_name(lay.rec.key).encode()).decode()
+        meta = sharding_metadata.from_jax_sharding(lay.sharding)
+        if meta is not None:
+            out[name] = meta.to_serialized_string()
+    return out
+
+
+def _array_metadatas(layouts: Sequence[_Layout]) -> dict[str, Any]:
+    return {
+        "array_metadatas": [
+            {
+                "array_metadata": {
+                    "param_name": orbax_name(lay.rec.key),
+                    "write_shape": list(lay.chunk),
+                    "chunk_shape": list(lay.chunk),
+                    "ext_metadata": None,
+                }
+            }
+            for lay in layouts
+        ]
+    }
+
+
+def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
+    return {
+        "item_handlers": (
+            "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+        ),
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": start_ns,
+        "commit_timestamp_nsecs": time.time_ns(),
+        "custom_metadata": dict(MARKER),
+    }
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _finalize(directory: Any) -> None:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    ocp.PyTreeCheckpointHandler(use_zarr3=False).finalize(epath.Path(_posix(directory)))
+
+
+def _mismatch_message(where: str, bad: Sequence[tuple[LeafRecord, str, str]]) -> str:
+    n = len(bad)
+    return (
+        f"checksum mismatch in {where}: the stored bytes of {n} lea"
+        f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
+        + "\n".join(
+            f"  {r.path or '<root>'} {r.stored_dtype}{list(r.stored_shape)}: recorded {want}, "
+            f"read {got}"
+            for r, want, got in bad
+        )
+        + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
+        "to load it anyway."
+    )
+
+
+class Stream:
+    """A checkpoint being written by ``write_stream``: its leaves laid out, then written
+    into one directory by ``write`` (each process its share), all checked first."""
+
+    def __init__(
+        self,
+        leaves: Iterable[StreamLeaf],
+        *,
+        mesh: Any,
+        dtype: Any = None,
+        slab_bytes: int = DEFAULT_SLAB_BYTES,
+        kind: str = "pytree",
+        metadata: dict[str, Any] | None = None,
+        source: str = "",
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.layouts = _layouts(leaves, mesh, dtype, slab_bytes)
+        if not self.layouts:
+            raise CheckpointError("nothing to write: the stream has no leaves.")
+        check_names([(lay.rec.path, lay.rec.key) for lay in self.layouts], "cannot write")
+        nest([(lay.rec.key, 0) for lay in self.layouts], "cannot write")
+        self.record = Record(
+            kind=kind,
+            leaves=[lay.rec for lay in self.layouts],
+            mesh=mesh_json(mesh),
+            versions=versions(),
+            metadata=dict(metadata or {}),
+        )
+        self.source = source
+        self.progress = progress
+        self.total = sum(lay.nbytes for lay in self.layouts)
+
+    def write(self, directory: Any) -> None:
+        """Write every array into ``directory`` (a new or empty directory; a local
+        ``Path`` or an ``epath.Path`` on object storage), then, on process 0, Orbax's
+        metadata; the record is left to the caller. Raises CheckpointError naming every
+        leaf whose read checksum differs from its ``expect``."""
+        start_ns = time.time_ns()
+        process, count = jax.process_index(), jax.process_count()
+        owner = assign([lay.nbytes for lay in self.layouts], count)
+        mine = [
+            lay
+            for lay, o in zip(self.layouts, owner, strict=True)
+            if o == process and math.prod(lay.rec.stored_shape)
+        ]
+        directory.mkdir(parents=True, exist_ok=True)
+        device = jax.local_devices()[0]
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if self.progress is not None and count == 1:
+                self.progress(done[0], self.total)
+
+        sums = _copy_all(mine, directory, process, device, step)
+        for lay in self.layouts:
+            if not math.prod(lay.rec.stored_shape) and process == 0:
+                sums[lay.rec.path] = self._empty_sums(lay)
+        # Every process lists every array, as in an Orbax save (its finalize checks that
+        # each process's list is complete and that they agree).
+        stored = [lay for lay in self.layouts if math.prod(lay.rec.stored_shape)]
+        (directory / "array_metadatas").mkdir(exist_ok=True)
+        (directory / "array_metadatas" / f"process_{process}").write_text(
+            json.dumps(_array_metadatas(stored))
+        )
+        if count > 1:
+            (directory / _PART.format(process)).write_text(json.dumps(sums))
+            _sync("modelshard:stream:written")
+            for p in range(count):
+                part = json.loads((directory / _PART.format(p)).read_text())
+                sums.update({k: (v[0], v[1]) for k, v in part.items()})
+            _sync("modelshard:stream:read")
+            (directory / _PART.format(process)).unlink()
+        bad = []
+        for lay in self.layouts:
+            stored, got = sums[lay.rec.path]
+            lay.rec.checksum = stored
+            if lay.leaf.expect is not None and got is not None and got != lay.leaf.expect:
+                bad.append((lay.rec, lay.leaf.expect, got))
+        if bad:
+            raise CheckpointError(_mismatch_message(self.source or str(directory), bad))
+        if process == 0:
+            (directory / TREE_METADATA).write_text(json.dumps(_tree_metadata(self.layouts)))
+            (directory / "_sharding").write_text(json.dumps(_sharding_file(self.layouts)))
+            _finalize(directory)
+            (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start_ns)))
+        if self.progress is not None and count == 1:
+            self.progress(self.total, self.total)
+
+    def _empty_sums(self, lay: _Layout) -> tuple[str, str | None]:
+        zero = format_sums(0, 0)
+        return zero, (zero if lay.leaf.expect is not None else None)
+
+
+def write_stream(
+    directory: str | os.PathLike[str],
+    leaves: Iterable[StreamLeaf],
+    *,
+    mesh: Any,
+    kind: str = "pytree",
+    metadata: dict[str, Any] | None = None,
+    dtype: Any = None,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Record:
+    """Write a checkpoint (what ``save`` writes) from ``leaves``, one slab of rows at a time.
+
+    Host memory stays near a few ``slab_bytes`` whatever the leaves' sizes; nothing is put
+    on ``mesh``'s devices (it gives the shard shapes, the recorded mesh and Orbax's
+    sharding metadata). The directory appears only when complete, as with ``save``; on
+    object storage it is complete once Orbax's commit file is written.
+
+    Args:
+        directory: where to write (a local path, or a ``gs://``/``s3://`` URL).
+        leaves: the leaves, in container order (an iterable of `StreamLeaf`: laid out and
+            checked before any array is read).
+        mesh: the mesh the specs refer to.
+        kind: the container kind the record gives (``restore`` without ``like`` returns
+            nested dicts whatever it is).
+        metadata: JSON user metadata for the record.
+        dtype: cast floating-point leaves to this floating-point dtype.
+        slab_bytes: host bytes per slab.
+        overwrite: replace a checkpoint already there.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
+
+    Returns:
+        The record written beside the arrays.
+
+    Raises:
+        CheckpointError: the destination exists (without ``overwrite``), two leaves share a
+            stored name, a leaf's read checksum differs from its ``expect``, or ``read``
+            returned the wrong rows.
+    """
+    from .urls import is_remote, location
+    from .write import check_destination, write_atomic
+
+    stream = Stream(
+        leaves,
+        mesh=mesh,
+        dtype=dtype,
+        slab_bytes=slab_bytes,
+        kind=kind,
+        metadata=metadata,
+        progress=progress,
+    )
+    path = location(directory)
+    if is_remote(path):
+        write_remote(path, stream, overwrite=overwrite)
+        return stream.record
+    check_destination(path, overwrite=overwrite)
+    write_atomic(path, stream.write, stream.record, overwrite=overwrite)
+    return stream.record
+
+
+def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
+    """``write_stream`` to object storage: written in place (no rename there) as a
+    manager-step layout (``state/`` and ``modelshard/modelshard.json``), with Orbax's
+    commit file written last; a checkpoint without it is refused by ``locate``."""
+    from .remote import prepare_remote
+    from .storage import RECORD_FILE, RECORD_ITEM, STATE_ITEM
+
+    prepare_remote(path, overwrite=overwrite)
+    stream.write(path / STATE_ITEM)
+    if jax.process_index() == 0:
+        (path / RECORD_ITEM).mkdir(parents=True, exist_ok=True)
+        (path / RECORD_ITEM / RECORD_FILE).write_text(stream.record.dumps())
+        (path / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(time.time_ns())))
+        (path / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
+    _sync("modelshard:stream:committed")
