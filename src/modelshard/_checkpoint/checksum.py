@@ -11,14 +11,16 @@ numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 CHECKSUM = "fmix32x2"
+
+K = TypeVar("K", bound=Hashable)
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -46,21 +48,33 @@ def _bits(dt: Any) -> int:
         return dt.itemsize * 8
 
 
-def _checksum_one(x: jax.Array, offset: Any = 0) -> jax.Array:
+def _checksum_one(x: jax.Array, origin: Any = None, strides: Any = None) -> jax.Array:
     """The two sums over the lanes of ``x`` (complex: real and imaginary lanes interleaved,
     as ``_np_lanes`` stacks them), in one variadic reduction: XLA fuses every term into
     it, so no temporary as large as ``x`` is materialised (two separate sums would each
-    need their terms written out first)."""
+    need their terms written out first).
+
+    With ``origin`` and ``strides`` (``uint32`` vectors, one entry per dimension), ``x``
+    is the box at ``origin`` of a larger leaf whose element strides (C order, modulo
+    2**32) are ``strides``: its terms are the leaf's own for those elements."""
     parts = [x.real, x.imag] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
     lanes = [_lanes(p) for p in parts]
     shape = lanes[0].shape
-    # ``offset``: the flat index of ``x``'s first element in the leaf it is part of
-    per_element = len(lanes) * (math.prod(shape) // max(1, x.size) if x.size else 1)
-    idx = jnp.full(shape, jnp.asarray(offset, jnp.uint32) * jnp.uint32(per_element % 2**32))
-    stride = len(lanes)
-    for d in range(len(shape) - 1, -1, -1):
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
-        stride *= shape[d]
+    idx = jnp.zeros(shape, jnp.uint32)
+    if origin is None:
+        stride = len(lanes)
+        for d in range(len(shape) - 1, -1, -1):
+            idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride % 2**32)
+            stride *= shape[d]
+    else:
+        # lanes per element: complex parts, times two for 64-bit ones (a trailing axis)
+        wide = len(shape) > x.ndim
+        per = len(lanes) * (2 if wide else 1)
+        if wide:
+            idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, x.ndim) * jnp.uint32(len(lanes))
+        for d in range(x.ndim):
+            pos = origin[d] + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+            idx = idx + pos * (strides[d] * jnp.uint32(per))
     terms = [t for k, v in enumerate(lanes) for t in _terms(v, idx + jnp.uint32(k), jnp.uint32)]
     zero = jnp.uint32(0)
     sums = jax.lax.reduce(
@@ -94,15 +108,15 @@ def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
 
 
 _checksum_jit = jax.jit(_checksum_one)
-_slab_jit = jax.jit(_checksum_one)
+_box_jit = jax.jit(_checksum_one)
 
 
-def slab_sums(x: jax.Array, offset: int) -> jax.Array:
-    """The two sums (a ``uint32[2]`` device array, not waited for) over ``x``, the part
-    of a leaf whose first element has the flat (C-order) index ``offset`` in it: a run of
-    whole rows along the leaf's first dimension. The sums of a leaf's parts add up
-    (modulo 2**32) to the leaf's own; ``format_sums`` writes them as a checksum."""
-    return _slab_jit(x, np.uint32(offset % 2**32))
+def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.Array:
+    """The two sums (a ``uint32[2]`` device array, not waited for) over ``x``, the box at
+    ``origin`` of a leaf of ``shape``. The sums of boxes that tile a leaf add up (modulo
+    2**32) to the leaf's own; ``format_sums`` writes them as its checksum."""
+    strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
+    return _box_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
 
 
 def format_sums(s1: int, s2: int) -> str:
@@ -263,21 +277,70 @@ def start_checksums(
 
     The device reductions run while the caller goes on (``save`` writes the data meanwhile).
     """
-    limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
-    pending: dict[int, Any] = {}
-    out: list[Any] = [None] * len(arrays)
-    small = on_host(arrays, limit)
+    batch = Checksums(dict(enumerate(arrays)), host_max_elements=host_max_elements, host=host)
     for i, x in enumerate(arrays):
-        if host and isinstance(x, jax.Array) and x.is_fully_addressable:
-            out[i] = _shard_checksum(x)
-        elif small[i]:
-            out[i] = _np_checksum(np.asarray(x))
-        else:
-            pending[i] = _checksum_jit(x)
+        batch.add(i, x)
+    return lambda: list(batch.collect().values())
 
-    def collect() -> list[str]:
-        for i, s in zip(pending, jax.device_get(list(pending.values())), strict=True):
-            out[i] = (int(s[0]), int(s[1]))
-        return [f"{a:08x}:{b:08x}" for a, b in out]
 
-    return collect
+class Checksums(Generic[K]):
+    """``checksums`` of arrays handed over one at a time, as a restore reads them.
+
+    ``like`` maps each key to the array, or the sharded abstract array, that will be
+    added under it: which leaves are summed on the host is decided from all of them at
+    once, as ``checksums`` decides. ``add`` returns at once: the sums are taken by one
+    worker thread (a device reduction on CPU devices can run in the thread that starts it,
+    which inside Orbax's reads would hold up its event loop) while the caller reads the
+    next leaves. ``collect`` waits for them; ``close`` abandons them.
+    """
+
+    def __init__(
+        self,
+        like: Mapping[K, Any],
+        *,
+        host_max_elements: int | None = None,
+        host: bool = False,
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
+        self._keys = list(like)
+        self._small = dict(zip(self._keys, on_host(list(like.values()), limit), strict=True))
+        self._host = host
+        self._pending: dict[K, Any] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="modelshard-checksum")
+
+    def _sum(self, key: K, x: Any) -> Any:
+        if self._host and isinstance(x, jax.Array) and x.is_fully_addressable:
+            return _shard_checksum(x)
+        if self._small[key]:
+            return _np_checksum(np.asarray(x))
+        return _checksum_jit(x)
+
+    def add(self, key: K, x: jax.Array) -> None:
+        """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
+        checked). A failure is raised by ``collect``, not here: ``add`` runs inside
+        Orbax's reads, which would report it as a read error."""
+        if key in self._small and key not in self._pending:
+            self._pending[key] = self._worker.submit(self._sum, key, x)
+
+    def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
+        """Every key's ``"xxxxxxxx:yyyyyyyy"``, in ``like``'s order; the keys never added
+        (``arrays`` must hold them) are summed now."""
+        try:
+            for key in self._keys:
+                if key not in self._pending and arrays is not None:
+                    self.add(key, arrays[key])
+            sums = [self._pending[k].result() for k in self._keys]
+        finally:
+            self.close()
+        fetched = iter(jax.device_get([s for s in sums if isinstance(s, jax.Array)]))
+        out = {}
+        for k, s in zip(self._keys, sums, strict=True):
+            a, b = next(fetched) if isinstance(s, jax.Array) else s
+            out[k] = format_sums(int(a), int(b))
+        return out
+
+    def close(self) -> None:
+        """Stop the worker (sums still queued are dropped)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from .._mesh import is_abstract, make_mesh
 from .._paths import format_path
 from .._plan import plan
 from .._shard import place
-from .checksum import checksums, warm_checksums
+from .arrival import each_array_registry
+from .checksum import Checksums, checksums, warm_checksums
 from .locate import Source, abstract_like, locate
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .storage import nest
@@ -261,8 +262,13 @@ def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
-def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct)."""
+def orbax_read(
+    source: Source,
+    targets: Mapping[str, Any],
+    on_read: Callable[[str, jax.Array], None] | None = None,
+) -> dict[str, Any]:
+    """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct), calling
+    ``on_read(path, array)`` for each one as soon as it is read (the rest still reading)."""
     import orbax.checkpoint as ocp
 
     recs = source.record.by_path()
@@ -295,8 +301,20 @@ def orbax_read(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         RESTORE_CONCURRENT_BYTES,
         1 + max(largest_read(t, chunks.get(recs[p].key)) for p, t in targets.items()),
     )
+
+    orbax_path = {format_path([*recs[p].key]): p for p in targets}
+
+    def arrived(info: Any, x: Any) -> None:
+        path = orbax_path.get(format_path(info.keypath or ()))
+        if on_read is not None and path is not None:
+            on_read(path, x)
+
+    registry = each_array_registry(arrived, cap)
     handler = ocp.PyTreeCheckpointHandler(
-        handler_impl=BasePyTreeCheckpointHandler(restore_concurrent_bytes=cap)
+        type_handler_registry=registry,
+        handler_impl=BasePyTreeCheckpointHandler(
+            restore_concurrent_bytes=cap, type_handler_registry=registry
+        ),
     )
     with ocp.Checkpointer(handler) as ckptr:
         out = ckptr.restore(source.tree_dir, args=args)
@@ -345,11 +363,15 @@ def _failure(e: BaseException, tree_dir: Path) -> str:
     return f"{type(best).__name__}: {text[:300]}" + (f"\n    file: {where}" if where else "")
 
 
-def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+def read_checked(
+    source: Source,
+    targets: Mapping[str, Any],
+    on_read: Callable[[str, jax.Array], None] | None = None,
+) -> dict[str, Any]:
     """``orbax_read``, turning any failure into a CheckpointError naming the bad leaves
     and, where it can be told, the file at fault."""
     try:
-        return orbax_read(source, targets)
+        return orbax_read(source, targets, on_read)
     except Exception as e:
         bad = []
         for p, t in targets.items():
@@ -367,10 +389,10 @@ def read_checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
         ) from e
 
 
-def _checked(source: Source, targets: Mapping[str, Any]) -> list[Any]:
-    """The targets whose checksums ``verify_checksums`` will compute."""
+def _checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """The targets whose checksums ``verify_checksums`` will compare."""
     recs = source.record.by_path()
-    return [t for p, t in targets.items() if recs[p].checksum is not None]
+    return {p: t for p, t in targets.items() if recs[p].checksum is not None}
 
 
 def verify_checksums(
@@ -524,11 +546,20 @@ def restore(
                 rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=rec.stored_sharding(s)
             )
     check_holdable(source, list(targets))
+    sums = None
     if verify:
-        warm_checksums(_checked(source, targets))
-    values = read_checked(source, targets)
-    if verify:
-        verify_checksums(source, values)
+        checked = _checked(source, targets)
+        warm_checksums(list(checked.values()))
+        # each leaf's checksum is dispatched as it arrives, while later leaves are read
+        sums = Checksums(checked)
+    try:
+        values = read_checked(source, targets, None if sums is None else sums.add)
+    except BaseException:
+        if sums is not None:
+            sums.close()
+        raise
+    if sums is not None:
+        verify_checksums(source, values, sums.collect(values))
     out = []
     for path, x, s in zip(paths, arrays, shardings, strict=True):
         if path in values:

@@ -1,0 +1,196 @@
+"""Restore hands each array over as Orbax reads it: checksums start while later leaves are
+still being read, under a byte cap that queues reads first come, first served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard._checkpoint import arrival, read
+from modelshard._checkpoint import checksum as cs
+from modelshard._checkpoint.locate import locate
+
+
+def _state(mesh, n=6):
+    rows = NamedSharding(mesh, P("data"))
+    return {
+        f"layer{i}": {
+            "w": jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) + i, rows)
+        }
+        for i in range(n)
+    }
+
+
+# ---- FairLimiter ---------------------------------------------------------------------------
+
+
+def test_fair_limiter_grants_first_come_first_served_within_the_cap():
+    held, order, peak = [0], [], [0]
+
+    async def read(limiter, i, n):
+        await limiter.wait_for_bytes(n)
+        held[0] += n
+        peak[0] = max(peak[0], held[0])
+        order.append(i)
+        await asyncio.sleep(0.001 * (5 - i % 5))
+        held[0] -= n
+        await limiter.release_bytes(n)
+
+    async def main():
+        limiter = arrival.FairLimiter(10)
+        sizes = [4, 4, 4, 1, 6, 2, 9, 3]
+        await asyncio.gather(*(read(limiter, i, n) for i, n in enumerate(sizes)))
+        return limiter
+
+    limiter = asyncio.run(main())
+    assert order == list(range(8))  # nothing overtakes a waiting read, not even a small one
+    assert peak[0] < 10  # a grant leaves some bytes to spare, as Orbax's limiter does
+    assert held[0] == 0 and limiter._free == 10
+
+
+def test_fair_limiter_refuses_what_orbax_refuses():
+    limiter = arrival.FairLimiter(8)
+    with pytest.raises(ValueError) as e:
+        asyncio.run(limiter.wait_for_bytes(8))
+    assert str(e.value) == "Requested more bytes than we reserved space for: 8 > 8"
+    with pytest.raises(ValueError) as e:
+        arrival.FairLimiter(0)
+    assert str(e.value) == "Must provide positive `num_bytes`. Found: 0"
+
+
+def test_a_cancelled_read_gives_back_its_place_and_its_bytes():
+    async def main():
+        limiter = arrival.FairLimiter(10)
+        await limiter.wait_for_bytes(8)  # granted at once
+        big = asyncio.ensure_future(limiter.wait_for_bytes(5))  # must wait
+        small = asyncio.ensure_future(limiter.wait_for_bytes(1))  # queued behind it
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        big.cancel()
+        await asyncio.wait_for(small, timeout=5)  # no longer behind a cancelled read
+        assert big.cancelled()
+        granted = asyncio.ensure_future(limiter.wait_for_bytes(1))
+        await asyncio.sleep(0)
+        granted.cancel()  # cancelled after the grant: its byte comes back
+        await asyncio.gather(granted, return_exceptions=True)
+        await limiter.release_bytes(8)
+        await limiter.release_bytes(1)
+        return limiter._free
+
+    assert asyncio.run(main()) == 10
+
+
+# ---- reads hand over each array ------------------------------------------------------------
+
+
+def test_each_array_is_handed_over_before_the_read_returns(tmp_path, mesh8):
+    state = _state(mesh8)
+    ms.save(tmp_path / "c", state)
+    source = locate(tmp_path / "c")
+    targets = {
+        f"layer{i}/w": jax.ShapeDtypeStruct(
+            (64, 8), jnp.float32, sharding=state["layer0"]["w"].sharding
+        )
+        for i in range(6)
+    }
+    seen = {}
+    out = read.read_checked(source, targets, lambda p, x: seen.setdefault(p, x))
+    assert set(seen) == set(targets)
+    for p, x in out.items():
+        assert seen[p] is x
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(state[p.split("/")[0]]["w"]))
+
+
+def test_restore_starts_each_checksum_while_orbax_is_still_reading(tmp_path, mesh8, monkeypatch):
+    state = _state(mesh8)
+    ms.save(tmp_path / "c", state)
+    reading = [False]
+    started = []
+    restore = ocp.Checkpointer.restore
+
+    def restore_spy(self, *a, **k):
+        reading[0] = True
+        try:
+            return restore(self, *a, **k)
+        finally:
+            reading[0] = False
+
+    add = cs.Checksums.add
+
+    def add_spy(self, key, x):
+        started.append((key, reading[0]))
+        return add(self, key, x)
+
+    monkeypatch.setattr(ocp.Checkpointer, "restore", restore_spy)
+    monkeypatch.setattr(cs.Checksums, "add", add_spy)
+    monkeypatch.setattr(cs, "HOST_MAX_ELEMENTS", 0)  # every leaf reduced on the devices
+    out = ms.restore(tmp_path / "c", like=state)
+    assert sorted(started) == sorted((f"layer{i}/w", True) for i in range(6))
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+def test_reads_queue_under_the_fair_limiter_within_the_cap(tmp_path, mesh8, monkeypatch):
+    state = _state(mesh8, n=8)
+    ms.save(tmp_path / "c", state)
+    shard = 64 * 8 * 4 // 8  # bytes of one device's rows of one leaf
+    monkeypatch.setattr(read, "RESTORE_CONCURRENT_BYTES", 3 * shard + 1)
+    held, peak, waits = [0], [0], [0]
+    wait, release = arrival.FairLimiter.wait_for_bytes, arrival.FairLimiter.release_bytes
+
+    async def wait_spy(self, n):
+        waits[0] += 1
+        await wait(self, n)
+        held[0] += n
+        peak[0] = max(peak[0], held[0])
+
+    async def release_spy(self, n):
+        held[0] -= n
+        await release(self, n)
+
+    monkeypatch.setattr(arrival.FairLimiter, "wait_for_bytes", wait_spy)
+    monkeypatch.setattr(arrival.FairLimiter, "release_bytes", release_spy)
+    out = ms.restore(tmp_path / "c", like=state)
+    assert waits[0] == 8 * 8  # every shard of every leaf went through it
+    assert 0 < peak[0] <= 3 * shard and held[0] == 0
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
+    tmp_path, mesh8, monkeypatch
+):
+    state = _state(mesh8, n=2)
+    ms.save(tmp_path / "c", state)
+
+    def broken(self, key, x):
+        raise RuntimeError("checksum program failed")
+
+    monkeypatch.setattr(cs.Checksums, "_sum", broken)
+    with pytest.raises(RuntimeError, match=r"^checksum program failed$"):
+        ms.restore(tmp_path / "c", like=state)
+
+
+def test_checksums_of_arrays_added_one_by_one_match_checksums(mesh8):
+    xs = {
+        "a": jax.device_put(
+            jnp.arange(4096, dtype=jnp.int32).reshape(64, 64), NamedSharding(mesh8, P("data"))
+        ),
+        "b": jnp.ones((3, 5), jnp.bfloat16),
+        "c": jnp.arange(10, dtype=jnp.uint8),
+    }
+    want = dict(zip(xs, cs.checksums(list(xs.values()), host_max_elements=100), strict=True))
+    batch = cs.Checksums(xs, host_max_elements=100)
+    batch.add("c", xs["c"])
+    batch.add("a", xs["a"])
+    batch.add("not checked", xs["a"])
+    got = batch.collect({"b": xs["b"]})  # "b" was never added: summed from the mapping
+    assert list(got) == ["a", "b", "c"] and got == want
