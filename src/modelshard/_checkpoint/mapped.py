@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .._weights import as_mapping
 from .._weights import transforms as T
@@ -241,3 +241,27 @@ def _read_stored(
     if rec.key_impl is not None:
         return got  # key data: the recipe runs on it and wraps the result
     return finish_leaf(got, rec, None)
+
+
+def host_leaves(
+    source: Source, *, verify: bool = True
+) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
+    """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
+    ``load(path)``: that one leaf read to this host, its checksum verified. An export
+    (``modelshard convert --to safetensors``) holds one leaf at a time this way, never
+    the whole state."""
+    recs = source.record.by_path()
+    table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
+    device0 = SingleDeviceSharding(jax.local_devices()[0])
+
+    def load(path: str) -> np.ndarray:
+        rec = recs[path]
+        target = jax.ShapeDtypeStruct(
+            rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=device0
+        )
+        got = read_checked(source, {path: target})
+        if verify:
+            verify_checksums(source, got)
+        return np.asarray(finish_leaf(got[path], rec, None))
+
+    return table, load

@@ -8,9 +8,12 @@ the design.
 
 from __future__ import annotations
 
+from .load import Exporter as Exporter
+from .load import MappedLeaf as MappedLeaf
 from .load import as_mapping as as_mapping
 from .load import invert_resolution as invert_resolution
 from .load import load_safetensors as load_safetensors
+from .load import mapped_leaves as mapped_leaves
 from .load import nest_paths as nest_paths
 from .load import place_mapped as place_mapped
 from .load import save_safetensors as save_safetensors

@@ -13,6 +13,8 @@ shapes and dtypes to write), inverts every recipe and writes one stored tensor a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -261,6 +263,88 @@ def place_mapped(
     return flat.update_inplace(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class MappedLeaf:
+    """One target leaf of a mapped import, computed a run of rows at a time: what a
+    streaming checkpoint writer consumes (``modelshard convert``).
+
+    Attributes:
+        path: the canonical target path.
+        shape: its shape.
+        dtype: its dtype.
+        spec: its planned ``PartitionSpec`` on the mesh (``None``: not on a mesh).
+        read: ``read(index)``: the block ``index`` (a tuple of slices, one per
+            dimension; ``()`` for a 0-d leaf) as a C-order NumPy array; the stored tensors
+            are read as in a load (whole rows: one positioned read; across the rows: from
+            the tensor's memory map, closed once the leaf's last element is read).
+        nbytes: its size in bytes.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: Any
+    read: Callable[[tuple[slice, ...]], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def mapped_leaves(
+    files: SafetensorsFiles,
+    *,
+    like: Any = None,
+    mapping: MappingLike = None,
+    specs: Any = None,
+    mesh: Any = None,
+    dtype: Any = None,
+) -> tuple[Resolution, list[MappedLeaf]]:
+    """Resolve and plan a safetensors import (as ``load_safetensors`` does, every problem
+    at once) without reading a tensor: the mapping table and one ``MappedLeaf`` per
+    target leaf, in container order, each reading only what its rows need when asked.
+
+    ``files`` must stay open while the leaves are read.
+    """
+    wm = as_mapping(mapping, split_dots=True)
+    like, flat, res = resolve_target(wm, files.table(), like, dtype)
+    shardings = leaf_shardings(like, flat, specs, mesh)
+    out = []
+    for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
+        spec = s.spec if isinstance(s, NamedSharding) else None
+        node = res.recipes.get(path)
+        if node is None:  # kept: like's value
+            value = np.asarray(jax.device_get(keep_value(path, x, None)))
+            read = functools.partial(_value_block, value)
+            out.append(MappedLeaf(path, value.shape, value.dtype, spec, read))
+        else:
+            read = _BlockReader(node, files.fetch)
+            out.append(MappedLeaf(path, node.shape, node.dtype, spec, read))
+    return res, out
+
+
+def _value_block(value: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+    return value[index] if index else value
+
+
+class _BlockReader:
+    """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
+    whole for it are dropped once its last element has been read."""
+
+    def __init__(self, node: T.Node, fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch]):
+        self.node = node
+        self.cache: dict[Any, np.ndarray] = {}
+        self.fetch = fetch_for(self.cache)
+
+    def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
+        shape = self.node.shape
+        norm = tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+        block = T.contiguous(self.node.read(norm, self.fetch))
+        if all(s.stop == d for s, d in zip(norm, shape, strict=True)):
+            self.cache.clear()  # blocks come in C order: this was the last
+        return block
+
+
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
     """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
     from .._shard import place
@@ -324,22 +408,8 @@ def save_safetensors(
     """
     wm = as_mapping(mapping, split_dots=True)
     table, meta = reference_table(reference)
-    ex = Exporter(state, table, wm, dtype)
-    total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in ex.order)
-    done = [0]
-
-    def step(n: int) -> None:
-        done[0] += n
-        if progress is not None:
-            progress(done[0], total)
-
-    return write_safetensors(
-        path,
-        [(n, table[n][0], table[n][1]) for n in ex.order],
-        ex.compute,
-        metadata if metadata is not None else meta,
-        step,
-    )
+    ex = Exporter.of_state(state, table, wm, dtype)
+    return ex.write(path, table, metadata if metadata is not None else meta, progress)
 
 
 def reference_table(
@@ -354,20 +424,29 @@ def reference_table(
 
 
 class Exporter:
-    """The stored tensors of a reference computed from ``state`` by the inverted mapping,
-    one at a time (``compute`` in ``order``); each target leaf is fetched to the
-    host once and dropped when no later tensor reads it."""
+    """The stored tensors of a reference computed from target leaves by the inverted
+    mapping, one at a time (``compute`` in ``order``); each target leaf is loaded to the
+    host once (``load(path)``) and dropped when no later tensor reads it.
+
+    Args:
+        targets: the target leaves, path -> (shape, dtype).
+        load: ``load(path)``: that target leaf as a NumPy array (from a state on the
+            devices, or from a checkpoint one leaf at a time).
+        table: the reference's stored tensors, name -> (shape, dtype).
+        wm: the import mapping.
+        dtype: the import's ``dtype``.
+    """
 
     def __init__(
         self,
-        state: Any,
+        targets: Mapping[str, tuple[tuple[int, ...], Any]],
+        load: Callable[[str], np.ndarray],
         table: Mapping[str, tuple[tuple[int, ...], Any]],
         wm: WeightMap,
         dtype: Any,
     ):
-        flat, targets = target_table(state)
         res = resolve(wm, table, targets, dtype=dtype)
-        self.values = dict(zip(flat.paths, flat.arrays, strict=True))
+        self.load = load
         self.sources = invert_resolution(res)
         self.order = [n for n in table if n in self.sources]
         self._pos = {n: i for i, n in enumerate(self.order)}
@@ -378,10 +457,19 @@ class Exporter:
         self._last = last
         self._cache: dict[str, np.ndarray] = {}
 
+    @classmethod
+    def of_state(
+        cls, state: Any, table: Mapping[str, tuple[tuple[int, ...], Any]], wm: WeightMap, dtype: Any
+    ) -> Exporter:
+        """An exporter reading the leaves of ``state`` (fetched from its devices)."""
+        flat, targets = target_table(state)
+        values = dict(zip(flat.paths, flat.arrays, strict=True))
+        return cls(targets, lambda p: np.asarray(jax.device_get(values[p])), table, wm, dtype)
+
     def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
         whole = self._cache.get(key)
         if whole is None:
-            whole = self._cache[key] = np.asarray(jax.device_get(self.values[key]))
+            whole = self._cache[key] = self.load(key)
         return whole[index]
 
     def compute(self, name: str) -> np.ndarray:
@@ -391,6 +479,30 @@ class Exporter:
             if self._last[k] <= i:
                 self._cache.pop(k, None)
         return value
+
+    def write(
+        self,
+        path: str | os.PathLike[str],
+        table: Mapping[str, tuple[tuple[int, ...], Any]],
+        metadata: Mapping[str, str] | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> Path:
+        """Write the reference's tensors as one safetensors file, one tensor at a time."""
+        total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in self.order)
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        return write_safetensors(
+            path,
+            [(n, table[n][0], table[n][1]) for n in self.order],
+            self.compute,
+            metadata,
+            step,
+        )
 
 
 def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any = None) -> Any:
@@ -424,7 +536,7 @@ def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any
     """
     wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
     table, _ = reference_table(reference)
-    ex = Exporter(state, table, wm, dtype)
+    ex = Exporter.of_state(state, table, wm, dtype)
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}
     flat = split(reference)
