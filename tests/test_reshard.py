@@ -71,13 +71,13 @@ def _raw_orbax(path: Path, mesh: Any) -> dict[str, Any]:
     return flat
 
 
-def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    reads: list[tuple[str, int, int]] = []
+def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[slice, ...]]]:
+    reads: list[tuple[str, tuple[slice, ...]]] = []
     real = reshard_module._Reader.__call__
 
-    def spy(self: Any, start: int, stop: int) -> Any:
-        reads.append((self.rec.path, start, stop))
-        return real(self, start, stop)
+    def spy(self: Any, box: tuple[slice, ...]) -> Any:
+        reads.append((self.rec.path, box))
+        return real(self, box)
 
     monkeypatch.setattr(reshard_module._Reader, "__call__", spy)
     return reads
@@ -86,20 +86,32 @@ def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
 # ---- slabs ---------------------------------------------------------------------------
 
 
-def test_a_leaf_8x_larger_than_the_chunk_is_read_and_written_in_slabs(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("saved", "blocks", "chunk"),
+    [
+        # stored in 8 row blocks of one chunk each: read block by block
+        (P("data"), [(slice(a, a + 64), slice(0, 64)) for a in range(0, 512, 64)], [64, 16]),
+        # in 8 column blocks: read block by block, along the second dimension
+        (P(None, "data"), [(slice(0, 512), slice(a, a + 8)) for a in range(0, 64, 8)], [512, 8]),
+        # one block of 8 chunks (saved from one device): cut into quarter chunks (16 rows)
+        (None, [(slice(a, a + 16), slice(0, 64)) for a in range(0, 512, 16)], [16, 16]),
+    ],
+)
+def test_a_leaf_8x_larger_than_the_chunk_is_read_and_written_in_slabs(
+    tmp_path, monkeypatch, saved, blocks, chunk
+):
     mesh8 = ms.make_mesh({"data": 8})
     big = np.random.default_rng(0).normal(size=(512, 64)).astype(np.float32)  # 128 KiB
-    state = {"big": ms.shard(jnp.asarray(big), P("data"), mesh8), "b": jnp.arange(8.0)}
+    x = jnp.asarray(big) if saved is None else ms.shard(jnp.asarray(big), saved, mesh8)
+    state = {"big": x, "b": jnp.arange(8.0)}
     src = ms.save(tmp_path / "src", state)
     reads = _spy_reads(monkeypatch)
     mesh = ms.make_mesh({"data": 2, "model": 4})
-    chunk = 16 << 10  # the leaf is 8 chunks; a slab is a quarter chunk: 16 rows
     specs = ms.Rules([("big", P(None, "model")), ("b", P())])
-    record = rewrite(src, tmp_path / "dst", specs=specs, mesh=mesh, chunk_bytes=chunk)
-    big_reads = [(a, b) for p, a, b in reads if p == "big"]
-    assert big_reads == [(a, a + 16) for a in range(0, 512, 16)]
+    record = rewrite(src, tmp_path / "dst", specs=specs, mesh=mesh, chunk_bytes=16 << 10)
+    assert [box for p, box in reads if p == "big"] == blocks
     meta = json.loads((tmp_path / "dst" / "_METADATA").read_text())["tree_metadata"]
-    assert meta["('big',)"]["value_metadata"]["write_shape"] == [16, 16]  # rows of a shard
+    assert meta["('big',)"]["value_metadata"]["write_shape"] == chunk  # tiles slabs and shards
     before = {leaf.path: leaf.checksum for leaf in locate(src).record.leaves}
     assert {leaf.path: leaf.checksum for leaf in record.leaves} == before
     out = ms.restore(tmp_path / "dst")  # verified against the record
@@ -108,14 +120,23 @@ def test_a_leaf_8x_larger_than_the_chunk_is_read_and_written_in_slabs(tmp_path, 
     _same_bits(out, _raw_orbax(tmp_path / "dst", mesh))
 
 
-def test_slab_plan_aligns_slabs_to_the_source_chunks_and_the_new_shards():
-    # rows of 1 KiB; 64 KiB slabs; shards of 256 rows; the source stored 128 rows a chunk
-    assert slab_plan((1024, 256), 4, 256, 64 << 10, rows=128) == (0 + 64, 64)
-    assert slab_plan((1024, 256), 4, 32, 64 << 10, rows=16) == (64, 32)
-    assert slab_plan((1024, 256), 4, 32, 64 << 10, rows=None) == (64, 32)
-    assert slab_plan((100, 256), 4, 100, 1 << 30, rows=100) == (100, 100)  # whole leaf
-    assert slab_plan((100, 256), 4, 50, 1, rows=None) == (1, 1)  # a row at least
-    assert slab_plan((), 4, 1, 1) == (1, 1) and slab_plan((0, 8), 4, 0, 1) == (1, 1)
+def test_slab_plan_follows_the_source_blocks_and_tiles_the_new_shards():
+    kib = 1 << 10
+    # a block over the slab budget but within whole_bytes is one slab
+    plan = slab_plan((1024, 256), 4, (256, 256), 64 * kib, 256 * kib, (128, 256))
+    assert plan == ((128, 256), (128, 256))
+    # small blocks: whole rows first, then more rows up to the budget
+    assert slab_plan((1024, 256), 4, (32, 256), 64 * kib, 256 * kib, (16, 256)) == (
+        (64, 256),
+        (32, 256),
+    )
+    assert slab_plan((1024, 256), 4, (32, 256), 64 * kib, 256 * kib) == ((64, 256), (32, 256))
+    assert slab_plan((512, 64), 4, (512, 16), 4 * kib, 16 * kib, (512, 8)) == ((512, 8), (512, 8))
+    # a block over whole_bytes is cut, leading dimension first (a row too long: columns too)
+    assert slab_plan((512, 64), 4, (512, 16), 4 * kib, 16 * kib, (512, 64)) == ((16, 64), (16, 16))
+    assert slab_plan((4, 1024), 4, (4, 1024), kib, kib) == ((1, 256), (1, 256))
+    assert slab_plan((), 4, (), 1, 1) == ((), ())
+    assert slab_plan((0, 8), 4, (0, 8), 1, 1) == ((0, 8), (0, 8))
 
 
 def test_leaves_are_shared_between_processes_by_bytes():
@@ -278,12 +299,12 @@ def test_write_stream_writes_a_checkpoint_from_row_readers(tmp_path):
     w = rng.normal(size=(64, 16)).astype(np.float32)
     e = rng.normal(size=(32, 8)).astype(ml_dtypes.bfloat16)
     key_data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 4)))
-    calls: list[tuple[str, int, int]] = []
+    calls: list[tuple[str, tuple[slice, ...]]] = []
 
     def reader(name: str, a: np.ndarray) -> Any:
-        def read(start: int, stop: int) -> np.ndarray:
-            calls.append((name, start, stop))
-            return a[start:stop]
+        def read(box: tuple[slice, ...]) -> np.ndarray:
+            calls.append((name, box))
+            return a[box]
 
         return read
 
@@ -295,7 +316,7 @@ def test_write_stream_writes_a_checkpoint_from_row_readers(tmp_path):
         StreamLeaf(
             "rng", key_data.shape, np.uint32, reader("k", key_data), key_impl="threefry2x32"
         ),
-        StreamLeaf("scale", (), np.float32, lambda a, b: np.float32(2.5)),
+        StreamLeaf("scale", (), np.float32, lambda box: np.float32(2.5)),
     ]
     record = write_stream(
         tmp_path / "ck",
@@ -305,7 +326,9 @@ def test_write_stream_writes_a_checkpoint_from_row_readers(tmp_path):
         slab_bytes=1024,
         progress=lambda done, total: progress.append((done, total)),
     )
-    assert [c for c in calls if c[0] == "w"] == [("w", a, a + 16) for a in range(0, 64, 16)]
+    assert [box for name, box in calls if name == "w"] == [
+        (slice(a, a + 16), slice(0, 16)) for a in range(0, 64, 16)
+    ]
     assert progress[-1] == (w.nbytes + e.nbytes + key_data.nbytes + 4,) * 2
     out = ms.restore(tmp_path / "ck")  # checksums verified
     assert out["layers"]["0"]["w"].sharding.spec == P("data", "model")
@@ -322,16 +345,18 @@ def test_write_stream_writes_a_checkpoint_from_row_readers(tmp_path):
 
 def test_write_stream_names_a_reader_that_returns_the_wrong_rows(tmp_path):
     mesh = ms.make_mesh({"data": 8})
-    leaf = StreamLeaf("w", (8, 4), np.float32, lambda a, b: np.zeros((3, 4), np.float32))
+    leaf = StreamLeaf("w", (8, 4), np.float32, lambda box: np.zeros((3, 4), np.float32))
     with pytest.raises(ms.CheckpointError) as e:
         write_stream(tmp_path / "ck", [leaf], mesh=mesh)
-    assert str(e.value) == "leaf 'w': rows 0:8 were read as float32[3, 4], not float32[8, 4]."
+    assert str(e.value) == (
+        "leaf 'w': the box [0:8, 0:4] was read as float32[3, 4], not float32[8, 4]."
+    )
     assert not (tmp_path / "ck").exists() and _hidden(tmp_path) == []
 
 
 def test_write_stream_refuses_leaves_that_share_a_stored_name(tmp_path):
     mesh = ms.make_mesh({"data": 8})
-    read = lambda a, b: np.zeros((b - a,), np.float32)  # noqa: E731
+    read = lambda box: np.zeros((4,), np.float32)  # noqa: E731
     leaves = [StreamLeaf("a.b", (4,), np.float32, read), StreamLeaf("a/b", (4,), np.float32, read)]
     with pytest.raises(ms.CheckpointError, match=r"are all stored as 'a\.b'"):
         write_stream(tmp_path / "ck", leaves, mesh=mesh)

@@ -1,13 +1,13 @@
-"""``reshard``: rewrite a checkpoint for another mesh and specs, a slab of rows at a time.
+"""``reshard``: rewrite a checkpoint for another mesh and specs, a slab at a time.
 
 A checkpoint on disk holds global arrays: resharding changes only how each array is
 chunked and the sharding its metadata records. So no array is placed on a device: each
-stored array is read straight from the source's TensorStore store, a slab of whole rows
-at a time (aligned to the source's stored chunks), verified against the source's checksum
-as it streams, optionally cast, and written into the new checkpoint by
-`stream.write_stream`, in chunks of whole rows of its new shards. Host memory stays near
-a few slabs, however large a leaf is. Under several processes each writes a share of the
-leaves (see `stream.py`).
+stored array is read straight from the source's TensorStore store a slab at a time (whole
+stored chunks of the source, or pieces of one larger than the chunk), verified against
+the source's checksum as it streams, optionally cast, and written into the new checkpoint
+by `stream.write_stream`, in chunks that tile both the slabs and its new shards. Host
+memory stays near one chunk, however large a leaf is. Under several processes each
+writes a share of the leaves (see `stream.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from .write import check_destination, write_atomic
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 # A chunk's bytes are shared by the slab being read, the one being checksummed and
-# written, and TensorStore's decode and encode buffers.
+# written, and TensorStore's decode and encode buffers. A stored block of the source up
+# to a whole chunk is read whole, on its own (cut, it would be decoded once per piece).
 SLABS_PER_CHUNK = 4
 
 
@@ -53,13 +54,13 @@ def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> Checkpoint
 
 
 class _Reader:
-    """Reads runs of rows of one stored array of the source, through TensorStore."""
+    """Reads boxes of one stored array of the source, through TensorStore."""
 
     def __init__(self, source: Source, rec: LeafRecord, fmt: tuple[bool, bool], context: Any):
         self.source, self.rec, self.fmt, self.context = source, rec, fmt, context
         self.store: Any = None
 
-    def __call__(self, start: int, stop: int) -> Any:
+    def __call__(self, box: tuple[slice, ...]) -> Any:
         import tensorstore as ts
         from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
@@ -73,8 +74,7 @@ class _Reader:
                     use_ocdbt=use_ocdbt,
                 )
                 self.store = ts.open(spec.json, context=self.context).result()
-            view = self.store[start:stop] if self.rec.stored_shape else self.store
-            return view.read().result()
+            return self.store[box].read().result()
         except Exception as e:
             raise _unreadable(self.source, self.rec, e) from e
 
@@ -195,7 +195,7 @@ def rewrite(
                 spec=s.spec,
                 key_impl=rec.key_impl,
                 names=rec.names,
-                rows=stored_chunk[0] if stored_chunk else None,
+                chunks=stored_chunk,
                 expect=rec.checksum if verify else None,
                 logical_dtype=None if rec.key_impl else parse_dtype(rec.dtype),
             )
@@ -205,6 +205,7 @@ def rewrite(
         mesh=mesh,
         dtype=dtype,
         slab_bytes=max(1, chunk_bytes // SLABS_PER_CHUNK),
+        whole_bytes=chunk_bytes,
         kind=record.kind,
         metadata={**record.metadata, "resharded_from": str(source.path)},
         source=str(source.path),

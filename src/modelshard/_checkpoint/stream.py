@@ -1,10 +1,10 @@
-"""Writing a checkpoint from a stream of leaves, a slab of rows at a time, through TensorStore.
+"""Writing a checkpoint from a stream of leaves, a slab at a time, through TensorStore.
 
 ``write_stream`` is what ``reshard`` (and ``modelshard convert``) write with. Each leaf comes
-as a `StreamLeaf`: its canonical path, shape, dtype, spec and a function that reads any run
-of its rows. It is copied into the new checkpoint one slab of whole rows (along its first
-dimension) at a time, the next slab read while the last is written, so host memory stays
-near a few slabs however large a leaf is. Nothing is placed on the mesh's devices.
+as a `StreamLeaf`: its canonical path, shape, dtype, spec and a function that reads any box
+of it. It is copied into the new checkpoint one slab (a box of the leaf) at a time, the next
+slab read while the last is written, so host memory stays near a few slabs however large a
+leaf is. Nothing is placed on the mesh's devices.
 
 The result is the checkpoint ``save`` writes, readable by raw Orbax: every array is created
 with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the process
@@ -12,12 +12,15 @@ that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside th
 (``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
 here in Orbax's format, and Orbax's own finalize step merges the per-process stores.
 
-Chunks: an array is stored in chunks of whole rows of its shards (the shard shape of its
-spec on the mesh, cut along the first dimension), so that every slab covers whole chunks
-and a device restoring its shard reads only its own chunks.
+Slabs and chunks (``slab_plan``): slabs follow the producer's own blocks (the source's
+stored chunks, so that each is decoded once), grown along the trailing dimensions up to the
+slab budget (whole rows first), or cut along the leading ones where one block is larger
+than allowed. The new array is stored in chunks that tile both its slabs and its shards
+(per dimension, the greatest common divisor of the two), so every write covers whole
+chunks and a device restoring its shard reads only its own chunks.
 
 Checksums are summed slab by slab on this process's first local device
-(``checksum.slab_sums``, one small program per slab shape and dtype), while TensorStore
+(``checksum.box_sums``, one small program per slab shape and dtype), while TensorStore
 reads and writes. A leaf given an expected checksum (``reshard`` passes the source's) is
 verified on the way; every mismatch is reported, with its leaf, before anything is
 published. Under several processes each writes a share of the leaves (largest first, to
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -43,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._dtypes import dtype_name
 from .._errors import CheckpointError
-from .checksum import format_sums, slab_sums
+from .checksum import box_sums, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -57,7 +61,7 @@ from .storage import (
 )
 
 DEFAULT_SLAB_BYTES = 16 << 20
-"""Host bytes of one slab (a run of whole rows) of a leaf being copied."""
+"""Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
 
 _PART = "modelshard.part.{}.json"  # each process's checksums, merged by process 0
 
@@ -72,16 +76,15 @@ class StreamLeaf:
             with its trailing dimensions).
         dtype: its dtype (a NumPy/ml_dtypes dtype or its name: ``bfloat16``, ``float8_e4m3``
             and ``uint4`` are fine; for keys ``uint32``).
-        read: ``read(start, stop)`` -> the rows ``start:stop`` along the first dimension as a
-            NumPy array of ``shape[0] = stop - start`` and ``dtype`` (a 0-d leaf is read as
-            ``read(0, 1)`` and may return the scalar array). Called once per slab, in
-            order, from a worker thread.
+        read: ``read(index)`` -> the box ``index`` (a tuple of ``slice(start, stop)``, one
+            per dimension; ``()`` for a 0-d leaf) as a NumPy array of that shape and
+            ``dtype``. Called once per slab, in order, from a worker thread.
         spec: the ``PartitionSpec`` of the leaf on the mesh (of the logical leaf; key data's
             trailing dimensions are never split). None: replicated.
         key_impl: for typed PRNG keys, the implementation name (``"threefry2x32"``).
         names: logical axis names to record (linen/NNX boxes), if any.
-        rows: rows per read that suit the producer (the source's stored chunk rows):
-            slabs are made a multiple of it where the slab budget allows.
+        chunks: the block shape reads suit best (the source's stored chunk shape): slabs
+            are whole blocks where the budget allows.
         expect: the checksum the array read must have (``reshard`` passes the source's);
             a mismatch is reported as damage of the source.
         logical_dtype: the dtype the record gives the leaf, where ``read`` gives its bits
@@ -91,11 +94,11 @@ class StreamLeaf:
     path: str
     shape: tuple[int, ...]
     dtype: Any
-    read: Callable[[int, int], Any]
+    read: Callable[[tuple[slice, ...]], Any]
     spec: PartitionSpec | None = None
     key_impl: str | None = None
     names: tuple[Any, ...] | None = None
-    rows: int | None = None
+    chunks: tuple[int, ...] | None = None
     expect: str | None = None
     logical_dtype: Any = None
 
@@ -110,7 +113,8 @@ class _Layout:
     cast: Any  # dtype the stored bits are cast to (None: stored as read)
     sharding: NamedSharding
     chunk: tuple[int, ...]
-    slab_rows: int
+    slab: tuple[int, ...]
+    big: bool  # a slab over the budget (one whole source block): not read ahead
 
     @property
     def nbytes(self) -> int:
@@ -127,29 +131,47 @@ def _logical_dtype(leaf: StreamLeaf) -> Any:
 def slab_plan(
     shape: Sequence[int],
     itemsize: int,
-    shard_rows: int,
+    shard: Sequence[int],
     slab_bytes: int,
-    rows: int | None = None,
-) -> tuple[int, int]:
-    """``(rows per slab, rows per stored chunk)`` for a leaf of ``shape`` whose shards have
-    ``shard_rows`` rows: a slab is at most ``slab_bytes`` (at least one row), a multiple of
-    ``rows`` where that fits, and a multiple of the chunk rows, which divide the shard's."""
+    whole_bytes: int,
+    chunks: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(slab shape, stored chunk shape)`` for a leaf of ``shape`` whose new shards are
+    ``shard``, read best in blocks of ``chunks`` (default: whole rows).
+
+    A slab is whole blocks, grown from the last dimension while it fits ``slab_bytes``
+    (stopping at a dimension it does not cover whole); a block larger than ``slab_bytes``
+    is one slab if it fits ``whole_bytes``, else it is cut along its leading dimensions.
+    The chunk shape divides both the slab and the shard, dimension by dimension.
+    """
+    shape = tuple(int(d) for d in shape)
     if not shape or not math.prod(shape):
-        return 1, 1
-    n, shard_rows = shape[0], max(1, shard_rows)
-    row = max(1, math.prod(shape[1:]) * itemsize)
-    cap = max(1, slab_bytes // row)
-    if shard_rows <= cap and (rows is None or shard_rows % rows == 0 or rows > cap):
-        slab = shard_rows * (cap // shard_rows)
-    elif rows is not None and rows <= cap:
-        slab = rows * (cap // rows)
-    else:
-        slab = cap
-    slab = min(slab, n)
-    return slab, math.gcd(slab, shard_rows)
+        return shape, shape
+    base = [1, *shape[1:]] if chunks is None or len(chunks) != len(shape) else list(chunks)
+    slab = [max(1, min(int(c), d)) for c, d in zip(base, shape, strict=True)]
+
+    def size() -> int:
+        return math.prod(slab) * itemsize
+
+    if size() > whole_bytes:
+        for d in range(len(shape)):  # cut the leading dimensions first
+            other = size() // slab[d]
+            slab[d] = max(1, min(slab[d], slab_bytes // max(1, other)))
+            if size() <= slab_bytes:
+                break
+    elif size() <= slab_bytes:
+        for d in range(len(shape) - 1, -1, -1):  # grow the trailing dimensions first
+            times = max(1, slab_bytes // size())
+            slab[d] = min(shape[d], slab[d] * times)
+            if slab[d] < shape[d]:
+                break
+    chunk = tuple(math.gcd(a, max(1, int(b))) for a, b in zip(slab, shard, strict=True))
+    return tuple(slab), chunk
 
 
-def _layouts(leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: int) -> list[_Layout]:
+def _layouts(
+    leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: int, whole_bytes: int
+) -> list[_Layout]:
     out = []
     for leaf in leaves:
         src = parse_dtype(dtype_name(leaf.dtype))
@@ -174,10 +196,9 @@ def _layouts(leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: in
         sharding = NamedSharding(mesh, stored_spec)
         shard = sharding.shard_shape(shape) if shape else ()
         itemsize = parse_dtype(stored_name).itemsize
-        slab, chunk_rows = slab_plan(
-            shape, max(itemsize, src.itemsize), shard[0] if shard else 1, slab_bytes, leaf.rows
-        )
-        chunk = (chunk_rows, *shard[1:]) if shape else ()
+        width = max(itemsize, src.itemsize)
+        slab, chunk = slab_plan(shape, width, shard, slab_bytes, whole_bytes, leaf.chunks)
+        big = math.prod(slab) * width > slab_bytes
         rec = LeafRecord(
             path=leaf.path,
             key=storage_key(leaf.path),
@@ -189,7 +210,7 @@ def _layouts(leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: in
             spec=spec if leaf.spec is not None else None,
             names=leaf.names,
         )
-        out.append(_Layout(leaf, rec, src, cast, sharding, chunk, slab))
+        out.append(_Layout(leaf, rec, src, cast, sharding, chunk, slab, big))
     return out
 
 
@@ -205,10 +226,14 @@ def assign(sizes: Sequence[int], processes: int) -> list[int]:
     return owner
 
 
-def _slabs(lay: _Layout) -> Iterator[tuple[int, int]]:
-    n = lay.rec.stored_shape[0] if lay.rec.stored_shape else 1
-    for start in range(0, n, lay.slab_rows):
-        yield start, min(n, start + lay.slab_rows)
+def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
+    """The boxes of ``lay.slab`` that tile the leaf, in C order."""
+    shape = lay.rec.stored_shape
+    starts = [range(0, n, s) for n, s in zip(shape, lay.slab, strict=True)]
+    for origin in itertools.product(*starts):
+        yield tuple(
+            slice(o, min(n, o + s)) for o, n, s in zip(origin, shape, lay.slab, strict=True)
+        )
 
 
 def _ts_spec(directory: Any, lay: _Layout, process: int) -> Any:
@@ -235,8 +260,8 @@ class _Sums:
     def __init__(self) -> None:
         self.parts: list[jax.Array] = []
 
-    def add(self, x: jax.Array, offset: int) -> None:
-        self.parts.append(slab_sums(x, offset))
+    def add(self, x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> None:
+        self.parts.append(box_sums(x, origin, shape))
 
     def value(self) -> str:
         if not self.parts:
@@ -245,14 +270,15 @@ class _Sums:
         return format_sums(int(both[0]), int(both[1]))
 
 
-def _as_array(x: Any, lay: _Layout, start: int, stop: int) -> np.ndarray:
+def _as_array(x: Any, lay: _Layout, box: tuple[slice, ...]) -> np.ndarray:
     a = np.asarray(x)
-    want = (stop - start, *lay.rec.stored_shape[1:]) if lay.rec.stored_shape else ()
+    want = tuple(b.stop - b.start for b in box)
     if tuple(a.shape) != want and a.size == math.prod(want) and a.dtype == lay.src_dtype:
         return a.reshape(want)  # a 0-d leaf read as one element
     if a.dtype != lay.src_dtype or tuple(a.shape) != want:
+        where = ", ".join(f"{b.start}:{b.stop}" for b in box)
         raise CheckpointError(
-            f"leaf {lay.rec.path or '<root>'!r}: rows {start}:{stop} were read as "
+            f"leaf {lay.rec.path or '<root>'!r}: the box [{where}] was read as "
             f"{dtype_name(a.dtype)}{list(a.shape)}, not {dtype_name(lay.src_dtype)}{list(want)}."
         )
     return a
@@ -281,7 +307,12 @@ def _copy_all(
     from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
     context = tsu.get_ts_context(use_ocdbt=True)
-    tasks = [(lay, start, stop) for lay in layouts for start, stop in _slabs(lay)]
+    tasks = [
+        (lay, box, i == len(boxes) - 1)
+        for lay in layouts
+        for boxes in [list(_slabs(lay))]
+        for i, box in enumerate(boxes)
+    ]
     out: dict[str, tuple[str, str | None]] = {}
     # Every array is created before any is written, all at once: OCDBT commits the
     # creations together, where one at a time each would wait for the writes before it.
@@ -296,21 +327,23 @@ def _copy_all(
     del opening
     writing: tuple[Any, Any] | None = None  # (future, store): one write in flight
     with ThreadPoolExecutor(1, thread_name_prefix="modelshard-read") as pool:
-        nxt = pool.submit(tasks[0][0].leaf.read, *tasks[0][1:]) if tasks else None
-        for i, (lay, start, stop) in enumerate(tasks):
+
+        def read(k: int) -> Any:
+            return pool.submit(tasks[k][0].leaf.read, tasks[k][1])
+
+        nxt = read(0) if tasks else None
+        for i, (lay, box, last) in enumerate(tasks):
             assert nxt is not None
-            host = _as_array(nxt.result(), lay, start, stop)
-            if i + 1 < len(tasks):
-                after = tasks[i + 1]
-                nxt = pool.submit(after[0].leaf.read, after[1], after[2])
+            host = _as_array(nxt.result(), lay, box)
+            nxt = read(i + 1) if i + 1 < len(tasks) and not lay.big else None
             leaf = lay.leaf
             here = opened[leaf.path]
-            row = math.prod(lay.rec.stored_shape[1:]) if lay.rec.stored_shape else 1
-            offset = start * row
+            shape = lay.rec.stored_shape
+            origin = [b.start for b in box]
             bits = _bits_view(host, lay)
             x = jax.device_put(bits, device)
             if leaf.expect is not None:
-                here.read_sums.add(x, offset)
+                here.read_sums.add(x, origin, shape)
             if lay.cast is not None:
                 stored_dt = parse_dtype(lay.rec.stored_dtype)
                 logical = _logical_dtype(leaf)
@@ -318,20 +351,21 @@ def _copy_all(
                 y = value.astype(lay.cast)
                 if stored_dt != y.dtype:
                     y = jax.lax.bitcast_convert_type(y, stored_dt)
-                here.out_sums.add(y, offset)
+                here.out_sums.add(y, origin, shape)
                 data = np.asarray(y)
             else:
                 if leaf.expect is None:
-                    here.out_sums.add(x, offset)
+                    here.out_sums.add(x, origin, shape)
                 data = bits
             if writing is not None:
                 writing[0].result()
-            view = here.store[start:stop] if lay.rec.stored_shape else here.store
-            writing = (view.write(data), here.store)
+            writing = (here.store[box].write(data), here.store)
+            progress(host.size * lay.src_dtype.itemsize)
             del x, host, bits, data
-            progress((stop - start) * row * lay.src_dtype.itemsize)
-            last = lay.rec.stored_shape[0] if lay.rec.stored_shape else 1
-            if stop == last:
+            if lay.big:  # one block at a time: its write is done before the next read
+                writing[0].result()
+                nxt = read(i + 1) if i + 1 < len(tasks) else None
+            if last:
                 del opened[leaf.path]
                 got = here.read_sums.value() if leaf.expect is not None else None
                 separate = lay.cast is not None or leaf.expect is None
@@ -455,12 +489,14 @@ class Stream:
         mesh: Any,
         dtype: Any = None,
         slab_bytes: int = DEFAULT_SLAB_BYTES,
+        whole_bytes: int | None = None,
         kind: str = "pytree",
         metadata: dict[str, Any] | None = None,
         source: str = "",
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        self.layouts = _layouts(leaves, mesh, dtype, slab_bytes)
+        whole = 4 * slab_bytes if whole_bytes is None else whole_bytes
+        self.layouts = _layouts(leaves, mesh, dtype, slab_bytes, whole)
         if not self.layouts:
             raise CheckpointError("nothing to write: the stream has no leaves.")
         check_names([(lay.rec.path, lay.rec.key) for lay in self.layouts], "cannot write")
@@ -547,12 +583,14 @@ def write_stream(
     metadata: dict[str, Any] | None = None,
     dtype: Any = None,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
+    whole_bytes: int | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Record:
-    """Write a checkpoint (what ``save`` writes) from ``leaves``, one slab of rows at a time.
+    """Write a checkpoint (what ``save`` writes) from ``leaves``, one slab at a time.
 
-    Host memory stays near a few ``slab_bytes`` whatever the leaves' sizes; nothing is put
+    Host memory stays near a few ``slab_bytes`` (or one ``whole_bytes`` block) whatever
+    the leaves' sizes; nothing is put
     on ``mesh``'s devices (it gives the shard shapes, the recorded mesh and Orbax's
     sharding metadata). The directory appears only when complete, as with ``save``; on
     object storage it is complete once Orbax's commit file is written.
@@ -566,7 +604,10 @@ def write_stream(
             nested dicts whatever it is).
         metadata: JSON user metadata for the record.
         dtype: cast floating-point leaves to this floating-point dtype.
-        slab_bytes: host bytes per slab.
+        slab_bytes: host bytes per slab (the next slab is read while one is written).
+        whole_bytes: a block of ``chunks`` up to this size (default ``4 * slab_bytes``)
+            is read whole, on its own, rather than cut (which would decode it once per
+            piece); larger ones are cut.
         overwrite: replace a checkpoint already there.
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
 
@@ -586,6 +627,7 @@ def write_stream(
         mesh=mesh,
         dtype=dtype,
         slab_bytes=slab_bytes,
+        whole_bytes=whole_bytes,
         kind=kind,
         metadata=metadata,
         progress=progress,
