@@ -122,6 +122,31 @@ def test_killed_save_leaves_the_previous_step(bucket_root, tmp_path):
     np.testing.assert_array_equal(w, np.arange(1 << 16, dtype=np.float32) + 1)
 
 
+def test_a_missing_bucket_is_refused_not_created(bucket_root):
+    from etils import epath
+
+    scheme = bucket_root.split("://")[0]
+    if scheme == "s3":
+        server = f"the S3 server {os.environ['AWS_ENDPOINT_URL']} (from AWS_ENDPOINT_URL_S3 / "
+        server += "AWS_ENDPOINT_URL)"
+    else:
+        server = (
+            f"the GCS server {os.environ['STORAGE_EMULATOR_HOST']} (from STORAGE_EMULATOR_HOST)"
+        )
+    bucket = f"{scheme}://no-such-bucket-{bucket_root[-8:]}"
+    for url, call in (
+        (f"{bucket}/run", lambda url: ms.CheckpointManager(url, handle_signals=False)),
+        (f"{bucket}/ck", lambda url: ms.save(url, {"w": jnp.ones(2)})),
+    ):
+        with pytest.raises(ms.CheckpointError) as e:
+            call(url)
+        assert str(e.value) == (
+            f"bucket {bucket} does not exist on {server}: create it first (modelshard does "
+            f"not create buckets; the storage client would, on the first write to {url})."
+        )
+    assert not epath.Path(bucket).exists()
+
+
 def test_unsupported_urls_are_refused_by_scheme(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ms.CheckpointError) as e:

@@ -5,7 +5,13 @@ The checkpoints themselves are tested on gs:// and s3:// alike in test_manager_s
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import modelshard as ms
@@ -180,8 +186,6 @@ def test_every_object_lands_on_the_configured_server(s3_root, s3_env, tmp_path, 
 
 def test_an_unreachable_server_is_named_with_the_setting_that_chose_it(monkeypatch):
     s3fs = pytest.importorskip("s3fs")
-    import socket
-
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -193,11 +197,11 @@ def test_an_unreachable_server_is_named_with_the_setting_that_chose_it(monkeypat
     }.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    s3fs.S3FileSystem.clear_instance_cache()  # s3fs reads the environment once per instance
+    _forget_s3_clients(s3fs)  # epath keeps one s3fs client, made from the environment
     where = f"on the S3 server {url} (from AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)"
     try:
         for call, target, asked in (
-            (lambda: ms.CheckpointManager("s3://nowhere/run", handle_signals=False), "run", ""),
+            (lambda: ms.CheckpointManager("s3://nowhere/run", handle_signals=False), "run", "/run"),
             (lambda: ms.save("s3://nowhere/ck", {"w": jnp.ones(2)}), "ck", "/ck"),
             (lambda: ms.restore("s3://nowhere/ck"), "ck", "/ck"),
         ):
@@ -209,4 +213,26 @@ def test_an_unreachable_server_is_named_with_the_setting_that_chose_it(monkeypat
             )
     finally:
         monkeypatch.undo()
-        s3fs.S3FileSystem.clear_instance_cache()
+        _forget_s3_clients(s3fs)
+
+
+def _forget_s3_clients(s3fs):
+    from etils import epath
+
+    epath.backend.fsspec_backend._get_filesystem.cache_clear()  # pyright: ignore
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_script_ending_with_a_save_in_flight_finishes_it_on_s3(s3_root):
+    """Issue 13's first case, on S3: the script's last save is still being written when
+    ``__main__`` ends; the exit guard finishes it, so the step is complete and bit-exact."""
+    child = Path(__file__).parent / "manager_scripts" / "exit_child.py"
+    # subprocess.run SIGKILLs the child if it outlives the timeout
+    done = subprocess.run(
+        [sys.executable, str(child), s3_root, "end"], capture_output=True, text=True, timeout=180
+    )
+    assert (done.returncode, done.stdout.split()) == (0, ["READY"]), done.stderr[-3000:]
+    with ms.CheckpointManager(s3_root, handle_signals=False) as mngr:
+        assert mngr.all_steps() == [0, 1, 2]
+        w = np.asarray(mngr.restore()["w"])
+    np.testing.assert_array_equal(w, np.arange(1 << 16, dtype=np.float32) + 2)

@@ -44,7 +44,7 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import atomicity_options, is_remote, location, reaching
+from .urls import atomicity_options, check_bucket, is_remote, location
 from .write import prepare
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -188,10 +188,11 @@ class CheckpointManager:
         self.async_save = async_save
         self.directory = location(directory)
         self._remote = is_remote(self.directory)
-        if self._primary():
+        if self._remote:
+            check_bucket(self.directory)  # object stores have no folders to create
+        elif self._primary():
             try:
-                with reaching(self.directory):
-                    self.directory.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise CheckpointError(
                     f"cannot create or reach {self.directory}: {type(e).__name__}: {e}"

@@ -18,7 +18,7 @@ from typing import Any
 from .._errors import CheckpointError
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
-from .urls import atomicity_options, reaching
+from .urls import atomicity_options, check_bucket, reaching
 
 
 def _ours(path: Any) -> bool:
@@ -36,11 +36,12 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
     its commit file first, so that a crash part-way leaves no complete-looking remains.
 
     Raises:
-        CheckpointError: ``path`` holds objects and ``overwrite`` is False, or they are
-            not a checkpoint modelshard wrote.
+        CheckpointError: the bucket does not exist, ``path`` holds objects and
+            ``overwrite`` is False, or they are not a checkpoint modelshard wrote.
     """
     import jax
 
+    check_bucket(path)
     with reaching(path):
         taken = path.exists() and any(True for _ in path.iterdir())
     if taken:

@@ -118,3 +118,25 @@ def reaching(path: Any) -> Iterator[None]:
         raise CheckpointError(
             f"cannot reach {path} on {server_of(path)}: {type(e).__name__}: {e}"
         ) from e
+
+
+def check_bucket(path: Any) -> None:
+    """Refuse an object-storage ``path`` whose bucket does not exist: s3fs and gcsfs
+    would create it on the first write, so a misspelt bucket would become a new one.
+
+    Raises:
+        CheckpointError: the bucket does not exist, or its server cannot be reached.
+    """
+    from etils import epath
+
+    scheme, rest = str(path).split("://", 1)
+    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
+    with reaching(path):
+        # the path first: its request fails loudly where the bucket probe says "no"
+        there = path.exists() or epath.Path(bucket).exists()
+    if not there:
+        raise CheckpointError(
+            f"bucket {bucket} does not exist on {server_of(path)}: create it first "
+            f"(modelshard does not create buckets; the storage client would, on the first "
+            f"write to {path})."
+        )
