@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 import modelshard as ms
 from modelshard._checkpoint import s3
 
+ORBAX = f"orbax-checkpoint {version('orbax-checkpoint')}"
 AWS = (
     "AWS_ENDPOINT_URL_S3",
     "AWS_ENDPOINT_URL",
@@ -128,7 +130,7 @@ def test_specs_the_fix_cannot_translate_are_refused():
     with pytest.raises(ms.CheckpointError) as e:
         s3._wrap(url_base)("s3://bkt/x")
     assert str(e.value) == (
-        "cannot point Orbax at s3://bkt/x: its spec for the same gs:// key, "
+        f"cannot point Orbax ({ORBAX}) at s3://bkt/x: its spec for the same gs:// key, "
         "{'driver': 'ocdbt', 'base': 'gs://bkt/x/'}, has no gcs kvstore to replace by an s3 one."
     )
 
@@ -138,8 +140,8 @@ def test_specs_the_fix_cannot_translate_are_refused():
     with pytest.raises(ms.CheckpointError) as e:
         s3._wrap(grpc_base)("s3://bkt/x")
     assert str(e.value) == (
-        "cannot point Orbax at s3://bkt/x: its gs:// kvstore spec has fields modelshard does "
-        "not translate to S3 (endpoint)."
+        f"cannot point Orbax ({ORBAX}) at s3://bkt/x: its gs:// kvstore spec has fields "
+        "modelshard does not translate to S3 (endpoint)."
     )
 
 

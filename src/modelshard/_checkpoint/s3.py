@@ -59,6 +59,12 @@ def kvstore_spec(bucket: str, path: str) -> dict[str, Any]:
     return spec
 
 
+def _orbax() -> str:
+    from importlib.metadata import version
+
+    return f"orbax-checkpoint {version('orbax-checkpoint')}"
+
+
 def _tsu() -> Any:
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -89,8 +95,8 @@ def _swap(spec: Any, bucket: str, url: str) -> tuple[Any, int]:
             extra = set(spec) - {"driver", "bucket", "path"}
             if extra:
                 raise CheckpointError(
-                    f"cannot point Orbax at {url}: its gs:// kvstore spec has fields "
-                    f"modelshard does not translate to S3 ({', '.join(sorted(extra))})."
+                    f"cannot point Orbax ({_orbax()}) at {url}: its gs:// kvstore spec has "
+                    f"fields modelshard does not translate to S3 ({', '.join(sorted(extra))})."
                 )
             return kvstore_spec(bucket, spec.get("path", "")), 1
         out, count = {}, 0
@@ -114,8 +120,8 @@ def _wrap(build: Any) -> Any:
         spec, count = _swap(build("gs://" + key, *args, **kwargs), bucket, text)
         if count == 0:
             raise CheckpointError(
-                f"cannot point Orbax at {text}: its spec for the same gs:// key, {spec!r}, "
-                "has no gcs kvstore to replace by an s3 one."
+                f"cannot point Orbax ({_orbax()}) at {text}: its spec for the same gs:// "
+                f"key, {spec!r}, has no gcs kvstore to replace by an s3 one."
             )
         return spec
 
