@@ -651,6 +651,8 @@ def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
     prepare_remote(path, overwrite=overwrite)
     stream.write(path / STATE_ITEM)
     if jax.process_index() == 0:
+        # Orbax reads an item on object storage only once its own commit file is there.
+        (path / STATE_ITEM / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
         (path / RECORD_ITEM).mkdir(parents=True, exist_ok=True)
         (path / RECORD_ITEM / RECORD_FILE).write_text(stream.record.dumps())
         (path / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(time.time_ns())))
