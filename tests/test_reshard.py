@@ -445,5 +445,5 @@ def test_reshard_to_and_from_object_storage_commits_last(tmp_path, bucket_root):
     rec_file.write_text(json.dumps(rec))
     with pytest.raises(ms.CheckpointError, match="checksum mismatch"):
         reshard(src, url, specs=specs, mesh=mesh, overwrite=True)
-    with pytest.raises(ms.CheckpointError, match="no complete checkpoint|does not exist"):
+    with pytest.raises(ms.CheckpointError, match=r"no complete checkpoint|does not exist"):
         ms.restore(url)
