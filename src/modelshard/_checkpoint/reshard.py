@@ -94,33 +94,39 @@ def reshard(
     """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
 
     No model code is needed: the structure comes from the checkpoint's record (or Orbax
-    metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint
-    is: a few leaves at a time are read straight into their new sharding, verified,
-    optionally cast, and written. ``dst`` is a checkpoint like any [`save`][modelshard.save] wrote
-    (the record says it was resharded from ``src``), and it appears only when complete.
-    ``modelshard reshard`` on the command line calls this.
+    metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint or
+    any one leaf is: each stored array is copied from the source's files to the new
+    checkpoint's a slab at a time, verified against its checksum and optionally cast on
+    the way; nothing is placed on a device. ``dst`` is a checkpoint like any
+    [`save`][modelshard.save] wrote, chunked for its new shards (the record says it was
+    resharded from ``src``), and it appears only when complete. Under several processes
+    (``modelshard launch``) each writes a share of the leaves. ``modelshard reshard`` on
+    the command line calls this.
 
     Args:
         src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step.
-        dst: the new checkpoint directory.
+        dst: the new checkpoint directory, or a ``gs://``/``s3://`` URL (written in place,
+            complete once its commit file is written).
         specs: a spec-like over the checkpoint's canonical paths (``P(...)``,
             [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp], a rules file's ``load_rules``...), planned on
             ``mesh`` as [`plan`][modelshard.plan] does. Default: the specs it was saved with.
-        mesh: the target ``Mesh`` (an ``AbstractMesh`` is made concrete); its devices hold
-            each chunk while it passes.
+        mesh: the target ``Mesh`` (an ``AbstractMesh`` is made concrete): it gives the
+            shard shapes and the recorded layout; its devices hold no data.
         dtype: cast floating-point leaves to this floating-point dtype.
-        chunk_bytes: host bytes materialised per chunk (replicas included); a leaf
-            larger than this is a chunk of its own.
+        chunk_bytes: host bytes in flight: slabs of a quarter of it are read ahead while
+            one is written; a stored block of the source up to this size is read whole,
+            larger ones in pieces.
         verify: check the source's checksums as leaves are read.
         overwrite: replace ``dst`` if it is a checkpoint (anything else is refused).
-        progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
 
     Returns:
         The absolute path of the new checkpoint.
 
     Raises:
         SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
-        CheckpointError: ``src`` is missing or damaged, ``dst`` exists (without
+        CheckpointError: ``src`` is missing or damaged (every leaf whose checksum does not
+            match is named; nothing is published), ``dst`` exists (without
             ``overwrite``, or is not a checkpoint), or ``dtype`` is not a float dtype.
 
     Example:
