@@ -1,7 +1,8 @@
 """Reading checkpoints: ``restore``, every leaf read straight into its planned sharding.
 
 Reads go through Orbax with a cap on the bytes in flight, are verified against the
-record's checksums on the devices, and fail with a [`CheckpointError`][modelshard.CheckpointError] that names the
+record's checksums on the devices (each leaf's checksum starts as soon as it is read, while
+the next leaves are read: ``arrival.py``), and fail with a [`CheckpointError`][modelshard.CheckpointError] that names the
 damaged leaves and, where it can be told, the file at fault.
 """
 
