@@ -442,12 +442,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     sizes = args.mesh or {"data": 1}
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         _use_cpu_devices(math.prod(sizes.values()))
+    import importlib
+
     from jax.sharding import PartitionSpec
 
-    from ._checkpoint import save
     from ._mesh import make_mesh
     from ._rulesfile import load_rules
-    from ._weights import load_safetensors
+    from ._weights import load_safetensors, mapped_leaves, open_safetensors
 
     specs = load_rules(args.rules) if args.rules else PartitionSpec()
     mesh = make_mesh(sizes, axis_types=args.axis_types)
@@ -459,17 +460,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         else:
             _console().print(table.table(max_rows=args.max_rows))
         return 0
-    with _progress(args, "loading") as progress:
-        task = progress.add_task("loading", total=None)
-        state = load_safetensors(
-            args.source,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
-            **common,
-        )
-    dest = save(args.destination, state, overwrite=args.overwrite)
-    import jax
-
-    leaves = jax.tree.leaves(state)
+    # streamed: each target leaf computed a slab of rows at a time through its recipe and
+    # written by the streaming checkpoint writer; nothing is placed on the devices and
+    # host memory stays near a few slabs plus one stored tensor's map
+    stream = importlib.import_module("modelshard._checkpoint.stream")
+    with open_safetensors(args.source) as files:
+        _, leaves = mapped_leaves(files, **common)
+        with _progress(args, "converting") as progress:
+            task = progress.add_task("converting", total=None)
+            stream.write_stream(
+                args.destination,
+                [stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
+                mesh=mesh,
+                overwrite=args.overwrite,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    dest = args.destination
     nbytes = sum(x.nbytes for x in leaves)
     if args.json:
         emit(
@@ -501,11 +507,15 @@ def _row_json(r: Any) -> dict[str, Any]:
 
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
-    from ._checkpoint import restore
-    from ._plan import format_bytes
-    from ._weights import save_safetensors
+    """A checkpoint written back as one safetensors file, one checkpoint leaf on the host
+    at a time (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
+    import importlib
 
-    state = restore(checkpoint_arg(args, args.source))
+    from ._checkpoint import locate
+    from ._plan import format_bytes
+    from ._weights import Exporter, as_mapping
+    from ._weights.load import reference_table
+
     if args.reference is None and args.mapping is not None:
         from ._errors import CheckpointError
 
@@ -513,26 +523,26 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
         )
+    mapped = importlib.import_module("modelshard._checkpoint.mapped")
+    targets, load = mapped.host_leaves(locate(checkpoint_arg(args, args.source)))
     if args.reference is None:  # every leaf under its path, '/' written as '.'
         import jax
 
-        from ._weights import target_table
-
-        _, table = target_table(state)
         reference: Any = {
-            p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt) for p, (shape, dt) in table.items()
+            p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt)
+            for p, (shape, dt) in targets.items()
         }
     else:
         reference = args.reference
+    table, meta = reference_table(reference)
+    ex = Exporter(targets, load, table, as_mapping(args.mapping, split_dots=True), args.dtype)
     with _progress(args, "writing") as progress:
         task = progress.add_task("writing", total=None)
-        dest = save_safetensors(
+        dest = ex.write(
             args.destination,
-            state,
-            reference=reference,
-            mapping=args.mapping,
-            dtype=args.dtype,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
+            table,
+            meta,
+            lambda done, total: progress.update(task, completed=done, total=total),
         )
     nbytes = dest.stat().st_size
     if args.json:
