@@ -73,13 +73,13 @@ def _raw_orbax(path: Path, mesh: Any) -> dict[str, Any]:
 
 def _spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[slice, ...]]]:
     reads: list[tuple[str, tuple[slice, ...]]] = []
-    real = reshard_module._Reader.__call__
+    real = reshard_module.ArrayReader.__call__
 
     def spy(self: Any, box: tuple[slice, ...]) -> Any:
         reads.append((self.rec.path, box))
         return real(self, box)
 
-    monkeypatch.setattr(reshard_module._Reader, "__call__", spy)
+    monkeypatch.setattr(reshard_module.ArrayReader, "__call__", spy)
     return reads
 
 
@@ -143,6 +143,38 @@ def test_leaves_are_shared_between_processes_by_bytes():
     assert assign([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40+10 | 30+20
     assert assign([5, 5, 5], 1) == [0, 0, 0]
     assert sorted(assign([1] * 7, 3)) == [0, 0, 0, 1, 1, 2, 2]
+
+
+def test_array_reader_reads_boxes_of_a_stored_array_without_devices(tmp_path):
+    from modelshard._checkpoint.checksum import box_sums, format_sums
+    from modelshard._checkpoint.reshard import ArrayReader
+
+    w = np.random.default_rng(6).normal(size=(32, 24)).astype(np.float32)
+    src = ms.save(
+        tmp_path / "src", {"w": ms.shard(jnp.asarray(w), P("data"), ms.make_mesh({"data": 8}))}
+    )
+    source = locate(src)
+    rec = source.record.leaves[0]
+    read = ArrayReader(source, rec)
+    boxes = [
+        (slice(0, 20), slice(0, 24)),
+        (slice(20, 32), slice(0, 10)),
+        (slice(20, 32), slice(10, 24)),
+    ]
+    parts = [read(box) for box in boxes]
+    for box, part in zip(boxes, parts, strict=True):
+        np.testing.assert_array_equal(part, w[box])
+    sums = sum(
+        np.asarray(box_sums(jnp.asarray(p), [b.start for b in box], w.shape), np.uint64)
+        for box, p in zip(boxes, parts, strict=True)
+    )
+    assert format_sums(int(sums[0]), int(sums[1])) == rec.checksum  # boxes add up to the leaf
+    (src / "d").rename(src / "gone")
+    with pytest.raises(ms.CheckpointError) as e:
+        ArrayReader(locate(src), rec)(boxes[0])
+    assert str(e.value).startswith(
+        f"cannot read 1 leaf of {src} (damaged or incomplete checkpoint):\n  w: "
+    )
 
 
 # ---- dtypes: casts, PRNG keys, bit-stored dtypes -------------------------------------

@@ -36,7 +36,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 SLABS_PER_CHUNK = 4
 
 
-def _store_format(source: Source) -> tuple[bool, bool]:
+def store_format(source: Source) -> tuple[bool, bool]:
     """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
     try:
         meta = json.loads(read_small(source.tree_dir / TREE_METADATA))
@@ -53,11 +53,32 @@ def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> Checkpoint
     )
 
 
-class _Reader:
-    """Reads boxes of one stored array of the source, through TensorStore."""
+class ArrayReader:
+    """Reads boxes of one stored array of a checkpoint straight from its TensorStore store
+    (the spec Orbax's read path uses), as NumPy arrays of the stored dtype: nothing is
+    placed on a device. ``reader(box)`` takes a tuple of ``slice(start, stop)``; a failure
+    is a CheckpointError naming the leaf. Not verified: compare the boxes' checksums
+    (``checksum.box_sums``) with ``rec.checksum``, as ``write_stream`` does with ``expect``.
 
-    def __init__(self, source: Source, rec: LeafRecord, fmt: tuple[bool, bool], context: Any):
-        self.source, self.rec, self.fmt, self.context = source, rec, fmt, context
+    Args:
+        source: the located checkpoint.
+        rec: the leaf's record in ``source.record``.
+        fmt: ``store_format(source)`` (computed once per checkpoint), or None.
+        context: a TensorStore context shared by the readers of one checkpoint, or None.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        rec: LeafRecord,
+        fmt: tuple[bool, bool] | None = None,
+        context: Any = None,
+    ):
+        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+        self.source, self.rec = source, rec
+        self.fmt = store_format(source) if fmt is None else fmt
+        self.context = tsu.get_ts_context(use_ocdbt=self.fmt[0]) if context is None else context
         self.store: Any = None
 
     def __call__(self, box: tuple[slice, ...]) -> Any:
@@ -183,7 +204,7 @@ def rewrite(
     p = plan(like, record.saved_specs() if specs is None else specs, mesh)
     shardings = p.flat_shardings(0)
     by_path = record.by_path()
-    fmt = _store_format(source)
+    fmt = store_format(source)
     chunks = source.write_shapes()
     from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
@@ -197,7 +218,7 @@ def rewrite(
                 path=rec.path,
                 shape=rec.stored_shape,
                 dtype=parse_dtype(rec.stored_dtype),
-                read=_Reader(source, rec, fmt, context),
+                read=ArrayReader(source, rec, fmt, context),
                 spec=s.spec,
                 key_impl=rec.key_impl,
                 names=rec.names,
