@@ -381,7 +381,7 @@ def save(
 
     Args:
         directory: where to write (made absolute; its parent is created), or a
-            ``gs://`` URL (written in place and committed by Orbax's commit file).
+            ``gs://`` or ``s3://`` URL (written in place and committed by Orbax's commit file).
         state: any registered container (pytree, optax state, NNX module or state, linen
             variables, Equinox module, TrainState...). Typed PRNG keys, bfloat16 and NumPy
             leaves are fine; abstract leaves are not.
