@@ -408,9 +408,21 @@ def _arrays_in(store: Path) -> set[str]:
     return {k.decode().rsplit("/", 1)[0] for k in kv.list().result() if k.endswith(b".zarray")}
 
 
+RULES_TOML = """
+[[rules]]
+pattern = "^key$"
+spec = []
+
+[[rules]]
+pattern = ".*"
+spec = ["data", "model"]
+"""
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
-def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_path):
+@pytest.mark.parametrize("how", ["function", "command"])
+def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_path, how):
     from modelshard import _launch
 
     rng = np.random.default_rng(4)
@@ -418,7 +430,7 @@ def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_pat
     state["key"] = jax.random.split(jax.random.key(1), 4)
     src = ms.save(tmp_path / "src", state)
     mesh = ms.make_mesh({"data": 2, "model": 4})
-    specs = ms.Rules([("^key$", P()), (".*", P("data", "model"))])  # as the script's
+    specs = ms.Rules([("^key$", P()), (".*", P("data", "model"))])  # as the script's, the file's
     alone = reshard(src, tmp_path / "alone", specs=specs, mesh=mesh)
     cmd = [
         sys.executable,
@@ -432,13 +444,18 @@ def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_pat
         "--grace",
         "1",
         "--",
-        sys.executable,
-        str(SCRIPT),
-        str(src),
-        str(tmp_path / "two"),
     ]
+    if how == "function":
+        cmd += [sys.executable, str(SCRIPT), str(src), str(tmp_path / "two")]
+    else:
+        (tmp_path / "rules.toml").write_text(RULES_TOML)
+        exe = str(Path(sys.executable).parent / "modelshard")
+        cmd += [exe, "reshard", str(src), str(tmp_path / "two"), "--mesh", "data=2,model=4"]
+        cmd += ["--rules", str(tmp_path / "rules.toml"), "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    if how == "command":  # one report, from process 0
+        assert run.stdout.count('"destination"') == 1, run.stdout
     two = tmp_path / "two"
     assert sorted(p.name for p in two.glob("ocdbt.process_*")) == [
         "ocdbt.process_0",

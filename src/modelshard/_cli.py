@@ -656,6 +656,13 @@ def _return_freed_memory() -> None:
 def _cmd_reshard(args: argparse.Namespace) -> int:
     sizes = args.mesh
     _return_freed_memory()
+    from ._launch import ENV_COORDINATOR
+
+    if os.environ.get(ENV_COORDINATOR):
+        # under `modelshard launch`: join the run; each process writes a share of the leaves
+        from . import distributed
+
+        distributed.initialize()
     _use_cpu_devices(math.prod(sizes.values()))
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
@@ -690,6 +697,10 @@ def _cmd_reshard(args: argparse.Namespace) -> int:
         )
     record = locate(written).record
     dest = str(written)
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # process 0 reports for every process
     if args.json:
         emit(
             args,
