@@ -30,6 +30,7 @@ the least loaded), and process 0 writes the metadata and the record once all are
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import itertools
 import json
@@ -62,6 +63,10 @@ from .storage import (
 
 DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
+
+WRITES_IN_FLIGHT = 3
+"""Slabs being written at once (each an OCDBT commit, which waits on the file system):
+with the one being read ahead and the one in hand, five slabs are held at most."""
 
 _PART = "modelshard.part.{}.json"  # each process's checksums, merged by process 0
 
@@ -325,7 +330,7 @@ def _copy_all(
         for lay, f in zip(layouts, opening, strict=True)
     }
     del opening
-    writing: tuple[Any, Any] | None = None  # (future, store): one write in flight
+    writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
     with ThreadPoolExecutor(1, thread_name_prefix="modelshard-read") as pool:
 
         def read(k: int) -> Any:
@@ -357,21 +362,22 @@ def _copy_all(
                 if leaf.expect is None:
                     here.out_sums.add(x, origin, shape)
                 data = bits
-            if writing is not None:
-                writing[0].result()
-            writing = (here.store[box].write(data), here.store)
+            while len(writing) >= WRITES_IN_FLIGHT:
+                writing.popleft()[0].result()
+            writing.append((here.store[box].write(data), here.store))
             progress(host.size * lay.src_dtype.itemsize)
             del x, host, bits, data
             if lay.big:  # one block at a time: its write is done before the next read
-                writing[0].result()
+                while writing:
+                    writing.popleft()[0].result()
                 nxt = read(i + 1) if i + 1 < len(tasks) else None
             if last:
                 del opened[leaf.path]
                 got = here.read_sums.value() if leaf.expect is not None else None
                 separate = lay.cast is not None or leaf.expect is None
                 out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
-        if writing is not None:
-            writing[0].result()
+        while writing:
+            writing.popleft()[0].result()
     return out
 
 
