@@ -16,7 +16,7 @@ import modelshard as ms
 from modelshard._cli import main
 from modelshard._weights.safetensors import SafetensorsFiles
 
-mapped = importlib.import_module("modelshard._checkpoint.mapped")
+reshard = importlib.import_module("modelshard._checkpoint.reshard")
 weights_load = importlib.import_module("modelshard._weights.load")
 RNG = np.random.default_rng(3)
 D, F = 16, 24
@@ -109,16 +109,38 @@ def test_convert_back_reads_one_checkpoint_leaf_at_a_time(tmp_path, monkeypatch,
     path, wm, _, src = _files(tmp_path)
     assert main(["convert", str(path), str(tmp_path / "ck"), "--mapping", str(wm)]) == 0
     capsys.readouterr()
-    reads: list[list[str]] = []
-    real = mapped.read_checked
-    monkeypatch.setattr(mapped, "read_checked", lambda s, t: reads.append(list(t)) or real(s, t))
+    boxes: list[tuple[str, tuple[slice, ...]]] = []
+    real = reshard.ArrayReader.__call__
+
+    def spy(self, box):
+        boxes.append((self.rec.path, box))
+        return real(self, box)
+
+    monkeypatch.setattr(reshard.ArrayReader, "__call__", spy)
     back = tmp_path / "back.safetensors"
     args = ["convert", str(tmp_path / "ck"), str(back), "--to", "safetensors"]
     assert main([*args, "--mapping", str(wm), "--reference", str(path)]) == 0
-    # every checkpoint leaf read alone, once: never the whole state on the host
-    assert all(len(r) == 1 for r in reads) and len(reads) == 5
+    # every checkpoint leaf read alone and once, straight from its store (no Orbax restore,
+    # no device): never the whole state on the host
     layers = [f"layers/{i}/{n}/kernel" for i in range(2) for n in ("qkv", "up")]
-    assert sorted(r[0] for r in reads) == sorted([*layers, "norm/scale"])
+    assert sorted(p for p, _ in boxes) == sorted([*layers, "norm/scale"])
     got = load_file(str(back))
     assert sorted(got) == sorted(src)
     assert all(got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes() for k, v in src.items())
+
+
+def test_convert_back_verifies_each_leaf(tmp_path, capsys):
+    path, wm, _, _ = _files(tmp_path)
+    assert main(["convert", str(path), str(tmp_path / "ck"), "--mapping", str(wm)]) == 0
+    record = tmp_path / "ck" / "modelshard.json"
+    doc = json.loads(record.read_text())
+    leaf = next(x for x in doc["leaves"] if x["path"] == "norm/scale")
+    leaf["checksum"] = "00000000:00000000"
+    record.write_text(json.dumps(doc))
+    capsys.readouterr()
+    back = tmp_path / "back.safetensors"
+    args = ["convert", str(tmp_path / "ck"), str(back), "--to", "safetensors"]
+    assert main([*args, "--mapping", str(wm), "--reference", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and "norm/scale" in err
+    assert not back.exists()

@@ -22,12 +22,13 @@ Every stored leaf is read by Orbax straight into a sharding on the target's mesh
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._weights import as_mapping
 from .._weights import transforms as T
@@ -247,21 +248,32 @@ def host_leaves(
     source: Source, *, verify: bool = True
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
     """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
-    ``load(path)``: that one leaf read to this host, its checksum verified. An export
-    (``modelshard convert --to safetensors``) holds one leaf at a time this way, never
-    the whole state."""
+    ``load(path)``: that one leaf read to this host straight from its TensorStore store
+    (``reshard.ArrayReader``: no device, no Orbax restore), its checksum verified. An
+    export (``modelshard convert --to safetensors``) holds one leaf at a time this way,
+    never the whole state."""
+    from .checksum import box_sums, format_sums
+    from .reshard import ArrayReader, store_format
+
     recs = source.record.by_path()
     table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
-    device0 = SingleDeviceSharding(jax.local_devices()[0])
+    fmt = store_format(source)
+    device0 = jax.local_devices()[0]
 
     def load(path: str) -> np.ndarray:
         rec = recs[path]
-        target = jax.ShapeDtypeStruct(
-            rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=device0
-        )
-        got = read_checked(source, {path: target})
-        if verify:
-            verify_checksums(source, got)
-        return np.asarray(finish_leaf(got[path], rec, None))
+        logical = parse_dtype(rec.dtype)
+        if math.prod(rec.stored_shape) == 0:  # in the record only: Orbax stores no data
+            return np.zeros(rec.shape, logical)
+        # a context of its own per leaf: a shared one keeps what it cached of every leaf
+        # read so far (300 MiB above baseline for a 1 GiB export against 175 MiB)
+        reader = ArrayReader(source, rec, fmt)
+        bits = np.asarray(reader(tuple(slice(0, d) for d in rec.stored_shape)))
+        if verify and rec.checksum is not None:
+            x = jax.device_put(bits, device0)
+            sums = np.asarray(box_sums(x, (0,) * bits.ndim, rec.stored_shape))
+            del x
+            verify_checksums(source, {path: bits}, {path: format_sums(int(sums[0]), int(sums[1]))})
+        return bits if bits.dtype == logical else bits.view(logical)
 
     return table, load
