@@ -260,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {target} |"
         )
     print(
-        "\nper run (seconds): "
+        "\nper run (peak MiB above baseline): "
+        + "; ".join(
+            f"{m} " + ", ".join(f"{(r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
+            for m, rs in runs.items()
+        )
+    )
+    print(
+        "per run (seconds): "
         + "; ".join(
             f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
         )

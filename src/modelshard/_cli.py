@@ -867,8 +867,9 @@ def _parser() -> argparse.ArgumentParser:
         help="safetensors weights to a sharded checkpoint, or back",
         description="Read a safetensors checkpoint SRC (a file, a model.safetensors.index.json "
         "or a directory with either) through a mapping file and write DST, a sharded "
-        "modelshard checkpoint laid out for --mesh and --rules, each device reading only its "
-        "slice of every tensor; with --to safetensors, write the checkpoint SRC back as the "
+        "modelshard checkpoint laid out for --mesh and --rules, streamed (each leaf computed a "
+        "slab of rows at a time through the mapping and written as it comes; nothing is "
+        "placed on the devices); with --to safetensors, write the checkpoint SRC back as the "
         "safetensors file DST (the mapping backwards; --reference names the file it was "
         "imported from). --dry-run prints the mapping table without reading a tensor.",
     )
