@@ -144,3 +144,26 @@ def test_a_key_cannot_be_cast_or_stacked_with_arrays(tmp_path):
         "  target:both\n    problem: the stacked tensors differ in shape or dtype: "
         "a uint32[], k key<fry>[]"
     ) in text
+
+
+def test_fused_and_split_leaves_restore_onto_the_mesh_and_unmap_back(tmp_path, mesh24):
+    q, k, v = (RNG.standard_normal((16, n)).astype(np.float32) for n in (16, 8, 8))
+    fused = RNG.standard_normal((16, 32)).astype(np.float32)
+    ms.save(tmp_path / "ck", {"q": q, "k": k, "v": v, "fused": fused})
+    wm = ms.WeightMap(
+        [
+            ms.MapRule("(q|k|v)", "qkv", concat=ms.Concat(1, axis=1, order=("q", "k", "v"))),
+            ms.MapRule("fused", "{part}", split=ms.Split("part", ("a", "b"), axis=1)),
+        ]
+    )
+    out = ms.restore(
+        tmp_path / "ck", mapping=wm, specs=ms.Rules([(".*", P("data", "model"))]), mesh=mesh24
+    )
+    assert out["qkv"].sharding.spec == P("data", "model")
+    np.testing.assert_array_equal(np.asarray(out["qkv"]), np.concatenate([q, k, v], axis=1))
+    np.testing.assert_array_equal(np.asarray(out["a"]), fused[:, :16])
+    np.testing.assert_array_equal(np.asarray(out["b"]), fused[:, 16:])
+    ref = jax.eval_shape(lambda: {"q": q, "k": k, "v": v, "fused": fused})
+    back = ms.unmap(out, reference=ref, mapping=wm)
+    for name, want in (("q", q), ("k", k), ("v", v), ("fused", fused)):
+        assert back[name].tobytes() == want.tobytes(), name
