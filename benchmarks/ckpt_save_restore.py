@@ -49,7 +49,7 @@ def _make_state(gib: float, leaves: int, mesh):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
     parser.add_argument("--leaves", type=int, default=64, help="number of leaves (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats (default 5)")
