@@ -487,6 +487,8 @@ def test_reshard_to_and_from_object_storage_commits_last(tmp_path, bucket_root):
     _same_bits(ms.restore(src), out)
     with pytest.raises(ms.CheckpointError, match="already exists; pass overwrite=True"):
         reshard(src, url, specs=specs, mesh=mesh)
+    again = reshard(src, url, specs=specs, mesh=mesh, overwrite=True)
+    assert str(again) == url  # the URL itself, not a local path made of it
     back = reshard(url, tmp_path / "back", mesh=mesh)  # and from object storage
     _same_bits(ms.restore(src), ms.restore(back))
     rec_file = src / "modelshard.json"  # a damaged source: the write stops before its commit

@@ -430,6 +430,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from ._plan import format_bytes
     from ._weights import is_safetensors
 
+    _return_freed_memory()  # streams tensor-sized buffers, as reshard does
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
     if not is_safetensors(args.source):
@@ -473,6 +474,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 [stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
                 mesh=mesh,
                 overwrite=args.overwrite,
+                slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
     dest = args.destination
@@ -639,8 +641,9 @@ def _return_freed_memory() -> None:
     By default glibc raises that threshold to the largest block freed so far (up to 32
     MiB), so the chunk-sized buffers resharding frees and allocates again, chunk after
     chunk and on many reader threads, would stay resident as fragmented heap (about 40 MiB
-    more peak for a 1 GiB checkpoint). This process exists only to reshard, so the
-    allocator's settings are ours to choose. Elsewhere (no glibc) nothing changes.
+    more peak for a 1 GiB checkpoint). ``modelshard reshard`` and ``modelshard convert``
+    exist only to stream a checkpoint, so the allocator's settings are theirs to choose.
+    Elsewhere (no glibc) nothing changes.
     """
     import ctypes
 
@@ -904,6 +907,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=["checkpoint", "safetensors"],
         default="checkpoint",
         help="what DST is (default: a modelshard checkpoint)",
+    )
+    c.add_argument(
+        "--chunk-mb",
+        type=positive_float,
+        default=64.0,
+        metavar="MB",
+        help="host memory in flight while writing a checkpoint: slabs of a quarter of it are "
+        "read ahead while others are written (default 64; smaller: less memory, slower)",
     )
     c.add_argument(
         "--reference",

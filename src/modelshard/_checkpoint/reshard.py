@@ -23,7 +23,7 @@ from .._plan import plan
 from .locate import Source, locate, planning_tree
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import LeafRecord, Record, parse_dtype
-from .storage import TREE_METADATA, absolute, orbax_name, read_small
+from .storage import TREE_METADATA, orbax_name, read_small
 from .stream import Stream, StreamLeaf
 from .urls import is_remote, location
 from .write import check_destination, write_atomic
@@ -142,7 +142,8 @@ def reshard(
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
 
     Returns:
-        The absolute path of the new checkpoint.
+        The new checkpoint: its absolute path, or an ``epath.Path`` for a ``gs://`` or
+        ``s3://`` URL.
 
     Raises:
         SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
@@ -171,7 +172,7 @@ def reshard(
         overwrite=overwrite,
         progress=progress,
     )
-    return absolute(dst)
+    return location(dst)
 
 
 def rewrite(
