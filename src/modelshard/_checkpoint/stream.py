@@ -54,6 +54,7 @@ from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
     MARKER,
+    PART_FILE,
     TREE_METADATA,
     check_names,
     nest,
@@ -67,8 +68,6 @@ DEFAULT_SLAB_BYTES = 16 << 20
 WRITES_IN_FLIGHT = 3
 """Slabs being written at once (each an OCDBT commit, which waits on the file system):
 with the one being read ahead and the one in hand, five slabs are held at most."""
-
-_PART = "modelshard.part.{}.json"  # each process's checksums, merged by process 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,13 +551,13 @@ class Stream:
             json.dumps(_array_metadatas(stored))
         )
         if count > 1:
-            (directory / _PART.format(process)).write_text(json.dumps(sums))
+            (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
             _sync("modelshard:stream:written")
             for p in range(count):
-                part = json.loads((directory / _PART.format(p)).read_text())
+                part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
             _sync("modelshard:stream:read")
-            (directory / _PART.format(process)).unlink()
+            (directory / PART_FILE.format(process)).unlink()
         bad = []
         for lay in self.layouts:
             stored, got = sums[lay.rec.path]
