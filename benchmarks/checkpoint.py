@@ -257,27 +257,19 @@ def main(argv=None) -> int:
     cli_child = root / "child_cli.py"
     cli_child.write_text(CHILD_CLI)
     exe = str(Path(sys.executable).parent / "modelshard")
-    shutil.rmtree(root / "resharded", ignore_errors=True)
-    t = time.perf_counter()
-    cli = _run_json(
-        [
-            sys.executable,
-            str(cli_child),
-            exe,
-            "reshard",
-            str(root / "ms"),
-            str(root / "resharded"),
-            "--mesh",
-            "data=2,model=4",
-            "--rules",
-            str(rules),
-            "--chunk-mb",
-            str(args.chunk_mb),
-        ]
-    )
-    results["reshard_cli_s"] = time.perf_counter() - t
-    if cli["rc"] != 0:
-        raise RuntimeError("modelshard reshard failed")
+
+    def reshard_cli(src: str, dst: str) -> tuple[dict, float]:
+        """``modelshard reshard src dst`` onto (2, 4) in a fresh process: its result, seconds."""
+        shutil.rmtree(root / dst, ignore_errors=True)
+        t = time.perf_counter()
+        cmd = [sys.executable, str(cli_child), exe, "reshard", str(root / src), str(root / dst)]
+        cmd += ["--mesh", "data=2,model=4", "--rules", str(rules), "--chunk-mb", str(args.chunk_mb)]
+        out = _run_json(cmd)
+        if out["rc"] != 0:
+            raise RuntimeError(f"modelshard reshard {src} failed")
+        return out, time.perf_counter() - t
+
+    cli, results["reshard_cli_s"] = reshard_cli("ms", "resharded")
     results["rss_reshard_cli"] = cli["peak"]
     # one leaf args.big_factor times the chunk: copied in slabs, the peak must stay near a chunk
     big_rows = 2048
@@ -290,27 +282,7 @@ def main(argv=None) -> int:
     big_bytes = big_rows * big_cols * 4
     ms.save(root / "big", big, overwrite=True)
     del big
-    shutil.rmtree(root / "big_resharded", ignore_errors=True)
-    t = time.perf_counter()
-    cli_big = _run_json(
-        [
-            sys.executable,
-            str(cli_child),
-            exe,
-            "reshard",
-            str(root / "big"),
-            str(root / "big_resharded"),
-            "--mesh",
-            "data=2,model=4",
-            "--rules",
-            str(rules),
-            "--chunk-mb",
-            str(args.chunk_mb),
-        ]
-    )
-    results["reshard_big_cli_s"] = time.perf_counter() - t
-    if cli_big["rc"] != 0:
-        raise RuntimeError("modelshard reshard of the big leaf failed")
+    cli_big, results["reshard_big_cli_s"] = reshard_cli("big", "big_resharded")
     results["rss_reshard_big_cli"] = cli_big["peak"]
     results["big_leaf_bytes"] = big_bytes
     # bit-exact: the new record carries the source's checksums (unchanged bits keep them),

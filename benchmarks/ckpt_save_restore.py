@@ -31,21 +31,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import modelshard as ms  # noqa: E402
 
-
-def _make_state(gib: float, leaves: int, mesh):
-    rows = 2048
-    cols = max(8, int(gib * (1 << 30) / 4 / leaves / rows) // 8 * 8)
-    keys = jax.random.split(jax.random.key(0), leaves)
-    state = {
-        f"layer{i:03d}": {"w": jax.random.normal(k, (rows, cols), jnp.float32)}
-        for i, k in enumerate(keys)
-    }
-    return ms.shard(state, ms.fsdp("data"), mesh)
+sys.path.insert(0, str(Path(__file__).parent))
+from checkpoint import _make_state  # noqa: E402  (the same 64-leaf state)
 
 
 def main(argv=None) -> int:
