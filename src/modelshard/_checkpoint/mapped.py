@@ -105,12 +105,7 @@ def _build_on_devices(node: T.Node, sharding: Any, stored: dict[str, jax.Array])
                 got = whole[idx]
             return got
 
-        block = np.asarray(node.read(norm, fetch))
-        if block.flags.c_contiguous and not block.flags.writeable:
-            # a view of a stored shard: put as it is, the new array could alias the shard
-            # and keep all of it alive
-            block = T.copy_of(block)
-        arrays.append(jax.device_put(block, device))
+        arrays.append(jax.device_put(T.unaliased(node.read(norm, fetch)), device))
     return jax.make_array_from_single_device_arrays(node.shape, sharding, arrays)
 
 

@@ -116,12 +116,7 @@ def build_leaf(
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = np.asarray(node.read(tuple(slice(a, b) for a, b in norm), fetch))
-            if got.flags.c_contiguous and not got.flags.writeable:
-                # a contiguous view of a file's memory map: JAX could alias it (keeping the
-                # map, and the file's pages, alive), so it gets a buffer of its own
-                got = T.copy_of(got)
-            seen[norm] = got
+            got = seen[norm] = T.unaliased(node.read(tuple(slice(a, b) for a, b in norm), fetch))
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)

@@ -61,6 +61,14 @@ def copy_of(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def unaliased(a: Any) -> np.ndarray:
+    """``a`` as a block to hand to JAX: a C-contiguous read-only view (of a file's memory
+    map, of a stored shard) copied into a buffer of its own, since JAX could alias it and
+    keep all of the viewed memory alive; anything else as it is."""
+    a = np.asarray(a)
+    return copy_of(a) if a.flags.c_contiguous and not a.flags.writeable else a
+
+
 # A transposing copy walks one side across the grain: element by element, every read (or
 # write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
 # block in cache: 3-4x faster than one ``np.copyto`` of the whole transposed view.
