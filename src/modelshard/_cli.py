@@ -542,7 +542,6 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
         task = progress.add_task("writing", total=None)
         dest = ex.write(
             args.destination,
-            table,
             meta,
             lambda done, total: progress.update(task, completed=done, total=total),
         )

@@ -404,7 +404,7 @@ def save_safetensors(
     wm = as_mapping(mapping, split_dots=True)
     table, meta = reference_table(reference)
     ex = Exporter.of_state(state, table, wm, dtype)
-    return ex.write(path, table, metadata if metadata is not None else meta, progress)
+    return ex.write(path, metadata if metadata is not None else meta, progress)
 
 
 def reference_table(
@@ -441,6 +441,7 @@ class Exporter:
         dtype: Any,
     ):
         res = resolve(wm, table, targets, dtype=dtype)
+        self.table = table
         self.load = load
         self.sources = invert_resolution(res)
         self.order = [n for n in table if n in self.sources]
@@ -478,11 +479,11 @@ class Exporter:
     def write(
         self,
         path: str | os.PathLike[str],
-        table: Mapping[str, tuple[tuple[int, ...], Any]],
         metadata: Mapping[str, str] | None,
         progress: Callable[[int, int], None] | None,
     ) -> Path:
         """Write the reference's tensors as one safetensors file, one tensor at a time."""
+        table = self.table
         total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in self.order)
         done = [0]
 
