@@ -409,20 +409,29 @@ def verify_checksums(
         return
     got = [sums[p] for p in paths] if sums is not None else checksums([values[p] for p in paths])
     bad = [
-        f"  {p or '<root>'} {recs[p].stored_dtype}{list(recs[p].stored_shape)}: recorded "
-        f"{recs[p].checksum}, read {g}"
+        (recs[p], recs[p].checksum, g)
         for p, g in zip(paths, got, strict=True)
         if g != recs[p].checksum
     ]
     if bad:
-        n = len(bad)
-        raise CheckpointError(
-            f"checksum mismatch in {source.path}: the stored bytes of {n} lea"
-            f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
-            + "\n".join(bad)
-            + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
-            "to load it anyway."
+        raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
+
+
+def checksum_mismatch_message(where: str, bad: Sequence[tuple[LeafRecord, str | None, str]]) -> str:
+    """The error for the leaves of ``where`` whose checksum is not the recorded one:
+    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf."""
+    n = len(bad)
+    return (
+        f"checksum mismatch in {where}: the stored bytes of {n} lea"
+        f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
+        + "\n".join(
+            f"  {r.path or '<root>'} {r.stored_dtype}{list(r.stored_shape)}: recorded {want}, "
+            f"read {got}"
+            for r, want, got in bad
         )
+        + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
+        "to load it anyway."
+    )
 
 
 def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._dtypes import dtype_name
 from .._errors import CheckpointError
 from .checksum import box_sums, format_sums
+from .read import checksum_mismatch_message
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -468,21 +469,6 @@ def _finalize(directory: Any) -> None:
     ocp.PyTreeCheckpointHandler(use_zarr3=False).finalize(epath.Path(_posix(directory)))
 
 
-def _mismatch_message(where: str, bad: Sequence[tuple[LeafRecord, str, str]]) -> str:
-    n = len(bad)
-    return (
-        f"checksum mismatch in {where}: the stored bytes of {n} lea"
-        f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
-        + "\n".join(
-            f"  {r.path or '<root>'} {r.stored_dtype}{list(r.stored_shape)}: recorded {want}, "
-            f"read {got}"
-            for r, want, got in bad
-        )
-        + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
-        "to load it anyway."
-    )
-
-
 class Stream:
     """A checkpoint being written by ``write_stream``: its leaves laid out, then written
     into one directory by ``write`` (each process its share), all checked first."""
@@ -565,7 +551,7 @@ class Stream:
             if lay.leaf.expect is not None and got is not None and got != lay.leaf.expect:
                 bad.append((lay.rec, lay.leaf.expect, got))
         if bad:
-            raise CheckpointError(_mismatch_message(self.source or str(directory), bad))
+            raise CheckpointError(checksum_mismatch_message(self.source or str(directory), bad))
         if process == 0:
             (directory / TREE_METADATA).write_text(json.dumps(_tree_metadata(self.layouts)))
             (directory / "_sharding").write_text(json.dumps(_sharding_file(self.layouts)))
