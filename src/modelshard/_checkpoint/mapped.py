@@ -94,7 +94,7 @@ def _build_on_devices(node: T.Node, sharding: Any, stored: dict[str, jax.Array])
     gathered: dict[str, np.ndarray] = {}
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(node.shape).items():
-        norm = tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, node.shape, strict=True))
+        norm = T.norm_index(index, node.shape)
 
         def fetch(key: str, idx: tuple[slice, ...], device: Any = device) -> np.ndarray:
             got = _covering(stored[key], device, idx)

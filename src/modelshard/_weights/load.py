@@ -333,7 +333,7 @@ class _BlockReader:
 
     def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
         shape = self.node.shape
-        norm = tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+        norm = T.norm_index(index, shape)
         block = T.contiguous(self.node.read(norm, self.fetch))
         if all(s.stop == d for s, d in zip(norm, shape, strict=True)):
             self.cache.clear()  # blocks come in C order: this was the last

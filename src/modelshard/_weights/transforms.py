@@ -100,7 +100,9 @@ def full_index(shape: Sequence[int]) -> Index:
     return tuple(slice(0, d) for d in shape)
 
 
-def _norm(index: Index | None, shape: Sequence[int]) -> Index:
+def norm_index(index: Index | None, shape: Sequence[int]) -> Index:
+    """``index`` into an array of ``shape`` as plain ``slice(start, stop)`` bounds (``None``:
+    the whole array)."""
     if index is None:
         return full_index(shape)
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
@@ -141,7 +143,7 @@ class Read(Node):
     dtype: np.dtype[Any]
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        return fetch(self.key, _norm(index, self.shape))
+        return fetch(self.key, norm_index(index, self.shape))
 
     def reads(self) -> list[str]:
         return [self.key]
@@ -160,7 +162,7 @@ class Transpose(Node):
         self.dtype = self.child.dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        index = _norm(index, self.shape)
+        index = norm_index(index, self.shape)
         inner = [slice(None)] * len(self.perm)
         for j, p in enumerate(self.perm):
             inner[p] = index[j]
@@ -214,7 +216,7 @@ class Take(Node):
         self.dtype = self.child.dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        index = _norm(index, self.shape)
+        index = norm_index(index, self.shape)
         inner = (*index[: self.axis], slice(self.i, self.i + 1), *index[self.axis :])
         return np.squeeze(self.child.read(inner, fetch), axis=self.axis)
 
@@ -242,7 +244,7 @@ class Stack(Node):
         self.dtype = self.children[0].dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        index = _norm(index, self.shape)
+        index = norm_index(index, self.shape)
         lo, hi = index[self.axis].start, index[self.axis].stop
         rest = index[: self.axis] + index[self.axis + 1 :]
         parts = [c.read(rest, fetch) for c in self.children[lo:hi]]
@@ -281,7 +283,7 @@ class Concat(Node):
         self.dtype = self.children[0].dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        index = _norm(index, self.shape)
+        index = norm_index(index, self.shape)
         ax = self.axis
         lo, hi = index[ax].start, index[ax].stop
         parts, start = [], 0
@@ -327,7 +329,7 @@ class Slice(Node):
         self.dtype = self.child.dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        index = _norm(index, self.shape)
+        index = norm_index(index, self.shape)
         ax, lo = self.axis, self.lo
         inner = (*index[:ax], slice(index[ax].start + lo, index[ax].stop + lo), *index[ax + 1 :])
         return self.child.read(inner, fetch)
