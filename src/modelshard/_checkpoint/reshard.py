@@ -24,7 +24,7 @@ from .locate import Source, locate, planning_tree
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import LeafRecord, Record, parse_dtype
 from .storage import TREE_METADATA, orbax_name, read_small
-from .stream import Stream, StreamLeaf
+from .stream import Stream, StreamLeaf, write_remote
 from .urls import is_remote, location
 from .write import check_destination, write_atomic
 
@@ -240,8 +240,6 @@ def rewrite(
         progress=progress,
     )
     if is_remote(out_path):
-        from .stream import write_remote
-
         write_remote(out_path, stream, overwrite=overwrite)
     else:
         write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)

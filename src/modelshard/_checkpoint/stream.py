@@ -56,12 +56,17 @@ from .storage import (
     COMMIT_FILE,
     MARKER,
     PART_FILE,
+    RECORD_FILE,
+    RECORD_ITEM,
+    STATE_ITEM,
     TREE_METADATA,
     check_names,
     nest,
     orbax_name,
     storage_key,
 )
+from .urls import is_remote, location
+from .write import check_destination, sync, write_atomic
 
 DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
@@ -455,13 +460,6 @@ def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
     }
 
 
-def _sync(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def _finalize(directory: Any) -> None:
     import orbax.checkpoint as ocp
     from etils import epath
@@ -538,11 +536,11 @@ class Stream:
         )
         if count > 1:
             (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
-            _sync("modelshard:stream:written")
+            sync("modelshard:stream:written")
             for p in range(count):
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
-            _sync("modelshard:stream:read")
+            sync("modelshard:stream:read")
             (directory / PART_FILE.format(process)).unlink()
         bad = []
         for lay in self.layouts:
@@ -610,9 +608,6 @@ def write_stream(
             stored name, a leaf's read checksum differs from its ``expect``, or ``read``
             returned the wrong rows.
     """
-    from .urls import is_remote, location
-    from .write import check_destination, write_atomic
-
     stream = Stream(
         leaves,
         mesh=mesh,
@@ -637,7 +632,6 @@ def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
     manager-step layout (``state/`` and ``modelshard/modelshard.json``), with Orbax's
     commit file written last; a checkpoint without it is refused by ``locate``."""
     from .remote import prepare_remote
-    from .storage import RECORD_FILE, RECORD_ITEM, STATE_ITEM
 
     prepare_remote(path, overwrite=overwrite)
     stream.write(path / STATE_ITEM)
@@ -648,4 +642,4 @@ def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
         (path / RECORD_ITEM / RECORD_FILE).write_text(stream.record.dumps())
         (path / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(time.time_ns())))
         (path / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
-    _sync("modelshard:stream:committed")
+    sync("modelshard:stream:committed")

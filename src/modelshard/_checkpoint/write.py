@@ -224,7 +224,8 @@ def _replicated_if_local(x: Any) -> Any:
     )
 
 
-def _sync(name: str) -> None:
+def sync(name: str) -> None:
+    """Wait for every process at ``name`` (nothing to wait for under one process)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -328,7 +329,7 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
     if primary:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(staging)
-    _sync("modelshard:save:start")
+    sync("modelshard:save:start")
     try:
         write(staging)
         if primary:
@@ -348,7 +349,7 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
             os.rename(staging, path)
         _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
-    _sync("modelshard:save:end")
+    sync("modelshard:save:end")
 
 
 def orbax_save(directory: Path, tree: Any, checkpointer: Any = None) -> None:
