@@ -352,16 +352,10 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
     sync("modelshard:save:end")
 
 
-def orbax_save(directory: Path, tree: Any, checkpointer: Any = None) -> None:
-    """Write ``tree`` as an Orbax PyTree checkpoint marked as modelshard's, with
-    ``checkpointer`` (an open ``ocp.Checkpointer`` over a ``StandardCheckpointHandler``,
-    reused across many saves: setting one up and tearing it down costs more than writing a
-    small piece) or a new one."""
+def orbax_save(directory: Path, tree: Any) -> None:
+    """Write ``tree`` as an Orbax PyTree checkpoint marked as modelshard's."""
     import orbax.checkpoint as ocp
 
-    if checkpointer is not None:
-        checkpointer.save(directory, args=ocp.args.StandardSave(tree), custom_metadata=MARKER)
-        return
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
         ckptr.save(directory, args=ocp.args.StandardSave(tree), custom_metadata=MARKER)
 
