@@ -108,7 +108,6 @@ def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
 
 
 _checksum_jit = jax.jit(_checksum_one)
-_box_jit = jax.jit(_checksum_one)
 
 
 def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.Array:
@@ -116,7 +115,7 @@ def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.A
     ``origin`` of a leaf of ``shape``. The sums of boxes that tile a leaf add up (modulo
     2**32) to the leaf's own; ``format_sums`` writes them as its checksum."""
     strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
-    return _box_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
+    return _checksum_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
 
 
 def format_sums(s1: int, s2: int) -> str:
