@@ -128,6 +128,21 @@ def _make_state(gib, leaves, mesh):
     return ms.shard(state, ms.fsdp("data"), mesh)
 
 
+def _setup(args, prefix):
+    """``(scratch dir, mesh, state, its bytes, its abstract twin)`` for ``--dir``,
+    ``--gib`` and ``--leaves``: the state sharded over 8 devices and ready."""
+    root = Path(args.dir or tempfile.mkdtemp(prefix=prefix)).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    mesh = ms.make_mesh({"data": 8})
+    state = _make_state(args.gib, args.leaves, mesh)
+    jax.block_until_ready(state)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    return root, mesh, state, nbytes, abstract
+
+
 def _np_save(directory, state):
     directory.mkdir(parents=True)
     for name, leaf in state.items():
@@ -169,17 +184,9 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
 
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ms-bench-")).absolute()
-    root.mkdir(parents=True, exist_ok=True)
-    mesh = ms.make_mesh({"data": 8})
-    state = _make_state(args.gib, args.leaves, mesh)
-    jax.block_until_ready(state)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    root, mesh, state, nbytes, abstract = _setup(args, "ms-bench-")
     gb = nbytes / 1e9
     tree_shardings = jax.tree.map(lambda x: x.sharding, state)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
     results: dict[str, float] = {"state_bytes": nbytes}
 
     def fresh(name):

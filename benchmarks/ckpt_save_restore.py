@@ -21,7 +21,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 import modelshard as ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoint import _make_state  # noqa: E402  (the same 64-leaf state)
+from checkpoint import _setup  # noqa: E402  (the same 64-leaf state)
 
 
 def main(argv=None) -> int:
@@ -48,15 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["save", "restore"], default=None)
     args = parser.parse_args(argv)
 
-    root = Path(args.dir or tempfile.mkdtemp(prefix="ms-sr-")).absolute()
-    root.mkdir(parents=True, exist_ok=True)
-    mesh = ms.make_mesh({"data": 8})
-    state = _make_state(args.gib, args.leaves, mesh)
-    jax.block_until_ready(state)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
+    root, mesh, state, nbytes, abstract = _setup(args, "ms-sr-")
     handler = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     pytree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
