@@ -147,7 +147,7 @@ def test_leaves_are_shared_between_processes_by_bytes():
 
 def test_array_reader_reads_boxes_of_a_stored_array_without_devices(tmp_path):
     from modelshard._checkpoint.checksum import box_sums, format_sums
-    from modelshard._checkpoint.reshard import ArrayReader
+    from modelshard._checkpoint.stored import ArrayReader
 
     w = np.random.default_rng(6).normal(size=(32, 24)).astype(np.float32)
     src = ms.save(

@@ -22,7 +22,7 @@ from .locate import locate as locate
 from .locate import planning_tree as planning_tree
 from .manager import CheckpointManager as CheckpointManager
 from .manager import manager_step as manager_step
-from .read import restore as restore
 from .record import Record as Record
+from .restoring import restore as restore
 from .write import prepare as prepare
 from .write import save as save

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -343,3 +343,31 @@ class Checksums(Generic[K]):
     def close(self) -> None:
         """Stop the worker (sums still queued are dropped)."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+class StoredLeaf(Protocol):
+    """What an error needs of a leaf's record (``record.LeafRecord`` is one)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def stored_dtype(self) -> str: ...
+    @property
+    def stored_shape(self) -> Sequence[int]: ...
+
+
+def checksum_mismatch_message(where: str, bad: Sequence[tuple[StoredLeaf, str | None, str]]) -> str:
+    """The error for the leaves of ``where`` whose checksum is not the recorded one:
+    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf."""
+    n = len(bad)
+    return (
+        f"checksum mismatch in {where}: the stored bytes of {n} lea"
+        f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
+        + "\n".join(
+            f"  {r.path or '<root>'} {r.stored_dtype}{list(r.stored_shape)}: recorded {want}, "
+            f"read {got}"
+            for r, want, got in bad
+        )
+        + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
+        "to load it anyway."
+    )

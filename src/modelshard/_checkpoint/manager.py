@@ -28,7 +28,7 @@ from .._errors import CheckpointError
 from . import guard
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok
-from .read import restore
+from .restoring import restore
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,

@@ -33,9 +33,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._weights import as_mapping
 from .._weights import transforms as T
 from .._weights.load import keep_value, leaf_shardings, resolve_target
+from .checksum import box_sums, format_sums
 from .locate import Source
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
 from .record import LeafRecord, parse_dtype
+from .stored import ArrayReader, store_format
 
 
 @functools.cache
@@ -244,12 +246,9 @@ def host_leaves(
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
     """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
     ``load(path)``: that one leaf read to this host straight from its TensorStore store
-    (``reshard.ArrayReader``: no device, no Orbax restore), its checksum verified. An
+    (``stored.ArrayReader``: no device, no Orbax restore), its checksum verified. An
     export (``modelshard convert --to safetensors``) holds one leaf at a time this way,
     never the whole state."""
-    from .checksum import box_sums, format_sums
-    from .reshard import ArrayReader, store_format
-
     recs = source.record.by_path()
     table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
     fmt = store_format(source)

@@ -9,7 +9,6 @@ damaged leaves and, where it can be told, the file at fault.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,8 +27,8 @@ from .._paths import format_path
 from .._plan import plan
 from .._shard import place
 from .arrival import each_array_registry
-from .checksum import Checksums, checksums, warm_checksums
-from .locate import Source, abstract_like, locate
+from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
+from .locate import Source, abstract_like
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .storage import nest
 
@@ -417,23 +416,6 @@ def verify_checksums(
         raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
 
 
-def checksum_mismatch_message(where: str, bad: Sequence[tuple[LeafRecord, str | None, str]]) -> str:
-    """The error for the leaves of ``where`` whose checksum is not the recorded one:
-    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf."""
-    n = len(bad)
-    return (
-        f"checksum mismatch in {where}: the stored bytes of {n} lea"
-        f"{'ves' if n != 1 else 'f'} changed since they were saved:\n"
-        + "\n".join(
-            f"  {r.path or '<root>'} {r.stored_dtype}{list(r.stored_shape)}: recorded {want}, "
-            f"read {got}"
-            for r, want, got in bad
-        )
-        + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
-        "to load it anyway."
-    )
-
-
 def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
     if rec.key_impl is not None:
@@ -445,70 +427,18 @@ def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     return x if want is None or x.dtype == want else x.astype(want)
 
 
-def restore(
-    directory: str | os.PathLike[str],
+def restore_saved(
+    source: Source,
     *,
-    like: Any = None,
-    specs: Any = None,
-    mesh: Any = None,
-    dtype: Any = None,
-    partial: bool = False,
-    verify: bool = True,
-    mapping: Any = None,
+    like: Any,
+    specs: Any,
+    mesh: Any,
+    dtype: Any,
+    partial: bool,
+    verify: bool,
 ) -> Any:
-    """Restore a checkpoint, every leaf read directly into its planned sharding.
-
-    Args:
-        directory: a checkpoint written by [`save`][modelshard.save], by Orbax's
-            ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
-        like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
-            giving the type to return; without it a nested dict of arrays is rebuilt from
-            the checkpoint's record (or Orbax metadata).
-        specs: one spec-like for the whole container (``P()``, [`Rules`][modelshard.Rules],
-            [`fsdp`][modelshard.fsdp], ...), planned on ``mesh`` by the same pipeline as [`shard`][modelshard.shard].
-            Default with a mesh: the specs the checkpoint was saved with.
-        mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
-            leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
-            its devices, else the first local device.
-        dtype: cast floating-point leaves to this floating-point dtype (stored values are
-            verified first; an integer dtype is refused).
-        partial: restore only the leaves both sides have: extra checkpoint leaves are
-            skipped and missing ones keep ``like``'s (concrete) values.
-        verify: check each leaf's checksum against the record.
-        mapping: a [`WeightMap`][modelshard.WeightMap] (or a path to its TOML file) from the checkpoint's
-            leaf paths to ``like``'s: a checkpoint of another layout (linen scanned layers
-            into an unscanned NNX model, t5x/MaxText names, a model without the new head).
-            Every unmapped or unfitting leaf is reported at once (``MappingError``);
-            with a mesh, ``specs`` default to each leaf's saved spec carried through its
-            recipe; typed PRNG keys map too; ``partial`` is the mapping's ``keep``.
-
-    Returns:
-        The container (same type as ``like``; a nested dict without it).
-
-    Raises:
-        CheckpointError: no checkpoint, a structure mismatch (a path-first diff), a damaged
-            leaf or a checksum mismatch (naming the leaves).
-        SpecError: ``specs`` do not fit the container or the mesh.
-
-    Example:
-        >>> import tempfile, jax, jax.numpy as jnp
-        >>> from jax.sharding import PartitionSpec as P
-        >>> import modelshard as ms
-        >>> path = ms.save(tempfile.mkdtemp() + "/ckpt", {"w": jnp.ones((8, 2))})
-        >>> like = jax.eval_shape(lambda: {"w": jnp.ones((8, 2))})
-        >>> out = ms.restore(path, like=like, specs=ms.Rules([("w", P("data"))]),
-        ...                  mesh=ms.make_mesh({"data": 8}))
-        >>> out["w"].sharding.spec
-        P('data',)
-    """
-    dtype = check_cast(dtype)
-    source = locate(directory)
-    if mapping is not None:
-        from .mapped import restore_mapped
-
-        return restore_mapped(
-            source, like=like, mapping=mapping, specs=specs, mesh=mesh, dtype=dtype, verify=verify
-        )
+    """The body of [`restore`][modelshard.restore] without a mapping: every leaf read as
+    saved, into its planned sharding (``dtype`` already checked by ``check_cast``)."""
     record = source.record
     if like is None:
         like = abstract_like(source, dtype)

@@ -48,8 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._dtypes import dtype_name
 from .._errors import CheckpointError
-from .checksum import box_sums, format_sums
-from .read import checksum_mismatch_message
+from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
