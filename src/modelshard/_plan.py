@@ -16,26 +16,8 @@ from ._constrain import current_mesh
 from ._dtypes import dtype_name
 from ._expand import ArgPlan, LeafPlan, expand_args
 from ._mesh import format_mesh, mesh_sizes
-from ._specs import SpecLike, entry_axes, format_spec
-
-
-def format_bytes(n: float) -> str:
-    """``1.50 MiB``-style text for a byte count."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
-
-
-def spec_json(spec: PartitionSpec) -> list[Any]:
-    """A spec as JSON: one entry per dimension, None or an axis name or a list of names."""
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
-    """The inverse of ``spec_json``."""
-    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
+from ._specs import SpecLike, entry_axes, format_spec, spec_from_json, spec_json
+from ._text import format_bytes
 
 
 def _itemsize(dtype: Any) -> int:

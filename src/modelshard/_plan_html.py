@@ -10,12 +10,31 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ._plan import Plan, format_bytes, spec_from_json
-from ._specs import entry_axes, format_spec
+from ._specs import entry_axes, format_spec, spec_from_json
+from ._text import format_bytes
+
+
+class PlanView(Protocol):
+    """What the pictures read of a [`Plan`][modelshard.Plan] (its public surface only)."""
+
+    mesh: Any
+    sizes: dict[str, int]
+
+    def __len__(self) -> int: ...
+    def bytes_per_device(self, leaf: Any = None) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def num_devices(self) -> int: ...
+    def named(self, filter: Any = None) -> list[tuple[str, Any]]: ...
+    def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
+    def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
+    def summary(self) -> str: ...
+
 
 MAX_GRID = 16
 """Tile grids larger than this many rows or columns show their first rows/columns only."""
@@ -78,7 +97,7 @@ class Tiles:
         tiles: ``(index, slices, device_ids)`` per shard, in index order.
     """
 
-    def __init__(self, plan: Plan, path: str, leaf: Any):
+    def __init__(self, plan: PlanView, path: str, leaf: Any):
         self.path = path
         self.shape = tuple(leaf.shape)
         self.spec = leaf.spec
@@ -259,7 +278,7 @@ def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
 # ---- the whole plan ------------------------------------------------------------------------
 
 
-def memory_html(plan: Plan) -> str:
+def memory_html(plan: PlanView) -> str:
     """The per-device memory bar, split by top-level module, with its legend."""
     modules = plan.modules()
     per = plan.bytes_per_device()
@@ -297,7 +316,7 @@ def memory_html(plan: Plan) -> str:
     return "".join(out)
 
 
-def rows_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The grouped table; each row's tiles (of its first leaf) open on demand."""
     rows = plan.groups(fold=fold, filter=filter)
     leaves = dict(plan.named())
@@ -335,7 +354,7 @@ def rows_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = T
     return "".join(out)
 
 
-def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The plan as one ``<div>`` (style included): summary, memory bar, grouped table."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
@@ -347,7 +366,7 @@ def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = T
     )
 
 
-def page(plan: Plan, title: str = "modelshard plan", **kwargs: Any) -> str:
+def page(plan: PlanView, title: str = "modelshard plan", **kwargs: Any) -> str:
     """A whole HTML document around ``plan_html`` (no script, no external resource)."""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

@@ -44,9 +44,9 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
+from ._specs import TOML_NONE as NONE
 from ._specs import Rules
 
-NONE = "none"
 _TOP = {"strict", "rules", "logical"}
 _RULE = {"pattern", "spec"}
 
@@ -216,37 +216,3 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
             [Problem(str(p), "", f"not valid TOML: {e}")], header=f"invalid rules file {p}:"
         ) from e
     return parse_rules(data, str(p))
-
-
-def _toml_entry(e: Any) -> str:
-    if e is None:
-        return f'"{NONE}"'
-    if isinstance(e, tuple):
-        return "[" + ", ".join(f'"{x}"' for x in e) + "]"
-    return f'"{e}"'
-
-
-def rules_to_toml(rules: Rules) -> str:
-    """The TOML text ``load_rules`` reads back as ``rules``."""
-    lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
-    for pattern, spec in rules.rules:
-        lit = pattern.replace("'", "")
-        quoted = (
-            f"'{pattern}'"
-            if lit == pattern
-            else '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        )
-        lines += [
-            "[[rules]]",
-            f"pattern = {quoted}",
-            "spec = [" + ", ".join(_toml_entry(e) for e in spec) + "]",
-            "",
-        ]
-    logical = rules.logical
-    if isinstance(logical, Mapping) and logical:
-        lines.append("[logical]")
-        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in logical.items()]
-    elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
-        pairs = [f'  ["{k}", {_toml_entry(v)}],' for k, v in logical]
-        lines[1:1] = ["logical = [", *pairs, "]"]
-    return "\n".join(lines) + "\n"

@@ -245,8 +245,6 @@ class Rules:
             pattern = 'kernel$'
             spec = ["none", "model"]
         """
-        from ._rulesfile import rules_to_toml  # the file format lives with its reader
-
         return rules_to_toml(self)
 
     def describe(self, index: int) -> str:
@@ -374,3 +372,52 @@ def _is_pytree_node(x: Any) -> bool:
     import jax
 
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+# The JSON spelling of specs (plans, records, ``--json``): one entry per dimension.
+def spec_json(spec: PartitionSpec) -> list[Any]:
+    """A spec as JSON: one entry per dimension, None or an axis name or a list of names."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
+    """The inverse of ``spec_json``."""
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
+
+
+# The TOML spelling of rules: ``Rules.to_toml`` writes it, ``_rulesfile`` reads it back.
+TOML_NONE = "none"  # TOML has no null: a replicated dimension
+
+
+def _toml_entry(e: Any) -> str:
+    if e is None:
+        return f'"{TOML_NONE}"'
+    if isinstance(e, tuple):
+        return "[" + ", ".join(f'"{x}"' for x in e) + "]"
+    return f'"{e}"'
+
+
+def rules_to_toml(rules: Rules) -> str:
+    """The TOML text ``load_rules`` (``_rulesfile``, the reader) reads back as ``rules``."""
+    lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
+    for pattern, spec in rules.rules:
+        lit = pattern.replace("'", "")
+        quoted = (
+            f"'{pattern}'"
+            if lit == pattern
+            else '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        )
+        lines += [
+            "[[rules]]",
+            f"pattern = {quoted}",
+            "spec = [" + ", ".join(_toml_entry(e) for e in spec) + "]",
+            "",
+        ]
+    logical = rules.logical
+    if isinstance(logical, Mapping) and logical:
+        lines.append("[logical]")
+        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in logical.items()]
+    elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
+        pairs = [f'  ["{k}", {_toml_entry(v)}],' for k, v in logical]
+        lines[1:1] = ["logical = [", *pairs, "]"]
+    return "\n".join(lines) + "\n"

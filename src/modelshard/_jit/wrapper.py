@@ -490,6 +490,6 @@ def _caller_level() -> int:
 
 
 def _fmt_bytes(n: int) -> str:
-    from .._plan import format_bytes
+    from .._text import format_bytes
 
     return format_bytes(n)
