@@ -1,9 +1,10 @@
 """The package's import graph: no cycles between modules, and no underscore names borrowed
 across modules (a private name another module needs belongs to a public-in-package helper).
 
-The graph is read from the source (module-level imports, ``if TYPE_CHECKING:`` blocks included:
-a type-only import back up the call path is still a cycle a reader has to follow), so the test
-sees the structure a newcomer reads, not only what happens to import in one order.
+The graph is read from the source: every ``import`` and ``from ... import`` anywhere in a
+module, at module level, under ``if TYPE_CHECKING:`` and inside function bodies alike. A
+type-only import back up the call path, or one deferred into a function, is still a cycle a
+reader has to follow: deferring it hides it from the interpreter, not from the reader.
 """
 
 from __future__ import annotations
@@ -29,22 +30,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _top_level_imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Imports at module level: top level and inside ``try``/``if``/``with`` blocks there
-    (``if TYPE_CHECKING:`` included), but not inside functions or classes."""
-    todo: list[ast.stmt] = list(tree.body)
-    while todo:
-        node = todo.pop()
+def _imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module: module level, ``if TYPE_CHECKING:``, ``try``
+    blocks, and inside functions and classes."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif isinstance(node, ast.If):
-            todo.extend(node.body + node.orelse)
-        elif isinstance(node, ast.Try):
-            todo.extend(node.body + node.orelse + node.finalbody)
-            for h in node.handlers:
-                todo.extend(h.body)
-        elif isinstance(node, ast.With):
-            todo.extend(node.body)
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -56,15 +47,16 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """``module -> modules it imports at import time`` (inside the package), and every
-    ``(importer, module, name)`` where an underscore name is imported from another module."""
+    """``module -> modules it imports`` (inside the package; imports in function bodies
+    count), and every ``(importer, module, name)`` where an underscore name is imported
+    from another module."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     borrowed: list[tuple[str, str, str]] = []
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         is_pkg = path.name == "__init__.py"
-        for node in _top_level_imports(tree):
+        for node in _imports(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -85,23 +77,6 @@ def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
                 # ancestor package is how packages work, not a cycle.
                 if t in mods and t != mod and not mod.startswith(t + "."):
                     graph[mod].add(t)
-    # Lazy imports (inside functions) of underscore names are borrowing too.
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        is_pkg = path.name == "__init__.py"
-        top = set(map(id, _top_level_imports(tree)))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and id(node) not in top:
-                base = _resolve(mod, is_pkg, node)
-                for a in node.names:
-                    sub = f"{base}.{a.name}"
-                    if (
-                        base.startswith(PACKAGE)
-                        and sub not in mods
-                        and a.name.startswith("_")
-                        and not a.name.startswith("__")
-                    ):
-                        borrowed.append((mod, base, a.name))
     return graph, borrowed
 
 
@@ -150,6 +125,17 @@ def test_the_graph_is_read_from_the_package() -> None:
     graph, _ = import_graph()
     assert f"{PACKAGE}._expand" in graph[PACKAGE]  # the façade imports the core
     assert f"{PACKAGE}._errors" in graph[f"{PACKAGE}._expand"]
+
+
+def test_imports_in_function_bodies_are_edges() -> None:
+    """A deferred import is read like any other (``_plan.Plan.groups`` imports ``_fold``
+    inside the method)."""
+    tree = ast.parse(
+        "def f():\n    from . import b\n\nclass C:\n    def g(self):\n        import c\n"
+    )
+    assert sorted(ast.unparse(n) for n in _imports(tree)) == ["from . import b", "import c"]
+    graph, _ = import_graph()
+    assert f"{PACKAGE}._fold" in graph[f"{PACKAGE}._plan"]
 
 
 def test_no_import_cycles() -> None:

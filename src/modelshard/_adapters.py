@@ -237,23 +237,10 @@ _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     # Other NNX graph objects (nnx.Optimizer, ...) are mutable too: split and update them
     # like modules, so state changed inside shard_jit reaches the caller's object.
     ("flax.nnx", "Pytree", lambda: NnxModuleAdapter("nnx.Pytree")),
-    # Third-party containers, each in a module of its own (imported only once the library is).
-    ("penzai.core.variables", "LabeledVariable", lambda: _penzai().PenzaiVariableAdapter()),
-    ("penzai.core.named_axes", "NamedArrayBase", lambda: _penzai().NamedArrayAdapter()),
-    ("qwix._src.providers.ptq", "WithAux", lambda: _qwix().QwixWithAuxAdapter()),
 ]
-
-
-def _penzai() -> Any:
-    from . import _penzai
-
-    return _penzai
-
-
-def _qwix() -> Any:
-    from . import _qwix
-
-    return _qwix
+# Third-party containers (penzai, qwix) live in modules of their own, which add themselves
+# here with ``register_lazy`` when they are imported (the public ``adapters`` module
+# imports them): the registry never imports an adapter module.
 
 
 _DEFAULT = PytreeAdapter()
@@ -461,6 +448,16 @@ def registered() -> list[tuple[type, str]]:
     REGISTRY.resolve_lazy()
     entries = [*reversed(REGISTRY.user), *REGISTRY.builtin]
     return [(t, a.kind) for t, a in entries]
+
+
+def register_lazy(module: str, attr: str, factory: Callable[[], Adapter]) -> None:
+    """Register ``factory()`` as the built-in adapter of ``module.attr`` once that module has
+    been imported by someone (the class is looked up by name: nothing is imported here).
+    For adapter modules of third-party libraries, called when the adapter module loads."""
+    entry = (module, attr, factory)
+    _LAZY_BUILTINS.append(entry)
+    REGISTRY.pending.append(entry)
+    REGISTRY.modules_seen = -1
 
 
 @contextmanager

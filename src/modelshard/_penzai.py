@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from ._adapters import Adapter, nested_leaf
+from ._adapters import Adapter, nested_leaf, register_lazy
 from ._describe import LeafInfo, describe_pytree
 
 
@@ -111,3 +111,7 @@ class NamedArrayAdapter(Adapter):
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return [LeafInfo("", named_array_names(obj), type(obj).__name__)]
+
+
+register_lazy("penzai.core.variables", "LabeledVariable", PenzaiVariableAdapter)
+register_lazy("penzai.core.named_axes", "NamedArrayBase", NamedArrayAdapter)

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._adapters import Adapter, flatten_pytree, unflatten_pytree
+from ._adapters import Adapter, flatten_pytree, register_lazy, unflatten_pytree
 from ._describe import LeafInfo, describe_pytree
 
 
@@ -36,3 +36,6 @@ class QwixWithAuxAdapter(Adapter):
 
     def tree_of(self, obj: Any) -> Any:
         return obj.array
+
+
+register_lazy("qwix._src.providers.ptq", "WithAux", QwixWithAuxAdapter)

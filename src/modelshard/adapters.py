@@ -13,3 +13,9 @@ from ._describe import is_array as is_array
 from ._flat import Flat as Flat
 from ._flat import split as split
 from ._paths import format_path as format_path
+
+# The third-party adapters register themselves (lazily: nothing of penzai or qwix is
+# imported until the user imports it) when their modules load, here.
+from ._penzai import NamedArrayAdapter as NamedArrayAdapter
+from ._penzai import PenzaiVariableAdapter as PenzaiVariableAdapter
+from ._qwix import QwixWithAuxAdapter as QwixWithAuxAdapter
