@@ -31,7 +31,14 @@ from .._mesh import is_abstract, make_mesh
 from .._paths import split as split_path
 from . import transforms as T
 from .mapping import Resolution, WeightMap, resolve
-from .safetensors import SafetensorsFiles, open_safetensors, write_safetensors
+from .progress import Progress, reporter
+from .safetensors import (
+    SafetensorsFiles,
+    dtype_code,
+    open_safetensors,
+    write_safetensors,
+    write_sharded,
+)
 
 MappingLike = WeightMap | str | os.PathLike[str] | None
 
@@ -134,14 +141,17 @@ def load_safetensors(
     mesh: Any = None,
     dtype: Any = None,
     dry_run: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress = True,
 ) -> Any:
     """Load a safetensors checkpoint (one file or a sharded index) into a container, each
     device reading only its slice of each stored tensor.
 
     Args:
-        path: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a directory
-            with either.
+        path: a ``.safetensors`` file, a ``model.safetensors.index.json``, a directory
+            with either, or a Hugging Face Hub repository ``hf://org/name[@revision]``
+            (needs ``huggingface_hub``: ``pip install 'modelshard[hf]'``): the local cache
+            first, else a download of its ``*.safetensors`` and ``*.json`` files only;
+            nothing is downloaded when ``HF_HUB_OFFLINE=1``.
         like: a concrete or abstract container (``nnx.eval_shape``, ``jax.eval_shape``)
             giving the leaves to fill and the type to return. Without it a nested dict of
             every mapped leaf.
@@ -157,7 +167,9 @@ def load_safetensors(
         dry_run: resolve and plan only: return the mapping table
             (``Resolution``; ``print`` it) without reading
             a tensor.
-        progress: called as ``progress(bytes_done, bytes_total)`` after each leaf.
+        progress: ``True``: a progress bar in bytes on stderr when stderr is a terminal
+            and the checkpoint is 256 MiB or more; ``False``: none; a callable: called as
+            ``progress(bytes_done, bytes_total)`` after each leaf instead.
 
     Returns:
         The container (same type as ``like``), leaves placed in their planned shardings;
@@ -168,7 +180,8 @@ def load_safetensors(
             shape or dtype that does not fit after the transforms, every rule that matched
             nothing, listed at once.
         SpecError: the specs do not fit the container or the mesh.
-        CheckpointError: a missing or malformed file or index.
+        CheckpointError: a missing or malformed file or index, an index entry outside
+            the index's directory, an ``hf://`` repository that cannot be had.
 
     Example:
         >>> import tempfile, numpy as np, jax, modelshard as ms
@@ -197,13 +210,15 @@ def load_with(
     mesh: Any,
     dtype: Any,
     dry_run: bool,
-    progress: Callable[[int, int], None] | None,
+    progress: Progress,
 ) -> Any:
     like, flat, res = resolve_target(wm, files.table(), like, dtype)
     shardings = leaf_shardings(like, flat, specs, mesh)
     if dry_run:
         return res
-    return place_mapped(flat, res, shardings, files.fetch, progress)
+    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in res.recipes.values())
+    with reporter(progress, total, "Loading safetensors") as report:
+        return place_mapped(flat, res, shardings, files.fetch, report)
 
 
 def resolve_target(
@@ -362,34 +377,64 @@ def save_safetensors(
     path: str | os.PathLike[str],
     state: Any,
     *,
-    reference: Any,
+    reference: Any = None,
     mapping: MappingLike = None,
     dtype: Any = None,
     metadata: Mapping[str, str] | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    max_shard_size: int | str | None = None,
+    progress: Progress = True,
 ) -> Path:
-    """Write ``state`` as one safetensors file in a checkpoint's names, shapes and dtypes:
-    the import mapping run backwards.
+    """Write ``state`` as safetensors: in its own names, or in a checkpoint's names, shapes
+    and dtypes (the import mapping run backwards).
+
+    Without ``reference``, every leaf is written under its canonical path with ``.`` for
+    ``/`` (``layers/0/up/kernel`` -> ``layers.0.up.kernel``), as it is: what
+    ``load_safetensors`` with the default mapping reads back as the same tree, bit for
+    bit. With ``reference``, the tensors ``mapping`` imports from it, computed from
+    ``state``, one at a time.
 
     Args:
-        path: the ``.safetensors`` file to write (replaced once complete).
-        state: the container (a fine-tuned model); its leaves may be sharded.
-        reference: the checkpoint the mapping was written for (a file, index or directory
-            whose headers give the names, shapes and dtypes to write), or a container
-            of those (``{"fc.weight": jax.ShapeDtypeStruct(...)}``).
-        mapping: the same mapping that imports ``reference`` into ``state``.
-        dtype: the ``dtype`` the import was given (the export casts back to the
-            reference's dtypes).
-        metadata: ``__metadata__`` strings for the header (default: the reference's).
-        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor.
+        path: the ``.safetensors`` file to write (replaced once complete; missing parent
+            directories are created, as ``save_pretrained`` creates its directory). With
+            ``max_shard_size``: a directory, a ``name.safetensors`` or a
+            ``name.safetensors.index.json`` (see ``max_shard_size``).
+        state: the container (a fine-tuned model); its leaves may be sharded (each is
+            gathered to the host on its own, when written).
+        reference: the checkpoint the mapping was written for (a file, index, directory
+            or ``hf://org/name[@revision]`` whose headers give the names, shapes and dtypes
+            to write), or a container of those (``{"fc.weight": jax.ShapeDtypeStruct(...)}``).
+            Default: none, ``state`` in its own names.
+        mapping: the same mapping that imports ``reference`` into ``state`` (needs
+            ``reference``).
+        dtype: without ``reference``: write floating-point leaves in this dtype
+            (``"bfloat16"``); with it: the ``dtype`` the import was given (the export
+            casts back to the reference's dtypes).
+        metadata: ``__metadata__`` strings for the header (default: the reference's;
+            without one ``{"format": "pt"}``, which ``transformers`` expects).
+        max_shard_size: write Hugging Face's sharded layout, as ``save_pretrained`` does:
+            files ``model-00001-of-0000n.safetensors`` of at most this many bytes each (an
+            int, or ``"5GB"``, ``"500MB"``, ``"2GiB"``; a larger tensor gets a file of its
+            own) and ``model.safetensors.index.json`` (``metadata.total_size``,
+            ``weight_map``), in the directory ``path`` (or beside ``path`` when it names
+            a ``.safetensors`` file or an index, whose stem replaces ``model``). When
+            everything fits one file it is ``model.safetensors`` alone. Shards of an
+            earlier layout under the same names are removed once the new one is
+            complete.
+        progress: ``True``: a progress bar in bytes on stderr when stderr is a terminal
+            and the export is 256 MiB or more; ``False``: none; a callable: called as
+            ``progress(bytes_done, bytes_total)`` after each tensor instead.
 
     Returns:
-        The path written. Importing it again gives ``state`` back bit for bit (casts
-        that lose precision aside).
+        The path written: the file, or the index of a sharded checkpoint. Importing it
+        again gives ``state`` back bit for bit (casts that lose precision aside).
 
     Raises:
         MappingError: the mapping does not fit the reference and the state (the same
-            checks as an import).
+            checks as an import); without a reference, leaves that cannot be written in
+            their own names (a ``.`` inside a path component, a dtype safetensors has no
+            code for, such as a PRNG key), every one listed.
+        CheckpointError: ``path`` ends ``.index.json`` without ``max_shard_size``; a
+            parent of ``path`` is a file; a malformed ``max_shard_size``.
 
     Example:
         >>> import tempfile, jax, numpy as np, jax.numpy as jnp, modelshard as ms
@@ -400,11 +445,130 @@ def save_safetensors(
         ...                         reference=table, mapping=wm)
         >>> ms.load_safetensors(p, like=state, mapping=wm)["fc"]["kernel"].shape
         (8, 4)
+
+        Without a reference, sharded:
+
+        >>> state = {"layers": [{"w": jnp.zeros((64, 64))}, {"w": jnp.ones((64, 64))}]}
+        >>> p = ms.save_safetensors(tempfile.mkdtemp(), state, max_shard_size="20KB")
+        >>> p.name, sorted(f.name for f in p.parent.glob("*.safetensors"))
+        ('model.safetensors.index.json', ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors'])
+        >>> ms.load_safetensors(p)["layers"]["1"]["w"].sum()
+        Array(4096., dtype=float32)
     """
-    wm = as_mapping(mapping, split_dots=True)
-    table, meta = reference_table(reference)
-    ex = Exporter.of_state(state, table, wm, dtype)
-    return ex.write(path, metadata if metadata is not None else meta, progress)
+    if reference is None:
+        if mapping is not None:
+            raise MappingError(
+                [
+                    Problem(
+                        "mapping",
+                        "",
+                        "a mapping exports to a reference's names, shapes and dtypes, and "
+                        "no reference= was given",
+                        hint="pass reference= (the checkpoint the mapping imports), or drop "
+                        "mapping= to write the state in its own names",
+                    )
+                ]
+            )
+        items, compute = canonical_export(state, dtype)
+        meta: Mapping[str, str] = {"format": "pt"}
+    else:
+        wm = as_mapping(mapping, split_dots=True)
+        table, meta = reference_table(reference)
+        ex = Exporter.of_state(state, table, wm, dtype)
+        items = [(n, table[n][0], table[n][1]) for n in ex.order]
+        compute = ex.compute
+    return write_export(
+        path,
+        items,
+        compute,
+        metadata if metadata is not None else meta,
+        max_shard_size=max_shard_size,
+        progress=progress,
+    )
+
+
+Entry = tuple[str, tuple[int, ...], Any]
+
+
+def canonical_export(state: Any, dtype: Any = None) -> tuple[list[Entry], Callable[[str], Any]]:
+    """Every leaf of ``state`` as a stored tensor named by its canonical path with ``.``
+    for ``/`` (floating leaves cast to ``dtype``), and ``compute(name)``: that leaf on
+    the host, gathered from its devices when asked (one leaf at a time).
+
+    Raises:
+        MappingError: every leaf whose name would not read back (a ``.`` in a path
+            component) or whose dtype safetensors cannot store.
+    """
+    flat, targets = target_table(state)
+    cast = None if dtype is None else np.dtype(dtype)
+    items: list[Entry] = []
+    values: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for (path, (shape, dt)), x in zip(targets.items(), flat.arrays, strict=True):
+        dotted = [c for c in split_path(path) if "." in c]
+        if dotted:
+            problems.append(
+                Problem(
+                    "state",
+                    path,
+                    f"path component {dotted[0]!r} holds a '.', which loading reads as '/'",
+                    hint="rename it, or export with reference= and mapping=",
+                )
+            )
+            continue
+        try:
+            floating = np.issubdtype(np.dtype(dt), np.floating)
+            out = cast if cast is not None and floating else np.dtype(dt)
+            dtype_code(out)
+        except (TypeError, CheckpointError):
+            problems.append(
+                Problem(
+                    "state",
+                    path,
+                    f"dtype {dt} has no safetensors code",
+                    hint="export the parameters only (nnx.state(model, nnx.Param)), or "
+                    "convert this leaf first",
+                )
+            )
+            continue
+        name = path.replace("/", ".")
+        items.append((name, tuple(shape), out))
+        values[name] = x
+    if problems:
+        raise MappingError(problems)
+
+    want = {name: dt for name, _, dt in items}
+
+    def compute(name: str) -> np.ndarray:
+        a = np.asarray(jax.device_get(values[name]))
+        return a if a.dtype == want[name] else a.astype(want[name])
+
+    return items, compute
+
+
+def write_export(
+    path: str | os.PathLike[str],
+    items: list[Entry],
+    compute: Callable[[str], Any],
+    metadata: Mapping[str, str] | None,
+    *,
+    max_shard_size: int | str | None = None,
+    progress: Progress = True,
+) -> Path:
+    """Write ``items`` (name, shape, dtype), each computed when written: one file, or
+    Hugging Face's sharded layout with ``max_shard_size``; progress in bytes."""
+    total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, shape, dt in items)
+    with reporter(progress, total, "Writing safetensors") as report:
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if report is not None:
+                report(done[0], total)
+
+        if max_shard_size is None:
+            return write_safetensors(path, items, compute, metadata, step)
+        return write_sharded(path, items, compute, metadata, max_shard_size, step)
 
 
 def reference_table(

@@ -23,6 +23,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from .._errors import CheckpointError
+from . import hub
 from .transforms import contiguous, host_empty
 
 DTYPES: dict[str, Any] = {
@@ -243,7 +245,10 @@ class SafetensorsFiles:
 
 def is_safetensors(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` names a safetensors checkpoint: a ``.safetensors`` file, an
-    ``*.index.json`` file, or a directory holding either (and no Orbax metadata)."""
+    ``*.index.json`` file, a directory holding either (and no Orbax metadata), or an
+    ``hf://`` repository id (resolved when opened)."""
+    if hub.is_hub(path):
+        return True
     p = Path(path)
     if p.is_file():
         return p.suffix == ".safetensors" or p.name.endswith(".index.json")
@@ -253,14 +258,17 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
-    """Read the header(s) of a safetensors file, an index file, or a directory holding
-    ``model.safetensors.index.json`` or one ``*.safetensors`` file. Nothing else is read.
+    """Read the header(s) of a safetensors file, an index file, a directory holding
+    ``model.safetensors.index.json`` or one ``*.safetensors`` file, or an
+    ``hf://org/name[@revision]`` repository (its snapshot directory: ``hub.resolve``).
+    Nothing else is read.
 
     Raises:
-        CheckpointError: no such file, a malformed header or index, or a tensor named in
-            the index missing from its file.
+        CheckpointError: no such file or repository, a malformed header or index, an index
+            entry outside the index's directory, a tensor named in the index missing from
+            its file, or one tensor in two files.
     """
-    p = Path(path)
+    p = hub.resolve(path) if hub.is_hub(path) else Path(path)
     if p.is_dir():
         index = p / INDEX_NAME
         files = sorted(p.glob("*.safetensors"))
@@ -281,9 +289,48 @@ def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
     return SafetensorsFiles(p, tensors, meta)
 
 
+class _Pairs(dict[str, Any]):
+    """A JSON object that remembers its repeated keys (``json`` keeps the last silently)."""
+
+    repeated: list[tuple[str, Any, Any]]
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    out = _Pairs()
+    out.repeated = []
+    for k, v in pairs:
+        if k in out:
+            out.repeated.append((k, out[k], v))
+        out[k] = v
+    return out
+
+
+def _roots(directory: Path) -> list[Path]:
+    """Where an index's files may resolve to: its directory, and for a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<rev>``, whose files are links into
+    ``models--org--name/blobs``) that repository's blobs."""
+    base = directory.resolve()
+    roots = [base]
+    if base.parent.name == "snapshots":
+        roots.append(base.parent.parent / "blobs")
+    return roots
+
+
+def _escapes(directory: Path, file: str) -> str | None:
+    """Why the index entry ``file`` leaves ``directory``, or ``None``."""
+    if os.path.isabs(file) or Path(file).is_absolute() or file.startswith(("/", "\\")):
+        return "an absolute path"
+    if ".." in re.split(r"[/\\]", file):
+        return "a path through '..'"
+    target = (directory / file).resolve()
+    if not any(target.is_relative_to(r) for r in _roots(directory)):
+        return f"a link to {target}"
+    return None
+
+
 def _open_index(p: Path) -> SafetensorsFiles:
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(p.read_text(), object_pairs_hook=_pairs)
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -292,20 +339,38 @@ def _open_index(p: Path) -> SafetensorsFiles:
             f"{p}: not a safetensors index (want a JSON object with weight_map: "
             f"name -> file): {type(e).__name__}: {e}"
         ) from None
+    problems = [
+        f"  {name}: the index puts it in two files, {first} and {second}"
+        for name, first, second in getattr(weight_map, "repeated", [])
+    ]
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(str(file), []).append(name)
     tensors: dict[str, TensorEntry] = {}
     meta: dict[str, str] = {}
-    problems = []
     headers: dict[str, dict[str, TensorEntry]] = {}
-    for file in by_file:
+    for file, names in by_file.items():
+        why = _escapes(p.parent, file)
+        if why is not None:
+            problems.append(
+                f"  {file}: outside the index's directory ({why}), named for "
+                f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}; "
+                "refused"
+            )
+            continue
         f = p.parent / file
         if not f.is_file():
             problems.append(f"  {file}: listed in the index, no such file")
             continue
         headers[file], m = _read_header(f)
         meta.update(m)
+    holder: dict[str, str] = {}
+    twice = {name for name, _, _ in getattr(weight_map, "repeated", [])}
+    for file, h in headers.items():
+        for name in h:
+            other = holder.setdefault(name, file)
+            if other != file and name not in twice:
+                problems.append(f"  {name}: held by two files, {other} and {file}")
     for name, file in weight_map.items():
         h = headers.get(str(file))
         if h is None:
@@ -315,29 +380,88 @@ def _open_index(p: Path) -> SafetensorsFiles:
             continue
         tensors[name] = h[name]
     if problems:
+        n = len(problems)
         raise CheckpointError(
-            f"{p}: {len(problems)} problems in the index:\n" + "\n".join(problems)
+            f"{p}: {n} problem{'s' if n != 1 else ''} in the index:\n" + "\n".join(problems)
         )
     return SafetensorsFiles(p, tensors, meta)
 
 
-def write_safetensors(
-    path: str | os.PathLike[str],
-    entries: Iterable[tuple[str, tuple[int, ...], Any]],
-    compute: Callable[[str], np.ndarray],
-    metadata: Mapping[str, str] | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> Path:
-    """Write a safetensors file a tensor at a time: the header from ``entries`` (name,
-    shape, dtype), then each tensor's bytes from ``compute(name)``, which may free it
-    after. The file appears under ``path`` only once complete.
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string as ``transformers`` takes them: ``"5GB"`` (10**9),
+    ``"500MiB"`` (2**20), ``"100KB"``, ``"4096"``.
+
+    Raises:
+        CheckpointError: anything else, or not positive.
     """
+    n: float | None = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str) and (m := _SIZE.fullmatch(size)) and m[2].upper() in _UNITS:
+        n = float(m[1]) * _UNITS[m[2].upper()]
+    if n is None or n < 1:
+        raise CheckpointError(
+            f"max_shard_size={size!r}: want a positive number of bytes, as an int or a string "
+            "like '5GB', '500MB' (powers of 10) or '2GiB' (powers of 2)"
+        )
+    return int(n)
+
+
+def _target_file(path: str | os.PathLike[str]) -> Path:
+    """The file a one-file write goes to: refuses an index name; creates missing parent
+    directories (as ``save_pretrained`` creates its directory)."""
     p = Path(path)
+    if p.name.endswith(".index.json"):
+        raise CheckpointError(
+            f"{p}: an index file name; a safetensors file would be written under it. Pass a "
+            ".safetensors file name, or max_shard_size= to write a sharded checkpoint "
+            "with this index"
+        )
+    if p.is_dir():
+        raise CheckpointError(f"{p}: a directory; pass a .safetensors file name in it")
+    _make_dir(p.parent)
+    return p
+
+
+def _make_dir(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(
+            f"{d}: cannot be the directory to write safetensors into (it, or a parent of "
+            "it, is a file)"
+        ) from None
+    except PermissionError as e:
+        raise CheckpointError(f"{d}: cannot create the directory to write into: {e}") from None
+
+
+def _write_partial(
+    p: Path,
+    items: list[tuple[str, tuple[int, ...], Any]],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None,
+    progress: Callable[[int], None] | None,
+) -> Path:
+    """``p`` + ``.partial``, complete and synced: the header, then each tensor's bytes."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     pos = 0
-    items = list(entries)
     for name, shape, dt in items:
         n = math.prod(shape) * np.dtype(dt).itemsize
         header[name] = {
@@ -349,21 +473,143 @@ def write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = p.with_name(p.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, shape, dt in items:
-            a = contiguous(compute(name))
-            if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
-                raise CheckpointError(
-                    f"{name}: computed {a.dtype}{list(a.shape)}, the header says "
-                    f"{np.dtype(dt)}{list(shape)}"
-                )
-            f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
-            if progress is not None:
-                progress(a.nbytes)
-            del a
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name, shape, dt in items:
+                a = contiguous(compute(name))
+                if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
+                    raise CheckpointError(
+                        f"{name}: computed {a.dtype}{list(a.shape)}, the header says "
+                        f"{np.dtype(dt)}{list(shape)}"
+                    )
+                f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+                if progress is not None:
+                    progress(a.nbytes)
+                del a
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Iterable[tuple[str, tuple[int, ...], Any]],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write a safetensors file a tensor at a time: the header from ``entries`` (name,
+    shape, dtype), then each tensor's bytes from ``compute(name)``, which may free it
+    after. The file appears under ``path`` only once complete; missing parent directories
+    are created.
+
+    Raises:
+        CheckpointError: ``path`` ends ``.index.json`` or is a directory; a parent is a
+            file; a computed tensor does not match its entry.
+    """
+    p = _target_file(path)
+    os.replace(_write_partial(p, list(entries), compute, metadata, progress), p)
     return p
+
+
+def shard_groups(
+    items: list[tuple[str, tuple[int, ...], Any]], max_bytes: int
+) -> list[list[tuple[str, tuple[int, ...], Any]]]:
+    """Tensors into shards in order, as ``huggingface_hub``/``transformers`` split a state
+    dict: a new shard when the next tensor would take the current one over ``max_bytes``;
+    a tensor larger than that alone in a shard of its own."""
+    groups: list[list[tuple[str, tuple[int, ...], Any]]] = []
+    current: list[tuple[str, tuple[int, ...], Any]] = []
+    size = 0
+    for item in items:
+        n = math.prod(item[1]) * np.dtype(item[2]).itemsize
+        if n > max_bytes:
+            groups.append([item])
+            continue
+        if current and size + n > max_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """``(directory, stem)`` of a sharded write: a directory (stem ``model``), a
+    ``name.safetensors`` or a ``name.safetensors.index.json`` (stem ``name``). Shards
+    are ``{stem}-00001-of-0000n.safetensors``, the index ``{stem}.safetensors.index.json``;
+    a checkpoint that fits one shard is ``{stem}.safetensors`` alone."""
+    p = Path(path)
+    name = p.name
+    for suffix in (".index.json", ".json", ".safetensors"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            if suffix != ".safetensors" and name.endswith(".safetensors"):
+                name = name[: -len(".safetensors")]
+            return p.parent, name
+    return p, "model"
+
+
+def write_sharded(
+    path: str | os.PathLike[str],
+    entries: Iterable[tuple[str, tuple[int, ...], Any]],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None,
+    max_shard_size: int | str,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Hugging Face's sharded layout: ``{stem}-0000k-of-0000n.safetensors`` of at most
+    ``max_shard_size`` bytes each (a larger tensor alone) and ``{stem}.safetensors.index.json``
+    (``metadata.total_size``, ``weight_map``), the names and index ``transformers`` writes;
+    one shard: ``{stem}.safetensors`` alone.
+
+    Every shard is written complete (``.partial``, synced) before any is renamed into
+    place; the index goes last. Shard files of an earlier layout under the same stem (and
+    a lone ``{stem}.safetensors``, or a stale index) are removed once the new checkpoint is
+    complete. Returns the index (or the one file).
+    """
+    directory, stem = sharded_names(path)
+    items = list(entries)
+    groups = shard_groups(items, parse_size(max_shard_size))
+    _make_dir(directory)
+    index = directory / f"{stem}.safetensors.index.json"
+    stale = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    if len(groups) == 1:
+        out = directory / f"{stem}.safetensors"
+        os.replace(_write_partial(out, items, compute, metadata, progress), out)
+        index.unlink(missing_ok=True)
+        keep = set()
+    else:
+        n = len(groups)
+        names = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        done: list[Path] = []
+        try:
+            for name, group in zip(names, groups, strict=True):
+                done.append(_write_partial(directory / name, group, compute, metadata, progress))
+        except BaseException:
+            for t in done:
+                t.unlink(missing_ok=True)
+            raise
+        for name, tmp in zip(names, done, strict=True):
+            os.replace(tmp, directory / name)
+        total = sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in items)
+        doc = {
+            "metadata": {"total_size": total},
+            "weight_map": {name: f for f, g in zip(names, groups, strict=True) for name, _, _ in g},
+        }
+        tmp = index.with_name(index.name + ".partial")
+        tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, index)
+        out, keep = index, set(names)
+        (directory / f"{stem}.safetensors").unlink(missing_ok=True)
+    for f in directory.iterdir():
+        if stale.fullmatch(f.name) and f.name not in keep:
+            f.unlink(missing_ok=True)
+    return out

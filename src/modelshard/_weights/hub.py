@@ -1,0 +1,101 @@
+"""``hf://org/name[@revision]``: a Hugging Face Hub repository as a safetensors path.
+
+Resolved to a snapshot directory by ``huggingface_hub`` (the optional extra
+``modelshard[hf]``, imported only when such a path is used): the local cache first; if
+the cache has no snapshot holding a ``.safetensors`` file, a download of only
+``*.safetensors`` and ``*.json`` (weights, index, ``config.json``), unless
+``HF_HUB_OFFLINE`` is set, in which case nothing is fetched. A repository that cannot be
+had is a ``CheckpointError`` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from .._errors import CheckpointError
+
+PREFIX = "hf://"
+PATTERNS = ["*.safetensors", "*.json"]
+"""What a download fetches: weights, their index and ``config.json``, nothing else."""
+_REPO = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_TRUE = {"1", "on", "yes", "true"}
+
+
+def is_hub(path: Any) -> TypeGuard[str]:
+    """Whether ``path`` is an ``hf://`` repository id."""
+    return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def parse(url: str) -> tuple[str, str | None]:
+    """``hf://org/name@rev`` -> ``("org/name", "rev")``; ``@rev`` is optional.
+
+    Raises:
+        CheckpointError: not ``hf://org/name`` with an optional ``@revision``.
+    """
+    repo, at, revision = url[len(PREFIX) :].partition("@")
+    if not _REPO.fullmatch(repo) or ".." in repo or (at and not revision):
+        raise CheckpointError(
+            f"{url}: not a Hub repository id (want hf://org/name or hf://org/name@revision)"
+        )
+    return repo, revision or None
+
+
+def offline() -> bool:
+    """``HF_HUB_OFFLINE`` as ``huggingface_hub`` reads it, read now (not at its import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def _cache_dir() -> str | None:
+    """The cache ``huggingface_hub`` would use, from the environment as it is now
+    (``huggingface_hub`` reads it once, at import); ``None``: its default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
+def resolve(url: str) -> Path:
+    """The local snapshot directory of ``hf://org/name[@revision]``.
+
+    Raises:
+        CheckpointError: ``huggingface_hub`` is not installed, or the repository (at that
+            revision) is neither in the cache nor downloadable (offline, unknown, gated).
+    """
+    repo, revision = parse(url)
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise CheckpointError(
+            f"{url}: hf:// paths need huggingface_hub (pip install 'modelshard[hf]')"
+        ) from None
+    at = f" at revision {revision}" if revision else ""
+    kw: dict[str, Any] = {
+        "revision": revision,
+        "cache_dir": _cache_dir(),
+        "allow_patterns": PATTERNS,
+    }
+    try:
+        local = Path(huggingface_hub.snapshot_download(repo, local_files_only=True, **kw))
+        if any(local.glob("*.safetensors")):
+            return local
+    except Exception as e:
+        cached: Exception | None = e
+    else:
+        cached = None
+    if offline():
+        why = "no .safetensors file" if cached is None else "not"
+        raise CheckpointError(
+            f"{url}: repository {repo}{at} is {why} in the Hugging Face cache "
+            f"({_cache_dir() or 'the default cache'}) and HF_HUB_OFFLINE is set: nothing was "
+            "downloaded"
+        )
+    try:
+        return Path(huggingface_hub.snapshot_download(repo, **kw))
+    except Exception as e:
+        raise CheckpointError(
+            f"{url}: repository {repo}{at} could not be downloaded: {type(e).__name__}: {e}"
+        ) from None
