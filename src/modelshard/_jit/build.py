@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .._dtypes import canonical_dtype
@@ -26,8 +27,18 @@ class Stale(Exception):
 class Entry:
     """One compiled signature.
 
+    Calls run ``run``: until the first call, a method that compiles the entry (``compile``)
+    and calls the executable; from then on the ``jax.stages.Compiled`` executable itself.
+    The executable was lowered from the one trace, with every input typed by its planned
+    sharding, so it checks only shapes and dtypes and places what it is given (NumPy
+    arrays, uncommitted arrays) itself: every kind of input and the function's own outputs
+    fed back run the same executable, compiled once. ``jax.jit``'s call path would key its
+    cache on each input's own type instead, which carries the mesh once placed and none
+    before (``f32[8]({Auto: ('data',)})`` vs ``f32[8]({})``), and compile again.
+
     Attributes:
-        jitted: the ``jax.jit`` over the flat array leaves.
+        jitted: the ``jax.jit`` over the flat array leaves (lowering, and calls on tracers
+            under an outer transformation).
         in_shardings: the planned sharding of every flat input leaf.
         leaf_plans: ``(argument name, LeafPlan)`` of every flat input leaf.
         plan: the [`Plan`][modelshard.Plan] of every argument that has a spec.
@@ -39,6 +50,10 @@ class Entry:
         bounds: ``(start, stop)`` of each dynamic argument's leaves among the flat inputs.
         plain: its arguments are positional plain pytrees of arrays, so calls may gather
             their leaves by a remembered layout (``Route``).
+        abstract: every flat input leaf's abstract value in its planned sharding (what the
+            function was traced and is compiled for).
+        compiled: the executable, once compiled.
+        run: what a call runs (see above).
     """
 
     jitted: Any
@@ -50,6 +65,24 @@ class Entry:
     expect: list[tuple[tuple[int, ...], Any]]
     bounds: list[tuple[int, int]]
     plain: bool = False
+    abstract: list[jax.ShapeDtypeStruct] = dataclasses.field(default_factory=list)
+    compiled: Any = None
+    run: Callable[..., Any] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.run = self._compile_and_run
+
+    def compile(self) -> Any:
+        """The executable: lowered from the entry's trace and compiled, once."""
+        if self.compiled is None:
+            self.compiled = self.jitted.trace(*self.abstract).lower().compile()
+            self.run = self.compiled
+        return self.compiled
+
+    def _compile_and_run(self, *flat: Any) -> Any:
+        if has_tracer(flat):
+            return self.jitted(*flat)  # under an outer transformation: no executable
+        return self.compile()(*flat)
 
     def fits(self, flat: Sequence[Any]) -> bool:
         """Whether ``flat`` has the shapes and dtypes this entry was planned for."""
@@ -72,6 +105,11 @@ class Entry:
             t.write_back(positions, out[at : at + len(changed)])
             at += len(changed)
         return result
+
+
+def has_tracer(flat: Sequence[Any]) -> bool:
+    """Whether any input is a tracer (the call is inside an outer transformation)."""
+    return any(isinstance(x, Tracer) for x in flat)
 
 
 def _plain(slots: tuple[Slot, ...], taken: Sequence[Taken]) -> bool:
@@ -200,7 +238,7 @@ def build_entry(call: Call) -> Entry:
         donate_argnums=donate,
     )
     plain = not updates and _plain(call.slots, taken)
-    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, plain)
+    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, plain, abstract)
 
 
 def explicit_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:

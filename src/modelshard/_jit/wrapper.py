@@ -27,7 +27,7 @@ from .._logical import active_logical
 from .._mesh import format_mesh, mesh_sizes
 from .._shard import place
 from .._specs import format_spec
-from .build import Call, Entry, Stale, build_entry
+from .build import Call, Entry, Stale, build_entry, has_tracer
 from .layout import ArgumentLayout, Slot, invalid
 from .route import Route
 from .take import Taken, static_part, take, take_plainly
@@ -130,8 +130,8 @@ class ShardJit:
             if flat is not None:
                 entry = route.entry
                 try:
-                    out = entry.jitted(*flat)
-                except (Stale, ValueError):
+                    out = entry.run(*flat)
+                except (TypeError, ValueError):
                     pass  # new shapes or misplaced inputs: the full path decides
                 else:
                     return entry.desc.build(out)
@@ -151,12 +151,17 @@ class ShardJit:
             entry = self._miss(slots, taken, args, kwargs, key)
             flat = _place(entry, taken, flat, False)
         try:
-            out = entry.jitted(*flat)
-        except Stale:
-            # Same structure, new shapes or dtypes: plan afresh (jax.jit's own cache
-            # checks shapes on the fast path, so this costs nothing until they change).
-            entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-            out = self._run(entry, _place(entry, taken, flat, False), taken)
+            out = entry.run(*flat)
+        except (TypeError, Stale):
+            if entry.fits(flat):
+                if not has_tracer(flat):
+                    raise
+                out = entry.jitted(*flat)  # under an outer transformation
+            else:
+                # Same structure, new shapes or dtypes: plan afresh (the executable checks
+                # shapes on its fast path, so this costs nothing until they change).
+                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
+                out = self._run(entry, _place(entry, taken, flat, False), taken)
         except ValueError:
             if not entry.fits(flat):  # jit refused the old shardings for the new shapes
                 entry = self._miss(slots, taken, args, kwargs, key, stale=True)
@@ -172,7 +177,7 @@ class ShardJit:
 
     def _run(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
         try:
-            return entry.jitted(*flat)
+            return _execute(entry, flat)
         except ValueError:
             out = self._recover(entry, flat, taken)
             if out is None:
@@ -267,12 +272,12 @@ class ShardJit:
             if jax.process_count() > 1 and not all(isinstance(x, jax.Array) for x in flat):
                 # Multi-process jit refuses host values for shardings spanning other
                 # processes; place them as shard does (each process holds the full value).
-                return entry.jitted(*place(flat, entry.in_shardings))
+                return _execute(entry, place(flat, entry.in_shardings))
             return None
         if self.on_mismatch == "raise":
             raise self._mismatch(entry, flat, bad)
         self._warn_moves(entry, flat, bad)
-        return entry.jitted(*_place(entry, taken, flat, True))
+        return _execute(entry, _place(entry, taken, flat, True))
 
     def _warn_moves(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> None:
         """Warn once per entry when the same inputs are moved on a second call: each call
@@ -348,8 +353,27 @@ class ShardJit:
 
     @property
     def cache_size(self) -> int:
-        """How many abstract signatures have been planned and compiled."""
-        return len(self._by_signature)
+        """How many signatures have been compiled: one XLA compilation each.
+
+        A signature is the arguments' structure, shapes, dtypes, static leaves and static
+        arguments, the mesh and the active logical rules; how the arrays are placed is not
+        part of it (NumPy arrays, uncommitted arrays and the step's own outputs fed back run
+        the same executable). Signatures only planned or lowered (``.plan``, ``.lower``)
+        are not counted; ``clear_cache`` resets the count. To count compilations yourself,
+        listen to JAX's ``/jax/core/compile/backend_compile_duration`` monitoring event
+        (the fine-tuning guide shows how).
+        """
+        return sum(1 for e in self._by_signature.values() if e.compiled is not None)
+
+
+def _execute(entry: Entry, flat: Sequence[Any]) -> Any:
+    """Run ``entry`` on ``flat``; tracers go through its ``jax.jit`` (no executable)."""
+    try:
+        return entry.run(*flat)
+    except TypeError:
+        if not has_tracer(flat):
+            raise
+        return entry.jitted(*flat)
 
 
 def _place(
