@@ -505,6 +505,73 @@ def test_malformed_files_raise_checkpoint_errors(tmp_path):
         ms.load_safetensors(tmp_path / "model.safetensors.index.json")
 
 
+def test_index_entries_outside_the_index_directory_are_refused(tmp_path):
+    """``..``, absolute paths and links that point out are named, never read."""
+    w = np.ones(4, np.float32)
+    save_file({"secret": w}, str(tmp_path / "outside.safetensors"))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    save_file({"ok": w}, str(d / "ok.safetensors"))
+    (d / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    (d / "inner.safetensors").symlink_to("ok.safetensors")  # a link inside: fine
+    index = d / "model.safetensors.index.json"
+    absolute = str(tmp_path / "outside.safetensors")
+    index.write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "ok": "inner.safetensors",
+                    "up": "../outside.safetensors",
+                    "abs": absolute,
+                    "linked": "link.safetensors",
+                    "linked2": "link.safetensors",
+                }
+            }
+        )
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.load_safetensors(index)
+    assert str(e.value).splitlines() == [
+        f"{index}: 3 problems in the index:",
+        "  ../outside.safetensors: outside the index's directory (a path through '..'), "
+        "named for up; refused",
+        f"  {absolute}: outside the index's directory (an absolute path), named for abs; refused",
+        "  link.safetensors: outside the index's directory (a link to "
+        f"{(tmp_path / 'outside.safetensors').resolve()}), named for linked and 1 more; refused",
+    ]
+    index.write_text(json.dumps({"weight_map": {"ok": "inner.safetensors"}}))
+    assert np.asarray(ms.load_safetensors(index)["ok"]).tolist() == [1.0] * 4
+
+
+def test_index_and_files_that_disagree_name_the_tensor_and_both_files(tmp_path):
+    w = np.ones(4, np.float32)
+    save_file({"a": w, "b": w}, str(tmp_path / "m-1.safetensors"))
+    save_file({"b": w, "c": w}, str(tmp_path / "m-2.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(
+        '{"weight_map": {"a": "m-1.safetensors", "c": "m-1.safetensors", '
+        '"b": "m-1.safetensors", "b": "m-2.safetensors"}}'  # one name twice in the JSON
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.load_safetensors(index)
+    assert str(e.value).splitlines() == [
+        f"{index}: 2 problems in the index:",
+        "  b: the index puts it in two files, m-1.safetensors and m-2.safetensors",
+        "  c: the index puts it in m-1.safetensors, which does not hold it",
+    ]
+    index.write_text(
+        json.dumps(
+            {"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors", "c": "m-2.safetensors"}}
+        )
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.load_safetensors(index)
+    assert str(e.value).splitlines() == [
+        f"{index}: 1 problem in the index:",
+        "  b: held by two files, m-1.safetensors and m-2.safetensors",
+    ]
+
+
 def test_specs_without_a_mesh_is_an_error(tmp_path):
     path = _st(tmp_path / "m.safetensors", {"w": _rand((2,), np.float32)})
     with pytest.raises(ms.CheckpointError, match=r"specs=\.\.\. needs mesh="):
