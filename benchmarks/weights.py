@@ -22,7 +22,7 @@ shardings (``fsdp('data')`` over (8,), planned once by ``modelshard.plan``):
   ``transpose = [1, 0]``: a device's rows are then columns of the stored tensor, copied
   transposed out of the tensor's memory map by JAX's host-to-device copy;
 - ``convert``: ``modelshard convert plain.safetensors ck --mesh data=8 --rules fsdp.toml``
-  (``_cli.main`` in the child): streamed, one slab of rows at a time;
+  (``modelshard.cli.main`` in the child): streamed, one slab of rows at a time;
 - ``export``: ``modelshard convert ck back.safetensors --to safetensors``: one
   checkpoint leaf on the host at a time. For these two the child first runs both
   commands on a one-tensor file (imports, compiled checksum programs, TensorStore's
@@ -81,7 +81,7 @@ CHILD = textwrap.dedent(
         # checksum programs, TensorStore's pools. One warm-up of each command on a
         # one-tensor file first; then the peak is reset and the baseline is the RSS now.
         import shutil
-        from modelshard._cli import main
+        from modelshard.cli import main
         tiny, tmp = sys.argv[-1], path + ".warm"
         assert main(["convert", tiny, tmp, "--mesh", "data=8", "--rules", sys.argv[4],
                      "--json"]) == 0

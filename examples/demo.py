@@ -165,21 +165,13 @@ def modelshard_cli(*args: str, in_process: bool = False) -> None:
     (``in_process``: call its ``main`` here instead, saving a Python start-up)."""
     console.print(f"[bold]$ modelshard {' '.join(args)}")
     if in_process:
-        from modelshard._cli import main as cli_main
+        from modelshard.cli import main as cli_main
 
         if cli_main(list(args)):
             raise RuntimeError(f"modelshard {args[0]} failed")
         return
     exe = Path(sys.executable).with_name("modelshard")
-    cmd = (
-        [str(exe)]
-        if exe.exists()
-        else [
-            sys.executable,
-            "-c",
-            "import sys; from modelshard._cli import main; sys.exit(main())",
-        ]
-    )
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "modelshard"]
     out = subprocess.run([*cmd, *args], capture_output=True, text=True, check=False)
     console.print(out.stdout.rstrip())
     if out.returncode:

@@ -156,7 +156,7 @@ def test_a_named_pipe_in_a_checkpoint_is_refused_without_hanging(tmp_path, name)
 
 
 def test_a_named_pipe_is_refused_by_inspect_without_hanging(tmp_path, capsys):
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     path = ms.save(tmp_path / "c", {"w": jnp.ones(2)})
     (path / "modelshard.json").unlink()
@@ -373,7 +373,7 @@ def test_a_cast_mismatch_names_the_checkpoint_dtype_and_the_cast(tmp_path):
 
 
 def test_cli_reshard_refuses_a_mesh_too_large_to_simulate(tmp_path, capsys):
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     src = ms.save(tmp_path / "src", {"w": jnp.ones(8)})
     code = _in_time(

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from conftest import MAKERS
-from modelshard._cli import main, parse_mesh
+from modelshard._cli.args import parse_mesh
+from modelshard.cli import main
 
 RULES = """
 [[rules]]
@@ -416,3 +417,36 @@ def test_plan_fold_filter_and_budget(ckpt, capsys):
     for flag, value in (("--budget", "lots"), ("--filter", "(")):
         assert main([*base, flag, value]) == 2
         assert f"argument {flag}: '{value}' is not" in _one_line(capsys.readouterr().err, "plan")
+
+
+def test_python_m_modelshard_is_the_modelshard_script(capsys):
+    """``python -m modelshard``, the installed ``modelshard`` script and
+    ``modelshard.cli.main`` are one program: the same help, the same exit statuses."""
+    script = Path(sys.executable).with_name("modelshard")
+    assert script.exists(), "the modelshard script is installed with the package"
+    runs = {
+        name: subprocess.run(
+            [*cmd, *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+        for name, cmd in {
+            "-m": [sys.executable, "-m", "modelshard"],
+            "script": [str(script)],
+        }.items()
+        for argv in [["--help"]]
+    }
+    assert runs["-m"].returncode == runs["script"].returncode == 0
+    assert runs["-m"].stdout == runs["script"].stdout
+    assert runs["-m"].stdout.startswith("usage: modelshard [-h] [--version] COMMAND ...")
+    for command in ("inspect", "plan", "reshard", "convert", "launch"):
+        assert command in runs["-m"].stdout
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == runs["-m"].stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "modelshard", "plan", "ckpt", "--mesh", "data=x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "modelshard plan: error: argument --mesh" in bad.stderr

@@ -162,7 +162,7 @@ def test_nav_pages_exist() -> None:
 
 def test_cli_page_matches_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     """Every command and option the CLI page shows exists in that command's --help."""
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     text = (DOCS / "cli.md").read_text()
     shown = re.findall(r"`modelshard (\w+)([^`]*)`", text)

@@ -10,6 +10,7 @@ reader has to follow: deferring it hides it from the interpreter, not from the r
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -190,3 +191,22 @@ def test_public_modules_all_is_true() -> None:
         module = importlib.import_module(mod)
         missing = [n for n in names if not hasattr(module, n)]
         assert not missing, f"{mod}.__all__ names what it lacks: {missing}"
+
+
+def test_docs_examples_and_readme_import_no_private_module() -> None:
+    """Users are shown public names only: no page under docs/, no example and not the
+    README imports a ``modelshard._`` module (or an underscore name of modelshard)."""
+    root = SRC.parent
+    private = re.compile(
+        r"(from\s+modelshard\._\w*|import\s+modelshard\._\w*|from\s+modelshard\s+import\s+_\w*"
+        r"|import_module\(\s*[\"']modelshard\._)"
+    )
+    files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    files += sorted((root / "examples").rglob("*.py"))
+    found = [
+        f"{f.relative_to(root)}:{n}: {line.strip()}"
+        for f in files
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert not found, "private modules imported where users read:\n" + "\n".join(found)

@@ -237,7 +237,7 @@ def test_help_names_the_distributed_entry_point(capsys):
 
 
 def test_the_modelshard_command_routes_launch_here(capfd):
-    from modelshard._cli import main as cli
+    from modelshard.cli import main as cli
 
     assert cli(["launch", "-n", "2", "--", PY, "-c", "print('via the CLI')"]) == 0
     assert sorted(capfd.readouterr().out.splitlines()) == [

@@ -346,7 +346,7 @@ def test_failed_async_save_keeps_the_steps_on_disk(tmp_path, monkeypatch, keep):
 def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
     import json
 
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     root = tmp_path / "run"
     with ms.CheckpointManager(root, handle_signals=False) as mngr:

@@ -52,7 +52,7 @@ def test_save_rotate_items_and_commit_files(bucket_root):
 
 
 def test_inspect_of_a_manager_root(bucket_root, capsys):
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     with ms.CheckpointManager(bucket_root, handle_signals=False) as mngr:
         mngr.save(4, {"w": jnp.arange(8.0)}, items={"data": {"pos": 4}}, metrics={"loss": 1.0})
@@ -189,7 +189,7 @@ def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
 
     from modelshard._checkpoint.remote import save_remote
     from modelshard._checkpoint.write import prepare
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     path = epath.Path(f"{bucket_root}/ck")
     key = jax.random.key(5)

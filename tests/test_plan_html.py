@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from conftest import MAKERS, gemma_like
-from modelshard._cli import main
+from modelshard.cli import main
 from modelshard._plan_html import MAX_GRID
 
 

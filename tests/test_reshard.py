@@ -243,7 +243,7 @@ def test_public_reshard_lays_a_checkpoint_out_for_a_new_mesh_and_casts(tmp_path)
 def test_the_cli_reshard_command_calls_the_public_function(tmp_path, monkeypatch, capsys):
     import importlib
 
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     module = importlib.import_module("modelshard._checkpoint.reshard")
     calls = []

@@ -769,7 +769,7 @@ def test_restore_with_mapping_reports_every_problem(tmp_path):
 
 
 def test_cli_inspect_safetensors_table_and_json(tmp_path, capsys, monkeypatch):
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     monkeypatch.setenv("COLUMNS", "200")
     path = _st(tmp_path / "model.safetensors", _llama_tensors())
@@ -793,7 +793,7 @@ def test_cli_inspect_safetensors_table_and_json(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_convert_to_a_checkpoint_and_back(tmp_path, capsys, monkeypatch):
-    from modelshard._cli import main
+    from modelshard.cli import main
 
     assert jax.device_count() == 8  # JAX started by the suite, as a convert process would
     monkeypatch.setenv("COLUMNS", "200")

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
-from modelshard._cli import main
+from modelshard.cli import main
 from modelshard._weights.safetensors import SafetensorsFiles
 
 reshard = importlib.import_module("modelshard._checkpoint.reshard")

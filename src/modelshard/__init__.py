@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import adapters as adapters
+from . import cli as cli
 from . import distributed as distributed
 from ._adapters import register_container as register_container
 from ._assemble import assemble as assemble

@@ -1,0 +1,7 @@
+"""The ``modelshard`` command line, one module per command (see README.md beside this file).
+The public entry point is ``modelshard.cli.main``."""
+
+from __future__ import annotations
+
+from .main import main as main
+from .main import parser as parser

@@ -1,0 +1,166 @@
+"""The argument types and shared options of the commands: a bad value is a usage error
+(exit status 2), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+from .output import console
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``.
+
+    Raises:
+        MeshError: the text is not ``name=size`` pairs with positive sizes.
+    """
+    from .._errors import MeshError
+
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = (x.strip() for x in part.partition("="))
+        # isdigit() alone accepts '²'; int() does not
+        if not eq or not name or not (size.isascii() and size.isdigit()) or int(size) < 1:
+            where = f"{text!r}" if part.strip() == text.strip() else f"{part.strip()!r} in {text!r}"
+            raise MeshError(
+                f"{where} is not name=size with a positive whole size; "
+                "write e.g. --mesh data=2,model=4"
+            )
+        if name in out:
+            raise MeshError(f"{text!r} gives axis {name!r} twice")
+        out[name] = int(size)
+    return out
+
+
+def mesh_arg(text: str) -> dict[str, int]:
+    """argparse type of ``--mesh``: ``parse_mesh``, its error a usage error."""
+    from .._errors import MeshError
+
+    try:
+        return parse_mesh(text)
+    except MeshError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (``nan``, ``inf``, ``0`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
+def float_dtype(text: str) -> str:
+    """argparse type of ``--dtype``: the name of a floating-point dtype (``bfloat16``, ...)."""
+    import jax.numpy as jnp
+
+    from .._dtypes import dtype_name
+
+    try:
+        dt = jnp.dtype(text)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a floating-point dtype; choose e.g. bfloat16, float16 or float32"
+        )
+    return dtype_name(dt)
+
+
+def regex_arg(text: str) -> re.Pattern[str]:
+    """argparse type: a regular expression (``--filter``)."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression: {e}") from None
+
+
+def bytes_arg(text: str) -> int:
+    """argparse type: a size such as ``16GiB``, ``80GB``, ``512MiB`` or plain bytes."""
+    from .._errors import SpecError
+    from .._plan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except SpecError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB"
+        ) from None
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    """Give a command the ``--json`` flag (results and problems as JSON objects)."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on stdout; problems as one JSON "
+        "object on stderr (schema in the module docs and the CLI docs page)",
+    )
+
+
+CKPT_HELP = (
+    "checkpoint directory, or a CheckpointManager's root directory (then its latest complete step)"
+)
+
+
+def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
+    """A checkpoint directory as given, or, for a CheckpointManager's root, its latest
+    complete step's directory (said on stderr; ``args.step`` records it for --json)."""
+    from .._checkpoint import manager_step
+
+    path, step = manager_step(text)
+    args.step = step
+    if step is None:
+        return text
+    if not args.json:
+        console(stderr=True).print(
+            f"{text} is a CheckpointManager directory: using its latest complete step "
+            f"{step} ({path})",
+            highlight=False,
+        )
+    return str(path)
+
+
+RULES_HELP = (
+    "TOML rules file: [[rules]] tables, each with pattern (a regular expression searched in "
+    "every leaf path, e.g. 'kernel$') and spec (one entry per dimension: a mesh axis, a "
+    'list of axes, or "none"; [] replicates); the first matching rule wins. An optional '
+    '[logical] table maps logical axis names to mesh axes (vocab = "model"). '
+    "Default: the specs the checkpoint was saved with."
+)
+
+
+def target_specs(args: argparse.Namespace, record: Any) -> Any:
+    from .._rulesfile import load_rules
+
+    return load_rules(args.rules) if args.rules else record.saved_specs()
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    """The options naming the target layout: ``--mesh``, ``--rules``, ``--axis-types``."""
+    p.add_argument(
+        "--mesh",
+        required=True,
+        type=mesh_arg,
+        help="target mesh as name=size pairs, e.g. data=2,model=4",
+    )
+    p.add_argument("--rules", metavar="RULES.toml", help=RULES_HELP)
+    p.add_argument(
+        "--axis-types",
+        choices=["auto", "explicit"],
+        default="auto",
+        help="mesh axis types (default auto)",
+    )

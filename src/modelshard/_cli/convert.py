@@ -1,0 +1,217 @@
+"""``modelshard convert``: safetensors weights to a sharded checkpoint, or back, streamed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from .args import (
+    RULES_HELP,
+    add_json,
+    checkpoint_arg,
+    float_dtype,
+    mesh_arg,
+    positive_float,
+    positive_int,
+)
+from .host import return_freed_memory, use_cpu_devices
+from .output import console, emit, progress_bar
+
+
+def add_parser(sub: Any) -> None:
+    """The ``convert`` subcommand."""
+    c = sub.add_parser(
+        "convert",
+        help="safetensors weights to a sharded checkpoint, or back",
+        description="Read a safetensors checkpoint SRC (a file, a model.safetensors.index.json "
+        "or a directory with either) through a mapping file and write DST, a sharded "
+        "modelshard checkpoint laid out for --mesh and --rules, streamed (each leaf computed a "
+        "slab of rows at a time through the mapping and written as it comes; nothing is "
+        "placed on the devices); with --to safetensors, write the checkpoint SRC back as the "
+        "safetensors file DST (the mapping backwards; --reference names the file it was "
+        "imported from). --dry-run prints the mapping table without reading a tensor.",
+    )
+    c.add_argument("source", metavar="SRC", help="safetensors file/index/directory (or checkpoint)")
+    c.add_argument("destination", metavar="DST", help="checkpoint directory (or .safetensors file)")
+    c.add_argument(
+        "--mapping",
+        metavar="MAP.toml",
+        help="TOML mapping file: [[rules]] with source (a regex over stored names), target "
+        "(a path template, {1} inserts a group) and transforms (transpose, reshape, stack, "
+        "unstack, cast; skip = true ignores tensors). Default: every tensor under its own name, "
+        "'.' read as '/'",
+    )
+    c.add_argument(
+        "--mesh", type=mesh_arg, default=None, help="target mesh, e.g. data=8 (default data=1)"
+    )
+    c.add_argument(
+        "--rules",
+        metavar="RULES.toml",
+        help=RULES_HELP.replace(
+            "Default: the specs the checkpoint was saved with.", "Default: replicated."
+        ),
+    )
+    c.add_argument(
+        "--axis-types", choices=["auto", "explicit"], default="auto", help="mesh axis types"
+    )
+    c.add_argument(
+        "--dtype", default=None, type=float_dtype, help="cast floating-point tensors, e.g. float32"
+    )
+    c.add_argument(
+        "--to",
+        choices=["checkpoint", "safetensors"],
+        default="checkpoint",
+        help="what DST is (default: a modelshard checkpoint)",
+    )
+    c.add_argument(
+        "--chunk-mb",
+        type=positive_float,
+        default=64.0,
+        metavar="MB",
+        help="host memory in flight while writing a checkpoint: slabs of a quarter of it are "
+        "read ahead while others are written (default 64; smaller: less memory, slower)",
+    )
+    c.add_argument(
+        "--reference",
+        metavar="REF",
+        default=None,
+        help="with --to safetensors: the safetensors checkpoint the mapping imports",
+    )
+    c.add_argument("--dry-run", action="store_true", help="print the mapping table only")
+    c.add_argument(
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
+    c.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
+    )
+    add_json(c)
+    c.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
+    from .._text import format_bytes
+    from .._weights import is_safetensors
+
+    return_freed_memory()  # streams tensor-sized buffers, as reshard does
+    if args.to == "safetensors":
+        return _convert_to_safetensors(args)
+    if not is_safetensors(args.source):
+        from .._errors import CheckpointError
+
+        raise CheckpointError(
+            f"{args.source} is not a safetensors file, index or directory; "
+            "to write safetensors from a checkpoint pass --to safetensors"
+        )
+    sizes = args.mesh or {"data": 1}
+    if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
+        use_cpu_devices(math.prod(sizes.values()))
+    import importlib
+
+    from jax.sharding import PartitionSpec
+
+    from .._mesh import make_mesh
+    from .._rulesfile import load_rules
+    from .._weights import load_safetensors, mapped_leaves, open_safetensors
+
+    specs = load_rules(args.rules) if args.rules else PartitionSpec()
+    mesh = make_mesh(sizes, axis_types=args.axis_types)
+    common = dict(mapping=args.mapping, specs=specs, mesh=mesh, dtype=args.dtype)
+    if args.dry_run:
+        table = load_safetensors(args.source, dry_run=True, **common)
+        if args.json:
+            emit(args, {"source": args.source, "rows": [_row_json(r) for r in table.rows]})
+        else:
+            console().print(table.table(max_rows=args.max_rows))
+        return 0
+    # streamed: each target leaf computed a slab of rows at a time through its recipe and
+    # written by the streaming checkpoint writer; nothing is placed on the devices and
+    # host memory stays near a few slabs plus one stored tensor's map
+    stream = importlib.import_module("modelshard._checkpoint.stream")
+    with open_safetensors(args.source) as files:
+        _, leaves = mapped_leaves(files, **common)
+        with progress_bar(args, "converting") as progress:
+            task = progress.add_task("converting", total=None)
+            stream.write_stream(
+                args.destination,
+                [stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
+                mesh=mesh,
+                overwrite=args.overwrite,
+                slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    dest = args.destination
+    nbytes = sum(x.nbytes for x in leaves)
+    if args.json:
+        emit(
+            args,
+            {
+                "source": args.source,
+                "destination": str(dest),
+                "mesh": sizes,
+                "leaves": len(leaves),
+                "bytes": nbytes,
+            },
+        )
+    else:
+        console().print(
+            f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh "
+            + ", ".join(f"{k}={v}" for k, v in sizes.items())
+        )
+    return 0
+
+
+def _row_json(r: Any) -> dict[str, Any]:
+    return {
+        "target": r.target,
+        "sources": list(r.sources),
+        "transforms": r.how,
+        "shape": None if r.shape is None else list(r.shape),
+        "dtype": r.dtype,
+    }
+
+
+def _convert_to_safetensors(args: argparse.Namespace) -> int:
+    """A checkpoint written back as one safetensors file, one checkpoint leaf on the host
+    at a time (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
+    import importlib
+
+    from .._checkpoint import locate
+    from .._text import format_bytes
+    from .._weights import Exporter, as_mapping
+    from .._weights.load import reference_table
+
+    if args.reference is None and args.mapping is not None:
+        from .._errors import CheckpointError
+
+        raise CheckpointError(
+            "--to safetensors with --mapping needs --reference SRC.safetensors: the "
+            "checkpoint the mapping imports, whose names, shapes and dtypes are written"
+        )
+    mapped = importlib.import_module("modelshard._checkpoint.mapped")
+    targets, load = mapped.host_leaves(locate(checkpoint_arg(args, args.source)))
+    if args.reference is None:  # every leaf under its path, '/' written as '.'
+        import jax
+
+        reference: Any = {
+            p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt)
+            for p, (shape, dt) in targets.items()
+        }
+    else:
+        reference = args.reference
+    table, meta = reference_table(reference)
+    ex = Exporter(targets, load, table, as_mapping(args.mapping, split_dots=True), args.dtype)
+    with progress_bar(args, "writing") as progress:
+        task = progress.add_task("writing", total=None)
+        dest = ex.write(
+            args.destination,
+            meta,
+            lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    nbytes = dest.stat().st_size
+    if args.json:
+        emit(args, {"source": args.source, "destination": str(dest), "bytes": nbytes})
+    else:
+        console().print(f"wrote {dest}: {format_bytes(nbytes)}")
+    return 0

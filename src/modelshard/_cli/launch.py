@@ -1,0 +1,31 @@
+"""``modelshard launch``: a command run as N local JAX processes (the launcher itself is
+``modelshard._launch``, which parses its own arguments)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """The ``launch`` subcommand, listed in ``modelshard --help``; ``main`` hands its
+    arguments to the launcher before argparse sees them."""
+    sub.add_parser(
+        "launch",
+        help="run a command as N local JAX processes",
+        description="Run a command as N local processes on JAX's distributed "
+        "runtime; see `modelshard launch --help`.",
+        add_help=False,
+    )
+
+
+def run(rest: Sequence[str]) -> int:
+    """Run the launcher on the arguments after ``launch``; returns its exit status. The
+    launcher is imported only here: the other commands never load it."""
+    try:
+        from .._launch import main as launch_main
+    except ImportError as e:
+        sys.stderr.write(f"modelshard launch is not available in this installation ({e}).\n")
+        return 1
+    return int(launch_main(list(rest)))

@@ -1,0 +1,154 @@
+"""What the commands print: rich tables on the terminal, the ``--json`` envelope, and every
+error turned into one line (or one JSON object) and an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import re
+import sys
+from typing import Any, NoReturn
+
+SCHEMA = 1
+"""Version of the ``--json`` envelope (``"schema"`` in every object)."""
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    tty = sys.stdout.isatty() or "COLUMNS" in os.environ
+    return Console(stderr=stderr, soft_wrap=False, width=None if tty else 160)
+
+
+def write_json(stream: Any, data: Any) -> None:
+    stream.write(json.dumps(data, indent=1) + "\n")
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    """Print a command's JSON result: ``data`` inside the envelope, on stdout."""
+    write_json(sys.stdout, {"schema": SCHEMA, "command": args.command, "ok": True, **data})
+
+
+def fmt_spec(spec: Any) -> str:
+    from .._specs import format_spec
+
+    return "-" if spec is None else format_spec(spec)
+
+
+# Python keyword arguments that error messages name, as this command's flags.
+FLAGS = [
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bverify=False\b"), "--no-verify"),
+    (re.compile(r"\bdtype=(\.\.\.)?"), "--dtype "),
+    (re.compile(r"\bmesh=(\.\.\.)?"), "--mesh "),
+    (re.compile(r"\brules=(\.\.\.)?"), "--rules "),
+]
+
+
+def in_flags(text: str) -> str:
+    for pattern, flag in FLAGS:
+        text = pattern.sub(flag, text)
+    return text.replace(" \n", "\n").replace("  ", " ")
+
+
+OS_HINTS = {
+    errno.ENOSPC: "the disk is full; free space or choose another destination",
+    errno.EROFS: "the file system is read-only; choose a writable destination",
+    errno.ENOTDIR: "a component of the path is a regular file, not a directory",
+    errno.EACCES: "permission denied; choose a path you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted on this path",
+    errno.ENOENT: "no such file or directory",
+    errno.EEXIST: "the path already exists",
+    errno.EISDIR: "the path is a directory where a file is expected",
+}
+
+
+def file_ancestor(path: str) -> str | None:
+    """The nearest existing ancestor of ``path`` (itself included) if it is not a directory."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p if os.path.lexists(p) and not os.path.isdir(p) else None
+
+
+TS_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+TS_FILE = re.compile(r'(?:writing|reading|opening)[^"]*"([^"]+)"', re.IGNORECASE)
+
+
+def tensorstore_os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` inside a TensorStore error (``... [os_error_code='28']``), if any."""
+    text = str(e)
+    code = TS_OS_ERROR.search(text)
+    if code is None:
+        return None
+    n = int(code.group(1))
+    file = TS_FILE.search(text)
+    return OSError(n, os.strerror(n), file.group(1) if file else None)
+
+
+def os_message(e: OSError) -> str:
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = e.strerror or str(e)
+    hint = OS_HINTS.get(e.errno or -1)
+    if e.errno in (errno.EEXIST, errno.ENOTDIR) and e.filename is not None:
+        blocker = file_ancestor(os.fsdecode(e.filename))
+        if blocker is not None:
+            return f"{e.filename}: {blocker} is a regular file, not a directory"
+    text = f"{where}: {what}" if where else what
+    return text + (f" ({hint})" if hint and hint.lower() != what.lower() else "")
+
+
+def problem_json(e: Exception) -> dict[str, Any]:
+    from .._errors import ModelshardError
+
+    out: dict[str, Any] = (
+        e.to_json()
+        if isinstance(e, ModelshardError)
+        else {"type": type(e).__name__, "message": str(e)}
+    )
+    out["message"] = in_flags(str(out["message"]))
+    for p in out.get("problems", ()):
+        if p.get("hint"):
+            p["hint"] = in_flags(p["hint"])
+    return out
+
+
+def fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        envelope = {"schema": SCHEMA, "command": command, "ok": False, "exit_status": status}
+        write_json(sys.stderr, {**envelope, "error": error})
+    else:
+        sys.stderr.write(
+            f"modelshard{' ' + command if command else ''}: error: {error['message']}\n"
+        )
+    return status
+
+
+class UsageError(Exception):
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors raised (so ``main`` formats them) not printed."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UsageError(self.prog, message)
+
+
+def progress_bar(args: argparse.Namespace, what: str) -> Any:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    return Progress(
+        f"[progress.description]{what}",
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+        disable=args.json or not sys.stderr.isatty(),
+    )

@@ -1,0 +1,123 @@
+"""``modelshard reshard``: a checkpoint rewritten for another mesh, streamed."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+from .args import (
+    CKPT_HELP,
+    add_json,
+    add_target,
+    checkpoint_arg,
+    float_dtype,
+    positive_float,
+    target_specs,
+)
+from .host import return_freed_memory, use_cpu_devices
+from .output import console, emit
+
+
+def add_parser(sub: Any) -> None:
+    """The ``reshard`` subcommand."""
+    r = sub.add_parser(
+        "reshard",
+        help="rewrite a checkpoint for another mesh",
+        description="Rewrite checkpoint SRC as DST laid out for a new mesh and "
+        "rules, offline on simulated CPU devices, a chunk of leaves at a time so "
+        "host memory stays a small fraction of the checkpoint.",
+    )
+    r.add_argument("source", metavar="SRC", help="source " + CKPT_HELP)
+    r.add_argument("destination", metavar="DST", help="new checkpoint directory")
+    add_target(r)
+    r.add_argument(
+        "--dtype",
+        default=None,
+        type=float_dtype,
+        help="cast floating-point leaves to this dtype, e.g. bfloat16",
+    )
+    r.add_argument(
+        "--chunk-mb",
+        type=positive_float,
+        default=64.0,
+        metavar="MB",
+        help="host memory per chunk of leaves, replicas included (default 64)",
+    )
+    r.add_argument("--no-verify", action="store_true", help="skip source checksum verification")
+    r.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
+    )
+    add_json(r)
+    r.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = args.mesh
+    return_freed_memory()
+    from .._launch import ENV_COORDINATOR
+
+    if os.environ.get(ENV_COORDINATOR):
+        # under `modelshard launch`: join the run; each process writes a share of the leaves
+        from .. import distributed
+
+        distributed.initialize()
+    use_cpu_devices(math.prod(sizes.values()))
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from .._checkpoint import locate
+    from .._checkpoint.reshard import reshard
+    from .._mesh import make_mesh
+    from .._text import format_bytes
+
+    args.source = checkpoint_arg(args, args.source)
+    source = locate(args.source)
+    specs = target_specs(args, source.record)
+    mesh = make_mesh(sizes, axis_types=args.axis_types)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console(stderr=True),
+        disable=args.json or not sys.stderr.isatty(),
+    ) as progress:
+        task = progress.add_task("resharding", total=source.record.nbytes)
+        written = reshard(
+            args.source,
+            args.destination,
+            specs=specs,
+            mesh=mesh,
+            dtype=args.dtype,
+            chunk_bytes=int(args.chunk_mb * (1 << 20)),
+            verify=not args.no_verify,
+            overwrite=args.overwrite,
+            progress=lambda done, total: progress.update(task, completed=done),
+        )
+    record = locate(written).record
+    dest = str(written)
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # process 0 reports for every process
+    if args.json:
+        emit(
+            args,
+            {
+                "source": str(source.path),
+                "step": args.step,
+                "destination": dest,
+                "mesh": sizes,
+                "leaves": len(record.leaves),
+                "bytes": record.nbytes,
+            },
+        )
+    else:
+        console().print(
+            f"wrote {dest}: {len(record.leaves)} leaves, "
+            f"{format_bytes(record.nbytes)}, mesh "
+            + ", ".join(f"{k}={v}" for k, v in sizes.items())
+        )
+    return 0
