@@ -210,3 +210,15 @@ def test_docs_examples_and_readme_import_no_private_module() -> None:
         if private.search(line)
     ]
     assert not found, "private modules imported where users read:\n" + "\n".join(found)
+
+
+def test_area_readmes_name_every_module() -> None:
+    """Each private package's README says what each of its modules owns: a module added
+    without a line there is a module no reader was told about."""
+    missing = []
+    for readme in sorted((SRC / PACKAGE).glob("_*/README.md")):
+        text = readme.read_text()
+        for f in sorted(readme.parent.glob("*.py")):
+            if f.name != "__init__.py" and f"`{f.name}`" not in text:
+                missing.append(f"{readme.parent.name}/README.md does not name `{f.name}`")
+    assert not missing, "\n".join(missing)
