@@ -267,21 +267,36 @@ def test_bad_reshard_values_are_usage_errors(ckpt, tmp_path, capsys, flag, value
 
 
 def test_usage_error_as_json(ckpt, capsys):
+    """--json: the one JSON document goes to stdout on failure too; stderr one human line."""
     assert main(["plan", str(ckpt), "--mesh", "data=\u00b2", "--json"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == ""
-    err = json.loads(captured.err)
-    assert err["schema"] == 1 and err["command"] == "plan"
-    assert (err["ok"], err["exit_status"], err["error"]["type"]) == (False, 2, "UsageError")
-    assert "is not name=size" in err["error"]["message"]
+    assert captured.err == (
+        "modelshard plan: error: UsageError, exit status 2 (the JSON on stdout says what "
+        "and where)\n"
+    )
+    err = json.loads(captured.out)
+    assert err == {
+        "schema": 1,
+        "command": "plan",
+        "ok": False,
+        "exit_status": 2,
+        "error": {
+            "type": "UsageError",
+            "message": "argument --mesh: 'data=\u00b2' is not name=size with a positive whole "
+            "size; write e.g. --mesh data=2,model=4 (see 'modelshard plan --help')",
+        },
+    }
 
 
 def test_problems_as_json(ckpt, capsys):
     rules = str(ckpt.parent / "rules.toml")
     assert main(["plan", str(ckpt), "--mesh", "data=2,model=3", "--rules", rules, "--json"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == ""
-    err = json.loads(captured.err)
+    assert captured.err == (
+        "modelshard plan: error: SpecError, exit status 1 (the JSON on stdout says what "
+        "and where)\n"
+    )
+    err = json.loads(captured.out)
     assert (err["ok"], err["exit_status"], err["error"]["type"]) == (False, 1, "SpecError")
     problems = err["error"]["problems"]
     assert len(problems) == 6 and all("is not divisible by 3" in p["what"] for p in problems)
@@ -319,9 +334,11 @@ def test_destination_os_errors(ckpt, tmp_path, capsys, monkeypatch, code, says):
     monkeypatch.setattr(reshard_module, "reshard", fail)
     for extra in ([], ["--json"]):
         assert main(["reshard", str(ckpt), str(dst), "--mesh", "data=2", *extra]) == 1
-        err = capsys.readouterr().err
+        captured = capsys.readouterr()
+        err = captured.err
         if extra:
-            error = json.loads(err)["error"]
+            error = json.loads(captured.out)["error"]
+            assert err.endswith(", exit status 1 (the JSON on stdout says what and where)\n")
             assert (error["type"], error["errno"]) == (type(OSError(code, "")).__name__, code)
             assert says in error["message"]
         else:
@@ -410,7 +427,7 @@ def test_plan_fold_filter_and_budget(ckpt, capsys):
     )
     assert "per device > budget 1.00 KiB (by module: " in captured.err
     assert main([*base, "--budget", "1KiB", "--json"]) == 1
-    error = json.loads(capsys.readouterr().err)["error"]
+    error = json.loads(capsys.readouterr().out)["error"]
     assert error["causes"][0]["what"] == "bytes per device > budget"
     assert main([*base, "--budget", "1GiB"]) == 0
     capsys.readouterr()

@@ -106,8 +106,9 @@ def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print the result as one JSON object on stdout; problems as one JSON "
-        "object on stderr (schema in the module docs and the CLI docs page)",
+        help="print one JSON document on stdout, on success and on failure alike (the "
+        "exit status tells which; stderr only carries a short line for people); schema on "
+        "the CLI docs page",
     )
 
 

@@ -1,7 +1,8 @@
 """``modelshard.cli.main``: the ``modelshard`` command line (``python -m modelshard`` too).
 
 Every command has ``--help`` and ``--json``. ``main`` turns every user error into one line
-on stderr (``modelshard CMD: error: ...``) or, with ``--json``, one JSON object; exit status
+on stderr (``modelshard CMD: error: ...``) or, with ``--json``, the one JSON document on
+stdout (as on success; stderr gets a short line); exit status
 1 for a problem (modelshard's errors, unreadable or unwritable paths), 2 for a usage error
 (argparse's convention). No traceback is printed for a user error. README.md beside this
 module says how to add a command; docs/cli.md documents the JSON schema.
@@ -43,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``modelshard`` command line; returns the exit status.
 
     The same program as the ``modelshard`` script and ``python -m modelshard``. A user
-    error never ends in a traceback: it is one line on stderr (a JSON object with
-    ``--json``), exit status 1 for a problem and 2 for a usage error.
+    error never ends in a traceback: it is one line on stderr (with ``--json``, a JSON
+    document on stdout, as on success), exit status 1 for a problem and 2 for a usage error.
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
