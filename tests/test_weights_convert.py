@@ -4,6 +4,7 @@ in host memory, nothing placed on the devices)."""
 from __future__ import annotations
 
 import importlib
+import io
 import json
 from pathlib import Path
 
@@ -11,11 +12,12 @@ import jax
 import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
-from modelshard.cli import main
 from modelshard._weights.safetensors import SafetensorsFiles
+from modelshard.cli import main
 
 reshard = importlib.import_module("modelshard._checkpoint.reshard")
 weights_load = importlib.import_module("modelshard._weights.load")
@@ -162,3 +164,56 @@ def test_convert_in_small_slabs_writes_the_same_checkpoint(tmp_path, capsys):
     assert len(a) == len(b) == 5
     for x, y in zip(a, b, strict=True):
         assert x.sharding == y.sharding and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_convert_back_without_reference_in_the_sharded_layout(tmp_path, capsys):
+    """--to safetensors without --reference: every leaf under its own path ('.' for '/');
+    --max-shard-size: Hugging Face's sharded layout, read back bit for bit."""
+    path, wm, _, _ = _files(tmp_path)
+    assert main(["convert", str(path), str(tmp_path / "ck"), "--mapping", str(wm)]) == 0
+    state = ms.restore(tmp_path / "ck")
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    args = ["convert", str(tmp_path / "ck"), str(out), "--to", "safetensors", "--json"]
+    assert main([*args, "--max-shard-size", "2KB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    index = out / "model.safetensors.index.json"
+    assert data["destination"] == str(index)
+    doc = json.loads(index.read_text())
+    assert sorted(doc["weight_map"]) == sorted(
+        ["norm.scale"] + [f"layers.{i}.{n}.kernel" for i in range(2) for n in ("qkv", "up")]
+    )
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 1 and shards == sorted(set(doc["weight_map"].values()))
+    assert data["bytes"] == sum((out / s).stat().st_size for s in shards)
+    back = ms.load_safetensors(index)
+    for leaf in ("layers/1/qkv/kernel", "norm/scale"):
+        a, b = state, back
+        for k in leaf.split("/"):
+            a, b = a[k], b[k]
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    with safe_open(str(out / shards[0]), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_convert_size_and_progress_flags(tmp_path, capsys, monkeypatch):
+    path, wm, _, _ = _files(tmp_path)
+    ck = str(tmp_path / "ck")
+    assert main(["convert", str(path), ck, "--mapping", str(wm), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(path), str(tmp_path / "x"), "--max-shard-size", "1GB"]) == 1
+    assert "--max-shard-size writes safetensors: pass --to safetensors" in capsys.readouterr().err
+    bad = ["convert", ck, str(tmp_path / "y"), "--to", "safetensors", "--max-shard-size", "5XB"]
+    assert main(bad) == 2
+    assert "max_shard_size='5XB': want a positive number of bytes" in capsys.readouterr().err
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for flags, drawn in (([], True), (["--no-progress"], False)):
+        err = Tty()
+        monkeypatch.setattr("sys.stderr", err)
+        dest = str(tmp_path / f"out{len(flags)}.safetensors")
+        assert main(["convert", ck, dest, "--to", "safetensors", *flags]) == 0
+        assert ("writing" in err.getvalue()) is drawn, err.getvalue()

@@ -211,3 +211,26 @@ def test_a_hub_snapshot_with_a_link_out_of_its_repo_is_refused(hub):
         f"  m-2.safetensors: outside the index's directory (a link to {outside.resolve()}), "
         "named for b; refused"
     )
+
+
+def test_cli_inspect_and_convert_take_hub_ids(hub, tmp_path, capsys):
+    from modelshard.cli import main
+
+    assert main(["inspect", "hf://org/sharded", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["format"] == "safetensors"
+    assert sorted(t["name"] for t in data["tensors"]) == ["a", "b"]
+    mapping = tmp_path / "map.toml"
+    mapping.write_text(
+        "[[rules]]\nsource = '(\\w+)\\.weight'\ntarget = '{1}/kernel'\ntranspose = [1, 0]\n"
+    )
+    ck = tmp_path / "ck"
+    assert main(["convert", "hf://org/tiny@v2", str(ck), "--mapping", str(mapping)]) == 0
+    assert (np.asarray(ms.restore(ck)["fc"]["kernel"]) == W2.T).all()
+    out = tmp_path / "back.safetensors"
+    args = ["convert", str(ck), str(out), "--to", "safetensors", "--mapping", str(mapping)]
+    assert main([*args, "--reference", "hf://org/tiny"]) == 0
+    assert load_file(str(out))["fc.weight"].tobytes() == W2.tobytes()
+    capsys.readouterr()
+    assert main(["convert", "hf://org/absent", str(tmp_path / "no")]) == 1
+    assert "repository org/absent is not in the Hugging Face cache" in capsys.readouterr().err

@@ -24,16 +24,27 @@ def add_parser(sub: Any) -> None:
     c = sub.add_parser(
         "convert",
         help="safetensors weights to a sharded checkpoint, or back",
-        description="Read a safetensors checkpoint SRC (a file, a model.safetensors.index.json "
-        "or a directory with either) through a mapping file and write DST, a sharded "
+        description="Read a safetensors checkpoint SRC (a file, a model.safetensors.index.json, "
+        "a directory with either, or a Hugging Face Hub repository hf://org/name[@revision], "
+        "from the local cache first) through a mapping file and write DST, a sharded "
         "modelshard checkpoint laid out for --mesh and --rules, streamed (each leaf computed a "
         "slab of rows at a time through the mapping and written as it comes; nothing is "
         "placed on the devices); with --to safetensors, write the checkpoint SRC back as the "
         "safetensors file DST (the mapping backwards; --reference names the file it was "
-        "imported from). --dry-run prints the mapping table without reading a tensor.",
+        "imported from; without it every leaf under its path, '/' written as '.'), or with "
+        "--max-shard-size as Hugging Face's sharded layout in the directory DST. --dry-run "
+        "prints the mapping table without reading a tensor.",
     )
-    c.add_argument("source", metavar="SRC", help="safetensors file/index/directory (or checkpoint)")
-    c.add_argument("destination", metavar="DST", help="checkpoint directory (or .safetensors file)")
+    c.add_argument(
+        "source",
+        metavar="SRC",
+        help="safetensors file/index/directory or hf://org/name[@revision] (or checkpoint)",
+    )
+    c.add_argument(
+        "destination",
+        metavar="DST",
+        help="checkpoint directory (or .safetensors file, or with --max-shard-size a directory)",
+    )
     c.add_argument(
         "--mapping",
         metavar="MAP.toml",
@@ -76,7 +87,20 @@ def add_parser(sub: Any) -> None:
         "--reference",
         metavar="REF",
         default=None,
-        help="with --to safetensors: the safetensors checkpoint the mapping imports",
+        help="with --to safetensors: the safetensors checkpoint the mapping imports (a "
+        "file, index, directory or hf://org/name[@revision])",
+    )
+    c.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        default=None,
+        type=_size,
+        help="with --to safetensors: Hugging Face's sharded layout in the directory DST, "
+        "model-0000k-of-0000n.safetensors files of at most SIZE (bytes, or 5GB, 500MB, 2GiB) "
+        "and model.safetensors.index.json",
+    )
+    c.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)"
     )
     c.add_argument("--dry-run", action="store_true", help="print the mapping table only")
     c.add_argument(
@@ -89,6 +113,16 @@ def add_parser(sub: Any) -> None:
     c.set_defaults(run=run)
 
 
+def _size(text: str) -> int | str:
+    from .._weights.safetensors import parse_size
+
+    try:
+        parse_size(int(text) if text.isdigit() else text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return int(text) if text.isdigit() else text
+
+
 def run(args: argparse.Namespace) -> int:
     """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
     from .._text import format_bytes
@@ -97,11 +131,13 @@ def run(args: argparse.Namespace) -> int:
     return_freed_memory()  # streams tensor-sized buffers, as reshard does
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
-    if not is_safetensors(args.source):
-        from .._errors import CheckpointError
+    from .._errors import CheckpointError
 
+    if args.max_shard_size is not None:
+        raise CheckpointError("--max-shard-size writes safetensors: pass --to safetensors")
+    if not is_safetensors(args.source):
         raise CheckpointError(
-            f"{args.source} is not a safetensors file, index or directory; "
+            f"{args.source} is not a safetensors file, index, directory or hf:// repository; "
             "to write safetensors from a checkpoint pass --to safetensors"
         )
     sizes = args.mesh or {"data": 1}
@@ -162,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _index_files(index: Any) -> list[Any]:
+    import json
+
+    return [index.parent / f for f in json.loads(index.read_text())["weight_map"].values()]
+
+
 def _row_json(r: Any) -> dict[str, Any]:
     return {
         "target": r.target,
@@ -173,14 +215,15 @@ def _row_json(r: Any) -> dict[str, Any]:
 
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
-    """A checkpoint written back as one safetensors file, one checkpoint leaf on the host
-    at a time (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
+    """A checkpoint written back as safetensors (one file, or with ``--max-shard-size``
+    Hugging Face's sharded layout), one checkpoint leaf on the host at a time
+    (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
     import importlib
 
     from .._checkpoint import locate
     from .._text import format_bytes
     from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_table
+    from .._weights.load import reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
         from .._errors import CheckpointError
@@ -201,15 +244,22 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     else:
         reference = args.reference
     table, meta = reference_table(reference)
+    if args.reference is None:
+        meta = {"format": "pt"}  # what transformers expects of a file it did not write
     ex = Exporter(targets, load, table, as_mapping(args.mapping, split_dots=True), args.dtype)
+    items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
     with progress_bar(args, "writing") as progress:
         task = progress.add_task("writing", total=None)
-        dest = ex.write(
+        dest = write_export(
             args.destination,
+            items,
+            ex.compute,
             meta,
-            lambda done, total: progress.update(task, completed=done, total=total),
+            max_shard_size=args.max_shard_size,
+            progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
-    nbytes = dest.stat().st_size
+    files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
+    nbytes = sum(f.stat().st_size for f in files)
     if args.json:
         emit(args, {"source": args.source, "destination": str(dest), "bytes": nbytes})
     else:
