@@ -118,13 +118,22 @@ def problem_json(e: Exception) -> dict[str, Any]:
 
 
 def fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int:
+    """Report a failed command; returns ``status``.
+
+    Without ``--json``: the message on stderr (``modelshard plan: error: ...``). With
+    ``--json``: the one JSON document on stdout, as on success (``"ok": false``, the exit
+    status, the error), and one short human line on stderr saying where the details are.
+    """
+    prog = f"modelshard{' ' + command if command else ''}"
     if as_json:
         envelope = {"schema": SCHEMA, "command": command, "ok": False, "exit_status": status}
-        write_json(sys.stderr, {**envelope, "error": error})
-    else:
+        write_json(sys.stdout, {**envelope, "error": error})
         sys.stderr.write(
-            f"modelshard{' ' + command if command else ''}: error: {error['message']}\n"
+            f"{prog}: error: {error['type']}, exit status {status} (the JSON on stdout says "
+            "what and where)\n"
         )
+    else:
+        sys.stderr.write(f"{prog}: error: {error['message']}\n")
     return status
 
 
