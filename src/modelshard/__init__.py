@@ -48,10 +48,15 @@ from ._shard_map import shard_map as shard_map
 from ._specs import FSDP as FSDP
 from ._specs import Rules as Rules
 from ._specs import fsdp as fsdp
+from ._weights import Add as Add
 from ._weights import Concat as Concat
 from ._weights import MapRule as MapRule
+from ._weights import Rearrange as Rearrange
+from ._weights import Reshape as Reshape
+from ._weights import Scale as Scale
 from ._weights import Split as Split
 from ._weights import Stack as Stack
+from ._weights import Transpose as Transpose
 from ._weights import Unstack as Unstack
 from ._weights import WeightMap as WeightMap
 from ._weights import load_safetensors as load_safetensors

@@ -21,11 +21,16 @@ from .load import target_table as target_table
 from .load import unmap as unmap
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
+from .mapping import Add as Add
 from .mapping import Concat as Concat
 from .mapping import MapRule as MapRule
+from .mapping import Rearrange as Rearrange
+from .mapping import Reshape as Reshape
 from .mapping import Resolution as Resolution
+from .mapping import Scale as Scale
 from .mapping import Split as Split
 from .mapping import Stack as Stack
+from .mapping import Transpose as Transpose
 from .mapping import Unstack as Unstack
 from .mapping import WeightMap as WeightMap
 from .mapping import resolve as resolve

@@ -30,6 +30,7 @@ from .._flat import split
 from .._mesh import is_abstract, make_mesh
 from .._paths import split as split_path
 from . import transforms as T
+from .mapfile import checkpoint_config, load_weight_map
 from .mapping import Resolution, WeightMap, resolve
 from .progress import Progress, reporter
 from .safetensors import (
@@ -50,8 +51,6 @@ def as_mapping(mapping: MappingLike, *, split_dots: bool) -> WeightMap:
         return WeightMap.identity(split_dots=split_dots)
     if isinstance(mapping, WeightMap):
         return mapping
-    from .mapfile import load_weight_map
-
     return load_weight_map(mapping)
 
 
@@ -212,6 +211,7 @@ def load_with(
     dry_run: bool,
     progress: Progress,
 ) -> Any:
+    wm = wm.with_config(checkpoint_config(files.path))
     like, flat, res = resolve_target(wm, files.table(), like, dtype)
     shardings = leaf_shardings(like, flat, specs, mesh)
     if dry_run:
@@ -228,7 +228,15 @@ def resolve_target(
     ``ShapeDtypeStruct`` of every mapped leaf stands in for it."""
     if like is not None:
         flat, targets = target_table(like)
-        return like, flat, resolve(wm, table, targets, dtype=dtype)
+        res = resolve(wm, table, targets, dtype=dtype)
+        abstract = [
+            p
+            for p, x in zip(flat.paths, flat.arrays, strict=True)
+            if p in res.kept and isinstance(x, jax.ShapeDtypeStruct)
+        ]
+        if abstract:
+            raise MappingError([_abstract_kept(p) for p in abstract])
+        return like, flat, res
     res = resolve(wm, table, None, dtype=dtype)
     like = nest_paths({p: jax.ShapeDtypeStruct(n.shape, n.dtype) for p, n in res.recipes.items()})
     return like, split(like), res
@@ -316,7 +324,7 @@ def mapped_leaves(
 
     ``files`` must stay open while the leaves are read.
     """
-    wm = as_mapping(mapping, split_dots=True)
+    wm = as_mapping(mapping, split_dots=True).with_config(checkpoint_config(files.path))
     like, flat, res = resolve_target(wm, files.table(), like, dtype)
     shardings = leaf_shardings(like, flat, specs, mesh)
     out = []
@@ -360,17 +368,18 @@ def keep_value(path: str, x: Any, sharding: Any) -> Any:
     from .._shard import place
 
     if isinstance(x, jax.ShapeDtypeStruct):
-        raise MappingError(
-            [
-                Problem(
-                    "target",
-                    path,
-                    "kept (no stored tensor) but like holds no value for it",
-                    hint="pass a concrete like for kept leaves (a freshly initialised model)",
-                )
-            ]
-        )
+        raise MappingError([_abstract_kept(path)])
     return x if sharding is None else place([x], [sharding])[0]
+
+
+def _abstract_kept(path: str) -> Problem:
+    return Problem(
+        "target",
+        path,
+        "kept (no stored tensor) but like holds no value for it",
+        hint="pass a concrete like for kept leaves (a freshly initialised model)",
+        cause="a kept leaf with no value in like",
+    )
 
 
 def save_safetensors(
@@ -383,6 +392,7 @@ def save_safetensors(
     metadata: Mapping[str, str] | None = None,
     max_shard_size: int | str | None = None,
     progress: Progress = True,
+    untie: bool = False,
 ) -> Path:
     """Write ``state`` as safetensors: in its own names, or in a checkpoint's names, shapes
     and dtypes (the import mapping run backwards).
@@ -423,6 +433,9 @@ def save_safetensors(
         progress: ``True``: a progress bar in bytes on stderr when stderr is a terminal
             and the export is 256 MiB or more; ``False``: none; a callable: called as
             ``progress(bytes_done, bytes_total)`` after each tensor instead.
+        untie: with ``reference``: leaves an ``also`` rule filled from a stored tensor (a
+            head tied to the embedding) are written under their rule's ``untied`` name
+            (``lm_head.weight``) instead of being checked against that tensor.
 
     Returns:
         The path written: the file, or the index of a sharded checkpoint. Importing it
@@ -432,7 +445,9 @@ def save_safetensors(
         MappingError: the mapping does not fit the reference and the state (the same
             checks as an import); without a reference, leaves that cannot be written in
             their own names (a ``.`` inside a path component, a dtype safetensors has no
-            code for, such as a PRNG key), every one listed.
+            code for, such as a PRNG key), every one listed; an ``also`` leaf that no
+            longer equals the stored tensor it was loaded from (without ``untie``; nothing
+            is written).
         CheckpointError: ``path`` ends ``.index.json`` without ``max_shard_size``; a
             parent of ``path`` is a file; a malformed ``max_shard_size``.
 
@@ -474,8 +489,10 @@ def save_safetensors(
     else:
         wm = as_mapping(mapping, split_dots=True)
         table, meta = reference_table(reference)
-        ex = Exporter.of_state(state, table, wm, dtype)
-        items = [(n, table[n][0], table[n][1]) for n in ex.order]
+        wm = wm.with_config(reference_config(reference))
+        ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
+        ex.check_also()  # a refused export writes nothing
+        items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
     return write_export(
         path,
@@ -485,6 +502,14 @@ def save_safetensors(
         max_shard_size=max_shard_size,
         progress=progress,
     )
+
+
+def reference_config(reference: Any) -> dict[str, int]:
+    """The ``config.json`` sizes beside a reference checkpoint (none for a container)."""
+    if not isinstance(reference, str | os.PathLike):
+        return {}
+    with open_safetensors(reference) as ref:
+        return checkpoint_config(ref.path)
 
 
 Entry = tuple[str, tuple[int, ...], Any]
@@ -540,10 +565,36 @@ def canonical_export(state: Any, dtype: Any = None) -> tuple[list[Entry], Callab
     want = {name: dt for name, _, dt in items}
 
     def compute(name: str) -> np.ndarray:
-        a = np.asarray(jax.device_get(values[name]))
+        a = host_leaf(values[name], name)
         return a if a.dtype == want[name] else a.astype(want[name])
 
     return items, compute
+
+
+def host_leaf(x: Any, name: str = "") -> np.ndarray:
+    """One leaf as a fresh NumPy array, assembled from its addressable shards (each
+    distinct block copied once), so that nothing stays attached to the ``jax.Array``:
+    ``np.asarray(x)`` / ``jax.device_get(x)`` cache the host copy on the array, which
+    keeps every leaf written so far alive, and an export would peak at twice the state.
+
+    Raises:
+        CheckpointError: the array spans several processes (not all of it here).
+    """
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if not x.is_fully_addressable:
+        raise CheckpointError(
+            f"{name or 'a leaf'}: spans several processes; save_safetensors writes from one "
+            "process (gather it first, or write a checkpoint with save())"
+        )
+    out = np.empty(x.shape, x.dtype)
+    done: set[tuple[tuple[int, int], ...]] = set()
+    for shard in x.addressable_shards:
+        key = tuple(s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True))
+        if key not in done:
+            done.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def write_export(
@@ -587,6 +638,11 @@ class Exporter:
     mapping, one at a time (``compute`` in ``order``); each target leaf is loaded to the
     host once (``load(path)``) and dropped when no later tensor reads it.
 
+    A stored tensor that an ``also`` rule copied into more leaves is written once, from
+    its first rule's leaf; ``check_also`` (run by ``write`` before anything is written)
+    refuses an ``also`` leaf that no longer equals it. With ``untie`` each such leaf is
+    written instead under its rule's ``untied`` name.
+
     Args:
         targets: the target leaves, path -> (shape, dtype).
         load: ``load(path)``: that target leaf as a NumPy array (from a state on the
@@ -594,6 +650,11 @@ class Exporter:
         table: the reference's stored tensors, name -> (shape, dtype).
         wm: the import mapping.
         dtype: the import's ``dtype``.
+        untie: write ``also`` leaves under their rules' ``untied`` names.
+
+    Raises:
+        MappingError: the mapping does not fit; ``untie`` with an ``also`` rule that
+            names no ``untied`` tensor.
     """
 
     def __init__(
@@ -603,11 +664,51 @@ class Exporter:
         table: Mapping[str, tuple[tuple[int, ...], Any]],
         wm: WeightMap,
         dtype: Any,
+        *,
+        untie: bool = False,
     ):
-        res = resolve(wm, table, targets, dtype=dtype)
-        self.table = table
+        res = resolve(wm, table, targets, dtype=dtype, export=True)
         self.load = load
         self.sources = invert_resolution(res)
+        # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
+        self.also: list[tuple[str, list[str], int, T.Node]] = []
+        table = dict(table)
+        problems: list[Problem] = []
+        for i, (paths, inverse) in invert_also(res).items():
+            for name, node in inverse.items():
+                leaves = [p for p in paths if name in res.recipes[p].reads()]
+                if name not in self.sources:  # its first rule skips it: written from here
+                    self.sources[name] = node
+                elif untie:
+                    untied = wm.format_untied(i, name)
+                    if untied is None:
+                        problems.append(
+                            Problem(
+                                "mapping",
+                                f"rules[{i}]",
+                                f"untie=True, but this also rule names no untied tensor to "
+                                f"write {', '.join(leaves)} as",
+                                hint='give the rule untied="..." (lm_head.weight)',
+                            )
+                        )
+                        continue
+                    if untied in table:
+                        problems.append(
+                            Problem(
+                                "source",
+                                untied,
+                                f"untie=True writes {', '.join(leaves)} as {untied} "
+                                f"(rules[{i}]), but the reference already has it",
+                            )
+                        )
+                        continue
+                    table[untied] = (tuple(node.shape), node.dtype)
+                    self.sources[untied] = node
+                else:
+                    self.also.append((name, leaves, i, node))
+        if problems:
+            raise MappingError(problems)
+        self.table = table
         self.order = [n for n in table if n in self.sources]
         self._pos = {n: i for i, n in enumerate(self.order)}
         last: dict[str, int] = {}
@@ -619,12 +720,25 @@ class Exporter:
 
     @classmethod
     def of_state(
-        cls, state: Any, table: Mapping[str, tuple[tuple[int, ...], Any]], wm: WeightMap, dtype: Any
+        cls,
+        state: Any,
+        table: Mapping[str, tuple[tuple[int, ...], Any]],
+        wm: WeightMap,
+        dtype: Any,
+        *,
+        untie: bool = False,
     ) -> Exporter:
         """An exporter reading the leaves of ``state`` (fetched from its devices)."""
         flat, targets = target_table(state)
         values = dict(zip(flat.paths, flat.arrays, strict=True))
-        return cls(targets, lambda p: np.asarray(jax.device_get(values[p])), table, wm, dtype)
+        return cls(
+            targets,
+            lambda p: np.asarray(jax.device_get(values[p])),
+            table,
+            wm,
+            dtype,
+            untie=untie,
+        )
 
     def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
         whole = self._cache.get(key)
@@ -640,13 +754,57 @@ class Exporter:
                 self._cache.pop(k, None)
         return value
 
+    def check_also(self) -> None:
+        """Refuse ``also`` leaves that no longer equal the tensor they were loaded from
+        (each compared, bit for bit, with what its first rule's leaf writes).
+
+        Raises:
+            MappingError: every such leaf, named, with how many elements differ.
+        """
+        problems: list[Problem] = []
+        for name, leaves, i, node in self.also:
+            cache: dict[str, np.ndarray] = {}
+
+            def fetch(key: str, index: tuple[slice, ...], cache: dict = cache) -> np.ndarray:
+                whole = cache.get(key)
+                if whole is None:
+                    whole = cache[key] = self.load(key)
+                return whole[index]
+
+            want = T.contiguous(self.sources[name].read(None, fetch))
+            got = T.contiguous(node.read(None, fetch))
+            cache.clear()
+            bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
+            if bits is None:
+                same = want.tobytes() == got.tobytes()
+                differ = 0 if same else want.size
+            else:
+                differ = int(np.count_nonzero(want.view(bits) != got.view(bits)))
+            if differ:
+                problems.append(
+                    Problem(
+                        "target",
+                        ", ".join(leaves),
+                        f"filled from {name} by rules[{i}] (also=True), but no longer "
+                        f"equals it: {differ} of {want.size} elements of {name} differ; "
+                        f"the export writes {name} once, from its first rule's leaf",
+                        hint="tie the two in training, or export untied "
+                        "(untie=True and the rule's untied= name)",
+                        cause="an also leaf no longer equals its stored tensor",
+                    )
+                )
+        if problems:
+            raise MappingError(problems)
+
     def write(
         self,
         path: str | os.PathLike[str],
         metadata: Mapping[str, str] | None,
         progress: Callable[[int, int], None] | None,
     ) -> Path:
-        """Write the reference's tensors as one safetensors file, one tensor at a time."""
+        """Write the reference's tensors as one safetensors file, one tensor at a time
+        (``check_also`` first: a refused export writes nothing)."""
+        self.check_also()
         table = self.table
         total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in self.order)
         done = [0]
@@ -665,7 +823,14 @@ class Exporter:
         )
 
 
-def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any = None) -> Any:
+def unmap(
+    state: Any,
+    *,
+    reference: Any,
+    mapping: MappingLike = None,
+    dtype: Any = None,
+    untie: bool = False,
+) -> Any:
     r"""``state`` in the layout of ``reference``: the mapping that imports ``reference`` into
     ``state``, run backwards, on this host.
 
@@ -676,6 +841,8 @@ def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any
             file (the result is a dict of stored name -> array).
         mapping: the import mapping (a [`WeightMap`][modelshard.WeightMap] or a TOML path).
         dtype: the ``dtype`` the import was given.
+        untie: as for [`save_safetensors`][modelshard.save_safetensors] (a safetensors
+            reference: the untied tensor is one more entry of the result).
 
     Returns:
         The reference's container with NumPy leaves computed from ``state``; write it with
@@ -683,7 +850,8 @@ def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any
         rule skips keep the reference's (concrete) values.
 
     Raises:
-        MappingError: the mapping does not fit ``reference`` and ``state``.
+        MappingError: the mapping does not fit ``reference`` and ``state``; an ``also``
+            leaf no longer equals the stored tensor it was loaded from (without ``untie``).
 
     Example:
         >>> import jax, numpy as np, modelshard as ms
@@ -696,7 +864,9 @@ def unmap(state: Any, *, reference: Any, mapping: MappingLike = None, dtype: Any
     """
     wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
     table, _ = reference_table(reference)
-    ex = Exporter.of_state(state, table, wm, dtype)
+    wm = wm.with_config(reference_config(reference))
+    ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
+    ex.check_also()
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}
     flat = split(reference)
@@ -723,10 +893,29 @@ def _no_value(path: str) -> Any:
 
 
 def invert_resolution(res: Resolution) -> dict[str, T.Node]:
-    """For each stored tensor the resolution reads, the recipe computing it from targets."""
+    """For each stored tensor the resolution reads, the recipe computing it from targets
+    (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
     out: dict[str, T.Node] = {}
     pieces: dict[int, dict[str, Any]] = {}
     for path, node in res.recipes.items():
-        T.invert(path, node, out, pieces)
+        if path not in res.also:
+            T.invert(path, node, out, pieces)
     T.finish_inverse(out, pieces)
+    return out
+
+
+def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, T.Node]]]:
+    """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
+    computing that tensor from those leaves."""
+    by_rule: dict[int, list[str]] = {}
+    for path, i in res.also.items():
+        by_rule.setdefault(i, []).append(path)
+    out: dict[int, tuple[list[str], dict[str, T.Node]]] = {}
+    for i, paths in by_rule.items():
+        inverse: dict[str, T.Node] = {}
+        pieces: dict[int, dict[str, Any]] = {}
+        for path in paths:
+            T.invert(path, res.recipes[path], inverse, pieces)
+        T.finish_inverse(inverse, pieces)
+        out[i] = (paths, inverse)
     return out

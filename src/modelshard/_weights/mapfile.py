@@ -39,12 +39,27 @@ The format (documented in ``docs/concepts/mapping.md``)::
     target = "layers/{1}/attn/{part}/kernel"
     split = { key = "part", names = ["q", "k", "v"], axis = 1 }
 
+    [[rules]]                          # ordered operations, each inverted on export
+    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.q_proj\\.weight'
+    target = "layers/{1}/attn/q_einsum/w"
+    ops = [{ rearrange = "(h d) e -> h e d", h = "num_attention_heads" }]
+
+    [[rules]]                          # one stored tensor into one more leaf
+    source = 'model\\.embed_tokens\\.weight'
+    target = "head/kernel"
+    transpose = [1, 0]
+    also = true
+    untied = "lm_head.weight"
+
 A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``; ``split`` takes
-``sizes = [...]`` (ints or config names) for unequal parts.
+``sizes = [...]`` (ints or config names) for unequal parts. ``ops`` entries are tables
+of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
+``reshape``, ``add``, ``scale``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from collections.abc import Mapping
@@ -52,7 +67,20 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MappingError, Problem
-from .mapping import Concat, MapRule, Split, Stack, Unstack, WeightMap
+from .mapping import (
+    Add,
+    Concat,
+    MapRule,
+    Op,
+    Rearrange,
+    Reshape,
+    Scale,
+    Split,
+    Stack,
+    Transpose,
+    Unstack,
+    WeightMap,
+)
 
 _TOP = {"strict", "keep", "config", "rules"}
 _RULE = {
@@ -66,7 +94,67 @@ _RULE = {
     "concat",
     "split",
     "cast",
+    "ops",
+    "also",
+    "untied",
 }
+_OPS = ("rearrange", "transpose", "reshape", "add", "scale")
+
+
+def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op, ...] | None:
+    """``ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]``."""
+    if not isinstance(value, list):
+        problems.append(Problem(src, where, f"{value!r} is not an array of tables", hint=_OPS_HINT))
+        return None
+    out: list[Op] = []
+    for j, item in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(item, Mapping):
+            problems.append(Problem(src, at, f"{item!r} is not a table", hint=_OPS_HINT))
+            continue
+        kinds = [k for k in _OPS if k in item]
+        if len(kinds) != 1:
+            what = "no operation" if not kinds else f"{len(kinds)} operations ({', '.join(kinds)})"
+            problems.append(
+                Problem(src, at, f"{what}: give exactly one of {', '.join(_OPS)}", hint=_OPS_HINT)
+            )
+            continue
+        kind = kinds[0]
+        arg = item[kind]
+        extra = [k for k in item if k != kind]
+        if kind != "rearrange" and extra:
+            problems.append(
+                Problem(src, f"{at}.{extra[0]}", f"unknown key {extra[0]!r} for {kind}")
+            )
+            continue
+        if kind == "rearrange":
+            sizes = {k: item[k] for k in extra}
+            wrong = [
+                k
+                for k, v in sizes.items()
+                if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
+            ]
+            if not isinstance(arg, str):
+                problems.append(Problem(src, f"{at}.rearrange", f"{arg!r} is not a string"))
+            elif wrong:
+                for k in wrong:
+                    problems.append(
+                        Problem(src, f"{at}.{k}", f"size {sizes[k]!r} is not an integer or a name")
+                    )
+            else:
+                out.append(Rearrange(arg, **sizes))
+        elif kind in ("transpose", "reshape"):
+            got = _ints(arg, f"{at}.{kind}", problems, src, kind == "reshape")
+            if got is not None:
+                out.append(Transpose(got) if kind == "transpose" else Reshape(got))
+        elif isinstance(arg, int | float) and not isinstance(arg, bool):
+            out.append(Add(float(arg)) if kind == "add" else Scale(float(arg)))
+        else:
+            problems.append(Problem(src, f"{at}.{kind}", f"{arg!r} is not a number"))
+    return tuple(out) if len(out) == len(value) else None
+
+
+_OPS_HINT = 'e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]'
 
 
 def _ints(value: Any, where: str, problems: list[Problem], src: str, names: bool) -> Any:
@@ -258,6 +346,22 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 bad = True
             else:
                 split = Split(t["key"], tuple(names), t.get("axis", 0), sizes)
+        ops = None
+        if "ops" in item:
+            ops = _ops(item["ops"], f"{where}.ops", problems, source)
+            bad |= ops is None
+        also = item.get("also", False)
+        if not isinstance(also, bool):
+            problems.append(
+                Problem(source, f"{where}.also", f"also must be true or false, got {also!r}")
+            )
+            bad = True
+        untied = item.get("untied")
+        if untied is not None and not isinstance(untied, str):
+            problems.append(
+                Problem(source, f"{where}.untied", f"untied must be a tensor name, got {untied!r}")
+            )
+            bad = True
         cast = item.get("cast")
         if cast is not None and not isinstance(cast, str):
             problems.append(
@@ -276,6 +380,9 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                     cast=cast,
                     concat=joins.get("concat"),
                     split=split,
+                    ops=ops,
+                    also=also,
+                    untied=untied,
                 )
             )
     header = f"invalid mapping file {source}:"
@@ -311,3 +418,51 @@ def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
     except tomllib.TOMLDecodeError as e:
         raise MappingError([Problem(str(p), "", f"not valid TOML: {e}")], header=header) from e
     return parse_weight_map(data, str(p))
+
+
+CONFIG_JSON = "config.json"
+
+
+def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The integer entries of the ``config.json`` beside a checkpoint (``path``: its file,
+    index or directory), as sizes a mapping's ``config`` may name: top-level entries
+    (``num_attention_heads``, ``head_dim``, ``hidden_size``), a nested table's as
+    ``table.name`` (``text_config.head_dim``), and ``text_config``'s also under their own
+    names where the top level lacks them (multimodal Gemma 3 keeps its language model's
+    sizes there). No file, or one that is not a JSON object: no sizes (a mapping naming
+    one then says it is missing from its config).
+
+    Example:
+        >>> import json, tempfile, pathlib
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (d / "config.json").write_text(json.dumps(
+        ...     {"model_type": "gemma3", "text_config": {"num_attention_heads": 8}}))
+        >>> checkpoint_config(d / "model.safetensors")
+        {'text_config.num_attention_heads': 8, 'num_attention_heads': 8}
+    """
+    p = Path(path)
+    d = p if p.is_dir() else p.parent
+    try:
+        data = json.loads((d / CONFIG_JSON).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    out: dict[str, int] = {}
+    nested: dict[str, int] = {}
+    for k, v in data.items():
+        if _is_size(v):
+            out[str(k)] = v
+        elif isinstance(v, dict):
+            for k2, v2 in v.items():
+                if _is_size(v2):
+                    out[f"{k}.{k2}"] = v2
+                    if k == "text_config":
+                        nested[str(k2)] = v2
+    for k, v in nested.items():
+        out.setdefault(k, v)
+    return out
+
+
+def _is_size(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -10,6 +10,8 @@ leaf (``.transforms``), reading nothing, and reports every problem at once.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 import re
@@ -105,13 +107,211 @@ class Split:
     sizes: tuple[int | str, ...] | None = None
 
 
+# ---- operations (a rule's ``ops``) ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Rearrange:
+    """Regroup and permute axes in einops notation: ``"(h d) e -> h e d"``.
+
+    Each side names the axes of the tensor; parentheses group several into one (their
+    sizes multiply), ``()`` is an axis of size 1. Every name appears once on each side;
+    sizes of grouped axes are given as keywords (ints, or names in the mapping's
+    ``config``), one per group may be left out and is inferred. It becomes a reshape, a
+    transpose and a reshape of the recipe (each left out when it does nothing), so a
+    pure permutation (``"a b -> b a"``) still reads each device's slice only.
+
+    Hugging Face's ``q_proj.weight`` ``[heads * head_dim, embed]`` into Google's Gemma
+    ``q_einsum`` ``[heads, embed, head_dim]``: ``Rearrange("(h d) e -> h e d", h="heads")``.
+
+    Args:
+        pattern: ``"left -> right"``.
+        **sizes: the sizes of axes inside groups.
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.Rearrange("(h d) e -> h e d", h="heads")
+        Rearrange('(h d) e -> h e d', h='heads')
+    """
+
+    pattern: str
+    sizes: tuple[tuple[str, int | str], ...]
+
+    def __init__(self, pattern: str, /, **sizes: int | str):
+        object.__setattr__(self, "pattern", pattern)
+        object.__setattr__(self, "sizes", tuple(sizes.items()))
+
+    def __repr__(self) -> str:
+        kw = "".join(f", {k}={v!r}" for k, v in self.sizes)
+        return f"Rearrange({self.pattern!r}{kw})"
+
+    def text(self) -> str:
+        kw = "".join(f", {k}={v}" for k, v in self.sizes)
+        return f"rearrange({self.pattern}{kw})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+    """Permute the axes: ``Transpose((1, 0))`` turns PyTorch's ``[out, in]`` linear weight
+    into a JAX ``[in, out]`` kernel. A device still reads only its slice.
+
+    Attributes:
+        perm: the new order of the axes (``numpy.transpose``'s ``axes``).
+    """
+
+    perm: tuple[int, ...]
+
+    def text(self) -> str:
+        return f"transpose{tuple(self.perm)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+    """Reshape (C order): ints, one ``-1`` (inferred), or names in the mapping's
+    ``config``. Needs the whole stored tensor on the host.
+
+    Attributes:
+        shape: the new shape.
+    """
+
+    shape: tuple[int | str, ...]
+
+    def text(self) -> str:
+        return f"reshape{tuple(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """Add a constant to every element; the export subtracts it. MaxText's Gemma norm
+    scales are Hugging Face's plus one: ``Add(1.0)``.
+
+    Computed in float32 (float64 for a float64 tensor) and rounded to the tensor's dtype,
+    so import then export is bit-exact only where the leaf holds ``x + value`` exactly:
+    a bfloat16 file into float32 leaves (``dtype="float32"``) gives back every value with
+    ``|x| >= |value| * 2**-16`` and +0 (-0 comes back as +0); in bfloat16 leaves
+    ``x + 1`` rounds (see the mapping guide). Floating-point tensors only.
+
+    Attributes:
+        value: the constant.
+    """
+
+    value: float
+
+    def text(self) -> str:
+        return f"add({self.value!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Multiply every element by a constant; the export divides by it. Computed like
+    [`Add`][modelshard.Add]: a bfloat16 file into float32 leaves round-trips every value
+    whose product stays finite; a power of two is exact in any float dtype (barring
+    overflow and subnormals). Floating-point tensors only.
+
+    Attributes:
+        value: the factor (not zero).
+    """
+
+    value: float
+
+    def text(self) -> str:
+        return f"scale({self.value!r})"
+
+
+Op = Rearrange | Transpose | Reshape | Add | Scale
+"""One operation of a rule's ``ops``."""
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+_TOKEN = re.compile(r"\s*(\(|\)|[A-Za-z_]\w*|[^\s()]+)")
+
+Side = list[tuple[tuple[str, ...], bool]]
+"""One side of a rearrange pattern: per axis, its names and whether it is a group."""
+
+
+def parse_rearrange(pattern: str) -> tuple[Side, Side]:
+    """``"(h d) e -> h e d"`` as ``(left, right)``, each a list of ``(names, grouped)``.
+
+    Raises:
+        ValueError: the pattern is malformed (the message says how).
+    """
+    if not isinstance(pattern, str) or pattern.count("->") != 1:
+        raise ValueError("needs exactly one '->' between the input and output axes")
+    left, right = pattern.split("->")
+    sides = (_side(left.strip(), "input"), _side(right.strip(), "output"))
+    lnames = [n for names, _ in sides[0] for n in names]
+    rnames = [n for names, _ in sides[1] for n in names]
+    for what, names in (("input", lnames), ("output", rnames)):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(
+                f"{', '.join(dup)} appear{'s' if len(dup) == 1 else ''} twice in the {what}"
+            )
+    only_l = [n for n in lnames if n not in rnames]
+    only_r = [n for n in rnames if n not in lnames]
+    if only_l or only_r:
+        parts = []
+        if only_l:
+            parts.append(f"{', '.join(only_l)} only in the input")
+        if only_r:
+            parts.append(f"{', '.join(only_r)} only in the output")
+        raise ValueError("every axis must be on both sides: " + "; ".join(parts))
+    return sides
+
+
+def _side(text: str, what: str) -> Side:
+    out: Side = []
+    group: list[str] | None = None
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:  # only trailing whitespace is left
+            break
+        tok, pos = m.group(1), m.end()
+        if tok == "(":
+            if group is not None:
+                raise ValueError(f"nested parentheses in the {what}")
+            group = []
+        elif tok == ")":
+            if group is None:
+                raise ValueError(f"')' without '(' in the {what}")
+            out.append((tuple(group), True))
+            group = None
+        elif _NAME.fullmatch(tok):
+            if group is None:
+                out.append(((tok,), False))
+            else:
+                group.append(tok)
+        else:
+            raise ValueError(
+                f"{tok!r} in the {what} is not an axis name (names are identifiers; give "
+                "sizes as keywords)"
+            )
+    if group is not None:
+        raise ValueError(f"'(' without ')' in the {what}")
+    return out
+
+
+def rule_ops(rule: MapRule) -> tuple[Op, ...]:
+    """The rule's operations in order: ``transpose=``/``reshape=`` (the shorthand) or
+    ``ops``."""
+    if rule.ops is not None:
+        return tuple(rule.ops)
+    out: list[Op] = []
+    if rule.transpose is not None:
+        out.append(Transpose(tuple(rule.transpose)))
+    if rule.reshape is not None:
+        out.append(Reshape(tuple(rule.reshape)))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class MapRule:
     """One rule of a [`WeightMap`][modelshard.WeightMap].
 
-    Transforms apply in this order: ``unstack`` or ``split`` (on the stored tensor),
-    ``transpose``, ``reshape`` (on each piece), ``stack`` or ``concat`` (across tensors),
-    then ``cast``.
+    Steps apply in this order: ``unstack`` or ``split`` (on the stored tensor), ``ops``
+    (on each piece, in order), ``stack`` or ``concat`` (across tensors), then ``cast``.
+    ``transpose=`` and ``reshape=`` are shorthand for ``ops=[Transpose(...)]`` and
+    ``ops=[Reshape(...)]`` (both: that order); a rule takes either them or ``ops``.
 
     Attributes:
         source: regex matched against the whole stored name (``re.fullmatch``).
@@ -128,6 +328,18 @@ class MapRule:
             ([`Concat`][modelshard.Concat]).
         split: one tensor into several leaves along an existing axis
             ([`Split`][modelshard.Split]).
+        ops: operations applied in order to each piece: [`Rearrange`][modelshard.Rearrange],
+            [`Transpose`][modelshard.Transpose], [`Reshape`][modelshard.Reshape],
+            [`Add`][modelshard.Add], [`Scale`][modelshard.Scale]; each is inverted on
+            export.
+        also: the rule applies in addition to the first matching rule, so one stored
+            tensor fills several leaves (tied embeddings into a separate head kernel).
+            The export writes the tensor once, from the first rule's leaf, and refuses
+            (``MappingError`` naming the leaf) when this rule's leaf no longer equals it,
+            unless asked to untie.
+        untied: with ``also``: the stored name an untied export
+            (``save_safetensors(..., untie=True)``) writes this rule's leaf under
+            (``"lm_head.weight"``; ``{1}`` and ``{name}`` insert the source's groups).
     """
 
     source: str
@@ -139,6 +351,14 @@ class MapRule:
     cast: str | None = None
     concat: Concat | None = None
     split: Split | None = None
+    ops: Sequence[Op] | None = None
+    also: bool = False
+    untied: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ops is not None and not isinstance(self.ops, tuple):
+            with contextlib.suppress(TypeError):  # not iterable: reported by WeightMap
+                object.__setattr__(self, "ops", tuple(self.ops))
 
     @property
     def join(self) -> Stack | Concat | None:
@@ -152,16 +372,15 @@ class MapRule:
         if self.split:
             names = "|".join(self.split.names)
             parts.append(f"split(axis {self.split.axis} -> {{{self.split.key}}} = {names})")
-        if self.transpose:
-            parts.append(f"transpose{tuple(self.transpose)}")
-        if self.reshape:
-            parts.append(f"reshape{tuple(self.reshape)}")
+        parts.extend(op.text() for op in rule_ops(self) if isinstance(op, Op))
         if self.stack:
             parts.append(f"stack(group {self.stack.group}, axis {self.stack.axis})")
         if self.concat:
             parts.append(f"concat(group {self.concat.group}, axis {self.concat.axis})")
         if self.cast:
             parts.append(f"cast({self.cast})")
+        if self.also:
+            parts.append("also")
         return ", ".join(parts) or ("skip" if self.target is None else "-")
 
 
@@ -177,7 +396,11 @@ class WeightMap:
         keep: regexes over target paths (``re.search``): target leaves they match may have
             no stored tensor and keep ``like``'s values (a new head, LoRA adapters). Every
             other target leaf must be mapped.
-        config: sizes named in ``reshape`` (``{"heads": 32, "head_dim": 128}``).
+        config: sizes named in ``reshape``, ``Split`` and ``Rearrange``
+            (``{"heads": 32, "head_dim": 128}``). Loading from a directory with a
+            ``config.json`` (Hugging Face's) adds its integer entries
+            (``num_attention_heads``, ``head_dim``; ``text_config.head_dim`` for a
+            nested one) under these: a name given here wins.
         strict: a rule (or ``keep`` pattern) that matches nothing is an error.
 
     Raises:
@@ -227,14 +450,42 @@ class WeightMap:
         return wm
 
     def match(self, name: str) -> tuple[int, re.Match[str]] | None:
-        """The index of the first rule matching ``name`` and the match, or ``None``."""
+        """The index of the first rule (not an ``also`` rule) matching ``name`` and the
+        match, or ``None``."""
         for i, pattern in enumerate(self._compiled):
-            if pattern is None:
+            if pattern is None or self.rules[i].also:
                 continue
             m = pattern.fullmatch(name)
             if m is not None:
                 return i, m
         return None
+
+    def also_matches(self, name: str) -> list[tuple[int, re.Match[str]]]:
+        """Every ``also`` rule matching ``name``, with its match."""
+        out = []
+        for i, pattern in enumerate(self._compiled):
+            if pattern is not None and self.rules[i].also:
+                m = pattern.fullmatch(name)
+                if m is not None:
+                    out.append((i, m))
+        return out
+
+    def with_config(self, sizes: Mapping[str, int]) -> WeightMap:
+        """This mapping with ``sizes`` (a checkpoint's ``config.json``) under its own
+        ``config``: a name the mapping sets keeps its value."""
+        if not sizes:
+            return self
+        out = copy.copy(self)
+        out.config = {**sizes, **self.config}
+        return out
+
+    def format_untied(self, i: int, name: str) -> str | None:
+        """Rule ``i``'s ``untied`` name for the stored tensor ``name``."""
+        rule, pattern = self.rules[i], self._compiled[i]
+        m = None if pattern is None else pattern.fullmatch(name)
+        if rule.untied is None or m is None:
+            return None
+        return _FIELD.sub(lambda f: _field(m, f.group(1), {}), rule.untied)
 
     def target_of(self, name: str) -> str | None:
         """The target path of one stored tensor (for stacked rules, the stacked leaf)."""
@@ -370,14 +621,115 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
                 hint="one rule joins or cuts tensors in one way; write two rules",
             )
         )
-    if rule.target is None and (rule.transpose or rule.reshape or steps):
+    if rule.target is None and (rule.transpose or rule.reshape or rule.ops or steps):
         problems.append(Problem("mapping", where, "a skip rule (target None) takes no transforms"))
+    if rule.ops is not None:
+        if rule.transpose is not None or rule.reshape is not None:
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    "a rule takes ops or transpose/reshape, not both",
+                    hint="write Transpose(...) and Reshape(...) into ops",
+                )
+            )
+        if isinstance(rule.ops, tuple):
+            for j, op in enumerate(rule.ops):
+                _check_op(op, f"{where}.ops[{j}]", problems)
+        else:
+            problems.append(
+                Problem("mapping", where, f"ops {rule.ops!r} is not a list of operations")
+            )
+    if rule.also:
+        if rule.target is None:
+            problems.append(
+                Problem("mapping", where, "an also rule needs a target (it fills another leaf)")
+            )
+        if join is not None:
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"an also rule cannot {verb}",
+                    hint="an also rule copies one stored tensor into one more leaf",
+                )
+            )
+    elif rule.untied is not None:
+        problems.append(
+            Problem(
+                "mapping",
+                where,
+                f"untied {rule.untied!r} needs also=True",
+                hint="untied names the stored tensor an untied export writes an also leaf as",
+            )
+        )
+    if rule.untied is not None:
+        for f in sorted(set(_FIELD.findall(rule.untied)) - groups):
+            problems.append(
+                Problem(
+                    "mapping",
+                    where,
+                    f"untied {rule.untied!r} uses {{{f}}} but the source regex has no such group",
+                )
+            )
     if rule.cast is not None:
         try:
             np.dtype(rule.cast)
         except TypeError:
             problems.append(Problem("mapping", where, f"cast {rule.cast!r} is not a dtype name"))
     return pattern
+
+
+def _check_op(op: Any, where: str, problems: list[Problem]) -> None:
+    """The problems of one operation that need no tensor (its pattern, its arguments)."""
+
+    def bad(what: str, hint: str | None = None) -> None:
+        problems.append(Problem("mapping", where, what, hint=hint))
+
+    if isinstance(op, Rearrange):
+        try:
+            left, right = parse_rearrange(op.pattern)
+        except ValueError as e:
+            bad(f"rearrange {op.pattern!r}: {e}", hint='einops notation: "(h d) e -> h e d"')
+            return
+        grouped = {n for names, g in left + right if g for n in names}
+        for k, v in op.sizes:
+            if k not in grouped:
+                bad(
+                    f"rearrange {op.pattern!r}: size {k}={v!r} is not an axis inside a group",
+                    hint="sizes are given for the axes inside parentheses",
+                )
+            elif not (isinstance(v, str) or (_is_int(v) and v > 0)):
+                bad(f"rearrange {op.pattern!r}: size {k}={v!r} is not a positive int or a name")
+    elif isinstance(op, Transpose):
+        perm = op.perm
+        if not (isinstance(perm, Sequence) and all(_is_int(p) for p in perm)):
+            bad(f"transpose {perm!r} is not a sequence of ints")
+        elif sorted(perm) != list(range(len(perm))):
+            bad(f"transpose {tuple(perm)!r} is not a permutation of 0..{len(perm) - 1}")
+    elif isinstance(op, Reshape):
+        shape = op.shape
+        if not (
+            isinstance(shape, Sequence)
+            and not isinstance(shape, str)
+            and all(_is_int(e) or isinstance(e, str) for e in shape)
+        ):
+            bad(f"reshape {shape!r} is not a sequence of ints and config names")
+    elif isinstance(op, Add | Scale):
+        v = op.value
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            bad(f"{op.text()}: the value must be a finite number")
+        elif isinstance(op, Scale) and v == 0:
+            bad("scale(0): multiplying by zero cannot be undone on export")
+    else:
+        bad(
+            f"{op!r} is not an operation",
+            hint="use Rearrange, Transpose, Reshape, Add or Scale",
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
 # ---- resolution ----------------------------------------------------------------------------
@@ -403,12 +755,14 @@ class Resolution:
         kept: target paths with no stored tensor that keep ``like``'s values.
         skipped: stored tensors skipped by a rule.
         rows: the mapping table, in target order.
+        also: target paths filled by an ``also`` rule -> that rule's index.
     """
 
     recipes: dict[str, T.Node]
     kept: list[str]
     skipped: list[str]
     rows: list[Row]
+    also: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def table(self, max_rows: int | None = None) -> Any:
         """The mapping table as a ``rich.table.Table``."""
@@ -451,11 +805,14 @@ def resolve(
     targets: Tensors | None,
     *,
     dtype: Any = None,
+    export: bool = False,
 ) -> Resolution:
     """Resolve ``mapping`` against stored tensors ``sources`` (name -> (shape, dtype)) and
     target leaves ``targets`` (path -> (shape, dtype); ``None``: whatever the mapping makes).
 
     ``dtype``: floating-point stored tensors are cast to it (before the rules' ``cast``).
+    ``export``: resolving for an export, where kept leaves are not written, so a ``keep``
+    pattern matching nothing is no error (the state may have no adapters at all).
 
     Raises:
         MappingError: every unmapped stored tensor, every target leaf with no source,
@@ -470,6 +827,12 @@ def resolve(
     for name in sources:
         hit = mapping.match(name)
         shape, dt = sources[name]
+        alsos = mapping.also_matches(name)
+        for j, m in alsos:
+            used.add(j)
+            plain.append((j, name, m))
+        if hit is None and alsos:
+            continue  # only also rules map it: the export writes it from their leaf
         if hit is None:
             problems.append(
                 Problem(
@@ -513,9 +876,11 @@ def resolve(
             plain.append((i, name, m))
 
     made: dict[str, tuple[T.Node, int, tuple[str, ...]]] = {}
+    failed: set[str] = set()  # leaves whose stored tensor has a problem of its own
 
     def add(path: str, node: T.Node | None, i: int, names: tuple[str, ...]) -> None:
         if node is None:
+            failed.add(path)
             return
         if path in made:
             other = made[path][2]
@@ -545,16 +910,21 @@ def resolve(
             for k in range(shape[ax]):
                 path = mapping._format(rule, m, {rule.unstack.key: str(k)})
                 piece = _piece(mapping, rule, i, T.Take(read, ax, k), name, dtype, problems)
-                if piece is None:
-                    break  # the same problem for every piece: reported once
+                if piece is None:  # the same problem for every piece: reported once
+                    failed.update(
+                        mapping._format(rule, m, {rule.unstack.key: str(j)})
+                        for j in range(shape[ax])
+                    )
+                    break
                 add(path, piece, i, (name,))
         elif rule.split is not None:
             parts = _split_parts(mapping, rule, i, read, name, problems)
             for part, cut in parts:
                 path = mapping._format(rule, m, {rule.split.key: part})
                 leaf = _piece(mapping, rule, i, cut, name, dtype, problems)
-                if leaf is None:
-                    break  # the same problem for every part: reported once
+                if leaf is None:  # the same problem for every part: reported once
+                    failed.update(mapping._format(rule, m, {rule.split.key: p}) for p, _ in parts)
+                    break
                 add(path, leaf, i, (name,))
         else:
             path = mapping._format(rule, m, {})
@@ -578,11 +948,13 @@ def resolve(
             pieces.append(_pre_cast(mapping, rule, i, read, name, dtype, problems))
         nodes = [p for p in pieces if p is not None]
         if len(nodes) < len(pieces):
+            failed.add(path)
             continue
         ndim = len(nodes[0].shape) + (1 if rule.stack is not None else 0)
         ax = join.axis
         if not -ndim <= ax < ndim:
             problems.append(Problem("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range"))
+            failed.add(path)
             continue
         ax %= ndim
 
@@ -633,6 +1005,8 @@ def resolve(
         keep_used: set[int] = set()
         for path, (shape, dt) in targets.items():
             hit = made.get(path)
+            if hit is None and path in failed:
+                continue  # its stored tensor's problem is reported
             if hit is None:
                 ks = [j for j, k in enumerate(mapping._keep) if k.search(path)]
                 if ks:
@@ -690,7 +1064,7 @@ def resolve(
                         cause="mapped to a path the target does not have",
                     )
                 )
-        if mapping.strict:
+        if mapping.strict and not export:
             for j, k in enumerate(mapping.keep):
                 if j not in keep_used:
                     problems.append(
@@ -705,7 +1079,8 @@ def resolve(
         rows = [_row(p, n, mapping.rules[i]) for p, (n, i, _) in made.items()]
     if problems:
         raise MappingError(problems, header=_header(problems))
-    return Resolution({p: n for p, (n, _, _) in made.items()}, kept, skipped, rows)
+    also = {p: i for p, (_, i, _) in made.items() if mapping.rules[i].also}
+    return Resolution({p: n for p, (n, _, _) in made.items()}, kept, skipped, rows, also)
 
 
 def _row(path: str, node: T.Node, rule: MapRule) -> Row:
@@ -734,14 +1109,26 @@ def _pre_cast(
     dtype: Any,
     problems: list[Problem],
 ) -> T.Node | None:
-    """``node`` through the load's dtype, the rule's transpose and reshape."""
+    """``node`` through the load's dtype and the rule's operations."""
     if rule.cast is not None and T.is_key(node.dtype):
         problems.append(_bad(name, node, f"a PRNG key cannot be cast (cast = {rule.cast!r})", i))
         return None
     if dtype is not None and jnp.issubdtype(node.dtype, jnp.floating) and node.dtype != dtype:
         node = T.Cast(node, np.dtype(dtype))
-    if rule.transpose is not None:
-        perm = tuple(rule.transpose)
+    for op in rule_ops(rule):
+        got = _apply(mapping, op, node, name, i, problems)
+        if got is None:
+            return None
+        node = got
+    return node
+
+
+def _apply(
+    mapping: WeightMap, op: Op, node: T.Node, name: str, i: int, problems: list[Problem]
+) -> T.Node | None:
+    """``node`` through one operation, as recipe nodes; ``None`` after a problem."""
+    if isinstance(op, Transpose):
+        perm = tuple(int(p) for p in op.perm)
         if sorted(perm) != list(range(len(node.shape))):
             problems.append(
                 _bad(
@@ -752,13 +1139,82 @@ def _pre_cast(
                 )
             )
             return None
-        node = T.Transpose(node, perm)
-    if rule.reshape is not None:
-        shape = _reshape(mapping, rule.reshape, node, name, i, problems)
-        if shape is None:
+        return T.Transpose(node, perm)
+    if isinstance(op, Reshape):
+        shape = _reshape(mapping, op.shape, node, name, i, problems)
+        return None if shape is None else T.Reshape(node, shape)
+    if isinstance(op, Rearrange):
+        return _rearrange(mapping, op, node, name, i, problems)
+    what = "add" if isinstance(op, Add) else "scale"
+    if not (isinstance(node.dtype, np.dtype) and jnp.issubdtype(node.dtype, jnp.floating)):
+        problems.append(
+            _bad(
+                name,
+                node,
+                f"{op.text()} needs a floating-point tensor, not {dtype_name(node.dtype)}",
+                i,
+                hint=f"{what} applies to float tensors only",
+            )
+        )
+        return None
+    return T.Arith(node, "add" if isinstance(op, Add) else "mul", float(op.value))
+
+
+def _rearrange(
+    mapping: WeightMap, op: Rearrange, node: T.Node, name: str, i: int, problems: list[Problem]
+) -> T.Node | None:
+    """A rearrange as reshape -> transpose -> reshape nodes (each left out when it does
+    nothing)."""
+    left, right = parse_rearrange(op.pattern)  # checked when the mapping was built
+    shape = node.shape
+    where = f"rearrange({op.pattern})"
+    if len(left) != len(shape):
+        problems.append(
+            _bad(name, node, f"{where} expects {len(left)} axes, the tensor has {len(shape)}", i)
+        )
+        return None
+    given = _sizes(mapping, [v for _, v in op.sizes], node, name, i, problems, "rearrange size")
+    if given is None:
+        return None
+    known = dict(zip([k for k, _ in op.sizes], given, strict=True))
+    sizes: dict[str, int] = {}
+    for (names, _), dim in zip(left, shape, strict=True):
+        unknown = [n for n in names if n not in known]
+        prod = math.prod(known[n] for n in names if n in known)
+        if len(unknown) > 1:
+            problems.append(
+                _bad(
+                    name,
+                    node,
+                    f"{where}: give the size of all but one of {', '.join(unknown)}",
+                    i,
+                )
+            )
             return None
-        node = T.Reshape(node, shape)
-    return node
+        if unknown and (prod <= 0 or dim % prod):
+            problems.append(
+                _bad(name, node, f"{where}: axis of size {dim} does not divide by {prod}", i)
+            )
+            return None
+        if not unknown and prod != dim:
+            sizes_text = " * ".join(f"{n}={known[n]}" for n in names) or "()"
+            problems.append(_bad(name, node, f"{where}: axis of size {dim} is not {sizes_text}", i))
+            return None
+        for n in names:
+            sizes[n] = known[n] if n in known else dim // prod
+    order = [n for names, _ in left for n in names]
+    out: T.Node = node
+    elementary = tuple(sizes[n] for n in order)
+    if elementary != shape:
+        out = T.Reshape(out, elementary)
+    target_order = [n for names, _ in right for n in names]
+    perm = tuple(order.index(n) for n in target_order)
+    if perm != tuple(range(len(perm))):
+        out = T.Transpose(out, perm)
+    final = tuple(math.prod(sizes[n] for n in names) for names, _ in right)
+    if final != out.shape:
+        out = T.Reshape(out, final)
+    return out
 
 
 def _piece(

@@ -3,7 +3,8 @@
 A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
 ``Read`` leaves name a stored tensor; ``Transpose``, ``Reshape``, ``Take`` (one index of
 an axis), ``Slice`` (a range of an axis), ``Stack`` (along a new axis), ``Concat`` (along
-an existing one) and ``Cast`` compute on top. Every node knows its shape
+an existing one), ``Cast`` and ``Arith`` (adding or multiplying by a constant) compute on
+top. Every node knows its shape
 and dtype without reading anything, so a whole mapping is validated before one byte is
 read, and every node can be inverted, which is how the same mapping writes an export.
 
@@ -370,6 +371,62 @@ class Cast(Node):
         return self.child.sliceable
 
 
+ARITH_INVERSE = {"add": "sub", "sub": "add", "mul": "div", "div": "mul"}
+
+
+def arith_dtype(dtype: Any) -> np.dtype[Any]:
+    """The dtype ``Arith`` computes in: float32 for narrower floats (bfloat16, float16,
+    fp8), the leaf's own for float32 and float64."""
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
+@dataclasses.dataclass(repr=False)
+class Arith(Node):
+    """``child`` plus (``add``), minus (``sub``), times (``mul``) or divided by (``div``)
+    the constant ``value``: computed in ``arith_dtype`` and rounded to ``child``'s dtype,
+    elementwise (a slice of the result reads a slice of ``child``). ``add`` and ``sub``,
+    ``mul`` and ``div`` invert each other."""
+
+    child: Node
+    op: str
+    value: float
+
+    def __post_init__(self) -> None:
+        self.shape = self.child.shape
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        x = self.child.read(index, fetch)
+        wide = arith_dtype(self.dtype)
+        out = host_empty(x.shape, wide)
+        copy_tiled(out, x, casting="unsafe")
+        c = np.asarray(self.value, wide)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+            if self.op == "add":
+                np.add(out, c, out=out)
+            elif self.op == "sub":
+                np.subtract(out, c, out=out)
+            elif self.op == "mul":
+                np.multiply(out, c, out=out)
+            else:
+                np.divide(out, c, out=out)
+        if wide == self.dtype:
+            return out
+        narrow = host_empty(x.shape, self.dtype)
+        np.copyto(narrow, out, casting="unsafe")
+        return narrow
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"{self.op}({self.value!r}) of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
 def invert(
     target: str, node: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
 ) -> None:
@@ -389,6 +446,8 @@ def _invert(
         out[node.key] = value
     elif isinstance(node, Cast):
         _invert(node.child, Cast(value, node.child.dtype), out, pieces)
+    elif isinstance(node, Arith):
+        _invert(node.child, Arith(value, ARITH_INVERSE[node.op], node.value), out, pieces)
     elif isinstance(node, Transpose):
         back = tuple(int(i) for i in np.argsort(node.perm))
         _invert(node.child, Transpose(value, back), out, pieces)
@@ -482,7 +541,7 @@ def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
     spec = tuple(spec) + (None,) * (len(node.shape) - len(spec))
     if isinstance(node, Read):
         out.setdefault(node.key, []).append(spec)
-    elif isinstance(node, Cast):
+    elif isinstance(node, Cast | Arith):
         needed_specs(node.child, spec, out)
     elif isinstance(node, Transpose):
         inner: list[Any] = [None] * len(node.perm)
@@ -512,7 +571,7 @@ def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | No
     if isinstance(node, Read):
         s = spec_of(node.key)
         return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
-    if isinstance(node, Cast):
+    if isinstance(node, Cast | Arith):
         return carried_spec(node.child, spec_of)
     if isinstance(node, Transpose):
         s = carried_spec(node.child, spec_of)

@@ -1,0 +1,548 @@
+"""A rule's ordered operations (``ops``: ``Rearrange``, ``Transpose``, ``Reshape``, ``Add``,
+``Scale``) forwards and backwards, what their arithmetic round-trips exactly, their TOML
+form and validation; ``also`` rules (tied embeddings into a head of its own) and their
+export; keep patterns and abstract ``like`` on export and import."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+import modelshard as ms
+from modelshard._weights import parse_weight_map
+
+ROOT = Path(__file__).parent.parent
+BF16 = ml_dtypes.bfloat16
+RNG = np.random.default_rng(7)
+
+
+def _save(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _llama_example() -> Any:
+    """examples/llama_weights.py (its NNX Llama, checkpoint writer and NumPy reference)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "llama_weights", ROOT / "examples" / "llama_weights.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return module
+
+
+def _recipe(path: Path, wm: ms.WeightMap, leaf: str, **kw: Any) -> str:
+    res = ms.load_safetensors(path, mapping=wm, dry_run=True, **kw)
+    return res.recipes[leaf].describe()
+
+
+# ---- layout operations ------------------------------------------------------------------
+
+
+def test_rearrange_heads_out_of_rows_is_a_reshape_then_a_transpose(tmp_path: Path) -> None:
+    H, D, E = 4, 6, 8
+    w = RNG.standard_normal((H * D, E)).astype(BF16)
+    path = _save(tmp_path / "m.safetensors", {"q.weight": w})
+    wm = ms.WeightMap(
+        [ms.MapRule(r"q\.weight", "q/w", ops=[ms.Rearrange("(h d) e -> h e d", h="heads")])],
+        config={"heads": H},
+    )
+    assert _recipe(path, wm, "q/w") == f"transpose(0, 2, 1) of reshape({H}, {D}, {E}) of q.weight"
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    out = ms.load_safetensors(path, mapping=wm, specs={"q": {"w": P("model")}}, mesh=mesh)
+    q = out["q"]["w"]
+    assert q.sharding.spec == P("model") and q.shape == (H, E, D)
+    assert np.asarray(q).tobytes() == w.reshape(H, D, E).transpose(0, 2, 1).copy().tobytes()
+    back = ms.save_safetensors(tmp_path / "b.safetensors", out, reference=path, mapping=wm)
+    assert back.read_bytes() == path.read_bytes()
+
+
+def test_a_pure_permutation_reads_only_each_devices_slice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``"o i -> i o"`` is one transpose node (a device's block is a strided view of the
+    stored tensor), the same recipe as ``transpose=(1, 0)`` and ``Transpose((1, 0))``."""
+    w = RNG.standard_normal((16, 8)).astype(np.float32)
+    path = _save(tmp_path / "m.safetensors", {"w": w})
+    forms = [
+        ms.MapRule("w", "k", ops=[ms.Rearrange("o i -> i o")]),
+        ms.MapRule("w", "k", ops=[ms.Transpose((1, 0))]),
+        ms.MapRule("w", "k", transpose=(1, 0)),
+    ]
+    for rule in forms:
+        wm = ms.WeightMap([rule])
+        res = ms.load_safetensors(path, mapping=wm, dry_run=True)
+        assert res.recipes["k"].describe() == "transpose(1, 0) of w"
+        assert res.recipes["k"].sliceable
+
+    seen: list[tuple[int, int]] = []
+    weights_load = importlib.import_module("modelshard._weights.load")
+    real = weights_load.build_leaf
+
+    def spy(node: Any, sharding: Any, fetch_for: Any) -> Any:
+        def wrapped(cache: dict[Any, np.ndarray]) -> Any:
+            fetch = fetch_for(cache)
+
+            def f(key: str, index: tuple[slice, ...]) -> np.ndarray:
+                got = fetch(key, index)
+                seen.append(got.shape)
+                return got
+
+            return f
+
+        return real(node, sharding, wrapped)
+
+    monkeypatch.setattr(weights_load, "build_leaf", spy)
+    out = ms.load_safetensors(
+        path, mapping=ms.WeightMap(forms[:1]), specs=P(None, "data"), mesh=ms.make_mesh({"data": 8})
+    )
+    assert np.asarray(out["k"]).tobytes() == w.T.copy().tobytes()
+    assert seen and all(s == (2, 8) for s in seen)  # 8 row bands of 2, never all 16 rows
+
+
+def test_rope_permutation_both_ways(tmp_path: Path) -> None:
+    """Meta's interleaved rotary layout vs Hugging Face's halves:
+    ``(h two half) e -> (h half two) e``, and the export undoes it."""
+    H, HALF, E = 2, 3, 4
+    w = np.arange(H * 2 * HALF * E, dtype=np.float32).reshape(H * 2 * HALF, E)
+    path = _save(tmp_path / "m.safetensors", {"wq": w})
+    op = ms.Rearrange("(h two half) e -> (h half two) e", h="n_heads", two=2)
+    wm = ms.WeightMap([ms.MapRule("wq", "q", ops=[op])], config={"n_heads": H})
+    out = ms.load_safetensors(path, mapping=wm)
+    want = w.reshape(H, 2, HALF, E).transpose(0, 2, 1, 3).reshape(H * 2 * HALF, E)
+    assert np.asarray(out["q"]).tobytes() == want.tobytes()
+    back = ms.save_safetensors(tmp_path / "b.safetensors", out, reference=path, mapping=wm)
+    assert back.read_bytes() == path.read_bytes()
+
+
+def test_ops_run_in_order_between_split_and_stack(tmp_path: Path) -> None:
+    """Each layer's k and v: a rearrange per stored piece, then stacked; a fused tensor is
+    split first, then each part goes through the ops; both export back bit-exact."""
+    K, D, E = 2, 4, 6
+    t = {f"l{i}.{n}": RNG.standard_normal((K * D, E)).astype(BF16) for i in range(2) for n in "kv"}
+    t["qkv"] = RNG.standard_normal((3 * K * D, E)).astype(BF16)
+    path = _save(tmp_path / "m.safetensors", t)
+    kv = ms.Rearrange("(k d) e -> k e d", k=K)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(r"l(\d)\.(k|v)", "l{1}/kv", ops=[kv], stack=ms.Stack(2, order=("k", "v"))),
+            ms.MapRule(
+                "qkv", "fused/{p}", split=ms.Split("p", ("q", "k", "v")), ops=[kv, ms.Scale(2.0)]
+            ),
+        ]
+    )
+    out = ms.load_safetensors(path, mapping=wm)
+    got = np.asarray(out["l1"]["kv"])
+    assert got.shape == (2, K, E, D)
+    assert got[1].tobytes() == t["l1.v"].reshape(K, D, E).transpose(0, 2, 1).copy().tobytes()
+    part = t["qkv"][K * D : 2 * K * D].astype(np.float32) * 2
+    assert (
+        np.asarray(out["fused"]["k"], np.float32) == part.reshape(K, D, E).transpose(0, 2, 1)
+    ).all()
+    back = ms.save_safetensors(tmp_path / "b.safetensors", out, reference=path, mapping=wm)
+    assert back.read_bytes() == path.read_bytes()
+
+
+# ---- value operations: what round-trips exactly ----------------------------------------
+
+
+def _every_bf16() -> np.ndarray:
+    """Every finite bfloat16 value (65280 of the 65536 bit patterns)."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(BF16)
+    return x[np.isfinite(x.astype(np.float32))]
+
+
+def test_add_round_trips_every_bf16_value_it_promises_through_float32(tmp_path: Path) -> None:
+    """``Add(1.0)`` (MaxText's Gemma norm = HF's + 1) on a bf16 file loaded as float32:
+    the export gives back every value with ``|x| >= 2**-16`` and +0 bit for bit; only
+    values below that lose bits to ``x + 1`` in float32, and -0 comes back as +0."""
+    x = _every_bf16()
+    path = _save(tmp_path / "m.safetensors", {"norm.weight": x})
+    wm = ms.WeightMap([ms.MapRule(r"norm\.weight", "norm/scale", ops=[ms.Add(1.0)])])
+    out = ms.load_safetensors(path, mapping=wm, dtype="float32")
+    assert np.asarray(out["norm"]["scale"]).tobytes() == (x.astype(np.float32) + 1).tobytes()
+    back = load_file(
+        str(
+            ms.save_safetensors(
+                tmp_path / "b.safetensors", out, reference=path, mapping=wm, dtype="float32"
+            )
+        )
+    )["norm.weight"]
+    same = back.view(np.uint16) == x.view(np.uint16)
+    mag = np.abs(x.astype(np.float32))
+    bits = x.view(np.uint16)
+    assert same[(mag >= 2.0**-16) | (bits == 0)].all()
+    assert back[bits == 0x8000].view(np.uint16).tolist() == [0]  # -0 + 1 - 1 is +0
+    assert not same[(mag > 0) & (mag < 2.0**-16)].all()  # the documented exception is real
+    assert int((~same).sum()) < 0.45 * x.size
+
+
+def test_scale_round_trips_every_bf16_value_whose_product_is_finite(tmp_path: Path) -> None:
+    x = _every_bf16()
+    path = _save(tmp_path / "m.safetensors", {"w": x})
+    wm = ms.WeightMap([ms.MapRule("w", "w", ops=[ms.Scale(3.0)])])
+    out = ms.load_safetensors(path, mapping=wm, dtype="float32")
+    back = ms.unmap(out, reference=path, mapping=wm, dtype="float32")["w"]
+    same = back.view(np.uint16) == x.view(np.uint16)
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(x.astype(np.float32) * np.float32(3.0))
+    assert same[finite].all() and not same[~finite].any()
+
+
+def test_add_in_a_bf16_leaf_rounds_and_the_export_is_the_rounded_difference(
+    tmp_path: Path,
+) -> None:
+    """Without a wider leaf, ``x + 1`` rounds to bf16: computed in float32 and rounded
+    once each way (what the export gives is defined, and not the original)."""
+    x = _every_bf16()
+    path = _save(tmp_path / "m.safetensors", {"w": x})
+    wm = ms.WeightMap([ms.MapRule("w", "w", ops=[ms.Add(1.0)])])
+    out = ms.load_safetensors(path, mapping=wm)
+    y = (x.astype(np.float32) + 1).astype(BF16)
+    assert np.asarray(out["w"]).tobytes() == y.tobytes()
+    back = ms.unmap(out, reference=path, mapping=wm)["w"]
+    assert back.tobytes() == (y.astype(np.float32) - 1).astype(BF16).tobytes()
+    assert back.tobytes() != x.tobytes()
+
+
+# ---- validation -----------------------------------------------------------------------
+
+
+def test_malformed_ops_are_listed_all_at_once() -> None:
+    with pytest.raises(ms.MappingError) as info:
+        ms.WeightMap(
+            [
+                ms.MapRule("a", "a", ops=[ms.Rearrange("(h d) e -> h d")]),
+                ms.MapRule("b", "b", ops=[ms.Rearrange("h e -> e h", h=4)]),
+                ms.MapRule("c", "c", ops=[ms.Transpose((0, 0)), ms.Scale(0.0)]),
+                ms.MapRule("d", "d", transpose=(1, 0), ops=[ms.Add(1.0)]),
+                ms.MapRule("e", "e", ops=["transpose"]),  # type: ignore[list-item]
+                ms.MapRule("f", "f", untied="lm_head.weight"),
+                ms.MapRule("g", None, also=True),
+            ]
+        )
+    assert str(info.value).splitlines() == [
+        "8 mapping problems found (every offending tensor, leaf and rule is listed; paths are "
+        "source:NAME, target:PATH, mapping:rules[i]):",
+        "  mapping:rules[0].ops[0]",
+        "    problem: rearrange '(h d) e -> h d': every axis must be on both sides: e only in "
+        "the input",
+        '    hint: einops notation: "(h d) e -> h e d"',
+        "  mapping:rules[1].ops[0]",
+        "    problem: rearrange 'h e -> e h': size h=4 is not an axis inside a group",
+        "    hint: sizes are given for the axes inside parentheses",
+        "  mapping:rules[2].ops[0]",
+        "    problem: transpose (0, 0) is not a permutation of 0..1",
+        "  mapping:rules[2].ops[1]",
+        "    problem: scale(0): multiplying by zero cannot be undone on export",
+        "  mapping:rules[3]",
+        "    problem: a rule takes ops or transpose/reshape, not both",
+        "    hint: write Transpose(...) and Reshape(...) into ops",
+        "  mapping:rules[4].ops[0]",
+        "    problem: 'transpose' is not an operation",
+        "    hint: use Rearrange, Transpose, Reshape, Add or Scale",
+        "  mapping:rules[5]",
+        "    problem: untied 'lm_head.weight' needs also=True",
+        "    hint: untied names the stored tensor an untied export writes an also leaf as",
+        "  mapping:rules[6]",
+        "    problem: an also rule needs a target (it fills another leaf)",
+    ]
+
+
+def test_ops_that_do_not_fit_the_tensors_are_listed_all_at_once(tmp_path: Path) -> None:
+    path = _save(
+        tmp_path / "m.safetensors",
+        {
+            "a": np.zeros((12, 5), np.float32),
+            "b": np.zeros((6, 5), np.float32),
+            "c": np.zeros(3, np.int32),
+            "d": np.zeros((4, 4), np.float32),
+        },
+    )
+    wm = ms.WeightMap(
+        [
+            ms.MapRule("a", "a", ops=[ms.Rearrange("(h d) e -> h e d", h=5)]),
+            ms.MapRule("b", "b", ops=[ms.Rearrange("(h d) e f -> h e d f", h=2)]),
+            ms.MapRule("c", "c", ops=[ms.Add(1.0)]),
+            ms.MapRule("d", "d", ops=[ms.Rearrange("(h d) e -> h e d", h="heads")]),
+        ]
+    )
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert str(info.value).splitlines() == [
+        "4 mapping problems found (every offending tensor, leaf and rule is listed; paths are "
+        "source:NAME, target:PATH, mapping:rules[i]):",
+        "  source:a float32[12, 5]",
+        "    problem: rearrange((h d) e -> h e d): axis of size 12 does not divide by 5 (rules[0])",
+        "  source:b float32[6, 5]",
+        "    problem: rearrange((h d) e f -> h e d f) expects 3 axes, the tensor has 2 (rules[1])",
+        "  source:d float32[4, 4]",
+        "    problem: rearrange size 'heads' is not in the mapping's config (empty) (rules[3])",
+        "    hint: add heads = <size> to the config",
+        "  source:c int32[3]",  # the file's order: save_file puts 4-byte floats first
+        "    problem: add(1.0) needs a floating-point tensor, not int32 (rules[2])",
+        "    hint: add applies to float tensors only",
+    ]
+
+
+# ---- TOML -----------------------------------------------------------------------------
+
+TOML = r"""
+[config]
+heads = 4
+
+[[rules]]
+source = 'q'
+target = "q"
+ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { scale = 0.5 }]
+
+[[rules]]
+source = 'n'
+target = "n"
+ops = [{ add = 1.0 }, { transpose = [0] }, { reshape = [1, -1] }]
+
+[[rules]]
+source = 'e'
+target = "e"
+
+[[rules]]
+source = 'e'
+target = "head"
+transpose = [1, 0]
+also = true
+untied = "lm_head.weight"
+"""
+
+
+def test_toml_ops_and_also_read_as_the_python_form() -> None:
+    import tomllib
+
+    wm = parse_weight_map(tomllib.loads(TOML))
+    assert wm.rules[0].ops == (ms.Rearrange("(h d) e -> h e d", h="heads"), ms.Scale(0.5))
+    assert wm.rules[1].ops == (ms.Add(1.0), ms.Transpose((0,)), ms.Reshape((1, -1)))
+    assert wm.rules[3] == ms.MapRule(
+        "e", "head", transpose=(1, 0), also=True, untied="lm_head.weight"
+    )
+
+
+def test_toml_op_errors_line_by_line() -> None:
+    data = {
+        "rules": [
+            {"source": "a", "target": "a", "ops": [{"rearrange": "a b -> b a", "h": 1.5}]},
+            {"source": "b", "target": "b", "ops": [{"add": 1.0, "scale": 2.0}, {}]},
+            {"source": "c", "target": "c", "ops": {"add": 1.0}},
+            {"source": "d", "target": "d", "ops": [{"add": "one"}], "also": "yes"},
+        ]
+    }
+    hint = '    hint: e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]'
+    with pytest.raises(ms.MappingError) as info:
+        parse_weight_map(data, "m.toml")
+    assert str(info.value).splitlines() == [
+        "invalid mapping file m.toml:",
+        "  m.toml:rules[0].ops[0].h",
+        "    problem: size 1.5 is not an integer or a name",
+        "  m.toml:rules[1].ops[0]",
+        "    problem: 2 operations (add, scale): give exactly one of rearrange, transpose, "
+        "reshape, add, scale",
+        hint,
+        "  m.toml:rules[1].ops[1]",
+        "    problem: no operation: give exactly one of rearrange, transpose, reshape, add, scale",
+        hint,
+        "  m.toml:rules[2].ops",
+        "    problem: {'add': 1.0} is not an array of tables",
+        hint,
+        "  m.toml:rules[3].ops[0].add",
+        "    problem: 'one' is not a number",
+        "  m.toml:rules[3].also",
+        "    problem: also must be true or false, got 'yes'",
+    ]
+
+
+# ---- also: one stored tensor into several leaves -------------------------------------
+
+
+def _tied(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray], ms.WeightMap]:
+    t = {
+        "embed.weight": RNG.standard_normal((32, 8)).astype(BF16),
+        "norm.weight": RNG.standard_normal(8).astype(BF16),
+    }
+    path = _save(tmp_path / "tied.safetensors", t)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(r"embed\.weight", "embed/embedding"),
+            ms.MapRule(r"norm\.weight", "norm/scale"),
+            ms.MapRule(
+                r"embed\.weight",
+                "head/kernel",
+                transpose=(1, 0),
+                also=True,
+                untied="lm_head.weight",
+            ),
+        ]
+    )
+    return path, t, wm
+
+
+def test_also_fills_a_second_leaf_and_the_export_writes_the_tensor_once(tmp_path: Path) -> None:
+    path, t, wm = _tied(tmp_path)
+    out = ms.load_safetensors(path, mapping=wm, dtype="float32")
+    emb = t["embed.weight"].astype(np.float32)
+    assert np.asarray(out["head"]["kernel"]).tobytes() == emb.T.copy().tobytes()
+    assert np.asarray(out["embed"]["embedding"]).tobytes() == emb.tobytes()
+    back = ms.save_safetensors(
+        tmp_path / "b.safetensors", out, reference=path, mapping=wm, dtype="float32"
+    )
+    assert back.read_bytes() == path.read_bytes()  # two tensors, as stored; no lm_head
+
+
+def test_an_also_leaf_changed_apart_is_refused_naming_it_and_nothing_is_written(
+    tmp_path: Path,
+) -> None:
+    path, t, wm = _tied(tmp_path)
+    out = ms.load_safetensors(path, mapping=wm, dtype="float32")
+    out["head"]["kernel"] = out["head"]["kernel"].at[0, :3].add(1.0)  # fine-tuned apart
+    dest = tmp_path / "b.safetensors"
+    with pytest.raises(ms.MappingError) as info:
+        ms.save_safetensors(dest, out, reference=path, mapping=wm, dtype="float32")
+    assert str(info.value).splitlines() == [
+        "1 mapping problem found (every offending leaf is listed; paths are arg:path):",
+        "  target:head/kernel",
+        "    problem: filled from embed.weight by rules[2] (also=True), but no longer equals "
+        "it: 3 of 256 elements of embed.weight differ; the export writes embed.weight once, "
+        "from its first rule's leaf",
+        "    hint: tie the two in training, or export untied (untie=True and the rule's "
+        "untied= name)",
+    ]
+    assert not dest.exists() and not list(tmp_path.glob("b.safetensors*"))
+    with pytest.raises(ms.MappingError, match="no longer equals"):
+        ms.unmap(out, reference=path, mapping=wm, dtype="float32")
+
+    untied = ms.save_safetensors(dest, out, reference=path, mapping=wm, dtype="float32", untie=True)
+    got = load_file(str(untied))
+    assert sorted(got) == ["embed.weight", "lm_head.weight", "norm.weight"]
+    assert got["embed.weight"].tobytes() == t["embed.weight"].tobytes()
+    head = np.asarray(out["head"]["kernel"]).T.astype(BF16)
+    assert got["lm_head.weight"].tobytes() == head.tobytes()
+
+
+def test_untie_needs_the_rules_untied_name(tmp_path: Path) -> None:
+    path, _, wm = _tied(tmp_path)
+    out = ms.load_safetensors(path, mapping=wm)
+    rules = [
+        *wm.rules[:2],
+        ms.MapRule(r"embed\.weight", "head/kernel", transpose=(1, 0), also=True),
+    ]
+    with pytest.raises(ms.MappingError) as info:
+        ms.save_safetensors(
+            tmp_path / "b.safetensors", out, reference=path, mapping=ms.WeightMap(rules), untie=True
+        )
+    assert str(info.value).splitlines()[1:] == [
+        "  mapping:rules[2]",
+        "    problem: untie=True, but this also rule names no untied tensor to write "
+        "head/kernel as",
+        '    hint: give the rule untied="..." (lm_head.weight)',
+    ]
+
+
+def test_llama_with_tied_embeddings_into_the_nnx_example(tmp_path: Path) -> None:
+    """``examples/mappings/hf_llama_tied.toml``: a checkpoint without ``lm_head.weight``
+    into the example's NNX Llama (a head kernel of its own): logits as the NumPy reference
+    computes them with the head tied, and exported back to the original bytes."""
+    from flax import nnx
+
+    ex = _llama_example()
+    t = ex.hf_checkpoint(tmp_path / "full.safetensors", layers=1)
+    del t["lm_head.weight"]
+    src = _save(tmp_path / "model.safetensors", t)
+    mapping = ROOT / "examples" / "mappings" / "hf_llama_tied.toml"
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    model = ms.load_safetensors(
+        src,
+        like=ex.Llama(1, nnx.Rngs(0)),
+        mapping=mapping,
+        specs=ex.RULES,
+        mesh=mesh,
+        dtype="float32",
+    )
+    assert model.head.kernel[...].sharding.spec == P("data", "model")
+    ids = np.random.default_rng(1).integers(0, ex.VOCAB, (2, 6))
+    logits = np.asarray(jax.jit(lambda m, i: m(i))(model, ids))
+    want = ex.reference_logits({**t, "lm_head.weight": t["model.embed_tokens.weight"]}, ids, 1)
+    assert float(np.abs(logits - want).max()) < 1e-4
+    back = ms.save_safetensors(
+        tmp_path / "b.safetensors", model, reference=src, mapping=mapping, dtype="float32"
+    )
+    kept = {k: v for k, v in t.items() if "inv_freq" not in k}
+    got = load_file(str(back))
+    assert sorted(got) == sorted(kept)
+    assert all(got[k].tobytes() == v.tobytes() and got[k].dtype == v.dtype for k, v in kept.items())
+
+
+# ---- keep on export, abstract like on import -------------------------------------------
+
+
+def test_export_with_a_keep_pattern_the_state_does_not_have(tmp_path: Path) -> None:
+    """The convert round trip of the shipped hf_llama.toml: forwards without ``like`` the
+    checkpoint has no LoRA leaves; backwards the keep pattern matching nothing is fine."""
+    ex = _llama_example()
+    src = tmp_path / "model.safetensors"
+    t = ex.hf_checkpoint(src, layers=1)
+    mapping = ROOT / "examples" / "mappings" / "hf_llama.toml"
+    cli = importlib.import_module("modelshard._cli")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported.safetensors"
+    assert cli.main(["convert", str(src), str(ckpt), "--mapping", str(mapping)]) == 0
+    rc = cli.main(
+        [
+            "convert",
+            str(ckpt),
+            str(out),
+            "--to",
+            "safetensors",
+            "--mapping",
+            str(mapping),
+            "--reference",
+            str(src),
+        ]
+    )
+    assert rc == 0
+    got = load_file(str(out))
+    assert all(got[k].tobytes() == v.tobytes() for k, v in t.items() if "inv_freq" not in k)
+
+
+def test_an_abstract_like_lists_every_kept_leaf_without_a_value(tmp_path: Path) -> None:
+    path = _save(tmp_path / "m.safetensors", {"w": np.zeros((4, 4), np.float32)})
+    s = jax.ShapeDtypeStruct((4, 4), np.float32)
+    like = {"w": s, "lora_a": s, "lora_b": s, "x": {"lora_a": s, "lora_b": s}}
+    wm = ms.WeightMap([ms.MapRule("w", "w")], keep=["lora_"])
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(path, like=like, mapping=wm)
+    lines = str(info.value).splitlines()
+    assert lines[0] == (
+        "4 mapping problems found (every offending leaf is listed; paths are arg:path):"
+    )
+    assert [ln for ln in lines if ln.startswith("  target:")] == [
+        "  target:lora_a",
+        "  target:lora_b",
+        "  target:x/lora_a",
+        "  target:x/lora_b",
+    ]
+    assert lines[1:4] == [
+        "  target:lora_a",
+        "    problem: kept (no stored tensor) but like holds no value for it",
+        "    hint: pass a concrete like for kept leaves (a freshly initialised model)",
+    ]
