@@ -521,3 +521,103 @@ def test_host_checksums_reuse_position_terms_across_alike_leaves(monkeypatch):
     monkeypatch.setattr(cs, "HOST_WEIGHT_CACHE_BYTES", 1)  # nothing fits: computed each time
     monkeypatch.setattr(cs, "_WEIGHTS", {})
     assert cs.checksums([b, a], host=True) == want[::-1] and cs._WEIGHTS == {}
+
+
+# ---- compression, checkpoints of earlier versions, compilations of a save ------------------
+
+OLD = os.path.join(os.path.dirname(__file__), "data", "ckpt_5ada014")
+
+
+def _compressor(path, key):
+    """The codec of one stored array, as TensorStore reads its zarr metadata."""
+    from modelshard._checkpoint.locate import locate
+    from modelshard._checkpoint.stored import ArrayReader
+
+    source = locate(path)
+    reader = ArrayReader(source, source.record.by_path()[key])
+    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
+    return reader.store.spec().to_json()["metadata"]["compressor"]
+
+
+def test_a_checkpoint_written_before_uncompressed_saves_still_restores(tmp_path, mesh24):
+    """tests/data/ckpt_5ada014: written by ``ms.save`` at commit 5ada014 (zstd chunks,
+    record format 1) from the state rebuilt here; read back bit for bit, verified."""
+    assert _compressor(OLD, "dense/kernel") == {"id": "zstd", "level": 1}
+    want = {
+        "dense": {
+            "kernel": jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16) / 7,
+            "bias": jnp.linspace(-1, 1, 16, dtype=jnp.bfloat16),
+        },
+        "step": jnp.int32(1234),
+        "key": jax.random.key(42),
+    }
+    assert_same_values(ms.restore(OLD, like=want), want)
+    moved = ms.restore(OLD, like=want, specs=ms.fsdp("model", min_size=0), mesh=mesh24)
+    assert_same_values(moved, want)
+    assert moved["dense"]["kernel"].sharding.spec == P("model")
+    assert ms.read_metadata(OLD) == {"written_by": "5ada014"}
+    # and rewritten by today's save, uncompressed, it still reads in plain Orbax
+    path = ms.save(tmp_path / "again", moved)
+    assert _compressor(path, "dense/kernel") is None
+    plain = ocp.StandardCheckpointer().restore(str(path))
+    np.testing.assert_array_equal(plain["dense"]["kernel"], want["dense"]["kernel"])
+
+
+def test_save_stores_raw_chunks_unless_compression_zstd(tmp_path, mesh8):
+    zeros = ms.shard({"w": jnp.zeros((512, 256)), "b": jnp.ones(8)}, ms.fsdp("data"), mesh8)
+    raw = ms.save(tmp_path / "raw", zeros)
+    packed = ms.save(tmp_path / "zstd", zeros, compression="zstd")
+    assert _compressor(raw, "w") is None
+    assert _compressor(packed, "w") == {"id": "zstd", "level": 1}
+
+    def data_bytes(p):
+        return sum(os.path.getsize(f) for f in glob.glob(f"{p}/**/d/*", recursive=True))
+
+    assert data_bytes(raw) >= 512 * 256 * 4 > 20 * data_bytes(packed)
+    for p in (raw, packed):
+        assert_same_values(ms.restore(p, like=zeros), zeros)
+        plain = ocp.StandardCheckpointer().restore(str(p))
+        np.testing.assert_array_equal(plain["w"], np.zeros((512, 256), np.float32))
+        np.testing.assert_array_equal(plain["b"], np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("bad", ["gzip", "ZSTD", True, 1])
+def test_save_refuses_an_unknown_compression_before_writing(tmp_path, bad):
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", {"w": jnp.ones(4)}, compression=bad)
+    assert str(e.value).splitlines() == [
+        f"compression={bad!r} is not one of None (each chunk's raw bytes, the default) or "
+        "'zstd' (Orbax's default codec: smaller files, several times the CPU)."
+    ]
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_first_save_of_a_small_state_compiles_nothing(tmp_path, mesh8):
+    """Orbax's replica-parallel save cut each replicated leaf into per-replica parts, one
+    ``jit(slice)`` program per part and shape (48 at the first save of a small state);
+    one process saves each replicated leaf whole, and small leaves are summed on the host."""
+    names = []
+
+    def listen(event: str, duration_secs: float, **kw: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(kw.get("fun_name"))
+
+    state = ms.shard(
+        {
+            "a": {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))},
+            "c": {"w": jnp.ones((16, 8)), "s": jnp.ones(())},
+            "n": {f"b{i}": jnp.full((3 + i,), float(i)) for i in range(6)},
+            "key": jax.random.key(0),
+        },
+        ms.fsdp("data"),
+        mesh8,
+    )
+    jax.block_until_ready(state)
+    assert state["a"]["b"].sharding.is_fully_replicated  # what Orbax used to slice
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        path = ms.save(tmp_path / "c", state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert names == []
+    assert_same_values(ms.restore(path, like=state), state)

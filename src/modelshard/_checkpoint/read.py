@@ -32,9 +32,12 @@ from .locate import Source, abstract_like
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .storage import nest
 
-# Bytes Orbax may read at once during a restore: bounds host memory beyond the restored
-# arrays themselves (each read buffer is copied onto its devices, then freed). A restore
-# whose largest single read is bigger raises its own cap just above that read (Orbax
+# Bytes of read buffers Orbax may hold at once during a restore: bounds host memory beyond
+# the restored arrays themselves (each read buffer is copied onto its devices, then freed).
+# Orbax counts a read as the whole stored chunks it touches; a restore onto another layout
+# (a column block of row-chunked data) touches up to several times its buffer, so the cap
+# grows by that factor (``read_cap``) and the buffers in flight stay at this many bytes. A
+# restore whose largest single read is bigger raises its cap just above that read (Orbax
 # refuses a read larger than the cap).
 RESTORE_CONCURRENT_BYTES = 16 << 20
 
@@ -56,6 +59,27 @@ def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> i
             size *= max(1, (-(-hi // c) - lo // c) * c if c > 0 else 2 * d)
         n = max(n, size)
     return n
+
+
+def _largest_shard(target: jax.ShapeDtypeStruct) -> int:
+    """Bytes of the largest read buffer of ``target`` on this host: one shard."""
+    s = target.sharding
+    shape = tuple(target.shape) if s is None else s.shard_shape(tuple(target.shape))
+    return max(1, math.prod(shape) * np.dtype(target.dtype).itemsize)
+
+
+def read_cap(reads: Sequence[tuple[jax.ShapeDtypeStruct, Sequence[int] | None]]) -> int:
+    """Orbax's ``restore_concurrent_bytes`` for ``reads`` (``(target, stored chunk shape)``
+    pairs): ``RESTORE_CONCURRENT_BYTES`` of read buffers, counted as Orbax counts them.
+
+    Orbax reserves for each read the stored chunks it touches (``largest_read``), which
+    on a relayout is several times the buffer actually held: a column block of row-chunked
+    data touches every row chunk. Capping that count at ``RESTORE_CONCURRENT_BYTES`` let
+    two or three reads run at once where the layout's own restore runs dozens, so the cap
+    is scaled by the largest such overcount; and raised above the largest single read."""
+    largest = max((largest_read(t, c) for t, c in reads), default=0)
+    over = max((largest_read(t, c) / _largest_shard(t) for t, c in reads), default=1.0)
+    return max(int(RESTORE_CONCURRENT_BYTES * max(1.0, over)), 1 + largest)
 
 
 def concrete_mesh(mesh: Any) -> Any:
@@ -297,10 +321,7 @@ def orbax_read(
     )
 
     chunks = source.write_shapes()
-    cap = max(
-        RESTORE_CONCURRENT_BYTES,
-        1 + max(largest_read(t, chunks.get(recs[p].key)) for p, t in targets.items()),
-    )
+    cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])
 
     orbax_path = {format_path([*recs[p].key]): p for p in targets}
 
