@@ -217,3 +217,31 @@ def test_convert_size_and_progress_flags(tmp_path, capsys, monkeypatch):
         dest = str(tmp_path / f"out{len(flags)}.safetensors")
         assert main(["convert", ck, dest, "--to", "safetensors", *flags]) == 0
         assert ("writing" in err.getvalue()) is drawn, err.getvalue()
+
+
+def test_convert_back_refuses_a_tied_leaf_changed_since_it_was_loaded(tmp_path, capsys):
+    """An ``also`` rule (a head filled from the embedding): the export writes the tensor
+    once, and refuses when the head no longer equals it, writing nothing."""
+    emb = RNG.standard_normal((8, 4)).astype(np.float32)
+    path = tmp_path / "tied.safetensors"
+    save_file({"embed.weight": emb}, str(path))
+    wm = tmp_path / "tied.toml"
+    wm.write_text(
+        "[[rules]]\nsource = 'embed\\.weight'\ntarget = 'embed/embedding'\n\n"
+        "[[rules]]\nsource = 'embed\\.weight'\ntarget = 'head/kernel'\ntranspose = [1, 0]\n"
+        "also = true\n"
+    )
+    state = ms.load_safetensors(path, mapping=wm)
+    ok, bad = tmp_path / "ok", tmp_path / "bad"
+    ms.save(ok, state)
+    state["head"]["kernel"] = state["head"]["kernel"] + 1  # fine-tuned apart
+    ms.save(bad, state)
+    back = tmp_path / "back.safetensors"
+    args = ["--to", "safetensors", "--mapping", str(wm), "--reference", str(path)]
+    assert main(["convert", str(ok), str(back), *args]) == 0
+    assert load_file(str(back))["embed.weight"].tobytes() == emb.tobytes()
+    back.unlink()
+    capsys.readouterr()
+    assert main(["convert", str(bad), str(back), *args]) == 1
+    err = capsys.readouterr().err
+    assert "head/kernel" in err and not back.exists()

@@ -223,7 +223,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     from .._checkpoint import locate
     from .._text import format_bytes
     from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_table, write_export
+    from .._weights.load import reference_config, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
         from .._errors import CheckpointError
@@ -246,7 +246,9 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     table, meta = reference_table(reference)
     if args.reference is None:
         meta = {"format": "pt"}  # what transformers expects of a file it did not write
-    ex = Exporter(targets, load, table, as_mapping(args.mapping, split_dots=True), args.dtype)
+    wm = as_mapping(args.mapping, split_dots=True).with_config(reference_config(reference))
+    ex = Exporter(targets, load, table, wm, args.dtype)
+    ex.check_also()  # a tied leaf changed since it was loaded: refused, nothing written
     items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
     with progress_bar(args, "writing") as progress:
         task = progress.add_task("writing", total=None)
