@@ -467,3 +467,45 @@ def test_python_m_modelshard_is_the_modelshard_script(capsys):
     )
     assert bad.returncode == 2
     assert "modelshard plan: error: argument --mesh" in bad.stderr
+
+
+MARKUP_RULES = r"""
+[[rules]]
+pattern = 'attn/w[qkv]$'
+spec = ["none", "model"]
+
+[[rules]]
+pattern = 'norm\d?/weight$'
+spec = []
+
+[[rules]]
+pattern = '\[bold\]'
+spec = ["model"]
+"""
+
+
+def test_tables_show_user_text_literally(tmp_path, capsys):
+    """Rule patterns, paths and names reach rich tables as written: ``[qkv]`` and ``[bold]``
+    are not markup, ``\\d`` is not doubled (plan and inspect tables)."""
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    state = {
+        "attn": {"wq": jnp.ones((8, 8)), "wk": jnp.ones((8, 8))},
+        "norm1": {"weight": jnp.ones((8,))},
+        "[bold]emb[/bold]": jnp.ones((16, 8)),
+    }
+    path = ms.save(tmp_path / "ck[red]pt", ms.shard(state, P(), mesh))
+    (tmp_path / "tp.toml").write_text(MARKUP_RULES)
+    argv = ["plan", str(path), "--mesh", "data=2,model=4", "--rules", str(tmp_path / "tp.toml")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4:8] == [
+        r"│ [bold]emb[/bold] │ (16, 8) │ float32 │ P('model')       │      128 B │ rule 2 '\[bold\]'        │",
+        "│ attn/wk          │ (8, 8)  │ float32 │ P(None, 'model') │       64 B │ rule 0 'attn/w[qkv]$'    │",
+        "│ attn/wq          │ (8, 8)  │ float32 │ P(None, 'model') │       64 B │ rule 0 'attn/w[qkv]$'    │",
+        r"│ norm1/weight     │ (8,)    │ float32 │ P()              │       32 B │ rule 1 'norm\d?/weight$' │",
+    ]
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    title = "".join(line.strip() for line in out.split("┏")[0].splitlines())
+    assert title == str(path)  # the title wraps to the table's width; "[red]" stays
+    assert "│ [bold]emb[/bold] │ (16, 8) │ float32 │" in out

@@ -270,3 +270,54 @@ def test_parse_bytes():
     for bad in ("", "-1GiB", "16 GiBs", float("nan"), True):
         with pytest.raises(ms.SpecError):
             parse_bytes(bad)
+
+
+# Rules whose patterns rich would read as markup (``[qkv]``, ``[bold]``) or that repr would
+# double (``\d``), and a leaf path holding rich's own tags.
+MARKUP_RULES = [
+    ("attn/w[qkv]$", P(None, "model")),
+    (r"norm\d?/weight$", P()),
+    (r"\[bold\]", P("model")),
+]
+
+
+def _markup_tree():
+    return {
+        "attn": {"wq": SDS((8, 8), jnp.float32), "wk": SDS((8, 8), jnp.float32)},
+        "norm1": {"weight": SDS((8,), jnp.float32)},
+        "[bold]emb[/bold]": SDS((16, 8), jnp.float32),
+    }
+
+
+def test_table_shows_rules_and_paths_as_written():
+    """Rule patterns and paths are user text: never read as rich markup, never repr'd."""
+    mesh = ms.make_mesh({"data": 2, "model": 4}, abstract=True)
+    p = ms.plan(_markup_tree(), ms.Rules(MARKUP_RULES), mesh)
+    assert [leaf.rule for leaf in p] == [
+        r"rule 2 '\[bold\]'",
+        "rule 0 'attn/w[qkv]$'",
+        "rule 0 'attn/w[qkv]$'",
+        r"rule 1 'norm\d?/weight$'",
+    ]
+    assert str(p).splitlines()[:9] == [
+        "modelshard plan",
+        "┏━━━━━━━━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━┓",
+        "┃ path             ┃ shape   ┃ dtype   ┃ spec             ┃ per device ┃ rule                     ┃",
+        "┡━━━━━━━━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━┩",
+        r"│ [bold]emb[/bold] │ (16, 8) │ float32 │ P('model')       │      128 B │ rule 2 '\[bold\]'        │",
+        "│ attn/wk          │ (8, 8)  │ float32 │ P(None, 'model') │       64 B │ rule 0 'attn/w[qkv]$'    │",
+        "│ attn/wq          │ (8, 8)  │ float32 │ P(None, 'model') │       64 B │ rule 0 'attn/w[qkv]$'    │",
+        r"│ norm1/weight     │ (8,)    │ float32 │ P()              │       32 B │ rule 1 'norm\d?/weight$' │",
+        "└──────────────────┴─────────┴─────────┴──────────────────┴────────────┴──────────────────────────┘",
+    ]
+    # on a colour terminal too (rich.print(plan)): the same characters, styles aside
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=140, force_terminal=True, color_system="truecolor").print(p)
+    from rich.text import Text
+
+    shown = Text.from_ansi(buf.getvalue()).plain
+    for text in ("[bold]emb[/bold]", "rule 0 'attn/w[qkv]$'", r"rule 1 'norm\d?/weight$'"):
+        assert text in shown
+    assert "\\\\" not in shown

@@ -17,7 +17,7 @@ from ._dtypes import dtype_name
 from ._expand import ArgPlan, LeafPlan, expand_args
 from ._mesh import format_mesh, mesh_sizes
 from ._specs import SpecLike, entry_axes, format_spec, spec_from_json, spec_json
-from ._text import format_bytes
+from ._text import format_bytes, literal
 
 
 def _itemsize(dtype: Any) -> int:
@@ -405,8 +405,8 @@ class PlanTable:
         for col in names:
             right = col in ("leaves", "per device")
             t.add_column(col, no_wrap=True, justify="right" if right else "left")
-        for c in cells:
-            t.add_row(c["path"], *[c[n] for n in names])
+        for c in cells:  # user text (paths, rule patterns): shown literally, never as markup
+            t.add_row(literal(c["path"]), *[literal(c[n]) for n in names])
         parts: list[Any] = [t]
         if len(shown) < len(self.rows):
             rest = self.rows[len(shown) :]
@@ -424,7 +424,7 @@ class PlanTable:
             m.add_column("per device", justify="right")
             for row in self.modules:
                 m.add_row(
-                    row["module"],
+                    literal(row["module"]),
                     str(row["leaves"]),
                     format_bytes(row["bytes"]),
                     format_bytes(row["bytes_per_device"]),

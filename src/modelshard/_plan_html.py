@@ -235,15 +235,15 @@ class Tiles:
         t = Table(show_header=False, show_lines=True)
         for _ in range(shown_c):
             t.add_column(justify="center")
-        grid: list[list[str]] = [[""] * shown_c for _ in range(shown_r)]
+        grid: list[list[Any]] = [[""] * shown_c for _ in range(shown_r)]
         styles = ["on grey23", "on dark_blue", "on dark_green", "on dark_red", "on purple4"]
         for tile, slices, devs in self.tiles:
             r, c = self._cell(tile, cut)
             if r < shown_r and c < shown_c:
                 style = styles[(r + c) % len(styles)]
-                grid[r][c] = (
-                    f"[{style}]{self._slice_text(slices, self.shape)}[/]\n"
-                    f"{self._devices_text(devs)}"
+                grid[r][c] = Text.assemble(
+                    (self._slice_text(slices, self.shape), style),
+                    "\n" + self._devices_text(devs),
                 )
         for row in grid:
             t.add_row(*row)

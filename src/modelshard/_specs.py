@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
 from ._logical import LogicalRules, compile_logical
+from ._text import quote_pattern
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
 SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
@@ -249,7 +250,7 @@ class Rules:
 
     def describe(self, index: int) -> str:
         """``rule 0 'kernel$'``: how plans and errors name a rule."""
-        return f"rule {index} {self.rules[index][0]!r}"
+        return f"rule {index} {quote_pattern(self.rules[index][0])}"
 
     def __repr__(self) -> str:
         inner = ", ".join(f"({p!r}, {format_spec(s)})" for p, s in self.rules)

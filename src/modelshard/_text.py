@@ -1,6 +1,15 @@
-"""How the package writes quantities for people (bytes as ``1.50 MiB``)."""
+"""How the package writes things for people: byte counts (``1.50 MiB``), regular
+expressions as their authors wrote them, and user text handed to ``rich`` shown literally.
+
+Every table, panel and progress bar that ``rich`` draws goes through ``literal`` for the
+user's own strings (paths, rule patterns, axis and file names): ``rich`` reads ``[...]`` in
+a plain string as a style tag, so ``attn/w[qkv]$`` would lose its ``[qkv]``. This module
+imports nothing from modelshard (every module may use it).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def format_bytes(n: float) -> str:
@@ -10,3 +19,41 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def quote_pattern(pattern: str) -> str:
+    r"""A regular expression in quotes, exactly as written: ``'norm\d?/weight$'`` (never
+    ``repr``'s doubled backslashes); double quotes when the pattern holds a ``'``.
+
+    Example:
+        >>> print(quote_pattern(r"norm\d?/weight$"), quote_pattern("it's"))
+        'norm\d?/weight$' "it's"
+    """
+    if "'" not in pattern:
+        return f"'{pattern}'"
+    if '"' not in pattern:
+        return f'"{pattern}"'
+    return repr(pattern)
+
+
+def literal(text: Any, style: str = "") -> Any:
+    """User text as a ``rich`` renderable shown character for character: ``[bold]`` and
+    ``[qkv]`` stay text, never markup. Use it for every user string in a table cell, a
+    title, a caption, a panel or a progress description.
+
+    Example:
+        >>> from rich.console import Console
+        >>> Console(color_system=None).print(literal("attn/w[qkv]$ [bold]x[/bold]"))
+        attn/w[qkv]$ [bold]x[/bold]
+    """
+    from rich.text import Text
+
+    return Text(str(text), style=style)
+
+
+def escape_markup(text: Any) -> str:
+    """``text`` as ``rich`` markup that prints it literally (for places that take a markup
+    string, not a ``Text``: a progress description, a line mixing styles)."""
+    from rich.markup import escape
+
+    return escape(str(text))

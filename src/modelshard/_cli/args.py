@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from .output import console
+from .output import say
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -127,10 +127,10 @@ def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
     if step is None:
         return text
     if not args.json:
-        console(stderr=True).print(
+        say(
             f"{text} is a CheckpointManager directory: using its latest complete step "
             f"{step} ({path})",
-            highlight=False,
+            stderr=True,
         )
     return str(path)
 

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import CKPT_HELP, add_json, checkpoint_arg, positive_int
-from .output import console, emit, fmt_spec
+from .output import console, emit, fmt_spec, say
 
 
 def add_parser(sub: Any) -> None:
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .._checkpoint import locate
-    from .._text import format_bytes
+    from .._text import format_bytes, literal
     from .._weights import is_safetensors
 
     if is_safetensors(args.checkpoint):
@@ -53,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
     mesh = rec.mesh_sizes()
     mesh_text = ", ".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
     table = Table(
-        title=f"{source.path}",
-        caption=f"{len(rec.leaves)} array leaves, {format_bytes(rec.nbytes)}; kind {rec.kind}; "
-        f"saved on mesh ({mesh_text}); written by {rec.source}",
+        title=literal(source.path),
+        caption=literal(
+            f"{len(rec.leaves)} array leaves, {format_bytes(rec.nbytes)}; kind {rec.kind}; "
+            f"saved on mesh ({mesh_text}); written by {rec.source}"
+        ),
     )
     for col, kw in [
         ("path", {}),
@@ -70,26 +72,30 @@ def run(args: argparse.Namespace) -> int:
     for leaf in shown:
         names = "-" if leaf.names is None else str(tuple(leaf.names))
         table.add_row(
-            leaf.path or "<root>",
-            str(leaf.shape),
-            leaf.dtype,
-            format_bytes(leaf.nbytes),
-            fmt_spec(leaf.spec),
-            names,
+            *map(
+                literal,
+                (
+                    leaf.path or "<root>",
+                    str(leaf.shape),
+                    leaf.dtype,
+                    format_bytes(leaf.nbytes),
+                    fmt_spec(leaf.spec),
+                    names,
+                ),
+            )
         )
     if len(shown) < len(rec.leaves):
         table.add_row(f"... {len(rec.leaves) - len(shown)} more leaves", "", "", "", "", "")
-    out = console()
-    out.print(table)
+    console().print(table)
     if rec.versions:
-        out.print("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
+        say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
     return 0
 
 
 def _inspect_safetensors(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .._text import format_bytes
+    from .._text import format_bytes, literal
     from .._weights import open_safetensors
 
     with open_safetensors(args.checkpoint) as st:
@@ -118,9 +124,11 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
             )
             return 0
         table = Table(
-            title=str(st.path),
-            caption=f"{len(tensors)} tensors, {format_bytes(st.nbytes)} in {len(files)} "
-            f"safetensors file{'s' if len(files) != 1 else ''}",
+            title=literal(st.path),
+            caption=literal(
+                f"{len(tensors)} tensors, {format_bytes(st.nbytes)} in {len(files)} "
+                f"safetensors file{'s' if len(files) != 1 else ''}"
+            ),
         )
         for col, kw in [
             ("name", {}),
@@ -134,11 +142,10 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
         shown = tensors if args.max_rows is None else tensors[: args.max_rows]
         for t in shown:
             row = [t.name, str(t.shape), t.code, format_bytes(t.nbytes)]
-            table.add_row(*row, *([t.file.name] if len(files) > 1 else []))
+            table.add_row(*map(literal, [*row, *([t.file.name] if len(files) > 1 else [])]))
         if len(shown) < len(tensors):
             table.add_row(f"... {len(tensors) - len(shown)} more tensors", "", "", "")
-        out = console()
-        out.print(table)
+        console().print(table)
         if st.metadata:
-            out.print("metadata: " + ", ".join(f"{k}={v}" for k, v in st.metadata.items()))
+            say("metadata: " + ", ".join(f"{k}={v}" for k, v in st.metadata.items()))
     return 0

@@ -22,6 +22,13 @@ def console(stderr: bool = False) -> Any:
     return Console(stderr=stderr, soft_wrap=False, width=None if tty else 160)
 
 
+def say(text: str, stderr: bool = False) -> None:
+    """Print one line of text for people, shown literally (paths with ``[...]`` included)."""
+    from .._text import literal
+
+    console(stderr=stderr).print(literal(text), highlight=False)
+
+
 def write_json(stream: Any, data: Any) -> None:
     stream.write(json.dumps(data, indent=1) + "\n")
 
@@ -153,8 +160,10 @@ class Parser(argparse.ArgumentParser):
 def progress_bar(args: argparse.Namespace, what: str) -> Any:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+    from .._text import escape_markup
+
     return Progress(
-        f"[progress.description]{what}",
+        f"[progress.description]{escape_markup(what)}",
         BarColumn(),
         DownloadColumn(),
         TimeRemainingColumn(),

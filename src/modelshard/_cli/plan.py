@@ -16,7 +16,7 @@ from .args import (
     regex_arg,
     target_specs,
 )
-from .output import console, emit
+from .output import console, emit, say
 
 
 def add_parser(sub: Any) -> None:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         )
     console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
     if args.html is not None:
-        console(stderr=True).print(f"wrote {os.path.abspath(args.html)}", highlight=False)
+        say(f"wrote {os.path.abspath(args.html)}", stderr=True)
     if args.budget is not None:
         p.check_budget(args.budget)
     return 0

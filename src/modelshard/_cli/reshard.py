@@ -18,7 +18,7 @@ from .args import (
     target_specs,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit
+from .output import console, emit, say
 
 
 def add_parser(sub: Any) -> None:
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             },
         )
     else:
-        console().print(
+        say(
             f"wrote {dest}: {len(record.leaves)} leaves, "
             f"{format_bytes(record.nbytes)}, mesh "
             + ", ".join(f"{k}={v}" for k, v in sizes.items())
