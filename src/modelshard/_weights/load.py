@@ -733,7 +733,7 @@ class Exporter:
         values = dict(zip(flat.paths, flat.arrays, strict=True))
         return cls(
             targets,
-            lambda p: np.asarray(jax.device_get(values[p])),
+            lambda p: host_leaf(values[p], p),
             table,
             wm,
             dtype,

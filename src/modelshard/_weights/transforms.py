@@ -182,13 +182,25 @@ class Transpose(Node):
 
 @dataclasses.dataclass(repr=False)
 class Reshape(Node):
+    """``child`` in another shape (C order). A block of the result that is one block of
+    the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
+    axis the reshape leaves alone) reads only that block; any other needs the whole
+    child."""
+
     child: Node
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
         self.dtype = self.child.dtype
+        self._groups = reshape_groups(self.child.shape, self.shape)
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        if index is not None and self._groups is not None:
+            index = norm_index(index, self.shape)
+            inner = child_block(self._groups, self.child.shape, self.shape, index)
+            if inner is not None:
+                block = tuple(s.stop - s.start for s in index)
+                return self.child.read(inner, fetch).reshape(block)
         whole = self.child.read(None, fetch).reshape(self.shape)
         return whole if index is None else whole[index]
 
@@ -201,6 +213,91 @@ class Reshape(Node):
     @property
     def sliceable(self) -> bool:
         return False
+
+
+Groups = list[tuple[tuple[int, int], tuple[int, int]]]
+
+
+def reshape_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
+    """A reshape from ``a`` to ``b`` as groups of consecutive axes whose sizes multiply to
+    the same number (``(6, 4) -> (2, 3, 4)``: ``[((0, 1), (0, 2)), ((1, 2), (2, 3))]``),
+    ``None`` for empty shapes (no block reads then)."""
+    if 0 in a or 0 in b:
+        return None
+    groups: Groups = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        i0, j0, pa, pb = i, j, 1, 1
+        if i < len(a):
+            pa, i = a[i], i + 1
+        if j < len(b):
+            pb, j = b[j], j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+            else:
+                return None
+        groups.append(((i0, i), (j0, j)))
+    return groups
+
+
+def child_block(groups: Groups, a: Sequence[int], b: Sequence[int], index: Index) -> Index | None:
+    """The block of the reshape's input (shape ``a``) holding exactly the block ``index``
+    of its output (shape ``b``), or ``None`` where that is not one block."""
+    out: list[slice] = []
+    for (i0, i1), (j0, j1) in groups:
+        flat = _flat_range(b[j0:j1], index[j0:j1])
+        if flat is None:
+            return None
+        part = _block_of(a[i0:i1], *flat)
+        if part is None:
+            return None
+        out.extend(part)
+    return tuple(out)
+
+
+def _flat_range(sizes: Sequence[int], index: Sequence[slice]) -> tuple[int, int] | None:
+    """``index`` over ``sizes`` as one range of their C-order flattening (single points,
+    then one range, then whole axes), or ``None``."""
+    n = len(sizes)
+    t = n
+    while t > 0 and index[t - 1].start == 0 and index[t - 1].stop == sizes[t - 1]:
+        t -= 1
+    if t == 0:
+        return 0, math.prod(sizes)
+    t -= 1  # the one axis that may be a range
+    if any(index[q].stop - index[q].start != 1 for q in range(t)):
+        return None
+    inner = math.prod(sizes[t + 1 :])
+    base = sum(index[q].start * math.prod(sizes[q + 1 :]) for q in range(t))
+    return base + index[t].start * inner, base + index[t].stop * inner
+
+
+def _block_of(sizes: Sequence[int], lo: int, hi: int) -> list[slice] | None:
+    """The range ``[lo, hi)`` of the C-order flattening of ``sizes`` as a block (single
+    points, then one range, then whole axes), or ``None``."""
+    if hi <= lo:
+        return None
+    n = len(sizes)
+    if n == 0:
+        return [] if (lo, hi) == (0, 1) else None
+    for t in range(n):
+        inner = math.prod(sizes[t + 1 :])
+        if lo % inner or hi % inner:
+            continue
+        q_lo, q_hi = lo // inner, hi // inner
+        outer = q_lo // sizes[t]
+        if (q_hi - 1) // sizes[t] != outer:
+            continue
+        points: list[slice] = []
+        for q in reversed(range(t)):
+            outer, c = divmod(outer, sizes[q])
+            points.insert(0, slice(c, c + 1))
+        rng = slice(q_lo % sizes[t], (q_hi - 1) % sizes[t] + 1)
+        return [*points, rng, *(slice(0, d) for d in sizes[t + 1 :])]
+    return None
 
 
 @dataclasses.dataclass(repr=False)
