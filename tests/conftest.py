@@ -3,6 +3,7 @@ object-storage servers (gs:// and s3://) started once per session."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import socket
@@ -314,3 +315,46 @@ def bucket_root(request) -> str:
 def s3_root(s3_env) -> str:
     """A fresh ``s3://`` folder on the local S3 server."""
     return f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+
+
+# ---- counting XLA compilations --------------------------------------------------------
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[collections.Counter[str]]:
+    """XLA compilations while the block runs, by function name (``n["jit(step)"]``).
+
+    Counts JAX's own ``/jax/core/compile/backend_compile_duration`` monitoring event, whose
+    ``fun_name`` names the compiled function (``jit(step)``, ``jit(<lambda>)``). The listener
+    is unregistered on exit where this JAX can (``unregister_event_duration_listener``, or
+    the private ``_unregister_event_duration_listener_by_callback`` of older versions);
+    where it cannot, it stays registered but counts nothing once the block has ended.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    active = [True]
+
+    def listener(event: str, duration: float, **kwargs: Any) -> None:
+        if active[0] and event == COMPILE_EVENT:
+            counts[str(kwargs.get("fun_name"))] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        active[0] = False
+        from jax._src import monitoring as _monitoring
+
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None) or getattr(
+            _monitoring, "_unregister_event_duration_listener_by_callback", None
+        )
+        if unregister is not None:
+            with contextlib.suppress(AssertionError, ValueError):
+                unregister(listener)
+
+
+@pytest.fixture
+def count_compiles() -> Callable[[], contextlib.AbstractContextManager[collections.Counter[str]]]:
+    """``counting_compiles``: ``with count_compiles() as n: ...`` then ``n["jit(step)"]``."""
+    return counting_compiles

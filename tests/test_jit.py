@@ -98,7 +98,7 @@ def test_raise_mode_names_every_leaf_and_both_shardings(mesh8):
     assert float(f(_params(), jnp.ones((8, 3)))) == 28.0
 
 
-def test_raise_mode_differently_sharded(mesh8):
+def test_raise_mode_differently_sharded(mesh8, count_compiles):
     f = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,), on_mismatch="raise")
     assert float(f(ms.shard(_params(), RULES, mesh8))) == float(np.arange(64.0).sum())
     params = ms.shard(_params(), P(), mesh8)  # replicated, planned P('data', None) for w
@@ -112,9 +112,10 @@ def test_raise_mode_differently_sharded(mesh8):
     ]
     # and in move mode the same call goes through, on the fast path too
     g = ms.shard_jit(lambda p: p["w"].sum(), mesh=mesh8, in_specs=(RULES,))
-    for tree in (ms.shard(_params(), RULES, mesh8), params, params):
-        assert float(g(tree)) == float(np.arange(64.0).sum())
-    assert g.cache_size == 1
+    with count_compiles() as n:
+        for tree in (ms.shard(_params(), RULES, mesh8), params, params):
+            assert float(g(tree)) == float(np.arange(64.0).sum())
+    assert n["jit(<lambda>)"] == 1 and g.cache_size == 1
 
 
 # ---- compiled shardings equal the plan, leaf for leaf ----------------------------------
@@ -143,7 +144,7 @@ def test_lower_takes_abstract_arguments(mesh8):
 # ---- the cache ------------------------------------------------------------------------
 
 
-def test_cache_by_abstract_signature_replans_new_shapes(mesh8):
+def test_cache_by_abstract_signature_replans_new_shapes(mesh8, count_compiles):
     calls = []
 
     def f(t):
@@ -151,19 +152,21 @@ def test_cache_by_abstract_signature_replans_new_shapes(mesh8):
         return t
 
     sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
-    a = sj({"w": jnp.ones((8, 3))})
-    sj(a)  # the output fed back (placed as the trace was): no new trace
-    assert sj.cache_size == 1 and len(calls) == 1  # one trace for a new signature
-    b = sj({"w": jnp.ones((3, 16))})  # FSDP now shards dimension 1
-    assert a["w"].sharding.spec == P("data") and b["w"].sharding.spec == P(None, "data")
-    assert sj.cache_size == 2 and len(calls) == 2
-    c = sj({"w": jnp.ones((8, 3))})  # back to the first shape: no new plan, no new trace
-    assert c["w"].sharding.spec == P("data") and sj.cache_size == 2 and len(calls) == 2
-    sj({"w": jnp.ones((8, 3), jnp.int32)})  # new dtype
-    assert sj.cache_size == 3
+    with count_compiles() as n:
+        a = sj({"w": jnp.ones((8, 3))})
+        sj(a)  # the output fed back (placed as the trace was): no new trace
+        assert n["jit(f)"] == sj.cache_size == 1 and len(calls) == 1  # one trace, one compile
+        b = sj({"w": jnp.ones((3, 16))})  # FSDP now shards dimension 1
+        assert a["w"].sharding.spec == P("data") and b["w"].sharding.spec == P(None, "data")
+        assert n["jit(f)"] == sj.cache_size == 2 and len(calls) == 2
+        c = sj({"w": np.ones((8, 3), np.float32)})  # the first shape: no new plan, trace, compile
+        assert c["w"].sharding.spec == P("data") and len(calls) == 2
+        assert n["jit(f)"] == sj.cache_size == 2
+        sj({"w": jnp.ones((8, 3), jnp.int32)})  # new dtype
+        assert n["jit(f)"] == sj.cache_size == 3
 
 
-def test_a_new_signature_traces_the_function_once(mesh24):
+def test_a_new_signature_traces_the_function_once(mesh24, count_compiles):
     calls = []
 
     def step(state, x):
@@ -173,23 +176,27 @@ def test_a_new_signature_traces_the_function_once(mesh24):
     sj = ms.shard_jit(step, mesh=mesh24, in_specs=(P("data"), P()))
     state = {"w": jnp.ones((8, 16))}
     x = ms.shard(jnp.ones((4,)), P(), mesh24)
-    out, _ = sj(state, x)  # uncommitted state: placed by shard_jit as it was traced
-    assert len(calls) == 1 and out["w"].sharding.spec == P(None, "model")
-    sj(ms.shard(state, P("data"), mesh24), x)  # committed inputs: the same trace
-    assert len(calls) == 1
+    with count_compiles() as n:
+        out, _ = sj(state, x)  # uncommitted state: placed by shard_jit as it was traced
+        assert len(calls) == 1 and out["w"].sharding.spec == P(None, "model")
+        sj(ms.shard(state, P("data"), mesh24), x)  # committed inputs: the same trace
+        sj(state, np.ones((4,), np.float32))  # uncommitted and NumPy inputs: the same
+    assert len(calls) == 1 and n["jit(step)"] == 1
 
 
-def test_static_leaves_and_static_args_are_part_of_the_key(mesh8):
+def test_static_leaves_and_static_args_are_part_of_the_key(mesh8, count_compiles):
     def f(t, scale, *, power):
         return {"y": t["x"] * scale**power, "act": t["act"]}
 
     sj = ms.shard_jit(f, mesh=mesh8, in_specs={"t": P("data")}, static_argnames=("scale", "power"))
     tree = {"x": jnp.ones(8), "act": "relu"}
-    out = sj(tree, 2.0, power=3)
-    assert out["act"] == "relu" and float(np.asarray(out["y"])[0]) == 8.0
-    assert float(np.asarray(sj(tree, 3.0, power=1)["y"])[0]) == 3.0
-    assert sj({"x": jnp.ones(8), "act": "gelu"}, 3.0, power=1)["act"] == "gelu"
-    assert sj.cache_size == 3
+    with count_compiles() as n:
+        out = sj(tree, 2.0, power=3)
+        assert out["act"] == "relu" and float(np.asarray(out["y"])[0]) == 8.0
+        assert float(np.asarray(sj(tree, 3.0, power=1)["y"])[0]) == 3.0
+        assert sj({"x": jnp.ones(8), "act": "gelu"}, 3.0, power=1)["act"] == "gelu"
+        sj({"x": jnp.ones(8), "act": "gelu"}, 3.0, power=1)  # seen before
+    assert n["jit(f)"] == sj.cache_size == 3
 
 
 def test_unhashable_static_leaf_is_a_clear_error(mesh8):
@@ -267,7 +274,7 @@ def test_route_falls_back_to_the_full_path(mesh8, change):
     assert sj(base)["w"].sharding.spec == P("data")  # and back again
 
 
-def test_route_layouts_of_every_plain_container(mesh8):
+def test_route_layouts_of_every_plain_container(mesh8, count_compiles):
     optax = pytest.importorskip("optax")
     params = {"w": jnp.ones((8, 4)), "b": jnp.ones(8)}  # insertion order is not JAX's
     state = {
@@ -280,22 +287,23 @@ def test_route_layouts_of_every_plain_container(mesh8):
         mesh=mesh8,
         in_specs=(ms.fsdp("data", min_size=0),),
     )
-    first = sj(state)
-    assert sj._route is not None
-    full = sj._take
-    _no_full_path(sj)
-    again = sj(state)  # same layout: the route, with the keys reordered as JAX orders them
-    for a, b in zip(
-        jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again), strict=True
-    ):
-        np.testing.assert_array_equal(a, b)
-        assert a.sharding == b.sharding
-    sj._take = full
-    second = sj(first)  # JAX's own output (sorted keys): a new layout, the full path once
-    _no_full_path(sj)
-    third = sj(second)  # and the route from then on
-    np.testing.assert_array_equal(third["params"]["w"], np.full((8, 4), 8.0))
-    assert sj.cache_size == 1
+    with count_compiles() as n:
+        first = sj(state)
+        assert sj._route is not None
+        full = sj._take
+        _no_full_path(sj)
+        again = sj(state)  # same layout: the route, with the keys reordered as JAX orders them
+        for a, b in zip(
+            jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+            assert a.sharding == b.sharding
+        sj._take = full
+        second = sj(first)  # JAX's own output (sorted keys): a new layout, the full path once
+        _no_full_path(sj)
+        third = sj(second)  # and the route from then on
+        np.testing.assert_array_equal(third["params"]["w"], np.full((8, 4), 8.0))
+    assert n["jit(<lambda>)"] == sj.cache_size == 1
 
 
 def test_route_keeps_raise_mode(mesh8):
@@ -325,12 +333,13 @@ def test_route_donates(mesh8):
     np.testing.assert_array_equal(q["b"], np.full(4, 49.0))
 
 
-def test_route_stops_after_repeated_misses(mesh8):
+def test_route_stops_after_repeated_misses(mesh8, count_compiles):
     sj = ms.shard_jit(lambda p: p, mesh=mesh8, in_specs=(P(),))
     a, b = {"a": jnp.ones(2)}, {"b": jnp.ones(2)}
-    for _ in range(40):  # alternating structures miss the route every call
-        assert set(sj(a)) == {"a"} and set(sj(b)) == {"b"}
-    assert sj._route is None and sj.cache_size == 2
+    with count_compiles() as n:
+        for _ in range(40):  # alternating structures miss the route every call
+            assert set(sj(a)) == {"a"} and set(sj(b)) == {"b"}
+    assert sj._route is None and n["jit(<lambda>)"] == sj.cache_size == 2
 
 
 def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
@@ -523,7 +532,7 @@ def test_shard_moves_inputs_wherever_they_live(mesh8, where):
     np.testing.assert_array_equal(out["w"], np.arange(64.0).reshape(16, 4))
 
 
-def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8):
+def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8, count_compiles):
     from flax import nnx
 
     class M(nnx.Module):
@@ -539,16 +548,17 @@ def test_nnx_fast_route_repeated_calls_shared_variables_and_type_changes(mesh8):
 
     m = M()
     sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
-    for i in range(3):
-        assert float(sj(m)) == 8.0 * (i + 1)
-    assert float(m.count[...]) == 3.0 and m.a is m.b
-    assert m.a[...].sharding.spec == P("data") and sj.cache_size == 1
-    m.count = nnx.Param(m.count[...])  # same structure, another Variable type: replanned
-    assert float(sj(m)) == 32.0 and float(m.count[...]) == 4.0
-    assert sj.cache_size == 2
+    with count_compiles() as n:
+        for i in range(3):
+            assert float(sj(m)) == 8.0 * (i + 1)
+        assert float(m.count[...]) == 3.0 and m.a is m.b
+        assert m.a[...].sharding.spec == P("data") and n["jit(f)"] == sj.cache_size == 1
+        m.count = nnx.Param(m.count[...])  # same structure, another Variable type: replanned
+        assert float(sj(m)) == 32.0 and float(m.count[...]) == 4.0
+    assert n["jit(f)"] == sj.cache_size == 2
 
 
-def test_nnx_same_module_called_again_sees_every_change_made_between_calls(mesh8):
+def test_nnx_same_module_called_again_sees_every_change_made_between_calls(mesh8, count_compiles):
     from flax import nnx
 
     class M(nnx.Module):
@@ -562,34 +572,36 @@ def test_nnx_same_module_called_again_sees_every_change_made_between_calls(mesh8
 
     m = M()
     sj = ms.shard_jit(f, mesh=mesh8, in_specs=(ms.fsdp("data", min_size=0),))
-    assert float(sj(m)) == 24.0 and float(sj(m)) == 24.0  # the second call: the snapshot
-    with jax.set_mesh(mesh8):  # Explicit axes: eager updates of sharded values need it
-        m.ps[0][...] = jnp.full(8, 2.0)  # a value set in place
-    assert float(sj(m)) == 32.0
-    m.ps[1] = nnx.Param(jnp.full(8, 3.0))  # a Variable replaced in an nnx.List
-    assert float(sj(m)) == 48.0
-    m.ps.append(nnx.Param(jnp.ones(8)))  # the list grew: a new structure
-    assert float(sj(m)) == 56.0
-    m.scale = 0.5  # a static attribute: part of the key
-    assert float(sj(m)) == 28.0
-    m.extra["w"] = nnx.Param(jnp.ones(8))  # a Variable replaced in a plain dict
-    assert float(sj(m)) == 36.0
-    assert sj.cache_size == 3
+    with count_compiles() as n:
+        assert float(sj(m)) == 24.0 and float(sj(m)) == 24.0  # the second call: the snapshot
+        with jax.set_mesh(mesh8):  # Explicit axes: eager updates of sharded values need it
+            m.ps[0][...] = jnp.full(8, 2.0)  # a value set in place
+        assert float(sj(m)) == 32.0
+        m.ps[1] = nnx.Param(jnp.full(8, 3.0))  # a Variable replaced in an nnx.List
+        assert float(sj(m)) == 48.0
+        m.ps.append(nnx.Param(jnp.ones(8)))  # the list grew: a new structure
+        assert float(sj(m)) == 56.0
+        m.scale = 0.5  # a static attribute: part of the key
+        assert float(sj(m)) == 28.0
+        m.extra["w"] = nnx.Param(jnp.ones(8))  # a Variable replaced in a plain dict
+        assert float(sj(m)) == 36.0
+    assert n["jit(f)"] == sj.cache_size == 3
 
 
-def test_nnx_static_attributes_are_part_of_the_key(mesh8):
+def test_nnx_static_attributes_are_part_of_the_key(mesh8, count_compiles):
     model = MAKERS["nnx"]()
     ids = jnp.zeros((8, 4), jnp.int32)
     sj = ms.shard_jit(lambda m, ids: m(ids), mesh=mesh8, in_specs=(P(), P()))
-    train = sj(model, ids)
-    model.eval()  # flips static flags (Dropout.deterministic, BatchNorm running averages)
-    evaluated = sj(model, ids)
-    assert sj.cache_size == 2
+    with count_compiles() as n:
+        train = sj(model, ids)
+        model.eval()  # flips static flags (Dropout.deterministic, BatchNorm running averages)
+        evaluated = sj(model, ids)
+    assert n["jit(<lambda>)"] == sj.cache_size == 2
     assert not np.allclose(train, evaluated)
     np.testing.assert_allclose(sj(model, ids), evaluated, rtol=1e-6)
 
 
-def test_train_state_from_create_compiles_once(mesh8):
+def test_train_state_from_create_compiles_once(mesh8, count_compiles):
     optax = pytest.importorskip("optax")
     ts = pytest.importorskip("flax.training.train_state")
     state = ts.TrainState.create(apply_fn=None, params={"w": jnp.ones((8, 2))}, tx=optax.sgd(0.1))
@@ -600,9 +612,10 @@ def test_train_state_from_create_compiles_once(mesh8):
         grads = jax.grad(lambda p: (p["w"] * x.sum()).sum())(state.params)
         return state.apply_gradients(grads=grads)
 
-    for _ in range(3):
-        state = step(state, jnp.ones((8, 3)))
-    assert int(state.step) == 3 and step.cache_size == 1
+    with count_compiles() as n:
+        for _ in range(3):
+            state = step(state, jnp.ones((8, 3)))
+    assert int(state.step) == 3 and n["jit(step)"] == step.cache_size == 1
     assert state.step.sharding.is_fully_replicated
 
 
@@ -739,3 +752,123 @@ def test_warns_once_when_the_same_inputs_are_moved_every_call(mesh8):
         warnings.simplefilter("error")
         for _ in range(3):
             step(placed)
+
+
+# ---- one XLA compilation per signature, whatever the inputs are --------------------------
+
+# numpy arrays, unplaced jax arrays, arrays committed to one device, arrays already in the
+# planned sharding; in every case the step's own outputs come back on the next call.
+INPUT_KINDS = ["numpy", "jnp", "device0", "planned"]
+TP_RULES = ms.Rules([(r"0/kernel$", P(None, "model")), (r".*", P())])
+
+
+def _as_kind(tree, kind, spec, mesh):
+    if kind == "numpy":
+        return jax.tree_util.tree_map(np.asarray, tree)
+    if kind == "device0":
+        return _committed_to_device0(tree)
+    if kind == "planned":
+        return ms.shard(tree, spec, mesh)
+    assert all(not x.committed for x in jax.tree_util.tree_leaves(tree))
+    return tree
+
+
+_EXPECTED: dict[str, list[float]] = {}  # losses of the same steps run unsharded
+
+
+def _batches():
+    return [jax.random.normal(jax.random.key(i), (8, 16)) for i in range(6)]
+
+
+def _moves(rec):
+    return [str(r.message) for r in rec if "to the planned sharding again" in str(r.message)]
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+def test_dict_and_optax_train_step_compiles_once(mesh24, kind, donate, count_compiles):
+    """The README's step: a dict of NNX params and optax state, fed back six times."""
+    import warnings
+
+    import optax
+    from flax import nnx
+
+    model = nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 16, rngs=nnx.Rngs(1))
+    )
+    graphdef, params = nnx.split(model)
+    tx = optax.adam(1e-2)
+
+    def train_step(state, x):
+        loss_fn = lambda p: ((nnx.merge(graphdef, p)(x) - x) ** 2).mean()  # noqa: E731
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    if "dict" not in _EXPECTED:  # the same steps unsharded (once for every parameter)
+        reference, state, _EXPECTED["dict"] = jax.jit(train_step), {"params": params}, []
+        state["opt"] = tx.init(params)
+        for x in _batches():
+            state, loss = reference(state, x)
+            _EXPECTED["dict"].append(float(loss))
+
+    step = ms.shard_jit(
+        train_step, mesh=mesh24, in_specs=(TP_RULES, P("data")), donate_argnums=0 if donate else ()
+    )
+    state = _as_kind({"params": params, "opt": tx.init(params)}, kind, TP_RULES, mesh24)
+    losses = []
+    with count_compiles() as n, warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for x in _batches():
+            state, loss = step(state, _as_kind(x, kind, P("data"), mesh24))
+            losses.append(float(loss))
+    assert n["jit(train_step)"] == 1 and step.cache_size == 1
+    # a batch committed to one device is moved every call, and said so once
+    assert len(_moves(rec)) == (1 if kind == "device0" else 0)
+    np.testing.assert_allclose(losses, _EXPECTED["dict"], rtol=1e-5)
+    kernel = state["params"]["layers"][0]["kernel"][...]
+    assert kernel.sharding.spec == P(None, "model")
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+@pytest.mark.parametrize("kind", INPUT_KINDS)
+def test_nnx_module_and_optimizer_train_step_compiles_once(mesh24, kind, donate, count_compiles):
+    """An NNX model and ``nnx.Optimizer`` updated in place six times, batches of each kind
+    (the module as built, on one device, or placed first for ``planned``)."""
+    import warnings
+
+    import optax
+    from flax import nnx
+
+    def make():
+        model = nnx.Sequential(
+            nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 16, rngs=nnx.Rngs(1))
+        )
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, opt, x):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - x) ** 2).mean())(model)
+        opt.update(model, grads)
+        return loss
+
+    if "nnx" not in _EXPECTED:
+        reference, (model, opt) = nnx.jit(train_step), make()
+        _EXPECTED["nnx"] = [float(reference(model, opt, x)) for x in _batches()]
+    model, opt = make()
+    if kind == "planned":
+        ms.shard(model, TP_RULES, mesh24)
+        ms.shard(opt, TP_RULES, mesh24)
+    step = ms.shard_jit(
+        train_step,
+        mesh=mesh24,
+        in_specs=(TP_RULES, TP_RULES, P("data")),
+        donate_argnums=(0, 1) if donate else (),
+    )
+    with count_compiles() as n, warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        losses = [float(step(model, opt, _as_kind(x, kind, P("data"), mesh24))) for x in _batches()]
+    assert n["jit(train_step)"] == 1 and step.cache_size == 1
+    assert len(_moves(rec)) == (1 if kind == "device0" else 0)
+    np.testing.assert_allclose(losses, _EXPECTED["nnx"], rtol=1e-5)
+    assert int(opt.step[...]) == 6
+    assert model.layers[0].kernel[...].sharding.spec == P(None, "model")

@@ -82,7 +82,15 @@ class Entry:
     def _compile_and_run(self, *flat: Any) -> Any:
         if has_tracer(flat):
             return self.jitted(*flat)  # under an outer transformation: no executable
-        return self.compile()(*flat)
+        compiled = self.compile()
+        out = compiled(*flat)
+        # ``Compiled.__call__`` forwards every call to the C++ dispatcher it builds on its
+        # first call; later calls go to that directly (a Python frame and a copy of the
+        # arguments fewer, 3-4% of a 1,000-leaf call), where this JAX has it.
+        direct = getattr(compiled, "_call", None)
+        if callable(direct):
+            self.run = direct
+        return out
 
     def fits(self, flat: Sequence[Any]) -> bool:
         """Whether ``flat`` has the shapes and dtypes this entry was planned for."""
