@@ -4,6 +4,9 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/weights.py                      # 1 GiB, 64 tensors, 3 repeats
     .venv/bin/python benchmarks/weights.py --gib 0.25 --repeats 1   # quick look
+    .venv/bin/python benchmarks/weights.py --export                 # reference-free sharded export
+
+``--export`` runs ``export_main`` instead (its docstring says what it measures).
 
 The checkpoint is ``--tensors`` float32 matrices of random normals in one safetensors file
 (written once, then read from a warm page cache). Every measurement runs in a fresh
@@ -163,6 +166,149 @@ def _run(mode: str, *args: Path) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ---- reference-free sharded export (--export) ---------------------------------------------
+
+EXPORT_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import numpy as np
+    import safetensors.numpy
+    import modelshard as ms
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    mode, out, tensors, rows, cols, shard = sys.argv[1:7]
+    tensors, rows, cols = int(tensors), int(rows), int(cols)
+    mesh = ms.make_mesh({"data": 8})
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    make = jax.jit(lambda k: jax.random.normal(k, (rows, cols)), out_shardings=sharding)
+    state = {"layers": [{"w": make(jax.random.key(i))} for i in range(tensors)]}
+    jax.block_until_ready(state)
+    flat = {f"layers.{i}.w": x["w"] for i, x in enumerate(state["layers"])}
+    host = None
+    if mode == "save_file":  # the tensors already on the host: save_file alone is timed
+        host = {n: np.asarray(x) for n, x in flat.items()}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # peak := now: the state (and host copies) are the baseline
+    base = status("VmRSS:")
+    t = time.perf_counter()
+    if mode == "gather_save_file":  # the usual way: every leaf to the host, one save_file
+        host = {n: np.asarray(x) for n, x in flat.items()}
+        safetensors.numpy.save_file(host, out + "/model.safetensors", metadata={"format": "pt"})
+    elif mode == "save_file":
+        safetensors.numpy.save_file(host, out + "/model.safetensors", metadata={"format": "pt"})
+    elif mode == "sharded":  # modelshard, no reference, HF's sharded layout
+        ms.save_safetensors(out, state, max_shard_size=int(shard), progress=False)
+    elif mode == "one_file":
+        ms.save_safetensors(out + "/model.safetensors", state, progress=False)
+    seconds = time.perf_counter() - t
+    print(json.dumps({"seconds": seconds, "baseline": base, "peak": status("VmHWM:")}))
+    """
+)
+EXPORT_MODES = ("gather_save_file", "save_file", "sharded", "one_file")
+
+
+def _run_export(mode: str, out: Path, tensors: int, rows: int, cols: int, shard: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                EXPORT_CHILD,
+                mode,
+                str(out),
+                *map(str, (tensors, rows, cols, shard)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{mode} took over 900 s") from None
+    finally:
+        written = sum(f.stat().st_size for f in out.iterdir()) if out.exists() else 0
+        shutil.rmtree(out, ignore_errors=True)
+    if res.returncode != 0:
+        raise SystemExit(f"{mode} failed:\n{res.stderr[-3000:]}")
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "written": written}
+
+
+def export_main(args: argparse.Namespace) -> int:
+    """``save_safetensors(dir, state, max_shard_size=...)`` (no reference) of an FSDP state
+    on 8 CPU devices, against ``safetensors.numpy.save_file`` of the same tensors.
+
+    Each run is a fresh process that builds the state on the devices, resets its peak RSS
+    (the state, on CPU devices in host memory, is the baseline) and times one write:
+    ``gather_save_file`` (every leaf to the host, then ``save_file``: what one writes
+    without modelshard), ``save_file`` (the host copies made before the clock starts:
+    ``save_file`` alone), ``sharded`` (modelshard, HF's sharded layout, ``--shard-mb``
+    shards) and ``one_file`` (modelshard, one file). modelshard fsyncs every file it
+    writes; ``save_file`` does not.
+    """
+    cols = 1024
+    rows = max(8, int(args.gib * (1 << 30) / args.tensors / 4 / cols) // 8 * 8)
+    nbytes = args.tensors * rows * cols * 4
+    shard = int(args.shard_mb * (1 << 20))
+    root = Path(args.dir or tempfile.mkdtemp(prefix="modelshard-export-bench-"))
+    runs: dict[str, list[dict]] = {m: [] for m in EXPORT_MODES}
+    try:
+        for _ in range(args.repeats):
+            for mode in EXPORT_MODES:
+                runs[mode].append(_run_export(mode, root / mode, args.tensors, rows, cols, shard))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    mib = 1 << 20
+
+    def paired(m: str, ref: str) -> float:
+        return statistics.median(
+            a["seconds"] / b["seconds"] for a, b in zip(runs[m], runs[ref], strict=True)
+        )
+
+    print(
+        f"{args.tensors} float32 tensors [{rows}, {cols}], {nbytes / (1 << 30):.2f} GiB, FSDP "
+        f"over 8 CPU devices, shards of {args.shard_mb:g} MiB; medians of {args.repeats}\n"
+    )
+    print(
+        "| method | seconds | / gather + save_file (paired) | / save_file alone (paired) "
+        "| peak RSS above the state | target |"
+    )
+    print("|---|---|---|---|---|---|")
+    for m, rs in runs.items():
+        sec = statistics.median(r["seconds"] for r in rs)
+        peak = max(0, statistics.median(r["peak"] - r["baseline"] for r in rs))
+        a, b = paired(m, "gather_save_file"), paired(m, "save_file")
+        target = ""
+        if m == "sharded":
+            target = (
+                f"time <= 1.1x save_file: {a:.2f}x / {b:.2f}x; RSS <= one shard "
+                f"({args.shard_mb:g} MiB): {'met' if peak <= shard else 'MISSED'}"
+            )
+        print(f"| {m} | {sec:.2f} | {a:.2f} | {b:.2f} | {peak / mib:.0f} MiB | {target} |")
+    print(
+        "\nper run (seconds): "
+        + "; ".join(
+            f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
+        )
+    )
+    print(
+        "per run (peak MiB above the state): "
+        + "; ".join(
+            f"{m} " + ", ".join(f"{max(0, r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
+            for m, rs in runs.items()
+        )
+    )
+    return 0
+
+
 MODES = ("naive", "load", "safe_open", "transposed", "convert", "export")
 
 
@@ -173,7 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each method (default 3)")
     ap.add_argument("--dir", default=None, help="where to write the files (default: a temp dir)")
     ap.add_argument("--only", nargs="*", choices=MODES, default=None, help="run these methods")
+    ap.add_argument(
+        "--export",
+        action="store_true",
+        help="benchmark reference-free sharded export instead (export_main)",
+    )
+    ap.add_argument("--shard-mb", type=float, default=256, help="with --export: shard size")
     args = ap.parse_args(argv)
+    if args.export:
+        return export_main(args)
     cols = 1024
     rows = max(8, int(args.gib * (1 << 30) / args.tensors / 4 / cols) // 8 * 8)
     nbytes = args.tensors * rows * cols * 4
