@@ -227,8 +227,8 @@ def test_a_save_that_fails_while_writing_leaves_no_hidden_copy(tmp_path, monkeyp
 
     real = write.orbax_save
 
-    def failing(directory: Path, tree: Any) -> None:
-        real(directory, tree)  # a whole copy, as when the record then fails
+    def failing(directory: Path, tree: Any, *options: Any) -> None:
+        real(directory, tree, *options)  # a whole copy, as when the record then fails
         Path(f"{directory}.orbax-checkpoint-tmp-1234").mkdir()  # as Orbax leaves one
         raise OSError(28, "No space left on device")
 
