@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +22,8 @@ _VARS = [
     "MODELSHARD_NUM_PROCESSES",
     "MODELSHARD_PROCESS_ID",
     "MODELSHARD_LOCAL_DEVICES",
+    "MODELSHARD_HEARTBEAT_TIMEOUT",
+    "MODELSHARD_BARRIER_TIMEOUT",
     "JAX_COORDINATOR_ADDRESS",
     "SLURM_JOB_ID",
     "SLURM_STEP_NODELIST",
@@ -74,6 +82,10 @@ def test_launch_with_one_process_is_a_no_op(env):
                 "MODELSHARD_PROCESS_ID": "2",
             },
             "MODELSHARD_PROCESS_ID=2 is not below MODELSHARD_NUM_PROCESSES=2.",
+        ),
+        (
+            {"MODELSHARD_HEARTBEAT_TIMEOUT": "0"},
+            "environment variable MODELSHARD_HEARTBEAT_TIMEOUT='0' must be an integer >= 1.",
         ),
         (
             {"MODELSHARD_LOCAL_DEVICES": "4"},
@@ -170,6 +182,8 @@ def test_to_host_rejects_abstract_leaves():
 def test_single_process_helpers():
     assert distributed.is_main_process()
     distributed.barrier()  # returns at once
+    assert distributed.broadcast({"steps": (1, 2)}, "x") == {"steps": [1, 2]}  # as JSON gives
+    assert distributed.gather(3, "y") == [3]
     distributed.require_addressable(jnp.ones(3), "test")  # addressable: no error
     distributed.require_addressable("not an array", "test")
 
@@ -207,3 +221,70 @@ def test_explicit_arguments_and_cluster_environments_start_the_runtime(env, valu
         env.setenv(k, v)
     with pytest.raises(ms.DistributedError, match=r"^JAX's backend was already started"):
         distributed.initialize(**kwargs)
+
+
+def test_the_heartbeat_timeout_reaches_jax(env, monkeypatch):
+    started = []
+    monkeypatch.setattr(distributed, "_start", lambda **kw: started.append(kw))
+    env.setenv("MODELSHARD_COORDINATOR", "127.0.0.1:1")
+    env.setenv("MODELSHARD_NUM_PROCESSES", "2")
+    env.setenv("MODELSHARD_PROCESS_ID", "1")
+    env.setenv("MODELSHARD_HEARTBEAT_TIMEOUT", "7")
+    assert distributed.initialize() is True
+    assert distributed.initialize(heartbeat_timeout_seconds=30) is True  # an argument wins
+    env.delenv("MODELSHARD_HEARTBEAT_TIMEOUT")
+    assert distributed.initialize() is True  # unset: JAX's own default
+    where = {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 1}
+    assert started == [
+        {**where, "heartbeat_timeout_seconds": 7},
+        {**where, "heartbeat_timeout_seconds": 30},
+        where,
+    ]
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
+def test_barrier_timeout_setting(env, raw):
+    assert distributed.barrier_timeout_s() == distributed.DEFAULT_BARRIER_TIMEOUT_S == 600
+    env.setenv("MODELSHARD_BARRIER_TIMEOUT", "2.5")
+    assert distributed.barrier_timeout_s() == 2.5
+    env.setenv("MODELSHARD_BARRIER_TIMEOUT", raw)
+    with pytest.raises(ms.DistributedError) as e:
+        distributed.barrier_timeout_s()
+    assert str(e.value) == (
+        f"environment variable MODELSHARD_BARRIER_TIMEOUT={raw!r} must be a positive number "
+        "of seconds."
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
+def test_barrier_broadcast_and_gather_on_two_processes(tmp_path):
+    """Through the coordination service: process 0's value everywhere, every value
+    everywhere, and a barrier one process never reaches fails after the timeout with the
+    barrier's name (the other process is unharmed, and both meet at the next one)."""
+    from modelshard import _launch
+
+    script = Path(__file__).parent / "mp_scripts" / "coordinate.py"
+    cmd = [sys.executable, _launch.__file__, "-n", "2", "--timeout", "120", "--grace", "1"]
+    cmd += ["--", sys.executable, str(script), str(tmp_path)]
+    env = {**os.environ, "MODELSHARD_BARRIER_TIMEOUT": "3"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    for r in results:
+        assert r["broadcast"] == {"from": 0, "steps": [1, 2]}
+        assert r["again"] == "second from 0"  # the second call of a name is its own value
+        assert r["gather"] == [{"me": 0}, {"me": 1}]
+        assert r["done"] is True
+    assert "error" not in results[1]
+    error = results[0]["error"]
+    assert error.startswith(
+        "process 0 of 2: barrier 'only process 0 comes here' failed after waiting up to 3 s "
+        "for the other processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): JaxRuntimeError: "
+        "DEADLINE_EXCEEDED: Barrier timed out."
+    ), error
+    assert error.endswith(
+        "Another process died, is stuck, or took another path through the program (every "
+        "process must make the same calls in the same order)."
+    ), error
+    assert 3 <= results[0]["waited"] < 60

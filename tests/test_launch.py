@@ -93,6 +93,16 @@ def test_child_env_and_free_port():
         env["JAX_NUM_CPU_DEVICES"],
     ) == ("127.0.0.1:5", "4", "2", "8", "8")
     assert 0 < free_port() < 65536
+    assert "MODELSHARD_HEARTBEAT_TIMEOUT" not in env  # unset: JAX's default applies
+    assert child_env({}, "127.0.0.1:5", 4, 2, 8, 7)["MODELSHARD_HEARTBEAT_TIMEOUT"] == "7"
+
+
+def test_heartbeat_timeout_reaches_every_process(capfd):
+    code = "import os; print(os.environ.get('MODELSHARD_HEARTBEAT_TIMEOUT'))"
+    assert main(["-n", "2", "--heartbeat-timeout", "7", "--", PY, "-c", code]) == 0
+    assert sorted(capfd.readouterr().out.splitlines()) == ["[process 0] 7", "[process 1] 7"]
+    rc, out, err = launch(code, 1)
+    assert (rc, out) == (0, "[process 0] None\n"), err
 
 
 def test_main_forwards_output_and_returns_zero(capfd):
@@ -219,6 +229,10 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path):
             "--devices-per-process must be at least 1, got 0",
         ),
         (["--", "true"], "the following arguments are required: -n/--num-processes"),
+        (
+            ["-n", "2", "--heartbeat-timeout", "0", "--", "true"],
+            "--heartbeat-timeout must be at least 1, got 0",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):

@@ -94,7 +94,7 @@ CHILD = textwrap.dedent(
             print(f"STALLED {len(stalled)}", flush=True)
         time.sleep(300)
 
-    ocp.StandardCheckpointHandler.finalize = stall
+    ocp.PyTreeCheckpointHandler.finalize = stall
     mngr.save(2, v2)
     ms.save(f"{root}/ckpt", v2, overwrite=True)
     print("NOT STALLED", flush=True)

@@ -37,6 +37,13 @@ ENV_COORDINATOR = "MODELSHARD_COORDINATOR"
 ENV_NUM_PROCESSES = "MODELSHARD_NUM_PROCESSES"
 ENV_PROCESS_ID = "MODELSHARD_PROCESS_ID"
 ENV_LOCAL_DEVICES = "MODELSHARD_LOCAL_DEVICES"
+# Seconds after which the distributed runtime declares a silent process dead (and stops
+# every other one with an error saying so); passed to jax.distributed.initialize as
+# heartbeat_timeout_seconds. Unset: JAX's default, 100 s.
+ENV_HEARTBEAT_TIMEOUT = "MODELSHARD_HEARTBEAT_TIMEOUT"
+# Seconds modelshard's barriers (and the checkpoint manager's agreements) wait for the
+# other processes before raising (modelshard.distributed.DEFAULT_BARRIER_TIMEOUT_S unset).
+ENV_BARRIER_TIMEOUT = "MODELSHARD_BARRIER_TIMEOUT"
 
 # Gloo prints one line per peer for every new communicator: noise, not information.
 # Its threads write concurrently, so a line may start with another's "[Gloo] Rank ".
@@ -86,6 +93,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping (default 3)",
     )
     p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seconds after which the distributed runtime declares a silent process dead "
+        f"and stops the others (sets {ENV_HEARTBEAT_TIMEOUT}; default: JAX's 100)",
+    )
+    p.add_argument(
         "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
     )
     p.add_argument(
@@ -129,10 +144,17 @@ def reserve_port() -> socket.socket | None:
 
 
 def child_env(
-    base: dict[str, str], coordinator: str, num: int, index: int, devices: int
+    base: dict[str, str],
+    coordinator: str,
+    num: int,
+    index: int,
+    devices: int,
+    heartbeat_timeout: int | None = None,
 ) -> dict[str, str]:
     """The environment of process ``index``: ``base`` plus what ``initialize`` reads."""
     env = dict(base)
+    if heartbeat_timeout is not None:
+        env[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
     env.update(
         {
             ENV_COORDINATOR: coordinator,
@@ -237,6 +259,7 @@ def run(
     grace: float = 3.0,
     port: int | None = None,
     show_gloo: bool = False,
+    heartbeat_timeout: int | None = None,
     stdout: Any = None,
     stderr: Any = None,
 ) -> int:
@@ -272,7 +295,7 @@ def run(
     argv = _with_exec_helper(command)
     try:
         for i in range(num):
-            env = child_env(dict(os.environ), coordinator, num, i, devices)
+            env = child_env(dict(os.environ), coordinator, num, i, devices, heartbeat_timeout)
             try:
                 proc = subprocess.Popen(
                     argv,
@@ -355,6 +378,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"-n must be at least 1, got {args.num_processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
+        parser.error(f"--heartbeat-timeout must be at least 1, got {args.heartbeat_timeout}")
     return run(
         command,
         args.num_processes,
@@ -363,6 +388,7 @@ def main(argv: list[str]) -> int:
         grace=args.grace,
         port=args.port,
         show_gloo=args.show_gloo,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
 
 

@@ -6,13 +6,24 @@ calls ``jax.distributed.initialize``; in a plain single process it does nothing.
 first, before any JAX computation, and the same script runs unchanged everywhere.
 
 The helpers below are the few multi-process operations a training script needs:
-``is_main_process`` (who prints and logs), ``barrier`` (everyone waits) and ``to_host``
-(a global array's full value on every process, through an all-gather).
+``is_main_process`` (who prints and logs), ``barrier`` (everyone waits), ``broadcast``
+(process 0's decision on every process), ``gather`` (one small value from each process)
+and ``to_host`` (a global array's full value on every process, through an all-gather).
+
+``barrier``, ``broadcast`` and ``gather`` go through the distributed runtime's coordination
+service (its barriers and key-value store), not through device collectives: they need no
+compiled program, can never be confused with the user's own collectives, and wait at most
+``MODELSHARD_BARRIER_TIMEOUT`` seconds (``DEFAULT_BARRIER_TIMEOUT_S``) before raising a
+``DistributedError`` that names the barrier. A process that dies is noticed by the runtime
+after ``MODELSHARD_HEARTBEAT_TIMEOUT`` seconds (JAX's ``heartbeat_timeout_seconds``, 100 by
+default), and then every other process is terminated with an error saying so.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,21 +33,40 @@ from jax.sharding import NamedSharding
 
 from ._errors import DistributedError
 from ._flat import split
-from ._launch import ENV_COORDINATOR, ENV_LOCAL_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from ._launch import (
+    ENV_BARRIER_TIMEOUT,
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
 
 __all__ = [
+    "DEFAULT_BARRIER_TIMEOUT_S",
+    "ENV_BARRIER_TIMEOUT",
     "ENV_COORDINATOR",
+    "ENV_HEARTBEAT_TIMEOUT",
     "ENV_LOCAL_DEVICES",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "barrier",
+    "barrier_timeout_s",
+    "broadcast",
     "cluster_detected",
+    "gather",
     "initialize",
     "is_main_process",
     "local_slice",
     "require_addressable",
     "to_host",
 ]
+
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+"""How long ``barrier``, ``broadcast`` and ``gather`` wait for the other processes unless
+``MODELSHARD_BARRIER_TIMEOUT`` says otherwise (Orbax's own default for finishing an
+asynchronous save is the same ten minutes). It bounds a process that is alive but stuck or
+on another path; a dead process is noticed sooner, after the heartbeat timeout."""
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
@@ -109,10 +139,16 @@ def initialize(**jax_kwargs: Any) -> bool:
 
     Call it once, first, before any JAX computation. Calling it again is harmless.
 
+    ``MODELSHARD_HEARTBEAT_TIMEOUT`` (seconds, ``modelshard launch --heartbeat-timeout``)
+    becomes ``heartbeat_timeout_seconds``: how long a process may go silent (killed, its
+    host lost) before the runtime declares it dead and terminates every other process
+    with an error naming it. Unset, JAX's default applies (100 s).
+
     Args:
         **jax_kwargs: passed on to ``jax.distributed.initialize`` (for example
-            ``initialization_timeout=60``); explicit ``coordinator_address``,
-            ``num_processes`` and ``process_id`` win over the environment.
+            ``initialization_timeout=60`` or ``heartbeat_timeout_seconds=30``); explicit
+            ``coordinator_address``, ``num_processes`` and ``process_id`` win over the
+            environment.
 
     Returns:
         Whether the distributed runtime is running (``jax.process_count()`` may be > 1).
@@ -133,6 +169,9 @@ def initialize(**jax_kwargs: Any) -> bool:
     num = _env_int(env, ENV_NUM_PROCESSES, 1)
     pid = _env_int(env, ENV_PROCESS_ID, 0)
     local = _env_int(env, ENV_LOCAL_DEVICES, 1)
+    heartbeat = _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
+    if heartbeat is not None:
+        jax_kwargs.setdefault("heartbeat_timeout_seconds", heartbeat)
     if local is not None:
         _set_cpu_devices(local)
     if "coordinator_address" in jax_kwargs or "num_processes" in jax_kwargs:
@@ -192,15 +231,176 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str = "modelshard.barrier") -> None:
+def barrier_timeout_s() -> float:
+    """How long ``barrier``, ``broadcast`` and ``gather`` wait: ``MODELSHARD_BARRIER_TIMEOUT``
+    seconds, else ``DEFAULT_BARRIER_TIMEOUT_S``.
+
+    Raises:
+        DistributedError: the variable is not a positive number.
+    """
+    raw = os.environ.get(ENV_BARRIER_TIMEOUT, "")
+    if raw == "":
+        return DEFAULT_BARRIER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise DistributedError(
+            f"environment variable {ENV_BARRIER_TIMEOUT}={raw!r} must be a positive number "
+            "of seconds."
+        )
+    return value
+
+
+_seen: dict[str, int] = {}
+_seen_lock = threading.Lock()
+
+
+def _key(kind: str, name: str) -> str:
+    """A coordination-service key for this call of ``name``: every process calls the same
+    names in the same order, so the n-th call has the same key everywhere."""
+    with _seen_lock:
+        n = _seen[f"{kind}:{name}"] = _seen.get(f"{kind}:{name}", 0) + 1
+    return f"modelshard/{kind}/{name}/{n}"
+
+
+def _client() -> Any:
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def _failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
+    return DistributedError(
+        f"process {jax.process_index()} of {jax.process_count()}: {what} {name!r} failed "
+        f"after waiting up to {timeout:g} s for the other processes ({ENV_BARRIER_TIMEOUT} "
+        f"sets the wait): {type(e).__name__}: {e}. Another process died, is stuck, or took "
+        "another path through the program (every process must make the same calls in the "
+        "same order)."
+    )
+
+
+def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None) -> None:
     """Wait until every process reaches this point (a no-op in a single process).
 
-    Every process must call it with the same ``name``, in the same order.
+    Every process must call it with the same ``name``, in the same order. It is a barrier
+    of the distributed runtime's coordination service (no device collective, nothing to
+    compile), so it is safe wherever the devices are busy.
+
+    Args:
+        name: the barrier's name (the n-th call of a name is one barrier).
+        timeout_s: how long to wait; default ``barrier_timeout_s()``.
+
+    Raises:
+        DistributedError: not every process arrived in time (its message names the
+            barrier and the timeout).
     """
-    if jax.process_count() > 1:
+    if jax.process_count() == 1:
+        return
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    if client is None:  # a runtime started without JAX's coordination service
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    key = _key("barrier", name)
+    try:
+        client.wait_at_barrier(key, max(1, int(timeout * 1000)))
+    except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
+        raise _failed("barrier", name, timeout, e) from e
+
+
+def broadcast(
+    value: Any, name: str = "modelshard.broadcast", *, timeout_s: float | None = None
+) -> Any:
+    """Process 0's ``value`` on every process (a JSON value; the others' are ignored).
+
+    What process 0 decides from what it alone reads (a listing of the file system) so
+    that every process acts on the same decision. Every process must call it with the same
+    ``name``, in the same order. It goes through the coordination service's key-value
+    store; process 0 does not wait.
+
+    Raises:
+        DistributedError: process 0's value did not come within the timeout
+            (``barrier_timeout_s()`` unless ``timeout_s``).
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.distributed.broadcast({"steps": [1, 2]}, "listing")  # one process: itself
+        {'steps': [1, 2]}
+    """
+    if jax.process_count() == 1:
+        return json.loads(json.dumps(value))
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    text = json.dumps(value) if jax.process_index() == 0 else None
+    if client is None:
+        return json.loads(_broadcast_by_devices(text))
+    key = _key("broadcast", name)
+    if text is not None:
+        client.key_value_set(key, text)
+        return json.loads(text)
+    try:
+        return json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+    except Exception as e:
+        raise _failed("broadcast", name, timeout, e) from e
+
+
+def gather(
+    value: Any, name: str = "modelshard.gather", *, timeout_s: float | None = None
+) -> list[Any]:
+    """Every process's ``value`` (JSON), in process order, on every process.
+
+    Every process must call it with the same ``name``, in the same order (coordination
+    service key-value store; each waits for all the others).
+
+    Raises:
+        DistributedError: a process's value did not come within the timeout.
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.distributed.gather("ok", "status")
+        ['ok']
+    """
+    text = json.dumps(value)
+    if jax.process_count() == 1:
+        return [json.loads(text)]
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    if client is None:
+        texts = [
+            _broadcast_by_devices(text if p == jax.process_index() else None, p)
+            for p in range(jax.process_count())
+        ]
+        return [json.loads(t) for t in texts]
+    key = _key("gather", name)
+    client.key_value_set(f"{key}/{jax.process_index()}", text)
+    out = []
+    try:
+        for p in range(jax.process_count()):
+            out.append(
+                json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
+            )
+    except Exception as e:
+        raise _failed("gather", name, timeout, e) from e
+    return out
+
+
+def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
+    """``text`` of process ``source`` on every process, through device collectives (only
+    where JAX's distributed client is missing)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer((text or "").encode(), np.uint8)
+    me = jax.process_index() == source
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(mine.size), is_source=me))
+    buf = np.zeros(size, np.uint8)
+    if me:
+        buf[:] = mine
+    out = multihost_utils.broadcast_one_to_all(buf, is_source=me)
+    return np.asarray(out, np.uint8).tobytes().decode()
 
 
 def to_host(tree: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Generic, Protocol, TypeVar
 
 import jax
@@ -218,6 +219,11 @@ def _shard_checksum(x: jax.Array) -> tuple[int, int]:
     return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
 
 
+def _spans_processes(x: Any) -> bool:
+    """Whether summing ``x`` on devices is a collective of several processes."""
+    return jax.process_count() > 1 and isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
 def _addressable(x: Any) -> bool:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x.sharding is None or x.sharding.is_fully_addressable
@@ -307,6 +313,7 @@ class Checksums(Generic[K]):
         self._small = dict(zip(self._keys, on_host(list(like.values()), limit), strict=True))
         self._host = host
         self._pending: dict[K, Any] = {}
+        self._later: dict[K, Any] = {}  # arrays spanning processes, summed by collect
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="modelshard-checksum")
 
     def _sum(self, key: K, x: Any) -> Any:
@@ -319,8 +326,16 @@ class Checksums(Generic[K]):
     def add(self, key: K, x: jax.Array) -> None:
         """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
         checked). A failure is raised by ``collect``, not here: ``add`` runs inside
-        Orbax's reads, which would report it as a read error."""
-        if key in self._small and key not in self._pending:
+        Orbax's reads, which would report it as a read error.
+
+        An array that spans devices of other processes is summed by a collective, which
+        every process must issue in the same order and not from a background thread: its
+        sum is left to ``collect`` (arrival order differs from process to process)."""
+        if key not in self._small or key in self._pending:
+            return
+        if _spans_processes(x):
+            self._later[key] = x
+        else:
             self._pending[key] = self._worker.submit(self._sum, key, x)
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
@@ -328,8 +343,19 @@ class Checksums(Generic[K]):
         (``arrays`` must hold them) are summed now."""
         try:
             for key in self._keys:
-                if key not in self._pending and arrays is not None:
-                    self.add(key, arrays[key])
+                if key in self._pending:
+                    continue
+                x = self._later.pop(key, None)
+                if x is None and arrays is not None:
+                    x = arrays[key]
+                if x is None:
+                    continue
+                if _spans_processes(x):  # a collective: here, in like's order
+                    done: Future[Any] = Future()
+                    done.set_result(self._sum(key, x))
+                    self._pending[key] = done
+                else:
+                    self.add(key, x)
             sums = [self._pending[k].result() for k in self._keys]
         finally:
             self.close()

@@ -11,6 +11,13 @@ definition decides what a step is (``complete_steps``), read from storage every 
 - rotation (``KeepPolicy``) runs on complete steps
   only and never removes the newest;
 - exit safety and preemption live in ``guard``.
+
+Under several processes every decision that depends on storage is made by process 0 and
+broadcast (``distributed.broadcast``: which steps are complete, whether a step may be
+written, whether another manager holds the lock), and every wait is a coordination-service
+barrier or exchange entered by every process in the same order, on the main thread, with a
+timeout (``distributed.barrier_timeout_s``). No device collective is issued by the manager
+itself; Orbax's background thread waits only on coordination-service barriers.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._errors import CheckpointError
+from ..distributed import barrier, broadcast, gather
 from . import guard
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok
@@ -44,7 +52,7 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import atomicity_options, check_bucket, is_remote, location
+from .urls import atomicity_options, check_bucket, is_missing, is_remote, location, reaching
 from .write import prepare
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -67,12 +75,21 @@ def is_complete_step(step_dir: Any) -> bool:
 
 
 def complete_steps(root: Any) -> list[int]:
-    """Every complete step under a manager's ``root``, ascending (the one definition)."""
-    try:
-        children = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c))
+    """Every complete step under a manager's ``root``, ascending (the one definition).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached (``urls.reaching``).
+    """
+    with reaching(root):
+        try:
+            children = list(root.iterdir())
+        except Exception as e:
+            if is_missing(e):
+                return []
+            raise
+        return sorted(
+            int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c)
+        )
 
 
 def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
@@ -95,7 +112,8 @@ def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
 
 def _read_json(path: Any) -> Any:
     try:
-        return json.loads(path.read_text())
+        with reaching(path):
+            return json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:
@@ -202,6 +220,7 @@ class CheckpointManager:
         self._polled = False
         self._last_saved: int | None = None
         self._lock_fd: int | None = None
+        self._writer_agreed = False
         self._metrics: dict[int, Any] = {}
         self._closed = False
         self._purge_rotated()
@@ -239,14 +258,12 @@ class CheckpointManager:
 
         return jax.process_index() == 0
 
-    @staticmethod
-    def _sync(name: str) -> None:
-        import jax
-
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(name)
+    def _agreed_steps(self) -> list[int]:
+        """The complete steps as process 0 lists them, on every process (a collective:
+        two processes listing the directory at different moments of a commit would
+        disagree)."""
+        mine = complete_steps(self.directory) if self._primary() else None
+        return [int(s) for s in broadcast(mine, "modelshard:manager:steps")]
 
     def _checkpointer(self) -> Any:
         if self._ckptr is None:
@@ -294,7 +311,9 @@ class CheckpointManager:
         step_dir = self.step_directory(step)
         try:
             children = list(self.directory.iterdir())
-        except FileNotFoundError:  # object storage: no "directory" before the first object
+        except Exception as e:  # object storage: no "directory" before the first object
+            if not is_missing(e):
+                raise
             children = []
         for c in children:
             if c.name.startswith(f"{step}{ORBAX_TMP}"):
@@ -321,39 +340,70 @@ class CheckpointManager:
             shutil.rmtree(step_dir)
 
     def _become_writer(self) -> None:
-        """Hold ``LOCK`` until ``close`` (the OS drops it if the process dies)."""
-        if self._lock_fd is not None or self._remote or not self._primary():
+        """Hold ``LOCK`` until ``close`` (the OS drops it if the process dies); process 0
+        takes it and tells the others whether it could."""
+        if self._writer_agreed:
             return
-        import fcntl
+        refused = None
+        if self._lock_fd is None and not self._remote and self._primary():
+            import fcntl
 
-        fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise CheckpointError(
-                f"another CheckpointManager is saving to {self.directory} (it holds "
-                f"{self.directory / LOCK}); two writers would overwrite each other's steps. "
-                "Save from one manager, or give each its own directory."
-            ) from None
-        self._lock_fd = fd
+            fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = fd
+            except BlockingIOError:
+                os.close(fd)
+                refused = (
+                    f"another CheckpointManager is saving to {self.directory} (it holds "
+                    f"{self.directory / LOCK}); two writers would overwrite each other's "
+                    "steps. Save from one manager, or give each its own directory."
+                )
+        refused = broadcast(refused, "modelshard:manager:writer")
+        if refused is not None:
+            raise CheckpointError(refused)
+        self._writer_agreed = True
 
     def _release_lock(self) -> None:
+        self._writer_agreed = False
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def _rotate(self) -> None:
-        steps = complete_steps(self.directory)
-        if self.policy.keeps_everything or len(steps) <= 1:
-            return
-        metrics = {s: m for s in steps if (m := self.metrics(s)) is not None}
-        drop = [s for s in steps if s not in self.policy.keep(steps, metrics)]
-        if drop and self._primary():
-            for s in drop:
-                self._delete_step(s)
-                self._metrics.pop(s, None)
-        self._sync("modelshard:manager:rotate")
+        """Process 0 applies the keep policy to what it lists; the others wait for it
+        (every process calls this, whatever it sees on storage)."""
+        if self._primary() and not self.policy.keeps_everything:
+            steps = complete_steps(self.directory)
+            if len(steps) > 1:
+                metrics = {s: m for s in steps if (m := self.metrics(s)) is not None}
+                for s in steps:
+                    if s not in self.policy.keep(steps, metrics):
+                        self._delete_step(s)
+                        self._metrics.pop(s, None)
+        barrier("modelshard:manager:rotated")
+
+    def _save_verdict(self, step: int) -> None:
+        """Process 0 decides whether ``step`` may be written (not a step already, no
+        foreign folder in the way; an interrupted save's leftovers removed) and tells
+        the others: every process raises the same error, or none does."""
+        refused = None
+        if self._primary():
+            try:
+                if step in complete_steps(self.directory):
+                    raise CheckpointError(
+                        f"step {step} already exists in {self.directory}; steps are never "
+                        "overwritten."
+                    )
+                with reaching(self.directory):
+                    self._remove_partial(step)
+            except CheckpointError as e:
+                refused = str(e)
+            except Exception as e:  # told to every process, which all raise it
+                refused = f"cannot save step {step} to {self.directory}: {type(e).__name__}: {e}"
+        refused = broadcast(refused, "modelshard:manager:save")
+        if refused is not None:
+            raise CheckpointError(refused)
 
     # -- the public API --------------------------------------------------------------------
 
@@ -436,10 +486,7 @@ class CheckpointManager:
         if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
             return False
         self.wait_until_finished()  # one save at a time; rotation of the finished one
-        if step in complete_steps(self.directory):
-            raise CheckpointError(
-                f"step {step} already exists in {self.directory}; steps are never overwritten."
-            )
+        self._save_verdict(step)
         encoded = encode_items(items)
         if metrics is not None:
             if not isinstance(metrics, Mapping):
@@ -450,9 +497,6 @@ class CheckpointManager:
         if metadata is not None:
             _json_or_error("metadata", dict(metadata))
         tree, record = prepare(state, metadata)
-        if self._primary():
-            self._remove_partial(step)
-        self._sync("modelshard:manager:save")
         args = {
             STATE_ITEM: ocp.args.StandardSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
@@ -486,7 +530,7 @@ class CheckpointManager:
 
     def _existing(self, step: int | None) -> int:
         self.wait_until_finished()
-        steps = self.all_steps()
+        steps = self._agreed_steps()
         if step is None:
             if not steps:
                 raise CheckpointError(f"no checkpoint in {self.directory}: no step was saved yet.")
@@ -584,22 +628,34 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until the background save is written, then apply rotation.
 
+        Under several processes every process calls it (``save``, ``restore`` and
+        ``close`` do): the processes tell each other how their part of the save ended,
+        and all raise if any failed.
+
         Raises:
-            CheckpointError: the background save failed (its step is named; the steps
-                already on disk are still listed and restorable).
+            CheckpointError: the background save failed, on this process or another (its
+                step is named; the steps already on disk are still listed and restorable).
         """
         step, self._pending = self._pending, None
-        if step is not None:
-            guard.pending_changed()
-        if step is not None and self._ckptr is not None:
+        if step is None:
+            return
+        guard.pending_changed()
+        failure: BaseException | None = None
+        if self._ckptr is not None:
             try:
                 self._ckptr.wait_until_finished()
             except Exception as e:
-                steps = complete_steps(self.directory)
-                raise CheckpointError(
-                    f"step {step} was not saved to {self.directory}: {type(e).__name__}: "
-                    f"{e}. Steps on disk: {', '.join(map(str, steps)) or 'none'}."
-                ) from e
+                failure = e
+        how = None if failure is None else f"{type(failure).__name__}: {failure}"
+        ended = gather(how, "modelshard:manager:finished")
+        failed = [(p, h) for p, h in enumerate(ended) if h is not None]
+        if failed:
+            steps = complete_steps(self.directory)
+            where = "" if len(ended) == 1 else f"process {failed[0][0]}: "
+            raise CheckpointError(
+                f"step {step} was not saved to {self.directory}: {where}{failed[0][1]}. "
+                f"Steps on disk: {', '.join(map(str, steps)) or 'none'}."
+            ) from failure
         self._purge_rotated()
         self._rotate()
 

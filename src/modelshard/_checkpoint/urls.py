@@ -6,6 +6,12 @@ needs ``s3fs``; ``s3.enable`` makes Orbax hand it to TensorStore's s3 driver). A
 ``scheme://`` is refused by name, instead of becoming a local folder called ``scheme:``.
 Object stores have no atomic rename, so a checkpoint there is complete only once
 Orbax's commit file is written (see ``storage.COMMIT_FILE``, ``atomicity_options``).
+
+``etils.epath`` serves a URL through one of two clients: fsspec (gcsfs, s3fs) or, whenever
+TensorFlow is importable and ``EPATH_USE_TF`` is not false, TensorFlow's file system, whose
+failures are ``tensorflow...OpError`` subclasses. ``client_failure`` tells them apart by the
+exception's module and type name (TensorFlow is never imported here), so ``reaching`` gives
+the same ``CheckpointError`` naming the server whichever client failed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,29 @@ modelshard extra that installs it."""
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _CLIENTS = ("botocore.", "aiobotocore.", "s3fs.", "gcsfs.", "google.auth.", "google.api_core.")
 """Modules whose exceptions mean an object store's client could not do a request."""
+_TF = "tensorflow."
+"""The module prefix of TensorFlow's errors (``tensorflow.python.framework.errors_impl``)."""
+_TF_MISSING = "NotFoundError"
+"""TensorFlow's error for an object that is not there (fsspec: ``FileNotFoundError``)."""
+
+
+def client_failure(e: BaseException) -> str | None:
+    """``"fsspec"`` or ``"tensorflow"``: the storage client whose failure ``e`` is (by
+    its type's module and name; nothing is imported), or None for any other error."""
+    module = type(e).__module__ or ""
+    if module.startswith(_CLIENTS):
+        return "fsspec"
+    if module.startswith(_TF) and type(e).__name__.endswith("Error"):
+        return "tensorflow"
+    return None
+
+
+def is_missing(e: BaseException) -> bool:
+    """Whether ``e`` says a file or folder is not there, from either client (TensorFlow's
+    ``NotFoundError`` where etils.epath does not turn it into ``FileNotFoundError``)."""
+    if isinstance(e, FileNotFoundError | NotADirectoryError):
+        return True
+    return client_failure(e) == "tensorflow" and type(e).__name__ == _TF_MISSING
 
 
 def scheme_of(directory: Any) -> str | None:
@@ -90,8 +119,19 @@ def atomicity_options(path: Any) -> Any:
     return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 
 
-def server_of(path: Any) -> str:
-    """Which server requests for the object-storage ``path`` go to, and what chose it."""
+def server_of(path: Any, client: str | None = None) -> str:
+    """Which server requests for the object-storage ``path`` go to, and what chose it;
+    ``client="tensorflow"`` when TensorFlow's file system served them."""
+    if client == "tensorflow":
+        if scheme_of(path) == "s3":
+            where, ignored, package = "S3", "AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL", "s3fs"
+        else:
+            where, ignored, package = "Google Cloud Storage", "STORAGE_EMULATOR_HOST", "gcsfs"
+        return (
+            f"{where} through TensorFlow's file system (etils.epath uses it because "
+            f"TensorFlow is importable and EPATH_USE_TF is not false; it does not read "
+            f"{ignored}: set EPATH_USE_TF=false to go through {package})"
+        )
     if scheme_of(path) == "s3":
         from .s3 import endpoint
 
@@ -108,15 +148,20 @@ def server_of(path: Any) -> str:
 @contextlib.contextmanager
 def reaching(path: Any) -> Iterator[None]:
     """Turn an object-storage client's failure (no connection, no credentials) inside the
-    block into a ``CheckpointError`` that names the server and the settings that chose it;
-    anything else, and any error on a local path, passes unchanged."""
+    block into a ``CheckpointError`` that names the server and the settings that chose it,
+    whichever client etils.epath used (fsspec or TensorFlow's; a TensorFlow
+    ``NotFoundError`` becomes the ``FileNotFoundError`` fsspec would raise); anything else,
+    and any error on a local path, passes unchanged."""
     try:
         yield
     except Exception as e:
-        if not is_remote(path) or not type(e).__module__.startswith(_CLIENTS):
+        client = client_failure(e)
+        if not is_remote(path) or client is None:
             raise
+        if is_missing(e):
+            raise FileNotFoundError(f"{path}: {e}") from e
         raise CheckpointError(
-            f"cannot reach {path} on {server_of(path)}: {type(e).__name__}: {e}"
+            f"cannot reach {path} on {server_of(path, client)}: {type(e).__name__}: {e}"
         ) from e
 
 

@@ -24,6 +24,7 @@ from .._dtypes import canonical_dtype, dtype_name
 from .._errors import CheckpointError
 from .._flat import split
 from .._mesh import is_abstract
+from ..distributed import barrier
 from .checksum import start_checksums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
@@ -225,11 +226,9 @@ def _replicated_if_local(x: Any) -> Any:
 
 
 def sync(name: str) -> None:
-    """Wait for every process at ``name`` (nothing to wait for under one process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+    """Wait for every process at ``name`` (nothing to wait for under one process): a
+    barrier of the coordination service, with its timeout (``distributed.barrier``)."""
+    barrier(name)
 
 
 def write_text_durable(path: Path, text: str) -> None:
