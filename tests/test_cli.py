@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -300,9 +301,21 @@ def test_problems_as_json(ckpt, capsys):
     assert (err["ok"], err["exit_status"], err["error"]["type"]) == (False, 1, "SpecError")
     problems = err["error"]["problems"]
     assert len(problems) == 6 and all("is not divisible by 3" in p["what"] for p in problems)
-    assert {"arg", "path", "what", "shape", "dtype", "spec", "rule", "mesh", "hint"} <= set(
-        problems[0]
-    )
+    # specs and meshes spelled as in every JSON output: a list with nulls, an object
+    assert problems[0] == {
+        "arg": "tree",
+        "path": "attn/key/kernel",
+        "what": "dimension 1 (size 4) is partitioned 3 times (model=3), but 4 is not divisible "
+        "by 3",
+        "shape": [16, 4, 4],
+        "dtype": "float32",
+        "spec": [None, "model"],
+        "rule": "rule 1 'kernel$'",
+        "mesh": {"data": 2, "model": 3},
+        "hint": "shard this dimension over axes whose sizes divide it, pad it, or replicate it "
+        "with None",
+        "cause": None,
+    }
 
 
 def test_destination_below_a_regular_file(ckpt, tmp_path, capsys):
@@ -509,3 +522,114 @@ def test_tables_show_user_text_literally(tmp_path, capsys):
     title = "".join(line.strip() for line in out.split("┏")[0].splitlines())
     assert title == str(path)  # the title wraps to the table's width; "[red]" stays
     assert "│ [bold]emb[/bold] │ (16, 8) │ float32 │" in out
+
+
+CONVERT_MAP = r"""
+[[rules]]
+source = 'l\.(\d+)\.up\.weight'
+target = "layers/{1}/up/kernel"
+transpose = [1, 0]
+
+[[rules]]
+source = 'norm\.weight'
+target = "norm/scale"
+"""
+
+# the JSON spelling of a spec entry and of a mesh, in every output
+_PROSE = {"message", "what", "hint", "header", "help"}
+
+
+def _check_schema(doc, where="$"):
+    """Every ``spec`` is a list of null / axis name / list of names; every ``mesh`` is an
+    object of axis sizes; no other value spells a spec (``P(...)``) or a mesh (``a=3``)
+    outside prose fields. Returns how many spec and mesh fields were checked."""
+    n = 0
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            at = f"{where}.{k}"
+            if k == "spec" and v is not None:
+                assert isinstance(v, list), (at, v)
+                for e in v:
+                    ok = e is None or isinstance(e, str)
+                    ok = ok or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+                    assert ok, (at, v)
+                n += 1
+            elif k == "mesh" and v is not None:
+                assert isinstance(v, dict) and v, (at, v)
+                assert all(isinstance(a, str) and type(s) is int for a, s in v.items()), (at, v)
+                n += 1
+            elif k not in _PROSE:
+                n += _check_schema(v, at)
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            n += _check_schema(v, f"{where}[{i}]")
+    elif isinstance(doc, str):
+        assert not doc.startswith("P(") and not re.fullmatch(r"(\w+=\d+)(, \w+=\d+)*", doc), (
+            where,
+            doc,
+        )
+    return n
+
+
+def test_every_json_output_has_one_spec_and_mesh_schema(ckpt, tmp_path, capsys):
+    """inspect, plan, reshard and convert, on success and on failure: specs are lists with
+    nulls and meshes are objects, in results and in problems alike."""
+    from safetensors.numpy import save_file
+
+    rules = str(ckpt.parent / "rules.toml")
+    st = tmp_path / "model.safetensors"
+    save_file(
+        {
+            "norm.weight": np.ones(16, np.float32),
+            **{f"l.{i}.up.weight": np.ones((24, 16), np.float32) for i in range(2)},
+        },
+        str(st),
+    )
+    (tmp_path / "map.toml").write_text(CONVERT_MAP)
+    (tmp_path / "conv.toml").write_text(
+        '[[rules]]\npattern = "kernel$"\nspec = ["data"]\n\n[[rules]]\npattern = ".*"\nspec = []\n'
+    )
+    conv = ["--mapping", str(tmp_path / "map.toml"), "--rules", str(tmp_path / "conv.toml")]
+    runs = {
+        "inspect": (["inspect", str(ckpt)], 0),
+        "inspect missing": (["inspect", str(tmp_path / "nope")], 1),
+        "plan": (["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", rules], 0),
+        "plan problems": (["plan", str(ckpt), "--mesh", "data=2,model=3", "--rules", rules], 1),
+        "plan budget": (["plan", str(ckpt), "--mesh", "data=8", "--budget", "1KiB"], 1),
+        "plan usage": (["plan", str(ckpt), "--mesh", "data=0"], 2),
+        "reshard": (
+            [
+                "reshard",
+                str(ckpt),
+                str(tmp_path / "r"),
+                "--mesh",
+                "data=2,model=4",
+                "--rules",
+                rules,
+            ],
+            0,
+        ),
+        "reshard problems": (
+            ["reshard", str(ckpt), str(tmp_path / "r3"), "--mesh", "model=3", "--rules", rules],
+            1,
+        ),
+        "convert": (["convert", str(st), str(tmp_path / "c"), "--mesh", "data=8", *conv], 0),
+        "convert dry run": (
+            ["convert", str(st), str(tmp_path / "c"), "--mesh", "data=8", *conv, "--dry-run"],
+            0,
+        ),
+        "convert problems": (
+            ["convert", str(st), str(tmp_path / "c3"), "--mesh", "data=3", *conv],
+            1,
+        ),
+    }
+    checked = {}
+    for name, (argv, status) in runs.items():
+        assert main([*argv, "--json"]) == status, name
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["ok"] is (status == 0), name
+        checked[name] = _check_schema(doc)
+    # the failures carry the fields they are about: every offending leaf's spec and mesh
+    assert checked["plan problems"] >= 12 and checked["reshard problems"] >= 12
+    assert checked["plan budget"] >= 1 and checked["convert problems"] >= 2
+    assert checked["plan"] >= 1 + 19 * 2 and checked["inspect"] >= 19

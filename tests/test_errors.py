@@ -139,3 +139,39 @@ def test_a_large_mapping_error_calls_its_problems_mapping_problems() -> None:
     assert (
         ms.SpecError(problems).args[0].splitlines()[0].startswith("12 sharding problems, 1 cause ")
     )
+
+
+def test_problem_spells_spec_and_mesh_for_people_and_for_json():
+    """One value, two spellings: ``P(None, 'model')`` / ``model=3`` in the text, a list with
+    nulls / an object in the JSON (as every JSON output spells them)."""
+    p = Problem(
+        "tree",
+        "w",
+        "dimension 1 (size 4) is partitioned 3 times (model=3), but 4 is not divisible by 3",
+        shape=(8, 4),
+        dtype="float32",
+        spec=P(None, ("model", "data")),
+        rule="rule 0 'w'",
+        mesh={"data": 1, "model": 3},
+    )
+    assert p.lines() == [
+        "  tree:w float32[8, 4]",
+        "    problem: dimension 1 (size 4) is partitioned 3 times (model=3), but 4 is not "
+        "divisible by 3",
+        "    spec: P(None, ('model', 'data')) (from rule 0 'w')",
+        "    mesh: data=1, model=3",
+    ]
+    assert (p.spec, p.mesh) == ("P(None, ('model', 'data'))", "data=1, model=3")
+    [problem] = SpecError([p]).to_json()["problems"]
+    assert problem == {
+        "arg": "tree",
+        "path": "w",
+        "what": p.what,
+        "shape": [8, 4],
+        "dtype": "float32",
+        "spec": [None, ["model", "data"]],
+        "rule": "rule 0 'w'",
+        "mesh": {"data": 1, "model": 3},
+        "hint": None,
+        "cause": None,
+    }

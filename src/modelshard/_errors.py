@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from ._text import format_mesh, format_spec, spec_json
 
 
 class ModelshardError(Exception):
@@ -29,12 +33,17 @@ class Problem:
         what: one sentence saying what is wrong.
         shape: the leaf's shape, if it is an array leaf.
         dtype: the leaf's dtype name, if it is an array leaf.
-        spec: the spec that was produced for the leaf, formatted.
+        spec: the spec that was produced for the leaf, formatted (``"P(None, 'model')"``);
+            give the ``PartitionSpec`` itself when constructing, and ``spec_json`` keeps
+            its JSON spelling.
         rule: which rule produced it (``"rule 0 'kernel$'"``, ``"metadata"``, ...).
-        mesh: the mesh axis sizes, formatted (``"data=2, model=4"``).
+        mesh: the mesh axis sizes, formatted (``"data=2, model=4"``); give the sizes
+            (``{"data": 2, "model": 4}``) when constructing, and ``mesh_sizes`` keeps them.
         hint: how to fix it.
-        cause: what problems of the same kind share, for grouping (default: ``what``
-            without its numbers).
+        cause: the cause in words when problems of this kind should be grouped as one
+            (default: grouped by ``what`` without its numbers).
+        spec_json: the spec as every JSON output spells it (``[None, "model"]``), or None.
+        mesh_sizes: the mesh as ``{"axis": size}``, or None.
     """
 
     arg: str
@@ -42,11 +51,39 @@ class Problem:
     what: str
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
-    spec: str | None = None
+    spec: str | PartitionSpec | None = None
     rule: str | None = None
-    mesh: str | None = None
+    mesh: str | Mapping[str, int] | None = None
     hint: str | None = None
     cause: str | None = None
+    spec_json: list[Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    mesh_sizes: dict[str, int] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # one value, two spellings: the text people read, the JSON scripts read
+        if isinstance(self.spec, PartitionSpec):
+            object.__setattr__(self, "spec_json", spec_json(self.spec))
+        if self.spec is not None and not isinstance(self.spec, str):
+            object.__setattr__(self, "spec", format_spec(self.spec))  # Rules, fsdp: repr
+        if isinstance(self.mesh, Mapping):
+            object.__setattr__(self, "mesh_sizes", dict(self.mesh))
+            object.__setattr__(self, "mesh", format_mesh(self.mesh))
+
+    def to_json(self) -> dict[str, Any]:
+        """The problem as JSON, specs and meshes spelled as in every JSON output:
+        ``spec`` a list (``[null, "model"]``), ``mesh`` an object (``{"model": 3}``)."""
+        return {
+            "arg": self.arg,
+            "path": self.path,
+            "what": self.what,
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "spec": self.spec_json,
+            "rule": self.rule,
+            "mesh": self.mesh_sizes,
+            "hint": self.hint,
+            "cause": self.cause,
+        }
 
     def lines(self) -> list[str]:
         where = f"{self.arg}:{self.path or '<root>'}"
@@ -139,7 +176,7 @@ def _fitting_hint(problems: Sequence[Problem]) -> str | None:
     e = problems[0]
     m = _NOT_IN_MESH.search(e.what)
     if m is not None and e.rule is not None and e.rule.startswith("fsdp("):
-        axes = [a.split("=")[0].strip() for a in (e.mesh or "").split(",") if a.strip()]
+        axes = list(e.mesh_sizes or {})
         instead = f"fsdp({axes[0]!r})" if axes else "fsdp(<mesh axis>)"
         return (
             f"{e.rule} shards over the mesh axis {m.group(1)!r}, which this mesh "
@@ -253,10 +290,7 @@ class SpecError(ModelshardError, ValueError):
     def to_json(self) -> dict[str, Any]:
         """``{"type", "message", "problems": [one dict per Problem]}``."""
         out = super().to_json()
-        out["problems"] = [
-            {**dataclasses.asdict(p), "shape": None if p.shape is None else list(p.shape)}
-            for p in self.problems
-        ]
+        out["problems"] = [p.to_json() for p in self.problems]
         out["causes"] = [c.to_json() for c in self.causes]
         return out
 

@@ -27,7 +27,7 @@ from ._mesh import mesh_sizes
 from ._paths import format_path
 from ._paths import split as split_path
 from ._resolve import Ctx, refused_by_jax, resolve_checked, unmatched_key
-from ._specs import FSDP, Rules, format_spec, is_leaf_spec
+from ._specs import FSDP, Rules, is_leaf_spec
 
 
 class LeafPlan(NamedTuple):
@@ -123,7 +123,7 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan
                         arg,
                         "/".join(key),
                         "this prefix-tree entry matches nothing in the container",
-                        spec=format_spec(value),
+                        spec=value,
                         hint="the container's top-level keys are " + _top_keys(flat),
                     )
                 )
@@ -309,9 +309,9 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
                     Problem(
                         "Rules",
                         f"rule {i}",
-                        f"rule {i} {pattern!r} matched no leaf",
-                        spec=format_spec(spec),
-                        mesh=ctx.mesh_text,
+                        f"{rules.describe(i)} matched no leaf",
+                        spec=spec,
+                        mesh=ctx.sizes,
                         hint="fix the pattern (plan with Rules(..., strict=False) to list every "
                         "path), remove the rule, or pass strict=False",
                     )

@@ -11,6 +11,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from ._errors import MeshError
+from ._text import format_mesh as format_mesh
 
 _TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -122,8 +123,3 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
             f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
             "one with modelshard.make_mesh({'data': 8})."
         ) from e
-
-
-def format_mesh(sizes: Mapping[str, int]) -> str:
-    """``data=2, model=4``: how errors and tables spell a mesh (``(no axes)`` when empty)."""
-    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"

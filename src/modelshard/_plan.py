@@ -228,7 +228,7 @@ class Plan:
                     "",
                     f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
                     f"(by module: {modules}); largest per device: {biggest}",
-                    mesh=format_mesh(self.sizes),
+                    mesh=self.sizes,
                     hint="shard the largest leaves over more mesh axes (or a bigger mesh), "
                     "or keep a smaller dtype",
                     cause="bytes per device > budget",

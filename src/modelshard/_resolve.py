@@ -64,9 +64,9 @@ class Ctx:
                 what=what,
                 shape=shape,
                 dtype=dtype,
-                spec=format_spec(spec) if spec is not None else None,
+                spec=spec,
                 rule=rule,
-                mesh=self.mesh_text,
+                mesh=self.sizes,
                 hint=hint,
             )
         )

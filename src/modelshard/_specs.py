@@ -23,21 +23,14 @@ from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
 from ._logical import LogicalRules, compile_logical
+from ._text import format_spec as format_spec
 from ._text import quote_pattern
+from ._text import spec_json as spec_json
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
 SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
 
 _P = PartitionSpec
-
-
-def format_spec(spec: Any) -> str:
-    """``P('data', None)``-style text for a spec (or ``repr`` for anything else)."""
-    if isinstance(spec, PartitionSpec):
-        if partial_axes(spec):  # iterating such a spec raises in JAX; its repr is fine
-            return repr(spec)
-        return "P(" + ", ".join(repr(e) for e in spec) + ")"
-    return repr(spec)
 
 
 def partial_axes(spec: PartitionSpec) -> frozenset[str]:
@@ -375,12 +368,7 @@ def _is_pytree_node(x: Any) -> bool:
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-# The JSON spelling of specs (plans, records, ``--json``): one entry per dimension.
-def spec_json(spec: PartitionSpec) -> list[Any]:
-    """A spec as JSON: one entry per dimension, None or an axis name or a list of names."""
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
+# The JSON spelling of specs (plans, records, ``--json``): ``_text.spec_json``.
 def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
     """The inverse of ``spec_json``."""
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])

@@ -9,7 +9,10 @@ imports nothing from modelshard (every module may use it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from jax.sharding import PartitionSpec
 
 
 def format_bytes(n: float) -> str:
@@ -19,6 +22,27 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def format_spec(spec: Any) -> str:
+    """``P('data', None)``-style text for a spec (or ``repr`` for anything else)."""
+    if isinstance(spec, PartitionSpec):
+        if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+            return repr(spec)  # iterating such a spec raises in JAX; its repr is fine
+        return "P(" + ", ".join(repr(e) for e in spec) + ")"
+    return repr(spec)
+
+
+def spec_json(spec: PartitionSpec) -> list[Any]:
+    """A spec as JSON, the one spelling of every JSON output (plans, records, errors):
+    one entry per dimension, ``None`` or an axis name or a list of names."""
+    entries = spec.partitions if hasattr(spec, "partitions") else tuple(spec)
+    return [list(e) if isinstance(e, tuple) else e for e in entries]
+
+
+def format_mesh(sizes: Mapping[str, int]) -> str:
+    """``data=2, model=4``: how errors and tables spell a mesh (``(no axes)`` when empty)."""
+    return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
 
 
 def quote_pattern(pattern: str) -> str:

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
         from .._checkpoint import extras_json
 
         data = rec.to_json()
+        # one mesh spelling in every output: {"axis": size} (the record keeps its types apart)
+        saved = data.pop("mesh", None) or {}
+        data["mesh"] = rec.mesh_sizes()
+        data["axis_types"] = saved.get("axis_types")
         data["path"] = str(source.path)
         data["step"] = args.step
         data.update(extras_json(source.path))

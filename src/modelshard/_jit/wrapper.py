@@ -311,7 +311,7 @@ class ShardJit:
                     dtype=dtype_name(x.dtype),
                     what=f"is {_format_sharding(x.sharding)}, but the plan places it "
                     f"{_format_sharding(entry.in_shardings[i])}",
-                    spec=format_spec(leaf.spec),
+                    spec=leaf.spec,
                     rule=leaf.rule,
                     hint="place inputs first with modelshard.shard(...), or pass "
                     "on_mismatch='move' to let shard_jit move them",
