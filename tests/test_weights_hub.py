@@ -234,3 +234,30 @@ def test_cli_inspect_and_convert_take_hub_ids(hub, tmp_path, capsys):
     capsys.readouterr()
     assert main(["convert", "hf://org/absent", str(tmp_path / "no")]) == 1
     assert "repository org/absent is not in the Hugging Face cache" in capsys.readouterr().err
+
+
+def test_an_incomplete_cached_snapshot_is_downloaded_or_refused(hub, monkeypatch, tmp_path):
+    """A download interrupted part-way (the index and one of its two files) is not taken
+    for the checkpoint: offline it is an error saying so; online it is downloaded."""
+    import huggingface_hub
+
+    (hub / "models--org--sharded" / "snapshots" / REV / "m-2.safetensors").unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.load_safetensors("hf://org/sharded")
+    assert str(e.value).startswith(
+        "hf://org/sharded: repository org/sharded is not complete in the Hugging Face cache"
+    )
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    save_file({"a": W}, str(fetched / "model.safetensors"))
+    calls: list[bool] = []
+    real = huggingface_hub.snapshot_download
+
+    def net(repo_id, **kw):
+        calls.append(bool(kw.get("local_files_only")))
+        return real(repo_id, **kw) if kw.get("local_files_only") else str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", net)
+    assert (np.asarray(ms.load_safetensors("hf://org/sharded")["a"]) == W).all()
+    assert calls == [True, False]

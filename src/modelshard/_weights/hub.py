@@ -2,7 +2,8 @@
 
 Resolved to a snapshot directory by ``huggingface_hub`` (the optional extra
 ``modelshard[hf]``, imported only when such a path is used): the local cache first; if
-the cache has no snapshot holding a ``.safetensors`` file, a download of only
+the cache has no complete snapshot (a ``.safetensors`` file, or an index with all its
+files), a download of only
 ``*.safetensors`` and ``*.json`` (weights, index, ``config.json``), unless
 ``HF_HUB_OFFLINE`` is set, in which case nothing is fetched. A repository that cannot be
 had is a ``CheckpointError`` naming it.
@@ -10,6 +11,7 @@ had is a ``CheckpointError`` naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -58,6 +60,19 @@ def _cache_dir() -> str | None:
     return None
 
 
+def complete(snapshot: Path) -> bool:
+    """Whether a cached snapshot holds a checkpoint: an index whose every file is there,
+    or (no index) a ``.safetensors`` file. A download interrupted part-way is not."""
+    index = snapshot / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return True  # malformed: open_safetensors says how
+        return all((snapshot / str(f)).is_file() for f in files)
+    return any(snapshot.glob("*.safetensors"))
+
+
 def resolve(url: str) -> Path:
     """The local snapshot directory of ``hf://org/name[@revision]``.
 
@@ -80,14 +95,14 @@ def resolve(url: str) -> Path:
     }
     try:
         local = Path(huggingface_hub.snapshot_download(repo, local_files_only=True, **kw))
-        if any(local.glob("*.safetensors")):
+        if complete(local):
             return local
     except Exception as e:
         cached: Exception | None = e
     else:
         cached = None
     if offline():
-        why = "no .safetensors file" if cached is None else "not"
+        why = "not complete" if cached is None else "not"
         raise CheckpointError(
             f"{url}: repository {repo}{at} is {why} in the Hugging Face cache "
             f"({_cache_dir() or 'the default cache'}) and HF_HUB_OFFLINE is set: nothing was "
