@@ -51,7 +51,10 @@ def test_fsdp_axis_missing_gets_the_fsdp_hint():
     err = _raise(gemma_like(layers=4, vision_blocks=2), ms.fsdp("fsdp"), {"data": 2, "model": 4})
     text = str(err)
     assert len(text.splitlines()) <= 40 and len(err.causes) == 1
-    assert "  [1] axis 'fsdp' is not in the mesh: " in text
+    assert text.splitlines()[1] == (
+        "  [1] axis 'fsdp' (dimension 0) is not in the mesh: 63 leaves like it (their numbers "
+        "differ)"
+    )
     assert (
         "hint: fsdp('fsdp') shards over the mesh axis 'fsdp', which this mesh "
         "(data=2, model=4) does not have: write fsdp('data'), or build the mesh with an "
@@ -72,7 +75,8 @@ def test_no_specs_at_all_is_one_cause():
 
 
 def test_causes_group_numbers_and_keep_each_example():
-    """Divisibility problems differing only in sizes are one cause; its title says N."""
+    """Divisibility problems differing only in sizes are one cause; its heading is the first
+    example's real sentence (never numbers replaced by N)."""
     tree = {
         f"layer_{i}": {"w": jax.ShapeDtypeStruct((5 + 2 * i, 4), jnp.float32)} for i in range(9)
     }
@@ -80,8 +84,19 @@ def test_causes_group_numbers_and_keep_each_example():
     err = _raise(tree, ms.Rules([("layer", P("model")), ("odd", P(None, "model"))]))
     assert len(err.problems) == 10 > LIST_IN_FULL
     [cause] = err.causes
-    assert cause.what == "dimension N is partitioned N times, but N is not divisible by N"
-    assert "e.g. tree:layer_0/w float32[5, 4], spec P('model') from rule 0 'layer'" in str(err)
+    assert cause.what == (
+        "dimension 0 (size 5) is partitioned 8 times (model=8), but 5 is not divisible by 8"
+    )
+    lines = str(err).splitlines()
+    assert lines[1:3] == [
+        "  [1] dimension 0 (size 5) is partitioned 8 times (model=8), but 5 is not divisible "
+        "by 8: 10 leaves like it (their numbers differ)",
+        "      e.g. tree:layer_0/w float32[5, 4], spec P('model') from rule 0 'layer', mesh "
+        "(data=16, model=8)",
+    ]
+    assert "N" not in lines[1].split(":")[0]
+    [summary] = err.to_json()["causes"]
+    assert (summary["what"], summary["numbers_differ"], summary["count"]) == (cause.what, True, 10)
     assert "      tree:layer_{0..8}/w  (9 leaves)" in str(err).splitlines()
 
 

@@ -121,7 +121,9 @@ class Cause:
     """Problems with one cause: a summary, how many, an example, and the hint that fits.
 
     Attributes:
-        what: the cause in one sentence (the example's own when they differ in numbers).
+        what: the cause in one sentence a person reads: the problems' ``cause`` when they
+            give one, else the first problem's own sentence with its real numbers (the
+            grouping key, numbers erased, stays internal).
         problems: every problem with this cause, in order.
         hint: how to fix all of them.
     """
@@ -138,6 +140,11 @@ class Cause:
     def example(self) -> Problem:
         return self.problems[0]
 
+    @property
+    def numbers_differ(self) -> bool:
+        """Whether the problems' sentences differ (in their numbers) from the example's."""
+        return any(p.what != self.example.what for p in self.problems)
+
     def folded(self) -> list[Any]:
         """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
         from ._fold import fold
@@ -147,6 +154,8 @@ class Cause:
     def head_lines(self, index: int = 0) -> list[str]:
         e = self.example
         leaves = f"{self.count} lea{'ves' if self.count != 1 else 'f'}"
+        if self.what == e.what and self.numbers_differ:
+            leaves += " like it (their numbers differ)"
         out = [f"  [{index}] {self.what}: {leaves}"]
         detail = f"{e.arg}:{e.path or '<root>'}"
         if e.shape is not None:
@@ -163,6 +172,7 @@ class Cause:
     def to_json(self) -> dict[str, Any]:
         return {
             "what": self.what,
+            "numbers_differ": self.numbers_differ,
             "count": self.count,
             "hint": self.hint,
             "example": self.example.path,
@@ -211,10 +221,8 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
     for p in problems:
         groups.setdefault(cause_key(p), []).append(p)
     out = []
-    for key, ps in groups.items():
-        same = all(p.what == ps[0].what for p in ps)
-        what = ps[0].cause or (ps[0].what if same else key.replace("#", "N"))
-        out.append(Cause(what, tuple(ps), _fitting_hint(ps)))
+    for ps in groups.values():
+        out.append(Cause(ps[0].cause or ps[0].what, tuple(ps), _fitting_hint(ps)))
     order = {id(c): i for i, c in enumerate(out)}
     return sorted(out, key=lambda c: (-c.count, order[id(c)]))
 
