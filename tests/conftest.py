@@ -335,7 +335,7 @@ def counting_compiles() -> Iterator[collections.Counter[str]]:
     counts: collections.Counter[str] = collections.Counter()
     active = [True]
 
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
+    def listener(event: str, duration_secs: float, **kwargs: Any) -> None:
         if active[0] and event == COMPILE_EVENT:
             counts[str(kwargs.get("fun_name"))] += 1
 
