@@ -180,8 +180,9 @@ class SafetensorsFiles:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of the first axis (a scalar: all of it), one positioned read."""
+    def read_rows(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``[lo, hi)`` of the first axis (a scalar: all of it), one positioned read
+        (into ``out``, a C-contiguous array of that shape and dtype, when given)."""
         t = self.tensors[name]
         shape = t.shape
         if not shape:
@@ -189,7 +190,8 @@ class SafetensorsFiles:
         else:
             row_shape = shape[1:]
         row = math.prod(row_shape) * t.dtype.itemsize
-        out = host_empty(((hi - lo), *row_shape) if shape else (), t.dtype)
+        if out is None:
+            out = host_empty(((hi - lo), *row_shape) if shape else (), t.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
         fd, pos, done = self._fd(t.file), t.offset + lo * row, 0
         while done < len(view):
@@ -226,20 +228,22 @@ class SafetensorsFiles:
         """A ``fetch(name, index)`` for recipes. A slice of whole rows is one positioned
         read of its bytes; any other slice is a read-only view of the tensor's memory map
         (kept in ``cache``, which the caller drops after each leaf), copied once by the
-        recipe's last step."""
+        recipe's last step. ``fetch(name, index, out)``: whole rows are read straight
+        into ``out`` (a C-contiguous block of a larger buffer: a stacked leaf's part)."""
 
-        def fetch(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        def fetch(name: str, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
             t = self.tensors[name]
             if not index:
-                return self.read_rows(name, 0, 1)
+                return self.read_rows(name, 0, 1, out)
             first, rest = index[0], index[1:]
             if all(s.start == 0 and s.stop == d for s, d in zip(rest, t.shape[1:], strict=True)):
-                return self.read_rows(name, first.start, first.stop)
+                return self.read_rows(name, first.start, first.stop, out)
             whole = cache.get(name)
             if whole is None:
                 whole = cache[name] = self.mapped(name)
             return whole[index]
 
+        fetch.reads_into = True  # type: ignore[attr-defined]
         return fetch
 
 
@@ -450,14 +454,40 @@ def _make_dir(d: Path) -> None:
         raise CheckpointError(f"{d}: cannot create the directory to write into: {e}") from None
 
 
+def _check_pieces(
+    name: str, pieces: list[np.ndarray], shape: tuple[int, ...], dt: np.dtype[Any]
+) -> None:
+    """A computed tensor: one array of the entry's shape, or blocks of whole rows that
+    concatenate to it, all of the entry's dtype."""
+    a = pieces[0]
+    if len(pieces) == 1 and a.shape == shape and a.dtype == dt:
+        return
+    rows_fit = (
+        len(pieces) > 1
+        and len(shape) > 0
+        and all(p.ndim == len(shape) and p.shape[1:] == shape[1:] for p in pieces)
+        and sum(p.shape[0] for p in pieces) == shape[0]
+    )
+    if rows_fit and all(p.dtype == dt for p in pieces):
+        return
+    got = (
+        f"{a.dtype}{list(a.shape)}"
+        if len(pieces) == 1
+        else " + ".join(f"{p.dtype}{list(p.shape)}" for p in pieces)
+    )
+    raise CheckpointError(f"{name}: computed {got}, the header says {dt}{list(shape)}")
+
+
 def _write_partial(
     p: Path,
     items: list[tuple[str, tuple[int, ...], Any]],
-    compute: Callable[[str], np.ndarray],
+    compute: Callable[[str], Any],
     metadata: Mapping[str, str] | None,
     progress: Callable[[int], None] | None,
 ) -> Path:
-    """``p`` + ``.partial``, complete and synced: the header, then each tensor's bytes."""
+    """``p`` + ``.partial``, complete and synced: the header, then each tensor's bytes
+    (``compute(name)``: the tensor, or a list of blocks of whole rows in order, written one
+    after the other: a leaf sharded along its first axis, shard by shard)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -478,16 +508,14 @@ def _write_partial(
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
             for name, shape, dt in items:
-                a = contiguous(compute(name))
-                if a.shape != tuple(shape) or a.dtype != np.dtype(dt):
-                    raise CheckpointError(
-                        f"{name}: computed {a.dtype}{list(a.shape)}, the header says "
-                        f"{np.dtype(dt)}{list(shape)}"
-                    )
-                f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+                got = compute(name)
+                pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
+                _check_pieces(name, pieces, tuple(shape), np.dtype(dt))
+                for a in pieces:
+                    f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
                 if progress is not None:
-                    progress(a.nbytes)
-                del a
+                    progress(sum(a.nbytes for a in pieces))
+                del got, pieces
             f.flush()
             os.fsync(f.fileno())
     except BaseException:

@@ -120,6 +120,11 @@ class Node:
         be a view of a stored tensor (``contiguous`` makes it an array of its own)."""
         raise NotImplementedError
 
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        """``out[...] = self.read(index, fetch)``, reading straight into ``out`` where the
+        step allows (a stored tensor's rows, a cast)."""
+        copy_tiled(out, self.read(index, fetch))
+
     def reads(self) -> list[str]:
         """The stored tensors this node reads, in order."""
         raise NotImplementedError
@@ -145,6 +150,14 @@ class Read(Node):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         return fetch(self.key, norm_index(index, self.shape))
+
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        if getattr(fetch, "reads_into", False) and out.flags.c_contiguous:
+            got = fetch(self.key, norm_index(index, self.shape), out)  # type: ignore[call-arg]
+            if got is not out:
+                copy_tiled(out, got)
+        else:
+            copy_tiled(out, self.read(index, fetch))
 
     def reads(self) -> list[str]:
         return [self.key]
@@ -345,14 +358,9 @@ class Stack(Node):
         index = norm_index(index, self.shape)
         lo, hi = index[self.axis].start, index[self.axis].stop
         rest = index[: self.axis] + index[self.axis + 1 :]
-        parts = [c.read(rest, fetch) for c in self.children[lo:hi]]
-        if not parts:
-            return np.empty([s.stop - s.start for s in index], self.dtype)
-        out = host_empty(
-            (*parts[0].shape[: self.axis], len(parts), *parts[0].shape[self.axis :]), self.dtype
-        )
-        for i, p in enumerate(parts):
-            copy_tiled(out[(slice(None),) * self.axis + (i,)], p)
+        out = host_empty([s.stop - s.start for s in index], self.dtype)
+        for i, c in enumerate(self.children[lo:hi]):
+            c.read_into(rest, fetch, out[(slice(None),) * self.axis + (i,)])
         return out
 
     def reads(self) -> list[str]:
@@ -388,16 +396,16 @@ class Concat(Node):
         for c in self.children:
             a, b = max(lo, start), min(hi, start + c.shape[ax])
             if a < b:
-                sub = (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])
-                parts.append(c.read(sub, fetch))
+                parts.append((c, (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])))
             start += c.shape[ax]
         if len(parts) == 1:
-            return parts[0]
+            return parts[0][0].read(parts[0][1], fetch)
         out = host_empty([s.stop - s.start for s in index], self.dtype)
         at = 0
-        for p in parts:
-            copy_tiled(out[(slice(None),) * ax + (slice(at, at + p.shape[ax]),)], p)
-            at += p.shape[ax]
+        for c, sub in parts:
+            n = sub[ax].stop - sub[ax].start
+            c.read_into(sub, fetch, out[(slice(None),) * ax + (slice(at, at + n),)])
+            at += n
         return out
 
     def reads(self) -> list[str]:
@@ -456,6 +464,9 @@ class Cast(Node):
         out = host_empty(x.shape, self.dtype)
         copy_tiled(out, x, casting="unsafe")
         return out
+
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        copy_tiled(out, self.child.read(index, fetch), casting="unsafe")
 
     def reads(self) -> list[str]:
         return self.child.reads()
