@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from .._errors import CheckpointError
+from ..distributed import broadcast
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
 from .urls import atomicity_options, check_bucket, reaching
@@ -35,12 +36,26 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
     there (without ``overwrite``) or that modelshard did not write; remove the old one,
     its commit file first, so that a crash part-way leaves no complete-looking remains.
 
+    Process 0 checks and removes; every process raises the error it found, or none does.
+
     Raises:
         CheckpointError: the bucket does not exist, ``path`` holds objects and
             ``overwrite`` is False, or they are not a checkpoint modelshard wrote.
     """
     import jax
 
+    refused = None
+    if jax.process_index() == 0:  # decides for every process (they would list at other moments)
+        try:
+            _make_room(path, overwrite=overwrite)
+        except CheckpointError as e:
+            refused = str(e)
+    refused = broadcast(refused, "modelshard:save_remote:prepared")
+    if refused is not None:
+        raise CheckpointError(refused)
+
+
+def _make_room(path: Any, *, overwrite: bool) -> None:
     check_bucket(path)
     with reaching(path):
         taken = path.exists() and any(True for _ in path.iterdir())
@@ -55,7 +70,7 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
                 f"{path} is not a checkpoint modelshard wrote; overwrite=True replaces only "
                 "those. Choose another path or remove it yourself."
             )
-        if jax.process_index() == 0:
+        with reaching(path):
             (path / COMMIT_FILE).unlink(missing_ok=True)
             path.rmtree()
 
