@@ -297,3 +297,20 @@ def test_small_work_draws_no_bar_and_a_callable_gets_bytes(tmp_path, monkeypatch
     ms.load_safetensors(tmp_path / "n", progress=lambda d, t: seen.append((d, t)))
     assert seen[-1] == (16448, 16448) and len(seen) == 2
     assert capfd.readouterr() == ("", "")
+
+
+def test_a_tensor_computed_in_row_blocks_must_fill_its_entry(tmp_path):
+    """The writer takes a tensor as blocks of whole rows (a leaf sharded along its first
+    axis, shard by shard); blocks that do not make up the entry are refused, nothing left."""
+    from modelshard._weights.safetensors import write_safetensors
+
+    rows = [np.full((1, 2), 1, np.float32), np.full((3, 2), 2, np.float32)]
+    ok = write_safetensors(tmp_path / "ok.safetensors", [("a", (4, 2), np.float32)], lambda n: rows)
+    assert load_file(str(ok))["a"].tolist() == [[1, 1], [2, 2], [2, 2], [2, 2]]
+    bad = tmp_path / "bad.safetensors"
+    with pytest.raises(ms.CheckpointError) as e:
+        write_safetensors(bad, [("a", (5, 2), np.float32)], lambda n: rows)
+    assert (
+        str(e.value) == "a: computed float32[1, 2] + float32[3, 2], the header says float32[5, 2]"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.safetensors"]

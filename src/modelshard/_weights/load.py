@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -564,11 +565,36 @@ def canonical_export(state: Any, dtype: Any = None) -> tuple[list[Entry], Callab
 
     want = {name: dt for name, _, dt in items}
 
-    def compute(name: str) -> np.ndarray:
-        a = host_leaf(values[name], name)
-        return a if a.dtype == want[name] else a.astype(want[name])
+    def compute(name: str) -> list[np.ndarray]:
+        return [
+            a if a.dtype == want[name] else a.astype(want[name])
+            for a in host_rows(values[name], name)
+        ]
 
     return items, compute
+
+
+def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
+    """One leaf on the host as blocks of whole rows, in order: a leaf sharded along its
+    first axis only is its shards' own buffers, written one after the other without
+    assembling the leaf; any other leaf is ``[host_leaf(x)]``."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and x.ndim > 0:
+        blocks: dict[tuple[int, int], Any] = {}
+        for shard in x.addressable_shards:
+            idx = [s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True)]
+            if any(lo != 0 or hi != d for (lo, hi), d in zip(idx[1:], x.shape[1:], strict=True)):
+                break
+            blocks.setdefault(idx[0], shard.data)
+        else:
+            spans = sorted(blocks)
+            if (
+                spans
+                and spans[0][0] == 0
+                and spans[-1][1] == x.shape[0]
+                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            ):
+                return [np.asarray(blocks[s]) for s in spans]
+    return [host_leaf(x, name)]
 
 
 def host_leaf(x: Any, name: str = "") -> np.ndarray:
