@@ -478,30 +478,6 @@ def _check_pieces(
     raise CheckpointError(f"{name}: computed {got}, the header says {dt}{list(shape)}")
 
 
-def _check_pieces(
-    name: str, pieces: list[np.ndarray], shape: tuple[int, ...], dt: np.dtype[Any]
-) -> None:
-    """A computed tensor: one array of the entry's shape, or blocks of whole rows that
-    concatenate to it, all of the entry's dtype."""
-    a = pieces[0]
-    if len(pieces) == 1 and a.shape == shape and a.dtype == dt:
-        return
-    rows_fit = (
-        len(pieces) > 1
-        and len(shape) > 0
-        and all(p.ndim == len(shape) and p.shape[1:] == shape[1:] for p in pieces)
-        and sum(p.shape[0] for p in pieces) == shape[0]
-    )
-    if rows_fit and all(p.dtype == dt for p in pieces):
-        return
-    got = (
-        f"{a.dtype}{list(a.shape)}"
-        if len(pieces) == 1
-        else " + ".join(f"{p.dtype}{list(p.shape)}" for p in pieces)
-    )
-    raise CheckpointError(f"{name}: computed {got}, the header says {dt}{list(shape)}")
-
-
 def _write_partial(
     p: Path,
     items: list[tuple[str, tuple[int, ...], Any]],
