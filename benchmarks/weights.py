@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/weights.py                      # 1 GiB, 64 tensors, 3 repeats
     .venv/bin/python benchmarks/weights.py --gib 0.25 --repeats 1   # quick look
+    .venv/bin/python benchmarks/weights.py --ops                # Gemma layout through ops
     .venv/bin/python benchmarks/weights.py --export                 # reference-free sharded export
 
 ``--export`` runs ``export_main`` instead (its docstring says what it measures).
@@ -309,6 +310,154 @@ def export_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- the Gemma layout through ops (--ops) --------------------------------------------------
+
+OPS_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import modelshard as ms
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    mode, path, mapping = sys.argv[1:4]
+    mesh = ms.make_mesh({"data": 8})
+    jax.numpy.ones(8).block_until_ready()
+    base = status("VmHWM:")
+    t = time.perf_counter()
+    if mode == "plain":  # every stored tensor as it is, FSDP
+        out = ms.load_safetensors(path, specs=ms.fsdp("data"), mesh=mesh, progress=False)
+    else:  # Google's Gemma layout: rearranges, stacks (examples/mappings/hf_gemma3.toml)
+        out = ms.load_safetensors(
+            path, mapping=mapping, specs=ms.fsdp("data"), mesh=mesh, progress=False
+        )
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - t
+    leaves = jax.tree.leaves(out)
+    assert all(any(s == "data" for s in x.sharding.spec) for x in leaves if x.size >= 4096)
+    state = sum(x.nbytes for x in leaves)
+    print(json.dumps({"seconds": seconds, "baseline": base, "peak": status("VmHWM:"),
+                      "state": state}))
+    """
+)
+OPS_MODES = ("plain", "ops")
+
+
+def _write_gemma(root: Path, layers: int, e: int, h: int, k: int, d: int, f: int) -> int:
+    """A Hugging Face Gemma 3 checkpoint of float32 random normals and its config.json;
+    returns the largest tensor's bytes."""
+    import numpy as np
+
+    from modelshard._weights import write_safetensors
+
+    shapes = {"model.embed_tokens.weight": (8192, e), "model.norm.weight": (e,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h * d, e),
+            p + "self_attn.k_proj.weight": (k * d, e),
+            p + "self_attn.v_proj.weight": (k * d, e),
+            p + "self_attn.o_proj.weight": (e, h * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, e),
+            p + "mlp.up_proj.weight": (f, e),
+            p + "mlp.down_proj.weight": (e, f),
+        }
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            shapes[p + f"{norm}_layernorm.weight"] = (e,)
+    rng = np.random.default_rng(0)
+    write_safetensors(
+        root / "model.safetensors",
+        [(n, s, np.float32) for n, s in shapes.items()],
+        lambda n: rng.standard_normal(shapes[n], dtype=np.float32),
+    )
+    config = {"num_attention_heads": h, "num_key_value_heads": k, "head_dim": d}
+    (root / "config.json").write_text(json.dumps(config))
+    return max(int(np.prod(s)) * 4 for s in shapes.values())
+
+
+def ops_main(args: argparse.Namespace) -> int:
+    """An ``ops`` load of Hugging Face Gemma 3 into the layout of Google's JAX Gemma code
+    (``examples/mappings/hf_gemma3.toml``: q and o by ``Rearrange``, k/v and gate/up
+    stacked after a rearrange) against the plain load of the same file (every tensor as
+    it is), both FSDP (``fsdp('data')``) over 8 CPU devices, each run a fresh process.
+
+    Targets: time <= 1.3x the plain load (paired: the same repeat's ratio); peak RSS above
+    the baseline process <= the placed state + the largest stored tensor.
+    """
+    e, h, k, d, f = 1024, 8, 2, 128, 4096
+    per_layer = (2 * h * d * e + 2 * k * d * e + 3 * f * e) * 4
+    layers = max(1, round(args.gib * (1 << 30) / per_layer))
+    root = Path(args.dir or tempfile.mkdtemp(prefix="modelshard-ops-bench-"))
+    mapping = Path(__file__).resolve().parent.parent / "examples/mappings/hf_gemma3.toml"
+    runs: dict[str, list[dict]] = {m: [] for m in OPS_MODES}
+    try:
+        largest = _write_gemma(root, layers, e, h, k, d, f)
+        path = root / "model.safetensors"
+        nbytes = path.stat().st_size
+        for _ in range(args.repeats):
+            for mode in OPS_MODES:
+                res = subprocess.run(
+                    [sys.executable, "-c", OPS_CHILD, mode, str(path), str(mapping)],
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                )
+                if res.returncode != 0:
+                    raise SystemExit(f"{mode} failed:\n{res.stderr[-3000:]}")
+                runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    mib = 1 << 20
+    ratio = statistics.median(
+        a["seconds"] / b["seconds"] for a, b in zip(runs["ops"], runs["plain"], strict=True)
+    )
+    print(
+        f"Gemma 3 layout, {layers} layers (embed {e}, {h} heads, {k} kv heads, head_dim {d}, "
+        f"ffw {f}), float32, {nbytes / (1 << 30):.2f} GiB, FSDP over 8 CPU devices; "
+        f"medians of {args.repeats}\n"
+    )
+    print("| method | seconds | / plain (paired) | peak RSS above baseline | target |")
+    print("|---|---|---|---|---|")
+    for m, rs in runs.items():
+        sec = statistics.median(r["seconds"] for r in rs)
+        peak = statistics.median(r["peak"] - r["baseline"] for r in rs)
+        budget = rs[0]["state"] + largest
+        r = statistics.median(
+            a["seconds"] / b["seconds"] for a, b in zip(rs, runs["plain"], strict=True)
+        )
+        target = f"RSS <= state + largest tensor ({budget / mib:.0f} MiB): " + (
+            "met" if peak <= budget else "MISSED"
+        )
+        if m == "ops":
+            target = (
+                f"time <= 1.3x plain: {ratio:.2f}x, {'met' if ratio <= 1.3 else 'MISSED'}; "
+                + target
+            )
+        print(f"| {m} | {sec:.2f} | {r:.2f} | {peak / mib:.0f} MiB | {target} |")
+    print(
+        "\nper run (seconds): "
+        + "; ".join(
+            f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
+        )
+    )
+    print(
+        "per run (peak MiB above baseline): "
+        + "; ".join(
+            f"{m} " + ", ".join(f"{(r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
+            for m, rs in runs.items()
+        )
+    )
+    return 0
+
+
 MODES = ("naive", "load", "safe_open", "transposed", "convert", "export")
 
 
@@ -325,9 +474,16 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmark reference-free sharded export instead (export_main)",
     )
     ap.add_argument("--shard-mb", type=float, default=256, help="with --export: shard size")
+    ap.add_argument(
+        "--ops",
+        action="store_true",
+        help="benchmark an ops load of the Gemma layout against the plain load (ops_main)",
+    )
     args = ap.parse_args(argv)
     if args.export:
         return export_main(args)
+    if args.ops:
+        return ops_main(args)
     cols = 1024
     rows = max(8, int(args.gib * (1 << 30) / args.tensors / 4 / cols) // 8 * 8)
     nbytes = args.tensors * rows * cols * 4
