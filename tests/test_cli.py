@@ -633,3 +633,55 @@ def test_every_json_output_has_one_spec_and_mesh_schema(ckpt, tmp_path, capsys):
     assert checked["plan problems"] >= 12 and checked["reshard problems"] >= 12
     assert checked["plan budget"] >= 1 and checked["convert problems"] >= 2
     assert checked["plan"] >= 1 + 19 * 2 and checked["inspect"] >= 19
+
+
+def _problem_hints(capsys):
+    doc = json.loads(capsys.readouterr().out)
+    return sorted({(p["what"], p["hint"]) for p in doc["error"]["problems"]})
+
+
+def test_hints_speak_the_rules_file_to_a_cli_user(ckpt, tmp_path, capsys):
+    """``--rules tp.toml``: the fix is a line of that file, not ``Rules(logical=...)``."""
+    with_table = tmp_path / "tp.toml"
+    with_table.write_text(
+        '[[rules]]\npattern = "kernel$"\nspec = ["none", "heads"]\n\n'
+        '[[rules]]\npattern = ".*"\nspec = []\n\n[logical]\nvocab = "model"\n'
+    )
+    base = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--json", "--rules"]
+    assert main([*base, str(with_table)]) == 1
+    assert _problem_hints(capsys) == [
+        (
+            "axis 'heads' (dimension 1) is not in the mesh",
+            f"mesh axes are 'data', 'model', and 'heads' is not a logical name of the [logical] "
+            f'table of {with_table} (names: vocab); add heads = "<mesh axis>" there',
+        )
+    ]
+    no_table = tmp_path / "plain.toml"
+    no_table.write_text(with_table.read_text().split("[logical]")[0])
+    assert main([*base, str(no_table)]) == 1
+    assert _problem_hints(capsys) == [
+        (
+            "axis 'heads' (dimension 1) is not in the mesh",
+            f"mesh axes are 'data', 'model'; to map the logical name 'heads', add to {no_table} "
+            'a [logical] table with the line heads = "<mesh axis>" (a mesh axis, a list of axes, '
+            'or "none" to replicate)',
+        )
+    ]
+    typo = tmp_path / "typo.toml"
+    typo.write_text(with_table.read_text().replace('vocab = "model"', 'heads = "modle"'))
+    assert main([*base, str(typo)]) == 1
+    assert _problem_hints(capsys) == [
+        (
+            "logical name 'heads' (dimension 1) maps to mesh axis 'modle', which is not in the "
+            "mesh",
+            f"did you mean 'model'? write heads = \"model\" in the [logical] table of {typo} "
+            "(mesh axes are 'data', 'model')",
+        )
+    ]
+    # the saved specs (no --rules) name the saving mesh's axis 'data': the fix is an option
+    assert main(["plan", str(ckpt), "--mesh", "model=8", "--json"]) == 1
+    hints = {h for _, h in _problem_hints(capsys)}
+    assert hints == {
+        "mesh axes are 'model'; give --mesh an axis 'data', or pass --rules RULES.toml (its "
+        "[logical] table can map 'data': data = \"<mesh axis>\")"
+    }

@@ -190,3 +190,50 @@ def test_problem_spells_spec_and_mesh_for_people_and_for_json():
         "hint": None,
         "cause": None,
     }
+
+
+def _hint(tree, specs, sizes=None):
+    err = _raise(tree, specs, sizes or {"data": 2, "model": 4})
+    return [(p.what, p.hint) for p in err.problems]
+
+
+def test_hints_speak_python_to_python():
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    # a logical name the Rules' own mapping lacks: the Python entry to add to it
+    assert _hint(tree, ms.Rules([("w", P("heads"))], logical={"embed": "model"})) == [
+        (
+            "axis 'heads' (dimension 0) is not in the mesh",
+            "mesh axes are 'data', 'model', and 'heads' is not a logical name of "
+            "Rules(logical=...) (names: embed); add 'heads': <mesh axes or None> there",
+        )
+    ]
+    assert _hint(tree, ms.Rules([("w", P("heads"))], logical=[("embed", "model")]))[0][1] == (
+        "mesh axes are 'data', 'model', and 'heads' is not a logical name of "
+        "Rules(logical=...) (names: embed); add ('heads', <mesh axes or None>) there"
+    )
+    # no logical rules at all
+    assert _hint(tree, ms.Rules([("w", P("heads"))]))[0][1] == (
+        "mesh axes are 'data', 'model'; map logical names with "
+        "Rules(..., logical={'heads': <mesh axes or None>}) or inside "
+        "`with ms.logical_rules({'heads': ...}):`"
+    )
+
+
+def test_a_mesh_axis_typo_gets_did_you_mean_not_a_logical_name_hint():
+    tree = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    for specs in (P(None, "modle"), ms.Rules([("w", P(None, "modle"))], logical={"x": None})):
+        assert _hint(tree, specs) == [
+            (
+                "axis 'modle' (dimension 1) is not in the mesh",
+                "did you mean 'model'? (mesh axes are 'data', 'model')",
+            )
+        ]
+    # a logical name mapped to a misspelt mesh axis: the corrected entry, in Python
+    assert _hint(tree, ms.Rules([("w", P("embed"))], logical={"embed": "modle"})) == [
+        (
+            "logical name 'embed' (dimension 0) maps to mesh axis 'modle', which is not in the "
+            "mesh",
+            "did you mean 'model'? write 'embed': 'model' in Rules(logical=...) (mesh axes are "
+            "'data', 'model')",
+        )
+    ]

@@ -325,7 +325,7 @@ def test_unmapped_name_names_the_context_rules(mesh24):
         "    spec: P('data', 'embed') (from P('batch', 'embed') for the whole argument)",
         "    mesh: data=2, model=4",
         "    hint: mesh axes are 'data', 'model', and 'embed' is not a logical name of the "
-        "active ms.logical_rules context (names: batch); add ('embed', <mesh axes or None>) "
+        "active ms.logical_rules context (names: batch); add 'embed': <mesh axes or None> "
         "there",
     ]
     with pytest.raises(ms.SpecError) as e, ms.logical_rules({"batch": 3}):

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from conftest import MAKERS, gemma_like
-from modelshard.cli import main
 from modelshard._plan_html import MAX_GRID
+from modelshard.cli import main
 
 
 class _Page(HTMLParser):

@@ -45,6 +45,7 @@ class LogicalRules:
         source: how errors name where the rules came from.
         public: the rules as the user should see them again (a dict, or a tuple of pairs).
         candidates: name -> its targets, in order (one for a mapping).
+        file: the TOML rules file they were read from (hints then speak TOML), or None.
     """
 
     pairs: tuple[tuple[str, Target], ...]
@@ -52,12 +53,46 @@ class LogicalRules:
     source: str
     public: Any
     candidates: dict[str, tuple[Target, ...]]
+    file: str | None = None
 
     def describe(self) -> str:
         """``the active ms.logical_rules context (names: batch, embed)``, for hints."""
         names = list(self.candidates)
         shown = ", ".join(names[:12]) + (f", ... ({len(names)} names)" if len(names) > 12 else "")
         return f"{self.source} (names: {shown or 'none'})"
+
+    def entry(self, name: str, axis: str | None = None) -> str:
+        """One entry mapping ``name`` to ``axis``, written as the user writes these rules:
+        a TOML line for a rules file (``heads = "model"``), Python for the others
+        (``'heads': 'model'``, or a pair for Flax-style lists); ``axis=None``: a
+        placeholder."""
+        return logical_entry(name, axis, self.file, self.ordered)
+
+
+def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
+    """``heads = "model"`` (a rules file's [logical] table), ``["heads", "model"]`` (its
+    logical array), ``'heads': 'model'`` (a Python mapping), ``('heads', 'model')`` (Flax's
+    pairs); without ``axis`` a placeholder names what goes there."""
+    if file is not None:
+        value = f'"{axis}"' if axis is not None else '"<mesh axis>"'
+        return f'["{name}", {value}]' if ordered else f"{name} = {value}"
+    value = repr(axis) if axis is not None else "<mesh axes or None>"
+    return f"({name!r}, {value})" if ordered else f"{name!r}: {value}"
+
+
+def add_name_hint(name: str, file: str | None) -> str:
+    """How to map a logical name when no logical rules exist yet, in the user's words: the
+    ``[logical]`` table to add to their rules file, or the Python."""
+    if file is not None:
+        return (
+            f"to map the logical name {name!r}, add to {file} a [logical] table with the line "
+            f"{logical_entry(name, None, file, False)} (a mesh axis, a list of axes, or "
+            '"none" to replicate)'
+        )
+    return (
+        f"map logical names with Rules(..., logical={{{logical_entry(name, None, None, False)}}}) "
+        f"or inside `with ms.logical_rules({{{name!r}: ...}}):`"
+    )
 
 
 def _target(value: Any) -> Target | None:
@@ -76,9 +111,14 @@ def _public_entry(t: Target) -> str | tuple[str, ...] | None:
 
 
 def compile_logical(
-    value: LogicalLike, source: str, arg: str = "Rules", where: str = "logical"
+    value: LogicalLike,
+    source: str,
+    arg: str = "Rules",
+    where: str = "logical",
+    file: str | None = None,
 ) -> tuple[LogicalRules | None, list[Problem]]:
-    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules``.
+    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules``
+    (``file``: the rules file they come from, so that hints speak TOML).
 
     Returns:
         The rules (None when ``value`` is None or invalid) and every problem found.
@@ -143,7 +183,12 @@ def compile_logical(
     )
     return (
         LogicalRules(
-            tuple(pairs), ordered, source, public, {n: tuple(c) for n, c in candidates.items()}
+            tuple(pairs),
+            ordered,
+            source,
+            public,
+            {n: tuple(c) for n, c in candidates.items()},
+            file,
         ),
         [],
     )

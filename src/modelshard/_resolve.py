@@ -8,6 +8,7 @@ in one ``Ctx`` so a ``SpecError`` lists them all.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -20,9 +21,10 @@ from jax.sharding import PartitionSpec
 from ._describe import LeafInfo
 from ._dtypes import dtype_name
 from ._errors import Problem
-from ._logical import LogicalRules, active_logical
+from ._logical import LogicalRules, active_logical, add_name_hint
 from ._mesh import format_mesh
 from ._specs import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
+from ._text import vocabulary
 
 
 class Ctx:
@@ -140,9 +142,11 @@ def check(
     shape: tuple[int, ...],
     sizes: Mapping[str, int],
     logical: LogicalRules | None = None,
+    file: str | None = None,
 ) -> list[tuple[str, str]]:
     """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``
-    (``logical``: the rules its names went through, named in the hint for unknown names)."""
+    (``logical``: the rules its names went through, named in the hint for unknown names;
+    ``file``: the rules file the spec came from, whose lines the hint gives)."""
     out: list[tuple[str, str]] = []
     partial = partial_axes(spec)
     if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
@@ -181,7 +185,7 @@ def check(
                 out.append(
                     (
                         f"axis {a!r} (dimension {dim}) is not in the mesh",
-                        _unknown(a, sizes, logical),
+                        _unknown(a, sizes, logical, file),
                     )
                 )
             elif a in seen:
@@ -238,6 +242,7 @@ def resolve_checked(
     if got is None:
         return None
     spec, rule, logical = got
+    file = s.file if isinstance(s, Rules) else None
     named = spec
     if logical is not None:
         spec, twice = resolve_names(spec, logical)
@@ -253,7 +258,7 @@ def resolve_checked(
             )
             return None
     try:
-        problems = check(spec, shape, ctx.sizes, logical)
+        problems = check(spec, shape, ctx.sizes, logical, file)
     except TypeError:  # junk inside a spec from a function: report, never crash
         problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
     if logical is not None and problems:
@@ -279,25 +284,50 @@ def _name_logical(
     if not names:
         return what, hint
     axes = ", ".join(map(repr, sizes)) or "none"
-    return (
+    what = (
         f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
-        "in the mesh",
-        f"mesh axes are {axes}: map {names[0]!r} to one of them (or None to replicate) in "
-        f"{logical.describe()}",
+        "in the mesh"
     )
-
-
-def _unknown(name: str, sizes: Mapping[str, int], logical: LogicalRules | None) -> str:
-    axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
-    if logical is None:
-        return (
-            f"{axes}; map logical names with Rules(..., logical={{{name!r}: <mesh axes or "
-            f"None>}}) or inside `with ms.logical_rules({{{name!r}: ...}}):`"
+    close = _close_axis(axis, sizes)
+    if close is not None:
+        return what, (
+            f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
+            f"{logical.source} (mesh axes are {axes})"
         )
-    return (
-        f"{axes}, and {name!r} is not a logical name of {logical.describe()}; "
-        f"add ({name!r}, <mesh axes or None>) there"
+    none = '"none"' if logical.file is not None else "None"
+    return what, (
+        f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) in "
+        f"{logical.describe()}"
     )
+
+
+def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
+    """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
+    close = difflib.get_close_matches(name, list(sizes), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _unknown(
+    name: str, sizes: Mapping[str, int], logical: LogicalRules | None, file: str | None
+) -> str:
+    """The hint for a spec name that is neither a mesh axis nor a known logical name, in
+    the user's words: a typo of a mesh axis gets "did you mean"; a logical name gets the
+    entry to add, as a TOML line for a rules file and as Python otherwise."""
+    axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
+    close = _close_axis(name, sizes)
+    if close is not None:
+        return f"did you mean {close!r}? ({axes})"
+    if logical is not None:
+        return (
+            f"{axes}, and {name!r} is not a logical name of {logical.describe()}; "
+            f"add {logical.entry(name)} there"
+        )
+    if file is None and vocabulary() == "cli":  # the command's saved specs: no rules file yet
+        return (
+            f"{axes}; give --mesh an axis {name!r}, or pass --rules RULES.toml (its [logical] "
+            f'table can map {name!r}: {name} = "<mesh axis>")'
+        )
+    return f"{axes}; {add_name_hint(name, file)}"
 
 
 _REFUSED: dict[Any, tuple[str, str] | None] = {}

@@ -35,6 +35,7 @@ one's mesh axes are taken by another dimension), written as MaxText writes them:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping
@@ -215,4 +216,4 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         raise SpecError(
             [Problem(str(p), "", f"not valid TOML: {e}")], header=f"invalid rules file {p}:"
         ) from e
-    return parse_rules(data, str(p))
+    return dataclasses.replace(parse_rules(data, str(p)), file=str(p))

@@ -103,6 +103,9 @@ class Rules:
         strict: if true, a leaf matched by no rule and carrying no metadata is an error,
             and so is a rule that matched no leaf anywhere in the plan; if false, such
             leaves replicate and unused rules are only reported in the plan.
+        file: the TOML rules file these rules were read from
+            ([`load_rules`][modelshard.load_rules] sets it), so that error hints give the
+            line to write there; ``None`` for rules written in Python.
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
@@ -115,6 +118,7 @@ class Rules:
     rules: Sequence[tuple[str, Any]] = ()
     logical: Mapping[str, AxisEntry] | Sequence[tuple[str, AxisEntry]] | None = None
     strict: bool = True
+    file: str | None = dataclasses.field(default=None, repr=False)
     compiled_logical: LogicalRules | None = dataclasses.field(init=False, repr=False, default=None)
     _compiled: tuple[tuple[re.Pattern[str], PartitionSpec], ...] = dataclasses.field(
         init=False, repr=False
@@ -177,7 +181,12 @@ class Rules:
                 compiled.append((rx, to_spec(spec, where)))
             except SpecError as e:
                 problems.extend(dataclasses.replace(p, arg="Rules", path=where) for p in e.problems)
-        logical, bad = compile_logical(self.logical, "Rules(logical=...)")
+        if self.file is None:
+            source = "Rules(logical=...)"
+        else:  # a rules file: its [logical] table, or its logical array of pairs
+            table = isinstance(self.logical, Mapping)
+            source = f"the {'[logical] table' if table else 'logical array'} of {self.file}"
+        logical, bad = compile_logical(self.logical, source, file=self.file)
         problems.extend(bad)
         if problems:
             raise SpecError(problems, header="invalid Rules:")

@@ -9,10 +9,34 @@ imports nothing from modelshard (every module may use it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
+
+Vocabulary = Literal["python", "cli"]
+
+_VOCABULARY: contextvars.ContextVar[Vocabulary] = contextvars.ContextVar(
+    "modelshard_vocabulary", default="python"
+)
+
+
+@contextlib.contextmanager
+def speaking(vocabulary: Vocabulary) -> Iterator[None]:
+    """Within the block, hints name fixes in the entry point's words: ``"cli"`` (the
+    ``modelshard`` command sets it: options and rules files) or ``"python"`` (the default)."""
+    token = _VOCABULARY.set(vocabulary)
+    try:
+        yield
+    finally:
+        _VOCABULARY.reset(token)
+
+
+def vocabulary() -> Vocabulary:
+    """The entry point's vocabulary that hints use (see ``speaking``)."""
+    return _VOCABULARY.get()
 
 
 def format_bytes(n: float) -> str:

@@ -76,9 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.print_help(sys.stderr)
         return 2
     from .._errors import ModelshardError
+    from .._text import speaking
 
     try:
-        return int(args.run(args))
+        with speaking("cli"):  # hints name options and rules-file lines, not Python
+            return int(args.run(args))
     except ModelshardError as e:
         return fail(args.command, 1, problem_json(e), as_json)
     except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
