@@ -276,6 +276,7 @@ def test_barrier_broadcast_and_gather_on_two_processes(tmp_path):
         assert r["again"] == "second from 0"  # the second call of a name is its own value
         assert r["gather"] == [{"me": 0}, {"me": 1}]
         assert r["done"] is True
+        assert r["left"] == []  # every value was removed by its last reader
     assert "error" not in results[1]
     error = results[0]["error"]
     assert error.startswith(

@@ -343,9 +343,11 @@ def broadcast(
         client.key_value_set(key, text)
         return json.loads(text)
     try:
-        return json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+        value = json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
     except Exception as e:
         raise _failed("broadcast", name, timeout, e) from e
+    _read(client, key, readers=jax.process_count() - 1)
+    return value
 
 
 def gather(
@@ -385,7 +387,15 @@ def gather(
             )
     except Exception as e:
         raise _failed("gather", name, timeout, e) from e
+    _read(client, key, readers=jax.process_count())
     return out
+
+
+def _read(client: Any, key: str, readers: int) -> None:
+    """Count this process as done reading ``key``; the last reader removes it and its
+    entries, so a run that saves every step leaves nothing behind in the coordinator."""
+    if client.key_value_increment(f"{key}/read", 1) == readers:
+        client.key_value_delete(key)  # the key and every key under ``key/``
 
 
 def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
