@@ -643,3 +643,55 @@ def test_an_abstract_like_lists_every_kept_leaf_without_a_value(tmp_path: Path) 
         "    problem: kept (no stored tensor) but like holds no value for it",
         "    hint: pass a concrete like for kept leaves (a freshly initialised model)",
     ]
+
+
+def test_rearrange_sizes_that_do_not_fit_are_named(tmp_path: Path) -> None:
+    path = _save(tmp_path / "m.safetensors", {"a": np.zeros((12, 5), np.float32)})
+    cases = {
+        ms.Rearrange("(h d) e -> h e d", h=5, d=3): "axis of size 12 is not h=5 * d=3",
+        ms.Rearrange("(h d t) e -> h e d t", h=2): "give the size of all but one of d, t",
+        ms.Rearrange("() (h d) e -> h e d", h=3): "expects 3 axes, the tensor has 2",
+    }
+    for op, what in cases.items():
+        wm = ms.WeightMap([ms.MapRule("a", "a", ops=[op])])
+        with pytest.raises(ms.MappingError) as info:
+            ms.load_safetensors(path, mapping=wm, dry_run=True)
+        assert str(info.value).splitlines()[2] == (
+            f"    problem: rearrange({op.pattern}): {what} (rules[0])"
+            if "expects" not in what
+            else f"    problem: rearrange({op.pattern}) {what} (rules[0])"
+        )
+
+
+def test_a_unit_axis_and_a_merge_load_and_export(tmp_path: Path) -> None:
+    w = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    path = _save(tmp_path / "m.safetensors", {"w": w})
+    wm = ms.WeightMap([ms.MapRule("w", "w", ops=[ms.Rearrange("a b c -> () c (a b)")])])
+    out = ms.load_safetensors(path, mapping=wm)
+    assert np.asarray(out["w"]).tobytes() == w.transpose(2, 0, 1).reshape(1, 4, 6).tobytes()
+    back = ms.save_safetensors(tmp_path / "b.safetensors", out, reference=path, mapping=wm)
+    assert back.read_bytes() == path.read_bytes()
+
+
+def test_the_mapping_table_shows_names_and_templates_as_written(tmp_path: Path) -> None:
+    path = _save(tmp_path / "m.safetensors", {"w[qkv]": np.zeros((2, 2), np.float32)})
+    wm = ms.WeightMap([ms.MapRule(r"w\[qkv\]", "attn/[bold]/w", ops=[ms.Scale(2.0)])])
+    table = str(ms.load_safetensors(path, mapping=wm, dry_run=True))
+    assert "attn/[bold]/w" in table and "w[qkv]" in table and "scale(2.0)" in table
+
+
+def test_untie_into_a_container_reference_names_the_tensor_without_a_leaf(
+    tmp_path: Path,
+) -> None:
+    path, t, wm = _tied(tmp_path)
+    out = ms.load_safetensors(path, mapping=wm)
+    ref = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in t.items()}
+    wm_flat = ms.WeightMap(wm.rules)  # the container's paths are the stored names
+    with pytest.raises(ms.MappingError) as info:
+        ms.unmap(out, reference=ref, mapping=wm_flat, untie=True)
+    assert str(info.value).splitlines()[1:3] == [
+        "  source:lm_head.weight",
+        "    problem: untie=True writes this tensor, but the reference container has no such leaf",
+    ]
+    back = ms.unmap(out, reference=ref, mapping=wm_flat)  # tied: one tensor, checked equal
+    assert back["embed.weight"].tobytes() == t["embed.weight"].tobytes()

@@ -896,6 +896,19 @@ def unmap(
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}
     flat = split(reference)
+    homeless = [n for n in ex.order if n not in set(flat.paths)]
+    if homeless:  # untie=True: the untied tensors have no leaf in a container
+        raise MappingError(
+            [
+                Problem(
+                    "source",
+                    n,
+                    "untie=True writes this tensor, but the reference container has no such leaf",
+                    hint="untie a safetensors reference, or give the container the leaf",
+                )
+                for n in homeless
+            ]
+        )
     out = []
     for path, x in zip(flat.paths, flat.arrays, strict=True):
         if path in ex.sources:

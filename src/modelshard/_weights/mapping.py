@@ -23,6 +23,7 @@ import numpy as np
 
 from .._dtypes import dtype_name
 from .._errors import LIST_IN_FULL, MappingError, Problem
+from .._text import literal
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -781,7 +782,13 @@ class Resolution:
                 f" (+{len(r.sources) - 1})" if len(r.sources) > 1 else ""
             )
             shape = "-" if r.shape is None else str(list(r.shape))
-            t.add_row(r.target or "<root>", shape, r.dtype or "-", src or "-", r.how)
+            t.add_row(
+                literal(r.target or "<root>"),
+                shape,
+                r.dtype or "-",
+                literal(src or "-"),
+                literal(r.how),
+            )
         if len(rows) < len(self.rows):
             t.add_row(f"... {len(self.rows) - len(rows)} more", "", "", "", "")
         return t
