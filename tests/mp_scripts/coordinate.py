@@ -30,7 +30,9 @@ ms.distributed.barrier("both")
 # the last reader of each value removed it: nothing of ours is left in the coordinator
 from jax._src import distributed as jax_distributed  # noqa: E402
 
-result["left"] = jax_distributed.global_state.client.key_value_dir_get("modelshard/")
+client = jax_distributed.global_state.client
+assert client is not None
+result["left"] = client.key_value_dir_get("modelshard/")
 if me == 0:
     t0 = time.monotonic()
     try:
