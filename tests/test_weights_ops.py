@@ -695,3 +695,36 @@ def test_untie_into_a_container_reference_names_the_tensor_without_a_leaf(
     ]
     back = ms.unmap(out, reference=ref, mapping=wm_flat)  # tied: one tensor, checked equal
     assert back["embed.weight"].tobytes() == t["embed.weight"].tobytes()
+
+
+def test_restore_reads_a_rearranged_leaf_sharded_the_way_its_blocks_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heads split off rows (``(h d) e -> h e d``) and sharded over h and e: the stored
+    ``[h*d, e]`` leaf is read onto the mesh split the same way, so each device computes
+    its block from its own shard; a split of d alone needs it whole."""
+    H, D, E = 4, 8, 16
+    q = RNG.standard_normal((H * D, E)).astype(np.float32)
+    ck = ms.save(tmp_path / "ck", {"q": q})
+    wm = ms.WeightMap([ms.MapRule("q", "q", ops=[ms.Rearrange("(h d) e -> h e d", h=H)])])
+    mapped = importlib.import_module("modelshard._checkpoint.mapped")
+    real = mapped._build_on_devices
+    stored_specs: list[Any] = []
+
+    def spy(node: Any, sharding: Any, stored: dict[str, Any]) -> Any:
+        stored_specs.append(stored["q"].sharding.spec)
+        return real(node, sharding, stored)
+
+    monkeypatch.setattr(mapped, "_build_on_devices", spy)
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    want = q.reshape(H, D, E).transpose(0, 2, 1).copy()
+    for spec, read_as in (
+        (P("model", "data"), P("model", "data")),
+        (P(None, "data"), P(None, "data")),
+        (P(None, None, "model"), P(None, None)),
+    ):
+        stored_specs.clear()
+        out = ms.restore(ck, mapping=wm, specs={"q": spec}, mesh=mesh)
+        assert out["q"].sharding.spec == spec
+        assert np.asarray(out["q"]).tobytes() == want.tobytes()
+        assert stored_specs == [read_as]

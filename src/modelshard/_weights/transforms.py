@@ -666,9 +666,25 @@ def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
         for c in node.children:
             needed_specs(c, spec[: node.axis] + spec[node.axis + 1 :], out)
     elif isinstance(node, Reshape):
-        needed_specs(node.child, (None,) * len(node.child.shape), out)
+        needed_specs(node.child, reshape_spec_back(node, spec), out)
     else:  # pragma: no cover - every node type is handled above
         raise TypeError(type(node).__name__)
+
+
+def reshape_spec_back(node: Reshape, spec: Spec) -> Spec:
+    """The spec of a reshape's input under which each device's shard holds the input block
+    its output block reads (``child_block``): an axis the reshape leaves alone keeps its
+    entry; an axis split into several (``(h d) -> h, d``) takes the entry of the first of
+    them when the others are not split; anything else (a merge, a later axis split) is
+    left whole."""
+    inner: list[Any] = [None] * len(node.child.shape)
+    if node._groups is None:
+        return tuple(inner)
+    for (i0, i1), (j0, j1) in node._groups:
+        entries = spec[j0:j1]
+        if i1 - i0 == 1 and all(e is None for e in entries[1:]):
+            inner[i0] = entries[0] if entries else None
+    return tuple(inner)
 
 
 def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | None:
