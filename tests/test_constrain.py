@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +107,56 @@ def test_shard_and_plan_use_the_set_mesh(mesh24):
     assert placed["w"].sharding == NamedSharding(mesh24, P("data", "model"))
     with pytest.raises(ms.MeshError, match="no mesh given and none is active"):
         ms.shard(tree, P())
+
+
+def _bad_block(x, mesh):
+    return ms.constrain(x, P("data", "modle"), mesh)  # the call site named by the error
+
+
+def _line(fn, text):
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_errors_name_the_constrain_call_and_the_traced_function(mesh24):
+    """A bad activation constraint deep in model code names the ``constrain`` call (file,
+    line, function) and the function being traced, in the text and in the JSON."""
+    here = os.path.relpath(__file__)
+
+    @jax.jit
+    def step(x):
+        return _bad_block(x, mesh24) * 2
+
+    with pytest.raises(ms.SpecError) as e:
+        step(jnp.zeros((8, 16), jnp.int32))
+    site = (
+        f"constrain at {here}:{_line(_bad_block, 'ms.constrain(')} in _bad_block, while tracing "
+        f"test_errors_name_the_constrain_call_and_the_traced_function.<locals>.step "
+        f"({here}:{_line(step, '_bad_block(x, mesh24)')})"
+    )
+    assert e.value.site == site
+    assert str(e.value).splitlines() == [
+        f"{site}: 1 sharding problem found (every offending leaf is listed; paths are arg:path):",
+        "  tree:<root> int32[8, 16]",
+        "    problem: axis 'modle' (dimension 1) is not in the mesh",
+        "    spec: P('data', 'modle') (from P('data', 'modle') for the whole argument)",
+        "    mesh: data=2, model=4",
+        "    hint: did you mean 'model'? (mesh axes are 'data', 'model')",
+    ]
+    assert e.value.to_json()["site"] == site
+    # eagerly: the call site alone
+    with pytest.raises(ms.SpecError) as e:
+        _bad_block(jnp.zeros((8, 16), jnp.int32), mesh24)
+    assert e.value.site == f"constrain at {here}:{_line(_bad_block, 'ms.constrain(')} in _bad_block"
+    # many problems: the grouped report is headed by the call site too
+    layers = {f"layer_{i}": jnp.zeros((8, 16)) for i in range(12)}
+    with pytest.raises(ms.SpecError) as e:
+        jax.jit(lambda t: _bad_block(t, mesh24))(layers)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith(f"constrain at {here}:{_line(_bad_block, 'ms.constrain(')} in ")
+    assert first.endswith(
+        ": 12 sharding problems, 1 cause (paths are arg:path; numbered layers folded as {0..N}):"
+    )
+    assert e.value.report().splitlines()[0] == e.value.site + ": 12 sharding problems (every one):"

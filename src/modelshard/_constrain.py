@@ -2,15 +2,66 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import jax
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding
 
-from ._errors import MeshError
+from ._errors import MeshError, SpecError
 from ._expand import expand_args
 from ._specs import SpecLike, entry_axes, is_axes_entry
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_JAX = str(Path(jax.__file__).resolve().parent) + os.sep
+
+
+def _where(frame: FrameType) -> str:
+    path = frame.f_code.co_filename
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{path}:{frame.f_lineno}"
+
+
+def _library(frame: FrameType) -> bool:
+    """Whether ``frame`` runs installed code (site-packages, the standard library), not the
+    user's own."""
+    path = frame.f_code.co_filename
+    return path.startswith("<") or any(
+        part in path for part in (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
+    )
+
+
+def call_site(traced: bool) -> str | None:
+    """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
+    user's ``constrain`` call (the first frame outside modelshard) and, while tracing, the
+    function being traced (the outermost user frame below JAX's tracing machinery)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    out = f"constrain at {_where(frame)} in {frame.f_code.co_qualname}"
+    if not traced:
+        return out
+    outer, f = frame, frame.f_back
+    while f is not None and not f.f_code.co_filename.startswith(_JAX):
+        if not _library(f) and not f.f_code.co_filename.startswith(_PACKAGE):
+            outer = f
+        f = f.f_back
+    if f is not None and outer is not frame:
+        out += f", while tracing {outer.f_code.co_qualname} ({_where(outer)})"
+    elif f is not None:
+        out += ", while it is traced"
+    return out
 
 
 def current_mesh(concrete: bool = False) -> Any:
@@ -61,7 +112,9 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
 
     Raises:
         MeshError: ``mesh`` is omitted and no mesh is active.
-        SpecError: listing every leaf that cannot take its spec.
+        SpecError: listing every leaf that cannot take its spec, headed by the call site
+            (``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``;
+            also ``err.site``), which a trace's traceback does not show.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -76,7 +129,14 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
     """
     if mesh is None:
         mesh = current_mesh()
-    (arg,) = expand_args([("tree", tree, specs)], mesh)
+    try:
+        (arg,) = expand_args([("tree", tree, specs)], mesh)
+    except SpecError as e:  # name the user's call: a trace's traceback hides it
+        traced = any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
+        site = call_site(traced)
+        if site is None or type(e) is not SpecError:
+            raise
+        raise SpecError(e.problems, header=e.header, site=site) from None
     return arg.flat.update_inplace(
         constrain_leaves(arg.flat.arrays, [leaf.spec for leaf in arg.leaves], mesh)
     )

@@ -232,14 +232,20 @@ class SpecError(ModelshardError, ValueError):
 
     Attributes:
         problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
+        site: where in the user's code the specs were applied, when that is not the
+            call that raised (``constrain at model.py:42 in MLP.__call__, while tracing step
+            (train.py:9)``).
     """
 
     __module__ = "modelshard"
     noun = "sharding problem"  # what a problem is called in the summary line
 
-    def __init__(self, problems: Sequence[Problem], header: str | None = None):
+    def __init__(
+        self, problems: Sequence[Problem], header: str | None = None, site: str | None = None
+    ):
         self.problems = tuple(problems)
         self.header = header
+        self.site = site
         n = len(self.problems)
         if n <= LIST_IN_FULL:
             header = header or (
@@ -251,6 +257,8 @@ class SpecError(ModelshardError, ValueError):
                 lines.extend(p.lines())
         else:
             lines = self._grouped(header)
+        if site:
+            lines[0] = f"{site}: {lines[0]}"
         super().__init__("\n".join(lines))
 
     @property
@@ -262,6 +270,8 @@ class SpecError(ModelshardError, ValueError):
         """Every problem in full, one block per leaf (``str(err)`` summarises large lists)."""
         n = len(self.problems)
         lines = [self.header or f"{n} {self.noun}{'s' if n != 1 else ''} (every one):"]
+        if self.site:
+            lines[0] = f"{self.site}: {lines[0]}"
         for p in self.problems:
             lines.extend(p.lines())
         return "\n".join(lines)
@@ -296,8 +306,9 @@ class SpecError(ModelshardError, ValueError):
         return lines
 
     def to_json(self) -> dict[str, Any]:
-        """``{"type", "message", "problems": [one dict per Problem]}``."""
+        """``{"type", "message", "site", "problems": [one dict per Problem], "causes"}``."""
         out = super().to_json()
+        out["site"] = self.site
         out["problems"] = [p.to_json() for p in self.problems]
         out["causes"] = [c.to_json() for c in self.causes]
         return out
