@@ -336,7 +336,8 @@ class MapRule:
         also: the rule applies in addition to the first matching rule, so one stored
             tensor fills several leaves (tied embeddings into a separate head kernel).
             The export writes the tensor once, from the first rule's leaf, and refuses
-            (``MappingError`` naming the leaf) when this rule's leaf no longer equals it,
+            (``MappingError`` naming the leaf) when this rule's leaf no longer equals it
+            (both computed back to the stored tensor's dtype, compared bit for bit),
             unless asked to untie.
         untied: with ``also``: the stored name an untied export
             (``save_safetensors(..., untie=True)``) writes this rule's leaf under
