@@ -685,3 +685,50 @@ def test_hints_speak_the_rules_file_to_a_cli_user(ckpt, tmp_path, capsys):
         "mesh axes are 'model'; give --mesh an axis 'data', or pass --rules RULES.toml (its "
         "[logical] table can map 'data': data = \"<mesh axis>\")"
     }
+
+
+def test_reshard_of_a_manager_step_never_drops_items_silently(tmp_path, capsys):
+    """A CheckpointManager step's items and metrics cannot ride along in a resharded
+    checkpoint: the reshard is refused, naming them, unless told to drop them (then the
+    output says what was dropped)."""
+    root = tmp_path / "run"
+    with ms.CheckpointManager(root) as mngr:
+        mngr.save(
+            3,
+            {"w": jnp.ones((8, 2))},
+            items={"config": {"lr": 0.1}, "rng": jax.random.key(0)},
+            metrics={"loss": 0.5},
+        )
+    step = root / "3"
+    refused = (
+        f"{step} is step 3 of a CheckpointManager and holds items (config, rng) and metrics "
+        "(loss) beside its arrays; a resharded checkpoint holds arrays only, so they would be "
+        f"lost. Keep them: read CheckpointManager({str(root)!r}).items(3) and .metrics(3) and "
+        "save them with the resharded state; or pass {} to reshard the arrays without them."
+    )
+    mesh = ms.make_mesh({"data": 8})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.reshard(step, tmp_path / "py", specs=P("data"), mesh=mesh)
+    assert str(e.value) == refused.format("drop_items=True")
+    assert not (tmp_path / "py").exists()
+    # the command line: the root means its latest step; the flag is named as typed
+    argv = ["reshard", str(root), str(tmp_path / "cli"), "--mesh", "data=8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(f"modelshard reshard: error: {refused.format('--drop-items')}\n")
+    assert not (tmp_path / "cli").exists()
+    assert main([*argv, "--drop-items"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        f"dropped the step's items (config, rng) and metrics (loss) (--drop-items): "
+        f"{tmp_path / 'cli'} holds the arrays only"
+    )
+    assert main([*argv[:2], str(tmp_path / "cli2"), *argv[3:], "--drop-items", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dropped"] == {"items": ["config", "rng"], "metrics": ["loss"]}
+    # a plain checkpoint has nothing to drop
+    assert (
+        main(["reshard", str(tmp_path / "cli"), str(tmp_path / "p"), "--mesh", "data=8", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["dropped"] == {"items": [], "metrics": []}

@@ -381,9 +381,13 @@ def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
     assert main(["plan", str(root), "--mesh", "data=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 5
     dst = tmp_path / "resharded"
-    assert main(["reshard", str(root), str(dst), "--mesh", "data=2", "--json"]) == 0
+    argv = ["reshard", str(root), str(dst), "--mesh", "data=2", "--json"]
+    assert main(argv) == 1  # step 5's items would be lost: refused unless --drop-items
+    assert json.loads(capsys.readouterr().out)["error"]["type"] == "CheckpointError"
+    assert main([*argv, "--drop-items"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["step"], out["source"]) == (5, str(root / "5"))
+    assert out["dropped"] == {"items": ["cfg"], "metrics": []}
     np.testing.assert_array_equal(ms.restore(dst)["w"], np.arange(8.0) + 5)
 
 

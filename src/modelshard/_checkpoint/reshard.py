@@ -19,6 +19,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 from .._plan import plan
+from .items import extras_json
 from .locate import Source, locate, planning_tree
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
@@ -45,6 +46,7 @@ def reshard(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     verify: bool = True,
     overwrite: bool = False,
+    drop_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
@@ -74,6 +76,11 @@ def reshard(
             larger ones in pieces.
         verify: check the source's checksums as leaves are read.
         overwrite: replace ``dst`` if it is a checkpoint (anything else is refused).
+        drop_items: reshard a [`CheckpointManager`][modelshard.CheckpointManager] step's
+            arrays without its items and metrics (config, RNG state, data iterator,
+            losses), which the new checkpoint, arrays only, cannot hold. Without it such a
+            step is refused, never silently stripped: keep them by saving them again with
+            the resharded state (``CheckpointManager.items(step)``, ``.metrics(step)``).
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
 
     Returns:
@@ -84,7 +91,8 @@ def reshard(
         SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
         CheckpointError: ``src`` is missing or damaged (every leaf whose checksum does not
             match is named; nothing is published), ``dst`` exists (without
-            ``overwrite``, or is not a checkpoint), or ``dtype`` is not a float dtype.
+            ``overwrite``, or is not a checkpoint), ``dtype`` is not a float dtype, or
+            ``src`` is a manager step with items or metrics and ``drop_items`` is false.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -105,6 +113,7 @@ def reshard(
         chunk_bytes=chunk_bytes,
         verify=verify,
         overwrite=overwrite,
+        drop_items=drop_items,
         progress=progress,
     )
     return location(dst)
@@ -120,10 +129,14 @@ def rewrite(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     verify: bool = True,
     overwrite: bool = False,
+    drop_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Record:
     """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
     source: Source = locate(src)
+    extras = step_extras(source.path)
+    if any(extras.values()) and not drop_items:
+        raise CheckpointError(_not_carried(source.path, extras))
     out_path = location(dst)
     if not is_remote(out_path):
         check_destination(out_path, overwrite=overwrite)
@@ -179,3 +192,22 @@ def rewrite(
     else:
         write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
     return stream.record
+
+
+def step_extras(directory: Any) -> dict[str, list[str]]:
+    """The names of a manager step's items and metrics (``{"items": [...], "metrics":
+    [...]}``, empty lists for a plain checkpoint): what a resharded copy cannot carry."""
+    extras = extras_json(directory)
+    return {k: list(extras.get(k) or {}) for k in ("items", "metrics")}
+
+
+def _not_carried(path: Any, extras: dict[str, list[str]]) -> str:
+    held = " and ".join(f"{k} ({', '.join(v)})" for k, v in extras.items() if v)
+    step = Path(str(path)).name
+    root = Path(str(path)).parent
+    return (
+        f"{path} is step {step} of a CheckpointManager and holds {held} beside its arrays; a "
+        "resharded checkpoint holds arrays only, so they would be lost. Keep them: read "
+        f"CheckpointManager({str(root)!r}).items({step}) and .metrics({step}) and save them "
+        "with the resharded state; or pass drop_items=True to reshard the arrays without them."
+    )

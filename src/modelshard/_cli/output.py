@@ -26,7 +26,7 @@ def say(text: str, stderr: bool = False) -> None:
     """Print one line of text for people, shown literally (paths with ``[...]`` included)."""
     from .._text import literal
 
-    console(stderr=stderr).print(literal(text), highlight=False)
+    console(stderr=stderr).print(literal(text), highlight=False, soft_wrap=True)
 
 
 def write_json(stream: Any, data: Any) -> None:
@@ -47,6 +47,7 @@ def fmt_spec(spec: Any) -> str:
 # Python keyword arguments that error messages name, as this command's flags.
 FLAGS = [
     (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bdrop_items=True\b"), "--drop-items"),
     (re.compile(r"\bverify=False\b"), "--no-verify"),
     (re.compile(r"\bdtype=(\.\.\.)?"), "--dtype "),
     (re.compile(r"\bmesh=(\.\.\.)?"), "--mesh "),

@@ -50,6 +50,13 @@ def add_parser(sub: Any) -> None:
     r.add_argument(
         "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
     )
+    r.add_argument(
+        "--drop-items",
+        action="store_true",
+        help="reshard a CheckpointManager step's arrays without its items and metrics (config, "
+        "RNG state, data iterator, losses), which DST cannot hold; without it such a step is "
+        "refused (the output names what was dropped)",
+    )
     add_json(r)
     r.set_defaults(run=run)
 
@@ -68,12 +75,13 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from .._checkpoint import locate
-    from .._checkpoint.reshard import reshard
+    from .._checkpoint.reshard import reshard, step_extras
     from .._mesh import make_mesh
     from .._text import format_bytes
 
     args.source = checkpoint_arg(args, args.source)
     source = locate(args.source)
+    dropped = step_extras(source.path)
     specs = target_specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
     with Progress(
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             chunk_bytes=int(args.chunk_mb * (1 << 20)),
             verify=not args.no_verify,
             overwrite=args.overwrite,
+            drop_items=args.drop_items,
             progress=lambda done, total: progress.update(task, completed=done),
         )
     record = locate(written).record
@@ -112,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 "mesh": sizes,
                 "leaves": len(record.leaves),
                 "bytes": record.nbytes,
+                "dropped": dropped,
             },
         )
     else:
@@ -120,4 +130,7 @@ def run(args: argparse.Namespace) -> int:
             f"{format_bytes(record.nbytes)}, mesh "
             + ", ".join(f"{k}={v}" for k, v in sizes.items())
         )
+        if any(dropped.values()):
+            held = " and ".join(f"{k} ({', '.join(v)})" for k, v in dropped.items() if v)
+            say(f"dropped the step's {held} (--drop-items): {dest} holds the arrays only")
     return 0
