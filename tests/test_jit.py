@@ -757,9 +757,18 @@ def test_warns_once_when_the_same_inputs_are_moved_every_call(mesh8):
 # ---- one XLA compilation per signature, whatever the inputs are --------------------------
 
 # numpy arrays, unplaced jax arrays, arrays committed to one device, arrays already in the
-# planned sharding; in every case the step's own outputs come back on the next call.
-INPUT_KINDS = ["numpy", "jnp", "device0", "planned"]
+# planned sharding, and state placed first with unplaced batches ("planned-state"); in every
+# case the step's own outputs come back on the next call.
+INPUT_KINDS = ["numpy", "jnp", "device0", "planned", "planned-state"]
 TP_RULES = ms.Rules([(r"0/kernel$", P(None, "model")), (r".*", P())])
+
+
+def _state_kind(kind):
+    return "planned" if kind == "planned-state" else kind
+
+
+def _batch_kind(kind):
+    return "jnp" if kind == "planned-state" else kind
 
 
 def _as_kind(tree, kind, spec, mesh):
@@ -815,12 +824,13 @@ def test_dict_and_optax_train_step_compiles_once(mesh24, kind, donate, count_com
     step = ms.shard_jit(
         train_step, mesh=mesh24, in_specs=(TP_RULES, P("data")), donate_argnums=0 if donate else ()
     )
-    state = _as_kind({"params": params, "opt": tx.init(params)}, kind, TP_RULES, mesh24)
+    state = {"params": params, "opt": tx.init(params)}
+    state = _as_kind(state, _state_kind(kind), TP_RULES, mesh24)
     losses = []
     with count_compiles() as n, warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for x in _batches():
-            state, loss = step(state, _as_kind(x, kind, P("data"), mesh24))
+            state, loss = step(state, _as_kind(x, _batch_kind(kind), P("data"), mesh24))
             losses.append(float(loss))
     assert n["jit(train_step)"] == 1 and step.cache_size == 1
     # a batch committed to one device is moved every call, and said so once
@@ -834,7 +844,7 @@ def test_dict_and_optax_train_step_compiles_once(mesh24, kind, donate, count_com
 @pytest.mark.parametrize("kind", INPUT_KINDS)
 def test_nnx_module_and_optimizer_train_step_compiles_once(mesh24, kind, donate, count_compiles):
     """An NNX model and ``nnx.Optimizer`` updated in place six times, batches of each kind
-    (the module as built, on one device, or placed first for ``planned``)."""
+    (the module as built, on one device; placed first for ``planned`` and ``planned-state``)."""
     import warnings
 
     import optax
@@ -855,7 +865,7 @@ def test_nnx_module_and_optimizer_train_step_compiles_once(mesh24, kind, donate,
         reference, (model, opt) = nnx.jit(train_step), make()
         _EXPECTED["nnx"] = [float(reference(model, opt, x)) for x in _batches()]
     model, opt = make()
-    if kind == "planned":
+    if _state_kind(kind) == "planned":
         ms.shard(model, TP_RULES, mesh24)
         ms.shard(opt, TP_RULES, mesh24)
     step = ms.shard_jit(
@@ -866,7 +876,10 @@ def test_nnx_module_and_optimizer_train_step_compiles_once(mesh24, kind, donate,
     )
     with count_compiles() as n, warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        losses = [float(step(model, opt, _as_kind(x, kind, P("data"), mesh24))) for x in _batches()]
+        losses = [
+            float(step(model, opt, _as_kind(x, _batch_kind(kind), P("data"), mesh24)))
+            for x in _batches()
+        ]
     assert n["jit(train_step)"] == 1 and step.cache_size == 1
     assert len(_moves(rec)) == (1 if kind == "device0" else 0)
     np.testing.assert_allclose(losses, _EXPECTED["nnx"], rtol=1e-5)
