@@ -119,7 +119,8 @@ def test_splitting_heads_still_reads_only_each_devices_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gemma's q: ``(h d) e -> h e d`` sharded over e (FSDP) or h (tensor parallel): a
-    device's block of the leaf is one block of the stored tensor, read alone."""
+    device's block of the leaf is one block of the stored tensor, read alone; sharded
+    over d it is not, and the whole tensor is read once for the leaf."""
     H, D, E = 4, 6, 16
     w = RNG.standard_normal((H * D, E)).astype(np.float32)
     path = _save(tmp_path / "m.safetensors", {"q": w})
@@ -137,12 +138,18 @@ def test_splitting_heads_still_reads_only_each_devices_block(
         return real(node, sharding, wrapped)
 
     monkeypatch.setattr(weights_load, "build_leaf", spy)
-    for spec, block in ((P(None, "data"), (H * D, 2)), (P("data"), (D, E))):
+    for spec, block in (
+        (P(None, "data"), (H * D, 2)),
+        (P("data"), (D, E)),
+        (P(None, None, "data"), (H * D, E)),  # a range of d across the heads: no one block
+    ):
         seen.clear()
-        mesh = ms.make_mesh({"data": 8 if spec == P(None, "data") else 4})
+        mesh = ms.make_mesh({"data": {P(None, "data"): 8, P("data"): 4}.get(spec, 2)})
         out = ms.load_safetensors(path, mapping=wm, specs=spec, mesh=mesh)
         assert np.asarray(out["q"]).tobytes() == want.copy().tobytes()
         assert seen and set(seen) == {block}, (spec, set(seen))
+        if block == (H * D, E):
+            assert len(seen) == 1  # the whole tensor, read once for both devices
 
 
 def test_a_reshape_reads_the_block_of_its_input_that_holds_the_asked_block() -> None:

@@ -13,6 +13,7 @@ shapes and dtypes to write), inverts every recipe and writes one stored tensor a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -116,6 +117,8 @@ def build_leaf(
     """
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)
+    with contextlib.suppress(AttributeError):  # a whole tensor a reshape needs: read once
+        fetch.wholes = {}  # type: ignore[attr-defined]
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def piece(index: Any) -> np.ndarray:
@@ -129,6 +132,7 @@ def build_leaf(
     out = jax.make_array_from_callback(node.shape, sharding, piece)
     cache.clear()
     seen.clear()
+    getattr(fetch, "wholes", {}).clear()
     return out
 
 

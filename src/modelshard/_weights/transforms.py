@@ -198,7 +198,7 @@ class Reshape(Node):
     """``child`` in another shape (C order). A block of the result that is one block of
     the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
     axis the reshape leaves alone) reads only that block; any other needs the whole
-    child."""
+    child, read once per leaf where ``fetch`` has a ``wholes`` dict to keep it in."""
 
     child: Node
     shape: tuple[int, ...]
@@ -214,7 +214,12 @@ class Reshape(Node):
             if inner is not None:
                 block = tuple(s.stop - s.start for s in index)
                 return self.child.read(inner, fetch).reshape(block)
-        whole = self.child.read(None, fetch).reshape(self.shape)
+        wholes: dict[int, np.ndarray] | None = getattr(fetch, "wholes", None)
+        whole = None if wholes is None else wholes.get(id(self))
+        if whole is None:
+            whole = self.child.read(None, fetch).reshape(self.shape)
+            if wholes is not None:  # read once for all the leaf's devices
+                wholes[id(self)] = whole
         return whole if index is None else whole[index]
 
     def reads(self) -> list[str]:
