@@ -214,8 +214,8 @@ def test_a_restore_onto_another_layout_keeps_as_many_reads_in_flight(tmp_path, m
     target = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=cols)
     assert read.largest_read(target, (8, 32)) == 4 * buffer  # all eight row chunks
     monkeypatch.setattr(read, "RESTORE_CONCURRENT_BYTES", 3 * buffer + 1)
-    assert read.read_cap([(target, (8, 32))]) == 4 * (3 * buffer + 1)
-    assert read.read_cap([(target, (64, 8))]) == 3 * buffer + 1  # chunks = blocks: as is
+    assert read.read_cap([(target, (8, 32))]) == 4 * (3 * buffer + 1) + 1
+    assert read.read_cap([(target, (64, 8))]) == 3 * buffer + 2  # chunks = blocks: as is
     reading, peak, grants = [0], [0], [0]
     wait, release = arrival.FairLimiter.wait_for_bytes, arrival.FairLimiter.release_bytes
 
@@ -237,4 +237,50 @@ def test_a_restore_onto_another_layout_keeps_as_many_reads_in_flight(tmp_path, m
     assert peak[0] == 3 and reading[0] == 0
     for name, leaf in state.items():
         assert out[name]["w"].sharding == cols
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, monkeypatch):
+    """Each column block of row-chunked data touches every row chunk: an array whose reads
+    fit under the cap is reserved whole and its four blocks are read at once, so
+    TensorStore decodes each chunk once for all four (queued one after another, each block
+    decoded all of them again: 2x Orbax's CPU time on zstd chunks)."""
+    from orbax.checkpoint._src.serialization import limits
+
+    mesh8 = ms.make_mesh({"data": 8})
+    rows = NamedSharding(mesh8, P("data"))
+    state = {
+        f"layer{i}": {"w": jax.device_put(jnp.arange(64 * 32.0).reshape(64, 32) - i, rows)}
+        for i in range(5)
+    }
+    ms.save(tmp_path / "c", state, compression="zstd")
+    cols = NamedSharding(ms.make_mesh({"data": 2, "model": 4}), P(None, "model"))
+    buffer = 64 * 8 * 4  # one device's column block; each read counts 4x that (all chunks)
+    monkeypatch.setattr(read, "RESTORE_CONCURRENT_BYTES", 4 * buffer)  # one array's blocks
+    requests, together, peak = [], [0], [0]
+    wait = arrival.FairLimiter.wait_for_bytes
+    inner_wait = limits.UnlimitedInFlightBytes.wait_for_bytes
+    inner_release = limits.UnlimitedInFlightBytes.release_bytes
+
+    async def wait_spy(self, n):
+        requests.append(n)
+        await wait(self, n)
+
+    async def inner_wait_spy(self, n):
+        await inner_wait(self, n)
+        together[0] += 1
+        peak[0] = max(peak[0], together[0])
+
+    async def inner_release_spy(self, n):
+        together[0] -= 1
+        await inner_release(self, n)
+
+    monkeypatch.setattr(arrival.FairLimiter, "wait_for_bytes", wait_spy)
+    monkeypatch.setattr(limits.UnlimitedInFlightBytes, "wait_for_bytes", inner_wait_spy)
+    monkeypatch.setattr(limits.UnlimitedInFlightBytes, "release_bytes", inner_release_spy)
+    like = {k: {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=cols)} for k in state}
+    out = ms.restore(tmp_path / "c", like=like)
+    assert requests == [4 * 4 * buffer] * 5  # one reservation per array: its four reads
+    assert peak[0] == 4 and together[0] == 0  # one array at a time, its blocks together
+    for name, leaf in state.items():
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))

@@ -12,6 +12,13 @@ finishes: with the 512 shard reads of a 64-leaf state on 8 devices that is some 
 wake-ups, about a second of the event loop's time per GiB. ``FairLimiter`` keeps the same
 contract (at most ``max_bytes`` reserved; a request must leave some to spare, as Orbax's
 does) with a first-come queue that wakes only the reads that now fit.
+
+An array whose reads fit under the cap together is reserved as one (``group_bytes``) and
+its reads then all run at once: on a new layout several of them touch the same stored
+chunks (each column block of row-chunked data touches every row chunk), and TensorStore
+decodes a chunk once for all the reads in flight that want it, where reads queued one
+after another decoded it once each (the zstd chunks of older checkpoints cost about 2x
+Orbax's CPU time that way).
 """
 
 from __future__ import annotations
@@ -73,24 +80,42 @@ def _handler_class() -> type:
         """``ArrayHandler`` reading each array as its own request (all concurrently)
         under one ``FairLimiter``, calling ``on_read(info, array)`` as each completes."""
 
-        def __init__(self, on_read: Callable[[Any, Any], None], max_bytes: int) -> None:
+        def __init__(
+            self,
+            on_read: Callable[[Any, Any], None],
+            max_bytes: int,
+            group_bytes: Callable[[Any], int] | None = None,
+        ) -> None:
             from orbax.checkpoint._src.metadata import array_metadata_store
 
             # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
             super().__init__(array_metadata_store=array_metadata_store.Store())
             self._on_read = on_read
             self._max_bytes = max_bytes
+            self._group_bytes = group_bytes
 
         async def deserialize(
             self, infos: Sequence[Any], args: Sequence[Any] | None = None
         ) -> Sequence[Any]:
             if args is None:
                 return await super().deserialize(infos, args)
+            from orbax.checkpoint._src.serialization import limits
+
             limiter = FairLimiter(self._max_bytes)
+            unlimited = limits.UnlimitedInFlightBytes()
             base = super().deserialize
 
             async def one(info: Any, arg: Any) -> Any:
-                (x,) = await base([info.replace(byte_limiter=limiter)], [arg])
+                group = 0 if self._group_bytes is None else self._group_bytes(info)
+                if 0 < group < self._max_bytes:
+                    # the whole array reserved at once: its reads run together
+                    await limiter.wait_for_bytes(group)
+                    try:
+                        (x,) = await base([info.replace(byte_limiter=unlimited)], [arg])
+                    finally:
+                        await limiter.release_bytes(group)
+                else:
+                    (x,) = await base([info.replace(byte_limiter=limiter)], [arg])
                 self._on_read(info, x)
                 return x
 
@@ -99,10 +124,18 @@ def _handler_class() -> type:
     return EachArrayHandler
 
 
-def each_array_registry(on_read: Callable[[Any, Any], None], max_bytes: int) -> Any:
+def each_array_registry(
+    on_read: Callable[[Any, Any], None],
+    max_bytes: int,
+    group_bytes: Callable[[Any], int] | None = None,
+) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except that
     ``jax.Array``'s reads each array on its own and calls ``on_read(param_info, array)`` as
-    it arrives, at most ``max_bytes`` being read at once."""
+    it arrives, at most ``max_bytes`` being read at once (as Orbax counts a read).
+
+    ``group_bytes(param_info)``: the bytes all of an array's reads reserve together (0: each
+    read reserves its own); an array whose group is under ``max_bytes`` is reserved whole
+    and its reads run at once."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -110,5 +143,5 @@ def each_array_registry(on_read: Callable[[Any, Any], None], max_bytes: int) -> 
     kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
     return th.create_type_handler_registry(
         *((ty, th.get_type_handler(ty)) for ty in kinds),
-        (jax.Array, _handler_class()(on_read, max_bytes)),
+        (jax.Array, _handler_class()(on_read, max_bytes, group_bytes)),
     )

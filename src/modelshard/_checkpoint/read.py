@@ -42,23 +42,31 @@ from .storage import nest
 RESTORE_CONCURRENT_BYTES = 16 << 20
 
 
-def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> int:
-    """The most bytes Orbax reserves to read one of this host's shards of ``target``: the
-    shard's extent rounded out to whole stored chunks (as its
+def read_sizes(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> list[int]:
+    """The bytes Orbax reserves for each read of ``target`` on this host (one per distinct
+    shard, as it reads them): the shard's extent rounded out to whole stored chunks (as its
     ``estimate_read_memory_footprint`` counts; with the chunk shape unknown, a bound)."""
     shape = tuple(target.shape)
     whole = (slice(None),) * len(shape)
     s = target.sharding
     indices = [whole] if s is None else s.addressable_devices_indices_map(shape).values()
-    n = 0
+    sizes = {}
     for index in indices:
         size = np.dtype(target.dtype).itemsize
+        bounds = []
         for i, (d, sl) in enumerate(zip(shape, index or whole, strict=True)):
             lo, hi, _ = sl.indices(d)
+            bounds.append((lo, hi))
             c = chunk[i] if chunk is not None and len(chunk) == len(target.shape) else 0
             size *= max(1, (-(-hi // c) - lo // c) * c if c > 0 else 2 * d)
-        n = max(n, size)
-    return n
+        sizes[tuple(bounds)] = size
+    return list(sizes.values())
+
+
+def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> int:
+    """The most bytes Orbax reserves to read one of this host's shards of ``target``
+    (``read_sizes``)."""
+    return max(read_sizes(target, chunk))
 
 
 def _largest_shard(target: jax.ShapeDtypeStruct) -> int:
@@ -79,7 +87,9 @@ def read_cap(reads: Sequence[tuple[jax.ShapeDtypeStruct, Sequence[int] | None]])
     is scaled by the largest such overcount; and raised above the largest single read."""
     largest = max((largest_read(t, c) for t, c in reads), default=0)
     over = max((largest_read(t, c) / _largest_shard(t) for t, c in reads), default=1.0)
-    return max(int(RESTORE_CONCURRENT_BYTES * max(1.0, over)), 1 + largest)
+    # + 1: a reservation must leave a byte to spare, so an array of exactly
+    # RESTORE_CONCURRENT_BYTES can still be read whole (``arrival``'s groups)
+    return max(int(RESTORE_CONCURRENT_BYTES * max(1.0, over)) + 1, 1 + largest)
 
 
 def concrete_mesh(mesh: Any) -> Any:
@@ -330,7 +340,15 @@ def orbax_read(
         if on_read is not None and path is not None:
             on_read(path, x)
 
-    registry = each_array_registry(arrived, cap)
+    groups = {
+        format_path([*recs[p].key]): sum(read_sizes(t, chunks.get(recs[p].key)))
+        for p, t in targets.items()
+    }
+
+    def group_bytes(info: Any) -> int:
+        return groups.get(format_path(info.keypath or ()), 0)
+
+    registry = each_array_registry(arrived, cap, group_bytes)
     handler = ocp.PyTreeCheckpointHandler(
         type_handler_registry=registry,
         handler_impl=BasePyTreeCheckpointHandler(
