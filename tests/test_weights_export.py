@@ -314,3 +314,33 @@ def test_a_tensor_computed_in_row_blocks_must_fill_its_entry(tmp_path):
         str(e.value) == "a: computed float32[1, 2] + float32[3, 2], the header says float32[5, 2]"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.safetensors"]
+
+
+def test_a_reference_export_in_the_sharded_layout(tmp_path):
+    """max_shard_size with reference=: the reference's names, shapes and dtypes, in shards."""
+    from safetensors.numpy import save_file
+
+    ref = {f"l.{i}.weight": np.full((8, 32), i, ml_dtypes.bfloat16) for i in range(3)}  # 512 B
+    save_file(ref, str(tmp_path / "ref.safetensors"))
+    wm = ms.WeightMap([ms.MapRule(r"l\.(\d+)\.weight", "layers/{1}/kernel", transpose=(1, 0))])
+    state = ms.load_safetensors(tmp_path / "ref.safetensors", mapping=wm, dtype="float32")
+    out = ms.save_safetensors(
+        tmp_path / "out",
+        state,
+        reference=tmp_path / "ref.safetensors",
+        mapping=wm,
+        dtype="float32",
+        max_shard_size=1100,
+    )
+    index = json.loads(out.read_text())
+    assert index["weight_map"] == {
+        "l.0.weight": "model-00001-of-00002.safetensors",
+        "l.1.weight": "model-00001-of-00002.safetensors",
+        "l.2.weight": "model-00002-of-00002.safetensors",
+    } and index["metadata"] == {"total_size": 1536}
+    back = {}
+    for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        back.update(load_file(str(tmp_path / "out" / f)))
+    assert all(
+        back[k].dtype == v.dtype and back[k].tobytes() == v.tobytes() for k, v in ref.items()
+    )
