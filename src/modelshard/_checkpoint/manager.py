@@ -53,7 +53,7 @@ from .storage import (
     STATE_ITEM,
 )
 from .urls import atomicity_options, check_bucket, is_missing, is_remote, location, reaching
-from .write import prepare
+from .write import coordinated_processes, prepare
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
 
@@ -270,8 +270,11 @@ class CheckpointManager:
             import orbax.checkpoint as ocp
 
             atomicity = atomicity_options(self.directory)
+            processes = coordinated_processes()
             handler = ocp.CompositeCheckpointHandler(
-                composite_options=ocp.CompositeOptions(atomicity_options=atomicity),
+                composite_options=ocp.CompositeOptions(
+                    atomicity_options=atomicity, multiprocessing_options=processes
+                ),
                 **{
                     STATE_ITEM: ocp.StandardCheckpointHandler(),
                     RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
@@ -280,7 +283,9 @@ class CheckpointManager:
                 },
             )
             kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
-            self._ckptr = kind(handler, atomicity_options=atomicity)
+            self._ckptr = kind(
+                handler, atomicity_options=atomicity, multiprocessing_options=processes
+            )
         return self._ckptr
 
     def _purge_rotated(self) -> None:

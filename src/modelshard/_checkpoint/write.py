@@ -231,6 +231,18 @@ def sync(name: str) -> None:
     barrier(name)
 
 
+def coordinated_processes() -> Any:
+    """Orbax's ``MultiprocessingOptions`` naming every process: Orbax then waits at its
+    own barriers of a save (start, directory creation, commit) through the coordination
+    service, with its timeout, instead of device all-gathers (``sync_global_devices``)
+    that a peer's death or a stray collective would turn into a hang or an abort."""
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() == 1:
+        return ocp.options.MultiprocessingOptions()
+    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+
+
 def write_text_durable(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
