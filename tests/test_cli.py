@@ -150,6 +150,7 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
         "mesh": {"data": 2, "model": 4},
         "leaves": 19,
         "bytes": 5644,
+        "dropped": {"items": [], "metrics": []},
     }
     out = ms.restore(dst)
     assert out["mlp"]["kernel"].dtype == jnp.bfloat16
@@ -732,3 +733,53 @@ def test_reshard_of_a_manager_step_never_drops_items_silently(tmp_path, capsys):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["dropped"] == {"items": [], "metrics": []}
+
+
+def test_inspect_folds_like_plan_in_record_order(tmp_path, capsys):
+    """Leaves that differ only in layer numbers share a row, in the order the state
+    flattens (the record's order; ``layers/10`` after ``layers/9``); --no-fold lists each."""
+    state = {
+        "layers": [{"w": jnp.ones((8, 4)), "b": jnp.ones(4)} for _ in range(12)],
+        "head": jnp.ones((4, 2)),
+    }
+    mesh = ms.make_mesh({"data": 8})
+    path = ms.save(
+        tmp_path / "ck", ms.shard(state, ms.Rules([("w$", P("data")), (".*", P())]), mesh)
+    )
+    assert main(["inspect", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:8] == [
+        "┏━━━━━━━━━━━━━━━━━━┳━━━━━━━━┳━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━┓",
+        "┃ path             ┃ leaves ┃ shape  ┃ dtype   ┃     bytes ┃ saved spec ┃ names ┃",
+        "┡━━━━━━━━━━━━━━━━━━╇━━━━━━━━╇━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━┩",
+        "│ head             │      1 │ (4, 2) │ float32 │      32 B │ P()        │ -     │",
+        "│ layers/{0..11}/b │     12 │ (4,)   │ float32 │  16 B x12 │ P()        │ -     │",
+        "│ layers/{0..11}/w │     12 │ (8, 4) │ float32 │ 128 B x12 │ P('data')  │ -     │",
+        "└──────────────────┴────────┴────────┴─────────┴───────────┴────────────┴───────┘",
+    ]
+    assert main(["inspect", str(path), "--no-fold", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    order = [r["path"] for r in doc["rows"]]
+    assert (
+        order
+        == [leaf["path"] for leaf in doc["leaves"]]
+        == [
+            "head",
+            *[f"layers/{i}/{n}" for i in range(12) for n in ("b", "w")],
+        ]
+    )
+    assert main(["inspect", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[2] == {
+        "path": "layers/{0..11}/w",
+        "count": 12,
+        "shape": [8, 4],
+        "dtype": "float32",
+        "spec": ["data"],
+        "names": None,
+        "bytes": 128,
+        "paths": [f"layers/{i}/w" for i in range(12)],
+    }
+    assert main(["plan", str(path), "--mesh", "data=8", "--no-fold", "--max-rows", "2"]) == 0
+    assert "... 23 more rows (23 leaves); run without --max-rows to show all" in (
+        capsys.readouterr().out.splitlines()
+    )

@@ -21,7 +21,13 @@ def add_parser(sub: Any) -> None:
     i.add_argument("checkpoint", metavar="CKPT", help=CKPT_HELP)
     add_json(i)
     i.add_argument(
-        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N leaves"
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
+    i.add_argument(
+        "--no-fold",
+        action="store_true",
+        help="one row per leaf (by default leaves that differ only in layer numbers and are "
+        "stored alike share a row: layers_{0..61}/mlp/kernel), as for plan",
     )
     i.set_defaults(run=run)
 
@@ -30,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .._checkpoint import locate
-    from .._text import format_bytes, literal
+    from .._text import format_bytes, literal, spec_json
     from .._weights import is_safetensors
 
     if is_safetensors(args.checkpoint):
@@ -52,6 +58,20 @@ def run(args: argparse.Namespace) -> int:
         data["total_bytes"] = rec.nbytes
         for leaf_json, leaf in zip(data["leaves"], rec.leaves, strict=True):
             leaf_json["bytes"] = leaf.nbytes
+        data["rows"] = [
+            {
+                "path": g.path,
+                "count": g.count,
+                "shape": list(leaf.shape),
+                "dtype": leaf.dtype,
+                "spec": spec_json(leaf.spec) if leaf.spec is not None else None,
+                "names": None if leaf.names is None else list(leaf.names),
+                "bytes": leaf.nbytes,
+                "paths": g.paths,
+            }
+            for g in _rows(rec.leaves, fold=not args.no_fold)
+            for leaf in [g.items[0]]
+        ]
         emit(args, data)
         return 0
     mesh = rec.mesh_sizes()
@@ -63,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
             f"saved on mesh ({mesh_text}); written by {rec.source}"
         ),
     )
+    rows = _rows(rec.leaves, fold=not args.no_fold)
+    folded = any(g.count > 1 for g in rows)
+    columns = [("path", {}), ("leaves", {"justify": "right"})] if folded else [("path", {})]
     for col, kw in [
-        ("path", {}),
+        *columns,
         ("shape", {}),
         ("dtype", {}),
         ("bytes", {"justify": "right"}),
@@ -72,28 +95,54 @@ def run(args: argparse.Namespace) -> int:
         ("names", {}),
     ]:
         table.add_column(col, **kw)
-    shown = rec.leaves if args.max_rows is None else rec.leaves[: args.max_rows]
-    for leaf in shown:
+    shown = rows if args.max_rows is None else rows[: args.max_rows]
+    for g in shown:
+        leaf = g.items[0]
         names = "-" if leaf.names is None else str(tuple(leaf.names))
-        table.add_row(
-            *map(
-                literal,
-                (
-                    leaf.path or "<root>",
-                    str(leaf.shape),
-                    leaf.dtype,
-                    format_bytes(leaf.nbytes),
-                    fmt_spec(leaf.spec),
-                    names,
-                ),
-            )
-        )
-    if len(shown) < len(rec.leaves):
-        table.add_row(f"... {len(rec.leaves) - len(shown)} more leaves", "", "", "", "", "")
+        cells = [
+            g.path,
+            *([str(g.count)] if folded else []),
+            str(leaf.shape),
+            leaf.dtype,
+            format_bytes(leaf.nbytes) + (f" x{g.count}" if g.count > 1 else ""),
+            fmt_spec(leaf.spec),
+            names,
+        ]
+        table.add_row(*map(literal, cells))
+    if len(shown) < len(rows):
+        rest = rows[len(shown) :]
+        more = f"... {len(rest)} more rows ({sum(g.count for g in rest)} leaves)"
+        table.add_row(more, *[""] * (len(table.columns) - 1))
     console().print(table)
     if rec.versions:
         say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
     return 0
+
+
+def _rows(leaves: Any, fold: bool) -> list[Any]:
+    """The table's rows in record (flatten) order: with ``fold``, leaves whose paths differ
+    only in layer numbers and that are stored alike (shape, dtype, spec, names) share one,
+    as ``plan`` folds (``_fold.fold``)."""
+    from .._fold import Fold
+    from .._fold import fold as fold_paths
+
+    if not fold:
+        out = []
+        for leaf in leaves:
+            g = Fold(leaf.path or "<root>")
+            g.add(leaf.path or "<root>", (), leaf)
+            out.append(g)
+        return out
+    return fold_paths(
+        leaves,
+        lambda leaf: leaf.path or "<root>",
+        key=lambda leaf: (
+            tuple(leaf.shape),
+            leaf.dtype,
+            str(leaf.spec),
+            None if leaf.names is None else tuple(map(str, leaf.names)),
+        ),
+    )
 
 
 def _inspect_safetensors(args: argparse.Namespace) -> int:
