@@ -27,6 +27,9 @@ class _Page(HTMLParser):
         self.external: list[str] = []
         self.roots: list[dict[str, str]] = []
         self.summarised = 0
+        self.headers: list[str] = []
+        self.panels: list[dict[str, str]] = []
+        self._in_th = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -51,8 +54,19 @@ class _Page(HTMLParser):
             self.tiles[-1].append(a)
         if "ms-summarised" in cls:
             self.summarised += 1
+        if tag == "th" and self.tile_sets == []:
+            self._in_th = True
+            self.headers.append("")
+        if tag == "details":
+            self.panels.append(a)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "th":
+            self._in_th = False
 
     def handle_data(self, data: str) -> None:
+        if self._in_th:
+            self.headers[-1] += data
         if "@import" in data or "url(" in data:
             self.external.append(data[:80])
 
@@ -88,6 +102,28 @@ def test_nnx_plan_html(mesh8):
     assert p._repr_html_() == p.html()
     kernel = next(t for t in page.tile_sets if t["data-path"] == "mlp/kernel")
     assert (kernel["data-shards"], kernel["data-replicas"]) == ("8", "1")
+
+
+def test_columns_say_what_they_sum_and_panels_open_alike(mesh24):
+    """The grouped table's byte columns name what they add up (one leaf, the whole row);
+    every row's tile panel starts the same way (closed), none singled out."""
+    tree = {f"layer_{i}": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)} for i in range(3)}
+    tree["head"] = jax.ShapeDtypeStruct((64, 8), jnp.float32)
+    p = ms.plan(tree, ms.Rules([("w$", P("data")), ("head", P("model"))]), mesh24)
+    page = _check(p, p.html())
+    assert page.headers[-8:] == [
+        "path",
+        "leaves",
+        "shape",
+        "dtype",
+        "spec",
+        "rule",
+        "per device, each leaf",
+        "per device, row total",
+    ]
+    assert len(page.panels) == 2 and all("open" not in a for a in page.panels)
+    layers = next(r for r in page.rows if r["data-path"] == "layer_{0..2}/w")
+    assert int(layers["data-bytes-per-device"]) == 3 * 4 * 8 * 4  # the row total, 3 leaves
 
 
 def test_linen_plan_page(tmp_path, mesh24):

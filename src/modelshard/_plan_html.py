@@ -317,18 +317,15 @@ def memory_html(plan: PlanView) -> str:
 
 
 def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
-    """The grouped table; each row's tiles (of its first leaf) open on demand."""
+    """The grouped table; each row's tiles (of its first leaf) open on demand, every panel
+    alike (all closed: no row is singled out)."""
     rows = plan.groups(fold=fold, filter=filter)
     leaves = dict(plan.named())
-    biggest = max(
-        (r for r in rows if r["shape"]),
-        key=lambda r: r["bytes_per_device"] * r["count"],
-        default=None,
-    )
     out = [
         '<section class="ms-rows"><h3>Leaves</h3><table class="ms-table"><thead><tr>'
         '<th>path</th><th class="num">leaves</th><th>shape</th><th>dtype</th><th>spec</th>'
-        '<th>rule</th><th class="num">per device</th><th class="num">all leaves</th>'
+        '<th>rule</th><th class="num">per device, each leaf</th>'
+        '<th class="num">per device, row total</th>'
         "</tr></thead><tbody>"
     ]
     for r in rows:
@@ -345,9 +342,8 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
         )
         if tiles and r["shape"]:
             t = Tiles(plan, r["paths"][0], leaves[r["paths"][0]])
-            opened = " open" if r is biggest else ""
             out.append(
-                f'<tr class="ms-tiles-row"><td colspan="8"><details{opened}><summary>tiles on the '
+                '<tr class="ms-tiles-row"><td colspan="8"><details><summary>tiles on the '
                 f"mesh</summary>{t.html()}</details></td></tr>"
             )
     out.append("</tbody></table></section>")
