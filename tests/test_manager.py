@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -415,3 +416,17 @@ def test_restore_a_step_through_a_weight_map(tmp_path, mesh8):
         out = mngr.restore(mapping=wm, specs=P("data"), mesh=mesh8)
     assert out["dense"]["kernel"].sharding.spec == P("data")
     np.testing.assert_array_equal(out["dense"]["kernel"], w)
+
+
+def test_constructor_documents_every_argument():
+    """``help(CheckpointManager)`` describes each constructor argument (under ``__init__``;
+    the docs page merges it into the class)."""
+    import inspect
+    import pydoc
+
+    doc = inspect.getdoc(ms.CheckpointManager.__init__) or ""
+    documented = re.findall(r"^    (\w+): ", doc.split("Args:")[1], flags=re.MULTILINE)
+    params = [p for p in inspect.signature(ms.CheckpointManager.__init__).parameters if p != "self"]
+    assert documented == params
+    shown = pydoc.render_doc(ms.CheckpointManager, renderer=pydoc.plaintext)
+    assert "Initialize self." not in shown and "save_interval_steps: ``should_save``" in shown

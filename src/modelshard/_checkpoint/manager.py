@@ -143,24 +143,6 @@ class CheckpointManager:
     Rotation keeps the union of the rules given (none given: keep every step), and
     always the newest complete step.
 
-    Args:
-        directory: the root: a local path (made absolute, created if missing), or a
-            ``gs://`` / ``s3://`` URL.
-        max_to_keep: keep the newest N steps.
-        keep_period: also keep every step that is a multiple of K.
-        keep_best: also keep the N best steps by ``best_fn(metrics)``; needs ``best_fn``.
-        best_fn: metrics dict (as passed to ``save``) -> number.
-        best_mode: ``"max"`` or ``"min"``: which end of ``best_fn`` is best.
-        keep_steps: steps never deleted.
-        save_interval_steps: ``should_save`` and ``save`` accept the steps that
-            are multiples of this (step 0 included, no other first step); ``force=True``
-            saves any step.
-        async_save: return from ``save`` once the arrays are copied off device and
-            write in the background; ``wait_until_finished`` blocks until done.
-        handle_signals: install the SIGTERM/SIGINT handler that turns a signal into a
-            stop request (see ``should_save``) or, if the loop never polls,
-            finishes pending saves before the process dies of the signal.
-
     Example:
         >>> import tempfile, jax.numpy as jnp
         >>> import modelshard as ms
@@ -186,6 +168,26 @@ class CheckpointManager:
         async_save: bool = True,
         handle_signals: bool = True,
     ):
+        """Open (creating it if needed) the manager's root ``directory``.
+
+        Args:
+            directory: the root: a local path (made absolute, created if missing), or a
+                ``gs://`` / ``s3://`` URL.
+            max_to_keep: keep the newest N steps.
+            keep_period: also keep every step that is a multiple of K.
+            keep_best: also keep the N best steps by ``best_fn(metrics)``; needs ``best_fn``.
+            best_fn: metrics dict (as passed to ``save``) -> number.
+            best_mode: ``"max"`` or ``"min"``: which end of ``best_fn`` is best.
+            keep_steps: steps never deleted.
+            save_interval_steps: ``should_save`` and ``save`` accept the steps that
+                are multiples of this (step 0 included, no other first step); ``force=True``
+                saves any step.
+            async_save: return from ``save`` once the arrays are copied off device and
+                write in the background; ``wait_until_finished`` blocks until done.
+            handle_signals: install the SIGTERM/SIGINT handler that turns a signal into a
+                stop request (see ``should_save``) or, if the loop never polls,
+                finishes pending saves before the process dies of the signal.
+        """
         if (
             isinstance(save_interval_steps, bool)
             or not isinstance(save_interval_steps, int)
