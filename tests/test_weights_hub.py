@@ -162,6 +162,24 @@ def test_without_offline_a_missing_repo_downloads_only_weights_and_json(hub, mon
     ]
     assert calls[1]["allow_patterns"] == ["*.safetensors", "*.json"]
 
+    binonly = tmp_path / "binonly"
+    binonly.mkdir()
+    (binonly / "config.json").write_text("{}")  # what a .bin-only repository yields
+
+    def bin_only(repo_id, **kw):
+        if kw.get("local_files_only"):
+            raise LocalEntryNotFoundError("not cached")
+        return str(binonly)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", bin_only)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.load_safetensors("hf://org/old")
+    assert str(e.value) == (
+        "hf://org/old: repository org/old holds no complete safetensors checkpoint (its "
+        "*.safetensors and *.json files were fetched; weights only in PyTorch .bin files "
+        "cannot be read)"
+    )
+
     def refused(repo_id, **kw):
         if kw.get("local_files_only"):
             raise LocalEntryNotFoundError("not cached")

@@ -109,8 +109,15 @@ def resolve(url: str) -> Path:
             "downloaded"
         )
     try:
-        return Path(huggingface_hub.snapshot_download(repo, **kw))
+        got = Path(huggingface_hub.snapshot_download(repo, **kw))
     except Exception as e:
         raise CheckpointError(
             f"{url}: repository {repo}{at} could not be downloaded: {type(e).__name__}: {e}"
         ) from None
+    if not complete(got):
+        raise CheckpointError(
+            f"{url}: repository {repo}{at} holds no complete safetensors checkpoint (its "
+            "*.safetensors and *.json files were fetched; weights only in PyTorch .bin files "
+            "cannot be read)"
+        )
+    return got
