@@ -394,7 +394,7 @@ class CheckpointManager:
         """Process 0 decides whether ``step`` may be written (not a step already, no
         foreign folder in the way; an interrupted save's leftovers removed) and tells
         the others: every process raises the same error, or none does."""
-        refused = None
+        error: Exception | None = None
         if self._primary():
             try:
                 if step in complete_steps(self.directory):
@@ -405,10 +405,15 @@ class CheckpointManager:
                 with reaching(self.directory):
                     self._remove_partial(step)
             except CheckpointError as e:
-                refused = str(e)
+                error = e
             except Exception as e:  # told to every process, which all raise it
-                refused = f"cannot save step {step} to {self.directory}: {type(e).__name__}: {e}"
-        refused = broadcast(refused, "modelshard:manager:save")
+                error = CheckpointError(
+                    f"cannot save step {step} to {self.directory}: {type(e).__name__}: {e}"
+                )
+                error.__cause__ = e
+        refused = broadcast(None if error is None else str(error), "modelshard:manager:save")
+        if error is not None:
+            raise error  # process 0: the error itself, with its cause
         if refused is not None:
             raise CheckpointError(refused)
 

@@ -44,13 +44,15 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
     """
     import jax
 
-    refused = None
+    error = None
     if jax.process_index() == 0:  # decides for every process (they would list at other moments)
         try:
             _make_room(path, overwrite=overwrite)
         except CheckpointError as e:
-            refused = str(e)
-    refused = broadcast(refused, "modelshard:save_remote:prepared")
+            error = e
+    refused = broadcast(None if error is None else str(error), "modelshard:save_remote:prepared")
+    if error is not None:
+        raise error  # process 0: the error itself, with its cause
     if refused is not None:
         raise CheckpointError(refused)
 
