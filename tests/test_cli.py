@@ -99,6 +99,12 @@ def test_plan_table_json_and_errors(ckpt, capsys):
     err = capsys.readouterr().err
     assert err.startswith("modelshard plan: error: 6 sharding problems found")
     assert err.count("is not divisible by 3") == 6
+    # the listing keeps its indentation (naming flags rewrites keywords, nothing else)
+    assert err.splitlines()[1:3] == [
+        "  tree:attn/key/kernel float32[16, 4, 4]",
+        "    problem: dimension 1 (size 4) is partitioned 3 times (model=3), but 4 is not "
+        "divisible by 3",
+    ]
     # without --rules the saved specs are planned
     assert main(["plan", str(ckpt), "--mesh", "data=8", "--json"]) == 0
     rows = {r["path"]: r for r in json.loads(capsys.readouterr().out)["leaves"]}

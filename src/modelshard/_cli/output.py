@@ -56,9 +56,21 @@ FLAGS = [
 
 
 def in_flags(text: str) -> str:
-    for pattern, flag in FLAGS:
-        text = pattern.sub(flag, text)
-    return text.replace(" \n", "\n").replace("  ", " ")
+    """``text`` with the Python keywords of FLAGS written as this command's flags; nothing
+    else changes (indentation and spacing of multi-line messages included)."""
+
+    def flag(name: str) -> Any:
+        def put(m: re.Match[str]) -> str:
+            after = m.string[m.end() : m.end() + 1]
+            # a flag that takes a value keeps one space before what follows it
+            value = after != "" and not after.isspace() and after not in ")]},;:."
+            return name if value else name.rstrip()
+
+        return put
+
+    for pattern, name in FLAGS:
+        text = pattern.sub(flag(name), text)
+    return text
 
 
 OS_HINTS = {
