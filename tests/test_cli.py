@@ -789,3 +789,23 @@ def test_inspect_folds_like_plan_in_record_order(tmp_path, capsys):
     assert "... 23 more rows (23 leaves); run without --max-rows to show all" in (
         capsys.readouterr().out.splitlines()
     )
+
+
+def test_cli_page_json_is_what_the_commands_print(tmp_path, monkeypatch, capsys):
+    """docs/cli.md shows a success's and a failure's JSON side by side: both are exactly
+    what ``modelshard plan`` prints today (the directory aside)."""
+    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    shown = re.findall(
+        r"^```text\n\$ modelshard (plan ckpt [^\n]*--json)\n(\{.*?^\})\n```$",
+        page,
+        flags=re.MULTILINE | re.DOTALL,
+    )
+    assert [cmd.split()[3] for cmd, _ in shown] == ["model=4", "model=3"]
+    monkeypatch.chdir(tmp_path)
+    mesh = ms.make_mesh({"data": 8})
+    ms.save("ckpt", ms.shard({"head": {"kernel": jnp.zeros((8, 32))}}, P(), mesh))
+    Path("tp.toml").write_text('[[rules]]\npattern = "kernel$"\nspec = ["none", "model"]\n')
+    for (cmd, doc), status in zip(shown, (0, 1), strict=True):
+        assert main(cmd.split()) == status
+        out = capsys.readouterr().out.replace(f"{tmp_path}/", "/home/me/")
+        assert json.loads(out) == json.loads(doc)
