@@ -809,3 +809,32 @@ def test_cli_page_json_is_what_the_commands_print(tmp_path, monkeypatch, capsys)
         assert main(cmd.split()) == status
         out = capsys.readouterr().out.replace(f"{tmp_path}/", "/home/me/")
         assert json.loads(out) == json.loads(doc)
+
+
+def test_rules_file_problems_get_toml_fixes(ckpt, tmp_path, capsys):
+    """Leaves no rule covers and a rule that matched nothing, planned from a rules file:
+    the hints say what to write in that file, the summary what to run (not Python)."""
+    part = tmp_path / "part.toml"
+    part.write_text(
+        "[[rules]]\npattern = 'kernel$'\nspec = ['none', 'data']\n\n"
+        "[[rules]]\npattern = 'nope'\nspec = []\n"
+    )
+    assert main(["plan", str(ckpt), "--mesh", "data=2", "--rules", str(part)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:4] == [
+        "modelshard plan: error: 13 sharding problems, 2 causes (paths are arg:path; numbered "
+        "layers folded as {0..N}):",
+        "  [1] no rule matches this leaf: 12 leaves",
+        "      e.g. tree:attn/key/bias float32[4, 4], mesh (data=2)",
+        f"      hint: add to {part} a [[rules]] table whose pattern matches 'attn/key/bias', a "
+        "catch-all last (pattern = '.*', spec = []), or strict = false to replicate unmatched "
+        "leaves",
+    ]
+    assert lines[-5:] == [
+        "  [2] rule 1 'nope' matched no leaf: 1 leaf",
+        "      e.g. Rules:rule 1, spec P(), mesh (data=2)",
+        f"      hint: fix its pattern in {part} (strict = false there lets a plan list every "
+        "path), remove that [[rules]] table, or set strict = false",
+        "      Rules:rule 1",
+        "All 13 problems, each in full: the same command with --json.",
+    ]

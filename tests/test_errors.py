@@ -237,3 +237,20 @@ def test_a_mesh_axis_typo_gets_did_you_mean_not_a_logical_name_hint():
             "'data', 'model')",
         )
     ]
+
+
+def test_grouped_report_speaks_the_command_line_there():
+    """Under the ``modelshard`` command (its vocabulary), the grouped hint is a rules-file
+    fix and the last line points at --json, not at Python attributes."""
+    from modelshard._text import speaking
+
+    with speaking("cli"):
+        err = _raise(gemma_like(), gemma_text_rules())
+    lines = str(err).splitlines()
+    assert lines[3] == (
+        "      hint: no rule covers anything under 'vision_encoder/': add [[rules]] tables for it "
+        "to the rules file, e.g. pattern = '^vision_encoder/' with spec = [] to replicate it, "
+        "a catch-all last (pattern = '.*', spec = []), or strict = false to replicate unmatched "
+        "leaves"
+    )
+    assert lines[-1] == "All 383 problems, each in full: the same command with --json."

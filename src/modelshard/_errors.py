@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._text import format_mesh, format_spec, spec_json
+from ._text import format_mesh, format_spec, spec_json, vocabulary
 
 
 class ModelshardError(Exception):
@@ -196,6 +196,13 @@ def _fitting_hint(problems: Sequence[Problem]) -> str | None:
     if e.what == "no rule matches this leaf" and len(problems) > 1:
         prefix = _common_prefix([p.path for p in problems])
         if prefix:
+            if vocabulary() == "cli":  # the command's rules come from a TOML file
+                return (
+                    f"no rule covers anything under {prefix + '/'!r}: add [[rules]] tables "
+                    f"for it to the rules file, e.g. pattern = '^{prefix}/' with spec = [] to "
+                    "replicate it, a catch-all last (pattern = '.*', spec = []), or "
+                    "strict = false to replicate unmatched leaves"
+                )
             return (
                 f"no rule covers anything under {prefix + '/'!r}: add rules for it, e.g. "
                 f"(r'^{prefix}/', P()) to replicate it, a catch-all (r'.*', P()) last, or "
@@ -299,10 +306,13 @@ class SpecError(ModelshardError, ValueError):
         if len(causes) > len(shown):
             more = causes[len(shown) :]
             lines.append(f"... {len(more)} more causes ({sum(c.count for c in more)} problems)")
-        lines.append(
-            f"All {n} problems are on this error: err.problems (structured), err.causes, "
-            "print(err.report()) for every one in full."
-        )
+        if vocabulary() == "cli":
+            lines.append(f"All {n} problems, each in full: the same command with --json.")
+        else:
+            lines.append(
+                f"All {n} problems are on this error: err.problems (structured), err.causes, "
+                "print(err.report()) for every one in full."
+            )
         return lines
 
     def to_json(self) -> dict[str, Any]:

@@ -313,7 +313,11 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
                         spec=spec,
                         mesh=ctx.sizes,
                         hint="fix the pattern (plan with Rules(..., strict=False) to list every "
-                        "path), remove the rule, or pass strict=False",
+                        "path), remove the rule, or pass strict=False"
+                        if rules.file is None
+                        else f"fix its pattern in {rules.file} (strict = false there lets "
+                        "a plan list every path), remove that [[rules]] table, or set "
+                        "strict = false",
                     )
                 )
     if ctx.problems:

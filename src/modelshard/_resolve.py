@@ -227,8 +227,14 @@ def unmatched_key(
             info.path,
             leaf,
             "no rule matches this leaf",
-            hint=f"add a rule whose pattern matches {info.path!r}, a catch-all "
-            "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves",
+            hint=(
+                f"add a rule whose pattern matches {info.path!r}, a catch-all "
+                "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves"
+                if s.file is None and vocabulary() == "python"
+                else f"add to {s.file or 'the rules file'} a [[rules]] table whose pattern "
+                f"matches {info.path!r}, a catch-all last (pattern = '.*', spec = []), or "
+                "strict = false to replicate unmatched leaves"
+            ),
         )
         return None
     return (id(s), "unmatched")
