@@ -4,8 +4,10 @@ written back in the checkpoint's own names, shapes and dtypes.
 
 1. Write a small checkpoint with ``safetensors.numpy`` in the standard names
    (``model.layers.N.self_attn.q_proj.weight``, PyTorch's ``[out, in]`` linear layout,
-   bfloat16), the way ``transformers`` saves one. Nothing is downloaded.
-2. Load it with the shipped mapping file ``mappings/hf_llama.toml`` into an NNX Llama whose
+   bfloat16) and its ``config.json``, the way ``transformers`` saves one. Nothing is
+   downloaded.
+2. Load it with the shipped mapping file ``mappings/hf_llama.toml`` (its sizes from the
+   ``config.json``: the same file serves every Llama size) into an NNX Llama whose
    attention kernels are ``[embed, heads, head_dim]`` einsum weights and whose gate and up
    projections are one ``[2, embed, mlp]`` weight; every device reads only its slice of
    each stored tensor. The model adds LoRA adapters on its head that the checkpoint does
@@ -23,6 +25,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -152,6 +155,19 @@ def hf_checkpoint(path: Path, layers: int, seed: int = 0) -> dict[str, np.ndarra
     t["model.norm.weight"] = np.ones(EMBED, ml_dtypes.bfloat16)
     t["lm_head.weight"] = w(VOCAB, EMBED)
     save_file(t, str(path), metadata={"format": "pt"})
+    # the sizes the mapping file names, beside the weights as in every HF checkpoint
+    config = {
+        "model_type": "llama",
+        "hidden_size": EMBED,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate_size": MLP,
+        "num_hidden_layers": layers,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": EPS,
+    }
+    (path.parent / "config.json").write_text(json.dumps(config, indent=1))
     return t
 
 
@@ -235,6 +251,4 @@ def main(fast: bool = False, workdir: str | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(main(), indent=1, default=str)[:2000])

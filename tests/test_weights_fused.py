@@ -293,7 +293,7 @@ def test_dry_run_table_names_the_fused_sources(tmp_path):
     )
     row = next(r for r in res.rows if r.target == "layers/0/attn/qkv/kernel")
     assert row.sources == tuple(f"model.layers.0.self_attn.{n}_proj.weight" for n in "qkv")
-    assert row.how == "transpose(1, 0), concat(group 2, axis 1)"
+    assert row.how == "transpose(1, 0), concat(group 2 = q|k|v, axis 1)"
     assert row.shape == (D, (H + 2 * KV) * HD)
 
 

@@ -199,8 +199,13 @@ def test_gemma3_head_counts_come_from_config_json(tmp_path: Path) -> None:
     (tmp_path / "hf" / "config.json").write_text(json.dumps(_config(SMALL)))
     wrong = ms.load_weight_map(MAPPING)
     wrong = ms.WeightMap(wrong.rules, config={"num_attention_heads": 2})  # explicit wins
-    with pytest.raises(ms.MappingError) as info:
+    with pytest.raises(ms.MappingError) as info, pytest.warns(UserWarning) as caught:
         ms.load_safetensors(src, like=_gemma_layout(SMALL), mapping=wrong, dry_run=True)
+    assert [str(w.message) for w in caught] == [
+        "the mapping's config sets num_attention_heads = 2, but config.json has "
+        "num_attention_heads = 4; using the mapping's 2 (remove num_attention_heads from the "
+        "mapping's config to take config.json's)"
+    ]
     lines = info.value.report().splitlines()
     assert (
         "    problem: the mapped value is bfloat16[2, 32, 16] but the target leaf is "
@@ -225,3 +230,44 @@ def test_gemma3_through_the_cli_both_ways(tmp_path: Path) -> None:
     args = ["convert", str(ck), str(back), "--to", "safetensors", "--mapping", str(MAPPING)]
     assert main([*args, "--reference", str(src)]) == 0
     assert back.read_bytes() == src.read_bytes()
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration (4b and up) stores the language model under
+    ``language_model.model.`` with its sizes in ``text_config``, beside a vision tower and
+    a projector: the same file loads the language model into the same tree as the text-only
+    checkpoint, skips the rest, and exports the language model back in the multimodal names."""
+    t = _hf_checkpoint(tmp_path / "text", SMALL, seed=4)
+    mm = {f"language_model.{k}": v for k, v in t.items()}
+    extra = {
+        "vision_tower.vision_model.embeddings.patch_embedding.weight": np.ones((8, 3, 2, 2), BF16),
+        "multi_modal_projector.mm_input_projection_weight": np.ones((8, 32), BF16),
+    }
+    (tmp_path / "mm").mkdir()
+    src = tmp_path / "mm" / "model.safetensors"
+    save_file({**mm, **extra}, str(src), metadata={"format": "pt"})
+    text_config = {k: v for k, v in _config(SMALL).items() if k != "architectures"}
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": text_config,
+        "vision_config": {"num_attention_heads": 16, "hidden_size": 1152},
+    }
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(config))
+
+    like = _gemma_layout(SMALL)
+    res = ms.load_safetensors(src, like=like, mapping=MAPPING, dry_run=True)
+    assert sorted(res.skipped) == sorted(extra)
+    params = ms.load_safetensors(src, like=like, mapping=MAPPING)
+    plain = ms.load_safetensors(tmp_path / "text" / "model.safetensors", like=like, mapping=MAPPING)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    want = dict(jax.tree_util.tree_flatten_with_path(plain)[0])
+    assert len(flat) == len(want)
+    for path, leaf in flat:
+        assert np.asarray(leaf).tobytes() == np.asarray(want[path]).tobytes(), path
+    out = ms.save_safetensors(tmp_path / "out.safetensors", params, reference=src, mapping=MAPPING)
+    from safetensors.numpy import load_file
+
+    back = load_file(str(out))
+    assert sorted(back) == sorted(mm)  # the vision tower and projector are not written
+    assert all(back[k].tobytes() == v.tobytes() for k, v in mm.items())

@@ -735,3 +735,254 @@ def test_restore_reads_a_rearranged_leaf_sharded_the_way_its_blocks_need(
         assert out["q"].sharding.spec == spec
         assert np.asarray(out["q"]).tobytes() == want.tobytes()
         assert stored_specs == [read_as]
+
+
+# ---- what a first user of the shipped mapping files trips on -------------------------------
+
+
+def _llama_of_size(
+    root: Path, embed: int, heads: int, kv: int, head_dim: int, *, inv_freq: bool = False
+) -> dict[str, np.ndarray]:
+    """A one-layer Llama checkpoint in Hugging Face's names and layout, with its
+    config.json (written as current transformers does: no rotary_emb.inv_freq)."""
+    import json
+
+    mlp, vocab = 3 * embed, 40
+
+    def w(*shape: int) -> np.ndarray:
+        return RNG.standard_normal(shape).astype(BF16)
+
+    p = "model.layers.0."
+    t = {
+        "model.embed_tokens.weight": w(vocab, embed),
+        p + "self_attn.q_proj.weight": w(heads * head_dim, embed),
+        p + "self_attn.k_proj.weight": w(kv * head_dim, embed),
+        p + "self_attn.v_proj.weight": w(kv * head_dim, embed),
+        p + "self_attn.o_proj.weight": w(embed, heads * head_dim),
+        p + "mlp.gate_proj.weight": w(mlp, embed),
+        p + "mlp.up_proj.weight": w(mlp, embed),
+        p + "mlp.down_proj.weight": w(embed, mlp),
+        p + "input_layernorm.weight": w(embed),
+        p + "post_attention_layernorm.weight": w(embed),
+        "model.norm.weight": w(embed),
+        "lm_head.weight": w(vocab, embed),
+    }
+    if inv_freq:
+        t[p + "self_attn.rotary_emb.inv_freq"] = np.ones(head_dim // 2, np.float32)
+    root.mkdir(parents=True, exist_ok=True)
+    _save(root / "model.safetensors", t)
+    config = {
+        "model_type": "llama",
+        "hidden_size": embed,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return t
+
+
+def test_a_skip_rule_that_matches_nothing_is_no_error_under_strict(tmp_path: Path) -> None:
+    """skip means "ignore if present": current checkpoints store no rotary_emb.inv_freq;
+    a rule with a target that matches nothing is still an error."""
+    path = _save(tmp_path / "m.safetensors", {"w": np.zeros((2, 2), np.float32)})
+    wm = ms.WeightMap([ms.MapRule("w", "w"), ms.MapRule(r".*\.rotary_emb\.inv_freq", None)])
+    assert wm.strict
+    res = ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert list(res.recipes) == ["w"] and res.skipped == []
+    wm = ms.WeightMap([ms.MapRule("w", "w"), ms.MapRule("v", "v")])
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert str(info.value).splitlines()[1:3] == [
+        "  mapping:rules[1]",
+        "    problem: source 'v' matched no stored tensor",
+    ]
+
+
+@pytest.mark.parametrize("name", ["hf_llama.toml", "hf_llama_tied.toml"])
+def test_the_llama_files_load_a_checkpoint_without_inv_freq_and_reload_their_export(
+    tmp_path: Path, name: str
+) -> None:
+    """A checkpoint as current transformers writes it (no inv_freq) loads with the shipped
+    files; an older one's export drops inv_freq, and that export loads back too."""
+    mapping = ROOT / "examples" / "mappings" / name
+    t = _llama_of_size(tmp_path, 32, 8, 2, 4, inv_freq=True)
+    if name == "hf_llama_tied.toml":
+        del t["lm_head.weight"]
+        _save(tmp_path / "model.safetensors", t)
+    src = tmp_path / "model.safetensors"
+    params = ms.load_safetensors(src, mapping=mapping)
+    out = ms.save_safetensors(
+        tmp_path / "exported.safetensors", params, reference=src, mapping=mapping
+    )
+    exported = load_file(str(out))
+    assert sorted(exported) == sorted(k for k in t if "inv_freq" not in k)
+    again = ms.load_safetensors(out, mapping=mapping)  # no inv_freq now: still loads
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        got = again
+        for key in path:
+            got = got[key.key]  # type: ignore[attr-defined]
+        assert np.asarray(got).tobytes() == np.asarray(leaf).tobytes()
+
+
+def test_one_llama_file_serves_every_size_from_config_json(tmp_path: Path) -> None:
+    """hf_llama.toml takes its sizes from config.json: a [32, 32] q_proj of 8 heads is
+    [embed 32, heads 8, head_dim 4], not the example's [64, 4, 16]; without a config.json
+    the missing size is said once per rule."""
+    mapping = ROOT / "examples" / "mappings" / "hf_llama.toml"
+    for embed, heads, kv, hd in ((32, 8, 2, 4), (48, 4, 4, 16)):
+        t = _llama_of_size(tmp_path / f"e{embed}", embed, heads, kv, hd)
+        out = ms.load_safetensors(tmp_path / f"e{embed}", mapping=mapping)
+        attn = out["layers"]["0"]["attn"]
+        assert attn["q"]["kernel"].shape == (embed, heads, hd)
+        assert attn["k"]["kernel"].shape == (embed, kv, hd)
+        assert attn["o"]["kernel"].shape == (heads, hd, embed)
+        q = t["model.layers.0.self_attn.q_proj.weight"]
+        assert np.asarray(attn["q"]["kernel"]).tobytes() == q.T.reshape(embed, heads, hd).tobytes()
+    (tmp_path / "e32" / "config.json").unlink()
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(tmp_path / "e32", mapping=mapping, dry_run=True)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("3 mapping problems found")  # q, k|v, o: once per rule
+    assert lines[1:] == [
+        "  source:model.layers.0.self_attn.k_proj.weight bfloat16[32, 8]",  # transposed
+        "    problem: reshape size 'hidden_size' is not in the mapping's config (empty) (rules[2])",
+        "    hint: add hidden_size = <size> to the config (the rule needs it for 1 more stored "
+        "tensor)",
+        "  source:model.layers.0.self_attn.o_proj.weight bfloat16[32, 32]",
+        "    problem: reshape size 'num_attention_heads' is not in the mapping's config (empty) "
+        "(rules[3])",
+        "    hint: add num_attention_heads = <size> to the config",
+        "  source:model.layers.0.self_attn.q_proj.weight bfloat16[32, 32]",
+        "    problem: reshape size 'hidden_size' is not in the mapping's config (empty) (rules[1])",
+        "    hint: add hidden_size = <size> to the config",
+    ]
+
+
+def test_a_mapping_config_contradicting_config_json_warns_naming_both(tmp_path: Path) -> None:
+    _llama_of_size(tmp_path, 32, 8, 2, 4)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(
+                r".*q_proj\.weight",
+                "q",
+                ops=[ms.Rearrange("(h d) e -> h e d", h="num_attention_heads")],
+            ),
+            ms.MapRule(r".*", None),
+        ],
+        config={"num_attention_heads": 4, "hidden_size": 32},  # agrees: no warning for it
+    )
+    with pytest.warns(UserWarning) as caught:
+        out = ms.load_safetensors(tmp_path, mapping=wm)
+    assert [str(w.message) for w in caught] == [
+        "the mapping's config sets num_attention_heads = 4, but config.json has "
+        "num_attention_heads = 8; using the mapping's 4 (remove num_attention_heads from the "
+        "mapping's config to take config.json's)"
+    ]
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert out["q"].shape == (4, 32, 8)  # the mapping's value, as documented
+
+
+def test_a_rule_shadowed_by_an_earlier_one_says_so(tmp_path: Path) -> None:
+    t = {f"l.{i}.{n}": np.zeros((2, 2), np.float32) for i in range(2) for n in ("gate", "up")}
+    path = _save(tmp_path / "m.safetensors", t)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(r"l\.(\d+)\.(\w+)", "mlp/{1}/{2}"),
+            ms.MapRule(r"l\.(\d+)\.(gate|up)", "wi/{1}", stack=ms.Stack(2, order=("gate", "up"))),
+            ms.MapRule(r"l\.0\.up", "up0"),
+        ]
+    )
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert str(info.value).splitlines()[1:] == [
+        "  mapping:rules[1]",
+        "    problem: source 'l\\\\.(\\\\d+)\\\\.(gate|up)' matches 4 stored tensors, but all were "
+        "taken by an earlier rule: rules[0] ('l\\\\.(\\\\d+)\\\\.(\\\\w+)') (first match wins)",
+        "    hint: move rules[1] before it, narrow the earlier regex, or give this rule "
+        "also=True to fill its leaf in addition",
+        "  mapping:rules[2]",
+        "    problem: source 'l\\\\.0\\\\.up' matches 1 stored tensor, but it was taken by an "
+        "earlier rule: rules[0] ('l\\\\.(\\\\d+)\\\\.(\\\\w+)') (first match wins)",
+        "    hint: move rules[2] before it, narrow the earlier regex, or give this rule "
+        "also=True to fill its leaf in addition",
+    ]
+
+
+def test_a_misspelled_toml_key_is_named_with_a_suggestion() -> None:
+    data = {
+        "rulez": [],
+        "rules": [
+            {"source": "a", "target": "a", "ops": [{"rearange": "(h d) e -> h e d", "h": 2}]},
+            {"source": "b", "target": "b", "transpsoe": [1, 0]},
+            {"source": "c", "target": "c", "stack": {"group": 1, "oder": ["x"]}},
+        ],
+    }
+    with pytest.raises(ms.MappingError) as info:
+        parse_weight_map(data, "m.toml")
+    assert str(info.value).splitlines() == [
+        "invalid mapping file m.toml:",
+        "  m.toml:rulez",
+        "    problem: unknown top-level key 'rulez' (did you mean 'rules'?)",
+        "    hint: allowed: config, keep, rules, strict",
+        "  m.toml:rules[0].ops[0].rearange",
+        "    problem: unknown key 'rearange' (did you mean 'rearrange'?)",
+        "    hint: operations: rearrange, transpose, reshape, add, scale",
+        "  m.toml:rules[1].transpsoe",
+        "    problem: unknown key 'transpsoe' (did you mean 'transpose'?)",
+        "    hint: allowed: also, cast, concat, ops, reshape, skip, source, split, stack, target, "
+        "transpose, unstack, untied",
+        "  m.toml:rules[2].stack.oder",
+        "    problem: unknown key 'oder' (did you mean 'order'?)",
+        "    hint: allowed: group, axis, order",
+    ]
+
+
+def test_a_config_typo_is_reported_once_per_rule(tmp_path: Path) -> None:
+    t = {f"l.{i}.q": np.zeros((8, 3), np.float32) for i in range(5)}
+    path = _save(tmp_path / "m.safetensors", t)
+    wm = ms.WeightMap(
+        [ms.MapRule(r"l\.(\d+)\.q", "q/{1}", ops=[ms.Rearrange("(h d) e -> h e d", h="haeds")])],
+        config={"heads": 2},
+    )
+    with pytest.raises(ms.MappingError) as info:
+        ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert str(info.value).splitlines()[1:] == [
+        "  source:l.0.q float32[8, 3]",
+        "    problem: rearrange size 'haeds' is not in the mapping's config (did you mean "
+        "'heads'?) (rules[0])",
+        "    hint: add haeds = <size> to the config (the rule needs it for 4 more stored tensors)",
+    ]
+
+
+def test_the_dry_run_table_reads_as_words_in_target_order(tmp_path: Path) -> None:
+    t: dict[str, np.ndarray] = {
+        f"l.{i}.{n}": np.zeros((4, 2), np.float32) for i in range(11) for n in ("up", "gate")
+    }
+    t["rot.inv_freq"] = np.zeros(2, np.float32)
+    path = _save(tmp_path / "m.safetensors", t)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(r"l\.(\d+)\.(gate|up)", "wi/{1}", stack=ms.Stack(2, order=("gate", "up"))),
+            ms.MapRule(r".*inv_freq", None),
+        ]
+    )
+    res = ms.load_safetensors(path, mapping=wm, dry_run=True)
+    assert [r.target for r in res.rows] == [f"wi/{i}" for i in range(11)]  # numbers as numbers
+    assert res.summary() == (
+        "11 leaves mapped from 22 stored tensors, 0 kept (like's values), 1 stored tensor skipped"
+    )
+    row = next(ln for ln in str(res).splitlines() if "wi/10" in ln)
+    assert [c.strip() for c in row.split("│")[1:-1]] == [
+        "wi/10",
+        "[2, 4, 2]",
+        "float32",
+        "l.10.gate and 1 more",
+        "stack(group 2 = gate|up, axis 0)",
+    ]
+    assert "(+1)" not in str(res)
+    # with like: its flatten order
+    like = {f"wi/{i}": jax.ShapeDtypeStruct((2, 4, 2), np.float32) for i in range(11)}
+    res = ms.load_safetensors(path, like=like, mapping=wm, dry_run=True)
+    assert [r.target for r in res.rows] == sorted(like)  # jax flattens dicts by sorted key

@@ -59,10 +59,11 @@ of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,15 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             problems.append(Problem(src, at, f"{item!r} is not a table", hint=_OPS_HINT))
             continue
         kinds = [k for k in _OPS if k in item]
+        typos = [k for k in item if _close(k, _OPS)]
+        if not kinds and typos:  # { rearange = ... }: name the key, not "no operation"
+            for k in typos:
+                problems.append(
+                    Problem(
+                        src, f"{at}.{k}", _unknown(k, _OPS), hint="operations: " + ", ".join(_OPS)
+                    )
+                )
+            continue
         if len(kinds) != 1:
             what = "no operation" if not kinds else f"{len(kinds)} operations ({', '.join(kinds)})"
             problems.append(
@@ -124,7 +134,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
         extra = [k for k in item if k != kind]
         if kind != "rearrange" and extra:
             problems.append(
-                Problem(src, f"{at}.{extra[0]}", f"unknown key {extra[0]!r} for {kind}")
+                Problem(src, f"{at}.{extra[0]}", f"{_unknown(extra[0], _OPS)} for {kind}")
             )
             continue
         if kind == "rearrange":
@@ -154,6 +164,17 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
     return tuple(out) if len(out) == len(value) else None
 
 
+def _close(key: str, allowed: Iterable[str]) -> str | None:
+    got = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.75)
+    return got[0] if got and got[0] != key else None
+
+
+def _unknown(key: str, allowed: Iterable[str], what: str = "key") -> str:
+    """``unknown key 'rearange' (did you mean 'rearrange'?)``."""
+    close = _close(key, allowed)
+    return f"unknown {what} {key!r}" + (f" (did you mean {close!r}?)" if close else "")
+
+
 _OPS_HINT = 'e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]'
 
 
@@ -179,9 +200,7 @@ def _table(
     for k, v in value.items():
         if k not in keys:
             problems.append(
-                Problem(
-                    src, f"{where}.{k}", f"unknown key {k!r}", hint=f"allowed: {', '.join(keys)}"
-                )
+                Problem(src, f"{where}.{k}", _unknown(k, keys), hint=f"allowed: {', '.join(keys)}")
             )
         elif not isinstance(v, keys[k]) or isinstance(v, bool):
             problems.append(Problem(src, f"{where}.{k}", f"{v!r} has the wrong type"))
@@ -212,7 +231,7 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 Problem(
                     source,
                     k,
-                    f"unknown top-level key {k!r}",
+                    _unknown(k, _TOP, "top-level key"),
                     hint="allowed: " + ", ".join(sorted(_TOP)),
                 )
             )
@@ -254,7 +273,7 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                     Problem(
                         source,
                         f"{where}.{k}",
-                        f"unknown key {k!r}",
+                        _unknown(k, _RULE),
                         hint="allowed: " + ", ".join(sorted(_RULE)),
                     )
                 )

@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import difflib
 import math
+import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +30,7 @@ from .._text import literal
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,10 +379,10 @@ class MapRule:
             names = "|".join(self.split.names)
             parts.append(f"split(axis {self.split.axis} -> {{{self.split.key}}} = {names})")
         parts.extend(op.text() for op in rule_ops(self) if isinstance(op, Op))
-        if self.stack:
-            parts.append(f"stack(group {self.stack.group}, axis {self.stack.axis})")
-        if self.concat:
-            parts.append(f"concat(group {self.concat.group}, axis {self.concat.axis})")
+        for verb, join in (("stack", self.stack), ("concat", self.concat)):
+            if join is not None:
+                order = "" if join.order is None else " = " + "|".join(join.order)
+                parts.append(f"{verb}(group {join.group}{order}, axis {join.axis})")
         if self.cast:
             parts.append(f"cast({self.cast})")
         if self.also:
@@ -472,11 +476,20 @@ class WeightMap:
                     out.append((i, m))
         return out
 
-    def with_config(self, sizes: Mapping[str, int]) -> WeightMap:
-        """This mapping with ``sizes`` (a checkpoint's ``config.json``) under its own
-        ``config``: a name the mapping sets keeps its value."""
+    def with_config(self, sizes: Mapping[str, int], source: str = "config.json") -> WeightMap:
+        """This mapping with ``sizes`` (a checkpoint's ``config.json``, read from
+        ``source``) under its own ``config``: a name the mapping sets keeps its value, with
+        a warning naming both values where ``sizes`` says otherwise."""
         if not sizes:
             return self
+        for name, value in self.config.items():
+            if name in sizes and sizes[name] != value:
+                warnings.warn(
+                    f"the mapping's config sets {name} = {value}, but {source} has "
+                    f"{name} = {sizes[name]}; using the mapping's {value} (remove {name} "
+                    f"from the mapping's config to take {source}'s)",
+                    skip_file_prefixes=(_PACKAGE,),  # points at the caller's line
+                )
         out = copy.copy(self)
         out.config = {**sizes, **self.config}
         return out
@@ -756,7 +769,8 @@ class Resolution:
         recipes: target path -> the recipe computing it.
         kept: target paths with no stored tensor that keep ``like``'s values.
         skipped: stored tensors skipped by a rule.
-        rows: the mapping table, in target order.
+        rows: the mapping table: in the target's flatten order (``like``'s leaves), or
+            without a target sorted by target path, numbers as numbers.
         also: target paths filled by an ``also`` rule -> that rule's index.
     """
 
@@ -770,17 +784,13 @@ class Resolution:
         """The mapping table as a ``rich.table.Table``."""
         from rich.table import Table
 
-        t = Table(
-            title="weight mapping",
-            caption=f"{len(self.recipes)} leaves mapped, {len(self.kept)} kept, "
-            f"{len(self.skipped)} stored tensors skipped",
-        )
+        t = Table(title="weight mapping", caption=self.summary())
         for col in ("target", "shape", "dtype", "from", "transforms"):
             t.add_column(col)
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
             src = ", ".join(r.sources[:1]) + (
-                f" (+{len(r.sources) - 1})" if len(r.sources) > 1 else ""
+                f" and {len(r.sources) - 1} more" if len(r.sources) > 1 else ""
             )
             shape = "-" if r.shape is None else str(list(r.shape))
             t.add_row(
@@ -791,8 +801,19 @@ class Resolution:
                 literal(r.how),
             )
         if len(rows) < len(self.rows):
-            t.add_row(f"... {len(self.rows) - len(rows)} more", "", "", "", "")
+            t.add_row(
+                f"... {_count(len(self.rows) - len(rows), 'more leaf', 'more leaves')}", *[""] * 4
+            )
         return t
+
+    def summary(self) -> str:
+        """One line: leaves mapped from how many stored tensors, kept, skipped."""
+        read = len({n for r in self.rows for n in r.sources})
+        return (
+            f"{_count(len(self.recipes), 'leaf', 'leaves')} mapped from "
+            f"{_count(read, 'stored tensor')}, {len(self.kept)} kept (like's values), "
+            f"{_count(len(self.skipped), 'stored tensor')} skipped"
+        )
 
     def __str__(self) -> str:
         import io
@@ -995,17 +1016,8 @@ def resolve(
 
     if mapping.strict:
         for i, rule in enumerate(mapping.rules):
-            if i not in used:
-                problems.append(
-                    Problem(
-                        "mapping",
-                        f"rules[{i}]",
-                        f"source {rule.source!r} matched no stored tensor",
-                        hint="fix the regex (it must match the whole name), remove the rule, "
-                        "or pass strict=False",
-                        cause="a rule matched no stored tensor",
-                    )
-                )
+            if i not in used and rule.target is not None:  # skip: "ignore if present"
+                problems.append(_unused(mapping, i, sources))
 
     kept: list[str] = []
     rows: list[Row] = []
@@ -1084,11 +1096,81 @@ def resolve(
                         )
                     )
     else:
-        rows = [_row(p, n, mapping.rules[i]) for p, (n, i, _) in made.items()]
+        rows = [_row(p, made[p][0], mapping.rules[made[p][1]]) for p in sorted(made, key=_natural)]
     if problems:
+        problems = _once_per_rule(problems)
         raise MappingError(problems, header=_header(problems))
     also = {p: i for p, (_, i, _) in made.items() if mapping.rules[i].also}
     return Resolution({p: n for p, (n, _, _) in made.items()}, kept, skipped, rows, also)
+
+
+_NO_SIZE = "a size the mapping's config lacks"
+
+
+def _once_per_rule(problems: list[Problem]) -> list[Problem]:
+    """A size missing from the config is one problem of its rule, not one per stored
+    tensor: the first tensor's is kept, its hint counting the others."""
+    first: dict[str, int] = {}
+    more: dict[str, int] = {}
+    out: list[Problem] = []
+    for p in problems:
+        if p.cause != _NO_SIZE:
+            out.append(p)
+        elif p.what in first:
+            more[p.what] = more.get(p.what, 0) + 1
+        else:
+            first[p.what] = len(out)
+            out.append(p)
+    for what, n in more.items():
+        j = first[what]
+        out[j] = dataclasses.replace(
+            out[j], hint=f"{out[j].hint} (the rule needs it for {_count(n, 'more stored tensor')})"
+        )
+    return out
+
+
+def _unused(mapping: WeightMap, i: int, sources: Iterable[str]) -> Problem:
+    """The problem of rule ``i``, which no stored tensor took: its regex matches none, or
+    earlier rules took every tensor it matches (first match wins)."""
+    rule, pattern = mapping.rules[i], mapping._compiled[i]
+    taken: dict[int, int] = {}
+    for name in sources:
+        hit = mapping.match(name) if pattern is not None and pattern.fullmatch(name) else None
+        if hit is not None:
+            taken[hit[0]] = taken.get(hit[0], 0) + 1
+    if not taken:
+        return Problem(
+            "mapping",
+            f"rules[{i}]",
+            f"source {rule.source!r} matched no stored tensor",
+            hint="fix the regex (it must match the whole name), remove the rule, "
+            "or pass strict=False",
+            cause="a rule matched no stored tensor",
+        )
+    n = sum(taken.values())
+    by = ", ".join(
+        f"rules[{j}] ({mapping.rules[j].source!r}{', skip' if mapping.rules[j].target is None else ''})"
+        for j in sorted(taken)
+    )
+    return Problem(
+        "mapping",
+        f"rules[{i}]",
+        f"source {rule.source!r} matches {_count(n, 'stored tensor')}, but "
+        f"{'it was' if n == 1 else 'all were'} taken by an earlier rule: {by} (first match "
+        "wins)",
+        hint=f"move rules[{i}] before {'it' if len(taken) == 1 else 'them'}, narrow the "
+        "earlier regex, or give this rule also=True to fill its leaf in addition",
+        cause="a rule was shadowed by an earlier rule",
+    )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _natural(path: str) -> list[tuple[int, int | str]]:
+    """A sort key reading numbers as numbers (``layers/2`` before ``layers/10``)."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p]
 
 
 def _row(path: str, node: T.Node, rule: MapRule) -> Row:
@@ -1339,16 +1421,17 @@ def _sizes(
     for e in entries:
         if isinstance(e, str):
             if e not in mapping.config:
-                problems.append(
-                    _bad(
-                        name,
-                        node,
-                        f"{what} {e!r} is not in the mapping's config "
-                        f"({', '.join(sorted(mapping.config)) or 'empty'})",
-                        i,
-                        hint=f"add {e} = <size> to the config",
-                    )
+                close = difflib.get_close_matches(e, list(mapping.config), n=1, cutoff=0.8)
+                known = f"did you mean {close[0]!r}?" if close else None
+                problem = _bad(
+                    name,
+                    node,
+                    f"{what} {e!r} is not in the mapping's config "
+                    f"({known or ', '.join(sorted(mapping.config)) or 'empty'})",
+                    i,
+                    hint=f"add {e} = <size> to the config",
                 )
+                problems.append(dataclasses.replace(problem, cause=_NO_SIZE))
                 return None
             sizes.append(int(mapping.config[e]))
         else:
