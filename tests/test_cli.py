@@ -838,3 +838,20 @@ def test_rules_file_problems_get_toml_fixes(ckpt, tmp_path, capsys):
         "      Rules:rule 1",
         "All 13 problems, each in full: the same command with --json.",
     ]
+
+
+def test_printed_lines_show_paths_literally(ckpt, tmp_path, capsys):
+    """'wrote ...' lines of reshard and convert print the path as it is, ``[red]`` included,
+    on one line."""
+    from safetensors.numpy import save_file
+
+    dst = tmp_path / "[red]out[/red]"
+    assert main(["reshard", str(ckpt), str(dst), "--mesh", "data=8"]) == 0
+    assert capsys.readouterr().out == f"wrote {dst}: 19 leaves, 11.01 KiB, mesh data=8\n"
+    st = tmp_path / "model.safetensors"
+    save_file({"norm.weight": np.ones(16, np.float32), "l.0.up.weight": np.ones((24, 16))}, str(st))
+    (tmp_path / "map.toml").write_text(CONVERT_MAP)
+    conv = tmp_path / "[bold]conv"
+    argv = ["convert", str(st), str(conv), "--mapping", str(tmp_path / "map.toml")]
+    assert main([*argv, "--mesh", "data=8"]) == 0
+    assert capsys.readouterr().out == f"wrote {conv}: 2 leaves, 3.06 KiB, mesh data=8\n"

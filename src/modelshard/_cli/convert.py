@@ -16,7 +16,7 @@ from .args import (
     positive_int,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit, progress_bar
+from .output import console, emit, progress_bar, say
 
 
 def add_parser(sub: Any) -> None:
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             },
         )
     else:
-        console().print(
+        say(
             f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh "
             + ", ".join(f"{k}={v}" for k, v in sizes.items())
         )
@@ -265,5 +265,5 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     if args.json:
         emit(args, {"source": args.source, "destination": str(dest), "bytes": nbytes})
     else:
-        console().print(f"wrote {dest}: {format_bytes(nbytes)}")
+        say(f"wrote {dest}: {format_bytes(nbytes)}")
     return 0
