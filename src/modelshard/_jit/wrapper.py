@@ -2,10 +2,11 @@
 
 The first call with a new abstract signature (structure, shapes, dtypes, static leaves and
 static arguments) plans every argument through ``expand_args``,
-traces the function once to learn its output, and builds a ``jax.jit`` over the flat array
-leaves with ``in_shardings``/``out_shardings`` and donation mapped onto those leaves. Every
-later call only flattens its arguments, looks the signature up and calls the compiled
-function: no regex, no validation.
+traces the function once to learn its output, builds a ``jax.jit`` over the flat array
+leaves with ``in_shardings``/``out_shardings`` and donation mapped onto those leaves, and
+compiles that trace ahead of time (one XLA compilation, whatever the inputs' placement).
+Every later call only flattens its arguments, looks the signature up and calls the
+compiled executable: no regex, no validation.
 """
 
 from __future__ import annotations
@@ -444,6 +445,11 @@ def shard_jit(
     arrays, arrays committed to one device, or arrays sharded another way. With
     ``on_mismatch="raise"``, a committed array whose sharding differs from the plan raises
     [`ShardingMismatchError`][modelshard.ShardingMismatchError] naming the leaf and both shardings instead.
+
+    Each signature (structure, shapes, dtypes, static values, mesh, logical rules) is
+    compiled once, by one XLA compilation, whatever its inputs are: NumPy arrays, unplaced
+    or placed arrays and the step's own outputs fed back all run the same executable
+    ([`cache_size`][modelshard.ShardJit.cache_size] counts them).
 
     Args:
         fn: the function.
