@@ -855,3 +855,13 @@ def test_printed_lines_show_paths_literally(ckpt, tmp_path, capsys):
     argv = ["convert", str(st), str(conv), "--mapping", str(tmp_path / "map.toml")]
     assert main([*argv, "--mesh", "data=8"]) == 0
     assert capsys.readouterr().out == f"wrote {conv}: 2 leaves, 3.06 KiB, mesh data=8\n"
+
+
+def test_inspect_of_a_manager_step_names_its_items_and_metrics(tmp_path, capsys):
+    with ms.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(2, {"w": jnp.ones((8, 2))}, items={"data": {"pos": 2}}, metrics={"loss": 0.5})
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "items: data (CheckpointManager.items; --json shows them)",
+        "metrics: loss=0.5",
+    ]

@@ -116,6 +116,13 @@ def run(args: argparse.Namespace) -> int:
     console().print(table)
     if rec.versions:
         say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
+    from .._checkpoint import extras_json
+
+    extras = extras_json(source.path)  # a manager step's items and metrics, beside the arrays
+    if extras.get("items"):
+        say(f"items: {', '.join(extras['items'])} (CheckpointManager.items; --json shows them)")
+    if extras.get("metrics"):
+        say("metrics: " + ", ".join(f"{k}={v}" for k, v in extras["metrics"].items()))
     return 0
 
 
