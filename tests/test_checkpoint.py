@@ -621,3 +621,22 @@ def test_the_first_save_of_a_small_state_compiles_nothing(tmp_path, mesh8):
         jax.monitoring.unregister_event_duration_listener(listen)
     assert names == []
     assert_same_values(ms.restore(path, like=state), state)
+
+
+def test_a_replicated_leaf_is_checksummed_on_one_replica(mesh24):
+    """A leaf replicated over some mesh axes is summed on one replica of each shard (the
+    same buffers, nothing copied): a restore onto P(None, "model") on (2, 4) summed every
+    column block twice. The checksum is the leaf's, whatever the layout."""
+    from modelshard._checkpoint.checksum import checksums, one_replica
+
+    x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
+    want = checksums([x], host_max_elements=0)
+    for spec, devices in ((P(), 1), (P(None, "model"), 4), (P("data"), 2), (P("data", "model"), 8)):
+        y = jax.device_put(x, NamedSharding(mesh24, spec))
+        one = one_replica(y)
+        assert len(one.sharding.device_set) == devices, spec
+        mine = {s.device: s.data.unsafe_buffer_pointer() for s in y.addressable_shards}
+        assert all(s.data.unsafe_buffer_pointer() == mine[s.device] for s in one.addressable_shards)
+        assert checksums([y], host_max_elements=0) == want, spec
+        abstract = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=y.sharding)
+        assert one_replica(abstract).sharding == one.sharding

@@ -10,6 +10,7 @@ numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
@@ -18,6 +19,8 @@ from typing import Any, Generic, Protocol, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .._mesh import is_abstract
 
 CHECKSUM = "fmix32x2"
 
@@ -230,6 +233,57 @@ def _addressable(x: Any) -> bool:
     return x.is_fully_addressable if isinstance(x, jax.Array) else True
 
 
+@functools.cache
+def _replica_sharding(mesh: Any, spec: Any) -> Any:
+    """The sharding of one replica of an array laid out by ``NamedSharding(mesh, spec)``:
+    ``spec`` on the sub-mesh of the axes it shards over (index 0 along the others), or
+    one device for a replicated spec; None where ``spec`` uses every axis (no replicas)."""
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+    used = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            used.add(entry)
+        elif isinstance(entry, tuple):
+            used.update(a for a in entry if isinstance(a, str))
+        elif entry is not None:
+            return None  # UNCONSTRAINED and the like: left as it is
+    names = tuple(mesh.axis_names)
+    if used >= set(names):
+        return None
+    if not used:
+        return SingleDeviceSharding(mesh.devices.flat[0])
+    devices = mesh.devices[tuple(slice(None) if n in used else 0 for n in names)]
+    types = tuple(t for n, t in zip(names, mesh.axis_types, strict=True) if n in used)
+    sub = Mesh(devices, tuple(n for n in names if n in used), axis_types=types)
+    return NamedSharding(sub, spec)
+
+
+def one_replica(x: Any) -> Any:
+    """``x`` on the devices of one replica of each of its shards (the same buffers, nothing
+    copied; a sharded abstract array: its sharding so), or ``x`` itself where it has no
+    replicas or is not all on this process. A device checksum of a leaf replicated over
+    some mesh axes would otherwise sum every replica (twice the work on a (2, 4) mesh for
+    ``P(None, "model")``), one program per device."""
+    from jax.sharding import NamedSharding
+
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, NamedSharding) or not _addressable(x) or is_abstract(s.mesh):
+        return x
+    try:
+        sub = _replica_sharding(s.mesh, s.spec)
+    except (TypeError, ValueError):
+        return x
+    if sub is None:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sub)
+    by_device = {shard.device: shard.data for shard in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sub, [by_device[d] for d in sub.addressable_devices]
+    )
+
+
 def _program(x: Any) -> tuple[Any, ...]:
     """What one compiled checksum program is specialised on."""
     return (tuple(x.shape), np.dtype(x.dtype).str, getattr(x, "sharding", None))
@@ -257,7 +311,7 @@ def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
         key = _program(t)
         if key not in seen and not host:
             seen.add(key)
-            _checksum_jit.lower(t).compile()
+            _checksum_jit.lower(one_replica(t)).compile()
 
 
 def checksums(
@@ -321,7 +375,7 @@ class Checksums(Generic[K]):
             return _shard_checksum(x)
         if self._small[key]:
             return _np_checksum(np.asarray(x))
-        return _checksum_jit(x)
+        return _checksum_jit(one_replica(x))
 
     def add(self, key: K, x: jax.Array) -> None:
         """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
