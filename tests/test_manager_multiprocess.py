@@ -189,3 +189,17 @@ def test_a_peer_killed_while_saving_every_step_stops_the_survivor(tmp_path):
 @pytest.mark.slow
 def test_the_coordinator_process_killed_while_saving_stops_the_survivor(tmp_path):
     killed_while_saving(tmp_path, victim=0)
+
+
+def test_a_save_failing_on_one_process_fails_on_every_process(tmp_path):
+    """Process 1's part of step 3 fails (an injected OSError once it is written): the next
+    save raises on both processes, the same error, naming the process, and neither hangs."""
+    root, out = tmp_path / "run", tmp_path
+    codes, outputs, _ = by_environment(root, out, "--steps", "8", "--fail-after", "3")
+    assert codes == [0, 0], outputs
+    errors = [json.loads((out / f"result_{i}.json").read_text())["error"] for i in range(2)]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        f"step 3 was not saved to {root}: process 1: OSError: disk quota exceeded (injected). "
+        "Steps on disk: "
+    ), errors[0]

@@ -7,6 +7,9 @@ restored and compared with the expected values; ``OUT/result_<process>.json`` sa
 each process saw. With ``--kill-at K`` process P (default 1) writes ``OUT/killed`` and SIGKILLs
 itself right after ``save(K, ...)`` returns (its step K is then being written in the
 background); the other process carries on and must fail with an error instead of hanging.
+With ``--fail-after K`` process 1's Orbax reports a failure (an injected ``OSError``) when
+its part of step K has been written; both processes must raise the same error from the next
+``save``, which they record in their result (and stop there).
 """
 
 from __future__ import annotations
@@ -44,17 +47,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--fail-after", type=int, default=None)
     args = ap.parse_args()
     me = jax.process_index()
     mesh = ms.make_mesh({"data": 2, "model": 4})
     state = ms.shard(initial(), SPECS, mesh)
     add_one = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))
     mngr = ms.CheckpointManager(args.root, max_to_keep=3)
+    failing: list[bool] = []
+    if args.fail_after is not None and me == 1:
+        import orbax.checkpoint as ocp
+
+        real_wait = ocp.AsyncCheckpointer.wait_until_finished
+
+        def wait(self):
+            real_wait(self)
+            if failing:  # once
+                failing.clear()
+                raise OSError("disk quota exceeded (injected)")
+
+        ocp.AsyncCheckpointer.wait_until_finished = wait
     t0 = time.monotonic()
+    error = None
     for step in range(args.steps):
         state = add_one(state)
-        mngr.save(step, state)
+        try:
+            mngr.save(step, state)
+        except ms.CheckpointError as e:
+            error = str(e)
+            break
         print(f"saved {step}", flush=True)
+        if step == args.fail_after and me == 1:
+            failing.append(True)
         if args.kill_at == step and me == args.victim:
             with open(os.path.join(args.out, "killed"), "w") as f:
                 f.write(str(time.time()))
@@ -71,7 +95,7 @@ def main() -> None:
         for sh in x.addressable_shards
     )
     with open(os.path.join(args.out, f"result_{me}.json"), "w") as f:
-        json.dump({"steps": steps, "bit_exact": exact, "seconds": seconds}, f)
+        json.dump({"steps": steps, "bit_exact": exact, "seconds": seconds, "error": error}, f)
     ms.distributed.barrier("done")
 
 

@@ -662,7 +662,7 @@ class CheckpointManager:
         ended = gather(how, "modelshard:manager:finished")
         failed = [(p, h) for p, h in enumerate(ended) if h is not None]
         if failed:
-            steps = complete_steps(self.directory)
+            steps = self._agreed_steps()  # every process raises the same text
             where = "" if len(ended) == 1 else f"process {failed[0][0]}: "
             raise CheckpointError(
                 f"step {step} was not saved to {self.directory}: {where}{failed[0][1]}. "
