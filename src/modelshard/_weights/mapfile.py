@@ -3,6 +3,7 @@
 The format (documented in ``docs/concepts/mapping.md``)::
 
     strict = true                      # optional: a rule matching nothing is an error
+                                       # (skip rules excepted: they ignore what is there)
     keep = ["lora", "^head/"]          # target leaves that may keep like's values
 
     [config]                           # sizes named in reshape

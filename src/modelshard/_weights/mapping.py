@@ -321,7 +321,8 @@ class MapRule:
     Attributes:
         source: regex matched against the whole stored name (``re.fullmatch``).
         target: the target path template (``layers/{1}/attn/q/kernel``); ``None`` skips
-            the matched tensors (rotary caches, tied copies).
+            the matched tensors (rotary caches, tied copies), if any: a skip rule that
+            matches nothing is no error, even under ``strict``.
         transpose: a permutation of the axes (``(1, 0)``: PyTorch's ``[out, in]`` linear
             weight to a JAX ``[in, out]`` kernel).
         reshape: the new shape: ints, ``-1`` (inferred), or names looked up in the
@@ -406,8 +407,10 @@ class WeightMap:
             (``{"heads": 32, "head_dim": 128}``). Loading from a directory with a
             ``config.json`` (Hugging Face's) adds its integer entries
             (``num_attention_heads``, ``head_dim``; ``text_config.head_dim`` for a
-            nested one) under these: a name given here wins.
-        strict: a rule (or ``keep`` pattern) that matches nothing is an error.
+            nested one) under these: a name given here wins, with a warning where
+            ``config.json`` says otherwise.
+        strict: a rule (or ``keep`` pattern) that matches nothing is an error; a skip
+            rule (target ``None``) never is: it ignores the tensors that are there.
 
     Raises:
         MappingError: a rule is malformed (bad regex, a template naming a group the regex
