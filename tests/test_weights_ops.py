@@ -819,11 +819,24 @@ def test_the_llama_files_load_a_checkpoint_without_inv_freq_and_reload_their_exp
     exported = load_file(str(out))
     assert sorted(exported) == sorted(k for k in t if "inv_freq" not in k)
     again = ms.load_safetensors(out, mapping=mapping)  # no inv_freq now: still loads
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        got = again
-        for key in path:
-            got = got[key.key]  # type: ignore[attr-defined]
-        assert np.asarray(got).tobytes() == np.asarray(leaf).tobytes()
+    assert _same_leaves(again, params)
+    if name == "hf_llama_tied.toml":  # untied: lm_head.weight written, read by hf_llama.toml
+        untied = ms.save_safetensors(
+            tmp_path / "untied.safetensors", params, reference=src, mapping=mapping, untie=True
+        )
+        assert "lm_head.weight" in load_file(str(untied))
+        plain = ROOT / "examples" / "mappings" / "hf_llama.toml"
+        assert _same_leaves(ms.load_safetensors(untied, mapping=plain), params)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    """The same paths, each leaf bit for bit."""
+    fa, fb = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (a, b))
+    return (
+        len(fa) > 0
+        and fa.keys() == fb.keys()
+        and all(np.asarray(fa[k]).tobytes() == np.asarray(fb[k]).tobytes() for k in fa)
+    )
 
 
 def test_one_llama_file_serves_every_size_from_config_json(tmp_path: Path) -> None:
