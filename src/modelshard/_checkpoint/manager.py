@@ -650,6 +650,7 @@ class CheckpointManager:
         """
         step, self._pending = self._pending, None
         if step is None:
+            self._purge_rotated()  # process 0 alone, on its disk: no waiting
             return
         guard.pending_changed()
         failure: BaseException | None = None
