@@ -373,7 +373,161 @@ def test_rules_file_that_is_not_utf8(ckpt, tmp_path, capsys):
     assert "Traceback" not in err and "not UTF-8 text (byte 24)" in err
     missing = tmp_path / "missing.toml"
     assert main(["plan", str(ckpt), "--mesh", "data=2", "--rules", str(missing)]) == 1
-    assert "cannot read the rules file: No such file or directory" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        f"modelshard plan: error: {missing}: No such file or directory\n"
+    )
+
+
+def test_a_missing_rules_file_is_the_os_error_kind_with_errno(ckpt, tmp_path, capsys):
+    """A file the user named that is not there: FileNotFoundError with errno 2, as every
+    file-system error on the user's paths, with and without --json."""
+    for cmd in (
+        ["plan", str(ckpt), "--mesh", "data=2"],
+        ["reshard", str(ckpt), str(tmp_path / "r"), "--mesh", "data=2"],
+        ["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "c"), "--mesh", "data=2"],
+    ):
+        if cmd[0] == "convert":
+            from safetensors.numpy import save_file
+
+            save_file({"w": np.ones(4, np.float32)}, cmd[1])
+        assert main([*cmd, "--rules", "nofile.toml", "--json"]) == 1
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert error == {
+            "type": "FileNotFoundError",
+            "message": "nofile.toml: No such file or directory",
+            "errno": 2,
+        }
+        assert main([*cmd, "--rules", "nofile.toml"]) == 1
+        assert capsys.readouterr().err == (
+            f"modelshard {cmd[0]}: error: nofile.toml: No such file or directory\n"
+        )
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_unwritable_destination_names_what_the_user_typed(ckpt, tmp_path, capsys):
+    """A destination whose parent takes no new files (/proc): the error names DST as typed
+    (never the writer's temporary file beside it), says why, and hints what to do."""
+    from safetensors.numpy import save_file
+
+    st = tmp_path / "m.safetensors"
+    save_file({"w": np.ones(4, np.float32)}, str(st))
+    for cmd, dest in (
+        (["reshard", str(ckpt), "/proc/x", "--mesh", "data=2"], "/proc/x"),
+        (["convert", str(st), "/proc/y", "--mesh", "data=2"], "/proc/y"),
+        (
+            ["convert", str(ckpt), "/proc/z.safetensors", "--to", "safetensors"],
+            "/proc/z.safetensors",
+        ),
+    ):
+        says = (
+            f"{dest}: cannot be written: its parent directory /proc does not take new files: "
+            "No such file or directory (choose a destination in a directory you can write)"
+        )
+        assert main(cmd) == 1
+        assert capsys.readouterr().err == f"modelshard {cmd[0]}: error: {says}\n"
+        assert main([*cmd, "--json"]) == 1
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert error == {"type": "FileNotFoundError", "message": says, "errno": 2}
+
+
+def test_convert_to_safetensors_refuses_to_replace_without_overwrite(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    """convert --to safetensors replaces an existing file (or sharded layout) only with
+    --overwrite, as reshard and the other direction do; its JSON says what it wrote, with
+    absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["convert", str(ckpt), "out.safetensors", "--to", "safetensors"]
+    assert main([*argv, "--json"]) == 0
+    out = tmp_path / "out.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(out), "np") as f:
+        written = len(list(f.keys()))  # the tensors in the file (not the RNG key leaf)
+    assert written == 18
+    assert json.loads(capsys.readouterr().out) == {
+        "schema": 1,
+        "command": "convert",
+        "ok": True,
+        "source": str(ckpt),
+        "step": None,
+        "destination": str(out),
+        "leaves": written,
+        "files": [str(out)],
+        "bytes": out.stat().st_size,
+    }
+    before = out.read_bytes()
+    assert main(argv) == 1
+    assert capsys.readouterr().err == (
+        "modelshard convert: error: out.safetensors already exists; pass --overwrite to replace "
+        "it\n"
+    )
+    assert main([*argv, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"] == {
+        "type": "CheckpointError",
+        "message": "out.safetensors already exists; pass --overwrite to replace it",
+    }
+    assert out.read_bytes() == before
+    assert main([*argv, "--overwrite"]) == 0
+    assert (
+        capsys.readouterr().out
+        == f"wrote out.safetensors: 18 tensors, {out.stat().st_size / 1024:.2f} KiB\n"
+    )
+    # the sharded layout: an index or shards of that name in DST are refused too
+    sharded = ["convert", str(ckpt), "hf", "--to", "safetensors", "--max-shard-size", "4KB"]
+    assert main([*sharded, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1 and doc["files"] == [str(f) for f in shards]
+    assert doc["destination"] == str(tmp_path / "hf" / "model.safetensors.index.json")
+    assert doc["bytes"] == sum(f.stat().st_size for f in shards) and doc["leaves"] == written
+    assert main(sharded) == 1
+    assert capsys.readouterr().err == (
+        "modelshard convert: error: hf (model-00001-of-00003.safetensors) already exists; pass "
+        "--overwrite to replace it\n"
+    )
+    assert main([*sharded, "--overwrite"]) == 0
+
+
+def test_convert_json_paths_are_absolute_and_dry_run_transforms_null(tmp_path, capsys, monkeypatch):
+    from safetensors.numpy import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file(
+        {"norm.weight": np.ones(16, np.float32), "l.0.up.weight": np.ones((24, 16), np.float32)},
+        "model.safetensors",
+    )
+    Path("map.toml").write_text(CONVERT_MAP)
+    argv = ["convert", "model.safetensors", "ck", "--mapping", "map.toml", "--json"]
+    assert main([*argv, "--dry-run"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source"] == str(tmp_path / "model.safetensors")
+    assert [(r["target"], r["transforms"]) for r in doc["rows"]] == [
+        ("layers/0/up/kernel", "transpose(1, 0)"),
+        ("norm/scale", None),
+    ]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["source"], doc["destination"]) == (
+        str(tmp_path / "model.safetensors"),
+        str(tmp_path / "ck"),
+    )
+    assert (doc["mesh"], doc["leaves"], doc["bytes"]) == ({"data": 1}, 2, 24 * 16 * 4 + 64)
+
+
+def test_a_manager_root_is_said_on_stderr_with_json_too(tmp_path, capsys):
+    """stderr carries the human line on a manager's root in both modes; stdout with
+    --json is the JSON alone, whose step says the same."""
+    root = tmp_path / "run"
+    with ms.CheckpointManager(root) as mngr:
+        mngr.save(3, {"w": jnp.ones((8, 2))})
+    line = f"{root} is a CheckpointManager directory: using its latest complete step 3 ({root / '3'})\n"
+    for cmd in (["inspect", str(root)], ["plan", str(root), "--mesh", "data=2"]):
+        assert main(cmd) == 0
+        assert capsys.readouterr().err == line
+        assert main([*cmd, "--json"]) == 0
+        captured = capsys.readouterr()
+        assert captured.err == line and json.loads(captured.out)["step"] == 3
 
 
 def test_inspect_a_regular_file(tmp_path, capsys):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,6 +48,7 @@ from jax.sharding import PartitionSpec
 from ._errors import Problem, SpecError
 from ._specs import TOML_NONE as NONE
 from ._specs import Rules
+from ._text import quote_pattern
 
 _TOP = {"strict", "rules", "logical"}
 _RULE = {"pattern", "spec"}
@@ -134,6 +136,18 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
                 )
             )
             continue
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.pattern",
+                    f"{quote_pattern(pattern)} is not a valid regular expression: {e}",
+                    hint="write a Python regular expression, in single quotes (a TOML "
+                    r"literal string, backslashes kept as written): pattern = 'norm\d?/weight$'",
+                )
+            )
         entries = [_entry(e, f"{where}.spec[{j}]", problems, source) for j, e in enumerate(spec)]
         rules.append((pattern, PartitionSpec(*entries)))
     logical: Any = None
@@ -186,8 +200,9 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         The rules it describes; [`Rules.to_toml`][modelshard.Rules.to_toml] writes one back.
 
     Raises:
-        SpecError: the file is missing, is not valid TOML, or does not describe Rules
-            (every problem listed).
+        OSError: the file cannot be read (``FileNotFoundError`` when it is missing).
+        SpecError: the file is not UTF-8 or not valid TOML, or does not describe Rules
+            (every problem listed, invalid regular expressions included).
 
     Example:
         >>> import pathlib, tempfile
@@ -198,13 +213,8 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         Rules([('kernel$', P(None, 'model'))], strict=True)
     """
     p = Path(path)
-    try:
+    try:  # a missing or unreadable file: the OSError itself (FileNotFoundError, ...)
         text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecError(
-            [Problem(str(p), "", f"cannot read the rules file: {e.strerror or e}")],
-            header=f"invalid rules file {p}:",
-        ) from e
     except UnicodeDecodeError as e:
         raise SpecError(
             [Problem(str(p), "", f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
@@ -213,7 +223,15 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        hint = None
+        if "escape" in str(e).lower() or "\\" in str(e):
+            hint = (
+                "in a double-quoted TOML string a backslash starts an escape (\\n, \\t, "
+                "\\\\; \\d and \\. are none): write regular expressions in single quotes, "
+                "pattern = 'norm\\d?$' (a TOML literal string, backslashes kept as written)"
+            )
         raise SpecError(
-            [Problem(str(p), "", f"not valid TOML: {e}")], header=f"invalid rules file {p}:"
+            [Problem(str(p), "", f"not valid TOML: {e}", hint=hint)],
+            header=f"invalid rules file {p}:",
         ) from e
     return dataclasses.replace(parse_rules(data, str(p)), file=str(p))

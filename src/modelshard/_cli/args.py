@@ -119,19 +119,19 @@ CKPT_HELP = (
 
 def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
     """A checkpoint directory as given, or, for a CheckpointManager's root, its latest
-    complete step's directory (said on stderr; ``args.step`` records it for --json)."""
+    complete step's directory (said on stderr, with --json too; ``args.step`` records it
+    for the JSON's ``step``)."""
     from .._checkpoint import manager_step
 
     path, step = manager_step(text)
     args.step = step
     if step is None:
         return text
-    if not args.json:
-        say(
-            f"{text} is a CheckpointManager directory: using its latest complete step "
-            f"{step} ({path})",
-            stderr=True,
-        )
+    # stderr carries human text with --json too (the JSON on stdout has "step")
+    say(
+        f"{text} is a CheckpointManager directory: using its latest complete step {step} ({path})",
+        stderr=True,
+    )
     return str(path)
 
 

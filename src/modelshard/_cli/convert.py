@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from .args import (
@@ -16,7 +18,7 @@ from .args import (
     positive_int,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit, progress_bar, say
+from .output import console, emit, progress_bar, say, writing
 
 
 def add_parser(sub: Any) -> None:
@@ -107,7 +109,10 @@ def add_parser(sub: Any) -> None:
         "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
     )
     c.add_argument(
-        "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it is a modelshard checkpoint (with --to safetensors: the "
+        "safetensors file, or the index and shards of that name)",
     )
     add_json(c)
     c.set_defaults(run=run)
@@ -157,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         table = load_safetensors(args.source, dry_run=True, **common)
         if args.json:
-            emit(args, {"source": args.source, "rows": [_row_json(r) for r in table.rows]})
+            rows = [_row_json(r) for r in table.rows]
+            emit(args, {"source": absolute(args.source), "rows": rows})
         else:
             console().print(table.table(max_rows=args.max_rows))
         return 0
@@ -169,22 +175,26 @@ def run(args: argparse.Namespace) -> int:
         _, leaves = mapped_leaves(files, **common)
         with progress_bar(args, "converting") as progress:
             task = progress.add_task("converting", total=None)
-            stream.write_stream(
-                args.destination,
-                [stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
-                mesh=mesh,
-                overwrite=args.overwrite,
-                slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
+            with writing(args.destination):
+                stream.write_stream(
+                    args.destination,
+                    [
+                        stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec)
+                        for x in leaves
+                    ],
+                    mesh=mesh,
+                    overwrite=args.overwrite,
+                    slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
+                    progress=lambda done, total: progress.update(task, completed=done, total=total),
+                )
     dest = args.destination
     nbytes = sum(x.nbytes for x in leaves)
     if args.json:
         emit(
             args,
             {
-                "source": args.source,
-                "destination": str(dest),
+                "source": absolute(args.source),
+                "destination": absolute(dest),
                 "mesh": sizes,
                 "leaves": len(leaves),
                 "bytes": nbytes,
@@ -204,11 +214,18 @@ def _index_files(index: Any) -> list[Any]:
     return [index.parent / f for f in json.loads(index.read_text())["weight_map"].values()]
 
 
+def absolute(path: Any) -> str:
+    """A local path made absolute for ``--json``; an ``hf://`` repository as given."""
+    text = str(path)
+    return text if text.startswith("hf://") else os.path.abspath(text)
+
+
 def _row_json(r: Any) -> dict[str, Any]:
+    # the table's "-" means "no transform": JSON says null, else the text as printed
     return {
         "target": r.target,
         "sources": list(r.sources),
-        "transforms": r.how,
+        "transforms": None if r.how == "-" else r.how,
         "shape": None if r.shape is None else list(r.shape),
         "dtype": r.dtype,
     }
@@ -232,8 +249,10 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
         )
+    _refuse_existing(args)
     mapped = importlib.import_module("modelshard._checkpoint.mapped")
-    targets, load = mapped.host_leaves(locate(checkpoint_arg(args, args.source)))
+    source = locate(checkpoint_arg(args, args.source))
+    targets, load = mapped.host_leaves(source)
     if args.reference is None:  # every leaf under its path, '/' written as '.'
         import jax
 
@@ -252,18 +271,60 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
     with progress_bar(args, "writing") as progress:
         task = progress.add_task("writing", total=None)
-        dest = write_export(
-            args.destination,
-            items,
-            ex.compute,
-            meta,
-            max_shard_size=args.max_shard_size,
-            progress=lambda done, total: progress.update(task, completed=done, total=total),
-        )
+        with writing(args.destination):
+            dest = write_export(
+                args.destination,
+                items,
+                ex.compute,
+                meta,
+                max_shard_size=args.max_shard_size,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
     files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
     nbytes = sum(f.stat().st_size for f in files)
     if args.json:
-        emit(args, {"source": args.source, "destination": str(dest), "bytes": nbytes})
+        emit(
+            args,
+            {
+                "source": absolute(source.path),
+                "step": args.step,
+                "destination": absolute(dest),
+                "leaves": len(items),
+                "files": [absolute(f) for f in files],
+                "bytes": nbytes,
+            },
+        )
     else:
-        say(f"wrote {dest}: {format_bytes(nbytes)}")
+        n = len(files)
+        say(
+            f"wrote {dest}: {len(items)} tensors, {format_bytes(nbytes)}"
+            + (f" in {n} files" if n > 1 else "")
+        )
     return 0
+
+
+def _refuse_existing(args: argparse.Namespace) -> None:
+    """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
+    (``--max-shard-size``) the index, the lone file or shards of the same name."""
+    import re
+
+    from .._errors import CheckpointError
+    from .._weights.safetensors import sharded_names
+
+    if args.overwrite:
+        return
+    dest = Path(args.destination)
+    if args.max_shard_size is None:
+        there = [dest] if dest.exists() or dest.is_symlink() else []
+    else:
+        directory, stem = sharded_names(dest)
+        shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+        names = {f"{stem}.safetensors", f"{stem}.safetensors.index.json"}
+        there = (
+            sorted(f for f in directory.iterdir() if f.name in names or shard.fullmatch(f.name))
+            if directory.is_dir()
+            else []
+        )
+    if there:
+        what = str(there[0]) if there[0] == dest else f"{dest} ({there[0].name})"
+        raise CheckpointError(f"{what} already exists; pass --overwrite to replace it")

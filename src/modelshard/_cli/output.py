@@ -4,11 +4,13 @@ error turned into one line (or one JSON object) and an exit status."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 SCHEMA = 1
@@ -110,10 +112,40 @@ def tensorstore_os_error(e: BaseException) -> OSError | None:
     return OSError(n, os.strerror(n), file.group(1) if file else None)
 
 
+@contextlib.contextmanager
+def writing(destination: str | os.PathLike[str]) -> Iterator[None]:
+    """Within the block, an ``OSError`` on a file the writer creates beside ``destination``
+    (its temporary directory or ``.partial`` file) names ``destination`` as typed instead,
+    and says that its parent directory cannot be written."""
+    try:
+        yield
+    except OSError as e:
+        raise destination_error(e, destination) from e
+
+
+def destination_error(e: OSError, destination: str | os.PathLike[str]) -> OSError:
+    """``e`` on the user's ``destination`` when it names an internal file beside it."""
+    dest = os.fsdecode(destination)
+    if e.filename is None or not isinstance(e.filename, str | bytes | os.PathLike):
+        return e
+    file = os.path.abspath(os.fsdecode(e.filename))
+    parent = os.path.dirname(os.path.abspath(dest))
+    if file == os.path.abspath(dest) or os.path.dirname(file) != parent:
+        return e
+    out = type(e)(
+        e.errno,
+        f"cannot be written: its parent directory {parent} does not take new files: "
+        f"{e.strerror or e}",
+        dest,
+    )
+    out.hint = "choose a destination in a directory you can write"  # type: ignore[attr-defined]
+    return out
+
+
 def os_message(e: OSError) -> str:
     where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
     what = e.strerror or str(e)
-    hint = OS_HINTS.get(e.errno or -1)
+    hint = getattr(e, "hint", None) or OS_HINTS.get(e.errno or -1)
     if e.errno in (errno.EEXIST, errno.ENOTDIR) and e.filename is not None:
         blocker = file_ancestor(os.fsdecode(e.filename))
         if blocker is not None:

@@ -18,7 +18,7 @@ from .args import (
     target_specs,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit, say
+from .output import console, emit, say, writing
 
 
 def add_parser(sub: Any) -> None:
@@ -93,18 +93,19 @@ def run(args: argparse.Namespace) -> int:
         disable=args.json or not sys.stderr.isatty(),
     ) as progress:
         task = progress.add_task("resharding", total=source.record.nbytes)
-        written = reshard(
-            args.source,
-            args.destination,
-            specs=specs,
-            mesh=mesh,
-            dtype=args.dtype,
-            chunk_bytes=int(args.chunk_mb * (1 << 20)),
-            verify=not args.no_verify,
-            overwrite=args.overwrite,
-            drop_items=args.drop_items,
-            progress=lambda done, total: progress.update(task, completed=done),
-        )
+        with writing(args.destination):
+            written = reshard(
+                args.source,
+                args.destination,
+                specs=specs,
+                mesh=mesh,
+                dtype=args.dtype,
+                chunk_bytes=int(args.chunk_mb * (1 << 20)),
+                verify=not args.no_verify,
+                overwrite=args.overwrite,
+                drop_items=args.drop_items,
+                progress=lambda done, total: progress.update(task, completed=done),
+            )
     record = locate(written).record
     dest = str(written)
     import jax
