@@ -320,9 +320,43 @@ def test_problems_as_json(ckpt, capsys):
         "rule": "rule 1 'kernel$'",
         "mesh": {"data": 2, "model": 3},
         "hint": "shard this dimension over axes whose sizes divide it, pad it, or replicate it "
-        "with None",
+        f'with "none": in {rules} set rules[1].spec = ["none", "none"]',
         "cause": None,
     }
+
+
+def test_an_indivisible_dimension_is_explained_in_rules_file_words(ckpt, tmp_path, capsys):
+    """Under the command line a spec reads as the rules file writes it, a replicated
+    dimension is "none" (not None), and the hint names the rules[i] to edit."""
+    rules = str(ckpt.parent / "rules.toml")
+    assert main(["plan", str(ckpt), "--mesh", "data=2,model=3", "--rules", rules]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1:6] == [
+        "  tree:attn/key/kernel float32[16, 4, 4]",
+        "    problem: dimension 1 (size 4) is partitioned 3 times (model=3), but 4 is not "
+        "divisible by 3",
+        '    spec: ["none", "model"] (from rule 1 \'kernel$\')',
+        "    mesh: data=2, model=3",
+        "    hint: shard this dimension over axes whose sizes divide it, pad it, or replicate it "
+        f'with "none": in {rules} set rules[1].spec = ["none", "none"]',
+    ]
+    # the saved specs (no --rules): the fix is a rules file
+    saved = tmp_path / "saved"
+    ms.save(saved, ms.shard({"w": jnp.ones((4, 6))}, P(None, "data"), ms.make_mesh({"data": 2})))
+    assert main(["plan", str(saved), "--mesh", "data=4"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "    hint: shard this dimension over axes whose sizes divide it, pad it, or replicate it "
+        'with "none": pass --rules RULES.toml with a rule for this leaf, spec = ["none", "none"]'
+    )
+    # from Python the same problem speaks Python
+    with pytest.raises(ms.SpecError) as e:
+        ms.plan(ms.restore(saved), P(None, "data"), ms.make_mesh({"data": 4}, abstract=True))
+    assert str(e.value).splitlines()[3:] == [
+        "    spec: P(None, 'data') (from P(None, 'data') for the whole argument)",
+        "    mesh: data=4",
+        "    hint: shard this dimension over axes whose sizes divide it, pad it, or replicate it "
+        "with None",
+    ]
 
 
 def test_destination_below_a_regular_file(ckpt, tmp_path, capsys):
@@ -986,7 +1020,7 @@ def test_rules_file_problems_get_toml_fixes(ckpt, tmp_path, capsys):
     ]
     assert lines[-5:] == [
         "  [2] rule 1 'nope' matched no leaf: 1 leaf",
-        "      e.g. Rules:rule 1, spec P(), mesh (data=2)",
+        "      e.g. Rules:rule 1, spec [], mesh (data=2)",
         f"      hint: fix its pattern in {part} (strict = false there lets a plan list every "
         "path), remove that [[rules]] table, or set strict = false",
         "      Rules:rule 1",

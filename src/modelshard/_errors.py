@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._text import format_mesh, format_spec, spec_json, vocabulary
+from ._text import format_mesh, format_spec, spec_json, toml_spec, vocabulary
 
 
 class ModelshardError(Exception):
@@ -85,6 +85,13 @@ class Problem:
             "cause": self.cause,
         }
 
+    def spec_text(self) -> str | None:
+        """The spec as people read it: ``P(None, 'model')``, or under ``speaking("cli")``
+        as a rules file writes it, ``["none", "model"]``."""
+        if vocabulary() == "cli" and self.spec_json is not None:
+            return toml_spec(self.spec_json)
+        return None if self.spec is None else str(self.spec)
+
     def lines(self) -> list[str]:
         where = f"{self.arg}:{self.path or '<root>'}"
         head = f"  {where}"
@@ -92,7 +99,9 @@ class Problem:
             head += f" {self.dtype}{list(self.shape)}"
         out = [head, f"    problem: {self.what}"]
         if self.spec is not None:
-            out.append(f"    spec: {self.spec}" + (f" (from {self.rule})" if self.rule else ""))
+            out.append(
+                f"    spec: {self.spec_text()}" + (f" (from {self.rule})" if self.rule else "")
+            )
         if self.mesh is not None:
             out.append(f"    mesh: {self.mesh}")
         if self.hint:
@@ -161,7 +170,7 @@ class Cause:
         if e.shape is not None:
             detail += f" {e.dtype}{list(e.shape)}"
         if e.spec is not None:
-            detail += f", spec {e.spec}" + (f" from {e.rule}" if e.rule else "")
+            detail += f", spec {e.spec_text()}" + (f" from {e.rule}" if e.rule else "")
         if e.mesh is not None:
             detail += f", mesh ({e.mesh})"
         out.append(f"      e.g. {detail}" + ("" if e.what == self.what else f": {e.what}"))

@@ -24,7 +24,7 @@ from ._errors import Problem
 from ._logical import LogicalRules, active_logical, add_name_hint
 from ._mesh import format_mesh
 from ._specs import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from ._text import vocabulary
+from ._text import toml_spec, vocabulary
 
 
 class Ctx:
@@ -269,7 +269,32 @@ def resolve_checked(
         problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
     if logical is not None and problems:
         problems = [_name_logical(what, hint, named, ctx.sizes, logical) for what, hint in problems]
+    if problems and vocabulary() == "cli":
+        problems = [(what, _cli_hint(what, hint, named, rule, file)) for what, hint in problems]
     return spec, rule, problems
+
+
+_INDIVISIBLE = re.compile(r"dimension (\d+) \(size \d+\) is partitioned .* is not divisible by")
+_RULE_INDEX = re.compile(r"rule (\d+) ")
+
+
+def _cli_hint(what: str, hint: str, named: PartitionSpec, rule: str, file: str | None) -> str:
+    """A hint in the command line's words: a dimension to replicate is ``"none"`` in the
+    rules file, shown as the TOML spec to write in the ``rules[i]`` it came from."""
+    m = _INDIVISIBLE.match(what)
+    if m is None:
+        return hint
+    dim = int(m.group(1))
+    entries = list(tuple(named)) + [None] * (dim + 1 - len(tuple(named)))
+    entries[dim] = None
+    fixed = toml_spec(PartitionSpec(*entries))
+    base = (
+        'shard this dimension over axes whose sizes divide it, pad it, or replicate it with "none"'
+    )
+    index = _RULE_INDEX.match(rule)
+    if file is not None and index is not None:
+        return f"{base}: in {file} set rules[{index.group(1)}].spec = {fixed}"
+    return f"{base}: pass --rules RULES.toml with a rule for this leaf, spec = {fixed}"
 
 
 _NOT_IN_MESH = re.compile(r"axis '([^']+)' \(dimension (\d+)\) is not in the mesh")

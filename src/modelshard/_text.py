@@ -64,6 +64,27 @@ def spec_json(spec: PartitionSpec) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in entries]
 
 
+def toml_spec(entries: Any) -> str:
+    """A spec as a rules file writes it (the JSON spelling of ``spec_json``, or a
+    ``PartitionSpec``): ``["none", "model"]``, ``[["data", "fsdp"], "none"]``, ``[]``.
+
+    Example:
+        >>> print(toml_spec([None, "model"]), toml_spec([["data", "fsdp"]]), toml_spec([]))
+        ["none", "model"] [["data", "fsdp"]] []
+    """
+    if isinstance(entries, PartitionSpec):
+        entries = spec_json(entries)
+
+    def one(e: Any) -> str:
+        if e is None:
+            return '"none"'
+        if isinstance(e, list | tuple):
+            return "[" + ", ".join(one(x) for x in e) + "]"
+        return '"' + str(e).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return "[" + ", ".join(one(e) for e in entries) + "]"
+
+
 def format_mesh(sizes: Mapping[str, int]) -> str:
     """``data=2, model=4``: how errors and tables spell a mesh (``(no axes)`` when empty)."""
     return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "(no axes)"
