@@ -640,3 +640,58 @@ def test_a_replicated_leaf_is_checksummed_on_one_replica(mesh24):
         assert checksums([y], host_max_elements=0) == want, spec
         abstract = jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=y.sharding)
         assert one_replica(abstract).sharding == one.sharding
+
+
+FRESH_PROCESS = """
+import collections, json, os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import modelshard as ms
+
+names = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda e, d, **kw: names.append(kw.get("fun_name"))
+    if e == "/jax/core/compile/backend_compile_duration" else None
+)
+mesh = ms.make_mesh({"data": 8})
+state = ms.shard({"w": jnp.ones((2048, 1024)), "b": jnp.ones(16)}, ms.fsdp("data"), mesh)
+jax.block_until_ready(state)
+out = {}
+steps = ("save", "save", "save") if sys.argv[2] == "save" else ("restore", "restore")
+for step in steps:
+    names.clear()
+    if step == "save":
+        ms.save(sys.argv[1], state, overwrite=True)
+    else:
+        jax.block_until_ready(ms.restore(sys.argv[1], mesh=mesh))
+    out.setdefault(step, []).append(collections.Counter(names))
+print(json.dumps(out))
+"""
+
+
+def test_a_fresh_process_compiles_each_checksum_program_once(tmp_path):
+    """Orbax's first import defines JAX config options, part of every jit cache key: a
+    checksum traced before it missed the cache once after it (the second save compiled
+    it again, the first restore twice). Counted in a fresh process, where that import
+    has not happened yet."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH_PROCESS)
+
+    def fresh(what):
+        run = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "c"), what],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])[what]
+
+    one = {"jit(_checksum_one)": 1}  # the big leaf's program; the vector is summed on the host
+    assert fresh("save") == [one, {}, {}]
+    assert fresh("restore") == [one, {}]

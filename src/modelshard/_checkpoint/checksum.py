@@ -114,10 +114,19 @@ def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
 _checksum_jit = jax.jit(_checksum_one)
 
 
+def _settle_config() -> None:
+    """Import Orbax (and the JAX modules it imports) before a checksum program is traced:
+    they define JAX config options, which are part of every jit cache key, so a program
+    traced before that import missed the cache once after it (a fresh process compiled
+    the checksum twice in its first restore and again at its second save)."""
+    import orbax.checkpoint  # noqa: F401
+
+
 def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.Array:
     """The two sums (a ``uint32[2]`` device array, not waited for) over ``x``, the box at
     ``origin`` of a leaf of ``shape``. The sums of boxes that tile a leaf add up (modulo
     2**32) to the leaf's own; ``format_sums`` writes them as its checksum."""
+    _settle_config()
     strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
     return _checksum_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
 
@@ -234,7 +243,7 @@ def _addressable(x: Any) -> bool:
 
 
 @functools.cache
-def _replica_sharding(mesh: Any, spec: Any) -> Any:
+def _replica_sharding(mesh: Any, spec: Any, memory_kind: str | None = None) -> Any:
     """The sharding of one replica of an array laid out by ``NamedSharding(mesh, spec)``:
     ``spec`` on the sub-mesh of the axes it shards over (index 0 along the others), or
     one device for a replicated spec; None where ``spec`` uses every axis (no replicas)."""
@@ -252,11 +261,11 @@ def _replica_sharding(mesh: Any, spec: Any) -> Any:
     if used >= set(names):
         return None
     if not used:
-        return SingleDeviceSharding(mesh.devices.flat[0])
+        return SingleDeviceSharding(mesh.devices.flat[0], memory_kind=memory_kind)
     devices = mesh.devices[tuple(slice(None) if n in used else 0 for n in names)]
     types = tuple(t for n, t in zip(names, mesh.axis_types, strict=True) if n in used)
     sub = Mesh(devices, tuple(n for n in names if n in used), axis_types=types)
-    return NamedSharding(sub, spec)
+    return NamedSharding(sub, spec, memory_kind=memory_kind)
 
 
 def one_replica(x: Any) -> Any:
@@ -271,7 +280,7 @@ def one_replica(x: Any) -> Any:
     if not isinstance(s, NamedSharding) or not _addressable(x) or is_abstract(s.mesh):
         return x
     try:
-        sub = _replica_sharding(s.mesh, s.spec)
+        sub = _replica_sharding(s.mesh, s.spec, s.memory_kind)
     except (TypeError, ValueError):
         return x
     if sub is None:
@@ -306,6 +315,7 @@ def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
     A restore calls this before reading, so that compiling (tens of MiB for a moment)
     happens while little is resident rather than on top of the restored state.
     """
+    _settle_config()
     seen = set()
     for t, host in zip(targets, on_host(targets, HOST_MAX_ELEMENTS), strict=True):
         key = _program(t)
@@ -362,6 +372,7 @@ class Checksums(Generic[K]):
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
+        _settle_config()
         limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
         self._keys = list(like)
         self._small = dict(zip(self._keys, on_host(list(like.values()), limit), strict=True))
