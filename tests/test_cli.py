@@ -634,9 +634,21 @@ def test_plan_fold_filter_and_budget(ckpt, capsys):
         "modelshard plan: error: the plan does not fit the memory budget:"
     )
     assert "per device > budget 1.00 KiB (by module: " in captured.err
+    # no single leaf: the problem is labelled by the budget, its hint is a command to run
+    lines = captured.err.splitlines()
+    assert lines[1] == "  budget" and lines[-1] == (
+        "    hint: shard the largest leaves over more mesh axes (--rules, or a bigger --mesh), "
+        "or write them in a smaller dtype: modelshard reshard SRC DST --dtype bfloat16"
+    )
     assert main([*base, "--budget", "1KiB", "--json"]) == 1
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["causes"][0]["what"] == "bytes per device > budget"
+    assert (error["problems"][0]["arg"], error["problems"][0]["path"]) == ("budget", None)
+    assert error["problems"][0]["hint"] == lines[-1].removeprefix("    hint: ")
+    assert (error["causes"][0]["example"], error["causes"][0]["paths"]) == (
+        None,
+        [{"path": "budget", "count": 1}],
+    )
     assert main([*base, "--budget", "1GiB"]) == 0
     capsys.readouterr()
     for flag, value in (("--budget", "lots"), ("--filter", "(")):

@@ -145,7 +145,9 @@ def test_unreadable_and_invalid_toml(tmp_path):
     bad.write_text("[[rules]\npattern = 'x'\n")
     with pytest.raises(ms.SpecError) as e:
         load_rules(bad)
+    assert str(e.value).splitlines()[1:2] == [f"  {bad}"]
     assert str(e.value).splitlines()[2].startswith("    problem: not valid TOML: ")
+    assert e.value.problems[0].to_json()["path"] is None
     assert e.value.problems[0].hint is None  # nothing to do with backslashes
 
 
@@ -155,7 +157,7 @@ def test_backslash_in_a_double_quoted_pattern_hints_single_quotes(tmp_path):
     with pytest.raises(ms.SpecError) as e:
         load_rules(bad)
     assert str(e.value).splitlines()[1:] == [
-        f"  {bad}:<root>",
+        f"  {bad}",  # the whole file: no path inside it
         "    problem: not valid TOML: Unescaped '\\' in a string (at line 2, column 18)",
         r"    hint: in a double-quoted TOML string a backslash starts an escape (\n, \t, \\; "
         r"\d and \. are none): write regular expressions in single quotes, pattern = "

@@ -29,7 +29,9 @@ class Problem:
 
     Attributes:
         arg: which argument the leaf belongs to (``"tree"`` for a single tree).
-        path: canonical path of the leaf inside the argument.
+        path: canonical path of the leaf inside the argument (``""`` for a root leaf), or
+            None when the problem concerns no single leaf (a plan over its memory budget: the
+            text names ``arg`` alone, the JSON's ``path`` is null).
         what: one sentence saying what is wrong.
         shape: the leaf's shape, if it is an array leaf.
         dtype: the leaf's dtype name, if it is an array leaf.
@@ -47,7 +49,7 @@ class Problem:
     """
 
     arg: str
-    path: str
+    path: str | None
     what: str
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
@@ -92,8 +94,12 @@ class Problem:
             return toml_spec(self.spec_json)
         return None if self.spec is None else str(self.spec)
 
+    def label(self) -> str:
+        """``arg:path`` (``arg:<root>`` for a root leaf), or ``arg`` when ``path`` is None."""
+        return self.arg if self.path is None else f"{self.arg}:{self.path or '<root>'}"
+
     def lines(self) -> list[str]:
-        where = f"{self.arg}:{self.path or '<root>'}"
+        where = self.label()
         head = f"  {where}"
         if self.shape is not None:
             head += f" {self.dtype}{list(self.shape)}"
@@ -158,7 +164,7 @@ class Cause:
         """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
         from ._fold import fold
 
-        return fold(self.problems, lambda p: f"{p.arg}:{p.path or '<root>'}")
+        return fold(self.problems, lambda p: p.label())
 
     def head_lines(self, index: int = 0) -> list[str]:
         e = self.example
@@ -166,7 +172,7 @@ class Cause:
         if self.what == e.what and self.numbers_differ:
             leaves += " like it (their numbers differ)"
         out = [f"  [{index}] {self.what}: {leaves}"]
-        detail = f"{e.arg}:{e.path or '<root>'}"
+        detail = e.label()
         if e.shape is not None:
             detail += f" {e.dtype}{list(e.shape)}"
         if e.spec is not None:
@@ -203,7 +209,7 @@ def _fitting_hint(problems: Sequence[Problem]) -> str | None:
             f"an {m.group(1)!r} axis"
         )
     if e.what == "no rule matches this leaf" and len(problems) > 1:
-        prefix = _common_prefix([p.path for p in problems])
+        prefix = _common_prefix([p.path or "" for p in problems])
         if prefix:
             if vocabulary() == "cli":  # the command's rules come from a TOML file
                 return (

@@ -224,13 +224,19 @@ class Plan:
         raise SpecError(
             [
                 Problem(
-                    "plan",
-                    "",
+                    "budget",
+                    None,  # the whole plan, no single leaf
                     f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
                     f"(by module: {modules}); largest per device: {biggest}",
                     mesh=self.sizes,
-                    hint="shard the largest leaves over more mesh axes (or a bigger mesh), "
-                    "or keep a smaller dtype",
+                    hint=(
+                        "shard the largest leaves over more mesh axes (--rules, or a bigger "
+                        "--mesh), or write them in a smaller dtype: modelshard reshard SRC DST "
+                        "--dtype bfloat16"
+                        if vocabulary() == "cli"
+                        else "shard the largest leaves over more mesh axes (or a bigger mesh), "
+                        "or keep a smaller dtype"
+                    ),
                     cause="bytes per device > budget",
                 )
             ],

@@ -217,7 +217,7 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise SpecError(
-            [Problem(str(p), "", f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
+            [Problem(str(p), None, f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
             header=f"invalid rules file {p}:",
         ) from e
     try:
@@ -231,7 +231,7 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
                 "pattern = 'norm\\d?$' (a TOML literal string, backslashes kept as written)"
             )
         raise SpecError(
-            [Problem(str(p), "", f"not valid TOML: {e}", hint=hint)],
+            [Problem(str(p), None, f"not valid TOML: {e}", hint=hint)],
             header=f"invalid rules file {p}:",
         ) from e
     return dataclasses.replace(parse_rules(data, str(p)), file=str(p))
