@@ -540,6 +540,13 @@ def test_convert_json_paths_are_absolute_and_dry_run_transforms_null(tmp_path, c
         ("layers/0/up/kernel", "transpose(1, 0)"),
         ("norm/scale", None),
     ]
+    # the table's footer in the command's words: no Python argument (like=) named
+    assert main([*argv[:-1], "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "like" not in out
+    assert "2 leaves mapped from 2 stored tensors, 0 kept, 0 stored tensors skipped" in " ".join(
+        out.split()
+    )
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["source"], doc["destination"]) == (

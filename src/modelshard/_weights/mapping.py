@@ -26,7 +26,7 @@ import numpy as np
 
 from .._dtypes import dtype_name
 from .._errors import LIST_IN_FULL, MappingError, Problem
-from .._text import literal
+from .._text import literal, vocabulary
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -812,9 +812,11 @@ class Resolution:
     def summary(self) -> str:
         """One line: leaves mapped from how many stored tensors, kept, skipped."""
         read = len({n for r in self.rows for n in r.sources})
+        # ``like`` is the Python argument; the command line has no such name
+        kept = "kept" if vocabulary() == "cli" else "kept (like's values)"
         return (
             f"{_count(len(self.recipes), 'leaf', 'leaves')} mapped from "
-            f"{_count(read, 'stored tensor')}, {len(self.kept)} kept (like's values), "
+            f"{_count(read, 'stored tensor')}, {len(self.kept)} {kept}, "
             f"{_count(len(self.skipped), 'stored tensor')} skipped"
         )
 
