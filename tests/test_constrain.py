@@ -66,12 +66,33 @@ def test_inside_shard_jit_the_mesh_is_set(mesh24):
     assert _specs(out) == {"w2": P("data", "model"), "b2": P("model")}
 
 
-def test_no_mesh_is_a_clear_error():
-    with pytest.raises(ms.MeshError) as e:
-        ms.constrain(_tree(), P())
-    assert str(e.value) == (
+def _no_mesh_block(x):
+    return ms.constrain(x, P())
+
+
+def test_no_mesh_is_a_clear_error_naming_the_call():
+    """No mesh given and none active: the MeshError names the constrain call (file:line,
+    function) and, while tracing, the traced function, as a SpecError does."""
+    here = os.path.relpath(__file__)
+    call = f"{here}:{_line(_no_mesh_block, 'ms.constrain(')}"
+    says = (
         "no mesh given and none is active; pass mesh=..., or call inside "
         "`with jax.set_mesh(mesh):` (shard_jit sets it while tracing)."
+    )
+    with pytest.raises(ms.MeshError) as e:
+        _no_mesh_block(_tree())
+    assert str(e.value) == f"constrain at {call} in _no_mesh_block: {says}"
+
+    @jax.jit
+    def step(x):
+        return _no_mesh_block(x)
+
+    with pytest.raises(ms.MeshError) as e:
+        step(_tree())
+    assert str(e.value) == (
+        f"constrain at {call} in _no_mesh_block, while tracing "
+        "test_no_mesh_is_a_clear_error_naming_the_call.<locals>.step "
+        f"({here}:{_line(step, '_no_mesh_block(x)')}): {says}"
     )
 
 

@@ -111,7 +111,8 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
         place and returned.
 
     Raises:
-        MeshError: ``mesh`` is omitted and no mesh is active.
+        MeshError: ``mesh`` is omitted and no mesh is active; the message starts with
+            the call site, as a SpecError's does.
         SpecError: listing every leaf that cannot take its spec, headed by the call site
             (``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``;
             also ``err.site``), which a trace's traceback does not show.
@@ -127,12 +128,18 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
         >>> f({"w": jnp.ones((16, 2))})["w"].sharding.spec
         P('data',)
     """
+    traced = any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
     if mesh is None:
-        mesh = current_mesh()
+        try:
+            mesh = current_mesh()
+        except MeshError as e:  # name the user's call, as a SpecError does
+            site = call_site(traced)
+            if site is None:
+                raise
+            raise MeshError(f"{site}: {e}") from None
     try:
         (arg,) = expand_args([("tree", tree, specs)], mesh)
     except SpecError as e:  # name the user's call: a trace's traceback hides it
-        traced = any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
         site = call_site(traced)
         if site is None or type(e) is not SpecError:
             raise
