@@ -284,3 +284,25 @@ def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, mo
     assert peak[0] == 4 and together[0] == 0  # one array at a time, its blocks together
     for name, leaf in state.items():
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+def test_the_array_metadata_file_is_read_once_per_restore(tmp_path, mesh8, monkeypatch):
+    """Orbax reads and parses the array metadata file (every array's entry) at each
+    deserialize call: once per restore in its own batch, once per array when each array is
+    its own request (a 512-leaf restore took 3.5 s instead of 2.5 s)."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    state = _state(mesh8, n=6)
+    ms.save(tmp_path / "c", state)
+    reads = []
+    real = array_metadata_store.Store._get_array_metadatas
+
+    async def spy(self, path):
+        reads.append(path)
+        return await real(self, path)
+
+    monkeypatch.setattr(array_metadata_store.Store, "_get_array_metadatas", spy)
+    out = ms.restore(tmp_path / "c", like=state)
+    assert len(reads) == 1
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
