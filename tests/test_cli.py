@@ -1072,3 +1072,33 @@ def test_inspect_of_a_manager_step_names_its_items_and_metrics(tmp_path, capsys)
         "items: data (CheckpointManager.items; --json shows them)",
         "metrics: loss=0.5",
     ]
+
+
+def test_max_rows_says_what_is_left_out_below_every_table(ckpt, tmp_path, capsys):
+    """inspect (checkpoint and safetensors), plan and convert --dry-run cut by --max-rows
+    all count the rest on one line below the table, never as a row inside it."""
+    from safetensors.numpy import save_file
+
+    def below(argv):
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.splitlines()
+        (more,) = [i for i, line in enumerate(lines) if "more " in line]
+        # the table (its bottom border) is above the line; no table row holds it
+        assert any(line.startswith("└") for line in lines[:more]), lines
+        assert not any(line.startswith("│ ...") for line in lines)
+        return lines[more]
+
+    show = "run without --max-rows to show all"
+    assert below(["inspect", str(ckpt), "--no-fold", "--max-rows", "2"]) == (
+        f"... 17 more rows (17 leaves); {show}"
+    )
+    assert below(["plan", str(ckpt), "--mesh", "data=8", "--no-fold", "--max-rows", "2"]) == (
+        f"... 17 more rows (17 leaves); {show}"
+    )
+    st = tmp_path / "model.safetensors"
+    tensors = {f"l.{i}.up.weight": np.ones((24, 16), np.float32) for i in range(4)}
+    save_file({**tensors, "norm.weight": np.ones(16, np.float32)}, str(st))
+    assert below(["inspect", str(st), "--max-rows", "1"]) == f"... 4 more tensors; {show}"
+    (tmp_path / "map.toml").write_text(CONVERT_MAP)
+    argv = ["convert", str(st), str(tmp_path / "c"), "--mapping", str(tmp_path / "map.toml")]
+    assert below([*argv, "--dry-run", "--max-rows", "1"]) == f"... 4 more leaves; {show}"

@@ -18,7 +18,7 @@ from .args import (
     positive_int,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit, progress_bar, say, writing
+from .output import SHOW_ALL, console, emit, progress_bar, say, writing
 
 
 def add_parser(sub: Any) -> None:
@@ -165,7 +165,11 @@ def run(args: argparse.Namespace) -> int:
             rows = [_row_json(r) for r in table.rows]
             emit(args, {"source": absolute(args.source), "rows": rows})
         else:
+            # the rows --max-rows leaves out: counted below the table, as plan and inspect do
             console().print(table.table(max_rows=args.max_rows))
+            if args.max_rows is not None and len(table.rows) > args.max_rows:
+                rest = len(table.rows) - args.max_rows
+                say(f"... {rest} more lea{'ves' if rest != 1 else 'f'}; {SHOW_ALL}")
         return 0
     # streamed: each target leaf computed a slab of rows at a time through its recipe and
     # written by the streaming checkpoint writer; nothing is placed on the devices and

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import CKPT_HELP, add_json, checkpoint_arg, positive_int
-from .output import console, emit, fmt_spec, say
+from .output import SHOW_ALL, console, emit, fmt_spec, say
 
 
 def add_parser(sub: Any) -> None:
@@ -109,11 +109,10 @@ def run(args: argparse.Namespace) -> int:
             names,
         ]
         table.add_row(*map(literal, cells))
-    if len(shown) < len(rows):
-        rest = rows[len(shown) :]
-        more = f"... {len(rest)} more rows ({sum(g.count for g in rest)} leaves)"
-        table.add_row(more, *[""] * (len(table.columns) - 1))
     console().print(table)
+    if len(shown) < len(rows):  # below the table, as plan says it
+        rest = rows[len(shown) :]
+        say(f"... {len(rest)} more rows ({sum(g.count for g in rest)} leaves); {SHOW_ALL}")
     if rec.versions:
         say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
     from .._checkpoint import extras_json
@@ -203,9 +202,9 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
         for t in shown:
             row = [t.name, str(t.shape), t.code, format_bytes(t.nbytes)]
             table.add_row(*map(literal, [*row, *([t.file.name] if len(files) > 1 else [])]))
-        if len(shown) < len(tensors):
-            table.add_row(f"... {len(tensors) - len(shown)} more tensors", "", "", "")
         console().print(table)
+        if len(shown) < len(tensors):
+            say(f"... {len(tensors) - len(shown)} more tensors; {SHOW_ALL}")
         if st.metadata:
             say("metadata: " + ", ".join(f"{k}={v}" for k, v in st.metadata.items()))
     return 0

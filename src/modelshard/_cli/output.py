@@ -17,6 +17,10 @@ SCHEMA = 1
 """Version of the ``--json`` envelope (``"schema"`` in every object)."""
 
 
+SHOW_ALL = "run without --max-rows to show all"
+"""What every table cut by ``--max-rows`` says on the line below it (``plan`` too)."""
+
+
 def console(stderr: bool = False) -> Any:
     from rich.console import Console
 

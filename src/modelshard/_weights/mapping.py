@@ -803,7 +803,7 @@ class Resolution:
                 literal(src or "-"),
                 literal(r.how),
             )
-        if len(rows) < len(self.rows):
+        if len(rows) < len(self.rows) and vocabulary() == "python":  # the CLI says it below
             t.add_row(
                 f"... {_count(len(self.rows) - len(rows), 'more leaf', 'more leaves')}", *[""] * 4
             )
