@@ -1102,3 +1102,47 @@ def test_max_rows_says_what_is_left_out_below_every_table(ckpt, tmp_path, capsys
     (tmp_path / "map.toml").write_text(CONVERT_MAP)
     argv = ["convert", str(st), str(tmp_path / "c"), "--mapping", str(tmp_path / "map.toml")]
     assert below([*argv, "--dry-run", "--max-rows", "1"]) == f"... 4 more leaves; {show}"
+
+
+def _page_commands() -> dict[str, list[tuple[set[str], set[str]]]]:
+    """docs/cli.md's command table: command -> per row (options shown required, i.e.
+    outside [...], and every option shown), from the backticked command cell."""
+    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    out: dict[str, list[tuple[set[str], set[str]]]] = {}
+    for cell in re.findall(r"^\| `modelshard ([^`]+)` \|", page, flags=re.MULTILINE):
+        text = cell.split(" -- ")[0]
+        required, shown, depth = set(), set(), 0
+        for m in re.finditer(r"\[|\]|(?<![\w-])(--?[a-z][\w-]*)", text):
+            if m.group(0) == "[":
+                depth += 1
+            elif m.group(0) == "]":
+                depth -= 1
+            else:
+                shown.add(m.group(1))
+                if depth == 0:
+                    required.add(m.group(1))
+        out.setdefault(cell.split()[0], []).append((required, shown))
+    return out
+
+
+def test_cli_page_lists_every_option_as_help_does():
+    """docs/cli.md's table shows each command's options as its --help does: every option
+    (a command's rows together), and required exactly when argparse requires it (an option
+    required in every row of a command: --to safetensors picks a row, it is not required)."""
+    import argparse
+
+    from modelshard._cli import parser
+    from modelshard._launch import _parser as launch_parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {**sub.choices, "launch": launch_parser()}
+    page = _page_commands()
+    assert sorted(page) == sorted(parsers)
+    for name, p in parsers.items():
+        options = [a for a in p._actions if a.option_strings and a.dest != "help"]
+        canonical = {s: a.option_strings[-1] for a in options for s in a.option_strings}
+        rows = page[name]
+        shown = {canonical.get(o, o) for _, every in rows for o in every}
+        assert shown == {a.option_strings[-1] for a in options}, name
+        required = set.intersection(*({canonical.get(o, o) for o in r} for r, _ in rows))
+        assert required == {a.option_strings[-1] for a in options if a.required}, name
