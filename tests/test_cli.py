@@ -438,6 +438,53 @@ def test_a_missing_rules_file_is_the_os_error_kind_with_errno(ckpt, tmp_path, ca
     assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
 
 
+def test_convert_input_files_missing_are_file_not_found(ckpt, tmp_path, capsys, monkeypatch):
+    """convert's input paths (SRC, --mapping, --reference) that are not there: the
+    FileNotFoundError itself with errno 2, like --rules, nothing written."""
+    from safetensors.numpy import save_file
+
+    monkeypatch.chdir(tmp_path)
+    save_file({"w": np.ones(4, np.float32)}, "m.safetensors")
+    for argv, missing in (
+        (["convert", "nope.safetensors", "c"], "nope.safetensors"),
+        (["convert", "m.safetensors", "c", "--mapping", "nomap.toml"], "nomap.toml"),
+        (
+            ["convert", str(ckpt), "o.safetensors", "--to", "safetensors", "--mapping", "m.toml"],
+            "m.toml",
+        ),
+        (
+            [
+                "convert",
+                str(ckpt),
+                "o.safetensors",
+                "--to",
+                "safetensors",
+                "--reference",
+                "ref.safetensors",
+            ],
+            "ref.safetensors",
+        ),
+    ):
+        assert main([*argv, "--json"]) == 1, argv
+        assert json.loads(capsys.readouterr().out)["error"] == {
+            "type": "FileNotFoundError",
+            "message": f"{missing}: No such file or directory",
+            "errno": 2,
+        }
+        assert main(argv) == 1
+        assert capsys.readouterr().err == (
+            f"modelshard convert: error: {missing}: No such file or directory\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    # and inspect's JSON gives the file's paths absolute, as every command does
+    assert main(["inspect", "m.safetensors", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["path"], doc["files"]) == (
+        str(tmp_path / "m.safetensors"),
+        [str(tmp_path / "m.safetensors")],
+    )
+
+
 def test_an_unwritable_destination_names_what_the_user_typed(ckpt, tmp_path, capsys):
     """A destination whose parent takes no new files (/proc): the error names DST as typed
     (never the writer's temporary file beside it), says why, and hints what to do."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from typing import Any
 
@@ -133,6 +134,18 @@ def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
         stderr=True,
     )
     return str(path)
+
+
+def readable(path: str | None, file: bool = True) -> None:
+    """Raise the ``OSError`` itself (``FileNotFoundError``, ``PermissionError``, ...) for an
+    input path the user named that is missing or cannot be read (``file``: opened, else
+    only looked up); ``None`` and ``hf://`` repositories pass."""
+    if path is None or path.startswith("hf://"):
+        return
+    if file:
+        open(path, "rb").close()
+    else:
+        os.stat(path)
 
 
 RULES_HELP = (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,10 @@ from .args import (
     mesh_arg,
     positive_float,
     positive_int,
+    readable,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import SHOW_ALL, console, emit, progress_bar, say, writing
+from .output import SHOW_ALL, absolute, console, emit, progress_bar, say, writing
 
 
 def add_parser(sub: Any) -> None:
@@ -134,12 +134,16 @@ def run(args: argparse.Namespace) -> int:
     from .._weights import is_safetensors
 
     return_freed_memory()  # streams tensor-sized buffers, as reshard does
+    # the user's input files: missing or unreadable is the OSError itself (with its errno)
+    readable(args.mapping)
+    readable(args.reference, file=False)
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
     from .._errors import CheckpointError
 
     if args.max_shard_size is not None:
         raise CheckpointError("--max-shard-size writes safetensors: pass --to safetensors")
+    readable(args.source, file=False)
     if not is_safetensors(args.source):
         raise CheckpointError(
             f"{args.source} is not a safetensors file, index, directory or hf:// repository; "
@@ -216,12 +220,6 @@ def _index_files(index: Any) -> list[Any]:
     import json
 
     return [index.parent / f for f in json.loads(index.read_text())["weight_map"].values()]
-
-
-def absolute(path: Any) -> str:
-    """A local path made absolute for ``--json``; an ``hf://`` repository as given."""
-    text = str(path)
-    return text if text.startswith("hf://") else os.path.abspath(text)
 
 
 def _row_json(r: Any) -> dict[str, Any]:

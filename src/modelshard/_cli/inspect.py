@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import CKPT_HELP, add_json, checkpoint_arg, positive_int
-from .output import SHOW_ALL, console, emit, fmt_spec, say
+from .output import SHOW_ALL, absolute, console, emit, fmt_spec, say
 
 
 def add_parser(sub: Any) -> None:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         saved = data.pop("mesh", None) or {}
         data["mesh"] = rec.mesh_sizes()
         data["axis_types"] = saved.get("axis_types")
-        data["path"] = str(source.path)
+        data["path"] = absolute(source.path)
         data["step"] = args.step
         data.update(extras_json(source.path))
         data["source"] = rec.source
@@ -164,9 +164,9 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
             emit(
                 args,
                 {
-                    "path": str(st.path),
+                    "path": absolute(st.path),
                     "format": "safetensors",
-                    "files": [str(f) for f in files],
+                    "files": [absolute(f) for f in files],
                     "metadata": st.metadata,
                     "total_bytes": st.nbytes,
                     "tensors": [

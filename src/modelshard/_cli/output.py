@@ -35,6 +35,13 @@ def say(text: str, stderr: bool = False) -> None:
     console(stderr=stderr).print(literal(text), highlight=False, soft_wrap=True)
 
 
+def absolute(path: Any) -> str:
+    """A local path made absolute, as every ``--json`` output gives paths; a URL
+    (``hf://org/name``, ``gs://bucket/run``) as given."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return text if re.match(r"^[a-z][a-z0-9+.-]*://", text) else os.path.abspath(text)
+
+
 def write_json(stream: Any, data: Any) -> None:
     stream.write(json.dumps(data, indent=1) + "\n")
 
