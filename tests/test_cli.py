@@ -568,6 +568,12 @@ def test_convert_to_safetensors_refuses_to_replace_without_overwrite(
         "--overwrite to replace it\n"
     )
     assert main([*sharded, "--overwrite"]) == 0
+    # a directory DST for one file: the writer's own error, --overwrite would not help
+    capsys.readouterr()
+    assert main(["convert", str(ckpt), "hf", "--to", "safetensors"]) == 1
+    assert capsys.readouterr().err == (
+        "modelshard convert: error: hf: a directory; pass a .safetensors file name in it\n"
+    )
 
 
 def test_convert_json_paths_are_absolute_and_dry_run_transforms_null(tmp_path, capsys, monkeypatch):

@@ -317,7 +317,8 @@ def _refuse_existing(args: argparse.Namespace) -> None:
         return
     dest = Path(args.destination)
     if args.max_shard_size is None:
-        there = [dest] if dest.exists() or dest.is_symlink() else []
+        # a directory is refused by the writer itself (not a file it could replace)
+        there = [dest] if dest.is_file() or dest.is_symlink() else []
     else:
         directory, stem = sharded_names(dest)
         shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
