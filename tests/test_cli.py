@@ -568,8 +568,11 @@ def test_convert_to_safetensors_refuses_to_replace_without_overwrite(
         "--overwrite to replace it\n"
     )
     assert main([*sharded, "--overwrite"]) == 0
+    size = sum(f.stat().st_size for f in shards) / 1024
+    assert capsys.readouterr().out == (
+        f"wrote hf/model.safetensors.index.json: {written} tensors, {size:.2f} KiB in 3 files\n"
+    )
     # a directory DST for one file: the writer's own error, --overwrite would not help
-    capsys.readouterr()
     assert main(["convert", str(ckpt), "hf", "--to", "safetensors"]) == 1
     assert capsys.readouterr().err == (
         "modelshard convert: error: hf: a directory; pass a .safetensors file name in it\n"
