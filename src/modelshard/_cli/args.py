@@ -163,6 +163,13 @@ def target_specs(args: argparse.Namespace, record: Any) -> Any:
     return load_rules(args.rules) if args.rules else record.saved_specs()
 
 
+def add_max_rows(p: argparse.ArgumentParser) -> None:
+    """``--max-rows N``: a table shows at most N rows and counts the rest below it."""
+    p.add_argument(
+        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
+    )
+
+
 def add_target(p: argparse.ArgumentParser) -> None:
     """The options naming the target layout: ``--mesh``, ``--rules``, ``--axis-types``."""
     p.add_argument(

@@ -10,11 +10,11 @@ from typing import Any
 from .args import (
     RULES_HELP,
     add_json,
+    add_max_rows,
     checkpoint_arg,
     float_dtype,
     mesh_arg,
     positive_float,
-    positive_int,
     readable,
 )
 from .host import return_freed_memory, use_cpu_devices
@@ -105,9 +105,7 @@ def add_parser(sub: Any) -> None:
         "--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)"
     )
     c.add_argument("--dry-run", action="store_true", help="print the mapping table only")
-    c.add_argument(
-        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
-    )
+    add_max_rows(c)
     c.add_argument(
         "--overwrite",
         action="store_true",

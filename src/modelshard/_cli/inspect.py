@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .args import CKPT_HELP, add_json, checkpoint_arg, positive_int
+from .args import CKPT_HELP, add_json, add_max_rows, checkpoint_arg
 from .output import SHOW_ALL, absolute, console, emit, fmt_spec, say
 
 
@@ -20,9 +20,7 @@ def add_parser(sub: Any) -> None:
     )
     i.add_argument("checkpoint", metavar="CKPT", help=CKPT_HELP)
     add_json(i)
-    i.add_argument(
-        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
-    )
+    add_max_rows(i)
     i.add_argument(
         "--no-fold",
         action="store_true",

@@ -9,10 +9,10 @@ from typing import Any
 from .args import (
     CKPT_HELP,
     add_json,
+    add_max_rows,
     add_target,
     bytes_arg,
     checkpoint_arg,
-    positive_int,
     regex_arg,
     target_specs,
 )
@@ -31,9 +31,7 @@ def add_parser(sub: Any) -> None:
     pl.add_argument("checkpoint", metavar="CKPT", help=CKPT_HELP)
     add_target(pl)
     add_json(pl)
-    pl.add_argument(
-        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
-    )
+    add_max_rows(pl)
     pl.add_argument(
         "--filter",
         type=regex_arg,
