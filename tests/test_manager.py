@@ -328,7 +328,7 @@ def test_failed_async_save_keeps_the_steps_on_disk(tmp_path, monkeypatch, keep):
         def full(self, directory):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(ocp.StandardCheckpointHandler, "finalize", full)
+        monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "finalize", full)
         mngr.save(2, _w(2))
         with pytest.raises(ms.CheckpointError) as e:
             mngr.wait_until_finished()
@@ -425,8 +425,100 @@ def test_constructor_documents_every_argument():
     import pydoc
 
     doc = inspect.getdoc(ms.CheckpointManager.__init__) or ""
-    documented = re.findall(r"^    (\w+): ", doc.split("Args:")[1], flags=re.MULTILINE)
+    documented = re.findall(
+        r"^    (\w+): ", doc.split("Args:")[1].split("Raises:")[0], flags=re.MULTILINE
+    )
     params = [p for p in inspect.signature(ms.CheckpointManager.__init__).parameters if p != "self"]
     assert documented == params
     shown = pydoc.render_doc(ms.CheckpointManager, renderer=pydoc.plaintext)
     assert "Initialize self." not in shown and "save_interval_steps: ``should_save``" in shown
+
+
+# ---- how a step's arrays are stored ---------------------------------------------------------
+
+
+def _codec(step_dir, key):
+    """The codec of one stored array of a manager step, as TensorStore reads its zarr
+    metadata (None: raw chunks)."""
+    from modelshard._checkpoint.locate import locate
+    from modelshard._checkpoint.stored import ArrayReader
+
+    source = locate(step_dir)
+    reader = ArrayReader(source, source.record.by_path()[key])
+    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
+    return reader.store.spec().to_json()["metadata"]["compressor"]
+
+
+def _data_bytes(step_dir):
+    return sum(f.stat().st_size for f in (step_dir / "state").rglob("*") if f.parent.name == "d")
+
+
+def test_steps_store_raw_chunks_unless_compression_zstd(tmp_path, mesh8):
+    import orbax.checkpoint as ocp
+
+    zeros = ms.shard({"w": jnp.zeros((512, 256)), "b": jnp.ones(8)}, ms.fsdp("data"), mesh8)
+    with ms.CheckpointManager(tmp_path) as mngr:  # the default is save's: raw chunks
+        mngr.save(0, zeros)
+    with ms.CheckpointManager(tmp_path, compression="zstd", async_save=False) as mngr:
+        mngr.save(1, zeros)
+    raw, packed = tmp_path / "0", tmp_path / "1"
+    assert _codec(raw, "w") is None
+    assert _codec(packed, "w") == {"id": "zstd", "level": 1}
+    assert _data_bytes(raw) >= 512 * 256 * 4 > 20 * _data_bytes(packed)
+    with ms.CheckpointManager(tmp_path) as mngr:  # either restores, whatever the option
+        assert mngr.all_steps() == [0, 1]
+        for step in (0, 1):
+            out = mngr.restore(step, like=zeros)
+            assert out["w"].sharding == zeros["w"].sharding
+            np.testing.assert_array_equal(out["w"], np.zeros((512, 256), np.float32))
+            np.testing.assert_array_equal(out["b"], np.ones(8, np.float32))
+    for step_dir in (raw, packed):
+        np.testing.assert_array_equal(ms.restore(step_dir)["b"], np.ones(8, np.float32))
+        plain = ocp.StandardCheckpointer().restore(str(step_dir / "state"))  # plain Orbax
+        np.testing.assert_array_equal(plain["w"], np.zeros((512, 256), np.float32))
+        np.testing.assert_array_equal(plain["b"], np.ones(8, np.float32))
+
+
+def test_a_step_written_by_orbax_standard_handler_still_restores(tmp_path):
+    """Steps saved before ``compression=`` (the state item through Orbax's
+    StandardCheckpointHandler: zstd) restore and list beside the new raw ones."""
+    import orbax.checkpoint as ocp
+
+    from modelshard._checkpoint.write import prepare
+
+    old = {"w": jnp.arange(64.0).reshape(8, 8), "k": jax.random.key(3)}
+    tree, record = prepare(old)
+    handler = ocp.CompositeCheckpointHandler(
+        state=ocp.StandardCheckpointHandler(),
+        modelshard=ocp.JsonCheckpointHandler(filename="modelshard.json"),
+        items=ocp.JsonCheckpointHandler(filename="items.json"),
+    )
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(tree),
+        modelshard=ocp.args.JsonSave(record.to_json()),
+        items=ocp.args.JsonSave({}),
+    )
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(
+            tmp_path / "0", args=args, custom_metadata={"modelshard": "modelshard.checkpoint/1"}
+        )
+    assert _codec(tmp_path / "0", "w") == {"id": "zstd", "level": 1}
+    with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(1, {"w": old["w"] + 1, "k": jax.random.key(4)})
+        assert mngr.all_steps() == [0, 1]
+        first, second = mngr.restore(0, like=old), mngr.restore(1, like=old)
+    assert _codec(tmp_path / "1", "w") is None
+    np.testing.assert_array_equal(first["w"], old["w"])
+    np.testing.assert_array_equal(second["w"], old["w"] + 1)
+    assert jnp.array_equal(jax.random.key_data(first["k"]), jax.random.key_data(old["k"]))
+
+
+@pytest.mark.parametrize("bad", ["gzip", True])
+def test_an_unknown_compression_is_refused_by_the_constructor(tmp_path, bad):
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.CheckpointManager(tmp_path / "run", compression=bad)
+    assert str(e.value).splitlines() == [
+        f"compression={bad!r} is not one of None (each chunk's raw bytes, the default) or "
+        "'zstd' (Orbax's default codec: smaller files, several times the CPU)."
+    ]
+    assert not (tmp_path / "run").exists()

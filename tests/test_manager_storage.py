@@ -181,21 +181,39 @@ def test_restore_onto_another_mesh_is_bit_exact(bucket_root):
     rng = ms.read_items(step)["rng"]
     np.testing.assert_array_equal(jax.random.key_data(rng), jax.random.key_data(key))
     assert ms.restore(step)["w"].shape == (8, 4)
+    # raw chunks by default, zstd when asked; a manager restores either
+    with ms.CheckpointManager(bucket_root, handle_signals=False, compression="zstd") as mngr:
+        mngr.save(1, state)
+        again = mngr.restore(1, specs={"w": P("data", "model"), "k": P()}, mesh=mesh24)
+    assert (_codec(step, "w"), _codec(f"{bucket_root}/1", "w")) == (
+        None,
+        {"id": "zstd", "level": 1},
+    )
+    np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(state["w"]))
+
+
+def _codec(path, key):
+    """The codec of one stored array (None: raw chunks), as TensorStore reads its zarr
+    metadata."""
+    from modelshard._checkpoint.locate import locate
+    from modelshard._checkpoint.stored import ArrayReader
+
+    source = locate(path)
+    reader = ArrayReader(source, source.record.by_path()[key])
+    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
+    return reader.store.spec().to_json()["metadata"]["compressor"]
 
 
 def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
     from etils import epath
     from jax.sharding import PartitionSpec as P
 
-    from modelshard._checkpoint.remote import save_remote
-    from modelshard._checkpoint.write import prepare
     from modelshard.cli import main
 
     path = epath.Path(f"{bucket_root}/ck")
     key = jax.random.key(5)
     state = {"w": jnp.arange(16.0), "k": key}
     assert ms.save(str(path), state, metadata={"note": "remote"}) == path
-    tree, record = prepare(state, {"note": "remote"})
     assert "commit_success.txt" in _names(str(path))
     out = ms.restore(str(path), specs={"w": P("data"), "k": P()}, mesh=ms.make_mesh({"data": 8}))
     np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(16.0))
@@ -207,11 +225,12 @@ def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
     data = json.loads(capsys.readouterr().out)
     assert (data["path"], data["metadata"]) == (str(path), {"note": "remote"})
     with pytest.raises(ms.CheckpointError) as e:
-        save_remote(path, tree, record, overwrite=False)
+        ms.save(str(path), state)
     assert str(e.value).startswith(f"{path} already exists; pass overwrite=True")
-    tree2, record2 = prepare({"w": jnp.zeros(3), "k": key})
-    save_remote(path, tree2, record2, overwrite=True)
+    assert _codec(path, "w") is None  # raw chunks by default, as on a local disk
+    ms.save(str(path), {"w": jnp.zeros(3), "k": key}, overwrite=True, compression="zstd")
     assert ms.restore(str(path))["w"].shape == (3,)
+    assert _codec(path, "w") == {"id": "zstd", "level": 1}
     (path / "commit_success.txt").unlink()  # as a save killed part-way leaves it
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(str(path))
@@ -222,5 +241,5 @@ def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
     foreign = epath.Path(f"{bucket_root}/notes")
     (foreign / "a.txt").write_text("mine")
     with pytest.raises(ms.CheckpointError, match="is not a checkpoint modelshard wrote"):
-        save_remote(foreign, tree, record, overwrite=True)
+        ms.save(str(foreign), state, overwrite=True)
     assert (foreign / "a.txt").read_text() == "mine"

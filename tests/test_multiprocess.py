@@ -154,6 +154,13 @@ def test_a_two_process_checkpoint_restores_in_one_process_onto_8(two_by_four):
             np.testing.assert_array_equal(np.asarray(x), want[path], err_msg=path)  # bit-exact
 
 
+def test_saves_on_two_processes_issue_no_device_barrier(two_by_four):
+    """``ms.save`` and the manager pass every process to Orbax as its active processes, so
+    Orbax's barriers of a save are coordination-service barriers, not device all-gathers."""
+    for r in results(two_by_four, 2):
+        assert r["device_barriers"] == [], r["device_barriers"]
+
+
 def test_process_local_leaves_saved_by_two_processes_restore(two_by_four):
     restored = ms.restore(two_by_four / "saved" / "local")
     np.testing.assert_array_equal(np.asarray(restored["np"]), np.arange(6.0, dtype=np.float32))

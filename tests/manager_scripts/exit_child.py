@@ -29,7 +29,7 @@ def state(step):
     }
 
 
-slow = ocp.StandardCheckpointHandler.finalize
+slow = ocp.PyTreeCheckpointHandler.finalize
 
 
 def slow_finalize(self, directory):
@@ -60,11 +60,11 @@ for step in range(2):
     mngr.save(step, state(step))
 mngr.wait_until_finished()
 if mode == "fails":
-    ocp.StandardCheckpointHandler.finalize = failing_finalize
+    ocp.PyTreeCheckpointHandler.finalize = failing_finalize
 elif mode == "stall":  # the parent SIGKILLs the process while step 2 is written
-    ocp.StandardCheckpointHandler.finalize = lambda self, directory: time.sleep(60)
+    ocp.PyTreeCheckpointHandler.finalize = lambda self, directory: time.sleep(60)
 else:
-    ocp.StandardCheckpointHandler.finalize = slow_finalize
+    ocp.PyTreeCheckpointHandler.finalize = slow_finalize
 if mode == "lost":
     # as in an embedding or a REPL: no __main__ module end to finish the save at
     tool = next(t for t in range(6) if sys.monitoring.get_tool(t) == "modelshard-exit-guard")

@@ -97,7 +97,7 @@ def main() -> None:
     if me == 0:
         np.savez(os.path.join(args.out, "state.npz"), **values)
     if args.save:
-        save_both(args.save, state)
+        result["device_barriers"] = save_both(args.save, state)
     if jax.process_count() > 1:
         result["errors"] = errors()
     if args.restore:
@@ -130,8 +130,29 @@ def errors() -> dict:
     return out
 
 
-def save_both(directory: str, state: dict) -> None:
-    """``ms.save`` to ``directory/ckpt``; a ``CheckpointManager`` step to ``directory/mngr``."""
+def save_both(directory: str, state: dict) -> list[str]:
+    """``ms.save`` to ``directory/ckpt``; a ``CheckpointManager`` step to ``directory/mngr``.
+
+    Returns the device barriers (``sync_global_devices``) the saves issued: Orbax's own
+    barriers should all go through the coordination service instead."""
+    from jax.experimental import multihost_utils
+
+    barriers: list[str] = []
+    device_sync = multihost_utils.sync_global_devices
+
+    def counted(name: str) -> None:
+        barriers.append(name)
+        device_sync(name)
+
+    multihost_utils.sync_global_devices = counted
+    try:
+        _save_both(directory, state)
+    finally:
+        multihost_utils.sync_global_devices = device_sync
+    return barriers
+
+
+def _save_both(directory: str, state: dict) -> None:
     ms.save(os.path.join(directory, "ckpt"), state)
     # Leaves only this process holds (NumPy, one device, a typed key) are saved too.
     local = {

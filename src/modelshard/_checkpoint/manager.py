@@ -53,7 +53,7 @@ from .storage import (
     STATE_ITEM,
 )
 from .urls import atomicity_options, check_bucket, is_missing, is_remote, location, reaching
-from .write import coordinated_processes, prepare
+from .write import check_compression, coordinated_processes, prepare, save_handler
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
 
@@ -167,6 +167,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
         handle_signals: bool = True,
+        compression: str | None = None,
     ):
         """Open (creating it if needed) the manager's root ``directory``.
 
@@ -187,6 +188,15 @@ class CheckpointManager:
             handle_signals: install the SIGTERM/SIGINT handler that turns a signal into a
                 stop request (see ``should_save``) or, if the loop never polls,
                 finishes pending saves before the process dies of the signal.
+            compression: how each step's arrays are stored, as in
+                [`modelshard.save`][modelshard.save]: None (default) each chunk's raw
+                bytes, ``"zstd"`` compressed as Orbax does by default. Restoring reads
+                either, so steps saved with one restore under the other.
+
+        Raises:
+            CheckpointError: an option is out of range (``save_interval_steps``,
+                ``compression``, the keep rules), or the local ``directory`` cannot be
+                created.
         """
         if (
             isinstance(save_interval_steps, bool)
@@ -204,6 +214,8 @@ class CheckpointManager:
             best_mode=best_mode,
             keep_steps=as_steps(keep_steps),
         )
+        check_compression(compression)
+        self.compression = compression
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self.directory = location(directory)
@@ -278,7 +290,7 @@ class CheckpointManager:
                     atomicity_options=atomicity, multiprocessing_options=processes
                 ),
                 **{
-                    STATE_ITEM: ocp.StandardCheckpointHandler(),
+                    STATE_ITEM: save_handler(self.compression),
                     RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
                     ITEMS_ITEM: ocp.JsonCheckpointHandler(filename=ITEMS_FILE),
                     METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
@@ -510,7 +522,7 @@ class CheckpointManager:
             _json_or_error("metadata", dict(metadata))
         tree, record = prepare(state, metadata)
         args = {
-            STATE_ITEM: ocp.args.StandardSave(tree),
+            STATE_ITEM: ocp.args.PyTreeSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
             ITEMS_ITEM: ocp.args.JsonSave(encoded),
         }

@@ -77,25 +77,36 @@ def _make_room(path: Any, *, overwrite: bool) -> None:
             path.rmtree()
 
 
-def save_remote(path: Any, tree: Any, record: Record, *, overwrite: bool) -> None:
+def save_remote(
+    path: Any, tree: Any, record: Record, *, overwrite: bool, handler: Any, processes: Any
+) -> None:
     """Write ``tree`` and ``record`` as a checkpoint at the object-storage ``path``, in
-    one Orbax save committed by its commit file (see ``prepare_remote`` for an old one)."""
+    one Orbax save committed by its commit file (see ``prepare_remote`` for an old one).
+
+    ``handler`` writes the arrays (``write.save_handler``: ``save``'s compression, its
+    files), ``processes`` are Orbax's multiprocessing options
+    (``write.coordinated_processes``); ``write`` passes both, as it imports this module.
+    """
     import orbax.checkpoint as ocp
 
     prepare_remote(path, overwrite=overwrite)
     atomicity = atomicity_options(path)
-    handler = ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(atomicity_options=atomicity),
+    composite = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(
+            atomicity_options=atomicity, multiprocessing_options=processes
+        ),
         **{
-            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            STATE_ITEM: handler,
             RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
         },
     )
     args = ocp.args.Composite(
         **{
-            STATE_ITEM: ocp.args.StandardSave(tree),
+            STATE_ITEM: ocp.args.PyTreeSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
         }
     )
-    with ocp.Checkpointer(handler, atomicity_options=atomicity) as ckptr:
+    with ocp.Checkpointer(
+        composite, atomicity_options=atomicity, multiprocessing_options=processes
+    ) as ckptr:
         ckptr.save(path, args=args, custom_metadata=MARKER)

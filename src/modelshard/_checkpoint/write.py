@@ -388,10 +388,11 @@ def check_compression(compression: Any) -> bool:
 
 
 def save_handler(compression: str | None = None) -> Any:
-    """The Orbax handler ``save`` writes a state's arrays with: Orbax's PyTree handler
-    (the one under ``StandardCheckpointHandler``, same files, same format) with chunks
-    compressed or not (``COMPRESSIONS``) and replica-parallel writing only where it can
-    help (``MIN_REPLICA_PARALLEL_BYTES``)."""
+    """The Orbax handler a state's arrays are written with (``save``, a manager step's
+    ``state`` item, object storage): Orbax's PyTree handler (the one under
+    ``StandardCheckpointHandler``, same files, same format; saved with
+    ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``) and
+    replica-parallel writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.metadata import array_metadata_store
 
@@ -418,7 +419,10 @@ def orbax_save(directory: Path, tree: Any, compression: str | None = None) -> No
     """Write ``tree`` as an Orbax PyTree checkpoint marked as modelshard's."""
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(save_handler(compression)) as ckptr:
+    # Several processes: Orbax's own barriers (start, directories, commit) go through the
+    # coordination service, as the manager's do; one process: Orbax's defaults, unchanged.
+    processes = coordinated_processes()
+    with ocp.Checkpointer(save_handler(compression), multiprocessing_options=processes) as ckptr:
         ckptr.save(directory, args=ocp.args.PyTreeSave(tree), custom_metadata=MARKER)
 
 
@@ -470,7 +474,14 @@ def save(
     if is_remote(path):
         from .remote import save_remote
 
-        save_remote(path, tree, record, overwrite=overwrite)
+        save_remote(
+            path,
+            tree,
+            record,
+            overwrite=overwrite,
+            handler=save_handler(compression),
+            processes=coordinated_processes(),
+        )
         return path
     write_atomic(path, lambda d: orbax_save(d, tree, compression), record, overwrite=overwrite)
     return path
