@@ -358,3 +358,15 @@ def counting_compiles() -> Iterator[collections.Counter[str]]:
 def count_compiles() -> Callable[[], contextlib.AbstractContextManager[collections.Counter[str]]]:
     """``counting_compiles``: ``with count_compiles() as n: ...`` then ``n["jit(step)"]``."""
     return counting_compiles
+
+
+def stored_codec(path: Any, key: str) -> Any:
+    """The codec of the stored array of leaf ``key`` in the checkpoint (or manager step) at
+    ``path``, as TensorStore reads its zarr metadata: None for raw chunks."""
+    from modelshard._checkpoint.locate import locate
+    from modelshard._checkpoint.stored import ArrayReader
+
+    source = locate(path)
+    reader = ArrayReader(source, source.record.by_path()[key])
+    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
+    return reader.store.spec().to_json()["metadata"]["compressor"]

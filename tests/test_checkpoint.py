@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
+from conftest import MAKERS, stored_codec
 
 
 @pytest.fixture
@@ -528,21 +528,10 @@ def test_host_checksums_reuse_position_terms_across_alike_leaves(monkeypatch):
 OLD = os.path.join(os.path.dirname(__file__), "data", "ckpt_5ada014")
 
 
-def _compressor(path, key):
-    """The codec of one stored array, as TensorStore reads its zarr metadata."""
-    from modelshard._checkpoint.locate import locate
-    from modelshard._checkpoint.stored import ArrayReader
-
-    source = locate(path)
-    reader = ArrayReader(source, source.record.by_path()[key])
-    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
-    return reader.store.spec().to_json()["metadata"]["compressor"]
-
-
 def test_a_checkpoint_written_before_uncompressed_saves_still_restores(tmp_path, mesh24):
     """tests/data/ckpt_5ada014: written by ``ms.save`` at commit 5ada014 (zstd chunks,
     record format 1) from the state rebuilt here; read back bit for bit, verified."""
-    assert _compressor(OLD, "dense/kernel") == {"id": "zstd", "level": 1}
+    assert stored_codec(OLD, "dense/kernel") == {"id": "zstd", "level": 1}
     want = {
         "dense": {
             "kernel": jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16) / 7,
@@ -558,7 +547,7 @@ def test_a_checkpoint_written_before_uncompressed_saves_still_restores(tmp_path,
     assert ms.read_metadata(OLD) == {"written_by": "5ada014"}
     # and rewritten by today's save, uncompressed, it still reads in plain Orbax
     path = ms.save(tmp_path / "again", moved)
-    assert _compressor(path, "dense/kernel") is None
+    assert stored_codec(path, "dense/kernel") is None
     plain = ocp.StandardCheckpointer().restore(str(path))
     np.testing.assert_array_equal(plain["dense"]["kernel"], want["dense"]["kernel"])
 
@@ -567,8 +556,8 @@ def test_save_stores_raw_chunks_unless_compression_zstd(tmp_path, mesh8):
     zeros = ms.shard({"w": jnp.zeros((512, 256)), "b": jnp.ones(8)}, ms.fsdp("data"), mesh8)
     raw = ms.save(tmp_path / "raw", zeros)
     packed = ms.save(tmp_path / "zstd", zeros, compression="zstd")
-    assert _compressor(raw, "w") is None
-    assert _compressor(packed, "w") == {"id": "zstd", "level": 1}
+    assert stored_codec(raw, "w") is None
+    assert stored_codec(packed, "w") == {"id": "zstd", "level": 1}
 
     def data_bytes(p):
         return sum(os.path.getsize(f) for f in glob.glob(f"{p}/**/d/*", recursive=True))

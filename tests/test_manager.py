@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
+from conftest import MAKERS, stored_codec
 
 
 def test_steps_rotation_and_restore_onto_a_mesh(tmp_path, mesh24):
@@ -437,18 +437,6 @@ def test_constructor_documents_every_argument():
 # ---- how a step's arrays are stored ---------------------------------------------------------
 
 
-def _codec(step_dir, key):
-    """The codec of one stored array of a manager step, as TensorStore reads its zarr
-    metadata (None: raw chunks)."""
-    from modelshard._checkpoint.locate import locate
-    from modelshard._checkpoint.stored import ArrayReader
-
-    source = locate(step_dir)
-    reader = ArrayReader(source, source.record.by_path()[key])
-    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
-    return reader.store.spec().to_json()["metadata"]["compressor"]
-
-
 def _data_bytes(step_dir):
     return sum(f.stat().st_size for f in (step_dir / "state").rglob("*") if f.parent.name == "d")
 
@@ -462,8 +450,8 @@ def test_steps_store_raw_chunks_unless_compression_zstd(tmp_path, mesh8):
     with ms.CheckpointManager(tmp_path, compression="zstd", async_save=False) as mngr:
         mngr.save(1, zeros)
     raw, packed = tmp_path / "0", tmp_path / "1"
-    assert _codec(raw, "w") is None
-    assert _codec(packed, "w") == {"id": "zstd", "level": 1}
+    assert stored_codec(raw, "w") is None
+    assert stored_codec(packed, "w") == {"id": "zstd", "level": 1}
     assert _data_bytes(raw) >= 512 * 256 * 4 > 20 * _data_bytes(packed)
     with ms.CheckpointManager(tmp_path) as mngr:  # either restores, whatever the option
         assert mngr.all_steps() == [0, 1]
@@ -502,12 +490,12 @@ def test_a_step_written_by_orbax_standard_handler_still_restores(tmp_path):
         ckptr.save(
             tmp_path / "0", args=args, custom_metadata={"modelshard": "modelshard.checkpoint/1"}
         )
-    assert _codec(tmp_path / "0", "w") == {"id": "zstd", "level": 1}
+    assert stored_codec(tmp_path / "0", "w") == {"id": "zstd", "level": 1}
     with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
         mngr.save(1, {"w": old["w"] + 1, "k": jax.random.key(4)})
         assert mngr.all_steps() == [0, 1]
         first, second = mngr.restore(0, like=old), mngr.restore(1, like=old)
-    assert _codec(tmp_path / "1", "w") is None
+    assert stored_codec(tmp_path / "1", "w") is None
     np.testing.assert_array_equal(first["w"], old["w"])
     np.testing.assert_array_equal(second["w"], old["w"] + 1)
     assert jnp.array_equal(jax.random.key_data(first["k"]), jax.random.key_data(old["k"]))

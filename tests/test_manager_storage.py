@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
+from conftest import stored_codec
 
 CHILD = Path(__file__).parent / "manager_scripts" / "exit_child.py"
 
@@ -185,23 +186,11 @@ def test_restore_onto_another_mesh_is_bit_exact(bucket_root):
     with ms.CheckpointManager(bucket_root, handle_signals=False, compression="zstd") as mngr:
         mngr.save(1, state)
         again = mngr.restore(1, specs={"w": P("data", "model"), "k": P()}, mesh=mesh24)
-    assert (_codec(step, "w"), _codec(f"{bucket_root}/1", "w")) == (
+    assert (stored_codec(step, "w"), stored_codec(f"{bucket_root}/1", "w")) == (
         None,
         {"id": "zstd", "level": 1},
     )
     np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(state["w"]))
-
-
-def _codec(path, key):
-    """The codec of one stored array (None: raw chunks), as TensorStore reads its zarr
-    metadata."""
-    from modelshard._checkpoint.locate import locate
-    from modelshard._checkpoint.stored import ArrayReader
-
-    source = locate(path)
-    reader = ArrayReader(source, source.record.by_path()[key])
-    reader((slice(0, 1),) * len(reader.rec.stored_shape))  # opens the store
-    return reader.store.spec().to_json()["metadata"]["compressor"]
 
 
 def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
@@ -227,10 +216,10 @@ def test_plain_checkpoint_written_in_one_commit(bucket_root, capsys):
     with pytest.raises(ms.CheckpointError) as e:
         ms.save(str(path), state)
     assert str(e.value).startswith(f"{path} already exists; pass overwrite=True")
-    assert _codec(path, "w") is None  # raw chunks by default, as on a local disk
+    assert stored_codec(path, "w") is None  # raw chunks by default, as on a local disk
     ms.save(str(path), {"w": jnp.zeros(3), "k": key}, overwrite=True, compression="zstd")
     assert ms.restore(str(path))["w"].shape == (3,)
-    assert _codec(path, "w") == {"id": "zstd", "level": 1}
+    assert stored_codec(path, "w") == {"id": "zstd", "level": 1}
     (path / "commit_success.txt").unlink()  # as a save killed part-way leaves it
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(str(path))
