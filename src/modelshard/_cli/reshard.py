@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from typing import Any
 
 from .args import (
@@ -18,7 +17,7 @@ from .args import (
     target_specs,
 )
 from .host import return_freed_memory, use_cpu_devices
-from .output import console, emit, say, writing
+from .output import emit, progress_bar, say, writing
 
 
 def add_parser(sub: Any) -> None:
@@ -72,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
         distributed.initialize()
     use_cpu_devices(math.prod(sizes.values()))
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
     from .._checkpoint import locate
     from .._checkpoint.reshard import reshard, step_extras
     from .._mesh import make_mesh
@@ -84,14 +81,7 @@ def run(args: argparse.Namespace) -> int:
     dropped = step_extras(source.path)
     specs = target_specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=console(stderr=True),
-        disable=args.json or not sys.stderr.isatty(),
-    ) as progress:
+    with progress_bar(args, "resharding") as progress:
         task = progress.add_task("resharding", total=source.record.nbytes)
         with writing(args.destination):
             written = reshard(
