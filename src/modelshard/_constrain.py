@@ -40,6 +40,12 @@ def _library(frame: FrameType) -> bool:
     )
 
 
+def _traced(tree: Any) -> bool:
+    """Whether ``tree`` holds a tracer (``constrain`` inside a trace); asked only when an
+    error names the call site, never on the path of a call that succeeds."""
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
+
+
 def call_site(traced: bool) -> str | None:
     """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
     user's ``constrain`` call (the first frame outside modelshard) and, while tracing, the
@@ -128,19 +134,18 @@ def constrain(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
         >>> f({"w": jnp.ones((16, 2))})["w"].sharding.spec
         P('data',)
     """
-    traced = any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
     if mesh is None:
         try:
             mesh = current_mesh()
         except MeshError as e:  # name the user's call, as a SpecError does
-            site = call_site(traced)
+            site = call_site(_traced(tree))
             if site is None:
                 raise
             raise MeshError(f"{site}: {e}") from None
     try:
         (arg,) = expand_args([("tree", tree, specs)], mesh)
     except SpecError as e:  # name the user's call: a trace's traceback hides it
-        site = call_site(traced)
+        site = call_site(_traced(tree))
         if site is None or type(e) is not SpecError:
             raise
         raise SpecError(e.problems, header=e.header, site=site) from None
