@@ -240,7 +240,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     from .._checkpoint import locate
     from .._text import format_bytes
     from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_config, reference_table, write_export
+    from .._weights.load import reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
         from .._errors import CheckpointError
@@ -262,10 +262,10 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
         }
     else:
         reference = args.reference
-    table, meta = reference_table(reference)
+    table, meta, sizes = reference_table(reference)
     if args.reference is None:
         meta = {"format": "pt"}  # what transformers expects of a file it did not write
-    wm = as_mapping(args.mapping, split_dots=True).with_config(reference_config(reference))
+    wm = as_mapping(args.mapping, split_dots=True).with_config(sizes)
     ex = Exporter(targets, load, table, wm, args.dtype)
     ex.check_also()  # a tied leaf changed since it was loaded: refused, nothing written
     items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]

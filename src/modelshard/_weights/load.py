@@ -493,8 +493,8 @@ def save_safetensors(
         meta: Mapping[str, str] = {"format": "pt"}
     else:
         wm = as_mapping(mapping, split_dots=True)
-        table, meta = reference_table(reference)
-        wm = wm.with_config(reference_config(reference))
+        table, meta, sizes = reference_table(reference)
+        wm = wm.with_config(sizes)
         ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
         ex.check_also()  # a refused export writes nothing
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
@@ -507,14 +507,6 @@ def save_safetensors(
         max_shard_size=max_shard_size,
         progress=progress,
     )
-
-
-def reference_config(reference: Any) -> dict[str, int]:
-    """The ``config.json`` sizes beside a reference checkpoint (none for a container)."""
-    if not isinstance(reference, str | os.PathLike):
-        return {}
-    with open_safetensors(reference) as ref:
-        return checkpoint_config(ref.path)
 
 
 Entry = tuple[str, tuple[int, ...], Any]
@@ -654,13 +646,14 @@ def write_export(
 
 def reference_table(
     reference: Any,
-) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str]]:
-    """``(name -> (shape, dtype), metadata)`` of an export's reference: a safetensors
-    file/index/directory (its headers), or any container (its leaves' paths)."""
+) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str], dict[str, int]]:
+    """``(name -> (shape, dtype), metadata, config sizes)`` of an export's reference: a
+    safetensors file/index/directory (its headers, and the ``config.json`` beside it), or
+    any container (its leaves' paths; no metadata, no sizes)."""
     if isinstance(reference, str | os.PathLike):
         with open_safetensors(reference) as ref:
-            return ref.table(), dict(ref.metadata)
-    return target_table(reference)[1], {}
+            return ref.table(), dict(ref.metadata), checkpoint_config(ref.path)
+    return target_table(reference)[1], {}, {}
 
 
 class Exporter:
@@ -893,8 +886,8 @@ def unmap(
         [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     """
     wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
-    table, _ = reference_table(reference)
-    wm = wm.with_config(reference_config(reference))
+    table, _, sizes = reference_table(reference)
+    wm = wm.with_config(sizes)
     ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
     ex.check_also()
     if isinstance(reference, str | os.PathLike):
