@@ -306,10 +306,8 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
 def _refuse_existing(args: argparse.Namespace) -> None:
     """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
     (``--max-shard-size``) the index, the lone file or shards of the same name."""
-    import re
-
     from .._errors import CheckpointError
-    from .._weights.safetensors import sharded_names
+    from .._weights.safetensors import sharded_layout, sharded_names
 
     if args.overwrite:
         return
@@ -318,14 +316,7 @@ def _refuse_existing(args: argparse.Namespace) -> None:
         # a directory is refused by the writer itself (not a file it could replace)
         there = [dest] if dest.is_file() or dest.is_symlink() else []
     else:
-        directory, stem = sharded_names(dest)
-        shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
-        names = {f"{stem}.safetensors", f"{stem}.safetensors.index.json"}
-        there = (
-            sorted(f for f in directory.iterdir() if f.name in names or shard.fullmatch(f.name))
-            if directory.is_dir()
-            else []
-        )
+        there = sharded_layout(*sharded_names(dest))
     if there:
         what = str(there[0]) if there[0] == dest else f"{dest} ({there[0].name})"
         raise CheckpointError(f"{what} already exists; pass --overwrite to replace it")

@@ -585,6 +585,17 @@ def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
     return p, "model"
 
 
+def sharded_layout(directory: Path, stem: str) -> list[Path]:
+    """The files of the sharded layout under ``stem`` that ``directory`` holds now, sorted:
+    the index ``{stem}.safetensors.index.json``, a lone ``{stem}.safetensors`` and shards
+    ``{stem}-0000k-of-0000n.safetensors`` (what a sharded write there replaces)."""
+    if not directory.is_dir():
+        return []
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    names = {f"{stem}.safetensors", f"{stem}.safetensors.index.json"}
+    return sorted(f for f in directory.iterdir() if f.name in names or shard.fullmatch(f.name))
+
+
 def write_sharded(
     path: str | os.PathLike[str],
     entries: Iterable[tuple[str, tuple[int, ...], Any]],
@@ -608,12 +619,10 @@ def write_sharded(
     groups = shard_groups(items, parse_size(max_shard_size))
     _make_dir(directory)
     index = directory / f"{stem}.safetensors.index.json"
-    stale = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
     if len(groups) == 1:
         out = directory / f"{stem}.safetensors"
         os.replace(_write_partial(out, items, compute, metadata, progress), out)
-        index.unlink(missing_ok=True)
-        keep = set()
+        keep = {out.name}
     else:
         n = len(groups)
         names = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -635,9 +644,8 @@ def write_sharded(
         tmp = index.with_name(index.name + ".partial")
         tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, index)
-        out, keep = index, set(names)
-        (directory / f"{stem}.safetensors").unlink(missing_ok=True)
-    for f in directory.iterdir():
-        if stale.fullmatch(f.name) and f.name not in keep:
+        out, keep = index, {index.name, *names}
+    for f in sharded_layout(directory, stem):  # the earlier layout's files
+        if f.name not in keep:
             f.unlink(missing_ok=True)
     return out
