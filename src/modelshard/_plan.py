@@ -17,7 +17,7 @@ from ._dtypes import dtype_name
 from ._expand import ArgPlan, LeafPlan, expand_args
 from ._mesh import format_mesh, mesh_sizes
 from ._specs import SpecLike, entry_axes, format_spec, spec_from_json, spec_json
-from ._text import format_bytes, literal, vocabulary
+from ._text import SHOW_ALL, format_bytes, literal, vocabulary
 
 
 def _itemsize(dtype: Any) -> int:
@@ -418,7 +418,7 @@ class PlanTable:
             rest = self.rows[len(shown) :]
             n = sum(r["count"] for r in rest)
             cli = vocabulary() == "cli"
-            show_all = "run without --max-rows to show all" if cli else "max_rows=None shows all"
+            show_all = SHOW_ALL if cli else "max_rows=None shows all"
             parts.append(Text(f"... {len(rest)} more rows ({n} leaves); {show_all}"))
         if self.filter is not None:
             n = sum(r["count"] for r in self.rows)

@@ -39,6 +39,11 @@ def vocabulary() -> Vocabulary:
     return _VOCABULARY.get()
 
 
+SHOW_ALL = "run without --max-rows to show all"
+"""What every table cut by the command line's ``--max-rows`` says on the line below it
+(``modelshard inspect``, ``convert --dry-run``, and ``Plan.table`` under ``speaking("cli")``)."""
+
+
 def format_bytes(n: float) -> str:
     """``1.50 MiB``-style text for a byte count."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -13,12 +13,11 @@ import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
+# what every table cut by --max-rows says below it (``Plan.table`` under the CLI too)
+from .._text import SHOW_ALL as SHOW_ALL
+
 SCHEMA = 1
 """Version of the ``--json`` envelope (``"schema"`` in every object)."""
-
-
-SHOW_ALL = "run without --max-rows to show all"
-"""What every table cut by ``--max-rows`` says on the line below it (``plan`` too)."""
 
 
 def console(stderr: bool = False) -> Any:
