@@ -662,9 +662,9 @@ class Exporter:
     host once (``load(path)``) and dropped when no later tensor reads it.
 
     A stored tensor that an ``also`` rule copied into more leaves is written once, from
-    its first rule's leaf; ``check_also`` (run by ``write`` before anything is written)
-    refuses an ``also`` leaf that no longer equals it. With ``untie`` each such leaf is
-    written instead under its rule's ``untied`` name.
+    its first rule's leaf; ``check_also`` (run by every export before anything is
+    written) refuses an ``also`` leaf that no longer equals it. With ``untie`` each such
+    leaf is written instead under its rule's ``untied`` name.
 
     Args:
         targets: the target leaves, path -> (shape, dtype).
@@ -818,32 +818,6 @@ class Exporter:
                 )
         if problems:
             raise MappingError(problems)
-
-    def write(
-        self,
-        path: str | os.PathLike[str],
-        metadata: Mapping[str, str] | None,
-        progress: Callable[[int, int], None] | None,
-    ) -> Path:
-        """Write the reference's tensors as one safetensors file, one tensor at a time
-        (``check_also`` first: a refused export writes nothing)."""
-        self.check_also()
-        table = self.table
-        total = sum(math.prod(table[n][0]) * np.dtype(table[n][1]).itemsize for n in self.order)
-        done = [0]
-
-        def step(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(done[0], total)
-
-        return write_safetensors(
-            path,
-            [(n, table[n][0], table[n][1]) for n in self.order],
-            self.compute,
-            metadata,
-            step,
-        )
 
 
 def unmap(
