@@ -46,8 +46,8 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from ._errors import Problem, SpecError
-from ._specs import TOML_NONE as NONE
 from ._specs import Rules
+from ._text import TOML_NONE as NONE
 from ._text import quote_pattern
 
 _TOP = {"strict", "rules", "logical"}

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from ._errors import Problem, SpecError
 from ._logical import LogicalRules, compile_logical
 from ._text import format_spec as format_spec
-from ._text import quote_pattern
+from ._text import quote_pattern, toml_entry
 from ._text import spec_json as spec_json
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
@@ -383,18 +383,8 @@ def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
 
 
-# The TOML spelling of rules: ``Rules.to_toml`` writes it, ``_rulesfile`` reads it back.
-TOML_NONE = "none"  # TOML has no null: a replicated dimension
-
-
-def _toml_entry(e: Any) -> str:
-    if e is None:
-        return f'"{TOML_NONE}"'
-    if isinstance(e, tuple):
-        return "[" + ", ".join(f'"{x}"' for x in e) + "]"
-    return f'"{e}"'
-
-
+# The TOML spelling of rules: ``Rules.to_toml`` writes it (entries as ``_text.toml_entry``
+# spells them), ``_rulesfile`` reads it back.
 def rules_to_toml(rules: Rules) -> str:
     """The TOML text ``load_rules`` (``_rulesfile``, the reader) reads back as ``rules``."""
     lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
@@ -408,14 +398,14 @@ def rules_to_toml(rules: Rules) -> str:
         lines += [
             "[[rules]]",
             f"pattern = {quoted}",
-            "spec = [" + ", ".join(_toml_entry(e) for e in spec) + "]",
+            "spec = [" + ", ".join(toml_entry(e) for e in spec) + "]",
             "",
         ]
     logical = rules.logical
     if isinstance(logical, Mapping) and logical:
         lines.append("[logical]")
-        lines += [f'"{k}" = {_toml_entry(v)}' for k, v in logical.items()]
+        lines += [f'"{k}" = {toml_entry(v)}' for k, v in logical.items()]
     elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
-        pairs = [f'  ["{k}", {_toml_entry(v)}],' for k, v in logical]
+        pairs = [f'  ["{k}", {toml_entry(v)}],' for k, v in logical]
         lines[1:1] = ["logical = [", *pairs, "]"]
     return "\n".join(lines) + "\n"

@@ -79,15 +79,20 @@ def toml_spec(entries: Any) -> str:
     """
     if isinstance(entries, PartitionSpec):
         entries = spec_json(entries)
+    return "[" + ", ".join(toml_entry(e) for e in entries) + "]"
 
-    def one(e: Any) -> str:
-        if e is None:
-            return '"none"'
-        if isinstance(e, list | tuple):
-            return "[" + ", ".join(one(x) for x in e) + "]"
-        return '"' + str(e).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    return "[" + ", ".join(one(e) for e in entries) + "]"
+TOML_NONE = "none"
+"""A replicated dimension in a rules file (TOML has no null)."""
+
+
+def toml_entry(e: Any) -> str:
+    """One spec entry as a rules file writes it: ``"none"``, ``"model"``, ``["data", "fsdp"]``."""
+    if e is None:
+        return f'"{TOML_NONE}"'
+    if isinstance(e, list | tuple):
+        return "[" + ", ".join(toml_entry(x) for x in e) + "]"
+    return '"' + str(e).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def format_mesh(sizes: Mapping[str, int]) -> str:
