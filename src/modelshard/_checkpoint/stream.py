@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._dtypes import dtype_name
 from .._errors import CheckpointError
+from ..distributed import barrier
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
@@ -65,7 +66,7 @@ from .storage import (
     storage_key,
 )
 from .urls import is_remote, location
-from .write import check_destination, sync, write_atomic
+from .write import check_destination, write_atomic
 
 DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
@@ -535,11 +536,11 @@ class Stream:
         )
         if count > 1:
             (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
-            sync("modelshard:stream:written")
+            barrier("modelshard:stream:written")
             for p in range(count):
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
-            sync("modelshard:stream:read")
+            barrier("modelshard:stream:read")
             (directory / PART_FILE.format(process)).unlink()
         bad = []
         for lay in self.layouts:
@@ -641,4 +642,4 @@ def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
         (path / RECORD_ITEM / RECORD_FILE).write_text(stream.record.dumps())
         (path / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(time.time_ns())))
         (path / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
-    sync("modelshard:stream:committed")
+    barrier("modelshard:stream:committed")

@@ -225,12 +225,6 @@ def _replicated_if_local(x: Any) -> Any:
     )
 
 
-def sync(name: str) -> None:
-    """Wait for every process at ``name`` (nothing to wait for under one process): a
-    barrier of the coordination service, with its timeout (``distributed.barrier``)."""
-    barrier(name)
-
-
 def coordinated_processes() -> Any:
     """Orbax's ``MultiprocessingOptions`` naming every process: Orbax then waits at its
     own barriers of a save (start, directory creation, commit) through the coordination
@@ -340,7 +334,7 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
     if primary:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(staging)
-    sync("modelshard:save:start")
+    barrier("modelshard:save:start")
     try:
         write(staging)
         if primary:
@@ -360,7 +354,7 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
             os.rename(staging, path)
         _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
-    sync("modelshard:save:end")
+    barrier("modelshard:save:end")
 
 
 # How ``save`` stores each chunk: None, the raw little-endian bytes (the default), or
