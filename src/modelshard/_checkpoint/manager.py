@@ -52,7 +52,7 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import atomicity_options, check_bucket, is_missing, is_remote, location, reaching
+from .urls import atomicity_options, check_bucket, is_remote, location, reaching
 from .write import check_compression, coordinated_processes, prepare, save_handler
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -80,13 +80,12 @@ def complete_steps(root: Any) -> list[int]:
     Raises:
         CheckpointError: object storage that cannot be reached (``urls.reaching``).
     """
-    with reaching(root):
-        try:
+    try:
+        with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
             children = list(root.iterdir())
-        except Exception as e:
-            if is_missing(e):
-                return []
-            raise
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    with reaching(root):
         return sorted(
             int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c)
         )
@@ -329,11 +328,10 @@ class CheckpointManager:
         a folder of that name that modelshard did not write."""
         step_dir = self.step_directory(step)
         try:
-            children = list(self.directory.iterdir())
-        except Exception as e:  # object storage: no "directory" before the first object
-            if not is_missing(e):
-                raise
-            children = []
+            with reaching(self.directory):
+                children = list(self.directory.iterdir())
+        except (FileNotFoundError, NotADirectoryError):  # object storage: no "directory"
+            children = []  # before the first object
         for c in children:
             if c.name.startswith(f"{step}{ORBAX_TMP}"):
                 if self._remote:
