@@ -29,7 +29,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
+from .write import registry_with
 
 
 class FairLimiter:
@@ -160,12 +160,4 @@ def each_array_registry(
     ``group_bytes(param_info)``: the bytes all of an array's reads reserve together (0: each
     read reserves its own); an array whose group is under ``max_bytes`` is reserved whole
     and its reads run at once."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    th = ocp.type_handlers
-    kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
-    return th.create_type_handler_registry(
-        *((ty, th.get_type_handler(ty)) for ty in kinds),
-        (jax.Array, _handler_class()(on_read, max_bytes, group_bytes)),
-    )
+    return registry_with(_handler_class()(on_read, max_bytes, group_bytes))

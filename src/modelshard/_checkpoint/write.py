@@ -397,15 +397,23 @@ def save_handler(compression: str | None = None) -> Any:
         use_replica_parallel=jax.process_count() > 1,
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
     )
-    kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
-    registry = th.create_type_handler_registry(
-        *((ty, th.get_type_handler(ty)) for ty in kinds), (jax.Array, arrays)
-    )
     return ocp.PyTreeCheckpointHandler(
         save_concurrent_gb=96,
         restore_concurrent_gb=96,
         use_compression=check_compression(compression),
-        type_handler_registry=registry,
+        type_handler_registry=registry_with(arrays),
+    )
+
+
+def registry_with(arrays: Any) -> Any:
+    """An Orbax type-handler registry holding the global one's handlers, except
+    ``arrays`` for ``jax.Array`` (``save_handler``'s writes, ``arrival``'s reads)."""
+    import orbax.checkpoint as ocp
+
+    th = ocp.type_handlers
+    kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
+    return th.create_type_handler_registry(
+        *((ty, th.get_type_handler(ty)) for ty in kinds), (jax.Array, arrays)
     )
 
 
