@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from ._errors import Problem, SpecError
+from ._text import toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -74,7 +75,7 @@ def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) 
     logical array), ``'heads': 'model'`` (a Python mapping), ``('heads', 'model')`` (Flax's
     pairs); without ``axis`` a placeholder names what goes there."""
     if file is not None:
-        value = f'"{axis}"' if axis is not None else '"<mesh axis>"'
+        value = toml_entry(axis if axis is not None else "<mesh axis>")
         return f'["{name}", {value}]' if ordered else f"{name} = {value}"
     value = repr(axis) if axis is not None else "<mesh axes or None>"
     return f"({name!r}, {value})" if ordered else f"{name!r}: {value}"
