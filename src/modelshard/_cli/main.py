@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from . import convert, inspect, launch, plan, reshard
-from .output import Parser, UsageError, fail, os_message, problem_json, tensorstore_os_error
+from .output import Parser, UsageError, fail, os_error_json, problem_json, tensorstore_os_error
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,12 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelshardError as e:
         return fail(args.command, 1, problem_json(e), as_json)
     except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
-        error = {"type": type(e).__name__, "message": os_message(e), "errno": e.errno}
-        return fail(args.command, 1, error, as_json)
+        return fail(args.command, 1, os_error_json(e), as_json)
     except ValueError as e:  # TensorStore reports a failed write (full disk) as ValueError
         os_error = tensorstore_os_error(e)
         if os_error is None:
             raise
-        message = os_message(os_error)
-        error = {"type": type(os_error).__name__, "message": message, "errno": os_error.errno}
-        return fail(args.command, 1, error, as_json)
+        return fail(args.command, 1, os_error_json(os_error), as_json)

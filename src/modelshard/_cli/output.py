@@ -164,6 +164,11 @@ def os_message(e: OSError) -> str:
     return text + (f" ({hint})" if hint and hint.lower() != what.lower() else "")
 
 
+def os_error_json(e: OSError) -> dict[str, Any]:
+    """An ``OSError`` as the error of a failed command: its type, ``os_message``, errno."""
+    return {"type": type(e).__name__, "message": os_message(e), "errno": e.errno}
+
+
 def problem_json(e: Exception) -> dict[str, Any]:
     from .._errors import ModelshardError
 
