@@ -53,33 +53,35 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
-CHILD = textwrap.dedent(
+# every child: 8 CPU devices, modelshard, and status("VmHWM:") (peak RSS) / ("VmRSS:")
+PRELUDE = textwrap.dedent(
     """
     import json, os, sys, time
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
-    import numpy as np
-    import safetensors.numpy
     import modelshard as ms
 
-    def vm_hwm():  # this process's peak RSS
+    def status(key):
         for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
+    """
+)
 
-    def vm_rss():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+CHILD = PRELUDE + textwrap.dedent(
+    """
+    import numpy as np
+    import safetensors.numpy
 
     mode, path = sys.argv[1], sys.argv[2]
     mesh = ms.make_mesh({"data": 8})
     jax.numpy.ones(8).block_until_ready()
     specs = ms.fsdp("data")
-    base = vm_hwm()
+    base = status("VmHWM:")
     if mode in ("convert", "export"):
         # the command's fixed costs are not what streaming bounds: imports, compiled
         # checksum programs, TensorStore's pools. One warm-up of each command on a
@@ -95,7 +97,7 @@ CHILD = textwrap.dedent(
         os.unlink(tmp + ".safetensors")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        base = vm_rss()
+        base = status("VmRSS:")
     t = time.perf_counter()
     if mode == "convert":  # safetensors -> checkpoint, streamed
         rc = main(["convert", path, sys.argv[3], "--mesh", "data=8", "--rules", sys.argv[4],
@@ -136,7 +138,7 @@ CHILD = textwrap.dedent(
     if out is not None:
         assert all(x.sharding.spec[0] == "data" for x in jax.tree.leaves(out)), "not FSDP"
         del out
-    print(json.dumps({"seconds": seconds, "baseline": base, "peak": vm_hwm()}))
+    print(json.dumps({"seconds": seconds, "baseline": base, "peak": status("VmHWM:")}))
     """
 )
 
@@ -152,10 +154,11 @@ def _write(path: Path, tensors: int, rows: int, cols: int, transposed: bool) -> 
     write_safetensors(path, entries, lambda name: rng.standard_normal(shape, dtype=np.float32))
 
 
-def _run(mode: str, *args: Path) -> dict[str, float]:
+def _child(script: str, mode: str, *args: object) -> dict:
+    """Run one child script in a fresh process; its last stdout line, parsed."""
     try:
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, mode, *map(str, args)],
+            [sys.executable, "-c", script, mode, *map(str, args)],
             capture_output=True,
             text=True,
             timeout=900,
@@ -167,22 +170,23 @@ def _run(mode: str, *args: Path) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _run(mode: str, *args: Path) -> dict[str, float]:
+    return _child(CHILD, mode, *args)
+
+
+def _per_run(runs: dict[str, list[dict]], what: str, value: Callable[[dict], str]) -> str:
+    """``per run (what): mode v, v, ...; mode ...``: every run's own figure."""
+    return f"per run ({what}): " + "; ".join(
+        f"{m} " + ", ".join(value(r) for r in rs) for m, rs in runs.items()
+    )
+
+
 # ---- reference-free sharded export (--export) ---------------------------------------------
 
-EXPORT_CHILD = textwrap.dedent(
+EXPORT_CHILD = PRELUDE + textwrap.dedent(
     """
-    import json, os, sys, time
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
     import numpy as np
     import safetensors.numpy
-    import modelshard as ms
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
 
     mode, out, tensors, rows, cols, shard = sys.argv[1:7]
     tensors, rows, cols = int(tensors), int(rows), int(cols)
@@ -223,27 +227,11 @@ def _run_export(mode: str, out: Path, tensors: int, rows: int, cols: int, shard:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     try:
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                EXPORT_CHILD,
-                mode,
-                str(out),
-                *map(str, (tensors, rows, cols, shard)),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"{mode} took over 900 s") from None
+        res = _child(EXPORT_CHILD, mode, out, tensors, rows, cols, shard)
     finally:
         written = sum(f.stat().st_size for f in out.iterdir()) if out.exists() else 0
         shutil.rmtree(out, ignore_errors=True)
-    if res.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{res.stderr[-3000:]}")
-    return {**json.loads(res.stdout.strip().splitlines()[-1]), "written": written}
+    return {**res, "written": written}
 
 
 def export_main(args: argparse.Namespace) -> int:
@@ -305,17 +293,12 @@ def export_main(args: argparse.Namespace) -> int:
         print(
             f"| {m} | {sec:.2f} | {a:.2f} | {b:.2f} | {c:.2f} | {peak / mib:.0f} MiB | {target} |"
         )
+    print("\n" + _per_run(runs, "seconds", lambda r: f"{r['seconds']:.2f}"))
     print(
-        "\nper run (seconds): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
-        )
-    )
-    print(
-        "per run (peak MiB above the state): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{max(0, r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
-            for m, rs in runs.items()
+        _per_run(
+            runs,
+            "peak MiB above the state",
+            lambda r: f"{max(0, r['peak'] - r['baseline']) / mib:.0f}",
         )
     )
     return 0
@@ -323,19 +306,8 @@ def export_main(args: argparse.Namespace) -> int:
 
 # ---- the Gemma layout through ops (--ops) --------------------------------------------------
 
-OPS_CHILD = textwrap.dedent(
+OPS_CHILD = PRELUDE + textwrap.dedent(
     """
-    import json, os, sys, time
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    import modelshard as ms
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-
     mode, path, mapping = sys.argv[1:4]
     mesh = ms.make_mesh({"data": 8})
     jax.numpy.ones(8).block_until_ready()
@@ -414,15 +386,7 @@ def ops_main(args: argparse.Namespace) -> int:
         nbytes = path.stat().st_size
         for _ in range(args.repeats):
             for mode in OPS_MODES:
-                res = subprocess.run(
-                    [sys.executable, "-c", OPS_CHILD, mode, str(path), str(mapping)],
-                    capture_output=True,
-                    text=True,
-                    timeout=900,
-                )
-                if res.returncode != 0:
-                    raise SystemExit(f"{mode} failed:\n{res.stderr[-3000:]}")
-                runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
+                runs[mode].append(_child(OPS_CHILD, mode, path, mapping))
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -453,17 +417,10 @@ def ops_main(args: argparse.Namespace) -> int:
                 + target
             )
         print(f"| {m} | {sec:.2f} | {r:.2f} | {peak / mib:.0f} MiB | {target} |")
+    print("\n" + _per_run(runs, "seconds", lambda r: f"{r['seconds']:.2f}"))
     print(
-        "\nper run (seconds): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
-        )
-    )
-    print(
-        "per run (peak MiB above baseline): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{(r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
-            for m, rs in runs.items()
+        _per_run(
+            runs, "peak MiB above baseline", lambda r: f"{(r['peak'] - r['baseline']) / mib:.0f}"
         )
     )
     return 0
@@ -581,18 +538,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {target} |"
         )
     print(
-        "\nper run (peak MiB above baseline): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{(r['peak'] - r['baseline']) / mib:.0f}" for r in rs)
-            for m, rs in runs.items()
+        "\n"
+        + _per_run(
+            runs, "peak MiB above baseline", lambda r: f"{(r['peak'] - r['baseline']) / mib:.0f}"
         )
     )
-    print(
-        "per run (seconds): "
-        + "; ".join(
-            f"{m} " + ", ".join(f"{r['seconds']:.2f}" for r in rs) for m, rs in runs.items()
-        )
-    )
+    print(_per_run(runs, "seconds", lambda r: f"{r['seconds']:.2f}"))
     return 0
 
 
