@@ -33,7 +33,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .._checkpoint import locate
+    from .._checkpoint import extras_json, locate
     from .._text import format_bytes, literal, spec_json
     from .._weights import is_safetensors
 
@@ -42,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
     source = locate(checkpoint_arg(args, args.checkpoint))
     rec = source.record
     if args.json:
-        from .._checkpoint import extras_json
-
         data = rec.to_json()
         # one mesh spelling in every output: {"axis": size} (the record keeps its types apart)
         saved = data.pop("mesh", None) or {}
@@ -113,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
         say(f"... {len(rest)} more rows ({sum(g.count for g in rest)} leaves); {SHOW_ALL}")
     if rec.versions:
         say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
-    from .._checkpoint import extras_json
-
     extras = extras_json(source.path)  # a manager step's items and metrics, beside the arrays
     if extras.get("items"):
         say(f"items: {', '.join(extras['items'])} (CheckpointManager.items; --json shows them)")
@@ -127,26 +123,18 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
     """The table's rows in record (flatten) order: with ``fold``, leaves whose paths differ
     only in layer numbers and that are stored alike (shape, dtype, spec, names) share one,
     as ``plan`` folds (``_fold.fold``)."""
-    from .._fold import Fold
     from .._fold import fold as fold_paths
 
-    if not fold:
-        out = []
-        for leaf in leaves:
-            g = Fold(leaf.path or "<root>")
-            g.add(leaf.path or "<root>", (), leaf)
-            out.append(g)
-        return out
-    return fold_paths(
-        leaves,
-        lambda leaf: leaf.path or "<root>",
-        key=lambda leaf: (
+    def stored_alike(leaf: Any) -> Any:
+        return (
             tuple(leaf.shape),
             leaf.dtype,
             str(leaf.spec),
             None if leaf.names is None else tuple(map(str, leaf.names)),
-        ),
-    )
+        )
+
+    # without ``fold`` every leaf is a key of its own: one row each
+    return fold_paths(leaves, lambda leaf: leaf.path or "<root>", stored_alike if fold else id)
 
 
 def _inspect_safetensors(args: argparse.Namespace) -> int:
