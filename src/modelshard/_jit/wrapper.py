@@ -197,8 +197,9 @@ class ShardJit:
         """Find or build the entry for a signature the structure table has not seen.
 
         The structure table is keyed by structure and static values only; shapes and dtypes
-        are checked by ``jax.jit``'s own cache, and a retrace with other shapes raises
-        ``Stale``, which lands here with ``stale=True``.
+        are checked by the entry's executable (a ``TypeError`` for others) or, for tracers,
+        by ``jax.jit``'s own cache (a retrace with other shapes raises ``Stale``): either
+        lands here with ``stale=True``.
         """
         # Arguments are flattened again by their adapter's own flatten here (not a per-call
         # route), so planning and tracing see exactly what the adapter makes of them.
