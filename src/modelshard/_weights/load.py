@@ -867,7 +867,7 @@ def unmap(
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}
     flat = split(reference)
-    homeless = [n for n in ex.order if n not in set(flat.paths)]
+    homeless = [n for n in ex.order if n not in table]  # table: the container's paths
     if homeless:  # untie=True: the untied tensors have no leaf in a container
         raise MappingError(
             [
