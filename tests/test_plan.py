@@ -270,6 +270,15 @@ def test_parse_bytes():
     for bad in ("", "-1GiB", "16 GiBs", float("nan"), True):
         with pytest.raises(ms.SpecError):
             parse_bytes(bad)
+    with pytest.raises(ms.SpecError) as e:
+        parse_bytes("lots")
+    assert str(e.value).splitlines() == [  # no leaf: 'budget', as over budget, not <root>
+        "invalid memory budget:",
+        "  budget",
+        "    problem: 'lots' is not a size",
+        "    hint: write bytes or a number with a unit: 16GiB, 80GB, 512MiB",
+    ]
+    assert e.value.to_json()["problems"][0]["path"] is None
 
 
 # Rules whose patterns rich would read as markup (``[qkv]``, ``[bold]``) or that repr would

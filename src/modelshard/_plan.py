@@ -506,7 +506,7 @@ def parse_bytes(value: int | float | str) -> int:
         [
             Problem(
                 "budget",
-                "",
+                None,  # the budget itself, no leaf (as check_budget's problem)
                 f"{value!r} is not a size",
                 hint="write bytes or a number with a unit: 16GiB, 80GB, 512MiB",
             )
