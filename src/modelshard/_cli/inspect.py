@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .._checkpoint import extras_json, locate
-    from .._text import format_bytes, literal, spec_json
+    from .._text import format_bytes, format_mesh, literal, spec_json
     from .._weights import is_safetensors
 
     if is_safetensors(args.checkpoint):
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         emit(args, data)
         return 0
     mesh = rec.mesh_sizes()
-    mesh_text = ", ".join(f"{k}={v}" for k, v in mesh.items()) if mesh else "-"
+    mesh_text = format_mesh(mesh) if mesh else "-"
     table = Table(
         title=literal(source.path),
         caption=literal(

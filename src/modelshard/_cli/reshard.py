@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from .._checkpoint import locate
     from .._checkpoint.reshard import reshard, step_extras
     from .._mesh import make_mesh
-    from .._text import format_bytes
+    from .._text import format_bytes, format_mesh
 
     args.source = checkpoint_arg(args, args.source)
     source = locate(args.source)
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         say(
             f"wrote {dest}: {len(record.leaves)} leaves, "
-            f"{format_bytes(record.nbytes)}, mesh "
-            + ", ".join(f"{k}={v}" for k, v in sizes.items())
+            f"{format_bytes(record.nbytes)}, mesh {format_mesh(sizes)}"
         )
         if any(dropped.values()):
             held = " and ".join(f"{k} ({', '.join(v)})" for k, v in dropped.items() if v)
