@@ -150,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.mesh or {"data": 1}
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
-    import importlib
 
     from jax.sharding import PartitionSpec
 
+    from .._checkpoint.stream import StreamLeaf, write_stream
     from .._mesh import make_mesh
     from .._rulesfile import load_rules
     from .._weights import load_safetensors, mapped_leaves, open_safetensors
@@ -176,18 +176,14 @@ def run(args: argparse.Namespace) -> int:
     # streamed: each target leaf computed a slab of rows at a time through its recipe and
     # written by the streaming checkpoint writer; nothing is placed on the devices and
     # host memory stays near a few slabs plus one stored tensor's map
-    stream = importlib.import_module("modelshard._checkpoint.stream")
     with open_safetensors(args.source) as files:
         _, leaves = mapped_leaves(files, **common)
         with progress_bar(args, "converting") as progress:
             task = progress.add_task("converting", total=None)
             with writing(args.destination):
-                stream.write_stream(
+                write_stream(
                     args.destination,
-                    [
-                        stream.StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec)
-                        for x in leaves
-                    ],
+                    [StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
                     mesh=mesh,
                     overwrite=args.overwrite,
                     slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
@@ -235,9 +231,9 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     """A checkpoint written back as safetensors (one file, or with ``--max-shard-size``
     Hugging Face's sharded layout), one checkpoint leaf on the host at a time
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
-    import importlib
 
     from .._checkpoint import locate
+    from .._checkpoint.mapped import host_leaves
     from .._text import format_bytes
     from .._weights import Exporter, as_mapping
     from .._weights.load import reference_table, write_export
@@ -250,9 +246,8 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
         )
     _refuse_existing(args)
-    mapped = importlib.import_module("modelshard._checkpoint.mapped")
     source = locate(checkpoint_arg(args, args.source))
-    targets, load = mapped.host_leaves(source)
+    targets, load = host_leaves(source)
     if args.reference is None:  # every leaf under its path, '/' written as '.'
         import jax
 
