@@ -635,6 +635,7 @@ def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
 
     prepare_remote(path, overwrite=overwrite)
     stream.write(path / STATE_ITEM)
+    stream.record.resolve()  # collectives over spanning arrays: every process, before the branch
     if jax.process_index() == 0:
         # Orbax reads an item on object storage only once its own commit file is there.
         (path / STATE_ITEM / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")

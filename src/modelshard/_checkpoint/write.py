@@ -337,6 +337,9 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
     barrier("modelshard:save:start")
     try:
         write(staging)
+        # The checksums of arrays spanning processes are collectives: every process takes
+        # them here, before the branch that only process 0 enters.
+        record.resolve()
         if primary:
             write_text_durable(staging / RECORD_FILE, record.dumps())
             _fsync_dir(staging)
