@@ -14,6 +14,7 @@ the command line, so that a reader can tell which code and which machine a figur
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -46,16 +47,16 @@ def _commit() -> str:
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
     return out
 
 
 def _check(name: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float | str | list | tuple):
-        raise TypeError(f"result {name!r}: {value!r} is not a number, a string or a list of numbers")
+        raise TypeError(
+            f"result {name!r}: {value!r} is not a number, a string or a list of numbers"
+        )
     if isinstance(value, list | tuple):
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
             raise TypeError(f"result {name!r}: a list must hold numbers only, got {value!r}")
