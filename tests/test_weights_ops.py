@@ -155,7 +155,7 @@ def test_splitting_heads_still_reads_only_each_devices_block(
 def test_a_reshape_reads_the_block_of_its_input_that_holds_the_asked_block() -> None:
     """Every block of every reshape below is read right, through one block of the input
     where there is one (checked against NumPy on random blocks)."""
-    from modelshard._weights import transforms as T
+    from modelshard._weights import recipe
 
     rng = np.random.default_rng(0)
     cases = [
@@ -171,7 +171,7 @@ def test_a_reshape_reads_the_block_of_its_input_that_holds_the_asked_block() -> 
     by_block = 0
     for a, b in cases:
         x = np.arange(int(np.prod(a))).reshape(a)
-        node = T.Reshape(T.Read("x", a, x.dtype), b)
+        node = recipe.Reshaped(recipe.Read("x", a, x.dtype), b)
         for _ in range(100):
             lo = [int(rng.integers(d)) for d in b]
             idx = tuple(

@@ -1,7 +1,7 @@
 """``load_safetensors`` and ``save_safetensors``: pretrained weights in and out.
 
 Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
-them against the target's leaves (``.mapping.resolve``, all problems at once); the
+them against the target's leaves (``.resolution.resolve``, all problems at once); the
 target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]); then each leaf is built
 with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
 addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
@@ -31,10 +31,11 @@ from .._errors import CheckpointError, MappingError, Problem
 from .._flat import split
 from .._mesh import is_abstract, make_mesh
 from .._paths import split as split_path
-from . import transforms as T
+from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
-from .mapping import Resolution, WeightMap, resolve
 from .progress import Progress, reporter
+from .resolution import Resolution, resolve
+from .rules import WeightMap
 from .safetensors import (
     SafetensorsFiles,
     dtype_code,
@@ -102,9 +103,9 @@ def _sharding_of(x: Any) -> Any:
 
 
 def build_leaf(
-    node: T.Node,
+    node: recipe.Node,
     sharding: Any,
-    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+    fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
 ) -> jax.Array:
     """One target leaf from its recipe: each addressable device's slice read once.
 
@@ -122,11 +123,13 @@ def build_leaf(
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def piece(index: Any) -> np.ndarray:
-        idx = T.full_index(node.shape) if index is None else index
+        idx = recipe.full_index(node.shape) if index is None else index
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = T.unaliased(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            got = seen[norm] = recipe.unaliased(
+                node.read(tuple(slice(a, b) for a, b in norm), fetch)
+            )
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
@@ -267,7 +270,7 @@ def place_mapped(
     flat: Any,
     res: Resolution,
     shardings: list[Any],
-    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+    fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
@@ -354,15 +357,17 @@ class _BlockReader:
     """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
     whole for it are dropped once its last element has been read."""
 
-    def __init__(self, node: T.Node, fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch]):
+    def __init__(
+        self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
+    ):
         self.node = node
         self.cache: dict[Any, np.ndarray] = {}
         self.fetch = fetch_for(self.cache)
 
     def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
         shape = self.node.shape
-        norm = T.norm_index(index, shape)
-        block = T.contiguous(self.node.read(norm, self.fetch))
+        norm = recipe.norm_index(index, shape)
+        block = recipe.contiguous(self.node.read(norm, self.fetch))
         if all(s.stop == d for s, d in zip(norm, shape, strict=True)):
             self.cache.clear()  # blocks come in C order: this was the last
         return block
@@ -694,7 +699,7 @@ class Exporter:
         self.load = load
         self.sources = invert_resolution(res)
         # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
-        self.also: list[tuple[str, list[str], int, T.Node]] = []
+        self.also: list[tuple[str, list[str], int, recipe.Node]] = []
         table = dict(table)
         problems: list[Problem] = []
         for i, (paths, inverse) in invert_also(res).items():
@@ -794,8 +799,8 @@ class Exporter:
                     whole = cache[key] = self.load(key)
                 return whole[index]
 
-            want = T.contiguous(self.sources[name].read(None, fetch))
-            got = T.contiguous(node.read(None, fetch))
+            want = recipe.contiguous(self.sources[name].read(None, fetch))
+            got = recipe.contiguous(node.read(None, fetch))
             cache.clear()
             bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
             if bits is None:
@@ -902,30 +907,30 @@ def _no_value(path: str) -> Any:
     )
 
 
-def invert_resolution(res: Resolution) -> dict[str, T.Node]:
+def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
     """For each stored tensor the resolution reads, the recipe computing it from targets
     (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
-    out: dict[str, T.Node] = {}
+    out: dict[str, recipe.Node] = {}
     pieces: dict[int, dict[str, Any]] = {}
     for path, node in res.recipes.items():
         if path not in res.also:
-            T.invert(path, node, out, pieces)
-    T.finish_inverse(out, pieces)
+            recipe.invert(path, node, out, pieces)
+    recipe.finish_inverse(out, pieces)
     return out
 
 
-def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, T.Node]]]:
+def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
     """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
     computing that tensor from those leaves."""
     by_rule: dict[int, list[str]] = {}
     for path, i in res.also.items():
         by_rule.setdefault(i, []).append(path)
-    out: dict[int, tuple[list[str], dict[str, T.Node]]] = {}
+    out: dict[int, tuple[list[str], dict[str, recipe.Node]]] = {}
     for i, paths in by_rule.items():
-        inverse: dict[str, T.Node] = {}
+        inverse: dict[str, recipe.Node] = {}
         pieces: dict[int, dict[str, Any]] = {}
         for path in paths:
-            T.invert(path, res.recipes[path], inverse, pieces)
-        T.finish_inverse(inverse, pieces)
+            recipe.invert(path, res.recipes[path], inverse, pieces)
+        recipe.finish_inverse(inverse, pieces)
         out[i] = (paths, inverse)
     return out

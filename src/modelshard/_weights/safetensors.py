@@ -34,7 +34,7 @@ import numpy as np
 
 from .._errors import CheckpointError
 from . import hub
-from .transforms import contiguous, host_empty
+from .recipe import contiguous, host_empty
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,

@@ -1,8 +1,8 @@
 """Recipes: how one array is computed from stored tensors, read a slice at a time.
 
 A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
-``Read`` leaves name a stored tensor; ``Transpose``, ``Reshape``, ``Take`` (one index of
-an axis), ``Slice`` (a range of an axis), ``Stack`` (along a new axis), ``Concat`` (along
+``Read`` leaves name a stored tensor; ``Permuted``, ``Reshaped``, ``Take`` (one index of
+an axis), ``Slice`` (a range of an axis), ``Stacked`` (along a new axis), ``Joined`` (along
 an existing one), ``Cast`` and ``Arith`` (adding or multiplying by a constant) compute on
 top. Every node knows its shape
 and dtype without reading anything, so a whole mapping is validated before one byte is
@@ -167,7 +167,7 @@ class Read(Node):
 
 
 @dataclasses.dataclass(repr=False)
-class Transpose(Node):
+class Permuted(Node):
     child: Node
     perm: tuple[int, ...]
 
@@ -194,7 +194,7 @@ class Transpose(Node):
 
 
 @dataclasses.dataclass(repr=False)
-class Reshape(Node):
+class Reshaped(Node):
     """``child`` in another shape (C order). A block of the result that is one block of
     the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
     axis the reshape leaves alone) reads only that block; any other needs the whole
@@ -348,7 +348,7 @@ class Take(Node):
 
 
 @dataclasses.dataclass(repr=False)
-class Stack(Node):
+class Stacked(Node):
     """``children`` stacked along a new axis ``axis``."""
 
     children: list[Node]
@@ -381,7 +381,7 @@ class Stack(Node):
 
 
 @dataclasses.dataclass(repr=False)
-class Concat(Node):
+class Joined(Node):
     """``children`` joined along their existing axis ``axis`` (fused q, k, v)."""
 
     children: list[Node]
@@ -561,15 +561,15 @@ def _invert(
         _invert(node.child, Cast(value, node.child.dtype), out, pieces)
     elif isinstance(node, Arith):
         _invert(node.child, Arith(value, ARITH_INVERSE[node.op], node.value), out, pieces)
-    elif isinstance(node, Transpose):
+    elif isinstance(node, Permuted):
         back = tuple(int(i) for i in np.argsort(node.perm))
-        _invert(node.child, Transpose(value, back), out, pieces)
-    elif isinstance(node, Reshape):
-        _invert(node.child, Reshape(value, node.child.shape), out, pieces)
-    elif isinstance(node, Stack):
+        _invert(node.child, Permuted(value, back), out, pieces)
+    elif isinstance(node, Reshaped):
+        _invert(node.child, Reshaped(value, node.child.shape), out, pieces)
+    elif isinstance(node, Stacked):
         for i, c in enumerate(node.children):
             _invert(c, Take(value, node.axis, i), out, pieces)
-    elif isinstance(node, Concat):
+    elif isinstance(node, Joined):
         start = 0
         for c in node.children:
             n = c.shape[node.axis]
@@ -591,9 +591,9 @@ def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> N
         child: Node = slot["node"]
         values = [parts[k] for k in sorted(parts)]
         if len(values[0].shape) < len(child.shape):
-            joined: Node = Stack(values, slot["axis"])
+            joined: Node = Stacked(values, slot["axis"])
         else:
-            joined = Concat(values, slot["axis"])
+            joined = Joined(values, slot["axis"])
         _invert(child, joined, out, {})
 
 
@@ -621,21 +621,21 @@ def on_key_data(node: Node, data: Callable[[str], tuple[tuple[int, ...], Any]]) 
         if isinstance(n, Read):
             shape, dtype = data(n.key)
             return Read(n.key, tuple(shape), np.dtype(dtype))
-        if isinstance(n, Transpose):
+        if isinstance(n, Permuted):
             child = rw(n.child)
             k = len(n.perm)
-            return Transpose(child, (*n.perm, *range(k, len(child.shape))))
-        if isinstance(n, Reshape):
+            return Permuted(child, (*n.perm, *range(k, len(child.shape))))
+        if isinstance(n, Reshaped):
             child = rw(n.child)
-            return Reshape(child, (*n.shape, *child.shape[len(n.child.shape) :]))
+            return Reshaped(child, (*n.shape, *child.shape[len(n.child.shape) :]))
         if isinstance(n, Take):
             return Take(rw(n.child), n.axis, n.i)
         if isinstance(n, Slice):
             return Slice(rw(n.child), n.axis, n.lo, n.hi)
-        if isinstance(n, Stack):
-            return Stack([rw(c) for c in n.children], n.axis)
-        if isinstance(n, Concat):
-            return Concat([rw(c) for c in n.children], n.axis)
+        if isinstance(n, Stacked):
+            return Stacked([rw(c) for c in n.children], n.axis)
+        if isinstance(n, Joined):
+            return Joined([rw(c) for c in n.children], n.axis)
         raise TypeError(f"a PRNG key leaf cannot be computed by {n.describe()}")
 
     return rw(node)
@@ -656,27 +656,27 @@ def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
         out.setdefault(node.key, []).append(spec)
     elif isinstance(node, Cast | Arith):
         needed_specs(node.child, spec, out)
-    elif isinstance(node, Transpose):
+    elif isinstance(node, Permuted):
         inner: list[Any] = [None] * len(node.perm)
         for j, p in enumerate(node.perm):
             inner[p] = spec[j]
         needed_specs(node.child, tuple(inner), out)
     elif isinstance(node, Take):
         needed_specs(node.child, (*spec[: node.axis], None, *spec[node.axis :]), out)
-    elif isinstance(node, Slice | Concat):
+    elif isinstance(node, Slice | Joined):
         cut = (*spec[: node.axis], None, *spec[node.axis + 1 :])
-        for c in node.children if isinstance(node, Concat) else [node.child]:
+        for c in node.children if isinstance(node, Joined) else [node.child]:
             needed_specs(c, cut, out)
-    elif isinstance(node, Stack):
+    elif isinstance(node, Stacked):
         for c in node.children:
             needed_specs(c, spec[: node.axis] + spec[node.axis + 1 :], out)
-    elif isinstance(node, Reshape):
+    elif isinstance(node, Reshaped):
         needed_specs(node.child, reshape_spec_back(node, spec), out)
     else:  # pragma: no cover - every node type is handled above
         raise TypeError(type(node).__name__)
 
 
-def reshape_spec_back(node: Reshape, spec: Spec) -> Spec:
+def reshape_spec_back(node: Reshaped, spec: Spec) -> Spec:
     """The spec of a reshape's input under which each device's shard holds the input block
     its output block reads (``child_block``): an axis the reshape leaves alone keeps its
     entry; an axis split into several (``(h d) -> h, d``) takes the entry of the first of
@@ -702,7 +702,7 @@ def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | No
         return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
     if isinstance(node, Cast | Arith):
         return carried_spec(node.child, spec_of)
-    if isinstance(node, Transpose):
+    if isinstance(node, Permuted):
         s = carried_spec(node.child, spec_of)
         return None if s is None else tuple(s[p] for p in node.perm)
     if isinstance(node, Take):
@@ -711,13 +711,13 @@ def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | No
     if isinstance(node, Slice):
         s = carried_spec(node.child, spec_of)
         return None if s is None else (*s[: node.axis], None, *s[node.axis + 1 :])
-    if isinstance(node, Stack | Concat):
+    if isinstance(node, Stacked | Joined):
         parts = {carried_spec(c, spec_of) for c in node.children}
         if len(parts) != 1 or None in parts:
             return None
         (s,) = parts
         assert s is not None
-        if isinstance(node, Stack):
+        if isinstance(node, Stacked):
             return (*s[: node.axis], None, *s[node.axis :])
         return (*s[: node.axis], None, *s[node.axis + 1 :])
     return None  # a reshape: the stored spec does not carry over
