@@ -235,8 +235,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     from .._checkpoint import locate
     from .._checkpoint.mapped import host_leaves
     from .._text import format_bytes
-    from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_table, write_export
+    from .._weights import Exporter, as_mapping, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
         from .._errors import CheckpointError

@@ -8,17 +8,19 @@ the design.
 
 from __future__ import annotations
 
-from .load import Exporter as Exporter
+from .export import Exporter as Exporter
+from .export import invert_resolution as invert_resolution
+from .export import reference_table as reference_table
+from .export import save_safetensors as save_safetensors
+from .export import unmap as unmap
+from .export import write_export as write_export
 from .load import MappedLeaf as MappedLeaf
 from .load import as_mapping as as_mapping
-from .load import invert_resolution as invert_resolution
 from .load import load_safetensors as load_safetensors
 from .load import mapped_leaves as mapped_leaves
 from .load import nest_paths as nest_paths
 from .load import place_mapped as place_mapped
-from .load import save_safetensors as save_safetensors
 from .load import target_table as target_table
-from .load import unmap as unmap
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
 from .ops import Add as Add
