@@ -24,44 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-
-_FLOATS = ["float32", "float16", "bfloat16"]
-_SMALL_FLOATS = [
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e4m3b11fnuz",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn",
-]
-_SUB_BYTE_INTS = ["int2", "uint2", "int4", "uint4"]
-_INTS = ["int8", "int16", "int32", "uint8", "uint16", "uint32"]
-DTYPES = [
-    *_FLOATS,
-    *(d for d in _SMALL_FLOATS + _SUB_BYTE_INTS if hasattr(jnp, d)),
-    *_INTS,
-    "bool",
-    "complex64",
-]
-
-
-def values(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Random NumPy values of ``dtype`` (its whole range for narrow integers)."""
-    rng = np.random.default_rng(seed)
-    dt = jnp.dtype(dtype)
-    if dtype == "bool":
-        return rng.integers(0, 2, shape).astype(bool)
-    if dtype == "complex64":
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
-    if jnp.issubdtype(dt, jnp.integer):
-        info = jnp.iinfo(dt)
-        return rng.integers(max(int(info.min), -1000), min(int(info.max), 1000) + 1, shape).astype(
-            dt
-        )
-    return (rng.standard_normal(shape) * 4).astype(dt)
+from helpers import DTYPES, values
 
 
 def _bytes(x: Any) -> bytes:
@@ -219,7 +182,7 @@ _X64_SCRIPT = textwrap.dedent(
 
 
 def test_64_bit_dtypes_with_x64_in_a_subprocess() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run(

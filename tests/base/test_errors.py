@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import gemma_like, gemma_text_rules
-from modelshard._errors import LIST_IN_FULL, Problem, SpecError
+from helpers import gemma_like, gemma_text_rules
+from modelshard._base.errors import LIST_IN_FULL, Problem, SpecError
 
 MESH = {"data": 16, "model": 8}
 
@@ -242,7 +242,7 @@ def test_a_mesh_axis_typo_gets_did_you_mean_not_a_logical_name_hint():
 def test_grouped_report_speaks_the_command_line_there():
     """Under the ``modelshard`` command (its vocabulary), the grouped hint is a rules-file
     fix and the last line points at --json, not at Python attributes."""
-    from modelshard._text import speaking
+    from modelshard._base.text import speaking
 
     with speaking("cli"):
         err = _raise(gemma_like(), gemma_text_rules())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modelshard._fold import fold, format_numbers, template
+from modelshard._base.folding import fold, format_numbers, template
 
 
 def test_template_and_numbers():

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import modelshard as ms
 from modelshard._checkpoint import arrival, read
 from modelshard._checkpoint import checksum as cs
-from modelshard._checkpoint.locate import locate
+from modelshard._checkpoint.sources import locate
 
 
 def _state(mesh, n=6):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS, stored_codec
+from helpers import MAKERS, stored_codec
 
 
 @pytest.fixture
@@ -463,7 +463,7 @@ def test_restore_reads_a_shard_larger_than_the_read_cap(tmp_path, monkeypatch, m
 
 
 def test_partial_reads_of_plain_orbax_keep_its_lists(tmp_path, mesh8):
-    from modelshard._checkpoint.reshard import reshard
+    from modelshard._checkpoint.resharding import reshard
 
     tree = {"layers": [{"w": jnp.ones((8, 4))}, {"w": jnp.zeros((8, 4))}], "b": jnp.arange(8.0)}
     with ocp.StandardCheckpointer() as ckptr:
@@ -529,7 +529,7 @@ OLD = os.path.join(os.path.dirname(__file__), "data", "ckpt_5ada014")
 
 
 def test_a_checkpoint_written_before_uncompressed_saves_still_restores(tmp_path, mesh24):
-    """tests/data/ckpt_5ada014: written by ``ms.save`` at commit 5ada014 (zstd chunks,
+    """tests/checkpoint/data/ckpt_5ada014: written by ``ms.save`` at commit 5ada014 (zstd chunks,
     record format 1) from the state rebuilt here; read back bit for bit, verified."""
     assert stored_codec(OLD, "dense/kernel") == {"id": "zstd", "level": 1}
     want = {

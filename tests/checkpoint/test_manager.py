@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS, stored_codec
+from helpers import MAKERS, stored_codec
 
 
 def test_steps_rotation_and_restore_onto_a_mesh(tmp_path, mesh24):

@@ -202,7 +202,7 @@ def test_preempted_and_resumed_run_ends_bit_exact(tmp_path):
 
 
 def _launch(root, *extra):
-    from modelshard import _launch as launch_module
+    from modelshard._runtime import launch as launch_module
 
     cmd = [
         sys.executable, launch_module.__file__, "-n", "2", "--devices-per-process", "2",

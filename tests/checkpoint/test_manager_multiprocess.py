@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard import _launch
+from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux"),
 ]
 
-SCRIPT = Path(__file__).parent / "mp_scripts" / "save_every_step.py"
+SCRIPT = Path(__file__).parents[1] / "mp_scripts" / "save_every_step.py"
 STEPS = 20
 LIMIT_S = 150  # a backstop for a loaded 2-core machine, not an expectation
 HEARTBEAT_S = 5  # MODELSHARD_HEARTBEAT_TIMEOUT for the runs where a process dies

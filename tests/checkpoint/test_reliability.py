@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from test_dtypes import DTYPES, values
+from helpers import DTYPES, values
 
 SCRIPTS = Path(__file__).parent / "ckpt_scripts"
 KEY_IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
@@ -451,7 +451,7 @@ def test_deeply_nested_record_is_refused(small_ckpt):
 @pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
 def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
     # the package's attribute `locate` is the function, not this module
-    ckpt = importlib.import_module("modelshard._checkpoint.locate")
+    ckpt = importlib.import_module("modelshard._checkpoint.sources")
 
     path, _ = small_ckpt
     with open(path / name, "a") as f:
@@ -890,7 +890,7 @@ def test_concurrent_saves_of_one_path_take_turns(tmp_path):
 
 
 def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
-    from modelshard._checkpoint.reshard import reshard
+    from modelshard._checkpoint.resharding import reshard
 
     mesh = ms.make_mesh({"data": 2, "model": 4})
     state = {

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard._checkpoint.reshard import reshard
+from modelshard._checkpoint.resharding import reshard
 
 
 def _hidden(parent: Path) -> list[str]:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from conftest import stored_codec
+from helpers import stored_codec
 
 CHILD = Path(__file__).parent / "manager_scripts" / "exit_child.py"
 

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
+from helpers import MAKERS
 from modelshard._cli.args import parse_mesh
 from modelshard.cli import main
 
@@ -181,13 +181,13 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
 
 
 def test_launch_is_routed_lazily(monkeypatch, capsys):
-    import modelshard._launch as launch
+    import modelshard._runtime.launch as launch
 
     calls = []
     monkeypatch.setattr(launch, "main", lambda argv: calls.append(argv) or 7)
     assert main(["launch", "-n", "2", "--", "python", "x.py"]) == 7
     assert calls == [["-n", "2", "--", "python", "x.py"]]
-    monkeypatch.setitem(sys.modules, "modelshard._launch", None)
+    monkeypatch.setitem(sys.modules, "modelshard._runtime.launch", None)
     assert main(["launch", "-n", "2"]) == 1
     assert capsys.readouterr().err.startswith("modelshard launch is not available")
 
@@ -378,7 +378,7 @@ def test_destination_below_a_regular_file(ckpt, tmp_path, capsys):
 )
 def test_destination_os_errors(ckpt, tmp_path, capsys, monkeypatch, code, says):
     """A read-only mount or a full disk (simulated: the writer fails as the OS would)."""
-    import modelshard._checkpoint.reshard as reshard_module
+    import modelshard._checkpoint as reshard_module  # the CLI calls the façade's reshard
 
     dst = tmp_path / "out"
 
@@ -650,7 +650,7 @@ def test_help_explains_rules_inline(capsys):
 def test_full_disk_reported_by_tensorstore(ckpt, tmp_path, capsys, monkeypatch):
     """TensorStore reports a failed write as ValueError with the OS error code inside (the
     text below is what a real 64 KiB tmpfs produced)."""
-    import modelshard._checkpoint.reshard as reshard_module
+    import modelshard._checkpoint as reshard_module  # the CLI calls the façade's reshard
 
     target = tmp_path / "..out.modelshard-tmp.pieces/merged/manifest.ocdbt"
 
@@ -1057,7 +1057,7 @@ def test_inspect_folds_like_plan_in_record_order(tmp_path, capsys):
 def test_cli_page_json_is_what_the_commands_print(tmp_path, monkeypatch, capsys):
     """docs/cli.md shows a success's and a failure's JSON side by side: both are exactly
     what ``modelshard plan`` prints today (the directory aside)."""
-    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     shown = re.findall(
         r"^```text\n\$ modelshard (plan ckpt [^\n]*--json)\n(\{.*?^\})\n```$",
         page,
@@ -1163,7 +1163,7 @@ def test_max_rows_says_what_is_left_out_below_every_table(ckpt, tmp_path, capsys
 def _page_commands() -> dict[str, list[tuple[set[str], set[str]]]]:
     """docs/cli.md's command table: command -> per row (options shown required, i.e.
     outside [...], and every option shown), from the backticked command cell."""
-    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     out: dict[str, list[tuple[set[str], set[str]]]] = {}
     for cell in re.findall(r"^\| `modelshard ([^`]+)` \|", page, flags=re.MULTILINE):
         text = cell.split(" -- ")[0]
@@ -1188,7 +1188,7 @@ def test_cli_page_lists_every_option_as_help_does():
     import argparse
 
     from modelshard._cli import parser
-    from modelshard._launch import _parser as launch_parser
+    from modelshard._runtime.launch import _parser as launch_parser
 
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {**sub.choices, "launch": launch_parser()}

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._describe import describe_cached, describe_pytree
+from modelshard._containers.describe import describe_cached, describe_pytree
 from modelshard.adapters import split
 
 
@@ -113,7 +113,7 @@ def _random_tree(rng, depth=0):
 def test_paths_agree_with_jax_key_paths_on_random_trees():
     import random
 
-    from modelshard._paths import format_path
+    from modelshard._base.paths import format_path
 
     rng = random.Random(0)
     for _ in range(300):

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS, make_pytree
+from helpers import MAKERS, make_pytree
 from modelshard.adapters import LeafInfo, PytreeAdapter, format_path, split
 
 
@@ -266,7 +266,7 @@ def test_register_twice_needs_override():
     with pytest.raises(ms.AdapterError) as e:
         register_pair()
     assert str(e.value) == (
-        "test_adapters.Pair is already registered as a container; pass override=True to "
+        "tests.containers.test_registry.Pair is already registered as a container; pass override=True to "
         "replace its adapter."
     )
     register_pair(override=True, kind="Pair2")

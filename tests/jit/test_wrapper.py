@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
+from helpers import MAKERS
 
 
 def _arrays(tree):

@@ -3,7 +3,7 @@
 Random containers (nested dicts/lists/tuples, NamedTuples, Equinox modules, NNX states; ranks
 0-4; sizes with 0 and primes; many dtypes; NumPy, committed, resharded and abstract leaves),
 random meshes (1-3 axes, Auto and Explicit) and random specs, valid and invalid. The oracle
-in ``tests/strategies.py`` decides validity on its own; then:
+in ``tests/journeys/strategies.py`` decides validity on its own; then:
 
 - a valid case places every array leaf exactly as ``jax.device_put(leaf, NamedSharding(mesh,
   spec))`` does (sharding, values, dtype, bytes per device), leaves static leaves alone and
@@ -12,7 +12,7 @@ in ``tests/strategies.py`` decides validity on its own; then:
 - nothing else ever escapes.
 
 Profiles: ``MODELSHARD_FUZZ_EXAMPLES`` (default 60) examples per default test; the ``slow``
-test (``pytest -m slow tests/test_fuzz.py``) runs ``MODELSHARD_FUZZ_SLOW_EXAMPLES`` (default
+test (``pytest -m slow tests/journeys/test_fuzz.py``) runs ``MODELSHARD_FUZZ_SLOW_EXAMPLES`` (default
 10,000).
 """
 
@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._expand import expand_args
+from modelshard._specs.expand import expand_args
 from strategies import (
     Container,
     build,

@@ -1,4 +1,4 @@
-"""One test per bug the fuzz suite (``tests/test_fuzz.py``) found, with its exact message.
+"""One test per bug the fuzz suite (``tests/journeys/test_fuzz.py``) found, with its exact message.
 
 Each test names the finding in ``docs/reliability.md`` it guards.
 """

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS, gemma_like
-from modelshard._plan_html import MAX_GRID
+from helpers import MAKERS, gemma_like
+from modelshard._place.plan_html import MAX_GRID
 from modelshard.cli import main
 
 
@@ -213,12 +213,12 @@ def test_docs_pictures_come_from_a_real_plan():
     import importlib.util
     from pathlib import Path
 
-    hook = Path(__file__).parents[1] / "docs" / "_ext" / "plan_pictures.py"
+    hook = Path(__file__).parents[2] / "docs" / "_ext" / "plan_pictures.py"
     spec = importlib.util.spec_from_file_location("plan_pictures", hook)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    page = Path(__file__).parents[1] / "docs" / "concepts" / "plan.md"
+    page = Path(__file__).parents[2] / "docs" / "concepts" / "plan.md"
     text = module.on_page_markdown(page.read_text())
     assert "modelshard:plan" not in text and "modelshard:tiles" not in text
     p = module.demo_plan()

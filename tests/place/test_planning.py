@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
+from helpers import MAKERS
 
 SDS = jax.ShapeDtypeStruct
 
@@ -148,7 +148,7 @@ def _tp_rules():
 
 
 def test_a_1000_layer_leaf_plan_prints_in_60_lines():
-    from conftest import gemma_like
+    from helpers import gemma_like
 
     tree = gemma_like(layers=150, vision_blocks=0)
     p = ms.plan(tree, _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True))
@@ -226,7 +226,7 @@ def test_table_prints_properly_and_never_cuts_paths():
 
 
 def test_filter_rows_and_tables():
-    from conftest import gemma_like
+    from helpers import gemma_like
 
     p = ms.plan(
         gemma_like(4, 2), _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True)
@@ -242,7 +242,7 @@ def test_filter_rows_and_tables():
 
 
 def test_budget_names_the_top_contributors():
-    from conftest import gemma_like
+    from helpers import gemma_like
 
     p = ms.plan(gemma_like(), _tp_rules(), ms.make_mesh({"data": 16, "model": 8}, abstract=True))
     p.check_budget("16GiB")  # 7.07 GiB fits
@@ -261,7 +261,7 @@ def test_budget_names_the_top_contributors():
 
 
 def test_parse_bytes():
-    from modelshard._plan import parse_bytes
+    from modelshard._place.planning import parse_bytes
 
     assert parse_bytes("16GiB") == 16 << 30
     assert parse_bytes("80 GB") == 80 * 10**9

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import KINDS, MAKERS
+from helpers import KINDS, MAKERS
 
 SPEC = ms.fsdp("data", min_size=0)
 

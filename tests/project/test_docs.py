@@ -18,7 +18,7 @@ import pytest
 
 import modelshard as ms
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 API = DOCS / "api"
 
@@ -92,7 +92,8 @@ def test_api_directives_name_real_objects() -> None:
 
 
 def _modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(ms.__path__, "modelshard."))
+    """Every module of the package, the area packages' modules included."""
+    return sorted(m.name for m in pkgutil.walk_packages(ms.__path__, "modelshard."))
 
 
 @pytest.mark.parametrize("module", _modules())

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 MARK = "@@EXAMPLE-RESULTS@@"
 
@@ -160,7 +160,7 @@ def test_demo_full_size_plans_and_rules_file_agree() -> None:
     from jax.sharding import PartitionSpec as P
 
     import modelshard as ms
-    from modelshard._rulesfile import parse_rules
+    from modelshard._specs.rulesfile import parse_rules
 
     demo = _import_example("demo")
     cfg = demo.Config()

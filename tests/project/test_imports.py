@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "modelshard"
 
 
@@ -124,19 +124,19 @@ def test_the_detector_finds_cycles() -> None:
 
 def test_the_graph_is_read_from_the_package() -> None:
     graph, _ = import_graph()
-    assert f"{PACKAGE}._expand" in graph[PACKAGE]  # the façade imports the core
-    assert f"{PACKAGE}._errors" in graph[f"{PACKAGE}._expand"]
+    assert f"{PACKAGE}._specs" in graph[PACKAGE]  # the façade imports the areas
+    assert f"{PACKAGE}._base" in graph[f"{PACKAGE}._specs.expand"]
 
 
 def test_imports_in_function_bodies_are_edges() -> None:
-    """A deferred import is read like any other (``_plan.Plan.groups`` imports ``_fold``
+    """A deferred import is read like any other (``Plan.groups`` in ``_place/planning.py`` imports ``fold``
     inside the method)."""
     tree = ast.parse(
         "def f():\n    from . import b\n\nclass C:\n    def g(self):\n        import c\n"
     )
     assert sorted(ast.unparse(n) for n in _imports(tree)) == ["from . import b", "import c"]
     graph, _ = import_graph()
-    assert f"{PACKAGE}._fold" in graph[f"{PACKAGE}._plan"]
+    assert f"{PACKAGE}._base" in graph[f"{PACKAGE}._place.planning"]
 
 
 def test_no_import_cycles() -> None:

@@ -15,6 +15,7 @@ import pytest
 
 import modelshard as ms
 from modelshard import distributed
+from modelshard._runtime import distributed as runtime_distributed
 from modelshard.distributed import cluster_detected
 
 _VARS = [
@@ -225,7 +226,7 @@ def test_explicit_arguments_and_cluster_environments_start_the_runtime(env, valu
 
 def test_the_heartbeat_timeout_reaches_jax(env, monkeypatch):
     started = []
-    monkeypatch.setattr(distributed, "_start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(runtime_distributed, "_start", lambda **kw: started.append(kw))
     env.setenv("MODELSHARD_COORDINATOR", "127.0.0.1:1")
     env.setenv("MODELSHARD_NUM_PROCESSES", "2")
     env.setenv("MODELSHARD_PROCESS_ID", "1")
@@ -262,9 +263,9 @@ def test_barrier_broadcast_and_gather_on_two_processes(tmp_path):
     """Through the coordination service: process 0's value everywhere, every value
     everywhere, and a barrier one process never reaches fails after the timeout with the
     barrier's name (the other process is unharmed, and both meet at the next one)."""
-    from modelshard import _launch
+    from modelshard._runtime import launch as _launch
 
-    script = Path(__file__).parent / "mp_scripts" / "coordinate.py"
+    script = Path(__file__).parents[1] / "mp_scripts" / "coordinate.py"
     cmd = [sys.executable, _launch.__file__, "-n", "2", "--timeout", "120", "--grace", "1"]
     cmd += ["--", sys.executable, str(script), str(tmp_path)]
     env = {**os.environ, "MODELSHARD_BARRIER_TIMEOUT": "3"}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from modelshard import _launch
-from modelshard._launch import child_env, free_port, main, run
+from modelshard._runtime import launch as _launch
+from modelshard._runtime.launch import child_env, free_port, main, run
 
 PY = sys.executable
 # The launcher runs as a plain script (it imports no JAX), as fast as a launcher can start.

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard import _launch
+from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux"),
 ]
 
-SCRIPTS = Path(__file__).parent / "mp_scripts"
+SCRIPTS = Path(__file__).parents[1] / "mp_scripts"
 _spec = importlib.util.spec_from_file_location("mp_model", SCRIPTS / "_model.py")
 assert _spec is not None and _spec.loader is not None
 m = importlib.util.module_from_spec(_spec)

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import MAKERS
-from modelshard._expand import expand_args
+from helpers import MAKERS
+from modelshard._specs.expand import expand_args
 
 SDS = jax.ShapeDtypeStruct
 

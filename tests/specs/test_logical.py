@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._rulesfile import parse_rules
-from modelshard._specs import rules_to_toml
+from modelshard._specs.language import rules_to_toml
+from modelshard._specs.rulesfile import parse_rules
 
 SDS = jax.ShapeDtypeStruct
 DATA = Path(__file__).parent / "data" / "maxtext_logical_axis_rules.yml"

@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._rulesfile import load_rules, parse_rules
-from modelshard._specs import rules_to_toml
+from modelshard._specs.language import rules_to_toml
+from modelshard._specs.rulesfile import load_rules, parse_rules
 
 EXAMPLE = """
 strict = false

@@ -19,7 +19,7 @@ import modelshard as ms
 from modelshard._weights.safetensors import SafetensorsFiles
 from modelshard.cli import main
 
-reshard = importlib.import_module("modelshard._checkpoint.reshard")
+reshard = importlib.import_module("modelshard._checkpoint.resharding")
 weights_load = importlib.import_module("modelshard._weights.load")
 RNG = np.random.default_rng(3)
 D, F = 16, 24

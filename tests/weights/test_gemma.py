@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 import modelshard as ms
 
-MAPPING = Path(__file__).parent.parent / "examples" / "mappings" / "hf_gemma3.toml"
+MAPPING = Path(__file__).parents[2] / "examples" / "mappings" / "hf_gemma3.toml"
 BF16 = ml_dtypes.bfloat16
 
 # two sizes of one family: (embed, heads, kv_heads, head_dim, ffw, layers, vocab)

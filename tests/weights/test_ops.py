@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 import modelshard as ms
 from modelshard._weights import parse_weight_map
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(7)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._text import format_mesh, format_spec, spec_json, toml_spec, vocabulary
+from .text import format_mesh, format_spec, spec_json, toml_spec, vocabulary
 
 
 class ModelshardError(Exception):
@@ -162,7 +162,7 @@ class Cause:
 
     def folded(self) -> list[Any]:
         """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
-        from ._fold import fold
+        from .folding import fold
 
         return fold(self.problems, lambda p: p.label())
 

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointError
-from .._plan import plan
+from .._base import CheckpointError
+from .._place import plan
 from .items import extras_json
-from .locate import Source, locate, planning_tree
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
+from .sources import Source, locate, planning_tree
 from .stored import ArrayReader, store_format
 from .stream import Stream, StreamLeaf, write_remote
 from .urls import is_remote, location

@@ -18,9 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._dtypes import dtype_name
-from .._errors import CheckpointError
-from .._paths import format_path, key_name
+from .._base import CheckpointError, dtype_name, format_path, key_name
 from .record import LeafRecord, Record, dims
 from .storage import (
     COMMIT_FILE,

@@ -75,8 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         p.print_help(sys.stderr)
         return 2
-    from .._errors import ModelshardError
-    from .._text import speaking
+    from .._base import ModelshardError, speaking
 
     try:
         with speaking("cli"):  # hints name options and rules-file lines, not Python

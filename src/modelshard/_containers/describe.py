@@ -14,8 +14,7 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey
 
-from ._logical import with_sharding_rules
-from ._paths import format_path, join
+from .._base import format_path, join
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.
@@ -288,3 +287,18 @@ def children_of(node: Any) -> dict[str, Any]:
     if len(items) == 1 and not items[0][0] and items[0][1] is node:
         return {}
     return {format_path(k): v for k, v in items}
+
+
+def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
+    """An NNX Variable's axis names after its own ``sharding_rules`` metadata, as Flax's
+    ``nnx.get_partition_spec`` applies them: each name a pair maps is replaced by its mesh
+    axes (the last pair for a name wins); other names stay, for the plan's rules."""
+    try:
+        table = {alias: on_mesh for alias, on_mesh in sharding_rules}
+    except (TypeError, ValueError):  # not pairs: Flax could not use them either
+        return names
+    out = []
+    for n in names:
+        target = table.get(n, n) if isinstance(n, str) else n
+        out.append(tuple(target) if isinstance(target, list) else target)
+    return tuple(out)

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
-from ._adapters import Adapter, get_adapter, nested_leaf, nested_types
-from ._describe import (
+from .._base import AdapterError, join
+from .describe import (
     ARRAY_TYPES,
     LeafInfo,
     children_of,
@@ -21,8 +21,7 @@ from ._describe import (
     is_array,
     numbers_to_arrays,
 )
-from ._errors import AdapterError
-from ._paths import join
+from .registry import Adapter, get_adapter, nested_leaf, nested_types
 
 
 @dataclasses.dataclass

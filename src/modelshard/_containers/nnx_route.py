@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import ARRAY_TYPES
+from .describe import ARRAY_TYPES
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -25,8 +25,8 @@ from typing import Any
 
 import jax
 
-from ._adapters import Adapter, nested_leaf, register_lazy
-from ._describe import LeafInfo, describe_pytree
+from .describe import LeafInfo, describe_pytree
+from .registry import Adapter, nested_leaf, register_lazy
 
 
 @dataclasses.dataclass(frozen=True)

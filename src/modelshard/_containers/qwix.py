@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ._adapters import Adapter, flatten_pytree, register_lazy, unflatten_pytree
-from ._describe import LeafInfo, describe_pytree
+from .describe import LeafInfo, describe_pytree
+from .registry import Adapter, flatten_pytree, register_lazy, unflatten_pytree
 
 
 @dataclasses.dataclass(frozen=True)

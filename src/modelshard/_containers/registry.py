@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._describe import LeafInfo, describe_pytree, set_nested_types
-from ._errors import AdapterError
-from ._nnx_route import nnx_call_leaves
+from .._base import AdapterError
+from .describe import LeafInfo, describe_pytree, set_nested_types
+from .nnx_route import nnx_call_leaves
 
 
 class CallLeaves(NamedTuple):

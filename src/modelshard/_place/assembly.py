@@ -15,11 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._errors import AdapterError, AssembleError
-from ._expand import expand_args
-from ._flat import Flat, split
-from ._mesh import make_mesh, mesh_sizes
-from ._specs import SpecLike, entry_axes
+from .._base import AdapterError, AssembleError, make_mesh, mesh_sizes
+from .._containers import Flat, split
+from .._specs import SpecLike, entry_axes, expand_args
 
 
 def global_shape(local_shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> tuple[int, ...]:

@@ -13,9 +13,8 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding
 
-from ._errors import MeshError, SpecError
-from ._expand import expand_args
-from ._specs import SpecLike, entry_axes, is_axes_entry
+from .._base import MeshError, SpecError
+from .._specs import SpecLike, entry_axes, expand_args, is_axes_entry
 
 _PACKAGE = str(Path(__file__).resolve().parent) + os.sep
 _JAX = str(Path(jax.__file__).resolve().parent) + os.sep

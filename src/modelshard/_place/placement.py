@@ -8,10 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import MeshError
-from ._mesh import is_abstract
-from ._plan import Plan, plan
-from ._specs import SpecLike
+from .._base import MeshError, is_abstract
+from .._specs import SpecLike
+from .planning import Plan, plan
 
 
 def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._specs import entry_axes, format_spec, spec_from_json
-from ._text import format_bytes
+from .._base import format_bytes
+from .._specs import entry_axes, format_spec, spec_from_json
 
 
 class PlanView(Protocol):

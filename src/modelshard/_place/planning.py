@@ -12,12 +12,18 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._constrain import current_mesh
-from ._dtypes import dtype_name
-from ._expand import ArgPlan, LeafPlan, expand_args
-from ._mesh import format_mesh, mesh_sizes
-from ._specs import SpecLike, entry_axes, format_spec, spec_from_json, spec_json
-from ._text import SHOW_ALL, format_bytes, literal, vocabulary
+from .._base import SHOW_ALL, dtype_name, format_bytes, format_mesh, literal, mesh_sizes, vocabulary
+from .._specs import (
+    ArgPlan,
+    LeafPlan,
+    SpecLike,
+    entry_axes,
+    expand_args,
+    format_spec,
+    spec_from_json,
+    spec_json,
+)
+from .constraints import current_mesh
 
 
 def _itemsize(dtype: Any) -> int:
@@ -63,7 +69,7 @@ class Plan:
             for leaf in a.leaves:
                 if leaf.path == rest:
                     return leaf
-        from ._errors import Problem, SpecError
+        from .._base import Problem, SpecError
 
         raise SpecError(
             [
@@ -151,7 +157,7 @@ class Plan:
         ``rule``, ``bytes_per_device`` and ``bytes`` (each per leaf), ``paths`` (every
         leaf's path).
         """
-        from ._fold import fold as fold_paths
+        from .._base import fold as fold_paths
 
         named = self.named(filter)
 
@@ -206,7 +212,7 @@ class Plan:
             SpecError: one problem, ``bytes per device > budget``, naming the top-level
                 modules and the rows that contribute most.
         """
-        from ._errors import Problem, SpecError
+        from .._base import Problem, SpecError
 
         limit = parse_bytes(budget)
         per = self.bytes_per_device()
@@ -308,7 +314,7 @@ class Plan:
             >>> len(t.tiles), t.replicas, t.tiles[1]
             (4, 2, ((1, 0), (slice(2, 4, None), slice(0, 6, None)), [2, 3]))
         """
-        from ._plan_html import Tiles
+        from .plan_html import Tiles
 
         leaf = self[path]
         return Tiles(self, path, leaf)
@@ -320,7 +326,7 @@ class Plan:
         bar split by top-level module, and the grouped table whose rows open their tiles on
         the mesh (``tiles=False``: without them). Inline CSS only: no script, no external
         resource."""
-        from ._plan_html import plan_html
+        from .plan_html import plan_html
 
         return plan_html(self, fold=fold, filter=filter, tiles=tiles)
 
@@ -342,7 +348,7 @@ class Plan:
             >>> p.to_html(tempfile.mkdtemp() + "/plan.html").read_text().startswith("<!DOCTYPE")
             True
         """
-        from ._plan_html import page
+        from .plan_html import page
 
         out = Path(path)
         out.write_text(page(self, title=title, fold=fold, filter=filter), encoding="utf-8")
@@ -500,7 +506,7 @@ def parse_bytes(value: int | float | str) -> int:
         if m is not None:
             unit = (m.group(2) or "B").lower()
             return int(float(m.group(1)) * _UNITS[unit])
-    from ._errors import Problem, SpecError
+    from .._base import Problem, SpecError
 
     raise SpecError(
         [

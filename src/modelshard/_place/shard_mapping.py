@@ -19,13 +19,10 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from ._constrain import constrain_leaves, current_mesh
-from ._errors import Problem, SpecError
-from ._expand import ArgPlan, expand_args
-from ._flat import Flat, split
-from ._logical import active_logical
-from ._mesh import mesh_sizes
-from ._specs import FSDP, SpecLike, is_leaf_spec
+from .._base import Problem, SpecError, mesh_sizes
+from .._containers import Flat, split
+from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
+from .constraints import constrain_leaves, current_mesh
 
 _MAX_ENTRIES = 64
 
@@ -274,7 +271,7 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
 
 
 def _mesh_text(mesh: Any) -> str:
-    from ._mesh import format_mesh
+    from .._base import format_mesh
 
     return format_mesh(mesh_sizes(mesh))
 

@@ -1,23 +1,7 @@
-"""One script, alone or on many processes: start JAX's distributed runtime from the environment.
-
-``initialize()`` reads what ``modelshard launch`` (or a cluster launcher: SLURM, Open MPI,
-a Cloud TPU pod, anything that sets ``JAX_COORDINATOR_ADDRESS``) put in the environment and
-calls ``jax.distributed.initialize``; in a plain single process it does nothing. Call it
-first, before any JAX computation, and the same script runs unchanged everywhere.
-
-The helpers below are the few multi-process operations a training script needs:
-``is_main_process`` (who prints and logs), ``barrier`` (everyone waits), ``broadcast``
-(process 0's decision on every process), ``gather`` (one small value from each process)
-and ``to_host`` (a global array's full value on every process, through an all-gather).
-
-``barrier``, ``broadcast`` and ``gather`` go through the distributed runtime's coordination
-service (its barriers and key-value store), not through device collectives: they need no
-compiled program, can never be confused with the user's own collectives, and wait at most
-``MODELSHARD_BARRIER_TIMEOUT`` seconds (``DEFAULT_BARRIER_TIMEOUT_S``) before raising a
-``DistributedError`` that names the barrier. A process that dies is noticed by the runtime
-after ``MODELSHARD_HEARTBEAT_TIMEOUT`` seconds (JAX's ``heartbeat_timeout_seconds``, 100 by
-default), and then every other process is terminated with an error saying so.
-"""
+"""The multi-process runtime behind the public ``modelshard.distributed`` module: starting
+JAX's distributed runtime from the environment, and the coordination-service helpers
+(``barrier``, ``broadcast``, ``gather``) the library and training scripts share. The design
+notes are the public module's docstring."""
 
 from __future__ import annotations
 
@@ -31,9 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ._errors import DistributedError
-from ._flat import split
-from ._launch import (
+from .._base import DistributedError
+from .._containers import split
+from .launch import (
     ENV_BARRIER_TIMEOUT,
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,
@@ -41,26 +25,6 @@ from ._launch import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-
-__all__ = [
-    "DEFAULT_BARRIER_TIMEOUT_S",
-    "ENV_BARRIER_TIMEOUT",
-    "ENV_COORDINATOR",
-    "ENV_HEARTBEAT_TIMEOUT",
-    "ENV_LOCAL_DEVICES",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "barrier",
-    "barrier_timeout_s",
-    "broadcast",
-    "cluster_detected",
-    "gather",
-    "initialize",
-    "is_main_process",
-    "local_slice",
-    "require_addressable",
-    "to_host",
-]
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 """How long ``barrier``, ``broadcast`` and ``gather`` wait for the other processes unless

@@ -3,7 +3,7 @@
 Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
 CLI) calls ``expand_args`` and consumes its [`LeafPlan`][modelshard.LeafPlan] lists; nothing else
 expands or validates specs. This module walks arguments, prefix trees and leaves; how one
-leaf's spec is resolved and checked is ``modelshard._resolve``.
+leaf's spec is resolved and checked is ``modelshard._specs.resolution``.
 """
 
 from __future__ import annotations
@@ -19,15 +19,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._describe import ARRAY_TYPES, LeafInfo
-from ._dtypes import canonical_dtype
-from ._errors import AdapterError, Problem, SpecError
-from ._flat import Flat, split
-from ._mesh import mesh_sizes
-from ._paths import format_path
-from ._paths import split as split_path
-from ._resolve import Ctx, refused_by_jax, resolve_checked, unmatched_key
-from ._specs import FSDP, Rules, is_leaf_spec
+from .._base import AdapterError, Problem, SpecError, canonical_dtype, format_path, mesh_sizes
+from .._base import split as split_path
+from .._containers import ARRAY_TYPES, Flat, LeafInfo, split
+from .language import FSDP, Rules, is_leaf_spec
+from .resolution import Ctx, refused_by_jax, resolve_checked, unmatched_key
 
 
 class LeafPlan(NamedTuple):

@@ -21,11 +21,10 @@ from typing import Any, TypeAlias
 
 from jax.sharding import PartitionSpec
 
-from ._errors import Problem, SpecError
-from ._logical import LogicalRules, compile_logical
-from ._text import format_spec as format_spec
-from ._text import quote_pattern, toml_entry
-from ._text import spec_json as spec_json
+from .._base import Problem, SpecError, quote_pattern, toml_entry
+from .._base import format_spec as format_spec
+from .._base import spec_json as spec_json
+from .logical import LogicalRules, compile_logical
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
 SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these

@@ -16,7 +16,7 @@ Model code names logical axes only; the script decides what they mean, either wi
 per thread and per task, and a ``shard_jit`` trace sees the context of its call). Flax's
 own ``nn.logical_axis_rules`` context is honoured when no modelshard context is active.
 
-How one spec is resolved through the rules lives in ``modelshard._resolve``; this module
+How one spec is resolved through the rules lives in ``modelshard._specs.resolution``; this module
 only validates and holds the rules.
 """
 
@@ -29,8 +29,7 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
-from ._errors import Problem, SpecError
-from ._text import toml_entry
+from .._base import Problem, SpecError, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -294,18 +293,3 @@ def _flax_rules(raw: Any) -> LogicalRules | None:
         raise SpecError(problems, header="invalid rules in Flax's nn.logical_axis_rules context:")
     _flax_last = (key, compiled)
     return compiled
-
-
-def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
-    """An NNX Variable's axis names after its own ``sharding_rules`` metadata, as Flax's
-    ``nnx.get_partition_spec`` applies them: each name a pair maps is replaced by its mesh
-    axes (the last pair for a name wins); other names stay, for the plan's rules."""
-    try:
-        table = {alias: on_mesh for alias, on_mesh in sharding_rules}
-    except (TypeError, ValueError):  # not pairs: Flax could not use them either
-        return names
-    out = []
-    for n in names:
-        target = table.get(n, n) if isinstance(n, str) else n
-        out.append(tuple(target) if isinstance(target, list) else target)
-    return tuple(out)

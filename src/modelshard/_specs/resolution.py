@@ -1,6 +1,6 @@
 """One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline.
 
-``modelshard._expand`` walks every argument and leaf and calls into this module to turn
+``modelshard._specs.expand`` walks every argument and leaf and calls into this module to turn
 a leaf's spec source (a ``PartitionSpec``, ``Rules``, ``fsdp``, a function) into a mesh-axis
 ``PartitionSpec`` and to check it against the leaf and the mesh; every problem is collected
 in one ``Ctx`` so a ``SpecError`` lists them all.
@@ -18,13 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._describe import LeafInfo
-from ._dtypes import dtype_name
-from ._errors import Problem
-from ._logical import LogicalRules, active_logical, add_name_hint
-from ._mesh import format_mesh
-from ._specs import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from ._text import toml_spec, vocabulary
+from .._base import Problem, dtype_name, format_mesh, toml_spec, vocabulary
+from .._containers import LeafInfo
+from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
+from .logical import LogicalRules, active_logical, add_name_hint
 
 
 class Ctx:

@@ -45,10 +45,9 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from ._errors import Problem, SpecError
-from ._specs import Rules
-from ._text import TOML_NONE as NONE
-from ._text import quote_pattern
+from .._base import TOML_NONE as NONE
+from .._base import Problem, SpecError, quote_pattern
+from .language import Rules
 
 _TOP = {"strict", "rules", "logical"}
 _RULE = {"pattern", "spec"}

@@ -27,10 +27,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._errors import CheckpointError, MappingError, Problem
-from .._flat import split
-from .._mesh import is_abstract, make_mesh
-from .._paths import split as split_path
+from .._base import CheckpointError, MappingError, Problem, is_abstract, make_mesh
+from .._base import split as split_path
+from .._containers import split
 from . import transforms as T
 from .mapfile import checkpoint_config, load_weight_map
 from .mapping import Resolution, WeightMap, resolve
@@ -256,7 +255,7 @@ def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
         return [_sharding_of(x) for x in flat.arrays]
     from jax.sharding import PartitionSpec
 
-    from .._plan import plan
+    from .._place import plan
 
     if is_abstract(mesh):
         mesh = make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
@@ -370,7 +369,7 @@ class _BlockReader:
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
     """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
-    from .._shard import place
+    from .._place import place
 
     if isinstance(x, jax.ShapeDtypeStruct):
         raise MappingError([_abstract_kept(path)])

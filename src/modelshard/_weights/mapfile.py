@@ -68,7 +68,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import MappingError, Problem
+from .._base import MappingError, Problem
 from .mapping import (
     Add,
     Concat,

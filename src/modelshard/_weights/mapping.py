@@ -24,9 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._dtypes import dtype_name
-from .._errors import LIST_IN_FULL, MappingError, Problem
-from .._text import literal, vocabulary
+from .._base import LIST_IN_FULL, MappingError, Problem, dtype_name, literal, vocabulary
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")

@@ -10,8 +10,8 @@ from typing import Any, Literal
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from ._errors import MeshError
-from ._text import format_mesh as format_mesh
+from .errors import MeshError
+from .text import format_mesh as format_mesh
 
 _TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
