@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._weights import as_mapping, recipe
 from .._weights.load import keep_value, leaf_shardings, resolve_target
 from .checksum import box_sums, format_sums
-from .locate import Source
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
 from .record import LeafRecord, parse_dtype
+from .sources import Source
 from .stored import ArrayReader, store_format
 
 

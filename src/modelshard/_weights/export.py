@@ -19,15 +19,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import CheckpointError, MappingError, Problem
-from .._flat import split
-from .._paths import split as split_path
+from .._base import CheckpointError, MappingError, Problem
+from .._base import split as split_path
+from .._containers import split
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
+from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
-from .progress import Progress, reporter
 from .safetensors import dtype_code, open_safetensors, write_safetensors, write_sharded
 
 

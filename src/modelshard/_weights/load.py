@@ -22,15 +22,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._errors import CheckpointError, MappingError, Problem
-from .._flat import split
-from .._mesh import is_abstract, make_mesh
-from .._paths import split as split_path
+from .._base import CheckpointError, MappingError, Problem, is_abstract, make_mesh
+from .._base import split as split_path
+from .._containers import split
 from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
+from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
-from .progress import Progress, reporter
 from .safetensors import SafetensorsFiles, open_safetensors
 
 MappingLike = WeightMap | str | os.PathLike[str] | None
@@ -116,7 +115,9 @@ def build_leaf(
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = recipe.unaliased(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            got = seen[norm] = recipe.unaliased(
+                node.read(tuple(slice(a, b) for a, b in norm), fetch)
+            )
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
@@ -246,7 +247,7 @@ def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
         return [_sharding_of(x) for x in flat.arrays]
     from jax.sharding import PartitionSpec
 
-    from .._plan import plan
+    from .._place import plan
 
     if is_abstract(mesh):
         mesh = make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
@@ -344,7 +345,9 @@ class _BlockReader:
     """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
     whole for it are dropped once its last element has been read."""
 
-    def __init__(self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]):
+    def __init__(
+        self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
+    ):
         self.node = node
         self.cache: dict[Any, np.ndarray] = {}
         self.fetch = fetch_for(self.cache)
@@ -360,7 +363,7 @@ class _BlockReader:
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
     """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
-    from .._shard import place
+    from .._place import place
 
     if isinstance(x, jax.ShapeDtypeStruct):
         raise MappingError([_abstract_kept(path)])

@@ -68,7 +68,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import MappingError, Problem
+from .._base import MappingError, Problem
 from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
 from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import Problem
+from .._base import Problem
 
 
 @dataclasses.dataclass(frozen=True, init=False)

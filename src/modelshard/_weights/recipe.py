@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import dtype_name
+from .._base import dtype_name
 
 Index = tuple[slice, ...]
 Fetch = Callable[[str, Index], np.ndarray]

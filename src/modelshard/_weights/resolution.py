@@ -21,9 +21,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._dtypes import dtype_name
-from .._errors import MappingError, Problem
-from .._text import literal, vocabulary
+from .._base import MappingError, Problem, dtype_name, literal, vocabulary
 from . import recipe
 from .rules import MapRule, WeightMap, header
 from .steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts

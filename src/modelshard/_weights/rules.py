@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .._errors import LIST_IN_FULL, MappingError, Problem
+from .._base import LIST_IN_FULL, MappingError, Problem
 from .ops import Op, Reshape, Transpose, check_op
 
 _FIELD = re.compile(r"\{(\w+)\}")

@@ -32,7 +32,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from . import hub
 from .recipe import contiguous, host_empty
 

@@ -15,8 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._dtypes import dtype_name
-from .._errors import Problem
+from .._base import Problem, dtype_name
 from . import recipe
 from .ops import Add, Op, Rearrange, Reshape, Transpose, parse_rearrange
 from .rules import Concat, MapRule, Stack, WeightMap, rule_ops
