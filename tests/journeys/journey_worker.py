@@ -380,6 +380,34 @@ _peer_cell(
 )
 
 
+@case("manager_ctrl_c_on_one_process")
+def _ctrl_c(ctx: Ctx) -> None:
+    """SIGINT reaches one process of a loop that polls ``should_save``: every process saves
+    the same step (a signal reaches each process at its own moment: the stop must be
+    agreed, or one process saves alone and waits for the others). Last: JAX's preemption
+    service, once it has stopped a run, does not start over."""
+    from modelshard._checkpoint import guard
+
+    state, want = state_of(ctx, "span", "tiny")
+    saved = []
+    with ms.CheckpointManager(ctx.files / "ctrl_c", save_interval_steps=1000) as mngr:
+        try:
+            for step in range(1, 200):
+                if mngr.should_save(step):
+                    mngr.save(step, state)
+                    saved.append(step)
+                    break
+                if step == 3 and ctx.me == ctx.n - 1:
+                    os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+        finally:
+            guard._stop.clear()  # the worker goes on: not a stopping process any more
+        everyone = ms.distributed.gather(saved, "journey:ctrl_c")
+        assert len(saved) == 1 and all(s == saved for s in everyone), everyone
+        assert mngr.all_steps() == saved, (mngr.all_steps(), saved)
+        check(mngr.restore(like=state), want, {"w": LAYOUTS["span"]})
+
+
 def setup(ctx: Ctx) -> None:
     """Inputs every process reads: written by process 0 alone (plain files, no collective)."""
     from safetensors.numpy import save_file
