@@ -540,7 +540,11 @@ class Stream:
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
             barrier("modelshard:stream:read")
-            (directory / PART_FILE.format(process)).unlink()
+            # Past the last barrier only process 0 touches the directory: it commits it
+            # next (a rename), which a late unlink on another process would race.
+            if process == 0:
+                for p in range(count):
+                    (directory / PART_FILE.format(p)).unlink()
         bad = []
         for lay in self.layouts:
             stored, got = sums[lay.rec.path]

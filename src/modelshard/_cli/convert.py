@@ -17,7 +17,7 @@ from .args import (
     positive_float,
     readable,
 )
-from .host import return_freed_memory, use_cpu_devices
+from .host import join_launch, return_freed_memory, use_cpu_devices
 from .output import SHOW_ALL, absolute, console, emit, progress_bar, say, writing
 
 
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             "to write safetensors from a checkpoint pass --to safetensors"
         )
     sizes = args.mesh or {"data": 1}
+    join_launch()  # under `modelshard launch`, every process writes its share of DST
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
 
