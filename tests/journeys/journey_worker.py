@@ -410,6 +410,7 @@ def _ctrl_c(ctx: Ctx) -> None:
 
 def setup(ctx: Ctx) -> None:
     """Inputs every process reads: written by process 0 alone (plain files, no collective)."""
+    import orbax.checkpoint  # noqa: F401 - imported once here, not inside the first case's bound
     from safetensors.numpy import save_file
 
     if ctx.me == 0:

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard import _launch
+from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -43,7 +43,7 @@ _spec.loader.exec_module(worker)
 # A barrier inside a case gives up after this long, so that a process that failed fast
 # and one that waits for it both go on to the next case (whose start barrier waits longer).
 BARRIER_TIMEOUT_S = 10
-# No case finished for this long: the job hangs. Every process's stacks are dumped, then
+# No case started or finished for this long: the job hangs. Every process's stacks are dumped, then
 # it is killed. Above the worker's own per-case bound (CASE_TIMEOUT_S), which fires first.
 STALL_S = 55.0
 JOB_S = 900  # the launcher's bound on a whole job, far above a healthy run
@@ -78,13 +78,18 @@ def _read(path: Path) -> str:
         return "(none)"
 
 
-def _done(results: Path) -> int:
-    return sum(1 for _ in results.glob("*.json")) if results.is_dir() else 0
+def _progress(out: Path) -> tuple[int, tuple[str, ...]]:
+    """How far a job has come: the cases finished, and the case each process is in (a
+    process still starting up, importing under load, has not begun one yet)."""
+    results = out / "results"
+    done = sum(1 for _ in results.glob("*.json")) if results.is_dir() else 0
+    current = tuple(p.read_text() for p in sorted(out.glob("current.p*")))
+    return done, current
 
 
 def run_job(out: Path, topology: str, peer: Path | None = None) -> Job:
     """Start one job of the matrix and wait for it; kill it (after dumping every process's
-    stacks) as soon as no case has finished for ``STALL_S``."""
+    stacks) as soon as no case has started or finished for ``STALL_S``."""
     n, devices = TOPOLOGIES[topology]
     out.mkdir(parents=True)
     cmd = [
@@ -97,12 +102,12 @@ def run_job(out: Path, topology: str, peer: Path | None = None) -> Job:
     t0 = time.monotonic()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        seen, last, stalled = 0, time.monotonic(), False
+        seen, last, stalled = _progress(out), time.monotonic(), False
         while proc.poll() is None:
             time.sleep(0.2)
-            done = _done(out / "results")
-            if done != seen:
-                seen, last = done, time.monotonic()
+            now = _progress(out)
+            if now != seen:
+                seen, last = now, time.monotonic()
             elif time.monotonic() - last > STALL_S:
                 stalled = True
                 _kill(proc, out, n)
@@ -153,7 +158,7 @@ def test_journey(jobs, topology, name):
         path = job.out / "results" / f"{name}.p{p}.json"
         if not path.exists():
             how = (
-                f"hung (no case finished for {STALL_S:g} s; killed)"
+                f"hung (no case started or finished for {STALL_S:g} s; killed)"
                 if job.stalled
                 else f"ended with exit status {job.rc}"
             )
