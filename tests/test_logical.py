@@ -398,11 +398,12 @@ def test_sharded_initialisation_never_whole_on_one_device(mesh24):
     named = ms.Rules([], strict=False)
     by_path = ms.Rules([(r"weight$", P("mlp", "embed")), (r".*", P())])
     x = jnp.zeros((2, 16))
-    # modelshard's context (Flax's would make linen constrain with with_sharding_constraint,
-    # which Explicit meshes refuse; NNX's eager sharding only reads Flax's: off here).
+    # modelshard's context only (flax=False: Flax's would make linen constrain with
+    # with_sharding_constraint, which Explicit meshes refuse; NNX's eager sharding, which
+    # reads Flax's context, is off here).
     with (
         jax.set_mesh(mesh24),
-        ms.logical_rules(rules),
+        ms.logical_rules(rules, flax=False),
         nnx.use_eager_sharding(False),
         jax.transfer_guard("disallow"),
     ):

@@ -44,6 +44,10 @@ class Problem:
         hint: how to fix it.
         cause: the cause in words when problems of this kind should be grouped as one
             (default: grouped by ``what`` without its numbers).
+        dimension: the leaf's dimension the problem is about, or None.
+        logical_name: the logical axis name the problem is about (``"heads"``), or None.
+        logical_rule: the entry of logical rules that mapped it, as the user wrote it
+            (``"rules['heads']"``, ``"tinylm defaults['heads']"``), or None.
         spec_json: the spec as every JSON output spells it (``[None, "model"]``), or None.
         mesh_sizes: the mesh as ``{"axis": size}``, or None.
     """
@@ -58,6 +62,9 @@ class Problem:
     mesh: str | Mapping[str, int] | None = None
     hint: str | None = None
     cause: str | None = None
+    dimension: int | None = None
+    logical_name: str | None = None
+    logical_rule: str | None = None
     spec_json: list[Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     mesh_sizes: dict[str, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -85,6 +92,9 @@ class Problem:
             "mesh": self.mesh_sizes,
             "hint": self.hint,
             "cause": self.cause,
+            "dimension": self.dimension,
+            "logical_name": self.logical_name,
+            "logical_rule": self.logical_rule,
         }
 
     def spec_text(self) -> str | None:
