@@ -22,7 +22,9 @@ from ._checkpoint import read_metadata as read_metadata
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._checkpoint.reshard import reshard as reshard
+from ._constrain import ActivationConstraint as ActivationConstraint
 from ._constrain import constrain as constrain
+from ._constrain import strict_constraints as strict_constraints
 from ._errors import AdapterError as AdapterError
 from ._errors import AssembleError as AssembleError
 from ._errors import CheckpointError as CheckpointError
@@ -37,6 +39,7 @@ from ._expand import ArgPlan as ArgPlan
 from ._expand import LeafPlan as LeafPlan
 from ._jit import ShardJit as ShardJit
 from ._jit import shard_jit as shard_jit
+from ._logical import LogicalAxes as LogicalAxes
 from ._logical import logical_rules as logical_rules
 from ._mesh import make_mesh as make_mesh
 from ._plan import Plan as Plan

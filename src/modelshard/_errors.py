@@ -163,7 +163,19 @@ class Cause:
 
     @property
     def example(self) -> Problem:
-        return self.problems[0]
+        """The problem shown: the one with the shortest path (a parameter, not its
+        optimizer moments ``opt/0/mu/...``), the first of those."""
+        return min(self.problems, key=lambda p: (p.path or "").count("/"))
+
+    @property
+    def mirrors(self) -> tuple[Problem, ...]:
+        """The other problems whose paths end with the example's path below its first
+        component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
+        e = self.example
+        _, slash, tail = (e.path or "").partition("/")
+        if not slash:
+            return ()
+        return tuple(p for p in self.problems if p is not e and (p.path or "").endswith("/" + tail))
 
     @property
     def numbers_differ(self) -> bool:
@@ -189,6 +201,12 @@ class Cause:
             detail += f", spec {e.spec_text()}" + (f" from {e.rule}" if e.rule else "")
         if e.mesh is not None:
             detail += f", mesh ({e.mesh})"
+        mirrors = self.mirrors
+        if mirrors:
+            detail += (
+                f" (and {len(mirrors)} lea{'ves' if len(mirrors) != 1 else 'f'} mirroring its "
+                f"path, e.g. {mirrors[0].label()})"
+            )
         out.append(f"      e.g. {detail}" + ("" if e.what == self.what else f": {e.what}"))
         if self.hint:
             out.append(f"      hint: {self.hint}")
@@ -201,6 +219,7 @@ class Cause:
             "count": self.count,
             "hint": self.hint,
             "example": self.example.path,
+            "mirrors": [p.path for p in self.mirrors],
             "paths": [{"path": g.path, "count": g.count} for g in self.folded()],
         }
 

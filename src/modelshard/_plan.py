@@ -12,7 +12,7 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ._constrain import current_mesh
+from ._constrain import ActivationConstraint, current_mesh
 from ._dtypes import dtype_name
 from ._expand import ArgPlan, LeafPlan, expand_args
 from ._mesh import format_mesh, mesh_sizes
@@ -34,12 +34,17 @@ class Plan:
     Attributes:
         mesh: the ``Mesh`` or ``AbstractMesh`` planned for.
         args: one [`ArgPlan`][modelshard.ArgPlan] per argument.
+        activations: for a ``shard_jit`` step's plan, every leaf
+            [`constrain`][modelshard.constrain] places while the step runs
+            ([`ActivationConstraint`][modelshard.ActivationConstraint]: name, logical names,
+            spec, bytes per device); empty for [`plan`][modelshard.plan].
     """
 
     def __init__(self, args: Sequence[ArgPlan], mesh: Any):
         self.mesh = mesh
         self.args = list(args)
         self.sizes = mesh_sizes(mesh)
+        self.activations: list[ActivationConstraint] = []
         self._shardings: dict[Any, NamedSharding] = {}
 
     # ---- per-leaf views -------------------------------------------------------------
@@ -148,8 +153,8 @@ class Plan:
         and that are planned alike (shape, dtype, spec, rule) are one row,
         ``layers_{0..61}/mlp/kernel`` with ``count`` 62. ``filter`` is a regex searched in
         each path. JSON-ready dicts: ``path``, ``count``, ``shape``, ``dtype``, ``spec``,
-        ``rule``, ``bytes_per_device`` and ``bytes`` (each per leaf), ``paths`` (every
-        leaf's path).
+        ``rule``, ``logical`` (as in ``rows``), ``bytes_per_device`` and ``bytes`` (each per
+        leaf), ``paths`` (every leaf's path).
         """
         from ._fold import fold as fold_paths
 
@@ -164,6 +169,7 @@ class Plan:
                 "dtype": dtype_name(leaf.dtype),
                 "spec": spec_json(leaf.spec),
                 "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
                 "bytes_per_device": self.bytes_per_device(leaf),
                 "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
                 "paths": paths,
@@ -174,7 +180,7 @@ class Plan:
         folded = fold_paths(
             named,
             lambda x: x[0],
-            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule),
+            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule, x[1].logical),
         )
         return [
             row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
@@ -249,7 +255,9 @@ class Plan:
 
         ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
         one entry per dimension, ``null`` for a replicated dimension, a list for several
-        axes (``[["data", "fsdp"], null]``).
+        axes (``[["data", "fsdp"], null]``). ``logical``: per dimension, the logical names
+        that mapped it (``[{"name": "heads", "axes": ["model"], "rule": "rules['heads']"}]``,
+        ``[]`` for none), or ``null`` when no logical name was mapped.
         """
         return [
             {
@@ -258,6 +266,7 @@ class Plan:
                 "dtype": dtype_name(leaf.dtype),
                 "spec": spec_json(leaf.spec),
                 "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
                 "bytes_per_device": self.bytes_per_device(leaf),
                 "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
             }
@@ -369,6 +378,45 @@ class Plan:
     def __repr__(self) -> str:
         return f"<Plan: {self.summary()}>"
 
+    def activation_rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per activation constraint of a step: ``name``, ``path``,
+        ``shape``, ``dtype``, ``written`` (the spec as the model wrote it), ``logical`` (as
+        in ``rows``), ``spec`` and ``bytes_per_device``."""
+        return [
+            {
+                "name": a.name,
+                "path": a.path,
+                "shape": list(a.shape),
+                "dtype": a.dtype,
+                "written": a.written,
+                "logical": logical_json(a.logical),
+                "spec": spec_json(a.spec),
+                "bytes_per_device": a.bytes_per_device,
+            }
+            for a in self.activations
+        ]
+
+
+def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
+    """A leaf's logical names per dimension as JSON; None when no logical name was mapped."""
+    if not via or not any(via):
+        return None
+    return [[{"name": n, "axes": list(t), "rule": lab} for n, t, lab in dim] for dim in via]
+
+
+def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
+    """``heads->model by rules['heads'], embed->None by tinylm defaults['embed']``: each
+    dimension's logical names, their mesh axes and the rule entry, for tables."""
+    if not logical:
+        return ""
+    parts = []
+    for dim in logical:
+        for m in dim:
+            axes = m["axes"]
+            to = "None" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+            parts.append(f"{m['name']}->{to} by {m['rule']}")
+    return ", ".join(parts)
+
 
 class PlanTable:
     """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable.
@@ -401,7 +449,7 @@ class PlanTable:
         cells = self._cells(shown)
         cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
-            for col in ("rule", "dtype", "leaves"):
+            for col in ("rule", "dtype", "leaves", "logical"):
                 if self._width(cells, cols) > width and col in cols:
                     cols.remove(col)
         t = Table(title="modelshard plan", show_lines=False, title_justify="left")
@@ -438,6 +486,22 @@ class PlanTable:
                     format_bytes(row["bytes_per_device"]),
                 )
             parts.append(m)
+        if p.activations:
+            a = Table(
+                title="activation constraints", box=None, pad_edge=False, title_justify="left"
+            )
+            for col in ("name", "path", "shape", "logical", "spec", "per device"):
+                a.add_column(col, justify="right" if col == "per device" else "left")
+            for row in p.activation_rows():
+                a.add_row(
+                    literal(row["name"]),
+                    literal(row["path"] or "<root>"),
+                    str(tuple(row["shape"])),
+                    literal(logical_text(row["logical"]) or row["written"]),
+                    format_spec(spec_from_json(row["spec"])),
+                    format_bytes(row["bytes_per_device"]),
+                )
+            parts.append(a)
         parts.append(Text(p.summary()))
         return Group(*parts)
 
@@ -456,6 +520,8 @@ class PlanTable:
                 f" x{r['count']}" if r["count"] > 1 else ""
             )
             c["rule"] = r["rule"]
+            if any(x.get("logical") for x in rows):
+                c["logical"] = logical_text(r.get("logical"))
             out.append(c)
         return out
 
