@@ -405,8 +405,9 @@ def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
 
 
 def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``heads->model by rules['heads'], embed->None by tinylm defaults['embed']``: each
-    dimension's logical names, their mesh axes and the rule entry, for tables."""
+    """``heads->model (rules), embed->None (tinylm defaults)``: each dimension's logical
+    names, their mesh axes and the rule entry, for tables (an entry keyed by the name
+    itself, ``rules['heads']``, is shown by its table alone)."""
     if not logical:
         return ""
     parts = []
@@ -414,7 +415,8 @@ def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
         for m in dim:
             axes = m["axes"]
             to = "None" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
-            parts.append(f"{m['name']}->{to} by {m['rule']}")
+            rule = m["rule"].removesuffix(f"[{m['name']!r}]")
+            parts.append(f"{m['name']}->{to} ({rule})")
     return ", ".join(parts)
 
 
