@@ -31,6 +31,7 @@ from ._checkpoint import save as save
 from ._containers import register_container as register_container
 from ._jit import ShardJit as ShardJit
 from ._jit import shard_jit as shard_jit
+from ._place import ActivationConstraint as ActivationConstraint
 from ._place import Plan as Plan
 from ._place import ShardMap as ShardMap
 from ._place import assemble as assemble
@@ -41,9 +42,11 @@ from ._place import partitions as partitions
 from ._place import plan as plan
 from ._place import shard as shard
 from ._place import shard_map as shard_map
+from ._place import strict_constraints as strict_constraints
 from ._specs import FSDP as FSDP
 from ._specs import ArgPlan as ArgPlan
 from ._specs import LeafPlan as LeafPlan
+from ._specs import LogicalAxes as LogicalAxes
 from ._specs import Rules as Rules
 from ._specs import fsdp as fsdp
 from ._specs import load_rules as load_rules

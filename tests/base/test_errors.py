@@ -189,6 +189,9 @@ def test_problem_spells_spec_and_mesh_for_people_and_for_json():
         "mesh": {"data": 1, "model": 3},
         "hint": None,
         "cause": None,
+        "dimension": None,
+        "logical_name": None,
+        "logical_rule": None,
     }
 
 

@@ -322,6 +322,9 @@ def test_problems_as_json(ckpt, capsys):
         "hint": "shard this dimension over axes whose sizes divide it, pad it, or replicate it "
         f'with "none": in {rules} set rules[1].spec = ["none", "none"]',
         "cause": None,
+        "dimension": 1,
+        "logical_name": None,
+        "logical_rule": None,
     }
 
 

@@ -67,12 +67,12 @@ def test_inside_shard_jit_the_mesh_is_set(mesh24):
 
 
 def _no_mesh_block(x):
-    return ms.constrain(x, P())
+    return ms.constrain(x, P(), strict=True)
 
 
 def test_no_mesh_is_a_clear_error_naming_the_call():
-    """No mesh given and none active: the MeshError names the constrain call (file:line,
-    function) and, while tracing, the traced function, as a SpecError does."""
+    """No mesh given and none active, strict: the MeshError names the constrain call
+    (file:line, function) and, while tracing, the traced function, as a SpecError does."""
     here = os.path.relpath(__file__)
     call = f"{here}:{_line(_no_mesh_block, 'ms.constrain(')}"
     says = (

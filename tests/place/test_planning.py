@@ -32,6 +32,7 @@ def test_bytes_per_device_and_totals(mesh24):
         "dtype": "float32",
         "spec": ["data", "model"],
         "rule": "rule 0 'w'",
+        "logical": None,
         "bytes_per_device": 1024,
         "bytes": 8192,
     }

@@ -272,11 +272,13 @@ def test_context_every_entry_point(mesh24):
             lambda t: t["h"] * 2, mesh=mesh24, in_specs=(BATCH_EMBED,), out_specs=BATCH_EMBED
         )
         assert spec_of(mapped(tree)) == P("data", "model")
-    # outside the context, the names mean nothing: the same clear error everywhere
+    # outside the context, the names mean nothing: model code's constrain does nothing
+    # (as Flax's nn.with_logical_constraint), and everywhere else the same clear error
+    assert ms.constrain(tree, BATCH_EMBED, mesh24)["h"] is X
     for call in (
         lambda: ms.plan(tree, BATCH_EMBED, mesh24),
         lambda: ms.shard(tree, BATCH_EMBED, mesh24),
-        lambda: ms.constrain(tree, BATCH_EMBED, mesh24),
+        lambda: ms.constrain(tree, BATCH_EMBED, mesh24, strict=True),
         lambda: jitted(tree),
         lambda: mapped(tree),
     ):
@@ -298,7 +300,10 @@ def test_model_code_constrains_inside_shard_jit_trace(mesh24, count_compiles):
         with ms.logical_rules({"batch": "model", "embed": "data"}):  # new rules: traced again
             assert float(step(params, X)) == float((X @ params["w"]).sum())
     assert n["jit(model)"] == step.cache_size == 2
-    with pytest.raises(ms.SpecError, match="axis 'batch'"):
+    # no rules: the model's constraint does nothing (as Flax's), unless constraints are strict
+    assert float(step(params, X)) == float((X @ params["w"]).sum())
+    step.clear_cache()  # strictness is read while tracing
+    with ms.strict_constraints(), pytest.raises(ms.SpecError, match="axis 'batch'"):
         step(params, X)
 
 
@@ -398,11 +403,12 @@ def test_sharded_initialisation_never_whole_on_one_device(mesh24):
     named = ms.Rules([], strict=False)
     by_path = ms.Rules([(r"weight$", P("mlp", "embed")), (r".*", P())])
     x = jnp.zeros((2, 16))
-    # modelshard's context (Flax's would make linen constrain with with_sharding_constraint,
-    # which Explicit meshes refuse; NNX's eager sharding only reads Flax's: off here).
+    # modelshard's context only (flax=False: Flax's would make linen constrain with
+    # with_sharding_constraint, which Explicit meshes refuse; NNX's eager sharding, which
+    # reads Flax's context, is off here).
     with (
         jax.set_mesh(mesh24),
-        ms.logical_rules(rules),
+        ms.logical_rules(rules, flax=False),
         nnx.use_eager_sharding(False),
         jax.transfer_guard("disallow"),
     ):

@@ -44,6 +44,10 @@ class Problem:
         hint: how to fix it.
         cause: the cause in words when problems of this kind should be grouped as one
             (default: grouped by ``what`` without its numbers).
+        dimension: the leaf's dimension the problem is about, or None.
+        logical_name: the logical axis name the problem is about (``"heads"``), or None.
+        logical_rule: the entry of logical rules that mapped it, as the user wrote it
+            (``"rules['heads']"``, ``"tinylm defaults['heads']"``), or None.
         spec_json: the spec as every JSON output spells it (``[None, "model"]``), or None.
         mesh_sizes: the mesh as ``{"axis": size}``, or None.
     """
@@ -58,6 +62,9 @@ class Problem:
     mesh: str | Mapping[str, int] | None = None
     hint: str | None = None
     cause: str | None = None
+    dimension: int | None = None
+    logical_name: str | None = None
+    logical_rule: str | None = None
     spec_json: list[Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     mesh_sizes: dict[str, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -85,6 +92,9 @@ class Problem:
             "mesh": self.mesh_sizes,
             "hint": self.hint,
             "cause": self.cause,
+            "dimension": self.dimension,
+            "logical_name": self.logical_name,
+            "logical_rule": self.logical_rule,
         }
 
     def spec_text(self) -> str | None:
@@ -153,7 +163,19 @@ class Cause:
 
     @property
     def example(self) -> Problem:
-        return self.problems[0]
+        """The problem shown: the one with the shortest path (a parameter, not its
+        optimizer moments ``opt/0/mu/...``), the first of those."""
+        return min(self.problems, key=lambda p: (p.path or "").count("/"))
+
+    @property
+    def mirrors(self) -> tuple[Problem, ...]:
+        """The other problems whose paths end with the example's path below its first
+        component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
+        e = self.example
+        _, slash, tail = (e.path or "").partition("/")
+        if not slash:
+            return ()
+        return tuple(p for p in self.problems if p is not e and (p.path or "").endswith("/" + tail))
 
     @property
     def numbers_differ(self) -> bool:
@@ -179,6 +201,12 @@ class Cause:
             detail += f", spec {e.spec_text()}" + (f" from {e.rule}" if e.rule else "")
         if e.mesh is not None:
             detail += f", mesh ({e.mesh})"
+        mirrors = self.mirrors
+        if mirrors:
+            detail += (
+                f" (and {len(mirrors)} lea{'ves' if len(mirrors) != 1 else 'f'} mirroring its "
+                f"path, e.g. {mirrors[0].label()})"
+            )
         out.append(f"      e.g. {detail}" + ("" if e.what == self.what else f": {e.what}"))
         if self.hint:
             out.append(f"      hint: {self.hint}")
@@ -191,6 +219,7 @@ class Cause:
             "count": self.count,
             "hint": self.hint,
             "example": self.example.path,
+            "mirrors": [p.path for p in self.mirrors],
             "paths": [{"path": g.path, "count": g.count} for g in self.folded()],
         }
 

@@ -23,7 +23,7 @@ from .._specs import (
     spec_from_json,
     spec_json,
 )
-from .constraints import current_mesh
+from .constraints import ActivationConstraint, current_mesh
 
 
 def _itemsize(dtype: Any) -> int:
@@ -40,12 +40,17 @@ class Plan:
     Attributes:
         mesh: the ``Mesh`` or ``AbstractMesh`` planned for.
         args: one [`ArgPlan`][modelshard.ArgPlan] per argument.
+        activations: for a ``shard_jit`` step's plan, every leaf
+            [`constrain`][modelshard.constrain] places while the step runs
+            ([`ActivationConstraint`][modelshard.ActivationConstraint]: name, logical names,
+            spec, bytes per device); empty for [`plan`][modelshard.plan].
     """
 
     def __init__(self, args: Sequence[ArgPlan], mesh: Any):
         self.mesh = mesh
         self.args = list(args)
         self.sizes = mesh_sizes(mesh)
+        self.activations: list[ActivationConstraint] = []
         self._shardings: dict[Any, NamedSharding] = {}
 
     # ---- per-leaf views -------------------------------------------------------------
@@ -154,8 +159,8 @@ class Plan:
         and that are planned alike (shape, dtype, spec, rule) are one row,
         ``layers_{0..61}/mlp/kernel`` with ``count`` 62. ``filter`` is a regex searched in
         each path. JSON-ready dicts: ``path``, ``count``, ``shape``, ``dtype``, ``spec``,
-        ``rule``, ``bytes_per_device`` and ``bytes`` (each per leaf), ``paths`` (every
-        leaf's path).
+        ``rule``, ``logical`` (as in ``rows``), ``bytes_per_device`` and ``bytes`` (each per
+        leaf), ``paths`` (every leaf's path).
         """
         from .._base import fold as fold_paths
 
@@ -170,6 +175,7 @@ class Plan:
                 "dtype": dtype_name(leaf.dtype),
                 "spec": spec_json(leaf.spec),
                 "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
                 "bytes_per_device": self.bytes_per_device(leaf),
                 "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
                 "paths": paths,
@@ -180,7 +186,7 @@ class Plan:
         folded = fold_paths(
             named,
             lambda x: x[0],
-            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule),
+            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule, x[1].logical),
         )
         return [
             row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
@@ -255,7 +261,9 @@ class Plan:
 
         ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
         one entry per dimension, ``null`` for a replicated dimension, a list for several
-        axes (``[["data", "fsdp"], null]``).
+        axes (``[["data", "fsdp"], null]``). ``logical``: per dimension, the logical names
+        that mapped it (``[{"name": "heads", "axes": ["model"], "rule": "rules['heads']"}]``,
+        ``[]`` for none), or ``null`` when no logical name was mapped.
         """
         return [
             {
@@ -264,6 +272,7 @@ class Plan:
                 "dtype": dtype_name(leaf.dtype),
                 "spec": spec_json(leaf.spec),
                 "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
                 "bytes_per_device": self.bytes_per_device(leaf),
                 "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
             }
@@ -375,6 +384,47 @@ class Plan:
     def __repr__(self) -> str:
         return f"<Plan: {self.summary()}>"
 
+    def activation_rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per activation constraint of a step: ``name``, ``path``,
+        ``shape``, ``dtype``, ``written`` (the spec as the model wrote it), ``logical`` (as
+        in ``rows``), ``spec`` and ``bytes_per_device``."""
+        return [
+            {
+                "name": a.name,
+                "path": a.path,
+                "shape": list(a.shape),
+                "dtype": a.dtype,
+                "written": a.written,
+                "logical": logical_json(a.logical),
+                "spec": spec_json(a.spec),
+                "bytes_per_device": a.bytes_per_device,
+            }
+            for a in self.activations
+        ]
+
+
+def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
+    """A leaf's logical names per dimension as JSON; None when no logical name was mapped."""
+    if not via or not any(via):
+        return None
+    return [[{"name": n, "axes": list(t), "rule": lab} for n, t, lab in dim] for dim in via]
+
+
+def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
+    """``heads->model (rules), embed->None (tinylm defaults)``: each dimension's logical
+    names, their mesh axes and the rule entry, for tables (an entry keyed by the name
+    itself, ``rules['heads']``, is shown by its table alone)."""
+    if not logical:
+        return ""
+    parts = []
+    for dim in logical:
+        for m in dim:
+            axes = m["axes"]
+            to = "None" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+            rule = m["rule"].removesuffix(f"[{m['name']!r}]")
+            parts.append(f"{m['name']}->{to} ({rule})")
+    return ", ".join(parts)
+
 
 class PlanTable:
     """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable.
@@ -407,7 +457,7 @@ class PlanTable:
         cells = self._cells(shown)
         cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
-            for col in ("rule", "dtype", "leaves"):
+            for col in ("rule", "dtype", "leaves", "logical"):
                 if self._width(cells, cols) > width and col in cols:
                     cols.remove(col)
         t = Table(title="modelshard plan", show_lines=False, title_justify="left")
@@ -444,6 +494,22 @@ class PlanTable:
                     format_bytes(row["bytes_per_device"]),
                 )
             parts.append(m)
+        if p.activations:
+            a = Table(
+                title="activation constraints", box=None, pad_edge=False, title_justify="left"
+            )
+            for col in ("name", "path", "shape", "logical", "spec", "per device"):
+                a.add_column(col, justify="right" if col == "per device" else "left")
+            for row in p.activation_rows():
+                a.add_row(
+                    literal(row["name"]),
+                    literal(row["path"] or "<root>"),
+                    str(tuple(row["shape"])),
+                    literal(logical_text(row["logical"]) or row["written"]),
+                    format_spec(spec_from_json(row["spec"])),
+                    format_bytes(row["bytes_per_device"]),
+                )
+            parts.append(a)
         parts.append(Text(p.summary()))
         return Group(*parts)
 
@@ -462,6 +528,8 @@ class PlanTable:
                 f" x{r['count']}" if r["count"] > 1 else ""
             )
             c["rule"] = r["rule"]
+            if any(x.get("logical") for x in rows):
+                c["logical"] = logical_text(r.get("logical"))
             out.append(c)
         return out
 

@@ -16,6 +16,9 @@ from .language import is_entry as is_entry
 from .language import is_leaf_spec as is_leaf_spec
 from .language import spec_from_json as spec_from_json
 from .language import spec_json as spec_json
+from .logical import LogicalAxes as LogicalAxes
 from .logical import active_logical as active_logical
+from .logical import closest as closest
 from .logical import logical_rules as logical_rules
+from .resolution import Via as Via
 from .rulesfile import load_rules as load_rules

@@ -23,7 +23,7 @@ from .._base import AdapterError, Problem, SpecError, canonical_dtype, format_pa
 from .._base import split as split_path
 from .._containers import ARRAY_TYPES, Flat, LeafInfo, split
 from .language import FSDP, Rules, is_leaf_spec
-from .resolution import Ctx, refused_by_jax, resolve_checked, unmatched_key
+from .resolution import Ctx, Via, refused_by_jax, resolve_checked, unmatched_key
 
 
 class LeafPlan(NamedTuple):
@@ -35,6 +35,10 @@ class LeafPlan(NamedTuple):
         dtype: NumPy/JAX dtype.
         spec: the resolved ``PartitionSpec`` over mesh axes (logical names mapped).
         rule: what produced the spec (``"rule 1 'kernel$'"``, ``"metadata"``, ``"P()"``...).
+        logical: per dimension, the logical names that mapped it, each with its mesh axes
+            and the entry of the logical rules that chose them (``(("heads", ("model",),
+            "rules['heads']"),)`` for one dimension); ``()`` when no logical name was
+            mapped.
     """
 
     path: str
@@ -42,6 +46,7 @@ class LeafPlan(NamedTuple):
     dtype: Any
     spec: PartitionSpec
     rule: str
+    logical: Via = ()
 
 
 @dataclasses.dataclass
@@ -199,10 +204,19 @@ def _plan_leaves(
                 continue
             if key is not None:
                 resolved[key] = cached
-        spec, rule, problems = cached
+        spec, rule, problems, via = cached
         if problems:
-            for what, hint in problems:
-                ctx.problem(arg, info.path, leaf, what, spec=spec, rule=rule, hint=hint or None)
+            for what, hint, fields in problems:
+                ctx.problem(
+                    arg,
+                    info.path,
+                    leaf,
+                    what,
+                    spec=spec,
+                    rule=rule,
+                    hint=hint or None,
+                    fields=fields,
+                )
             continue
         if type(leaf) not in _NOT_NUMPY and isinstance(leaf, np.ndarray | np.generic):
             refused = refused_by_jax(leaf)
@@ -214,7 +228,7 @@ def _plan_leaves(
             dtype = placed[dtype]
         except KeyError:
             dtype = placed[dtype] = canonical_dtype(dtype)
-        append(_new(LeafPlan, (info.path, shape, dtype, spec, rule)))
+        append(_new(LeafPlan, (info.path, shape, dtype, spec, rule, via)))
     return out
 
 
@@ -240,7 +254,7 @@ def _plan_matched(
             key = (hit[0], shape, leaf.dtype)
             like = done.get(key)
             if like is not None:
-                append(_new(LeafPlan, (info.path, shape, like[2], like[3], like[4])))
+                append(_new(LeafPlan, (info.path, shape, like[2], like[3], like[4], like[5])))
                 continue
         else:
             key = None

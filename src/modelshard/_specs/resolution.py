@@ -8,11 +8,10 @@ in one ``Ctx`` so a ``SpecError`` lists them all.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import numpy as np
@@ -21,7 +20,16 @@ from jax.sharding import PartitionSpec
 from .._base import Problem, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from .logical import LogicalRules, active_logical, add_name_hint
+from .logical import LogicalRules, active_logical, add_name_hint, closest
+
+Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
+"""Per dimension of a spec, each logical name in it with its mesh axes and the entry of
+the rules that mapped it: ``((("batch", ("data",), "rules['batch']"),), (), ...)``."""
+
+
+Checked: TypeAlias = tuple[PartitionSpec, str, list[tuple[str, str, dict[str, Any]]], Via]
+"""One leaf's resolution: (spec, rule text, problems as (what, hint, Problem fields), the
+logical names and rule entries per dimension)."""
 
 
 class Ctx:
@@ -32,7 +40,7 @@ class Ctx:
         self.mesh_text = format_mesh(sizes)
         self.problems: list[Problem] = []
         self.used: dict[int, tuple[Rules, set[int]]] = {}
-        self.resolved: dict[tuple[Any, ...], tuple[PartitionSpec, str, list[tuple[str, str]]]] = {}
+        self.resolved: dict[tuple[Any, ...], Checked] = {}
         self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
         # The context's logical rules, read once: every leaf of one plan sees the same.
         self.logical = active_logical()
@@ -53,6 +61,7 @@ class Ctx:
         spec: Any = None,
         rule: str | None = None,
         hint: str | None = None,
+        fields: Mapping[str, Any] | None = None,
     ) -> None:
         shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
         dtype = dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
@@ -67,14 +76,16 @@ class Ctx:
                 rule=rule,
                 mesh=self.sizes,
                 hint=hint,
+                **(fields or {}),
             )
         )
 
 
 def resolve_names(
     spec: PartitionSpec, logical: LogicalRules | None
-) -> tuple[PartitionSpec, str | None]:
-    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem).
+) -> tuple[PartitionSpec, str | None, Via]:
+    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem,
+    which name and entry mapped each dimension).
 
     Names ``logical`` does not know stay as they are (mesh axes, or names ``check``
     reports). A mapping substitutes each name; Flax's ordered list assigns pairs in order,
@@ -82,17 +93,18 @@ def resolve_names(
     mesh axes already take theirs), exactly as ``flax.linen.logical_to_mesh_axes``.
     """
     if logical is None or partial_axes(spec):  # partial specs are left for check to report
-        return spec, None
+        return spec, None, ()
     entries = list(spec)
     known = logical.candidates
+    via: list[tuple[tuple[str, tuple[str, ...], str], ...]] = [()] * len(entries)
     if not logical.ordered:
         for dim, entry in enumerate(entries):
             if is_axes_entry(entry) and any(n in known for n in entry_axes(entry)):
-                mapped = [
-                    a for n in entry_axes(entry) for a in (known[n][0] if n in known else (n,))
-                ]
+                names = entry_axes(entry)
+                mapped = [a for n in names for a in (known[n][0] if n in known else (n,))]
                 entries[dim] = _entry(mapped)
-        return PartitionSpec(*entries), None
+                via[dim] = tuple((n, known[n][0], logical.label(n)) for n in names if n in known)
+        return PartitionSpec(*entries), None, tuple(via)
     # Flax's priority rules: (dim, position) slots of logical names, filled pair by pair.
     slots: dict[str, tuple[int, int]] = {}
     taken: set[str] = set()
@@ -105,29 +117,36 @@ def resolve_names(
         for i, n in enumerate(names):
             if n in known:
                 if n in slots:
-                    return spec, (
-                        f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
-                        "Flax-style logical rules map each name to one dimension"
+                    return (
+                        spec,
+                        (
+                            f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
+                            "Flax-style logical rules map each name to one dimension"
+                        ),
+                        (),
                     )
                 slots[n] = (dim, i)
             else:
                 taken.add(n)
         parts.append(list(names))
     if not slots:
-        return spec, None
+        return spec, None, ()
     assigned: dict[str, tuple[str, ...]] = {}
     for name, target in logical.pairs:
         if name in slots and name not in assigned and taken.isdisjoint(target):
             assigned[name] = target
             taken.update(target)
     for name, (dim, i) in slots.items():
-        parts[dim][i] = assigned.get(name, ())
+        got = assigned.get(name, ())
+        parts[dim][i] = got
+        label = logical.label(name, got) if name in assigned else "no pair (every one blocked)"
+        via[dim] = (*via[dim], (name, got, label))
     for dim, entry in enumerate(entries):
         if is_axes_entry(entry):
             entries[dim] = _entry(
                 [a for p in parts[dim] for a in (p if isinstance(p, tuple) else (p,))]
             )
-    return PartitionSpec(*entries), None
+    return PartitionSpec(*entries), None, tuple(via)
 
 
 def _entry(axes: list[str]) -> Any:
@@ -239,16 +258,17 @@ def unmatched_key(
 
 def resolve_checked(
     arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
-) -> tuple[PartitionSpec, str, list[tuple[str, str]]] | None:
-    """Resolve one leaf's spec and validate it: (spec, rule text, problems), or None."""
+) -> Checked | None:
+    """Resolve one leaf's spec and validate it; None after reporting a problem."""
     got = resolve(arg, info, leaf, s, shape, ctx)
     if got is None:
         return None
     spec, rule, logical = got
     file = s.file if isinstance(s, Rules) else None
     named = spec
+    via: Via = ()
     if logical is not None:
-        spec, twice = resolve_names(spec, logical)
+        spec, twice, via = resolve_names(spec, logical)
         if twice is not None:
             ctx.problem(
                 arg,
@@ -261,23 +281,38 @@ def resolve_checked(
             )
             return None
     try:
-        problems = check(spec, shape, ctx.sizes, logical, file)
+        found = check(spec, shape, ctx.sizes, logical, file)
     except TypeError:  # junk inside a spec from a function: report, never crash
-        problems = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
-    if logical is not None and problems:
-        problems = [_name_logical(what, hint, named, ctx.sizes, logical) for what, hint in problems]
+        found = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    problems = [
+        _in_logical_terms(what, hint, named, shape, ctx.sizes, logical, via) for what, hint in found
+    ]
     if problems and vocabulary() == "cli":
-        problems = [(what, _cli_hint(what, hint, named, rule, file)) for what, hint in problems]
-    return spec, rule, problems
+        problems = [
+            (what, _cli_hint(what, hint, named, rule, file, fields), fields)
+            for what, hint, fields in problems
+        ]
+    return spec, rule, problems, via
 
 
 _INDIVISIBLE = re.compile(r"dimension (\d+) \(size \d+\) is partitioned .* is not divisible by")
 _RULE_INDEX = re.compile(r"rule (\d+) ")
 
 
-def _cli_hint(what: str, hint: str, named: PartitionSpec, rule: str, file: str | None) -> str:
+def _cli_hint(
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    rule: str,
+    file: str | None,
+    fields: Mapping[str, Any],
+) -> str:
     """A hint in the command line's words: a dimension to replicate is ``"none"`` in the
-    rules file, shown as the TOML spec to write in the ``rules[i]`` it came from."""
+    rules file, shown as the TOML spec to write in the ``rules[i]`` it came from, or the
+    ``[logical]`` line to change when a logical name mapped it."""
+    name = fields.get("logical_name")
+    if name is not None and fields.get("logical_rule") is not None:
+        return hint  # already in the rules file's words (_in_logical_terms)
     m = _INDIVISIBLE.match(what)
     if m is None:
         return hint
@@ -291,26 +326,83 @@ def _cli_hint(what: str, hint: str, named: PartitionSpec, rule: str, file: str |
     index = _RULE_INDEX.match(rule)
     if file is not None and index is not None:
         return f"{base}: in {file} set rules[{index.group(1)}].spec = {fixed}"
+    if file is not None:  # the spec came from the leaf's metadata, under the file's rules
+        return (
+            f"{base}: add to {file} a [[rules]] table whose pattern matches this leaf, "
+            f"spec = {fixed}"
+        )
     return f"{base}: pass --rules RULES.toml with a rule for this leaf, spec = {fixed}"
 
 
 _NOT_IN_MESH = re.compile(r"axis '([^']+)' \(dimension (\d+)\) is not in the mesh")
 
 
-def _name_logical(
-    what: str, hint: str, named: PartitionSpec, sizes: Mapping[str, int], logical: Any
-) -> tuple[str, str]:
-    """A mesh axis that is not in the mesh but came from a logical name: say which name."""
-    m = _NOT_IN_MESH.fullmatch(what)
+def _in_logical_terms(
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    logical: LogicalRules | None,
+    via: Via,
+) -> tuple[str, str, dict[str, Any]]:
+    """A problem with a dimension a logical name mapped, said in the user's terms: which
+    logical name, which dimension, which entry of the rules, and a fix that is theirs to
+    make (the entry to change). Other problems keep their words, with the dimension."""
+    m = _INDIVISIBLE.match(what) or _NOT_IN_MESH.fullmatch(what)
     if m is None:
-        return what, hint
+        return what, hint, {}
+    if logical is None:
+        return what, hint, {"dimension": int(m.group(1) if m.re is _INDIVISIBLE else m.group(2))}
+    if m.re is _NOT_IN_MESH:
+        return _not_in_mesh(m, what, hint, named, sizes, logical, via)
+    dim = int(m.group(1))
+    fields: dict[str, Any] = {"dimension": dim}
+    mapped = via[dim] if dim < len(via) else ()
+    entry = tuple(named)[dim] if dim < len(tuple(named)) else None
+    if len(mapped) != 1 or not is_axes_entry(entry) or len(entry_axes(entry)) != 1:
+        return what, hint, fields  # several names or axes in one dimension: JAX's words
+    name, target, label = mapped[0]
+    size, n = shape[dim], math.prod(sizes[a] for a in target)
+    by = str(n) if len(target) == 1 else " x ".join(str(sizes[a]) for a in target) + f" = {n}"
+    onto = repr(target[0]) if len(target) == 1 else repr(target)
+    fields.update(logical_name=name, logical_rule=label)
+    what = (
+        f"{name!r} (dimension {dim}, size {size}) maps to {onto} ({by}) by {label}: "
+        f"{size} is not divisible by {n}"
+    )
+    if logical.file is not None and label.startswith("[logical] "):
+        hint = (
+            f"map {name} to an axis whose size divides {size}, or replicate it: in "
+            f'{logical.file}, [logical] {name} = "none"'
+        )
+    else:
+        none = '"none"' if vocabulary() == "cli" else "None"
+        hint = f"map {name!r} to an axis whose size divides {size}, or to {none}"
+    return what, hint, fields
+
+
+def _not_in_mesh(
+    m: re.Match[str],
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    sizes: Mapping[str, int],
+    logical: LogicalRules,
+    via: Via,
+) -> tuple[str, str, dict[str, Any]]:
+    """A mesh axis that is not in the mesh but came from a logical name: say which name."""
     axis, dim = m.group(1), int(m.group(2))
+    fields: dict[str, Any] = {"dimension": dim}
     entries = tuple(named)
     if dim >= len(entries) or not is_axes_entry(entries[dim]):
-        return what, hint
+        return what, hint, fields
     names = [n for n in entry_axes(entries[dim]) if n not in sizes and n != axis]
     if not names:
-        return what, hint
+        return what, hint, fields
+    mapped = via[dim] if dim < len(via) else ()
+    label = next((lab for n, _, lab in mapped if n == names[0]), None)
+    fields.update(logical_name=names[0], logical_rule=label)
     axes = ", ".join(map(repr, sizes)) or "none"
     what = (
         f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
@@ -318,21 +410,28 @@ def _name_logical(
     )
     close = _close_axis(axis, sizes)
     if close is not None:
-        return what, (
-            f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
-            f"{logical.source} (mesh axes are {axes})"
+        return (
+            what,
+            (
+                f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
+                f"{logical.source} (mesh axes are {axes})"
+            ),
+            fields,
         )
     none = '"none"' if logical.file is not None else "None"
-    return what, (
-        f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) in "
-        f"{logical.describe()}"
+    return (
+        what,
+        (
+            f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) in "
+            f"{logical.describe()}"
+        ),
+        fields,
     )
 
 
 def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
     """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
-    close = difflib.get_close_matches(name, list(sizes), n=1, cutoff=0.75)
-    return close[0] if close else None
+    return closest(name, list(sizes))
 
 
 def _unknown(
