@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._dtypes import dtype_name
-from .._errors import CheckpointError
-from ..distributed import barrier
+from .._base import CheckpointError, dtype_name
+from .._runtime import barrier
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
@@ -545,7 +544,11 @@ class Stream:
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
             barrier("modelshard:stream:read")
-            (directory / PART_FILE.format(process)).unlink()
+            # Past the last barrier only process 0 touches the directory: it commits it
+            # next (a rename), which a late unlink on another process would race.
+            if process == 0:
+                for p in range(count):
+                    (directory / PART_FILE.format(p)).unlink()
         bad = []
         for lay in self.layouts:
             stored, got = sums[lay.rec.path]
