@@ -26,7 +26,7 @@ from .sources import Source, locate, planning_tree
 from .stored import ArrayReader, store_format
 from .stream import Stream, StreamLeaf, write_remote
 from .urls import is_remote, location
-from .write import check_destination, write_atomic
+from .write import check_compression, check_destination, write_atomic
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -48,6 +48,7 @@ def reshard(
     overwrite: bool = False,
     drop_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    compression: str | None = None,
 ) -> Path:
     """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
 
@@ -82,6 +83,10 @@ def reshard(
             step is refused, never silently stripped: keep them by saving them again with
             the resharded state (``CheckpointManager.items(step)``, ``.metrics(step)``).
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
+        compression: how the new checkpoint stores each chunk, as
+            [`save`][modelshard.save] does: None (default) its raw bytes, ``"zstd"``
+            compressed (smaller files, several times the CPU time). The source may use
+            either.
 
     Returns:
         The new checkpoint: its absolute path, or an ``epath.Path`` for a ``gs://`` or
@@ -91,8 +96,9 @@ def reshard(
         SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
         CheckpointError: ``src`` is missing or damaged (every leaf whose checksum does not
             match is named; nothing is published), ``dst`` exists (without
-            ``overwrite``, or is not a checkpoint), ``dtype`` is not a float dtype, or
-            ``src`` is a manager step with items or metrics and ``drop_items`` is false.
+            ``overwrite``, or is not a checkpoint), ``dtype`` is not a float dtype,
+            ``compression`` is not None or ``"zstd"``, or ``src`` is a manager step with
+            items or metrics and ``drop_items`` is false.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -115,6 +121,7 @@ def reshard(
         overwrite=overwrite,
         drop_items=drop_items,
         progress=progress,
+        compression=compression,
     )
     return location(dst)
 
@@ -131,8 +138,10 @@ def rewrite(
     overwrite: bool = False,
     drop_items: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    compression: str | None = None,
 ) -> Record:
     """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
+    check_compression(compression)
     source: Source = locate(src)
     extras = step_extras(source.path)
     if any(extras.values()) and not drop_items:
@@ -186,6 +195,7 @@ def rewrite(
         metadata={**record.metadata, "resharded_from": str(source.path)},
         source=str(source.path),
         progress=progress,
+        compression=compression,
     )
     if is_remote(out_path):
         write_remote(out_path, stream, overwrite=overwrite)

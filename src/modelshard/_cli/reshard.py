@@ -44,6 +44,13 @@ def add_parser(sub: Any) -> None:
         metavar="MB",
         help="host memory per chunk of leaves, replicas included (default 64)",
     )
+    r.add_argument(
+        "--compression",
+        choices=["zstd"],
+        default=None,
+        help="compress DST's chunks with zstd (smaller files, several times the CPU time); "
+        "default: each chunk's raw bytes, as modelshard.save writes them",
+    )
     r.add_argument("--no-verify", action="store_true", help="skip source checksum verification")
     r.add_argument(
         "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 verify=not args.no_verify,
                 overwrite=args.overwrite,
                 drop_items=args.drop_items,
+                compression=args.compression,
                 progress=lambda done, total: progress.update(task, completed=done),
             )
     record = locate(written).record
