@@ -74,9 +74,9 @@ class FairLimiter:
 
 @functools.cache
 def _store_class() -> type:
-    from orbax.checkpoint._src.metadata import array_metadata_store
+    from .._internals.orbax import ArrayMetadataStore
 
-    class ReadOnce(array_metadata_store.Store):
+    class ReadOnce(ArrayMetadataStore):
         """Orbax's array metadata store, each file read once: Orbax reads (and parses)
         every array's metadata file at each ``deserialize`` call, once per restore in its
         own batch but once per array here, where each array is its own request (a 64-leaf
@@ -123,10 +123,10 @@ def _handler_class() -> type:
         ) -> Sequence[Any]:
             if args is None:
                 return await super().deserialize(infos, args)
-            from orbax.checkpoint._src.serialization import limits
+            from .._internals.orbax import UnlimitedInFlightBytes
 
             limiter = FairLimiter(self._max_bytes)
-            unlimited = limits.UnlimitedInFlightBytes()
+            unlimited = UnlimitedInFlightBytes()
             base = super().deserialize
 
             async def one(info: Any, arg: Any) -> Any:

@@ -391,12 +391,13 @@ def save_handler(compression: str | None = None) -> Any:
     ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``) and
     replica-parallel writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
-    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    from .._internals.orbax import ArrayMetadataStore
 
     th = ocp.type_handlers
     arrays = th.ArrayHandler(
         # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
-        array_metadata_store=array_metadata_store.Store(),
+        array_metadata_store=ArrayMetadataStore(),
         use_replica_parallel=jax.process_count() > 1,
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
     )

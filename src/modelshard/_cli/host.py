@@ -9,9 +9,9 @@ MAX_CPU_DEVICES = 4096
 def use_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices if JAX has not started yet; else check there are enough."""
     import jax
-    from jax._src import xla_bridge
 
     from .._errors import MeshError
+    from .._internals.jax import backends_are_initialized
 
     if n > MAX_CPU_DEVICES:
         raise MeshError(
@@ -19,7 +19,7 @@ def use_cpu_devices(n: int) -> None:
             f"{MAX_CPU_DEVICES} CPU devices (more takes minutes and gigabytes). Reshard for "
             "a larger mesh on the target cluster itself (modelshard.reshard with its mesh)."
         )
-    if not xla_bridge.backends_are_initialized():
+    if not backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", max(n, 1))
     if jax.device_count() < n:
