@@ -17,8 +17,8 @@ An array whose reads fit under the cap together is reserved as one (``group_byte
 its reads then all run at once: on a new layout several of them touch the same stored
 chunks (each column block of row-chunked data touches every row chunk), and TensorStore
 decodes a chunk once for all the reads in flight that want it, where reads queued one
-after another decoded it once each (the zstd chunks of older checkpoints cost about 2x
-Orbax's CPU time that way).
+after another decoded it once each (the zstd chunks of older checkpoints cost far more
+CPU time that way; docs/benchmarks/checkpoint.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Simulating 4096 CPU devices takes ~25 s and ~1.4 GB; 100,000 took minutes (issue 17).
+# Simulating devices costs time and memory in proportion (issue 17): 100,000 took minutes.
 MAX_CPU_DEVICES = 4096
 
 
