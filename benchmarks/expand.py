@@ -5,7 +5,7 @@ baseline measured in the same run: ``jax.tree_util.tree_flatten_with_path`` plus
 ``NamedSharding`` per leaf (the least any sharding helper must do). Targets: a cold plan
 (new structure, new ``Rules``) <= 30 ms, with and without Flax imported; every plan < 50 ms.
 
-Run: ``.venv/bin/python benchmarks/expand.py``
+Run: ``.venv/bin/python benchmarks/expand.py``; writes ``docs/benchmarks/results/expand.json``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import time
 
 import jax
+from results import write_results
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -141,7 +142,25 @@ def main(repeat: int = 15) -> int:
         f"(worst cold {cold:.1f} ms); every plan < 50 ms -> "
         f"{'OK' if worst < 50 else 'MISSED'} (worst {worst:.1f} ms)"
     )
+    figures: dict[str, float | int] = {"leaves": n, "repeats": repeat}
+    for name, key in FIGURES.items():
+        figures[f"{key}_ms"] = round(results[name], 1)
+        if key != "baseline":
+            figures[f"{key}_vs_baseline"] = round(results[name] / base, 2)
+    write_results("expand", figures, argv=sys.argv)
     return 0
+
+
+# The results file's figure names for the rows above.
+FIGURES = {
+    "baseline (flatten_with_path + NamedSharding)": "baseline",
+    "plan(Rules), cold (new structure, new Rules)": "cold",
+    "plan(Rules), warm": "warm",
+    "plan(fsdp)": "fsdp",
+    "plan(P())": "replicated",
+    "plan(Rules), cold, Flax imported": "cold_flax",
+    "plan(Rules), warm, Flax imported": "warm_flax",
+}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from results import write_results  # noqa: E402
 
 import modelshard as ms  # noqa: E402
 
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         f"first call, median of {args.reps} alternating repetitions "
         f"(jax {jax.__version__}, {os.cpu_count()} CPU cores):"
     )
+    figures: dict[str, float | int] = {"reps": args.reps}
     for name, (raw, ours) in workloads.items():
         times: dict[str, list[float]] = {"jax.jit": [], "shard_jit": []}
         for _ in range(args.reps):
@@ -128,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}:")
         for k, v in med.items():
             print(f"  {k:10s} {v * 1e3:8.1f} ms  {v / med['jax.jit']:.2f}x")
+        key = "demo" if name.startswith("demo") else "leaves"
+        figures[f"{key}_jax_jit_ms"] = round(med["jax.jit"] * 1e3, 1)
+        figures[f"{key}_shard_jit_ms"] = round(med["shard_jit"] * 1e3, 1)
+        figures[f"{key}_shard_jit_vs_jax_jit"] = round(med["shard_jit"] / med["jax.jit"], 2)
+    write_results("first_call", figures, argv=sys.argv)
     return 0
 
 

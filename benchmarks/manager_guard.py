@@ -11,7 +11,7 @@ while a save is pending (or a stop was requested). This times a loop whose every
 raises through one frame and catches it (the worst case for that event), in this process:
 with no manager, with an idle manager, with an asynchronous save pending, and after
 ``wait_until_finished``. It prints each as a ratio to the loop without a manager (median
-of ``--repeats``, interleaved).
+of ``--repeats``, interleaved) and writes them to ``docs/benchmarks/results/manager_guard.json``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+from results import write_results
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -66,8 +69,19 @@ def main() -> None:
     b = statistics.median(base)
     print(f"raise-and-catch loop, {n} iterations, median of {args.repeats}:")
     print(f"  no manager            1.00x  ({b * 1e9 / n:.0f} ns per iteration)")
-    for name, times in [("idle manager", idle), ("save pending", pending), ("after wait", after)]:
+    figures: dict[str, float | int] = {
+        "iterations": n,
+        "repeats": args.repeats,
+        "baseline_ns_per_iteration": round(b * 1e9 / n),
+    }
+    for name, key, times in [
+        ("idle manager", "idle", idle),
+        ("save pending", "pending", pending),
+        ("after wait", "after_wait", after),
+    ]:
         print(f"  {name:<20}  {statistics.median(times) / b:.2f}x")
+        figures[f"{key}_vs_baseline"] = round(statistics.median(times) / b, 2)
+    write_results("manager_guard", figures, argv=sys.argv)
 
 
 if __name__ == "__main__":

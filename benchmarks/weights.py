@@ -56,6 +56,8 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from results import write_results
+
 # every child: 8 CPU devices, modelshard, and status("VmHWM:") (peak RSS) / ("VmRSS:")
 PRELUDE = textwrap.dedent(
     """
@@ -301,6 +303,19 @@ def export_main(args: argparse.Namespace) -> int:
             lambda r: f"{max(0, r['peak'] - r['baseline']) / mib:.0f}",
         )
     )
+    figures: dict[str, float | list[float]] = {
+        "gib": round(nbytes / (1 << 30), 2),
+        "shard_mib": args.shard_mb,
+        "repeats": args.repeats,
+    }
+    for m, rs in runs.items():
+        figures[f"{m}_seconds"] = [round(r["seconds"], 2) for r in rs]
+        figures[f"{m}_peak_mib"] = round(
+            max(0, statistics.median(r["peak"] - r["baseline"] for r in rs)) / mib
+        )
+        for ref in ("gather_save_file", "save_file", "save_file_fsync"):
+            figures[f"{m}_vs_{ref}"] = round(paired(m, ref), 2)
+    write_results("weights_export", figures, argv=sys.argv, notes=_size_note(args))
     return 0
 
 
@@ -423,6 +438,14 @@ def ops_main(args: argparse.Namespace) -> int:
             runs, "peak MiB above baseline", lambda r: f"{(r['peak'] - r['baseline']) / mib:.0f}"
         )
     )
+    figures = {"gib": round(nbytes / (1 << 30), 2), "layers": layers, "repeats": args.repeats}
+    figures["ops_vs_plain"] = round(ratio, 2)
+    for m, rs in runs.items():
+        figures[f"{m}_seconds"] = [round(r["seconds"], 2) for r in rs]
+        peak = statistics.median(r["peak"] - r["baseline"] for r in rs)
+        figures[f"{m}_peak_mib"] = round(peak / mib)
+        figures[f"{m}_peak_vs_budget"] = round(peak / (rs[0]["state"] + largest), 2)
+    write_results("weights_ops", figures, argv=sys.argv, notes=_size_note(args))
     return 0
 
 
@@ -544,7 +567,27 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(_per_run(runs, "seconds", lambda r: f"{r['seconds']:.2f}"))
+    figures: dict[str, float | list[float]] = {"gib": round(gib, 2), "repeats": args.repeats}
+    for m in runs:
+        figures[f"{m}_seconds"] = [round(r["seconds"], 2) for r in runs[m]]
+        figures[f"{m}_peak_mib"] = round(peak[m] / mib)
+        figures[f"{m}_peak_vs_state"] = round(peak[m] / nbytes, 2)
+        if "naive" in runs:
+            figures[f"{m}_vs_naive"] = round(paired(m, "naive"), 2)
+        if "load" in runs and m in ("safe_open", "transposed"):
+            figures[f"{m}_vs_load"] = round(paired(m, "load"), 2)
+        if m in ("convert", "export"):
+            figures[f"{m}_peak_vs_budget"] = round(peak[m] / budget, 2)
+    write_results("weights", figures, argv=sys.argv, notes=_size_note(args))
     return 0
+
+
+def _size_note(args: argparse.Namespace) -> str:
+    """Says so in the results when the run was smaller than the benchmark's defaults."""
+    reduced = [f"{args.gib:g} GiB (default 1)"] if args.gib != 1.0 else []
+    if args.export and args.shard_mb != 256:
+        reduced.append(f"shards of {args.shard_mb:g} MiB (default 256)")
+    return f"Reduced size: {', '.join(reduced)}." if reduced else ""
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import tinylm
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from tinylm import linen_model, nnx_model
 
 import modelshard as ms
+import tinylm
+from tinylm import linen_model, nnx_model
 
 IDS = (jnp.arange(64, dtype=jnp.int32).reshape(8, 8) * 7) % 32
 

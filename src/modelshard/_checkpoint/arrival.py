@@ -17,8 +17,8 @@ An array whose reads fit under the cap together is reserved as one (``group_byte
 its reads then all run at once: on a new layout several of them touch the same stored
 chunks (each column block of row-chunked data touches every row chunk), and TensorStore
 decodes a chunk once for all the reads in flight that want it, where reads queued one
-after another decoded it once each (the zstd chunks of older checkpoints cost about 2x
-Orbax's CPU time that way).
+after another decoded it once each (the zstd chunks of older checkpoints cost far more
+CPU time that way; docs/benchmarks/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ class FairLimiter:
 
 @functools.cache
 def _store_class() -> type:
-    from orbax.checkpoint._src.metadata import array_metadata_store
+    from .._internals.orbax import ArrayMetadataStore
 
-    class ReadOnce(array_metadata_store.Store):
+    class ReadOnce(ArrayMetadataStore):
         """Orbax's array metadata store, each file read once: Orbax reads (and parses)
         every array's metadata file at each ``deserialize`` call, once per restore in its
         own batch but once per array here, where each array is its own request (a 64-leaf
@@ -123,10 +123,10 @@ def _handler_class() -> type:
         ) -> Sequence[Any]:
             if args is None:
                 return await super().deserialize(infos, args)
-            from orbax.checkpoint._src.serialization import limits
+            from .._internals.orbax import UnlimitedInFlightBytes
 
             limiter = FairLimiter(self._max_bytes)
-            unlimited = limits.UnlimitedInFlightBytes()
+            unlimited = UnlimitedInFlightBytes()
             base = super().deserialize
 
             async def one(info: Any, arg: Any) -> Any:

@@ -206,9 +206,10 @@ def _forward_to_preemption_service(signum: int) -> bool:
     handed to it as a SIGTERM, and its sync point stops every process at the same step
     (``reached_preemption``). Returns whether it was handed over."""
     import jax
-    from jax._src import distributed as jax_distributed
 
-    if jax.process_count() == 1 or jax_distributed.global_state.preemption_sync_manager is None:
+    from .._internals.jax import global_state
+
+    if jax.process_count() == 1 or global_state.preemption_sync_manager is None:
         return False
     _forwarded.append(signum)
     _say(

@@ -261,7 +261,7 @@ def host_leaves(
         if math.prod(rec.stored_shape) == 0:  # in the record only: Orbax stores no data
             return np.zeros(rec.shape, logical)
         # a context of its own per leaf: a shared one keeps what it cached of every leaf
-        # read so far (300 MiB above baseline for a 1 GiB export against 175 MiB)
+        # read so far (export's peak memory: docs/benchmarks/weights.md)
         reader = ArrayReader(source, rec, fmt)
         bits = np.asarray(reader(tuple(slice(0, d) for d in rec.stored_shape)))
         if verify and rec.checksum is not None:

@@ -332,9 +332,7 @@ def orbax_read(
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         partial = not full
     args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
-    from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
-        BasePyTreeCheckpointHandler,
-    )
+    from .._internals.orbax import BasePyTreeCheckpointHandler
 
     chunks = source.write_shapes()
     cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])

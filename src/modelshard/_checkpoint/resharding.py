@@ -164,7 +164,7 @@ def rewrite(
     by_path = record.by_path()
     fmt = store_format(source)
     chunks = source.write_shapes()
-    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+    from orbax.checkpoint import type_handlers as tsu
 
     context = tsu.get_ts_context(use_ocdbt=fmt[0])
     leaves = []

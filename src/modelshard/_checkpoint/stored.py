@@ -52,7 +52,7 @@ class ArrayReader:
         fmt: tuple[bool, bool] | None = None,
         context: Any = None,
     ):
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+        from orbax.checkpoint import type_handlers as tsu
 
         self.source, self.rec = source, rec
         self.fmt = store_format(source) if fmt is None else fmt
@@ -61,12 +61,13 @@ class ArrayReader:
 
     def __call__(self, box: tuple[slice, ...]) -> Any:
         import tensorstore as ts
-        from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+
+        from .._internals.orbax import ArrayReadSpec
 
         try:
             if self.store is None:
                 use_ocdbt, use_zarr3 = self.fmt
-                spec = tsu.ArrayReadSpec(
+                spec = ArrayReadSpec(
                     str(self.source.tree_dir),
                     orbax_name(self.rec.key),
                     use_zarr3,

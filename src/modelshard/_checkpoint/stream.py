@@ -246,9 +246,9 @@ def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
 
 
 def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
-    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+    from .._internals.orbax import ArrayWriteSpec
 
-    return tsu.ArrayWriteSpec(
+    return ArrayWriteSpec(
         _posix(directory),
         orbax_name(lay.rec.key),
         global_shape=lay.rec.stored_shape,
@@ -315,7 +315,7 @@ def _copy_all(
     before it is checksummed and written. Returns, per path, the checksum of what was
     stored and, where ``expect`` is set, that of what was read (else None)."""
     import tensorstore as ts
-    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
+    from orbax.checkpoint import type_handlers as tsu
 
     context = tsu.get_ts_context(use_ocdbt=True)
     tasks = [
@@ -419,16 +419,14 @@ def _tree_metadata(layouts: Sequence[_Layout]) -> dict[str, Any]:
 
 
 def _sharding_file(layouts: Sequence[_Layout]) -> dict[str, str]:
-    from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+    from orbax.checkpoint.metadata import NamedShardingMetadata
 
     out = {}
     for lay in layouts:
         if not math.prod(lay.rec.stored_shape):
             continue
         name = base64.urlsafe_b64encode(orbax_name(lay.rec.key).encode()).decode()
-        meta = sharding_metadata.from_jax_sharding(lay.sharding)
-        if meta is not None:
-            out[name] = meta.to_serialized_string()
+        out[name] = NamedShardingMetadata.from_jax_sharding(lay.sharding).to_serialized_string()
     return out
 
 
@@ -449,10 +447,10 @@ def _array_metadatas(layouts: Sequence[_Layout]) -> dict[str, Any]:
 
 
 def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
+    from .._internals.orbax import STANDARD_HANDLER_NAME
+
     return {
-        "item_handlers": (
-            "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
-        ),
+        "item_handlers": STANDARD_HANDLER_NAME,
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": start_ns,

@@ -359,8 +359,8 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
 
 
 # How ``save`` stores each chunk: None, the raw little-endian bytes (the default), or
-# "zstd", Orbax's own default (zarr v2, level 1). On float weights zstd keeps about 92% of
-# the bytes and costs several times the CPU time of writing them (docs/benchmarks/
+# "zstd", Orbax's own default (zarr v2, level 1). On float weights zstd keeps most of the
+# bytes and costs several times the CPU time of writing them (docs/benchmarks/
 # checkpoint.md), so it is off unless asked for. Plain Orbax reads either: the codec is in
 # each array's zarr metadata.
 COMPRESSIONS = (None, "zstd")
@@ -389,12 +389,13 @@ def save_handler(compression: str | None = None) -> Any:
     ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``) and
     replica-parallel writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
-    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    from .._internals.orbax import ArrayMetadataStore
 
     th = ocp.type_handlers
     arrays = th.ArrayHandler(
         # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
-        array_metadata_store=array_metadata_store.Store(),
+        array_metadata_store=ArrayMetadataStore(),
         use_replica_parallel=jax.process_count() > 1,
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
     )
@@ -420,7 +421,7 @@ def skip_leaking_metrics() -> None:
     (5 per call here): with a save every step, resident memory grew by about 20 KiB a save
     in one process, without bound. Orbax skips the log line when the count is None.
     """
-    from orbax.checkpoint._src.serialization import tensorstore_utils
+    from .._internals.orbax import tensorstore_utils
 
     tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
 

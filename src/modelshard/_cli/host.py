@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Simulating 4096 CPU devices takes ~25 s and ~1.4 GB; 100,000 took minutes (issue 17).
+# Simulating devices costs time and memory in proportion (issue 17): 100,000 took minutes.
 MAX_CPU_DEVICES = 4096
 
 
@@ -24,9 +24,9 @@ def join_launch() -> None:
 def use_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices if JAX has not started yet; else check there are enough."""
     import jax
-    from jax._src import xla_bridge
 
     from .._base import MeshError
+    from .._internals.jax import backends_are_initialized
 
     if n > MAX_CPU_DEVICES:
         raise MeshError(
@@ -34,7 +34,7 @@ def use_cpu_devices(n: int) -> None:
             f"{MAX_CPU_DEVICES} CPU devices (more takes minutes and gigabytes). Reshard for "
             "a larger mesh on the target cluster itself (modelshard.reshard with its mesh)."
         )
-    if not xla_bridge.backends_are_initialized():
+    if not backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", max(n, 1))
     if jax.device_count() < n:

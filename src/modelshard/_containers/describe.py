@@ -15,17 +15,12 @@ import numpy as np
 from jax.tree_util import DictKey
 
 from .._base import format_path, join
+from .._internals.jax import ArrayImpl
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.
-ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0)}
+ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0), ArrayImpl}
 _NOT_ARRAY_TYPES: set[type] = set()
-try:
-    from jax._src.array import ArrayImpl as _ArrayImpl
-
-    ARRAY_TYPES.add(_ArrayImpl)
-except ImportError:  # pragma: no cover - private location moved; the generic path still works
-    pass
 
 
 _ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)

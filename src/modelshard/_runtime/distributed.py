@@ -79,10 +79,8 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
     ):
         return "tpu"
     if env is os.environ:
-        try:
-            from jax._src import cloud_tpu_init
-        except ImportError:  # pragma: no cover - private module moved
-            return None
+        from .._internals.jax import cloud_tpu_init
+
         if getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
             return "cloud-tpu-vm"
     return None
@@ -163,9 +161,9 @@ def initialize(**jax_kwargs: Any) -> bool:
 
 
 def _backend_started() -> bool:
-    from jax._src import xla_bridge
+    from .._internals.jax import backends_are_initialized
 
-    return bool(xla_bridge.backends_are_initialized())
+    return bool(backends_are_initialized())
 
 
 def _set_cpu_devices(count: int) -> None:
@@ -230,9 +228,9 @@ def _key(kind: str, name: str) -> str:
 
 
 def _client() -> Any:
-    from jax._src import distributed as jax_distributed
+    from .._internals.jax import global_state
 
-    return jax_distributed.global_state.client
+    return global_state.client
 
 
 def _failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:

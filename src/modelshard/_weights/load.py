@@ -100,9 +100,9 @@ def build_leaf(
     A device's slice of a transposed leaf (PyTorch's ``[out, in]`` into an ``[in, out]``
     kernel) is a strided view of the stored tensor's memory map; it is handed to JAX as
     it is, and the runtime's host-to-device copy, which takes arbitrary strides, writes
-    it transposed into the device's buffer (XLA's blocked transpose, about 1.6x faster
-    than NumPy's tiled copy): one pass over the device's bytes, no device computation
-    and no resharding.
+    it transposed into the device's buffer (XLA's blocked transpose, faster than NumPy's
+    tiled copy; docs/benchmarks/weights.md): one pass over the device's bytes, no device
+    computation and no resharding.
     """
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)

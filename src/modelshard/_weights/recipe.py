@@ -34,9 +34,9 @@ Fetch = Callable[[str, Index], np.ndarray]
 
 # Buffers at least this large get their own anonymous memory map, returned to the system
 # when freed. A load allocates and frees one device slice after another; from malloc's
-# heap those freed slices stay resident as fragments (about 0.2x the state more peak
-# memory for a 1 GiB load), since glibc raises its own mmap threshold to the largest block
-# freed so far.
+# heap those freed slices stay resident as fragments (peak memory measured by
+# benchmarks/weights.py: docs/benchmarks/weights.md), since glibc raises its own mmap
+# threshold to the largest block freed so far.
 OWN_MAP_BYTES = 1 << 20
 
 
@@ -72,7 +72,7 @@ def unaliased(a: Any) -> np.ndarray:
 
 # A transposing copy walks one side across the grain: element by element, every read (or
 # write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
-# block in cache: 3-4x faster than one ``np.copyto`` of the whole transposed view.
+# block in cache: faster than one ``np.copyto`` of the whole transposed view.
 TILE = 128
 
 

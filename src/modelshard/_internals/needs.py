@@ -1,0 +1,58 @@
+"""One clear failure when another library's private name moves: ``needed``.
+
+Every private import of ``orbax.py`` and ``jax.py`` sits in a ``with needed(...)`` block,
+so an upgrade that renames or removes one fails at that line with an ImportError naming
+the symbol, the installed version of its library, what modelshard uses it for and the
+versions modelshard supports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+
+
+def installed(distribution: str) -> str:
+    """The installed version of ``distribution``, or ``"(not installed)"``."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def supported(distribution: str) -> str:
+    """modelshard's requirement on ``distribution`` as installed (``"jax>=0.8.1"``), or the
+    bare name where modelshard's metadata is not installed."""
+    wanted = re.sub(r"[-_.]+", "-", distribution).lower()
+    try:
+        requires = metadata.requires("modelshard") or []
+    except metadata.PackageNotFoundError:
+        requires = []
+    for req in requires:
+        spec = req.split(";")[0].strip()
+        name = re.match(r"[A-Za-z0-9_.-]+", spec)
+        if name and re.sub(r"[-_.]+", "-", name.group()).lower() == wanted:
+            return re.sub(r"\[[^]]*\]", "", spec).replace(" ", "")
+    return distribution
+
+
+@contextmanager
+def needed(distribution: str, symbol: str, used_for: str) -> Iterator[None]:
+    """Turn an ImportError inside the block into one that says what moved and why we care.
+
+    Args:
+        distribution: the library's distribution name (``"orbax-checkpoint"``).
+        symbol: the dotted name imported in the block.
+        used_for: what modelshard does with it, in a few words.
+    """
+    try:
+        yield
+    except ImportError as e:
+        raise ImportError(
+            f"modelshard needs {symbol} from {distribution} {installed(distribution)} "
+            f"({used_for}), and that version does not have it ({e}). modelshard supports "
+            f"{supported(distribution)} (README, 'Supported versions'): install a version "
+            "in that range, or report the release that moved it."
+        ) from e

@@ -1,0 +1,80 @@
+"""Every private name of Orbax (``orbax.checkpoint._src``) that modelshard uses, each
+imported once with what it is for.
+
+Orbax's public API (``orbax.checkpoint``, ``ocp.type_handlers``, ``ocp.metadata``) covers
+what ``save``/``restore`` ask of Orbax as a checkpointer; what is here is what modelshard
+does below that level: reading and writing one stored array straight through TensorStore
+with Orbax's own specs (reshard, convert, streaming), a restore handler that hands each
+array over as it arrives, and ``s3://`` through TensorStore's s3 kvstore. Orbax renames its
+``_src`` modules between minor versions; an import that fails here says which symbol moved
+(``needs.needed``), and ``tests/project/test_internals.py`` imports this module so that an
+upgrade fails there first.
+"""
+
+from __future__ import annotations
+
+import orbax.checkpoint as ocp
+
+from .needs import needed
+
+DIST = "orbax-checkpoint"
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.serialization.tensorstore_utils.ArrayReadSpec",
+    "the TensorStore spec of one stored array, read box by box without a restore "
+    "(reshard, convert, export)",
+):
+    from orbax.checkpoint._src.serialization.tensorstore_utils import ArrayReadSpec
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.serialization.tensorstore_utils.ArrayWriteSpec",
+    "the TensorStore spec a streamed checkpoint writes each array to, so that Orbax "
+    "reads it as its own (reshard, convert)",
+):
+    from orbax.checkpoint._src.serialization.tensorstore_utils import ArrayWriteSpec
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.serialization.tensorstore_utils",
+    "s3:// checkpoints: its build_kvstore_tspec is replaced in that module, where Orbax's "
+    "own code looks it up, by one that gives TensorStore's s3 kvstore; and its "
+    "get_tensorstore_raw_bytes, whose metrics conversion leaks memory on every save "
+    "(write.skip_leaking_metrics)",
+):
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.metadata.array_metadata_store.Store",
+    "the array metadata store Orbax's default jax.Array handler is built with (it wraps "
+    "PRNG key data); our save and restore handlers are built the same way",
+):
+    from orbax.checkpoint._src.metadata.array_metadata_store import (
+        Store as ArrayMetadataStore,
+    )
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.serialization.limits.UnlimitedInFlightBytes",
+    "restore: each array's read passes Orbax no byte limiter of its own, as modelshard's "
+    "FairLimiter caps the bytes in flight",
+):
+    from orbax.checkpoint._src.serialization.limits import UnlimitedInFlightBytes
+
+with needed(
+    DIST,
+    "orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler",
+    "restore: the PyTree handler's implementation, given a cap on bytes in flight and the "
+    "registry whose jax.Array handler hands each array over as it arrives",
+):
+    from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
+        BasePyTreeCheckpointHandler,
+    )
+
+# Orbax records each item's handler by the dotted name of its class, which lives in a
+# private module; a checkpoint written by ``stream.py`` records the name Orbax itself would.
+STANDARD_HANDLER_NAME = (
+    f"{ocp.StandardCheckpointHandler.__module__}.{ocp.StandardCheckpointHandler.__qualname__}"
+)
