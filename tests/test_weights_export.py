@@ -170,14 +170,16 @@ def test_sharded_names_from_a_file_or_index_path_and_stale_shards(tmp_path):
         "weights-00003-of-00003.safetensors",
         "weights.safetensors.index.json",
     ]
-    out = ms.save_safetensors(d / "weights.safetensors", state, max_shard_size=2048)
+    out = ms.save_safetensors(d / "weights.safetensors", state, max_shard_size=2048, overwrite=True)
     assert out == d / "weights.safetensors.index.json"
     assert sorted(p.name for p in d.iterdir()) == [  # the 3-shard files are gone
         "weights-00001-of-00002.safetensors",
         "weights-00002-of-00002.safetensors",
         "weights.safetensors.index.json",
     ]
-    out = ms.save_safetensors(d / "weights.safetensors", state, max_shard_size="1MB")
+    out = ms.save_safetensors(
+        d / "weights.safetensors", state, max_shard_size="1MB", overwrite=True
+    )
     assert out == d / "weights.safetensors"
     assert sorted(p.name for p in d.iterdir()) == ["weights.safetensors"]
     assert (np.asarray(ms.load_safetensors(d)["w2"]) == 2).all()
@@ -266,7 +268,7 @@ def test_a_bar_in_bytes_on_a_terminal_only(tmp_path, monkeypatch, small_threshol
     for tty, shown in ((True, True), (False, False)):
         err = _Stream(tty)
         monkeypatch.setattr("sys.stderr", err)
-        path = ms.save_safetensors(tmp_path / "m.safetensors", state)
+        path = ms.save_safetensors(tmp_path / "m.safetensors", state, overwrite=True)
         ms.load_safetensors(path)
         text = err.getvalue()
         if shown:
@@ -276,7 +278,7 @@ def test_a_bar_in_bytes_on_a_terminal_only(tmp_path, monkeypatch, small_threshol
             assert text == ""
     err = _Stream(True)
     monkeypatch.setattr("sys.stderr", err)
-    path = ms.save_safetensors(tmp_path / "m.safetensors", state, progress=False)
+    path = ms.save_safetensors(tmp_path / "m.safetensors", state, progress=False, overwrite=True)
     ms.load_safetensors(path, progress=False)
     assert err.getvalue() == ""
 
