@@ -130,6 +130,8 @@ def main(out: str) -> None:
     one = os.path.join(out, "one/model.safetensors")
     attempt("again", lambda: ms.save_safetensors(one, st))  # refused on every process
     attempt("bad", lambda: ms.save_safetensors(os.path.join(out, "bad.safetensors"), {"w": 1j}))
+    mine = os.path.join(out, f"mine_{me}.safetensors")  # another path on each process
+    attempt("paths", lambda: ms.save_safetensors(mine, st))
 
     # A disk that fills up under process 1 alone: both processes raise, the export that
     # was there stays whole and no temporary is left.

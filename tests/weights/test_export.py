@@ -121,6 +121,7 @@ def test_every_process_writes_one_export_equal_to_a_one_process_export(two_proce
         assert load_file(str(f))[name].tobytes() == v.T.tobytes(), name
 
     r0, r1 = results
+    assert not any(k.startswith("mine_") for k in both)  # refused before anything is written
     for key in ("one", "sharded", "bf16", "mapped", "replace"):
         assert r0[key]["ok"] == r1[key]["ok"], key
     # the writing is shared: each process wrote part of the 14.7 MB, neither all of it
@@ -139,6 +140,13 @@ def test_every_process_writes_one_export_equal_to_a_one_process_export(two_proce
             "  state:w\n"
             "    problem: a builtins.complex, not an array: safetensors holds arrays only\n"
             "    hint: make it an array (np.asarray(x)), or leave it out of the exported state",
+        }
+        assert r["paths"] == {
+            "error": "DistributedError",
+            "message": "save_safetensors: processes 1 would write another export than process "
+            "0 (another path, other leaf names, shapes or dtypes, or other options); every "
+            "process must call it with the same path, the same state structure and the same "
+            "options",
         }
         # a disk that filled under process 1 alone: raised on both; the old export whole
         assert r["before_full"] == r["after_full"] == fp32
