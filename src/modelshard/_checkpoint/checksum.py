@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mesh import is_abstract
+from .._base import is_abstract
 
 CHECKSUM = "fmix32x2"
 

@@ -75,7 +75,7 @@ def finish_all(why: str) -> None:
         try:
             mngr.finish()
         except BaseException as e:  # reported, and the exit status says so
-            from .._errors import CheckpointError
+            from .._base import CheckpointError
 
             if isinstance(e, CheckpointError):
                 msg = str(e)

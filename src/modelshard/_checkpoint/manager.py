@@ -31,8 +31,8 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import CheckpointError
-from ..distributed import barrier, broadcast, gather
+from .._base import CheckpointError
+from .._runtime import barrier, broadcast, gather
 from . import guard
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok

@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._dtypes import dtype_name
-from .._errors import CheckpointError
-from ..distributed import barrier
+from .._base import CheckpointError, dtype_name
+from .._runtime import barrier
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (

@@ -20,11 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._dtypes import canonical_dtype, dtype_name
-from .._errors import CheckpointError
-from .._flat import split
-from .._mesh import is_abstract
-from ..distributed import barrier
+from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract
+from .._containers import split
+from .._runtime import barrier
 from .checksum import start_checksums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (

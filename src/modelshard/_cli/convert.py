@@ -127,7 +127,7 @@ def _size(text: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
-    from .._text import format_bytes
+    from .._base import format_bytes
     from .._weights import is_safetensors
 
     return_freed_memory()  # streams tensor-sized buffers, as reshard does
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     readable(args.reference, file=False)
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
-    from .._errors import CheckpointError
+    from .._base import CheckpointError
 
     if args.max_shard_size is not None:
         raise CheckpointError("--max-shard-size writes safetensors: pass --to safetensors")
@@ -152,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
 
     from jax.sharding import PartitionSpec
 
+    from .._base import make_mesh
     from .._checkpoint.stream import StreamLeaf, write_stream
-    from .._mesh import make_mesh
-    from .._rulesfile import load_rules
+    from .._specs import load_rules
     from .._weights import load_safetensors, mapped_leaves, open_safetensors
 
     specs = load_rules(args.rules) if args.rules else PartitionSpec()
@@ -231,13 +231,13 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     Hugging Face's sharded layout), one checkpoint leaf on the host at a time
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
 
+    from .._base import format_bytes
     from .._checkpoint import locate
     from .._checkpoint.mapped import host_leaves
-    from .._text import format_bytes
     from .._weights import Exporter, as_mapping, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
-        from .._errors import CheckpointError
+        from .._base import CheckpointError
 
         raise CheckpointError(
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "

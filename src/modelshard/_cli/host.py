@@ -11,7 +11,7 @@ def use_cpu_devices(n: int) -> None:
     import jax
     from jax._src import xla_bridge
 
-    from .._errors import MeshError
+    from .._base import MeshError
 
     if n > MAX_CPU_DEVICES:
         raise MeshError(

@@ -63,7 +63,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     sizes = args.mesh
     return_freed_memory()
-    from .._launch import ENV_COORDINATOR
+    from .._runtime import ENV_COORDINATOR
 
     if os.environ.get(ENV_COORDINATOR):
         # under `modelshard launch`: join the run; each process writes a share of the leaves
@@ -71,10 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
         distributed.initialize()
     use_cpu_devices(math.prod(sizes.values()))
-    from .._checkpoint import locate
-    from .._checkpoint.reshard import reshard, step_extras
-    from .._mesh import make_mesh
-    from .._text import format_bytes, format_mesh
+    from .._base import format_bytes, format_mesh, make_mesh
+    from .._checkpoint import locate, reshard, step_extras
 
     args.source = checkpoint_arg(args, args.source)
     source = locate(args.source)

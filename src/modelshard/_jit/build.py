@@ -10,10 +10,9 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from .._dtypes import canonical_dtype
-from .._errors import AdapterError, Problem, SpecError
-from .._expand import LeafPlan, expand_args
-from .._plan import Plan
+from .._base import AdapterError, Problem, SpecError, canonical_dtype
+from .._place import Plan
+from .._specs import LeafPlan, expand_args
 from .layout import NOSPEC, Slot
 from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
 from .take import Taken

@@ -1,7 +1,7 @@
 """``save_safetensors`` and ``unmap``: pretrained weights out, through the import mapping
 run backwards.
 
-Export runs the same resolution as an import (``.mapping.resolve``) against a reference
+Export runs the same resolution as an import (``.resolution.resolve``) against a reference
 checkpoint's header (the names, shapes and dtypes to write), inverts every recipe and
 writes one stored tensor at a time; without a reference every leaf is written under its
 own path.
@@ -20,15 +20,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import CheckpointError, DistributedError, MappingError, Problem
-from .._flat import split
-from .._paths import split as split_path
-from ..distributed import gather, require_addressable
-from . import transforms as T
+from .._base import CheckpointError, DistributedError, MappingError, Problem
+from .._base import split as split_path
+from .._containers import split
+from .._runtime import gather, require_addressable
+from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
-from .mapping import Resolution, WeightMap, resolve
 from .progress import Progress, reporter
+from .resolution import Resolution, resolve
+from .rules import WeightMap
 from .safetensors import (
     Entry,
     Layout,
@@ -517,7 +518,7 @@ class Exporter:
         self.load = load
         self.sources = invert_resolution(res)
         # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
-        self.also: list[tuple[str, list[str], int, T.Node]] = []
+        self.also: list[tuple[str, list[str], int, recipe.Node]] = []
         table = dict(table)
         problems: list[Problem] = []
         for i, (paths, inverse) in invert_also(res).items():
@@ -641,8 +642,8 @@ class Exporter:
                     whole = cache[key] = self.load(key)
                 return whole[index]
 
-            want = T.contiguous(self.sources[name].read(None, fetch))
-            got = T.contiguous(node.read(None, fetch))
+            want = recipe.contiguous(self.sources[name].read(None, fetch))
+            got = recipe.contiguous(node.read(None, fetch))
             cache.clear()
             bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
             if bits is None:
@@ -749,30 +750,30 @@ def _no_value(path: str) -> Any:
     )
 
 
-def invert_resolution(res: Resolution) -> dict[str, T.Node]:
+def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
     """For each stored tensor the resolution reads, the recipe computing it from targets
     (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
-    out: dict[str, T.Node] = {}
+    out: dict[str, recipe.Node] = {}
     pieces: dict[int, dict[str, Any]] = {}
     for path, node in res.recipes.items():
         if path not in res.also:
-            T.invert(path, node, out, pieces)
-    T.finish_inverse(out, pieces)
+            recipe.invert(path, node, out, pieces)
+    recipe.finish_inverse(out, pieces)
     return out
 
 
-def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, T.Node]]]:
+def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
     """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
     computing that tensor from those leaves."""
     by_rule: dict[int, list[str]] = {}
     for path, i in res.also.items():
         by_rule.setdefault(i, []).append(path)
-    out: dict[int, tuple[list[str], dict[str, T.Node]]] = {}
+    out: dict[int, tuple[list[str], dict[str, recipe.Node]]] = {}
     for i, paths in by_rule.items():
-        inverse: dict[str, T.Node] = {}
+        inverse: dict[str, recipe.Node] = {}
         pieces: dict[int, dict[str, Any]] = {}
         for path in paths:
-            T.invert(path, res.recipes[path], inverse, pieces)
-        T.finish_inverse(inverse, pieces)
+            recipe.invert(path, res.recipes[path], inverse, pieces)
+        recipe.finish_inverse(inverse, pieces)
         out[i] = (paths, inverse)
     return out

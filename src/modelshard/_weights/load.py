@@ -1,7 +1,7 @@
 """``load_safetensors``: pretrained weights in (``export.py`` writes them out).
 
 Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
-them against the target's leaves (``.mapping.resolve``, all problems at once); the
+them against the target's leaves (``.resolution.resolve``, all problems at once); the
 target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]); then each leaf is built
 with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
 addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
@@ -22,14 +22,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._errors import CheckpointError, MappingError, Problem
-from .._flat import split
-from .._mesh import is_abstract, make_mesh
-from .._paths import split as split_path
-from . import transforms as T
+from .._base import CheckpointError, MappingError, Problem, is_abstract, make_mesh
+from .._base import split as split_path
+from .._containers import split
+from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
-from .mapping import Resolution, WeightMap, resolve
 from .progress import Progress, reporter
+from .resolution import Resolution, resolve
+from .rules import WeightMap
 from .safetensors import SafetensorsFiles, open_safetensors
 
 MappingLike = WeightMap | str | os.PathLike[str] | None
@@ -91,9 +91,9 @@ def _sharding_of(x: Any) -> Any:
 
 
 def build_leaf(
-    node: T.Node,
+    node: recipe.Node,
     sharding: Any,
-    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+    fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
 ) -> jax.Array:
     """One target leaf from its recipe: each addressable device's slice read once.
 
@@ -111,11 +111,13 @@ def build_leaf(
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def piece(index: Any) -> np.ndarray:
-        idx = T.full_index(node.shape) if index is None else index
+        idx = recipe.full_index(node.shape) if index is None else index
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = T.unaliased(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            got = seen[norm] = recipe.unaliased(
+                node.read(tuple(slice(a, b) for a, b in norm), fetch)
+            )
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
@@ -245,7 +247,7 @@ def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
         return [_sharding_of(x) for x in flat.arrays]
     from jax.sharding import PartitionSpec
 
-    from .._plan import plan
+    from .._place import plan
 
     if is_abstract(mesh):
         mesh = make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
@@ -256,7 +258,7 @@ def place_mapped(
     flat: Any,
     res: Resolution,
     shardings: list[Any],
-    fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch],
+    fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
@@ -343,15 +345,17 @@ class _BlockReader:
     """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
     whole for it are dropped once its last element has been read."""
 
-    def __init__(self, node: T.Node, fetch_for: Callable[[dict[Any, np.ndarray]], T.Fetch]):
+    def __init__(
+        self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
+    ):
         self.node = node
         self.cache: dict[Any, np.ndarray] = {}
         self.fetch = fetch_for(self.cache)
 
     def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
         shape = self.node.shape
-        norm = T.norm_index(index, shape)
-        block = T.contiguous(self.node.read(norm, self.fetch))
+        norm = recipe.norm_index(index, shape)
+        block = recipe.contiguous(self.node.read(norm, self.fetch))
         if all(s.stop == d for s, d in zip(norm, shape, strict=True)):
             self.cache.clear()  # blocks come in C order: this was the last
         return block
@@ -359,7 +363,7 @@ class _BlockReader:
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
     """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
-    from .._shard import place
+    from .._place import place
 
     if isinstance(x, jax.ShapeDtypeStruct):
         raise MappingError([_abstract_kept(path)])

@@ -52,8 +52,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import CheckpointError, DistributedError
-from ..distributed import broadcast, gather
+from .._base import CheckpointError, DistributedError
+from .._runtime import broadcast, gather
+from .recipe import contiguous
 from .safetensors import (
     Entry,
     Layout,
@@ -65,7 +66,6 @@ from .safetensors import (
     temporary,
     write_index,
 )
-from .transforms import contiguous
 
 Block = tuple[tuple[int, int], ...]
 """A block of a tensor: ``(start, stop)`` per dimension."""
