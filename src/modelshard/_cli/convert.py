@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 from typing import Any
 
 from .args import (
@@ -274,6 +273,8 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
                 meta,
                 max_shard_size=args.max_shard_size,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
+                overwrite=args.overwrite,
+                flag="--overwrite",
             )
     files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
     nbytes = sum(f.stat().st_size for f in files)
@@ -300,18 +301,10 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
 
 def _refuse_existing(args: argparse.Namespace) -> None:
     """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
-    (``--max-shard-size``) the index, the lone file or shards of the same name."""
-    from .._base import CheckpointError
-    from .._weights.safetensors import sharded_layout, sharded_names
+    (``--max-shard-size``) the index, the lone file or shards of the same name; the same
+    rule as ``save_safetensors(overwrite=)``, checked before the source is read."""
+    from .._weights import check_destination
 
-    if args.overwrite:
-        return
-    dest = Path(args.destination)
-    if args.max_shard_size is None:
-        # a directory is refused by the writer itself (not a file it could replace)
-        there = [dest] if dest.is_file() or dest.is_symlink() else []
-    else:
-        there = sharded_layout(*sharded_names(dest))
-    if there:
-        what = str(there[0]) if there[0] == dest else f"{dest} ({there[0].name})"
-        raise CheckpointError(f"{what} already exists; pass --overwrite to replace it")
+    check_destination(
+        args.destination, args.max_shard_size, overwrite=args.overwrite, flag="--overwrite"
+    )

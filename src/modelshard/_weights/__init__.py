@@ -9,6 +9,7 @@ the design.
 from __future__ import annotations
 
 from .export import Exporter as Exporter
+from .export import check_destination as check_destination
 from .export import invert_resolution as invert_resolution
 from .export import reference_table as reference_table
 from .export import save_safetensors as save_safetensors

@@ -9,6 +9,7 @@ own path.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -19,16 +20,35 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, MappingError, Problem
+from .._base import CheckpointError, DistributedError, MappingError, Problem
 from .._base import split as split_path
 from .._containers import split
+from .._runtime import gather, require_addressable
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
 from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
-from .safetensors import dtype_code, open_safetensors, write_safetensors, write_sharded
+from .safetensors import (
+    Entry,
+    Layout,
+    dtype_code,
+    open_safetensors,
+    plan_layout,
+    sharded_layout,
+    sharded_names,
+    write_layout,
+)
+from .shared import (
+    Block,
+    TensorPlan,
+    array_plan,
+    bytes_of,
+    local_block,
+    whole_here,
+    write_shared,
+)
 
 
 def save_safetensors(
@@ -42,6 +62,7 @@ def save_safetensors(
     max_shard_size: int | str | None = None,
     progress: Progress = True,
     untie: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``state`` as safetensors: in its own names, or in a checkpoint's names, shapes
     and dtypes (the import mapping run backwards).
@@ -52,9 +73,18 @@ def save_safetensors(
     bit. With ``reference``, the tensors ``mapping`` imports from it, computed from
     ``state``, one at a time.
 
+    In a multi-process run every process calls it, with the same state and path, as every
+    other save is called: the processes write one export together, the same files a
+    one-process export of the same state writes, byte for byte. Each leaf is written by
+    the processes holding it: a replicated leaf by one of them, a leaf split across
+    processes block by block by its owners, a process-local leaf (NumPy) from process 0's
+    value, as [`save`][modelshard.save] keeps it. The path must be on a file system
+    every process sees; every process returns once the export is complete, and a failure
+    on one process is raised on all.
+
     Args:
-        path: the ``.safetensors`` file to write (replaced once complete; missing parent
-            directories are created, as ``save_pretrained`` creates its directory). With
+        path: the ``.safetensors`` file to write (missing parent directories are created,
+            as ``save_pretrained`` creates its directory). With
             ``max_shard_size``: a directory, a ``name.safetensors`` or a
             ``name.safetensors.index.json`` (see ``max_shard_size``).
         state: the container (a fine-tuned model); its leaves may be sharded (each is
@@ -85,6 +115,11 @@ def save_safetensors(
         untie: with ``reference``: leaves an ``also`` rule filled from a stored tensor (a
             head tied to the embedding) are written under their rule's ``untied`` name
             (``lm_head.weight``) instead of being checked against that tensor.
+        overwrite: replace what is at ``path`` (the file; with ``max_shard_size`` the
+            index, a lone ``{stem}.safetensors`` or shards of the same stem). Without it an
+            existing export is refused, as [`save`][modelshard.save] refuses an existing
+            checkpoint. Either way the old files stay whole until the new ones are complete
+            (each written to a temporary of its own, synced, then renamed).
 
     Returns:
         The path written: the file, or the index of a sharded checkpoint. Importing it
@@ -97,8 +132,16 @@ def save_safetensors(
             code for, such as a PRNG key), every one listed; an ``also`` leaf that no
             longer equals the stored tensor it was loaded from (without ``untie``; nothing
             is written).
-        CheckpointError: ``path`` ends ``.index.json`` without ``max_shard_size``; a
-            parent of ``path`` is a file; a malformed ``max_shard_size``.
+            A leaf that is not an array (``{"w": object()}``) in a dict, list or tuple,
+            every one listed (what a registered container holds besides arrays, an
+            Equinox module's functions, is not a weight and is left out).
+        CheckpointError: ``state`` holds no array; ``path`` exists and not
+            ``overwrite``; ``path`` ends ``.index.json`` without ``max_shard_size``; a
+            parent of ``path`` is a file; a malformed ``max_shard_size``; several
+            processes: one does not see the files process 0 created (not a shared
+            directory).
+        DistributedError: several processes: they would write different exports, or one
+            of them failed (raised on every process).
 
     Example:
         >>> import tempfile, jax, numpy as np, jax.numpy as jnp, modelshard as ms
@@ -119,6 +162,7 @@ def save_safetensors(
         >>> ms.load_safetensors(p)["layers"]["1"]["w"].sum()
         Array(4096., dtype=float32)
     """
+    check_state(state)
     if reference is None:
         if mapping is not None:
             raise MappingError(
@@ -133,16 +177,28 @@ def save_safetensors(
                     )
                 ]
             )
-        items, compute = canonical_export(state, dtype)
+        items, compute, shared = canonical_export(state, dtype)
         meta: Mapping[str, str] = {"format": "pt"}
     else:
         wm = as_mapping(mapping, split_dots=True)
         table, meta, sizes = reference_table(reference)
         wm = wm.with_config(sizes)
         ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
-        ex.check_also()  # a refused export writes nothing
+        error: BaseException | None = None
+        try:
+            ex.check_also()  # a refused export writes nothing
+        except MappingError as e:
+            error = e
+        if jax.process_count() > 1:  # refused on every process, or on none
+            outcomes = gather(None if error is None else str(error), "modelshard:export:also")
+            if error is None and any(outcomes):
+                p = next(p for p, o in enumerate(outcomes) if o)
+                raise DistributedError(f"save_safetensors: process {p} refused: {outcomes[p]}")
+        if error is not None:
+            raise error
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
+        shared = ex.shared_plan()
     return write_export(
         path,
         items,
@@ -150,16 +206,67 @@ def save_safetensors(
         metadata if metadata is not None else meta,
         max_shard_size=max_shard_size,
         progress=progress,
+        overwrite=overwrite,
+        shared=shared,
     )
 
 
-Entry = tuple[str, tuple[int, ...], Any]
+def check_state(state: Any) -> None:
+    """Refuse a state an export would write nothing of, or only part of.
+
+    Raises:
+        CheckpointError: no array leaf at all.
+        MappingError: every leaf that is not an array in a dict, list or tuple (the
+            user's data; what a registered container holds besides arrays, an Equinox
+            module's functions, a dataclass's settings, is not a weight and passes).
+    """
+    flat = split(state)
+    problems = [
+        Problem(
+            "state",
+            path,
+            f"a {type(x).__module__}.{type(x).__qualname__}, not an array: safetensors "
+            "holds arrays only",
+            hint="make it an array (np.asarray(x)), or leave it out of the exported state",
+            cause="a leaf that is not an array",
+        )
+        for path, x in non_arrays(state, flat)
+    ]
+    if problems:
+        raise MappingError(problems)
+    if not flat.arrays:
+        raise CheckpointError(
+            f"nothing to export: the {type(state).__name__} has no array leaves "
+            "(save_safetensors writes arrays only)"
+        )
 
 
-def canonical_export(state: Any, dtype: Any = None) -> tuple[list[Entry], Callable[[str], Any]]:
+def non_arrays(state: Any, flat: Any) -> list[tuple[str, Any]]:
+    """The leaves of ``state`` that are not arrays and sit in a dict, list or tuple
+    (a pytree's plain nodes), with their paths."""
+    if not flat.adapter.follows_pytree or len(flat.array_index) == len(flat.leaves):
+        return []
+    from jax.tree_util import DictKey, SequenceKey
+
+    with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+    if len(with_path) != len(flat.leaves):  # nested containers: their adapters decide
+        return []
+    paths = [info.path for info in flat.adapter.describe(flat.obj)]
+    arrays = set(flat.array_index)
+    return [
+        (paths[i], x)
+        for i, (keys, x) in enumerate(with_path)
+        if i not in arrays and (not keys or isinstance(keys[-1], DictKey | SequenceKey))
+    ]
+
+
+def canonical_export(
+    state: Any, dtype: Any = None
+) -> tuple[list[Entry], Callable[[str], Any], SharedPlan]:
     """Every leaf of ``state`` as a stored tensor named by its canonical path with ``.``
-    for ``/`` (floating leaves cast to ``dtype``), and ``compute(name)``: that leaf on
-    the host, gathered from its devices when asked (one leaf at a time).
+    for ``/`` (floating leaves cast to ``dtype``), ``compute(name)``: that leaf on the
+    host, gathered from its devices when asked (one leaf at a time), and how several
+    processes share the writing (a leaf no process holds whole: block by block).
 
     Raises:
         MappingError: every leaf whose name would not read back (a ``.`` in a path
@@ -211,14 +318,62 @@ def canonical_export(state: Any, dtype: Any = None) -> tuple[list[Entry], Callab
             for a in host_rows(values[name], name)
         ]
 
-    return items, compute
+    def read_block(name: str, block: Block) -> np.ndarray:
+        return local_block(values[name], block)
+
+    def plans() -> dict[str, TensorPlan]:
+        return {name: array_plan(values[name]) for name, _, _ in items}
+
+    return items, compute, SharedPlan(plans, read_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPlan:
+    """How the processes of a run share an export's writing (``shared.write_shared``).
+
+    Attributes:
+        plans: ``plans()``: per stored tensor, who can write it (asked only when there
+            are several processes).
+        read_block: ``read_block(name, block)``: this process's copy of one block of a
+            stored tensor that no process holds whole (not cast yet).
+    """
+
+    plans: Callable[[], dict[str, TensorPlan]]
+    read_block: Callable[[str, Block], np.ndarray]
+
+
+def check_destination(
+    path: str | os.PathLike[str],
+    max_shard_size: int | str | None,
+    *,
+    overwrite: bool,
+    flag: str = "overwrite=True",
+) -> None:
+    """Refuse to replace an existing export without consent (``flag`` names it: the
+    argument, or the CLI's option): the file, or with ``max_shard_size`` the index, the
+    lone file or shards of the same stem.
+
+    Raises:
+        CheckpointError: something is there and not ``overwrite``.
+    """
+    if overwrite:
+        return
+    dest = Path(path)
+    if max_shard_size is None:
+        # a directory is refused by the writer itself (not a file it could replace)
+        there = [dest] if dest.is_file() or dest.is_symlink() else []
+    else:
+        there = sharded_layout(*sharded_names(dest))
+    if there:
+        what = str(there[0]) if there[0] == dest else f"{dest} ({there[0].name})"
+        raise CheckpointError(f"{what} already exists; pass {flag} to replace it")
 
 
 def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
     """One leaf on the host as blocks of whole rows, in order: a leaf sharded along its
     first axis only is its shards' own buffers, written one after the other without
     assembling the leaf; any other leaf is ``[host_leaf(x)]``."""
-    if isinstance(x, jax.Array) and x.is_fully_addressable and x.ndim > 0:
+    if isinstance(x, jax.Array) and x.ndim > 0 and whole_here(x):
         blocks: dict[tuple[int, int], Any] = {}
         for shard in x.addressable_shards:
             idx = [s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True)]
@@ -238,21 +393,19 @@ def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
 
 
 def host_leaf(x: Any, name: str = "") -> np.ndarray:
-    """One leaf as a fresh NumPy array, assembled from its addressable shards (each
+    """One leaf as a fresh NumPy array, assembled from this process's shards (each
     distinct block copied once), so that nothing stays attached to the ``jax.Array``:
     ``np.asarray(x)`` / ``jax.device_get(x)`` cache the host copy on the array, which
     keeps every leaf written so far alive, and an export would peak at twice the state.
 
     Raises:
-        CheckpointError: the array spans several processes (not all of it here).
+        DistributedError: this process holds only part of the array (it is split across
+            processes).
     """
     if not isinstance(x, jax.Array):
         return np.asarray(x)
-    if not x.is_fully_addressable:
-        raise CheckpointError(
-            f"{name or 'a leaf'}: spans several processes; save_safetensors writes from one "
-            "process (gather it first, or write a checkpoint with save())"
-        )
+    if not whole_here(x):
+        require_addressable(x, name or "a leaf")
     out = np.empty(x.shape, x.dtype)
     done: set[tuple[tuple[int, int], ...]] = set()
     for shard in x.addressable_shards:
@@ -263,6 +416,16 @@ def host_leaf(x: Any, name: str = "") -> np.ndarray:
     return out
 
 
+def _full_leaf(x: Any, name: str) -> np.ndarray:
+    """``host_leaf``, or where this process holds only part of ``x`` its all-gathered
+    value (a collective: every process must ask for the same leaves in the same order)."""
+    if whole_here(x):
+        return host_leaf(x, name)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def write_export(
     path: str | os.PathLike[str],
     items: list[Entry],
@@ -271,10 +434,26 @@ def write_export(
     *,
     max_shard_size: int | str | None = None,
     progress: Progress = True,
+    overwrite: bool = False,
+    flag: str = "overwrite=True",
+    shared: SharedPlan | None = None,
 ) -> Path:
     """Write ``items`` (name, shape, dtype), each computed when written: one file, or
-    Hugging Face's sharded layout with ``max_shard_size``; progress in bytes."""
-    total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, shape, dt in items)
+    Hugging Face's sharded layout with ``max_shard_size``; progress in bytes (this
+    process's). An existing export is replaced only with ``overwrite`` (``flag`` names
+    it in the refusal). With several processes and ``shared``, every process writes its
+    part (``shared.write_shared``); every process must call it."""
+    layout = plan_layout(path, items, max_shard_size)
+
+    def refuse(layout: Layout) -> None:
+        check_destination(path, max_shard_size, overwrite=overwrite, flag=flag)
+
+    several = jax.process_count() > 1 and shared is not None
+    plans = shared.plans() if several and shared is not None else {}
+    if several:  # this process's bytes
+        total = bytes_of(jax.process_index(), layout, plans, jax.process_count())
+    else:
+        total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, shape, dt in items)
     with reporter(progress, total, "Writing safetensors") as report:
         done = [0]
 
@@ -283,9 +462,10 @@ def write_export(
             if report is not None:
                 report(done[0], total)
 
-        if max_shard_size is None:
-            return write_safetensors(path, items, compute, metadata, step)
-        return write_sharded(path, items, compute, metadata, max_shard_size, step)
+        if several and shared is not None:
+            return write_shared(layout, plans, compute, shared.read_block, metadata, refuse, step)
+        refuse(layout)
+        return write_layout(layout, compute, metadata, step)
 
 
 def reference_table(
@@ -384,6 +564,8 @@ class Exporter:
                 last[k] = i
         self._last = last
         self._cache: dict[str, np.ndarray] = {}
+        self.keep_cache = True
+        self.values: dict[str, Any] = {}
 
     @classmethod
     def of_state(
@@ -395,17 +577,39 @@ class Exporter:
         *,
         untie: bool = False,
     ) -> Exporter:
-        """An exporter reading the leaves of ``state`` (fetched from its devices)."""
+        """An exporter reading the leaves of ``state`` (fetched from its devices; with
+        several processes, a leaf this process holds only part of is all-gathered: a
+        collective, so every process computes the same tensors in the same order)."""
         flat, targets = target_table(state)
         values = dict(zip(flat.paths, flat.arrays, strict=True))
-        return cls(
-            targets,
-            lambda p: host_leaf(values[p], p),
-            table,
-            wm,
-            dtype,
-            untie=untie,
-        )
+        ex = cls(targets, lambda p: _full_leaf(values[p], p), table, wm, dtype, untie=untie)
+        ex.values = values
+        if jax.process_count() > 1:
+            # A leaf stays cached only within one tensor: which tensors a process computes
+            # differs between processes, and a cached leaf must not skip a collective.
+            ex.keep_cache = False
+        return ex
+
+    def shared_plan(self) -> SharedPlan:
+        """How several processes share writing this export: a stored tensor whose leaves
+        some process holds whole is computed there; any other on every process, in
+        step (its leaves all-gathered), and written by one."""
+
+        def plans() -> dict[str, TensorPlan]:
+            leaf = {k: array_plan(x).holders for k, x in self.values.items()}
+            out: dict[str, TensorPlan] = {}
+            for name in self.order:
+                holders: frozenset[int] | None = frozenset(range(jax.process_count()))
+                for k in self.sources[name].reads():
+                    h = leaf[k]
+                    holders = None if h is None or holders is None else holders & h
+                out[name] = TensorPlan(holders or None)
+            return out
+
+        def no_blocks(name: str, block: Block) -> np.ndarray:
+            raise AssertionError(f"{name}: a mapped export is never written block by block")
+
+        return SharedPlan(plans, no_blocks)
 
     def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
         whole = self._cache.get(key)
@@ -417,7 +621,7 @@ class Exporter:
         value = self.sources[name].read(None, self._fetch)
         i = self._pos[name]
         for k in self.sources[name].reads():
-            if self._last[k] <= i:
+            if self._last[k] <= i or not self.keep_cache:
                 self._cache.pop(k, None)
         return value
 

@@ -1,0 +1,430 @@
+"""One safetensors export written by every process of a multi-process run.
+
+Every process calls ``save_safetensors`` with the same state and path, as every other save
+is called. The result is the files a one-process export of the same state writes, byte
+for byte (same names, same shard split, same headers), written in place by the
+processes that hold the data:
+
+1. Every process computes the same layout (``safetensors.plan_layout``) from the names,
+   shapes and dtypes; a digest of it is gathered, and processes that disagree (another
+   path, another state structure) are refused before anything is written.
+2. Process 0 alone decides about the destination (``overwrite``), creates each file's
+   temporary (``{file}.{token}.partial``, the token drawn by process 0 and broadcast: no
+   other write uses the name), writes its header and sizes it; the others check that they
+   see it (a path on a disk of each host's own is refused here, by name).
+3. Each stored tensor is planned from the shardings alone, so every process computes the
+   same plan without asking the others: a tensor some processes hold whole (replicated,
+   split only among one process's devices) is written by one of them; a process-local
+   leaf (NumPy, one device) by process 0, whose value ``save()`` keeps too; a leaf that no
+   process holds whole (split across processes) block by block, each distinct block by one
+   of the processes holding it, at its offsets in the file (a process's blocks that form
+   whole rows go in one write). Work is spread by bytes, least-loaded process first.
+   Stored tensors a mapping computes from leaves that no process holds whole are computed
+   on every process in the same order (the leaves all-gathered, a collective), and
+   written by one.
+4. Each process writes its parts with positioned writes and syncs; the outcome of every
+   process is gathered, and a failure anywhere is raised on every process (the
+   temporaries removed, the destination untouched). Process 0 then renames the
+   temporaries into place (index last) and syncs the directory; every process returns
+   once that is done.
+
+Several processes write disjoint byte ranges of one temporary file (never the same
+bytes, and only process 0 creates, renames or removes it), so the directory must be on a
+file system that every process mounts with ordinary positioned writes: a local disk in a
+one-host run, NFS, Lustre, GPFS, a cluster file system; not an object store's FUSE mount.
+
+Every step that needs all processes (the gathers, the barrier-like broadcasts, the
+all-gathers of the mapped case) runs outside the branches that only process 0 takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import CheckpointError, DistributedError
+from .._runtime import broadcast, gather
+from .recipe import contiguous
+from .safetensors import (
+    Entry,
+    Layout,
+    check_pieces,
+    commit_layout,
+    encode_header,
+    new_token,
+    prepare_directory,
+    temporary,
+    write_index,
+)
+
+Block = tuple[tuple[int, int], ...]
+"""A block of a tensor: ``(start, stop)`` per dimension."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """Who can write one stored tensor.
+
+    Attributes:
+        holders: the processes that can compute it whole on their own (``compute``), or
+            None when none can.
+        blocks: with ``holders`` None: each distinct block and the processes holding it
+            (``read_block``), or None: computed on every process in step (``compute``
+            all-gathers what it needs).
+    """
+
+    holders: frozenset[int] | None
+    blocks: list[tuple[Block, frozenset[int]]] | None = None
+
+
+def array_plan(x: Any) -> TensorPlan:
+    """How one leaf can be written: a process-local value (NumPy, an array on this
+    process's devices only) by process 0; a global array by the processes holding it whole,
+    else block by block."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return TensorPlan(frozenset({0}))
+    shape = tuple(x.shape)
+    blocks: dict[Block, set[int]] = {}
+    for d, idx in x.sharding.devices_indices_map(shape).items():
+        blocks.setdefault(block_of(idx, shape), set()).add(d.process_index)
+    size = math.prod(shape)
+    covered: dict[int, int] = {}
+    for b, procs in blocks.items():
+        for p in procs:
+            covered[p] = covered.get(p, 0) + volume(b)
+    whole = frozenset(p for p, n in covered.items() if n == size)
+    if whole:
+        return TensorPlan(whole)
+    return TensorPlan(None, [(b, frozenset(p)) for b, p in sorted(blocks.items())])
+
+
+def whole_here(x: Any) -> bool:
+    """Whether this process can read all of ``x`` from its own devices (or memory)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return True
+    holders = array_plan(x).holders
+    return holders is not None and jax.process_index() in holders
+
+
+def block_of(index: Sequence[slice], shape: Sequence[int]) -> Block:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+def volume(b: Block) -> int:
+    return math.prod(hi - lo for lo, hi in b)
+
+
+def local_block(x: jax.Array, b: Block) -> np.ndarray:
+    """This process's copy of block ``b`` of ``x`` (one device's buffer, copied to the host)."""
+    for shard in x.addressable_shards:
+        if block_of(shard.index, x.shape) == b:
+            return np.asarray(shard.data)
+    raise DistributedError(  # a plan bug, not the user's: the plan named a block held here
+        f"process {jax.process_index()} holds no device with block {list(b)} of a "
+        f"{x.dtype}{list(x.shape)} array"
+    )
+
+
+@dataclasses.dataclass
+class _Part:
+    file: int
+    offset: int  # of the tensor's first byte after the file's header
+    entry: Entry
+    blocks: list[Block] | None  # None: the whole tensor
+
+
+def assign(
+    layout: Layout, plans: Mapping[str, TensorPlan], processes: int
+) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
+    """Every process's parts, and the tensors computed in step with their writers; work
+    spread by bytes, least-loaded holder first (ties: the lowest process)."""
+    load = [0] * processes
+    mine: dict[int, list[_Part]] = {p: [] for p in range(processes)}
+    step: list[tuple[_Part, int]] = []
+
+    def pick(among: Sequence[int], nbytes: int) -> int:
+        w = min(among, key=lambda p: (load[p], p))
+        load[w] += nbytes
+        return w
+
+    for f, (_, group) in enumerate(layout.files):
+        start = 0
+        for name, shape, dt in group:
+            item = np.dtype(dt).itemsize
+            start += math.prod(shape) * item  # the next tensor's; this one's is below
+            offset = start - math.prod(shape) * item
+            plan = plans[name]
+            entry = (name, tuple(shape), dt)
+            if math.prod(shape) == 0:
+                continue
+            if plan.holders is not None:
+                w = pick(sorted(plan.holders), math.prod(shape) * item)
+                mine[w].append(_Part(f, offset, entry, None))
+            elif plan.blocks is not None:
+                chosen: dict[int, list[Block]] = {}
+                for b, holders in plan.blocks:
+                    chosen.setdefault(pick(sorted(holders), volume(b) * item), []).append(b)
+                for w, bs in sorted(chosen.items()):
+                    mine[w].append(_Part(f, offset, entry, bs))
+            else:
+                step.append((_Part(f, offset, entry, None), pick(range(processes), 0)))
+                load[step[-1][1]] += math.prod(shape) * item
+    return mine, step
+
+
+def bytes_of(process: int, layout: Layout, plans: Mapping[str, TensorPlan], processes: int) -> int:
+    """How many bytes ``process`` writes of ``layout`` (what its progress counts)."""
+    mine, step = assign(layout, plans, processes)
+    total = 0
+    for part in mine[process]:
+        _, shape, dt = part.entry
+        n = math.prod(shape) if part.blocks is None else sum(volume(b) for b in part.blocks)
+        total += n * np.dtype(dt).itemsize
+    for part, writer in step:
+        if writer == process:
+            total += math.prod(part.entry[1]) * np.dtype(part.entry[2]).itemsize
+    return total
+
+
+def _runs(shape: tuple[int, ...], b: Block) -> list[tuple[int, int]]:
+    """Block ``b`` of a C-order tensor as ``(element offset, element count)`` runs, in
+    the order of the block's own C-order elements."""
+    k = len(shape)
+    while k > 0 and b[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    inner = math.prod(shape[k:])
+    if k == 0:
+        return [(0, inner)]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    lo, hi = b[k - 1]
+    run = (hi - lo) * inner
+    out = []
+    for lead in itertools.product(*(range(a, z) for a, z in b[: k - 1])):
+        off = sum(i * strides[d] for d, i in enumerate(lead)) + lo * strides[k - 1]
+        out.append((off, run))
+    return out
+
+
+def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, pos)
+        data, pos = data[n:], pos + n
+
+
+def _write_blocks(
+    fd: int, base: int, shape: tuple[int, ...], dt: np.dtype[Any], got: dict[Block, np.ndarray]
+) -> None:
+    """Blocks at their places in a tensor starting at byte ``base``: blocks that together
+    form whole rows in one write, any other block run by run."""
+    item = dt.itemsize
+    rows: dict[tuple[int, int], list[Block]] = {}
+    for b in got:
+        rows.setdefault(b[0], []).append(b)
+    rest = math.prod(shape[1:])
+    for (lo, hi), bs in rows.items():
+        if len(bs) > 1 and sum(volume(b) for b in bs) == (hi - lo) * rest:
+            band = np.empty((hi - lo, *shape[1:]), dt)
+            for b in bs:
+                band[(slice(0, hi - lo), *(slice(a, z) for a, z in b[1:]))] = got[b]
+            _pwrite_all(fd, memoryview(band.reshape(-1).view(np.uint8)), base + lo * rest * item)
+            continue
+        for b in bs:
+            flat = contiguous(got[b]).reshape(-1).view(np.uint8)
+            at = 0
+            for off, n in _runs(shape, b):
+                _pwrite_all(fd, memoryview(flat[at : at + n * item]), base + off * item)
+                at += n * item
+
+
+def _describe(e: BaseException | None) -> list[str] | None:
+    return None if e is None else [type(e).__name__, str(e)]
+
+
+def _raise_shared(own: BaseException | None, outcomes: Sequence[list[str] | None], what: str):
+    """Raise on every process when any failed: this process's own error, or the first
+    failing process's, as the same class where it is one of ours, else a DistributedError."""
+    if own is not None:
+        raise own
+    for p, o in enumerate(outcomes):
+        if o is None:
+            continue
+        kind, text = o
+        if kind == "CheckpointError":
+            raise CheckpointError(text)
+        if kind == "DistributedError":
+            raise DistributedError(text)
+        raise DistributedError(f"save_safetensors: process {p} failed {what}: {kind}: {text}")
+
+
+def _digest(layout: Layout, metadata: Mapping[str, str] | None) -> str:
+    doc = [
+        str(layout.out),
+        [[str(f), [[n, list(s), str(np.dtype(d))] for n, s, d in g]] for f, g in layout.files],
+        sorted((str(k), str(v)) for k, v in (metadata or {}).items()),
+    ]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+def write_shared(
+    layout: Layout,
+    plans: Mapping[str, TensorPlan],
+    compute: Callable[[str], Any],
+    read_block: Callable[[str, Block], np.ndarray],
+    metadata: Mapping[str, str] | None,
+    check_destination: Callable[[Layout], None],
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write ``layout`` from every process of the run (see the module's docstring);
+    every process must call it, with the same layout.
+
+    Raises:
+        DistributedError: the processes would write different exports; another process
+            failed (its error, named).
+        CheckpointError: process 0 refused the destination (on every process); a process
+            does not see the temporaries process 0 created.
+    """
+    me, n = jax.process_index(), jax.process_count()
+    digests = gather(_digest(layout, metadata), "modelshard:export:plan")
+    if len(set(digests)) > 1:
+        differ = [p for p, d in enumerate(digests) if d != digests[0]]
+        raise DistributedError(
+            f"save_safetensors: processes {', '.join(map(str, differ))} would write another "
+            "export than process 0 (another path, other leaf names, shapes or dtypes, or "
+            "other options); every process must call it with the same path, the same "
+            "state structure and the same options"
+        )
+    heads = [encode_header(group, metadata)[0] for _, group in layout.files]
+    error: BaseException | None = None
+    token = ""
+    if me == 0:
+        token = new_token()
+        try:
+            check_destination(layout)
+            prepare_directory(layout)
+            for (final, group), head in zip(layout.files, heads, strict=True):
+                with open(temporary(final, token), "xb") as f:
+                    f.write(head)
+                    f.truncate(
+                        len(head) + sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in group)
+                    )
+        except Exception as e:
+            error = e
+    shared = broadcast({"token": token, "error": _describe(error)}, "modelshard:export:created")
+    token = shared["token"]
+    temps = [temporary(final, token) for final, _ in layout.files]
+    if shared["error"] is not None:
+        if me == 0:
+            _remove(temps)
+        _raise_shared(error, [shared["error"]], "to create the export's files")
+
+    unseen = [str(t) for t in temps if not t.is_file()]
+    seen = gather(unseen[:1], "modelshard:export:seen")
+    if any(seen):
+        if me == 0:
+            _remove(temps)
+        p = next(p for p, s in enumerate(seen) if s)
+        raise CheckpointError(
+            f"save_safetensors: process {p} does not see {seen[p][0]}, which process 0 "
+            "created: every process writes its part of one export, so the path must be on "
+            "a file system that every process mounts (a shared directory)"
+        )
+
+    mine, step = assign(layout, plans, n)
+    error = None
+    fds: dict[int, int] = {}
+    try:
+        for part in mine[me]:
+            fd = fds.get(part.file)
+            if fd is None:
+                fd = fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
+            base = len(heads[part.file]) + part.offset
+            name, shape, dt = part.entry
+            dt = np.dtype(dt)
+            if part.blocks is None:
+                _write_whole(fd, base, part.entry, compute(name))
+                nbytes = math.prod(shape) * dt.itemsize
+            else:
+                got = {b: _cast(read_block(name, b), dt) for b in part.blocks}
+                _write_blocks(fd, base, shape, dt, got)
+                nbytes = sum(a.nbytes for a in got.values())
+                del got
+            if progress is not None:
+                progress(nbytes)
+    except Exception as e:
+        error = e
+    outcomes = gather(_describe(error), "modelshard:export:written")
+    if step and not any(outcomes):
+        # Computed on every process in the same order: what they read is all-gathered.
+        for part, writer in step:
+            name = part.entry[0]
+            try:
+                value = compute(name)
+                if writer == me and error is None:
+                    fd = fds.get(part.file)
+                    if fd is None:
+                        fd = fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
+                    base = len(heads[part.file]) + part.offset
+                    _write_whole(fd, base, part.entry, value)
+                    if progress is not None:
+                        progress(math.prod(part.entry[1]) * np.dtype(part.entry[2]).itemsize)
+                del value
+            except Exception as e:
+                error = error or e
+        outcomes = gather(_describe(error), "modelshard:export:computed")
+    try:
+        for fd in fds.values():
+            os.fsync(fd)
+    except OSError as e:
+        error = error or e
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    outcomes = gather(_describe(error), "modelshard:export:synced")
+    if any(outcomes):
+        if me == 0:
+            _remove(temps)
+        _raise_shared(error, outcomes, "to write its part of the export")
+
+    error = None
+    if me == 0:
+        index_tmp = None
+        try:
+            index_tmp = write_index(layout, token)
+            commit_layout(layout, temps, index_tmp)
+        except Exception as e:
+            error = e
+            _remove([*temps, *([] if index_tmp is None else [index_tmp])])
+    outcome = broadcast(_describe(error), "modelshard:export:committed")
+    if outcome is not None:
+        _raise_shared(error, [outcome], "to rename the export into place")
+    return layout.out
+
+
+def _cast(a: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
+    return a if a.dtype == dt else a.astype(dt)
+
+
+def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
+    name, shape, dt = entry
+    pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
+    check_pieces(name, pieces, tuple(shape), np.dtype(dt))
+    pos = base
+    for a in pieces:
+        if a.size:
+            _pwrite_all(fd, memoryview(a.reshape(-1).view(np.uint8)), pos)
+            pos += a.nbytes
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
