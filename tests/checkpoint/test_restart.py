@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import modelshard as ms
-from modelshard import _launch
+from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,

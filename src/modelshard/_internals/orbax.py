@@ -73,6 +73,15 @@ with needed(
         BasePyTreeCheckpointHandler,
     )
 
+with needed(
+    DIST,
+    "orbax.checkpoint._src.multihost.multihost",
+    "every barrier Orbax runs for a save of ours is bounded by MODELSHARD_BARRIER_TIMEOUT: "
+    "its get_barrier_sync_fn is wrapped in that module, where Orbax's own code looks it up "
+    "(_checkpoint/barriers.py)",
+):
+    from orbax.checkpoint._src.multihost import multihost
+
 # Orbax records each item's handler by the dotted name of its class, which lives in a
 # private module; a checkpoint written by ``stream.py`` records the name Orbax itself would.
 STANDARD_HANDLER_NAME = (
