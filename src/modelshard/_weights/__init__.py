@@ -39,3 +39,5 @@ from .rules import WeightMap as WeightMap
 from .safetensors import is_safetensors as is_safetensors
 from .safetensors import open_safetensors as open_safetensors
 from .safetensors import write_safetensors as write_safetensors
+from .shipped import ShippedMapping as ShippedMapping
+from .shipped import shipped_mappings as shipped_mappings

@@ -28,9 +28,9 @@ from .._mesh import is_abstract, make_mesh
 from .._paths import split as split_path
 from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
+from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
-from .progress import Progress, reporter
 from .safetensors import SafetensorsFiles, open_safetensors
 
 MappingLike = WeightMap | str | os.PathLike[str] | None
@@ -116,7 +116,9 @@ def build_leaf(
         norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
         got = seen.get(norm)
         if got is None:
-            got = seen[norm] = recipe.unaliased(node.read(tuple(slice(a, b) for a, b in norm), fetch))
+            got = seen[norm] = recipe.unaliased(
+                node.read(tuple(slice(a, b) for a, b in norm), fetch)
+            )
         return got
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
@@ -344,7 +346,9 @@ class _BlockReader:
     """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
     whole for it are dropped once its last element has been read."""
 
-    def __init__(self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]):
+    def __init__(
+        self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
+    ):
         self.node = node
         self.cache: dict[Any, np.ndarray] = {}
         self.fetch = fetch_for(self.cache)
