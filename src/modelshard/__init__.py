@@ -62,6 +62,7 @@ from ._weights import Unstack as Unstack
 from ._weights import WeightMap as WeightMap
 from ._weights import load_safetensors as load_safetensors
 from ._weights import load_weight_map as load_weight_map
+from ._weights import save_peft_adapter as save_peft_adapter
 from ._weights import save_safetensors as save_safetensors
 from ._weights import shipped_mappings as shipped_mappings
 from ._weights import unmap as unmap

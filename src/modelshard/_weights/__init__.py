@@ -8,6 +8,7 @@ the design.
 
 from __future__ import annotations
 
+from .adapter import save_peft_adapter as save_peft_adapter
 from .export import Exporter as Exporter
 from .export import invert_resolution as invert_resolution
 from .export import reference_table as reference_table

@@ -25,9 +25,16 @@ from .._paths import split as split_path
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
+from .model_dir import (
+    DEFAULT_SHARD_SIZE,
+    is_model_directory,
+    reference_directory,
+    write_model_files,
+    written_dtype,
+)
+from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
-from .progress import Progress, reporter
 from .safetensors import dtype_code, open_safetensors, write_safetensors, write_sharded
 
 
@@ -56,7 +63,12 @@ def save_safetensors(
         path: the ``.safetensors`` file to write (replaced once complete; missing parent
             directories are created, as ``save_pretrained`` creates its directory). With
             ``max_shard_size``: a directory, a ``name.safetensors`` or a
-            ``name.safetensors.index.json`` (see ``max_shard_size``).
+            ``name.safetensors.index.json`` (see ``max_shard_size``). A path that names
+            neither a ``.safetensors`` file nor an index is a model directory, what
+            ``from_pretrained`` loads: the weights (sharded above ``max_shard_size``,
+            default ``"5GB"``) and, from ``reference``'s directory, ``config.json`` with
+            its dtype set to the one written, the generation config and the tokenizer's
+            files copied unchanged. The way to publish a fine-tune.
         state: the container (a fine-tuned model); its leaves may be sharded (each is
             gathered to the host on its own, when written).
         reference: the checkpoint the mapping was written for (a file, index, directory
@@ -143,7 +155,10 @@ def save_safetensors(
         ex.check_also()  # a refused export writes nothing
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
-    return write_export(
+    directory = is_model_directory(path)
+    if directory and max_shard_size is None:
+        max_shard_size = DEFAULT_SHARD_SIZE
+    out = write_export(
         path,
         items,
         compute,
@@ -151,6 +166,9 @@ def save_safetensors(
         max_shard_size=max_shard_size,
         progress=progress,
     )
+    if directory:
+        write_model_files(out.parent, reference_directory(reference), written_dtype(items))
+    return out
 
 
 Entry = tuple[str, tuple[int, ...], Any]
