@@ -122,3 +122,31 @@ def test_a_peft_adapter_needs_adapters(tmp_path) -> None:
     np.testing.assert_array_equal(t["base_model.model.fc.lora_B.weight"], np.full((4, 2), 1.5))
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (2, 4, ["fc"])
+
+
+def test_gemma3_maps_onto_the_gemma_model_tree_and_gemma3_checkpoint_onto_the_files(
+    tmp_path,
+) -> None:
+    """``gemma3`` gives the tree gemma's models take (no ``transformer/`` prefix, the MLP's
+    einsum weights as ``mlp/gating_einsum`` and ``mlp/linear``); ``gemma3_checkpoint`` the
+    official files' layout; the same values in both. gemma itself is not installed here
+    (it pulls TensorFlow), so its tree is written out from its source's parameter names."""
+    from test_weights_gemma import SMALL, _gemma_layout, _hf_checkpoint
+
+    _hf_checkpoint(tmp_path, SMALL)
+    files = _gemma_layout(SMALL)
+    model_tree = dict(files["transformer"])
+    for name, layer in list(model_tree.items()):
+        if name.startswith("layer_"):
+            mlp = {k: v["w"] for k, v in layer["mlp"].items()}
+            model_tree[name] = {**layer, "mlp": mlp}
+    params = ms.load_safetensors(tmp_path, like=model_tree, mapping="gemma3")
+    official = ms.load_safetensors(tmp_path, like=files, mapping="gemma3_checkpoint")
+    np.testing.assert_array_equal(
+        params["layer_1"]["mlp"]["gating_einsum"],
+        official["transformer"]["layer_1"]["mlp"]["gating_einsum"]["w"],
+    )
+    np.testing.assert_array_equal(
+        params["embedder"]["input_embedding"],
+        official["transformer"]["embedder"]["input_embedding"],
+    )
