@@ -57,6 +57,7 @@ from ._weights import MapRule as MapRule
 from ._weights import Rearrange as Rearrange
 from ._weights import Reshape as Reshape
 from ._weights import Scale as Scale
+from ._weights import ShippedMapping as ShippedMapping
 from ._weights import Split as Split
 from ._weights import Stack as Stack
 from ._weights import Transpose as Transpose
@@ -64,7 +65,9 @@ from ._weights import Unstack as Unstack
 from ._weights import WeightMap as WeightMap
 from ._weights import load_safetensors as load_safetensors
 from ._weights import load_weight_map as load_weight_map
+from ._weights import save_peft_adapter as save_peft_adapter
 from ._weights import save_safetensors as save_safetensors
+from ._weights import shipped_mappings as shipped_mappings
 from ._weights import unmap as unmap
 
 try:

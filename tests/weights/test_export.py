@@ -256,9 +256,8 @@ def test_where_an_export_may_go(tmp_path):
         "index"
     )
     assert not index.exists()
-    with pytest.raises(ms.CheckpointError) as e:
-        ms.save_safetensors(tmp_path / "new", state)
-    assert str(e.value) == f"{tmp_path / 'new'}: a directory; pass a .safetensors file name in it"
+    # any other path is a model directory, the weights in it under save_pretrained's name
+    assert ms.save_safetensors(tmp_path / "new", state) == tmp_path / "new" / "model.safetensors"
 
 
 # ---- progress ----------------------------------------------------------------------------

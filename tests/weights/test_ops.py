@@ -938,14 +938,14 @@ def test_a_misspelled_toml_key_is_named_with_a_suggestion() -> None:
         "invalid mapping file m.toml:",
         "  m.toml:rulez",
         "    problem: unknown top-level key 'rulez' (did you mean 'rules'?)",
-        "    hint: allowed: config, keep, rules, strict",
+        "    hint: allowed: config, keep, optional, rules, strict",
         "  m.toml:rules[0].ops[0].rearange",
         "    problem: unknown key 'rearange' (did you mean 'rearrange'?)",
         "    hint: operations: rearrange, transpose, reshape, add, scale",
         "  m.toml:rules[1].transpsoe",
         "    problem: unknown key 'transpsoe' (did you mean 'transpose'?)",
-        "    hint: allowed: also, cast, concat, ops, reshape, skip, source, split, stack, target, "
-        "transpose, unstack, untied",
+        "    hint: allowed: also, cast, concat, ops, optional, reshape, skip, source, split, stack, "
+        "target, transpose, unstack, untied",
         "  m.toml:rules[2].stack.oder",
         "    problem: unknown key 'oder' (did you mean 'order'?)",
         "    hint: allowed: group, axis, order",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from .args import (
@@ -51,7 +52,8 @@ def add_parser(sub: Any) -> None:
         metavar="MAP.toml",
         help="TOML mapping file: [[rules]] with source (a regex over stored names), target "
         "(a path template, {1} inserts a group) and transforms (transpose, reshape, stack, "
-        "unstack, cast; skip = true ignores tensors). Default: every tensor under its own name, "
+        "unstack, cast; skip = true ignores tensors); or a shipped mapping's name (llama, "
+        "qwen2, ...: see 'modelshard mappings'). Default: every tensor under its own name, "
         "'.' read as '/'",
     )
     c.add_argument(
@@ -128,11 +130,12 @@ def _size(text: str) -> int | str:
 def run(args: argparse.Namespace) -> int:
     """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
     from .._base import format_bytes
-    from .._weights import is_safetensors
+    from .._weights import is_safetensors, shipped_mappings
 
     return_freed_memory()  # streams tensor-sized buffers, as reshard does
     # the user's input files: missing or unreadable is the OSError itself (with its errno)
-    readable(args.mapping)
+    if not (args.mapping in shipped_mappings() and not os.path.exists(args.mapping)):
+        readable(args.mapping)
     readable(args.reference, file=False)
     if args.to == "safetensors":
         return _convert_to_safetensors(args)

@@ -8,6 +8,7 @@ the design.
 
 from __future__ import annotations
 
+from .adapter import save_peft_adapter as save_peft_adapter
 from .export import Exporter as Exporter
 from .export import check_destination as check_destination
 from .export import invert_resolution as invert_resolution
@@ -40,3 +41,5 @@ from .rules import WeightMap as WeightMap
 from .safetensors import is_safetensors as is_safetensors
 from .safetensors import open_safetensors as open_safetensors
 from .safetensors import write_safetensors as write_safetensors
+from .shipped import ShippedMapping as ShippedMapping
+from .shipped import shipped_mappings as shipped_mappings

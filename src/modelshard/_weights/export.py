@@ -23,10 +23,17 @@ import numpy as np
 from .._base import CheckpointError, DistributedError, MappingError, Problem
 from .._base import split as split_path
 from .._containers import split
-from .._runtime import gather, require_addressable
+from .._runtime import barrier, gather, require_addressable
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
+from .model_dir import (
+    DEFAULT_SHARD_SIZE,
+    is_model_directory,
+    reference_directory,
+    write_model_files,
+    written_dtype,
+)
 from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
@@ -86,7 +93,12 @@ def save_safetensors(
         path: the ``.safetensors`` file to write (missing parent directories are created,
             as ``save_pretrained`` creates its directory). With
             ``max_shard_size``: a directory, a ``name.safetensors`` or a
-            ``name.safetensors.index.json`` (see ``max_shard_size``).
+            ``name.safetensors.index.json`` (see ``max_shard_size``). A path that names
+            neither a ``.safetensors`` file nor an index is a model directory, what
+            ``from_pretrained`` loads: the weights (sharded above ``max_shard_size``,
+            default ``"5GB"``) and, from ``reference``'s directory, ``config.json`` with
+            its dtype set to the one written, the generation config and the tokenizer's
+            files copied unchanged. The way to publish a fine-tune.
         state: the container (a fine-tuned model); its leaves may be sharded (each is
             gathered to the host on its own, when written).
         reference: the checkpoint the mapping was written for (a file, index, directory
@@ -199,7 +211,10 @@ def save_safetensors(
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
         shared = ex.shared_plan()
-    return write_export(
+    directory = is_model_directory(path)
+    if directory and max_shard_size is None:
+        max_shard_size = DEFAULT_SHARD_SIZE
+    out = write_export(
         path,
         items,
         compute,
@@ -209,6 +224,11 @@ def save_safetensors(
         overwrite=overwrite,
         shared=shared,
     )
+    if directory:
+        write_model_files(out.parent, reference_directory(reference), written_dtype(items))
+        if jax.process_count() > 1:  # every process returns once the directory is complete
+            barrier("modelshard:export:model-files")
+    return out
 
 
 def check_state(state: Any) -> None:

@@ -4,7 +4,8 @@ The format (documented in ``docs/concepts/mapping.md``)::
 
     strict = true                      # optional: a rule matching nothing is an error
                                        # (skip rules excepted: they ignore what is there)
-    keep = ["lora", "^head/"]          # target leaves that may keep like's values
+    keep = ["^head/"]                  # target leaves that keep like's values
+    optional = ["lora_"]               # the same, where a model may not have them at all
 
     [config]                           # sizes named in reshape
     heads = 4
@@ -52,7 +53,8 @@ The format (documented in ``docs/concepts/mapping.md``)::
     also = true
     untied = "lm_head.weight"
 
-A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``; ``split`` takes
+A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``, ``optional = true``
+(a rule that may match nothing, as ``lm_head.weight`` in a tied checkpoint); ``split`` takes
 ``sizes = [...]`` (ints or config names) for unequal parts. ``ops`` entries are tables
 of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
 ``reshape``, ``add``, ``scale``.
@@ -71,8 +73,9 @@ from typing import Any
 from .._base import MappingError, Problem
 from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
 from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
+from .shipped import is_name, shipped_mappings
 
-_TOP = {"strict", "keep", "config", "rules"}
+_TOP = {"strict", "keep", "optional", "config", "rules"}
 _RULE = {
     "source",
     "target",
@@ -87,6 +90,7 @@ _RULE = {
     "ops",
     "also",
     "untied",
+    "optional",
 }
 _OPS = ("rearrange", "transpose", "reshape", "add", "scale")
 
@@ -232,6 +236,12 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
     if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
         problems.append(Problem(source, "keep", f"keep must be an array of regexes, got {keep!r}"))
         keep = []
+    optional = data.get("optional", [])
+    if not (isinstance(optional, list) and all(isinstance(k, str) for k in optional)):
+        problems.append(
+            Problem(source, "optional", f"optional must be an array of regexes, got {optional!r}")
+        )
+        optional = []
     config = data.get("config", {})
     if not (
         isinstance(config, Mapping)
@@ -364,6 +374,16 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 Problem(source, f"{where}.also", f"also must be true or false, got {also!r}")
             )
             bad = True
+        optional_rule = item.get("optional", False)
+        if not isinstance(optional_rule, bool):
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.optional",
+                    f"optional must be true or false, got {optional_rule!r}",
+                )
+            )
+            bad = True
         untied = item.get("untied")
         if untied is not None and not isinstance(untied, str):
             problems.append(
@@ -391,23 +411,50 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                     ops=ops,
                     also=also,
                     untied=untied,
+                    optional=optional_rule,
                 )
             )
     header = f"invalid mapping file {source}:"
     if problems:
         raise MappingError(problems, header=header)
     try:
-        return WeightMap(rules, keep=keep, config=config, strict=strict)
+        return WeightMap(rules, keep=keep, config=config, strict=strict, optional=optional)
     except MappingError as e:
         raise MappingError(e.problems, header=header) from e
 
 
 def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
-    """Read a TOML mapping file into a [`WeightMap`][modelshard.WeightMap].
+    """Read a TOML mapping file, or a shipped mapping by name, into a
+    [`WeightMap`][modelshard.WeightMap].
+
+    Args:
+        path: a TOML file, or the name of a mapping shipped with modelshard (``"llama"``,
+            ``"qwen2"``, ...: [`shipped_mappings`][modelshard.shipped_mappings] lists them).
+            A name that is also a file in the working directory reads the file.
 
     Raises:
-        MappingError: the file is missing, not UTF-8 TOML, or does not describe a mapping.
+        MappingError: the file is missing, not UTF-8 TOML, or does not describe a mapping;
+            a name that no shipped mapping has.
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.load_weight_map("llama").target_of("model.norm.weight")
+        'norm/scale'
     """
+    text = os.fspath(path)
+    if is_name(text) and not Path(text).exists():
+        shipped = shipped_mappings()
+        if text not in shipped:
+            close = difflib.get_close_matches(text, list(shipped), n=1)
+            problem = Problem(
+                "mapping",
+                text,
+                f"no shipped mapping is named {text!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                hint=f"shipped: {', '.join(shipped)}; or give a path to a TOML mapping file",
+            )
+            raise MappingError([problem], header="unknown mapping:")
+        path = shipped[text].path
     p = Path(path)
     header = f"invalid mapping file {p}:"
     try:

@@ -388,11 +388,11 @@ def build_joined(
 
 def unused_rules(mapping: WeightMap, used: set[int], sources: Iterable[str]) -> list[Problem]:
     """Phase 4 (under ``strict``): a problem for each rule with a target that took no
-    stored tensor (a skip rule means "ignore if present")."""
+    stored tensor (a skip rule means "ignore if present", as an optional rule does)."""
     return [
         _unused(mapping, i, sources)
         for i, rule in enumerate(mapping.rules)
-        if i not in used and rule.target is not None
+        if i not in used and rule.target is not None and not rule.optional
     ]
 
 
@@ -472,7 +472,7 @@ def fit_targets(
                 )
             )
     if mapping.strict and not export:
-        for j, k in enumerate(mapping.keep):
+        for j, k in enumerate(mapping.keep):  # optional patterns follow keep's in _keep
             if j not in keep_used:
                 problems.append(
                     Problem(

@@ -158,6 +158,9 @@ class MapRule:
         untied: with ``also``: the stored name an untied export
             (``save_safetensors(..., untie=True)``) writes this rule's leaf under
             (``"lm_head.weight"``; ``{1}`` and ``{name}`` insert the source's groups).
+        optional: the rule may match nothing, even under ``strict``: a tensor some
+            checkpoints of a family have and others lack (``lm_head.weight``, absent
+            where the embeddings are tied, whose model then has no head leaf either).
     """
 
     source: str
@@ -172,6 +175,7 @@ class MapRule:
     ops: Sequence[Op] | None = None
     also: bool = False
     untied: str | None = None
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if self.ops is not None and not isinstance(self.ops, tuple):
@@ -222,6 +226,9 @@ class WeightMap:
             ``config.json`` says otherwise.
         strict: a rule (or ``keep`` pattern) that matches nothing is an error; a skip
             rule (target ``None``) never is: it ignores the tensors that are there.
+        optional: regexes like ``keep``'s, for leaves a model may or may not have
+            (the LoRA adapters a fine-tune adds): a pattern that matches nothing is no
+            error, so one mapping serves the plain model and the adapted one.
 
     Raises:
         MappingError: a rule is malformed (bad regex, a template naming a group the regex
@@ -245,20 +252,25 @@ class WeightMap:
         keep: Sequence[str] = (),
         config: Mapping[str, int] | None = None,
         strict: bool = True,
+        optional: Sequence[str] = (),
     ):
         self.rules = tuple(rules)
         self.keep = tuple(keep)
+        self.optional = tuple(optional)
         self.config = dict(config or {})
         self.strict = strict
         self.split_dots = False
         problems: list[Problem] = []
         self._compiled = [_compile(i, r, problems) for i, r in enumerate(self.rules)]
         self._keep = []
-        for i, k in enumerate(self.keep):
-            try:
-                self._keep.append(re.compile(k))
-            except re.error as e:
-                problems.append(Problem("mapping", f"keep[{i}]", f"{k!r} is not a regex: {e}"))
+        for field, patterns in (("keep", self.keep), ("optional", self.optional)):
+            for i, k in enumerate(patterns):
+                try:
+                    self._keep.append(re.compile(k))
+                except re.error as e:
+                    problems.append(
+                        Problem("mapping", f"{field}[{i}]", f"{k!r} is not a regex: {e}")
+                    )
         if problems:
             raise MappingError(problems, header=header(problems))
 
@@ -336,7 +348,8 @@ class WeightMap:
         return any(k.search(path) for k in self._keep)
 
     def __repr__(self) -> str:
-        return f"WeightMap({len(self.rules)} rules, keep={list(self.keep)!r})"
+        optional = f", optional={list(self.optional)!r}" if self.optional else ""
+        return f"WeightMap({len(self.rules)} rules, keep={list(self.keep)!r}{optional})"
 
 
 def _field(m: re.Match[str], name: str, extra: Mapping[str, str]) -> str:
