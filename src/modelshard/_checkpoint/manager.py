@@ -519,6 +519,7 @@ class CheckpointManager:
         if metadata is not None:
             _json_or_error("metadata", dict(metadata))
         tree, record = prepare(state, metadata)
+        record.resolve()  # collectives over arrays spanning processes: every process
         args = {
             STATE_ITEM: ocp.args.PyTreeSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
