@@ -425,6 +425,18 @@ def setup(ctx: Ctx) -> None:
 # ---- the loop -----------------------------------------------------------------------------
 
 
+PEER_WAIT_S = 300.0  # the other job runs side by side; the test's stall bound is the real one
+
+
+def _wait_for_peer(done: Path) -> None:
+    """The other job's files are complete once it wrote ``done``."""
+    t0 = time.monotonic()
+    while not done.exists():
+        if time.monotonic() - t0 > PEER_WAIT_S:
+            raise SystemExit(f"the peer job did not finish within {PEER_WAIT_S:g} s ({done})")
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -447,6 +459,8 @@ def main() -> None:
         and (not args.only or any(name.startswith(o) for o in args.only))
     ]
     for name, fn in chosen:
+        if name.startswith("peer_") and ctx.peer is not None:
+            _wait_for_peer(ctx.peer.parent / "done")
         current.write_text(name)
         stacks.write(f"\n--- case {name}\n")
         stacks.flush()
@@ -471,6 +485,8 @@ def main() -> None:
         (results / f"{name}.p{ctx.me}.json").write_text(json.dumps(out))
     current.write_text("")
     ms.distributed.barrier("journey:done")
+    if ctx.me == 0:
+        (args.out / "done").write_text("")
     sys.stdout.flush()
 
 
