@@ -9,9 +9,10 @@ safetensors files) goes under ``OUT/files``; ``--peer`` is another job's ``OUT``
 files the ``peer_*`` cases read back on this job's processes.
 
 A hang is bounded twice: ``faulthandler.dump_traceback_later`` dumps this process's
-stacks to ``OUT/stacks.p<process>.txt`` and exits once a case runs past ``CASE_TIMEOUT_S``,
-and the test that started the job dumps (SIGUSR1) and kills it after its own bound. The
-case a process is in is in ``OUT/current.p<process>``.
+stacks to ``OUT/stacks.p<process>.txt`` and exits once a case runs past ``CASE_TIMEOUT_S``
+(the other processes dump theirs on the launcher's SIGTERM), and the test that started the
+job dumps (SIGUSR1) and kills it after its own bound. The case a process is in is in
+``OUT/current.p<process>``.
 """
 
 from __future__ import annotations
@@ -447,8 +448,10 @@ def main() -> None:
     results = args.out / "results"
     results.mkdir(parents=True, exist_ok=True)
     stacks = open(args.out / f"stacks.p{ctx.me}.txt", "w")  # noqa: SIM115 - open until exit
-    # the test that started the job asks for every process's stacks with SIGUSR1
+    # the test that started the job asks for every process's stacks with SIGUSR1; the
+    # launcher stops the others with SIGTERM when one process's case timer ends it
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     (args.out / f"pid.p{ctx.me}").write_text(str(os.getpid()))
     current = args.out / f"current.p{ctx.me}"
     setup(ctx)

@@ -47,6 +47,7 @@ BARRIER_TIMEOUT_S = 10
 # No case finished for this long: the job hangs. Every process's stacks are dumped, then
 # it is killed. Above the worker's own per-case bound (CASE_TIMEOUT_S), which fires first.
 STALL_S = 55.0
+START_S = 180.0  # starting JAX's runtime in every process, on a loaded machine
 JOB_S = 900  # the launcher's bound on a whole job, far above a healthy run
 
 TOPOLOGIES = {"1x8": (1, 8), "2x4": (2, 4)}
@@ -117,10 +118,13 @@ def run_jobs(jobs: dict[str, _Running]) -> dict[str, Job]:
         for j in jobs.values():
             if j.proc.poll() is not None and not j.seconds:
                 j.seconds = time.monotonic() - j.t0
-        done = sum(_done(j.out / "results") for j in jobs.values())
+        # progress: a process started its loop (JAX is up), or a case finished
+        done = sum(
+            _done(j.out / "results") + len(list(j.out.glob("pid.p*"))) for j in jobs.values()
+        )
         if done != seen:
             seen, last = done, time.monotonic()
-        elif time.monotonic() - last > STALL_S:
+        elif time.monotonic() - last > (STALL_S if seen else START_S):
             for j in jobs.values():
                 if j.proc.poll() is None:
                     j.stalled = True
