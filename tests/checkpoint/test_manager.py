@@ -476,6 +476,7 @@ def test_a_step_written_by_orbax_standard_handler_still_restores(tmp_path):
 
     old = {"w": jnp.arange(64.0).reshape(8, 8), "k": jax.random.key(3)}
     tree, record = prepare(old)
+    record.resolve()
     handler = ocp.CompositeCheckpointHandler(
         state=ocp.StandardCheckpointHandler(),
         modelshard=ocp.JsonCheckpointHandler(filename="modelshard.json"),

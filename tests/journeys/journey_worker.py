@@ -9,9 +9,10 @@ safetensors files) goes under ``OUT/files``; ``--peer`` is another job's ``OUT``
 files the ``peer_*`` cases read back on this job's processes.
 
 A hang is bounded twice: ``faulthandler.dump_traceback_later`` dumps this process's
-stacks to ``OUT/stacks.p<process>.txt`` and exits once a case runs past ``CASE_TIMEOUT_S``,
-and the test that started the job dumps (SIGUSR1) and kills it after its own bound. The
-case a process is in is in ``OUT/current.p<process>``.
+stacks to ``OUT/stacks.p<process>.txt`` and exits once a case runs past ``CASE_TIMEOUT_S``
+(the other processes dump theirs on the launcher's SIGTERM), and the test that started the
+job dumps (SIGUSR1) and kills it after its own bound. The case a process is in is in
+``OUT/current.p<process>``.
 """
 
 from __future__ import annotations
@@ -426,6 +427,18 @@ def setup(ctx: Ctx) -> None:
 # ---- the loop -----------------------------------------------------------------------------
 
 
+PEER_WAIT_S = 300.0  # the other job runs side by side; the test's stall bound is the real one
+
+
+def _wait_for_peer(done: Path) -> None:
+    """The other job's files are complete once it wrote ``done``."""
+    t0 = time.monotonic()
+    while not done.exists():
+        if time.monotonic() - t0 > PEER_WAIT_S:
+            raise SystemExit(f"the peer job did not finish within {PEER_WAIT_S:g} s ({done})")
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -436,8 +449,10 @@ def main() -> None:
     results = args.out / "results"
     results.mkdir(parents=True, exist_ok=True)
     stacks = open(args.out / f"stacks.p{ctx.me}.txt", "w")  # noqa: SIM115 - open until exit
-    # the test that started the job asks for every process's stacks with SIGUSR1
+    # the test that started the job asks for every process's stacks with SIGUSR1; the
+    # launcher stops the others with SIGTERM when one process's case timer ends it
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     (args.out / f"pid.p{ctx.me}").write_text(str(os.getpid()))
     current = args.out / f"current.p{ctx.me}"
     setup(ctx)
@@ -448,6 +463,8 @@ def main() -> None:
         and (not args.only or any(name.startswith(o) for o in args.only))
     ]
     for name, fn in chosen:
+        if name.startswith("peer_") and ctx.peer is not None:
+            _wait_for_peer(ctx.peer.parent / "done")
         current.write_text(name)
         stacks.write(f"\n--- case {name}\n")
         stacks.flush()
@@ -472,6 +489,8 @@ def main() -> None:
         (results / f"{name}.p{ctx.me}.json").write_text(json.dumps(out))
     current.write_text("")
     ms.distributed.barrier("journey:done")
+    if ctx.me == 0:
+        (args.out / "done").write_text("")
     sys.stdout.flush()
 
 

@@ -22,12 +22,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard._runtime import launch as _launch
+from modelshard import _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -43,9 +44,10 @@ _spec.loader.exec_module(worker)
 # A barrier inside a case gives up after this long, so that a process that failed fast
 # and one that waits for it both go on to the next case (whose start barrier waits longer).
 BARRIER_TIMEOUT_S = 10
-# No case started or finished for this long: the job hangs. Every process's stacks are dumped, then
+# No case finished for this long: the job hangs. Every process's stacks are dumped, then
 # it is killed. Above the worker's own per-case bound (CASE_TIMEOUT_S), which fires first.
 STALL_S = 55.0
+START_S = 180.0  # starting JAX's runtime in every process, on a loaded machine
 JOB_S = 900  # the launcher's bound on a whole job, far above a healthy run
 
 TOPOLOGIES = {"1x8": (1, 8), "2x4": (2, 4)}
@@ -78,18 +80,22 @@ def _read(path: Path) -> str:
         return "(none)"
 
 
-def _progress(out: Path) -> tuple[int, tuple[str, ...]]:
-    """How far a job has come: the cases finished, and the case each process is in (a
-    process still starting up, importing under load, has not begun one yet)."""
-    results = out / "results"
-    done = sum(1 for _ in results.glob("*.json")) if results.is_dir() else 0
-    current = tuple(p.read_text() for p in sorted(out.glob("current.p*")))
-    return done, current
+def _done(results: Path) -> int:
+    return sum(1 for _ in results.glob("*.json")) if results.is_dir() else 0
 
 
-def run_job(out: Path, topology: str, peer: Path | None = None) -> Job:
-    """Start one job of the matrix and wait for it; kill it (after dumping every process's
-    stacks) as soon as no case has started or finished for ``STALL_S``."""
+@dataclass
+class _Running:
+    out: Path
+    processes: int
+    proc: subprocess.Popen
+    log: Any
+    t0: float
+    seconds: float = 0.0
+    stalled: bool = False
+
+
+def _start(out: Path, topology: str, peer: Path | None = None) -> _Running:
     n, devices = TOPOLOGIES[topology]
     out.mkdir(parents=True)
     cmd = [
@@ -98,22 +104,40 @@ def run_job(out: Path, topology: str, peer: Path | None = None) -> Job:
         sys.executable, str(WORKER), str(out), *(["--peer", str(peer)] if peer else []),
     ]  # fmt: skip
     env = {**os.environ, ms.distributed.ENV_BARRIER_TIMEOUT: str(BARRIER_TIMEOUT_S)}
-    log = out / "job.log"
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        seen, last, stalled = _progress(out), time.monotonic(), False
-        while proc.poll() is None:
-            time.sleep(0.2)
-            now = _progress(out)
-            if now != seen:
-                seen, last = now, time.monotonic()
-            elif time.monotonic() - last > STALL_S:
-                stalled = True
-                _kill(proc, out, n)
-                break
-        rc = proc.wait()
-    return Job(out, n, None if stalled else rc, _read(log), time.monotonic() - t0, stalled)
+    log = open(out / "job.log", "wb")  # noqa: SIM115 - closed by run_jobs
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return _Running(out, n, proc, log, time.monotonic())
+
+
+def run_jobs(jobs: dict[str, _Running]) -> dict[str, Job]:
+    """Wait for the jobs; kill them all (after dumping every process's stacks) as soon as
+    no case of any has finished for ``STALL_S`` (one job may wait for the other's files)."""
+    seen, last = 0, time.monotonic()
+    while any(j.proc.poll() is None for j in jobs.values()):
+        time.sleep(0.2)
+        for j in jobs.values():
+            if j.proc.poll() is not None and not j.seconds:
+                j.seconds = time.monotonic() - j.t0
+        # progress: a process started its loop (JAX is up), or a case finished
+        done = sum(
+            _done(j.out / "results") + len(list(j.out.glob("pid.p*"))) for j in jobs.values()
+        )
+        if done != seen:
+            seen, last = done, time.monotonic()
+        elif time.monotonic() - last > (STALL_S if seen else START_S):
+            for j in jobs.values():
+                if j.proc.poll() is None:
+                    j.stalled = True
+                    _kill(j.proc, j.out, j.processes)
+            break
+    out = {}
+    for name, j in jobs.items():
+        rc = j.proc.wait()
+        j.log.close()
+        seconds = j.seconds or time.monotonic() - j.t0
+        out[name] = Job(j.out, j.processes, None if j.stalled else rc, _read(j.out / "job.log"),
+                        seconds, j.stalled)  # fmt: skip
+    return out
 
 
 def _kill(proc: subprocess.Popen, out: Path, n: int) -> None:
@@ -133,12 +157,19 @@ def _kill(proc: subprocess.Popen, out: Path, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory) -> dict[str, Job]:
-    """Both jobs, each started once: 1 x 8 first, then 2 x 4 reading back its files."""
+    """Both jobs, each started once: 2 x 4 reads back what 1 x 8 wrote."""
     root = tmp_path_factory.mktemp("journeys")
-    one = run_job(root / "1x8", "1x8")
-    two = run_job(root / "2x4", "2x4", peer=one.out)
-    print(f"journey jobs: 1x8 {one.seconds:.1f} s, 2x4 {two.seconds:.1f} s")
-    return {"1x8": one, "2x4": two}
+    t0 = time.monotonic()
+    # side by side: the 2 x 4 job's peer_* cases wait for the 1 x 8 job to finish
+    done = run_jobs({
+        "1x8": _start(root / "1x8", "1x8"),
+        "2x4": _start(root / "2x4", "2x4", peer=root / "1x8"),
+    })  # fmt: skip
+    print(
+        f"journey jobs: 1x8 {done['1x8'].seconds:.1f} s, 2x4 {done['2x4'].seconds:.1f} s, "
+        f"both {time.monotonic() - t0:.1f} s"
+    )
+    return done
 
 
 def _cases() -> list:
@@ -158,7 +189,7 @@ def test_journey(jobs, topology, name):
         path = job.out / "results" / f"{name}.p{p}.json"
         if not path.exists():
             how = (
-                f"hung (no case started or finished for {STALL_S:g} s; killed)"
+                f"hung (no case finished for {STALL_S:g} s; killed)"
                 if job.stalled
                 else f"ended with exit status {job.rc}"
             )

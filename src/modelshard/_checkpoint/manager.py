@@ -534,6 +534,7 @@ class CheckpointManager:
             _json_or_error("metrics", dict(metrics))
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
+        record.resolve()  # collectives over arrays spanning processes: every process
         args = {
             STATE_ITEM: ocp.args.PyTreeSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),

@@ -279,7 +279,13 @@ class Record:
         return saved_specs
 
     def to_json(self) -> dict[str, Any]:
-        self.resolve()
+        if self.pending is not None:
+            # resolving takes collectives over arrays spanning processes: done here, it
+            # would run wherever the record is written, on process 0 alone
+            raise RuntimeError(
+                "the record's checksums are still being computed: call resolve() on every "
+                "process before writing it"
+            )
         return {
             "format": FORMAT,
             "kind": self.kind,

@@ -92,6 +92,7 @@ def save_remote(
     import orbax.checkpoint as ocp
 
     prepare_remote(path, overwrite=overwrite)
+    record.resolve()  # collectives over arrays spanning processes: every process
     atomicity = atomicity_options(path)
     composite = ocp.CompositeCheckpointHandler(
         composite_options=ocp.CompositeOptions(
