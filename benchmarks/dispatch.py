@@ -205,6 +205,20 @@ def main(argv: list[str] | None = None) -> int:
             args.update_calls,
         )
     print(report(results, args.leaves, args.markdown))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results import write_results
+
+    figures: dict[str, Any] = {"leaves": args.leaves, "rounds": args.rounds}
+    for w, (res, _, _) in results.items():
+        slug = w.split(":")[0].lower()
+        for k, v in res.items():
+            name = "".join(c if c.isalnum() else "_" for c in k).strip("_")
+            while "__" in name:
+                name = name.replace("__", "_")
+            figures[f"{slug}_{name}_vs_raw_jit"] = round(v / res[RAW], 3)
+        figures[f"{slug}_raw_jit_us"] = round(res[RAW] * 1e6, 1)
+    figures["load_at_end"] = round(os.getloadavg()[0], 2)
+    write_results("dispatch", figures, argv=sys.argv)
     return 0
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from conftest import stored_codec
+from helpers import stored_codec
 from modelshard.cli import main
 
 
