@@ -318,7 +318,8 @@ class LogicalAxes:
 
 def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
     # logical names are short words: a swapped pair of letters ('mpl') is still a typo
-    close = closest(name, options, cutoff=0.6) if isinstance(name, str) else None
+    strings = [o for o in options if isinstance(o, str)]
+    close = closest(name, strings, cutoff=0.6) if isinstance(name, str) else None
     return f"did you mean {close!r}? (or {otherwise})" if close is not None else otherwise
 
 
