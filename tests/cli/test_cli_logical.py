@@ -8,10 +8,10 @@ import json
 
 import jax
 import jax.numpy as jnp
-from tinylm import linen_model
 
 import modelshard as ms
 from modelshard.cli import main
+from tinylm import linen_model
 
 RULES = (
     "strict = false\n\n[logical]\n"
