@@ -165,7 +165,7 @@ class Cause:
     def example(self) -> Problem:
         """The problem shown: the one with the shortest path (a parameter, not its
         optimizer moments ``opt/0/mu/...``), the first of those."""
-        return min(self.problems, key=lambda p: (p.path or "").count("/"))
+        return _example(self.problems)
 
     @property
     def mirrors(self) -> tuple[Problem, ...]:
@@ -175,7 +175,12 @@ class Cause:
         _, slash, tail = (e.path or "").partition("/")
         if not slash:
             return ()
-        return tuple(p for p in self.problems if p is not e and (p.path or "").endswith("/" + tail))
+        depth = (e.path or "").count("/")
+        return tuple(
+            p
+            for p in self.problems
+            if (p.path or "").count("/") > depth and (p.path or "").endswith("/" + tail)
+        )
 
     @property
     def numbers_differ(self) -> bool:
@@ -266,6 +271,23 @@ def _common_prefix(paths: Sequence[str]) -> str:
     return "/".join(out)
 
 
+def _example(problems: Sequence[Problem]) -> Problem:
+    """The first problem whose path others mirror below their first components (the
+    parameter ``params/block_0/k/kernel`` of ``opt/0/mu/block_0/k/kernel``), else the
+    first problem."""
+    suffixes: dict[str, int] = {}
+    for p in problems:
+        parts = (p.path or "").split("/")
+        for i in range(2, len(parts)):  # below two or more components: a deeper path
+            key = "/".join(parts[i:])
+            suffixes[key] = suffixes.get(key, 0) + 1
+    for p in problems:
+        _, slash, tail = (p.path or "").partition("/")
+        if slash and tail in suffixes:
+            return p
+    return problems[0]
+
+
 def group_problems(problems: Sequence[Problem]) -> list[Cause]:
     """``problems`` grouped by ``cause_key``, largest group first (ties: first seen)."""
     groups: dict[str, list[Problem]] = {}
@@ -273,7 +295,7 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
         groups.setdefault(cause_key(p), []).append(p)
     out = []
     for ps in groups.values():
-        out.append(Cause(ps[0].cause or ps[0].what, tuple(ps), _fitting_hint(ps)))
+        out.append(Cause(ps[0].cause or _example(ps).what, tuple(ps), _fitting_hint(ps)))
     order = {id(c): i for i, c in enumerate(out)}
     return sorted(out, key=lambda c: (-c.count, order[id(c)]))
 

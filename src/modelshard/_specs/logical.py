@@ -317,13 +317,15 @@ class LogicalAxes:
 
 
 def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
-    close = closest(name, options) if isinstance(name, str) else None
+    # logical names are short words: a swapped pair of letters ('mpl') is still a typo
+    strings = [o for o in options if isinstance(o, str)]
+    close = closest(name, strings, cutoff=0.6) if isinstance(name, str) else None
     return f"did you mean {close!r}? (or {otherwise})" if close is not None else otherwise
 
 
-def closest(name: str, options: Sequence[str]) -> str | None:
+def closest(name: str, options: Sequence[str], cutoff: float = 0.75) -> str | None:
     """The option ``name`` is most likely a typo of (``hedas`` -> ``heads``), if any."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=cutoff)
     return close[0] if close else None
 
 

@@ -139,7 +139,7 @@ def resolve_names(
     for name, (dim, i) in slots.items():
         got = assigned.get(name, ())
         parts[dim][i] = got
-        label = logical.label(name, got) if name in assigned else "no pair (every one blocked)"
+        label = logical.label(name, got) if name in assigned else "every pair blocked"
         via[dim] = (*via[dim], (name, got, label))
     for dim, entry in enumerate(entries):
         if is_axes_entry(entry):

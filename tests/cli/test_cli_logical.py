@@ -1,0 +1,54 @@
+"""The command line tells a logical name's problem in the rules file's words: the name, the
+dimension, the [logical] line that mapped it, and the fix in TOML (never "pass --rules"
+when --rules was passed)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+import modelshard as ms
+from modelshard.cli import main
+from tinylm import linen_model
+
+RULES = (
+    "strict = false\n\n[logical]\n"
+    'batch = "data"\nseq = "none"\nembed = "none"\nheads = "model"\n'
+    'kv = "none"\nmlp = "none"\nvocab = "none"\n'
+)
+
+
+def test_a_non_dividing_logical_axis_in_rules_file_words(tmp_path, capsys):
+    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
+    ckpt = ms.save(tmp_path / "ckpt", params)  # the logical names are saved with the leaves
+    rules = tmp_path / "tp.toml"
+    rules.write_text(RULES)
+    argv = ["plan", str(ckpt), "--mesh", "data=1,model=8", "--rules", str(rules)]
+    assert main([*argv, "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["error"]["problems"]
+    assert len(problems) == 8  # q, k, v and o of two blocks
+    first = problems[0]
+    entry = f"[logical] heads of {rules}"
+    assert {k: first[k] for k in ("path", "what", "hint", "dimension", "logical_name")} == {
+        "path": "block_0/k/kernel",
+        "what": f"'heads' (dimension 1, size 4) maps to 'model' (8) by {entry}: 4 is not "
+        "divisible by 8",
+        "hint": f"map heads to an axis whose size divides 4, or replicate it: in {rules}, "
+        '[logical] heads = "none"',
+        "dimension": 1,
+        "logical_name": "heads",
+    }
+    assert first["logical_rule"] == entry
+    assert not any("--rules" in p["hint"] for p in problems)
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    at = err.index("  tree:block_0/k/kernel float32[16, 4, 4]")
+    assert err[at : at + 5] == [
+        "  tree:block_0/k/kernel float32[16, 4, 4]",
+        f"    problem: {first['what']}",
+        '    spec: ["none", "model", "none"] (from metadata (LogicallyPartitioned))',
+        "    mesh: data=1, model=8",
+        f"    hint: {first['hint']}",
+    ]
