@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import modelshard as ms
+from modelshard._checkpoint.storage import staging_dir
 from modelshard._runtime import launch as _launch
 
 pytestmark = [
@@ -203,3 +204,30 @@ def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path)
     ), message
     assert 6 <= result["seconds"] < 6 + 20, result
     assert not (root / "0").exists()
+
+
+def test_a_reshard_write_failing_on_one_process_fails_on_every_process_at_once(tmp_path):
+    """Process 1 cannot write its part (a full disk): both processes raise the same error
+    at once, naming process 1, instead of process 0 waiting out the barrier timeout."""
+    import numpy as np
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    ms.save(src, {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)})
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "120", "MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
+    script = SCRIPTS / "reshard_fails_on_one.py"
+    codes, outputs = two_processes(
+        str(src), str(dst), str(tmp_path), env=env, script=script, limit_s=200
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    staging = staging_dir(dst)  # where reshard writes before the rename
+    assert len(results) == 2
+    for r in results:
+        assert r["raised"] == {
+            "type": "CheckpointError",
+            "message": f"writing {staging} failed on process 1: OSError: No space left on "
+            "device (injected)",
+        }, results
+        assert r["seconds"] < 60, results  # not the 120 s barrier timeout
+    assert not dst.exists() and not staging.exists()

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard import _launch
+from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,

@@ -86,7 +86,8 @@ def test_launch_with_one_process_is_a_no_op(env):
         ),
         (
             {"MODELSHARD_HEARTBEAT_TIMEOUT": "0"},
-            "environment variable MODELSHARD_HEARTBEAT_TIMEOUT='0' must be an integer >= 1.",
+            "environment variable MODELSHARD_HEARTBEAT_TIMEOUT='0' must be a positive number "
+            "of seconds.",
         ),
         (
             {"MODELSHARD_LOCAL_DEVICES": "4"},

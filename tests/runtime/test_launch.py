@@ -231,7 +231,7 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path):
         (["--", "true"], "the following arguments are required: -n/--num-processes"),
         (
             ["-n", "2", "--heartbeat-timeout", "0", "--", "true"],
-            "--heartbeat-timeout must be at least 1, got 0",
+            "--heartbeat-timeout must be a positive number of seconds, got 0",
         ),
     ],
 )

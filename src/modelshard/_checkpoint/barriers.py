@@ -1,4 +1,5 @@
-"""Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``.
+"""Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``; a
+failure on one process shared with the others (``shared_failure``).
 
 Orbax (0.12.8) waits at coordination-service barriers of its own in every multi-process
 save (its start, directory creation, the commit of an asynchronous save), each with a
@@ -20,7 +21,8 @@ import functools
 import threading
 from typing import Any
 
-from .._runtime import barrier_timeout_s, wait_failed
+from .._base import CheckpointError
+from .._runtime import barrier_timeout_s, gather, wait_failed
 
 KEY_PREFIX = "modelshard"
 """The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
@@ -61,3 +63,25 @@ def enable() -> None:
         if getattr(multihost.get_barrier_sync_fn, "__modelshard_wrapped__", False):
             return
         multihost.get_barrier_sync_fn = _wrap(multihost.get_barrier_sync_fn)
+
+
+def shared_failure(failure: Exception | None, name: str, what: str) -> Exception | None:
+    """Tell every process how this process's part of ``what`` ended (a coordination-service
+    exchange every process enters, as the manager shares a background save's outcome), and
+    return the error every process raises if any part failed, or None.
+
+    Without it a process whose part failed raises alone, and the others wait for it at the
+    next barrier until ``MODELSHARD_BARRIER_TIMEOUT``. In one process the failure is
+    returned as it is; under several, every process gets the same ``CheckpointError``,
+    naming the first process that failed (its own failure, if any, is the cause).
+    """
+    how = None if failure is None else f"{type(failure).__name__}: {failure}"
+    ended = gather(how, name)
+    failed = [(p, h) for p, h in enumerate(ended) if h is not None]
+    if not failed:
+        return None
+    if len(ended) == 1:
+        return failure
+    error = CheckpointError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
+    error.__cause__ = failure
+    return error

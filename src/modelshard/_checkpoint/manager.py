@@ -507,6 +507,8 @@ class CheckpointManager:
             CheckpointError: the step exists, or the state, items or metrics cannot be
                 saved (checked before anything is written), or the previous
                 asynchronous save failed.
+            DistributedError: another process did not come to one of the save's barriers
+                (Orbax's included) within ``MODELSHARD_BARRIER_TIMEOUT``.
         """
         import orbax.checkpoint as ocp
 
@@ -675,6 +677,8 @@ class CheckpointManager:
         Raises:
             CheckpointError: the background save failed, on this process or another (its
                 step is named; the steps already on disk are still listed and restorable).
+            DistributedError: another process did not come to one of its barriers within
+                ``MODELSHARD_BARRIER_TIMEOUT``.
         """
         step, self._pending = self._pending, None
         if step is None:

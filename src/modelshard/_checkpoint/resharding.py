@@ -213,8 +213,8 @@ def step_extras(directory: Any) -> dict[str, list[str]]:
 
 def _not_carried(path: Any, extras: dict[str, list[str]]) -> str:
     held = " and ".join(f"{k} ({', '.join(v)})" for k, v in extras.items() if v)
-    step = Path(str(path)).name
-    root = Path(str(path)).parent
+    where = location(path)  # a URL stays a URL: Path("s3://b/run") would be "s3:/b/run"
+    step, root = where.name, where.parent
     return (
         f"{path} is step {step} of a CheckpointManager and holds {held} beside its arrays; a "
         "resharded checkpoint holds arrays only, so they would be lost. Keep them: read "

@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import CheckpointError, dtype_name
 from .._runtime import barrier
+from .barriers import shared_failure
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
@@ -524,20 +525,30 @@ class Stream:
             if self.progress is not None and count == 1:
                 self.progress(done[0], self.total)
 
-        sums = _copy_all(mine, directory, process, device, step, self.compress)
-        for lay in self.layouts:
-            if not math.prod(lay.rec.stored_shape) and process == 0:
-                sums[lay.rec.path] = self._empty_sums(lay)
-        # Every process lists every array, as in an Orbax save (its finalize checks that
-        # each process's list is complete and that they agree).
-        stored = [lay for lay in self.layouts if math.prod(lay.rec.stored_shape)]
-        (directory / "array_metadatas").mkdir(exist_ok=True)
-        (directory / "array_metadatas" / f"process_{process}").write_text(
-            json.dumps(_array_metadatas(stored))
-        )
-        if count > 1:
-            (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
-            barrier("modelshard:stream:written")
+        failure: Exception | None = None
+        sums: dict[str, Any] = {}
+        try:
+            sums = _copy_all(mine, directory, process, device, step, self.compress)
+            for lay in self.layouts:
+                if not math.prod(lay.rec.stored_shape) and process == 0:
+                    sums[lay.rec.path] = self._empty_sums(lay)
+            # Every process lists every array, as in an Orbax save (its finalize checks
+            # that each process's list is complete and that they agree).
+            stored = [lay for lay in self.layouts if math.prod(lay.rec.stored_shape)]
+            (directory / "array_metadatas").mkdir(exist_ok=True)
+            (directory / "array_metadatas" / f"process_{process}").write_text(
+                json.dumps(_array_metadatas(stored))
+            )
+            if count > 1:
+                (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
+        except Exception as e:
+            if count == 1:
+                raise
+            failure = e
+        if count > 1:  # every process's part written (the barrier), or all raise at once
+            shared = shared_failure(failure, "modelshard:stream:written", f"writing {directory}")
+            if shared is not None:
+                raise shared
             for p in range(count):
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})

@@ -6,6 +6,7 @@ notes are the public module's docstring."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,28 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
     if value is None or value < minimum:
         raise DistributedError(
             f"environment variable {name}={raw!r} must be an integer >= {minimum}."
+        )
+    return value
+
+
+def env_seconds(name: str, env: Mapping[str, str] | None = None) -> float | None:
+    """The positive number of seconds in the environment variable ``name`` (``5``,
+    ``5.0``, ``2.5``), or None when it is unset or empty: the one reading of
+    ``MODELSHARD_BARRIER_TIMEOUT`` and ``MODELSHARD_HEARTBEAT_TIMEOUT``.
+
+    Raises:
+        DistributedError: the value is not a positive, finite number.
+    """
+    raw = (os.environ if env is None else env).get(name, "")
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise DistributedError(
+            f"environment variable {name}={raw!r} must be a positive number of seconds."
         )
     return value
 
@@ -101,8 +124,9 @@ def initialize(**jax_kwargs: Any) -> bool:
 
     Call it once, first, before any JAX computation. Calling it again is harmless.
 
-    ``MODELSHARD_HEARTBEAT_TIMEOUT`` (seconds, ``modelshard launch --heartbeat-timeout``)
-    becomes ``heartbeat_timeout_seconds``: how long a process may go silent (killed, its
+    ``MODELSHARD_HEARTBEAT_TIMEOUT`` (seconds, ``modelshard launch --heartbeat-timeout``;
+    a positive number as ``MODELSHARD_BARRIER_TIMEOUT`` takes, a fraction rounded up to
+    JAX's whole seconds) becomes ``heartbeat_timeout_seconds``: how long a process may go silent (killed, its
     host lost) before the runtime declares it dead and terminates every other process
     with an error naming it. Unset, JAX's default applies (100 s).
 
@@ -131,9 +155,9 @@ def initialize(**jax_kwargs: Any) -> bool:
     num = _env_int(env, ENV_NUM_PROCESSES, 1)
     pid = _env_int(env, ENV_PROCESS_ID, 0)
     local = _env_int(env, ENV_LOCAL_DEVICES, 1)
-    heartbeat = _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
-    if heartbeat is not None:
-        jax_kwargs.setdefault("heartbeat_timeout_seconds", heartbeat)
+    heartbeat = env_seconds(ENV_HEARTBEAT_TIMEOUT, env)
+    if heartbeat is not None:  # JAX counts whole seconds: a fraction is rounded up
+        jax_kwargs.setdefault("heartbeat_timeout_seconds", math.ceil(heartbeat))
     if local is not None:
         _set_cpu_devices(local)
     if "coordinator_address" in jax_kwargs or "num_processes" in jax_kwargs:
@@ -200,19 +224,8 @@ def barrier_timeout_s() -> float:
     Raises:
         DistributedError: the variable is not a positive number.
     """
-    raw = os.environ.get(ENV_BARRIER_TIMEOUT, "")
-    if raw == "":
-        return DEFAULT_BARRIER_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0 or value == float("inf"):
-        raise DistributedError(
-            f"environment variable {ENV_BARRIER_TIMEOUT}={raw!r} must be a positive number "
-            "of seconds."
-        )
-    return value
+    value = env_seconds(ENV_BARRIER_TIMEOUT)
+    return DEFAULT_BARRIER_TIMEOUT_S if value is None else value
 
 
 _seen: dict[str, int] = {}

@@ -56,6 +56,10 @@ DEFAULT_GRACE_S = 30.0
 """Seconds between the SIGTERM that stops the processes and the SIGKILL: time for each to
 finish what a preemption makes it do (a ``CheckpointManager`` saves its current step,
 asynchronous saves in flight are finished), to object storage included."""
+FAILURE_GRACE_S = 3.0
+"""The grace when a process failed or the run timed out (at most ``--grace``): the others
+cannot finish a save that needs the failed one, and JAX's preemption handler takes their
+SIGTERM, so they end at the SIGKILL."""
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -95,13 +99,15 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_GRACE_S,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping the processes: time for "
-        f"their preemption save (default {DEFAULT_GRACE_S:g}); a process still running then "
-        "is killed, said by number, and the exit status is 137",
+        help="seconds between the SIGTERM forwarded to the processes (the launcher got a "
+        "signal, or one process stopped on SIGTERM) and SIGKILL: time for their preemption "
+        f"save (default {DEFAULT_GRACE_S:g}); a process still running then is killed, "
+        f"named, and the exit status is 137. After a failure or --timeout: at most "
+        f"{FAILURE_GRACE_S:g}",
     )
     p.add_argument(
         "--heartbeat-timeout",
-        type=int,
+        type=float,
         default=None,
         metavar="S",
         help="seconds after which the distributed runtime declares a silent process dead "
@@ -156,12 +162,12 @@ def child_env(
     num: int,
     index: int,
     devices: int,
-    heartbeat_timeout: int | None = None,
+    heartbeat_timeout: float | None = None,
 ) -> dict[str, str]:
     """The environment of process ``index``: ``base`` plus what ``initialize`` reads."""
     env = dict(base)
     if heartbeat_timeout is not None:
-        env[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+        env[ENV_HEARTBEAT_TIMEOUT] = f"{heartbeat_timeout:g}"
     env.update(
         {
             ENV_COORDINATOR: coordinator,
@@ -290,7 +296,7 @@ def run(
     grace: float = DEFAULT_GRACE_S,
     port: int | None = None,
     show_gloo: bool = False,
-    heartbeat_timeout: int | None = None,
+    heartbeat_timeout: float | None = None,
     stdout: Any = None,
     stderr: Any = None,
 ) -> int:
@@ -299,7 +305,8 @@ def run(
     A signal to the launcher (SIGTERM, SIGINT, SIGHUP) is forwarded to every process,
     which gets ``grace`` seconds to finish (a preemption save) before SIGKILL. A process
     that ends on SIGTERM or SIGINT by itself (its scheduler stopped it) stops the others
-    the same way, and is not a failure.
+    the same way, and is not a failure. After a failure or the timeout the others get
+    ``min(grace, FAILURE_GRACE_S)``.
 
     Returns the first failing process's exit code (128 + signal if it was killed), 124
     on timeout, 128 + signal when the run was stopped by a signal and every process ended
@@ -322,6 +329,7 @@ def run(
     procs: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     status = 0
+    stop_grace = min(grace, FAILURE_GRACE_S)  # unless the run is stopped by a signal
     interrupted: list[int] = []
     previous = {}
 
@@ -366,6 +374,7 @@ def run(
                 status = _exit_code(c)
                 stop = _stopped(c)
                 if stop is not None:  # asked to stop (preempted): not a failure
+                    stop_grace = grace
                     stopping = f"{stop}; stopping the others (--grace {grace:g} s)"
                     _note(stderr, lock, f"process {i} stopped on {stopping}")
                 else:
@@ -374,6 +383,7 @@ def run(
             if all(c == 0 for c in codes):
                 break
             if interrupted:
+                stop_grace = grace
                 status = 128 + interrupted[0]
                 _note(
                     stderr,
@@ -388,7 +398,7 @@ def run(
                 break
             time.sleep(_POLL_S)
     finally:
-        killed = _stop(procs, grace)
+        killed = _stop(procs, stop_grace)
         for t in threads:
             t.join(timeout=2.0)
         for sig, handler in previous.items():
@@ -399,7 +409,7 @@ def run(
         _note(
             stderr,
             lock,
-            f"process {i} was still running {grace:g} s after SIGTERM and was killed: "
+            f"process {i} was still running {stop_grace:g} s after SIGTERM and was killed: "
             "whatever it was saving (a checkpoint) was cut short; give it more time with "
             "--grace",
         )
@@ -441,8 +451,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"-n must be at least 1, got {args.num_processes}")
     if args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
-    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
-        parser.error(f"--heartbeat-timeout must be at least 1, got {args.heartbeat_timeout}")
+    if args.heartbeat_timeout is not None and not 0 < args.heartbeat_timeout < float("inf"):
+        parser.error(
+            f"--heartbeat-timeout must be a positive number of seconds, got "
+            f"{args.heartbeat_timeout:g}"
+        )
     return run(
         command,
         args.num_processes,
