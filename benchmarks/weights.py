@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
 
-    from modelshard._checkpoint.reshard import DEFAULT_CHUNK_BYTES
+    from modelshard._checkpoint.resharding import DEFAULT_CHUNK_BYTES
 
     med = {m: statistics.median(r["seconds"] for r in rs) for m, rs in runs.items()}
     peak = {m: statistics.median(r["peak"] - r["baseline"] for r in rs) for m, rs in runs.items()}

@@ -3,7 +3,7 @@
 Everything here is independent of modelshard: containers are built with their paths known
 by construction, specs are generated from *recipes* (plain tuples this module interprets
 itself), and :func:`expect` decides validity from first principles (rank, known axes,
-repeats, divisibility, prefix coverage, first-match rules). ``tests/test_fuzz.py`` then
+repeats, divisibility, prefix coverage, first-match rules). ``tests/journeys/test_fuzz.py`` then
 compares that verdict with what ``plan``/``shard``/``expand_args`` do.
 """
 

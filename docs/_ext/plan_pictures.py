@@ -31,10 +31,14 @@ def demo_plan() -> Any:
         params: dict[str, Any] = {"embed": jnp.zeros((v, d), jnp.bfloat16)}
         for i in range(layers):
             params[f"layer_{i}"] = {
-                "attn": {"qkv": jnp.zeros((d, 3 * d), jnp.bfloat16),
-                         "out": jnp.zeros((d, d), jnp.bfloat16)},
-                "mlp": {"up": jnp.zeros((d, f), jnp.bfloat16),
-                        "down": jnp.zeros((f, d), jnp.bfloat16)},
+                "attn": {
+                    "qkv": jnp.zeros((d, 3 * d), jnp.bfloat16),
+                    "out": jnp.zeros((d, d), jnp.bfloat16),
+                },
+                "mlp": {
+                    "up": jnp.zeros((d, f), jnp.bfloat16),
+                    "down": jnp.zeros((f, d), jnp.bfloat16),
+                },
                 "norm": {"scale": jnp.ones((d,), jnp.float32)},
             }
         return {"params": params, "opt_state": optax.adamw(1e-4).init(params)}

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._mesh import is_abstract
+from .._base import is_abstract
 
 CHECKSUM = "fmix32x2"
 
@@ -233,8 +233,9 @@ def _shard_checksum(x: jax.Array) -> tuple[int, int]:
 
 
 def _spans_processes(x: Any) -> bool:
-    """Whether summing ``x`` on devices is a collective of several processes."""
-    return jax.process_count() > 1 and isinstance(x, jax.Array) and not x.is_fully_addressable
+    """Whether summing ``x`` (an array or a sharded abstract one) on devices is a
+    collective of several processes."""
+    return jax.process_count() > 1 and not _addressable(x)
 
 
 def _addressable(x: Any) -> bool:
@@ -318,11 +319,19 @@ def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
     """
     _settle_config()
     seen = set()
+    spanning = []
     for t, host in zip(targets, on_host(targets, HOST_MAX_ELEMENTS), strict=True):
         key = _program(t)
-        if key not in seen and not host:
+        if _spans_processes(t):
+            spanning.append(t)  # summed together by ``collect``: one program
+        elif key not in seen and not host:
             seen.add(key)
             _checksum_jit.lower(one_replica(t)).compile()
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for t in spanning:
+        groups.setdefault(_devices(t), []).append(t)
+    for devs, ts in groups.items():
+        _batched(devs).lower(tuple(ts)).compile()
 
 
 def checksums(
@@ -330,14 +339,165 @@ def checksums(
 ) -> list[str]:
     """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding.
 
-    Leaves are reduced where they live (one small compiled program per shape, dtype and
-    sharding, cached by JAX), so nothing large is gathered to one device; those whose
-    program would serve fewer than ``host_max_elements`` elements in all are summed on
-    the host instead (compiling would cost more). With ``host``, every array this process holds whole is summed
-    on the host shard by shard instead: no compilation (which costs tens of MiB of
-    resident compiler code), slower than a device reduction; ``reshard`` uses it.
+    Leaves are reduced where they live (one compiled program for all the leaves on one set
+    of devices, cached by JAX), so nothing large is gathered to one device; those whose
+    shape, dtype and sharding would serve fewer than ``host_max_elements`` elements in all
+    are summed on the host instead (compiling would cost more). With ``host``, every array
+    this process holds whole is summed on the host shard by shard instead: no compilation
+    (which costs tens of MiB of resident compiler code), slower than a device reduction;
+    ``reshard`` uses it.
     """
     return start_checksums(arrays, host_max_elements=host_max_elements, host=host)()
+
+
+def _checksum_many(xs: tuple[jax.Array, ...]) -> jax.Array:
+    return jnp.stack([_checksum_one(x) for x in xs])
+
+
+@functools.cache
+def _batched(devices: tuple[Any, ...]) -> Any:
+    """The jitted checksums of a tuple of arrays on ``devices`` (in that order), as one
+    ``uint32[n, 2]`` replicated on all of them: every process can read it."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    everywhere = NamedSharding(Mesh(np.array(devices), ("checksums",)), PartitionSpec())
+    return jax.jit(_checksum_many, out_shardings=everywhere)
+
+
+def _devices(x: Any) -> tuple[Any, ...]:
+    s = getattr(x, "sharding", None)
+    assignment = getattr(s, "_device_assignment", None)
+    if assignment is None:
+        return (jax.devices()[0],) if s is None else tuple(sorted(s.device_set, key=id))
+    return tuple(assignment)
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...] | None:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple) and all(isinstance(a, str) for a in entry):
+        return entry
+    return None  # UNCONSTRAINED and the like
+
+
+def _mesh_spec(x: Any) -> tuple[Any, Any] | None:
+    """``(mesh, spec padded to x's rank)`` where ``x`` can be summed block by block on its
+    mesh (a concrete mesh, every dimension split evenly), else None."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, NamedSharding) or is_abstract(s.mesh) or len(s.spec) > x.ndim:
+        return None
+    entries = (*s.spec, *([None] * (x.ndim - len(s.spec))))
+    sizes = dict(s.mesh.shape)
+    for entry, dim in zip(entries, x.shape, strict=True):
+        axes = _entry_axes(entry)
+        if axes is None or dim % math.prod(sizes[a] for a in axes):
+            return None
+    return s.mesh, PartitionSpec(*entries)
+
+
+def _block_sums(mesh: Any, spec: Any, shape: tuple[int, ...], x: jax.Array) -> jax.Array:
+    """Inside ``shard_map``: this device's block of a leaf of ``shape`` laid out by
+    ``spec``, summed at its origin; zero on every replica but the first (which alone
+    reduces: the others skip the work)."""
+    sizes = dict(mesh.shape)
+    origin = []
+    used: set[str] = set()
+    for entry, block in zip(spec, x.shape, strict=True):
+        axes = _entry_axes(entry) or ()
+        used.update(axes)
+        index = jnp.uint32(0)
+        for a in axes:
+            index = index * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+        origin.append(index * jnp.uint32(block % 2**32))
+    strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
+    origin_v = jnp.stack(origin) if origin else jnp.zeros((0,), jnp.uint32)
+    strides_v = jnp.asarray(np.asarray(strides, np.uint32))
+    first = jnp.bool_(True)
+    for a in mesh.axis_names:
+        if a not in used:
+            first = first & (jax.lax.axis_index(a) == 0)
+    return jax.lax.cond(
+        first,
+        lambda: _checksum_one(x, origin_v, strides_v),
+        lambda: jnp.zeros((2,), jnp.uint32),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_program(mesh: Any, specs: tuple[Any, ...], shapes: tuple[tuple[int, ...], ...]) -> Any:
+    """The jitted checksums of leaves on ``mesh``: each device sums its own blocks, then
+    one all-reduce adds the blocks' sums (a ``uint32[n, 2]`` every process can read).
+    Left to XLA's partitioner, the position-hashed reductions gathered every leaf whole."""
+    from jax.sharding import PartitionSpec
+
+    def _checksum_blocks(*blocks: jax.Array) -> jax.Array:
+        rows = [
+            _block_sums(mesh, spec, shape, x)
+            for x, spec, shape in zip(blocks, specs, shapes, strict=True)
+        ]
+        return jax.lax.psum(jnp.stack(rows), tuple(mesh.axis_names))
+
+    mapped = jax.shard_map(
+        _checksum_blocks, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False
+    )
+    return jax.jit(mapped)
+
+
+def dispatch_sums(arrays: Sequence[Any]) -> Callable[[], list[tuple[int, int]]]:
+    """Start the device sums of ``arrays``: one program per mesh (or, for leaves not laid
+    out evenly on one, per set of devices), dispatched now, in this order. Call the result
+    to fetch them (one transfer per program).
+
+    Summing an array that spans several processes is a collective: every process calls
+    this, with the same arrays in the same order, on its main thread (never only one
+    process, never a background thread). Fetching the sums is not a collective.
+    """
+    _settle_config()
+    on_mesh: dict[Any, list[tuple[int, Any]]] = {}
+    others: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+    for i, x in enumerate(arrays):
+        placed = _mesh_spec(x)
+        if placed is not None:
+            on_mesh.setdefault(placed[0], []).append((i, placed[1]))
+        else:
+            rep = one_replica(x)
+            others.setdefault(_devices(rep), []).append((i, rep))
+    running = []
+    for mesh, members in on_mesh.items():
+        specs = tuple(spec for _, spec in members)
+        shapes = tuple(tuple(arrays[i].shape) for i, _ in members)
+        program = _mesh_program(mesh, specs, shapes)
+        running.append(([i for i, _ in members], program(*(arrays[i] for i, _ in members))))
+    for devs, members in others.items():
+        program = _batched(devs)
+        running.append(([i for i, _ in members], program(tuple(x for _, x in members))))
+
+    def fetch() -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = [(0, 0)] * len(arrays)
+        fetched = jax.device_get([sums for _, sums in running])
+        for (idx, _), host in zip(running, fetched, strict=True):
+            for i, (a, b) in zip(idx, np.asarray(host).tolist(), strict=True):
+                out[i] = (int(a), int(b))
+        return out
+
+    return fetch
+
+
+_HOST_WORKER: list[Any] = []
+
+
+def _host_worker() -> Any:
+    """The one thread that takes host checksums while a save writes (made once: a thread
+    per save would be started and torn down every step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not _HOST_WORKER:
+        _HOST_WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="modelshard-checksum"))
+    return _HOST_WORKER[0]
 
 
 def start_checksums(
@@ -345,12 +505,41 @@ def start_checksums(
 ) -> Callable[[], list[str]]:
     """Dispatch ``checksums`` without waiting; call the result to collect them.
 
-    The device reductions run while the caller goes on (``save`` writes the data meanwhile).
+    The device reductions (one program for all the leaves on one set of devices, a
+    collective for those spanning processes: see ``dispatch_sums``) are dispatched here,
+    and the host sums handed to a worker thread, so both run while the caller goes on
+    (``save`` writes the data meanwhile).
     """
-    batch = Checksums(dict(enumerate(arrays)), host_max_elements=host_max_elements, host=host)
-    for i, x in enumerate(arrays):
-        batch.add(i, x)
-    return lambda: list(batch.collect().values())
+    _settle_config()
+    limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
+    small = on_host(arrays, limit)
+    on_cpu = [
+        i
+        for i, x in enumerate(arrays)
+        if small[i] or (host and isinstance(x, jax.Array) and x.is_fully_addressable)
+    ]
+    elsewhere = set(on_cpu)
+    on_devices = [i for i in range(len(arrays)) if i not in elsewhere]
+    fetch = dispatch_sums([arrays[i] for i in on_devices])
+
+    def host_sums() -> list[tuple[int, int]]:
+        return [
+            _np_checksum(np.asarray(arrays[i])) if small[i] else _shard_checksum(arrays[i])
+            for i in on_cpu
+        ]
+
+    done = _host_worker().submit(host_sums) if on_cpu else None
+
+    def collect() -> list[str]:
+        sums: list[tuple[int, int]] = [(0, 0)] * len(arrays)
+        for i, s in zip(on_devices, fetch(), strict=True):
+            sums[i] = s
+        if done is not None:
+            for i, s in zip(on_cpu, done.result(), strict=True):
+                sums[i] = s
+        return [format_sums(a, b) for a, b in sums]
+
+    return collect
 
 
 class Checksums(Generic[K]):
@@ -408,6 +597,7 @@ class Checksums(Generic[K]):
         """Every key's ``"xxxxxxxx:yyyyyyyy"``, in ``like``'s order; the keys never added
         (``arrays`` must hold them) are summed now."""
         try:
+            spanning: dict[K, Any] = {}
             for key in self._keys:
                 if key in self._pending:
                     continue
@@ -416,12 +606,16 @@ class Checksums(Generic[K]):
                     x = arrays[key]
                 if x is None:
                     continue
-                if _spans_processes(x):  # a collective: here, in like's order
-                    done: Future[Any] = Future()
-                    done.set_result(self._sum(key, x))
-                    self._pending[key] = done
+                if _spans_processes(x):  # a collective: summed below, in like's order
+                    spanning[key] = x
                 else:
                     self.add(key, x)
+            if spanning:
+                fetch = dispatch_sums(list(spanning.values()))
+                for key, s in zip(spanning, fetch(), strict=True):
+                    done: Future[Any] = Future()
+                    done.set_result(s)
+                    self._pending[key] = done
             sums = [self._pending[k].result() for k in self._keys]
         finally:
             self.close()

@@ -46,6 +46,7 @@ _lock = threading.RLock()
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
 _stop: list[int] = []  # the signal that asked this process to stop, if any
+_forwarded: list[int] = []  # a signal handed to JAX's preemption service (see on_signal)
 _failed: list[str] = []
 _previous: dict[int, Any] = {}
 _main_code: list[Any] = []
@@ -75,7 +76,7 @@ def finish_all(why: str) -> None:
         try:
             mngr.finish()
         except BaseException as e:  # reported, and the exit status says so
-            from .._errors import CheckpointError
+            from .._base import CheckpointError
 
             if isinstance(e, CheckpointError):
                 msg = str(e)
@@ -173,11 +174,13 @@ def _at_shutdown() -> None:
 
 def on_signal(signum: int, frame: Any) -> None:
     """SIGTERM/SIGINT: a stop request first, then (or if nobody polls) finish and die."""
-    first = not _stop
+    polled = any(m.has_polled() for m in list(_live))
+    if polled and not _stop and not _forwarded and _forward_to_preemption_service(signum):
+        return
+    first = not _stop and not _forwarded
     if first:
         _stop.append(signum)
         pending_changed()
-    polled = any(m.has_polled() for m in list(_live))
     if first and polled:
         _say(
             f"got signal {signum}: the training loop's next should_save(step) saves that "
@@ -193,6 +196,28 @@ def on_signal(signum: int, frame: Any) -> None:
         return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _forward_to_preemption_service(signum: int) -> bool:
+    """Under jax.distributed, a signal reaches each process at its own moment (or one
+    process only), so this process alone must not decide to stop: a process that saved
+    a step the others do not save would wait for them. Where JAX's preemption service
+    owns SIGTERM (its C handler, which ``signal.getsignal`` does not see), the signal is
+    handed to it as a SIGTERM, and its sync point stops every process at the same step
+    (``reached_preemption``). Returns whether it was handed over."""
+    import jax
+
+    from .._internals.jax import global_state
+
+    if jax.process_count() == 1 or global_state.preemption_sync_manager is None:
+        return False
+    _forwarded.append(signum)
+    _say(
+        f"got signal {signum}: every process saves the step JAX's preemption service agrees "
+        "on (the loop's should_save(step)), then exits with status 143."
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def _install_signals() -> None:

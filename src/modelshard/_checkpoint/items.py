@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
@@ -169,7 +169,7 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
         ...     ms.read_items(mngr.step_directory(5))
         {'config': {'lr': 0.1}}
     """
-    from .locate import locate
+    from .sources import locate
     from .storage import ITEMS_FILE, ITEMS_ITEM, read_small
 
     source = locate(directory)
@@ -231,6 +231,6 @@ def read_metadata(directory: Any) -> dict[str, Any]:
         >>> ms.read_metadata(path)
         {'step': 3}
     """
-    from .locate import locate
+    from .sources import locate
 
     return dict(locate(directory).record.metadata)

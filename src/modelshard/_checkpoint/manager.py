@@ -31,8 +31,8 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import CheckpointError
-from ..distributed import barrier, broadcast, gather
+from .._base import CheckpointError
+from .._runtime import barrier, broadcast, gather
 from . import guard
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok
@@ -507,6 +507,11 @@ class CheckpointManager:
         stopping = guard.stop_signal() is not None
         if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
             return False
+        if metadata is not None:
+            _json_or_error("metadata", dict(metadata))
+        # Checks the state and starts its checksums (one device program), which run while
+        # the previous step's write is waited for; nothing is written yet.
+        tree, record = prepare(state, metadata)
         self.wait_until_finished()  # one save at a time; rotation of the finished one
         self._save_verdict(step)
         encoded = encode_items(items)
@@ -516,9 +521,6 @@ class CheckpointManager:
             _json_or_error("metrics", dict(metrics))
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
-        if metadata is not None:
-            _json_or_error("metadata", dict(metadata))
-        tree, record = prepare(state, metadata)
         args = {
             STATE_ITEM: ocp.args.PyTreeSave(tree),
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),

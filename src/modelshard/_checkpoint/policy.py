@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 
 def _positive(name: str, value: Any) -> None:

@@ -19,17 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._dtypes import canonical_dtype, dtype_name
-from .._errors import CheckpointError
-from .._flat import split
-from .._mesh import is_abstract, make_mesh
-from .._paths import format_path
-from .._plan import plan
-from .._shard import place
+from .._base import (
+    CheckpointError,
+    canonical_dtype,
+    dtype_name,
+    format_path,
+    is_abstract,
+    make_mesh,
+)
+from .._containers import split
+from .._place import place, plan
 from .arrival import each_array_registry
 from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
-from .locate import Source, abstract_like
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
+from .sources import Source, abstract_like
 from .storage import nest
 
 # Bytes of read buffers Orbax may hold at once during a restore: bounds host memory beyond
@@ -185,7 +188,7 @@ def check_holdable(source: Source, paths: Sequence[str]) -> None:
 def _format_diff(rows: Diff, limit: int = 24) -> list[str]:
     """The rows, leaves that differ only in layer numbers (and alike) folded into one
     (``layers_{0..61}/mlp/kernel  (62 leaves)``); at most ``limit`` lines."""
-    from .._fold import fold
+    from .._base import fold
 
     groups = fold(rows, lambda r: r[1] or "<root>", key=lambda r: (r[0], r[2]))
     width = max(len(g.path) for g in groups[:limit])

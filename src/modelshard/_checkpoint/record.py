@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
 from .storage import FORMAT, name_collisions, storage_key

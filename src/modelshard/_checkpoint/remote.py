@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._errors import CheckpointError
-from ..distributed import broadcast
+from .._base import CheckpointError
+from .._runtime import broadcast
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
 from .urls import atomicity_options, check_bucket, reaching

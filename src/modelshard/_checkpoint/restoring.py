@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .locate import locate
 from .mapped import restore_mapped
 from .read import check_cast, restore_saved
+from .sources import locate
 
 
 def restore(

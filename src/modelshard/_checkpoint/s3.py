@@ -24,7 +24,7 @@ import os
 import threading
 from typing import Any
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 _PROBE = "s3://modelshard-probe/x"
 _lock = threading.Lock()

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointError
-from .._paths import split as split_path
+from .._base import CheckpointError
+from .._base import split as split_path
 
 FORMAT = "modelshard.checkpoint/1"
 """The record's ``format``; also the value of the marker."""

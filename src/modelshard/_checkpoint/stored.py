@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._errors import CheckpointError
-from .locate import Source
+from .._base import CheckpointError
 from .record import LeafRecord
+from .sources import Source
 from .storage import TREE_METADATA, orbax_name, read_small
 
 

@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._dtypes import dtype_name
-from .._errors import CheckpointError
-from ..distributed import barrier
+from .._base import CheckpointError, dtype_name
+from .._runtime import barrier
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
@@ -66,7 +65,7 @@ from .storage import (
     storage_key,
 )
 from .urls import is_remote, location
-from .write import check_destination, write_atomic
+from .write import check_compression, check_destination, write_atomic
 
 DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
@@ -246,7 +245,7 @@ def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
         )
 
 
-def _ts_spec(directory: Any, lay: _Layout, process: int) -> Any:
+def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
     from .._internals.orbax import ArrayWriteSpec
 
     return ArrayWriteSpec(
@@ -257,6 +256,7 @@ def _ts_spec(directory: Any, lay: _Layout, process: int) -> Any:
         dtype=parse_dtype(lay.rec.stored_dtype),
         use_ocdbt=True,
         process_id=process,
+        use_compression=compress,
     )
 
 
@@ -309,6 +309,7 @@ def _copy_all(
     process: int,
     device: Any,
     progress: Callable[[int], None],
+    compress: bool,
 ) -> dict[str, tuple[str, str | None]]:
     """Write ``layouts`` slab by slab, each slab read (on a worker thread) while the one
     before it is checksummed and written. Returns, per path, the checksum of what was
@@ -327,7 +328,7 @@ def _copy_all(
     # Every array is created before any is written, all at once: OCDBT commits the
     # creations together, where one at a time each would wait for the writes before it.
     opening = [
-        ts.open(_ts_spec(directory, lay, process).json, create=True, context=context)
+        ts.open(_ts_spec(directory, lay, process, compress).json, create=True, context=context)
         for lay in layouts
     ]
     opened = {
@@ -481,7 +482,9 @@ class Stream:
         metadata: dict[str, Any] | None = None,
         source: str = "",
         progress: Callable[[int, int], None] | None = None,
+        compression: str | None = None,
     ) -> None:
+        self.compress = check_compression(compression)
         whole = 4 * slab_bytes if whole_bytes is None else whole_bytes
         self.layouts = _layouts(leaves, mesh, dtype, slab_bytes, whole)
         if not self.layouts:
@@ -521,7 +524,7 @@ class Stream:
             if self.progress is not None and count == 1:
                 self.progress(done[0], self.total)
 
-        sums = _copy_all(mine, directory, process, device, step)
+        sums = _copy_all(mine, directory, process, device, step, self.compress)
         for lay in self.layouts:
             if not math.prod(lay.rec.stored_shape) and process == 0:
                 sums[lay.rec.path] = self._empty_sums(lay)
@@ -539,7 +542,11 @@ class Stream:
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})
             barrier("modelshard:stream:read")
-            (directory / PART_FILE.format(process)).unlink()
+            # Past the last barrier only process 0 touches the directory: it commits it
+            # next (a rename), which a late unlink on another process would race.
+            if process == 0:
+                for p in range(count):
+                    (directory / PART_FILE.format(p)).unlink()
         bad = []
         for lay in self.layouts:
             stored, got = sums[lay.rec.path]
@@ -573,6 +580,7 @@ def write_stream(
     whole_bytes: int | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    compression: str | None = None,
 ) -> Record:
     """Write a checkpoint (what ``save`` writes) from ``leaves``, one slab at a time.
 
@@ -597,14 +605,16 @@ def write_stream(
             piece); larger ones are cut.
         overwrite: replace a checkpoint already there.
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
+        compression: how each chunk is stored, as in [`save`][modelshard.save]: None
+            (default) its raw bytes, ``"zstd"`` compressed.
 
     Returns:
         The record written beside the arrays.
 
     Raises:
         CheckpointError: the destination exists (without ``overwrite``), two leaves share a
-            stored name, a leaf's read checksum differs from its ``expect``, or ``read``
-            returned the wrong rows.
+            stored name, a leaf's read checksum differs from its ``expect``, ``read``
+            returned the wrong rows, or ``compression`` is not None or ``"zstd"``.
     """
     stream = Stream(
         leaves,
@@ -615,6 +625,7 @@ def write_stream(
         kind=kind,
         metadata=metadata,
         progress=progress,
+        compression=compression,
     )
     path = location(directory)
     if is_remote(path):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 OBJECT_SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
 """The URL schemes checkpoints may use, with the package epath needs for each and the

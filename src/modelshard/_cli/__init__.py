@@ -3,5 +3,5 @@ The public entry point is ``modelshard.cli.main``."""
 
 from __future__ import annotations
 
-from .main import main as main
-from .main import parser as parser
+from .program import main as main
+from .program import parser as parser

@@ -18,7 +18,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     Raises:
         MeshError: the text is not ``name=size`` pairs with positive sizes.
     """
-    from .._errors import MeshError
+    from .._base import MeshError
 
     out: dict[str, int] = {}
     for part in text.split(","):
@@ -38,7 +38,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def mesh_arg(text: str) -> dict[str, int]:
     """argparse type of ``--mesh``: ``parse_mesh``, its error a usage error."""
-    from .._errors import MeshError
+    from .._base import MeshError
 
     try:
         return parse_mesh(text)
@@ -68,7 +68,7 @@ def float_dtype(text: str) -> str:
     """argparse type of ``--dtype``: the name of a floating-point dtype (``bfloat16``, ...)."""
     import jax.numpy as jnp
 
-    from .._dtypes import dtype_name
+    from .._base import dtype_name
 
     try:
         dt = jnp.dtype(text)
@@ -91,8 +91,8 @@ def regex_arg(text: str) -> re.Pattern[str]:
 
 def bytes_arg(text: str) -> int:
     """argparse type: a size such as ``16GiB``, ``80GB``, ``512MiB`` or plain bytes."""
-    from .._errors import SpecError
-    from .._plan import parse_bytes
+    from .._base import SpecError
+    from .._place import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -158,7 +158,7 @@ RULES_HELP = (
 
 
 def target_specs(args: argparse.Namespace, record: Any) -> Any:
-    from .._rulesfile import load_rules
+    from .._specs import load_rules
 
     return load_rules(args.rules) if args.rules else record.saved_specs()
 

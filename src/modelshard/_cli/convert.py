@@ -17,7 +17,7 @@ from .args import (
     positive_float,
     readable,
 )
-from .host import return_freed_memory, use_cpu_devices
+from .host import join_launch, return_freed_memory, use_cpu_devices
 from .output import SHOW_ALL, absolute, console, emit, progress_bar, say, writing
 
 
@@ -128,7 +128,7 @@ def _size(text: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
-    from .._text import format_bytes
+    from .._base import format_bytes
     from .._weights import is_safetensors
 
     return_freed_memory()  # streams tensor-sized buffers, as reshard does
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     readable(args.reference, file=False)
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
-    from .._errors import CheckpointError
+    from .._base import CheckpointError
 
     if args.max_shard_size is not None:
         raise CheckpointError("--max-shard-size writes safetensors: pass --to safetensors")
@@ -148,14 +148,15 @@ def run(args: argparse.Namespace) -> int:
             "to write safetensors from a checkpoint pass --to safetensors"
         )
     sizes = args.mesh or {"data": 1}
+    join_launch()  # under `modelshard launch`, every process writes its share of DST
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
 
     from jax.sharding import PartitionSpec
 
+    from .._base import make_mesh
     from .._checkpoint.stream import StreamLeaf, write_stream
-    from .._mesh import make_mesh
-    from .._rulesfile import load_rules
+    from .._specs import load_rules
     from .._weights import load_safetensors, mapped_leaves, open_safetensors
 
     specs = load_rules(args.rules) if args.rules else PartitionSpec()
@@ -232,14 +233,13 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     Hugging Face's sharded layout), one checkpoint leaf on the host at a time
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
 
+    from .._base import format_bytes
     from .._checkpoint import locate
     from .._checkpoint.mapped import host_leaves
-    from .._text import format_bytes
-    from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_table, write_export
+    from .._weights import Exporter, as_mapping, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
-        from .._errors import CheckpointError
+        from .._base import CheckpointError
 
         raise CheckpointError(
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "
@@ -301,7 +301,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
 def _refuse_existing(args: argparse.Namespace) -> None:
     """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
     (``--max-shard-size``) the index, the lone file or shards of the same name."""
-    from .._errors import CheckpointError
+    from .._base import CheckpointError
     from .._weights.safetensors import sharded_layout, sharded_names
 
     if args.overwrite:

@@ -6,11 +6,26 @@ from __future__ import annotations
 MAX_CPU_DEVICES = 4096
 
 
+def join_launch() -> None:
+    """Join the run when started by ``modelshard launch`` (or any launcher that sets
+    ``MODELSHARD_COORDINATOR``): a streaming command run by every process of a job then
+    writes one destination together, each process its share. Without it each process
+    would write the whole destination on its own, into the same path."""
+    import os
+
+    from .._runtime import ENV_COORDINATOR
+
+    if os.environ.get(ENV_COORDINATOR):
+        from .. import distributed
+
+        distributed.initialize()
+
+
 def use_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices if JAX has not started yet; else check there are enough."""
     import jax
 
-    from .._errors import MeshError
+    from .._base import MeshError
     from .._internals.jax import backends_are_initialized
 
     if n > MAX_CPU_DEVICES:

@@ -33,8 +33,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
+    from .._base import format_bytes, format_mesh, literal, spec_json
     from .._checkpoint import extras_json, locate
-    from .._text import format_bytes, format_mesh, literal, spec_json
     from .._weights import is_safetensors
 
     if is_safetensors(args.checkpoint):
@@ -123,7 +123,7 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
     """The table's rows in record (flatten) order: with ``fold``, leaves whose paths differ
     only in layer numbers and that are stored alike (shape, dtype, spec, names) share one,
     as ``plan`` folds (``_fold.fold``)."""
-    from .._fold import fold as fold_paths
+    from .._base import fold as fold_paths
 
     def stored_alike(leaf: Any) -> Any:
         return (
@@ -140,7 +140,7 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
 def _inspect_safetensors(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from .._text import format_bytes, literal
+    from .._base import format_bytes, literal
     from .._weights import open_safetensors
 
     with open_safetensors(args.checkpoint) as st:

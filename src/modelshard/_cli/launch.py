@@ -1,5 +1,5 @@
 """``modelshard launch``: a command run as N local JAX processes (the launcher itself is
-``modelshard._launch``, which parses its own arguments)."""
+``modelshard._runtime.launch``, which parses its own arguments)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def run(rest: Sequence[str]) -> int:
     """Run the launcher on the arguments after ``launch``; returns its exit status. The
     launcher is imported only here: the other commands never load it."""
     try:
-        from .._launch import main as launch_main
+        from .._runtime import main as launch_main
     except ImportError as e:
         sys.stderr.write(f"modelshard launch is not available in this installation ({e}).\n")
         return 1

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 # what every table cut by --max-rows says below it (``Plan.table`` under the CLI too)
-from .._text import SHOW_ALL as SHOW_ALL
+from .._base import SHOW_ALL as SHOW_ALL
 
 SCHEMA = 1
 """Version of the ``--json`` envelope (``"schema"`` in every object)."""
@@ -29,7 +29,7 @@ def console(stderr: bool = False) -> Any:
 
 def say(text: str, stderr: bool = False) -> None:
     """Print one line of text for people, shown literally (paths with ``[...]`` included)."""
-    from .._text import literal
+    from .._base import literal
 
     console(stderr=stderr).print(literal(text), highlight=False, soft_wrap=True)
 
@@ -170,7 +170,7 @@ def os_error_json(e: OSError) -> dict[str, Any]:
 
 
 def problem_json(e: Exception) -> dict[str, Any]:
-    from .._errors import ModelshardError
+    from .._base import ModelshardError
 
     out: dict[str, Any] = (
         e.to_json()
@@ -220,7 +220,7 @@ class Parser(argparse.ArgumentParser):
 def progress_bar(args: argparse.Namespace, what: str) -> Any:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from .._text import escape_markup
+    from .._base import escape_markup
 
     return Progress(
         f"[progress.description]{escape_markup(what)}",

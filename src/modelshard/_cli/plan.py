@@ -64,9 +64,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._base import make_mesh
     from .._checkpoint import locate, planning_tree
-    from .._mesh import make_mesh
-    from .._plan import plan
+    from .._place import plan
 
     sizes = args.mesh
     source = locate(checkpoint_arg(args, args.checkpoint))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Any
 
 from .args import (
@@ -16,7 +15,7 @@ from .args import (
     positive_float,
     target_specs,
 )
-from .host import return_freed_memory, use_cpu_devices
+from .host import join_launch, return_freed_memory, use_cpu_devices
 from .output import emit, progress_bar, say, writing
 
 
@@ -45,6 +44,13 @@ def add_parser(sub: Any) -> None:
         metavar="MB",
         help="host memory per chunk of leaves, replicas included (default 64)",
     )
+    r.add_argument(
+        "--compression",
+        choices=["zstd"],
+        default=None,
+        help="compress DST's chunks with zstd (smaller files, several times the CPU time); "
+        "default: each chunk's raw bytes, as modelshard.save writes them",
+    )
     r.add_argument("--no-verify", action="store_true", help="skip source checksum verification")
     r.add_argument(
         "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
@@ -63,18 +69,10 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     sizes = args.mesh
     return_freed_memory()
-    from .._launch import ENV_COORDINATOR
-
-    if os.environ.get(ENV_COORDINATOR):
-        # under `modelshard launch`: join the run; each process writes a share of the leaves
-        from .. import distributed
-
-        distributed.initialize()
+    join_launch()  # under `modelshard launch`: each process writes a share of the leaves
     use_cpu_devices(math.prod(sizes.values()))
-    from .._checkpoint import locate
-    from .._checkpoint.reshard import reshard, step_extras
-    from .._mesh import make_mesh
-    from .._text import format_bytes, format_mesh
+    from .._base import format_bytes, format_mesh, make_mesh
+    from .._checkpoint import locate, reshard, step_extras
 
     args.source = checkpoint_arg(args, args.source)
     source = locate(args.source)
@@ -94,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                 verify=not args.no_verify,
                 overwrite=args.overwrite,
                 drop_items=args.drop_items,
+                compression=args.compression,
                 progress=lambda done, total: progress.update(task, completed=done),
             )
     record = locate(written).record

@@ -35,7 +35,8 @@ with needed(
     DIST,
     "jax._src.distributed.global_state",
     "the coordination-service client of jax.distributed.initialize, whose key-value store "
-    "and barriers modelshard's barrier, broadcast and gather use",
+    "and barriers modelshard's barrier, broadcast and gather use, and its preemption "
+    "sync manager, to which a polling loop hands a signal (checkpoint guard)",
 ):
     from jax._src.distributed import global_state
 

@@ -39,7 +39,9 @@ with needed(
     DIST,
     "orbax.checkpoint._src.serialization.tensorstore_utils",
     "s3:// checkpoints: its build_kvstore_tspec is replaced in that module, where Orbax's "
-    "own code looks it up, by one that gives TensorStore's s3 kvstore",
+    "own code looks it up, by one that gives TensorStore's s3 kvstore; and its "
+    "get_tensorstore_raw_bytes, whose metrics conversion leaks memory on every save "
+    "(write.skip_leaking_metrics)",
 ):
     from orbax.checkpoint._src.serialization import tensorstore_utils
 

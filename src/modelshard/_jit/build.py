@@ -10,10 +10,9 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from .._dtypes import canonical_dtype
-from .._errors import AdapterError, Problem, SpecError
-from .._expand import LeafPlan, expand_args
-from .._plan import Plan
+from .._base import AdapterError, Problem, SpecError, canonical_dtype
+from .._place import Plan, recording_constraints
+from .._specs import LeafPlan, expand_args
 from .layout import NOSPEC, Slot
 from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
 from .take import Taken
@@ -219,9 +218,12 @@ def build_entry(call: Call) -> Entry:
     # The one trace of the function: its jaxpr shows which outputs the function constrained
     # itself, and jax.jit's trace cache (keyed by the function and the input types, not the
     # out shardings) serves the same jaxpr to the jax.jit built below.
-    closed = (
-        jax.jit(traced, in_shardings=tuple(in_sh), donate_argnums=donate).trace(*abstract).jaxpr
-    )
+    # Every constrain the trace runs is recorded for the step's plan (plan.activations).
+    with recording_constraints() as activations:
+        closed = (
+            jax.jit(traced, in_shardings=tuple(in_sh), donate_argnums=donate).trace(*abstract).jaxpr
+        )
+    plan.activations = activations
     desc, updates = traced.desc, traced.updates
     assert desc is not None  # set by the trace
     traced.frozen = updates

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._errors import Problem, SpecError
+from .._base import Problem, SpecError
 
 
 class _NoSpec:

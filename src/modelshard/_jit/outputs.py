@@ -15,9 +15,7 @@ from typing import Any
 
 import jax
 
-from .._adapters import Adapter, get_adapter
-from .._describe import NUMBER_TYPES, is_array
-from .._flat import flatten_nested
+from .._containers import NUMBER_TYPES, Adapter, flatten_nested, get_adapter, is_array
 from .._specs import entry_axes
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from .._describe import ARRAY_TYPES
+from .._containers import ARRAY_TYPES
 from .build import Entry
 
 _LEAF: Any = ("leaf",)

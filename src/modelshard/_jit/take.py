@@ -10,10 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
-from .._adapters import REGISTRY, Adapter, CallLeaves
-from .._describe import ARRAY_TYPES, is_array, numbers_to_arrays
-from .._errors import AdapterError
-from .._flat import holds_nested, nested_adapter, split
+from .._base import AdapterError
+from .._containers import (
+    ARRAY_TYPES,
+    REGISTRY,
+    Adapter,
+    CallLeaves,
+    holds_nested,
+    is_array,
+    nested_adapter,
+    numbers_to_arrays,
+    split,
+)
 from .layout import Slot
 
 _lookup = REGISTRY.lookup

@@ -20,14 +20,18 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from .._constrain import current_mesh
-from .._dtypes import canonical_dtype, dtype_name
-from .._errors import AdapterError, Problem, ShardingMismatchError
-from .._flat import split
-from .._logical import active_logical
-from .._mesh import format_mesh, mesh_sizes
-from .._shard import place
-from .._specs import format_spec
+from .._base import (
+    AdapterError,
+    Problem,
+    ShardingMismatchError,
+    canonical_dtype,
+    dtype_name,
+    format_mesh,
+    mesh_sizes,
+)
+from .._containers import split
+from .._place import current_mesh, place
+from .._specs import active_logical, format_spec
 from .build import Call, Entry, Stale, build_entry, has_tracer
 from .layout import ArgumentLayout, Slot, invalid
 from .route import Route
@@ -521,6 +525,6 @@ def _caller_level() -> int:
 
 
 def _fmt_bytes(n: int) -> str:
-    from .._text import format_bytes
+    from .._base import format_bytes
 
     return format_bytes(n)

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 PREFIX = "hf://"
 PATTERNS = ["*.safetensors", "*.json"]

@@ -68,21 +68,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import MappingError, Problem
-from .mapping import (
-    Add,
-    Concat,
-    MapRule,
-    Op,
-    Rearrange,
-    Reshape,
-    Scale,
-    Split,
-    Stack,
-    Transpose,
-    Unstack,
-    WeightMap,
-)
+from .._base import MappingError, Problem
+from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
+from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 
 _TOP = {"strict", "keep", "config", "rules"}
 _RULE = {

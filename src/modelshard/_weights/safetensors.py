@@ -32,9 +32,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from . import hub
-from .transforms import contiguous, host_empty
+from .recipe import contiguous, host_empty
 
 DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,

@@ -1,0 +1,205 @@
+"""A save every step: what the checksums cost, and whether memory stays flat.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/save_every_step.py                 # 2 processes x 4 devices, 200 saves
+    .venv/bin/python benchmarks/save_every_step.py --saves 1000    # the memory figure of issue 34
+
+Under ``modelshard launch -n 2 --devices-per-process 4`` each process trains a ~2 MB NNX
+model (10 ``nnx.Linear(128, 128)``) with ``nnx.Optimizer(adam)``: 62 leaves, kernels and
+biases split over ``model`` on a ``data=2, model=4`` mesh, so every leaf spans both
+processes. Each step runs a ``shard_jit`` step and ``CheckpointManager(max_to_keep=3)``
+saves asynchronously.
+
+Measured per save, on each process: the wall time of ``mngr.save`` (what the training loop
+waits for: the previous step's background write, then this step's copy off the devices), and
+within it the time spent on checksums (dispatching them, ``start_checksums``, and collecting
+them, ``Record.resolve``), timed by wrapping those two functions. Reported: the median
+checksum share of a save (target <= 10%), the median save time, and resident memory
+(``VmRSS``) after save 50 and after the last save, as growth per save and as a fraction of the
+RSS at save 50 (target: <= 2% over 1,000 saves). Figures go to
+``docs/benchmarks/results/save_every_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def child(args: argparse.Namespace) -> None:
+    import modelshard as ms
+
+    ms.distributed.initialize()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from modelshard._checkpoint import record as record_mod
+    from modelshard._checkpoint import write as write_mod
+
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        return wrapper
+
+    # prepare() calls start_checksums through write's namespace; resolve is a method
+    write_mod.start_checksums = timed(write_mod.start_checksums)
+    record_mod.Record.resolve = timed(record_mod.Record.resolve)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.layers = nnx.List([nnx.Linear(128, 128, rngs=rngs) for _ in range(10)])
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    rules = ms.Rules([(r"kernel$", P(None, "model")), (r"bias$", P("model")), (r".*", P())])
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    ms.shard({"model": model, "opt": opt}, rules, mesh)
+
+    @ms.shard_jit(mesh=mesh, in_specs=(rules, rules, P("data")))
+    def train_step(model: Model, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    rows = ms.distributed.local_slice((32,), P("data"), mesh)[0]
+    x = np.random.default_rng(0).normal(size=(32, 128)).astype(np.float32)
+    xb = ms.assemble_process_local(x[rows], P("data"), mesh)
+    leaves = len(ms.adapters.split({"model": model, "opt": opt}).arrays)
+    saves, sums, rss = [], [], []
+    with ms.CheckpointManager(args.dir, max_to_keep=3, handle_signals=False) as mngr:
+        for step in range(args.saves):
+            # the step finishes before the save starts: the checksums wait for the state
+            # they sum, which would count the step's own time as theirs
+            jax.block_until_ready((train_step(model, opt, xb), nnx.state(model), nnx.state(opt)))
+            spent[0] = 0.0
+            t = time.perf_counter()
+            mngr.save(step, {"model": model, "opt": opt})
+            saves.append(time.perf_counter() - t)
+            sums.append(spent[0])
+            rss.append(_rss_kib())
+        mngr.wait_until_finished()
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "process": jax.process_index(),
+                "leaves": leaves,
+                "save_s": saves,
+                "checksum_s": sums,
+                "rss_kib": rss,
+            }
+        ),
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--saves", type=int, default=200, help="saves per run (default 200)")
+    ap.add_argument("--warmup", type=int, default=50, help="saves before RSS is compared (50)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="ms-every-step-") as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "modelshard",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--timeout",
+            str(60 + 5 * args.saves),
+            "--",
+            sys.executable,
+            __file__,
+            "--child",
+            "--saves",
+            str(args.saves),
+            "--dir",
+            str(Path(tmp) / "run"),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 5 * args.saves)
+    runs = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in out.stdout.splitlines()
+        if "RESULT {" in line
+    ]
+    if out.returncode != 0 or len(runs) != 2:
+        print(out.stdout[-4000:], out.stderr[-4000:], sep="\n")
+        return 1
+    w = min(args.warmup, args.saves - 1)
+    figures: dict[str, object] = {"leaves": runs[0]["leaves"], "saves": args.saves}
+    print(f"{args.saves} saves, {runs[0]['leaves']} leaves, load {load:.2f} at start")
+    for r in sorted(runs, key=lambda r: r["process"]):
+        p = r["process"]
+        steady = slice(5, None)  # the first saves compile
+        share = statistics.median(
+            c / s for c, s in zip(r["checksum_s"][steady], r["save_s"][steady], strict=True)
+        )
+        save = statistics.median(r["save_s"][steady])
+        checksum = statistics.median(r["checksum_s"][steady])
+        at_w, last = r["rss_kib"][w - 1], r["rss_kib"][-1]
+        growth = (last - at_w) / at_w
+        per_save = (last - at_w) / max(1, args.saves - w)
+        print(
+            f"  process {p}: save {save * 1e3:.1f} ms (median), checksums {checksum * 1e3:.2f} ms"
+            f" = {share:.1%} of the save; RSS {at_w / 1024:.1f} MiB after save {w}, "
+            f"{last / 1024:.1f} MiB after save {args.saves} ({growth:+.2%}, "
+            f"{per_save:+.1f} KiB per save)"
+        )
+        figures[f"p{p}_save_ms"] = round(save * 1e3, 1)
+        figures[f"p{p}_checksum_ms"] = round(checksum * 1e3, 2)
+        figures[f"p{p}_checksum_share"] = round(share, 4)
+        figures[f"p{p}_rss_growth_after_{w}"] = round(growth, 4)
+        figures[f"p{p}_rss_kib_per_save"] = round(per_save, 2)
+    figures["load_at_start"] = round(load, 2)
+    sys.path.insert(0, str(HERE))
+    from results import write_results
+
+    write_results("save_every_step", figures, argv=sys.argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""Every error modelshard raises on purpose, and how each one formats its message."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from .text import format_mesh, format_spec, spec_json, toml_spec, vocabulary
+
+
+class ModelshardError(Exception):
+    """Base class of modelshard's own errors (each also subclasses ValueError or TypeError)."""
+
+    __module__ = "modelshard"
+
+    def to_json(self) -> dict[str, Any]:
+        """The error as a JSON-ready dict: ``{"type": "SpecError", "message": ...}``
+        (``SpecError`` adds ``problems``); what the CLI prints with ``--json``."""
+        return {"type": type(self).__name__, "message": str(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One offending leaf (or prefix-tree entry) found while expanding and validating specs.
+
+    Attributes:
+        arg: which argument the leaf belongs to (``"tree"`` for a single tree).
+        path: canonical path of the leaf inside the argument (``""`` for a root leaf), or
+            None when the problem concerns no single leaf (a plan over its memory budget: the
+            text names ``arg`` alone, the JSON's ``path`` is null).
+        what: one sentence saying what is wrong.
+        shape: the leaf's shape, if it is an array leaf.
+        dtype: the leaf's dtype name, if it is an array leaf.
+        spec: the spec that was produced for the leaf, formatted (``"P(None, 'model')"``);
+            give the ``PartitionSpec`` itself when constructing, and ``spec_json`` keeps
+            its JSON spelling.
+        rule: which rule produced it (``"rule 0 'kernel$'"``, ``"metadata"``, ...).
+        mesh: the mesh axis sizes, formatted (``"data=2, model=4"``); give the sizes
+            (``{"data": 2, "model": 4}``) when constructing, and ``mesh_sizes`` keeps them.
+        hint: how to fix it.
+        cause: the cause in words when problems of this kind should be grouped as one
+            (default: grouped by ``what`` without its numbers).
+        dimension: the leaf's dimension the problem is about, or None.
+        logical_name: the logical axis name the problem is about (``"heads"``), or None.
+        logical_rule: the entry of logical rules that mapped it, as the user wrote it
+            (``"rules['heads']"``, ``"tinylm defaults['heads']"``), or None.
+        spec_json: the spec as every JSON output spells it (``[None, "model"]``), or None.
+        mesh_sizes: the mesh as ``{"axis": size}``, or None.
+    """
+
+    arg: str
+    path: str | None
+    what: str
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    spec: str | PartitionSpec | None = None
+    rule: str | None = None
+    mesh: str | Mapping[str, int] | None = None
+    hint: str | None = None
+    cause: str | None = None
+    dimension: int | None = None
+    logical_name: str | None = None
+    logical_rule: str | None = None
+    spec_json: list[Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    mesh_sizes: dict[str, int] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # one value, two spellings: the text people read, the JSON scripts read
+        if isinstance(self.spec, PartitionSpec):
+            object.__setattr__(self, "spec_json", spec_json(self.spec))
+        if self.spec is not None and not isinstance(self.spec, str):
+            object.__setattr__(self, "spec", format_spec(self.spec))  # Rules, fsdp: repr
+        if isinstance(self.mesh, Mapping):
+            object.__setattr__(self, "mesh_sizes", dict(self.mesh))
+            object.__setattr__(self, "mesh", format_mesh(self.mesh))
+
+    def to_json(self) -> dict[str, Any]:
+        """The problem as JSON, specs and meshes spelled as in every JSON output:
+        ``spec`` a list (``[null, "model"]``), ``mesh`` an object (``{"model": 3}``)."""
+        return {
+            "arg": self.arg,
+            "path": self.path,
+            "what": self.what,
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "spec": self.spec_json,
+            "rule": self.rule,
+            "mesh": self.mesh_sizes,
+            "hint": self.hint,
+            "cause": self.cause,
+            "dimension": self.dimension,
+            "logical_name": self.logical_name,
+            "logical_rule": self.logical_rule,
+        }
+
+    def spec_text(self) -> str | None:
+        """The spec as people read it: ``P(None, 'model')``, or under ``speaking("cli")``
+        as a rules file writes it, ``["none", "model"]``."""
+        if vocabulary() == "cli" and self.spec_json is not None:
+            return toml_spec(self.spec_json)
+        return None if self.spec is None else str(self.spec)
+
+    def label(self) -> str:
+        """``arg:path`` (``arg:<root>`` for a root leaf), or ``arg`` when ``path`` is None."""
+        return self.arg if self.path is None else f"{self.arg}:{self.path or '<root>'}"
+
+    def lines(self) -> list[str]:
+        where = self.label()
+        head = f"  {where}"
+        if self.shape is not None:
+            head += f" {self.dtype}{list(self.shape)}"
+        out = [head, f"    problem: {self.what}"]
+        if self.spec is not None:
+            out.append(
+                f"    spec: {self.spec_text()}" + (f" (from {self.rule})" if self.rule else "")
+            )
+        if self.mesh is not None:
+            out.append(f"    mesh: {self.mesh}")
+        if self.hint:
+            out.append(f"    hint: {self.hint}")
+        return out
+
+
+LIST_IN_FULL = 8
+"""Errors with at most this many problems list each in full; larger ones group by cause."""
+
+_DIGITS = re.compile(r"\d+")
+_PARENS_WITH_DIGITS = re.compile(r"\s*\([^()]*\d[^()]*\)")
+_NOT_IN_MESH = re.compile(r"axis '([^']+)' .*is not in the mesh")
+
+
+def cause_key(p: Problem) -> str:
+    """What problems share when they have one cause: the sentence without its numbers
+    (``dimension 0 (size 7) ...`` and ``dimension 1 (size 9) ...`` are one cause)."""
+    if p.cause is not None:
+        return p.cause
+    return _DIGITS.sub("#", _PARENS_WITH_DIGITS.sub("", p.what)).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """Problems with one cause: a summary, how many, an example, and the hint that fits.
+
+    Attributes:
+        what: the cause in one sentence a person reads: the problems' ``cause`` when they
+            give one, else the first problem's own sentence with its real numbers (the
+            grouping key, numbers erased, stays internal).
+        problems: every problem with this cause, in order.
+        hint: how to fix all of them.
+    """
+
+    what: str
+    problems: tuple[Problem, ...]
+    hint: str | None
+
+    @property
+    def count(self) -> int:
+        return len(self.problems)
+
+    @property
+    def example(self) -> Problem:
+        """The problem shown: the one with the shortest path (a parameter, not its
+        optimizer moments ``opt/0/mu/...``), the first of those."""
+        return min(self.problems, key=lambda p: (p.path or "").count("/"))
+
+    @property
+    def mirrors(self) -> tuple[Problem, ...]:
+        """The other problems whose paths end with the example's path below its first
+        component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
+        e = self.example
+        _, slash, tail = (e.path or "").partition("/")
+        if not slash:
+            return ()
+        return tuple(p for p in self.problems if p is not e and (p.path or "").endswith("/" + tail))
+
+    @property
+    def numbers_differ(self) -> bool:
+        """Whether the problems' sentences differ (in their numbers) from the example's."""
+        return any(p.what != self.example.what for p in self.problems)
+
+    def folded(self) -> list[Any]:
+        """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
+        from .folding import fold
+
+        return fold(self.problems, lambda p: p.label())
+
+    def head_lines(self, index: int = 0) -> list[str]:
+        e = self.example
+        leaves = f"{self.count} lea{'ves' if self.count != 1 else 'f'}"
+        if self.what == e.what and self.numbers_differ:
+            leaves += " like it (their numbers differ)"
+        out = [f"  [{index}] {self.what}: {leaves}"]
+        detail = e.label()
+        if e.shape is not None:
+            detail += f" {e.dtype}{list(e.shape)}"
+        if e.spec is not None:
+            detail += f", spec {e.spec_text()}" + (f" from {e.rule}" if e.rule else "")
+        if e.mesh is not None:
+            detail += f", mesh ({e.mesh})"
+        mirrors = self.mirrors
+        if mirrors:
+            detail += (
+                f" (and {len(mirrors)} lea{'ves' if len(mirrors) != 1 else 'f'} mirroring its "
+                f"path, e.g. {mirrors[0].label()})"
+            )
+        out.append(f"      e.g. {detail}" + ("" if e.what == self.what else f": {e.what}"))
+        if self.hint:
+            out.append(f"      hint: {self.hint}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "what": self.what,
+            "numbers_differ": self.numbers_differ,
+            "count": self.count,
+            "hint": self.hint,
+            "example": self.example.path,
+            "mirrors": [p.path for p in self.mirrors],
+            "paths": [{"path": g.path, "count": g.count} for g in self.folded()],
+        }
+
+
+def _fitting_hint(problems: Sequence[Problem]) -> str | None:
+    """The hint that fits a whole cause (e.g. ``fsdp('fsdp')`` on a mesh without 'fsdp'),
+    else the problems' own hint (the first's, when they differ)."""
+    e = problems[0]
+    m = _NOT_IN_MESH.search(e.what)
+    if m is not None and e.rule is not None and e.rule.startswith("fsdp("):
+        axes = list(e.mesh_sizes or {})
+        instead = f"fsdp({axes[0]!r})" if axes else "fsdp(<mesh axis>)"
+        return (
+            f"{e.rule} shards over the mesh axis {m.group(1)!r}, which this mesh "
+            f"({e.mesh or 'no axes'}) does not have: write {instead}, or build the mesh with "
+            f"an {m.group(1)!r} axis"
+        )
+    if e.what == "no rule matches this leaf" and len(problems) > 1:
+        prefix = _common_prefix([p.path or "" for p in problems])
+        if prefix:
+            if vocabulary() == "cli":  # the command's rules come from a TOML file
+                return (
+                    f"no rule covers anything under {prefix + '/'!r}: add [[rules]] tables "
+                    f"for it to the rules file, e.g. pattern = '^{prefix}/' with spec = [] to "
+                    "replicate it, a catch-all last (pattern = '.*', spec = []), or "
+                    "strict = false to replicate unmatched leaves"
+                )
+            return (
+                f"no rule covers anything under {prefix + '/'!r}: add rules for it, e.g. "
+                f"(r'^{prefix}/', P()) to replicate it, a catch-all (r'.*', P()) last, or "
+                "Rules(..., strict=False) to replicate unmatched leaves"
+            )
+    return e.hint
+
+
+def _common_prefix(paths: Sequence[str]) -> str:
+    """The longest run of leading path components every path shares (``""`` if none)."""
+    split = [p.split("/")[:-1] for p in paths]
+    out: list[str] = []
+    for parts in zip(*split, strict=False):
+        if any(x != parts[0] for x in parts):
+            break
+        out.append(parts[0])
+    return "/".join(out)
+
+
+def group_problems(problems: Sequence[Problem]) -> list[Cause]:
+    """``problems`` grouped by ``cause_key``, largest group first (ties: first seen)."""
+    groups: dict[str, list[Problem]] = {}
+    for p in problems:
+        groups.setdefault(cause_key(p), []).append(p)
+    out = []
+    for ps in groups.values():
+        out.append(Cause(ps[0].cause or ps[0].what, tuple(ps), _fitting_hint(ps)))
+    order = {id(c): i for i, c in enumerate(out)}
+    return sorted(out, key=lambda c: (-c.count, order[id(c)]))
+
+
+class SpecError(ModelshardError, ValueError):
+    """Specs that do not fit the tree or the mesh; lists every offending leaf at once.
+
+    Attributes:
+        problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
+        site: where in the user's code the specs were applied, when that is not the
+            call that raised (``constrain at model.py:42 in MLP.__call__, while tracing step
+            (train.py:9)``).
+    """
+
+    __module__ = "modelshard"
+    noun = "sharding problem"  # what a problem is called in the summary line
+
+    def __init__(
+        self, problems: Sequence[Problem], header: str | None = None, site: str | None = None
+    ):
+        self.problems = tuple(problems)
+        self.header = header
+        self.site = site
+        n = len(self.problems)
+        if n <= LIST_IN_FULL:
+            header = header or (
+                f"{n} {self.noun}{'s' if n != 1 else ''} found "
+                f"(every offending leaf is listed; paths are arg:path):"
+            )
+            lines = [header]
+            for p in self.problems:
+                lines.extend(p.lines())
+        else:
+            lines = self._grouped(header)
+        if site:
+            lines[0] = f"{site}: {lines[0]}"
+        super().__init__("\n".join(lines))
+
+    @property
+    def causes(self) -> list[Cause]:
+        """The problems grouped by cause, largest group first (see ``Cause``)."""
+        return group_problems(self.problems)
+
+    def report(self) -> str:
+        """Every problem in full, one block per leaf (``str(err)`` summarises large lists)."""
+        n = len(self.problems)
+        lines = [self.header or f"{n} {self.noun}{'s' if n != 1 else ''} (every one):"]
+        if self.site:
+            lines[0] = f"{self.site}: {lines[0]}"
+        for p in self.problems:
+            lines.extend(p.lines())
+        return "\n".join(lines)
+
+    def _grouped(self, header: str | None, max_lines: int = 36) -> list[str]:
+        causes = self.causes
+        n, k = len(self.problems), len(causes)
+        lines = [
+            (header + " " if header else "")
+            + f"{n} {self.noun}s, {k} cause{'s' if k != 1 else ''} "
+            "(paths are arg:path; numbered layers folded as {0..N}):"
+        ]
+        budget = max_lines - 2 - sum(len(c.head_lines()) for c in causes[:8])
+        shown = causes[:8]
+        per_cause = max(2, budget // max(len(shown), 1))
+        for i, c in enumerate(shown, 1):
+            lines.extend(c.head_lines(index=i))
+            groups = c.folded()
+            for g in groups[:per_cause]:
+                lines.append(f"      {g.path}" + (f"  ({g.count} leaves)" if g.count > 1 else ""))
+            rest = groups[per_cause:]
+            if rest:
+                leaves = sum(g.count for g in rest)
+                lines.append(f"      ... {len(rest)} more paths ({leaves} leaves)")
+        if len(causes) > len(shown):
+            more = causes[len(shown) :]
+            lines.append(f"... {len(more)} more causes ({sum(c.count for c in more)} problems)")
+        if vocabulary() == "cli":
+            lines.append(f"All {n} problems, each in full: the same command with --json.")
+        else:
+            lines.append(
+                f"All {n} problems are on this error: err.problems (structured), err.causes, "
+                "print(err.report()) for every one in full."
+            )
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"type", "message", "site", "problems": [one dict per Problem], "causes"}``."""
+        out = super().to_json()
+        out["site"] = self.site
+        out["problems"] = [p.to_json() for p in self.problems]
+        out["causes"] = [c.to_json() for c in self.causes]
+        return out
+
+
+class ShardingMismatchError(SpecError):
+    """An input's current sharding differs from the planned one and moving it was refused."""
+
+    __module__ = "modelshard"
+
+
+class MappingError(SpecError):
+    """A weight mapping that does not fit its source or target: every stored tensor no rule
+    maps, every target leaf with no source, every shape or dtype that does not fit after
+    the transforms, every rule that matched nothing (paths are ``source:NAME``,
+    ``target:PATH`` and ``mapping:rules[i]``)."""
+
+    __module__ = "modelshard"
+    noun = "mapping problem"
+
+
+class AdapterError(ModelshardError, TypeError):
+    """A container type is unknown, registered twice, or its adapter misbehaved."""
+
+    __module__ = "modelshard"
+
+
+class MeshError(ModelshardError, ValueError):
+    """A mesh cannot be built, or an operation needs a concrete mesh and got another."""
+
+    __module__ = "modelshard"
+
+
+class AssembleError(ModelshardError, ValueError):
+    """Local pieces that cannot form one global array (mismatched structure, shape or dtype)."""
+
+    __module__ = "modelshard"
+
+
+class CheckpointError(ModelshardError, ValueError):
+    """A checkpoint that is missing, damaged, or does not match the requested target."""
+
+    __module__ = "modelshard"
+
+
+class DistributedError(ModelshardError, ValueError):
+    """A multi-process setting that is malformed or comes too late, or a value that spans
+    devices of other processes where this process needs all of it."""
+
+    __module__ = "modelshard"

@@ -1,0 +1,125 @@
+"""Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default) and the
+mesh vocabulary every module shares (``mesh_sizes``, ``format_mesh``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from .errors import MeshError
+from .text import format_mesh as format_mesh
+
+_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def _axis_types(axis_types: Any, n: int) -> tuple[AxisType, ...]:
+    if isinstance(axis_types, str | AxisType):
+        axis_types = [axis_types] * n
+    out = []
+    for t in axis_types:
+        if isinstance(t, AxisType):
+            out.append(t)
+        elif isinstance(t, str) and t.lower() in _TYPES:
+            out.append(_TYPES[t.lower()])
+        else:
+            raise MeshError(f"axis type {t!r} is not one of 'auto', 'explicit' or a jax AxisType.")
+    if len(out) != n:
+        raise MeshError(f"got {len(out)} axis types for {n} mesh axes.")
+    return tuple(out)
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    *,
+    axis_types: Literal["auto", "explicit"] | AxisType | Sequence[Any] = "auto",
+    devices: Sequence[Any] | None = None,
+    abstract: bool = False,
+) -> Any:
+    """Build a mesh from axis sizes, with axis types set explicitly (Auto by default).
+
+    Args:
+        axes: axis name -> size, in mesh order; one size may be ``-1`` (all remaining
+            devices).
+        axis_types: ``"auto"`` (the compiler propagates shardings), ``"explicit"``
+            (shardings are part of types), a JAX ``AxisType``, or one per axis.
+        devices: the devices to use (default ``jax.devices()``); a mesh smaller than the
+            device list uses its first devices.
+        abstract: return a ``jax.sharding.AbstractMesh`` (no devices needed: plan for
+            256 chips on a laptop).
+
+    Returns:
+        A ``jax.sharding.Mesh`` (or ``AbstractMesh``).
+
+    Raises:
+        MeshError: bad sizes, more than one ``-1``, or more devices asked for than exist.
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.make_mesh({"data": 2, "model": 4}).shape
+        OrderedDict({'data': 2, 'model': 4})
+        >>> ms.make_mesh({"data": 32, "model": 8}, abstract=True).size
+        256
+    """
+    if not isinstance(axes, Mapping) or not axes:
+        raise MeshError(f"make_mesh needs a non-empty mapping of axis name -> size, got {axes!r}.")
+    names = list(axes)
+    sizes = list(axes.values())
+    bad = [
+        f"{k}={v!r}"
+        for k, v in axes.items()
+        if not isinstance(k, str)
+        or isinstance(v, bool)
+        or not isinstance(v, int)
+        or (v < 1 and v != -1)
+    ]
+    if bad:
+        raise MeshError(f"mesh axis sizes must be positive ints (or one -1): {', '.join(bad)}.")
+    types = _axis_types(axis_types, len(names))
+    if abstract:
+        if -1 in sizes:
+            raise MeshError("an abstract mesh needs every size given; -1 needs real devices.")
+        return AbstractMesh(tuple(sizes), tuple(names), axis_types=types)
+    devs = list(devices) if devices is not None else jax.devices()
+    if sizes.count(-1) > 1:
+        raise MeshError(f"at most one axis size may be -1, got {dict(axes)}.")
+    if -1 in sizes:
+        rest = math.prod(s for s in sizes if s != -1)
+        if len(devs) % rest:
+            raise MeshError(
+                f"cannot infer the -1 axis: {len(devs)} devices are not divisible by "
+                f"{rest} (the product of the other axes) in {dict(axes)}."
+            )
+        sizes[sizes.index(-1)] = len(devs) // rest
+    need = math.prod(sizes)
+    if need > len(devs):
+        raise MeshError(
+            f"mesh {dict(zip(names, sizes, strict=True))} needs {need} devices but only "
+            f"{len(devs)} are available; on CPU, simulate more with "
+            f"jax.config.update('jax_num_cpu_devices', {need}) before any JAX computation, or "
+            "pass abstract=True to plan without devices."
+        )
+    return jax.make_mesh(tuple(sizes), tuple(names), types, devices=devs[:need])
+
+
+def is_abstract(mesh: Any) -> bool:
+    """Whether ``mesh`` has no devices (an ``AbstractMesh``)."""
+    return isinstance(mesh, AbstractMesh) and not isinstance(mesh, Mesh)
+
+
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``.
+
+    Raises:
+        MeshError: ``mesh`` is not a mesh.
+    """
+    try:
+        return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+    except Exception as e:
+        raise MeshError(
+            f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
+            "one with modelshard.make_mesh({'data': 8})."
+        ) from e

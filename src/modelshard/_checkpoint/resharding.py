@@ -1,0 +1,223 @@
+"""``reshard``: rewrite a checkpoint for another mesh and specs, a slab at a time.
+
+A checkpoint on disk holds global arrays: resharding changes only how each array is
+chunked and the sharding its metadata records. So no array is placed on a device: each
+stored array is read straight from the source's TensorStore store a slab at a time (whole
+stored chunks of the source, or pieces of one larger than the chunk), verified against
+the source's checksum as it streams, optionally cast, and written into the new checkpoint
+by `stream.write_stream`, in chunks that tile both the slabs and its new shards. Host
+memory stays near one chunk, however large a leaf is. Under several processes each
+writes a share of the leaves (see `stream.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._base import CheckpointError
+from .._place import plan
+from .items import extras_json
+from .read import check_cast, check_holdable, concrete_mesh
+from .record import Record, parse_dtype
+from .sources import Source, locate, planning_tree
+from .stored import ArrayReader, store_format
+from .stream import Stream, StreamLeaf, write_remote
+from .urls import is_remote, location
+from .write import check_compression, check_destination, write_atomic
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+# A chunk's bytes are shared by the slab being read, the one being checksummed and
+# written, and TensorStore's decode and encode buffers. A stored block of the source up
+# to a whole chunk is read whole, on its own (cut, it would be decoded once per piece).
+SLABS_PER_CHUNK = 4
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    specs: Any = None,
+    mesh: Any,
+    dtype: Any = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    verify: bool = True,
+    overwrite: bool = False,
+    drop_items: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    compression: str | None = None,
+) -> Path:
+    """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
+
+    No model code is needed: the structure comes from the checkpoint's record (or Orbax
+    metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint or
+    any one leaf is: each stored array is copied from the source's files to the new
+    checkpoint's a slab at a time, verified against its checksum and optionally cast on
+    the way; nothing is placed on a device. ``dst`` is a checkpoint like any
+    [`save`][modelshard.save] wrote, chunked for its new shards (the record says it was
+    resharded from ``src``), and it appears only when complete. Under several processes
+    (``modelshard launch``) each writes a share of the leaves. ``modelshard reshard`` on
+    the command line calls this.
+
+    Args:
+        src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step.
+        dst: the new checkpoint directory, or a ``gs://``/``s3://`` URL (written in place,
+            complete once its commit file is written).
+        specs: a spec-like over the checkpoint's canonical paths (``P(...)``,
+            [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp], a rules file's ``load_rules``...), planned on
+            ``mesh`` as [`plan`][modelshard.plan] does. Default: the specs it was saved with.
+        mesh: the target ``Mesh`` (an ``AbstractMesh`` is made concrete): it gives the
+            shard shapes and the recorded layout; its devices hold no data.
+        dtype: cast floating-point leaves to this floating-point dtype.
+        chunk_bytes: host bytes in flight: slabs of a quarter of it are read ahead while
+            one is written; a stored block of the source up to this size is read whole,
+            larger ones in pieces.
+        verify: check the source's checksums as leaves are read.
+        overwrite: replace ``dst`` if it is a checkpoint (anything else is refused).
+        drop_items: reshard a [`CheckpointManager`][modelshard.CheckpointManager] step's
+            arrays without its items and metrics (config, RNG state, data iterator,
+            losses), which the new checkpoint, arrays only, cannot hold. Without it such a
+            step is refused, never silently stripped: keep them by saving them again with
+            the resharded state (``CheckpointManager.items(step)``, ``.metrics(step)``).
+        progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
+        compression: how the new checkpoint stores each chunk, as
+            [`save`][modelshard.save] does: None (default) its raw bytes, ``"zstd"``
+            compressed (smaller files, several times the CPU time). The source may use
+            either.
+
+    Returns:
+        The new checkpoint: its absolute path, or an ``epath.Path`` for a ``gs://`` or
+        ``s3://`` URL.
+
+    Raises:
+        SpecError: the specs do not fit the checkpoint on ``mesh`` (every leaf listed).
+        CheckpointError: ``src`` is missing or damaged (every leaf whose checksum does not
+            match is named; nothing is published), ``dst`` exists (without
+            ``overwrite``, or is not a checkpoint), ``dtype`` is not a float dtype,
+            ``compression`` is not None or ``"zstd"``, or ``src`` is a manager step with
+            items or metrics and ``drop_items`` is false.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> d = tempfile.mkdtemp()
+        >>> src = ms.save(d + "/src", {"w": jnp.ones((8, 2))})
+        >>> dst = ms.reshard(src, d + "/dst", specs=P("data"), mesh=ms.make_mesh({"data": 8}))
+        >>> ms.restore(dst)["w"].sharding.spec
+        P('data',)
+    """
+    rewrite(
+        src,
+        dst,
+        specs=specs,
+        mesh=mesh,
+        dtype=dtype,
+        chunk_bytes=chunk_bytes,
+        verify=verify,
+        overwrite=overwrite,
+        drop_items=drop_items,
+        progress=progress,
+        compression=compression,
+    )
+    return location(dst)
+
+
+def rewrite(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    specs: Any = None,
+    mesh: Any,
+    dtype: Any = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    verify: bool = True,
+    overwrite: bool = False,
+    drop_items: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    compression: str | None = None,
+) -> Record:
+    """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
+    check_compression(compression)
+    source: Source = locate(src)
+    extras = step_extras(source.path)
+    if any(extras.values()) and not drop_items:
+        raise CheckpointError(_not_carried(source.path, extras))
+    out_path = location(dst)
+    if not is_remote(out_path):
+        check_destination(out_path, overwrite=overwrite)
+        if out_path != source.path and out_path.is_relative_to(source.path):
+            raise CheckpointError(
+                f"cannot reshard {source.path} into {out_path}: the destination is inside the "
+                "source checkpoint; choose a path outside it."
+            )
+    record = source.record
+    dtype = check_cast(dtype)
+    check_holdable(source, [leaf.path for leaf in record.leaves])
+    mesh = concrete_mesh(mesh)
+    like = planning_tree(record)
+    p = plan(like, record.saved_specs() if specs is None else specs, mesh)
+    shardings = p.flat_shardings(0)
+    by_path = record.by_path()
+    fmt = store_format(source)
+    chunks = source.write_shapes()
+    from orbax.checkpoint import type_handlers as tsu
+
+    context = tsu.get_ts_context(use_ocdbt=fmt[0])
+    leaves = []
+    for leaf, s in zip(p.args[0].leaves, shardings, strict=True):
+        rec = by_path[leaf.path]
+        stored_chunk = chunks.get(rec.key)
+        leaves.append(
+            StreamLeaf(
+                path=rec.path,
+                shape=rec.stored_shape,
+                dtype=parse_dtype(rec.stored_dtype),
+                read=ArrayReader(source, rec, fmt, context),
+                spec=s.spec,
+                key_impl=rec.key_impl,
+                names=rec.names,
+                chunks=stored_chunk,
+                expect=rec.checksum if verify else None,
+                logical_dtype=None if rec.key_impl else parse_dtype(rec.dtype),
+            )
+        )
+    stream = Stream(
+        leaves,
+        mesh=mesh,
+        dtype=dtype,
+        slab_bytes=max(1, chunk_bytes // SLABS_PER_CHUNK),
+        whole_bytes=chunk_bytes,
+        kind=record.kind,
+        metadata={**record.metadata, "resharded_from": str(source.path)},
+        source=str(source.path),
+        progress=progress,
+        compression=compression,
+    )
+    if is_remote(out_path):
+        write_remote(out_path, stream, overwrite=overwrite)
+    else:
+        write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
+    return stream.record
+
+
+def step_extras(directory: Any) -> dict[str, list[str]]:
+    """The names of a manager step's items and metrics (``{"items": [...], "metrics":
+    [...]}``, empty lists for a plain checkpoint): what a resharded copy cannot carry."""
+    extras = extras_json(directory)
+    return {k: list(extras.get(k) or {}) for k in ("items", "metrics")}
+
+
+def _not_carried(path: Any, extras: dict[str, list[str]]) -> str:
+    held = " and ".join(f"{k} ({', '.join(v)})" for k, v in extras.items() if v)
+    step = Path(str(path)).name
+    root = Path(str(path)).parent
+    return (
+        f"{path} is step {step} of a CheckpointManager and holds {held} beside its arrays; a "
+        "resharded checkpoint holds arrays only, so they would be lost. Keep them: read "
+        f"CheckpointManager({str(root)!r}).items({step}) and .metrics({step}) and save them "
+        "with the resharded state; or pass drop_items=True to reshard the arrays without them."
+    )

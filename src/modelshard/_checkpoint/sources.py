@@ -1,0 +1,288 @@
+"""Finding a checkpoint and what it holds, without reading any array.
+
+``locate`` finds the Orbax tree and the record of a checkpoint written by modelshard or by
+plain Orbax (then a record is inferred from Orbax's metadata), refusing links out of the
+checkpoint and oversized metadata. The abstract trees built from a record stand in for
+the model code when restoring, planning or resharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .._base import CheckpointError, dtype_name, format_path, key_name
+from .record import LeafRecord, Record, dims
+from .storage import (
+    COMMIT_FILE,
+    MAX_METADATA_BYTES,
+    RECORD_FILE,
+    RECORD_ITEM,
+    STATE_ITEM,
+    TREE_METADATA,
+    aside_dir,
+    is_marked,
+    kind_of,
+    nest,
+    read_small,
+    storage_key,
+)
+from .urls import is_remote, location, reaching
+
+
+@dataclasses.dataclass
+class Source:
+    """A located checkpoint: its Orbax tree directory and its (possibly inferred) record.
+
+    Attributes:
+        path: what was asked for (absolute).
+        tree_dir: the Orbax PyTree checkpoint directory.
+        record: the modelshard record, or one inferred from Orbax metadata.
+        template: for plain Orbax checkpoints, the stored tree structure (Orbax metadata).
+    """
+
+    path: Path
+    tree_dir: Path
+    record: Record
+    template: Any = None
+    _write_shapes: dict[tuple[str, ...], tuple[int, ...]] | None = dataclasses.field(
+        default=None, repr=False
+    )
+
+    def write_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """Each stored array's write (chunk) shape, by storage key, where Orbax's
+        ``_METADATA`` records it (read once)."""
+        if self._write_shapes is None:
+            self._write_shapes = _read_write_shapes(self.tree_dir / TREE_METADATA)
+        return self._write_shapes
+
+
+def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
+    import json
+
+    out: dict[tuple[str, ...], tuple[int, ...]] = {}
+    try:
+        for entry in json.loads(read_small(meta))["tree_metadata"].values():
+            shape = entry["value_metadata"].get("write_shape")
+            if shape:
+                key = tuple(str(k["key"]) for k in entry["key_metadata"])
+                out[key] = tuple(int(d) for d in shape)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass  # unknown chunking (CheckpointError is a ValueError): largest_read falls back to a bound
+    return out
+
+
+def _manager_hint(p: Path) -> str:
+    steps = sorted(c.name for c in p.iterdir() if c.is_dir() and c.name.isdigit())
+    if steps:
+        return (
+            f" It looks like a CheckpointManager directory (steps {', '.join(steps[-5:])}): "
+            f"pass a step directory such as {p / steps[-1]}, or use "
+            "modelshard.CheckpointManager(...).restore()."
+        )
+    return ""
+
+
+def _untrusted_entries(root: Path) -> list[str]:
+    """What under ``root`` a reader must not open: symbolic links leading outside it
+    (``os.walk`` does not enter them), anything that is not a regular file or a directory
+    (a named pipe would block a reader forever), and any file other than array data
+    (``d/`` of an OCDBT store) over ``MAX_METADATA_BYTES``."""
+    real = root.resolve()
+    found: list[str] = []
+    for here, dirs, files in os.walk(root):
+        for name in dirs + files:
+            entry = Path(here, name)
+            try:
+                st = entry.lstat()
+                if stat.S_ISLNK(st.st_mode):
+                    target = entry.resolve()
+                    if not target.is_relative_to(real):
+                        found.append(
+                            f"{entry} is a symbolic link to {target}, outside the checkpoint "
+                            f"{root}; refusing to follow it."
+                        )
+                        continue
+                    st = target.stat()
+            except (OSError, RuntimeError) as e:
+                found.append(f"{entry} cannot be examined ({type(e).__name__}: {e}).")
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                found.append(
+                    f"{entry} is a {kind_of(st.st_mode)}, not a regular file; a checkpoint "
+                    "holds only files and directories, refusing to read it."
+                )
+            elif (
+                stat.S_ISREG(st.st_mode)
+                and Path(here).name != "d"
+                and st.st_size > MAX_METADATA_BYTES
+            ):
+                found.append(
+                    f"{entry} is {st.st_size} bytes, more than the {MAX_METADATA_BYTES} that "
+                    "checkpoint metadata may have; refusing to read it."
+                )
+    return found
+
+
+def locate(directory: str | os.PathLike[str]) -> Source:
+    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax.
+
+    A checkpoint is untrusted input: a symbolic link leading out of it, anything in it
+    that is not a regular file or directory (a named pipe), or metadata over
+    ``MAX_METADATA_BYTES``, is refused before anything is read.
+    """
+    p = location(directory)
+    remote = is_remote(p)
+    with reaching(p):
+        found = p.exists()
+    if found and not p.is_dir():
+        raise CheckpointError(
+            f"no checkpoint at {p}: it is a file, not a checkpoint directory "
+            "(a checkpoint is the directory save() wrote)."
+        )
+    if not p.is_dir():
+        old = aside_dir(p)
+        extra = (
+            f" A previous checkpoint was moved aside to {old} by an interrupted overwrite."
+            if old.exists()
+            else ""
+        )
+        raise CheckpointError(f"no checkpoint at {p}: the directory does not exist.{extra}")
+    if remote and not (p / COMMIT_FILE).exists():
+        raise CheckpointError(
+            f"no complete checkpoint at {p}: Orbax's commit file {COMMIT_FILE} is missing "
+            "(on object storage it is written last, so the save there did not finish)."
+        )
+    for problem in [] if remote else _untrusted_entries(p)[:1]:
+        raise CheckpointError(problem)
+    record_file = None
+    if (p / TREE_METADATA).exists():
+        tree_dir = p
+        record_file = p / RECORD_FILE
+    else:
+        items = [c for c in sorted(p.iterdir()) if (c / TREE_METADATA).exists()]
+        named = [c for c in items if c.name == STATE_ITEM] or items
+        if len(named) != 1:
+            found = ", ".join(c.name for c in items) or "none"
+            raise CheckpointError(
+                f"no Orbax checkpoint at {p}: expected a _METADATA file there or "
+                f"in exactly one item directory (found: {found})." + _manager_hint(p)
+            )
+        tree_dir = named[0]
+        record_file = p / RECORD_ITEM / RECORD_FILE
+    read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
+    if record_file.exists() or (not remote and record_file.is_symlink()):
+        import json
+
+        try:
+            data = json.loads(read_small(record_file))
+        except (ValueError, RecursionError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
+        return Source(p, tree_dir, Record.from_json(data, str(record_file)))
+    if is_marked(p):
+        raise CheckpointError(
+            f"{record_file} is missing, but modelshard wrote {p}: without the record the "
+            "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
+            "complete copy of the checkpoint."
+        )
+    return _from_orbax(p, tree_dir)
+
+
+def _from_orbax(p: Path, tree_dir: Path) -> Source:
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(tree_dir)).tree
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read the Orbax metadata of {tree_dir}: {type(e).__name__}: {e}"
+        ) from e
+    leaves, mesh = [], None
+    for keys, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        try:
+            shape = dims(list(getattr(meta, "shape", ()) or ()))
+        except ValueError as e:
+            raise CheckpointError(
+                f"{tree_dir / TREE_METADATA}: the array {format_path(keys)!r} is invalid: {e}."
+            ) from e
+        dtype = dtype_name(getattr(meta, "dtype", None) or jnp.float32)
+        spec = None
+        sh: Any = getattr(meta, "sharding", None)
+        if type(sh).__name__ == "NamedShardingMetadata":
+            axes = dict(zip(sh.axis_names, (int(s) for s in sh.shape), strict=True))
+            if mesh is None:
+                mesh = {"axes": axes, "axis_types": []}
+            if axes == mesh["axes"]:
+                spec = PartitionSpec(*sh.partition_spec)
+        leaves.append(
+            LeafRecord(
+                path=format_path(keys),
+                key=tuple(key_name(k) for k in keys),
+                shape=shape,
+                dtype=dtype,
+                stored_shape=shape,
+                stored_dtype=dtype,
+                spec=spec,
+            )
+        )
+    record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
+    return Source(p, tree_dir, record, template=tree)
+
+
+def partial_wrap(impl: str) -> Any:
+    return lambda data: jax.random.wrap_key_data(data, impl=impl)
+
+
+def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
+    if leaf.key_impl is not None:
+        data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
+        return jax.eval_shape(partial_wrap(leaf.key_impl), data)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.restored_dtype(dtype))
+
+
+def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
+    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``)."""
+    items = [(storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
+    return nest(items, "record")
+
+
+def planning_tree(record: Record) -> dict[str, Any]:
+    """``abstract_tree`` for planning without the model code: leaves whose metadata
+    carried axis names at save time (linen ``LogicallyPartitioned``, NNX ``out_sharding``)
+    are boxed again with those names, so [`Rules`][modelshard.Rules] fall back to them exactly as they
+    would on the live model. Needs Flax for the box; without it the names are dropped."""
+    tree = abstract_tree(record)
+    if not any(leaf.names for leaf in record.leaves):
+        return tree
+    try:
+        from flax.linen import LogicallyPartitioned
+    except ImportError:
+        return tree
+    items = []
+    flat = {leaf.path: leaf for leaf in record.leaves}
+    for keys, sds in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaf = flat[format_path(keys)]
+        value = sds if not leaf.names else LogicallyPartitioned(sds, tuple(leaf.names))
+        items.append((leaf.key, value))
+    return nest(items, "record")
+
+
+def abstract_like(source: Source, dtype: Any = None) -> Any:
+    """The abstract container a checkpoint describes: Orbax's own structure (lists stay
+    lists) for plain Orbax checkpoints, nested dicts from the record otherwise."""
+    if source.template is None:
+        return abstract_tree(source.record, dtype)
+    by_path = source.record.by_path()
+    keys, treedef = jax.tree_util.tree_flatten_with_path(source.template)
+    leaves = [_abstract_leaf(by_path[format_path(path)], dtype) for path, _ in keys]
+    return jax.tree_util.tree_unflatten(treedef, leaves)

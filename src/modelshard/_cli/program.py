@@ -1,0 +1,91 @@
+"""``modelshard.cli.main``: the ``modelshard`` command line (``python -m modelshard`` too).
+
+Every command has ``--help`` and ``--json``. ``main`` turns every user error into one line
+on stderr (``modelshard CMD: error: ...``) or, with ``--json``, the one JSON document on
+stdout (as on success; stderr gets a short line); exit status
+1 for a problem (modelshard's errors, unreadable or unwritable paths), 2 for a usage error
+(argparse's convention). No traceback is printed for a user error. README.md beside this
+module says how to add a command; docs/cli.md documents the JSON schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import convert, inspect, launch, plan, reshard
+from .output import Parser, UsageError, fail, os_error_json, problem_json, tensorstore_os_error
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``modelshard`` argument parser: one subcommand per command module."""
+    from .. import __version__
+
+    p = Parser(
+        prog="modelshard",
+        description="Inspect, plan and reshard JAX checkpoints; launch local multi-process runs. "
+        "Exit status: 0 done, 1 a problem (printed as one line, or a JSON object with --json), "
+        "2 a usage error.",
+    )
+    p.add_argument("--version", action="version", version=f"modelshard {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for command in (inspect, plan, reshard, convert, launch):
+        command.add_parser(sub)
+    return p
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    args = list(argv)
+    return "--json" in (args[: args.index("--")] if "--" in args else args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``modelshard`` command line; returns the exit status.
+
+    The same program as the ``modelshard`` script and ``python -m modelshard``. A user
+    error never ends in a traceback: it is one line on stderr (with ``--json``, a JSON
+    document on stdout, as on success), exit status 1 for a problem and 2 for a usage error.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 done, 1 a problem, 2 a usage error.
+
+    Example:
+        >>> from modelshard.cli import main
+        >>> main(["plan", "ckpt", "--mesh", "data=2,model=x"])
+        2
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        return launch.run(argv[1:])
+    as_json = _wants_json(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    p = parser()
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # --help, --version
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except UsageError as e:
+        cmd = e.prog.removeprefix("modelshard").strip() or command
+        message = f"{e} (see 'modelshard {cmd + ' ' if cmd else ''}--help')"
+        return fail(cmd, 2, {"type": "UsageError", "message": message}, as_json)
+    if getattr(args, "run", None) is None:
+        p.print_help(sys.stderr)
+        return 2
+    from .._base import ModelshardError, speaking
+
+    try:
+        with speaking("cli"):  # hints name options and rules-file lines, not Python
+            return int(args.run(args))
+    except ModelshardError as e:
+        return fail(args.command, 1, problem_json(e), as_json)
+    except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
+        return fail(args.command, 1, os_error_json(e), as_json)
+    except ValueError as e:  # TensorStore reports a failed write (full disk) as ValueError
+        os_error = tensorstore_os_error(e)
+        if os_error is None:
+            raise
+        return fail(args.command, 1, os_error_json(os_error), as_json)

@@ -1,0 +1,299 @@
+"""What a leaf is and what it is called: array leaves, canonical paths, metadata boxes.
+
+``describe_pytree`` walks any JAX pytree once and names every leaf by its canonical
+path; it runs on every plan (over 10,000-leaf trees), so it is written for speed, and its
+result is cached per tree structure.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey
+
+from .._base import format_path, join
+from .._internals.jax import ArrayImpl
+
+# Exact types known to be array leaves, and known not to be (both learned by is_array):
+# describing big trees and flattening shard_jit arguments check these sets first.
+ARRAY_TYPES: set[type] = {np.ndarray, jax.ShapeDtypeStruct, type(np.zeros(()) + 0), ArrayImpl}
+_NOT_ARRAY_TYPES: set[type] = set()
+
+
+_ARRAY_BASES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
+
+# Python numbers: static leaves, except in containers whose adapter says
+# ``numbers_are_arrays`` (then converted to rank-0 arrays when split).
+NUMBER_TYPES = frozenset({bool, int, float, complex})
+
+
+def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
+    """``leaves`` with every Python number made a rank-0 array, as ``jax.jit`` makes it
+    (weakly typed: ``0`` becomes an int32, ``0.1`` a float32 under default precision), for
+    containers whose adapter says ``numbers_are_arrays``."""
+    if not any(type(x) in NUMBER_TYPES for x in leaves):
+        return leaves
+    import jax.numpy as jnp
+
+    return [jnp.asarray(x) if type(x) in NUMBER_TYPES else x for x in leaves]
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
+
+    Arrays are ``jax.Array`` (typed PRNG keys included), NumPy arrays and scalars, and
+    ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
+    other objects are static: they pass through untouched, as in Equinox (a container
+    whose adapter sets ``numbers_are_arrays``, such as Flax's ``TrainState``, makes its
+    Python numbers rank-0 arrays when it is split).
+    """
+    t = type(x)
+    if t in ARRAY_TYPES:
+        return True
+    if t in _NOT_ARRAY_TYPES:
+        return False
+    yes = isinstance(x, _ARRAY_BASES)  # decided by the type alone (ABC registration)
+    (ARRAY_TYPES if yes else _NOT_ARRAY_TYPES).add(t)
+    return yes
+
+
+class LeafInfo(NamedTuple):
+    """What an adapter knows about one leaf beyond its value.
+
+    Attributes:
+        path: canonical ``/``-joined path (``"layers/0/attn/kernel"``).
+        names: axis names carried by metadata (a linen ``Partitioned`` /
+            ``LogicallyPartitioned`` box, an NNX ``out_sharding``), or ``None``.
+        box: the type name of the box the value came from, or ``None``.
+    """
+
+    path: str
+    names: tuple[Any, ...] | None = None
+    box: str | None = None
+
+
+def _box_types() -> tuple[type, ...]:
+    """The metadata box classes of the Flax modules imported so far."""
+    out: list[type] = []
+    meta = sys.modules.get("flax.core.meta")
+    if meta is not None:
+        out.append(meta.AxisMetadata)
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+        out.append(nnx.Variable)
+    return tuple(out)
+
+
+def _box_names(x: Any) -> tuple[Any, ...] | None:
+    """The axis names a linen box or NNX Variable carries, if any."""
+    names = getattr(x, "names", None)  # linen Partitioned / LogicallyPartitioned
+    if names is None and hasattr(x, "get_metadata"):  # NNX Variable
+        for key in ("out_sharding", "sharding_names", "sharding"):
+            try:
+                names = x.get_metadata(key, None)
+            except Exception:  # older Flax spells metadata access differently
+                names = getattr(x, key, None)
+            if names is not None:
+                break
+        try:
+            rules = x.get_metadata("sharding_rules", None)
+        except Exception:
+            rules = getattr(x, "sharding_rules", None)
+        if rules and isinstance(names, tuple | list):
+            return with_sharding_rules(tuple(names), rules)
+    if names is None or not isinstance(names, tuple | list):
+        return None
+    return tuple(names)
+
+
+def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
+    """Describe every leaf of a JAX pytree, in ``tree_flatten`` order.
+
+    Plain dicts, lists and tuples are walked directly (this runs on every plan, over
+    10,000-leaf trees); any other node is opened one level with JAX's own
+    ``tree_flatten_with_path``, so custom pytrees keep their key names. Metadata boxes
+    give their payload the box's path (no ``/value``) and their axis names.
+
+    Example:
+        >>> import numpy as np
+        >>> [i.path for i in describe_pytree({"layers": [{"w": np.ones(2)}], "b": np.ones(1)})]
+        ['b', 'layers/0/w']
+    """
+    return _describe(obj, prefix)[0]
+
+
+def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
+    """``describe_pytree`` of ``obj``, whose ``jax.tree_util`` structure is ``treedef``.
+
+    Paths and metadata are a function of the tree structure alone (dict keys, sequence
+    lengths, node types and their aux data, where boxes keep their axis names), so the
+    last structure described is remembered: planning the same model again (a restore
+    after a save, ``shard`` after ``plan``) skips the walk. Only one structure is kept:
+    JAX's structure hash ignores dict keys, so same-shaped trees collide and each lookup
+    costs a structure comparison. Structures with a dict key that is not a ``str`` are
+    never kept (``1``, ``1.0`` and ``True`` compare equal in a structure but name
+    different paths), nor are uncomparable ones.
+    """
+    global _last
+    last_treedef, last_infos = _last
+    try:
+        if last_treedef is not None and last_treedef == treedef:
+            return last_infos
+    except Exception:  # uncomparable aux data: describe afresh
+        return _describe(obj, "")[0]
+    infos, exact = _describe(obj, "")
+    if exact:
+        _last = (treedef, infos)
+    return infos
+
+
+# The structure described last and its leaf descriptions.
+_last: tuple[Any, list[LeafInfo]] = (None, [])
+_new = tuple.__new__
+
+# Container types split by their own adapter wherever they appear (kept by the registry in
+# _adapters, which this module cannot import): below the root, each is one leaf here.
+_nested: tuple[type, ...] = ()
+
+
+def set_nested_types(types: tuple[type, ...]) -> None:
+    """Set the container types that descriptions stop at (the registry calls this)."""
+    global _nested
+    _nested = types
+
+
+def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
+    """The leaf descriptions, and whether every dict key on the way was a ``str``."""
+    boxes = _box_types()
+    arrays = ARRAY_TYPES
+    nested = _nested
+    root = obj
+    out: list[LeafInfo] = []
+    append = out.append
+    inexact: list[Any] = []
+
+    def leaf(path: str) -> None:
+        append(_new(LeafInfo, (path, None, None)))
+
+    def walk(x: Any, path: str) -> None:
+        # Children that are array leaves are appended inline: one call per node, not leaf.
+        t = type(x)
+        if t is dict:
+            try:
+                keys = sorted(x)
+            except TypeError:  # mixed key types: let JAX order them (below)
+                keys = None
+            if keys is not None:
+                pre = path + "/" if path else ""
+                for k in keys:
+                    if type(k) is not str:
+                        inexact.append(k)
+                    v = x[k]
+                    if type(v) in arrays:
+                        append(_new(LeafInfo, (f"{pre}{k}", None, None)))
+                    else:
+                        walk(v, f"{pre}{k}")
+                return
+        elif t is list or t is tuple:
+            pre = path + "/" if path else ""
+            for i, v in enumerate(x):
+                tv = type(v)
+                if tv in arrays:
+                    append(_new(LeafInfo, (f"{pre}{i}", None, None)))
+                elif tv is dict and len(x) > 1:
+                    stacked(v, f"{pre}{i}")
+                else:
+                    walk(v, f"{pre}{i}")
+            return
+        elif t in arrays:
+            leaf(path)
+            return
+        elif x is None:
+            return
+        if nested and x is not root and isinstance(x, nested):
+            leaf(path)  # a container of its own: its adapter describes what is inside
+            return
+        if boxes and isinstance(x, boxes):
+            names = _box_names(x)
+            box = t.__name__
+            inner = jax.tree_util.tree_flatten_with_path(x)[0]
+            for inner_keys, _ in inner:
+                sub = format_path(inner_keys, drop_artifacts=True) if len(inner) > 1 else ""
+                append(LeafInfo(join(path, sub), names, box))
+            return
+        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
+        if len(children) == 1 and not children[0][0] and children[0][1] is x:
+            leaf(path)
+            return
+        for keys, child in children:
+            for k in keys:
+                if type(k) is DictKey and type(k.key) is not str:
+                    inexact.append(k)
+            walk(child, join(path, format_path(keys)))
+
+    # Layer stacks repeat one structure hundreds of times (and again in each optimizer
+    # moment): describe each structure of a list element once, then only join paths.
+    seen: dict[Any, list[LeafInfo] | None] = {}
+
+    def stacked(v: Any, path: str) -> None:
+        try:
+            treedef = jax.tree_util.tree_structure(v)
+            rel = seen.get(treedef, _NOTHING)
+        except Exception:  # unhashable aux data
+            walk(v, path)
+            return
+        if rel is _NOTHING:
+            got, exact = _describe(v, "")
+            rel = seen[treedef] = got if exact else None
+        if rel is None:  # a dict key that is not a str: equal structures may differ
+            walk(v, path)
+            return
+        pre = path + "/"
+        for info in rel:  # type: ignore[union-attr]
+            sub = info[0]
+            append(_new(LeafInfo, (pre + sub if sub else path, info[1], info[2])))
+
+    walk(obj, prefix)
+    return out, not inexact
+
+
+_NOTHING: Any = object()
+
+
+def children_of(node: Any) -> dict[str, Any]:
+    """One level of a pytree node, keyed by canonical path component."""
+    t = type(node)
+    if t is dict:
+        try:
+            return {str(k): node[k] for k in sorted(node)}  # JAX's order
+        except TypeError:
+            return {str(k): v for k, v in node.items()}
+    if t is list or t is tuple:
+        return {str(i): v for i, v in enumerate(node)}
+    if node is None or is_array(node):
+        return {}
+    boxes = _box_types()
+    if boxes and isinstance(node, boxes):
+        return {}
+    items = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[0]
+    if len(items) == 1 and not items[0][0] and items[0][1] is node:
+        return {}
+    return {format_path(k): v for k, v in items}
+
+
+def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
+    """An NNX Variable's axis names after its own ``sharding_rules`` metadata, as Flax's
+    ``nnx.get_partition_spec`` applies them: each name a pair maps is replaced by its mesh
+    axes (the last pair for a name wins); other names stay, for the plan's rules."""
+    try:
+        table = {alias: on_mesh for alias, on_mesh in sharding_rules}
+    except (TypeError, ValueError):  # not pairs: Flax could not use them either
+        return names
+    out = []
+    for n in names:
+        target = table.get(n, n) if isinstance(n, str) else n
+        out.append(tuple(target) if isinstance(target, list) else target)
+    return tuple(out)

@@ -1,0 +1,204 @@
+"""NNX objects on ``shard_jit``'s per-call path: their Variables without ``nnx.split``.
+
+``nnx.split`` walks the whole graph and builds a ``GraphDef`` (tens of milliseconds for a
+thousand Variables). A module seen before is instead flattened as a JAX pytree down to its
+``Variable`` objects, and a cached ``LeafOrder`` maps those onto ``nnx.split``'s leaf
+order. Flattening an NNX pytree still runs Flax's Python per node (about half a
+millisecond for a thousand Variables), so the same module *object* called again is only
+checked: a ``Snapshot`` remembers every container in its graph (modules, ``nnx.List``,
+plain lists, tuples and dicts) with the identity of each attribute or item, and a call
+whose containers still hold the very same objects (C-level identity comparisons) reuses
+the Variables and their order. Anything else (an attribute set, a Variable replaced, a
+list grown) takes the JAX-pytree route, and a new structure ``nnx.split``.
+
+Updates are written back with ``Variable.set_value`` on the Variables that changed.
+
+This module imports neither Flax nor the adapter registry; [`NnxModuleAdapter`][modelshard.adapters.NnxModuleAdapter]
+(``_adapters.py``) calls ``nnx_call_leaves``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import sys
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+from .describe import ARRAY_TYPES
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LeafOrder:
+    """How one NNX structure's pytree leaves (Variables) map onto ``nnx.split``'s order.
+
+    Attributes:
+        aux: ``(graphdef, treedef)`` as the adapter's ``flatten`` gives it.
+        perm: position in the pytree leaves of each of ``nnx.split``'s leaves.
+        unique: how many distinct Variables the structure holds.
+    """
+
+    aux: Hashable
+    perm: tuple[int, ...]
+    unique: int
+
+
+class NnxCall(NamedTuple):
+    """One call's NNX leaves: the array values, the adapter's ``aux``, a cheap cache key
+    (the ``LeafOrder``) and the write-back into the caller's Variables."""
+
+    leaves: list[Any]
+    aux: Hashable
+    key: LeafOrder
+    write_back: Callable[[Sequence[int], Sequence[Any]], None]
+
+
+_ORDERS: dict[Hashable, LeafOrder | None] = {}
+_MAX_ORDERS = 256
+_raw_value = operator.attrgetter("_raw_value")
+
+
+def _is_variable(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
+
+@dataclasses.dataclass(eq=False)
+class Snapshot:
+    """One NNX object's graph as last seen: each container with the objects it held.
+
+    Attributes:
+        ref: a weak reference to the object.
+        containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
+            dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
+        variables: the Variables in ``nnx.split`` order.
+        order: the structure's ``LeafOrder``.
+    """
+
+    ref: Any
+    containers: list[tuple[Any, list[Any] | None, list[Any]]]
+    variables: list[Any]
+    order: LeafOrder
+
+    def holds(self) -> bool:
+        """Whether every container still holds the very same objects."""
+        is_ = operator.is_
+        for c, keys, values in self.containers:
+            if keys is None:
+                if len(c) != len(values) or not all(map(is_, c, values)):
+                    return False
+            elif list(c) != keys or not all(map(is_, c.values(), values)):
+                return False
+        return True
+
+
+_SNAPSHOTS: dict[int, Snapshot] = {}
+_MAX_SNAPSHOTS = 64
+
+
+def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | None:
+    """The containers of ``value``'s graph, or ``None`` if one cannot be watched."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    try:
+        ref = weakref.ref(value)
+    except TypeError:
+        return None
+    containers: list[tuple[Any, list[Any] | None, list[Any]]] = []
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, nnx.Variable):
+            continue
+        seen.add(id(x))
+        t = type(x)
+        if isinstance(x, nnx.Pytree):
+            d = vars(x)
+            containers.append((d, list(d), list(d.values())))
+            todo.extend(d.values())
+        elif t is dict:
+            containers.append((x, list(x), list(x.values())))
+            todo.extend(x.values())
+        elif t is list or t is tuple:
+            containers.append((x, None, list(x)))
+            todo.extend(x)
+    return Snapshot(ref, containers, variables, order)
+
+
+def nnx_call_leaves(value: Any) -> NnxCall | None:
+    """The per-call route for an NNX object, or ``None`` to use ``nnx.split``."""
+    snap = _SNAPSHOTS.get(id(value))
+    if snap is not None and snap.ref() is value and snap.holds():
+        ordered, order = snap.variables, snap.order
+    else:
+        found = _order_of(value)
+        if found is None:
+            return None
+        ordered, order = found
+        if any(v._var_metadata.get("on_get_value") for v in ordered):
+            return None
+        snap = _snapshot(value, ordered, order)
+        if snap is not None:
+            if len(_SNAPSHOTS) >= _MAX_SNAPSHOTS:
+                _SNAPSHOTS.clear()
+            _SNAPSHOTS[id(value)] = snap
+    try:
+        raws = list(map(_raw_value, ordered))
+    except AttributeError:
+        return None
+    if not set(map(type, raws)) <= ARRAY_TYPES:
+        return None
+
+    def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
+        for m, new in zip(positions, values, strict=True):
+            var = ordered[m]
+            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
+                var.set_value(new)
+            else:  # what set_value does for a plain array, minus its copy and hook lookup
+                var._raw_value = new
+
+    return NnxCall(raws, order.aux, order, write_back)
+
+
+def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
+    """``value``'s Variables in ``nnx.split`` order and their ``LeafOrder``."""
+    try:
+        variables, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
+    except Exception:
+        return None
+    key = (treedef, tuple(map(type, variables)))
+    try:
+        known = key in _ORDERS
+    except TypeError:
+        return None
+    if known:
+        order = _ORDERS[key]
+    else:
+        order = _leaf_order(value, variables)
+        if len(_ORDERS) >= _MAX_ORDERS:
+            _ORDERS.clear()
+        _ORDERS[key] = order
+    if order is None or len(set(map(id, variables))) != order.unique:
+        return None
+    return [variables[i] for i in order.perm], order
+
+
+def _leaf_order(value: Any, variables: list[Any]) -> LeafOrder | None:
+    if not variables or not all(_is_variable(v) for v in variables):
+        return None
+    from flax import nnx
+
+    graphdef, state = nnx.split(value)
+    in_state = jax.tree_util.tree_leaves(state, is_leaf=_is_variable)
+    where = {id(v): i for i, v in enumerate(variables)}
+    if len(in_state) != len(where) or any(id(v) not in where for v in in_state):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if len(leaves) != len(in_state):  # a Variable holding several arrays
+        return None
+    return LeafOrder((graphdef, treedef), tuple(where[id(v)] for v in in_state), len(where))

@@ -1,0 +1,19 @@
+"""The placement area's façade: ``plan``, ``shard``, ``constrain``, ``shard_map`` and
+``assemble``, everything that puts arrays on a mesh by a plan. Above ``_specs``."""
+
+from .assembly import assemble as assemble
+from .assembly import assemble_process_local as assemble_process_local
+from .assembly import global_shape as global_shape
+from .assembly import partitions as partitions
+from .constraints import ActivationConstraint as ActivationConstraint
+from .constraints import constrain as constrain
+from .constraints import current_mesh as current_mesh
+from .constraints import recording_constraints as recording_constraints
+from .constraints import strict_constraints as strict_constraints
+from .placement import place as place
+from .placement import shard as shard
+from .planning import Plan as Plan
+from .planning import parse_bytes as parse_bytes
+from .planning import plan as plan
+from .shard_mapping import ShardMap as ShardMap
+from .shard_mapping import shard_map as shard_map

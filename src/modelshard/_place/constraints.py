@@ -1,0 +1,380 @@
+"""``constrain``: a sharding constraint on every array leaf of a container, inside model code."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jax
+from jax.core import Tracer
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from .._base import MeshError, SpecError, dtype_name, mesh_sizes
+from .._specs import (
+    LeafPlan,
+    Rules,
+    SpecLike,
+    Via,
+    active_logical,
+    closest,
+    entry_axes,
+    expand_args,
+    format_spec,
+    is_axes_entry,
+    is_leaf_spec,
+)
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_JAX = str(Path(jax.__file__).resolve().parent) + os.sep
+
+
+def _where(frame: FrameType) -> str:
+    path = frame.f_code.co_filename
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{path}:{frame.f_lineno}"
+
+
+def _library(frame: FrameType) -> bool:
+    """Whether ``frame`` runs installed code (site-packages, the standard library), not the
+    user's own."""
+    path = frame.f_code.co_filename
+    return path.startswith("<") or any(
+        part in path for part in (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
+    )
+
+
+def _traced(tree: Any) -> bool:
+    """Whether ``tree`` holds a tracer (``constrain`` inside a trace); asked only when an
+    error names the call site, never on the path of a call that succeeds."""
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
+
+
+def _caller(stacklevel: int) -> FrameType | None:
+    """The user's frame: the first outside modelshard, then ``stacklevel - 1`` further out
+    (a library's wrapper around ``constrain`` passes 2 to name its own caller)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    for _ in range(max(stacklevel, 1) - 1):
+        if frame is None or frame.f_back is None:
+            break
+        frame = frame.f_back
+    return frame
+
+
+def call_site(traced: bool, stacklevel: int = 1) -> str | None:
+    """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
+    user's ``constrain`` call (the first frame outside modelshard, ``stacklevel - 1``
+    frames further out) and, while tracing, the function being traced (the outermost user
+    frame below JAX's tracing machinery)."""
+    frame = _caller(stacklevel)
+    if frame is None:
+        return None
+    out = f"constrain at {_where(frame)} in {frame.f_code.co_qualname}"
+    if not traced:
+        return out
+    outer, f = frame, frame.f_back
+    while f is not None and not f.f_code.co_filename.startswith(_JAX):
+        if not _library(f) and not f.f_code.co_filename.startswith(_PACKAGE):
+            outer = f
+        f = f.f_back
+    if f is not None and outer is not frame:
+        out += f", while tracing {outer.f_code.co_qualname} ({_where(outer)})"
+    elif f is not None:
+        out += ", while it is traced"
+    return out
+
+
+def current_mesh(concrete: bool = False) -> Any:
+    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when
+    ``mesh=`` is not given.
+
+    Args:
+        concrete: prefer the concrete ``Mesh`` (outside a trace, where arrays can be
+            placed); inside ``jit``, and otherwise, the ``AbstractMesh``.
+
+    Raises:
+        MeshError: no mesh is active.
+    """
+    if concrete:
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # inside a trace: only the abstract mesh is known
+            mesh = None
+        if mesh is not None and not getattr(mesh, "empty", False) and mesh.axis_names:
+            return mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        raise MeshError(
+            "no mesh given and none is active; pass mesh=..., or call inside "
+            "`with jax.set_mesh(mesh):` (shard_jit sets it while tracing)."
+        )
+    return mesh
+
+
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "modelshard_strict_constraints", default=False
+)
+
+
+@contextlib.contextmanager
+def strict_constraints(strict: bool = True) -> Iterator[None]:
+    """Make every [`constrain`][modelshard.constrain] call inside the block strict (or,
+    with ``False``, lenient again), including those in library code you do not edit.
+
+    A lenient ``constrain`` (the default) does nothing where no mesh is active, or where
+    its spec names logical axes and no logical rules are set, as Flax's
+    ``nn.with_logical_constraint`` does; a strict one raises ``MeshError`` or
+    ``SpecError`` there. ``constrain(..., strict=...)`` on a call wins over the context.
+    The setting is read while a function is traced: a function ``jax.jit`` already
+    traced outside the block keeps what it did then.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> ms.constrain(jnp.ones(4), P("batch")).shape  # no mesh: nothing to do
+        (4,)
+        >>> with ms.strict_constraints():
+        ...     ms.constrain(jnp.ones(4), P("batch"))
+        Traceback (most recent call last):
+        ...
+        modelshard.MeshError: constrain at <doctest ...>: no mesh given and none is active; ...
+    """
+    token = _STRICT.set(strict)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationConstraint:
+    """One leaf [`constrain`][modelshard.constrain] placed while a step was traced; a
+    step's [`Plan`][modelshard.Plan] lists them as ``plan.activations``.
+
+    Attributes:
+        name: the ``name=`` given to ``constrain``, else its call site
+            (``tinylm/model.py:42 in Block.__call__``).
+        path: the leaf's path inside the constrained container (``""`` for one array).
+        shape: the leaf's shape.
+        dtype: the leaf's dtype name.
+        logical: per dimension, the logical names and the rule entries that mapped them
+            (see [`LeafPlan`][modelshard.LeafPlan]).
+        spec: the mesh-axis ``PartitionSpec`` applied.
+        written: the spec as the model code wrote it (``P('batch', 'seq', 'embed')``).
+        bytes_per_device: bytes of one device's shard.
+    """
+
+    name: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: Via
+    spec: PartitionSpec
+    written: str
+    bytes_per_device: int
+
+
+_RECORDING: contextvars.ContextVar[list[ActivationConstraint] | None] = contextvars.ContextVar(
+    "modelshard_recording_constraints", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_constraints() -> Iterator[list[ActivationConstraint]]:
+    """Collect every leaf ``constrain`` places inside the block (``shard_jit`` records its
+    step's trace this way, for its plan)."""
+    out: list[ActivationConstraint] = []
+    token = _RECORDING.set(out)
+    try:
+        yield out
+    finally:
+        _RECORDING.reset(token)
+
+
+def constrain(
+    tree: Any,
+    specs: SpecLike,
+    mesh: Any = None,
+    *,
+    strict: bool | None = None,
+    stacklevel: int = 1,
+    name: str | None = None,
+) -> Any:
+    """Constrain every array leaf of ``tree`` to its planned sharding; same container back.
+
+    For use inside traced model code (it also works eagerly). Each leaf's spec comes from
+    the one rule engine, exactly as for [`shard`][modelshard.shard]. Leaves whose spec names
+    only Auto mesh axes get ``jax.lax.with_sharding_constraint``; where an Explicit axis is
+    involved (which ``with_sharding_constraint`` refuses), the leaf is resharded with
+    ``jax.sharding.reshard``, so the same model code runs on Auto and Explicit meshes.
+
+    Model code runs everywhere: where no mesh is active, or where the spec names logical
+    axes (``P("batch", "embed")``) and no logical rules are set, ``constrain`` does nothing
+    and returns ``tree``, as Flax's ``nn.with_logical_constraint`` does. Pass
+    ``strict=True`` (or run inside [`strict_constraints`][modelshard.strict_constraints])
+    to get the error instead. Once rules are set, a name they do not map is an error.
+
+    Args:
+        tree: any registered container (or a single array).
+        specs: one spec-like for the whole tree (see [`plan`][modelshard.plan]).
+        mesh: the mesh; default: the active ``jax.set_mesh`` context (inside
+            [`shard_jit`][modelshard.shard_jit], its mesh).
+        strict: raise where there is nothing to constrain by (no mesh; logical names
+            without rules); default: the [`strict_constraints`][modelshard.strict_constraints]
+            context, lenient outside one.
+        stacklevel: which frame errors name as the call site: 1, the caller; a library's
+            wrapper around ``constrain`` passes 2, so errors point at the model line that
+            called the wrapper.
+        name: how a step's plan names this constraint (default: its call site).
+
+    Returns:
+        The same container type with constrained leaves. NNX modules are updated in
+        place and returned.
+
+    Raises:
+        MeshError: strict, ``mesh`` is omitted and no mesh is active; the message starts
+            with the call site, as a SpecError's does.
+        SpecError: listing every leaf that cannot take its spec, headed by the call site
+            (``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``;
+            also ``err.site``), which a trace's traceback does not show.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> mesh = ms.make_mesh({"data": 8})
+        >>> @jax.jit
+        ... def f(params):
+        ...     return ms.constrain(params, P("data"), mesh)
+        >>> f({"w": jnp.ones((16, 2))})["w"].sharding.spec
+        P('data',)
+    """
+    if strict is None:
+        strict = _STRICT.get()
+    if mesh is None:
+        try:
+            mesh = current_mesh()
+        except MeshError as e:  # name the user's call, as a SpecError does
+            if not strict:
+                return tree
+            site = call_site(_traced(tree), stacklevel)
+            if site is None:
+                raise
+            raise MeshError(f"{site}: {e}") from None
+    if not strict and _unmapped_names(specs, mesh):
+        return tree
+    try:
+        (arg,) = expand_args([("tree", tree, specs)], mesh)
+    except SpecError as e:  # name the user's call: a trace's traceback hides it
+        site = call_site(_traced(tree), stacklevel)
+        if site is None or type(e) is not SpecError:
+            raise
+        raise SpecError(e.problems, header=e.header, site=site) from None
+    recording = _RECORDING.get()
+    if recording is not None:
+        _record(recording, arg.leaves, specs, mesh, name, stacklevel)
+    return arg.flat.update_inplace(
+        constrain_leaves(arg.flat.arrays, [leaf.spec for leaf in arg.leaves], mesh)
+    )
+
+
+def _unmapped_names(specs: Any, mesh: Any) -> bool:
+    """Whether ``specs`` names logical axes while no logical rules are set (a lenient
+    ``constrain`` then does nothing): a spec none of whose names is a mesh axis, or a
+    likely typo of one (``P('data', 'modle')`` stays an error)."""
+    if active_logical() is not None:
+        return False
+    axes = list(mesh.axis_names)
+    for s in jax.tree.leaves(specs, is_leaf=is_leaf_spec):
+        if isinstance(s, PartitionSpec):
+            written = [s]
+        elif isinstance(s, Rules) and s.logical is None:
+            written = [spec for _, spec in s.rules]
+        else:
+            continue
+        names = {n for spec in written for n in _names(spec)}
+        if names and not any(n in axes or closest(n, axes) is not None for n in names):
+            return True
+    return False
+
+
+def _record(
+    out: list[ActivationConstraint],
+    leaves: Sequence[LeafPlan],
+    specs: Any,
+    mesh: Any,
+    name: str | None,
+    stacklevel: int,
+) -> None:
+    if name is None:
+        frame = _caller(stacklevel)
+        name = (
+            f"{_where(frame)} in {frame.f_code.co_qualname}" if frame is not None else "constrain"
+        )
+    sizes = mesh_sizes(mesh)
+    written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
+    for leaf in leaves:
+        shard = list(leaf.shape)
+        for d, entry in enumerate(leaf.spec):
+            if d < len(shard) and is_axes_entry(entry):
+                shard[d] //= math.prod(sizes[a] for a in entry_axes(entry))
+        itemsize = int(getattr(leaf.dtype, "itemsize", 0))
+        out.append(
+            ActivationConstraint(
+                name,
+                leaf.path,
+                leaf.shape,
+                dtype_name(leaf.dtype),
+                leaf.logical,
+                leaf.spec,
+                written,
+                math.prod(shard) * itemsize,
+            )
+        )
+
+
+def constrain_leaves(arrays: Sequence[Any], specs: Sequence[Any], mesh: Any) -> list[Any]:
+    """Each array constrained to its spec: ``with_sharding_constraint`` on Auto axes,
+    ``jax.sharding.reshard`` where an Explicit axis is involved (which refuses the former)."""
+    explicit = {
+        name
+        for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    }
+    out = []
+    for x, spec in zip(arrays, specs, strict=True):
+        s = NamedSharding(mesh, spec)
+        if (explicit and _names(spec) & explicit) or _explicit_typed(x, explicit):
+            out.append(jax.sharding.reshard(x, s))
+        else:
+            out.append(jax.lax.with_sharding_constraint(x, s))
+    return out
+
+
+def _names(spec: Any) -> set[str]:
+    return {a for e in spec if is_axes_entry(e) for a in entry_axes(e)}
+
+
+def _explicit_typed(x: Any, explicit: set[str]) -> bool:
+    """Whether ``x`` is currently sharded over an Explicit axis (so only reshard may move it)."""
+    if not explicit:
+        return False
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:
+        return False
+    return bool(_names(spec) & explicit)

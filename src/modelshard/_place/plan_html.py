@@ -1,0 +1,373 @@
+"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, and a leaf's tiles.
+
+Everything here is computed from the plan alone (no arrays, no devices), so abstract
+meshes of thousands of devices render too; large tile grids are summarised, never drawn
+cell by cell. The HTML is self-contained: inline CSS, no script, no external resource.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._base import format_bytes
+from .._specs import entry_axes, format_spec, spec_from_json
+
+
+class PlanView(Protocol):
+    """What the pictures read of a [`Plan`][modelshard.Plan] (its public surface only)."""
+
+    mesh: Any
+    sizes: dict[str, int]
+
+    def __len__(self) -> int: ...
+    def bytes_per_device(self, leaf: Any = None) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def num_devices(self) -> int: ...
+    def named(self, filter: Any = None) -> list[tuple[str, Any]]: ...
+    def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
+    def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
+    def summary(self) -> str: ...
+
+
+MAX_GRID = 16
+"""Tile grids larger than this many rows or columns show their first rows/columns only."""
+
+MAX_DEVICES_LISTED = 4
+
+_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1"]
+_TILE_COLOURS = ["#dbe7f3", "#fde3c8", "#d9ecd6", "#f7d3d4", "#d8eeec", "#f8efc4", "#eadcf0"]
+
+CSS = """
+.ms-plan{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:13px;
+ color:#1f2328;line-height:1.4;max-width:100%}
+.ms-plan h3{font-size:14px;margin:14px 0 6px}
+.ms-plan .ms-summary{margin:4px 0 8px;color:#444}
+.ms-plan table{border-collapse:collapse}
+.ms-plan th,.ms-plan td{padding:3px 8px;border-bottom:1px solid #e5e7eb;text-align:left;
+ vertical-align:top}
+.ms-plan th{background:#f6f8fa;font-weight:600}
+.ms-plan td.num,.ms-plan th.num{text-align:right;white-space:nowrap}
+.ms-plan td.path{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;word-break:break-all;
+ min-width:16em}
+.ms-plan code{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;
+ white-space:nowrap}
+.ms-plan .ms-bar{display:flex;height:22px;width:100%;max-width:720px;border:1px solid #c9ced6;
+ border-radius:4px;overflow:hidden;background:#fff}
+.ms-plan .ms-seg{height:100%}
+.ms-plan .ms-swatch{display:inline-block;width:10px;height:10px;border-radius:2px;
+ margin-right:6px;vertical-align:middle}
+.ms-plan .ms-grid{display:grid;gap:3px;margin:6px 0}
+.ms-plan .ms-tile{border:1px solid #9aa4b2;border-radius:3px;padding:4px 6px;font-size:11px;
+ min-width:0;overflow-wrap:anywhere}
+.ms-plan .ms-tile code{white-space:normal}
+.ms-plan table.ms-table{width:100%}
+.ms-plan tr.ms-tiles-row td{border-bottom:1px solid #e5e7eb;padding-top:0}
+.ms-plan tr.ms-row td{border-bottom:none}
+.ms-plan .ms-tile .ms-devs{color:#333}
+.ms-plan .ms-note{color:#666;font-size:12px}
+.ms-plan details>summary{cursor:pointer;color:#0969da}
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+# ---- a leaf's tiles ------------------------------------------------------------------------
+
+
+class Tiles:
+    """Which device holds which slice of one leaf: one tile per distinct shard.
+
+    Built by [`modelshard.Plan.tiles`][modelshard.Plan.tiles]. ``tiles`` lists, per shard, its index along
+    each dimension, the slice of the global shape and the devices holding it (more than
+    one: replicas). Renders as HTML in notebooks, as a rich table in terminals.
+
+    Attributes:
+        path: the leaf's path.
+        shape: its global shape; ``spec`` its ``PartitionSpec``.
+        parts: how many pieces each dimension is cut into.
+        tiles: ``(index, slices, device_ids)`` per shard, in index order.
+    """
+
+    def __init__(self, plan: PlanView, path: str, leaf: Any):
+        self.path = path
+        self.shape = tuple(leaf.shape)
+        self.spec = leaf.spec
+        self.dtype = leaf.dtype
+        self.bytes_per_device = plan.bytes_per_device(leaf)
+        sizes = plan.sizes
+        names = list(sizes)
+        ids = _device_ids(plan.mesh, [sizes[n] for n in names])
+        coords = np.indices([sizes[n] for n in names]).reshape(len(names), -1)
+        entries = list(self.spec) + [None] * (len(self.shape) - len(tuple(self.spec)))
+        parts, index = [], []
+        for entry in entries:
+            axes = entry_axes(entry)
+            idx = np.zeros(coords.shape[1], dtype=np.int64)
+            n = 1
+            for a in axes:
+                idx = idx * sizes[a] + coords[names.index(a)]
+                n *= sizes[a]
+            parts.append(n)
+            index.append(idx)
+        self.parts = tuple(parts)
+        self.num_devices = int(ids.size)
+        flat = np.zeros(ids.size, dtype=np.int64)
+        for idx, n in zip(index, parts, strict=True):  # row-major shard number
+            flat = flat * n + idx
+        order = np.argsort(flat, kind="stable")
+        bounds = np.flatnonzero(np.diff(flat[order])) + 1
+        self.tiles: list[tuple[tuple[int, ...], tuple[slice, ...], list[int]]] = []
+        id_list = ids.tolist()
+        for group in np.split(order, bounds):
+            tile = (
+                tuple(int(i) for i in np.unravel_index(int(flat[group[0]]), parts)) if parts else ()
+            )
+            slices = tuple(
+                slice(t * (d // p), (t + 1) * (d // p))
+                for t, d, p in zip(tile, self.shape, parts, strict=True)
+            )
+            self.tiles.append((tile, slices, [int(id_list[g]) for g in group]))
+
+    @property
+    def replicas(self) -> int:
+        """Devices holding each shard (1: no replication)."""
+        return self.num_devices // max(len(self.tiles), 1)
+
+    def _grid(self) -> tuple[list[int], int, int]:
+        """The (at most two) cut dimensions drawn as rows and columns, and the grid size."""
+        cut = [d for d, p in enumerate(self.parts) if p > 1]
+        if len(cut) == 1 and cut[0] > 0:  # one cut along a later dimension: columns
+            return [-1, *cut], 1, self.parts[cut[0]]
+        rows = self.parts[cut[0]] if cut else 1
+        cols = math.prod(self.parts[d] for d in cut[1:]) if len(cut) > 1 else 1
+        return cut, rows, cols
+
+    def _cell(self, tile: tuple[int, ...], cut: list[int]) -> tuple[int, int]:
+        if not cut:
+            return 0, 0
+        r = tile[cut[0]] if cut[0] >= 0 else 0
+        c = 0
+        for d in cut[1:]:
+            c = c * self.parts[d] + tile[d]
+        return r, c
+
+    def describe(self) -> str:
+        """One line: shape, spec, how many shards and replicas."""
+        cuts = " x ".join(str(p) for p in self.parts if p > 1) or "not cut"
+        return (
+            f"{self.path}: {self.shape} {self.dtype} {format_spec(self.spec)}; "
+            f"{len(self.tiles)} shard{'s' if len(self.tiles) != 1 else ''} ({cuts}), "
+            f"each on {self.replicas} device{'s' if self.replicas != 1 else ''}; "
+            f"{format_bytes(self.bytes_per_device)} per device"
+        )
+
+    @staticmethod
+    def _slice_text(slices: Sequence[slice], shape: Sequence[int]) -> str:
+        return (
+            "["
+            + ", ".join(
+                ":" if s.start == 0 and s.stop == d else f"{s.start}:{s.stop}"
+                for s, d in zip(slices, shape, strict=True)
+            )
+            + "]"
+        )
+
+    @staticmethod
+    def _devices_text(devs: list[int]) -> str:
+        if len(devs) <= MAX_DEVICES_LISTED:
+            return ", ".join(map(str, devs))
+        head = ", ".join(map(str, devs[: MAX_DEVICES_LISTED - 1]))
+        return f"{head}, …, {devs[-1]} ({len(devs)})"
+
+    def html(self) -> str:
+        cut, rows, cols = self._grid()
+        shown_r, shown_c = min(rows, MAX_GRID), min(cols, MAX_GRID)
+        out = [
+            f'<div class="ms-tiles" data-path="{_esc(self.path)}" data-shards="{len(self.tiles)}"'
+            f' data-devices="{self.num_devices}" data-replicas="{self.replicas}">',
+            f'<div class="ms-note">{_esc(self.describe())}</div>',
+        ]
+        if shown_r < rows or shown_c < cols:
+            out.append(
+                f'<div class="ms-note ms-summarised">showing {shown_r} of {rows} rows and '
+                f"{shown_c} of {cols} columns of shards ({len(self.tiles)} shards in all)</div>"
+            )
+        out += [
+            f'<div class="ms-grid" style="grid-template-columns:repeat({shown_c},minmax(0,9em))">',
+        ]
+        for tile, slices, devs in self.tiles:
+            r, c = self._cell(tile, cut)
+            if r >= shown_r or c >= shown_c:
+                continue
+            colour = _TILE_COLOURS[(r + c) % len(_TILE_COLOURS)]
+            out.append(
+                f'<div class="ms-tile" data-index="{_esc(tile)}" data-replicas="{len(devs)}"'
+                f' style="background:{colour};grid-row:{r + 1};grid-column:{c + 1}"'
+                + (f' title="devices {_esc(", ".join(map(str, devs)))}"' if len(devs) <= 64 else "")
+                + ">"
+                f"<code>{_esc(self._slice_text(slices, self.shape))}</code><br>"
+                f'<span class="ms-devs">{"replicas" if len(devs) > 1 else "device"} '
+                f"{_esc(self._devices_text(devs))}</span></div>"
+            )
+        out.append("</div>")
+        out.append("</div>")
+        return "".join(out)
+
+    def _repr_html_(self) -> str:
+        return f'<div class="ms-plan"><style>{CSS}</style>{self.html()}</div>'
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        cut, rows, cols = self._grid()
+        shown_r, shown_c = min(rows, MAX_GRID), min(cols, MAX_GRID)
+        t = Table(show_header=False, show_lines=True)
+        for _ in range(shown_c):
+            t.add_column(justify="center")
+        grid: list[list[Any]] = [[""] * shown_c for _ in range(shown_r)]
+        styles = ["on grey23", "on dark_blue", "on dark_green", "on dark_red", "on purple4"]
+        for tile, slices, devs in self.tiles:
+            r, c = self._cell(tile, cut)
+            if r < shown_r and c < shown_c:
+                style = styles[(r + c) % len(styles)]
+                grid[r][c] = Text.assemble(
+                    (self._slice_text(slices, self.shape), style),
+                    "\n" + self._devices_text(devs),
+                )
+        for row in grid:
+            t.add_row(*row)
+        parts: list[Any] = [Text(self.describe()), t]
+        if shown_r < rows or shown_c < cols:
+            parts.append(
+                Text(f"showing {shown_r} of {rows} rows, {shown_c} of {cols} columns of shards")
+            )
+        return Group(*parts)
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        console = Console(width=160, record=True, color_system=None, file=io.StringIO())
+        console.print(self.__rich__())
+        return "\n".join(line.rstrip() for line in console.export_text().splitlines())
+
+
+def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
+    """Device ids in mesh order: the devices' own ids on a concrete mesh, positions on an
+    abstract one."""
+    from jax.sharding import Mesh
+
+    devices = mesh.devices if isinstance(mesh, Mesh) else None
+    if isinstance(devices, np.ndarray) and devices.size == math.prod(shape):
+        return np.vectorize(lambda d: int(d.id), otypes=[np.int64])(devices).reshape(-1)
+    return np.arange(math.prod(shape), dtype=np.int64)
+
+
+# ---- the whole plan ------------------------------------------------------------------------
+
+
+def memory_html(plan: PlanView) -> str:
+    """The per-device memory bar, split by top-level module, with its legend."""
+    modules = plan.modules()
+    per = plan.bytes_per_device()
+    out = [
+        f'<section class="ms-memory" data-bytes-per-device="{per}"'
+        f' data-devices="{plan.num_devices}"><h3>Memory per device</h3>',
+        f'<div class="ms-note">each of the {plan.num_devices} devices holds '
+        f"{_esc(format_bytes(per))} of this state (replicated everywhere it would be "
+        f"{_esc(format_bytes(plan.total_bytes))})</div>",
+        '<div class="ms-bar">',
+    ]
+    for i, m in enumerate(modules):
+        width = 100 * m["bytes_per_device"] / per if per else 0
+        out.append(
+            f'<span class="ms-seg" data-module="{_esc(m["module"])}"'
+            f' data-bytes="{m["bytes_per_device"]}"'
+            f' style="width:{width:.3f}%;background:{_PALETTE[i % len(_PALETTE)]}"'
+            f' title="{_esc(m["module"])}: {_esc(format_bytes(m["bytes_per_device"]))}"></span>'
+        )
+    out.append(
+        '</div><table class="ms-legend"><thead><tr><th>module</th>'
+        '<th class="num">leaves</th><th class="num">per device</th>'
+        '<th class="num">share</th><th class="num">replicated</th></tr></thead><tbody>'
+    )
+    for i, m in enumerate(modules):
+        share = m["bytes_per_device"] / per if per else 0
+        out.append(
+            f'<tr><td><span class="ms-swatch" style="background:{_PALETTE[i % len(_PALETTE)]}">'
+            f'</span>{_esc(m["module"])}</td><td class="num">{m["leaves"]}</td>'
+            f'<td class="num">{_esc(format_bytes(m["bytes_per_device"]))}</td>'
+            f'<td class="num">{share:.1%}</td>'
+            f'<td class="num">{_esc(format_bytes(m["bytes"]))}</td></tr>'
+        )
+    out.append("</tbody></table></section>")
+    return "".join(out)
+
+
+def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+    """The grouped table; each row's tiles (of its first leaf) open on demand, every panel
+    alike (all closed: no row is singled out)."""
+    rows = plan.groups(fold=fold, filter=filter)
+    leaves = dict(plan.named())
+    out = [
+        '<section class="ms-rows"><h3>Leaves</h3><table class="ms-table"><thead><tr>'
+        '<th>path</th><th class="num">leaves</th><th>shape</th><th>dtype</th><th>spec</th>'
+        '<th>rule</th><th class="num">per device, each leaf</th>'
+        '<th class="num">per device, row total</th>'
+        "</tr></thead><tbody>"
+    ]
+    for r in rows:
+        total = r["bytes_per_device"] * r["count"]
+        spec = format_spec(spec_from_json(r["spec"]))
+        out.append(
+            f'<tr class="ms-row" data-path="{_esc(r["path"])}" data-count="{r["count"]}"'
+            f' data-bytes-per-device="{total}"><td class="path">{_esc(r["path"])}</td>'
+            f'<td class="num">{r["count"]}</td><td><code>{_esc(tuple(r["shape"]))}</code></td>'
+            f"<td>{_esc(r['dtype'])}</td><td><code>{_esc(spec)}</code></td>"
+            f"<td>{_esc(r['rule'])}</td>"
+            f'<td class="num">{_esc(format_bytes(r["bytes_per_device"]))}</td>'
+            f'<td class="num">{_esc(format_bytes(total))}</td></tr>'
+        )
+        if tiles and r["shape"]:
+            t = Tiles(plan, r["paths"][0], leaves[r["paths"][0]])
+            out.append(
+                '<tr class="ms-tiles-row"><td colspan="8"><details><summary>tiles on the '
+                f"mesh</summary>{t.html()}</details></td></tr>"
+            )
+    out.append("</tbody></table></section>")
+    return "".join(out)
+
+
+def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table."""
+    return (
+        f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
+        f' data-bytes-per-device="{plan.bytes_per_device()}"><style>{CSS}</style>'
+        f'<div class="ms-summary"><b>modelshard plan</b>: {_esc(plan.summary())}</div>'
+        + memory_html(plan)
+        + rows_html(plan, fold=fold, filter=filter, tiles=tiles)
+        + "</div>"
+    )
+
+
+def page(plan: PlanView, title: str = "modelshard plan", **kwargs: Any) -> str:
+    """A whole HTML document around ``plan_html`` (no script, no external resource)."""
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<title>{_esc(title)}</title></head><body style="margin:16px">'
+        + plan_html(plan, **kwargs)
+        + "</body></html>\n"
+    )

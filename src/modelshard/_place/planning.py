@@ -1,0 +1,629 @@
+"""``plan``: the per-leaf placement of a container on a mesh, before anything is moved."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .._base import SHOW_ALL, dtype_name, format_bytes, format_mesh, literal, mesh_sizes, vocabulary
+from .._specs import (
+    ArgPlan,
+    LeafPlan,
+    SpecLike,
+    entry_axes,
+    expand_args,
+    format_spec,
+    spec_from_json,
+    spec_json,
+)
+from .constraints import ActivationConstraint, current_mesh
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    return int(size) if size is not None else 0
+
+
+class Plan:
+    """Where every array leaf of one or more containers goes on a mesh.
+
+    Built by [`plan`][modelshard.plan] (one container) or by ``shard_jit`` (one per argument). A plan
+    holds no arrays, so it works on abstract trees and abstract meshes.
+
+    Attributes:
+        mesh: the ``Mesh`` or ``AbstractMesh`` planned for.
+        args: one [`ArgPlan`][modelshard.ArgPlan] per argument.
+        activations: for a ``shard_jit`` step's plan, every leaf
+            [`constrain`][modelshard.constrain] places while the step runs
+            ([`ActivationConstraint`][modelshard.ActivationConstraint]: name, logical names,
+            spec, bytes per device); empty for [`plan`][modelshard.plan].
+    """
+
+    def __init__(self, args: Sequence[ArgPlan], mesh: Any):
+        self.mesh = mesh
+        self.args = list(args)
+        self.sizes = mesh_sizes(mesh)
+        self.activations: list[ActivationConstraint] = []
+        self._shardings: dict[Any, NamedSharding] = {}
+
+    # ---- per-leaf views -------------------------------------------------------------
+    @property
+    def leaves(self) -> list[LeafPlan]:
+        """Every leaf plan, across all arguments, in order."""
+        return [leaf for a in self.args for leaf in a.leaves]
+
+    def __iter__(self) -> Iterator[LeafPlan]:
+        return iter(self.leaves)
+
+    def __len__(self) -> int:
+        return sum(len(a.leaves) for a in self.args)
+
+    def __getitem__(self, path: str) -> LeafPlan:
+        """The plan of the leaf at ``path`` (``"arg:path"`` when there are several args)."""
+        arg, _, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
+        for a in self.args:
+            if arg and a.name != arg:
+                continue
+            for leaf in a.leaves:
+                if leaf.path == rest:
+                    return leaf
+        from .._base import Problem, SpecError
+
+        raise SpecError(
+            [
+                Problem(
+                    arg or self.args[0].name if self.args else "plan",
+                    path,
+                    "no array leaf has this path in the plan",
+                    hint="list paths with [leaf.path for leaf in plan]",
+                )
+            ]
+        )
+
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """The (cached) ``NamedSharding`` of ``spec`` on this plan's mesh."""
+        key = tuple(spec)
+        try:
+            return self._shardings[key]
+        except KeyError:
+            s = self._shardings[key] = NamedSharding(self.mesh, spec)
+            return s
+
+    def flat_shardings(self, arg: int = 0) -> list[NamedSharding]:
+        """One ``NamedSharding`` per array leaf of argument ``arg``, in flatten order."""
+        return [self.sharding(leaf.spec) for leaf in self.args[arg].leaves]
+
+    def _mirror(self, values: Sequence[Sequence[Any]]) -> Any:
+        trees = [a.flat.rebuild(v, mirror=True) for a, v in zip(self.args, values, strict=True)]
+        return trees[0] if len(trees) == 1 else tuple(trees)
+
+    @property
+    def shardings(self) -> Any:
+        """The container (NNX modules: their ``nnx.State``) with a ``NamedSharding`` per
+        array leaf; static leaves are kept. A tuple of these for several arguments."""
+        return self._mirror([self.flat_shardings(i) for i in range(len(self.args))])
+
+    @property
+    def specs(self) -> Any:
+        """Like ``shardings``, with ``PartitionSpec`` leaves."""
+        return self._mirror([[leaf.spec for leaf in a.leaves] for a in self.args])
+
+    # ---- sizes ----------------------------------------------------------------------
+    def shard_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
+        """The shape of one device's shard of ``leaf``."""
+        out = list(leaf.shape)
+        for d, entry in enumerate(leaf.spec):
+            out[d] //= math.prod(self.sizes[a] for a in entry_axes(entry))
+        return tuple(out)
+
+    def bytes_per_device(self, leaf: LeafPlan | None = None) -> int:
+        """Bytes one device holds of ``leaf`` (of every leaf when omitted)."""
+        if leaf is None:
+            return sum(self.bytes_per_device(x) for x in self.leaves)
+        return math.prod(self.shard_shape(leaf)) * _itemsize(leaf.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every leaf, unsharded (what each device would hold if replicated)."""
+        return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in self.leaves)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes.values()) if self.sizes else 1
+
+    # ---- grouped views ---------------------------------------------------------------
+    def named(self, filter: str | re.Pattern[str] | None = None) -> list[tuple[str, LeafPlan]]:
+        """``(displayed path, leaf)`` of every leaf whose displayed path matches ``filter``."""
+        multi = len(self.args) > 1
+        out = [
+            (f"{a.name}:{leaf.path}" if multi else leaf.path, leaf)
+            for a in self.args
+            for leaf in a.leaves
+        ]
+        if filter is None:
+            return out
+        rx = re.compile(filter) if isinstance(filter, str) else filter
+        return [(p, leaf) for p, leaf in out if rx.search(p)]
+
+    def groups(
+        self, fold: bool = True, filter: str | re.Pattern[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Rows of the plan: with ``fold``, leaves whose paths differ only in layer numbers
+        and that are planned alike (shape, dtype, spec, rule) are one row,
+        ``layers_{0..61}/mlp/kernel`` with ``count`` 62. ``filter`` is a regex searched in
+        each path. JSON-ready dicts: ``path``, ``count``, ``shape``, ``dtype``, ``spec``,
+        ``rule``, ``logical`` (as in ``rows``), ``bytes_per_device`` and ``bytes`` (each per
+        leaf), ``paths`` (every leaf's path).
+        """
+        from .._base import fold as fold_paths
+
+        named = self.named(filter)
+
+        def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
+            leaf = leaves[0]
+            return {
+                "path": path,
+                "count": len(leaves),
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "spec": spec_json(leaf.spec),
+                "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
+                "bytes_per_device": self.bytes_per_device(leaf),
+                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+                "paths": paths,
+            }
+
+        if not fold:
+            return [row(p, [leaf], [p]) for p, leaf in named]
+        folded = fold_paths(
+            named,
+            lambda x: x[0],
+            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule, x[1].logical),
+        )
+        return [
+            row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
+            for g in folded
+        ]
+
+    def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
+        """One summary per top-level module (first path component: ``params``,
+        ``opt_state``, ...): ``module``, ``leaves``, ``bytes`` (unsharded) and
+        ``bytes_per_device``, in order of first appearance."""
+        out: dict[str, dict[str, Any]] = {}
+        for path, leaf in self.named(filter):
+            arg, colon, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
+            top = (arg + colon) + (rest.split("/", 1)[0] or "<root>")
+            m = out.setdefault(top, {"module": top, "leaves": 0, "bytes": 0, "bytes_per_device": 0})
+            m["leaves"] += 1
+            m["bytes"] += math.prod(leaf.shape) * _itemsize(leaf.dtype)
+            m["bytes_per_device"] += self.bytes_per_device(leaf)
+        return list(out.values())
+
+    def check_budget(self, budget: int | float | str, top: int = 5) -> None:
+        """Raise if one device would hold more than ``budget`` bytes of this plan.
+
+        Args:
+            budget: bytes, or text such as ``"16GiB"``, ``"80 GB"``, ``"512MiB"``.
+            top: how many of the largest rows (folded) to name.
+
+        Raises:
+            SpecError: one problem, ``bytes per device > budget``, naming the top-level
+                modules and the rows that contribute most.
+        """
+        from .._base import Problem, SpecError
+
+        limit = parse_bytes(budget)
+        per = self.bytes_per_device()
+        if per <= limit:
+            return
+        rows = sorted(self.groups(), key=lambda r: -r["bytes_per_device"] * r["count"])
+        biggest = "; ".join(
+            f"{r['path']} {format_bytes(r['bytes_per_device'] * r['count'])}"
+            + (f" ({r['count']} leaves)" if r["count"] > 1 else "")
+            for r in rows[:top]
+        )
+        modules = ", ".join(
+            f"{m['module']} {format_bytes(m['bytes_per_device'])}" for m in self.modules()
+        )
+        raise SpecError(
+            [
+                Problem(
+                    "budget",
+                    None,  # the whole plan, no single leaf
+                    f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
+                    f"(by module: {modules}); largest per device: {biggest}",
+                    mesh=self.sizes,
+                    hint=(
+                        "shard the largest leaves over more mesh axes (--rules, or a bigger "
+                        "--mesh), or write them in a smaller dtype: modelshard reshard SRC DST "
+                        "--dtype bfloat16"
+                        if vocabulary() == "cli"
+                        else "shard the largest leaves over more mesh axes (or a bigger mesh), "
+                        "or keep a smaller dtype"
+                    ),
+                    cause="bytes per device > budget",
+                )
+            ],
+            header="the plan does not fit the memory budget:",
+        )
+
+    # ---- rendering ------------------------------------------------------------------
+    def rows(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
+        """One JSON-ready dict per leaf (the CLI's ``--json``); ``filter``: a regex.
+
+        ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
+        one entry per dimension, ``null`` for a replicated dimension, a list for several
+        axes (``[["data", "fsdp"], null]``). ``logical``: per dimension, the logical names
+        that mapped it (``[{"name": "heads", "axes": ["model"], "rule": "rules['heads']"}]``,
+        ``[]`` for none), or ``null`` when no logical name was mapped.
+        """
+        return [
+            {
+                "path": path,
+                "shape": list(leaf.shape),
+                "dtype": dtype_name(leaf.dtype),
+                "spec": spec_json(leaf.spec),
+                "rule": leaf.rule,
+                "logical": logical_json(leaf.logical),
+                "bytes_per_device": self.bytes_per_device(leaf),
+                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+            }
+            for path, leaf in self.named(filter)
+        ]
+
+    def summary(self) -> str:
+        """One line: leaves, bytes per device versus replicated bytes, the mesh."""
+        per, total = self.bytes_per_device(), self.total_bytes
+        mesh = format_mesh(self.sizes)
+        ratio = f" ({per / total:.1%} of replicated)" if total else ""
+        return (
+            f"{len(self)} array leaves on mesh ({mesh}), {self.num_devices} devices: "
+            f"{format_bytes(per)} per device{ratio}; replicated {format_bytes(total)}"
+        )
+
+    def table(
+        self,
+        max_rows: int | None = 60,
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+    ) -> PlanTable:
+        """The plan as a table that prints properly: ``print(plan.table())`` (plain text),
+        ``rich.print(...)`` (colour, the terminal's width) and notebooks alike.
+
+        Args:
+            max_rows: show at most this many rows (then a line counting the rest);
+                ``None`` shows every row.
+            fold: fold leaves that differ only in layer numbers into one row.
+            filter: a regex; only leaves whose path it matches are shown.
+        """
+        return PlanTable(self, max_rows=max_rows, fold=fold, filter=filter)
+
+    def tiles(self, path: str) -> Any:
+        """Which device holds which slice of the leaf at ``path`` (``"arg:path"`` with
+        several args): one tile per shard, replicas listed together. Prints as a grid in a
+        terminal (rich), renders as HTML in notebooks; grids above 16 x 16 shards are
+        summarised. Returns a ``Tiles`` object: ``tiles`` (index, slices, device ids per
+        shard), ``parts``, ``replicas``, ``describe()``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> import modelshard as ms
+            >>> mesh = ms.make_mesh({"data": 4, "model": 2}, abstract=True)
+            >>> p = ms.plan({"w": jax.ShapeDtypeStruct((8, 6), jnp.float32)}, P("data"), mesh)
+            >>> t = p.tiles("w")
+            >>> len(t.tiles), t.replicas, t.tiles[1]
+            (4, 2, ((1, 0), (slice(2, 4, None), slice(0, 6, None)), [2, 3]))
+        """
+        from .plan_html import Tiles
+
+        leaf = self[path]
+        return Tiles(self, path, leaf)
+
+    def html(
+        self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
+    ) -> str:
+        """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
+        bar split by top-level module, and the grouped table whose rows open their tiles on
+        the mesh (``tiles=False``: without them). Inline CSS only: no script, no external
+        resource."""
+        from .plan_html import plan_html
+
+        return plan_html(self, fold=fold, filter=filter, tiles=tiles)
+
+    def to_html(
+        self,
+        path: str | os.PathLike[str],
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+        title: str = "modelshard plan",
+    ) -> Path:
+        """Write ``html`` as a self-contained page (opens offline); returns the path.
+
+        Example:
+            >>> import tempfile, jax, jax.numpy as jnp
+            >>> from jax.sharding import PartitionSpec as P
+            >>> import modelshard as ms
+            >>> mesh = ms.make_mesh({"data": 8}, abstract=True)
+            >>> p = ms.plan({"w": jax.ShapeDtypeStruct((8, 2), jnp.float32)}, P("data"), mesh)
+            >>> p.to_html(tempfile.mkdtemp() + "/plan.html").read_text().startswith("<!DOCTYPE")
+            True
+        """
+        from .plan_html import page
+
+        out = Path(path)
+        out.write_text(page(self, title=title, fold=fold, filter=filter), encoding="utf-8")
+        return out
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """treescope (if installed) shows the same HTML as the notebook repr."""
+        from treescope import rendering_parts
+
+        return rendering_parts.embedded_iframe(
+            embedded_html=self.html(),
+            fallback_in_text_mode=rendering_parts.text(repr(self)),
+        )
+
+    def __rich__(self) -> Any:
+        return self.table().__rich__()
+
+    def __str__(self) -> str:
+        return str(self.table())
+
+    def __repr__(self) -> str:
+        return f"<Plan: {self.summary()}>"
+
+    def activation_rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per activation constraint of a step: ``name``, ``path``,
+        ``shape``, ``dtype``, ``written`` (the spec as the model wrote it), ``logical`` (as
+        in ``rows``), ``spec`` and ``bytes_per_device``."""
+        return [
+            {
+                "name": a.name,
+                "path": a.path,
+                "shape": list(a.shape),
+                "dtype": a.dtype,
+                "written": a.written,
+                "logical": logical_json(a.logical),
+                "spec": spec_json(a.spec),
+                "bytes_per_device": a.bytes_per_device,
+            }
+            for a in self.activations
+        ]
+
+
+def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
+    """A leaf's logical names per dimension as JSON; None when no logical name was mapped."""
+    if not via or not any(via):
+        return None
+    return [[{"name": n, "axes": list(t), "rule": lab} for n, t, lab in dim] for dim in via]
+
+
+def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
+    """``heads->model (rules), embed->None (tinylm defaults)``: each dimension's logical
+    names, their mesh axes and the rule entry, for tables (an entry keyed by the name
+    itself, ``rules['heads']``, is shown by its table alone)."""
+    if not logical:
+        return ""
+    parts = []
+    for dim in logical:
+        for m in dim:
+            axes = m["axes"]
+            to = "None" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+            rule = m["rule"].removesuffix(f"[{m['name']!r}]")
+            parts.append(f"{m['name']}->{to} ({rule})")
+    return ", ".join(parts)
+
+
+class PlanTable:
+    """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable.
+
+    Paths are never cut: the path column wraps, and on a narrow console the rule and
+    dtype columns go first. Below the rows: one line per top-level module with its bytes
+    per device.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        max_rows: int | None = 60,
+        fold: bool = True,
+        filter: str | re.Pattern[str] | None = None,
+    ):
+        self.plan = plan
+        self.rows = plan.groups(fold=fold, filter=filter)
+        self.modules = plan.modules(filter=filter)
+        self.max_rows = max_rows
+        self.filter = filter
+
+    def renderable(self, width: int | None = None) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        p = self.plan
+        shown = self.rows if self.max_rows is None else self.rows[: self.max_rows]
+        cells = self._cells(shown)
+        cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
+        if width is not None:  # narrow: drop the least useful columns, never cut paths
+            for col in ("rule", "dtype", "leaves", "logical"):
+                if self._width(cells, cols) > width and col in cols:
+                    cols.remove(col)
+        t = Table(title="modelshard plan", show_lines=False, title_justify="left")
+        longest = max((len(c["path"]) for c in cells), default=4)
+        t.add_column("path", overflow="fold", ratio=1, min_width=min(longest, 30))
+        names = cols[1:]
+        for col in names:
+            right = col in ("leaves", "per device")
+            t.add_column(col, no_wrap=True, justify="right" if right else "left")
+        for c in cells:  # user text (paths, rule patterns): shown literally, never as markup
+            t.add_row(literal(c["path"]), *[literal(c[n]) for n in names])
+        parts: list[Any] = [t]
+        if len(shown) < len(self.rows):
+            rest = self.rows[len(shown) :]
+            n = sum(r["count"] for r in rest)
+            cli = vocabulary() == "cli"
+            show_all = SHOW_ALL if cli else "max_rows=None shows all"
+            parts.append(Text(f"... {len(rest)} more rows ({n} leaves); {show_all}"))
+        if self.filter is not None:
+            n = sum(r["count"] for r in self.rows)
+            pattern = getattr(self.filter, "pattern", self.filter)
+            parts.append(Text(f"filter {pattern}: {n} of {len(p)} leaves"))
+        if len(self.modules) > 1:
+            m = Table(show_header=True, box=None, pad_edge=False, title=None)
+            m.add_column("module")
+            m.add_column("leaves", justify="right")
+            m.add_column("replicated", justify="right")
+            m.add_column("per device", justify="right")
+            for row in self.modules:
+                m.add_row(
+                    literal(row["module"]),
+                    str(row["leaves"]),
+                    format_bytes(row["bytes"]),
+                    format_bytes(row["bytes_per_device"]),
+                )
+            parts.append(m)
+        if p.activations:
+            a = Table(
+                title="activation constraints", box=None, pad_edge=False, title_justify="left"
+            )
+            for col in ("name", "path", "shape", "logical", "spec", "per device"):
+                a.add_column(col, justify="right" if col == "per device" else "left")
+            for row in p.activation_rows():
+                a.add_row(
+                    literal(row["name"]),
+                    literal(row["path"] or "<root>"),
+                    str(tuple(row["shape"])),
+                    literal(logical_text(row["logical"]) or row["written"]),
+                    format_spec(spec_from_json(row["spec"])),
+                    format_bytes(row["bytes_per_device"]),
+                )
+            parts.append(a)
+        parts.append(Text(p.summary()))
+        return Group(*parts)
+
+    @staticmethod
+    def _cells(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+        folded = any(r["count"] > 1 for r in rows)
+        out = []
+        for r in rows:
+            c = {"path": r["path"]}
+            if folded:
+                c["leaves"] = str(r["count"])
+            c["shape"] = str(tuple(r["shape"]))
+            c["dtype"] = r["dtype"]
+            c["spec"] = format_spec(spec_from_json(r["spec"]))
+            c["per device"] = format_bytes(r["bytes_per_device"]) + (
+                f" x{r['count']}" if r["count"] > 1 else ""
+            )
+            c["rule"] = r["rule"]
+            if any(x.get("logical") for x in rows):
+                c["logical"] = logical_text(r.get("logical"))
+            out.append(c)
+        return out
+
+    @staticmethod
+    def _width(cells: list[dict[str, str]], cols: list[str]) -> int:
+        """Characters a table of these columns needs without wrapping a cell."""
+        widths = [max([len(col)] + [len(c[col]) for c in cells]) for col in cols]
+        return sum(widths) + 3 * len(cols) + 1
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.renderable(options.max_width)
+
+    def __rich__(self) -> Any:
+        return self
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
+        width = max(100, self._width(cells, list(cells[0])) if cells else 0)
+        console = Console(
+            width=width, record=True, force_terminal=False, color_system=None, file=io.StringIO()
+        )
+        console.print(self.renderable(width))
+        return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"16GiB"`` -> 17179869184; ``"80GB"`` -> 80e9; ``"512 MiB"``; a number is bytes.
+
+    Raises:
+        SpecError: the text is not a size.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if math.isfinite(value) and value >= 0:
+            return int(value)
+    elif isinstance(value, str):
+        m = _SIZE.fullmatch(value.strip())
+        if m is not None:
+            unit = (m.group(2) or "B").lower()
+            return int(float(m.group(1)) * _UNITS[unit])
+    from .._base import Problem, SpecError
+
+    raise SpecError(
+        [
+            Problem(
+                "budget",
+                None,  # the budget itself, no leaf (as check_budget's problem)
+                f"{value!r} is not a size",
+                hint="write bytes or a number with a unit: 16GiB, 80GB, 512MiB",
+            )
+        ],
+        header="invalid memory budget:",
+    )
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"b": 1} | {
+    f"{u}{i}b": (1024 if i else 1000) ** (n + 1) for n, u in enumerate("kmgt") for i in ("i", "")
+}
+
+
+def plan(tree: Any, specs: SpecLike, mesh: Any = None) -> Plan:
+    """Plan where every array leaf of ``tree`` goes on ``mesh``, checking every leaf.
+
+    Args:
+        tree: any registered container: pytree, optax state, ``TrainState``, NNX module or
+            state, linen variables, Equinox module. Leaves may be arrays or
+            ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``), so nothing is allocated.
+        specs: one spec-like for the whole tree (``P()``, [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp],
+            a function, or a prefix tree of these).
+        mesh: a ``jax.sharding.Mesh`` or an ``AbstractMesh`` of any size; default: the
+            mesh set by ``jax.set_mesh``.
+
+    Returns:
+        A [`Plan`][modelshard.Plan]; ``print(plan)`` shows a table with bytes per device.
+
+    Raises:
+        SpecError: listing every leaf that cannot be placed, with the rule and a hint.
+        MeshError: ``mesh`` is omitted and no mesh is active.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> mesh = ms.make_mesh({"data": 32, "model": 8}, abstract=True)
+        >>> params = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+        >>> p = ms.plan(params, ms.Rules([("w$", P("data", "model"))]), mesh)
+        >>> p.bytes_per_device()
+        262144
+    """
+    if mesh is None:
+        mesh = current_mesh(concrete=True)
+    return Plan(expand_args([("tree", tree, specs)], mesh), mesh)

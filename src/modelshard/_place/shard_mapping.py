@@ -1,0 +1,377 @@
+"""``shard_map``: ``jax.shard_map`` over containers, with one spec-like per argument.
+
+Each argument's spec-like is expanded onto its array leaves by the one pipeline
+(``expand_args``), so every problem (unknown axis, rank,
+a dimension its mesh axes do not divide, so no whole local shard) is listed, with the leaf's
+path, before ``fn`` is traced. ``jax.shard_map`` then runs over the flat leaves; inside,
+each container is rebuilt from its local shards, and ``fn``'s output is split again.
+``out_specs`` is expanded over the output's structure, learnt from one shape-only trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from .._base import Problem, SpecError, mesh_sizes
+from .._containers import Flat, split
+from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
+from .constraints import constrain_leaves, current_mesh
+
+_MAX_ENTRIES = 64
+
+
+def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
+    return SpecError(
+        [Problem("shard_map", path, what, hint=hint)], header="invalid shard_map arguments:"
+    )
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One compiled signature: the mapped function and the output's structure."""
+
+    run: Callable[..., Any]
+    out: list[Flat]  # filled by the trace: the output split, to rebuild it
+
+
+class ShardMap:
+    """``fn`` mapped over the shards of container arguments. Built by [`shard_map`][modelshard.shard_map]."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        in_specs: Sequence[SpecLike] | Mapping[str, SpecLike],
+        out_specs: SpecLike,
+        mesh: Any = None,
+        axis_names: frozenset[str] | set[str] = frozenset(),
+        check_vma: bool = True,
+    ):
+        if not callable(fn):
+            raise TypeError(
+                f"shard_map needs a callable, got {fn!r} ({type(fn).__name__}); pass the "
+                "function, or use @shard_map(in_specs=..., out_specs=...) as a decorator"
+            )
+        if not isinstance(in_specs, Mapping | tuple | list):
+            raise _invalid(
+                "in_specs",
+                f"in_specs must be a tuple (one spec-like per positional argument) or a dict "
+                f"(parameter name -> spec-like), got {type(in_specs).__name__}",
+                hint="write in_specs=(rules, P('data')) or in_specs={'params': rules}",
+            )
+        if mesh is not None:
+            mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
+        self.fn = fn
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.mesh = mesh
+        self.axis_names = frozenset(axis_names)
+        self.check_vma = check_vma
+        try:
+            self._sig: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._sig = None
+        self._check_names()
+        self._entries: dict[Hashable, _Entry] = {}
+        functools.update_wrapper(self, fn)
+
+    def _check_names(self) -> None:
+        if not isinstance(self.in_specs, Mapping):
+            return
+        if self._sig is None:
+            raise _invalid(
+                "in_specs",
+                f"{self.fn!r} has no inspectable signature, so in_specs can only be a tuple",
+            )
+        params = self._sig.parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return
+        bad = [n for n in self.in_specs if n not in params]
+        if bad:
+            raise SpecError(
+                [
+                    Problem(
+                        "shard_map",
+                        f"in_specs[{n!r}]",
+                        f"{getattr(self.fn, '__name__', 'fn')} has no parameter {n!r}",
+                        hint=f"its parameters are {', '.join(map(repr, params))}",
+                    )
+                    for n in bad
+                ],
+                header="invalid shard_map arguments:",
+            )
+
+    def _bind(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, Any, Any]]]:
+        """The call bound to the signature, and ``(name, value, spec-like or None)`` of every
+        argument, positional ones first."""
+        if self._sig is not None:
+            try:
+                bound = self._sig.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{getattr(self.fn, '__name__', 'fn')}(): {e}") from None
+            bound.apply_defaults()
+            args, kwargs = bound.args, dict(bound.kwargs)
+            names = [
+                p.name
+                for p in self._sig.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        elif kwargs:
+            raise _invalid(
+                "kwargs", f"{self.fn!r} has no inspectable signature; pass arguments by position"
+            )
+        else:
+            names = []
+        specs = self.in_specs
+        if not isinstance(specs, Mapping) and len(specs) != len(args):
+            raise _invalid(
+                "in_specs",
+                f"in_specs has {len(specs)} entries but {getattr(self.fn, '__name__', 'fn')} "
+                f"was called with {len(args)} positional arguments",
+                hint="give one spec-like per positional argument (None passes one through "
+                "unmapped), or a dict of parameter name -> spec-like",
+            )
+        out = []
+        for i, v in enumerate(args):
+            name = names[i] if i < len(names) else f"args[{i - len(names)}]"
+            spec = specs.get(name) if isinstance(specs, Mapping) else specs[i]
+            out.append((name, v, spec))
+        for k, v in kwargs.items():
+            out.append((k, v, specs.get(k) if isinstance(specs, Mapping) else None))
+        return args, kwargs, out
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
+        args, kwargs, bound = self._bind(args, kwargs)
+        mapped = [(n, v, s) for n, v, s in bound if s is not None]
+        plans = expand_args(mapped, mesh)  # every input problem, before any trace
+        arrays = [x for a in plans for x in a.flat.arrays]
+        key = _signature(mesh, bound, plans, active_logical())
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            entry = self._build(mesh, args, kwargs, bound, plans)
+            if key is not None:
+                if len(self._entries) >= _MAX_ENTRIES:
+                    self._entries.pop(next(iter(self._entries)))
+                self._entries[key] = entry
+        return entry.out[0].rebuild(entry.run(*arrays))
+
+    def _build(
+        self,
+        mesh: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        bound: list[tuple[str, Any, Any]],
+        plans: list[ArgPlan],
+    ) -> _Entry:
+        in_specs = tuple(leaf.spec for a in plans for leaf in a.leaves)
+        arrays = [x for a in plans for x in a.flat.arrays]
+        out: list[Flat] = []
+        body = _body(self.fn, args, kwargs, bound, plans, out)
+        # Shape-only trace: the output's structure and local shapes (replicated out specs
+        # make global = local; check_vma off, as those specs are not the real ones).
+        shapes = jax.eval_shape(
+            lambda *xs: jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=PartitionSpec(),
+                axis_names=self.axis_names,
+                check_vma=False,
+            )(*constrain_leaves(xs, in_specs, mesh)),
+            *arrays,
+        )
+        out_specs = _out_specs(out[0], shapes, self.out_specs, mesh)
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=self.axis_names,
+            check_vma=self.check_vma,
+        )
+
+        def run(*xs: Any) -> Any:
+            # Inputs take their planned sharding first: JAX refuses an input on Explicit
+            # axes whose sharding differs from its in_spec.
+            return mapped(*constrain_leaves(xs, in_specs, mesh))
+
+        return _Entry(jax.jit(run), out)
+
+
+def _body(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    bound: list[tuple[str, Any, Any]],
+    plans: list[ArgPlan],
+    out: list[Flat],
+) -> Callable[..., list[Any]]:
+    """The per-shard function over flat leaves: rebuild the containers, call, split."""
+    npos = len(args)
+
+    def body(*local: Any) -> list[Any]:
+        values = [v for _, v, _ in bound]
+        start = 0
+        it = iter(plans)
+        for i, (_, _, spec) in enumerate(bound):
+            if spec is None:
+                continue
+            flat = next(it).flat
+            n = len(flat.array_index)
+            values[i] = flat.rebuild(local[start : start + n])
+            start += n
+        pos = values[:npos]
+        kw = dict(zip(kwargs, values[npos:], strict=True))
+        result = split(fn(*pos, **kw))
+        out[:] = [result]
+        return list(result.arrays)
+
+    return body
+
+
+def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) -> list[Any]:
+    """One ``PartitionSpec`` per output leaf: ``specs`` expanded over the output's structure.
+
+    The leaves are local shards, so the expansion runs on a mesh of the same axes, each of
+    size 1: unknown axes, ranks and axes used twice are reported; divisibility cannot fail.
+    Spec functions see the local leaf.
+    """
+    given = jax.tree_util.tree_leaves(specs, is_leaf=is_leaf_spec)
+    if any(isinstance(s, FSDP) for s in given):
+        raise _invalid(
+            "out_specs",
+            "fsdp(...) chooses a dimension from a leaf's global shape, which an output of "
+            "shard_map does not have until its shards are concatenated",
+            hint="give out_specs as PartitionSpecs or Rules; to place an output as an input "
+            "was placed, pass the input plan's specs: plan = ms.plan(x, spec, mesh); "
+            "out_specs=lambda path, leaf: plan[path].spec",
+        )
+    names = tuple(mesh.axis_names)
+    unit = AbstractMesh((1,) * len(names), names, axis_types=tuple(mesh.axis_types))
+    local = flat.rebuild([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes])
+    try:
+        (plan,) = expand_args([("out", local, specs)], unit)
+    except SpecError as e:
+        problems = [
+            dataclasses.replace(p, mesh=None if p.mesh is None else _mesh_text(mesh))
+            for p in e.problems
+        ]
+        raise SpecError(problems, header="invalid shard_map out_specs:") from None
+    return [leaf.spec for leaf in plan.leaves]
+
+
+def _mesh_text(mesh: Any) -> str:
+    from .._base import format_mesh
+
+    return format_mesh(mesh_sizes(mesh))
+
+
+def _signature(
+    mesh: Any, bound: list[tuple[str, Any, Any]], plans: list[ArgPlan], logical: Any
+) -> Hashable | None:
+    """What a compiled entry depends on: the mesh, each argument's structure, static
+    leaves, shapes and dtypes, unmapped arguments and the logical-rules context; ``None``
+    when any of it is unhashable (then nothing is cached)."""
+    parts: list[Any] = [mesh, logical]  # the object (not its id): the key keeps it alive
+    it = iter(plans)
+    for name, value, spec in bound:
+        if spec is None:
+            parts.append((name, "static", value))
+            continue
+        flat = next(it).flat
+        index = set(flat.array_index)
+        statics = tuple(leaf for i, leaf in enumerate(flat.leaves) if i not in index)
+        parts.append(
+            (
+                name,
+                id(spec),
+                type(flat.obj),
+                flat.aux,
+                statics,
+                tuple((tuple(x.shape), str(x.dtype)) for x in flat.arrays),
+            )
+        )
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def shard_map(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    in_specs: Sequence[SpecLike] | Mapping[str, SpecLike],
+    out_specs: SpecLike,
+    mesh: Any = None,
+    axis_names: frozenset[str] | set[str] = frozenset(),
+    check_vma: bool = True,
+) -> Any:
+    """``jax.shard_map`` over containers: one spec-like per argument, expanded onto its leaves.
+
+    Each argument (NNX module or state, linen variables, Equinox module, optax state, any
+    pytree) is split into array leaves and its spec-like expanded onto every leaf by the
+    same rule engine as [`plan`][modelshard.plan]; every problem, across all arguments, is
+    listed with the leaf's path before ``fn`` is traced (each sharded dimension must
+    divide into whole local shards). Inside ``fn`` each argument is the same container
+    type holding its local shards; ``fn`` may return any container, and ``out_specs``
+    (one spec-like, or a prefix tree of them over the output) says how each output
+    leaf's shards are concatenated, as in ``jax.shard_map``. Logical names resolve
+    through ``Rules(logical=...)`` or the active [`logical_rules`][modelshard.logical_rules].
+
+    Args:
+        fn: the per-shard function. Containers it receives are rebuilt from shards:
+            mutating an NNX module inside does not change the caller's; return it.
+        in_specs: a tuple (one spec-like per positional argument) or a dict (parameter
+            name -> spec-like); ``None`` (or a parameter the dict leaves out) passes that
+            argument through unmapped, as a constant.
+        out_specs: a spec-like (or prefix tree) for the output.
+        mesh: the mesh; default: the one set by ``jax.set_mesh``.
+        axis_names: the mesh axes ``fn`` is manual over (default: all), as in JAX.
+        check_vma: JAX's replication checks on the outputs.
+
+    Returns:
+        The mapped function (or a decorator, when ``fn`` is omitted). Calls with a new
+        structure, shape or static value are planned and compiled once, then cached.
+
+    Raises:
+        SpecError: listing every leaf that cannot take its spec (inputs before tracing,
+            ``out_specs`` once the output's structure is known).
+        MeshError: no ``mesh`` and no ``jax.set_mesh`` context.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> mesh = ms.make_mesh({"data": 8})
+        >>> @ms.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+        ... def apply(params, x):
+        ...     return x @ params["w"] + params["b"]
+        >>> params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+        >>> apply(params, jnp.ones((16, 4))).shape
+        (16, 2)
+    """
+
+    def wrap(f: Callable[..., Any]) -> ShardMap:
+        return ShardMap(
+            f,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            mesh=mesh,
+            axis_names=axis_names,
+            check_vma=check_vma,
+        )
+
+    return wrap if fn is None else wrap(fn)

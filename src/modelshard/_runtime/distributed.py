@@ -1,0 +1,467 @@
+"""The multi-process runtime behind the public ``modelshard.distributed`` module: starting
+JAX's distributed runtime from the environment, and the coordination-service helpers
+(``barrier``, ``broadcast``, ``gather``) the library and training scripts share. The design
+notes are the public module's docstring."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from .._base import DistributedError
+from .._containers import split
+from .launch import (
+    ENV_BARRIER_TIMEOUT,
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT_TIMEOUT,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+"""How long ``barrier``, ``broadcast`` and ``gather`` wait for the other processes unless
+``MODELSHARD_BARRIER_TIMEOUT`` says otherwise (Orbax's own default for finishing an
+asynchronous save is the same ten minutes). It bounds a process that is alive but stuck or
+on another path; a dead process is noticed sooner, after the heartbeat timeout."""
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise DistributedError(
+            f"environment variable {name}={raw!r} must be an integer >= {minimum}."
+        )
+    return value
+
+
+def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
+    """The cluster launcher JAX can configure itself from, or ``None`` in a plain process.
+
+    Only cheap checks of the environment (no network queries): ``JAX_COORDINATOR_ADDRESS``,
+    SLURM with more than one task, Open MPI with more than one rank, GKE TPU worker lists,
+    and Cloud TPU VMs (which JAX configures from the metadata server).
+    """
+    env = os.environ if env is None else env
+
+    def many(name: str) -> bool:
+        try:
+            return int(env.get(name, "1")) > 1
+        except ValueError:
+            return False
+
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS"
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in env for k in slurm) and many("SLURM_NTASKS"):
+        return "slurm"
+    ompi = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+    if ("OMPI_MCA_orte_hnp_uri" in env or all(k in env for k in ompi)) and many(
+        "OMPI_COMM_WORLD_SIZE"
+    ):
+        return "openmpi"
+    if any(
+        k in env
+        for k in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_ADDRESSES_PATH")
+    ):
+        return "tpu"
+    if env is os.environ:
+        from .._internals.jax import cloud_tpu_init
+
+        if getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
+            return "cloud-tpu-vm"
+    return None
+
+
+def initialize(**jax_kwargs: Any) -> bool:
+    """Start JAX's distributed runtime if this process is one of several; else do nothing.
+
+    Reads, in order:
+
+    1. ``modelshard launch`` variables: ``MODELSHARD_COORDINATOR`` (``host:port``),
+       ``MODELSHARD_NUM_PROCESSES``, ``MODELSHARD_PROCESS_ID`` and, for simulated CPU
+       devices, ``MODELSHARD_LOCAL_DEVICES`` (sets ``jax_num_cpu_devices`` first);
+    2. a cluster environment JAX detects itself (see ``cluster_detected``): then
+       ``jax.distributed.initialize()`` is called without arguments;
+    3. nothing: a single process, and this is a no-op (``MODELSHARD_LOCAL_DEVICES`` is
+       still honoured).
+
+    Call it once, first, before any JAX computation. Calling it again is harmless.
+
+    ``MODELSHARD_HEARTBEAT_TIMEOUT`` (seconds, ``modelshard launch --heartbeat-timeout``)
+    becomes ``heartbeat_timeout_seconds``: how long a process may go silent (killed, its
+    host lost) before the runtime declares it dead and terminates every other process
+    with an error naming it. Unset, JAX's default applies (100 s).
+
+    Args:
+        **jax_kwargs: passed on to ``jax.distributed.initialize`` (for example
+            ``initialization_timeout=60`` or ``heartbeat_timeout_seconds=30``); explicit
+            ``coordinator_address``, ``num_processes`` and ``process_id`` win over the
+            environment.
+
+    Returns:
+        Whether the distributed runtime is running (``jax.process_count()`` may be > 1).
+
+    Raises:
+        DistributedError: a malformed variable, or a call after JAX's backend was
+            already started (too late to join other processes).
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.distributed.initialize()  # a plain process: nothing to do
+        False
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    coordinator = env.get(ENV_COORDINATOR) or None
+    num = _env_int(env, ENV_NUM_PROCESSES, 1)
+    pid = _env_int(env, ENV_PROCESS_ID, 0)
+    local = _env_int(env, ENV_LOCAL_DEVICES, 1)
+    heartbeat = _env_int(env, ENV_HEARTBEAT_TIMEOUT, 1)
+    if heartbeat is not None:
+        jax_kwargs.setdefault("heartbeat_timeout_seconds", heartbeat)
+    if local is not None:
+        _set_cpu_devices(local)
+    if "coordinator_address" in jax_kwargs or "num_processes" in jax_kwargs:
+        _start(**jax_kwargs)
+        return True
+    if coordinator is not None:
+        missing = [n for n, v in ((ENV_NUM_PROCESSES, num), (ENV_PROCESS_ID, pid)) if v is None]
+        if missing:
+            raise DistributedError(
+                f"{ENV_COORDINATOR} is set but {', '.join(missing)} is not; "
+                "start processes with `modelshard launch -n N -- ...`."
+            )
+        if pid >= num:  # type: ignore[operator]  # both are set: checked just above
+            raise DistributedError(
+                f"{ENV_PROCESS_ID}={pid} is not below {ENV_NUM_PROCESSES}={num}."
+            )
+        if num == 1:
+            return False
+        _start(coordinator_address=coordinator, num_processes=num, process_id=pid, **jax_kwargs)
+        return True
+    if cluster_detected() is not None:
+        _start(**jax_kwargs)
+        return True
+    return False
+
+
+def _backend_started() -> bool:
+    from .._internals.jax import backends_are_initialized
+
+    return bool(backends_are_initialized())
+
+
+def _set_cpu_devices(count: int) -> None:
+    if jax.config.jax_num_cpu_devices == count:  # type: ignore[attr-defined]
+        return
+    if _backend_started():
+        raise DistributedError(
+            f"{ENV_LOCAL_DEVICES}={count} asks for {count} CPU devices, but JAX's backend "
+            "was already started; call modelshard.distributed.initialize() first, before "
+            "any JAX computation (jax.devices(), jnp arrays, ...)."
+        )
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def _start(**kwargs: Any) -> None:
+    if _backend_started():
+        raise DistributedError(
+            "JAX's backend was already started, so this process can no longer join the "
+            "others; call modelshard.distributed.initialize() first, before any JAX "
+            "computation (jax.devices(), jnp arrays, ...)."
+        )
+    jax.distributed.initialize(**kwargs)
+
+
+def is_main_process() -> bool:
+    """Whether this is process 0, the one that should print, log and write side files."""
+    return jax.process_index() == 0
+
+
+def barrier_timeout_s() -> float:
+    """How long ``barrier``, ``broadcast`` and ``gather`` wait: ``MODELSHARD_BARRIER_TIMEOUT``
+    seconds, else ``DEFAULT_BARRIER_TIMEOUT_S``.
+
+    Raises:
+        DistributedError: the variable is not a positive number.
+    """
+    raw = os.environ.get(ENV_BARRIER_TIMEOUT, "")
+    if raw == "":
+        return DEFAULT_BARRIER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise DistributedError(
+            f"environment variable {ENV_BARRIER_TIMEOUT}={raw!r} must be a positive number "
+            "of seconds."
+        )
+    return value
+
+
+_seen: dict[str, int] = {}
+_seen_lock = threading.Lock()
+
+
+def _key(kind: str, name: str) -> str:
+    """A coordination-service key for this call of ``name``: every process calls the same
+    names in the same order, so the n-th call has the same key everywhere."""
+    with _seen_lock:
+        n = _seen[f"{kind}:{name}"] = _seen.get(f"{kind}:{name}", 0) + 1
+    return f"modelshard/{kind}/{name}/{n}"
+
+
+def _client() -> Any:
+    from .._internals.jax import global_state
+
+    return global_state.client
+
+
+def _failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
+    return DistributedError(
+        f"process {jax.process_index()} of {jax.process_count()}: {what} {name!r} failed "
+        f"after waiting up to {timeout:g} s for the other processes ({ENV_BARRIER_TIMEOUT} "
+        f"sets the wait): {type(e).__name__}: {e}. Another process died, is stuck, or took "
+        "another path through the program (every process must make the same calls in the "
+        "same order)."
+    )
+
+
+def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None) -> None:
+    """Wait until every process reaches this point (a no-op in a single process).
+
+    Every process must call it with the same ``name``, in the same order. It is a barrier
+    of the distributed runtime's coordination service (no device collective, nothing to
+    compile), so it is safe wherever the devices are busy.
+
+    Args:
+        name: the barrier's name (the n-th call of a name is one barrier).
+        timeout_s: how long to wait; default ``barrier_timeout_s()``.
+
+    Raises:
+        DistributedError: not every process arrived in time (its message names the
+            barrier and the timeout).
+    """
+    if jax.process_count() == 1:
+        return
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    if client is None:  # a runtime started without JAX's coordination service
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    key = _key("barrier", name)
+    try:
+        client.wait_at_barrier(key, max(1, int(timeout * 1000)))
+    except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
+        raise _failed("barrier", name, timeout, e) from e
+
+
+def broadcast(
+    value: Any, name: str = "modelshard.broadcast", *, timeout_s: float | None = None
+) -> Any:
+    """Process 0's ``value`` on every process (a JSON value; the others' are ignored).
+
+    What process 0 decides from what it alone reads (a listing of the file system) so
+    that every process acts on the same decision. Every process must call it with the same
+    ``name``, in the same order. It goes through the coordination service's key-value
+    store; process 0 does not wait.
+
+    Raises:
+        DistributedError: process 0's value did not come within the timeout
+            (``barrier_timeout_s()`` unless ``timeout_s``).
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.distributed.broadcast({"steps": [1, 2]}, "listing")  # one process: itself
+        {'steps': [1, 2]}
+    """
+    if jax.process_count() == 1:
+        return json.loads(json.dumps(value))
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    text = json.dumps(value) if jax.process_index() == 0 else None
+    if client is None:
+        return json.loads(_broadcast_by_devices(text))
+    key = _key("broadcast", name)
+    if text is not None:
+        client.key_value_set(key, text)
+        return json.loads(text)
+    try:
+        value = json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+    except Exception as e:
+        raise _failed("broadcast", name, timeout, e) from e
+    _read(client, key, readers=jax.process_count() - 1)
+    return value
+
+
+def gather(
+    value: Any, name: str = "modelshard.gather", *, timeout_s: float | None = None
+) -> list[Any]:
+    """Every process's ``value`` (JSON), in process order, on every process.
+
+    Every process must call it with the same ``name``, in the same order (coordination
+    service key-value store; each waits for all the others).
+
+    Raises:
+        DistributedError: a process's value did not come within the timeout.
+
+    Example:
+        >>> import modelshard as ms
+        >>> ms.distributed.gather("ok", "status")
+        ['ok']
+    """
+    text = json.dumps(value)
+    if jax.process_count() == 1:
+        return [json.loads(text)]
+    timeout = barrier_timeout_s() if timeout_s is None else timeout_s
+    client = _client()
+    if client is None:
+        texts = [
+            _broadcast_by_devices(text if p == jax.process_index() else None, p)
+            for p in range(jax.process_count())
+        ]
+        return [json.loads(t) for t in texts]
+    key = _key("gather", name)
+    client.key_value_set(f"{key}/{jax.process_index()}", text)
+    out = []
+    try:
+        for p in range(jax.process_count()):
+            out.append(
+                json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
+            )
+    except Exception as e:
+        raise _failed("gather", name, timeout, e) from e
+    _read(client, key, readers=jax.process_count())
+    return out
+
+
+def _read(client: Any, key: str, readers: int) -> None:
+    """Count this process as done reading ``key``; the last reader removes it and its
+    entries, so a run that saves every step leaves nothing behind in the coordinator."""
+    if client.key_value_increment(f"{key}/read", 1) == readers:
+        client.key_value_delete(key)  # the key and every key under ``key/``
+
+
+def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
+    """``text`` of process ``source`` on every process, through device collectives (only
+    where JAX's distributed client is missing)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer((text or "").encode(), np.uint8)
+    me = jax.process_index() == source
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(mine.size), is_source=me))
+    buf = np.zeros(size, np.uint8)
+    if me:
+        buf[:] = mine
+    out = multihost_utils.broadcast_one_to_all(buf, is_source=me)
+    return np.asarray(out, np.uint8).tobytes().decode()
+
+
+def to_host(tree: Any) -> Any:
+    """The full value of every array leaf as NumPy, on every process.
+
+    Arrays that span devices of other processes are all-gathered (a collective: every
+    process must call it, with the same tree); the rest are copied. Typed PRNG keys come
+    back as their ``jax.random.key_data``. NNX modules come back as their ``nnx.State``,
+    other containers as themselves.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import modelshard as ms
+        >>> ms.distributed.to_host({"w": jnp.arange(3)})["w"]
+        array([0, 1, 2], dtype=int32)
+    """
+    flat = split(tree)
+    out = []
+    for x in flat.arrays:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise DistributedError(
+                "to_host got an abstract leaf (jax.ShapeDtypeStruct): it has no value to fetch."
+            )
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)  # NumPy has no key dtype: the raw uint32 words
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            out.append(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
+        else:
+            out.append(np.asarray(x))
+    return flat.rebuild(out, mirror=True)
+
+
+def local_slice(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[slice, ...]:
+    """The block of a global array that this process's devices hold: what to load here.
+
+    With a batch sharded over ``data``, each process reads only these rows from disk and
+    passes them to [`modelshard.assemble`][modelshard.assemble] (or ``jax.make_array_from_process_local_data``).
+
+    Args:
+        shape: the global shape.
+        spec: its ``PartitionSpec`` on ``mesh``.
+        mesh: a concrete mesh (it may span several processes).
+
+    Returns:
+        One ``slice`` per dimension.
+
+    Raises:
+        DistributedError: this process's shards do not form one block (an unusual device
+            order); use ``NamedSharding(mesh, spec).addressable_devices_indices_map``.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> ms.distributed.local_slice((16, 8), P("data"), ms.make_mesh({"data": 8}))
+        (slice(0, 16, None), slice(0, 8, None))
+    """
+    shape = tuple(int(n) for n in shape)
+    sharding = NamedSharding(mesh, spec)
+    index = [i for i in sharding.addressable_devices_indices_map(shape).values() if i is not None]
+    out = []
+    for d, n in enumerate(shape):
+        ranges = sorted({idx[d].indices(n)[:2] for idx in index})
+        lo, hi = ranges[0][0], ranges[-1][1]
+        if sum(b - a for a, b in ranges) != hi - lo:
+            raise DistributedError(
+                f"process {jax.process_index()}'s shards of a {list(shape)} array with spec "
+                f"{spec} do not form one block along dimension {d} ({ranges}); use "
+                "NamedSharding(mesh, spec).addressable_devices_indices_map(shape)."
+            )
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def require_addressable(x: Any, what: str) -> None:
+    """Raise a clear error if ``x`` is an array that spans devices of other processes.
+
+    Args:
+        x: any value; only ``jax.Array`` instances are checked.
+        what: what needed the value, for the message (``"assemble: leaf 'w'"``).
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        mine = len(x.addressable_shards)
+        total = len(x.sharding.device_set)
+        raise DistributedError(
+            f"{what} needs the full value of a {x.dtype}{list(x.shape)} array that spans "
+            f"devices of other processes (process {jax.process_index()} of "
+            f"{jax.process_count()} holds {mine} of its {total} devices); call "
+            "modelshard.distributed.to_host(value) on every process to all-gather it, or "
+            "work on value.addressable_shards."
+        )

@@ -1,0 +1,396 @@
+"""``modelshard launch``: N local processes on JAX's distributed runtime, as one command.
+
+Each process gets the coordinator address (a loopback port), the process count, its index
+and its number of simulated CPU devices in the environment, which
+[`modelshard.distributed.initialize`][modelshard.distributed.initialize] reads. Output is forwarded line by line with a
+``[process i]`` prefix. When one process fails, the others are stopped: SIGTERM, then
+SIGKILL after a grace period (JAX ignores SIGTERM while it waits in a collective), each
+process in its own process group so nothing it started stays behind.
+
+The coordinator's port is reserved for the whole run (``reserve_port``): the launcher
+keeps it bound with ``SO_REUSEPORT``, which JAX's coordinator (a gRPC server) also sets, so
+the coordinator can bind it while no other program can take it in between. Processes are
+started without a ``preexec_fn`` (which would fork a multithreaded process): on Linux each
+goes through a small exec helper that asks the kernel to kill it if the launcher dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+# What each process finds in its environment; modelshard.distributed.initialize reads it.
+# This module imports no JAX, so it also runs as a plain script (fast start-up in tests).
+ENV_COORDINATOR = "MODELSHARD_COORDINATOR"
+ENV_NUM_PROCESSES = "MODELSHARD_NUM_PROCESSES"
+ENV_PROCESS_ID = "MODELSHARD_PROCESS_ID"
+ENV_LOCAL_DEVICES = "MODELSHARD_LOCAL_DEVICES"
+# Seconds after which the distributed runtime declares a silent process dead (and stops
+# every other one with an error saying so); passed to jax.distributed.initialize as
+# heartbeat_timeout_seconds. Unset: JAX's default, 100 s.
+ENV_HEARTBEAT_TIMEOUT = "MODELSHARD_HEARTBEAT_TIMEOUT"
+# Seconds modelshard's barriers (and the checkpoint manager's agreements) wait for the
+# other processes before raising (modelshard.distributed.DEFAULT_BARRIER_TIMEOUT_S unset).
+ENV_BARRIER_TIMEOUT = "MODELSHARD_BARRIER_TIMEOUT"
+
+# Gloo prints one line per peer for every new communicator: noise, not information.
+# Its threads write concurrently, so a line may start with another's "[Gloo] Rank ".
+_NOISE = re.compile(
+    rb"^(\[Gloo\] Rank )*\d* ?is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\s*$"
+)
+_POLL_S = 0.02
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelshard launch",
+        description="Run a command as N local processes on JAX's distributed runtime (CPU "
+        "devices, gloo collectives), the way a cluster launcher would.",
+        epilog="example: modelshard launch -n 2 --devices-per-process 4 -- python train.py. "
+        "The script calls modelshard.distributed.initialize() first; the same script "
+        "then runs alone, under launch, or under SLURM/mpirun/a TPU pod.",
+    )
+    p.add_argument(
+        "-n",
+        "--num-processes",
+        type=int,
+        required=True,
+        metavar="N",
+        help="how many processes to start",
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        metavar="K",
+        help="simulated CPU devices per process (default 1)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop every process after S seconds and exit 124",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping (default 3)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        metavar="S",
+        help="seconds after which the distributed runtime declares a silent process dead "
+        f"and stops the others (sets {ENV_HEARTBEAT_TIMEOUT}; default: JAX's 100)",
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    p.add_argument(
+        "--show-gloo",
+        action="store_true",
+        help="keep gloo's per-peer 'connected' lines in the output",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after `--`")
+    return p
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (another program may take it next;
+    ``reserve_port`` holds one)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def reserve_port() -> socket.socket | None:
+    """A socket holding a free port on 127.0.0.1 until it is closed, or ``None`` where the
+    platform has no ``SO_REUSEPORT``.
+
+    The socket is bound with ``SO_REUSEPORT`` and never listens: a server that also sets
+    ``SO_REUSEPORT`` (JAX's coordinator does, through gRPC) can bind and listen on the port,
+    and only listening sockets receive connections, while a program that does not set it
+    gets "address in use". So the port cannot be taken between choosing it and the
+    coordinator binding it.
+    """
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    if reuse is None:  # pragma: no cover - not Linux/macOS
+        return None
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, reuse, 1)
+        s.bind(("127.0.0.1", 0))
+    except OSError:  # pragma: no cover - a kernel refusing the option
+        s.close()
+        return None
+    return s
+
+
+def child_env(
+    base: dict[str, str],
+    coordinator: str,
+    num: int,
+    index: int,
+    devices: int,
+    heartbeat_timeout: int | None = None,
+) -> dict[str, str]:
+    """The environment of process ``index``: ``base`` plus what ``initialize`` reads."""
+    env = dict(base)
+    if heartbeat_timeout is not None:
+        env[ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+    env.update(
+        {
+            ENV_COORDINATOR: coordinator,
+            ENV_NUM_PROCESSES: str(num),
+            ENV_PROCESS_ID: str(index),
+            ENV_LOCAL_DEVICES: str(devices),
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+# Run between the launcher and each process on Linux: the kernel SIGKILLs the process if the
+# launcher dies (PR_SET_PDEATHSIG survives exec), and a launcher that died before that was
+# set is noticed through the parent pid. A helper, not a preexec_fn: those fork the launcher,
+# which is multithreaded when it runs inside a program (deadlock-prone, and Python warns).
+_EXEC_HELPER = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(128 + 9)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    sys.stderr.write(f"cannot start {sys.argv[2]!r}: {e.strerror or e}\\n")
+    os._exit(127)
+"""
+
+
+def _with_exec_helper(command: Sequence[str]) -> list[str]:
+    """``command`` run through ``_EXEC_HELPER`` on Linux; as it is elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *command]
+
+
+def _cannot_start(program: str) -> str | None:
+    """Why ``program`` cannot be executed (``strerror``-style), or ``None``."""
+    path = program if os.sep in program else shutil.which(program)
+    if path is None or not os.path.exists(path):
+        return os.strerror(errno.ENOENT)
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        return os.strerror(errno.EACCES)
+    return None
+
+
+def _forward(
+    stream: IO[bytes], out: Any, prefix: bytes, lock: threading.Lock, show_noise: bool
+) -> None:
+    sink = out.buffer if hasattr(out, "buffer") else None
+    for line in iter(stream.readline, b""):
+        if not show_noise and _NOISE.match(line):
+            continue
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            try:
+                if sink is not None:
+                    sink.write(prefix + line)
+                else:
+                    out.write((prefix + line).decode("utf-8", "replace"))
+                out.flush()
+            except (OSError, ValueError):  # our reader went away (`| head`): keep draining
+                pass
+    stream.close()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM every running process group, wait ``grace`` seconds, then SIGKILL them all."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in running):
+        time.sleep(_POLL_S)
+    for p in procs:  # also reaps grandchildren left in the group of a finished process
+        _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def run(
+    command: Sequence[str],
+    num: int,
+    devices: int = 1,
+    *,
+    timeout: float | None = None,
+    grace: float = 3.0,
+    port: int | None = None,
+    show_gloo: bool = False,
+    heartbeat_timeout: int | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+) -> int:
+    """Run ``command`` as ``num`` processes; return 0 if all succeed, else a failing code.
+
+    Returns the first failing process's exit code (128 + signal if it was killed), 124
+    on timeout, 128 + signal when the launcher is interrupted, 127 when the command cannot
+    be started; every process group is gone when it returns.
+    """
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    lock = threading.Lock()
+    why = _cannot_start(command[0])
+    if why is not None:
+        _note(stderr, lock, f"cannot start {command[0]!r}: {why}")
+        return 127
+    reservation = reserve_port() if port is None else None
+    if port is None:
+        port = reservation.getsockname()[1] if reservation is not None else free_port()
+    coordinator = f"127.0.0.1:{port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    threads: list[threading.Thread] = []
+    status = 0
+    interrupted: list[int] = []
+    previous = {}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, on_signal)
+    argv = _with_exec_helper(command)
+    try:
+        for i in range(num):
+            env = child_env(dict(os.environ), coordinator, num, i, devices, heartbeat_timeout)
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                _note(stderr, lock, f"cannot start {command[0]!r}: {e.strerror or e}")
+                return 127
+            procs.append(proc)
+        for i, proc in enumerate(procs):
+            prefix = f"[process {i}] ".encode()
+            for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
+                assert stream is not None
+                t = threading.Thread(
+                    target=_forward, args=(stream, out, prefix, lock, show_gloo), daemon=True
+                )
+                t.start()
+                threads.append(t)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+            if failed:
+                i, c = failed[0]
+                status = _exit_code(c)
+                _note(stderr, lock, f"process {i} exited with code {c}; stopping the others")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if interrupted:
+                status = 128 + interrupted[0]
+                _note(stderr, lock, f"got signal {interrupted[0]}; stopping every process")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                status = 124
+                _note(stderr, lock, f"timed out after {timeout:g} s; stopping every process")
+                break
+            time.sleep(_POLL_S)
+    finally:
+        _stop(procs, grace)
+        for t in threads:
+            t.join(timeout=2.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if reservation is not None:
+            reservation.close()
+    return status
+
+
+def _note(stream: Any, lock: threading.Lock, text: str) -> None:
+    with lock:
+        stream.write(f"[modelshard launch] {text}\n")
+        stream.flush()
+
+
+def main(argv: list[str]) -> int:
+    """``modelshard launch -n N [--devices-per-process K] [--timeout S] -- command ...``.
+
+    Example:
+        >>> from modelshard._runtime.launch import main
+        >>> main(["-n", "2", "--", "python", "-c", "print('hi')"])  # doctest: +SKIP
+        [process 0] hi
+        [process 1] hi
+        0
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error(
+            "no command given; put it after `--`, e.g. modelshard launch -n 2 -- python train.py"
+        )
+    if args.num_processes < 1:
+        parser.error(f"-n must be at least 1, got {args.num_processes}")
+    if args.devices_per_process < 1:
+        parser.error(f"--devices-per-process must be at least 1, got {args.devices_per_process}")
+    if args.heartbeat_timeout is not None and args.heartbeat_timeout < 1:
+        parser.error(f"--heartbeat-timeout must be at least 1, got {args.heartbeat_timeout}")
+    return run(
+        command,
+        args.num_processes,
+        args.devices_per_process,
+        timeout=args.timeout,
+        grace=args.grace,
+        port=args.port,
+        show_gloo=args.show_gloo,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,24 @@
+"""The specs area's façade: the spec language (``Rules``, ``fsdp``, spec-likes), logical axis
+names, rules files, and ``expand_args``, the one pipeline that expands a spec-like onto every
+array leaf of a container and validates it. Above ``_containers`` and ``_base``."""
+
+from .expand import ArgPlan as ArgPlan
+from .expand import LeafPlan as LeafPlan
+from .expand import expand_args as expand_args
+from .language import FSDP as FSDP
+from .language import Rules as Rules
+from .language import SpecLike as SpecLike
+from .language import entry_axes as entry_axes
+from .language import format_spec as format_spec
+from .language import fsdp as fsdp
+from .language import is_axes_entry as is_axes_entry
+from .language import is_entry as is_entry
+from .language import is_leaf_spec as is_leaf_spec
+from .language import spec_from_json as spec_from_json
+from .language import spec_json as spec_json
+from .logical import LogicalAxes as LogicalAxes
+from .logical import active_logical as active_logical
+from .logical import closest as closest
+from .logical import logical_rules as logical_rules
+from .resolution import Via as Via
+from .rulesfile import load_rules as load_rules

@@ -1,0 +1,362 @@
+"""The one pipeline: split each argument, expand its spec onto every array leaf, validate.
+
+Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
+CLI) calls ``expand_args`` and consumes its [`LeafPlan`][modelshard.LeafPlan] lists; nothing else
+expands or validates specs. This module walks arguments, prefix trees and leaves; how one
+leaf's spec is resolved and checked is ``modelshard._specs.resolution``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .._base import AdapterError, Problem, SpecError, canonical_dtype, format_path, mesh_sizes
+from .._base import split as split_path
+from .._containers import ARRAY_TYPES, Flat, LeafInfo, split
+from .language import FSDP, Rules, is_leaf_spec
+from .resolution import Ctx, Via, refused_by_jax, resolve_checked, unmatched_key
+
+
+class LeafPlan(NamedTuple):
+    """The plan for one array leaf.
+
+    Attributes:
+        path: canonical path inside its argument.
+        shape: global shape.
+        dtype: NumPy/JAX dtype.
+        spec: the resolved ``PartitionSpec`` over mesh axes (logical names mapped).
+        rule: what produced the spec (``"rule 1 'kernel$'"``, ``"metadata"``, ``"P()"``...).
+        logical: per dimension, the logical names that mapped it, each with its mesh axes
+            and the entry of the logical rules that chose them (``(("heads", ("model",),
+            "rules['heads']"),)`` for one dimension); ``()`` when no logical name was
+            mapped.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: PartitionSpec
+    rule: str
+    logical: Via = ()
+
+
+@dataclasses.dataclass
+class ArgPlan:
+    """One argument of a plan: its name, its split container and each array leaf's plan.
+
+    Attributes:
+        name: the argument's name (``"tree"`` for [`plan`][modelshard.plan]'s single tree).
+        flat: the container split into leaves (``modelshard.adapters.Flat``).
+        leaves: one [`LeafPlan`][modelshard.LeafPlan] per array leaf, in flatten order.
+    """
+
+    name: str
+    flat: Flat
+    leaves: list[LeafPlan]
+
+
+def _prefix_entries(prefix: Any, arg: str, ctx: Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
+    try:
+        items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
+    except Exception as e:
+        ctx.problems.append(
+            Problem(
+                arg,
+                "",
+                f"the spec {type(prefix).__name__} could not be "
+                f"read as a prefix tree: {type(e).__name__}: {e}",
+            )
+        )
+        return None
+    return [(split_path(format_path(k)), v) for k, v in items]
+
+
+def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan]:
+    infos = flat.infos
+    arrays = flat.arrays
+    per_leaf: list[Any]
+    hits = None
+    if is_leaf_spec(spec_like):
+        per_leaf = [spec_like] * len(arrays)
+        if type(spec_like) is Rules:  # match every path in one loop
+            hits = spec_like.match_all([info.path for info in infos])
+    else:
+        entries = _prefix_entries(spec_like, arg, ctx)
+        if entries is None:
+            return []
+        table = dict(entries)
+        hit_keys: set[tuple[str, ...]] = set()
+        per_leaf = []
+        for info, leaf in zip(infos, arrays, strict=True):
+            comps = split_path(info.path)
+            found = _NOTHING
+            for n in range(len(comps), -1, -1):
+                key = comps[:n]
+                if key in table:
+                    found = table[key]
+                    hit_keys.add(key)
+                    break
+            if found is _NOTHING:
+                ctx.problem(
+                    arg,
+                    info.path,
+                    leaf,
+                    "no entry of the prefix tree covers this leaf",
+                    hint="add its path (or a parent of it) to the spec tree; the "
+                    "container's top-level keys are " + _top_keys(flat),
+                )
+            per_leaf.append(found)
+        for key, value in entries:
+            if key in hit_keys:
+                continue
+            if flat.children(key) is None:
+                ctx.problems.append(
+                    Problem(
+                        arg,
+                        "/".join(key),
+                        "this prefix-tree entry matches nothing in the container",
+                        spec=value,
+                        hint="the container's top-level keys are " + _top_keys(flat),
+                    )
+                )
+    if hits is not None:
+        return _plan_matched(arg, infos, arrays, spec_like, ctx, hits)
+    return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
+
+
+_NOTHING = object()
+
+
+def _top_keys(flat: Flat) -> str:
+    tops = flat.children(()) or []
+    return (
+        ", ".join(map(repr, tops[:20])) + (" ..." if len(tops) > 20 else "") if tops else "(none)"
+    )
+
+
+# Leaf types that are never NumPy arrays (skip the refused-dtype check without isinstance).
+_NOT_NUMPY: frozenset[type] = frozenset(
+    t for t in ARRAY_TYPES if not issubclass(t, np.ndarray | np.generic)
+)
+_new = tuple.__new__
+
+
+def _plan_leaves(
+    arg: str,
+    infos: list[LeafInfo],
+    arrays: list[Any],
+    per_leaf: list[Any],
+    ctx: Ctx,
+    hits: list[Any] | None = None,
+) -> list[LeafPlan]:
+    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING;
+    ``hits``: when every leaf has the same ``Rules``, each leaf's match, found in bulk).
+
+    This loop runs over every leaf of every plan (10,000-leaf trees), so it is written
+    flat: leaves that resolve the same way (same spec source, same shape, same matched
+    rule) share one resolution and one validation, cached in ``ctx.resolved``; per leaf
+    there is a dict lookup and one tuple built.
+    """
+    resolved = ctx.resolved
+    placed = ctx.placed
+    out: list[LeafPlan] = []
+    append = out.append
+    rules: Rules | None = None  # the Rules last seen, and the indices of its rules used
+    used: set[int] = set()
+    pre: list[Any] = [_NOTHING] * len(infos) if hits is None else hits
+    for info, leaf, s, hit in zip(infos, arrays, per_leaf, pre, strict=True):
+        if s is _NOTHING:
+            continue
+        shape = leaf.shape
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        t = type(s)
+        key: tuple[Any, ...] | None
+        if t is PartitionSpec or t is FSDP:
+            key = (id(s), shape)
+        elif t is Rules:
+            if s is not rules:
+                rules, used = s, ctx.used_by(s)
+            if hit is _NOTHING:  # not matched in bulk: Rules differ between leaves
+                hit = s.match(info.path)
+            if hit is not None:
+                used.add(hit[0])  # a rule naming a scalar still counts as used
+                key = (id(s), hit[0], shape) if shape else (id(s), "scalar")
+            else:
+                key = unmatched_key(arg, info, leaf, s, shape, ctx)
+                if key is None:
+                    continue
+        else:
+            key = None
+        cached = resolved.get(key) if key is not None else None
+        if cached is None:
+            cached = resolve_checked(arg, info, leaf, s, shape, ctx)
+            if cached is None:
+                continue
+            if key is not None:
+                resolved[key] = cached
+        spec, rule, problems, via = cached
+        if problems:
+            for what, hint, fields in problems:
+                ctx.problem(
+                    arg,
+                    info.path,
+                    leaf,
+                    what,
+                    spec=spec,
+                    rule=rule,
+                    hint=hint or None,
+                    fields=fields,
+                )
+            continue
+        if type(leaf) not in _NOT_NUMPY and isinstance(leaf, np.ndarray | np.generic):
+            refused = refused_by_jax(leaf)
+            if refused is not None:
+                ctx.problem(arg, info.path, leaf, refused[0], spec=spec, rule=rule, hint=refused[1])
+                continue
+        dtype = leaf.dtype
+        try:
+            dtype = placed[dtype]
+        except KeyError:
+            dtype = placed[dtype] = canonical_dtype(dtype)
+        append(_new(LeafPlan, (info.path, shape, dtype, spec, rule, via)))
+    return out
+
+
+def _plan_matched(
+    arg: str, infos: list[LeafInfo], arrays: list[Any], rules: Rules, ctx: Ctx, hits: list[Any]
+) -> list[LeafPlan]:
+    """``_plan_leaves`` when one ``Rules`` was matched against every path in bulk.
+
+    A leaf that matched rule ``i`` with shape ``shape`` and dtype ``dtype`` plans exactly
+    like every other such leaf, so the first one goes through ``_plan_leaves`` (resolution,
+    validation, rule usage, problems) and the others reuse its spec, rule and placed
+    dtype. Leaves that matched no rule, NumPy leaves (checked one by one for dtypes JAX
+    refuses) and leaves with problems always take the full path.
+    """
+    out: list[LeafPlan] = []
+    append = out.append
+    done: dict[tuple[Any, ...], LeafPlan] = {}
+    for info, leaf, hit in zip(infos, arrays, hits, strict=True):
+        shape = leaf.shape
+        if hit is not None and type(leaf) in _NOT_NUMPY:
+            if type(shape) is not tuple:
+                shape = tuple(shape)
+            key = (hit[0], shape, leaf.dtype)
+            like = done.get(key)
+            if like is not None:
+                append(_new(LeafPlan, (info.path, shape, like[2], like[3], like[4], like[5])))
+                continue
+        else:
+            key = None
+        got = _plan_leaves(arg, [info], [leaf], [rules], ctx, [hit])
+        if got:
+            append(got[0])
+            if key is not None:
+                done[key] = got[0]
+    return out
+
+
+def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
+    """Split and plan several ``(name, container, spec_like)`` arguments at once.
+
+    Returns:
+        One [`ArgPlan`][modelshard.ArgPlan] per argument.
+
+    Raises:
+        SpecError: listing every problem across every argument.
+        AdapterError: a container could not be split.
+    """
+    with _gc_paused():
+        return _expand_args(args, mesh)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a plan is built.
+
+    A plan allocates a few objects per leaf, and nothing in it forms a reference cycle;
+    with the collector running, those allocations set off collections that scan the whole
+    heap (every object JAX and the model hold) several times per 10,000-leaf plan.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
+    sizes = mesh_sizes(mesh)
+    ctx = Ctx(sizes)
+    out = []
+    for name, tree, spec_like in args:
+        try:
+            flat = split(tree)
+        except AdapterError:
+            raise
+        if not flat.array_index and flat.leaves:
+            _refuse_hidden_arrays(name, flat)
+        out.append(ArgPlan(name, flat, _expand_one(name, flat, spec_like, ctx)))
+    for rules, used in ctx.used.values():
+        if not rules.strict:
+            continue
+        for i, (pattern, spec) in enumerate(rules.rules):
+            if i not in used and not is_catch_all(pattern):
+                ctx.problems.append(
+                    Problem(
+                        "Rules",
+                        f"rule {i}",
+                        f"{rules.describe(i)} matched no leaf",
+                        spec=spec,
+                        mesh=ctx.sizes,
+                        hint="fix the pattern (plan with Rules(..., strict=False) to list every "
+                        "path), remove the rule, or pass strict=False"
+                        if rules.file is None
+                        else f"fix its pattern in {rules.file} (strict = false there lets "
+                        "a plan list every path), remove that [[rules]] table, or set "
+                        "strict = false",
+                    )
+                )
+    if ctx.problems:
+        raise SpecError(ctx.problems)
+    return out
+
+
+def is_catch_all(pattern: str) -> bool:
+    """A pattern that matches every path (``.*``, ``^``, ``""``): a fallback, never "unused"
+    when earlier rules took every leaf."""
+    rx = re.compile(pattern)
+    return all(rx.search(p) is not None for p in ("", "a", "a/b/0/c"))
+
+
+def _refuse_hidden_arrays(arg: str, flat: Flat) -> None:
+    """An argument with no array leaf whose static leaves hold arrays: a container
+    modelshard cannot open, which would otherwise plan silently as nothing."""
+    hidden = flat.hidden_arrays()
+    if not hidden:
+        return
+    lines = [f"{arg}: no array leaves, but arrays are held by an object modelshard cannot open:"]
+    lines += [
+        f"  {path or '<root>'}: a {ty.__module__}.{ty.__qualname__} holding arrays at "
+        + ", ".join(attrs)
+        for path, ty, attrs in hidden
+    ]
+    name = hidden[0][1].__name__
+    lines.append(
+        f"hint: register its type with modelshard.register_container({name}, flatten=..., "
+        "unflatten=...) (see the custom-container guide), or make it a JAX pytree."
+    )
+    raise AdapterError("\n".join(lines))

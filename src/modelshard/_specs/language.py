@@ -1,0 +1,410 @@
+"""The spec language: what may be given as the sharding of one argument.
+
+One *spec-like* value is given per argument and expanded onto every array leaf inside it:
+
+- a ``PartitionSpec``: the same spec for every array leaf (``P()``
+  replicates everything);
+- [`Rules`][modelshard.Rules]: regex rules over canonical paths, first match wins, plus logical names;
+- [`fsdp`][modelshard.fsdp]: shard each leaf's largest divisible dimension over one mesh axis;
+- a callable ``(path, leaf) -> PartitionSpec``;
+- a prefix tree (dict / list / tuple / NamedTuple / dataclass pytree) of the above, whose
+  keys follow the container's canonical paths (``{"params": rules, "batch_stats": P()}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+from jax.sharding import PartitionSpec
+
+from .._base import Problem, SpecError, quote_pattern, toml_entry
+from .._base import format_spec as format_spec
+from .._base import spec_json as spec_json
+from .logical import LogicalRules, compile_logical
+
+AxisEntry: TypeAlias = str | tuple[str, ...] | None
+SpecLike: TypeAlias = Any  # PartitionSpec | Rules | FSDP | Callable | prefix tree of these
+
+_P = PartitionSpec
+
+
+def partial_axes(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes ``spec`` marks ``unreduced`` or ``reduced`` (empty for plain specs)."""
+    return frozenset(getattr(spec, "unreduced", ())) | frozenset(getattr(spec, "reduced", ()))
+
+
+def to_spec(value: Any, where: str) -> PartitionSpec:
+    """Normalise a rule's spec: a ``PartitionSpec``, or a tuple/list of axis entries.
+
+    Raises:
+        SpecError: ``value`` is neither (``None`` included: replicate with ``P()``).
+    """
+    if isinstance(value, PartitionSpec):
+        return value
+    if isinstance(value, tuple | list) and all(is_entry(e) for e in value):
+        return PartitionSpec(*value)
+    raise SpecError(
+        [
+            Problem(
+                arg="spec",
+                path=where,
+                what=f"{value!r} ({type(value).__name__}) is not a PartitionSpec",
+                hint="write P('data', None) (or a tuple such as ('data', None)); P() replicates",
+            )
+        ]
+    )
+
+
+def is_axes_entry(e: Any) -> bool:
+    """Whether ``e`` names axes as a spec entry may: a name or a tuple of names (not ``None``)."""
+    return isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(x, str) for x in e))
+
+
+def is_entry(e: Any) -> bool:
+    """Whether ``e`` is a spec entry: ``None``, a name, or a tuple of names."""
+    return e is None or is_axes_entry(e)
+
+
+def entry_axes(e: Any) -> tuple[str, ...]:
+    """The axis names a spec entry names, in order: ``None`` -> ``()``, ``"a"`` -> ``("a",)``."""
+    if e is None:
+        return ()
+    return (e,) if isinstance(e, str) else tuple(e)
+
+
+_MISS = object()
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rules:
+    """Regex rules over canonical leaf paths; the first rule whose pattern matches wins.
+
+    Patterns use ``re.search``, so ``"kernel"`` matches anywhere in the path; anchor
+    with ``$`` (``r"attn/kernel$"``) or ``^`` to be exact. Rank-0 leaves always replicate.
+    A leaf no rule matches takes the axis names carried by its metadata (linen
+    ``Partitioned`` / ``LogicallyPartitioned`` boxes, NNX ``out_sharding``) if it has any.
+    Spec entries may be mesh axis names or logical names mapped through ``logical``; a
+    name that is neither is an error, never a silent replication.
+
+    Args:
+        rules: ``(pattern, spec)`` pairs; a spec is a ``PartitionSpec`` or a tuple of entries.
+        logical: logical names -> mesh axes, either a mapping (``{"embed": "model"}``;
+            a target is a name, a tuple of names, or ``None`` to replicate that dimension)
+            or Flax's ordered list of ``(name, mesh axes)`` pairs, where a name may repeat
+            and a later pair applies when an earlier one's mesh axes are taken by another
+            dimension (exactly ``flax.linen.logical_to_mesh_axes``). ``None``: the
+            active [`logical_rules`][modelshard.logical_rules] context (or Flax's), if any.
+        strict: if true, a leaf matched by no rule and carrying no metadata is an error,
+            and so is a rule that matched no leaf anywhere in the plan; if false, such
+            leaves replicate and unused rules are only reported in the plan.
+        file: the TOML rules file these rules were read from
+            ([`load_rules`][modelshard.load_rules] sets it), so that error hints give the
+            line to write there; ``None`` for rules written in Python.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> rules = Rules([(r"embedding$", P("vocab", "embed")), (r"kernel$", P("embed", "mlp")),
+        ...                (r".*", P())], logical={"vocab": "model", "embed": None, "mlp": "model"})
+        >>> rules.match("layers/0/mlp/kernel")
+        (1, P('embed', 'mlp'))
+    """
+
+    rules: Sequence[tuple[str, Any]] = ()
+    logical: Mapping[str, AxisEntry] | Sequence[tuple[str, AxisEntry]] | None = None
+    strict: bool = True
+    file: str | None = dataclasses.field(default=None, repr=False)
+    compiled_logical: LogicalRules | None = dataclasses.field(init=False, repr=False, default=None)
+    _compiled: tuple[tuple[re.Pattern[str], PartitionSpec], ...] = dataclasses.field(
+        init=False, repr=False
+    )
+    _digit_blind: bool = dataclasses.field(init=False, repr=False, default=False)
+    _blind: dict[bytes, tuple[int, PartitionSpec] | None] = dataclasses.field(
+        init=False, repr=False, default_factory=dict
+    )
+    _cache: dict[str, tuple[int, PartitionSpec] | None] = dataclasses.field(
+        init=False, repr=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        problems: list[Problem] = []
+        compiled = []
+        rules = self.rules
+        if isinstance(rules, Mapping):
+            rules = list(rules.items())
+        if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
+            raise SpecError(
+                [
+                    Problem(
+                        "Rules",
+                        "",
+                        f"rules must be a list of (pattern, spec) pairs, got "
+                        f"{type(self.rules).__name__}",
+                        hint="Rules([(r'kernel$', P('data', None))])",
+                    )
+                ]
+            )
+        rules = list(rules)
+        for i, item in enumerate(rules):
+            where = f"rule {i}"
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                problems.append(
+                    Problem(
+                        "Rules",
+                        where,
+                        f"{item!r} is not a (pattern, spec) pair",
+                        hint="each rule is a 2-tuple like (r'kernel$', P('data'))",
+                    )
+                )
+                continue
+            pattern, spec = item
+            if not isinstance(pattern, str):
+                problems.append(Problem("Rules", where, f"pattern {pattern!r} is not a string"))
+                continue
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                problems.append(
+                    Problem(
+                        "Rules",
+                        where,
+                        f"pattern {pattern!r} is not a valid regular expression: {e}",
+                    )
+                )
+                continue
+            try:
+                compiled.append((rx, to_spec(spec, where)))
+            except SpecError as e:
+                problems.extend(dataclasses.replace(p, arg="Rules", path=where) for p in e.problems)
+        if self.file is None:
+            source = "Rules(logical=...)"
+        else:  # a rules file: its [logical] table, or its logical array of pairs
+            table = isinstance(self.logical, Mapping)
+            source = f"the {'[logical] table' if table else 'logical array'} of {self.file}"
+        logical, bad = compile_logical(self.logical, source, file=self.file)
+        problems.extend(bad)
+        if problems:
+            raise SpecError(problems, header="invalid Rules:")
+        object.__setattr__(self, "rules", tuple((p.pattern, s) for p, s in compiled))
+        object.__setattr__(self, "compiled_logical", logical)
+        if logical is not None:
+            object.__setattr__(self, "logical", logical.public)
+        object.__setattr__(self, "_compiled", tuple(compiled))
+        blind = not any(ch.isdigit() for rx, _ in compiled for ch in rx.pattern)
+        object.__setattr__(self, "_digit_blind", blind)
+
+    def match(self, path: str) -> tuple[int, PartitionSpec] | None:
+        """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None.
+
+        Matches are cached per path. When no pattern mentions a digit, a match cannot
+        depend on which digits a path holds (each becomes '0': ``\\d``, ``\\w``, ``.`` and
+        lengths behave the same), so ``layers/0/...`` .. ``layers/199/...`` share one
+        regex search.
+        """
+        return self.match_all((path,))[0]
+
+    def match_all(self, paths: Sequence[str]) -> list[tuple[int, PartitionSpec] | None]:
+        """``match`` of every path in ``paths`` (one loop: plans match 10,000 paths)."""
+        cache, blind, search = self._cache, self._blind, self._search
+        out: list[tuple[int, PartitionSpec] | None] = []
+        append = out.append
+        zeros = _ZEROS if self._digit_blind else None
+        for path in paths:
+            hit = cache.get(path, _MISS)
+            if hit is _MISS:
+                if zeros is not None:
+                    key = path.encode().translate(zeros)
+                    hit = blind.get(key, _MISS)
+                    if hit is _MISS:
+                        hit = blind[key] = search(path)
+                else:
+                    hit = search(path)
+                if len(cache) < 1_000_000:
+                    cache[path] = hit  # type: ignore[assignment]
+            append(hit)  # type: ignore[arg-type]
+        return out
+
+    def _search(self, path: str) -> tuple[int, PartitionSpec] | None:
+        for i, (rx, spec) in enumerate(self._compiled):
+            if rx.search(path):
+                return i, spec
+        return None
+
+    def to_toml(self) -> str:
+        """These rules as a TOML rules file, which [`load_rules`][modelshard.load_rules]
+        reads back as the same rules.
+
+        Example:
+            >>> from jax.sharding import PartitionSpec as P
+            >>> print(Rules([("kernel$", P(None, "model"))]).to_toml().strip())
+            strict = true
+            <BLANKLINE>
+            [[rules]]
+            pattern = 'kernel$'
+            spec = ["none", "model"]
+        """
+        return rules_to_toml(self)
+
+    def describe(self, index: int) -> str:
+        """``rule 0 'kernel$'``: how plans and errors name a rule."""
+        return f"rule {index} {quote_pattern(self.rules[index][0])}"
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"({p!r}, {format_spec(s)})" for p, s in self.rules)
+        extra = "" if self.logical is None else f", logical={self.logical!r}"
+        return f"Rules([{inner}]{extra}, strict={self.strict})"
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """Fully-sharded data parallel: shard each leaf's largest dimension divisible by ``axis``.
+
+    Built by [`fsdp`][modelshard.fsdp]. Leaves with fewer than ``min_size`` elements, rank-0 leaves, and
+    leaves with no divisible dimension replicate (the plan says why).
+    """
+
+    axis: str | tuple[str, ...] = "data"
+    min_size: int = 2**14
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.axis, str) or (
+            isinstance(self.axis, tuple)
+            and self.axis
+            and all(isinstance(a, str) for a in self.axis)
+        )
+        if not ok:
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp",
+                        "axis",
+                        f"axis must be a mesh axis name or a tuple of names, got {self.axis!r}",
+                    )
+                ]
+            )
+        # Checked here, not per leaf: with no big or divisible leaf it would pass silently.
+        twice = sorted({a for a in self.axes if self.axes.count(a) > 1})
+        if twice:
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp",
+                        "axis",
+                        f"mesh axis {twice[0]!r} is used twice in {self.axis!r}",
+                        hint="each mesh axis may shard at most one dimension of a leaf",
+                    )
+                ]
+            )
+        if (
+            isinstance(self.min_size, bool)
+            or not isinstance(self.min_size, int)
+            or self.min_size < 0
+        ):
+            raise SpecError(
+                [
+                    Problem(
+                        "fsdp", "min_size", f"min_size must be an int >= 0, got {self.min_size!r}"
+                    )
+                ]
+            )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else self.axis
+
+    def spec_for(
+        self, shape: tuple[int, ...], sizes: Mapping[str, int]
+    ) -> tuple[PartitionSpec, str]:
+        """The spec for a leaf of ``shape`` and a note saying how it was chosen."""
+        if any(a not in sizes for a in self.axes):
+            # Let validation report the unknown axis on the first shardable leaf.
+            dim = max(range(len(shape)), key=lambda d: shape[d]) if shape else None
+            if dim is None:
+                return _P(), "scalar"
+            return _P(*([None] * dim), self.axis), str(self)
+        n = math.prod(sizes[a] for a in self.axes)
+        if not shape:
+            return _P(), "scalar"
+        if math.prod(shape) < self.min_size:
+            return _P(), f"{self} (size < min_size={self.min_size}: replicated)"
+        order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
+        for d in order:
+            if shape[d] % n == 0 and shape[d] > 0:
+                entry = self.axis
+                return _P(*([None] * d), entry), str(self)
+        return _P(), f"{self} (no dimension divisible by {n}: replicated)"
+
+    def __str__(self) -> str:
+        return f"fsdp({self.axis!r})"
+
+
+def fsdp(axis: str | tuple[str, ...] = "data", min_size: int = 2**14) -> FSDP:
+    """Shard every leaf over ``axis`` along its largest divisible dimension.
+
+    Args:
+        axis: the mesh axis (or tuple of axes, sharded together) to shard over.
+        min_size: leaves with fewer elements than this replicate. The default, 16,384
+            elements (64 KiB in float32), keeps biases and norm scales whole, where
+            sharding costs more in collectives than it saves in memory.
+
+    Returns:
+        An [`FSDP`][modelshard.FSDP] spec-like, usable wherever a spec is accepted.
+
+    Example:
+        >>> fsdp("data").spec_for((1024, 4096), {"data": 8})
+        (P(None, 'data'), "fsdp('data')")
+    """
+    return FSDP(axis, min_size)
+
+
+def is_leaf_spec(x: Any) -> bool:
+    """Whether ``x`` is a single spec-like (as opposed to a prefix tree of them)."""
+    return (
+        x is None
+        or isinstance(x, PartitionSpec | Rules | FSDP)
+        or (callable(x) and not isinstance(x, type) and not _is_pytree_node(x))
+    )
+
+
+def _is_pytree_node(x: Any) -> bool:
+    import jax
+
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+# The JSON spelling of specs (plans, records, ``--json``): ``_text.spec_json``.
+def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
+    """The inverse of ``spec_json``."""
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
+
+
+# The TOML spelling of rules: ``Rules.to_toml`` writes it (entries as ``_text.toml_entry``
+# spells them), ``_rulesfile`` reads it back.
+def rules_to_toml(rules: Rules) -> str:
+    """The TOML text ``load_rules`` (``_rulesfile``, the reader) reads back as ``rules``."""
+    lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
+    for pattern, spec in rules.rules:
+        lit = pattern.replace("'", "")
+        quoted = (
+            f"'{pattern}'"
+            if lit == pattern
+            else '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        )
+        lines += [
+            "[[rules]]",
+            f"pattern = {quoted}",
+            "spec = [" + ", ".join(toml_entry(e) for e in spec) + "]",
+            "",
+        ]
+    logical = rules.logical
+    if isinstance(logical, Mapping) and logical:
+        lines.append("[logical]")
+        lines += [f'"{k}" = {toml_entry(v)}' for k, v in logical.items()]
+    elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
+        pairs = [f'  ["{k}", {toml_entry(v)}],' for k, v in logical]
+        lines[1:1] = ["logical = [", *pairs, "]"]
+    return "\n".join(lines) + "\n"

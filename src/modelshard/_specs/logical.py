@@ -1,0 +1,592 @@
+"""Logical axis names: the rules that map them to mesh axes, and the context that sets them.
+
+Logical rules come in two forms, accepted wherever ``logical=`` is (``Rules``, rules files,
+[`logical_rules`][modelshard.logical_rules]):
+
+- a mapping ``{"batch": ("data", "fsdp"), "embed": None}``: one target per name. Two names
+  of one leaf mapped onto the same mesh axis is an error (the plan says which).
+- Flax's ordered list of ``(logical_name, mesh_axes)`` pairs, as ``nn.logical_axis_rules``
+  and MaxText's ``logical_axis_rules`` write them: a name may repeat, and for each leaf the
+  pairs are tried in order; a pair applies to its dimension only when none of its mesh axes
+  is already taken by another dimension, so a later pair is the fallback of an earlier one.
+  A name whose every pair is blocked replicates that dimension, as in Flax.
+
+Model code names logical axes only; the script decides what they mean, either with
+``Rules(logical=...)`` or with the [`logical_rules`][modelshard.logical_rules] context (a ``ContextVar``, so it is
+per thread and per task, and a ``shard_jit`` trace sees the context of its call). Flax's
+own ``nn.logical_axis_rules`` context is honoured when no modelshard context is active.
+
+How one spec is resolved through the rules lives in ``modelshard._specs.resolution``; this module
+only validates and holds the rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import difflib
+import importlib.util
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+from .._base import Problem, SpecError, toml_entry
+
+Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
+LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LogicalRules:
+    """Validated logical rules: what the resolver reads.
+
+    Two ``LogicalRules`` with the same pairs (and semantics) are equal and hash alike, so a
+    ``shard_jit`` step entered under an equal ``logical_rules`` context on every call
+    reuses its compiled signature.
+
+    Attributes:
+        pairs: ``(name, mesh axes)`` in the order given; ``()`` replicates.
+        ordered: whether they follow Flax's list semantics (repeats, fallback).
+        source: how errors name where the rules came from.
+        public: the rules as the user should see them again (a dict, or a tuple of pairs).
+        candidates: name -> its targets, in order (one for a mapping).
+        file: the TOML rules file they were read from (hints then speak TOML), or None.
+        labels: per pair, the entry that wrote it as errors name it (``rules['heads']``,
+            ``tinylm defaults['heads']``, ``rules[3]``).
+        declared: ``(name, library)`` for every logical name a
+            [`LogicalAxes`][modelshard.LogicalAxes] among the layers declared.
+    """
+
+    pairs: tuple[tuple[str, Target], ...]
+    ordered: bool
+    source: str
+    public: Any
+    candidates: dict[str, tuple[Target, ...]]
+    file: str | None = None
+    labels: tuple[str, ...] = ()
+    declared: tuple[tuple[str, str], ...] = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LogicalRules):
+            return NotImplemented
+        return (self.pairs, self.ordered) == (other.pairs, other.ordered)
+
+    def __hash__(self) -> int:
+        return hash((self.pairs, self.ordered))
+
+    def label(self, name: str, target: Target | None = None) -> str:
+        """The entry that maps ``name`` (to ``target``, for Flax-style lists where a name
+        repeats): ``rules['heads']``; the source's name when pairs carry no labels."""
+        for (n, t), lab in zip(self.pairs, self.labels, strict=False):
+            if n == name and (target is None or t == target):
+                return lab
+        return self.source
+
+    def describe(self) -> str:
+        """``the active ms.logical_rules context (names: batch, embed)``, for hints."""
+        names = list(self.candidates)
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} names)" if len(names) > 12 else "")
+        return f"{self.source} (names: {shown or 'none'})"
+
+    def entry(self, name: str, axis: str | None = None) -> str:
+        """One entry mapping ``name`` to ``axis``, written as the user writes these rules:
+        a TOML line for a rules file (``heads = "model"``), Python for the others
+        (``'heads': 'model'``, or a pair for Flax-style lists); ``axis=None``: a
+        placeholder."""
+        return logical_entry(name, axis, self.file, self.ordered)
+
+
+def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
+    """``heads = "model"`` (a rules file's [logical] table), ``["heads", "model"]`` (its
+    logical array), ``'heads': 'model'`` (a Python mapping), ``('heads', 'model')`` (Flax's
+    pairs); without ``axis`` a placeholder names what goes there."""
+    if file is not None:
+        value = toml_entry(axis if axis is not None else "<mesh axis>")
+        return f'["{name}", {value}]' if ordered else f"{name} = {value}"
+    value = repr(axis) if axis is not None else "<mesh axes or None>"
+    return f"({name!r}, {value})" if ordered else f"{name!r}: {value}"
+
+
+def add_name_hint(name: str, file: str | None) -> str:
+    """How to map a logical name when no logical rules exist yet, in the user's words: the
+    ``[logical]`` table to add to their rules file, or the Python."""
+    if file is not None:
+        return (
+            f"to map the logical name {name!r}, add to {file} a [logical] table with the line "
+            f"{logical_entry(name, None, file, False)} (a mesh axis, a list of axes, or "
+            '"none" to replicate)'
+        )
+    return (
+        f"map logical names with Rules(..., logical={{{logical_entry(name, None, None, False)}}}) "
+        f"or inside `with ms.logical_rules({{{name!r}: ...}}):`"
+    )
+
+
+def _target(value: Any) -> Target | None:
+    """A logical name's mesh axes as a tuple (``None`` and ``[]`` -> ``()``), or None if bad."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, tuple | list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
+def _public_entry(t: Target) -> str | tuple[str, ...] | None:
+    return None if not t else t[0] if len(t) == 1 else t
+
+
+def compile_logical(
+    value: LogicalLike,
+    source: str,
+    arg: str = "Rules",
+    where: str = "logical",
+    file: str | None = None,
+) -> tuple[LogicalRules | None, list[Problem]]:
+    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules``
+    (``file``: the rules file they come from, so that hints speak TOML).
+
+    Returns:
+        The rules (None when ``value`` is None or invalid) and every problem found.
+    """
+    if value is None:
+        return None, []
+    problems: list[Problem] = []
+    hint = "map to a mesh axis name, a list of names, or None (replicate)"
+    items: list[tuple[int, Any, Any]]
+    ordered = not isinstance(value, Mapping)
+    if not ordered:
+        items = [(i, k, v) for i, (k, v) in enumerate(value.items())]
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        items = []
+        for i, item in enumerate(value):
+            if isinstance(item, tuple | list) and len(item) == 2:
+                items.append((i, item[0], item[1]))
+            else:
+                problems.append(
+                    Problem(
+                        arg,
+                        f"{where}[{i}]",
+                        f"{item!r} is not a (logical name, mesh axes) pair",
+                        hint="each entry is a pair like ('embed', 'model') or "
+                        "('batch', ('data', 'fsdp'))",
+                    )
+                )
+    else:
+        return None, [
+            Problem(
+                arg,
+                where,
+                f"logical must be a mapping of logical name -> mesh axes, or a list of "
+                f"(logical name, mesh axes) pairs as Flax's logical_axis_rules, got "
+                f"{type(value).__name__}",
+                hint="logical={'embed': 'model'} or logical=[('embed', 'model'), ('embed', None)]",
+            )
+        ]
+    pairs: list[tuple[str, Target]] = []
+    labels: list[str] = []
+    candidates: dict[str, list[Target]] = {}
+    for i, name, target in items:
+        t = _target(target)
+        if not isinstance(name, str) or t is None:
+            at = f"{where}[{name!r}]" if not ordered else f"{where}[{i}]"
+            problems.append(
+                Problem(
+                    arg,
+                    at,
+                    f"{name!r} -> {target!r} is not a logical name -> mesh axes mapping",
+                    hint=hint,
+                )
+            )
+            continue
+        pairs.append((name, t))
+        labels.append(_entry_label(name, i, where, file, ordered))
+        candidates.setdefault(name, []).append(t)
+    if problems:
+        return None, problems
+    public = (
+        tuple((n, _public_entry(t)) for n, t in pairs)
+        if ordered
+        else {n: _public_entry(t) for n, t in pairs}
+    )
+    return (
+        LogicalRules(
+            tuple(pairs),
+            ordered,
+            source,
+            public,
+            {n: tuple(c) for n, c in candidates.items()},
+            file,
+            tuple(labels),
+        ),
+        [],
+    )
+
+
+def _entry_label(name: str, i: int, where: str, file: str | None, ordered: bool) -> str:
+    """How errors name one entry of logical rules, in the words the user wrote it in."""
+    if file is not None:
+        return f"logical[{i}] of {file}" if ordered else f"[logical] {name} of {file}"
+    return f"{where}[{i}]" if ordered else f"{where}[{name!r}]"
+
+
+# ---- a library's declared names --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class LogicalAxes:
+    """The logical axis names a model library uses, and the mesh axes it suggests for them.
+
+    A library that names logical axes only (in its parameters' metadata and in
+    [`constrain`][modelshard.constrain] on its activations) declares them once; its users
+    pass the declaration to [`logical_rules`][modelshard.logical_rules] as the first layer,
+    their own overrides after it. Every name a user's rules give is then checked against
+    the declared names when the ``with`` block is entered (a misspelt name gets "did you
+    mean"), and every declared name left without a mesh mapping is reported there too,
+    names used only by activations included, before anything is traced.
+
+    Args:
+        library: the library's name, as errors should say it (``"tinylm"``).
+        names: every logical name the library uses, parameters' and activations'.
+        defaults: suggested mesh axes for some of them (a mesh axis name, a tuple of names,
+            or None to replicate); a name without a default must be mapped by the user.
+
+    Raises:
+        SpecError: a default for an undeclared name, or one that is not mesh axes.
+
+    Example:
+        >>> import modelshard as ms
+        >>> AXES = ms.LogicalAxes(
+        ...     "tinylm",
+        ...     names=("batch", "embed", "heads"),
+        ...     defaults={"batch": "data", "embed": None},
+        ... )
+        >>> with ms.logical_rules(AXES, {"heads": "model"}) as rules:
+        ...     print(rules.public)
+        {'batch': 'data', 'embed': None, 'heads': 'model'}
+    """
+
+    library: str
+    names: tuple[str, ...]
+    defaults: dict[str, Any]
+    compiled: LogicalRules
+
+    def __init__(
+        self, library: str, names: Sequence[str], defaults: Mapping[str, Any] | None = None
+    ):
+        names = tuple(names)
+        defaults = dict(defaults or {})
+        problems = [
+            Problem(
+                "LogicalAxes",
+                f"names[{i}]",
+                f"{n!r} is not a logical name (a string)",
+                hint="name each logical axis with a string, such as 'embed'",
+            )
+            for i, n in enumerate(names)
+            if not isinstance(n, str)
+        ]
+        for name in defaults:
+            if name not in names:
+                problems.append(
+                    Problem(
+                        "LogicalAxes",
+                        f"defaults[{name!r}]",
+                        f"{name!r} has a default but is not among the declared names",
+                        hint=_did_you_mean(name, names, f"add {name!r} to names"),
+                        logical_name=name if isinstance(name, str) else None,
+                    )
+                )
+        compiled, bad = compile_logical(
+            defaults, f"{library}'s defaults", arg="LogicalAxes", where=f"{library} defaults"
+        )
+        problems.extend(bad)
+        if problems:
+            raise SpecError(problems, header=f"invalid LogicalAxes for {library}:")
+        assert compiled is not None  # a mapping always compiles
+        declared = tuple((n, library) for n in names)
+        object.__setattr__(self, "library", library)
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "defaults", defaults)
+        object.__setattr__(self, "compiled", dataclasses.replace(compiled, declared=declared))
+
+    def __repr__(self) -> str:
+        return f"LogicalAxes({self.library!r}, names={self.names!r}, defaults={self.defaults!r})"
+
+
+def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
+    close = closest(name, options) if isinstance(name, str) else None
+    return f"did you mean {close!r}? (or {otherwise})" if close is not None else otherwise
+
+
+def closest(name: str, options: Sequence[str]) -> str | None:
+    """The option ``name`` is most likely a typo of (``hedas`` -> ``heads``), if any."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+# ---- the context ------------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[LogicalRules | None] = contextvars.ContextVar(
+    "modelshard_logical_rules", default=None
+)
+_CLEARED = LogicalRules((), False, "ms.logical_rules(None)", {}, {})
+_CONTEXT = "the active ms.logical_rules context"
+_FLAX_SOURCE = "Flax's nn.logical_axis_rules context"
+_flax_last: tuple[Any, LogicalRules | None] = (None, None)
+
+
+@contextlib.contextmanager
+def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | None]:
+    """Set the logical rules for the code inside the ``with`` block, layer on layer.
+
+    Inside it, every logical name that a spec or [`Rules`][modelshard.Rules] does not map
+    itself (a ``Rules`` without ``logical=``, a plain ``PartitionSpec``, a spec function's
+    result, parameters' metadata) resolves through the rules, in
+    [`constrain`][modelshard.constrain], [`shard`][modelshard.shard],
+    [`plan`][modelshard.plan], [`shard_jit`][modelshard.shard_jit] (while tracing and
+    planning) and [`shard_map`][modelshard.shard_map]. An explicit ``Rules(logical=...)``
+    wins. The rules live in a ``ContextVar``, so each thread and task sees its own.
+
+    Layers: each layer's entries replace the earlier layers' entries for the same names
+    (all of a name's pairs, for Flax-style lists); names new in a layer are added. A
+    library's [`LogicalAxes`][modelshard.LogicalAxes] is the first layer (its defaults),
+    the user's rules the next. A nested ``logical_rules`` is one more layer on top of the
+    enclosing context's rules; a ``None`` layer drops everything below it
+    (``logical_rules(None)`` clears, ``logical_rules(None, rules)`` replaces).
+
+    Declared names: when any layer here or in an enclosing context is a ``LogicalAxes``,
+    the rules are checked on entry: every name a user's layer maps must be declared (a
+    misspelt one gets "did you mean"), and every declared name must end up mapped.
+
+    Flax: with ``flax=True`` (default) the layered rules are also Flax's
+    ``nn.logical_axis_rules`` context inside the block, so Flax's own logical API sees
+    them too: linen's ``nn.with_logical_constraint`` and ``LogicallyPartitioned``
+    unboxing, ``nnx.get_partition_spec`` and NNX's eager sharding. Flax constrains with
+    ``jax.lax.with_sharding_constraint``, which an all-Explicit mesh turns into an
+    assertion; on such meshes use ``constrain`` in model code (it reshards there) and pass
+    ``flax=False`` when Flax code should not constrain.
+
+    Args:
+        *layers: each a mapping ``{"batch": ("data", "fsdp"), "embed": None}``, Flax's
+            ordered list of ``(name, mesh axes)`` pairs (repeats fall back as in Flax), a
+            [`Rules`][modelshard.Rules] (its ``logical``), a
+            [`LogicalAxes`][modelshard.LogicalAxes] (its declared names and defaults), or
+            ``None``.
+        flax: also set Flax's ``nn.logical_axis_rules`` context to the rules (when Flax
+            is installed).
+
+    Yields:
+        The layered, validated rules (``None`` when they are cleared).
+
+    Raises:
+        SpecError: a layer is not logical rules (every bad entry listed), or the rules do
+            not fit the declared names (every unknown and every unmapped name listed).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> import modelshard as ms
+        >>> mesh = ms.make_mesh({"data": 2, "model": 4})
+        >>> with ms.logical_rules({"batch": "data", "embed": "model"}):
+        ...     with ms.logical_rules({"embed": None}):  # one entry overridden
+        ...         x = ms.shard(jnp.zeros((8, 16)), P("batch", "embed"), mesh)
+        >>> x.sharding.spec
+        P('data',)
+    """
+    compiled = layered(layers, _ACTIVE.get())
+    token = _ACTIVE.set(_CLEARED if compiled is None else compiled)
+    try:
+        with _flax_bridge(compiled, flax):
+            yield compiled
+    finally:
+        _ACTIVE.reset(token)
+
+
+def layered(layers: Sequence[Any], base: LogicalRules | None) -> LogicalRules | None:
+    """``layers`` on top of ``base`` (the enclosing context's rules), validated and checked
+    against the declared names.
+
+    Raises:
+        SpecError: a bad layer, or rules that do not fit the declared names.
+    """
+    out = None if base is None or base is _CLEARED else base
+    user: list[tuple[str, str]] = []  # (name, label) of every entry a user's layer wrote
+    if not layers:
+        layers = (None,)
+    for layer in layers:
+        if layer is None:
+            out = None
+            user = []
+            continue
+        top = _from_user(layer)
+        if top is None:
+            continue
+        if not isinstance(layer, LogicalAxes):
+            user.extend((n, lab) for (n, _), lab in zip(top.pairs, top.labels, strict=True))
+        out = top if out is None else _merge(out, top)
+    if out is not None and out.declared:
+        _check_declared(out, user)
+    return out
+
+
+def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
+    """``top``'s entries replace ``base``'s for the same names, in place; new names follow."""
+    replaced = set(top.candidates)
+    pairs: list[tuple[str, Target]] = []
+    labels: list[str] = []
+    placed: set[str] = set()
+    base_labels = base.labels or (base.source,) * len(base.pairs)
+    top_labels = top.labels or (top.source,) * len(top.pairs)
+    for (name, target), lab in zip(base.pairs, base_labels, strict=True):
+        if name not in replaced:
+            pairs.append((name, target))
+            labels.append(lab)
+        elif name not in placed:
+            placed.add(name)
+            for (n, t), tl in zip(top.pairs, top_labels, strict=True):
+                if n == name:
+                    pairs.append((n, t))
+                    labels.append(tl)
+    for (n, t), tl in zip(top.pairs, top_labels, strict=True):
+        if n not in placed:
+            pairs.append((n, t))
+            labels.append(tl)
+    ordered = base.ordered or top.ordered
+    candidates: dict[str, list[Target]] = {}
+    for n, t in pairs:
+        candidates.setdefault(n, []).append(t)
+    public = (
+        tuple((n, _public_entry(t)) for n, t in pairs)
+        if ordered
+        else {n: _public_entry(t) for n, t in pairs}
+    )
+    declared = dict(base.declared)
+    declared.update(top.declared)
+    return LogicalRules(
+        tuple(pairs),
+        ordered,
+        _CONTEXT,
+        public,
+        {n: tuple(c) for n, c in candidates.items()},
+        top.file or base.file,
+        tuple(labels),
+        tuple(declared.items()),
+    )
+
+
+def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> None:
+    """Every name a user's layer maps is declared; every declared name is mapped."""
+    declared = dict(rules.declared)
+    libraries = ", ".join(dict.fromkeys(declared.values()))
+    names = list(declared)
+    problems = []
+    for name, label in user:
+        if name in declared:
+            continue
+        problems.append(
+            Problem(
+                "logical_rules",
+                label,
+                f"{name!r} is not a logical name {libraries} declares "
+                f"(declared: {', '.join(names)})",
+                hint=_did_you_mean(
+                    name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
+                ),
+                logical_name=name,
+                logical_rule=label,
+            )
+        )
+    for name, library in declared.items():
+        if name not in rules.candidates:
+            problems.append(
+                Problem(
+                    "logical_rules",
+                    f"names[{name!r}]",
+                    f"{library} declares the logical name {name!r} without a default, and "
+                    "no rule maps it",
+                    hint=f"add {logical_entry(name, None, None, rules.ordered)} to your rules "
+                    "(a mesh axis, a tuple of axes, or None to replicate)",
+                    logical_name=name,
+                )
+            )
+    if problems:
+        raise SpecError(
+            problems, header=f"logical rules that do not fit the names {libraries} declares:"
+        )
+
+
+@contextlib.contextmanager
+def _flax_bridge(rules: LogicalRules | None, on: bool) -> Iterator[None]:
+    """Flax's ``nn.logical_axis_rules`` context set to ``rules`` for the block (Flax's own
+    is a thread-local attribute, restored on exit)."""
+    spmd = _flax_spmd() if on else None
+    if spmd is None:
+        yield
+        return
+    pairs = () if rules is None else tuple((n, _public_entry(t)) for n, t in rules.pairs)
+    with spmd.logical_axis_rules(pairs):
+        yield
+
+
+def _flax_spmd() -> Any:
+    """``flax.core.spmd`` when Flax is installed (imported here on first use), else None."""
+    spmd = sys.modules.get("flax.core.spmd")
+    if spmd is not None:
+        return spmd
+    if importlib.util.find_spec("flax") is None:
+        return None
+    import flax.core.spmd as spmd
+
+    return spmd
+
+
+def _from_user(rules: LogicalLike) -> LogicalRules | None:
+    if isinstance(rules, LogicalAxes):
+        return rules.compiled
+    logical = getattr(rules, "compiled_logical", _NOT_RULES)
+    if logical is not _NOT_RULES:  # a Rules: its logical names
+        if logical is None:
+            return None
+        return dataclasses.replace(logical, source=_CONTEXT)
+    compiled, problems = compile_logical(rules, _CONTEXT, arg="logical_rules", where="rules")
+    if problems:
+        raise SpecError(problems, header="invalid logical rules:")
+    return compiled
+
+
+_NOT_RULES: Any = object()
+
+
+def active_logical() -> LogicalRules | None:
+    """The logical rules of the innermost active context: modelshard's, else Flax's."""
+    got = _ACTIVE.get()
+    if got is not None:
+        return None if got is _CLEARED else got
+    spmd = sys.modules.get("flax.core.spmd")
+    if spmd is None:  # Flax not imported: its context cannot be set
+        return None
+    return _flax_rules(spmd.get_logical_axis_rules())
+
+
+def _flax_rules(raw: Any) -> LogicalRules | None:
+    """Flax's context rules, validated once per rules object."""
+    global _flax_last
+    if not raw:
+        return None
+    key = raw if isinstance(raw, Mapping) else tuple(raw)
+    last_key, last = _flax_last
+    if key == last_key:
+        return last
+    compiled, problems = compile_logical(
+        list(raw) if not isinstance(raw, Mapping) else raw,
+        _FLAX_SOURCE,
+        arg="nn.logical_axis_rules",
+        where="rules",
+    )
+    if problems:
+        raise SpecError(problems, header="invalid rules in Flax's nn.logical_axis_rules context:")
+    _flax_last = (key, compiled)
+    return compiled

@@ -1,0 +1,544 @@
+"""One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline.
+
+``modelshard._specs.expand`` walks every argument and leaf and calls into this module to turn
+a leaf's spec source (a ``PartitionSpec``, ``Rules``, ``fsdp``, a function) into a mesh-axis
+``PartitionSpec`` and to check it against the leaf and the mesh; every problem is collected
+in one ``Ctx`` so a ``SpecError`` lists them all.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .._base import Problem, dtype_name, format_mesh, toml_spec, vocabulary
+from .._containers import LeafInfo
+from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
+from .logical import LogicalRules, active_logical, add_name_hint, closest
+
+Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
+"""Per dimension of a spec, each logical name in it with its mesh axes and the entry of
+the rules that mapped it: ``((("batch", ("data",), "rules['batch']"),), (), ...)``."""
+
+
+Checked: TypeAlias = tuple[PartitionSpec, str, list[tuple[str, str, dict[str, Any]]], Via]
+"""One leaf's resolution: (spec, rule text, problems as (what, hint, Problem fields), the
+logical names and rule entries per dimension)."""
+
+
+class Ctx:
+    """State shared across all arguments of one expansion (rule usage, problems)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.sizes = sizes
+        self.mesh_text = format_mesh(sizes)
+        self.problems: list[Problem] = []
+        self.used: dict[int, tuple[Rules, set[int]]] = {}
+        self.resolved: dict[tuple[Any, ...], Checked] = {}
+        self.placed: dict[Any, Any] = {}  # dtype -> the dtype it has once placed
+        # The context's logical rules, read once: every leaf of one plan sees the same.
+        self.logical = active_logical()
+
+    def used_by(self, rules: Rules) -> set[int]:
+        """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
+        entry = self.used.get(id(rules))
+        if entry is None:
+            entry = self.used[id(rules)] = (rules, set())
+        return entry[1]
+
+    def problem(
+        self,
+        arg: str,
+        path: str,
+        leaf: Any,
+        what: str,
+        spec: Any = None,
+        rule: str | None = None,
+        hint: str | None = None,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
+        dtype = dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
+        self.problems.append(
+            Problem(
+                arg=arg,
+                path=path,
+                what=what,
+                shape=shape,
+                dtype=dtype,
+                spec=spec,
+                rule=rule,
+                mesh=self.sizes,
+                hint=hint,
+                **(fields or {}),
+            )
+        )
+
+
+def resolve_names(
+    spec: PartitionSpec, logical: LogicalRules | None
+) -> tuple[PartitionSpec, str | None, Via]:
+    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem,
+    which name and entry mapped each dimension).
+
+    Names ``logical`` does not know stay as they are (mesh axes, or names ``check``
+    reports). A mapping substitutes each name; Flax's ordered list assigns pairs in order,
+    each only while none of its mesh axes is taken by another dimension (names that are
+    mesh axes already take theirs), exactly as ``flax.linen.logical_to_mesh_axes``.
+    """
+    if logical is None or partial_axes(spec):  # partial specs are left for check to report
+        return spec, None, ()
+    entries = list(spec)
+    known = logical.candidates
+    via: list[tuple[tuple[str, tuple[str, ...], str], ...]] = [()] * len(entries)
+    if not logical.ordered:
+        for dim, entry in enumerate(entries):
+            if is_axes_entry(entry) and any(n in known for n in entry_axes(entry)):
+                names = entry_axes(entry)
+                mapped = [a for n in names for a in (known[n][0] if n in known else (n,))]
+                entries[dim] = _entry(mapped)
+                via[dim] = tuple((n, known[n][0], logical.label(n)) for n in names if n in known)
+        return PartitionSpec(*entries), None, tuple(via)
+    # Flax's priority rules: (dim, position) slots of logical names, filled pair by pair.
+    slots: dict[str, tuple[int, int]] = {}
+    taken: set[str] = set()
+    parts: list[list[Any]] = []
+    for dim, entry in enumerate(entries):
+        if not is_axes_entry(entry):
+            parts.append([entry])
+            continue
+        names = entry_axes(entry)
+        for i, n in enumerate(names):
+            if n in known:
+                if n in slots:
+                    return (
+                        spec,
+                        (
+                            f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
+                            "Flax-style logical rules map each name to one dimension"
+                        ),
+                        (),
+                    )
+                slots[n] = (dim, i)
+            else:
+                taken.add(n)
+        parts.append(list(names))
+    if not slots:
+        return spec, None, ()
+    assigned: dict[str, tuple[str, ...]] = {}
+    for name, target in logical.pairs:
+        if name in slots and name not in assigned and taken.isdisjoint(target):
+            assigned[name] = target
+            taken.update(target)
+    for name, (dim, i) in slots.items():
+        got = assigned.get(name, ())
+        parts[dim][i] = got
+        label = logical.label(name, got) if name in assigned else "no pair (every one blocked)"
+        via[dim] = (*via[dim], (name, got, label))
+    for dim, entry in enumerate(entries):
+        if is_axes_entry(entry):
+            entries[dim] = _entry(
+                [a for p in parts[dim] for a in (p if isinstance(p, tuple) else (p,))]
+            )
+    return PartitionSpec(*entries), None, tuple(via)
+
+
+def _entry(axes: list[str]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def check(
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    logical: LogicalRules | None = None,
+    file: str | None = None,
+) -> list[tuple[str, str]]:
+    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``
+    (``logical``: the rules its names went through, named in the hint for unknown names;
+    ``file``: the rules file the spec came from, whose lines the hint gives)."""
+    out: list[tuple[str, str]] = []
+    partial = partial_axes(spec)
+    if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
+        return [
+            (
+                f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
+                "reduced, which placing arrays does not support",
+                "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
+                "jitted computation",
+            )
+        ]
+    entries = tuple(spec)
+    if len(entries) > len(shape):
+        out.append(
+            (
+                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
+                "P() to replicate it)",
+            )
+        )
+    seen: dict[str, int] = {}
+    for dim, entry in enumerate(entries):
+        if entry is None:
+            continue
+        if not is_axes_entry(entry):
+            out.append(
+                (
+                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
+                )
+            )
+            continue
+        axes = entry_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                out.append(
+                    (
+                        f"axis {a!r} (dimension {dim}) is not in the mesh",
+                        _unknown(a, sizes, logical, file),
+                    )
+                )
+            elif a in seen:
+                out.append(
+                    (
+                        f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
+                        "each mesh axis may shard at most one dimension of a leaf",
+                    )
+                )
+            else:
+                seen[a] = dim
+        if dim < len(shape) and all(a in sizes for a in axes):
+            n = math.prod(sizes[a] for a in axes)
+            if shape[dim] % n:
+                by = " x ".join(f"{a}={sizes[a]}" for a in axes)
+                out.append(
+                    (
+                        f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                        f"but {shape[dim]} is not divisible by {n}",
+                        "shard this dimension over axes whose sizes divide it, pad it, or "
+                        "replicate it with None",
+                    )
+                )
+    return out
+
+
+def unmatched_key(
+    arg: str, info: LeafInfo, leaf: Any, s: Rules, shape: tuple[int, ...], ctx: Ctx
+) -> tuple[Any, ...] | None:
+    """The resolution-cache key of a leaf no rule matches, or None after reporting it
+    (under ``strict``)."""
+    if not shape:
+        return (id(s), "scalar")  # scalars always replicate
+    if info.names is not None:
+        return (id(s), "metadata", info.names, info.box, shape)
+    if s.strict:
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "no rule matches this leaf",
+            hint=(
+                f"add a rule whose pattern matches {info.path!r}, a catch-all "
+                "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves"
+                if s.file is None and vocabulary() == "python"
+                else f"add to {s.file or 'the rules file'} a [[rules]] table whose pattern "
+                f"matches {info.path!r}, a catch-all last (pattern = '.*', spec = []), or "
+                "strict = false to replicate unmatched leaves"
+            ),
+        )
+        return None
+    return (id(s), "unmatched")
+
+
+def resolve_checked(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
+) -> Checked | None:
+    """Resolve one leaf's spec and validate it; None after reporting a problem."""
+    got = resolve(arg, info, leaf, s, shape, ctx)
+    if got is None:
+        return None
+    spec, rule, logical = got
+    file = s.file if isinstance(s, Rules) else None
+    named = spec
+    via: Via = ()
+    if logical is not None:
+        spec, twice, via = resolve_names(spec, logical)
+        if twice is not None:
+            ctx.problem(
+                arg,
+                info.path,
+                leaf,
+                twice,
+                spec=spec,
+                rule=rule,
+                hint="give each dimension its own logical name",
+            )
+            return None
+    try:
+        found = check(spec, shape, ctx.sizes, logical, file)
+    except TypeError:  # junk inside a spec from a function: report, never crash
+        found = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    problems = [
+        _in_logical_terms(what, hint, named, shape, ctx.sizes, logical, via) for what, hint in found
+    ]
+    if problems and vocabulary() == "cli":
+        problems = [
+            (what, _cli_hint(what, hint, named, rule, file, fields), fields)
+            for what, hint, fields in problems
+        ]
+    return spec, rule, problems, via
+
+
+_INDIVISIBLE = re.compile(r"dimension (\d+) \(size \d+\) is partitioned .* is not divisible by")
+_RULE_INDEX = re.compile(r"rule (\d+) ")
+
+
+def _cli_hint(
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    rule: str,
+    file: str | None,
+    fields: Mapping[str, Any],
+) -> str:
+    """A hint in the command line's words: a dimension to replicate is ``"none"`` in the
+    rules file, shown as the TOML spec to write in the ``rules[i]`` it came from, or the
+    ``[logical]`` line to change when a logical name mapped it."""
+    name = fields.get("logical_name")
+    if name is not None and fields.get("logical_rule") is not None:
+        return hint  # already in the rules file's words (_in_logical_terms)
+    m = _INDIVISIBLE.match(what)
+    if m is None:
+        return hint
+    dim = int(m.group(1))
+    entries = list(tuple(named)) + [None] * (dim + 1 - len(tuple(named)))
+    entries[dim] = None
+    fixed = toml_spec(PartitionSpec(*entries))
+    base = (
+        'shard this dimension over axes whose sizes divide it, pad it, or replicate it with "none"'
+    )
+    index = _RULE_INDEX.match(rule)
+    if file is not None and index is not None:
+        return f"{base}: in {file} set rules[{index.group(1)}].spec = {fixed}"
+    if file is not None:  # the spec came from the leaf's metadata, under the file's rules
+        return (
+            f"{base}: add to {file} a [[rules]] table whose pattern matches this leaf, "
+            f"spec = {fixed}"
+        )
+    return f"{base}: pass --rules RULES.toml with a rule for this leaf, spec = {fixed}"
+
+
+_NOT_IN_MESH = re.compile(r"axis '([^']+)' \(dimension (\d+)\) is not in the mesh")
+
+
+def _in_logical_terms(
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    logical: LogicalRules | None,
+    via: Via,
+) -> tuple[str, str, dict[str, Any]]:
+    """A problem with a dimension a logical name mapped, said in the user's terms: which
+    logical name, which dimension, which entry of the rules, and a fix that is theirs to
+    make (the entry to change). Other problems keep their words, with the dimension."""
+    m = _INDIVISIBLE.match(what) or _NOT_IN_MESH.fullmatch(what)
+    if m is None:
+        return what, hint, {}
+    if logical is None:
+        return what, hint, {"dimension": int(m.group(1) if m.re is _INDIVISIBLE else m.group(2))}
+    if m.re is _NOT_IN_MESH:
+        return _not_in_mesh(m, what, hint, named, sizes, logical, via)
+    dim = int(m.group(1))
+    fields: dict[str, Any] = {"dimension": dim}
+    mapped = via[dim] if dim < len(via) else ()
+    entry = tuple(named)[dim] if dim < len(tuple(named)) else None
+    if len(mapped) != 1 or not is_axes_entry(entry) or len(entry_axes(entry)) != 1:
+        return what, hint, fields  # several names or axes in one dimension: JAX's words
+    name, target, label = mapped[0]
+    size, n = shape[dim], math.prod(sizes[a] for a in target)
+    by = str(n) if len(target) == 1 else " x ".join(str(sizes[a]) for a in target) + f" = {n}"
+    onto = repr(target[0]) if len(target) == 1 else repr(target)
+    fields.update(logical_name=name, logical_rule=label)
+    what = (
+        f"{name!r} (dimension {dim}, size {size}) maps to {onto} ({by}) by {label}: "
+        f"{size} is not divisible by {n}"
+    )
+    if logical.file is not None and label.startswith("[logical] "):
+        hint = (
+            f"map {name} to an axis whose size divides {size}, or replicate it: in "
+            f'{logical.file}, [logical] {name} = "none"'
+        )
+    else:
+        none = '"none"' if vocabulary() == "cli" else "None"
+        hint = f"map {name!r} to an axis whose size divides {size}, or to {none}"
+    return what, hint, fields
+
+
+def _not_in_mesh(
+    m: re.Match[str],
+    what: str,
+    hint: str,
+    named: PartitionSpec,
+    sizes: Mapping[str, int],
+    logical: LogicalRules,
+    via: Via,
+) -> tuple[str, str, dict[str, Any]]:
+    """A mesh axis that is not in the mesh but came from a logical name: say which name."""
+    axis, dim = m.group(1), int(m.group(2))
+    fields: dict[str, Any] = {"dimension": dim}
+    entries = tuple(named)
+    if dim >= len(entries) or not is_axes_entry(entries[dim]):
+        return what, hint, fields
+    names = [n for n in entry_axes(entries[dim]) if n not in sizes and n != axis]
+    if not names:
+        return what, hint, fields
+    mapped = via[dim] if dim < len(via) else ()
+    label = next((lab for n, _, lab in mapped if n == names[0]), None)
+    fields.update(logical_name=names[0], logical_rule=label)
+    axes = ", ".join(map(repr, sizes)) or "none"
+    what = (
+        f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
+        "in the mesh"
+    )
+    close = _close_axis(axis, sizes)
+    if close is not None:
+        return (
+            what,
+            (
+                f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
+                f"{logical.source} (mesh axes are {axes})"
+            ),
+            fields,
+        )
+    none = '"none"' if logical.file is not None else "None"
+    return (
+        what,
+        (
+            f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) in "
+            f"{logical.describe()}"
+        ),
+        fields,
+    )
+
+
+def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
+    """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
+    return closest(name, list(sizes))
+
+
+def _unknown(
+    name: str, sizes: Mapping[str, int], logical: LogicalRules | None, file: str | None
+) -> str:
+    """The hint for a spec name that is neither a mesh axis nor a known logical name, in
+    the user's words: a typo of a mesh axis gets "did you mean"; a logical name gets the
+    entry to add, as a TOML line for a rules file and as Python otherwise."""
+    axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
+    close = _close_axis(name, sizes)
+    if close is not None:
+        return f"did you mean {close!r}? ({axes})"
+    if logical is not None:
+        return (
+            f"{axes}, and {name!r} is not a logical name of {logical.describe()}; "
+            f"add {logical.entry(name)} there"
+        )
+    if file is None and vocabulary() == "cli":  # the command's saved specs: no rules file yet
+        return (
+            f"{axes}; give --mesh an axis {name!r}, or pass --rules RULES.toml (its [logical] "
+            f'table can map {name!r}: {name} = "<mesh axis>")'
+        )
+    return f"{axes}; {add_name_hint(name, file)}"
+
+
+_REFUSED: dict[Any, tuple[str, str] | None] = {}
+
+
+def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
+    """(what, hint) if JAX cannot hold this NumPy leaf: masked arrays, str/bytes/object/
+    datetime/structured/float128 dtypes. Plans must say so, not ``device_put`` later."""
+    if isinstance(leaf, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array cannot be placed on devices",
+            "JAX does not support masked arrays; pass arr.filled(...) instead",
+        )
+    try:
+        return _REFUSED[leaf.dtype]
+    except KeyError:
+        pass
+    try:
+        jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
+        refused = None
+    except TypeError:
+        refused = (
+            f"dtype {leaf.dtype} cannot be placed on devices",
+            "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
+            "it out of the container",
+        )
+    _REFUSED[leaf.dtype] = refused
+    return refused
+
+
+def resolve(
+    arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
+) -> tuple[PartitionSpec, str, LogicalRules | None] | None:
+    """The (spec, rule text, logical rules to map its names through) for one leaf; None
+    after reporting a problem. Explicit ``Rules(logical=...)`` wins over the context."""
+    if isinstance(s, PartitionSpec):
+        return s, f"{format_spec(s)} for the whole argument", ctx.logical
+    if isinstance(s, Rules):
+        if not shape:
+            return PartitionSpec(), "scalar (replicated)", None
+        hit = s.match(info.path)
+        if hit is not None:
+            spec, rule = hit[1], s.describe(hit[0])
+        elif info.names is not None:
+            spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
+        else:
+            return PartitionSpec(), "unmatched (replicated, strict=False)", None
+        return spec, rule, s.compiled_logical if s.logical is not None else ctx.logical
+    if isinstance(s, FSDP):
+        return *s.spec_for(shape, ctx.sizes), None
+    if s is None:
+        ctx.problem(
+            arg,
+            info.path,
+            leaf,
+            "the spec is None",
+            hint="use P() to replicate; None is not a spec in modelshard",
+        )
+        return None
+    if callable(s):
+        name = getattr(s, "__name__", type(s).__name__)
+        try:
+            got = s(info.path, leaf)
+        except Exception as e:
+            ctx.problem(
+                arg, info.path, leaf, f"spec function {name} raised {type(e).__name__}: {e}"
+            )
+            return None
+        if not isinstance(got, PartitionSpec):
+            ctx.problem(
+                arg,
+                info.path,
+                leaf,
+                f"spec function {name} returned {got!r}, not a PartitionSpec",
+                hint="return P(...) for every leaf (P() replicates)",
+            )
+            return None
+        return got, f"function {name}", ctx.logical
+    ctx.problem(
+        arg,
+        info.path,
+        leaf,
+        f"{s!r} ({type(s).__name__}) is not a spec",
+        hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
+        "PartitionSpec, or a prefix tree of these",
+    )
+    return None

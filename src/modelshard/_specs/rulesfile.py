@@ -1,0 +1,236 @@
+"""Rules files: [`Rules`][modelshard.Rules] written as TOML, for the CLI and for configs.
+
+The format (documented in ``docs/guides/rules-file.md``)::
+
+    strict = true                    # optional, default true
+
+    [[rules]]                        # first match wins, patterns use re.search
+    pattern = "embedding$"
+    spec = ["vocab", "embed"]        # one entry per dimension
+
+    [[rules]]
+    pattern = "kernel$"
+    spec = ["embed", ["data", "model"]]   # a list shards one dimension over several axes
+
+    [[rules]]
+    pattern = ".*"
+    spec = []                        # replicate
+
+    [logical]                        # logical name -> mesh axis
+    vocab = "model"
+    embed = "none"                   # "none" replicates the dimension
+    mlp = ["data", "model"]
+
+TOML has no null, so a replicated dimension is written ``"none"``. Logical rules may also
+be Flax's ordered list of pairs (a name may repeat; a later pair applies when an earlier
+one's mesh axes are taken by another dimension), written as MaxText writes them::
+
+    logical = [
+      ["embed", ["fsdp", "fsdp_transpose"]],
+      ["embed", "fsdp"],
+      ["mlp", ["tensor", "fsdp_transpose"]],
+      ["norm", []],                  # [] (or "none") replicates
+    ]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from .._base import TOML_NONE as NONE
+from .._base import Problem, SpecError, quote_pattern
+from .language import Rules
+
+_TOP = {"strict", "rules", "logical"}
+_RULE = {"pattern", "spec"}
+
+
+def _entry(value: Any, where: str, problems: list[Problem], arg: str, empty: bool = False) -> Any:
+    if isinstance(value, str):
+        return None if value == NONE else value
+    if isinstance(value, list) and empty and not value:
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, str) and v != NONE for v in value):
+        return tuple(value)
+    problems.append(
+        Problem(
+            arg,
+            where,
+            f"{value!r} is not an axis name, a list of axis names, or {NONE!r}",
+            hint=f'write "data", ["data", "model"] or "{NONE}" (TOML has no null)',
+        )
+    )
+    return None
+
+
+def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
+    """Build [`Rules`][modelshard.Rules] from parsed TOML (a dict); every problem is reported at once.
+
+    Raises:
+        SpecError: unknown keys, missing fields, wrong types, bad patterns or specs.
+
+    Example:
+        >>> parse_rules({"rules": [{"pattern": "kernel$", "spec": ["data", "none"]}]})
+        Rules([('kernel$', P('data', None))], strict=True)
+    """
+    problems: list[Problem] = []
+    for k in data:
+        if k not in _TOP:
+            problems.append(
+                Problem(
+                    source,
+                    k,
+                    f"unknown top-level key {k!r}",
+                    hint="allowed: strict, rules, logical",
+                )
+            )
+    strict = data.get("strict", True)
+    if not isinstance(strict, bool):
+        problems.append(Problem(source, "strict", f"strict must be true or false, got {strict!r}"))
+        strict = True
+    raw = data.get("rules", [])
+    rules: list[tuple[str, PartitionSpec]] = []
+    if not isinstance(raw, list):
+        problems.append(
+            Problem(
+                source, "rules", "rules must be an array of tables", hint="write [[rules]] blocks"
+            )
+        )
+        raw = []
+    for i, item in enumerate(raw):
+        where = f"rules[{i}]"
+        if not isinstance(item, Mapping):
+            problems.append(
+                Problem(source, where, f"{item!r} is not a table with pattern and spec")
+            )
+            continue
+        for k in item:
+            if k not in _RULE:
+                problems.append(
+                    Problem(
+                        source, f"{where}.{k}", f"unknown key {k!r}", hint="allowed: pattern, spec"
+                    )
+                )
+        pattern, spec = item.get("pattern"), item.get("spec")
+        if not isinstance(pattern, str):
+            problems.append(
+                Problem(source, f"{where}.pattern", f"pattern must be a string, got {pattern!r}")
+            )
+            continue
+        if not isinstance(spec, list):
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.spec",
+                    f"spec must be an array of entries, got {spec!r}",
+                    hint='spec = [] replicates; spec = ["data", "none"] shards dimension 0',
+                )
+            )
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            problems.append(
+                Problem(
+                    source,
+                    f"{where}.pattern",
+                    f"{quote_pattern(pattern)} is not a valid regular expression: {e}",
+                    hint="write a Python regular expression, in single quotes (a TOML "
+                    r"literal string, backslashes kept as written): pattern = 'norm\d?/weight$'",
+                )
+            )
+        entries = [_entry(e, f"{where}.spec[{j}]", problems, source) for j, e in enumerate(spec)]
+        rules.append((pattern, PartitionSpec(*entries)))
+    logical: Any = None
+    raw_logical = data.get("logical")
+    if isinstance(raw_logical, Mapping):
+        logical = {
+            name: _entry(v, f"logical.{name}", problems, source, empty=True)
+            for name, v in raw_logical.items()
+        }
+    elif isinstance(raw_logical, list):
+        logical = []
+        for i, pair in enumerate(raw_logical):
+            where = f"logical[{i}]"
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                problems.append(
+                    Problem(
+                        source,
+                        where,
+                        f"{pair!r} is not a [logical name, mesh axes] pair",
+                        hint='write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or '
+                        '["norm", []]',
+                    )
+                )
+                continue
+            logical.append((pair[0], _entry(pair[1], f"{where}[1]", problems, source, True)))
+    elif raw_logical is not None:
+        problems.append(
+            Problem(
+                source,
+                "logical",
+                "logical must be a table of name = axis, or an array of [name, axes] pairs",
+                hint='[logical] embed = "model", or logical = [["embed", "model"]]',
+            )
+        )
+    if problems:
+        raise SpecError(problems, header=f"invalid rules file {source}:")
+    try:
+        return Rules(rules, logical=logical, strict=strict)
+    except SpecError as e:
+        raise SpecError(e.problems, header=f"invalid rules file {source}:") from e
+
+
+def load_rules(path: str | os.PathLike[str]) -> Rules:
+    """Read a TOML rules file (format: the Rules files guide) into [`Rules`][modelshard.Rules].
+
+    Args:
+        path: the ``.toml`` file.
+
+    Returns:
+        The rules it describes; [`Rules.to_toml`][modelshard.Rules.to_toml] writes one back.
+
+    Raises:
+        OSError: the file cannot be read (``FileNotFoundError`` when it is missing).
+        SpecError: the file is not UTF-8 or not valid TOML, or does not describe Rules
+            (every problem listed, invalid regular expressions included).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> import modelshard as ms
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "rules.toml"
+        >>> _ = path.write_text('[[rules]]\\npattern = "kernel$"\\nspec = ["none", "model"]\\n')
+        >>> ms.load_rules(path)
+        Rules([('kernel$', P(None, 'model'))], strict=True)
+    """
+    p = Path(path)
+    try:  # a missing or unreadable file: the OSError itself (FileNotFoundError, ...)
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            [Problem(str(p), None, f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
+            header=f"invalid rules file {p}:",
+        ) from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        hint = None
+        if "escape" in str(e).lower() or "\\" in str(e):
+            hint = (
+                "in a double-quoted TOML string a backslash starts an escape (\\n, \\t, "
+                "\\\\; \\d and \\. are none): write regular expressions in single quotes, "
+                "pattern = 'norm\\d?$' (a TOML literal string, backslashes kept as written)"
+            )
+        raise SpecError(
+            [Problem(str(p), None, f"not valid TOML: {e}", hint=hint)],
+            header=f"invalid rules file {p}:",
+        ) from e
+    return dataclasses.replace(parse_rules(data, str(p)), file=str(p))

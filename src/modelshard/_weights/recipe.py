@@ -1,0 +1,723 @@
+"""Recipes: how one array is computed from stored tensors, read a slice at a time.
+
+A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
+``Read`` leaves name a stored tensor; ``Permuted``, ``Reshaped``, ``Take`` (one index of
+an axis), ``Slice`` (a range of an axis), ``Stacked`` (along a new axis), ``Joined`` (along
+an existing one), ``Cast`` and ``Arith`` (adding or multiplying by a constant) compute on
+top. Every node knows its shape
+and dtype without reading anything, so a whole mapping is validated before one byte is
+read, and every node can be inverted, which is how the same mapping writes an export.
+
+``node.read(index, fetch)`` computes only the part of the result selected by ``index``
+(a tuple of slices, one per dimension, as ``jax.make_array_from_callback`` hands them
+out): transposes, takes, slices, stacks, concatenations and casts pass the slice down to the stored tensor, so a
+device reads only its part of each tensor; a reshape needs its whole input (read once per
+leaf through the ``fetch`` cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._base import dtype_name
+
+Index = tuple[slice, ...]
+Fetch = Callable[[str, Index], np.ndarray]
+"""``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
+
+
+# Buffers at least this large get their own anonymous memory map, returned to the system
+# when freed. A load allocates and frees one device slice after another; from malloc's
+# heap those freed slices stay resident as fragments (peak memory measured by
+# benchmarks/weights.py: docs/benchmarks/weights.md), since glibc raises its own mmap
+# threshold to the largest block freed so far.
+OWN_MAP_BYTES = 1 << 20
+
+
+def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """An uninitialised C-order array; large ones in their own memory map (see above)."""
+    dt = np.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+    if n < OWN_MAP_BYTES:
+        return np.empty(tuple(shape), dt)
+    return np.frombuffer(mmap.mmap(-1, n), dt).reshape(tuple(shape))
+
+
+def contiguous(a: Any) -> np.ndarray:
+    """``a`` as a C-contiguous array, rank kept (``np.ascontiguousarray`` makes 0-d 1-d)."""
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else copy_of(a)
+
+
+def copy_of(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a`` in a buffer of its own."""
+    out = host_empty(a.shape, a.dtype)
+    copy_tiled(out, a)
+    return out
+
+
+def unaliased(a: Any) -> np.ndarray:
+    """``a`` as a block to hand to JAX: a C-contiguous read-only view (of a file's memory
+    map, of a stored shard) copied into a buffer of its own, since JAX could alias it and
+    keep all of the viewed memory alive; anything else as it is."""
+    a = np.asarray(a)
+    return copy_of(a) if a.flags.c_contiguous and not a.flags.writeable else a
+
+
+# A transposing copy walks one side across the grain: element by element, every read (or
+# write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
+# block in cache: faster than one ``np.copyto`` of the whole transposed view.
+TILE = 128
+
+
+def copy_tiled(out: np.ndarray, a: np.ndarray, casting: Any = "same_kind") -> None:
+    """``out[...] = a`` for a C-contiguous ``out``, in tiles when ``a`` is transposed (its
+    innermost axis in memory is not its last)."""
+    moving = [i for i in range(a.ndim) if a.shape[i] > 1]
+    if len(moving) < 2:
+        np.copyto(out, a, casting=casting)
+        return
+    inner = min(moving, key=lambda i: abs(a.strides[i]))
+    last = moving[-1]
+    if inner == last:
+        np.copyto(out, a, casting=casting)
+        return
+    whole = [slice(None)] * a.ndim
+    for i in range(0, a.shape[inner], TILE):
+        for j in range(0, a.shape[last], TILE):
+            idx = list(whole)
+            idx[inner], idx[last] = slice(i, i + TILE), slice(j, j + TILE)
+            t = tuple(idx)
+            np.copyto(out[t], a[t], casting=casting)
+
+
+def full_index(shape: Sequence[int]) -> Index:
+    return tuple(slice(0, d) for d in shape)
+
+
+def norm_index(index: Index | None, shape: Sequence[int]) -> Index:
+    """``index`` into an array of ``shape`` as plain ``slice(start, stop)`` bounds (``None``:
+    the whole array)."""
+    if index is None:
+        return full_index(shape)
+    return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
+
+
+class Node:
+    """One step of a recipe: its ``shape`` and ``dtype`` are known before any read."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        """The part of this node's value selected by ``index`` (``None``: all of it); may
+        be a view of a stored tensor (``contiguous`` makes it an array of its own)."""
+        raise NotImplementedError
+
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        """``out[...] = self.read(index, fetch)``, reading straight into ``out`` where the
+        step allows (a stored tensor's rows, a cast)."""
+        copy_tiled(out, self.read(index, fetch))
+
+    def reads(self) -> list[str]:
+        """The stored tensors this node reads, in order."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The recipe as text: ``transpose(1, 0) of model.w``."""
+        raise NotImplementedError
+
+    @property
+    def sliceable(self) -> bool:
+        """Whether a slice of the result reads only a slice of every stored tensor."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{self.describe()}: {dtype_name(self.dtype)}{list(self.shape)}>"
+
+
+@dataclasses.dataclass(repr=False)
+class Read(Node):
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        return fetch(self.key, norm_index(index, self.shape))
+
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        if getattr(fetch, "reads_into", False) and out.flags.c_contiguous:
+            got = fetch(self.key, norm_index(index, self.shape), out)  # type: ignore[call-arg]
+            if got is not out:
+                copy_tiled(out, got)
+        else:
+            copy_tiled(out, self.read(index, fetch))
+
+    def reads(self) -> list[str]:
+        return [self.key]
+
+    def describe(self) -> str:
+        return self.key
+
+
+@dataclasses.dataclass(repr=False)
+class Permuted(Node):
+    child: Node
+    perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.child.shape[p] for p in self.perm)
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = norm_index(index, self.shape)
+        inner = [slice(None)] * len(self.perm)
+        for j, p in enumerate(self.perm):
+            inner[p] = index[j]
+        return self.child.read(tuple(inner), fetch).transpose(self.perm)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"transpose{self.perm} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
+class Reshaped(Node):
+    """``child`` in another shape (C order). A block of the result that is one block of
+    the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
+    axis the reshape leaves alone) reads only that block; any other needs the whole
+    child, read once per leaf where ``fetch`` has a ``wholes`` dict to keep it in."""
+
+    child: Node
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.dtype = self.child.dtype
+        self._groups = reshape_groups(self.child.shape, self.shape)
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        if index is not None and self._groups is not None:
+            index = norm_index(index, self.shape)
+            inner = child_block(self._groups, self.child.shape, self.shape, index)
+            if inner is not None:
+                block = tuple(s.stop - s.start for s in index)
+                return self.child.read(inner, fetch).reshape(block)
+        wholes: dict[int, np.ndarray] | None = getattr(fetch, "wholes", None)
+        whole = None if wholes is None else wholes.get(id(self))
+        if whole is None:
+            whole = self.child.read(None, fetch).reshape(self.shape)
+            if wholes is not None:  # read once for all the leaf's devices
+                wholes[id(self)] = whole
+        return whole if index is None else whole[index]
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"reshape{self.shape} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return False
+
+
+Groups = list[tuple[tuple[int, int], tuple[int, int]]]
+
+
+def reshape_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
+    """A reshape from ``a`` to ``b`` as groups of consecutive axes whose sizes multiply to
+    the same number (``(6, 4) -> (2, 3, 4)``: ``[((0, 1), (0, 2)), ((1, 2), (2, 3))]``),
+    ``None`` for empty shapes (no block reads then)."""
+    if 0 in a or 0 in b:
+        return None
+    groups: Groups = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        i0, j0, pa, pb = i, j, 1, 1
+        if i < len(a):
+            pa, i = a[i], i + 1
+        if j < len(b):
+            pb, j = b[j], j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa, i = pa * a[i], i + 1
+            elif pb < pa and j < len(b):
+                pb, j = pb * b[j], j + 1
+            else:
+                return None
+        groups.append(((i0, i), (j0, j)))
+    return groups
+
+
+def child_block(groups: Groups, a: Sequence[int], b: Sequence[int], index: Index) -> Index | None:
+    """The block of the reshape's input (shape ``a``) holding exactly the block ``index``
+    of its output (shape ``b``), or ``None`` where that is not one block."""
+    out: list[slice] = []
+    for (i0, i1), (j0, j1) in groups:
+        flat = _flat_range(b[j0:j1], index[j0:j1])
+        if flat is None:
+            return None
+        part = _block_of(a[i0:i1], *flat)
+        if part is None:
+            return None
+        out.extend(part)
+    return tuple(out)
+
+
+def _flat_range(sizes: Sequence[int], index: Sequence[slice]) -> tuple[int, int] | None:
+    """``index`` over ``sizes`` as one range of their C-order flattening (single points,
+    then one range, then whole axes), or ``None``."""
+    n = len(sizes)
+    t = n
+    while t > 0 and index[t - 1].start == 0 and index[t - 1].stop == sizes[t - 1]:
+        t -= 1
+    if t == 0:
+        return 0, math.prod(sizes)
+    t -= 1  # the one axis that may be a range
+    if any(index[q].stop - index[q].start != 1 for q in range(t)):
+        return None
+    inner = math.prod(sizes[t + 1 :])
+    base = sum(index[q].start * math.prod(sizes[q + 1 :]) for q in range(t))
+    return base + index[t].start * inner, base + index[t].stop * inner
+
+
+def _block_of(sizes: Sequence[int], lo: int, hi: int) -> list[slice] | None:
+    """The range ``[lo, hi)`` of the C-order flattening of ``sizes`` as a block (single
+    points, then one range, then whole axes), or ``None``."""
+    if hi <= lo:
+        return None
+    n = len(sizes)
+    if n == 0:
+        return [] if (lo, hi) == (0, 1) else None
+    for t in range(n):
+        inner = math.prod(sizes[t + 1 :])
+        if lo % inner or hi % inner:
+            continue
+        q_lo, q_hi = lo // inner, hi // inner
+        outer = q_lo // sizes[t]
+        if (q_hi - 1) // sizes[t] != outer:
+            continue
+        points: list[slice] = []
+        for q in reversed(range(t)):
+            outer, c = divmod(outer, sizes[q])
+            points.insert(0, slice(c, c + 1))
+        rng = slice(q_lo % sizes[t], (q_hi - 1) % sizes[t] + 1)
+        return [*points, rng, *(slice(0, d) for d in sizes[t + 1 :])]
+    return None
+
+
+@dataclasses.dataclass(repr=False)
+class Take(Node):
+    """Index ``i`` of axis ``axis`` of ``child`` (the axis is dropped)."""
+
+    child: Node
+    axis: int
+    i: int
+
+    def __post_init__(self) -> None:
+        s = self.child.shape
+        self.shape = s[: self.axis] + s[self.axis + 1 :]
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = norm_index(index, self.shape)
+        inner = (*index[: self.axis], slice(self.i, self.i + 1), *index[self.axis :])
+        return np.squeeze(self.child.read(inner, fetch), axis=self.axis)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"[{self.i}] of axis {self.axis} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
+class Stacked(Node):
+    """``children`` stacked along a new axis ``axis``."""
+
+    children: list[Node]
+    axis: int
+
+    def __post_init__(self) -> None:
+        s = self.children[0].shape
+        self.shape = (*s[: self.axis], len(self.children), *s[self.axis :])
+        self.dtype = self.children[0].dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = norm_index(index, self.shape)
+        lo, hi = index[self.axis].start, index[self.axis].stop
+        rest = index[: self.axis] + index[self.axis + 1 :]
+        out = host_empty([s.stop - s.start for s in index], self.dtype)
+        for i, c in enumerate(self.children[lo:hi]):
+            c.read_into(rest, fetch, out[(slice(None),) * self.axis + (i,)])
+        return out
+
+    def reads(self) -> list[str]:
+        return [k for c in self.children for k in c.reads()]
+
+    def describe(self) -> str:
+        first = self.children[0].describe()
+        return f"stack(axis {self.axis}) of {len(self.children)}: {first}, ..."
+
+    @property
+    def sliceable(self) -> bool:
+        return all(c.sliceable for c in self.children)
+
+
+@dataclasses.dataclass(repr=False)
+class Joined(Node):
+    """``children`` joined along their existing axis ``axis`` (fused q, k, v)."""
+
+    children: list[Node]
+    axis: int
+
+    def __post_init__(self) -> None:
+        s = self.children[0].shape
+        n = sum(c.shape[self.axis] for c in self.children)
+        self.shape = (*s[: self.axis], n, *s[self.axis + 1 :])
+        self.dtype = self.children[0].dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = norm_index(index, self.shape)
+        ax = self.axis
+        lo, hi = index[ax].start, index[ax].stop
+        parts, start = [], 0
+        for c in self.children:
+            a, b = max(lo, start), min(hi, start + c.shape[ax])
+            if a < b:
+                parts.append((c, (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])))
+            start += c.shape[ax]
+        if len(parts) == 1:
+            return parts[0][0].read(parts[0][1], fetch)
+        out = host_empty([s.stop - s.start for s in index], self.dtype)
+        at = 0
+        for c, sub in parts:
+            n = sub[ax].stop - sub[ax].start
+            c.read_into(sub, fetch, out[(slice(None),) * ax + (slice(at, at + n),)])
+            at += n
+        return out
+
+    def reads(self) -> list[str]:
+        return [k for c in self.children for k in c.reads()]
+
+    def describe(self) -> str:
+        first = self.children[0].describe()
+        return f"concat(axis {self.axis}) of {len(self.children)}: {first}, ..."
+
+    @property
+    def sliceable(self) -> bool:
+        return all(c.sliceable for c in self.children)
+
+
+@dataclasses.dataclass(repr=False)
+class Slice(Node):
+    """Indices ``[lo, hi)`` of axis ``axis`` of ``child`` (one part of a fused tensor)."""
+
+    child: Node
+    axis: int
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        s = self.child.shape
+        self.shape = (*s[: self.axis], self.hi - self.lo, *s[self.axis + 1 :])
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        index = norm_index(index, self.shape)
+        ax, lo = self.axis, self.lo
+        inner = (*index[:ax], slice(index[ax].start + lo, index[ax].stop + lo), *index[ax + 1 :])
+        return self.child.read(inner, fetch)
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"[{self.lo}:{self.hi}] of axis {self.axis} of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+@dataclasses.dataclass(repr=False)
+class Cast(Node):
+    child: Node
+    dtype: np.dtype[Any]
+
+    def __post_init__(self) -> None:
+        self.shape = self.child.shape
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        x = self.child.read(index, fetch)
+        out = host_empty(x.shape, self.dtype)
+        copy_tiled(out, x, casting="unsafe")
+        return out
+
+    def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
+        copy_tiled(out, self.child.read(index, fetch), casting="unsafe")
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"cast({dtype_name(self.dtype)}) of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+ARITH_INVERSE = {"add": "sub", "sub": "add", "mul": "div", "div": "mul"}
+
+
+def arith_dtype(dtype: Any) -> np.dtype[Any]:
+    """The dtype ``Arith`` computes in: float32 for narrower floats (bfloat16, float16,
+    fp8), the leaf's own for float32 and float64."""
+    return np.promote_types(np.dtype(dtype), np.float32)
+
+
+@dataclasses.dataclass(repr=False)
+class Arith(Node):
+    """``child`` plus (``add``), minus (``sub``), times (``mul``) or divided by (``div``)
+    the constant ``value``: computed in ``arith_dtype`` and rounded to ``child``'s dtype,
+    elementwise (a slice of the result reads a slice of ``child``). ``add`` and ``sub``,
+    ``mul`` and ``div`` invert each other."""
+
+    child: Node
+    op: str
+    value: float
+
+    def __post_init__(self) -> None:
+        self.shape = self.child.shape
+        self.dtype = self.child.dtype
+
+    def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
+        x = self.child.read(index, fetch)
+        wide = arith_dtype(self.dtype)
+        out = host_empty(x.shape, wide)
+        copy_tiled(out, x, casting="unsafe")
+        c = np.asarray(self.value, wide)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+            if self.op == "add":
+                np.add(out, c, out=out)
+            elif self.op == "sub":
+                np.subtract(out, c, out=out)
+            elif self.op == "mul":
+                np.multiply(out, c, out=out)
+            else:
+                np.divide(out, c, out=out)
+        if wide == self.dtype:
+            return out
+        narrow = host_empty(x.shape, self.dtype)
+        np.copyto(narrow, out, casting="unsafe")
+        return narrow
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    def describe(self) -> str:
+        return f"{self.op}({self.value!r}) of {self.child.describe()}"
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+def invert(
+    target: str, node: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
+) -> None:
+    """Walk one target's recipe backwards: for each stored tensor it reads, the recipe that
+    computes that tensor from the target ``Read(target)`` (into ``out``).
+
+    A ``Take`` (one layer of an unstacked source) contributes one piece of its source;
+    ``finish_inverse`` stacks the pieces once every target has been walked.
+    """
+    _invert(node, Read(target, node.shape, node.dtype), out, pieces)
+
+
+def _invert(
+    node: Node, value: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
+) -> None:
+    if isinstance(node, Read):
+        out[node.key] = value
+    elif isinstance(node, Cast):
+        _invert(node.child, Cast(value, node.child.dtype), out, pieces)
+    elif isinstance(node, Arith):
+        _invert(node.child, Arith(value, ARITH_INVERSE[node.op], node.value), out, pieces)
+    elif isinstance(node, Permuted):
+        back = tuple(int(i) for i in np.argsort(node.perm))
+        _invert(node.child, Permuted(value, back), out, pieces)
+    elif isinstance(node, Reshaped):
+        _invert(node.child, Reshaped(value, node.child.shape), out, pieces)
+    elif isinstance(node, Stacked):
+        for i, c in enumerate(node.children):
+            _invert(c, Take(value, node.axis, i), out, pieces)
+    elif isinstance(node, Joined):
+        start = 0
+        for c in node.children:
+            n = c.shape[node.axis]
+            _invert(c, Slice(value, node.axis, start, start + n), out, pieces)
+            start += n
+    elif isinstance(node, Take | Slice):
+        child = node.child
+        slot = pieces.setdefault(id(child), {"node": child, "axis": node.axis, "parts": {}})
+        slot["parts"][node.i if isinstance(node, Take) else node.lo] = value
+    else:  # pragma: no cover - every node type is handled above
+        raise TypeError(type(node).__name__)
+
+
+def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> None:
+    """Join the pieces ``invert`` collected into the tensors they came from: one layer
+    each (``Take``) stacked, the parts of a fused tensor (``Slice``) concatenated."""
+    for slot in pieces.values():
+        parts = slot["parts"]
+        child: Node = slot["node"]
+        values = [parts[k] for k in sorted(parts)]
+        if len(values[0].shape) < len(child.shape):
+            joined: Node = Stacked(values, slot["axis"])
+        else:
+            joined = Joined(values, slot["axis"])
+        _invert(child, joined, out, {})
+
+
+def as_dtype(dtype: Any) -> Any:
+    """``np.dtype(dtype)``, or ``dtype`` itself for JAX's extended dtypes (``key<fry>``)."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return dtype
+
+
+def is_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype."""
+    import jax
+
+    return not isinstance(dtype, np.dtype) and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def on_key_data(node: Node, data: Callable[[str], tuple[tuple[int, ...], Any]]) -> Node:
+    """A typed PRNG key leaf's recipe over the stored key data (``data(key)``: the stored
+    shape and dtype, ``[..., 2]`` uint32 for threefry): the same steps on the leading
+    axes, the trailing ones carried along (a key cannot be cast: refused when resolved)."""
+
+    def rw(n: Node) -> Node:
+        if isinstance(n, Read):
+            shape, dtype = data(n.key)
+            return Read(n.key, tuple(shape), np.dtype(dtype))
+        if isinstance(n, Permuted):
+            child = rw(n.child)
+            k = len(n.perm)
+            return Permuted(child, (*n.perm, *range(k, len(child.shape))))
+        if isinstance(n, Reshaped):
+            child = rw(n.child)
+            return Reshaped(child, (*n.shape, *child.shape[len(n.child.shape) :]))
+        if isinstance(n, Take):
+            return Take(rw(n.child), n.axis, n.i)
+        if isinstance(n, Slice):
+            return Slice(rw(n.child), n.axis, n.lo, n.hi)
+        if isinstance(n, Stacked):
+            return Stacked([rw(c) for c in n.children], n.axis)
+        if isinstance(n, Joined):
+            return Joined([rw(c) for c in n.children], n.axis)
+        raise TypeError(f"a PRNG key leaf cannot be computed by {n.describe()}")
+
+    return rw(node)
+
+
+Spec = tuple[Any, ...]
+"""A partition spec as a tuple of entries, one per dimension (``None``: not split)."""
+
+
+def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
+    """For each stored tensor ``node`` reads, a spec under which every device's shard of
+    it holds all that device's block of ``node`` (placed with ``spec``) reads (into
+    ``out``): a transposed leaf's stored tensor sharded the permuted way, one layer's
+    stored stack sharded like the layer along the other axes; axes a step cannot follow
+    (a reshape, the cut axis of a slice) not split."""
+    spec = tuple(spec) + (None,) * (len(node.shape) - len(spec))
+    if isinstance(node, Read):
+        out.setdefault(node.key, []).append(spec)
+    elif isinstance(node, Cast | Arith):
+        needed_specs(node.child, spec, out)
+    elif isinstance(node, Permuted):
+        inner: list[Any] = [None] * len(node.perm)
+        for j, p in enumerate(node.perm):
+            inner[p] = spec[j]
+        needed_specs(node.child, tuple(inner), out)
+    elif isinstance(node, Take):
+        needed_specs(node.child, (*spec[: node.axis], None, *spec[node.axis :]), out)
+    elif isinstance(node, Slice | Joined):
+        cut = (*spec[: node.axis], None, *spec[node.axis + 1 :])
+        for c in node.children if isinstance(node, Joined) else [node.child]:
+            needed_specs(c, cut, out)
+    elif isinstance(node, Stacked):
+        for c in node.children:
+            needed_specs(c, spec[: node.axis] + spec[node.axis + 1 :], out)
+    elif isinstance(node, Reshaped):
+        needed_specs(node.child, reshape_spec_back(node, spec), out)
+    else:  # pragma: no cover - every node type is handled above
+        raise TypeError(type(node).__name__)
+
+
+def reshape_spec_back(node: Reshaped, spec: Spec) -> Spec:
+    """The spec of a reshape's input under which each device's shard holds the input block
+    its output block reads (``child_block``): an axis the reshape leaves alone keeps its
+    entry; an axis split into several (``(h d) -> h, d``) takes the entry of the first of
+    them when the others are not split; anything else (a merge, a later axis split) is
+    left whole."""
+    inner: list[Any] = [None] * len(node.child.shape)
+    if node._groups is None:
+        return tuple(inner)
+    for (i0, i1), (j0, j1) in node._groups:
+        entries = spec[j0:j1]
+        if i1 - i0 == 1 and all(e is None for e in entries[1:]):
+            inner[i0] = entries[0] if entries else None
+    return tuple(inner)
+
+
+def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | None:
+    """The spec of ``node``'s result when each stored tensor it reads keeps its own
+    (``spec_of(key)``; ``None``: not known): a transpose permutes it, a layer taken out of
+    a stack drops the stacked axis's entry; ``None`` where the stored specs disagree (the
+    parts of a stack) or a reshape intervenes."""
+    if isinstance(node, Read):
+        s = spec_of(node.key)
+        return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
+    if isinstance(node, Cast | Arith):
+        return carried_spec(node.child, spec_of)
+    if isinstance(node, Permuted):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else tuple(s[p] for p in node.perm)
+    if isinstance(node, Take):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else s[: node.axis] + s[node.axis + 1 :]
+    if isinstance(node, Slice):
+        s = carried_spec(node.child, spec_of)
+        return None if s is None else (*s[: node.axis], None, *s[node.axis + 1 :])
+    if isinstance(node, Stacked | Joined):
+        parts = {carried_spec(c, spec_of) for c in node.children}
+        if len(parts) != 1 or None in parts:
+            return None
+        (s,) = parts
+        assert s is not None
+        if isinstance(node, Stacked):
+            return (*s[: node.axis], None, *s[node.axis :])
+        return (*s[: node.axis], None, *s[node.axis + 1 :])
+    return None  # a reshape: the stored spec does not carry over

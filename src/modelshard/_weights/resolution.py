@@ -1,0 +1,557 @@
+"""Resolution: a mapping against the stored tensors' names, shapes and dtypes (and the
+target's leaves) -> one recipe per target leaf, reading nothing, every problem at once.
+
+``resolve`` runs five phases, each a function with its inputs and outputs:
+
+1. ``match_sources``: which rule takes each stored tensor (``Matches``);
+2. ``build_single``: a leaf (or one per piece of an unstack or split) from one tensor;
+3. ``build_joined``: a leaf from the tensors a stack or concat rule gathered;
+4. ``unused_rules``: under ``strict``, every rule that took nothing;
+5. ``fit_targets``: the leaves against the target's (shapes, dtypes, ``keep``), giving the
+   mapping table.
+
+Phases 2 and 3 fill one ``Leaves``; every phase appends to one list of problems, raised
+together as a ``MappingError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._base import MappingError, Problem, dtype_name, literal, vocabulary
+from . import recipe
+from .rules import MapRule, WeightMap, header
+from .steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the mapping table: target leaf, where it comes from, how."""
+
+    target: str
+    sources: tuple[str, ...]
+    how: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+
+
+@dataclasses.dataclass
+class Resolution:
+    """A mapping resolved against stored tensors (and a target): nothing read yet.
+
+    Attributes:
+        recipes: target path -> the recipe computing it.
+        kept: target paths with no stored tensor that keep ``like``'s values.
+        skipped: stored tensors skipped by a rule.
+        rows: the mapping table: in the target's flatten order (``like``'s leaves), or
+            without a target sorted by target path, numbers as numbers.
+        also: target paths filled by an ``also`` rule -> that rule's index.
+    """
+
+    recipes: dict[str, recipe.Node]
+    kept: list[str]
+    skipped: list[str]
+    rows: list[Row]
+    also: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def table(self, max_rows: int | None = None) -> Any:
+        """The mapping table as a ``rich.table.Table``."""
+        from rich.table import Table
+
+        t = Table(title="weight mapping", caption=self.summary())
+        for col in ("target", "shape", "dtype", "from", "transforms"):
+            t.add_column(col)
+        rows = self.rows if max_rows is None else self.rows[:max_rows]
+        for r in rows:
+            src = ", ".join(r.sources[:1]) + (
+                f" and {len(r.sources) - 1} more" if len(r.sources) > 1 else ""
+            )
+            shape = "-" if r.shape is None else str(list(r.shape))
+            t.add_row(
+                literal(r.target or "<root>"),
+                shape,
+                r.dtype or "-",
+                literal(src or "-"),
+                literal(r.how),
+            )
+        if len(rows) < len(self.rows) and vocabulary() == "python":  # the CLI says it below
+            t.add_row(
+                f"... {_count(len(self.rows) - len(rows), 'more leaf', 'more leaves')}", *[""] * 4
+            )
+        return t
+
+    def summary(self) -> str:
+        """One line: leaves mapped from how many stored tensors, kept, skipped."""
+        read = len({n for r in self.rows for n in r.sources})
+        # ``like`` is the Python argument; the command line has no such name
+        kept = "kept" if vocabulary() == "cli" else "kept (like's values)"
+        return (
+            f"{_count(len(self.recipes), 'leaf', 'leaves')} mapped from "
+            f"{_count(read, 'stored tensor')}, {len(self.kept)} {kept}, "
+            f"{_count(len(self.skipped), 'stored tensor')} skipped"
+        )
+
+    def __str__(self) -> str:
+        import io
+
+        from rich.console import Console
+
+        buf = io.StringIO()
+        Console(file=buf, width=160, color_system=None).print(self.table())
+        return buf.getvalue()
+
+
+Tensors = Mapping[str, tuple[tuple[int, ...], Any]]
+"""Name or path -> (shape, dtype)."""
+
+
+def resolve(
+    mapping: WeightMap,
+    sources: Tensors,
+    targets: Tensors | None,
+    *,
+    dtype: Any = None,
+    export: bool = False,
+) -> Resolution:
+    """Resolve ``mapping`` against stored tensors ``sources`` (name -> (shape, dtype)) and
+    target leaves ``targets`` (path -> (shape, dtype); ``None``: whatever the mapping makes).
+
+    ``dtype``: floating-point stored tensors are cast to it (before the rules' ``cast``).
+    ``export``: resolving for an export, where kept leaves are not written, so a ``keep``
+    pattern matching nothing is no error (the state may have no adapters at all).
+
+    Raises:
+        MappingError: every unmapped stored tensor, every target leaf with no source,
+            every shape or dtype that does not fit, every rule that matched nothing.
+    """
+    problems: list[Problem] = []
+    matches = match_sources(mapping, sources, problems)
+    leaves = Leaves()
+    build_single(mapping, sources, matches.single, dtype, leaves, problems)
+    build_joined(mapping, sources, matches, dtype, leaves, problems)
+    if mapping.strict:
+        problems.extend(unused_rules(mapping, matches.used, sources))
+    if targets is not None:
+        kept, rows = fit_targets(mapping, targets, leaves, export, problems)
+    else:
+        kept = []
+        rows = [
+            _row(p, node, mapping.rules[i])
+            for p, (node, i, _) in sorted(leaves.made.items(), key=lambda kv: _natural(kv[0]))
+        ]
+    if problems:
+        problems = _once_per_rule(problems)
+        raise MappingError(problems, header=header(problems))
+    also = {p: i for p, (_, i, _) in leaves.made.items() if mapping.rules[i].also}
+    recipes = {p: n for p, (n, _, _) in leaves.made.items()}
+    return Resolution(recipes, kept, matches.skipped, rows, also)
+
+
+@dataclasses.dataclass
+class Matches:
+    """Which rule takes each stored tensor (phase 1's output).
+
+    Attributes:
+        single: ``(rule, name, match)`` of each tensor that makes leaves on its own (an
+            ``also`` rule's tensors included).
+        joins: ``(rule, leaf path)`` -> the join group's value -> the stored name, for
+            stack and concat rules.
+        clashed: the joins in which two tensors had the same group value (reported).
+        skipped: tensors a skip rule took.
+        used: the rules that took a tensor.
+    """
+
+    single: list[tuple[int, str, re.Match[str]]] = dataclasses.field(default_factory=list)
+    joins: dict[tuple[int, str], dict[str, str]] = dataclasses.field(default_factory=dict)
+    clashed: set[tuple[int, str]] = dataclasses.field(default_factory=set)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    used: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class Leaves:
+    """The leaves phases 2 and 3 build.
+
+    Attributes:
+        made: leaf path -> (its recipe, the rule's index, the stored names it reads).
+        failed: leaves whose stored tensor has a problem of its own (reported there, so
+            ``fit_targets`` does not report them missing).
+    """
+
+    made: dict[str, tuple[recipe.Node, int, tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict
+    )
+    failed: set[str] = dataclasses.field(default_factory=set)
+
+    def add(
+        self,
+        path: str,
+        node: recipe.Node | None,
+        i: int,
+        names: tuple[str, ...],
+        problems: list[Problem],
+    ) -> None:
+        """Record ``path`` from rule ``i`` (``node`` ``None``: its tensor failed)."""
+        if node is None:
+            self.failed.add(path)
+            return
+        if path in self.made:
+            other = self.made[path][2]
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"stored tensors {', '.join(other + names)} all map to this leaf "
+                    f"(rules[{self.made[path][1]}] and rules[{i}])",
+                    hint="give them distinct targets, or Stack(...) them into one leaf",
+                    cause="several stored tensors map to one leaf",
+                )
+            )
+            return
+        self.made[path] = (node, i, names)
+
+
+def match_sources(mapping: WeightMap, sources: Tensors, problems: list[Problem]) -> Matches:
+    """Phase 1: the rule of each stored tensor; unmapped tensors and clashing join
+    members go to ``problems``."""
+    out = Matches()
+    for name in sources:
+        hit = mapping.match(name)
+        shape, dt = sources[name]
+        alsos = mapping.also_matches(name)
+        for j, m in alsos:
+            out.used.add(j)
+            out.single.append((j, name, m))
+        if hit is None and alsos:
+            continue  # only also rules map it: the export writes it from their leaf
+        if hit is None:
+            problems.append(
+                Problem(
+                    "source",
+                    name,
+                    "no rule maps this stored tensor",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="add a rule for it, or a skip rule (target None / skip = true)",
+                    cause="no rule maps this stored tensor",
+                )
+            )
+            continue
+        i, m = hit
+        out.used.add(i)
+        rule = mapping.rules[i]
+        if rule.target is None:
+            out.skipped.append(name)
+        elif rule.join is not None:
+            key = mapping._format(rule, m, {})
+            members = out.joins.setdefault((i, key), {})
+            value = m.group(rule.join.group) or ""
+            verb = "stack" if rule.stack is not None else "concat"
+            if value in members:
+                problems.append(
+                    Problem(
+                        "target",
+                        key,
+                        f"stored tensors {members[value]}, {name} all map to this leaf, both "
+                        f"at {verb} index {value!r} (rules[{i}] {verb}s by group "
+                        f"{rule.join.group!r})",
+                        hint="another group varies too: put it in the target template, or "
+                        "stack by it",
+                        cause="several stored tensors map to one leaf",
+                    )
+                )
+                out.clashed.add((i, key))
+            else:
+                members[value] = name
+        else:
+            out.single.append((i, name, m))
+    return out
+
+
+def build_single(
+    mapping: WeightMap,
+    sources: Tensors,
+    single: Iterable[tuple[int, str, re.Match[str]]],
+    dtype: Any,
+    leaves: Leaves,
+    problems: list[Problem],
+) -> None:
+    """Phase 2: the leaves each of ``single``'s tensors makes on its own: one, or one per
+    index of an unstack or part of a split."""
+    for i, name, m in single:
+        rule = mapping.rules[i]
+        shape, dt = sources[name]
+        read = recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
+        if rule.unstack is not None:
+            ax = rule.unstack.axis
+            if not -len(shape) <= ax < len(shape):
+                problems.append(bad(name, read, f"unstack axis {ax} is out of range", i))
+                continue
+            ax %= len(shape)
+            for k in range(shape[ax]):
+                path = mapping._format(rule, m, {rule.unstack.key: str(k)})
+                node = piece(mapping, rule, i, recipe.Take(read, ax, k), name, dtype, problems)
+                if node is None:  # the same problem for every piece: reported once
+                    leaves.failed.update(
+                        mapping._format(rule, m, {rule.unstack.key: str(j)})
+                        for j in range(shape[ax])
+                    )
+                    break
+                leaves.add(path, node, i, (name,), problems)
+        elif rule.split is not None:
+            parts = split_parts(mapping, rule, i, read, name, problems)
+            for part, cut in parts:
+                path = mapping._format(rule, m, {rule.split.key: part})
+                leaf = piece(mapping, rule, i, cut, name, dtype, problems)
+                if leaf is None:  # the same problem for every part: reported once
+                    leaves.failed.update(
+                        mapping._format(rule, m, {rule.split.key: p}) for p, _ in parts
+                    )
+                    break
+                leaves.add(path, leaf, i, (name,), problems)
+        else:
+            path = mapping._format(rule, m, {})
+            node = piece(mapping, rule, i, read, name, dtype, problems)
+            leaves.add(path, node, i, (name,), problems)
+
+
+def build_joined(
+    mapping: WeightMap,
+    sources: Tensors,
+    matches: Matches,
+    dtype: Any,
+    leaves: Leaves,
+    problems: list[Problem],
+) -> None:
+    """Phase 3: one leaf per stack or concat: its members in order, each through the
+    rule's operations, checked to agree, then joined and cast."""
+    for (i, path), members in matches.joins.items():
+        if (i, path) in matches.clashed:
+            continue
+        rule = mapping.rules[i]
+        join = rule.join
+        assert join is not None
+        verb = "stack" if rule.stack is not None else "concat"
+        order = join_order(join, verb, members, i, path, problems)
+        if order is None:
+            continue
+        names = tuple(members[v] for v in order)
+        pieces = []
+        for name in names:
+            shape, dt = sources[name]
+            read = recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
+            pieces.append(pre_cast(mapping, rule, i, read, name, dtype, problems))
+        nodes = [p for p in pieces if p is not None]
+        if len(nodes) < len(pieces):
+            leaves.failed.add(path)
+            continue
+        ndim = len(nodes[0].shape) + (1 if rule.stack is not None else 0)
+        ax = join.axis
+        if not -ndim <= ax < ndim:
+            problems.append(Problem("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range"))
+            leaves.failed.add(path)
+            continue
+        ax %= ndim
+
+        if rule.stack is not None:  # what must agree between the pieces
+            agree = {(p.shape, p.dtype) for p in nodes}
+        else:
+            agree = {(len(p.shape), p.shape[:ax], p.shape[ax + 1 :], p.dtype) for p in nodes}
+        if len(agree) > 1:
+            detail = ", ".join(
+                f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
+                for n, p in zip(names, nodes, strict=True)
+            )
+            if rule.stack is not None:
+                what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
+            else:
+                what = f"dtype or shape outside axis {ax}"
+                hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"the {'stacked' if rule.stack is not None else 'concatenated'} tensors differ "
+                    f"in {what}: {detail}",
+                    hint=hint,
+                )
+            )
+            continue
+        node: recipe.Node = (
+            recipe.Stacked(nodes, ax) if rule.stack is not None else recipe.Joined(nodes, ax)
+        )
+        leaves.add(path, cast(rule, node), i, names, problems)
+
+
+def unused_rules(mapping: WeightMap, used: set[int], sources: Iterable[str]) -> list[Problem]:
+    """Phase 4 (under ``strict``): a problem for each rule with a target that took no
+    stored tensor (a skip rule means "ignore if present")."""
+    return [
+        _unused(mapping, i, sources)
+        for i, rule in enumerate(mapping.rules)
+        if i not in used and rule.target is not None
+    ]
+
+
+def fit_targets(
+    mapping: WeightMap,
+    targets: Tensors,
+    leaves: Leaves,
+    export: bool,
+    problems: list[Problem],
+) -> tuple[list[str], list[Row]]:
+    """Phase 5: every target leaf made with its shape and dtype, or kept by a ``keep``
+    pattern; every leaf made that the target lacks. Returns the kept paths and the
+    mapping table's rows in the target's order."""
+    kept: list[str] = []
+    rows: list[Row] = []
+    made = leaves.made
+    keep_used: set[int] = set()
+    for path, (shape, dt) in targets.items():
+        hit = made.get(path)
+        if hit is None and path in leaves.failed:
+            continue  # its stored tensor's problem is reported
+        if hit is None:
+            ks = [j for j, k in enumerate(mapping._keep) if k.search(path)]
+            if ks:
+                keep_used.update(ks)
+                kept.append(path)
+                rows.append(Row(path, (), "kept (like's value)", tuple(shape), dtype_name(dt)))
+                continue
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    "no stored tensor maps to this leaf",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="add a rule producing it, or list it in keep=[...] to keep "
+                    "like's value (a new head, LoRA adapters)",
+                    cause="no stored tensor maps to this leaf",
+                )
+            )
+            continue
+        node, i, names = hit
+        want = f"{dtype_name(dt)}{list(shape)}"
+        got = f"{dtype_name(node.dtype)}{list(node.shape)}"
+        if tuple(shape) != node.shape or dtype_name(dt) != dtype_name(node.dtype):
+            hints = []
+            if tuple(shape) != node.shape:
+                hints.append("fix the rule's transpose/reshape/stack")
+            if dtype_name(dt) != dtype_name(node.dtype):
+                hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"the mapped value is {got} but the target leaf is {want} "
+                    f"(from {', '.join(names)} by rules[{i}]: "
+                    f"{mapping.rules[i].transforms_text()})",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="; ".join(hints),
+                    cause="shape or dtype does not fit",
+                )
+            )
+            continue
+        rows.append(_row(path, node, mapping.rules[i]))
+    for path in made:
+        if path not in targets:
+            node, i, names = made[path]
+            problems.append(
+                Problem(
+                    "target",
+                    path,
+                    f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
+                    hint="fix the target template; target paths are canonical "
+                    "(modelshard.plan(like, ...) lists them)",
+                    cause="mapped to a path the target does not have",
+                )
+            )
+    if mapping.strict and not export:
+        for j, k in enumerate(mapping.keep):
+            if j not in keep_used:
+                problems.append(
+                    Problem(
+                        "mapping",
+                        f"keep[{j}]",
+                        f"keep pattern {k!r} matched no unmapped target leaf",
+                        hint="fix or remove the pattern",
+                    )
+                )
+    return kept, rows
+
+
+def _once_per_rule(problems: list[Problem]) -> list[Problem]:
+    """A size missing from the config is one problem of its rule, not one per stored
+    tensor: the first tensor's is kept, its hint counting the others."""
+    first: dict[str, int] = {}
+    more: dict[str, int] = {}
+    out: list[Problem] = []
+    for p in problems:
+        if p.cause != NO_SIZE:
+            out.append(p)
+        elif p.what in first:
+            more[p.what] = more.get(p.what, 0) + 1
+        else:
+            first[p.what] = len(out)
+            out.append(p)
+    for what, n in more.items():
+        j = first[what]
+        out[j] = dataclasses.replace(
+            out[j], hint=f"{out[j].hint} (the rule needs it for {_count(n, 'more stored tensor')})"
+        )
+    return out
+
+
+def _unused(mapping: WeightMap, i: int, sources: Iterable[str]) -> Problem:
+    """The problem of rule ``i``, which no stored tensor took: its regex matches none, or
+    earlier rules took every tensor it matches (first match wins)."""
+    rule, pattern = mapping.rules[i], mapping._compiled[i]
+    taken: dict[int, int] = {}
+    for name in sources:
+        hit = mapping.match(name) if pattern is not None and pattern.fullmatch(name) else None
+        if hit is not None:
+            taken[hit[0]] = taken.get(hit[0], 0) + 1
+    if not taken:
+        return Problem(
+            "mapping",
+            f"rules[{i}]",
+            f"source {rule.source!r} matched no stored tensor",
+            hint="fix the regex (it must match the whole name), remove the rule, "
+            "or pass strict=False",
+            cause="a rule matched no stored tensor",
+        )
+    n = sum(taken.values())
+    by = ", ".join(
+        f"rules[{j}] ({mapping.rules[j].source!r}{', skip' if mapping.rules[j].target is None else ''})"
+        for j in sorted(taken)
+    )
+    return Problem(
+        "mapping",
+        f"rules[{i}]",
+        f"source {rule.source!r} matches {_count(n, 'stored tensor')}, but "
+        f"{'it was' if n == 1 else 'all were'} taken by an earlier rule: {by} (first match "
+        "wins)",
+        hint=f"move rules[{i}] before {'it' if len(taken) == 1 else 'them'}, narrow the "
+        "earlier regex, or give this rule also=True to fill its leaf in addition",
+        cause="a rule was shadowed by an earlier rule",
+    )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def _natural(path: str) -> list[tuple[int, int | str]]:
+    """A sort key reading numbers as numbers (``layers/2`` before ``layers/10``)."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p]
+
+
+def _row(path: str, node: recipe.Node, rule: MapRule) -> Row:
+    return Row(
+        path, tuple(node.reads()), rule.transforms_text(), node.shape, dtype_name(node.dtype)
+    )

@@ -1,0 +1,432 @@
+"""Logical rules: Flax's ordered list (repeats, fallback), the mapping form, rules files,
+NNX ``sharding_rules`` metadata, and the ``logical_rules`` context; checked against Flax."""
+
+from __future__ import annotations
+
+import random
+import threading
+import tomllib
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard._specs.language import rules_to_toml
+from modelshard._specs.rulesfile import parse_rules
+
+SDS = jax.ShapeDtypeStruct
+DATA = Path(__file__).parent / "data" / "maxtext_logical_axis_rules.yml"
+
+
+def maxtext() -> tuple[list[str], list[list]]:
+    """MaxText's mesh axes and logical_axis_rules (configs/base.yml of maxtext 0.2.5)."""
+    d = yaml.safe_load(DATA.read_text())
+    return d["mesh_axes"], d["logical_axis_rules"]
+
+
+def maxtext_mesh(axis_type: str = "auto"):
+    axes, _ = maxtext()
+    sizes = dict.fromkeys(axes, 1) | {"fsdp": 2, "fsdp_transpose": 2, "tensor": 2}
+    return ms.make_mesh(sizes, axis_types=axis_type)
+
+
+def specs_of(tree, spec, mesh) -> dict[str, P]:
+    return {leaf.path: leaf.spec for leaf in ms.plan(tree, spec, mesh)}
+
+
+def boxed(cases: list[tuple]) -> dict:
+    """One linen LogicallyPartitioned leaf per case of logical names (each dim 8)."""
+    return {
+        f"l{i}": nn.LogicallyPartitioned(SDS((8,) * len(names), jnp.float32), names)
+        for i, names in enumerate(cases)
+    }
+
+
+def flax_specs(tree: dict, mesh, rules) -> dict[str, P]:
+    got = nn.logical_to_mesh_sharding(nn.get_partition_spec(tree), mesh, rules)
+    return {k: v.spec for k, v in got.items()}
+
+
+def test_maxtext_rule_list_matches_flax(axis_type):
+    _, rules = maxtext()
+    mesh = maxtext_mesh(axis_type)
+    names = list(dict.fromkeys(n for n, _ in rules))
+    rng = random.Random(0)
+    cases = [(n,) for n in names] + [
+        tuple(rng.sample(names, k)) + ((None,) if k == 3 else ())
+        for k in (2, 3, 4)
+        for _ in range(120)
+    ]
+    tree = boxed(cases)
+    ours = specs_of(tree, ms.Rules([], logical=rules, strict=False), mesh)
+    assert ours == flax_specs(tree, mesh, rules)
+    # The repeats matter: dict(rules) keeps the last 'embed' entry, Flax the first free one.
+    assert ours["l" + str(names.index("embed"))] == P(
+        ("fsdp", "fsdp_transpose", "context", "context_usp_ulysses", "expert")
+    )
+    assert dict(rules)["embed"] == ["fsdp", "context", "context_usp_ulysses", "expert"]
+
+
+def test_maxtext_rules_file_matches_flax():
+    _, rules = maxtext()
+    mesh = maxtext_mesh()
+    r = ms.Rules([(r"w$", P("embed", "mlp")), (r"e$", P("vocab", "embed"))], logical=rules)
+    loaded = parse_rules(tomllib.loads(rules_to_toml(r)))
+    assert loaded.logical == r.logical
+    tree = {"w": SDS((16, 32), jnp.float32), "e": SDS((64, 16), jnp.float32)}
+    want = {
+        k: nn.logical_to_mesh_axes(n, rules)
+        for k, n in {"w": ("embed", "mlp"), "e": ("vocab", "embed")}.items()
+    }
+    assert specs_of(tree, loaded, mesh) == want == specs_of(tree, r, mesh)
+    assert want["w"] == P(
+        ("fsdp", "context", "context_usp_ulysses", "expert"),
+        ("fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"),
+    )
+
+
+def test_flax_docstring_example_and_fallback(mesh24):
+    rules = [("batch", "data"), ("features", "data"), ("heads", "model"), ("batch", "model")]
+    names = ("batch", "length", "heads", "features")
+    want = nn.logical_to_mesh_axes(names, rules)
+    assert want == P("data", None, "model", None)
+    tree = {"x": SDS((8, 3, 4, 6), jnp.float32)}
+    # A name in no rule is an error here, where Flax silently replicates it.
+    with pytest.raises(ms.SpecError, match="'length' is not a logical name of Rules"):
+        ms.plan(tree, ms.Rules([("x", P(*names))], logical=rules), mesh24)
+    rules.append(("length", None))
+    assert nn.logical_to_mesh_axes(names, rules) == want
+    assert specs_of(tree, ms.Rules([("x", P(*names))], logical=rules), mesh24) == {"x": want}
+    # 'heads' is absent, so 'features' is blocked by 'batch' and nothing else is tried.
+    names = ("batch", "features")
+    assert specs_of(
+        {"x": SDS((8, 8), jnp.float32)}, ms.Rules([("x", P(*names))], logical=rules), mesh24
+    ) == {"x": nn.logical_to_mesh_axes(names, rules)}
+
+
+def test_literal_mesh_axis_takes_its_axis_first(mesh24):
+    rules = ms.Rules([("x", P("embed", "model"))], logical=[("embed", "model"), ("embed", "data")])
+    assert specs_of({"x": SDS((8, 8), jnp.float32)}, rules, mesh24) == {"x": P("data", "model")}
+
+
+def test_tuple_entries_resolve_each_name(mesh24):
+    rules = ms.Rules(
+        [("x", P(("batch", "seq"), None))], logical=[("batch", "data"), ("seq", "model")]
+    )
+    assert specs_of({"x": SDS((8, 8), jnp.float32)}, rules, mesh24) == {
+        "x": P(("data", "model"), None)
+    }
+
+
+def test_mapping_form_keeps_conflicts_an_error(mesh24):
+    rules = ms.Rules([("x", P("embed", "mlp"))], logical={"embed": "model", "mlp": "model"})
+    with pytest.raises(ms.SpecError, match="mesh axis 'model' is used twice"):
+        ms.plan({"x": SDS((8, 8), jnp.float32)}, rules, mesh24)
+    # the same pairs as Flax's list: the second name finds its axis taken and replicates
+    rules = ms.Rules([("x", P("embed", "mlp"))], logical=[("embed", "model"), ("mlp", "model")])
+    assert specs_of({"x": SDS((8, 8), jnp.float32)}, rules, mesh24) == {"x": P("model", None)}
+
+
+def test_name_twice_in_one_spec_is_an_error(mesh24):
+    rules = ms.Rules([("x", P("embed", "embed"))], logical=[("embed", "model")])
+    with pytest.raises(ms.SpecError) as e:
+        ms.plan({"x": SDS((8, 8), jnp.float32)}, rules, mesh24)
+    lines = str(e.value).splitlines()
+    assert lines[2] == (
+        "    problem: logical name 'embed' names dimensions 0 and 1; Flax-style logical "
+        "rules map each name to one dimension"
+    )
+    assert lines[-1] == "    hint: give each dimension its own logical name"
+    with pytest.raises(ValueError, match="occur more than once"):  # Flax refuses it too
+        nn.logical_to_mesh_axes(("embed", "embed"), [("embed", "model")])
+
+
+def test_invalid_logical_lists_every_entry():
+    with pytest.raises(ms.SpecError) as e:
+        ms.Rules([], logical=[("embed", "model"), ("mlp",), ("x", 3), (4, "data")])
+    assert str(e.value).splitlines() == [
+        "invalid Rules:",
+        "  Rules:logical[1]",
+        "    problem: ('mlp',) is not a (logical name, mesh axes) pair",
+        "    hint: each entry is a pair like ('embed', 'model') or ('batch', ('data', 'fsdp'))",
+        "  Rules:logical[2]",
+        "    problem: 'x' -> 3 is not a logical name -> mesh axes mapping",
+        "    hint: map to a mesh axis name, a list of names, or None (replicate)",
+        "  Rules:logical[3]",
+        "    problem: 4 -> 'data' is not a logical name -> mesh axes mapping",
+        "    hint: map to a mesh axis name, a list of names, or None (replicate)",
+    ]
+    with pytest.raises(ms.SpecError, match="logical must be a mapping of logical name"):
+        ms.Rules([], logical="embed")
+
+
+def test_repr_and_public_form():
+    r = ms.Rules([("k", P("embed"))], logical=[("embed", ["fsdp", "tensor"]), ("embed", [])])
+    assert r.logical == (("embed", ("fsdp", "tensor")), ("embed", None))
+    assert repr(r) == (
+        "Rules([('k', P('embed'))], logical=(('embed', ('fsdp', 'tensor')), "
+        "('embed', None)), strict=True)"
+    )
+
+
+def test_rules_file_list_form_and_errors():
+    text = """
+logical = [["embed", ["data", "model"]], ["embed", "data"], ["norm", []], ["x", "none"]]
+[[rules]]
+pattern = "k$"
+spec = ["embed"]
+"""
+    r = parse_rules(tomllib.loads(text))
+    assert r.logical == (
+        ("embed", ("data", "model")),
+        ("embed", "data"),
+        ("norm", None),
+        ("x", None),
+    )
+    assert parse_rules(tomllib.loads(rules_to_toml(r))).logical == r.logical
+    bad = 'logical = [["embed"], ["mlp", 3], "x"]'
+    with pytest.raises(ms.SpecError) as e:
+        parse_rules(tomllib.loads(bad), "r.toml")
+    assert str(e.value).splitlines() == [
+        "invalid rules file r.toml:",
+        "  r.toml:logical[0]",
+        "    problem: ['embed'] is not a [logical name, mesh axes] pair",
+        '    hint: write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or ["norm", []]',
+        "  r.toml:logical[1][1]",
+        "    problem: 3 is not an axis name, a list of axis names, or 'none'",
+        '    hint: write "data", ["data", "model"] or "none" (TOML has no null)',
+        "  r.toml:logical[2]",
+        "    problem: 'x' is not a [logical name, mesh axes] pair",
+        '    hint: write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or ["norm", []]',
+    ]
+    with pytest.raises(ms.SpecError, match="logical must be a table of name = axis"):
+        parse_rules({"logical": 3})
+
+
+# ---- NNX sharding_rules metadata ---------------------------------------------------------
+
+
+class Local(nnx.Module):
+    def __init__(self):
+        kw = {"eager_sharding": False}
+        self.w = nnx.Param(
+            jnp.ones((8, 16)),
+            out_sharding=("embed", "mlp"),
+            sharding_rules=(("embed", "data"), ("mlp", "model")),
+            **kw,
+        )
+        self.u = nnx.Param(
+            jnp.ones((16, 8)),
+            out_sharding=("mlp", "embed"),
+            sharding_rules=(("mlp", "model"),),
+            **kw,
+        )
+        self.b = nnx.Param(jnp.ones((16,)), out_sharding=("mlp",), **kw)
+
+
+def test_nnx_sharding_rules_metadata_as_flax(mesh24):
+    state = nnx.state(Local())
+    flax = {k: v.get_value() for k, v in nnx.get_partition_spec(state).items()}
+    # Flax leaves names its rules do not map as they are; modelshard maps them through
+    # the plan's logical rules (here 'embed' of u, and b's 'mlp').
+    logical = ms.Rules([], logical={"embed": None, "mlp": "model"}, strict=False)
+    ours = specs_of(state, logical, mesh24)
+    assert ours["w"] == flax["w"] == P("data", "model")
+    assert ours["u"] == P("model", None) and flax["u"] == P("model", "embed")
+    with nn.logical_axis_rules((("embed", "data"), ("mlp", "model"))):
+        flax = {k: v.get_value() for k, v in nnx.get_partition_spec(state).items()}
+        assert specs_of(state, ms.Rules([], strict=False), mesh24) == flax
+    assert flax["u"] == P("model", "data")
+
+
+# ---- the logical_rules context (issue 20) ------------------------------------------------
+
+X = jnp.arange(64.0).reshape(8, 8)
+BATCH_EMBED = P("batch", "embed")
+RULES = {"batch": "data", "embed": "model"}
+
+
+def spec_of(x) -> P:
+    return x.sharding.spec
+
+
+def test_context_every_entry_point(mesh24):
+    tree = {"h": X}
+    with ms.logical_rules(RULES):
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("data", "model")
+        assert spec_of(ms.shard(tree, BATCH_EMBED, mesh24)["h"]) == P("data", "model")
+        with jax.set_mesh(mesh24):  # Explicit meshes need it around jax.jit
+            constrained = jax.jit(lambda t: ms.constrain(t, BATCH_EMBED))(tree)
+        assert spec_of(constrained["h"]) == P("data", "model")
+        jitted = ms.shard_jit(lambda t: t["h"] * 2, mesh=mesh24, in_specs=(BATCH_EMBED,))
+        assert jitted.plan(tree)["h"].spec == P("data", "model")
+        np.testing.assert_array_equal(np.asarray(jitted(tree)), np.asarray(X) * 2)
+        mapped = ms.shard_map(
+            lambda t: t["h"] * 2, mesh=mesh24, in_specs=(BATCH_EMBED,), out_specs=BATCH_EMBED
+        )
+        assert spec_of(mapped(tree)) == P("data", "model")
+    # outside the context, the names mean nothing: model code's constrain does nothing
+    # (as Flax's nn.with_logical_constraint), and everywhere else the same clear error
+    assert ms.constrain(tree, BATCH_EMBED, mesh24)["h"] is X
+    for call in (
+        lambda: ms.plan(tree, BATCH_EMBED, mesh24),
+        lambda: ms.shard(tree, BATCH_EMBED, mesh24),
+        lambda: ms.constrain(tree, BATCH_EMBED, mesh24, strict=True),
+        lambda: jitted(tree),
+        lambda: mapped(tree),
+    ):
+        with pytest.raises(ms.SpecError, match="axis 'batch' \\(dimension 0\\) is not in the mesh"):
+            call()
+
+
+def test_model_code_constrains_inside_shard_jit_trace(mesh24, count_compiles):
+    def model(params, x):  # names no mesh axis
+        h = ms.constrain(x @ params["w"], BATCH_EMBED)
+        return h.sum()
+
+    step = ms.shard_jit(model, mesh=mesh24, in_specs=(P(), P("data")))
+    params = {"w": jnp.ones((8, 8))}
+    with count_compiles() as n:
+        with ms.logical_rules(RULES):
+            assert float(step(params, X)) == float((X @ params["w"]).sum())
+            step(params, X)
+        with ms.logical_rules({"batch": "model", "embed": "data"}):  # new rules: traced again
+            assert float(step(params, X)) == float((X @ params["w"]).sum())
+    assert n["jit(model)"] == step.cache_size == 2
+    # no rules: the model's constraint does nothing (as Flax's), unless constraints are strict
+    assert float(step(params, X)) == float((X @ params["w"]).sum())
+    step.clear_cache()  # strictness is read while tracing
+    with ms.strict_constraints(), pytest.raises(ms.SpecError, match="axis 'batch'"):
+        step(params, X)
+
+
+def test_explicit_logical_wins_and_nesting(mesh24):
+    tree = {"h": X}
+    explicit = ms.Rules([("h", BATCH_EMBED)], logical={"batch": "model", "embed": None})
+    with ms.logical_rules(RULES):
+        assert ms.plan(tree, explicit, mesh24)["h"].spec == P("model", None)
+        assert ms.plan(tree, ms.Rules([("h", BATCH_EMBED)]), mesh24)["h"].spec == P("data", "model")
+        with ms.logical_rules([("batch", ("data", "model")), ("embed", None)]):
+            assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P(("data", "model"), None)
+            with ms.logical_rules(None), pytest.raises(ms.SpecError):
+                ms.plan(tree, BATCH_EMBED, mesh24)
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("data", "model")
+    with ms.logical_rules(explicit):  # a Rules gives its logical names
+        assert ms.plan(tree, BATCH_EMBED, mesh24)["h"].spec == P("model", None)
+
+
+def test_unmapped_name_names_the_context_rules(mesh24):
+    with ms.logical_rules({"batch": "data"}), pytest.raises(ms.SpecError) as e:
+        ms.plan({"h": X}, BATCH_EMBED, mesh24)
+    assert str(e.value).splitlines()[2:] == [
+        "    problem: axis 'embed' (dimension 1) is not in the mesh",
+        "    spec: P('data', 'embed') (from P('batch', 'embed') for the whole argument)",
+        "    mesh: data=2, model=4",
+        "    hint: mesh axes are 'data', 'model', and 'embed' is not a logical name of the "
+        "active ms.logical_rules context (names: batch); add 'embed': <mesh axes or None> "
+        "there",
+    ]
+    with pytest.raises(ms.SpecError) as e, ms.logical_rules({"batch": 3}):
+        pass
+    assert str(e.value).splitlines() == [
+        "invalid logical rules:",
+        "  logical_rules:rules['batch']",
+        "    problem: 'batch' -> 3 is not a logical name -> mesh axes mapping",
+        "    hint: map to a mesh axis name, a list of names, or None (replicate)",
+    ]
+
+
+def test_context_is_per_thread(mesh24):
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def worker(name, rules):
+        with ms.logical_rules(rules):
+            barrier.wait(timeout=30)  # both contexts are active at once
+            results[name] = ms.plan({"h": X}, BATCH_EMBED, mesh24)["h"].spec
+
+    threads = [
+        threading.Thread(target=worker, args=("a", RULES)),
+        threading.Thread(target=worker, args=("b", {"batch": "model", "embed": "data"})),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {"a": P("data", "model"), "b": P("model", "data")}
+
+
+def test_flax_context_is_honoured(mesh24):
+    _, rules = maxtext()
+    mesh = maxtext_mesh()
+    names = ("activation_batch", "activation_length", "activation_embed")
+    tree = {"h": SDS((8, 8, 8), jnp.float32)}
+    with nn.logical_axis_rules(rules):
+        want = nn.logical_to_mesh_sharding(P(*names), mesh).spec
+        assert ms.plan(tree, P(*names), mesh)["h"].spec == want
+        with ms.logical_rules(
+            {"activation_batch": "fsdp", "activation_length": None, "activation_embed": "tensor"}
+        ):  # modelshard's wins
+            assert ms.plan(tree, P(*names), mesh)["h"].spec == P("fsdp", None, "tensor")
+    with pytest.raises(ms.SpecError, match="not in the mesh"):
+        ms.plan(tree, P(*names), mesh)
+
+
+def test_shard_jit_uses_the_set_mesh(mesh24, count_compiles):
+    step = ms.shard_jit(lambda x: x * 2, in_specs=(P("data"),))
+    with count_compiles() as n:
+        with jax.set_mesh(mesh24):
+            assert spec_of(step(X)) == P("data")
+        other = ms.make_mesh({"data": 4, "model": 2})
+        with jax.set_mesh(other):
+            y = step(X)
+    assert y.sharding.mesh.shape == other.shape
+    assert n["jit(<lambda>)"] == step.cache_size == 2
+    with pytest.raises(ms.MeshError, match="no mesh given and none is active"):
+        step(X)
+
+
+def test_sharded_initialisation_never_whole_on_one_device(mesh24):
+    """The recipe of the model-code guide: shard_jit the constructor with out_specs; the
+    transfer guard refuses any copy, so every leaf is created on its devices."""
+    import equinox as eqx
+
+    init = nn.initializers.lecun_normal()
+    rules = [("embed", None), ("mlp", "model")]
+    named = ms.Rules([], strict=False)
+    by_path = ms.Rules([(r"weight$", P("mlp", "embed")), (r".*", P())])
+    x = jnp.zeros((2, 16))
+    # modelshard's context only (flax=False: Flax's would make linen constrain with
+    # with_sharding_constraint, which Explicit meshes refuse; NNX's eager sharding, which
+    # reads Flax's context, is off here).
+    with (
+        jax.set_mesh(mesh24),
+        ms.logical_rules(rules, flax=False),
+        nnx.use_eager_sharding(False),
+        jax.transfer_guard("disallow"),
+    ):
+        dense = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))
+        linen = ms.shard_jit(
+            lambda: dense.init(jax.random.key(0), x), in_specs=(), out_specs=named
+        )()
+        module = ms.shard_jit(
+            lambda: nnx.Linear(
+                16, 32, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=nnx.Rngs(0)
+            ),
+            in_specs=(),
+            out_specs=named,
+        )()
+        eqx_linear = ms.shard_jit(
+            lambda: eqx.nn.Linear(16, 32, key=jax.random.key(0)), in_specs=(), out_specs=by_path
+        )()
+    assert linen["params"]["kernel"].value.sharding.spec == P(None, "model")
+    assert module.kernel.get_value().sharding.spec == P(None, "model")
+    assert eqx_linear.weight.sharding.spec == P("model", None)
+    assert isinstance(module, nnx.Linear) and isinstance(eqx_linear, eqx.nn.Linear)

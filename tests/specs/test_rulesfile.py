@@ -1,0 +1,167 @@
+"""Rules files: TOML -> Rules, every problem reported at once, and a lossless round trip."""
+
+from __future__ import annotations
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard._specs.language import rules_to_toml
+from modelshard._specs.rulesfile import load_rules, parse_rules
+
+EXAMPLE = """
+strict = false
+
+[[rules]]
+pattern = 'embedding$'
+spec = ["vocab", "embed"]
+
+[[rules]]
+pattern = 'kernel$'
+spec = ["none", ["data", "model"]]
+
+[[rules]]
+pattern = ".*"
+spec = []
+
+[logical]
+vocab = "model"
+embed = "none"
+"""
+
+
+def test_example_file_maps_to_rules(tmp_path):
+    path = tmp_path / "rules.toml"
+    path.write_text(EXAMPLE)
+    rules = load_rules(path)
+    assert rules.rules == (
+        ("embedding$", P("vocab", "embed")),
+        ("kernel$", P(None, ("data", "model"))),
+        (".*", P()),
+    )
+    assert dict(rules.logical or {}) == {"vocab": "model", "embed": None}
+    assert rules.strict is False
+
+
+def test_rules_file_plans_like_the_python_rules(mesh24):
+    import jax
+    import jax.numpy as jnp
+
+    tree = {
+        "embed": {"embedding": jax.ShapeDtypeStruct((64, 16), jnp.float32)},
+        "mlp": {"kernel": jax.ShapeDtypeStruct((16, 32), jnp.float32)},
+    }
+    rules = parse_rules(
+        {
+            "rules": [
+                {"pattern": "embedding$", "spec": ["vocab", "none"]},
+                {"pattern": "kernel$", "spec": ["none", "model"]},
+            ],
+            "logical": {"vocab": "model"},
+        }
+    )
+    p = ms.plan(tree, rules, mesh24)
+    assert [leaf.spec for leaf in p] == [P("model", None), P(None, "model")]
+
+
+def test_round_trip_through_toml(tmp_path):
+    rules = ms.Rules(
+        [(r"attn/(q|k)'s$", P("data", None)), ("w", P(("data", "model"))), (r'a"b\d', P())],
+        logical={"x": ("data", "model"), "y": None},
+        strict=False,
+    )
+    path = tmp_path / "r.toml"
+    path.write_text(rules_to_toml(rules))
+    back = load_rules(path)
+    assert back.rules == rules.rules
+    assert dict(back.logical or {}) == dict(rules.logical or {})
+    assert back.strict is False
+
+
+def test_every_problem_is_listed_at_once():
+    data = {
+        "strickt": True,
+        "strict": "yes",
+        "rules": [
+            {"pattern": "a", "spec": ["data", 3]},
+            {"pattern": 5, "spec": []},
+            {"pattern": "b", "spec": "data", "color": "red"},
+            "c",
+        ],
+        "logical": {"vocab": ["none"]},
+    }
+    with pytest.raises(ms.SpecError) as e:
+        parse_rules(data, "r.toml")
+    assert str(e.value).splitlines() == [
+        "invalid rules file r.toml:",
+        "  r.toml:strickt",
+        "    problem: unknown top-level key 'strickt'",
+        "    hint: allowed: strict, rules, logical",
+        "  r.toml:strict",
+        "    problem: strict must be true or false, got 'yes'",
+        "  r.toml:rules[0].spec[1]",
+        "    problem: 3 is not an axis name, a list of axis names, or 'none'",
+        '    hint: write "data", ["data", "model"] or "none" (TOML has no null)',
+        "  r.toml:rules[1].pattern",
+        "    problem: pattern must be a string, got 5",
+        "  r.toml:rules[2].color",
+        "    problem: unknown key 'color'",
+        "    hint: allowed: pattern, spec",
+        "  r.toml:rules[2].spec",
+        "    problem: spec must be an array of entries, got 'data'",
+        '    hint: spec = [] replicates; spec = ["data", "none"] shards dimension 0',
+        "  r.toml:rules[3]",
+        "    problem: 'c' is not a table with pattern and spec",
+        "  r.toml:logical.vocab",
+        "    problem: ['none'] is not an axis name, a list of axis names, or 'none'",
+        '    hint: write "data", ["data", "model"] or "none" (TOML has no null)',
+    ]
+
+
+def test_bad_regex_is_reported_at_its_place_in_the_file_with_the_others(tmp_path):
+    """An invalid regular expression is one of the file's problems, at rules[i].pattern,
+    listed with the others in one error (not found only after they are fixed)."""
+    with pytest.raises(ms.SpecError) as e:
+        parse_rules({"strickt": 1, "rules": [{"pattern": "(", "spec": []}]}, "bad.toml")
+    assert str(e.value).splitlines() == [
+        "invalid rules file bad.toml:",
+        "  bad.toml:strickt",
+        "    problem: unknown top-level key 'strickt'",
+        "    hint: allowed: strict, rules, logical",
+        "  bad.toml:rules[0].pattern",
+        "    problem: '(' is not a valid regular expression: missing ), unterminated subpattern "
+        "at position 0",
+        "    hint: write a Python regular expression, in single quotes (a TOML literal string, "
+        r"backslashes kept as written): pattern = 'norm\d?/weight$'",
+    ]
+
+
+def test_unreadable_and_invalid_toml(tmp_path):
+    # a missing file is the OSError itself (as open() raises it), not a SpecError
+    with pytest.raises(FileNotFoundError) as missing:
+        load_rules(tmp_path / "missing.toml")
+    assert (missing.value.errno, missing.value.filename) == (2, str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[rules]\npattern = 'x'\n")
+    with pytest.raises(ms.SpecError) as e:
+        load_rules(bad)
+    assert str(e.value).splitlines()[1:2] == [f"  {bad}"]
+    assert str(e.value).splitlines()[2].startswith("    problem: not valid TOML: ")
+    assert e.value.problems[0].to_json()["path"] is None
+    assert e.value.problems[0].hint is None  # nothing to do with backslashes
+
+
+def test_backslash_in_a_double_quoted_pattern_hints_single_quotes(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[rules]]\npattern = "norm\\d?$"\nspec = []\n')
+    with pytest.raises(ms.SpecError) as e:
+        load_rules(bad)
+    assert str(e.value).splitlines()[1:] == [
+        f"  {bad}",  # the whole file: no path inside it
+        "    problem: not valid TOML: Unescaped '\\' in a string (at line 2, column 18)",
+        r"    hint: in a double-quoted TOML string a backslash starts an escape (\n, \t, \\; "
+        r"\d and \. are none): write regular expressions in single quotes, pattern = "
+        r"'norm\d?$' (a TOML literal string, backslashes kept as written)",
+    ]
+    bad.write_text("[[rules]]\npattern = 'norm\\d?$'\nspec = []\n")  # what the hint says
+    assert load_rules(bad).rules[0][0] == r"norm\d?$"
