@@ -13,6 +13,7 @@ from __future__ import annotations
 from .items import extras_json as extras_json
 from .items import read_items as read_items
 from .items import read_metadata as read_metadata
+from .listing import list_steps as list_steps
 from .manager import CheckpointManager as CheckpointManager
 from .manager import manager_step as manager_step
 from .record import Record as Record
@@ -22,5 +23,9 @@ from .restoring import restore as restore
 from .sources import Source as Source
 from .sources import locate as locate
 from .sources import planning_tree as planning_tree
+from .urls import check_bucket as check_bucket
+from .urls import is_remote as is_remote
+from .urls import location as location
+from .urls import reaching as reaching
 from .write import prepare as prepare
 from .write import save as save

@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._base import CheckpointError
+from .._base import CheckpointError, DistributedError
 from .._runtime import barrier, broadcast, gather
 from . import guard
 from .items import decode_items, encode_items
@@ -52,7 +52,14 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
 )
-from .urls import atomicity_options, check_bucket, is_remote, location, reaching
+from .urls import (
+    atomicity_options,
+    check_bucket,
+    forget_listings,
+    is_remote,
+    location,
+    reaching,
+)
 from .write import check_compression, coordinated_processes, prepare, save_handler
 
 _STEP = re.compile(r"0|[1-9][0-9]*")
@@ -80,6 +87,7 @@ def complete_steps(root: Any) -> list[int]:
     Raises:
         CheckpointError: object storage that cannot be reached (``urls.reaching``).
     """
+    forget_listings(root)  # another process may have written or removed steps since
     try:
         with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
             children = list(root.iterdir())
@@ -276,7 +284,9 @@ class CheckpointManager:
         two processes listing the directory at different moments of a commit would
         disagree)."""
         mine = complete_steps(self.directory) if self._primary() else None
-        return [int(s) for s in broadcast(mine, "modelshard:manager:steps")]
+        steps = [int(s) for s in broadcast(mine, "modelshard:manager:steps")]
+        forget_listings(self.directory)  # every process reads those steps afresh
+        return steps
 
     def _checkpointer(self) -> Any:
         if self._ckptr is None:
@@ -422,6 +432,9 @@ class CheckpointManager:
                 )
                 error.__cause__ = e
         refused = broadcast(None if error is None else str(error), "modelshard:manager:save")
+        # Orbax checks on every process that the step is not there yet: each asks the
+        # server, not a listing remembered from before process 0 removed the leftovers
+        forget_listings(self.directory)
         if error is not None:
             raise error  # process 0: the error itself, with its cause
         if refused is not None:
@@ -534,6 +547,8 @@ class CheckpointManager:
             ckptr.save(
                 self.step_directory(step), args=ocp.args.Composite(**args), custom_metadata=MARKER
             )
+        except DistributedError:
+            raise  # a process did not come to one of Orbax's barriers: its own error
         except Exception as e:
             raise CheckpointError(
                 f"step {step} was not saved to {self.directory}: {type(e).__name__}: {e}"
@@ -671,6 +686,8 @@ class CheckpointManager:
                 self._ckptr.wait_until_finished()
             except Exception as e:
                 failure = e
+        if isinstance(failure, DistributedError):
+            raise failure  # a process did not come: exchanging outcomes would wait too
         how = None if failure is None else f"{type(failure).__name__}: {failure}"
         ended = gather(how, "modelshard:manager:finished")
         failed = [(p, h) for p, h in enumerate(ended) if h is not None]

@@ -19,7 +19,7 @@ from .._base import CheckpointError
 from .._runtime import broadcast
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
-from .urls import atomicity_options, check_bucket, reaching
+from .urls import atomicity_options, check_bucket, forget_listings, reaching
 
 
 def _ours(path: Any) -> bool:
@@ -51,6 +51,7 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
         except CheckpointError as e:
             error = e
     refused = broadcast(None if error is None else str(error), "modelshard:save_remote:prepared")
+    forget_listings(path)  # Orbax checks on every process that path is free: ask the server
     if error is not None:
         raise error  # process 0: the error itself, with its cause
     if refused is not None:
@@ -59,6 +60,7 @@ def prepare_remote(path: Any, *, overwrite: bool) -> None:
 
 def _make_room(path: Any, *, overwrite: bool) -> None:
     check_bucket(path)
+    forget_listings(path)
     with reaching(path):
         taken = path.exists() and any(True for _ in path.iterdir())
     if taken:

@@ -107,6 +107,26 @@ def is_remote(path: Any) -> bool:
     return not isinstance(path, Path)
 
 
+def forget_listings(path: Any) -> None:
+    """Drop what the object-storage client remembers of folder listings, so that the next
+    look at ``path`` asks the server.
+
+    s3fs and gcsfs (etils.epath's fsspec clients) keep every folder listing for the life
+    of the process, and answer ``exists``/``is_dir``/``iterdir`` from it: objects another
+    process wrote or deleted since (a peer's save, process 0 removing an interrupted
+    step's leftovers, rotation) would stay unseen, or seen when gone. TensorFlow's file
+    system keeps no listings; a local path has nothing to forget.
+    """
+    if not is_remote(path):
+        return
+    backend = getattr(path, "_backend", None)  # etils.epath's client for this path
+    fs = getattr(backend, "fs", None)
+    if fs is None:
+        return
+    with contextlib.suppress(Exception):  # a client without a cache has nothing to forget
+        fs(str(path)).invalidate_cache()
+
+
 def atomicity_options(path: Any) -> Any:
     """Orbax's ``AtomicityOptions`` for a save at ``path``, for its ``Checkpointer`` and
     its ``CompositeOptions`` alike: the commit file on object storage (Orbax picks it

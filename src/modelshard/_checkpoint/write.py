@@ -226,13 +226,20 @@ def _replicated_if_local(x: Any) -> Any:
 def coordinated_processes() -> Any:
     """Orbax's ``MultiprocessingOptions`` naming every process: Orbax then waits at its
     own barriers of a save (start, directory creation, commit) through the coordination
-    service, with its timeout, instead of device all-gathers (``sync_global_devices``)
-    that a peer's death or a stray collective would turn into a hang or an abort."""
+    service, for ``MODELSHARD_BARRIER_TIMEOUT`` at most (``barriers``), instead of
+    device all-gathers (``sync_global_devices``) that a peer's death or a stray
+    collective would turn into a hang or an abort."""
     import orbax.checkpoint as ocp
+
+    from . import barriers
 
     if jax.process_count() == 1:
         return ocp.options.MultiprocessingOptions()
-    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count())))
+    barriers.enable()  # those barriers wait MODELSHARD_BARRIER_TIMEOUT, not Orbax's 300 s
+    return ocp.options.MultiprocessingOptions(
+        active_processes=set(range(jax.process_count())),
+        barrier_sync_key_prefix=barriers.KEY_PREFIX,
+    )
 
 
 def write_text_durable(path: Path, text: str) -> None:

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import convert, inspect, launch, plan, reshard
+from . import convert, inspect, launch, plan, reshard, steps
 from .output import Parser, UsageError, fail, os_error_json, problem_json, tensorstore_os_error
 
 
@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"modelshard {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (inspect, plan, reshard, convert, launch):
+    for command in (inspect, plan, reshard, convert, steps, launch):
         command.add_parser(sub)
     return p
 

@@ -233,7 +233,9 @@ def _client() -> Any:
     return global_state.client
 
 
-def _failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
+def wait_failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
+    """The error of a wait for the other processes that failed or timed out (ours, or one
+    of Orbax's that ``_checkpoint.barriers`` bounds): names it and the variable to set."""
     return DistributedError(
         f"process {jax.process_index()} of {jax.process_count()}: {what} {name!r} failed "
         f"after waiting up to {timeout:g} s for the other processes ({ENV_BARRIER_TIMEOUT} "
@@ -271,7 +273,7 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
     try:
         client.wait_at_barrier(key, max(1, int(timeout * 1000)))
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
-        raise _failed("barrier", name, timeout, e) from e
+        raise wait_failed("barrier", name, timeout, e) from e
 
 
 def broadcast(
@@ -307,7 +309,7 @@ def broadcast(
     try:
         value = json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
     except Exception as e:
-        raise _failed("broadcast", name, timeout, e) from e
+        raise wait_failed("broadcast", name, timeout, e) from e
     _read(client, key, readers=jax.process_count() - 1)
     return value
 
@@ -348,7 +350,7 @@ def gather(
                 json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
             )
     except Exception as e:
-        raise _failed("gather", name, timeout, e) from e
+        raise wait_failed("gather", name, timeout, e) from e
     _read(client, key, readers=jax.process_count())
     return out
 

@@ -52,6 +52,11 @@ _NOISE = re.compile(
     rb"Expected number of connected peer ranks is : \d+\s*$"
 )
 _POLL_S = 0.02
+DEFAULT_GRACE_S = 30.0
+"""Seconds between the SIGTERM that stops the processes and the SIGKILL: time for each to
+finish what a preemption makes it do (a ``CheckpointManager`` saves its current step,
+asynchronous saves in flight are finished), to object storage included."""
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,9 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--grace",
         type=float,
-        default=3.0,
+        default=DEFAULT_GRACE_S,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping (default 3)",
+        help="seconds between SIGTERM and SIGKILL when stopping the processes: time for "
+        f"their preemption save (default {DEFAULT_GRACE_S:g}); a process still running then "
+        "is killed, said by number, and the exit status is 137",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -232,22 +239,46 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM every running process group, wait ``grace`` seconds, then SIGKILL them all."""
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> list[int]:
+    """SIGTERM every running process group, wait ``grace`` seconds, then SIGKILL them all;
+    the indices of the processes that were still running when the grace ran out."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(p.poll() is None for p in running):
         time.sleep(_POLL_S)
+    killed = [i for i, p in enumerate(procs) if p.poll() is None]
     for p in procs:  # also reaps grandchildren left in the group of a finished process
         _signal_group(p, signal.SIGKILL)
     for p in procs:
         p.wait()
+    return killed
 
 
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
+
+
+def _stopped(rc: int) -> str | None:
+    """The name of the stop signal (SIGTERM, SIGINT) a process ended on, by its handler's
+    ``128 + signal`` or by the signal itself; None for any other end."""
+    for sig in _STOP_SIGNALS:
+        if rc in (128 + sig, -sig):
+            return signal.Signals(sig).name
+    return None
+
+
+def _status_text(rc: int) -> str:
+    """A process's exit status as the end-of-run report says it."""
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"{_exit_code(rc)} (killed by {name})"
+    stop = _stopped(rc)
+    return f"{rc} (stopped on {stop})" if stop else str(rc)
 
 
 def run(
@@ -256,7 +287,7 @@ def run(
     devices: int = 1,
     *,
     timeout: float | None = None,
-    grace: float = 3.0,
+    grace: float = DEFAULT_GRACE_S,
     port: int | None = None,
     show_gloo: bool = False,
     heartbeat_timeout: int | None = None,
@@ -265,9 +296,17 @@ def run(
 ) -> int:
     """Run ``command`` as ``num`` processes; return 0 if all succeed, else a failing code.
 
+    A signal to the launcher (SIGTERM, SIGINT, SIGHUP) is forwarded to every process,
+    which gets ``grace`` seconds to finish (a preemption save) before SIGKILL. A process
+    that ends on SIGTERM or SIGINT by itself (its scheduler stopped it) stops the others
+    the same way, and is not a failure.
+
     Returns the first failing process's exit code (128 + signal if it was killed), 124
-    on timeout, 128 + signal when the launcher is interrupted, 127 when the command cannot
-    be started; every process group is gone when it returns.
+    on timeout, 128 + signal when the run was stopped by a signal and every process ended
+    within the grace, 137 when one had to be killed after the grace (its save was cut
+    short; each is named), 127 when the command cannot be started. Unless all succeed,
+    every process's exit status is reported at the end; every process group is gone when
+    it returns.
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
@@ -325,13 +364,23 @@ def run(
             if failed:
                 i, c = failed[0]
                 status = _exit_code(c)
-                _note(stderr, lock, f"process {i} exited with code {c}; stopping the others")
+                stop = _stopped(c)
+                if stop is not None:  # asked to stop (preempted): not a failure
+                    stopping = f"{stop}; stopping the others (--grace {grace:g} s)"
+                    _note(stderr, lock, f"process {i} stopped on {stopping}")
+                else:
+                    _note(stderr, lock, f"process {i} exited with code {c}; stopping the others")
                 break
             if all(c == 0 for c in codes):
                 break
             if interrupted:
                 status = 128 + interrupted[0]
-                _note(stderr, lock, f"got signal {interrupted[0]}; stopping every process")
+                _note(
+                    stderr,
+                    lock,
+                    f"got signal {interrupted[0]}; stopping every process (SIGTERM, then "
+                    f"SIGKILL after --grace {grace:g} s)",
+                )
                 break
             if deadline is not None and time.monotonic() > deadline:
                 status = 124
@@ -339,13 +388,27 @@ def run(
                 break
             time.sleep(_POLL_S)
     finally:
-        _stop(procs, grace)
+        killed = _stop(procs, grace)
         for t in threads:
             t.join(timeout=2.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if reservation is not None:
             reservation.close()
+    for i in killed:
+        _note(
+            stderr,
+            lock,
+            f"process {i} was still running {grace:g} s after SIGTERM and was killed: "
+            "whatever it was saving (a checkpoint) was cut short; give it more time with "
+            "--grace",
+        )
+    if killed and (status == 0 or _stopped(status) is not None):
+        status = 128 + signal.SIGKILL  # not the status of a clean stop
+    codes = [p.returncode for p in procs]
+    if status != 0 and len(codes) == num:
+        report = ", ".join(f"process {i} {_status_text(c)}" for i, c in enumerate(codes))
+        _note(stderr, lock, f"exit status: {report}")
     return status
 
 

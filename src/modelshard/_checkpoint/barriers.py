@@ -1,0 +1,63 @@
+"""Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``.
+
+Orbax (0.12.8) waits at coordination-service barriers of its own in every multi-process
+save (its start, directory creation, the commit of an asynchronous save), each with a
+timeout it fixes itself (``multihost._DEFAULT_BARRIER_TIMEOUT``, 300 s, or
+``AsyncOptions.timeout_secs``); no option sets it for all of them. Every one of them gets
+its waiting function from ``multihost.get_barrier_sync_fn``, and names its barrier with
+the ``barrier_sync_key_prefix`` of the ``MultiprocessingOptions`` it was given.
+
+So modelshard gives Orbax the prefix ``KEY_PREFIX`` (``write.coordinated_processes``), and
+``enable`` wraps ``get_barrier_sync_fn`` once: a barrier whose name starts with that
+prefix waits ``distributed.barrier_timeout_s()`` and raises the ``DistributedError`` of
+modelshard's own barriers (naming the barrier and the variable) when a process does not
+come; any other barrier (the user's own Orbax calls) is Orbax's, untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from .._runtime import barrier_timeout_s, wait_failed
+
+KEY_PREFIX = "modelshard"
+"""The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
+
+_lock = threading.Lock()
+
+
+def ours(key: str) -> bool:
+    """Whether the Orbax barrier ``key`` belongs to a modelshard save."""
+    return key.startswith(f"{KEY_PREFIX}_")
+
+
+def _wrap(original: Any) -> Any:
+    @functools.wraps(original)
+    def get_barrier_sync_fn(*args: Any, **kwargs: Any) -> Any:
+        sync = original(*args, **kwargs)
+
+        def bounded(*, key: str, timeout_ms: int) -> None:
+            if not ours(key):
+                return sync(key=key, timeout_ms=timeout_ms)
+            timeout = barrier_timeout_s()
+            try:
+                return sync(key=key, timeout_ms=max(1, int(timeout * 1000)))
+            except Exception as e:  # DEADLINE_EXCEEDED, or a peer's failure
+                raise wait_failed("Orbax barrier", key, timeout, e) from e
+
+        return bounded
+
+    get_barrier_sync_fn.__modelshard_wrapped__ = True  # type: ignore[attr-defined]
+    return get_barrier_sync_fn
+
+
+def enable() -> None:
+    """Bound Orbax's barriers of modelshard's saves (idempotent; see the module doc)."""
+    from orbax.checkpoint._src.multihost import multihost
+
+    with _lock:
+        if getattr(multihost.get_barrier_sync_fn, "__modelshard_wrapped__", False):
+            return
+        multihost.get_barrier_sync_fn = _wrap(multihost.get_barrier_sync_fn)

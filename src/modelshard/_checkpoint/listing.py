@@ -1,0 +1,145 @@
+"""What a ``CheckpointManager`` root holds, step by step: complete steps and leftovers.
+
+A step is complete by ``manager.is_complete_step`` (the one definition). Everything else
+that carries a step number is a leftover, written by a save that did not finish (its
+process or host died, or it failed) or by a removal that did not:
+
+- ``N/`` that is not complete: on object storage, a save writes there directly and
+  commits last (``storage.COMMIT_FILE``); on a local disk, a folder someone else put there;
+- ``N.orbax-checkpoint-tmp...``: a local save's staging folder, renamed to ``N`` when done;
+- ``.modelshard-rotated/N.PID``: a step rotation moved aside and had not yet deleted.
+
+The next save of step N removes the first two (``CheckpointManager.save``), opening the
+manager removes the third. ``modelshard steps`` prints this listing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from typing import Any
+
+from .manager import is_complete_step
+from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
+    ITEMS_ITEM,
+    METRICS_ITEM,
+    ORBAX_TMP,
+    RECORD_FILE,
+    RECORD_ITEM,
+    ROTATED,
+    STATE_ITEM,
+)
+from .urls import forget_listings, is_remote, location, reaching
+
+_NUMBERED = re.compile(rf"(0|[1-9][0-9]*)((?:{re.escape(ORBAX_TMP)}.*)?)")
+_ROTATED = re.compile(r"(0|[1-9][0-9]*)\.[0-9]+")
+PARTS = (CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}", ITEMS_ITEM, METRICS_ITEM)
+"""What a step may hold, in the order listed (``items`` and ``metrics`` are optional)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEntry:
+    """One numbered entry of a manager's root.
+
+    Attributes:
+        step: the step number.
+        complete: whether it is a complete step (restorable).
+        path: where it is.
+        why: for a leftover, what left it (``"interrupted save"``, ``"staging folder of an
+            interrupted save"``, ``"removal by rotation not finished"``); ``""`` when complete.
+        has: the parts of a step that are there (see ``PARTS``), and the commit file.
+        lacks: the parts a complete step needs that are missing.
+        files: how many files it holds.
+        bytes: their total size.
+    """
+
+    step: int
+    complete: bool
+    path: Any
+    why: str
+    has: tuple[str, ...]
+    lacks: tuple[str, ...]
+    files: int
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "status": "complete" if self.complete else "leftover",
+            "path": str(self.path),
+            "why": self.why or None,
+            "has": list(self.has),
+            "lacks": list(self.lacks),
+            "files": self.files,
+            "bytes": self.bytes,
+        }
+
+
+def _tally(path: Any) -> tuple[int, int]:
+    """(files, bytes) under ``path``."""
+    if not is_remote(path):
+        files = size = 0
+        for folder, _, names in os.walk(path):
+            for name in names:
+                files += 1
+                with contextlib.suppress(OSError):  # removed while we count
+                    size += os.lstat(os.path.join(folder, name)).st_size
+        return files, size
+    files = size = 0
+    for child in path.iterdir():
+        if child.is_dir():
+            f, b = _tally(child)
+            files, size = files + f, size + b
+        else:
+            files, size = files + 1, size + int(child.stat().length)
+    return files, size
+
+
+def _entry(step: int, path: Any, why: str | None) -> StepEntry:
+    complete = why is None and is_complete_step(path)
+    has, lacks = [], []
+    needed = [CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}"]
+    if is_remote(path):
+        needed.append(COMMIT_FILE)
+    for part in (*PARTS, COMMIT_FILE):
+        if (path / part).exists():
+            has.append(part)
+        elif part in needed:
+            lacks.append(part)
+    files, size = _tally(path) if path.is_dir() else (1, 0)
+    reason = "" if complete else why or "interrupted save"
+    return StepEntry(step, complete, path, reason, tuple(has), tuple(lacks), files, size)
+
+
+def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
+    """Every numbered entry of the manager root ``directory``, complete or leftover, by
+    step (a step's leftovers after it), read from storage now.
+
+    Raises:
+        CheckpointError: object storage that cannot be reached.
+    """
+    root = location(directory)
+    forget_listings(root)
+    out: list[StepEntry] = []
+    with reaching(root):
+        try:
+            children = sorted(root.iterdir(), key=lambda c: c.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for child in children:
+            m = _NUMBERED.fullmatch(child.name)
+            if m is not None and child.is_dir():
+                staging = bool(m.group(2))
+                why = "staging folder of an interrupted save" if staging else None
+                out.append(_entry(int(m.group(1)), child, why))
+            elif child.name == ROTATED and not is_remote(root) and child.is_dir():
+                for aside in child.iterdir():
+                    r = _ROTATED.fullmatch(aside.name)
+                    if r is not None:
+                        why = "removal by rotation not finished"
+                        out.append(_entry(int(r.group(1)), aside, why))
+    return sorted(out, key=lambda e: (e.step, not e.complete, str(e.path)))

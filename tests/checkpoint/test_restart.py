@@ -1,0 +1,205 @@
+"""Restarts after a host died: two real JAX processes (2 x 4 CPU devices) save every step
+with ``CheckpointManager``, one is SIGKILLed while a step is being written, and both are
+started again, three times in a row, on a local disk and on ``s3://`` (moto on 127.0.0.1).
+
+Each restart must resume from the latest complete step (restored bit-exact) and save the
+interrupted step number again: its leftovers are removed first (process 0 decides, every
+process agrees), and nothing waits longer than ``MODELSHARD_BARRIER_TIMEOUT``. Every run
+is bounded (SIGKILL backstop) and uses its own coordinator port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import modelshard as ms
+from modelshard import _launch
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux"),
+]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = SCRIPTS / "restart_run.py"
+LIMIT_S = 240  # a backstop for a loaded 2-core machine, not an expectation
+HEARTBEAT_S = 5
+BARRIER_S = 40  # bounds every wait, so a hang fails the run instead of the suite
+
+
+@pytest.fixture(autouse=True)
+def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("slow") and "slow" not in (
+        request.config.getoption("markexpr") or ""
+    ):
+        pytest.skip("runs with `pytest -m slow`")
+
+
+def two_processes(
+    *args: str, env: dict[str, str], script: Path = SCRIPT, limit_s: float = LIMIT_S
+) -> tuple[list[int], list[str]]:
+    """Start both processes as a scheduler would, each with its MODELSHARD_* variables;
+    their exit codes and outputs once both ended (SIGKILLed after ``LIMIT_S``)."""
+    reservation = _launch.reserve_port()
+    port = reservation.getsockname()[1] if reservation is not None else _launch.free_port()
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[threading.Thread] = []
+    try:
+        for i in range(2):
+            child = _launch.child_env(dict(os.environ), f"127.0.0.1:{port}", 2, i, 4)
+            child.update(env)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args],
+                    env=child,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        outputs = ["", ""]
+
+        def read(i: int) -> None:
+            stream = procs[i].stdout
+            assert stream is not None
+            outputs[i] = stream.read()
+            procs[i].wait()
+
+        readers += [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(limit_s)
+    finally:
+        stuck = [p for p in procs if p.poll() is None]
+        for p in stuck:  # the scripts dump their threads' stacks on SIGUSR1
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(3 if stuck else 0)
+        for p in stuck:  # the backstop: nothing outlives the test
+            p.kill()
+            p.wait()
+        for t in readers:
+            t.join(10)
+        if reservation is not None:
+            reservation.close()
+    return [p.returncode for p in procs], outputs
+
+
+def complete(root: str) -> list[int]:
+    return ms.CheckpointManager(root, handle_signals=False).all_steps()
+
+
+def restarts(root: str, out: Path) -> None:
+    env = {
+        "MODELSHARD_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S),
+        "MODELSHARD_BARRIER_TIMEOUT": str(BARRIER_S),
+    }
+    interrupted = None  # the step being written when the last host died
+    for run, (kill_at, victim) in enumerate([(3, 1), (6, 0), (9, 1), (None, 0)]):
+        for f in out.glob("result_*.json"):
+            f.unlink()
+        kill = [] if kill_at is None else ["--kill-at", str(kill_at), "--victim", str(victim)]
+        t0 = time.monotonic()
+        codes, outputs = two_processes(root, str(out), "--until", "11", *kill, env=env)
+        print(f"run {run}: {codes} in {time.monotonic() - t0:.1f} s")
+        said = "\n".join(f"--- process {i} ---\n{o[-4000:]}" for i, o in enumerate(outputs))
+        if kill_at is None:
+            assert codes == [0, 0], said
+        else:
+            # the victim died; the survivor was stopped by the runtime, not by the backstop
+            assert codes[victim] == -9 and codes[1 - victim] not in (0, -9), said
+            steps = complete(root)
+            # the step being written when the host died is not complete
+            assert steps and steps[-1] < kill_at, (steps, said)
+        if interrupted is not None:  # it was saved again, by both processes
+            for i in range(2):
+                assert f"saved {interrupted}\n" in outputs[i], said
+        interrupted = complete(root)[-1] + 1
+    results = [json.loads((out / f"result_{i}.json").read_text()) for i in range(2)]
+    assert results[0] == results[1], results
+    assert results[0]["steps"] == [9, 10, 11], results
+
+
+def test_restarts_after_a_host_died_on_a_local_disk(tmp_path):
+    restarts(str(tmp_path / "run"), tmp_path)
+
+
+@pytest.mark.slow
+def test_restarts_after_a_host_died_on_s3(s3_root, tmp_path):
+    restarts(s3_root, tmp_path)
+
+
+def objects(s3_env: dict[str, str], url: str) -> list[str]:
+    """The keys under ``url`` as the server lists them (another client: another process)."""
+    import boto3
+
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def test_steps_another_process_wrote_or_removed_are_seen_on_s3(s3_root, s3_env):
+    """s3fs remembers folder listings for the life of a process: a manager must still see
+    at once a step another process wrote or removed, and the leftovers it left."""
+    import boto3
+    import jax.numpy as jnp
+
+    client = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"])
+    bucket, prefix = s3_root.removeprefix("s3://").split("/", 1)
+    with ms.CheckpointManager(s3_root, async_save=False, handle_signals=False) as mngr:
+        for step in (0, 1):
+            mngr.save(step, {"w": jnp.full((8,), step, jnp.float32)})
+        assert mngr.all_steps() == [0, 1]
+        for key in objects(s3_env, f"{s3_root}/0"):  # another process writes step 3
+            copy = {"Bucket": bucket, "Key": key}
+            client.copy_object(Bucket=bucket, Key=key.replace("/0/", "/3/", 1), CopySource=copy)
+        assert mngr.all_steps() == [0, 1, 3]
+        for key in objects(s3_env, f"{s3_root}/1"):  # and removes step 1
+            client.delete_object(Bucket=bucket, Key=key)
+        assert mngr.all_steps() == [0, 3]
+        # another process died while writing step 4: its leftovers, no commit file
+        leftover = f"{prefix}/4/state/ocdbt.process_1/d/leftover"
+        client.put_object(Bucket=bucket, Key=leftover, Body=b"partial")
+        assert mngr.save(4, {"w": jnp.full((8,), 4, jnp.float32)})
+        assert mngr.all_steps() == [0, 3, 4]
+        assert leftover not in objects(s3_env, s3_root)
+        assert float(mngr.restore(4)["w"][0]) == 4.0
+
+
+def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path):
+    """Process 1 is stuck before its save: process 0 waits at Orbax's first barrier for
+    ``MODELSHARD_BARRIER_TIMEOUT`` (not Orbax's own 300 s) and raises modelshard's
+    ``DistributedError``, naming the barrier and the variable."""
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "6", "MODELSHARD_HEARTBEAT_TIMEOUT": "5"}
+    root = tmp_path / "run"
+    # process 0 exits right after its result, which the runtime then tells process 1
+    codes, outputs = two_processes(
+        str(root), str(tmp_path), env=env, script=SCRIPTS / "stuck_peer.py", limit_s=90
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes[0] == 0, said
+    result = json.loads((tmp_path / "result_0.json").read_text())
+    assert result["raised"] is not None, said
+    assert result["raised"]["type"] == "DistributedError", result
+    message = result["raised"]["message"]
+    key = "modelshard_Checkpointer:save_start"
+    assert message.startswith(
+        f"process 0 of 2: Orbax barrier {key!r} failed after waiting up to 6 s for the other "
+        "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
+    ), message
+    assert message.endswith(
+        "Another process died, is stuck, or took another path through the program (every "
+        "process must make the same calls in the same order)."
+    ), message
+    assert 6 <= result["seconds"] < 6 + 20, result
+    assert not (root / "0").exists()

@@ -1,0 +1,134 @@
+"""``modelshard steps``: a manager root's complete steps and the leftovers of a save that
+did not finish (a real one: a process that died mid-save), on a local disk and on s3://."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+import modelshard as ms
+from modelshard._checkpoint.storage import ORBAX_TMP
+from modelshard.cli import main
+
+SCRIPT = Path(__file__).parent / "scripts" / "die_mid_save.py"
+PARTS = ["_CHECKPOINT_METADATA", "state", "modelshard/modelshard.json", "items"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> str:
+    if request.param == "s3":
+        return request.getfixturevalue("s3_root")
+    return str(tmp_path / "run")
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    status = main(["steps", *argv, "--json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def tally(path: str) -> tuple[int, int]:
+    """(files, bytes) under a step, counted without modelshard."""
+    if path.startswith("s3://"):
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        found = fs.find(path, detail=True)
+        assert isinstance(found, dict)
+        sizes = [info["size"] for info in found.values()]
+        return len(sizes), sum(sizes)
+    sizes = [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs]
+    return len(sizes), sum(sizes)
+
+
+def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsys):
+    died = subprocess.run(
+        [sys.executable, str(SCRIPT), root], capture_output=True, text=True, timeout=400
+    )
+    assert died.returncode == 0, died.stderr[-3000:]
+    status, doc = run_json(capsys, root)
+    assert status == 0, doc
+    remote = root.startswith("s3://")
+    leftover = doc["steps"][-1]
+    name = leftover["path"].rsplit("/", 1)[1]
+    if remote:  # written in place, committed last
+        assert name == "2"
+        why, lacks = "interrupted save", ["commit_success.txt"]
+        assert "commit_success.txt" not in leftover["has"]
+    else:  # a staging folder, renamed when done
+        assert name.startswith(f"2{ORBAX_TMP}")
+        why, lacks = "staging folder of an interrupted save", leftover["lacks"]
+        assert lacks  # something a complete step needs is missing
+    base = root if remote else os.path.abspath(root)
+    complete = [
+        {
+            "step": s,
+            "status": "complete",
+            "path": f"{base}/{s}",
+            "why": None,
+            "has": [*PARTS, "commit_success.txt"],
+            "lacks": [],
+            "files": tally(f"{base}/{s}")[0],
+            "bytes": tally(f"{base}/{s}")[1],
+        }
+        for s in (0, 1)
+    ]
+    files, size = tally(leftover["path"])
+    assert doc == {
+        "schema": 1,
+        "command": "steps",
+        "ok": True,
+        "root": base,
+        "complete": [0, 1],
+        "latest": 1,
+        "steps": [
+            *complete,
+            {
+                "step": 2,
+                "status": "leftover",
+                "path": f"{base}/{name}",
+                "why": why,
+                "has": leftover["has"],
+                "lacks": lacks,
+                "files": files,
+                "bytes": size,
+            },
+        ],
+    }
+    assert files > 0
+    capsys.readouterr()
+    assert main(["steps", root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"leftover: {why}" in "\n".join(lines)
+    assert lines[-2:] == [
+        "latest complete step: 1; leftovers of step 2",
+        "A leftover is what a save that did not finish left behind; the next save of its step "
+        "number removes it.",
+    ]
+    # the next save of step 2 removes them
+    with ms.CheckpointManager(root, handle_signals=False) as mngr:
+        assert mngr.save(2, {"w": jnp.arange(4096.0) + 2}, items={"data": {"pos": 2}})
+    status, doc = run_json(capsys, root)
+    assert [(e["step"], e["status"]) for e in doc["steps"]] == [
+        (0, "complete"),
+        (1, "complete"),
+        (2, "complete"),
+    ]
+    assert doc["latest"] == 2
+
+
+def test_steps_of_an_empty_or_missing_root(tmp_path, capsys):
+    status, doc = run_json(capsys, str(tmp_path))
+    assert (status, doc["steps"], doc["complete"], doc["latest"]) == (0, [], [], None)
+    capsys.readouterr()
+    assert main(["steps", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}: no steps.\n"
+    missing = tmp_path / "nope"
+    assert main(["steps", str(missing)]) == 1
+    assert capsys.readouterr().err == f"modelshard steps: error: {missing} does not exist.\n"
