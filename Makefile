@@ -1,12 +1,20 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
-# Each bootstraps .venv (pinned stack, modelshard editable) on first use.
+# Each bootstraps .venv (pinned stack, modelshard editable) on first use; `make test` also
+# .venv-floor (the oldest supported versions: pyproject's floors, requirements/floor.txt).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast lint typecheck docs slow bench env clean
+# What runs on the floor stack: the journey matrix and the examples (wherever the test tree
+# keeps them), about a minute on an idle machine.
+FLOOR_TESTS = $(wildcard tests/journeys/test_journeys.py tests/project/test_examples.py tests/test_examples.py)
+
+.PHONY: demo test test-floor test-fast lint typecheck docs slow bench env env-floor clean
 
 env:
 	@bash scripts/bootstrap.sh
+
+env-floor:
+	@bash scripts/bootstrap.sh floor
 
 demo: env
 	$(PY) examples/demo.py
@@ -21,9 +29,14 @@ typecheck: env
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-# The full suite: lint, types, strict docs build, then every test.
+# The full suite: lint, types, strict docs build, every test on the lock, then the floor subset.
 test: lint typecheck docs
 	bash scripts/pytest.sh
+	$(MAKE) test-floor
+
+# The journey matrix and the examples on the oldest supported versions.
+test-floor: env-floor
+	VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test-fast: env
 	bash scripts/pytest.sh -x -q
@@ -35,4 +48,4 @@ bench: env
 	$(PY) benchmarks/expand.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) .venv-floor site .pytest_cache

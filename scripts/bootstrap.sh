@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv with the pinned stack and modelshard installed editable.
+# Create a virtual environment with a locked stack and modelshard installed editable.
+#   scripts/bootstrap.sh          .venv       requirements/lock.txt  (the newest stack: every tool)
+#   scripts/bootstrap.sh floor    .venv-floor requirements/floor.txt (the oldest supported
+#                                 versions, pyproject's floors, and pytest: the floor tests)
 # Needs only Python (3.12+ preferred; 3.11 falls back to an unpinned resolve) and pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=.venv
+case "${1:-main}" in
+  main) VENV=.venv; LOCK=requirements/lock.txt; IN=requirements/lock.in; EXTRAS='.[all,dev]' ;;
+  floor) VENV=.venv-floor; LOCK=requirements/floor.txt; IN=requirements/floor.in; EXTRAS='.[all]' ;;
+  *) echo "bootstrap: unknown environment '$1' (main or floor)" >&2; exit 2 ;;
+esac
 STAMP=$VENV/.modelshard-installed
-want=$(cat pyproject.toml requirements/lock.txt | cksum | cut -d' ' -f1)
+want=$(cat pyproject.toml "$LOCK" | cksum | cut -d' ' -f1)
 if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
@@ -24,14 +31,14 @@ vpy=$VENV/bin/python
 pinned=1
 "$vpy" -c 'import sys; sys.exit(sys.version_info < (3, 12))' || pinned=0
 if [[ $pinned == 1 ]]; then
-  reqs=(-r requirements/lock.txt)
+  reqs=(-r "$LOCK")
 else
-  echo "bootstrap: Python < 3.12: the lock needs 3.12, resolving unpinned (older jax)" >&2
-  reqs=(-r requirements/lock.in)
+  echo "bootstrap: Python < 3.12: $LOCK needs 3.12, resolving $IN unpinned" >&2
+  reqs=(-r "$IN")
 fi
 if "$vpy" -m pip install -q --disable-pip-version-check uv >/dev/null 2>&1; then
-  "$vpy" -m uv pip install -q --python "$vpy" "${reqs[@]}" -e '.[all,dev]'
+  "$vpy" -m uv pip install -q --python "$vpy" "${reqs[@]}" -e "$EXTRAS"
 else
-  "$vpy" -m pip install -q --disable-pip-version-check "${reqs[@]}" -e '.[all,dev]'
+  "$vpy" -m pip install -q --disable-pip-version-check "${reqs[@]}" -e "$EXTRAS"
 fi
 echo "$want" > "$STAMP"

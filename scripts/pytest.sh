@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run pytest from .venv; exit code 5 (no tests collected) is a failure, said out loud.
+# Run pytest from .venv (or $VENV); exit code 5 (no tests collected) is a failure, said out loud.
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest "$@"
+"${VENV:-.venv}"/bin/python -m pytest "$@"
 rc=$?
 if [[ $rc == 5 ]]; then
   echo "pytest collected no tests: treating as a failure" >&2

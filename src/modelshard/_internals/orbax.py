@@ -47,6 +47,15 @@ with needed(
 
 with needed(
     DIST,
+    "orbax.checkpoint._src.multihost.multihost",
+    "bounded barriers: its get_barrier_sync_fn is replaced in that module, where Orbax's "
+    "own code looks it up, by one that waits modelshard's barrier timeout "
+    "(_checkpoint/barriers.py; orbax.checkpoint.multihost only re-exports it)",
+):
+    from orbax.checkpoint._src.multihost import multihost
+
+with needed(
+    DIST,
     "orbax.checkpoint._src.metadata.array_metadata_store.Store",
     "the array metadata store Orbax's default jax.Array handler is built with (it wraps "
     "PRNG key data); our save and restore handlers are built the same way",
