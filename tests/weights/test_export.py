@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 import modelshard as ms
-from modelshard._weights import progress as progress_mod
+from modelshard._base import progress as progress_mod
 from modelshard._weights.safetensors import parse_size, write_sharded
 
 

@@ -359,9 +359,9 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
 
 
 # How ``save`` stores each chunk: None, the raw little-endian bytes (the default), or
-# "zstd", Orbax's own default (zarr v2, level 1). On float weights zstd keeps about 92% of
-# the bytes and costs several times the CPU time of writing them (docs/benchmarks/
-# checkpoint.md), so it is off unless asked for. Plain Orbax reads either: the codec is in
+# "zstd", Orbax's own default (zarr v2, level 1). On float weights zstd saves little space
+# and costs several times the CPU time of writing the bytes (docs/benchmarks/checkpoint.md),
+# so it is off unless asked for. Plain Orbax reads either: the codec is in
 # each array's zarr metadata.
 COMPRESSIONS = (None, "zstd")
 

@@ -117,7 +117,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _size(text: str) -> int | str:
-    from .._weights.safetensors import parse_size
+    from .._weights import parse_size
 
     try:
         parse_size(int(text) if text.isdigit() else text)
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from jax.sharding import PartitionSpec
 
     from .._base import make_mesh
-    from .._checkpoint.stream import StreamLeaf, write_stream
+    from .._checkpoint import StreamLeaf, write_stream
     from .._specs import load_rules
     from .._weights import load_safetensors, mapped_leaves, open_safetensors
 
@@ -178,17 +178,15 @@ def run(args: argparse.Namespace) -> int:
     # host memory stays near a few slabs plus one stored tensor's map
     with open_safetensors(args.source) as files:
         _, leaves = mapped_leaves(files, **common)
-        with progress_bar(args, "converting") as progress:
-            task = progress.add_task("converting", total=None)
-            with writing(args.destination):
-                write_stream(
-                    args.destination,
-                    [StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
-                    mesh=mesh,
-                    overwrite=args.overwrite,
-                    slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
-                    progress=lambda done, total: progress.update(task, completed=done, total=total),
-                )
+        with progress_bar(args, "converting") as progress, writing(args.destination):
+            write_stream(
+                args.destination,
+                [StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
+                mesh=mesh,
+                overwrite=args.overwrite,
+                slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
+                progress=progress,
+            )
     dest = args.destination
     nbytes = sum(x.nbytes for x in leaves)
     if args.json:
@@ -233,10 +231,8 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
 
     from .._base import format_bytes
-    from .._checkpoint import locate
-    from .._checkpoint.mapped import host_leaves
-    from .._weights import Exporter, as_mapping
-    from .._weights.load import reference_table, write_export
+    from .._checkpoint import host_leaves, locate
+    from .._weights import Exporter, as_mapping, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
         from .._base import CheckpointError
@@ -264,17 +260,15 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     ex = Exporter(targets, load, table, wm, args.dtype)
     ex.check_also()  # a tied leaf changed since it was loaded: refused, nothing written
     items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
-    with progress_bar(args, "writing") as progress:
-        task = progress.add_task("writing", total=None)
-        with writing(args.destination):
-            dest = write_export(
-                args.destination,
-                items,
-                ex.compute,
-                meta,
-                max_shard_size=args.max_shard_size,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
+    with progress_bar(args, "writing") as progress, writing(args.destination):
+        dest = write_export(
+            args.destination,
+            items,
+            ex.compute,
+            meta,
+            max_shard_size=args.max_shard_size,
+            progress=progress,
+        )
     files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
     nbytes = sum(f.stat().st_size for f in files)
     if args.json:
@@ -302,7 +296,7 @@ def _refuse_existing(args: argparse.Namespace) -> None:
     """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
     (``--max-shard-size``) the index, the lone file or shards of the same name."""
     from .._base import CheckpointError
-    from .._weights.safetensors import sharded_layout, sharded_names
+    from .._weights import sharded_layout, sharded_names
 
     if args.overwrite:
         return

@@ -10,7 +10,6 @@ from .constraints import current_mesh as current_mesh
 from .placement import place as place
 from .placement import shard as shard
 from .planning import Plan as Plan
-from .planning import parse_bytes as parse_bytes
 from .planning import plan as plan
 from .shard_mapping import ShardMap as ShardMap
 from .shard_mapping import shard_map as shard_map

@@ -8,7 +8,6 @@ in one ``Ctx`` so a ``SpecError`` lists them all.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._base import Problem, dtype_name, format_mesh, toml_spec, vocabulary
+from .._base import Problem, close_match, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
 from .logical import LogicalRules, active_logical, add_name_hint
@@ -331,8 +330,7 @@ def _name_logical(
 
 def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
     """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
-    close = difflib.get_close_matches(name, list(sizes), n=1, cutoff=0.75)
-    return close[0] if close else None
+    return close_match(name, sizes)
 
 
 def _unknown(

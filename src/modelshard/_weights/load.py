@@ -27,13 +27,20 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._base import CheckpointError, MappingError, Problem, is_abstract, make_mesh
+from .._base import (
+    CheckpointError,
+    MappingError,
+    Problem,
+    Progress,
+    is_abstract,
+    make_mesh,
+    reporter,
+)
 from .._base import split as split_path
 from .._containers import split
 from . import transforms as T
 from .mapfile import checkpoint_config, load_weight_map
 from .mapping import Resolution, WeightMap, resolve
-from .progress import Progress, reporter
 from .safetensors import (
     SafetensorsFiles,
     dtype_code,
@@ -110,8 +117,8 @@ def build_leaf(
     A device's slice of a transposed leaf (PyTorch's ``[out, in]`` into an ``[in, out]``
     kernel) is a strided view of the stored tensor's memory map; it is handed to JAX as
     it is, and the runtime's host-to-device copy, which takes arbitrary strides, writes
-    it transposed into the device's buffer (XLA's blocked transpose, about 1.6x faster
-    than NumPy's tiled copy): one pass over the device's bytes, no device computation
+    it transposed into the device's buffer (XLA's blocked transpose, faster than NumPy's
+    tiled copy: docs/benchmarks/weights.md): one pass over the device's bytes, no device computation
     and no resharding.
     """
     cache: dict[Any, np.ndarray] = {}

@@ -60,7 +60,6 @@ of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import tomllib
@@ -68,7 +67,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._base import MappingError, Problem
+from .._base import MappingError, Problem, close_match
 from .mapping import (
     Add,
     Concat,
@@ -115,7 +114,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             problems.append(Problem(src, at, f"{item!r} is not a table", hint=_OPS_HINT))
             continue
         kinds = [k for k in _OPS if k in item]
-        typos = [k for k in item if _close(k, _OPS)]
+        typos = [k for k in item if close_match(k, _OPS)]
         if not kinds and typos:  # { rearange = ... }: name the key, not "no operation"
             for k in typos:
                 problems.append(
@@ -165,14 +164,9 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
     return tuple(out) if len(out) == len(value) else None
 
 
-def _close(key: str, allowed: Iterable[str]) -> str | None:
-    got = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.75)
-    return got[0] if got and got[0] != key else None
-
-
 def _unknown(key: str, allowed: Iterable[str], what: str = "key") -> str:
     """``unknown key 'rearange' (did you mean 'rearrange'?)``."""
-    close = _close(key, allowed)
+    close = close_match(key, allowed)
     return f"unknown {what} {key!r}" + (f" (did you mean {close!r}?)" if close else "")
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -24,7 +23,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._base import LIST_IN_FULL, MappingError, Problem, dtype_name, literal, vocabulary
+from .._base import (
+    LIST_IN_FULL,
+    MappingError,
+    Problem,
+    close_match,
+    dtype_name,
+    literal,
+    vocabulary,
+)
 from . import transforms as T
 
 _FIELD = re.compile(r"\{(\w+)\}")
@@ -1424,8 +1431,8 @@ def _sizes(
     for e in entries:
         if isinstance(e, str):
             if e not in mapping.config:
-                close = difflib.get_close_matches(e, list(mapping.config), n=1, cutoff=0.8)
-                known = f"did you mean {close[0]!r}?" if close else None
+                close = close_match(e, mapping.config, cutoff=0.8)
+                known = f"did you mean {close!r}?" if close else None
                 problem = _bad(
                     name,
                     node,
