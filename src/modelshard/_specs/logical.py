@@ -25,13 +25,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import difflib
 import importlib.util
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
-from .._base import Problem, SpecError, toml_entry
+from .._base import Problem, SpecError, close_match, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -319,14 +318,8 @@ class LogicalAxes:
 def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
     # logical names are short words: a swapped pair of letters ('mpl') is still a typo
     strings = [o for o in options if isinstance(o, str)]
-    close = closest(name, strings, cutoff=0.6) if isinstance(name, str) else None
+    close = close_match(name, strings, cutoff=0.6) if isinstance(name, str) else None
     return f"did you mean {close!r}? (or {otherwise})" if close is not None else otherwise
-
-
-def closest(name: str, options: Sequence[str], cutoff: float = 0.75) -> str | None:
-    """The option ``name`` is most likely a typo of (``hedas`` -> ``heads``), if any."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=cutoff)
-    return close[0] if close else None
 
 
 # ---- the context ------------------------------------------------------------------------
