@@ -466,7 +466,7 @@ class PlanTable:
         cells = self._cells(shown)
         cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
-            for col in ("rule", "dtype", "leaves", "logical"):
+            for col in ("logical", "rule", "dtype", "leaves"):
                 if self._width(cells, cols) > width and col in cols:
                     cols.remove(col)
         t = Table(title="modelshard plan", show_lines=False, title_justify="left")
