@@ -172,7 +172,7 @@ class Cause:
         """The other problems whose paths end with the example's path below its first
         component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
         e = self.example
-        _, slash, tail = (e.path or "").partition("/")
+        _, _, tail = (e.path or "").partition("/")
         if "/" not in tail:  # a one-component tail (``bias``) names no parameter
             return ()
         depth = (e.path or "").count("/")
