@@ -7,7 +7,6 @@ neither library, and Orbax is imported only by the code that checkpoints.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -45,4 +44,8 @@ def __getattr__(name: str) -> Any:
     owner = _OWNER.get(name)
     if owner is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{owner}", __name__), name)
+    if owner == "orbax":
+        from . import orbax as module
+    else:
+        from . import jax as module
+    return getattr(module, name)

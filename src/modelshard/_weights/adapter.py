@@ -134,19 +134,27 @@ def save_peft_adapter(
             tensors[k] = np.ascontiguousarray(tensors[k] / np.asarray(scale, tensors[k].dtype))
     out = Path(directory)
     items = [(k, v.shape, v.dtype) for k, v in tensors.items()]
-    if jax.process_index() == 0:
-        write_safetensors(out / "adapter_model.safetensors", items, tensors.__getitem__, _META)
-        source = reference_directory(reference)
-        base = base_model or (
-            str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
-        )
-        if base is None and source is not None:
-            base = str(source)
-        config = _config(rank, alpha if alpha is not None else rank, names, base)
-        tmp = out / ".adapter_config.json.partial"
-        tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out / "adapter_config.json")
+    source = reference_directory(reference)
+    base = base_model or (
+        str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
+    )
+    if base is None and source is not None:
+        base = str(source)
+    config = _config(rank, alpha if alpha is not None else rank, names, base)
+    if jax.process_index() == 0:  # plain files: every value was computed by every process
+        _write_adapter(out, items, tensors, config)
     return out
+
+
+def _write_adapter(
+    out: Path, items: list[Any], tensors: Mapping[str, Any], config: Mapping[str, Any]
+) -> None:
+    """``adapter_model.safetensors`` and ``adapter_config.json`` (each replaced once
+    complete): local file writes, no collective."""
+    write_safetensors(out / "adapter_model.safetensors", items, tensors.__getitem__, _META)
+    tmp = out / ".adapter_config.json.partial"
+    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / "adapter_config.json")
 
 
 _META: Mapping[str, str] = {"format": "pt"}
