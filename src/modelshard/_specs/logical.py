@@ -396,7 +396,7 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         ...     with ms.logical_rules({"embed": None}):  # one entry overridden
         ...         x = ms.shard(jnp.zeros((8, 16)), P("batch", "embed"), mesh)
         >>> x.sharding.spec
-        P('data',)
+        P('data', None)
     """
     compiled = layered(layers, _ACTIVE.get())
     token = _ACTIVE.set(_CLEARED if compiled is None else compiled)
