@@ -343,6 +343,20 @@ def test_unmapped_name_names_the_context_rules(mesh24):
     ]
 
 
+def test_a_misspelt_logical_name_gets_did_you_mean(mesh24):
+    rules = {"batch": "data", "embed": None, "mpl": "model"}
+    with ms.logical_rules(rules), pytest.raises(ms.SpecError) as e:
+        ms.plan({"h": X}, P("batch", "mlp"), mesh24)
+    assert str(e.value).splitlines()[2:] == [
+        "    problem: axis 'mlp' (dimension 1) is not in the mesh",
+        "    spec: P('data', 'mlp') (from P('batch', 'mlp') for the whole argument)",
+        "    mesh: data=2, model=4",
+        "    hint: mesh axes are 'data', 'model', and 'mlp' is not a logical name of the "
+        "active ms.logical_rules context (names: batch, embed, mpl); did you mean 'mpl'? "
+        "(or add 'mlp': <mesh axes or None> there)",
+    ]
+
+
 def test_context_is_per_thread(mesh24):
     results = {}
     barrier = threading.Barrier(2)

@@ -295,7 +295,7 @@ class LogicalAxes:
                         "LogicalAxes",
                         f"defaults[{name!r}]",
                         f"{name!r} has a default but is not among the declared names",
-                        hint=_did_you_mean(name, names, f"add {name!r} to names"),
+                        hint=did_you_mean(name, names, f"add {name!r} to names"),
                         logical_name=name if isinstance(name, str) else None,
                     )
                 )
@@ -316,7 +316,7 @@ class LogicalAxes:
         return f"LogicalAxes({self.library!r}, names={self.names!r}, defaults={self.defaults!r})"
 
 
-def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
+def did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
     # logical names are short words: a swapped pair of letters ('mpl') is still a typo
     strings = [o for o in options if isinstance(o, str)]
     close = closest(name, strings, cutoff=0.6) if isinstance(name, str) else None
@@ -494,7 +494,7 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
                 label,
                 f"{name!r} is not a logical name {libraries} declares "
                 f"(declared: {', '.join(names)})",
-                hint=_did_you_mean(
+                hint=did_you_mean(
                     name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
                 ),
                 logical_name=name,
