@@ -444,3 +444,35 @@ def test_sharded_initialisation_never_whole_on_one_device(mesh24):
     assert module.kernel.get_value().sharding.spec == P(None, "model")
     assert eqx_linear.weight.sharding.spec == P("model", None)
     assert isinstance(module, nnx.Linear) and isinstance(eqx_linear, eqx.nn.Linear)
+
+
+MISSPELT_AXIS = [
+    "logical rules that misspell an axis of the mesh (data=2, model=4):",
+    "  logical_rules:rules['mlp']",
+    "    problem: 'mlp' maps to mesh axis 'modle', which is not in the mesh",
+    "    hint: did you mean 'model'? (mesh axes are 'data', 'model')",
+]
+
+
+def test_a_misspelt_mesh_axis_is_refused_on_entry_under_a_mesh(mesh24):
+    misspelt = {"batch": "data", "mlp": "modle"}
+    with jax.set_mesh(mesh24), pytest.raises(ms.SpecError) as e, ms.logical_rules(misspelt):
+        pass
+    assert str(e.value).splitlines() == MISSPELT_AXIS
+    # an axis this mesh lacks and resembles none is left to the plan (shared rules)
+    with jax.set_mesh(mesh24), ms.logical_rules({"batch": ("data", "fsdp")}) as rules:
+        assert rules is not None
+
+
+def test_a_misspelt_mesh_axis_is_refused_by_shard_jit_before_flax_sees_it(mesh24):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.with_logical_constraint(nn.Dense(16)(x), ("batch", "mlp"))
+
+    init = ms.shard_jit(
+        lambda x: MLP().init(jax.random.key(0), x), mesh=mesh24, in_specs=(P("batch"),)
+    )
+    with ms.logical_rules({"batch": "data", "mlp": "modle"}), pytest.raises(ms.SpecError) as e:
+        init(jnp.ones((8, 16)))
+    assert str(e.value).splitlines() == MISSPELT_AXIS

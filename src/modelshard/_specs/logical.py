@@ -31,7 +31,9 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
-from .._base import Problem, SpecError, toml_entry
+import jax
+
+from .._base import Problem, SpecError, format_mesh, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -399,6 +401,8 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         P('data', None)
     """
     compiled = layered(layers, _ACTIVE.get())
+    if compiled is not None:
+        check_mesh_axes(compiled, jax.sharding.get_abstract_mesh())
     token = _ACTIVE.set(_CLEARED if compiled is None else compiled)
     try:
         with _flax_bridge(compiled, flax):
@@ -517,6 +521,43 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
     if problems:
         raise SpecError(
             problems, header=f"logical rules that do not fit the names {libraries} declares:"
+        )
+
+
+def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
+    """Every mesh axis ``rules`` map to that is a likely typo of an axis of ``mesh``
+    (``'modle'`` on a mesh with ``'model'``) is an error here, before Flax's bridge meets
+    it as a bare ``ValueError``; an axis the mesh lacks and resembles none is left to the
+    plan (rules may be shared by meshes of other shapes). No mesh: nothing to check.
+
+    Raises:
+        SpecError: every misspelt entry listed, each with "did you mean".
+    """
+    if rules is None or mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        return
+    axes = [str(a) for a in mesh.axis_names]
+    shown = ", ".join(map(repr, axes))
+    labels = rules.labels or (rules.source,) * len(rules.pairs)
+    problems = []
+    for (name, target), label in zip(rules.pairs, labels, strict=True):
+        for axis in target:
+            close = closest(axis, axes) if axis not in axes else None
+            if close is not None:
+                problems.append(
+                    Problem(
+                        "logical_rules",
+                        label,
+                        f"{name!r} maps to mesh axis {axis!r}, which is not in the mesh",
+                        hint=f"did you mean {close!r}? (mesh axes are {shown})",
+                        logical_name=name,
+                        logical_rule=label,
+                    )
+                )
+    if problems:
+        sizes = dict(zip(axes, mesh.axis_sizes, strict=True))
+        raise SpecError(
+            problems,
+            header=f"logical rules that misspell an axis of the mesh ({format_mesh(sizes)}):",
         )
 
 
