@@ -386,8 +386,10 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         The layered, validated rules (``None`` when they are cleared).
 
     Raises:
-        SpecError: a layer is not logical rules (every bad entry listed), or the rules do
-            not fit the declared names (every unknown and every unmapped name listed).
+        SpecError: a layer is not logical rules (every bad entry listed), the rules do
+            not fit the declared names (every unknown and every unmapped name listed), or,
+            under ``jax.set_mesh``, a rule maps to a typo of one of the mesh's axes
+            (``'modle'``: "did you mean 'model'?"; ``shard_jit`` checks its mesh too).
 
     Example:
         >>> import jax.numpy as jnp
