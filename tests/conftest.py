@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import modelshard as ms
-from helpers import KINDS, MAKERS
+from helpers import KINDS, MAKERS, RULES, Zygote
 
 
 @pytest.fixture(autouse=True)
@@ -209,3 +210,41 @@ def counting_compiles() -> Iterator[collections.Counter[str]]:
 def count_compiles() -> Callable[[], contextlib.AbstractContextManager[collections.Counter[str]]]:
     """``counting_compiles``: ``with count_compiles() as n: ...`` then ``n["jit(step)"]``."""
     return counting_compiles
+
+
+# ---- a checkpoint for the command-line tests ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """An NNX model saved with fsdp over 8 devices, ``rules.toml`` (``RULES``) beside it: what
+    the CLI tests inspect, plan and reshard."""
+    root = tmp_path_factory.mktemp("cli")
+    mesh = ms.make_mesh({"data": 8})
+    model = ms.shard(MAKERS["nnx"](), ms.fsdp("data", min_size=0), mesh)
+    path = ms.save(root / "ckpt", model)
+    (root / "rules.toml").write_text(RULES)
+    return path
+
+
+# ---- checkpoints under crashes and damage -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    """A ``Zygote`` (``ckpt_scripts/save_loop.py``: imports once, forks a saver per start)."""
+    z = Zygote(timeout_s=120)
+    try:
+        yield z
+    finally:
+        z.close()
+
+
+@pytest.fixture
+def small_ckpt(tmp_path):
+    """A saved checkpoint and its record as a dict: (path, record)."""
+    import json
+
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "k": jax.random.key(1), "n": {"i": jnp.arange(5)}}
+    path = ms.save(tmp_path / "c", state)
+    return path, json.loads((path / "modelshard.json").read_text())

@@ -5,12 +5,25 @@ checkpoint stored a leaf with. Tests import them with ``from helpers import ...`
 
 from __future__ import annotations
 
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 import modelshard as ms
 
@@ -215,3 +228,239 @@ def values(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
             dt
         )
     return (rng.standard_normal(shape) * 4).astype(dt)
+
+
+# ---- the command-line tests: a rules file, a weight map, one error line -----------------
+
+RULES = """
+[[rules]]
+pattern = 'embedding$'
+spec = ["vocab", "none"]
+
+[[rules]]
+pattern = 'kernel$'
+spec = ["none", "model"]
+
+[[rules]]
+pattern = ".*"
+spec = []
+
+[logical]
+vocab = "model"
+"""
+
+
+def one_line(err: str, command: str) -> str:
+    """``err`` (stderr of a failed command), checked to be the one ``modelshard CMD: error:`` line."""
+    assert err.startswith(f"modelshard {command}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+CONVERT_MAP = r"""
+[[rules]]
+source = 'l\.(\d+)\.up\.weight'
+target = "layers/{1}/up/kernel"
+transpose = [1, 0]
+
+[[rules]]
+source = 'norm\.weight'
+target = "norm/scale"
+"""
+
+
+# ---- the weights tests: safetensors files, tied embeddings, Llama checkpoints of any size ----
+
+BF16 = ml_dtypes.bfloat16
+
+
+RNG = np.random.default_rng(7)
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def tied_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray], ms.WeightMap]:
+    t = {
+        "embed.weight": RNG.standard_normal((32, 8)).astype(BF16),
+        "norm.weight": RNG.standard_normal(8).astype(BF16),
+    }
+    path = save_tensors(tmp_path / "tied.safetensors", t)
+    wm = ms.WeightMap(
+        [
+            ms.MapRule(r"embed\.weight", "embed/embedding"),
+            ms.MapRule(r"norm\.weight", "norm/scale"),
+            ms.MapRule(
+                r"embed\.weight",
+                "head/kernel",
+                transpose=(1, 0),
+                also=True,
+                untied="lm_head.weight",
+            ),
+        ]
+    )
+    return path, t, wm
+
+
+def llama_of_size(
+    root: Path, embed: int, heads: int, kv: int, head_dim: int, *, inv_freq: bool = False
+) -> dict[str, np.ndarray]:
+    """A one-layer Llama checkpoint in Hugging Face's names and layout, with its
+    config.json (written as current transformers does: no rotary_emb.inv_freq)."""
+    import json
+
+    mlp, vocab = 3 * embed, 40
+
+    def w(*shape: int) -> np.ndarray:
+        return RNG.standard_normal(shape).astype(BF16)
+
+    p = "model.layers.0."
+    t = {
+        "model.embed_tokens.weight": w(vocab, embed),
+        p + "self_attn.q_proj.weight": w(heads * head_dim, embed),
+        p + "self_attn.k_proj.weight": w(kv * head_dim, embed),
+        p + "self_attn.v_proj.weight": w(kv * head_dim, embed),
+        p + "self_attn.o_proj.weight": w(embed, heads * head_dim),
+        p + "mlp.gate_proj.weight": w(mlp, embed),
+        p + "mlp.up_proj.weight": w(mlp, embed),
+        p + "mlp.down_proj.weight": w(embed, mlp),
+        p + "input_layernorm.weight": w(embed),
+        p + "post_attention_layernorm.weight": w(embed),
+        "model.norm.weight": w(embed),
+        "lm_head.weight": w(vocab, embed),
+    }
+    if inv_freq:
+        t[p + "self_attn.rotary_emb.inv_freq"] = np.ones(head_dim // 2, np.float32)
+    root.mkdir(parents=True, exist_ok=True)
+    save_tensors(root / "model.safetensors", t)
+    config = {
+        "model_type": "llama",
+        "hidden_size": embed,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "num_hidden_layers": 1,
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return t
+
+
+# ---- checkpoints under crashes and damage: bit-exact comparison, the forking saver -------
+
+SCRIPTS = Path(__file__).parent / "checkpoint" / "ckpt_scripts"
+
+
+def array_bits(x: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """dtype, shape and raw bytes: what "bit-exact" compares (typed keys by their data)."""
+    dtype = str(x.dtype)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        dtype = f"{dtype}:{jax.random.key_impl(x)}"
+        x = jax.random.key_data(x)
+    a = np.asarray(x)
+    return dtype, a.shape, np.ascontiguousarray(a).tobytes()
+
+
+def assert_bit_exact(want: Any, got: Any, where: Any = "") -> None:
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert [p for p, _ in flat_got] == [p for p, _ in flat_want], where
+    bad = [
+        jax.tree_util.keystr(p)
+        for (p, a), (_, b) in zip(flat_want, flat_got, strict=True)
+        if array_bits(a) != array_bits(b)
+    ]
+    assert not bad, f"{where}: not bit-exact: {bad}"
+
+
+class Zygote:
+    """``ckpt_scripts/save_loop.py``: imports once, forks a saver per :meth:`start`."""
+
+    def __init__(self, timeout_s: float):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "save_loop.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.deadline = time.monotonic() + timeout_s
+        self.tmp = Path(tempfile.mkdtemp(prefix="zygote"))
+        self.saver: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("READY")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def expect(self, prefix: str) -> str:
+        while True:
+            left = self.deadline - time.monotonic()
+            assert left > 0, f"timed out waiting for {prefix!r}"
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if re.match(prefix, line):
+                return line
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def x64(self, timeout_s: float) -> str:
+        """Fork a child that round-trips 64-bit dtypes; return its ``X64 OK`` line."""
+        self.deadline = time.monotonic() + timeout_s
+        self.send(f"x64 {self.tmp}")
+        pid = self.expect("FORKED ").split()[1]
+        line = self.expect(f"X64 OK|{pid} FAILED")
+        return line
+
+    def start(self, root: Path) -> int:
+        """Fork a saver on ``root``; return the step it resumes at once its backend is up."""
+        self.send(f"fork {root}")
+        self.saver = int(self.expect("FORKED ").split()[1])
+        return int(self.expect(f"{self.saver} START ").split()[2])
+
+    def kill_saver(self) -> list[str]:
+        """SIGKILL the saver, wait until it is gone; return what it printed since START."""
+        assert self.saver is not None
+        os.kill(self.saver, signal.SIGKILL)
+        while os.path.exists(f"/proc/{self.saver}") and pid_alive(self.saver):
+            assert time.monotonic() < self.deadline, "the killed saver did not go away"
+            time.sleep(0.01)
+        self.saver = None
+        out = []
+        while not self.lines.empty():
+            out.append(self.lines.get())
+        return out
+
+    def close(self) -> None:
+        if self.saver is not None:
+            os.kill(self.saver, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def largest_data_file(path: Path) -> Path:
+    return max((f for f in path.rglob("*") if f.parent.name == "d"), key=lambda f: f.stat().st_size)
+
+
+def truncate_file(f: Path) -> None:
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)

@@ -1,6 +1,6 @@
 """s3:// specifics: the Orbax fix in ``_checkpoint/s3.py`` (what Orbax does without it, the
 specs it builds, when it stands aside) and the S3 settings TensorStore and botocore share.
-The checkpoints themselves are tested on gs:// and s3:// alike in test_manager_storage.py.
+The checkpoints themselves are tested on gs:// and s3:// alike in test_storage.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from helpers import MAKERS
-from modelshard._place import planning
+from modelshard._base import format_bytes
 
 SDS = jax.ShapeDtypeStruct
 
@@ -176,7 +176,7 @@ def test_a_1000_layer_leaf_plan_prints_in_60_lines():
     modules = {m["module"]: m for m in p.modules()}
     assert sum(m["bytes_per_device"] for m in modules.values()) == p.bytes_per_device()
     assert sum(m["leaves"] for m in modules.values()) == len(p)
-    per = planning.format_bytes(modules["transformer"]["bytes_per_device"])
+    per = format_bytes(modules["transformer"]["bytes_per_device"])
     assert any(line.split()[:2] == ["transformer", "1052"] and per in line for line in lines)
     # folding off: one row per leaf
     assert len(p.groups(fold=False)) == len(p)

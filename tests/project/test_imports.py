@@ -222,3 +222,91 @@ def test_area_readmes_name_every_module() -> None:
             if f.name != "__init__.py" and f"`{f.name}`" not in text:
                 missing.append(f"{readme.parent.name}/README.md does not name `{f.name}`")
     assert not missing, "\n".join(missing)
+
+
+def _area(module: str) -> str | None:
+    """The area package a module belongs to (``modelshard._checkpoint.read`` ->
+    ``modelshard._checkpoint``); None for the top-level modules."""
+    parts = module.split(".")
+    return (
+        ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and _is_area(parts[1])) else None
+    )
+
+
+def _is_area(name: str) -> bool:
+    return name.startswith("_") and (SRC / PACKAGE / name / "__init__.py").exists()
+
+
+def reaches_past_facades(graph: Mapping[str, set[str]]) -> list[tuple[str, str]]:
+    """Every ``(importer, module)`` where ``module`` lies inside an area the importer is not
+    part of and is not that area's façade (its ``__init__``)."""
+    out = []
+    for importer, targets in graph.items():
+        for t in sorted(targets):
+            area = _area(t)
+            if area is not None and t != area and _area(importer) != area:
+                out.append((importer, t))
+    return out
+
+
+def test_the_facade_check_finds_a_reach() -> None:
+    graph = {
+        f"{PACKAGE}._cli.args": {f"{PACKAGE}._place.planning", f"{PACKAGE}._place"},
+        f"{PACKAGE}._place.planning": {f"{PACKAGE}._place.constraints", f"{PACKAGE}._base"},
+        PACKAGE: {f"{PACKAGE}._place", f"{PACKAGE}._checkpoint.read"},
+    }
+    assert reaches_past_facades(graph) == [
+        (f"{PACKAGE}._cli.args", f"{PACKAGE}._place.planning"),
+        (PACKAGE, f"{PACKAGE}._checkpoint.read"),
+    ]
+
+
+def test_no_import_reaches_past_an_areas_facade() -> None:
+    """From outside an area only its ``__init__`` is imported: what another area needs is
+    exported there, so an area's modules can be split or renamed behind it."""
+    graph, _ = import_graph()
+    found = reaches_past_facades(graph)
+    assert not found, "imports past a façade (import the area's __init__ instead):\n" + "\n".join(
+        f"  {importer} imports {module}" for importer, module in found
+    )
+
+
+def shadowed_modules(packages: Mapping[str, str], mods: set[str] | Mapping[str, Path]) -> list[str]:
+    """Every ``package.name`` where the package's ``__init__`` (``packages``: dotted name ->
+    source) binds ``name`` to something other than its submodule of that name (a function
+    exported under the module's name hides the module: ``import package.name`` then gives
+    the function)."""
+    out = []
+    for mod, source in packages.items():
+        tree = ast.parse(source)
+        for node in tree.body:
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, True, node)
+                names = [
+                    a.asname or a.name
+                    for a in node.names
+                    if f"{base}.{a.name}" not in mods or (a.asname or a.name) != a.name
+                ]
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            out += [f"{mod}.{n}" for n in names if f"{mod}.{n}" in mods]
+    return sorted(out)
+
+
+def test_the_shadow_check_finds_a_function_named_like_its_module() -> None:
+    mods = {"p", "p.locate", "p.read"}
+    init = "from .locate import locate as locate\nfrom .read import restore as restore\n"
+    assert shadowed_modules({"p": init}, mods) == ["p.locate"]
+    assert shadowed_modules({"p": "from . import read as read\n"}, mods) == []
+
+
+def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
+    mods = _modules()
+    packages = {m: p.read_text() for m, p in mods.items() if p.name == "__init__.py"}
+    found = shadowed_modules(packages, mods)
+    assert not found, "modules hidden by a name their package's __init__ binds:\n" + "\n".join(
+        f"  {m}" for m in found
+    )

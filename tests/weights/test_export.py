@@ -36,8 +36,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
+from modelshard._base import progress as progress_mod
 from modelshard._runtime import launch as _launch
-from modelshard._weights import progress as progress_mod
 from modelshard._weights import shared
 from modelshard._weights.safetensors import parse_size, write_sharded
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+import modelshard as ms
 from hf_family import (
     TOL,
     CausalLM,
@@ -29,8 +31,6 @@ from hf_family import (
     transformers,
     write_pretrained,
 )
-
-import modelshard as ms
 
 
 def _config(tied: bool) -> object:

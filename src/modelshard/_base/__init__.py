@@ -23,8 +23,11 @@ from .paths import format_path as format_path
 from .paths import join as join
 from .paths import key_name as key_name
 from .paths import split as split
+from .progress import Progress as Progress
+from .progress import reporter as reporter
 from .text import SHOW_ALL as SHOW_ALL
 from .text import TOML_NONE as TOML_NONE
+from .text import close_match as close_match
 from .text import escape_markup as escape_markup
 from .text import format_bytes as format_bytes
 from .text import format_mesh as format_mesh
@@ -36,3 +39,4 @@ from .text import spec_json as spec_json
 from .text import toml_entry as toml_entry
 from .text import toml_spec as toml_spec
 from .text import vocabulary as vocabulary
+from .units import size_in_bytes as size_in_bytes

@@ -172,8 +172,8 @@ class Cause:
         """The other problems whose paths end with the example's path below its first
         component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
         e = self.example
-        _, slash, tail = (e.path or "").partition("/")
-        if not slash:
+        _, _, tail = (e.path or "").partition("/")
+        if "/" not in tail:  # a one-component tail (``bias``) names no parameter
             return ()
         depth = (e.path or "").count("/")
         return tuple(
@@ -282,8 +282,8 @@ def _example(problems: Sequence[Problem]) -> Problem:
             key = "/".join(parts[i:])
             suffixes[key] = suffixes.get(key, 0) + 1
     for p in problems:
-        _, slash, tail = (p.path or "").partition("/")
-        if slash and tail in suffixes:
+        _, _, tail = (p.path or "").partition("/")
+        if "/" in tail and tail in suffixes:  # ``bias`` alone is every module's, no mirror
             return p
     return problems[0]
 

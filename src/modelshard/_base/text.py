@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+import difflib
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
@@ -136,3 +137,10 @@ def escape_markup(text: Any) -> str:
     from rich.markup import escape
 
     return escape(str(text))
+
+
+def close_match(name: str, choices: Iterable[str], cutoff: float = 0.75) -> str | None:
+    """The one of ``choices`` that ``name`` is most likely a typo of (``modle`` -> ``model``),
+    for a "did you mean" hint; None when none is close enough or ``name`` is itself one."""
+    got = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
+    return got[0] if got and got[0] != name else None

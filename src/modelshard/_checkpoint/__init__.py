@@ -16,6 +16,7 @@ from .items import read_metadata as read_metadata
 from .listing import list_steps as list_steps
 from .manager import CheckpointManager as CheckpointManager
 from .manager import manager_step as manager_step
+from .mapped import host_leaves as host_leaves
 from .record import Record as Record
 from .resharding import reshard as reshard
 from .resharding import step_extras as step_extras
@@ -23,6 +24,8 @@ from .restoring import restore as restore
 from .sources import Source as Source
 from .sources import locate as locate
 from .sources import planning_tree as planning_tree
+from .stream import StreamLeaf as StreamLeaf
+from .stream import write_stream as write_stream
 from .urls import check_bucket as check_bucket
 from .urls import is_remote as is_remote
 from .urls import location as location

@@ -74,7 +74,7 @@ class FairLimiter:
 
 @functools.cache
 def _store_class() -> type:
-    from .._internals.orbax import ArrayMetadataStore
+    from .._internals import ArrayMetadataStore
 
     class ReadOnce(ArrayMetadataStore):
         """Orbax's array metadata store, each file read once: Orbax reads (and parses)
@@ -123,7 +123,7 @@ def _handler_class() -> type:
         ) -> Sequence[Any]:
             if args is None:
                 return await super().deserialize(infos, args)
-            from .._internals.orbax import UnlimitedInFlightBytes
+            from .._internals import UnlimitedInFlightBytes
 
             limiter = FairLimiter(self._max_bytes)
             unlimited = UnlimitedInFlightBytes()

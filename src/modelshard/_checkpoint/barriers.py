@@ -57,7 +57,7 @@ def _wrap(original: Any) -> Any:
 
 def enable() -> None:
     """Bound Orbax's barriers of modelshard's saves (idempotent; see the module doc)."""
-    from .._internals.orbax import multihost
+    from .._internals import multihost
 
     with _lock:
         if getattr(multihost.get_barrier_sync_fn, "__modelshard_wrapped__", False):

@@ -207,7 +207,7 @@ def _forward_to_preemption_service(signum: int) -> bool:
     (``reached_preemption``). Returns whether it was handed over."""
     import jax
 
-    from .._internals.jax import global_state
+    from .._internals import global_state
 
     if jax.process_count() == 1 or global_state.preemption_sync_manager is None:
         return False

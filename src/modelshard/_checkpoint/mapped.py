@@ -30,8 +30,21 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._weights import as_mapping, recipe
-from .._weights.load import keep_value, leaf_shardings, resolve_target
+from .._weights import (
+    Cast,
+    Node,
+    Read,
+    Spec,
+    as_mapping,
+    carried_spec,
+    keep_value,
+    leaf_shardings,
+    needed_specs,
+    norm_index,
+    on_key_data,
+    resolve_target,
+    unaliased,
+)
 from .checksum import box_sums, format_sums
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
 from .record import LeafRecord, parse_dtype
@@ -48,11 +61,11 @@ def _logical_dtype(rec: LeafRecord) -> Any:
     return _key_dtype(rec.key_impl) if rec.key_impl is not None else parse_dtype(rec.dtype)
 
 
-def _direct(node: recipe.Node) -> tuple[str, Any] | None:
+def _direct(node: Node) -> tuple[str, Any] | None:
     """``(stored path, cast dtype or None)`` when ``node`` is one stored leaf, maybe cast."""
-    if isinstance(node, recipe.Read):
+    if isinstance(node, Read):
         return node.key, None
-    if isinstance(node, recipe.Cast) and isinstance(node.child, recipe.Read):
+    if isinstance(node, Cast) and isinstance(node.child, Read):
         return node.child.key, node.dtype
     return None
 
@@ -63,7 +76,7 @@ def carried_specs(res: Any, recs: dict[str, LeafRecord]) -> Callable[[str, Any],
     saved = {k: None if r.spec is None else tuple(r.spec) for k, r in recs.items()}
     specs: dict[str, PartitionSpec] = {}
     for path, node in res.recipes.items():
-        s = recipe.carried_spec(node, saved.__getitem__)
+        s = carried_spec(node, saved.__getitem__)
         if s is not None:
             specs[path] = PartitionSpec(*s)
 
@@ -89,13 +102,13 @@ def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray
     return None
 
 
-def _build_on_devices(node: recipe.Node, sharding: Any, stored: dict[str, jax.Array]) -> jax.Array:
+def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -> jax.Array:
     """A leaf from its recipe over stored arrays already on the mesh: each device's block
     computed from the stored shards on that device, put on it, and assembled."""
     gathered: dict[str, np.ndarray] = {}
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(node.shape).items():
-        norm = recipe.norm_index(index, node.shape)
+        norm = norm_index(index, node.shape)
 
         def fetch(key: str, idx: tuple[slice, ...], device: Any = device) -> np.ndarray:
             got = _covering(stored[key], device, idx)
@@ -106,7 +119,7 @@ def _build_on_devices(node: recipe.Node, sharding: Any, stored: dict[str, jax.Ar
                 got = whole[idx]
             return got
 
-        arrays.append(jax.device_put(recipe.unaliased(node.read(norm, fetch)), device))
+        arrays.append(jax.device_put(unaliased(node.read(norm, fetch)), device))
     return jax.make_array_from_single_device_arrays(node.shape, sharding, arrays)
 
 
@@ -163,13 +176,13 @@ def restore_mapped(
         (p for p in res.recipes if p not in direct),
         key=lambda p: min(rank[k] for k in res.recipes[p].reads()),
     )
-    plans: dict[str, tuple[recipe.Node, Any, str | None]] = {}
-    needs: dict[str, list[recipe.Spec]] = {}
+    plans: dict[str, tuple[Node, Any, str | None]] = {}
+    needs: dict[str, list[Spec]] = {}
     for path in rest:
         plans[path] = plan = _executed(res.recipes[path], by_path[path], recs)
         node, sharding, _ = plan
         if isinstance(sharding, NamedSharding):
-            recipe.needed_specs(node, tuple(sharding.spec), needs)
+            needed_specs(node, tuple(sharding.spec), needs)
     on_mesh: dict[str, jax.Array] = {}
     remaining = dict(uses)
     built: dict[str, Any] = {}
@@ -199,16 +212,14 @@ def restore_mapped(
 
 
 def _executed(
-    node: recipe.Node, sharding: Any, recs: dict[str, LeafRecord]
-) -> tuple[recipe.Node, Any, str | None]:
+    node: Node, sharding: Any, recs: dict[str, LeafRecord]
+) -> tuple[Node, Any, str | None]:
     """``(recipe over the stored arrays, its sharding, key impl)``: a typed key leaf is
     computed on its key data (trailing dimensions unsplit) and wrapped after."""
     impl = recs[node.reads()[0]].key_impl
     if impl is None:
         return node, sharding, None
-    data = recipe.on_key_data(
-        node, lambda k: (recs[k].stored_shape, parse_dtype(recs[k].stored_dtype))
-    )
+    data = on_key_data(node, lambda k: (recs[k].stored_shape, parse_dtype(recs[k].stored_dtype)))
     if isinstance(sharding, NamedSharding):
         extra = len(data.shape) - len(node.shape)
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
@@ -219,7 +230,7 @@ def _read_stored(
     read: Callable[[dict[str, jax.ShapeDtypeStruct]], dict[str, Any]],
     key: str,
     rec: LeafRecord,
-    wanted: list[recipe.Spec] | None,
+    wanted: list[Spec] | None,
     sharding: Any,
 ) -> jax.Array:
     """One stored leaf read by Orbax onto the target's mesh, in the spec every leaf reading

@@ -41,10 +41,9 @@ from .storage import nest
 # (a column block of row-chunked data) touches up to several times its buffer, so the cap
 # grows by that factor (``read_cap``) and the buffers in flight stay at this many bytes. A
 # restore whose largest single read is bigger raises its cap just above that read (Orbax
-# refuses a read larger than the cap). 32 MiB (was 16): two 16 MiB arrays read at once, so
-# one array's reads overlap the next one's opening; a relayout of 384 MiB ran 1.2-1.6x raw
-# Orbax's time at 16 MiB, 0.9x at 32, for ~70 MiB more peak memory in a 1 GiB restore onto
-# another layout (docs/benchmarks/checkpoint.md).
+# refuses a read larger than the cap). 32 MiB holds two 16 MiB arrays' reads at once, so one
+# array's reads overlap the next one's opening; what that costs and saves (restore time
+# against raw Orbax, peak memory) is measured in docs/benchmarks/checkpoint.md.
 RESTORE_CONCURRENT_BYTES = 32 << 20
 
 
@@ -332,7 +331,7 @@ def orbax_read(
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         partial = not full
     args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
-    from .._internals.orbax import BasePyTreeCheckpointHandler
+    from .._internals import BasePyTreeCheckpointHandler
 
     chunks = source.write_shapes()
     cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])

@@ -66,7 +66,7 @@ def _orbax() -> str:
 
 
 def _tsu() -> Any:
-    from .._internals.orbax import tensorstore_utils
+    from .._internals import tensorstore_utils
 
     return tensorstore_utils
 

@@ -62,7 +62,7 @@ class ArrayReader:
     def __call__(self, box: tuple[slice, ...]) -> Any:
         import tensorstore as ts
 
-        from .._internals.orbax import ArrayReadSpec
+        from .._internals import ArrayReadSpec
 
         try:
             if self.store is None:

@@ -247,7 +247,7 @@ def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
 
 
 def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
-    from .._internals.orbax import ArrayWriteSpec
+    from .._internals import ArrayWriteSpec
 
     return ArrayWriteSpec(
         _posix(directory),
@@ -448,7 +448,7 @@ def _array_metadatas(layouts: Sequence[_Layout]) -> dict[str, Any]:
 
 
 def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
-    from .._internals.orbax import STANDARD_HANDLER_NAME
+    from .._internals import STANDARD_HANDLER_NAME
 
     return {
         "item_handlers": STANDARD_HANDLER_NAME,

@@ -397,7 +397,7 @@ def save_handler(compression: str | None = None) -> Any:
     replica-parallel writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
 
-    from .._internals.orbax import ArrayMetadataStore
+    from .._internals import ArrayMetadataStore
 
     th = ocp.type_handlers
     arrays = th.ArrayHandler(
@@ -428,7 +428,7 @@ def skip_leaking_metrics() -> None:
     (5 per call here): with a save every step, resident memory grew by about 20 KiB a save
     in one process, without bound. Orbax skips the log line when the count is None.
     """
-    from .._internals.orbax import tensorstore_utils
+    from .._internals import tensorstore_utils
 
     tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
 

@@ -91,15 +91,14 @@ def regex_arg(text: str) -> re.Pattern[str]:
 
 def bytes_arg(text: str) -> int:
     """argparse type: a size such as ``16GiB``, ``80GB``, ``512MiB`` or plain bytes."""
-    from .._base import SpecError
-    from .._place import parse_bytes
+    from .._base import size_in_bytes
 
-    try:
-        return parse_bytes(text)
-    except SpecError:
+    n = size_in_bytes(text)
+    if n is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; write e.g. 16GiB, 80GB or 512MiB"
-        ) from None
+        )
+    return n
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:

@@ -118,7 +118,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _size(text: str) -> int | str:
-    from .._weights.safetensors import parse_size
+    from .._weights import parse_size
 
     try:
         parse_size(int(text) if text.isdigit() else text)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from jax.sharding import PartitionSpec
 
     from .._base import make_mesh
-    from .._checkpoint.stream import StreamLeaf, write_stream
+    from .._checkpoint import StreamLeaf, write_stream
     from .._specs import load_rules
     from .._weights import load_safetensors, mapped_leaves, open_safetensors
 
@@ -181,17 +181,15 @@ def run(args: argparse.Namespace) -> int:
     # host memory stays near a few slabs plus one stored tensor's map
     with open_safetensors(args.source) as files:
         _, leaves = mapped_leaves(files, **common)
-        with progress_bar(args, "converting") as progress:
-            task = progress.add_task("converting", total=None)
-            with writing(args.destination):
-                write_stream(
-                    args.destination,
-                    [StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
-                    mesh=mesh,
-                    overwrite=args.overwrite,
-                    slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
-                    progress=lambda done, total: progress.update(task, completed=done, total=total),
-                )
+        with progress_bar(args, "converting") as progress, writing(args.destination):
+            write_stream(
+                args.destination,
+                [StreamLeaf(x.path, x.shape, x.dtype, x.read, spec=x.spec) for x in leaves],
+                mesh=mesh,
+                overwrite=args.overwrite,
+                slab_bytes=int(args.chunk_mb * (1 << 20)) // 4,
+                progress=progress,
+            )
     dest = args.destination
     nbytes = sum(x.nbytes for x in leaves)
     if args.json:
@@ -236,8 +234,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
 
     from .._base import format_bytes
-    from .._checkpoint import locate
-    from .._checkpoint.mapped import host_leaves
+    from .._checkpoint import host_leaves, locate
     from .._weights import Exporter, as_mapping, reference_table, write_export
 
     if args.reference is None and args.mapping is not None:
@@ -266,19 +263,17 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     ex = Exporter(targets, load, table, wm, args.dtype)
     ex.check_also()  # a tied leaf changed since it was loaded: refused, nothing written
     items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
-    with progress_bar(args, "writing") as progress:
-        task = progress.add_task("writing", total=None)
-        with writing(args.destination):
-            dest = write_export(
-                args.destination,
-                items,
-                ex.compute,
-                meta,
-                max_shard_size=args.max_shard_size,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-                overwrite=args.overwrite,
-                flag="--overwrite",
-            )
+    with progress_bar(args, "writing") as progress, writing(args.destination):
+        dest = write_export(
+            args.destination,
+            items,
+            ex.compute,
+            meta,
+            max_shard_size=args.max_shard_size,
+            progress=progress,
+            overwrite=args.overwrite,
+            flag="--overwrite",
+        )
     files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
     nbytes = sum(f.stat().st_size for f in files)
     if args.json:

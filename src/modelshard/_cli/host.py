@@ -26,7 +26,7 @@ def use_cpu_devices(n: int) -> None:
     import jax
 
     from .._base import MeshError
-    from .._internals.jax import backends_are_initialized
+    from .._internals import backends_are_initialized
 
     if n > MAX_CPU_DEVICES:
         raise MeshError(

@@ -21,8 +21,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(rest: Sequence[str]) -> int:
-    """Run the launcher on the arguments after ``launch``; returns its exit status. The
-    launcher is imported only here: the other commands never load it."""
+    """Run the launcher on the arguments after ``launch``; returns its exit status (1, said
+    on stderr, when the runtime cannot be imported)."""
     try:
         from .._runtime import main as launch_main
     except ImportError as e:

@@ -218,15 +218,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def progress_bar(args: argparse.Namespace, what: str) -> Any:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    """The library's progress bar (``_base.reporter``) for a command: on stderr when it is a
+    terminal, whatever the size, unless ``--json`` or ``--no-progress``; yields what to call
+    with ``(bytes_done, bytes_total)``, or None."""
+    from .._base import reporter
 
-    from .._base import escape_markup
-
-    return Progress(
-        f"[progress.description]{escape_markup(what)}",
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=console(stderr=True),
-        disable=args.json or getattr(args, "no_progress", False) or not sys.stderr.isatty(),
-    )
+    show = not args.json and not getattr(args, "no_progress", False)
+    return reporter(show, None, what, min_bytes=0)

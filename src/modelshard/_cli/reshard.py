@@ -79,22 +79,20 @@ def run(args: argparse.Namespace) -> int:
     dropped = step_extras(source.path)
     specs = target_specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
-    with progress_bar(args, "resharding") as progress:
-        task = progress.add_task("resharding", total=source.record.nbytes)
-        with writing(args.destination):
-            written = reshard(
-                args.source,
-                args.destination,
-                specs=specs,
-                mesh=mesh,
-                dtype=args.dtype,
-                chunk_bytes=int(args.chunk_mb * (1 << 20)),
-                verify=not args.no_verify,
-                overwrite=args.overwrite,
-                drop_items=args.drop_items,
-                compression=args.compression,
-                progress=lambda done, total: progress.update(task, completed=done),
-            )
+    with progress_bar(args, "resharding") as progress, writing(args.destination):
+        written = reshard(
+            args.source,
+            args.destination,
+            specs=specs,
+            mesh=mesh,
+            dtype=args.dtype,
+            chunk_bytes=int(args.chunk_mb * (1 << 20)),
+            verify=not args.no_verify,
+            overwrite=args.overwrite,
+            drop_items=args.drop_items,
+            compression=args.compression,
+            progress=progress,
+        )
     record = locate(written).record
     dest = str(written)
     import jax

@@ -15,7 +15,7 @@ import numpy as np
 from jax.tree_util import DictKey
 
 from .._base import format_path, join
-from .._internals.jax import ArrayImpl
+from .._internals import ArrayImpl
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.

@@ -17,14 +17,13 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .._base import MeshError, SpecError, dtype_name, mesh_sizes
+from .._base import MeshError, SpecError, close_match, dtype_name, mesh_sizes
 from .._specs import (
     LeafPlan,
     Rules,
     SpecLike,
     Via,
     active_logical,
-    closest,
     entry_axes,
     expand_args,
     format_spec,
@@ -311,7 +310,7 @@ def _unmapped_names(specs: Any, mesh: Any) -> bool:
         else:
             continue
         names = {n for spec in written for n in _names(spec)}
-        if names and not any(n in axes or closest(n, axes) is not None for n in names):
+        if names and not any(n in axes or close_match(n, axes) is not None for n in names):
             return True
     return False
 

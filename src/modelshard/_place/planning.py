@@ -12,7 +12,16 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import SHOW_ALL, dtype_name, format_bytes, format_mesh, literal, mesh_sizes, vocabulary
+from .._base import (
+    SHOW_ALL,
+    dtype_name,
+    format_bytes,
+    format_mesh,
+    literal,
+    mesh_sizes,
+    size_in_bytes,
+    vocabulary,
+)
 from .._specs import (
     ArgPlan,
     LeafPlan,
@@ -457,7 +466,7 @@ class PlanTable:
         cells = self._cells(shown)
         cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
-            for col in ("rule", "dtype", "leaves", "logical"):
+            for col in ("logical", "rule", "dtype", "leaves"):
                 if self._width(cells, cols) > width and col in cols:
                     cols.remove(col)
         t = Table(title="modelshard plan", show_lines=False, title_justify="left")
@@ -566,14 +575,9 @@ def parse_bytes(value: int | float | str) -> int:
     Raises:
         SpecError: the text is not a size.
     """
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if math.isfinite(value) and value >= 0:
-            return int(value)
-    elif isinstance(value, str):
-        m = _SIZE.fullmatch(value.strip())
-        if m is not None:
-            unit = (m.group(2) or "B").lower()
-            return int(float(m.group(1)) * _UNITS[unit])
+    n = size_in_bytes(value)
+    if n is not None:
+        return n
     from .._base import Problem, SpecError
 
     raise SpecError(
@@ -587,12 +591,6 @@ def parse_bytes(value: int | float | str) -> int:
         ],
         header="invalid memory budget:",
     )
-
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"b": 1} | {
-    f"{u}{i}b": (1024 if i else 1000) ** (n + 1) for n, u in enumerate("kmgt") for i in ("i", "")
-}
 
 
 def plan(tree: Any, specs: SpecLike, mesh: Any = None) -> Plan:

@@ -102,7 +102,7 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
     ):
         return "tpu"
     if env is os.environ:
-        from .._internals.jax import cloud_tpu_init
+        from .._internals import cloud_tpu_init
 
         if getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
             return "cloud-tpu-vm"
@@ -185,7 +185,7 @@ def initialize(**jax_kwargs: Any) -> bool:
 
 
 def _backend_started() -> bool:
-    from .._internals.jax import backends_are_initialized
+    from .._internals import backends_are_initialized
 
     return bool(backends_are_initialized())
 
@@ -241,7 +241,7 @@ def _key(kind: str, name: str) -> str:
 
 
 def _client() -> Any:
-    from .._internals.jax import global_state
+    from .._internals import global_state
 
     return global_state.client
 

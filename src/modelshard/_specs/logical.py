@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import difflib
 import importlib.util
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,7 +32,7 @@ from typing import Any, TypeAlias
 
 import jax
 
-from .._base import Problem, SpecError, format_mesh, toml_entry
+from .._base import Problem, SpecError, close_match, format_mesh, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -321,14 +320,8 @@ class LogicalAxes:
 def did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
     # logical names are short words: a swapped pair of letters ('mpl') is still a typo
     strings = [o for o in options if isinstance(o, str)]
-    close = closest(name, strings, cutoff=0.6) if isinstance(name, str) else None
+    close = close_match(name, strings, cutoff=0.6) if isinstance(name, str) else None
     return f"did you mean {close!r}? (or {otherwise})" if close is not None else otherwise
-
-
-def closest(name: str, options: Sequence[str], cutoff: float = 0.75) -> str | None:
-    """The option ``name`` is most likely a typo of (``hedas`` -> ``heads``), if any."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=cutoff)
-    return close[0] if close else None
 
 
 # ---- the context ------------------------------------------------------------------------
@@ -543,7 +536,7 @@ def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
     problems = []
     for (name, target), label in zip(rules.pairs, labels, strict=True):
         for axis in target:
-            close = closest(axis, axes) if axis not in axes else None
+            close = close_match(axis, axes) if axis not in axes else None
             if close is not None:
                 problems.append(
                     Problem(

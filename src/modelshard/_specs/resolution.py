@@ -17,10 +17,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._base import Problem, dtype_name, format_mesh, toml_spec, vocabulary
+from .._base import Problem, close_match, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from .logical import LogicalRules, active_logical, add_name_hint, closest, did_you_mean
+from .logical import LogicalRules, active_logical, add_name_hint, did_you_mean
 
 Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
 """Per dimension of a spec, each logical name in it with its mesh axes and the entry of
@@ -431,7 +431,7 @@ def _not_in_mesh(
 
 def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
     """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
-    return closest(name, list(sizes))
+    return close_match(name, sizes)
 
 
 def _unknown(

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, DistributedError, MappingError, Problem
+from .._base import CheckpointError, DistributedError, MappingError, Problem, Progress, reporter
 from .._base import split as split_path
 from .._containers import split
 from .._runtime import barrier, gather, require_addressable
@@ -34,7 +34,6 @@ from .model_dir import (
     write_model_files,
     written_dtype,
 )
-from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
 from .safetensors import (

@@ -22,12 +22,19 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._base import CheckpointError, MappingError, Problem, is_abstract, make_mesh
+from .._base import (
+    CheckpointError,
+    MappingError,
+    Problem,
+    Progress,
+    is_abstract,
+    make_mesh,
+    reporter,
+)
 from .._base import split as split_path
 from .._containers import split
 from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
-from .progress import Progress, reporter
 from .resolution import Resolution, resolve
 from .rules import WeightMap
 from .safetensors import SafetensorsFiles, open_safetensors

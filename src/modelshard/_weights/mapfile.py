@@ -62,7 +62,6 @@ of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import tomllib
@@ -70,7 +69,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._base import MappingError, Problem
+from .._base import MappingError, Problem, close_match
 from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
 from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 from .shipped import is_name, shipped_mappings
@@ -107,7 +106,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             problems.append(Problem(src, at, f"{item!r} is not a table", hint=_OPS_HINT))
             continue
         kinds = [k for k in _OPS if k in item]
-        typos = [k for k in item if _close(k, _OPS)]
+        typos = [k for k in item if close_match(k, _OPS)]
         if not kinds and typos:  # { rearange = ... }: name the key, not "no operation"
             for k in typos:
                 problems.append(
@@ -157,14 +156,9 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
     return tuple(out) if len(out) == len(value) else None
 
 
-def _close(key: str, allowed: Iterable[str]) -> str | None:
-    got = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.75)
-    return got[0] if got and got[0] != key else None
-
-
 def _unknown(key: str, allowed: Iterable[str], what: str = "key") -> str:
     """``unknown key 'rearange' (did you mean 'rearrange'?)``."""
-    close = _close(key, allowed)
+    close = close_match(key, allowed)
     return f"unknown {what} {key!r}" + (f" (did you mean {close!r}?)" if close else "")
 
 
@@ -445,12 +439,12 @@ def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
     if is_name(text) and not Path(text).exists():
         shipped = shipped_mappings()
         if text not in shipped:
-            close = difflib.get_close_matches(text, list(shipped), n=1)
+            close = close_match(text, shipped, cutoff=0.6)
             problem = Problem(
                 "mapping",
                 text,
                 f"no shipped mapping is named {text!r}"
-                + (f" (did you mean {close[0]!r}?)" if close else ""),
+                + (f" (did you mean {close!r}?)" if close else ""),
                 hint=f"shipped: {', '.join(shipped)}; or give a path to a TOML mapping file",
             )
             raise MappingError([problem], header="unknown mapping:")

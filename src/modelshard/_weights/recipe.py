@@ -72,7 +72,8 @@ def unaliased(a: Any) -> np.ndarray:
 
 # A transposing copy walks one side across the grain: element by element, every read (or
 # write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
-# block in cache: faster than one ``np.copyto`` of the whole transposed view.
+# block in cache, faster than one ``np.copyto`` of the whole transposed view
+# (docs/benchmarks/weights.md).
 TILE = 128
 
 

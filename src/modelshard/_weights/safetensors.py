@@ -33,7 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .._base import CheckpointError
+from .._base import CheckpointError, size_in_bytes
 from . import hub
 from .recipe import contiguous, host_empty
 
@@ -392,21 +392,6 @@ def _open_index(p: Path) -> SafetensorsFiles:
     return SafetensorsFiles(p, tensors, meta)
 
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
-    "TIB": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*")
-
-
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string as ``transformers`` takes them: ``"5GB"`` (10**9),
     ``"500MiB"`` (2**20), ``"100KB"``, ``"4096"``.
@@ -414,17 +399,13 @@ def parse_size(size: int | str) -> int:
     Raises:
         CheckpointError: anything else, or not positive.
     """
-    n: float | None = None
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    elif isinstance(size, str) and (m := _SIZE.fullmatch(size)) and m[2].upper() in _UNITS:
-        n = float(m[1]) * _UNITS[m[2].upper()]
+    n = None if isinstance(size, float) else size_in_bytes(size)
     if n is None or n < 1:
         raise CheckpointError(
             f"max_shard_size={size!r}: want a positive number of bytes, as an int or a string "
             "like '5GB', '500MB' (powers of 10) or '2GiB' (powers of 2)"
         )
-    return int(n)
+    return n
 
 
 def _make_dir(d: Path) -> None:

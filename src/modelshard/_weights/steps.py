@@ -7,7 +7,6 @@ caller's list with the tensor and the rule; a step that fails returns ``None``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .._base import Problem, dtype_name
+from .._base import Problem, close_match, dtype_name
 from . import recipe
 from .ops import Add, Op, Rearrange, Reshape, Transpose, parse_rearrange
 from .rules import Concat, MapRule, Stack, WeightMap, rule_ops
@@ -266,8 +265,8 @@ def _sizes(
     for e in entries:
         if isinstance(e, str):
             if e not in mapping.config:
-                close = difflib.get_close_matches(e, list(mapping.config), n=1, cutoff=0.8)
-                known = f"did you mean {close[0]!r}?" if close else None
+                close = close_match(e, mapping.config, cutoff=0.8)
+                known = f"did you mean {close!r}?" if close else None
                 problem = bad(
                     name,
                     node,

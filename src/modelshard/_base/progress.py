@@ -1,9 +1,11 @@
-"""Progress of a load or an export, in bytes.
+"""Progress in bytes, the one bar of the library and the CLI.
 
-``progress=True`` (the default of ``load_safetensors``, ``save_safetensors`` and the CLI)
-draws a ``rich`` bar on stderr only when stderr is a terminal and the work is at least
+``progress=True`` (the default of ``load_safetensors`` and ``save_safetensors``) draws a
+``rich`` bar on stderr only when stderr is a terminal and the work is at least
 ``MIN_BYTES`` (256 MiB): nothing in a pipe, a log file or a test. ``False`` draws nothing;
-a callable is called as ``progress(bytes_done, bytes_total)`` instead of a bar.
+a callable is called as ``progress(bytes_done, bytes_total)`` instead of a bar. The
+commands (``reshard``, ``convert``) draw the same bar whatever the size, unless ``--json``
+or ``--no-progress``.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ def terminal() -> Any:
 
 
 @contextlib.contextmanager
-def reporter(progress: Progress, total: int, description: str) -> Iterator[Report | None]:
-    """What to call after each piece: the user's callable, a bar's update, or ``None``."""
+def reporter(
+    progress: Progress, total: int | None, description: str, *, min_bytes: int | None = None
+) -> Iterator[Report | None]:
+    """What to call after each piece: the user's callable, a bar's update, or ``None``.
+
+    ``total`` may be unknown (None) until the first report; ``min_bytes`` (default
+    ``MIN_BYTES``) is the smallest known total that draws a bar."""
     if callable(progress):
         yield progress
         return
-    console = terminal() if progress and total >= MIN_BYTES else None
+    least = MIN_BYTES if min_bytes is None else min_bytes
+    console = terminal() if progress and (total is None or total >= least) else None
     if console is None:
         yield None
         return
@@ -64,6 +72,8 @@ def reporter(progress: Progress, total: int, description: str) -> Iterator[Repor
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
+    from .text import escape_markup
+
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda done, _total: bar.update(task, completed=done)
+        task = bar.add_task(escape_markup(description), total=total)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

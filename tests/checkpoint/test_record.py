@@ -1,0 +1,143 @@
+"""The record read as untrusted input (``_checkpoint/record.py``): edited, not an object, too
+deep or too large, each refused naming the leaf and the file."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import pytest
+
+import modelshard as ms
+
+
+def _leaf(record: dict[str, Any], path: str) -> dict[str, Any]:
+    return next(leaf for leaf in record["leaves"] if leaf["path"] == path)
+
+
+EDITS = {
+    "storage key walks up": (
+        lambda r: _leaf(r, "w").update(key=["..", "..", "w"]),
+        "leaf 'w' of the record is invalid: its storage key ['..', '..', 'w'] is not the one "
+        "its path gives, ['w'].",
+    ),
+    "storage key names another leaf": (
+        lambda r: _leaf(r, "w").update(key=["n", "i"]),
+        "leaf 'w' of the record is invalid: its storage key ['n', 'i'] is not the one its "
+        "path gives, ['w'].",
+    ),
+    "path walks up": (
+        lambda r: _leaf(r, "w").update(path="../../etc/passwd"),
+        "leaf '../../etc/passwd' of the record is invalid: its storage key ['w'] is not the "
+        "one its path gives, ['..', '..', 'etc', 'passwd'].",
+    ),
+    "shape": (
+        lambda r: _leaf(r, "w").update(shape=[4, 3]),
+        "leaf 'w' of the record is invalid: a float32[4, 3] leaf is never stored as float32[3, 4].",
+    ),
+    "dtype": (
+        lambda r: _leaf(r, "w").update(dtype="int32"),
+        "leaf 'w' of the record is invalid: a int32[3, 4] leaf is never stored as float32[3, 4].",
+    ),
+    "object dtype": (
+        lambda r: _leaf(r, "w").update(dtype="object", stored_dtype="object"),
+        "leaf 'w' of the record is invalid: dtype 'object' is not a numeric dtype.",
+    ),
+    "dtype that is code": (
+        lambda r: _leaf(r, "w").update(stored_dtype="os.system"),
+        "leaf 'w' of the record is invalid: unknown dtype 'os.system' in the checkpoint record.",
+    ),
+    "negative shape": (
+        lambda r: _leaf(r, "w").update(shape=[-3, 4], stored_shape=[-3, 4]),
+        "leaf 'w' of the record is invalid: negative dimension in [-3, 4] (stored [-3, 4]).",
+    ),
+    "key impl": (
+        lambda r: _leaf(r, "k").update(key_impl="evil"),
+        "leaf 'k' of the record is invalid: it is not key data of PRNG impl 'evil': "
+        'unrecognized PRNG implementation "evil".',
+    ),
+    "key data shape": (
+        lambda r: _leaf(r, "k").update(stored_shape=[3]),
+        "leaf 'k' of the record is invalid: it is not key data of PRNG impl 'threefry2x32': "
+        "JAX encountered invalid PRNG key data",
+    ),
+    "spec axis": (
+        lambda r: (r.update(mesh={"axes": {"data": 8}}), _leaf(r, "w").update(spec=["model"])),
+        "leaf 'w' of the record is invalid: its spec P('model',) names 'model', not an axis "
+        "of the recorded mesh.",
+    ),
+    "spec rank": (
+        lambda r: (
+            r.update(mesh={"axes": {"data": 8}}),
+            _leaf(r, "n/i").update(spec=[None, "data"]),
+        ),
+        "leaf 'n/i' of the record is invalid: its spec P(None, 'data') is longer than its rank 1.",
+    ),
+    "mesh": (
+        lambda r: r.update(mesh={"axes": {"data": -8}}),
+        "the modelshard record is malformed (ValueError: mesh axes {'data': -8} are not names "
+        "and positive sizes).",
+    ),
+    "leaves not a list of objects": (
+        lambda r: r.update(leaves=["w"]),
+        "the modelshard record is malformed (AttributeError: 'str' object has no attribute 'get').",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edited_record_is_refused_naming_leaf_and_file(small_ckpt, edit):
+    import json
+
+    path, record = small_ckpt
+    change, message = EDITS[edit]
+    change(record)
+    (path / "modelshard.json").write_text(json.dumps(record))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value).startswith(f"{path / 'modelshard.json'}: {message}")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1]", "the record is a JSON list, not an object."),
+        ('{"format": "modelshard.checkpoint/1", "kind": 1', "is not valid JSON"),
+    ],
+)
+def test_record_that_is_not_an_object_is_refused(small_ckpt, text, message):
+    path, _ = small_ckpt
+    (path / "modelshard.json").write_text(text)
+    with pytest.raises(ms.CheckpointError, match=message):
+        ms.restore(path)
+
+
+def test_deeply_nested_record_is_refused(small_ckpt):
+    path, _ = small_ckpt
+    (path / "modelshard.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value).startswith(
+        f"{path / 'modelshard.json'} is not valid JSON: maximum recursion"
+    )
+
+
+@pytest.mark.parametrize("name", ["modelshard.json", "_METADATA"])
+def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
+    # the package's attribute `locate` is the function, not this module
+    ckpt = importlib.import_module("modelshard._checkpoint.sources")
+
+    path, _ = small_ckpt
+    with open(path / name, "a") as f:
+        f.write(" " * 4096)  # still valid JSON, now the largest metadata file
+    size = (path / name).stat().st_size
+    monkeypatch.setattr(ckpt, "MAX_METADATA_BYTES", size - 1)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{path / name} is {size} bytes, more than the {size - 1} that checkpoint metadata "
+        "may have; refusing to read it."
+    )
+    monkeypatch.setattr(ckpt, "MAX_METADATA_BYTES", size)
+    assert ms.restore(path)["w"].shape == (3, 4)

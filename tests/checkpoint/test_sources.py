@@ -1,0 +1,76 @@
+"""Finding a checkpoint (``_checkpoint/sources.py``): symlinks that lead outside, a missing
+record, broken Orbax metadata."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import modelshard as ms
+from helpers import largest_data_file, truncate_file
+
+
+@pytest.mark.parametrize("what", ["data file", "directory", "record"])
+def test_symlinks_leading_outside_are_not_followed(small_ckpt, tmp_path, what):
+
+    path, _ = small_ckpt
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if what == "data file":
+        link = largest_data_file(path)
+    elif what == "directory":
+        link = next(path.glob("ocdbt.process_*"))
+    else:
+        link = path / "modelshard.json"
+    target = outside / link.name
+    shutil.move(link, target)  # the same bytes, now reached through a link
+    link.symlink_to(target)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{link} is a symbolic link to {target}, outside the checkpoint {path}; "
+        "refusing to follow it."
+    )
+
+
+def test_symlinks_inside_the_checkpoint_are_fine(small_ckpt):
+    path, _ = small_ckpt
+    (path / "alias").symlink_to(path / "modelshard.json")
+    assert ms.restore(path)["w"].shape == (3, 4)
+
+
+def test_broken_orbax_metadata_names_the_file(tmp_path):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(3)})
+    truncate_file(path / "_METADATA")
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
+    assert lines[1].startswith("  w: JSONDecodeError: ")
+    assert lines[2] == f"    file: {path / '_METADATA'}"
+
+
+@pytest.mark.parametrize("layout", ["save", "manager"])
+def test_deleted_record_is_an_error_not_a_plain_orbax_checkpoint(tmp_path, layout):
+
+    state = {"w": jnp.ones(3), "k": jax.random.key(0)}
+    if layout == "save":
+        path = ms.save(tmp_path / "c", state)
+        record = path / "modelshard.json"
+        record.unlink()
+    else:
+        with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+            mngr.save(1, state)
+        path = tmp_path / "m" / "1"
+        record = path / "modelshard" / "modelshard.json"
+        shutil.rmtree(path / "modelshard")
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"{record} is missing, but modelshard wrote {path}: without the record the leaves' "
+        "paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a complete copy "
+        "of the checkpoint."
+    )

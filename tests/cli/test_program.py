@@ -1,0 +1,149 @@
+"""The modelshard program (``_cli/program.py``): help for every command, the installed script and
+``python -m modelshard`` alike, and docs/cli.md true to what the commands print and accept."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard.cli import main
+
+
+def test_help_on_every_command(capsys):
+    assert main(["--help"]) == 0
+    assert "inspect" in capsys.readouterr().out
+    for cmd in ("inspect", "plan", "reshard"):
+        assert main([cmd, "--help"]) == 0
+        assert f"usage: modelshard {cmd}" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["plan"]) == 2
+    assert "the following arguments are required: CKPT, --mesh" in capsys.readouterr().err
+
+
+def test_installed_command_end_to_end(ckpt, tmp_path):
+    exe = Path(sys.executable).parent / "modelshard"
+    assert exe.exists()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
+    dst = tmp_path / "four"
+    run = subprocess.run(
+        [str(exe), "reshard", str(ckpt), str(dst), "--mesh", "data=4", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["mesh"] == {"data": 4}
+    record = json.loads((dst / "modelshard.json").read_text())
+    assert record["mesh"]["axes"] == {"data": 4}
+    spec = {leaf["path"]: leaf["spec"] for leaf in record["leaves"]}
+    assert spec["mlp/kernel"] == [None, "data"]
+    out = ms.restore(dst, mesh=ms.make_mesh({"data": 4}))
+    assert out["mlp"]["kernel"].sharding.spec == P(None, "data")
+    assert jax.dtypes.issubdtype(out["drop"]["rngs"]["key"].dtype, jax.dtypes.prng_key)
+
+
+def test_python_m_modelshard_is_the_modelshard_script(capsys):
+    """``python -m modelshard``, the installed ``modelshard`` script and
+    ``modelshard.cli.main`` are one program: the same help, the same exit statuses."""
+    script = Path(sys.executable).with_name("modelshard")
+    assert script.exists(), "the modelshard script is installed with the package"
+    runs = {
+        name: subprocess.run(
+            [*cmd, *argv], capture_output=True, text=True, timeout=120, check=False
+        )
+        for name, cmd in {
+            "-m": [sys.executable, "-m", "modelshard"],
+            "script": [str(script)],
+        }.items()
+        for argv in [["--help"]]
+    }
+    assert runs["-m"].returncode == runs["script"].returncode == 0
+    assert runs["-m"].stdout == runs["script"].stdout
+    assert runs["-m"].stdout.startswith("usage: modelshard [-h] [--version] COMMAND ...")
+    for command in ("inspect", "plan", "reshard", "convert", "launch"):
+        assert command in runs["-m"].stdout
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out == runs["-m"].stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "modelshard", "plan", "ckpt", "--mesh", "data=x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "modelshard plan: error: argument --mesh" in bad.stderr
+
+
+def test_cli_page_json_is_what_the_commands_print(tmp_path, monkeypatch, capsys):
+    """docs/cli.md shows a success's and a failure's JSON side by side: both are exactly
+    what ``modelshard plan`` prints today (the directory aside)."""
+    page = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    shown = re.findall(
+        r"^```text\n\$ modelshard (plan ckpt [^\n]*--json)\n(\{.*?^\})\n```$",
+        page,
+        flags=re.MULTILINE | re.DOTALL,
+    )
+    assert [cmd.split()[3] for cmd, _ in shown] == ["model=4", "model=3"]
+    monkeypatch.chdir(tmp_path)
+    mesh = ms.make_mesh({"data": 8})
+    ms.save("ckpt", ms.shard({"head": {"kernel": jnp.zeros((8, 32))}}, P(), mesh))
+    Path("tp.toml").write_text('[[rules]]\npattern = "kernel$"\nspec = ["none", "model"]\n')
+    for (cmd, doc), status in zip(shown, (0, 1), strict=True):
+        assert main(cmd.split()) == status
+        out = capsys.readouterr().out.replace(f"{tmp_path}/", "/home/me/")
+        assert json.loads(out) == json.loads(doc)
+
+
+def _page_commands() -> dict[str, list[tuple[set[str], set[str]]]]:
+    """docs/cli.md's command table: command -> per row (options shown required, i.e.
+    outside [...], and every option shown), from the backticked command cell."""
+    page = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    out: dict[str, list[tuple[set[str], set[str]]]] = {}
+    for cell in re.findall(r"^\| `modelshard ([^`]+)` \|", page, flags=re.MULTILINE):
+        text = cell.split(" -- ")[0]
+        required, shown, depth = set(), set(), 0
+        for m in re.finditer(r"\[|\]|(?<![\w-])(--?[a-z][\w-]*)", text):
+            if m.group(0) == "[":
+                depth += 1
+            elif m.group(0) == "]":
+                depth -= 1
+            else:
+                shown.add(m.group(1))
+                if depth == 0:
+                    required.add(m.group(1))
+        out.setdefault(cell.split()[0], []).append((required, shown))
+    return out
+
+
+def test_cli_page_lists_every_option_as_help_does():
+    """docs/cli.md's table shows each command's options as its --help does: every option
+    (a command's rows together), and required exactly when argparse requires it (an option
+    required in every row of a command: --to safetensors picks a row, it is not required)."""
+    import argparse
+
+    from modelshard._cli import parser
+    from modelshard._runtime.launch import _parser as launch_parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {**sub.choices, "launch": launch_parser()}
+    page = _page_commands()
+    assert sorted(page) == sorted(parsers)
+    for name, p in parsers.items():
+        options = [a for a in p._actions if a.option_strings and a.dest != "help"]
+        canonical = {s: a.option_strings[-1] for a in options for s in a.option_strings}
+        rows = page[name]
+        shown = {canonical.get(o, o) for _, every in rows for o in every}
+        assert shown == {a.option_strings[-1] for a in options}, name
+        required = set.intersection(*({canonical.get(o, o) for o in r} for r, _ in rows))
+        assert required == {a.option_strings[-1] for a in options if a.required}, name
