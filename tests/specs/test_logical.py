@@ -343,6 +343,20 @@ def test_unmapped_name_names_the_context_rules(mesh24):
     ]
 
 
+def test_a_misspelt_logical_name_gets_did_you_mean(mesh24):
+    rules = {"batch": "data", "embed": None, "mpl": "model"}
+    with ms.logical_rules(rules), pytest.raises(ms.SpecError) as e:
+        ms.plan({"h": X}, P("batch", "mlp"), mesh24)
+    assert str(e.value).splitlines()[2:] == [
+        "    problem: axis 'mlp' (dimension 1) is not in the mesh",
+        "    spec: P('data', 'mlp') (from P('batch', 'mlp') for the whole argument)",
+        "    mesh: data=2, model=4",
+        "    hint: mesh axes are 'data', 'model', and 'mlp' is not a logical name of the "
+        "active ms.logical_rules context (names: batch, embed, mpl); did you mean 'mpl'? "
+        "(or add 'mlp': <mesh axes or None> there)",
+    ]
+
+
 def test_context_is_per_thread(mesh24):
     results = {}
     barrier = threading.Barrier(2)
@@ -430,3 +444,35 @@ def test_sharded_initialisation_never_whole_on_one_device(mesh24):
     assert module.kernel.get_value().sharding.spec == P(None, "model")
     assert eqx_linear.weight.sharding.spec == P("model", None)
     assert isinstance(module, nnx.Linear) and isinstance(eqx_linear, eqx.nn.Linear)
+
+
+MISSPELT_AXIS = [
+    "logical rules that misspell an axis of the mesh (data=2, model=4):",
+    "  logical_rules:rules['mlp']",
+    "    problem: 'mlp' maps to mesh axis 'modle', which is not in the mesh",
+    "    hint: did you mean 'model'? (mesh axes are 'data', 'model')",
+]
+
+
+def test_a_misspelt_mesh_axis_is_refused_on_entry_under_a_mesh(mesh24):
+    misspelt = {"batch": "data", "mlp": "modle"}
+    with jax.set_mesh(mesh24), pytest.raises(ms.SpecError) as e, ms.logical_rules(misspelt):
+        pass
+    assert str(e.value).splitlines() == MISSPELT_AXIS
+    # an axis this mesh lacks and resembles none is left to the plan (shared rules)
+    with jax.set_mesh(mesh24), ms.logical_rules({"batch": ("data", "fsdp")}) as rules:
+        assert rules is not None
+
+
+def test_a_misspelt_mesh_axis_is_refused_by_shard_jit_before_flax_sees_it(mesh24):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.with_logical_constraint(nn.Dense(16)(x), ("batch", "mlp"))
+
+    init = ms.shard_jit(
+        lambda x: MLP().init(jax.random.key(0), x), mesh=mesh24, in_specs=(P("batch"),)
+    )
+    with ms.logical_rules({"batch": "data", "mlp": "modle"}), pytest.raises(ms.SpecError) as e:
+        init(jnp.ones((8, 16)))
+    assert str(e.value).splitlines() == MISSPELT_AXIS

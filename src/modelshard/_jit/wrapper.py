@@ -31,7 +31,7 @@ from .._base import (
 )
 from .._containers import split
 from .._place import current_mesh, place
-from .._specs import active_logical, format_spec
+from .._specs import active_logical, check_mesh_axes, format_spec
 from .build import Call, Entry, Stale, build_entry, has_tracer
 from .layout import ArgumentLayout, Slot, invalid
 from .route import Route
@@ -211,6 +211,7 @@ class ShardJit:
         statics = tuple(args[s.pos] if s.kw is None else kwargs[s.kw] for s in slots if s.static)  # type: ignore[index]
         self._check_hashable(slots, statics, taken)
         env = self._env()
+        check_mesh_axes(env[1], env[0])  # before Flax meets a misspelt axis while tracing
         signature = (
             env,
             slots,

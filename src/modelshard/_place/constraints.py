@@ -55,8 +55,9 @@ def _library(frame: FrameType) -> bool:
 
 
 def _traced(tree: Any) -> bool:
-    """Whether ``tree`` holds a tracer (``constrain`` inside a trace); asked only when an
-    error names the call site, never on the path of a call that succeeds."""
+    """Whether ``tree`` holds a tracer (``constrain`` inside a trace): asked where an error
+    names the call site, and where ``constrain`` takes the active mesh (a concrete array is
+    placed on the concrete mesh, which an abstract one cannot do)."""
     return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
@@ -266,7 +267,10 @@ def constrain(
         strict = _STRICT.get()
     if mesh is None:
         try:
-            mesh = current_mesh()
+            # Outside a trace the arrays are concrete: place them on the concrete
+            # mesh ``jax.set_mesh`` made current, as ``mesh=`` would (the abstract mesh
+            # cannot place a single-device array).
+            mesh = current_mesh(concrete=not _traced(tree))
         except MeshError as e:  # name the user's call, as a SpecError does
             if not strict:
                 return tree

@@ -18,6 +18,7 @@ from .language import spec_from_json as spec_from_json
 from .language import spec_json as spec_json
 from .logical import LogicalAxes as LogicalAxes
 from .logical import active_logical as active_logical
+from .logical import check_mesh_axes as check_mesh_axes
 from .logical import logical_rules as logical_rules
 from .resolution import Via as Via
 from .rulesfile import load_rules as load_rules

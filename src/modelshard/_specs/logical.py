@@ -30,7 +30,9 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
-from .._base import Problem, SpecError, close_match, toml_entry
+import jax
+
+from .._base import Problem, SpecError, close_match, format_mesh, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -294,7 +296,7 @@ class LogicalAxes:
                         "LogicalAxes",
                         f"defaults[{name!r}]",
                         f"{name!r} has a default but is not among the declared names",
-                        hint=_did_you_mean(name, names, f"add {name!r} to names"),
+                        hint=did_you_mean(name, names, f"add {name!r} to names"),
                         logical_name=name if isinstance(name, str) else None,
                     )
                 )
@@ -315,7 +317,7 @@ class LogicalAxes:
         return f"LogicalAxes({self.library!r}, names={self.names!r}, defaults={self.defaults!r})"
 
 
-def _did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
+def did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
     # logical names are short words: a swapped pair of letters ('mpl') is still a typo
     strings = [o for o in options if isinstance(o, str)]
     close = close_match(name, strings, cutoff=0.6) if isinstance(name, str) else None
@@ -377,8 +379,10 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         The layered, validated rules (``None`` when they are cleared).
 
     Raises:
-        SpecError: a layer is not logical rules (every bad entry listed), or the rules do
-            not fit the declared names (every unknown and every unmapped name listed).
+        SpecError: a layer is not logical rules (every bad entry listed), the rules do
+            not fit the declared names (every unknown and every unmapped name listed), or,
+            under ``jax.set_mesh``, a rule maps to a typo of one of the mesh's axes
+            (``'modle'``: "did you mean 'model'?"; ``shard_jit`` checks its mesh too).
 
     Example:
         >>> import jax.numpy as jnp
@@ -392,6 +396,8 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         P('data', None)
     """
     compiled = layered(layers, _ACTIVE.get())
+    if compiled is not None:
+        check_mesh_axes(compiled, jax.sharding.get_abstract_mesh())
     token = _ACTIVE.set(_CLEARED if compiled is None else compiled)
     try:
         with _flax_bridge(compiled, flax):
@@ -487,7 +493,7 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
                 label,
                 f"{name!r} is not a logical name {libraries} declares "
                 f"(declared: {', '.join(names)})",
-                hint=_did_you_mean(
+                hint=did_you_mean(
                     name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
                 ),
                 logical_name=name,
@@ -510,6 +516,43 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
     if problems:
         raise SpecError(
             problems, header=f"logical rules that do not fit the names {libraries} declares:"
+        )
+
+
+def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
+    """Every mesh axis ``rules`` map to that is a likely typo of an axis of ``mesh``
+    (``'modle'`` on a mesh with ``'model'``) is an error here, before Flax's bridge meets
+    it as a bare ``ValueError``; an axis the mesh lacks and resembles none is left to the
+    plan (rules may be shared by meshes of other shapes). No mesh: nothing to check.
+
+    Raises:
+        SpecError: every misspelt entry listed, each with "did you mean".
+    """
+    if rules is None or mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        return
+    axes = [str(a) for a in mesh.axis_names]
+    shown = ", ".join(map(repr, axes))
+    labels = rules.labels or (rules.source,) * len(rules.pairs)
+    problems = []
+    for (name, target), label in zip(rules.pairs, labels, strict=True):
+        for axis in target:
+            close = close_match(axis, axes) if axis not in axes else None
+            if close is not None:
+                problems.append(
+                    Problem(
+                        "logical_rules",
+                        label,
+                        f"{name!r} maps to mesh axis {axis!r}, which is not in the mesh",
+                        hint=f"did you mean {close!r}? (mesh axes are {shown})",
+                        logical_name=name,
+                        logical_rule=label,
+                    )
+                )
+    if problems:
+        sizes = dict(zip(axes, mesh.axis_sizes, strict=True))
+        raise SpecError(
+            problems,
+            header=f"logical rules that misspell an axis of the mesh ({format_mesh(sizes)}):",
         )
 
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from .._base import Problem, close_match, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from .logical import LogicalRules, active_logical, add_name_hint
+from .logical import LogicalRules, active_logical, add_name_hint, did_you_mean
 
 Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
 """Per dimension of a spec, each logical name in it with its mesh axes and the entry of
@@ -445,10 +445,8 @@ def _unknown(
     if close is not None:
         return f"did you mean {close!r}? ({axes})"
     if logical is not None:
-        return (
-            f"{axes}, and {name!r} is not a logical name of {logical.describe()}; "
-            f"add {logical.entry(name)} there"
-        )
+        add = did_you_mean(name, list(logical.candidates), f"add {logical.entry(name)} there")
+        return f"{axes}, and {name!r} is not a logical name of {logical.describe()}; {add}"
     if file is None and vocabulary() == "cli":  # the command's saved specs: no rules file yet
         return (
             f"{axes}; give --mesh an axis {name!r}, or pass --rules RULES.toml (its [logical] "
