@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -129,7 +130,8 @@ def gcs_env() -> Iterator[dict[str, str]]:
     child processes)."""
     pytest.importorskip("gcsfs")
     pytest.importorskip("gcp_storage_emulator")
-    argv = ["-m", "gcp_storage_emulator", "start", "--port", "{port}", "--in-memory"]
+    script = str(Path(__file__).parent / "gcs_emulator.py")  # + GCS's generation headers
+    argv = [script, "start", "--port", "{port}", "--in-memory"]
     with local_server([*argv, "--default-bucket", BUCKET], "the GCS emulator", 30) as url:
         env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
         with _environ(env):
