@@ -30,6 +30,22 @@ import modelshard as ms
 KINDS = ("pytree", "optax", "equinox", "nnx", "linen")
 
 
+def same_container(a: Any, b: Any) -> bool:
+    """Equal structure, type and array values (static leaves compared with ==)."""
+    fa, fb = ms.adapters.split(a), ms.adapters.split(b)
+    if type(a) is not type(b) or len(fa.leaves) != len(fb.leaves):
+        return False
+    for x, y in zip(fa.leaves, fb.leaves, strict=True):
+        if ms.adapters.is_array(x):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            if not np.array_equal(np.asarray(x), np.asarray(y)):
+                return False
+        elif x is not y and x != y:
+            return False
+    return True
+
+
 def make_pytree() -> Any:
     return {
         "embed": jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16),

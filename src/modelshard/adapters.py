@@ -5,9 +5,6 @@ from ._containers import Adapter as Adapter
 from ._containers import CallLeaves as CallLeaves
 from ._containers import Flat as Flat
 from ._containers import LeafInfo as LeafInfo
-
-# The third-party adapters register themselves (lazily: nothing of penzai or qwix is
-# imported until the user imports it) when their modules load, here.
 from ._containers import NamedArrayAdapter as NamedArrayAdapter
 from ._containers import NnxModuleAdapter as NnxModuleAdapter
 from ._containers import PenzaiVariableAdapter as PenzaiVariableAdapter

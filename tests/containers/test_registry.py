@@ -14,23 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from helpers import MAKERS, make_pytree
+from helpers import same_container as same
 from modelshard.adapters import LeafInfo, PytreeAdapter, format_path, split
-
-
-def same(a, b) -> bool:
-    """Equal structure, type and array values (static leaves compared with ==)."""
-    fa, fb = split(a), split(b)
-    if type(a) is not type(b) or len(fa.leaves) != len(fb.leaves):
-        return False
-    for x, y in zip(fa.leaves, fb.leaves, strict=True):
-        if ms.adapters.is_array(x):
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                x, y = jax.random.key_data(x), jax.random.key_data(y)
-            if not np.array_equal(np.asarray(x), np.asarray(y)):
-                return False
-        elif x is not y and x != y:
-            return False
-    return True
 
 
 def test_round_trip_every_kind(container):
@@ -119,51 +104,6 @@ def test_linen_boxes_give_names_and_no_value_suffix():
     rebuilt = split(variables).rebuild(split(variables).arrays)
     box = rebuilt["params"]["Dense_0"]["kernel"]
     assert isinstance(box, nn.LogicallyPartitioned) and box.names == ("embed", "mlp")
-
-
-def test_nnx_metadata_names_and_state_kind():
-    from flax import nnx
-
-    with nnx.use_eager_sharding(False):
-        lin = nnx.Linear(
-            4,
-            8,
-            kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, "model")),
-            rngs=nnx.Rngs(0),
-        )
-    info = {i.path: i for i in split(lin).infos}
-    assert info["kernel"].names == (None, "model")
-    assert info["bias"].names is None
-    state = nnx.state(lin)
-    assert split(state).kind == "nnx.State"
-    assert split(state).paths == ["bias", "kernel"]
-    assert same(split(state).rebuild(split(state).arrays), state)
-
-
-def test_nnx_update_inplace_writes_into_module():
-    from flax import nnx
-
-    model = MAKERS["nnx"]()
-    flat = split(model)
-    out = flat.update_inplace(
-        [x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in flat.arrays]
-    )
-    assert out is model
-    np.testing.assert_array_equal(model.mlp.bias[...], np.ones(32, np.float32))
-    assert isinstance(flat.rebuild(flat.arrays, mirror=True), nnx.State)
-
-
-def test_nnx_rng_state_round_trips():
-    model = MAKERS["nnx"]()
-    flat = split(model)
-    key_paths = [
-        p
-        for p, x in zip(flat.paths, flat.arrays, strict=True)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    ]
-    assert "drop/rngs/key" in key_paths
-    rebuilt = flat.rebuild(flat.arrays)
-    assert same(rebuilt, model)
 
 
 def test_train_state_kind_and_paths():

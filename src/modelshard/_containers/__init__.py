@@ -1,24 +1,24 @@
 """The containers area's façade: the adapter registry, the built-in adapters and a
 container split into its leaves (``split`` -> ``Flat``). Above ``_base`` only."""
 
+from .adapter import Adapter as Adapter
+from .adapter import CallLeaves as CallLeaves
 from .describe import ARRAY_TYPES as ARRAY_TYPES
 from .describe import NUMBER_TYPES as NUMBER_TYPES
 from .describe import LeafInfo as LeafInfo
 from .describe import is_array as is_array
 from .describe import numbers_to_arrays as numbers_to_arrays
 from .flat import Flat as Flat
-from .flat import flatten_nested as flatten_nested
-from .flat import holds_nested as holds_nested
-from .flat import nested_adapter as nested_adapter
 from .flat import split as split
+from .nested import flatten_nested as flatten_nested
+from .nested import holds_nested as holds_nested
+from .nested import nested_adapter as nested_adapter
+from .nnx import NnxModuleAdapter as NnxModuleAdapter
 from .penzai import NamedArrayAdapter as NamedArrayAdapter
 from .penzai import PenzaiVariableAdapter as PenzaiVariableAdapter
+from .pytree import PytreeAdapter as PytreeAdapter
 from .qwix import QwixWithAuxAdapter as QwixWithAuxAdapter
 from .registry import REGISTRY as REGISTRY
-from .registry import Adapter as Adapter
-from .registry import CallLeaves as CallLeaves
-from .registry import NnxModuleAdapter as NnxModuleAdapter
-from .registry import PytreeAdapter as PytreeAdapter
 from .registry import get_adapter as get_adapter
 from .registry import register_container as register_container
 from .registry import registered as registered

@@ -16,6 +16,7 @@ from jax.tree_util import DictKey
 
 from .._base import format_path, join
 from .._internals import ArrayImpl
+from .nesting import nested_types
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.
@@ -138,38 +139,30 @@ def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
     different paths), nor are uncomparable ones.
     """
     global _last
-    last_treedef, last_infos = _last
+    last_treedef, last_nested, last_infos = _last
+    nested = nested_types()
     try:
-        if last_treedef is not None and last_treedef == treedef:
+        if last_treedef is not None and last_nested is nested and last_treedef == treedef:
             return last_infos
     except Exception:  # uncomparable aux data: describe afresh
         return _describe(obj, "")[0]
     infos, exact = _describe(obj, "")
     if exact:
-        _last = (treedef, infos)
+        _last = (treedef, nested, infos)
     return infos
 
 
-# The structure described last and its leaf descriptions.
-_last: tuple[Any, list[LeafInfo]] = (None, [])
+# The structure described last, the nested container types it was described with, and
+# its leaf descriptions.
+_last: tuple[Any, tuple[type, ...], list[LeafInfo]] = (None, (), [])
 _new = tuple.__new__
-
-# Container types split by their own adapter wherever they appear (kept by the registry in
-# _adapters, which this module cannot import): below the root, each is one leaf here.
-_nested: tuple[type, ...] = ()
-
-
-def set_nested_types(types: tuple[type, ...]) -> None:
-    """Set the container types that descriptions stop at (the registry calls this)."""
-    global _nested
-    _nested = types
 
 
 def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
     """The leaf descriptions, and whether every dict key on the way was a ``str``."""
     boxes = _box_types()
     arrays = ARRAY_TYPES
-    nested = _nested
+    nested = nested_types()  # below the root, each of these is one leaf here
     root = obj
     out: list[LeafInfo] = []
     append = out.append

@@ -5,7 +5,7 @@ A penzai model is a pytree whose parameters are *variables*: mutable ``pz.Parame
 opaque leaf). Their values are usually ``pz.nx.NamedArray``\\ s, whose axis names are the
 model's own logical vocabulary (``"embedding"``, ``"neurons"``, ``"heads"``).
 
-Two adapters, registered lazily once penzai is imported, let modelshard see through both:
+Two adapters, registered lazily once penzai is imported (the registry's table), let modelshard see through both:
 
 - ``PenzaiVariableAdapter`` splits a variable into the leaves of its value; the
   variable's own path is the path of its value (``blocks/0/attn/query/weights``, no
@@ -25,8 +25,9 @@ from typing import Any
 
 import jax
 
+from .adapter import Adapter
 from .describe import LeafInfo, describe_pytree
-from .registry import Adapter, nested_leaf, register_lazy
+from .nesting import nested_leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,3 @@ class NamedArrayAdapter(Adapter):
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return [LeafInfo("", named_array_names(obj), type(obj).__name__)]
-
-
-register_lazy("penzai.core.variables", "LabeledVariable", PenzaiVariableAdapter)
-register_lazy("penzai.core.named_axes", "NamedArrayBase", NamedArrayAdapter)

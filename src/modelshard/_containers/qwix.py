@@ -15,8 +15,9 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from .adapter import Adapter
 from .describe import LeafInfo, describe_pytree
-from .registry import Adapter, flatten_pytree, register_lazy, unflatten_pytree
+from .nesting import flatten_pytree, unflatten_pytree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,3 @@ class QwixWithAuxAdapter(Adapter):
 
     def tree_of(self, obj: Any) -> Any:
         return obj.array
-
-
-register_lazy("qwix._src.providers.ptq", "WithAux", QwixWithAuxAdapter)

@@ -1,4 +1,4 @@
-"""Container adapters: the registry of model-state types and the built-in adapters.
+"""The registry of model-state types: which adapter splits which container.
 
 The registry follows Orbax's type-handler registry: a base class ([`Adapter`][modelshard.adapters.Adapter], which
 declares every capability modelshard uses, with defaults), one global default,
@@ -7,221 +7,29 @@ first match: user registrations (most recent first), then built-ins, then the pl
 adapter that serves every JAX pytree (dicts, lists, tuples, NamedTuples such as optax
 states, registered dataclasses such as ``TrainState``, ``None``).
 
-Built-ins for Flax and Equinox are registered lazily: an object can only be an
-``nnx.Module`` once Flax has been imported, so modelshard never imports Flax, Equinox or
-optax itself. Splitting a container with its adapter is [`modelshard.adapters.split`][modelshard.adapters.split]
-(``_flat.py``); naming its leaves is ``_describe.py``.
+Built-ins are registered lazily, from one table (``_LAZY_BUILTINS``): an object can only
+be an ``nnx.Module`` once Flax has been imported, so modelshard never imports Flax,
+Equinox, optax, penzai or qwix itself; each entry names a class by module and attribute,
+and its adapter (from the plug-in's own module: ``pytree.py``, ``nnx.py``, ``penzai.py``,
+``qwix.py``) is made once that module is in ``sys.modules``. Splitting a container with
+its adapter is [`modelshard.adapters.split`][modelshard.adapters.split] (``flat.py``);
+naming its leaves is ``describe.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, NamedTuple
-
-import jax
+from typing import Any
 
 from .._base import AdapterError
-from .describe import LeafInfo, describe_pytree, set_nested_types
-from .nnx_route import nnx_call_leaves
-
-
-class CallLeaves(NamedTuple):
-    """One container flattened for one compiled call (``Adapter.flatten_for_call``).
-
-    Attributes:
-        leaves: every leaf, in ``flatten`` order.
-        aux: the structure key (as from ``flatten``).
-        key: a hashable stand-in for ``aux`` in per-call cache keys (``aux`` itself by
-            default; an adapter whose ``aux`` is costly to hash may give an interned object).
-        write_back: for a mutable container, ``write_back(positions, values)`` sets the
-            leaves at those ``flatten`` positions to ``values`` in the caller's object;
-            ``None`` for an immutable one.
-    """
-
-    leaves: list[Any]
-    aux: Hashable
-    key: Hashable
-    write_back: Callable[[Sequence[int], Sequence[Any]], None] | None
-
-
-class Adapter:
-    """How one container type is split into leaves and rebuilt: the base of every adapter.
-
-    A subclass must give ``kind`` and the three methods ``flatten``, ``unflatten`` and
-    ``describe``. Everything else modelshard asks of a container is a *capability* declared
-    here with a default that is right for an immutable container whose paths come from
-    ``describe``; override the ones your container differs in:
-
-    - ``numbers_are_arrays``: Python numbers among the leaves are rank-0 array leaves.
-    - ``follows_pytree``: ``flatten``/``unflatten``/``describe`` are exactly JAX's
-      flattening of the object (``aux`` is its ``PyTreeDef``), so descriptions can be cached
-      per structure and ``shard_jit`` may gather leaves as JAX does.
-    - ``mutable`` with ``update``: the container is changed in place (an NNX
-      module): ``shard``, ``constrain`` and ``shard_jit`` write new values into the caller's
-      object instead of returning a copy only.
-    - ``tree_of``: the pytree whose structure canonical paths follow, for prefix trees.
-    - ``mirror``: what a tree of shardings or plans for this container looks like.
-    - ``flatten_for_call``: flattening on ``shard_jit``'s per-call path.
-
-    ``flatten`` is on the hot path of every ``shard_jit`` call and must be cheap;
-    ``describe`` (paths and metadata) runs only when a plan is made.
-
-    Attributes:
-        kind: the container kind recorded in plans and checkpoints (``"nnx.Module"``...).
-        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
-            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
-            instead of static leaves (default ``False``, as in Equinox).
-        follows_pytree: the adapter is JAX's own flattening of the object (default
-            ``False``).
-        mutable: ``update`` writes into the object it is given (default ``False``).
-    """
-
-    kind: str = "container"
-    numbers_are_arrays: bool = False
-    follows_pytree: bool = False
-    mutable: bool = False
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        """All leaves of ``obj`` (array and static) and a hashable structure key."""
-        raise NotImplementedError(f"{type(self).__name__}.flatten")
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """Rebuild an object of the original type from ``flatten``'s output."""
-        raise NotImplementedError(f"{type(self).__name__}.unflatten")
-
-    def describe(self, obj: Any) -> list[LeafInfo]:
-        """One [`LeafInfo`][modelshard.adapters.LeafInfo] per leaf, in ``flatten`` order."""
-        raise NotImplementedError(f"{type(self).__name__}.describe")
-
-    def tree_of(self, obj: Any) -> Any:
-        """The pytree whose structure the canonical paths follow (default: ``obj``).
-
-        Prefix trees given for the container (one spec per subtree) are matched against
-        this tree's nodes.
-        """
-        return obj
-
-    def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """The container's structure holding ``leaves`` as a tree of values such as
-        shardings (default: ``unflatten``)."""
-        return self.unflatten(aux, leaves)
-
-    def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """``obj`` with its leaves replaced by ``leaves``: written into ``obj`` itself when
-        ``mutable``, otherwise (the default) a new object from ``unflatten``."""
-        return self.unflatten(aux, leaves)
-
-    def flatten_for_call(self, obj: Any) -> CallLeaves:
-        """Flatten ``obj`` for one ``shard_jit`` call.
-
-        The default is ``flatten``, with a ``write_back`` through ``update`` when
-        ``mutable``. An adapter may override it with a faster route that gives the same
-        leaves and ``aux``.
-        """
-        leaves, aux = self.flatten(obj)
-        if not self.mutable:
-            return CallLeaves(leaves, aux, aux, None)
-
-        def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
-            new = list(leaves)
-            for i, v in zip(positions, values, strict=True):
-                new[i] = v
-            self.update(obj, aux, new)
-
-        return CallLeaves(leaves, aux, aux, write_back)
-
-
-@dataclasses.dataclass(frozen=True)
-class PytreeAdapter(Adapter):
-    """The adapter for anything JAX can flatten (the default for unregistered types).
-
-    Its paths follow the pytree (``Adapter.follows_pytree``); a subclass that changes
-    ``flatten`` must set ``follows_pytree = False``.
-
-    Attributes:
-        kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
-        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
-            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
-            instead of static leaves. On for Flax's ``TrainState``, whose ``step`` starts
-            as the Python int 0 and is state like any other: it is traced, sharded
-            (replicated) and saved. Off elsewhere, as in Equinox: a Python number in a
-            container is configuration, part of the compilation key.
-    """
-
-    kind: str = "pytree"
-    numbers_are_arrays: bool = False
-    follows_pytree = True
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return flatten_pytree(obj)
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return unflatten_pytree(aux, leaves)
-
-    def describe(self, obj: Any) -> list[LeafInfo]:
-        return describe_pytree(obj)
-
-
-@dataclasses.dataclass(frozen=True)
-class NnxModuleAdapter(Adapter):
-    """Flax NNX modules: ``nnx.split`` into graph + state, Variables as leaves.
-
-    Mutable: updates are written into the caller's module (``nnx.update``). Prefix trees
-    and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
-    seen before is flattened as a JAX pytree down to its Variables (about a millisecond for
-    a thousand, where ``nnx.split`` takes tens), mapped onto ``nnx.split``'s leaf order by a
-    cached route, and written back with ``Variable.set_value`` on the Variables that changed;
-    the same module object called again is only checked for changes (``_nnx_route.py``).
-    """
-
-    kind: str = "nnx.Module"
-    mutable = True
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        from flax import nnx
-
-        graphdef, state = nnx.split(obj)
-        leaves, treedef = jax.tree_util.tree_flatten(state)
-        return leaves, (graphdef, treedef)
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        from flax import nnx
-
-        graphdef, treedef = aux  # type: ignore[misc]
-        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-
-    def describe(self, obj: Any) -> list[LeafInfo]:
-        from flax import nnx
-
-        return describe_pytree(nnx.state(obj))
-
-    def tree_of(self, obj: Any) -> Any:
-        """The module's ``nnx.State``."""
-        from flax import nnx
-
-        return nnx.state(obj)
-
-    def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """The ``nnx.State`` holding ``leaves`` (what NNX users expect for sharding trees)."""
-        _, treedef = aux  # type: ignore[misc]
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        """Write ``leaves`` into the caller's module in place (``nnx.update``)."""
-        from flax import nnx
-
-        nnx.update(obj, self.mirror(aux, leaves))
-        return obj
-
-    def flatten_for_call(self, obj: Any) -> CallLeaves:
-        fast = nnx_call_leaves(obj)
-        if fast is None:
-            return Adapter.flatten_for_call(self, obj)
-        return CallLeaves(fast.leaves, fast.aux, fast.key, fast.write_back)
-
+from . import nesting
+from .adapter import Adapter
+from .nnx import NnxModuleAdapter
+from .penzai import NamedArrayAdapter, PenzaiVariableAdapter
+from .pytree import PytreeAdapter, callbacks_adapter
+from .qwix import QwixWithAuxAdapter
 
 # (module, attribute, adapter factory): resolved once the module has been imported.
 _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
@@ -237,10 +45,10 @@ _LAZY_BUILTINS: list[tuple[str, str, Callable[[], Adapter]]] = [
     # Other NNX graph objects (nnx.Optimizer, ...) are mutable too: split and update them
     # like modules, so state changed inside shard_jit reaches the caller's object.
     ("flax.nnx", "Pytree", lambda: NnxModuleAdapter("nnx.Pytree")),
+    ("penzai.core.variables", "LabeledVariable", PenzaiVariableAdapter),
+    ("penzai.core.named_axes", "NamedArrayBase", NamedArrayAdapter),
+    ("qwix._src.providers.ptq", "WithAux", QwixWithAuxAdapter),
 ]
-# Third-party containers (penzai, qwix) live in modules of their own, which add themselves
-# here with ``register_lazy`` when they are imported (the public ``adapters`` module
-# imports them): the registry never imports an adapter module.
 
 
 _DEFAULT = PytreeAdapter()
@@ -254,13 +62,11 @@ class _Registry:
         self.cache: dict[type, Adapter] = {}
         self.modules_seen = -1  # len(sys.modules) when pending was last resolved
         self._nested: tuple[type, ...] | None = None
-        self.stops: dict[type, bool] = {}  # type -> is a subclass of a nested type
 
     def changed(self) -> None:
         """Forget what was looked up (a registration came or went)."""
         self.cache.clear()
         self._nested = None
-        set_nested_types(())  # until nested() is asked again
 
     def nested(self) -> tuple[type, ...]:
         """The registered types whose adapter is not JAX's own flattening: wherever one
@@ -273,8 +79,6 @@ class _Registry:
                 for ty, a in [*reversed(self.user), *self.builtin]
                 if not a.follows_pytree or a.numbers_are_arrays
             )
-            self.stops.clear()
-            set_nested_types(self._nested)
         return self._nested
 
     def resolve_lazy(self) -> None:
@@ -317,6 +121,7 @@ def optax_kind(ty: type) -> bool:
 
 
 REGISTRY = _Registry()
+nesting.install(REGISTRY.nested)
 
 
 def register_container(
@@ -385,57 +190,12 @@ def register_container(
         )
     if callbacks:
         assert flatten is not None and unflatten is not None
-        adapter = _register_pytree(ty, flatten, unflatten, kind or ty.__name__)
+        adapter = callbacks_adapter(ty, flatten, unflatten, kind or ty.__name__)
     assert adapter is not None
     for i in reversed(existing):
         del REGISTRY.user[i]
     REGISTRY.user.append((ty, adapter))
     REGISTRY.changed()
-
-
-# Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
-# so ``override=True`` can replace them.
-_CALLBACKS: dict[
-    type, tuple[Callable[[Any], Mapping[str, Any]], Callable[[Mapping[str, Any]], Any]]
-] = {}
-
-
-def _register_pytree(
-    ty: type,
-    flatten: Callable[[Any], Mapping[str, Any]],
-    unflatten: Callable[[Mapping[str, Any]], Any],
-    kind: str,
-) -> Adapter:
-    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
-        children = _CALLBACKS[ty][0](obj)
-        if not isinstance(children, Mapping):
-            raise AdapterError(
-                f"flatten for {ty.__name__} must return a mapping of child name -> child, "
-                f"got {type(children).__name__}."
-            )
-        names = tuple(str(k) for k in children)
-        return [(jax.tree_util.GetAttrKey(n), children[n]) for n in names], names
-
-    def unflatten_pytree(names: tuple[str, ...], children: Any) -> Any:
-        return _CALLBACKS[ty][1](dict(zip(names, children, strict=True)))
-
-    if ty not in _CALLBACKS and issubclass(ty, dict | list | tuple):
-        raise AdapterError(
-            f"{ty.__name__} is a {ty.__mro__[1].__name__} subclass, which JAX already "
-            f"flattens; register it with an adapter instead: register_container("
-            f"{ty.__name__}, modelshard.adapters.PytreeAdapter({kind!r}))."
-        )
-    if ty not in _CALLBACKS:
-        try:
-            jax.tree_util.register_pytree_with_keys(ty, flatten_with_keys, unflatten_pytree)
-        except ValueError as e:
-            raise AdapterError(
-                f"{ty.__name__} is already a JAX pytree, so JAX owns its flattening; register "
-                f"it with an adapter instead: register_container({ty.__name__}, "
-                f"modelshard.adapters.PytreeAdapter({kind!r}))."
-            ) from e
-    _CALLBACKS[ty] = (flatten, unflatten)
-    return PytreeAdapter(kind)
 
 
 def get_adapter(obj: Any) -> Adapter:
@@ -450,16 +210,6 @@ def registered() -> list[tuple[type, str]]:
     return [(t, a.kind) for t, a in entries]
 
 
-def register_lazy(module: str, attr: str, factory: Callable[[], Adapter]) -> None:
-    """Register ``factory()`` as the built-in adapter of ``module.attr`` once that module has
-    been imported by someone (the class is looked up by name: nothing is imported here).
-    For adapter modules of third-party libraries, called when the adapter module loads."""
-    entry = (module, attr, factory)
-    _LAZY_BUILTINS.append(entry)
-    REGISTRY.pending.append(entry)
-    REGISTRY.modules_seen = -1
-
-
 @contextmanager
 def registry_snapshot() -> Iterator[None]:
     """Restore the registry's user registrations on exit (used by the test fixture)."""
@@ -469,44 +219,3 @@ def registry_snapshot() -> Iterator[None]:
     finally:
         REGISTRY.user[:] = saved
         REGISTRY.changed()
-
-
-def nested_types() -> tuple[type, ...]:
-    """The registered container types that are split by their own adapter wherever they
-    appear inside another container (those whose adapter is not JAX's own flattening)."""
-    return REGISTRY.nested()
-
-
-def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
-    """An ``is_leaf`` for ``jax.tree_util`` that is true for instances of the nested
-    container types (``nested_types``) other than ``root``, or None when there are none.
-
-    The answer is memoised per type: flattening calls it once per node (a 10,000-leaf
-    tree has about 17,000), and ``isinstance`` against ABC-based framework classes runs
-    Python code each time.
-    """
-    stop = REGISTRY.nested()
-    if not stop:
-        return None
-    memo = REGISTRY.stops
-    get = memo.get
-
-    def is_nested(x: Any) -> bool:
-        hit = get(type(x))
-        if hit is None:
-            hit = memo[type(x)] = isinstance(x, stop)
-        return hit and x is not root
-
-    return is_nested
-
-
-def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
-    """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
-    (``nested_types``) below the root: such a container is one leaf here, for its own
-    adapter to split."""
-    return jax.tree_util.tree_flatten(obj, is_leaf=nested_leaf(obj))
-
-
-def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
-    """The inverse of ``flatten_pytree``."""
-    return jax.tree_util.tree_unflatten(aux, leaves)

@@ -1,0 +1,99 @@
+"""The plain-pytree plug-in: anything JAX can flatten, and user classes registered with
+``flatten=``/``unflatten=`` callbacks (which become JAX pytrees too).
+
+``PytreeAdapter`` is the default for every unregistered type (dicts, lists, tuples,
+NamedTuples such as optax states, registered dataclasses such as ``TrainState``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from .._base import AdapterError
+from .adapter import Adapter
+from .describe import LeafInfo, describe_pytree
+from .nesting import flatten_pytree, unflatten_pytree
+
+
+@dataclasses.dataclass(frozen=True)
+class PytreeAdapter(Adapter):
+    """The adapter for anything JAX can flatten (the default for unregistered types).
+
+    Its paths follow the pytree (``Adapter.follows_pytree``); a subclass that changes
+    ``flatten`` must set ``follows_pytree = False``.
+
+    Attributes:
+        kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
+        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
+            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
+            instead of static leaves. On for Flax's ``TrainState``, whose ``step`` starts
+            as the Python int 0 and is state like any other: it is traced, sharded
+            (replicated) and saved. Off elsewhere, as in Equinox: a Python number in a
+            container is configuration, part of the compilation key.
+    """
+
+    kind: str = "pytree"
+    numbers_are_arrays: bool = False
+    follows_pytree = True
+
+    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
+        return flatten_pytree(obj)
+
+    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
+        return unflatten_pytree(aux, leaves)
+
+    def describe(self, obj: Any) -> list[LeafInfo]:
+        return describe_pytree(obj)
+
+
+# Callbacks per user type; the JAX pytree registration (made once) dispatches through this,
+# so ``override=True`` can replace them.
+_CALLBACKS: dict[
+    type, tuple[Callable[[Any], Mapping[str, Any]], Callable[[Mapping[str, Any]], Any]]
+] = {}
+
+
+def callbacks_adapter(
+    ty: type,
+    flatten: Callable[[Any], Mapping[str, Any]],
+    unflatten: Callable[[Mapping[str, Any]], Any],
+    kind: str,
+) -> Adapter:
+    """A ``PytreeAdapter`` for ``ty`` whose children come from ``flatten`` and go back
+    through ``unflatten``: ``ty`` is registered with JAX once, dispatching through the
+    callbacks kept here, so a later registration can replace them."""
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
+        children = _CALLBACKS[ty][0](obj)
+        if not isinstance(children, Mapping):
+            raise AdapterError(
+                f"flatten for {ty.__name__} must return a mapping of child name -> child, "
+                f"got {type(children).__name__}."
+            )
+        names = tuple(str(k) for k in children)
+        return [(jax.tree_util.GetAttrKey(n), children[n]) for n in names], names
+
+    def unflatten_pytree(names: tuple[str, ...], children: Any) -> Any:
+        return _CALLBACKS[ty][1](dict(zip(names, children, strict=True)))
+
+    if ty not in _CALLBACKS and issubclass(ty, dict | list | tuple):
+        raise AdapterError(
+            f"{ty.__name__} is a {ty.__mro__[1].__name__} subclass, which JAX already "
+            f"flattens; register it with an adapter instead: register_container("
+            f"{ty.__name__}, modelshard.adapters.PytreeAdapter({kind!r}))."
+        )
+    if ty not in _CALLBACKS:
+        try:
+            jax.tree_util.register_pytree_with_keys(ty, flatten_with_keys, unflatten_pytree)
+        except ValueError as e:
+            raise AdapterError(
+                f"{ty.__name__} is already a JAX pytree, so JAX owns its flattening; register "
+                f"it with an adapter instead: register_container({ty.__name__}, "
+                f"modelshard.adapters.PytreeAdapter({kind!r}))."
+            ) from e
+    _CALLBACKS[ty] = (flatten, unflatten)
+    return PytreeAdapter(kind)

@@ -1,0 +1,57 @@
+"""The NNX plug-in: a module's Variables as leaves, their metadata names, in-place updates
+and RNG state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from helpers import MAKERS
+from helpers import same_container as same
+from modelshard.adapters import split
+
+
+def test_nnx_metadata_names_and_state_kind():
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):
+        lin = nnx.Linear(
+            4,
+            8,
+            kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, "model")),
+            rngs=nnx.Rngs(0),
+        )
+    info = {i.path: i for i in split(lin).infos}
+    assert info["kernel"].names == (None, "model")
+    assert info["bias"].names is None
+    state = nnx.state(lin)
+    assert split(state).kind == "nnx.State"
+    assert split(state).paths == ["bias", "kernel"]
+    assert same(split(state).rebuild(split(state).arrays), state)
+
+
+def test_nnx_update_inplace_writes_into_module():
+    from flax import nnx
+
+    model = MAKERS["nnx"]()
+    flat = split(model)
+    out = flat.update_inplace(
+        [x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in flat.arrays]
+    )
+    assert out is model
+    np.testing.assert_array_equal(model.mlp.bias[...], np.ones(32, np.float32))
+    assert isinstance(flat.rebuild(flat.arrays, mirror=True), nnx.State)
+
+
+def test_nnx_rng_state_round_trips():
+    model = MAKERS["nnx"]()
+    flat = split(model)
+    key_paths = [
+        p
+        for p, x in zip(flat.paths, flat.arrays, strict=True)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
+    assert "drop/rngs/key" in key_paths
+    rebuilt = flat.rebuild(flat.arrays)
+    assert same(rebuilt, model)
