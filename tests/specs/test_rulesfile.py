@@ -95,7 +95,7 @@ def test_every_problem_is_listed_at_once():
     assert str(e.value).splitlines() == [
         "invalid rules file r.toml:",
         "  r.toml:strickt",
-        "    problem: unknown top-level key 'strickt'",
+        "    problem: unknown top-level key 'strickt' (did you mean 'strict'?)",
         "    hint: allowed: strict, rules, logical",
         "  r.toml:strict",
         "    problem: strict must be true or false, got 'yes'",
@@ -126,7 +126,7 @@ def test_bad_regex_is_reported_at_its_place_in_the_file_with_the_others(tmp_path
     assert str(e.value).splitlines() == [
         "invalid rules file bad.toml:",
         "  bad.toml:strickt",
-        "    problem: unknown top-level key 'strickt'",
+        "    problem: unknown top-level key 'strickt' (did you mean 'strict'?)",
         "    hint: allowed: strict, rules, logical",
         "  bad.toml:rules[0].pattern",
         "    problem: '(' is not a valid regular expression: missing ), unterminated subpattern "

@@ -39,4 +39,9 @@ from .text import spec_json as spec_json
 from .text import toml_entry as toml_entry
 from .text import toml_spec as toml_spec
 from .text import vocabulary as vocabulary
+from .toml import check_keys as check_keys
+from .toml import flag as flag
+from .toml import read_toml as read_toml
+from .toml import tables as tables
+from .toml import unknown_key as unknown_key
 from .units import size_in_bytes as size_in_bytes

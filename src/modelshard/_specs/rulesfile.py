@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,11 +45,11 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from .._base import TOML_NONE as NONE
-from .._base import Problem, SpecError, quote_pattern
+from .._base import Problem, SpecError, check_keys, flag, quote_pattern, read_toml, tables
 from .language import Rules
 
-_TOP = {"strict", "rules", "logical"}
-_RULE = {"pattern", "spec"}
+_TOP = ("strict", "rules", "logical")
+_RULE = ("pattern", "spec")
 
 
 def _entry(value: Any, where: str, problems: list[Problem], arg: str, empty: bool = False) -> Any:
@@ -82,29 +81,10 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
         Rules([('kernel$', P('data', None))], strict=True)
     """
     problems: list[Problem] = []
-    for k in data:
-        if k not in _TOP:
-            problems.append(
-                Problem(
-                    source,
-                    k,
-                    f"unknown top-level key {k!r}",
-                    hint="allowed: strict, rules, logical",
-                )
-            )
-    strict = data.get("strict", True)
-    if not isinstance(strict, bool):
-        problems.append(Problem(source, "strict", f"strict must be true or false, got {strict!r}"))
-        strict = True
-    raw = data.get("rules", [])
+    check_keys(data, _TOP, source, "", problems, "top-level key")
+    strict = flag(data, "strict", True, source, problems)
+    raw = tables(data, "rules", source, problems)
     rules: list[tuple[str, PartitionSpec]] = []
-    if not isinstance(raw, list):
-        problems.append(
-            Problem(
-                source, "rules", "rules must be an array of tables", hint="write [[rules]] blocks"
-            )
-        )
-        raw = []
     for i, item in enumerate(raw):
         where = f"rules[{i}]"
         if not isinstance(item, Mapping):
@@ -112,13 +92,7 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
                 Problem(source, where, f"{item!r} is not a table with pattern and spec")
             )
             continue
-        for k in item:
-            if k not in _RULE:
-                problems.append(
-                    Problem(
-                        source, f"{where}.{k}", f"unknown key {k!r}", hint="allowed: pattern, spec"
-                    )
-                )
+        check_keys(item, _RULE, source, where, problems)
         pattern, spec = item.get("pattern"), item.get("spec")
         if not isinstance(pattern, str):
             problems.append(
@@ -212,25 +186,9 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         Rules([('kernel$', P(None, 'model'))], strict=True)
     """
     p = Path(path)
-    try:  # a missing or unreadable file: the OSError itself (FileNotFoundError, ...)
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(
-            [Problem(str(p), None, f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
-            header=f"invalid rules file {p}:",
-        ) from e
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        hint = None
-        if "escape" in str(e).lower() or "\\" in str(e):
-            hint = (
-                "in a double-quoted TOML string a backslash starts an escape (\\n, \\t, "
-                "\\\\; \\d and \\. are none): write regular expressions in single quotes, "
-                "pattern = 'norm\\d?$' (a TOML literal string, backslashes kept as written)"
-            )
-        raise SpecError(
-            [Problem(str(p), None, f"not valid TOML: {e}", hint=hint)],
-            header=f"invalid rules file {p}:",
-        ) from e
+
+    def fail(problems: list[Problem]) -> SpecError:
+        return SpecError(problems, header=f"invalid rules file {p}:")
+
+    data = read_toml(p, fail, where=None, unreadable=None)
     return dataclasses.replace(parse_rules(data, str(p)), file=str(p))

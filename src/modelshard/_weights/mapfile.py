@@ -64,12 +64,20 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._base import MappingError, Problem, close_match
+from .._base import (
+    MappingError,
+    Problem,
+    check_keys,
+    close_match,
+    flag,
+    read_toml,
+    tables,
+    unknown_key,
+)
 from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
 from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 from .shipped import is_name, shipped_mappings
@@ -111,7 +119,10 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             for k in typos:
                 problems.append(
                     Problem(
-                        src, f"{at}.{k}", _unknown(k, _OPS), hint="operations: " + ", ".join(_OPS)
+                        src,
+                        f"{at}.{k}",
+                        unknown_key(k, _OPS),
+                        hint="operations: " + ", ".join(_OPS),
                     )
                 )
             continue
@@ -126,7 +137,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
         extra = [k for k in item if k != kind]
         if kind != "rearrange" and extra:
             problems.append(
-                Problem(src, f"{at}.{extra[0]}", f"{_unknown(extra[0], _OPS)} for {kind}")
+                Problem(src, f"{at}.{extra[0]}", f"{unknown_key(extra[0], _OPS)} for {kind}")
             )
             continue
         if kind == "rearrange":
@@ -156,12 +167,6 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
     return tuple(out) if len(out) == len(value) else None
 
 
-def _unknown(key: str, allowed: Iterable[str], what: str = "key") -> str:
-    """``unknown key 'rearange' (did you mean 'rearrange'?)``."""
-    close = close_match(key, allowed)
-    return f"unknown {what} {key!r}" + (f" (did you mean {close!r}?)" if close else "")
-
-
 _OPS_HINT = 'e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]'
 
 
@@ -183,13 +188,12 @@ def _table(
     if not isinstance(value, Mapping):
         problems.append(Problem(src, where, f"{value!r} is not a table"))
         return None
+    check_keys(value, keys, src, where, problems)
     out: dict[str, Any] = {}
     for k, v in value.items():
         if k not in keys:
-            problems.append(
-                Problem(src, f"{where}.{k}", _unknown(k, keys), hint=f"allowed: {', '.join(keys)}")
-            )
-        elif not isinstance(v, keys[k]) or isinstance(v, bool):
+            continue
+        if not isinstance(v, keys[k]) or isinstance(v, bool):
             problems.append(Problem(src, f"{where}.{k}", f"{v!r} has the wrong type"))
         else:
             out[k] = v
@@ -212,20 +216,8 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         'dense/kernel'
     """
     problems: list[Problem] = []
-    for k in data:
-        if k not in _TOP:
-            problems.append(
-                Problem(
-                    source,
-                    k,
-                    _unknown(k, _TOP, "top-level key"),
-                    hint="allowed: " + ", ".join(sorted(_TOP)),
-                )
-            )
-    strict = data.get("strict", True)
-    if not isinstance(strict, bool):
-        problems.append(Problem(source, "strict", f"strict must be true or false, got {strict!r}"))
-        strict = True
+    check_keys(data, sorted(_TOP), source, "", problems, "top-level key")
+    strict = flag(data, "strict", True, source, problems)
     keep = data.get("keep", [])
     if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
         problems.append(Problem(source, "keep", f"keep must be an array of regexes, got {keep!r}"))
@@ -245,32 +237,14 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
             Problem(source, "config", f"config must be a table of integers, got {config!r}")
         )
         config = {}
-    raw = data.get("rules", [])
-    if not isinstance(raw, list):
-        problems.append(
-            Problem(
-                source, "rules", "rules must be an array of tables", hint="write [[rules]] blocks"
-            )
-        )
-        raw = []
+    raw = tables(data, "rules", source, problems)
     rules: list[MapRule] = []
     for i, item in enumerate(raw):
         where = f"rules[{i}]"
         if not isinstance(item, Mapping):
             problems.append(Problem(source, where, f"{item!r} is not a table"))
             continue
-        bad = False
-        for k in item:
-            if k not in _RULE:
-                problems.append(
-                    Problem(
-                        source,
-                        f"{where}.{k}",
-                        _unknown(k, _RULE),
-                        hint="allowed: " + ", ".join(sorted(_RULE)),
-                    )
-                )
-                bad = True
+        bad = not check_keys(item, sorted(_RULE), source, where, problems)
         src, target, skip = item.get("source"), item.get("target"), item.get("skip", False)
         if not isinstance(src, str):
             problems.append(
@@ -450,22 +424,11 @@ def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
             raise MappingError([problem], header="unknown mapping:")
         path = shipped[text].path
     p = Path(path)
-    header = f"invalid mapping file {p}:"
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise MappingError(
-            [Problem(str(p), "", f"cannot read the mapping file: {e.strerror or e}")], header=header
-        ) from e
-    except UnicodeDecodeError as e:
-        raise MappingError(
-            [Problem(str(p), "", f"not UTF-8 text (byte {e.start}); TOML files are UTF-8")],
-            header=header,
-        ) from e
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise MappingError([Problem(str(p), "", f"not valid TOML: {e}")], header=header) from e
+
+    def fail(problems: list[Problem]) -> MappingError:
+        return MappingError(problems, header=f"invalid mapping file {p}:")
+
+    data = read_toml(p, fail, where="", unreadable="the mapping file")
     return parse_weight_map(data, str(p))
 
 
