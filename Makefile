@@ -29,14 +29,18 @@ typecheck: env
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
+# Tests run in two pytest-xdist workers (CI has two cores), a test file per worker at a
+# time: module fixtures (the journey matrix's processes, the examples' runs) start once.
+XDIST = -n 2 --dist loadfile
+
 # The full suite: lint, types, strict docs build, every test on the lock, then the floor subset.
 test: lint typecheck docs
-	bash scripts/pytest.sh
+	bash scripts/pytest.sh $(XDIST)
 	$(MAKE) test-floor
 
 # The journey matrix and the examples on the oldest supported versions.
 test-floor: env-floor
-	VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
+	VENV=.venv-floor bash scripts/pytest.sh $(XDIST) -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test-fast: env
 	bash scripts/pytest.sh -x -q

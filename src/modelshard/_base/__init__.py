@@ -16,6 +16,7 @@ from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
 from .folding import fold as fold
+from .mesh import current_mesh as current_mesh
 from .mesh import is_abstract as is_abstract
 from .mesh import make_mesh as make_mesh
 from .mesh import mesh_sizes as mesh_sizes

@@ -1,5 +1,6 @@
-"""Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default) and the
-mesh vocabulary every module shares (``mesh_sizes``, ``format_mesh``)."""
+"""Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default), the
+active mesh (``current_mesh``) and what every module reads of a mesh (``mesh_sizes``,
+``is_abstract``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .errors import MeshError
-from .text import format_mesh as format_mesh
 
 _TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -123,3 +123,30 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
             f"expected a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}; build "
             "one with modelshard.make_mesh({'data': 8})."
         ) from e
+
+
+def current_mesh(concrete: bool = False) -> Any:
+    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when
+    ``mesh=`` is not given.
+
+    Args:
+        concrete: prefer the concrete ``Mesh`` (outside a trace, where arrays can be
+            placed); inside ``jit``, and otherwise, the ``AbstractMesh``.
+
+    Raises:
+        MeshError: no mesh is active.
+    """
+    if concrete:
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # inside a trace: only the abstract mesh is known
+            mesh = None
+        if mesh is not None and not getattr(mesh, "empty", False) and mesh.axis_names:
+            return mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
+        raise MeshError(
+            "no mesh given and none is active; pass mesh=..., or call inside "
+            "`with jax.set_mesh(mesh):` (shard_jit sets it while tracing)."
+        )
+    return mesh

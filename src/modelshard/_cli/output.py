@@ -51,7 +51,7 @@ def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
 
 
 def fmt_spec(spec: Any) -> str:
-    from .._specs import format_spec
+    from .._base import format_spec
 
     return "-" if spec is None else format_spec(spec)
 

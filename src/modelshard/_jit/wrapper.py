@@ -25,13 +25,15 @@ from .._base import (
     Problem,
     ShardingMismatchError,
     canonical_dtype,
+    current_mesh,
     dtype_name,
     format_mesh,
+    format_spec,
     mesh_sizes,
 )
 from .._containers import split
-from .._place import current_mesh, place
-from .._specs import active_logical, check_mesh_axes, format_spec
+from .._place import place
+from .._specs import active_logical, check_mesh_axes
 from .build import Call, Entry, Stale, build_entry, has_tracer
 from .layout import ArgumentLayout, Slot, invalid
 from .route import Route

@@ -7,7 +7,6 @@ from .assembly import global_shape as global_shape
 from .assembly import partitions as partitions
 from .constraints import ActivationConstraint as ActivationConstraint
 from .constraints import constrain as constrain
-from .constraints import current_mesh as current_mesh
 from .constraints import recording_constraints as recording_constraints
 from .constraints import strict_constraints as strict_constraints
 from .placement import place as place

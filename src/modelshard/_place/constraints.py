@@ -17,7 +17,15 @@ import jax
 from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .._base import MeshError, SpecError, close_match, dtype_name, mesh_sizes
+from .._base import (
+    MeshError,
+    SpecError,
+    close_match,
+    current_mesh,
+    dtype_name,
+    format_spec,
+    mesh_sizes,
+)
 from .._specs import (
     LeafPlan,
     Rules,
@@ -26,7 +34,6 @@ from .._specs import (
     active_logical,
     entry_axes,
     expand_args,
-    format_spec,
     is_axes_entry,
     is_leaf_spec,
 )
@@ -95,33 +102,6 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
     elif f is not None:
         out += ", while it is traced"
     return out
-
-
-def current_mesh(concrete: bool = False) -> Any:
-    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when
-    ``mesh=`` is not given.
-
-    Args:
-        concrete: prefer the concrete ``Mesh`` (outside a trace, where arrays can be
-            placed); inside ``jit``, and otherwise, the ``AbstractMesh``.
-
-    Raises:
-        MeshError: no mesh is active.
-    """
-    if concrete:
-        try:
-            mesh = jax.sharding.get_mesh()
-        except ValueError:  # inside a trace: only the abstract mesh is known
-            mesh = None
-        if mesh is not None and not getattr(mesh, "empty", False) and mesh.axis_names:
-            return mesh
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
-        raise MeshError(
-            "no mesh given and none is active; pass mesh=..., or call inside "
-            "`with jax.set_mesh(mesh):` (shard_jit sets it while tracing)."
-        )
-    return mesh
 
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -14,12 +14,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import (
     SHOW_ALL,
+    current_mesh,
     dtype_name,
     format_bytes,
     format_mesh,
+    format_spec,
     literal,
     mesh_sizes,
     size_in_bytes,
+    spec_json,
     vocabulary,
 )
 from .._specs import (
@@ -28,11 +31,9 @@ from .._specs import (
     SpecLike,
     entry_axes,
     expand_args,
-    format_spec,
     spec_from_json,
-    spec_json,
 )
-from .constraints import ActivationConstraint, current_mesh
+from .constraints import ActivationConstraint
 
 
 def _itemsize(dtype: Any) -> int:

@@ -19,10 +19,10 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from .._base import Problem, SpecError, mesh_sizes
+from .._base import Problem, SpecError, current_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
-from .constraints import constrain_leaves, current_mesh
+from .constraints import constrain_leaves
 
 _MAX_ENTRIES = 64
 

@@ -21,9 +21,7 @@ from typing import Any, TypeAlias
 
 from jax.sharding import PartitionSpec
 
-from .._base import Problem, SpecError, quote_pattern, toml_entry
-from .._base import format_spec as format_spec
-from .._base import spec_json as spec_json
+from .._base import Problem, SpecError, format_spec, quote_pattern, toml_entry
 from .logical import LogicalRules, compile_logical
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
@@ -376,7 +374,7 @@ def _is_pytree_node(x: Any) -> bool:
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-# The JSON spelling of specs (plans, records, ``--json``): ``_text.spec_json``.
+# The JSON spelling of specs (plans, records, ``--json``): ``_base``'s ``spec_json``.
 def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
     """The inverse of ``spec_json``."""
     return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
