@@ -182,6 +182,11 @@ def report(results: dict[str, tuple[dict[str, float], int, int]], n: int, markdo
     return "\n".join([env, "", *lines])
 
 
+def _ratio(r: float) -> float:
+    """A ratio to two decimals, or two significant digits below 0.1 (``0.013``)."""
+    return round(r, 2) if r >= 0.1 else float(f"{r:.2g}")
+
+
 def _slug(variant: str) -> str:
     """A figure name for a variant: ``shard_jit (the dict)`` -> ``shard_jit_the_dict``."""
     name = "".join(c if c.isalnum() else "_" for c in variant).strip("_")
@@ -227,16 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in res.items():
             name = _slug(k)
             figures[f"{slug}_{name}_us"] = round(v * 1e6)
-            figures[f"{slug}_{name}_vs_raw_jit"] = round(v / res[RAW], 2)
+            figures[f"{slug}_{name}_vs_raw_jit"] = _ratio(v / res[RAW])
         d = res["shard_jit (the dict)"]
-        figures[f"{slug}_shard_jit_the_dict_vs_jax_jit_the_dict"] = round(
-            d / res["jax.jit (the dict)"], 2
+        figures[f"{slug}_shard_jit_the_dict_vs_jax_jit_the_dict"] = _ratio(
+            d / res["jax.jit (the dict)"]
         )
-        figures[f"{slug}_shard_jit_the_dict_vs_eqx_filter_jit"] = round(
-            d / res["eqx.filter_jit (the dict)"], 2
+        figures[f"{slug}_shard_jit_the_dict_vs_eqx_filter_jit"] = _ratio(
+            d / res["eqx.filter_jit (the dict)"]
         )
-        figures[f"{slug}_shard_jit_nnx_Module_vs_nnx_jit"] = round(
-            res["shard_jit (nnx.Module)"] / res["nnx.jit (nnx.Module)"], 2
+        figures[f"{slug}_shard_jit_nnx_Module_vs_nnx_jit"] = _ratio(
+            res["shard_jit (nnx.Module)"] / res["nnx.jit (nnx.Module)"]
         )
         figures[f"{slug}_raw_jit_us"] = round(res[RAW] * 1e6)
     figures["load_at_end"] = round(os.getloadavg()[0], 2)
