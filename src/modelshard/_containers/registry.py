@@ -171,10 +171,10 @@ class NnxModuleAdapter(Adapter):
 
     Mutable: updates are written into the caller's module (``nnx.update``). Prefix trees
     and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
-    seen before is flattened as a JAX pytree down to its Variables (about a millisecond for
-    a thousand, where ``nnx.split`` takes tens), mapped onto ``nnx.split``'s leaf order by a
+    seen before is flattened as a JAX pytree down to its Variables (far cheaper than
+    ``nnx.split``: docs/benchmarks/dispatch.md), mapped onto ``nnx.split``'s leaf order by a
     cached route, and written back with ``Variable.set_value`` on the Variables that changed;
-    the same module object called again is only checked for changes (``_nnx_route.py``).
+    the same module object called again is only checked for changes (``nnx_route.py``).
     """
 
     kind: str = "nnx.Module"
