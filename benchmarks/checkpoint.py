@@ -164,6 +164,63 @@ def _run_json(cmd, timeout=900):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _figures(results, reshard_ratios, args, chunk_bytes) -> dict:
+    """What ``docs/benchmarks/checkpoint.md`` shows, in the units it shows them."""
+    mib = 1 << 20
+    nbytes, disk, big = (
+        results["state_bytes"],
+        results["checkpoint_bytes_on_disk"],
+        results["big_leaf_bytes"],
+    )
+    base = results["rss_baseline"]
+    out: dict = {
+        "gib": args.gib,
+        "leaves": args.leaves,
+        "repeats": args.repeats,
+        "chunk_mib": args.chunk_mb,
+        "state_mib": round(nbytes / mib),
+        "leaf_mib": round(nbytes / args.leaves / mib, 1),
+        "checkpoint_vs_state": round(disk / nbytes, 3),
+        "big_leaf_mib": round(big / mib),
+    }
+    for k in ("save_modelshard", "save_orbax", "save_np"):
+        out[f"{k}_s"] = round(results[f"{k}_s"], 2)
+        out[f"{k}_gbs"] = round(nbytes / results[f"{k}_s"] / 1e9, 2)
+        out[f"{k}_vs_orbax"] = round(results[f"{k}_s"] / results["save_orbax_s"], 2)
+    for k in ("restore_modelshard", "restore_modelshard_noverify", "restore_orbax", "restore_np"):
+        out[f"{k}_s"] = round(results[f"{k}_s"], 2)
+        out[f"{k}_gbs"] = round(nbytes / results[f"{k}_s"] / 1e9, 2)
+        out[f"{k}_vs_orbax"] = round(results[f"{k}_s"] / results["restore_orbax_s"], 2)
+    out["save_vs_floor"] = round(results["save_np_s"] / results["save_modelshard_s"], 2)
+    out["restore_vs_floor"] = round(results["restore_np_s"] / results["restore_modelshard_s"], 2)
+    for k, size in (
+        ("baseline", nbytes),
+        ("restore_reshard", nbytes),
+        ("reshard_cli", disk),
+        ("reshard_big_cli", big),
+    ):
+        peak = results[f"rss_{k}"]
+        out[f"rss_{k}_mib"] = round(peak / mib)
+        out[f"rss_{k}_vs_bytes"] = round(peak / size, 2)
+        if k != "baseline":
+            out[f"rss_{k}_above_baseline_mib"] = round((peak - base) / mib)
+            out[f"rss_{k}_above_baseline_vs_bytes"] = round((peak - base) / size, 2)
+    out["reshard_peak_target_mib"] = round((chunk_bytes + 64 * mib) / mib)
+    for k in ("reshard_restore_save_s", "reshard_s", "reshard_cli_s", "reshard_big_cli_s"):
+        out[k] = round(results[k], 1)
+    out["cli_startup_s"] = round(results["cli_startup_s"], 1)
+    out["reshard_cli_less_startup_s"] = round(
+        results["reshard_cli_s"] - results["cli_startup_s"], 1
+    )
+    out["reshard_vs_restore_save"] = round(
+        results["reshard_s"] / results["reshard_restore_save_s"], 2
+    )
+    out["reshard_ratios"] = [round(r, 2) for r in reshard_ratios]
+    out["reshard_cli_vs_restore_save"] = round(results["reshard_cli_vs_restore_save"], 2)
+    out["reshard_checksums_match"] = "yes" if results["reshard_checksums_match"] else "no"
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
@@ -382,17 +439,7 @@ def main(argv=None) -> int:
     print(json.dumps({**results, "reshard_ratios": reshard_ratios}))
     from results import write_results
 
-    figures = {
-        k: round(v, 4) if isinstance(v, float) else v
-        for k, v in results.items()
-        if not isinstance(v, bool)
-    }
-    figures["reshard_checksums_match"] = str(results["reshard_checksums_match"])
-    figures["reshard_ratios"] = [round(r, 3) for r in reshard_ratios]
-    figures["restore_vs_floor"] = round(
-        results["restore_np_s"] / results["restore_modelshard_s"], 3
-    )
-    figures["load_at_end"] = round(os.getloadavg()[0], 2)
+    figures = _figures(results, reshard_ratios, args, chunk_bytes)
     write_results("checkpoint", figures, argv=sys.argv)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -210,8 +210,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
-    print(report(run(), args.markdown))
+    rows = run()
+    print(report(rows, args.markdown))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results import write_results
+
+    write_results("compiles", figures(rows), argv=sys.argv)
     return 0
+
+
+def figures(rows: list[tuple[str, str, dict[str, Cell]]]) -> dict[str, Any]:
+    """Per step and input kind: the compilations in each column (Auto/Explicit, kept/donated)
+    and the seconds the calls took, or the error that refused the input."""
+    steps = {
+        "dict + optax, shard_jit": "dict_shard_jit",
+        "dict + optax, jax.jit (same shardings)": "dict_jax_jit",
+        "nnx.Module + nnx.Optimizer, shard_jit": "nnx_shard_jit",
+    }
+    out: dict[str, Any] = {"calls": CALLS}
+    for label, kind, cells in rows:
+        name = f"{steps[label]}_{kind.replace('-', '_')}"
+        refused = {c for c in cells.values() if isinstance(c, str)}
+        if refused:
+            out[f"{name}_compiles"] = "refused (" + ", ".join(sorted(refused)) + ")"
+            continue
+        counted = [c for c in cells.values() if not isinstance(c, str)]
+        out[f"{name}_compiles"] = [n for n, _ in counted]
+        out[f"{name}_seconds"] = [round(t, 2) for _, t in counted]
+    return out
 
 
 if __name__ == "__main__":

@@ -182,6 +182,19 @@ def report(results: dict[str, tuple[dict[str, float], int, int]], n: int, markdo
     return "\n".join([env, "", *lines])
 
 
+def _ratio(r: float) -> float:
+    """A ratio to two decimals, or two significant digits below 0.1 (``0.013``)."""
+    return round(r, 2) if r >= 0.1 else float(f"{r:.2g}")
+
+
+def _slug(variant: str) -> str:
+    """A figure name for a variant: ``shard_jit (the dict)`` -> ``shard_jit_the_dict``."""
+    name = "".join(c if c.isalnum() else "_" for c in variant).strip("_")
+    while "__" in name:
+        name = name.replace("__", "_")
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--leaves", type=int, default=1000)
@@ -205,18 +218,35 @@ def main(argv: list[str] | None = None) -> int:
             args.update_calls,
         )
     print(report(results, args.leaves, args.markdown))
+    if args.read_only:  # docs/benchmarks/dispatch.md shows both workloads from one run
+        print("--read-only: docs/benchmarks/results/dispatch.json left as it was")
+        return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from results import write_results
 
-    figures: dict[str, Any] = {"leaves": args.leaves, "rounds": args.rounds}
+    figures: dict[str, Any] = {
+        "leaves": args.leaves,
+        "rounds": args.rounds,
+        "read_calls": args.calls,
+        "update_calls": args.update_calls,
+    }
     for w, (res, _, _) in results.items():
         slug = w.split(":")[0].lower()
         for k, v in res.items():
-            name = "".join(c if c.isalnum() else "_" for c in k).strip("_")
-            while "__" in name:
-                name = name.replace("__", "_")
-            figures[f"{slug}_{name}_vs_raw_jit"] = round(v / res[RAW], 3)
-        figures[f"{slug}_raw_jit_us"] = round(res[RAW] * 1e6, 1)
+            name = _slug(k)
+            figures[f"{slug}_{name}_us"] = round(v * 1e6)
+            figures[f"{slug}_{name}_vs_raw_jit"] = _ratio(v / res[RAW])
+        d = res["shard_jit (the dict)"]
+        figures[f"{slug}_shard_jit_the_dict_vs_jax_jit_the_dict"] = _ratio(
+            d / res["jax.jit (the dict)"]
+        )
+        figures[f"{slug}_shard_jit_the_dict_vs_eqx_filter_jit"] = _ratio(
+            d / res["eqx.filter_jit (the dict)"]
+        )
+        figures[f"{slug}_shard_jit_nnx_Module_vs_nnx_jit"] = _ratio(
+            res["shard_jit (nnx.Module)"] / res["nnx.jit (nnx.Module)"]
+        )
+        figures[f"{slug}_raw_jit_us"] = round(res[RAW] * 1e6)
     figures["load_at_end"] = round(os.getloadavg()[0], 2)
     write_results("dispatch", figures, argv=sys.argv)
     return 0

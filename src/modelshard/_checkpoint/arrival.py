@@ -8,8 +8,9 @@ next leaves are being read.
 
 The cap on the bytes Orbax reads at once (``restore_concurrent_bytes``) is Orbax's
 ``LimitInFlightBytes``, an ``asyncio.Condition`` that wakes every waiting read whenever one
-finishes: with the 512 shard reads of a 64-leaf state on 8 devices that is some 130,000
-wake-ups, about a second of the event loop's time per GiB. ``FairLimiter`` keeps the same
+finishes: the wake-ups grow with the square of the shard reads waiting, and with the
+hundreds of reads of a sharded state they take much of the event loop's time (restore
+against raw Orbax: docs/benchmarks/checkpoint.md). ``FairLimiter`` keeps the same
 contract (at most ``max_bytes`` reserved; a request must leave some to spare, as Orbax's
 does) with a first-come queue that wakes only the reads that now fit.
 
@@ -18,7 +19,7 @@ its reads then all run at once: on a new layout several of them touch the same s
 chunks (each column block of row-chunked data touches every row chunk), and TensorStore
 decodes a chunk once for all the reads in flight that want it, where reads queued one
 after another decoded it once each (the zstd chunks of older checkpoints cost far more
-CPU time that way; docs/benchmarks/checkpoint.md).
+CPU time that way; the relayout rows of docs/benchmarks/checkpoint.md).
 """
 
 from __future__ import annotations

@@ -50,8 +50,9 @@ def return_freed_memory() -> None:
 
     By default glibc raises that threshold to the largest block freed so far (up to 32
     MiB), so the chunk-sized buffers resharding frees and allocates again, chunk after
-    chunk and on many reader threads, would stay resident as fragmented heap (about 40 MiB
-    more peak for a 1 GiB checkpoint). ``modelshard reshard`` and ``modelshard convert``
+    chunk and on many reader threads, would stay resident as fragmented heap (the
+    command's peak: docs/benchmarks/checkpoint.md). ``modelshard reshard`` and
+    ``modelshard convert``
     exist only to stream a checkpoint, so the allocator's settings are theirs to choose.
     Elsewhere (no glibc) nothing changes.
     """

@@ -1,14 +1,13 @@
 """NNX objects on ``shard_jit``'s per-call path: their Variables without ``nnx.split``.
 
-``nnx.split`` walks the whole graph and builds a ``GraphDef`` (tens of milliseconds for a
-thousand Variables). A module seen before is instead flattened as a JAX pytree down to its
-``Variable`` objects, and a cached ``LeafOrder`` maps those onto ``nnx.split``'s leaf
-order. Flattening an NNX pytree still runs Flax's Python per node (about half a
-millisecond for a thousand Variables), so the same module *object* called again is only
-checked: a ``Snapshot`` remembers every container in its graph (modules, ``nnx.List``,
-plain lists, tuples and dicts) with the identity of each attribute or item, and a call
-whose containers still hold the very same objects (C-level identity comparisons) reuses
-the Variables and their order. Anything else (an attribute set, a Variable replaced, a
+``nnx.split`` walks the whole graph and builds a ``GraphDef`` (most of ``nnx.jit``'s
+per-call time: docs/benchmarks/dispatch.md). A module seen before is instead flattened as
+a JAX pytree down to its ``Variable`` objects, and a cached ``LeafOrder`` maps those onto
+``nnx.split``'s leaf order. Flattening an NNX pytree still runs Flax's Python per node,
+so the same module *object* called again is only checked: a ``Snapshot`` remembers every
+container in its graph (modules, ``nnx.List``, plain lists, tuples and dicts) with the
+identity of each attribute or item, and a call whose containers still hold the very same
+objects (C-level identity comparisons) reuses the Variables and their order. Anything else (an attribute set, a Variable replaced, a
 list grown) takes the JAX-pytree route, and a new structure ``nnx.split``.
 
 Updates are written back with ``Variable.set_value`` on the Variables that changed.
@@ -212,8 +211,8 @@ class NnxModuleAdapter(Adapter):
 
     Mutable: updates are written into the caller's module (``nnx.update``). Prefix trees
     and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
-    seen before is flattened as a JAX pytree down to its Variables (about a millisecond for
-    a thousand, where ``nnx.split`` takes tens), mapped onto ``nnx.split``'s leaf order by a
+    seen before is flattened as a JAX pytree down to its Variables (far cheaper than
+    ``nnx.split``: docs/benchmarks/dispatch.md), mapped onto ``nnx.split``'s leaf order by a
     cached route, and written back with ``Variable.set_value`` on the Variables that changed;
     the same module object called again is only checked for changes.
     """

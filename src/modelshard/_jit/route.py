@@ -1,7 +1,8 @@
 """``shard_jit``'s per-call route for plain containers: gather leaves by a remembered layout.
 
 JAX flattens a dict by sorting its keys on every call (``jax.jit`` on a dict of 1,000 arrays
-costs 1.1-1.4x the same jit on the pre-flattened arrays here). Model state passed to a step
+against the same jit on the pre-flattened arrays: docs/benchmarks/dispatch.md). Model state
+passed to a step
 is the same structure call after call, and dicts rebuilt by JAX even keep their keys in
 the same (sorted) order. A ``Route`` remembers, for every dict, list and tuple of the
 last call's arguments, its keys in insertion order and where each child goes; the next call
@@ -67,10 +68,11 @@ def _count(lay: Any) -> tuple[int, int]:
 def _cheaper(x: Any, lay: Any) -> Any:
     """``lay``, or JAX's flattening when that is cheaper for ``x``.
 
-    Checking a node in Python costs about a microsecond; JAX flattens about four leaves in
-    that time. Wide containers (a dict of 1,000 arrays: 20 us against 250 us) gather
-    faster in Python, deep ones (hundreds of small dicts) flatten faster in JAX, whose
-    structure is then compared whole.
+    Checking a node in Python costs what JAX takes to flatten a few leaves, hence the
+    cut-off below (a node per five leaves). Wide containers (a dict of 1,000 arrays, the
+    dict rows of docs/benchmarks/dispatch.md) gather faster in Python, deep ones
+    (hundreds of small dicts) flatten faster in JAX, whose structure is then compared
+    whole.
     """
     if lay[0] not in ("dict", "seq"):
         return lay
