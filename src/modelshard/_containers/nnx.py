@@ -7,8 +7,9 @@ a JAX pytree down to its ``Variable`` objects, and a cached ``LeafOrder`` maps t
 so the same module *object* called again is only checked: a ``Snapshot`` remembers every
 container in its graph (modules, ``nnx.List``, plain lists, tuples and dicts) with the
 identity of each attribute or item, and a call whose containers still hold the very same
-objects (C-level identity comparisons) reuses the Variables and their order. Anything else (an attribute set, a Variable replaced, a
-list grown) takes the JAX-pytree route, and a new structure ``nnx.split``.
+objects (C-level identity comparisons) reuses the Variables and their order. Anything
+else (an attribute set, a Variable replaced, a list grown) takes the JAX-pytree route, and
+a new structure ``nnx.split``.
 
 Updates are written back with ``Variable.set_value`` on the Variables that changed.
 
