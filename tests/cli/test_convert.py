@@ -119,11 +119,23 @@ def test_convert_to_safetensors_refuses_to_replace_without_overwrite(
     assert capsys.readouterr().out == (
         f"wrote hf/model.safetensors.index.json: {written} tensors, {size:.2f} KiB in 3 files\n"
     )
-    # a directory DST for one file: the writer's own error, --overwrite would not help
+    # a directory DST without --max-shard-size: save_pretrained's 5GB, so here one
+    # model.safetensors; refused beside an earlier export's shards, as save_safetensors is
+    assert main(["convert", str(ckpt), "one", "--to", "safetensors", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["destination"] == str(tmp_path / "one" / "model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["model.safetensors"]
     assert main(["convert", str(ckpt), "hf", "--to", "safetensors"]) == 1
     assert capsys.readouterr().err == (
-        "modelshard convert: error: hf: a directory; pass a .safetensors file name in it\n"
+        "modelshard convert: error: hf (model-00001-of-00003.safetensors) already exists; pass "
+        "--overwrite to replace it\n"
     )
+    assert main(["convert", str(ckpt), "hf", "--to", "safetensors", "--overwrite"]) == 0
+    one = (tmp_path / "hf" / "model.safetensors").stat().st_size / 1024
+    assert (
+        capsys.readouterr().out == f"wrote hf/model.safetensors: {written} tensors, {one:.2f} KiB\n"
+    )
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["model.safetensors"]
 
 
 def test_convert_json_paths_are_absolute_and_dry_run_transforms_null(tmp_path, capsys, monkeypatch):

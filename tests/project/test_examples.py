@@ -190,6 +190,21 @@ def test_llama_weights(results: dict[str, Any]) -> None:
     assert "lm_head.weight" in out["exported"]
 
 
+def test_qwen_weights(results: dict[str, Any]) -> None:
+    out = _ok(results, "qwen_weights")
+    for family, extra in (("qwen2", [4, 16]), ("qwen3", [32])):
+        got = out[family]
+        assert got["max_err"] < 1e-4  # logits match the NumPy reference on the stored tensors
+        assert got["bit_exact"]  # exported back in the checkpoint's names, shapes, dtypes
+        assert got["q_spec"] == "P('data', 'model', None)"
+        assert got["extra_shape"] == extra  # q bias [heads, head_dim]; q_norm [head_dim]
+        assert got["files"] == ["config.json", "model.safetensors"]  # a model directory
+    assert "model.layers.1.self_attn.v_proj.bias" in out["qwen2"]["exported"]
+    assert "model.layers.1.self_attn.k_norm.weight" in out["qwen3"]["exported"]
+    assert not out["qwen2"]["has_head"] and "lm_head.weight" not in out["qwen2"]["exported"]
+    assert out["qwen3"]["has_head"] and "lm_head.weight" in out["qwen3"]["exported"]
+
+
 def test_linen_to_nnx(results: dict[str, Any]) -> None:
     out = _ok(results, "linen_to_nnx")
     assert out["max_err"] < 1e-4  # the NNX model restored through the mapping = linen's

@@ -1,7 +1,8 @@
-"""The shipped Hugging Face Gemma 3 mapping (``examples/mappings/hf_gemma3.toml``) into the
-parameter tree of Google's JAX Gemma code, built from shapes: loaded onto a mesh, checked
-against the same projections computed from the stored tensors, and exported back to the
-original file's bytes; one mapping file for two sizes (head counts from ``config.json``)."""
+"""The example Hugging Face Gemma 3 mapping (``examples/mappings/hf_gemma3.toml``) into the
+layout of Google's official Gemma 3 checkpoint files (``transformer/layer_N/...``), built
+from shapes: loaded onto a mesh, checked against the same projections computed from the
+stored tensors, and exported back to the original file's bytes; one mapping file for two
+sizes (head counts from ``config.json``)."""
 
 from __future__ import annotations
 

@@ -93,20 +93,29 @@ def test_loads_by_hub_id_from_an_offline_cache(written, tmp_path, monkeypatch) -
     assert_clean(info)
 
 
-def test_cli_convert_writes_a_checkpoint_that_restores_with_torchs_logits(
-    written, tmp_path
-) -> None:
+def test_cli_convert_both_ways_with_torchs_logits(written, tmp_path) -> None:
+    """``modelshard convert`` into a checkpoint that restores with torch's logits, and
+    back (``--to safetensors`` to a directory, no ``--max-shard-size``: save_pretrained's
+    default) into a model directory that ``from_pretrained`` loads with the same logits."""
     from modelshard.cli import main
 
     d, model, s = written
     assert main(["convert", str(d), str(tmp_path / "ckpt"), "--mapping", "llama"]) == 0
-    from flax import nnx
-
     like = abstract(s)
     graph, state = nnx.split(like)
     restored = ms.restore(tmp_path / "ckpt", like=state)
     ours = nnx.merge(graph, restored)
     np.testing.assert_allclose(jax_logits(ours), torch_logits(model), atol=TOL, rtol=0)
+
+    out = tmp_path / "out"
+    back = ["convert", str(tmp_path / "ckpt"), str(out), "--to", "safetensors"]
+    assert main([*back, "--mapping", "llama", "--reference", str(d)]) == 0
+    names = {"model.safetensors", "config.json", "generation_config.json"}
+    assert {p.name for p in out.iterdir()} == names | {"tokenizer.json", "tokenizer_config.json"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    reloaded, info = reload(out, transformers.AutoModelForCausalLM)
+    assert_clean(info)
+    np.testing.assert_allclose(torch_logits(reloaded), torch_logits(model), atol=TOL, rtol=0)
 
 
 def test_a_plain_and_a_lora_model_load_with_the_same_mapping(written) -> None:

@@ -31,11 +31,15 @@ def add_parser(sub: Any) -> None:
         "from the local cache first) through a mapping file and write DST, a sharded "
         "modelshard checkpoint laid out for --mesh and --rules, streamed (each leaf computed a "
         "slab of rows at a time through the mapping and written as it comes; nothing is "
-        "placed on the devices); with --to safetensors, write the checkpoint SRC back as the "
-        "safetensors file DST (the mapping backwards; --reference names the file it was "
-        "imported from; without it every leaf under its path, '/' written as '.'), or with "
-        "--max-shard-size as Hugging Face's sharded layout in the directory DST. --dry-run "
-        "prints the mapping table without reading a tensor.",
+        "placed on the devices); with --to safetensors, write the checkpoint SRC back as "
+        "safetensors (the mapping backwards; --reference names the checkpoint it was "
+        "imported from; without it every leaf under its path, '/' written as '.'): DST "
+        "ending .safetensors is one file; any other DST is a model directory, what "
+        "transformers' from_pretrained loads (model.safetensors, or shards of at most "
+        "--max-shard-size, default 5GB, and model.safetensors.index.json, as "
+        "save_pretrained writes; config.json, the generation config and the tokenizer "
+        "files from --reference's directory). --dry-run prints the mapping table without "
+        "reading a tensor.",
     )
     c.add_argument(
         "source",
@@ -45,7 +49,8 @@ def add_parser(sub: Any) -> None:
     c.add_argument(
         "destination",
         metavar="DST",
-        help="checkpoint directory (or .safetensors file, or with --max-shard-size a directory)",
+        help="checkpoint directory (with --to safetensors: a .safetensors file or a model "
+        "directory)",
     )
     c.add_argument(
         "--mapping",
@@ -98,9 +103,10 @@ def add_parser(sub: Any) -> None:
         metavar="SIZE",
         default=None,
         type=_size,
-        help="with --to safetensors: Hugging Face's sharded layout in the directory DST, "
+        help="with --to safetensors: Hugging Face's sharded layout, "
         "model-0000k-of-0000n.safetensors files of at most SIZE (bytes, or 5GB, 500MB, 2GiB) "
-        "and model.safetensors.index.json",
+        "and model.safetensors.index.json, in the directory DST (or beside DST when it names "
+        "a .safetensors file, its stem for 'model'); default for a directory DST: 5GB",
     )
     c.add_argument(
         "--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)"
@@ -230,12 +236,21 @@ def _row_json(r: Any) -> dict[str, Any]:
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
     """A checkpoint written back as safetensors (one file, or with ``--max-shard-size``
-    Hugging Face's sharded layout), one checkpoint leaf on the host at a time
+    Hugging Face's sharded layout; a DST not ending ``.safetensors`` is a model directory,
+    as ``save_safetensors`` writes one), one checkpoint leaf on the host at a time
     (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
 
     from .._base import format_bytes
     from .._checkpoint import host_leaves, locate
-    from .._weights import Exporter, as_mapping, reference_table, write_export
+    from .._weights import (
+        Exporter,
+        as_mapping,
+        finish_model_directory,
+        is_model_directory,
+        reference_table,
+        shard_size_for,
+        write_export,
+    )
 
     if args.reference is None and args.mapping is not None:
         from .._base import CheckpointError
@@ -244,7 +259,8 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
         )
-    _refuse_existing(args)
+    max_shard_size = shard_size_for(args.destination, args.max_shard_size)
+    _refuse_existing(args, max_shard_size)
     source = locate(checkpoint_arg(args, args.source))
     targets, load = host_leaves(source)
     if args.reference is None:  # every leaf under its path, '/' written as '.'
@@ -269,11 +285,13 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             items,
             ex.compute,
             meta,
-            max_shard_size=args.max_shard_size,
+            max_shard_size=max_shard_size,
             progress=progress,
             overwrite=args.overwrite,
             flag="--overwrite",
         )
+        if is_model_directory(args.destination):
+            finish_model_directory(dest, args.reference, items)
     files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
     nbytes = sum(f.stat().st_size for f in files)
     if args.json:
@@ -297,12 +315,13 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_existing(args: argparse.Namespace) -> None:
+def _refuse_existing(args: argparse.Namespace, max_shard_size: int | str | None) -> None:
     """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
-    (``--max-shard-size``) the index, the lone file or shards of the same name; the same
-    rule as ``save_safetensors(overwrite=)``, checked before the source is read."""
+    (a directory, or ``--max-shard-size``) the index, the lone file or shards of the same
+    name; the same rule as ``save_safetensors(overwrite=)``, checked before the source is
+    read."""
     from .._weights import check_destination
 
     check_destination(
-        args.destination, args.max_shard_size, overwrite=args.overwrite, flag="--overwrite"
+        args.destination, max_shard_size, overwrite=args.overwrite, flag="--overwrite"
     )

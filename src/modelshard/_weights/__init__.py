@@ -28,6 +28,9 @@ from .load import resolve_target as resolve_target
 from .load import target_table as target_table
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
+from .model_dir import finish_model_directory as finish_model_directory
+from .model_dir import is_model_directory as is_model_directory
+from .model_dir import shard_size_for as shard_size_for
 from .ops import Add as Add
 from .ops import Rearrange as Rearrange
 from .ops import Reshape as Reshape

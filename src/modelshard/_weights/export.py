@@ -27,13 +27,7 @@ from .._runtime import barrier, gather, require_addressable
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
-from .model_dir import (
-    DEFAULT_SHARD_SIZE,
-    is_model_directory,
-    reference_directory,
-    write_model_files,
-    written_dtype,
-)
+from .model_dir import finish_model_directory, is_model_directory, shard_size_for
 from .resolution import Resolution, resolve
 from .rules import WeightMap
 from .safetensors import (
@@ -210,21 +204,18 @@ def save_safetensors(
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
         shared = ex.shared_plan()
-    directory = is_model_directory(path)
-    if directory and max_shard_size is None:
-        max_shard_size = DEFAULT_SHARD_SIZE
     out = write_export(
         path,
         items,
         compute,
         metadata if metadata is not None else meta,
-        max_shard_size=max_shard_size,
+        max_shard_size=shard_size_for(path, max_shard_size),
         progress=progress,
         overwrite=overwrite,
         shared=shared,
     )
-    if directory:
-        write_model_files(out.parent, reference_directory(reference), written_dtype(items))
+    if is_model_directory(path):
+        finish_model_directory(out, reference, items)
         if jax.process_count() > 1:  # every process returns once the directory is complete
             barrier("modelshard:export:model-files")
     return out

@@ -45,6 +45,26 @@ def is_model_directory(path: str | os.PathLike[str]) -> bool:
     return not name.endswith((".safetensors", ".json"))
 
 
+def shard_size_for(
+    path: str | os.PathLike[str], max_shard_size: int | str | None
+) -> int | str | None:
+    """The ``max_shard_size`` an export to ``path`` writes with: the one given, or for a
+    model directory ``DEFAULT_SHARD_SIZE`` (one ``model.safetensors``, an index above it,
+    as ``save_pretrained`` writes); ``None`` (one file) for a ``.safetensors`` path."""
+    if max_shard_size is None and is_model_directory(path):
+        return DEFAULT_SHARD_SIZE
+    return max_shard_size
+
+
+def finish_model_directory(
+    written: Path, reference: Any, items: Iterable[tuple[str, tuple[int, ...], Any]]
+) -> None:
+    """Beside the weights ``written`` (the lone file or the index) in a model directory:
+    ``reference``'s ``config.json`` with the dtype of ``items`` and its ``CARRIED`` files
+    (``write_model_files``); nothing for a reference given as a container."""
+    write_model_files(written.parent, reference_directory(reference), written_dtype(items))
+
+
 def reference_directory(reference: Any) -> Path | None:
     """The directory holding a reference checkpoint's ``config.json`` and tokenizer (a
     file's parent, the directory itself, a Hub repository's cached snapshot), or ``None``
