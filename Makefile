@@ -29,9 +29,9 @@ typecheck: env
 docs: env
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
-# Tests run in two pytest-xdist workers (CI has two cores), a test file per worker at a
-# time: module fixtures (the journey matrix's processes, the examples' runs) start once.
-XDIST = -n 2 --dist loadfile
+# Tests run in two pytest-xdist workers (CI has two cores). A file whose module fixtures
+# start processes (the journey matrix, the examples) is one xdist_group: one worker runs it.
+XDIST = -n 2 --dist loadgroup
 
 # The full suite: lint, types, strict docs build, every test on the lock, then the floor subset.
 test: lint typecheck docs

@@ -24,6 +24,11 @@ import pytest
 import modelshard as ms
 from helpers import KINDS, MAKERS, RULES, Zygote
 
+# pytest-xdist's workers set COLUMNS=80; the command-line output under test is the one a
+# pipe gets (160 columns, the tests' tables assume it), whichever way the suite runs.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 
 @pytest.fixture(autouse=True)
 def _restore_registry():

@@ -22,6 +22,9 @@ import pytest
 
 import modelshard as ms
 
+# one worker runs this file (its module fixtures start processes once)
+pytestmark = pytest.mark.xdist_group("manager-exit")
+
 CHILD = Path(__file__).parent / "manager_scripts" / "exit_child.py"
 N = 1 << 16
 LIMIT_S = 90

@@ -22,6 +22,9 @@ import pytest
 import modelshard as ms
 from modelshard._checkpoint.resharding import reshard
 
+# one worker runs this file (its module fixtures start processes once)
+pytestmark = pytest.mark.xdist_group("safety")
+
 
 def _hidden(parent: Path) -> list[str]:
     """Names in ``parent`` a save leaves behind when it fails: anything starting with '.'

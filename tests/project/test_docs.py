@@ -138,12 +138,14 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_docs_code_blocks_run() -> None:
+@pytest.mark.parametrize("half", [0, 1])
+def test_docs_code_blocks_run(half: int) -> None:
+    # Two halves of the pages, each in one process: two test workers share the work.
     assert RUNNABLE, "no runnable code blocks found under docs/"
     # Tiny arrays: compile time dominates, so XLA's backend optimisations are turned down.
     xla = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     proc = subprocess.run(
-        [sys.executable, "-c", _RUNNER, *map(str, RUNNABLE)],
+        [sys.executable, "-c", _RUNNER, *map(str, RUNNABLE[half::2])],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+# one worker runs this file (its module fixtures start processes once)
+pytestmark = pytest.mark.xdist_group("examples")
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 MARK = "@@EXAMPLE-RESULTS@@"

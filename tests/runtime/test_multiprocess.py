@@ -23,6 +23,9 @@ from modelshard._runtime import launch as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.xdist_group(
+        "multiprocess-train"
+    ),  # one worker: its module fixtures start processes once
     pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux"),
 ]
 

@@ -41,6 +41,9 @@ from modelshard._runtime import launch as _launch
 from modelshard._weights import shared
 from modelshard._weights.safetensors import parse_size, write_sharded
 
+# one worker runs this file (its module fixtures start processes once)
+pytestmark = pytest.mark.xdist_group("export")
+
 
 class Block(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):

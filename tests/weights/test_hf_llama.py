@@ -32,6 +32,9 @@ from hf_family import (
     write_pretrained,
 )
 
+# one worker runs this file (its module fixtures start processes once)
+pytestmark = pytest.mark.xdist_group("hf-llama")
+
 
 def _config(tied: bool) -> object:
     return transformers.LlamaConfig(
