@@ -13,8 +13,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
