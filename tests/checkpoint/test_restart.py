@@ -257,3 +257,75 @@ def test_a_reshard_write_failing_on_one_process_fails_on_every_process_at_once(t
         }, results
         assert r["seconds"] < 60, results  # not the 120 s barrier timeout
     assert not dst.exists() and not staging.exists()
+
+
+def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
+    """Process 0 raises before a gather, a barrier and a broadcast that process 1 makes;
+    process 1 gives up on each after its timeout. The next call of each name meets the
+    other process's next call: the gather returns this call's values (not the abandoned
+    one's), the barrier passes, the broadcast carries process 0's value, on both."""
+    env = {"MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
+    script = SCRIPTS / "out_of_step.py"
+    codes, outputs = two_processes(str(tmp_path), env=env, script=script, limit_s=150)
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    for kind, name in (("gather", "g"), ("barrier", "b"), ("broadcast", "c")):
+        assert results[1][f"{kind} skipped"].startswith(
+            f"process 1 of 2: {kind} {name!r} failed after waiting up to 3 s for the other "
+            "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
+        ), results[1]
+    for r in results:
+        assert r["gather"] == ["from 0", "from 1"], results
+        assert r["barrier"] == "passed"
+        assert r["broadcast"] == "from 0", results
+        assert r["after"] == [0, 1], results
+
+
+def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
+    """``ms.save`` where one process's part fails (its arrays on a full disk, process 0's
+    rename on a read-only one, an object store refusing one process): both processes raise
+    the same error at once, naming the process, instead of the other one waiting at the
+    next barrier for the barrier timeout; nothing is left behind, and the next save of both
+    processes works."""
+    root = tmp_path / "saves"
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "120", "MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
+    script = SCRIPTS / "save_fails_on_one.py"
+    codes, outputs = two_processes(
+        str(root), str(tmp_path), s3_root, env=env, script=script, limit_s=200
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    full = "OSError: No space left on device (injected)"
+    want = {
+        "arrays": f"writing {staging_dir(root / 'arrays')} failed on process 1: {full}",
+        "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
+        "system (injected)",
+        "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
+    }
+    for r in results:
+        for case, message in want.items():
+            assert r[case]["raised"] == {"type": "CheckpointError", "message": message}, r
+            assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
+        assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
+    for case in ("arrays", "commit"):
+        assert not (root / case).exists() and not staging_dir(root / case).exists()
+    assert sorted(p.name for p in root.iterdir()) == ["after"]
+
+
+def test_every_process_lists_the_steps_process_0_lists(tmp_path):
+    """Process 1's own listing lags (step 1 not in it yet): ``all_steps``, ``latest_step``
+    and ``restore()`` still give process 0's answer on both processes."""
+    env = {"MODELSHARD_HEARTBEAT_TIMEOUT": "10", "MODELSHARD_BARRIER_TIMEOUT": "60"}
+    script = SCRIPTS / "agreed_steps.py"
+    codes, outputs = two_processes(
+        str(tmp_path / "run"), str(tmp_path), env=env, script=script, limit_s=150
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    assert [r["own listing"] for r in results] == [[0, 1], [0]], results  # they differ
+    for r in results:
+        assert r["all_steps"] == [0, 1] and r["latest_step"] == 1, results
+        assert r["restored"] == 1.0, results
