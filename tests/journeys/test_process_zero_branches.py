@@ -41,7 +41,7 @@ OURS = {
     "remove_leftovers", "_exchange", "_fsync_dir", "write_text_durable", "_make_room",
     "complete_steps", "reaching", "_remove_partial", "_delete_step", "_finalize",
     "_tree_metadata", "_sharding_file", "_checkpoint_metadata", "_empty_sums",
-    "_write_adapter",
+    "_write_adapter", "_commit",
 }  # fmt: skip
 
 

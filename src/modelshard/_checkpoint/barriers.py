@@ -1,5 +1,5 @@
 """Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``; a
-failure on one process shared with the others (``shared_failure``).
+failure on one process shared with the others (``shared_failure``, ``sharing_failures``).
 
 Orbax (0.12.8) waits at coordination-service barriers of its own in every multi-process
 save (its start, directory creation, the commit of an asynchronous save), each with a
@@ -21,13 +21,16 @@ import functools
 import threading
 from typing import Any
 
-from .._base import CheckpointError
+import jax
+
+from .._base import CheckpointError, DistributedError
 from .._runtime import barrier_timeout_s, gather, wait_failed
 
 KEY_PREFIX = "modelshard"
 """The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
 
 _lock = threading.Lock()
+_SHARED = "_modelshard_shared"  # set on the errors shared_failure makes
 
 
 def ours(key: str) -> bool:
@@ -71,17 +74,68 @@ def shared_failure(failure: Exception | None, name: str, what: str) -> Exception
     return the error every process raises if any part failed, or None.
 
     Without it a process whose part failed raises alone, and the others wait for it at the
-    next barrier until ``MODELSHARD_BARRIER_TIMEOUT``. In one process the failure is
-    returned as it is; under several, every process gets the same ``CheckpointError``,
-    naming the first process that failed (its own failure, if any, is the cause).
+    next barrier until ``MODELSHARD_BARRIER_TIMEOUT``. When every process failed (one
+    process, or a check every process makes) each gets its own failure as it is; else
+    every process gets the same ``CheckpointError``, naming the first process that failed
+    (its own failure, if any, is the cause).
     """
     how = None if failure is None else f"{type(failure).__name__}: {failure}"
     ended = gather(how, name)
     failed = [(p, h) for p, h in enumerate(ended) if h is not None]
     if not failed:
         return None
-    if len(ended) == 1:
+    if len(failed) == len(ended):
         return failure
     error = CheckpointError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
     error.__cause__ = failure
+    setattr(error, _SHARED, True)
     return error
+
+
+def is_shared(error: BaseException) -> bool:
+    """Whether ``error`` came out of ``shared_failure``: every process raised it at once,
+    so no process waits for another at a later barrier of the same write."""
+    return bool(getattr(error, _SHARED, False))
+
+
+def raise_shared(failure: Exception | None, name: str, what: str) -> None:
+    """``shared_failure``, raised: every process raises the same error, or none does.
+
+    A failure that is already shared (``is_shared``: every process raised it at once) is
+    raised as it is, without another exchange, and so is a ``DistributedError`` (a
+    process did not come to a wait: it would not come to the exchange either).
+    """
+    if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
+        raise failure
+    shared = shared_failure(failure, name, what)
+    if shared is not None:
+        raise shared
+
+
+def sharing_failures(handler: Any, name: str, what: str) -> Any:
+    """``handler`` (an Orbax checkpoint handler given to a synchronous ``Checkpointer``),
+    whose ``save`` tells every process how this process's part ended before Orbax waits
+    at its next barrier (``Checkpointer:save``).
+
+    Without it a process whose arrays could not be written (a full disk on one host)
+    raises out of Orbax's ``save`` alone, and the others wait for it at Orbax's barrier
+    until ``MODELSHARD_BARRIER_TIMEOUT``; with it every process raises the same
+    ``CheckpointError`` at once, naming the process (``shared_failure``). The exchange
+    runs where Orbax calls ``save``: on the main thread, on every process.
+    """
+    if jax.process_count() == 1:
+        return handler
+    save = handler.save
+
+    def save_and_share(*args: Any, **kwargs: Any) -> Any:
+        failure: Exception | None = None
+        out = None
+        try:
+            out = save(*args, **kwargs)
+        except Exception as e:
+            failure = e
+        raise_shared(failure, name, what)
+        return out
+
+    handler.save = save_and_share
+    return handler

@@ -649,7 +649,8 @@ class CheckpointManager:
         return dict(record.get("metadata") or {})
 
     def best_step(self) -> int | None:
-        """The best complete step by ``best_fn``, or None (no ``best_fn``, or no metrics)."""
+        """The best complete step by ``best_fn``, or None (no ``best_fn``, or no metrics);
+        among process 0's steps (``all_steps``: every process calls it)."""
         if self.policy.best_fn is None:
             return None
         scored = [(self.policy.score(s, m), s) for s in self.all_steps() if (m := self.metrics(s))]
@@ -659,13 +660,24 @@ class CheckpointManager:
         return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
 
     def latest_step(self) -> int | None:
-        """The newest complete step, or None."""
+        """The newest complete step, or None: process 0's answer on every process (see
+        ``all_steps``)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every complete step, ascending, read from storage (see ``complete_steps``)."""
-        return complete_steps(self.directory)
+        """Every complete step, ascending, read from storage (see ``complete_steps``).
+
+        Under several processes this is process 0's listing, broadcast: two processes
+        that listed storage at different moments (a step committed or rotated away in
+        between) would otherwise restore different steps. So every process calls it, in
+        the same order as its other calls, never in a branch only some processes take.
+
+        Raises:
+            DistributedError: process 0's listing did not come within
+                ``MODELSHARD_BARRIER_TIMEOUT``.
+        """
+        return self._agreed_steps()
 
     def wait_until_finished(self) -> None:
         """Block until the background save is written, then apply rotation.
@@ -726,4 +738,5 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self.directory)!r}, steps={self.all_steps()})"
+        # this process's own listing: a repr is no place for a collective
+        return f"CheckpointManager({str(self.directory)!r}, steps={complete_steps(self.directory)})"

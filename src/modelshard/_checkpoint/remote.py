@@ -17,6 +17,7 @@ from typing import Any
 
 from .._base import CheckpointError
 from .._runtime import broadcast
+from .barriers import sharing_failures
 from .record import Record
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
 from .urls import atomicity_options, check_bucket, forget_listings, reaching
@@ -94,14 +95,19 @@ def save_remote(
     prepare_remote(path, overwrite=overwrite)
     record.resolve()  # collectives over arrays spanning processes: every process
     atomicity = atomicity_options(path)
-    composite = ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(
-            atomicity_options=atomicity, multiprocessing_options=processes
+    # a part that fails on one process fails the save on every process at once
+    composite = sharing_failures(
+        ocp.CompositeCheckpointHandler(
+            composite_options=ocp.CompositeOptions(
+                atomicity_options=atomicity, multiprocessing_options=processes
+            ),
+            **{
+                STATE_ITEM: handler,
+                RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
+            },
         ),
-        **{
-            STATE_ITEM: handler,
-            RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-        },
+        "modelshard:save:arrays",
+        f"writing {path}",
     )
     args = ocp.args.Composite(
         **{

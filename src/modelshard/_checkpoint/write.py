@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract
 from .._containers import split
-from .._runtime import barrier
+from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
@@ -281,12 +281,16 @@ def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> 
     import fcntl
 
     lock = None
+    failure: OSError | None = None  # told to every process at the start of the write
     if jax.process_index() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = os.open(path.parent, os.O_RDONLY)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = os.open(path.parent, os.O_RDONLY)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as e:
+            failure = e
     try:
-        _write_atomic(path, write, record, overwrite=overwrite)
+        _write_atomic(path, write, record, overwrite=overwrite, failure=failure)
     finally:
         if lock is not None:
             os.close(lock)
@@ -331,15 +335,23 @@ def remove_leftovers(staging: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
+def _write_atomic(
+    path: Path, write: Any, record: Record, *, overwrite: bool, failure: Exception | None
+) -> None:
     check_destination(path, overwrite=overwrite)
     staging = staging_dir(path)
     old = aside_dir(path)
     primary = jax.process_index() == 0
-    if primary:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(staging)
-    barrier("modelshard:save:start")
+    # Each process's part may fail alone (process 0's folders, a full disk on one host):
+    # where a barrier would stand, the processes exchange how their part ended instead,
+    # so all raise one error at once rather than wait for the failed one.
+    if primary and failure is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(staging)
+        except OSError as e:
+            failure = e
+    raise_shared(failure, "modelshard:save:start", f"preparing {staging}")
     try:
         write(staging)
         # The checksums of arrays spanning processes are collectives: every process takes
@@ -348,21 +360,38 @@ def _write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) ->
         if primary:
             write_text_durable(staging / RECORD_FILE, record.dumps())
             _fsync_dir(staging)
+    except Exception as e:
+        failure = e
     except BaseException:
         if primary:
             remove_leftovers(staging)
         raise
-    if primary:
-        if path.exists() and _exchange(staging, path):
-            old = staging  # the swap put the old checkpoint there
-        else:
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(path, old)
-            os.rename(staging, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier("modelshard:save:end")
+    try:
+        # every part written, or nothing is committed
+        raise_shared(failure, "modelshard:save:written", f"writing {staging}")
+        if primary:
+            try:
+                _commit(path, staging, old)
+            except OSError as e:
+                failure = e
+        raise_shared(failure, "modelshard:save:end", f"committing {path}")
+    except BaseException:
+        if primary:
+            remove_leftovers(staging)
+        raise
+
+
+def _commit(path: Path, staging: Path, old: Path) -> None:
+    """Put the complete ``staging`` directory at ``path`` (process 0)."""
+    if path.exists() and _exchange(staging, path):
+        old = staging  # the swap put the old checkpoint there
+    else:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(staging, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # How ``save`` stores each chunk: None, the raw little-endian bytes (the default), or
@@ -455,7 +484,10 @@ def orbax_save(directory: Path, tree: Any, compression: str | None = None) -> No
     # Several processes: Orbax's own barriers (start, directories, commit) go through the
     # coordination service, as the manager's do; one process: Orbax's defaults, unchanged.
     processes = coordinated_processes()
-    with ocp.Checkpointer(save_handler(compression), multiprocessing_options=processes) as ckptr:
+    handler = sharing_failures(
+        save_handler(compression), "modelshard:save:arrays", f"writing {directory}"
+    )
+    with ocp.Checkpointer(handler, multiprocessing_options=processes) as ckptr:
         ckptr.save(directory, args=ocp.args.PyTreeSave(tree), custom_metadata=MARKER)
 
 

@@ -5,6 +5,7 @@ notes are the public module's docstring."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -232,12 +233,36 @@ _seen: dict[str, int] = {}
 _seen_lock = threading.Lock()
 
 
-def _key(kind: str, name: str) -> str:
-    """A coordination-service key for this call of ``name``: every process calls the same
-    names in the same order, so the n-th call has the same key everywhere."""
+def _key(client: Any, kind: str, name: str) -> str:
+    """A coordination-service key for this call of ``name``.
+
+    Every process calls the same names in the same order, so the n-th call has the same
+    key everywhere, unless a process raised before a call the others made. They wait for
+    it until the timeout, then mark that key abandoned (``_abandon``) and raise. A process
+    that comes to an abandoned key afterwards skipped it, and takes the next key, the one
+    the others use next: its call meets theirs, never the abandoned call or its leftovers
+    (a gather's stale values), and the counts are in step again.
+    """
     with _seen_lock:
-        n = _seen[f"{kind}:{name}"] = _seen.get(f"{kind}:{name}", 0) + 1
+        n = _seen.get(f"{kind}:{name}", 0) + 1
+        while _abandoned(client, f"modelshard/{kind}/{name}/{n}"):
+            n += 1
+        _seen[f"{kind}:{name}"] = n
     return f"modelshard/{kind}/{name}/{n}"
+
+
+def _abandoned(client: Any, key: str) -> bool:
+    try:
+        client.key_value_try_get(f"{key}/abandoned")
+    except Exception:  # NOT_FOUND: nobody gave up on it
+        return False
+    return True
+
+
+def _abandon(client: Any, key: str) -> None:
+    """Mark ``key`` as given up after a failed wait (see ``_key``)."""
+    with contextlib.suppress(Exception):  # another process marked it first
+        client.key_value_set(f"{key}/abandoned", "1")
 
 
 def _client() -> Any:
@@ -282,10 +307,11 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
 
         multihost_utils.sync_global_devices(name)
         return
-    key = _key("barrier", name)
+    key = _key(client, "barrier", name)
     try:
         client.wait_at_barrier(key, max(1, int(timeout * 1000)))
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
+        _abandon(client, key)
         raise wait_failed("barrier", name, timeout, e) from e
 
 
@@ -315,13 +341,14 @@ def broadcast(
     text = json.dumps(value) if jax.process_index() == 0 else None
     if client is None:
         return json.loads(_broadcast_by_devices(text))
-    key = _key("broadcast", name)
+    key = _key(client, "broadcast", name)
     if text is not None:
         client.key_value_set(key, text)
         return json.loads(text)
     try:
         value = json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
     except Exception as e:
+        _abandon(client, key)
         raise wait_failed("broadcast", name, timeout, e) from e
     _read(client, key, readers=jax.process_count() - 1)
     return value
@@ -354,7 +381,7 @@ def gather(
             for p in range(jax.process_count())
         ]
         return [json.loads(t) for t in texts]
-    key = _key("gather", name)
+    key = _key(client, "gather", name)
     client.key_value_set(f"{key}/{jax.process_index()}", text)
     out = []
     try:
@@ -363,6 +390,7 @@ def gather(
                 json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
             )
     except Exception as e:
+        _abandon(client, key)
         raise wait_failed("gather", name, timeout, e) from e
     _read(client, key, readers=jax.process_count())
     return out

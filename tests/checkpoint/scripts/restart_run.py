@@ -5,9 +5,11 @@ Usage: ``python restart_run.py ROOT OUT --until N [--kill-at K --victim P]``. Th
 ``initial() + s + 1`` exactly and is saved with ``items={"step": s}`` (``max_to_keep=3``).
 At start the run resumes from the latest complete step if there is one (restored
 bit-exact, else it exits 3) and saves every following step up to ``N``. With
-``--kill-at K`` process P writes ``OUT/killed`` and SIGKILLs itself right after
-``save(K, ...)`` returns, while step K is being written in the background. Each process
-writes ``OUT/result_<process>.json``: the step it resumed from and the steps it saved.
+``--kill-at K`` process P dies (SIGKILL, after writing ``OUT/killed``) in the middle of
+step K's background save: its part of the step is written, the commit is not (it dies at
+the barrier Orbax waits at before committing), so step K is surely incomplete and leaves
+leftovers, as when a host dies mid-save. Each process writes ``OUT/result_<process>.json``:
+the step it resumed from and the steps it saved.
 """
 
 from __future__ import annotations
@@ -41,6 +43,23 @@ def initial() -> dict[str, np.ndarray]:
     }
 
 
+def die_while_saving(step: int, out: str) -> None:
+    """SIGKILL this process when its background save of ``step`` reaches the barrier
+    before Orbax's commit (every barrier of a modelshard save asks ``barriers.ours``)."""
+    from modelshard._checkpoint import barriers
+
+    ours = barriers.ours
+
+    def ours_or_die(key: str) -> bool:
+        if key == f"{barriers.KEY_PREFIX}_async_write_complete.{step}":
+            with open(os.path.join(out, "killed"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ours(key)
+
+    barriers.ours = ours_or_die
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
@@ -53,6 +72,8 @@ def main() -> int:
     mesh = ms.make_mesh({"data": 2, "model": 4})
     state = ms.shard(initial(), SPECS, mesh)
     add_one = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))
+    if args.kill_at is not None and me == args.victim:
+        die_while_saving(args.kill_at, args.out)
     mngr = ms.CheckpointManager(args.root, max_to_keep=3)
     resumed = None
     with contextlib.suppress(ms.CheckpointError):  # "no checkpoint": a fresh root
@@ -75,10 +96,6 @@ def main() -> int:
         mngr.save(step, state, items={"step": step})
         saved.append(step)
         print(f"saved {step}", flush=True)
-        if args.kill_at == step and me == args.victim:
-            with open(os.path.join(args.out, "killed"), "w") as f:
-                f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
     mngr.close()
     with open(os.path.join(args.out, f"result_{me}.json"), "w") as f:
         json.dump({"resumed": resumed, "saved": saved, "steps": mngr.all_steps()}, f)

@@ -1,0 +1,108 @@
+"""``ms.save`` on two processes where one process's part fails.
+
+Usage: ``python save_fails_on_one.py ROOT OUT [S3_ROOT]``. Saves a ``[64, 32]`` array
+sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folder of ROOT
+(or of S3_ROOT for the ``s3`` case):
+
+- ``arrays``: process 1's arrays cannot be written (an injected ``OSError`` where Orbax's
+  handler writes them: a full disk on one host);
+- ``commit``: process 0 cannot rename the complete checkpoint into place (an injected
+  ``OSError``);
+- ``s3``: as ``arrays``, to object storage (only with S3_ROOT; there the arrays are one
+  item of Orbax's composite save, written once Orbax's folders are made);
+- ``after``: nothing injected: the processes are still in step and save.
+
+Each process records in ``OUT/result_<process>.json``, for every case, what it raised
+(type and message) and after how many seconds.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+
+import modelshard as ms
+
+faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a stuck run
+ms.distributed.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from modelshard._checkpoint import write  # noqa: E402
+
+
+def injected(what: str, coroutine: bool = False):
+    def fail(*args, **kwargs):
+        raise OSError(f"{what} (injected)")
+
+    async def fail_async(*args, **kwargs):
+        fail()
+
+    return fail_async if coroutine else fail
+
+
+def main() -> int:
+    root, out = sys.argv[1:3]
+    s3 = sys.argv[3] if len(sys.argv) > 3 else None
+    me = jax.process_index()
+    mesh = ms.make_mesh({"data": 2, "model": 4})
+    state = ms.shard(
+        {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)}, P("data", "model"), mesh
+    )
+    cases = {
+        "arrays": (
+            f"{root}/arrays",
+            1,
+            ocp.PyTreeCheckpointHandler,
+            "save",
+            "No space left on device",
+        ),
+        "commit": (f"{root}/commit", 0, write, "_commit", "Read-only file system"),
+    }
+    if s3 is not None:
+        cases["s3"] = (
+            f"{s3}/arrays",
+            1,
+            ocp.PyTreeCheckpointHandler,
+            "async_save",
+            "No space left on device",
+        )
+    cases["after"] = (f"{root}/after", None, None, None, None)
+    results = {}
+    for case, (path, who, owner, attr, what) in cases.items():
+        real = None if owner is None else getattr(owner, attr)
+        if me == who:
+            setattr(owner, attr, injected(what, coroutine=attr == "async_save"))
+        t0 = time.monotonic()
+        try:
+            ms.save(path, state)
+            raised = None
+        except Exception as e:
+            raised = {"type": type(e).__name__, "message": str(e)}
+        finally:
+            if real is not None:
+                setattr(owner, attr, real)
+        results[case] = {"raised": raised, "seconds": time.monotonic() - t0}
+        print(case, results[case], flush=True)
+    restored = ms.restore(f"{root}/after", like=state)
+    results["after"]["bit_exact"] = all(
+        np.array_equal(np.asarray(a.data), np.asarray(b.data))
+        for a, b in zip(
+            restored["w"].addressable_shards, state["w"].addressable_shards, strict=True
+        )
+    )
+    with open(os.path.join(out, f"result_{me}.json"), "w") as f:
+        json.dump(results, f)
+    ms.distributed.barrier("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
