@@ -18,8 +18,8 @@ Before each restore the page cache is dropped (``echo 3 > /proc/sys/vm/drop_cach
 bytes a process reads are the growth of ``rchar`` in ``/proc/self/io`` around the restore
 call alone, divided by the bytes of the process's share (the union of its devices' blocks).
 Every restored block is compared with the saved values (bit-exact). Reported: the ratio per
-process and target for both libraries (target <= 1.05x for modelshard) and the restore
-time. Figures go to ``docs/benchmarks/results/read_share.json``.
+process and target for both libraries (target <= 1.05x for modelshard), the restore time, and
+the time of each library's save (the slower process's; no page cache dropped there). Figures go to ``docs/benchmarks/results/read_share.json``.
 """
 
 from __future__ import annotations
@@ -87,9 +87,15 @@ def child(args: argparse.Namespace) -> None:
             n: jax.make_array_from_callback((ROWS, COLS), sharding, lambda ix, i=i: _values(i)[ix])
             for i, n in enumerate(names)
         }
+        jax.block_until_ready(state)
+        t = time.perf_counter()
         ms.save(root / "ms", state)
+        ours = time.perf_counter() - t
+        t = time.perf_counter()
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(root / "orbax", state)
+        plain = time.perf_counter() - t
+        print("RESULT " + json.dumps({"process": jax.process_index(), "ms": ours, "orbax": plain}))
         return
     mesh, spec = _target(args.target)
     sharding = NamedSharding(mesh, spec)
@@ -180,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     figures: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="ms-read-share-", dir="/tmp") as tmp:
-        _launch("--mode", "save", "--dir", tmp)
+        saves = _launch("--mode", "save", "--dir", tmp)
+        ours, plain = (max(r[lib] for r in saves) for lib in ("ms", "orbax"))
+        print(f"save: ms.save {ours:.2f} s, Orbax {plain:.2f} s ({ours / plain:.2f}x)", flush=True)
+        figures["ms_save_s"], figures["orbax_save_s"] = round(ours, 3), round(plain, 3)
         for target in args.targets.split(","):
             for lib in args.libs.split(","):
                 runs = _launch("--target", target, "--lib", lib, "--dir", tmp)
