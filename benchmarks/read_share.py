@@ -19,7 +19,10 @@ bytes a process reads are the growth of ``rchar`` in ``/proc/self/io`` around th
 call alone, divided by the bytes of the process's share (the union of its devices' blocks).
 Every restored block is compared with the saved values (bit-exact). Reported: the ratio per
 process and target for both libraries (target <= 1.05x for modelshard), the restore time, and
-the time of each library's save (the slower process's; no page cache dropped there). Figures go to ``docs/benchmarks/results/read_share.json``.
+the time of each library's first save in the process (the slower process's; no page cache
+dropped there), and warm saves repeated alternately: ``ms.save`` as it stores chunks, with
+each shard one chunk (the layout before ``chunks.py``: ``MIN_CHUNK_BYTES`` out of reach),
+and plain Orbax, as ratios per repeat. Figures go to ``docs/benchmarks/results/read_share.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LEAVES, ROWS, COLS = 32, 1024, 1024
 TARGETS = ("rows", "saved", "cols", "replicated")
+WARM = ("aligned", "whole", "orbax")
 
 
 def _rchar() -> int:
@@ -95,7 +100,26 @@ def child(args: argparse.Namespace) -> None:
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(root / "orbax", state)
         plain = time.perf_counter() - t
-        print("RESULT " + json.dumps({"process": jax.process_index(), "ms": ours, "orbax": plain}))
+        # warm repeats, alternating: ms.save as it stores chunks, ms.save with each shard
+        # one chunk (the layout before chunks.py), and plain Orbax
+        from modelshard._checkpoint import chunks
+
+        floor, warm = chunks.MIN_CHUNK_BYTES, {"aligned": [], "whole": [], "orbax": []}
+        for i in range(args.repeats):
+            for kind in warm:
+                t = time.perf_counter()
+                if kind == "orbax":
+                    with ocp.StandardCheckpointer() as ckptr:
+                        ckptr.save(root / f"orbax{i}", state)
+                else:
+                    chunks.MIN_CHUNK_BYTES = floor if kind == "aligned" else 1 << 62
+                    ms.save(root / f"{kind}{i}", state)
+                warm[kind].append(time.perf_counter() - t)
+        chunks.MIN_CHUNK_BYTES = floor
+        print(
+            "RESULT "
+            + json.dumps({"process": jax.process_index(), "ms": ours, "orbax": plain, **warm})
+        )
         return
     mesh, spec = _target(args.target)
     sharding = NamedSharding(mesh, spec)
@@ -173,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--targets", default=",".join(TARGETS), help="comma-separated targets")
     ap.add_argument("--libs", default="ms,orbax", help="ms, orbax or both (default)")
+    ap.add_argument("--repeats", type=int, default=3, help="warm saves of each kind (3)")
     ap.add_argument("--no-write", action="store_true", help="print only, write no results file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="restore", help=argparse.SUPPRESS)
@@ -186,10 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     figures: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="ms-read-share-", dir="/tmp") as tmp:
-        saves = _launch("--mode", "save", "--dir", tmp)
+        saves = _launch("--mode", "save", "--dir", tmp, "--repeats", str(args.repeats))
         ours, plain = (max(r[lib] for r in saves) for lib in ("ms", "orbax"))
         print(f"save: ms.save {ours:.2f} s, Orbax {plain:.2f} s ({ours / plain:.2f}x)", flush=True)
         figures["ms_save_s"], figures["orbax_save_s"] = round(ours, 3), round(plain, 3)
+        warm = {k: [max(r[k][i] for r in saves) for i in range(args.repeats)] for k in WARM}
+        for kind in ("aligned", "whole"):
+            figures[f"warm_save_{kind}_vs_orbax"] = [
+                round(a / b, 3) for a, b in zip(warm[kind], warm["orbax"], strict=True)
+            ]
+        figures["warm_save_aligned_vs_whole"] = [
+            round(a / b, 3) for a, b in zip(warm["aligned"], warm["whole"], strict=True)
+        ]
+        print(
+            "warm saves (s): " + ", ".join(f"{k} {[round(v, 2) for v in warm[k]]}" for k in WARM),
+            flush=True,
+        )
+        for tag in ("aligned", "whole", "orbax"):
+            for i in range(args.repeats):
+                shutil.rmtree(Path(tmp) / f"{tag}{i}", ignore_errors=True)
         for target in args.targets.split(","):
             for lib in args.libs.split(","):
                 runs = _launch("--target", target, "--lib", lib, "--dir", tmp)
