@@ -117,8 +117,7 @@ def child(args: argparse.Namespace) -> None:
                 warm[kind].append(time.perf_counter() - t)
         chunks.MIN_CHUNK_BYTES = floor
         print(
-            "RESULT "
-            + json.dumps({"process": jax.process_index(), "ms": ours, "orbax": plain, **warm})
+            "RESULT " + json.dumps({"process": jax.process_index(), "first": [ours, plain], **warm})
         )
         return
     mesh, spec = _target(args.target)
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="ms-read-share-", dir="/tmp") as tmp:
         saves = _launch("--mode", "save", "--dir", tmp, "--repeats", str(args.repeats))
-        ours, plain = (max(r[lib] for r in saves) for lib in ("ms", "orbax"))
+        ours, plain = (max(r["first"][i] for r in saves) for i in (0, 1))
         print(f"save: ms.save {ours:.2f} s, Orbax {plain:.2f} s ({ours / plain:.2f}x)", flush=True)
         figures["ms_save_s"], figures["orbax_save_s"] = round(ours, 3), round(plain, 3)
         warm = {k: [max(r[k][i] for r in saves) for i in range(args.repeats)] for k in WARM}
