@@ -98,6 +98,32 @@ def _store_class() -> type:
     return ReadOnce
 
 
+def chunk_cache(infos: Sequence[Any], max_bytes: int) -> Callable[[Any], Any]:
+    """``info`` -> the same ``ParamInfo`` reading through a TensorStore context whose chunk
+    cache holds up to ``max_bytes`` decoded chunks (one context per Orbax context among
+    ``infos``, made for this restore and dropped with it).
+
+    Orbax's context caches no chunk data, so a stored chunk that two of a process's devices
+    each need part of (a 256-row chunk restored onto 128-row shards) was read from storage
+    once per device unless both reads happened to be in flight together. Cached, it is read
+    once per process; the bytes a restore reads are measured in ``benchmarks/read_share.py``.
+    """
+    import tensorstore as ts
+
+    spec = ts.Context.Spec({"cache_pool": {"total_bytes_limit": int(max_bytes)}})
+    contexts: dict[int, Any] = {}
+    for info in infos:
+        parent = info.ts_context
+        if parent is not None and id(parent) not in contexts:
+            contexts[id(parent)] = ts.Context(spec, parent=parent)
+
+    def cached(info: Any) -> Any:
+        parent = info.ts_context
+        return info if parent is None else info.replace(ts_context=contexts[id(parent)])
+
+    return cached
+
+
 @functools.cache
 def _handler_class() -> type:
     import orbax.checkpoint as ocp
@@ -129,6 +155,7 @@ def _handler_class() -> type:
             limiter = FairLimiter(self._max_bytes)
             unlimited = UnlimitedInFlightBytes()
             base = super().deserialize
+            cached = chunk_cache(infos, self._max_bytes)
 
             async def one(info: Any, arg: Any) -> Any:
                 group = 0 if self._group_bytes is None else self._group_bytes(info)
@@ -136,11 +163,11 @@ def _handler_class() -> type:
                     # the whole array reserved at once: its reads run together
                     await limiter.wait_for_bytes(group)
                     try:
-                        (x,) = await base([info.replace(byte_limiter=unlimited)], [arg])
+                        (x,) = await base([cached(info).replace(byte_limiter=unlimited)], [arg])
                     finally:
                         await limiter.release_bytes(group)
                 else:
-                    (x,) = await base([info.replace(byte_limiter=limiter)], [arg])
+                    (x,) = await base([cached(info).replace(byte_limiter=limiter)], [arg])
                 self._on_read(info, x)
                 return x
 

@@ -50,6 +50,7 @@ from .._base import CheckpointError, dtype_name
 from .._runtime import barrier
 from .barriers import shared_failure
 from .checksum import box_sums, checksum_mismatch_message, format_sums
+from .chunks import aligned_chunks
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -152,7 +153,8 @@ def slab_plan(
     A slab is whole blocks, grown from the last dimension while it fits ``slab_bytes``
     (stopping at a dimension it does not cover whole); a block larger than ``slab_bytes``
     is one slab if it fits ``whole_bytes``, else it is cut along its leading dimensions.
-    The chunk shape divides both the slab and the shard, dimension by dimension.
+    The chunk shape divides both the slab and the shard, dimension by dimension, cut
+    further as ``save`` cuts its chunks (``chunks.aligned_chunks``).
     """
     shape = tuple(int(d) for d in shape)
     if not shape or not math.prod(shape):
@@ -176,7 +178,7 @@ def slab_plan(
             if slab[d] < shape[d]:
                 break
     chunk = tuple(math.gcd(a, max(1, int(b))) for a, b in zip(slab, shard, strict=True))
-    return tuple(slab), chunk
+    return tuple(slab), aligned_chunks(shape, chunk, itemsize)
 
 
 def _layouts(

@@ -24,6 +24,7 @@ from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract
 from .._containers import split
 from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
+from .chunks import aligned_array_handler
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -422,14 +423,14 @@ def save_handler(compression: str | None = None) -> Any:
     """The Orbax handler a state's arrays are written with (``save``, a manager step's
     ``state`` item, object storage): Orbax's PyTree handler (the one under
     ``StandardCheckpointHandler``, same files, same format; saved with
-    ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``) and
-    replica-parallel writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
+    ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``), shaped
+    for restores onto other splits (``chunks.aligned_chunks``), and replica-parallel
+    writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
 
     from .._internals import ArrayMetadataStore
 
-    th = ocp.type_handlers
-    arrays = th.ArrayHandler(
+    arrays = aligned_array_handler(
         # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
         array_metadata_store=ArrayMetadataStore(),
         use_replica_parallel=jax.process_count() > 1,
