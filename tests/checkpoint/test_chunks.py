@@ -90,9 +90,7 @@ def test_plain_orbax_saves_in_the_same_process_keep_their_chunks(tmp_path, mesh_
 def test_a_restore_reads_each_stored_chunk_once(tmp_path, mesh_2x4):
     # 256-row chunks restored onto 128-row shards: two devices need each chunk
     cols = NamedSharding(mesh_2x4, P(None, "model"))
-    state = {
-        f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), cols) for i in range(4)
-    }
+    state = {f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), cols) for i in range(4)}
     path = ms.save(tmp_path / "ck", state)
     mesh = ms.make_mesh({"fsdp": 8})
     ms.restore(path, mesh=mesh, specs=P("fsdp"))  # imports and compiles out of the count
