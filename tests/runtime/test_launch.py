@@ -152,6 +152,11 @@ def test_one_failure_stops_the_rest_and_leaves_no_process(tmp_path):
     elapsed = time.monotonic() - t0
     assert rc == 3
     assert "[modelshard launch] process 1 exited with code 3; stopping the others" in err
+    assert (
+        "[modelshard launch] process 0 was still running 0.5 s after SIGTERM and was killed: "
+        "whatever it was saving (a checkpoint) was cut short; after a failure or --timeout "
+        "the others get at most 3 s (--grace is the time a stop by a signal gives)"
+    ) in err.splitlines()
     assert elapsed < 30
     pids = [int(p) for p in (tmp_path / "pids0").read_text().split()]
     assert not any(alive(p) for p in pids), pids

@@ -118,6 +118,19 @@ def test_every_problem_is_listed_at_once():
     ]
 
 
+def test_a_misspelt_pattern_key_is_named_and_the_pattern_said_missing():
+    with pytest.raises(ms.SpecError) as e:
+        parse_rules({"rules": [{"paterns": "d", "spec": []}]}, "r.toml")
+    assert str(e.value).splitlines() == [
+        "invalid rules file r.toml:",
+        "  r.toml:rules[0].paterns",
+        "    problem: unknown key 'paterns' (did you mean 'pattern'?)",
+        "    hint: allowed: pattern, spec",
+        "  r.toml:rules[0].pattern",
+        "    problem: pattern is missing",
+    ]
+
+
 def test_bad_regex_is_reported_at_its_place_in_the_file_with_the_others(tmp_path):
     """An invalid regular expression is one of the file's problems, at rules[i].pattern,
     listed with the others in one error (not found only after they are fixed)."""

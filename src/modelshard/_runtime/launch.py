@@ -405,13 +405,20 @@ def run(
             signal.signal(sig, handler)
         if reservation is not None:
             reservation.close()
+    # More --grace helps only a stop by a signal; after a failure or --timeout the grace is
+    # capped (FAILURE_GRACE_S): a save needing the failed process cannot finish anyway.
+    more = (
+        "give it more time with --grace"
+        if interrupted
+        else f"after a failure or --timeout the others get at most {FAILURE_GRACE_S:g} s "
+        "(--grace is the time a stop by a signal gives)"
+    )
     for i in killed:
         _note(
             stderr,
             lock,
             f"process {i} was still running {stop_grace:g} s after SIGTERM and was killed: "
-            "whatever it was saving (a checkpoint) was cut short; give it more time with "
-            "--grace",
+            f"whatever it was saving (a checkpoint) was cut short; {more}",
         )
     if killed and (status == 0 or _stopped(status) is not None):
         status = 128 + signal.SIGKILL  # not the status of a clean stop

@@ -95,9 +95,12 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
         check_keys(item, _RULE, source, where, problems)
         pattern, spec = item.get("pattern"), item.get("spec")
         if not isinstance(pattern, str):
-            problems.append(
-                Problem(source, f"{where}.pattern", f"pattern must be a string, got {pattern!r}")
+            what = (
+                "pattern is missing"
+                if pattern is None
+                else f"pattern must be a string, got {pattern!r}"
             )
+            problems.append(Problem(source, f"{where}.pattern", what))
             continue
         if not isinstance(spec, list):
             problems.append(
