@@ -283,8 +283,9 @@ def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
 
 
 def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
-    """``ms.save`` where one process's part fails (its arrays on a full disk, process 0's
-    rename on a read-only one, an object store refusing one process): both processes raise
+    """``ms.save`` (and a synchronous ``CheckpointManager``'s save) where one process's part
+    fails (its arrays on a full disk, process 0's rename on a read-only one, an object
+    store refusing one process): both processes raise
     the same error at once, naming the process, instead of the other one waiting at the
     next barrier for the barrier timeout; nothing is left behind, and the next save of both
     processes works."""
@@ -303,15 +304,18 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
         "system (injected)",
         "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
+        "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
+        f"failed on process 1: {full}",
     }
     for r in results:
         for case, message in want.items():
             assert r[case]["raised"] == {"type": "CheckpointError", "message": message}, r
             assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
         assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
+        assert r["manager"]["steps after"] == [1], r  # in step: the next save worked
     for case in ("arrays", "commit"):
         assert not (root / case).exists() and not staging_dir(root / case).exists()
-    assert sorted(p.name for p in root.iterdir()) == ["after"]
+    assert sorted(p.name for p in root.iterdir()) == ["after", "manager"]
 
 
 def test_every_process_lists_the_steps_process_0_lists(tmp_path):

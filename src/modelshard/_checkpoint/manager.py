@@ -34,6 +34,7 @@ from typing import Any
 from .._base import CheckpointError, DistributedError
 from .._runtime import barrier, broadcast, gather
 from . import guard
+from .barriers import sharing_failures
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .restoring import restore
@@ -305,6 +306,11 @@ class CheckpointManager:
                     METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
                 },
             )
+            if not self.async_save:
+                # as ms.save's: a part failing on one process fails the step on every
+                # process at once, so they stay in step (the asynchronous path shares its
+                # outcome in wait_until_finished)
+                handler = sharing_failures(handler, "modelshard:manager:written", "writing")
             kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
             self._ckptr = kind(
                 handler, atomicity_options=atomicity, multiprocessing_options=processes

@@ -10,6 +10,8 @@ sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folde
   ``OSError``);
 - ``s3``: as ``arrays``, to object storage (only with S3_ROOT; there the arrays are one
   item of Orbax's composite save, written once Orbax's folders are made);
+- ``manager``: as ``arrays``, in a synchronous ``CheckpointManager``'s save of step 0;
+  both processes then save step 1 with it;
 - ``after``: nothing injected: the processes are still in step and save.
 
 Each process records in ``OUT/result_<process>.json``, for every case, what it raised
@@ -74,6 +76,13 @@ def main() -> int:
             "async_save",
             "No space left on device",
         )
+    cases["manager"] = (  # a synchronous CheckpointManager's step, process 1's arrays failing
+        f"{root}/manager",
+        1,
+        ocp.PyTreeCheckpointHandler,
+        "async_save",
+        "No space left on device",
+    )
     cases["after"] = (f"{root}/after", None, None, None, None)
     results = {}
     for case, (path, who, owner, attr, what) in cases.items():
@@ -82,7 +91,11 @@ def main() -> int:
             setattr(owner, attr, injected(what, coroutine=attr == "async_save"))
         t0 = time.monotonic()
         try:
-            ms.save(path, state)
+            if case == "manager":
+                with ms.CheckpointManager(path, async_save=False, handle_signals=False) as mngr:
+                    mngr.save(0, state)
+            else:
+                ms.save(path, state)
             raised = None
         except Exception as e:
             raised = {"type": type(e).__name__, "message": str(e)}
@@ -91,6 +104,10 @@ def main() -> int:
                 setattr(owner, attr, real)
         results[case] = {"raised": raised, "seconds": time.monotonic() - t0}
         print(case, results[case], flush=True)
+    # after the manager's failed step both processes are still in step: the next one saves
+    with ms.CheckpointManager(f"{root}/manager", async_save=False, handle_signals=False) as mngr:
+        mngr.save(1, state)
+        results["manager"]["steps after"] = mngr.all_steps()
     restored = ms.restore(f"{root}/after", like=state)
     results["after"]["bit_exact"] = all(
         np.array_equal(np.asarray(a.data), np.asarray(b.data))
