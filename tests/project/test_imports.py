@@ -310,3 +310,15 @@ def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
     assert not found, "modules hidden by a name their package's __init__ binds:\n" + "\n".join(
         f"  {m}" for m in found
     )
+
+
+# A module a reader can hold in mind: one concept per file, split by concept before a file
+# grows past this (about 700 lines, with room for a docstring or two).
+MAX_LINES = 750
+
+
+def test_no_module_is_longer_than_a_reader_can_follow() -> None:
+    long = {
+        m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): {long}"

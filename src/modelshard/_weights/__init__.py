@@ -9,13 +9,13 @@ the design.
 from __future__ import annotations
 
 from .adapter import save_peft_adapter as save_peft_adapter
-from .export import Exporter as Exporter
 from .export import check_destination as check_destination
-from .export import invert_resolution as invert_resolution
-from .export import reference_table as reference_table
 from .export import save_safetensors as save_safetensors
-from .export import unmap as unmap
 from .export import write_export as write_export
+from .inverse import Exporter as Exporter
+from .inverse import invert_resolution as invert_resolution
+from .inverse import reference_table as reference_table
+from .inverse import unmap as unmap
 from .load import MappedLeaf as MappedLeaf
 from .load import as_mapping as as_mapping
 from .load import keep_value as keep_value
@@ -55,9 +55,9 @@ from .rules import Unstack as Unstack
 from .rules import WeightMap as WeightMap
 from .safetensors import is_safetensors as is_safetensors
 from .safetensors import open_safetensors as open_safetensors
-from .safetensors import parse_size as parse_size
-from .safetensors import sharded_layout as sharded_layout
-from .safetensors import sharded_names as sharded_names
-from .safetensors import write_safetensors as write_safetensors
 from .shipped import ShippedMapping as ShippedMapping
 from .shipped import shipped_mappings as shipped_mappings
+from .writing import parse_size as parse_size
+from .writing import sharded_layout as sharded_layout
+from .writing import sharded_names as sharded_names
+from .writing import write_safetensors as write_safetensors

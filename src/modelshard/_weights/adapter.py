@@ -22,11 +22,12 @@ import jax
 import numpy as np
 
 from .._base import MappingError, Problem
-from .export import host_leaf, reference_table
+from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import reference_directory
 from .resolution import resolve
-from .safetensors import write_safetensors
+from .shared import host_leaf
+from .writing import write_safetensors
 
 _A, _B = "/lora/lora_a", "/lora/lora_b"
 

@@ -1,16 +1,13 @@
-"""``save_safetensors`` and ``unmap``: pretrained weights out, through the import mapping
-run backwards.
+"""``save_safetensors``: pretrained weights out, through the import mapping run backwards.
 
-Export runs the same resolution as an import (``.resolution.resolve``) against a reference
-checkpoint's header (the names, shapes and dtypes to write), inverts every recipe and
-writes one stored tensor at a time; without a reference every leaf is written under its
-own path.
+With a reference, the stored tensors are the reference's (names, shapes, dtypes), each
+computed by the ``inverse.Exporter``; without one every leaf is written under its own
+path. ``write_export`` is the one writer (one process: ``writing``; several:
+``shared.write_shared``), which ``modelshard convert --to safetensors`` shares.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -23,32 +20,22 @@ import numpy as np
 from .._base import CheckpointError, DistributedError, MappingError, Problem, Progress, reporter
 from .._base import split as split_path
 from .._containers import split
-from .._runtime import barrier, gather, require_addressable
-from . import recipe
+from .._runtime import barrier, gather
+from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
-from .mapfile import checkpoint_config
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
-from .resolution import Resolution, resolve
-from .rules import WeightMap
-from .safetensors import (
-    Entry,
-    Layout,
-    dtype_code,
-    open_safetensors,
-    plan_layout,
-    sharded_layout,
-    sharded_names,
-    write_layout,
-)
+from .safetensors import dtype_code
 from .shared import (
     Block,
+    SharedPlan,
     TensorPlan,
     array_plan,
     bytes_of,
+    host_rows,
     local_block,
-    whole_here,
     write_shared,
 )
+from .writing import Entry, Layout, plan_layout, sharded_layout, sharded_names, write_layout
 
 
 def save_safetensors(
@@ -337,21 +324,6 @@ def canonical_export(
     return items, compute, SharedPlan(plans, read_block)
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedPlan:
-    """How the processes of a run share an export's writing (``shared.write_shared``).
-
-    Attributes:
-        plans: ``plans()``: per stored tensor, who can write it (asked only when there
-            are several processes).
-        read_block: ``read_block(name, block)``: this process's copy of one block of a
-            stored tensor that no process holds whole (not cast yet).
-    """
-
-    plans: Callable[[], dict[str, TensorPlan]]
-    read_block: Callable[[str, Block], np.ndarray]
-
-
 def check_destination(
     path: str | os.PathLike[str],
     max_shard_size: int | str | None,
@@ -377,63 +349,6 @@ def check_destination(
     if there:
         what = str(there[0]) if there[0] == dest else f"{dest} ({there[0].name})"
         raise CheckpointError(f"{what} already exists; pass {flag} to replace it")
-
-
-def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
-    """One leaf on the host as blocks of whole rows, in order: a leaf sharded along its
-    first axis only is its shards' own buffers, written one after the other without
-    assembling the leaf; any other leaf is ``[host_leaf(x)]``."""
-    if isinstance(x, jax.Array) and x.ndim > 0 and whole_here(x):
-        blocks: dict[tuple[int, int], Any] = {}
-        for shard in x.addressable_shards:
-            idx = [s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True)]
-            if any(lo != 0 or hi != d for (lo, hi), d in zip(idx[1:], x.shape[1:], strict=True)):
-                break
-            blocks.setdefault(idx[0], shard.data)
-        else:
-            spans = sorted(blocks)
-            if (
-                spans
-                and spans[0][0] == 0
-                and spans[-1][1] == x.shape[0]
-                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-            ):
-                return [np.asarray(blocks[s]) for s in spans]
-    return [host_leaf(x, name)]
-
-
-def host_leaf(x: Any, name: str = "") -> np.ndarray:
-    """One leaf as a fresh NumPy array, assembled from this process's shards (each
-    distinct block copied once), so that nothing stays attached to the ``jax.Array``:
-    ``np.asarray(x)`` / ``jax.device_get(x)`` cache the host copy on the array, which
-    keeps every leaf written so far alive, and an export would peak at twice the state.
-
-    Raises:
-        DistributedError: this process holds only part of the array (it is split across
-            processes).
-    """
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    if not whole_here(x):
-        require_addressable(x, name or "a leaf")
-    out = np.empty(x.shape, x.dtype)
-    done: set[tuple[tuple[int, int], ...]] = set()
-    for shard in x.addressable_shards:
-        key = tuple(s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True))
-        if key not in done:
-            done.add(key)
-            out[shard.index] = np.asarray(shard.data)
-    return out
-
-
-def _full_leaf(x: Any, name: str) -> np.ndarray:
-    """``host_leaf``, or where this process holds only part of ``x`` its all-gathered
-    value (a collective: every process must ask for the same leaves in the same order)."""
-    if whole_here(x):
-        return host_leaf(x, name)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def write_export(
@@ -476,314 +391,3 @@ def write_export(
             return write_shared(layout, plans, compute, shared.read_block, metadata, refuse, step)
         refuse(layout)
         return write_layout(layout, compute, metadata, step)
-
-
-def reference_table(
-    reference: Any,
-) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str], dict[str, int]]:
-    """``(name -> (shape, dtype), metadata, config sizes)`` of an export's reference: a
-    safetensors file/index/directory (its headers, and the ``config.json`` beside it), or
-    any container (its leaves' paths; no metadata, no sizes)."""
-    if isinstance(reference, str | os.PathLike):
-        with open_safetensors(reference) as ref:
-            return ref.table(), dict(ref.metadata), checkpoint_config(ref.path)
-    return target_table(reference)[1], {}, {}
-
-
-class Exporter:
-    """The stored tensors of a reference computed from target leaves by the inverted
-    mapping, one at a time (``compute`` in ``order``); each target leaf is loaded to the
-    host once (``load(path)``) and dropped when no later tensor reads it.
-
-    A stored tensor that an ``also`` rule copied into more leaves is written once, from
-    its first rule's leaf; ``check_also`` (run by every export before anything is
-    written) refuses an ``also`` leaf that no longer equals it. With ``untie`` each such
-    leaf is written instead under its rule's ``untied`` name.
-
-    Args:
-        targets: the target leaves, path -> (shape, dtype).
-        load: ``load(path)``: that target leaf as a NumPy array (from a state on the
-            devices, or from a checkpoint one leaf at a time).
-        table: the reference's stored tensors, name -> (shape, dtype).
-        wm: the import mapping.
-        dtype: the import's ``dtype``.
-        untie: write ``also`` leaves under their rules' ``untied`` names.
-
-    Raises:
-        MappingError: the mapping does not fit; ``untie`` with an ``also`` rule that
-            names no ``untied`` tensor.
-    """
-
-    def __init__(
-        self,
-        targets: Mapping[str, tuple[tuple[int, ...], Any]],
-        load: Callable[[str], np.ndarray],
-        table: Mapping[str, tuple[tuple[int, ...], Any]],
-        wm: WeightMap,
-        dtype: Any,
-        *,
-        untie: bool = False,
-    ):
-        res = resolve(wm, table, targets, dtype=dtype, export=True)
-        self.load = load
-        self.sources = invert_resolution(res)
-        # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
-        self.also: list[tuple[str, list[str], int, recipe.Node]] = []
-        table = dict(table)
-        problems: list[Problem] = []
-        for i, (paths, inverse) in invert_also(res).items():
-            for name, node in inverse.items():
-                leaves = [p for p in paths if name in res.recipes[p].reads()]
-                if name not in self.sources:  # its first rule skips it: written from here
-                    self.sources[name] = node
-                elif untie:
-                    untied = wm.format_untied(i, name)
-                    if untied is None:
-                        problems.append(
-                            Problem(
-                                "mapping",
-                                f"rules[{i}]",
-                                f"untie=True, but this also rule names no untied tensor to "
-                                f"write {', '.join(leaves)} as",
-                                hint='give the rule untied="..." (lm_head.weight)',
-                            )
-                        )
-                        continue
-                    if untied in table:
-                        problems.append(
-                            Problem(
-                                "source",
-                                untied,
-                                f"untie=True writes {', '.join(leaves)} as {untied} "
-                                f"(rules[{i}]), but the reference already has it",
-                            )
-                        )
-                        continue
-                    table[untied] = (tuple(node.shape), node.dtype)
-                    self.sources[untied] = node
-                else:
-                    self.also.append((name, leaves, i, node))
-        if problems:
-            raise MappingError(problems)
-        self.table = table
-        self.order = [n for n in table if n in self.sources]
-        self._pos = {n: i for i, n in enumerate(self.order)}
-        last: dict[str, int] = {}
-        for i, n in enumerate(self.order):
-            for k in self.sources[n].reads():
-                last[k] = i
-        self._last = last
-        self._cache: dict[str, np.ndarray] = {}
-        self.keep_cache = True
-        self.values: dict[str, Any] = {}
-
-    @classmethod
-    def of_state(
-        cls,
-        state: Any,
-        table: Mapping[str, tuple[tuple[int, ...], Any]],
-        wm: WeightMap,
-        dtype: Any,
-        *,
-        untie: bool = False,
-    ) -> Exporter:
-        """An exporter reading the leaves of ``state`` (fetched from its devices; with
-        several processes, a leaf this process holds only part of is all-gathered: a
-        collective, so every process computes the same tensors in the same order)."""
-        flat, targets = target_table(state)
-        values = dict(zip(flat.paths, flat.arrays, strict=True))
-        ex = cls(targets, lambda p: _full_leaf(values[p], p), table, wm, dtype, untie=untie)
-        ex.values = values
-        if jax.process_count() > 1:
-            # A leaf stays cached only within one tensor: which tensors a process computes
-            # differs between processes, and a cached leaf must not skip a collective.
-            ex.keep_cache = False
-        return ex
-
-    def shared_plan(self) -> SharedPlan:
-        """How several processes share writing this export: a stored tensor whose leaves
-        some process holds whole is computed there; any other on every process, in
-        step (its leaves all-gathered), and written by one."""
-
-        def plans() -> dict[str, TensorPlan]:
-            leaf = {k: array_plan(x).holders for k, x in self.values.items()}
-            out: dict[str, TensorPlan] = {}
-            for name in self.order:
-                holders: frozenset[int] | None = frozenset(range(jax.process_count()))
-                for k in self.sources[name].reads():
-                    h = leaf[k]
-                    holders = None if h is None or holders is None else holders & h
-                out[name] = TensorPlan(holders or None)
-            return out
-
-        def no_blocks(name: str, block: Block) -> np.ndarray:
-            raise AssertionError(f"{name}: a mapped export is never written block by block")
-
-        return SharedPlan(plans, no_blocks)
-
-    def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
-        whole = self._cache.get(key)
-        if whole is None:
-            whole = self._cache[key] = self.load(key)
-        return whole[index]
-
-    def compute(self, name: str) -> np.ndarray:
-        value = self.sources[name].read(None, self._fetch)
-        i = self._pos[name]
-        for k in self.sources[name].reads():
-            if self._last[k] <= i or not self.keep_cache:
-                self._cache.pop(k, None)
-        return value
-
-    def check_also(self) -> None:
-        """Refuse ``also`` leaves that no longer equal the tensor they were loaded from
-        (each compared, bit for bit, with what its first rule's leaf writes).
-
-        Raises:
-            MappingError: every such leaf, named, with how many elements differ.
-        """
-        problems: list[Problem] = []
-        for name, leaves, i, node in self.also:
-            cache: dict[str, np.ndarray] = {}
-
-            def fetch(key: str, index: tuple[slice, ...], cache: dict = cache) -> np.ndarray:
-                whole = cache.get(key)
-                if whole is None:
-                    whole = cache[key] = self.load(key)
-                return whole[index]
-
-            want = recipe.contiguous(self.sources[name].read(None, fetch))
-            got = recipe.contiguous(node.read(None, fetch))
-            cache.clear()
-            bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
-            if bits is None:
-                same = want.tobytes() == got.tobytes()
-                differ = 0 if same else want.size
-            else:
-                differ = int(np.count_nonzero(want.view(bits) != got.view(bits)))
-            if differ:
-                problems.append(
-                    Problem(
-                        "target",
-                        ", ".join(leaves),
-                        f"filled from {name} by rules[{i}] (also=True), but no longer "
-                        f"equals it: {differ} of {want.size} elements of {name} differ; "
-                        f"the export writes {name} once, from its first rule's leaf",
-                        hint="tie the two in training, or export untied "
-                        "(untie=True and the rule's untied= name)",
-                        cause="an also leaf no longer equals its stored tensor",
-                    )
-                )
-        if problems:
-            raise MappingError(problems)
-
-
-def unmap(
-    state: Any,
-    *,
-    reference: Any,
-    mapping: MappingLike = None,
-    dtype: Any = None,
-    untie: bool = False,
-) -> Any:
-    r"""``state`` in the layout of ``reference``: the mapping that imports ``reference`` into
-    ``state``, run backwards, on this host.
-
-    Args:
-        state: the container in the target layout (an NNX model).
-        reference: the source layout: a container (concrete or abstract, e.g. a linen
-            model's ``jax.eval_shape(init)``; the result has its type) or a safetensors
-            file (the result is a dict of stored name -> array).
-        mapping: the import mapping (a [`WeightMap`][modelshard.WeightMap] or a TOML path).
-        dtype: the ``dtype`` the import was given.
-        untie: as for [`save_safetensors`][modelshard.save_safetensors] (a safetensors
-            reference: the untied tensor is one more entry of the result).
-
-    Returns:
-        The reference's container with NumPy leaves computed from ``state``; write it with
-        [`save`][modelshard.save] to get a checkpoint the other code base restores. Leaves a
-        rule skips keep the reference's (concrete) values.
-
-    Raises:
-        MappingError: the mapping does not fit ``reference`` and ``state``; an ``also``
-            leaf no longer equals the stored tensor it was loaded from (without ``untie``).
-
-    Example:
-        >>> import jax, numpy as np, modelshard as ms
-        >>> wm = ms.WeightMap([ms.MapRule(r"params/layers/(\w+)", "layers/{i}/{1}",
-        ...                               unstack=ms.Unstack("i"))])
-        >>> scanned = {"params": {"layers": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}}}
-        >>> state = {"layers": {"0": {"w": np.zeros(3, np.float32)}, "1": {"w": np.ones(3, np.float32)}}}
-        >>> ms.unmap(state, reference=scanned, mapping=wm)["params"]["layers"]["w"].tolist()
-        [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
-    """
-    wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
-    table, _, sizes = reference_table(reference)
-    wm = wm.with_config(sizes)
-    ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
-    ex.check_also()
-    if isinstance(reference, str | os.PathLike):
-        return {n: ex.compute(n) for n in ex.order}
-    flat = split(reference)
-    homeless = [n for n in ex.order if n not in table]  # table: the container's paths
-    if homeless:  # untie=True: the untied tensors have no leaf in a container
-        raise MappingError(
-            [
-                Problem(
-                    "source",
-                    n,
-                    "untie=True writes this tensor, but the reference container has no such leaf",
-                    hint="untie a safetensors reference, or give the container the leaf",
-                )
-                for n in homeless
-            ]
-        )
-    out = []
-    for path, x in zip(flat.paths, flat.arrays, strict=True):
-        if path in ex.sources:
-            out.append(ex.compute(path))
-        else:
-            out.append(_no_value(path) if isinstance(x, jax.ShapeDtypeStruct) else x)
-    return flat.rebuild(out)
-
-
-def _no_value(path: str) -> Any:
-    raise MappingError(
-        [
-            Problem(
-                "source",
-                path,
-                "a rule skips this leaf, and the reference holds no value for it",
-                hint="pass a concrete reference, or map the leaf",
-            )
-        ]
-    )
-
-
-def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
-    """For each stored tensor the resolution reads, the recipe computing it from targets
-    (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
-    out: dict[str, recipe.Node] = {}
-    pieces: dict[int, dict[str, Any]] = {}
-    for path, node in res.recipes.items():
-        if path not in res.also:
-            recipe.invert(path, node, out, pieces)
-    recipe.finish_inverse(out, pieces)
-    return out
-
-
-def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
-    """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
-    computing that tensor from those leaves."""
-    by_rule: dict[int, list[str]] = {}
-    for path, i in res.also.items():
-        by_rule.setdefault(i, []).append(path)
-    out: dict[int, tuple[list[str], dict[str, recipe.Node]]] = {}
-    for i, paths in by_rule.items():
-        inverse: dict[str, recipe.Node] = {}
-        pieces: dict[int, dict[str, Any]] = {}
-        for path in paths:
-            recipe.invert(path, res.recipes[path], inverse, pieces)
-        recipe.finish_inverse(inverse, pieces)
-        out[i] = (paths, inverse)
-    return out

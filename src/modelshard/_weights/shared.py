@@ -53,9 +53,9 @@ import jax
 import numpy as np
 
 from .._base import CheckpointError, DistributedError
-from .._runtime import broadcast, gather
+from .._runtime import broadcast, gather, require_addressable
 from .recipe import contiguous
-from .safetensors import (
+from .writing import (
     Entry,
     Layout,
     check_pieces,
@@ -428,3 +428,75 @@ def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
 def _remove(paths: Sequence[Path]) -> None:
     for p in paths:
         p.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPlan:
+    """How the processes of a run share an export's writing (``shared.write_shared``).
+
+    Attributes:
+        plans: ``plans()``: per stored tensor, who can write it (asked only when there
+            are several processes).
+        read_block: ``read_block(name, block)``: this process's copy of one block of a
+            stored tensor that no process holds whole (not cast yet).
+    """
+
+    plans: Callable[[], dict[str, TensorPlan]]
+    read_block: Callable[[str, Block], np.ndarray]
+
+
+def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
+    """One leaf on the host as blocks of whole rows, in order: a leaf sharded along its
+    first axis only is its shards' own buffers, written one after the other without
+    assembling the leaf; any other leaf is ``[host_leaf(x)]``."""
+    if isinstance(x, jax.Array) and x.ndim > 0 and whole_here(x):
+        blocks: dict[tuple[int, int], Any] = {}
+        for shard in x.addressable_shards:
+            idx = [s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True)]
+            if any(lo != 0 or hi != d for (lo, hi), d in zip(idx[1:], x.shape[1:], strict=True)):
+                break
+            blocks.setdefault(idx[0], shard.data)
+        else:
+            spans = sorted(blocks)
+            if (
+                spans
+                and spans[0][0] == 0
+                and spans[-1][1] == x.shape[0]
+                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            ):
+                return [np.asarray(blocks[s]) for s in spans]
+    return [host_leaf(x, name)]
+
+
+def host_leaf(x: Any, name: str = "") -> np.ndarray:
+    """One leaf as a fresh NumPy array, assembled from this process's shards (each
+    distinct block copied once), so that nothing stays attached to the ``jax.Array``:
+    ``np.asarray(x)`` / ``jax.device_get(x)`` cache the host copy on the array, which
+    keeps every leaf written so far alive, and an export would peak at twice the state.
+
+    Raises:
+        DistributedError: this process holds only part of the array (it is split across
+            processes).
+    """
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if not whole_here(x):
+        require_addressable(x, name or "a leaf")
+    out = np.empty(x.shape, x.dtype)
+    done: set[tuple[tuple[int, int], ...]] = set()
+    for shard in x.addressable_shards:
+        key = tuple(s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True))
+        if key not in done:
+            done.add(key)
+            out[shard.index] = np.asarray(shard.data)
+    return out
+
+
+def full_leaf(x: Any, name: str) -> np.ndarray:
+    """``host_leaf``, or where this process holds only part of ``x`` its all-gathered
+    value (a collective: every process must ask for the same leaves in the same order)."""
+    if whole_here(x):
+        return host_leaf(x, name)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -1,0 +1,338 @@
+"""The import mapping run backwards: ``unmap`` and the ``Exporter`` that computes each
+stored tensor of a reference from target leaves.
+
+An export runs the same resolution as an import (``.resolution.resolve``) against a
+reference's header (the names, shapes and dtypes to write) and inverts every recipe; a
+tensor that ``also`` rules copied into more leaves is written once, from its first rule's
+leaf.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import MappingError, Problem
+from .._containers import split
+from . import recipe
+from .load import MappingLike, as_mapping, target_table
+from .mapfile import checkpoint_config
+from .resolution import Resolution, resolve
+from .rules import WeightMap
+from .safetensors import open_safetensors
+from .shared import Block, SharedPlan, TensorPlan, array_plan, full_leaf
+
+
+def reference_table(
+    reference: Any,
+) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str], dict[str, int]]:
+    """``(name -> (shape, dtype), metadata, config sizes)`` of an export's reference: a
+    safetensors file/index/directory (its headers, and the ``config.json`` beside it), or
+    any container (its leaves' paths; no metadata, no sizes)."""
+    if isinstance(reference, str | os.PathLike):
+        with open_safetensors(reference) as ref:
+            return ref.table(), dict(ref.metadata), checkpoint_config(ref.path)
+    return target_table(reference)[1], {}, {}
+
+
+class Exporter:
+    """The stored tensors of a reference computed from target leaves by the inverted
+    mapping, one at a time (``compute`` in ``order``); each target leaf is loaded to the
+    host once (``load(path)``) and dropped when no later tensor reads it.
+
+    A stored tensor that an ``also`` rule copied into more leaves is written once, from
+    its first rule's leaf; ``check_also`` (run by every export before anything is
+    written) refuses an ``also`` leaf that no longer equals it. With ``untie`` each such
+    leaf is written instead under its rule's ``untied`` name.
+
+    Args:
+        targets: the target leaves, path -> (shape, dtype).
+        load: ``load(path)``: that target leaf as a NumPy array (from a state on the
+            devices, or from a checkpoint one leaf at a time).
+        table: the reference's stored tensors, name -> (shape, dtype).
+        wm: the import mapping.
+        dtype: the import's ``dtype``.
+        untie: write ``also`` leaves under their rules' ``untied`` names.
+
+    Raises:
+        MappingError: the mapping does not fit; ``untie`` with an ``also`` rule that
+            names no ``untied`` tensor.
+    """
+
+    def __init__(
+        self,
+        targets: Mapping[str, tuple[tuple[int, ...], Any]],
+        load: Callable[[str], np.ndarray],
+        table: Mapping[str, tuple[tuple[int, ...], Any]],
+        wm: WeightMap,
+        dtype: Any,
+        *,
+        untie: bool = False,
+    ):
+        res = resolve(wm, table, targets, dtype=dtype, export=True)
+        self.load = load
+        self.sources = invert_resolution(res)
+        # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
+        self.also: list[tuple[str, list[str], int, recipe.Node]] = []
+        table = dict(table)
+        problems: list[Problem] = []
+        for i, (paths, inverse) in invert_also(res).items():
+            for name, node in inverse.items():
+                leaves = [p for p in paths if name in res.recipes[p].reads()]
+                if name not in self.sources:  # its first rule skips it: written from here
+                    self.sources[name] = node
+                elif untie:
+                    untied = wm.format_untied(i, name)
+                    if untied is None:
+                        problems.append(
+                            Problem(
+                                "mapping",
+                                f"rules[{i}]",
+                                f"untie=True, but this also rule names no untied tensor to "
+                                f"write {', '.join(leaves)} as",
+                                hint='give the rule untied="..." (lm_head.weight)',
+                            )
+                        )
+                        continue
+                    if untied in table:
+                        problems.append(
+                            Problem(
+                                "source",
+                                untied,
+                                f"untie=True writes {', '.join(leaves)} as {untied} "
+                                f"(rules[{i}]), but the reference already has it",
+                            )
+                        )
+                        continue
+                    table[untied] = (tuple(node.shape), node.dtype)
+                    self.sources[untied] = node
+                else:
+                    self.also.append((name, leaves, i, node))
+        if problems:
+            raise MappingError(problems)
+        self.table = table
+        self.order = [n for n in table if n in self.sources]
+        self._pos = {n: i for i, n in enumerate(self.order)}
+        last: dict[str, int] = {}
+        for i, n in enumerate(self.order):
+            for k in self.sources[n].reads():
+                last[k] = i
+        self._last = last
+        self._cache: dict[str, np.ndarray] = {}
+        self.keep_cache = True
+        self.values: dict[str, Any] = {}
+
+    @classmethod
+    def of_state(
+        cls,
+        state: Any,
+        table: Mapping[str, tuple[tuple[int, ...], Any]],
+        wm: WeightMap,
+        dtype: Any,
+        *,
+        untie: bool = False,
+    ) -> Exporter:
+        """An exporter reading the leaves of ``state`` (fetched from its devices; with
+        several processes, a leaf this process holds only part of is all-gathered: a
+        collective, so every process computes the same tensors in the same order)."""
+        flat, targets = target_table(state)
+        values = dict(zip(flat.paths, flat.arrays, strict=True))
+        ex = cls(targets, lambda p: full_leaf(values[p], p), table, wm, dtype, untie=untie)
+        ex.values = values
+        if jax.process_count() > 1:
+            # A leaf stays cached only within one tensor: which tensors a process computes
+            # differs between processes, and a cached leaf must not skip a collective.
+            ex.keep_cache = False
+        return ex
+
+    def shared_plan(self) -> SharedPlan:
+        """How several processes share writing this export: a stored tensor whose leaves
+        some process holds whole is computed there; any other on every process, in
+        step (its leaves all-gathered), and written by one."""
+
+        def plans() -> dict[str, TensorPlan]:
+            leaf = {k: array_plan(x).holders for k, x in self.values.items()}
+            out: dict[str, TensorPlan] = {}
+            for name in self.order:
+                holders: frozenset[int] | None = frozenset(range(jax.process_count()))
+                for k in self.sources[name].reads():
+                    h = leaf[k]
+                    holders = None if h is None or holders is None else holders & h
+                out[name] = TensorPlan(holders or None)
+            return out
+
+        def no_blocks(name: str, block: Block) -> np.ndarray:
+            raise AssertionError(f"{name}: a mapped export is never written block by block")
+
+        return SharedPlan(plans, no_blocks)
+
+    def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
+        whole = self._cache.get(key)
+        if whole is None:
+            whole = self._cache[key] = self.load(key)
+        return whole[index]
+
+    def compute(self, name: str) -> np.ndarray:
+        value = self.sources[name].read(None, self._fetch)
+        i = self._pos[name]
+        for k in self.sources[name].reads():
+            if self._last[k] <= i or not self.keep_cache:
+                self._cache.pop(k, None)
+        return value
+
+    def check_also(self) -> None:
+        """Refuse ``also`` leaves that no longer equal the tensor they were loaded from
+        (each compared, bit for bit, with what its first rule's leaf writes).
+
+        Raises:
+            MappingError: every such leaf, named, with how many elements differ.
+        """
+        problems: list[Problem] = []
+        for name, leaves, i, node in self.also:
+            cache: dict[str, np.ndarray] = {}
+
+            def fetch(key: str, index: tuple[slice, ...], cache: dict = cache) -> np.ndarray:
+                whole = cache.get(key)
+                if whole is None:
+                    whole = cache[key] = self.load(key)
+                return whole[index]
+
+            want = recipe.contiguous(self.sources[name].read(None, fetch))
+            got = recipe.contiguous(node.read(None, fetch))
+            cache.clear()
+            bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
+            if bits is None:
+                same = want.tobytes() == got.tobytes()
+                differ = 0 if same else want.size
+            else:
+                differ = int(np.count_nonzero(want.view(bits) != got.view(bits)))
+            if differ:
+                problems.append(
+                    Problem(
+                        "target",
+                        ", ".join(leaves),
+                        f"filled from {name} by rules[{i}] (also=True), but no longer "
+                        f"equals it: {differ} of {want.size} elements of {name} differ; "
+                        f"the export writes {name} once, from its first rule's leaf",
+                        hint="tie the two in training, or export untied "
+                        "(untie=True and the rule's untied= name)",
+                        cause="an also leaf no longer equals its stored tensor",
+                    )
+                )
+        if problems:
+            raise MappingError(problems)
+
+
+def unmap(
+    state: Any,
+    *,
+    reference: Any,
+    mapping: MappingLike = None,
+    dtype: Any = None,
+    untie: bool = False,
+) -> Any:
+    r"""``state`` in the layout of ``reference``: the mapping that imports ``reference`` into
+    ``state``, run backwards, on this host.
+
+    Args:
+        state: the container in the target layout (an NNX model).
+        reference: the source layout: a container (concrete or abstract, e.g. a linen
+            model's ``jax.eval_shape(init)``; the result has its type) or a safetensors
+            file (the result is a dict of stored name -> array).
+        mapping: the import mapping (a [`WeightMap`][modelshard.WeightMap] or a TOML path).
+        dtype: the ``dtype`` the import was given.
+        untie: as for [`save_safetensors`][modelshard.save_safetensors] (a safetensors
+            reference: the untied tensor is one more entry of the result).
+
+    Returns:
+        The reference's container with NumPy leaves computed from ``state``; write it with
+        [`save`][modelshard.save] to get a checkpoint the other code base restores. Leaves a
+        rule skips keep the reference's (concrete) values.
+
+    Raises:
+        MappingError: the mapping does not fit ``reference`` and ``state``; an ``also``
+            leaf no longer equals the stored tensor it was loaded from (without ``untie``).
+
+    Example:
+        >>> import jax, numpy as np, modelshard as ms
+        >>> wm = ms.WeightMap([ms.MapRule(r"params/layers/(\w+)", "layers/{i}/{1}",
+        ...                               unstack=ms.Unstack("i"))])
+        >>> scanned = {"params": {"layers": {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}}}
+        >>> state = {"layers": {"0": {"w": np.zeros(3, np.float32)}, "1": {"w": np.ones(3, np.float32)}}}
+        >>> ms.unmap(state, reference=scanned, mapping=wm)["params"]["layers"]["w"].tolist()
+        [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    """
+    wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
+    table, _, sizes = reference_table(reference)
+    wm = wm.with_config(sizes)
+    ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
+    ex.check_also()
+    if isinstance(reference, str | os.PathLike):
+        return {n: ex.compute(n) for n in ex.order}
+    flat = split(reference)
+    homeless = [n for n in ex.order if n not in table]  # table: the container's paths
+    if homeless:  # untie=True: the untied tensors have no leaf in a container
+        raise MappingError(
+            [
+                Problem(
+                    "source",
+                    n,
+                    "untie=True writes this tensor, but the reference container has no such leaf",
+                    hint="untie a safetensors reference, or give the container the leaf",
+                )
+                for n in homeless
+            ]
+        )
+    out = []
+    for path, x in zip(flat.paths, flat.arrays, strict=True):
+        if path in ex.sources:
+            out.append(ex.compute(path))
+        else:
+            out.append(_no_value(path) if isinstance(x, jax.ShapeDtypeStruct) else x)
+    return flat.rebuild(out)
+
+
+def _no_value(path: str) -> Any:
+    raise MappingError(
+        [
+            Problem(
+                "source",
+                path,
+                "a rule skips this leaf, and the reference holds no value for it",
+                hint="pass a concrete reference, or map the leaf",
+            )
+        ]
+    )
+
+
+def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
+    """For each stored tensor the resolution reads, the recipe computing it from targets
+    (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
+    out: dict[str, recipe.Node] = {}
+    pieces: dict[int, dict[str, Any]] = {}
+    for path, node in res.recipes.items():
+        if path not in res.also:
+            recipe.invert(path, node, out, pieces)
+    recipe.finish_inverse(out, pieces)
+    return out
+
+
+def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
+    """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
+    computing that tensor from those leaves."""
+    by_rule: dict[int, list[str]] = {}
+    for path, i in res.also.items():
+        by_rule.setdefault(i, []).append(path)
+    out: dict[int, tuple[list[str], dict[str, recipe.Node]]] = {}
+    for i, paths in by_rule.items():
+        inverse: dict[str, recipe.Node] = {}
+        pieces: dict[int, dict[str, Any]] = {}
+        for path in paths:
+            recipe.invert(path, res.recipes[path], inverse, pieces)
+        recipe.finish_inverse(inverse, pieces)
+        out[i] = (paths, inverse)
+    return out

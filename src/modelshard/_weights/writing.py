@@ -1,0 +1,384 @@
+"""Safetensors written a tensor at a time: one file, or a sharded layout with its index,
+each file filled under a temporary name no other writer draws and renamed into place, so an
+existing file is replaced only by a complete new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._base import CheckpointError, size_in_bytes
+from .recipe import contiguous
+from .safetensors import dtype_code
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string as ``transformers`` takes them: ``"5GB"`` (10**9),
+    ``"500MiB"`` (2**20), ``"100KB"``, ``"4096"``.
+
+    Raises:
+        CheckpointError: anything else, or not positive.
+    """
+    n = None if isinstance(size, float) else size_in_bytes(size)
+    if n is None or n < 1:
+        raise CheckpointError(
+            f"max_shard_size={size!r}: want a positive number of bytes, as an int or a string "
+            "like '5GB', '500MB' (powers of 10) or '2GiB' (powers of 2)"
+        )
+    return n
+
+
+def _make_dir(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(
+            f"{d}: cannot be the directory to write safetensors into (it, or a parent of "
+            "it, is a file)"
+        ) from None
+    except PermissionError as e:
+        raise CheckpointError(f"{d}: cannot create the directory to write into: {e}") from None
+
+
+def check_pieces(
+    name: str, pieces: list[np.ndarray], shape: tuple[int, ...], dt: np.dtype[Any]
+) -> None:
+    """A computed tensor: one array of the entry's shape, or blocks of whole rows that
+    concatenate to it, all of the entry's dtype."""
+    a = pieces[0]
+    if len(pieces) == 1 and a.shape == shape and a.dtype == dt:
+        return
+    rows_fit = (
+        len(pieces) > 1
+        and len(shape) > 0
+        and all(p.ndim == len(shape) and p.shape[1:] == shape[1:] for p in pieces)
+        and sum(p.shape[0] for p in pieces) == shape[0]
+    )
+    if rows_fit and all(p.dtype == dt for p in pieces):
+        return
+    got = (
+        f"{a.dtype}{list(a.shape)}"
+        if len(pieces) == 1
+        else " + ".join(f"{p.dtype}{list(p.shape)}" for p in pieces)
+    )
+    raise CheckpointError(f"{name}: computed {got}, the header says {dt}{list(shape)}")
+
+
+Entry = tuple[str, tuple[int, ...], Any]
+
+
+def encode_header(
+    items: list[Entry], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[int]]:
+    """What a file holds before its data (the 8-byte length and the JSON header, padded
+    to 8 bytes), and where each tensor's bytes start in the file."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    pos = 0
+    starts = []
+    for name, shape, dt in items:
+        n = math.prod(shape) * np.dtype(dt).itemsize
+        header[name] = {
+            "dtype": dtype_code(dt),
+            "shape": list(shape),
+            "data_offsets": [pos, pos + n],
+        }
+        starts.append(pos)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, [len(head) + s for s in starts]
+
+
+def new_token() -> str:
+    """A token no other write draws: temporary files carry it, so two writers (two
+    processes, two runs) never write under one temporary name."""
+    return uuid.uuid4().hex[:16]
+
+
+def temporary(p: Path, token: str) -> Path:
+    """The temporary file a write of ``p`` fills before renaming it into place."""
+    return p.with_name(f"{p.name}.{token}.partial")
+
+
+def fsync_dir(d: Path) -> None:
+    """Make the renames into ``d`` durable."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_partial(
+    p: Path,
+    items: list[Entry],
+    compute: Callable[[str], Any],
+    metadata: Mapping[str, str] | None,
+    progress: Callable[[int], None] | None,
+    token: str,
+) -> Path:
+    """``p``'s temporary (``temporary(p, token)``), complete and synced: the header, then
+    each tensor's bytes (``compute(name)``: the tensor, or a list of blocks of whole rows
+    in order, written one after the other: a leaf sharded along its first axis, shard by
+    shard)."""
+    head, _ = encode_header(items, metadata)
+    tmp = temporary(p, token)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(head)
+            for name, shape, dt in items:
+                got = compute(name)
+                pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
+                check_pieces(name, pieces, tuple(shape), np.dtype(dt))
+                for a in pieces:
+                    f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
+                if progress is not None:
+                    progress(sum(a.nbytes for a in pieces))
+                del got, pieces
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The files one write produces, decided from the names and sizes alone (every
+    process of a run computes the same one).
+
+    Attributes:
+        files: each final file and the tensors it holds, in order.
+        index: the sharded layout's index (written last), or None.
+        index_text: its contents.
+        out: what the write returns: the one file, or the index.
+        stem: ``(directory, stem)`` whose earlier sharded files the write replaces, or
+            None (one file named by the caller).
+    """
+
+    files: list[tuple[Path, list[Entry]]]
+    index: Path | None
+    index_text: str | None
+    out: Path
+    stem: tuple[Path, str] | None
+
+    @property
+    def directory(self) -> Path:
+        return self.out.parent
+
+    def existing(self) -> list[Path]:
+        """What is at the destination now that this write would replace."""
+        if self.stem is None:
+            p = self.out
+            return [p] if p.is_file() or p.is_symlink() else []
+        return sharded_layout(*self.stem)
+
+
+def plan_layout(
+    path: str | os.PathLike[str], items: list[Entry], max_shard_size: int | str | None
+) -> Layout:
+    """The files that writing ``items`` to ``path`` makes: one file, or with
+    ``max_shard_size`` Hugging Face's sharded layout (see ``write_sharded``).
+
+    Raises:
+        CheckpointError: one file to an index name; a malformed ``max_shard_size``.
+    """
+    if max_shard_size is None:
+        p = Path(path)
+        if p.name.endswith(".index.json"):
+            raise CheckpointError(
+                f"{p}: an index file name; a safetensors file would be written under it. Pass a "
+                ".safetensors file name, or max_shard_size= to write a sharded checkpoint "
+                "with this index"
+            )
+        return Layout([(p, items)], None, None, p, None)
+    directory, stem = sharded_names(path)
+    groups = shard_groups(items, parse_size(max_shard_size))
+    if len(groups) == 1:
+        out = directory / f"{stem}.safetensors"
+        return Layout([(out, items)], None, None, out, (directory, stem))
+    n = len(groups)
+    names = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    total = sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in items)
+    doc = {
+        "metadata": {"total_size": total},
+        "weight_map": {name: f for f, g in zip(names, groups, strict=True) for name, _, _ in g},
+    }
+    index = directory / f"{stem}.safetensors.index.json"
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    files = [(directory / f, g) for f, g in zip(names, groups, strict=True)]
+    return Layout(files, index, text, index, (directory, stem))
+
+
+def prepare_directory(layout: Layout) -> None:
+    """Check that ``layout`` can be written where it goes, creating missing parent
+    directories (as ``save_pretrained`` creates its directory).
+
+    Raises:
+        CheckpointError: one file's path is a directory; a parent is a file.
+    """
+    if layout.stem is None and layout.out.is_dir():
+        raise CheckpointError(f"{layout.out}: a directory; pass a .safetensors file name in it")
+    _make_dir(layout.directory)
+
+
+def write_index(layout: Layout, token: str) -> Path | None:
+    """The index's temporary, written and synced (None: no index)."""
+    if layout.index is None or layout.index_text is None:
+        return None
+    tmp = temporary(layout.index, token)
+    with open(tmp, "x") as f:
+        f.write(layout.index_text)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
+def commit_layout(layout: Layout, temps: list[Path], index_tmp: Path | None) -> Path:
+    """Rename complete temporaries into place (the index last), make the renames durable,
+    then remove the earlier layout's files under the same stem that this one does not
+    have."""
+    for (final, _), tmp in zip(layout.files, temps, strict=True):
+        os.replace(tmp, final)
+    if index_tmp is not None and layout.index is not None:
+        os.replace(index_tmp, layout.index)
+    fsync_dir(layout.directory)
+    if layout.stem is not None:
+        keep = {f.name for f, _ in layout.files}
+        if layout.index is not None:
+            keep.add(layout.index.name)
+        for f in sharded_layout(*layout.stem):  # the earlier layout's files
+            if f.name not in keep:
+                f.unlink(missing_ok=True)
+    return layout.out
+
+
+def write_layout(
+    layout: Layout,
+    compute: Callable[[str], Any],
+    metadata: Mapping[str, str] | None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write every file of ``layout`` from this process: each complete (temporary,
+    synced) before any is renamed into place; a failure removes the temporaries and
+    leaves what was there untouched."""
+    prepare_directory(layout)
+    token = new_token()
+    temps: list[Path] = []
+    index_tmp = None
+    try:
+        for final, group in layout.files:
+            temps.append(_write_partial(final, group, compute, metadata, progress, token))
+        index_tmp = write_index(layout, token)
+    except BaseException:
+        for t in temps:
+            t.unlink(missing_ok=True)
+        raise
+    return commit_layout(layout, temps, index_tmp)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Iterable[Entry],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write a safetensors file a tensor at a time: the header from ``entries`` (name,
+    shape, dtype), then each tensor's bytes from ``compute(name)``, which may free it
+    after. The file appears under ``path`` only once complete (a temporary of its own,
+    synced, renamed); missing parent directories are created.
+
+    Raises:
+        CheckpointError: ``path`` ends ``.index.json`` or is a directory; a parent is a
+            file; a computed tensor does not match its entry.
+    """
+    return write_layout(plan_layout(path, list(entries), None), compute, metadata, progress)
+
+
+def shard_groups(
+    items: list[tuple[str, tuple[int, ...], Any]], max_bytes: int
+) -> list[list[tuple[str, tuple[int, ...], Any]]]:
+    """Tensors into shards in order, as ``huggingface_hub``/``transformers`` split a state
+    dict: a new shard when the next tensor would take the current one over ``max_bytes``;
+    a tensor larger than that alone in a shard of its own."""
+    groups: list[list[tuple[str, tuple[int, ...], Any]]] = []
+    current: list[tuple[str, tuple[int, ...], Any]] = []
+    size = 0
+    for item in items:
+        n = math.prod(item[1]) * np.dtype(item[2]).itemsize
+        if n > max_bytes:
+            groups.append([item])
+            continue
+        if current and size + n > max_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """``(directory, stem)`` of a sharded write: a directory (stem ``model``), a
+    ``name.safetensors`` or a ``name.safetensors.index.json`` (stem ``name``). Shards
+    are ``{stem}-00001-of-0000n.safetensors``, the index ``{stem}.safetensors.index.json``;
+    a checkpoint that fits one shard is ``{stem}.safetensors`` alone."""
+    p = Path(path)
+    name = p.name
+    for suffix in (".index.json", ".json", ".safetensors"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            if suffix != ".safetensors" and name.endswith(".safetensors"):
+                name = name[: -len(".safetensors")]
+            return p.parent, name
+    return p, "model"
+
+
+def sharded_layout(directory: Path, stem: str) -> list[Path]:
+    """The files of the sharded layout under ``stem`` that ``directory`` holds now, sorted:
+    the index ``{stem}.safetensors.index.json``, a lone ``{stem}.safetensors`` and shards
+    ``{stem}-0000k-of-0000n.safetensors`` (what a sharded write there replaces)."""
+    if not directory.is_dir():
+        return []
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    names = {f"{stem}.safetensors", f"{stem}.safetensors.index.json"}
+    return sorted(f for f in directory.iterdir() if f.name in names or shard.fullmatch(f.name))
+
+
+def write_sharded(
+    path: str | os.PathLike[str],
+    entries: Iterable[Entry],
+    compute: Callable[[str], np.ndarray],
+    metadata: Mapping[str, str] | None,
+    max_shard_size: int | str,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Hugging Face's sharded layout: ``{stem}-0000k-of-0000n.safetensors`` of at most
+    ``max_shard_size`` bytes each (a larger tensor alone) and ``{stem}.safetensors.index.json``
+    (``metadata.total_size``, ``weight_map``), the names and index ``transformers`` writes;
+    one shard: ``{stem}.safetensors`` alone.
+
+    Every shard is written complete (a temporary, synced) before any is renamed into
+    place; the index goes last. Shard files of an earlier layout under the same stem (and
+    a lone ``{stem}.safetensors``, or a stale index) are removed once the new checkpoint is
+    complete. Returns the index (or the one file).
+    """
+    layout = plan_layout(path, list(entries), max_shard_size)
+    return write_layout(layout, compute, metadata, progress)
