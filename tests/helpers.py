@@ -480,3 +480,17 @@ def largest_data_file(path: Path) -> Path:
 def truncate_file(f: Path) -> None:
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size // 2)
+
+
+def launch_argv(
+    *command: str, n: int = 2, devices: int = 4, timeout: float = 240, grace: float = 1
+) -> list[str]:
+    """``modelshard launch -n N --devices-per-process D --timeout T --grace G -- COMMAND`` as
+    an argv for ``subprocess``: the launcher bounds its processes, so killing it (a test's
+    backstop) kills them too."""
+    from modelshard._runtime import launch
+
+    return [
+        sys.executable, launch.__file__, "-n", str(n), "--devices-per-process", str(devices),
+        "--timeout", str(timeout), "--grace", str(grace), "--", *command,
+    ]  # fmt: skip

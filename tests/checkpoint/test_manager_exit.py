@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
+from helpers import launch_argv
 
 # one worker runs this file (its module fixtures start processes once)
 pytestmark = pytest.mark.xdist_group("manager-exit")
@@ -205,13 +206,10 @@ def test_preempted_and_resumed_run_ends_bit_exact(tmp_path):
 
 
 def _launch(root, *extra):
-    from modelshard._runtime import launch as launch_module
-
-    cmd = [
-        sys.executable, launch_module.__file__, "-n", "2", "--devices-per-process", "2",
-        "--timeout", "150", "--grace", "1", "--",
+    cmd = launch_argv(
         sys.executable, str(CHILD.parent / "preempt_mp.py"), str(root), *extra,
-    ]  # fmt: skip
+        devices=2, timeout=150,
+    )  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     return proc.returncode, proc.stdout + proc.stderr
 

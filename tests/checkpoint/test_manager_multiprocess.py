@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
+from helpers import launch_argv
 from modelshard._runtime import launch as _launch
 
 pytestmark = [
@@ -56,24 +57,7 @@ def initial() -> dict[str, np.ndarray]:
 
 
 def by_launch(root: Path, out: Path, *args: str) -> tuple[list[int], str]:
-    cmd = [
-        sys.executable,
-        _launch.__file__,
-        "-n",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--timeout",
-        str(LIMIT_S),
-        "--grace",
-        "1",
-        "--",
-        sys.executable,
-        str(SCRIPT),
-        str(root),
-        str(out),
-        *args,
-    ]
+    cmd = launch_argv(sys.executable, str(SCRIPT), str(root), str(out), *args, timeout=LIMIT_S)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LIMIT_S + 30)
     return [proc.returncode], proc.stdout + proc.stderr
 

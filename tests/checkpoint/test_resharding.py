@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
+from helpers import launch_argv
 from modelshard._checkpoint import locate
 from modelshard._checkpoint.resharding import reshard, rewrite
 from modelshard._checkpoint.stream import StreamLeaf, assign, slab_plan, write_stream
@@ -423,8 +424,6 @@ spec = ["data", "model"]
 @pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
 @pytest.mark.parametrize("how", ["function", "command"])
 def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_path, how):
-    from modelshard._runtime import launch as _launch
-
     rng = np.random.default_rng(4)
     state = {f"l{i}": jnp.asarray(rng.normal(size=(32, 16)), jnp.float32) for i in range(6)}
     state["key"] = jax.random.split(jax.random.key(1), 4)
@@ -432,26 +431,15 @@ def test_under_launch_each_process_writes_its_share_with_the_same_result(tmp_pat
     mesh = ms.make_mesh({"data": 2, "model": 4})
     specs = ms.Rules([("^key$", P()), (".*", P("data", "model"))])  # as the script's, the file's
     alone = reshard(src, tmp_path / "alone", specs=specs, mesh=mesh)
-    cmd = [
-        sys.executable,
-        _launch.__file__,
-        "-n",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--timeout",
-        "240",
-        "--grace",
-        "1",
-        "--",
-    ]
     if how == "function":
-        cmd += [sys.executable, str(SCRIPT), str(src), str(tmp_path / "two")]
+        cmd = launch_argv(sys.executable, str(SCRIPT), str(src), str(tmp_path / "two"))
     else:
         (tmp_path / "rules.toml").write_text(RULES_TOML)
         exe = str(Path(sys.executable).parent / "modelshard")
-        cmd += [exe, "reshard", str(src), str(tmp_path / "two"), "--mesh", "data=2,model=4"]
-        cmd += ["--rules", str(tmp_path / "rules.toml"), "--json"]
+        cmd = launch_argv(
+            exe, "reshard", str(src), str(tmp_path / "two"), "--mesh", "data=2,model=4",
+            "--rules", str(tmp_path / "rules.toml"), "--json",
+        )  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     if how == "command":  # one report, from process 0

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard._runtime import launch as _launch
+from helpers import launch_argv
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -99,11 +99,10 @@ class _Running:
 def _start(out: Path, topology: str, peer: Path | None = None) -> _Running:
     n, devices = TOPOLOGIES[topology]
     out.mkdir(parents=True)
-    cmd = [
-        sys.executable, _launch.__file__, "-n", str(n), "--devices-per-process", str(devices),
-        "--timeout", str(JOB_S), "--grace", "2", "--",
+    cmd = launch_argv(
         sys.executable, str(WORKER), str(out), *(["--peer", str(peer)] if peer else []),
-    ]  # fmt: skip
+        n=n, devices=devices, timeout=JOB_S, grace=2,
+    )  # fmt: skip
     env = {**os.environ, ms.distributed.ENV_BARRIER_TIMEOUT: str(BARRIER_TIMEOUT_S)}
     log = open(out / "job.log", "wb")  # noqa: SIM115 - closed by run_jobs
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
-from modelshard._runtime import launch as _launch
+from helpers import launch_argv
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -40,22 +40,9 @@ LAUNCH_TIMEOUT = 300  # seconds: a bound for a loaded 2-core machine, not an exp
 
 def launch(n: int, devices: int, script: str, *args: str) -> tuple[int, str, float]:
     """Run ``modelshard launch`` as a subprocess; return (exit code, output, seconds)."""
-    cmd = [
-        sys.executable,
-        _launch.__file__,
-        "-n",
-        str(n),
-        "--devices-per-process",
-        str(devices),
-        "--timeout",
-        str(LAUNCH_TIMEOUT),
-        "--grace",
-        "1",
-        "--",
-        sys.executable,
-        str(SCRIPTS / script),
-        *args,
-    ]
+    cmd = launch_argv(
+        sys.executable, str(SCRIPTS / script), *args, n=n, devices=devices, timeout=LAUNCH_TIMEOUT
+    )
     t0 = time.monotonic()
     # The launcher bounds its processes; killing it (the backstop) kills them too.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30)

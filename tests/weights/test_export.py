@@ -36,8 +36,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
+from helpers import launch_argv
 from modelshard._base import progress as progress_mod
-from modelshard._runtime import launch as _launch
 from modelshard._weights import shared
 
 # one worker runs this file (its module fixtures start processes once)
@@ -336,22 +336,7 @@ def _files(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("mp_export")
-    cmd = [
-        sys.executable,
-        _launch.__file__,
-        "-n",
-        "2",
-        "--devices-per-process",
-        "4",
-        "--timeout",
-        str(LAUNCH_TIMEOUT),
-        "--grace",
-        "1",
-        "--",
-        sys.executable,
-        str(SCRIPT),
-        str(out),
-    ]
+    cmd = launch_argv(sys.executable, str(SCRIPT), str(out), timeout=LAUNCH_TIMEOUT)
     # The launcher bounds its processes; killing it (the backstop) kills them too.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT + 30)
     assert proc.returncode == 0, proc.stdout + proc.stderr
