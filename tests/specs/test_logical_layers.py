@@ -55,6 +55,41 @@ def test_equal_rules_entered_again_reuse_the_compiled_step(mesh24, count_compile
     assert n["jit(<lambda>)"] == step.cache_size == 1
 
 
+def test_a_function_jitted_once_follows_the_rules_of_each_call(count_compiles):
+    """jax.jit keys on the rules in force, as on the mesh: one function jitted once,
+    called under no rules, two users' rules and the first again, constrains by each
+    (ms.constrain and Flax's nn.with_logical_constraint alike); equal rules share a trace."""
+    mesh = ms.make_mesh({"data": 2, "model": 4})  # Auto: Flax's constraint asserts on Explicit
+
+    def model(x):
+        x = nn.with_logical_constraint(x * 2, ("batch", "embed"))
+        return ms.constrain(x + 1, P("batch", "embed")), x
+
+    step = jax.jit(model)
+    x = jnp.ones((8, 16))
+    tp, fsdp = {"batch": "data", "embed": "model"}, {"batch": ("data", "model"), "embed": None}
+    got = []
+    with jax.set_mesh(mesh), count_compiles() as n:
+        got.append(step(x))
+        for rules in (tp, fsdp, dict(tp)):
+            with ms.logical_rules(rules):
+                got.append(step(x))
+    specs = [(a.sharding.spec, b.sharding.spec) for a, b in got]
+    assert specs == [
+        (P(), P()),
+        (P("data", "model"), P("data", "model")),
+        (P(("data", "model")), P(("data", "model"))),
+        (P("data", "model"), P("data", "model")),
+    ]
+    assert n["jit(model)"] == 3
+
+
+def test_a_declaration_is_hashable_and_compares_by_its_entries():
+    again = ms.LogicalAxes("tinylm", tinylm.AXES.names, dict(tinylm.AXES.defaults))
+    assert again == tinylm.AXES and hash(again) == hash(tinylm.AXES)
+    assert ms.LogicalAxes("tinylm", tinylm.AXES.names, {"heads": None}) != tinylm.AXES
+
+
 def test_a_misspelt_name_gets_did_you_mean_on_entry():
     with pytest.raises(ms.SpecError) as e, ms.logical_rules(tinylm.AXES, {"hedas": None}):
         pass
