@@ -196,3 +196,30 @@ def test_nnx_metadata_sees_the_context(mesh24):
         assert tuple(leaf.spec) == tuple(want) + (None,) * (len(leaf.spec) - len(want)), leaf.path
         checked += 1
     assert checked == 16  # 14 named kernels, 2 norm scales (replicated, P())
+
+
+class _EagerMLP(nnx.Module):
+    """NNX parameters placed as they are created (eager sharding), by logical names."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        def init(*names):
+            return nnx.with_partitioning(
+                nnx.initializers.lecun_normal(), names, eager_sharding=True
+            )
+
+        self.up = nnx.Linear(16, 32, use_bias=False, kernel_init=init("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(32, 16, use_bias=False, kernel_init=init("mlp", "embed"), rngs=rngs)
+
+
+def test_nnx_eager_sharding_places_by_the_layered_rules(mesh24):
+    """NNX places eagerly-sharded parameters through Flax's context, which ms.logical_rules
+    sets to the layered rules: eagerly and under nnx.jit, on Auto and Explicit meshes."""
+    axes = ms.LogicalAxes("lib", names=("embed", "mlp"), defaults={"embed": None, "mlp": "model"})
+    with jax.set_mesh(mesh24), ms.logical_rules(axes, {"embed": "data"}):
+        eager = _EagerMLP(nnx.Rngs(0))
+        jitted = nnx.jit(lambda: _EagerMLP(nnx.Rngs(0)))()
+    for model in (eager, jitted):
+        assert model.up.kernel.get_value().sharding.spec == P("data", "model")
+        assert model.down.kernel.get_value().sharding.spec == P("model", "data")
+    with jax.set_mesh(mesh24), pytest.raises(ValueError, match="embed of P\\('embed', 'mlp'\\)"):
+        _EagerMLP(nnx.Rngs(0))  # without rules NNX takes the names for mesh axes
