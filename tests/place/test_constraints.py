@@ -96,6 +96,26 @@ def test_no_mesh_is_a_clear_error_naming_the_call():
     )
 
 
+def test_lenient_by_default_and_strict_inside_the_context_for_one_jitted_function():
+    """No mesh: a lenient constrain returns its input; the same jitted function is traced
+    again inside strict_constraints (jax.jit keys on it) and raises there; strict=False on
+    the call wins over the context."""
+    x = jnp.arange(8.0)
+
+    @jax.jit
+    def step(x):
+        return ms.constrain(x * 2, P("data"))
+
+    np.testing.assert_array_equal(np.asarray(step(x)), np.arange(8.0) * 2)
+    with ms.strict_constraints(), pytest.raises(ms.MeshError, match="no mesh given"):
+        step(x)
+    with ms.strict_constraints():
+        with ms.strict_constraints(False):
+            assert step(x).shape == (8,)
+        assert ms.constrain(x, P("data"), strict=False) is x
+    assert step(x).shape == (8,)
+
+
 def test_spec_errors_come_from_the_rule_engine(mesh24):
     with pytest.raises(ms.SpecError) as e:
         ms.constrain({"w": jnp.ones((6, 8))}, P("model"), mesh24)

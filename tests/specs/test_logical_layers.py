@@ -55,6 +55,41 @@ def test_equal_rules_entered_again_reuse_the_compiled_step(mesh24, count_compile
     assert n["jit(<lambda>)"] == step.cache_size == 1
 
 
+def test_a_function_jitted_once_follows_the_rules_of_each_call(count_compiles):
+    """jax.jit keys on the rules in force, as on the mesh: one function jitted once,
+    called under no rules, two users' rules and the first again, constrains by each
+    (ms.constrain and Flax's nn.with_logical_constraint alike); equal rules share a trace."""
+    mesh = ms.make_mesh({"data": 2, "model": 4})  # Auto: Flax's constraint asserts on Explicit
+
+    def model(x):
+        x = nn.with_logical_constraint(x * 2, ("batch", "embed"))
+        return ms.constrain(x + 1, P("batch", "embed")), x
+
+    step = jax.jit(model)
+    x = jnp.ones((8, 16))
+    tp, fsdp = {"batch": "data", "embed": "model"}, {"batch": ("data", "model"), "embed": None}
+    got = []
+    with jax.set_mesh(mesh), count_compiles() as n:
+        got.append(step(x))
+        for rules in (tp, fsdp, dict(tp)):
+            with ms.logical_rules(rules):
+                got.append(step(x))
+    specs = [(a.sharding.spec, b.sharding.spec) for a, b in got]
+    assert specs == [
+        (P(), P()),
+        (P("data", "model"), P("data", "model")),
+        (P(("data", "model")), P(("data", "model"))),
+        (P("data", "model"), P("data", "model")),
+    ]
+    assert n["jit(model)"] == 3
+
+
+def test_a_declaration_is_hashable_and_compares_by_its_entries():
+    again = ms.LogicalAxes("tinylm", tinylm.AXES.names, dict(tinylm.AXES.defaults))
+    assert again == tinylm.AXES and hash(again) == hash(tinylm.AXES)
+    assert ms.LogicalAxes("tinylm", tinylm.AXES.names, {"heads": None}) != tinylm.AXES
+
+
 def test_a_misspelt_name_gets_did_you_mean_on_entry():
     with pytest.raises(ms.SpecError) as e, ms.logical_rules(tinylm.AXES, {"hedas": None}):
         pass
@@ -161,3 +196,30 @@ def test_nnx_metadata_sees_the_context(mesh24):
         assert tuple(leaf.spec) == tuple(want) + (None,) * (len(leaf.spec) - len(want)), leaf.path
         checked += 1
     assert checked == 16  # 14 named kernels, 2 norm scales (replicated, P())
+
+
+class _EagerMLP(nnx.Module):
+    """NNX parameters placed as they are created (eager sharding), by logical names."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        def init(*names):
+            return nnx.with_partitioning(
+                nnx.initializers.lecun_normal(), names, eager_sharding=True
+            )
+
+        self.up = nnx.Linear(16, 32, use_bias=False, kernel_init=init("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(32, 16, use_bias=False, kernel_init=init("mlp", "embed"), rngs=rngs)
+
+
+def test_nnx_eager_sharding_places_by_the_layered_rules(mesh24):
+    """NNX places eagerly-sharded parameters through Flax's context, which ms.logical_rules
+    sets to the layered rules: eagerly and under nnx.jit, on Auto and Explicit meshes."""
+    axes = ms.LogicalAxes("lib", names=("embed", "mlp"), defaults={"embed": None, "mlp": "model"})
+    with jax.set_mesh(mesh24), ms.logical_rules(axes, {"embed": "data"}):
+        eager = _EagerMLP(nnx.Rngs(0))
+        jitted = nnx.jit(lambda: _EagerMLP(nnx.Rngs(0)))()
+    for model in (eager, jitted):
+        assert model.up.kernel.get_value().sharding.spec == P("data", "model")
+        assert model.down.kernel.get_value().sharding.spec == P("model", "data")
+    with jax.set_mesh(mesh24), pytest.raises(ValueError, match="embed of P\\('embed', 'mlp'\\)"):
+        _EagerMLP(nnx.Rngs(0))  # without rules NNX takes the names for mesh axes

@@ -37,3 +37,7 @@ class Config:
     kv: int = 4
     mlp: int = 32
     layers: int = 2
+    flax_constraints: bool = False
+    """The linen variant constrains its activations with Flax's own
+    ``nn.with_logical_constraint`` instead of ``tinylm.sharding.constrain``, as a library
+    written for Flax's ``nn.logical_axis_rules`` does."""

@@ -8,8 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import Config
-from .sharding import constrain
+from . import Config, sharding
 
 
 def _init(*names: str) -> Any:
@@ -30,12 +29,17 @@ class Proj(nn.Module):
         return jnp.einsum(self.equation, x, kernel)
 
 
+def _constrainer(c: Config) -> Any:
+    return sharding.flax_constrain if c.flax_constraints else sharding.constrain
+
+
 class Block(nn.Module):
     config: Config
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
+        constrain = _constrainer(c)
         h = nn.LayerNorm(use_bias=False, name="norm")(x)
         q, k, v = (
             constrain(
@@ -65,6 +69,7 @@ class TinyLM(nn.Module):
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
         c = self.config
+        constrain = _constrainer(c)
         embed = nn.Embed(
             c.vocab,
             c.embed,

@@ -107,6 +107,8 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "modelshard_strict_constraints", default=False
 )
+# jax.jit keys its caches on this context: a function traced lenient is traced again strict.
+_JIT_KEY = jax.make_user_context(False)
 
 
 @contextlib.contextmanager
@@ -118,8 +120,11 @@ def strict_constraints(strict: bool = True) -> Iterator[None]:
     its spec names logical axes and no logical rules are set, as Flax's
     ``nn.with_logical_constraint`` does; a strict one raises ``MeshError`` or
     ``SpecError`` there. ``constrain(..., strict=...)`` on a call wins over the context.
-    The setting is read while a function is traced: a function ``jax.jit`` already
-    traced outside the block keeps what it did then.
+    The setting is read while a function is traced, and is part of ``jax.jit``'s cache
+    key: a function jitted and traced outside the block is traced again inside it.
+
+    To make a whole test suite strict (a library's CI, say), enter it in an autouse
+    fixture: ``with ms.strict_constraints(): yield``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -135,7 +140,8 @@ def strict_constraints(strict: bool = True) -> Iterator[None]:
     """
     token = _STRICT.set(strict)
     try:
-        yield
+        with _JIT_KEY(strict):
+            yield
     finally:
         _STRICT.reset(token)
 

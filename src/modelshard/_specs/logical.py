@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,6 +75,11 @@ class LogicalRules:
         return (self.pairs, self.ordered) == (other.pairs, other.ordered)
 
     def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        # hashed on every jax.jit call inside a logical_rules block (the cache key): once
         return hash((self.pairs, self.ordered))
 
     def label(self, name: str, target: Target | None = None) -> str:
@@ -271,7 +277,8 @@ class LogicalAxes:
 
     library: str
     names: tuple[str, ...]
-    defaults: dict[str, Any]
+    # compared and hashed through ``compiled`` (the same entries), which a dict cannot be
+    defaults: dict[str, Any] = dataclasses.field(compare=False)
     compiled: LogicalRules
 
     def __init__(
@@ -333,6 +340,9 @@ _CLEARED = LogicalRules((), False, "ms.logical_rules(None)", {}, {})
 _CONTEXT = "the active ms.logical_rules context"
 _FLAX_SOURCE = "Flax's nn.logical_axis_rules context"
 _flax_last: tuple[Any, LogicalRules | None] = (None, None)
+# jax.jit keys its caches on this context, as on the mesh: a function traced under one set
+# of rules (its constraints, Flax's included, depend on them) is traced again under another.
+_JIT_KEY = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -365,6 +375,10 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
     ``jax.lax.with_sharding_constraint``, which an all-Explicit mesh turns into an
     assertion; on such meshes use ``constrain`` in model code (it reshards there) and pass
     ``flax=False`` when Flax code should not constrain.
+
+    Tracing: the rules in force are part of ``jax.jit``'s cache key, as the mesh is, so a
+    function jitted once and called under other rules (or none) is traced again and its
+    constraints follow the rules of each call; calls under equal rules share one trace.
 
     Args:
         *layers: each a mapping ``{"batch": ("data", "fsdp"), "embed": None}``, Flax's
@@ -400,7 +414,10 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
         check_mesh_axes(compiled, jax.sharding.get_abstract_mesh())
     token = _ACTIVE.set(_CLEARED if compiled is None else compiled)
     try:
-        with _flax_bridge(compiled, flax):
+        with (
+            _JIT_KEY("cleared" if compiled is None else (compiled, flax)),
+            _flax_bridge(compiled, flax),
+        ):
             yield compiled
     finally:
         _ACTIVE.reset(token)
