@@ -52,3 +52,42 @@ def test_a_non_dividing_logical_axis_in_rules_file_words(tmp_path, capsys):
         "    mesh: data=1, model=8",
         f"    hint: {first['hint']}",
     ]
+
+
+def test_the_plan_table_names_logical_names_and_the_rules_file(tmp_path, capsys):
+    """modelshard plan --rules: a leaf placed by its saved logical names shows them and the
+    rules file's [logical] table that mapped them, not just metadata (LogicallyPartitioned)."""
+    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
+    ckpt = ms.save(tmp_path / "ckpt", params)
+    rules = tmp_path / "tp.toml"
+    rules.write_text(RULES.replace('mlp = "none"', 'mlp = "model"'))
+    argv = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", str(rules)]
+    assert main(argv) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) > 5:
+            rows[cells[0]] = cells
+    assert rows["block_{0..1}/k/kernel"] == [
+        "block_{0..1}/k/kernel",
+        "2",
+        "(16, 4, 4)",
+        "float32",
+        "P(None, 'model', None)",
+        "256 B x2",
+        "metadata: embed, heads->model, kv ([logical] of tp.toml)",
+    ]
+    assert (
+        rows["block_{0..1}/up/kernel"][-1] == "metadata: embed, mlp->model ([logical] of tp.toml)"
+    )
+    assert rows["block_{0..1}/norm/scale"][-1] == "unmatched (replicated, strict=False)"
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    k = next(r for r in out["rows"] if r["path"] == "block_{0..1}/k/kernel")
+    assert (k["rule"], k["logical"]) == (
+        "metadata (LogicallyPartitioned)",
+        [
+            [{"name": n, "axes": axes, "rule": f"[logical] {n} of {rules}"}]
+            for n, axes in (("embed", []), ("heads", ["model"]), ("kv", []))
+        ],
+    )

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._base import format_bytes, format_spec
 from .._specs import entry_axes, spec_from_json
+from .planning import logical_text, rule_text
 
 
 class PlanView(Protocol):
@@ -34,6 +35,7 @@ class PlanView(Protocol):
     def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
     def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
     def summary(self) -> str: ...
+    def activation_rows(self) -> list[dict[str, Any]]: ...
 
 
 MAX_GRID = 16
@@ -336,7 +338,7 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
             f' data-bytes-per-device="{total}"><td class="path">{_esc(r["path"])}</td>'
             f'<td class="num">{r["count"]}</td><td><code>{_esc(tuple(r["shape"]))}</code></td>'
             f"<td>{_esc(r['dtype'])}</td><td><code>{_esc(spec)}</code></td>"
-            f"<td>{_esc(r['rule'])}</td>"
+            f"<td>{_esc(rule_text(r['rule'], r['logical']))}</td>"
             f'<td class="num">{_esc(format_bytes(r["bytes_per_device"]))}</td>'
             f'<td class="num">{_esc(format_bytes(total))}</td></tr>'
         )
@@ -350,14 +352,41 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
     return "".join(out)
 
 
+def activations_html(plan: PlanView) -> str:
+    """A step's activation constraints (``plan.activations``): name, where in the
+    constrained value, shape, logical names and the rules that mapped them, spec, bytes per
+    device; nothing for a plan without any."""
+    rows = plan.activation_rows()
+    if not rows:
+        return ""
+    out = [
+        f'<section class="ms-activations" data-count="{len(rows)}"><h3>Activation '
+        "constraints</h3><table><thead><tr><th>name</th><th>path</th><th>shape</th>"
+        '<th>logical</th><th>spec</th><th class="num">per device</th></tr></thead><tbody>'
+    ]
+    for a in rows:
+        out.append(
+            f'<tr data-name="{_esc(a["name"])}"><td><code>{_esc(a["name"])}</code></td>'
+            f'<td class="path">{_esc(a["path"] or "<root>")}</td>'
+            f"<td><code>{_esc(tuple(a['shape']))}</code></td>"
+            f"<td>{_esc(logical_text(a['logical']) or a['written'])}</td>"
+            f"<td><code>{_esc(format_spec(spec_from_json(a['spec'])))}</code></td>"
+            f'<td class="num">{_esc(format_bytes(a["bytes_per_device"]))}</td></tr>'
+        )
+    out.append("</tbody></table></section>")
+    return "".join(out)
+
+
 def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
-    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table."""
+    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table, and
+    a step's activation constraints."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
         f' data-bytes-per-device="{plan.bytes_per_device()}"><style>{CSS}</style>'
         f'<div class="ms-summary"><b>modelshard plan</b>: {_esc(plan.summary())}</div>'
         + memory_html(plan)
         + rows_html(plan, fold=fold, filter=filter, tiles=tiles)
+        + activations_html(plan)
         + "</div>"
     )
 
