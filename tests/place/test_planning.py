@@ -442,3 +442,31 @@ def test_a_step_plan_lists_its_activation_constraints(mesh24):
     ]
     [x_row] = [line for line in lines if "(8, 4, 32) │" in line]  # the input x, at the root
     assert x_row.endswith("│ argument: batch->data (rules) │")
+
+
+@pytest.mark.parametrize("variant", ["linen", "nnx"])
+def test_optimizer_moments_show_their_parameters_logical_names(variant, mesh24):
+    """Adam's moments keep their parameters' logical names (linen's LogicallyPartitioned
+    boxes, NNX's OptVariable metadata): their rows name the same names and rules."""
+    import optax
+    from flax import nnx
+
+    import tinylm
+    from tinylm import linen_model, nnx_model
+
+    if variant == "linen":
+        ids = jnp.zeros((8, 8), jnp.int32)
+        params = linen_model.TinyLM().init(jax.random.key(0), ids)["params"]
+        state = {"params": params, "opt": optax.adam(1e-2).init(params)}
+        param, moment = "params/block_{0..1}/k/kernel", "opt/0/mu/block_{0..1}/k/kernel"
+    else:
+        model = nnx_model.TinyLM(rngs=nnx.Rngs(0))
+        state = (model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+        param, moment = "0/block_{0..1}/k/kernel", "1/opt_state/0/mu/block_{0..1}/k/kernel"
+    with ms.logical_rules(tinylm.AXES):
+        p = ms.plan(state, ms.Rules([], strict=False), mesh24)
+    rows = {r["path"]: r for r in p.groups()}
+    text = str(p.table(max_rows=None))
+    for path in (param, moment):
+        assert rows[path]["spec"] == [None, "model", None]
+        assert _cells(text, path)[-1] == "metadata: embed, heads->model, kv (tinylm defaults)"
