@@ -342,9 +342,9 @@ class Plan:
         self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
     ) -> str:
         """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
-        bar split by top-level module, and the grouped table whose rows open their tiles on
-        the mesh (``tiles=False``: without them). Inline CSS only: no script, no external
-        resource."""
+        bar split by top-level module, the grouped table whose rows open their tiles on
+        the mesh (``tiles=False``: without them), and a step's activation constraints.
+        Inline CSS only: no script, no external resource."""
         from .plan_html import plan_html
 
         return plan_html(self, fold=fold, filter=filter, tiles=tiles)
