@@ -34,6 +34,7 @@ from .._specs import (
     spec_from_json,
 )
 from .constraints import ActivationConstraint
+from .plan_html import logical_text, rule_text
 
 
 def _itemsize(dtype: Any) -> int:
@@ -418,53 +419,6 @@ def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
     if not via or not any(via):
         return None
     return [[{"name": n, "axes": list(t), "rule": lab} for n, t, lab in dim] for dim in via]
-
-
-def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``embed, heads->model, kv (tinylm defaults)``: each dimension's logical names in
-    order, a name that shards its dimension with the mesh axes it maps to (a name without
-    an arrow replicates it), and the rules that mapped them, once after each run of names
-    one source mapped (``batch->data, seq (tinylm defaults), mlp (rules)``).
-    A source is its entry without the name (``rules`` for ``rules['heads']``, ``[logical]
-    of tp.toml`` for ``[logical] heads of /path/tp.toml``)."""
-    if not logical:
-        return ""
-    names: list[tuple[str, str]] = []
-    for dim in logical:
-        for m in dim:
-            axes = m["axes"]
-            to = "" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
-            names.append((m["name"] + (f"->{to}" if to else ""), _source(m["name"], m["rule"])))
-    return ", ".join(
-        n + (f" ({src})" if i + 1 == len(names) or names[i + 1][1] != src else "")
-        for i, (n, src) in enumerate(names)
-    )
-
-
-def _source(name: str, label: str) -> str:
-    """Where an entry of logical rules comes from, without the name it maps: the rules a
-    table row shares with its neighbours."""
-    file_entry = f"[logical] {name} of "
-    if label.startswith(file_entry):
-        return f"[logical] of {os.path.basename(label[len(file_entry) :])}"
-    head, of, file = label.partition(" of ")
-    if of and head.startswith("logical["):
-        return f"{head} of {os.path.basename(file)}"
-    return label.removesuffix(f"[{name!r}]")
-
-
-def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
-    """A table's rule cell: the rule, and for a spec written in logical names the names and
-    the rules that mapped them (``metadata: embed, heads->model, kv (tinylm defaults)``, not
-    ``metadata (Param)`` alone)."""
-    names = logical_text(logical)
-    if not names:
-        return rule
-    if rule.startswith("metadata ("):
-        rule = "metadata"  # the box's type says nothing the names do not
-    elif rule.endswith(" for the whole argument"):
-        rule = "argument"
-    return f"{rule}: {names}"
 
 
 RULE_WRAP = 40
