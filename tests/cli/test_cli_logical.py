@@ -52,3 +52,80 @@ def test_a_non_dividing_logical_axis_in_rules_file_words(tmp_path, capsys):
         "    mesh: data=1, model=8",
         f"    hint: {first['hint']}",
     ]
+
+
+def test_the_plan_table_names_logical_names_and_the_rules_file(tmp_path, capsys):
+    """modelshard plan --rules: a leaf placed by its saved logical names shows them and the
+    rules file's [logical] table that mapped them, not just metadata (LogicallyPartitioned)."""
+    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
+    ckpt = ms.save(tmp_path / "ckpt", params)
+    rules = tmp_path / "tp.toml"
+    rules.write_text(RULES.replace('mlp = "none"', 'mlp = "model"'))
+    argv = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", str(rules)]
+    assert main(argv) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) > 5:
+            rows[cells[0]] = cells
+    assert rows["block_{0..1}/k/kernel"] == [
+        "block_{0..1}/k/kernel",
+        "2",
+        "(16, 4, 4)",
+        "float32",
+        "P(None, 'model', None)",
+        "256 B x2",
+        "metadata: embed, heads->model, kv ([logical] of tp.toml)",
+    ]
+    assert (
+        rows["block_{0..1}/up/kernel"][-1] == "metadata: embed, mlp->model ([logical] of tp.toml)"
+    )
+    assert rows["block_{0..1}/norm/scale"][-1] == "unmatched (replicated, strict=False)"
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    k = next(r for r in out["rows"] if r["path"] == "block_{0..1}/k/kernel")
+    assert (k["rule"], k["logical"]) == (
+        "metadata (LogicallyPartitioned)",
+        [
+            [{"name": n, "axes": axes, "rule": f"[logical] {n} of {rules}"}]
+            for n, axes in (("embed", []), ("heads", ["model"]), ("kv", []))
+        ],
+    )
+
+
+def test_a_rules_files_logical_pairs_get_the_pair_to_change(tmp_path, capsys):
+    """Rules written as Flax-style pairs (logical = [[name, axes], ...]): the problem names
+    the pair by its index and the hint gives the pair to write there."""
+    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
+    ckpt = ms.save(tmp_path / "ckpt", params)
+    rules = tmp_path / "pairs.toml"
+    rules.write_text(
+        'strict = false\nlogical = [["batch", "data"], ["embed", "none"], ["heads", "model"], '
+        '["kv", "none"], ["mlp", "none"], ["vocab", "none"]]\n'
+    )
+    argv = ["plan", str(ckpt), "--mesh", "data=1,model=8", "--rules", str(rules)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    at = err.index("  tree:block_0/o/kernel float32[4, 4, 16]")
+    entry = f"logical[2] of {rules}"
+    hint = (
+        f"map heads to an axis whose size divides 4, or replicate it: in {rules}, set "
+        'logical[2] = ["heads", "none"]'
+    )
+    assert err[at : at + 5] == [
+        "  tree:block_0/o/kernel float32[4, 4, 16]",
+        f"    problem: 'heads' (dimension 0, size 4) maps to 'model' (8) by {entry}: 4 is not "
+        "divisible by 8",
+        '    spec: ["model", "none", "none"] (from metadata (LogicallyPartitioned))',
+        "    mesh: data=1, model=8",
+        f"    hint: {hint}",
+    ]
+    assert main([*argv, "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["error"]["problems"]
+    o = next(p for p in problems if p["path"] == "block_0/o/kernel")
+    assert (o["dimension"], o["logical_name"], o["logical_rule"], o["hint"]) == (
+        0,
+        "heads",
+        entry,
+        hint,
+    )

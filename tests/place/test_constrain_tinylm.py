@@ -222,10 +222,7 @@ def test_the_plan_shows_logical_names_and_activations():
         "bytes_per_device": 8 * 8 * 16 * 4 // 2,
     }
     text = str(plan.table())
-    assert (
-        "embed->None (tinylm defaults), heads->model (tinylm defaults), kv->None (tinylm "
-        "defaults)" in text
-    )
+    assert "metadata: embed, heads->model, kv (tinylm defaults)" in text
     assert "activation constraints" in text
 
 

@@ -201,3 +201,49 @@ def test_errors_name_the_constrain_call_and_the_traced_function(mesh24):
         ": 12 sharding problems, 1 cause (paths are arg:path; numbered layers folded as {0..N}):"
     )
     assert e.value.report().splitlines()[0] == e.value.site + ": 12 sharding problems (every one):"
+
+
+def test_inside_shard_jit_the_site_is_the_users_and_the_problem_in_logical_terms():
+    """Traced by shard_jit, a constraint's error names the model line and the step, never
+    shard_jit's own frames; a logical name that does not divide is told by its name, its
+    dimension and the rule entry that mapped it."""
+    import tinylm
+    from tinylm.sharding import constrain
+
+    here = os.path.relpath(__file__)
+
+    def model(x):
+        return constrain(x * 2, "batch", "seq", "heads", "kv")
+
+    def step(x):
+        return model(x).sum()
+
+    mesh = ms.make_mesh({"data": 1, "model": 8})
+    name = "test_inside_shard_jit_the_site_is_the_users_and_the_problem_in_logical_terms"
+    with ms.logical_rules(tinylm.AXES), pytest.raises(ms.SpecError) as e:
+        ms.shard_jit(step, mesh=mesh, in_specs=(P("batch"),))(jnp.ones((8, 8, 4, 4)))
+    site = (
+        f"constrain at {here}:{_line(model, 'constrain(x * 2')} in {name}.<locals>.model, "
+        f"while tracing {name}.<locals>.step ({here}:{_line(step, 'model(x)')})"
+    )
+    what = (
+        "'heads' (dimension 2, size 4) maps to 'model' (8) by tinylm defaults['heads']: 4 is "
+        "not divisible by 8"
+    )
+    assert str(e.value).splitlines() == [
+        f"{site}: 1 sharding problem found (every offending leaf is listed; paths are arg:path):",
+        "  tree:<root> float32[8, 8, 4, 4]",
+        f"    problem: {what}",
+        "    spec: P('data', None, 'model', None) (from P('batch', 'seq', 'heads', 'kv') for the "
+        "whole argument)",
+        "    mesh: data=1, model=8",
+        "    hint: map 'heads' to an axis whose size divides 4, or to None",
+    ]
+    [p] = e.value.to_json()["problems"]
+    assert (p["what"], p["dimension"], p["logical_name"], p["logical_rule"]) == (
+        what,
+        2,
+        "heads",
+        "tinylm defaults['heads']",
+    )
+    assert e.value.to_json()["site"] == site

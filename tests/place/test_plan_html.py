@@ -225,3 +225,52 @@ def test_docs_pictures_come_from_a_real_plan():
     parsed = _check(p, text[text.index('<div class="ms-plan" data-leaves') :])
     assert {s["data-module"] for s in parsed.segments} == {"opt_state", "params"}
     assert any(t["data-path"] == "params/layer_0/mlp/up" for t in parsed.tile_sets)
+
+
+def test_a_step_page_shows_logical_names_and_activation_constraints():
+    """A step's page: each leaf's rule cell names its logical names and the rules that
+    mapped them, and a section lists the activation constraints the step applies."""
+    import html
+    import re
+
+    from flax import nnx
+
+    import tinylm
+    from tinylm import nnx_model
+
+    mesh = ms.make_mesh({"data": 2, "model": 4})  # Auto: tinylm's o-projection needs it
+    block = nnx_model.TinyLM(rngs=nnx.Rngs(0)).block_0
+    x = jax.ShapeDtypeStruct((8, 8, 16), jnp.float32)
+    with ms.logical_rules(tinylm.AXES, {"mlp": None}):
+        step = ms.shard_jit(
+            lambda b, x: b(x),
+            mesh=mesh,
+            in_specs=(ms.Rules([], strict=False), P("batch", "seq", "embed")),
+        )
+        p = step.plan(block, x)
+    text = p.html()
+    page = _check(p, text)
+    cells = [
+        html.unescape(re.sub(r"<[^>]+>", "", c))
+        for c in re.findall(r'<tr class="ms-row" data-path="b:k/kernel".*?</tr>', text)[0].split(
+            "</td>"
+        )
+    ]
+    assert cells[5] == "metadata: embed, heads->model, kv (tinylm defaults)"
+    [section] = re.findall(r'<section class="ms-activations".*?</section>', text)
+    rows = re.findall(r"<tr data-name=.*?</tr>", section)
+    assert len(rows) == len(p.activations) == 6  # q, k, v, attention out, mlp, block out
+    assert [html.unescape(re.sub(r"<[^>]+>", "", c)) for c in rows[4].split("</td>")[:-1]] == [
+        "batch/seq/mlp",
+        "<root>",
+        "(8, 8, 32)",
+        "batch->data, seq (tinylm defaults), mlp (rules)",
+        "P('data', None, None)",
+        "4.00 KiB",
+    ]
+    assert len(page.rows) == 8
+
+
+def test_a_plain_plan_page_has_no_activation_section(mesh24):
+    p = ms.plan({"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}, P("data"), mesh24)
+    assert "ms-activations" not in p.html()

@@ -332,3 +332,141 @@ def test_table_shows_rules_and_paths_as_written():
     for text in ("[bold]emb[/bold]", "rule 0 'attn/w[qkv]$'", r"rule 1 'norm\d?/weight$'"):
         assert text in shown
     assert "\\\\" not in shown
+
+
+# ---- logical names in the table ----------------------------------------------------------
+
+
+def _cells(text: str, first: str) -> list[str]:
+    """The cells of the table line whose first cell is ``first`` (box or blank columns)."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 1:
+            cells = line.split() or [None]
+        if cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in\n{text}")
+
+
+def test_rule_cells_name_logical_names_and_their_rules(mesh24):
+    """A leaf placed by its logical names says which names and which rules mapped each,
+    not just ``metadata (Param)``: tinylm's defaults, one entry overridden by the user's
+    rules (NNX metadata, both axis types)."""
+    from flax import nnx
+
+    import tinylm
+    from tinylm import nnx_model
+
+    block = nnx_model.TinyLM(rngs=nnx.Rngs(0)).block_0
+    with ms.logical_rules(tinylm.AXES, {"mlp": None}):
+        p = ms.plan(block, ms.Rules([], strict=False), mesh24)
+    text = str(p.table())
+    assert _cells(text, "down/kernel") == [
+        "down/kernel",
+        "(32, 16)",
+        "float32",
+        "P(None, None)",
+        "2.00 KiB",
+        "metadata: mlp (rules), embed (tinylm defaults)",
+    ]
+    assert _cells(text, "k/kernel")[-1] == "metadata: embed, heads->model, kv (tinylm defaults)"
+    assert _cells(text, "norm/scale")[-1] == "unmatched (replicated, strict=False)"
+    assert p["down/kernel"].rule == "metadata (Param)"  # the JSON keeps both apart
+    assert p.rows()[0]["logical"] == [
+        [{"name": "mlp", "axes": [], "rule": "rules['mlp']"}],
+        [{"name": "embed", "axes": [], "rule": "tinylm defaults['embed']"}],
+    ]
+
+
+def test_a_step_plan_lists_its_activation_constraints(mesh24):
+    """What a step's constrain calls will apply, recorded while it is traced: name, logical
+    names with their rules, spec and bytes per device, in the table and the JSON (Auto and
+    Explicit meshes)."""
+    import tinylm
+    from tinylm.sharding import constrain
+
+    def step(x):
+        h = constrain(x * 2, "batch", "seq", "mlp")
+        return constrain(h.sum(-1), "batch", None)
+
+    x = SDS((8, 4, 32), jnp.float32)
+    with ms.logical_rules(tinylm.AXES, {"batch": ("data",)}):
+        plan = ms.shard_jit(step, mesh=mesh24, in_specs=(P("batch"),)).plan(x)
+    assert plan.activation_rows() == [
+        {
+            "name": "batch/seq/mlp",
+            "path": "",
+            "shape": [8, 4, 32],
+            "dtype": "float32",
+            "written": "P('batch', 'seq', 'mlp')",
+            "logical": [
+                [{"name": "batch", "axes": ["data"], "rule": "rules['batch']"}],
+                [{"name": "seq", "axes": [], "rule": "tinylm defaults['seq']"}],
+                [{"name": "mlp", "axes": ["model"], "rule": "tinylm defaults['mlp']"}],
+            ],
+            "spec": ["data", None, "model"],
+            "bytes_per_device": 8 * 4 * 32 * 4 // 8,
+        },
+        {
+            "name": "batch/-",
+            "path": "",
+            "shape": [8, 4],
+            "dtype": "float32",
+            "written": "P('batch', None)",
+            "logical": [[{"name": "batch", "axes": ["data"], "rule": "rules['batch']"}], []],
+            "spec": ["data", None],
+            "bytes_per_device": 8 * 4 * 4 // 2,
+        },
+    ]
+    text = str(plan.table())
+    lines = text.splitlines()
+    at = lines.index("activation constraints")
+    assert [line.split("  ")[0] for line in lines[at + 2 : at + 4]] == ["batch/seq/mlp", "batch/-"]
+    assert _cells(text, "batch/seq/mlp") == [
+        "batch/seq/mlp",
+        "<root>",
+        "(8,",
+        "4,",
+        "32)",
+        "batch->data",
+        "(rules),",
+        "seq,",
+        "mlp->model",
+        "(tinylm",
+        "defaults)",
+        "P('data',",
+        "None,",
+        "'model')",
+        "512",
+        "B",
+    ]
+    [x_row] = [line for line in lines if "(8, 4, 32) │" in line]  # the input x, at the root
+    assert x_row.endswith("│ argument: batch->data (rules) │")
+
+
+@pytest.mark.parametrize("variant", ["linen", "nnx"])
+def test_optimizer_moments_show_their_parameters_logical_names(variant, mesh24):
+    """Adam's moments keep their parameters' logical names (linen's LogicallyPartitioned
+    boxes, NNX's OptVariable metadata): their rows name the same names and rules."""
+    import optax
+    from flax import nnx
+
+    import tinylm
+    from tinylm import linen_model, nnx_model
+
+    if variant == "linen":
+        ids = jnp.zeros((8, 8), jnp.int32)
+        params = linen_model.TinyLM().init(jax.random.key(0), ids)["params"]
+        state = {"params": params, "opt": optax.adam(1e-2).init(params)}
+        param, moment = "params/block_{0..1}/k/kernel", "opt/0/mu/block_{0..1}/k/kernel"
+    else:
+        model = nnx_model.TinyLM(rngs=nnx.Rngs(0))
+        state = (model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+        param, moment = "0/block_{0..1}/k/kernel", "1/opt_state/0/mu/block_{0..1}/k/kernel"
+    with ms.logical_rules(tinylm.AXES):
+        p = ms.plan(state, ms.Rules([], strict=False), mesh24)
+    rows = {r["path"]: r for r in p.groups()}
+    text = str(p.table(max_rows=None))
+    for path in (param, moment):
+        assert rows[path]["spec"] == [None, "model", None]
+        assert _cells(text, path)[-1] == "metadata: embed, heads->model, kv (tinylm defaults)"

@@ -38,7 +38,9 @@ from .._specs import (
     is_leaf_spec,
 )
 
-_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+# modelshard itself, every area: a frame of shard_jit's (_jit/) is no more the user's than
+# one of _place/.
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
 _JAX = str(Path(jax.__file__).resolve().parent) + os.sep
 
 

@@ -1,4 +1,5 @@
-"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, and a leaf's tiles.
+"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, a leaf's tiles, and a
+leaf's logical names in words (the rule cells of the HTML and of ``plan.table()``).
 
 Everything here is computed from the plan alone (no arrays, no devices), so abstract
 meshes of thousands of devices render too; large tile grids are summarised, never drawn
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -34,6 +36,7 @@ class PlanView(Protocol):
     def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
     def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
     def summary(self) -> str: ...
+    def activation_rows(self) -> list[dict[str, Any]]: ...
 
 
 MAX_GRID = 16
@@ -78,6 +81,56 @@ CSS = """
 
 def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
+
+
+# ---- logical names in words -----------------------------------------------------------
+
+
+def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
+    """``embed, heads->model, kv (tinylm defaults)``: each dimension's logical names in
+    order, a name that shards its dimension with the mesh axes it maps to (a name without
+    an arrow replicates it), and the rules that mapped them, once after each run of names
+    one source mapped (``batch->data, seq (tinylm defaults), mlp (rules)``).
+    A source is its entry without the name (``rules`` for ``rules['heads']``, ``[logical]
+    of tp.toml`` for ``[logical] heads of /path/tp.toml``)."""
+    if not logical:
+        return ""
+    names: list[tuple[str, str]] = []
+    for dim in logical:
+        for m in dim:
+            axes = m["axes"]
+            to = "" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+            names.append((m["name"] + (f"->{to}" if to else ""), _source(m["name"], m["rule"])))
+    return ", ".join(
+        n + (f" ({src})" if i + 1 == len(names) or names[i + 1][1] != src else "")
+        for i, (n, src) in enumerate(names)
+    )
+
+
+def _source(name: str, label: str) -> str:
+    """Where an entry of logical rules comes from, without the name it maps: the rules a
+    table row shares with its neighbours."""
+    file_entry = f"[logical] {name} of "
+    if label.startswith(file_entry):
+        return f"[logical] of {os.path.basename(label[len(file_entry) :])}"
+    head, of, file = label.partition(" of ")
+    if of and head.startswith("logical["):
+        return f"{head} of {os.path.basename(file)}"
+    return label.removesuffix(f"[{name!r}]")
+
+
+def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
+    """A table's rule cell: the rule, and for a spec written in logical names the names and
+    the rules that mapped them (``metadata: embed, heads->model, kv (tinylm defaults)``, not
+    ``metadata (Param)`` alone)."""
+    names = logical_text(logical)
+    if not names:
+        return rule
+    if rule.startswith("metadata ("):
+        rule = "metadata"  # the box's type says nothing the names do not
+    elif rule.endswith(" for the whole argument"):
+        rule = "argument"
+    return f"{rule}: {names}"
 
 
 # ---- a leaf's tiles ------------------------------------------------------------------------
@@ -336,7 +389,7 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
             f' data-bytes-per-device="{total}"><td class="path">{_esc(r["path"])}</td>'
             f'<td class="num">{r["count"]}</td><td><code>{_esc(tuple(r["shape"]))}</code></td>'
             f"<td>{_esc(r['dtype'])}</td><td><code>{_esc(spec)}</code></td>"
-            f"<td>{_esc(r['rule'])}</td>"
+            f"<td>{_esc(rule_text(r['rule'], r['logical']))}</td>"
             f'<td class="num">{_esc(format_bytes(r["bytes_per_device"]))}</td>'
             f'<td class="num">{_esc(format_bytes(total))}</td></tr>'
         )
@@ -350,14 +403,41 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
     return "".join(out)
 
 
+def activations_html(plan: PlanView) -> str:
+    """A step's activation constraints (``plan.activations``): name, where in the
+    constrained value, shape, logical names and the rules that mapped them, spec, bytes per
+    device; nothing for a plan without any."""
+    rows = plan.activation_rows()
+    if not rows:
+        return ""
+    out = [
+        f'<section class="ms-activations" data-count="{len(rows)}"><h3>Activation '
+        "constraints</h3><table><thead><tr><th>name</th><th>path</th><th>shape</th>"
+        '<th>logical</th><th>spec</th><th class="num">per device</th></tr></thead><tbody>'
+    ]
+    for a in rows:
+        out.append(
+            f'<tr data-name="{_esc(a["name"])}"><td><code>{_esc(a["name"])}</code></td>'
+            f'<td class="path">{_esc(a["path"] or "<root>")}</td>'
+            f"<td><code>{_esc(tuple(a['shape']))}</code></td>"
+            f"<td>{_esc(logical_text(a['logical']) or a['written'])}</td>"
+            f"<td><code>{_esc(format_spec(spec_from_json(a['spec'])))}</code></td>"
+            f'<td class="num">{_esc(format_bytes(a["bytes_per_device"]))}</td></tr>'
+        )
+    out.append("</tbody></table></section>")
+    return "".join(out)
+
+
 def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
-    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table."""
+    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table, and
+    a step's activation constraints."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
         f' data-bytes-per-device="{plan.bytes_per_device()}"><style>{CSS}</style>'
         f'<div class="ms-summary"><b>modelshard plan</b>: {_esc(plan.summary())}</div>'
         + memory_html(plan)
         + rows_html(plan, fold=fold, filter=filter, tiles=tiles)
+        + activations_html(plan)
         + "</div>"
     )
 

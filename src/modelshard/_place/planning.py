@@ -34,6 +34,7 @@ from .._specs import (
     spec_from_json,
 )
 from .constraints import ActivationConstraint
+from .plan_html import logical_text, rule_text
 
 
 def _itemsize(dtype: Any) -> int:
@@ -342,9 +343,9 @@ class Plan:
         self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
     ) -> str:
         """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
-        bar split by top-level module, and the grouped table whose rows open their tiles on
-        the mesh (``tiles=False``: without them). Inline CSS only: no script, no external
-        resource."""
+        bar split by top-level module, the grouped table whose rows open their tiles on
+        the mesh (``tiles=False``: without them), and a step's activation constraints.
+        Inline CSS only: no script, no external resource."""
         from .plan_html import plan_html
 
         return plan_html(self, fold=fold, filter=filter, tiles=tiles)
@@ -420,20 +421,12 @@ def logical_json(via: Any) -> list[list[dict[str, Any]]] | None:
     return [[{"name": n, "axes": list(t), "rule": lab} for n, t, lab in dim] for dim in via]
 
 
-def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``heads->model (rules), embed->None (tinylm defaults)``: each dimension's logical
-    names, their mesh axes and the rule entry, for tables (an entry keyed by the name
-    itself, ``rules['heads']``, is shown by its table alone)."""
-    if not logical:
-        return ""
-    parts = []
-    for dim in logical:
-        for m in dim:
-            axes = m["axes"]
-            to = "None" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
-            rule = m["rule"].removesuffix(f"[{m['name']!r}]")
-            parts.append(f"{m['name']}->{to} ({rule})")
-    return ", ".join(parts)
+RULE_WRAP = 40
+"""A plan table's rule cells wrap beyond this many characters rather than drop the column."""
+
+
+def longest_rule(cells: list[dict[str, str]]) -> int:
+    return max([len("rule")] + [len(c["rule"]) for c in cells if "rule" in c])
 
 
 class PlanTable:
@@ -467,7 +460,7 @@ class PlanTable:
         cells = self._cells(shown)
         cols = list(cells[0]) if cells else ["path", "shape", "dtype", "spec", "per device", "rule"]
         if width is not None:  # narrow: drop the least useful columns, never cut paths
-            for col in ("logical", "rule", "dtype", "leaves"):
+            for col in ("rule", "dtype", "leaves"):
                 if self._width(cells, cols) > width and col in cols:
                     cols.remove(col)
         t = Table(title="modelshard plan", show_lines=False, title_justify="left")
@@ -476,7 +469,10 @@ class PlanTable:
         names = cols[1:]
         for col in names:
             right = col in ("leaves", "per device")
-            t.add_column(col, no_wrap=True, justify="right" if right else "left")
+            if col == "rule":  # long rule cells (logical names) wrap between words
+                t.add_column(col, overflow="fold", min_width=min(longest_rule(cells), RULE_WRAP))
+            else:
+                t.add_column(col, no_wrap=True, justify="right" if right else "left")
         for c in cells:  # user text (paths, rule patterns): shown literally, never as markup
             t.add_row(literal(c["path"]), *[literal(c[n]) for n in names])
         parts: list[Any] = [t]
@@ -508,17 +504,11 @@ class PlanTable:
             a = Table(
                 title="activation constraints", box=None, pad_edge=False, title_justify="left"
             )
-            for col in ("name", "path", "shape", "logical", "spec", "per device"):
+            acts = self._activation_cells()
+            for col in acts[0]:
                 a.add_column(col, justify="right" if col == "per device" else "left")
-            for row in p.activation_rows():
-                a.add_row(
-                    literal(row["name"]),
-                    literal(row["path"] or "<root>"),
-                    str(tuple(row["shape"])),
-                    literal(logical_text(row["logical"]) or row["written"]),
-                    format_spec(spec_from_json(row["spec"])),
-                    format_bytes(row["bytes_per_device"]),
-                )
+            for row in acts:
+                a.add_row(*map(literal, row.values()))
             parts.append(a)
         parts.append(Text(p.summary()))
         return Group(*parts)
@@ -537,16 +527,35 @@ class PlanTable:
             c["per device"] = format_bytes(r["bytes_per_device"]) + (
                 f" x{r['count']}" if r["count"] > 1 else ""
             )
-            c["rule"] = r["rule"]
-            if any(x.get("logical") for x in rows):
-                c["logical"] = logical_text(r.get("logical"))
+            c["rule"] = rule_text(r["rule"], r.get("logical"))
             out.append(c)
         return out
 
+    def _activation_cells(self) -> list[dict[str, str]]:
+        """The step's activation constraints as table cells (the model's written spec
+        where no logical name mapped it)."""
+        return [
+            {
+                "name": row["name"],
+                "path": row["path"] or "<root>",
+                "shape": str(tuple(row["shape"])),
+                "logical": logical_text(row["logical"]) or row["written"],
+                "spec": format_spec(spec_from_json(row["spec"])),
+                "per device": format_bytes(row["bytes_per_device"]),
+            }
+            for row in self.plan.activation_rows()
+        ]
+
     @staticmethod
-    def _width(cells: list[dict[str, str]], cols: list[str]) -> int:
-        """Characters a table of these columns needs without wrapping a cell."""
-        widths = [max([len(col)] + [len(c[col]) for c in cells]) for col in cols]
+    def _width(cells: list[dict[str, str]], cols: list[str], wrap: bool = True) -> int:
+        """Characters a table of these columns needs without wrapping a cell (with
+        ``wrap``, rule cells longer than ``RULE_WRAP`` wrap)."""
+        widths = [
+            min(longest_rule(cells), RULE_WRAP)
+            if col == "rule" and wrap
+            else max([len(col)] + [len(c[col]) for c in cells])
+            for col in cols
+        ]
         return sum(widths) + 3 * len(cols) + 1
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
@@ -559,7 +568,12 @@ class PlanTable:
         from rich.console import Console
 
         cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
-        width = max(100, self._width(cells, list(cells[0])) if cells else 0)
+        acts = self._activation_cells()
+        width = max(
+            100,
+            self._width(cells, list(cells[0]), wrap=False) if cells else 0,
+            self._width(acts, list(acts[0])) if acts else 0,
+        )
         console = Console(
             width=width, record=True, force_terminal=False, color_system=None, file=io.StringIO()
         )

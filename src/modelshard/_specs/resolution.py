@@ -376,6 +376,12 @@ def _in_logical_terms(
             f"map {name} to an axis whose size divides {size}, or replicate it: in "
             f'{logical.file}, [logical] {name} = "none"'
         )
+    elif logical.file is not None and label.startswith("logical["):  # the file's pairs
+        entry = label.split(" of ", 1)[0]
+        hint = (
+            f"map {name} to an axis whose size divides {size}, or replicate it: in "
+            f"{logical.file}, set {entry} = {logical.entry(name, 'none')}"
+        )
     else:
         none = '"none"' if vocabulary() == "cli" else "None"
         hint = f"map {name!r} to an axis whose size divides {size}, or to {none}"
