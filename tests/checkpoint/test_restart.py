@@ -283,9 +283,9 @@ def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
 
 
 def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
-    """``ms.save`` (and a synchronous ``CheckpointManager``'s save) where one process's part
-    fails (its arrays on a full disk, process 0's rename on a read-only one, an object
-    store refusing one process): both processes raise
+    """``ms.save`` (and a ``CheckpointManager``'s save, synchronous or in the background)
+    where one process's part fails (its arrays on a full disk, process 0's rename on a
+    read-only one, an object store refusing one process): both processes raise
     the same error at once, naming the process, instead of the other one waiting at the
     next barrier for the barrier timeout; nothing is left behind, and the next save of both
     processes works."""
@@ -306,6 +306,8 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
         "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
         f"failed on process 1: {full}",
+        "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
+        f"writing failed on process 1: {full}. Steps on disk: none.",
     }
     for r in results:
         for case, message in want.items():
@@ -313,9 +315,11 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
             assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
         assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
         assert r["manager"]["steps after"] == [1], r  # in step: the next save worked
+        assert r["background started"] is True, r  # the failure came after save returned
+        assert r["background"]["steps after"] == [1], r
     for case in ("arrays", "commit"):
         assert not (root / case).exists() and not staging_dir(root / case).exists()
-    assert sorted(p.name for p in root.iterdir()) == ["after", "manager"]
+    assert sorted(p.name for p in root.iterdir()) == ["after", "background", "manager"]
 
 
 def test_every_process_lists_the_steps_process_0_lists(tmp_path):
