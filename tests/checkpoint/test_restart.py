@@ -5,7 +5,10 @@ started again, three times in a row, on a local disk and on ``s3://`` (moto on 1
 Each restart must resume from the latest complete step (restored bit-exact) and save the
 interrupted step number again: its leftovers are removed first (process 0 decides, every
 process agrees), and nothing waits longer than ``MODELSHARD_BARRIER_TIMEOUT``. Every run
-is bounded (SIGKILL backstop) and uses its own coordinator port.
+is bounded (SIGKILL backstop, after a dump of every thread's stack) and uses its own
+coordinator port. A run that fails says what each process did and when (the script notes
+each phase, timed), whether the backstop fired, and where the whole outputs are kept
+(``run_<n>.log`` in the test's temporary folder).
 """
 
 from __future__ import annotations
@@ -57,11 +60,14 @@ def two_processes(
     script: Path = SCRIPT,
     limit_s: float = LIMIT_S,
     ended: list[float] | None = None,
+    stuck: list[int] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Start both processes as a scheduler would, each with its MODELSHARD_* variables;
-    their exit codes and outputs once both ended (SIGKILLed after ``LIMIT_S``), and in
-    ``ended`` the time (``time.time()``) each one's exit was seen."""
+    their exit codes and outputs once both ended (SIGKILLed after ``LIMIT_S``), in
+    ``ended`` the time (``time.time()``) each one's exit was seen, and in ``stuck`` the
+    processes the backstop killed (their stacks are in their output)."""
     ended = [0.0, 0.0] if ended is None else ended
+    stuck = [] if stuck is None else stuck
     reservation = _launch.reserve_port()
     port = reservation.getsockname()[1] if reservation is not None else _launch.free_port()
     procs: list[subprocess.Popen[str]] = []
@@ -94,13 +100,13 @@ def two_processes(
         for t in readers:
             t.join(limit_s)
     finally:
-        stuck = [p for p in procs if p.poll() is None]
-        for p in stuck:  # the scripts dump their threads' stacks on SIGUSR1
-            p.send_signal(signal.SIGUSR1)
+        stuck += [i for i, p in enumerate(procs) if p.poll() is None]
+        for i in stuck:  # the scripts dump their threads' stacks on SIGUSR1
+            procs[i].send_signal(signal.SIGUSR1)
         time.sleep(3 if stuck else 0)
-        for p in stuck:  # the backstop: nothing outlives the test
-            p.kill()
-            p.wait()
+        for i in stuck:  # the backstop: nothing outlives the test
+            procs[i].kill()
+            procs[i].wait()
         for t in readers:
             t.join(10)
         if reservation is not None:
@@ -126,11 +132,27 @@ def restarts(root: str, out: Path) -> None:
         for f in [*out.glob("result_*.json"), out / "killed"]:
             f.unlink(missing_ok=True)
         kill = [] if kill_at is None else ["--kill-at", str(kill_at), "--victim", str(victim)]
-        t0 = time.monotonic()
-        ended = [0.0, 0.0]
-        codes, outputs = two_processes(root, str(out), "--until", "11", *kill, env=env, ended=ended)
-        print(f"run {run}: {codes} in {time.monotonic() - t0:.1f} s")
-        said = "\n".join(f"--- process {i} ---\n{o[-4000:]}" for i, o in enumerate(outputs))
+        t0 = time.time()
+        ended, stuck = [0.0, 0.0], []
+        codes, outputs = two_processes(
+            root, str(out), "--until", "11", *kill, env=env, ended=ended, stuck=stuck
+        )
+        took = [e - t0 if e else float("nan") for e in ended]
+        # what happened, kept whole: a run that fails once in a while is known by this
+        log = out / f"run_{run}.log"
+        header = (
+            f"run {run} (kill at {kill_at}, victim {victim}): exit codes {codes}, ended after "
+            f"{took[0]:.1f} s and {took[1]:.1f} s; "
+            + (f"the backstop killed {stuck} after {LIMIT_S} s" if stuck else "no backstop")
+        )
+        log.write_text(
+            header + "".join(f"\n--- process {i} ---\n{o}" for i, o in enumerate(outputs))
+        )
+        print(header)
+        said = f"{header}; whole outputs in {log}\n" + "\n".join(
+            f"--- process {i} ---\n{o[-4000:]}" for i, o in enumerate(outputs)
+        )
+        assert not stuck, said  # a hang: the stacks of every thread end each output
         if interrupted is not None:  # resumed from the step before, saved it again
             for i in range(2):
                 assert f"saved {interrupted - 1}\n" not in outputs[i], said
@@ -283,9 +305,9 @@ def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
 
 
 def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
-    """``ms.save`` (and a synchronous ``CheckpointManager``'s save) where one process's part
-    fails (its arrays on a full disk, process 0's rename on a read-only one, an object
-    store refusing one process): both processes raise
+    """``ms.save`` (and a ``CheckpointManager``'s save, synchronous or in the background)
+    where one process's part fails (its arrays on a full disk, process 0's rename on a
+    read-only one, an object store refusing one process): both processes raise
     the same error at once, naming the process, instead of the other one waiting at the
     next barrier for the barrier timeout; nothing is left behind, and the next save of both
     processes works."""
@@ -306,6 +328,8 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
         "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
         f"failed on process 1: {full}",
+        "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
+        f"writing failed on process 1: {full}. Steps on disk: none.",
     }
     for r in results:
         for case, message in want.items():
@@ -313,9 +337,11 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
             assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
         assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
         assert r["manager"]["steps after"] == [1], r  # in step: the next save worked
+        assert r["background started"] is True, r  # the failure came after save returned
+        assert r["background"]["steps after"] == [1], r
     for case in ("arrays", "commit"):
         assert not (root / case).exists() and not staging_dir(root / case).exists()
-    assert sorted(p.name for p in root.iterdir()) == ["after", "manager"]
+    assert sorted(p.name for p in root.iterdir()) == ["after", "background", "manager"]
 
 
 def test_every_process_lists_the_steps_process_0_lists(tmp_path):

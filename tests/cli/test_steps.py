@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 import modelshard as ms
+from modelshard._checkpoint import list_steps
 from modelshard._checkpoint.storage import ORBAX_TMP
+from modelshard._cli.steps import what_is_there
 from modelshard.cli import main
 
 SCRIPT = Path(__file__).parent / "scripts" / "die_mid_save.py"
@@ -31,6 +33,15 @@ def run_json(capsys, *argv: str) -> tuple[int, dict]:
     capsys.readouterr()
     status = main(["steps", *argv, "--json"])
     return status, json.loads(capsys.readouterr().out)
+
+
+def listing(path: str) -> list[str]:
+    """The names in a folder, listed without modelshard."""
+    if path.startswith("s3://"):
+        import s3fs
+
+        return [p.rsplit("/", 1)[1] for p in s3fs.S3FileSystem().ls(path, refresh=True)]
+    return os.listdir(path)
 
 
 def tally(path: str) -> tuple[int, int]:
@@ -57,14 +68,28 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
     remote = root.startswith("s3://")
     leftover = doc["steps"][-1]
     name = leftover["path"].rsplit("/", 1)[1]
+    # each item Orbax had not finished is under a temporary name, as the storage lists it
+    inside = sorted(listing(leftover["path"]))
+    unfinished = [
+        {"part": part, "name": n}
+        for part in ("state", "modelshard/modelshard.json", "items")
+        for n in inside
+        if n.startswith(part.split("/")[0] + ORBAX_TMP)
+    ]
+    assert leftover["unfinished"] == unfinished
+    done = [p for p in PARTS if p.split("/")[0] in inside]
     if remote:  # written in place, committed last
         assert name == "2"
         why, lacks = "interrupted save", ["commit_success.txt"]
-        assert "commit_success.txt" not in leftover["has"]
+        there = f"{', '.join(done)}; no commit_success.txt"
     else:  # a staging folder, renamed when done
         assert name.startswith(f"2{ORBAX_TMP}")
-        why, lacks = "staging folder of an interrupted save", leftover["lacks"]
-        assert lacks  # something a complete step needs is missing
+        why, lacks = "staging folder of an interrupted save", []
+        # the items are written, under their temporary names: unfinished, not missing
+        assert [u["part"] for u in unfinished] == ["state", "modelshard/modelshard.json", "items"]
+        assert done == ["_CHECKPOINT_METADATA"]
+        names = ", ".join(f"{u['part']} (as {u['name']})" for u in unfinished)
+        there = f"in {name}: _CHECKPOINT_METADATA; unfinished: {names}"
     base = root if remote else os.path.abspath(root)
     complete = [
         {
@@ -73,7 +98,9 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
             "path": f"{base}/{s}",
             "why": None,
             "has": [*PARTS, "commit_success.txt"],
+            "unfinished": [],
             "lacks": [],
+            "others": [],
             "files": tally(f"{base}/{s}")[0],
             "bytes": tally(f"{base}/{s}")[1],
         }
@@ -94,8 +121,10 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
                 "status": "leftover",
                 "path": f"{base}/{name}",
                 "why": why,
-                "has": leftover["has"],
+                "has": done,
+                "unfinished": unfinished,
                 "lacks": lacks,
+                "others": [],
                 "files": files,
                 "bytes": size,
             },
@@ -106,6 +135,8 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
     assert main(["steps", root]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert f"leftover: {why}" in "\n".join(lines)
+    entry = [e for e in list_steps(root) if not e.complete]
+    assert [what_is_there(e) for e in entry] == [there]
     assert lines[-2:] == [
         "latest complete step: 1; leftovers of step 2",
         "A leftover is what a save that did not finish left behind; the next save of its step "
@@ -132,3 +163,31 @@ def test_steps_of_an_empty_or_missing_root(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert main(["steps", str(missing)]) == 1
     assert capsys.readouterr().err == f"modelshard steps: error: {missing} does not exist.\n"
+
+
+def test_steps_of_a_checkpoint_says_it_is_no_manager_root(tmp_path, capsys):
+    """A checkpoint (``ms.save``'s, or one step of a manager) is not a root: it has no
+    steps, and the error says what it is and which command to run instead."""
+    saved = tmp_path / "ck"
+    ms.save(saved, {"w": jnp.arange(8.0)})
+    with ms.CheckpointManager(tmp_path / "run", handle_signals=False) as mngr:
+        mngr.save(3, {"w": jnp.arange(8.0)})
+    step = tmp_path / "run" / "3"
+    cases = {
+        str(saved): f"{saved} is a checkpoint, not a CheckpointManager root (a folder of "
+        f"numbered steps), so it has no steps; `modelshard inspect {saved}` shows what it "
+        "holds.",
+        str(step): f"{step} is step 3 of a CheckpointManager root, not a CheckpointManager "
+        "root (a folder of numbered steps), so it has no steps; "
+        f"`modelshard steps {tmp_path / 'run'}` lists that root's steps.",
+    }
+    for given, message in cases.items():
+        capsys.readouterr()
+        assert main(["steps", given]) == 1
+        out = capsys.readouterr()
+        assert (out.out, out.err) == ("", f"modelshard steps: error: {message}\n")
+        status, doc = run_json(capsys, given)
+        assert status == 1
+        assert doc["error"] == {"type": "CheckpointError", "message": message}
+    # the root itself is listed
+    assert main(["steps", str(tmp_path / "run")]) == 0

@@ -129,6 +129,48 @@ def test_gloo_connection_noise_is_dropped_unless_asked():
     assert len(err.splitlines()) == 2
 
 
+GLOO = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+
+
+@pytest.mark.parametrize(
+    ("pieces", "printed"),
+    [
+        # the program's line cut by a whole message (gloo's newline with it)
+        (["step 1", f"{GLOO}\n", " of 3\n"], ["step 1 of 3"]),
+        # gloo's first piece, then the program's line, then the rest of the message
+        (["[Gloo] Rank ", "kept\n", GLOO.removeprefix("[Gloo] Rank ") + "\n"], ["kept"]),
+        # a message and the program's line written as one line
+        ([f"before {GLOO}", " after\n"], ["before  after"]),
+        # two messages of two threads, one inside the other, around the program's lines
+        (
+            ["a\n", "[Gloo] Rank ", f"{GLOO}\n", "b\n", GLOO.removeprefix("[Gloo] Rank "), "\n"],
+            ["a", "b"],
+        ),
+        # the program's last words without a newline, after a message
+        ([f"{GLOO}\n", "last"], ["last"]),
+        # nothing but noise
+        ([f"{GLOO}\n", f"{GLOO}\n"], []),
+    ],
+)
+def test_gloo_messages_inside_other_output_are_cut_out_exactly(pieces, printed):
+    """Gloo's threads and the program write to one stream at once: whatever the order of
+    the pieces, every gloo piece is removed and every byte of the program's own output
+    comes out as written, one prefixed line per line the program wrote."""
+    code = f"""
+        import os
+        for piece in {pieces!r}:
+            os.write(2, piece.encode())
+    """
+    rc, _, err = launch(code, 1)
+    assert rc == 0
+    assert err.splitlines() == [f"[process 0] {line}" for line in printed]
+    # asked for, the output is as the processes wrote it
+    _, _, raw = launch(code, 1, show_gloo=True)
+    assert raw.replace("[process 0] ", "") == "".join(pieces) + (
+        "" if "".join(pieces).endswith("\n") else "\n"
+    )
+
+
 def test_one_failure_stops_the_rest_and_leaves_no_process(tmp_path):
     # Process 0 ignores SIGTERM (as JAX does in a collective) and has a grandchild;
     # process 1 fails. Both must be gone, SIGKILLed after the grace period.

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .items import extras_json as extras_json
 from .items import read_items as read_items
 from .items import read_metadata as read_metadata
+from .listing import checkpoint_kind as checkpoint_kind
 from .listing import list_steps as list_steps
 from .manager import CheckpointManager as CheckpointManager
 from .manager import manager_step as manager_step

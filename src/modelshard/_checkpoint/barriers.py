@@ -1,5 +1,6 @@
 """Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``; a
-failure on one process shared with the others (``shared_failure``, ``sharing_failures``).
+failure on one process shared with the others (``shared_failure``, ``sharing_failures``,
+and ``carrying_failures`` for a background save).
 
 Orbax (0.12.8) waits at coordination-service barriers of its own in every multi-process
 save (its start, directory creation, the commit of an asynchronous save), each with a
@@ -17,20 +18,25 @@ come; any other barrier (the user's own Orbax calls) is Orbax's, untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 from typing import Any
 
 import jax
 
 from .._base import CheckpointError, DistributedError
-from .._runtime import barrier_timeout_s, gather, wait_failed
+from .._runtime import barrier_timeout_s, exchange, gather, wait_failed
 
 KEY_PREFIX = "modelshard"
 """The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
 
 _lock = threading.Lock()
 _SHARED = "_modelshard_shared"  # set on the errors shared_failure makes
+# How this thread's part of a background save ended, once ``_Carried`` waited for it:
+# the next barrier of ours on this thread carries it to the other processes.
+_outcome = threading.local()
 
 
 def ours(key: str) -> bool:
@@ -47,10 +53,22 @@ def _wrap(original: Any) -> Any:
             if not ours(key):
                 return sync(key=key, timeout_ms=timeout_ms)
             timeout = barrier_timeout_s()
-            try:
-                return sync(key=key, timeout_ms=max(1, int(timeout * 1000)))
-            except Exception as e:  # DEADLINE_EXCEEDED, or a peer's failure
-                raise wait_failed("Orbax barrier", key, timeout, e) from e
+
+            def wait() -> None:
+                try:
+                    sync(key=key, timeout_ms=max(1, int(timeout * 1000)))
+                except Exception as e:  # DEADLINE_EXCEEDED, or a peer's failure
+                    raise wait_failed("Orbax barrier", key, timeout, e) from e
+
+            carried = getattr(_outcome, "ended", None)
+            if carried is None:
+                return wait()
+            _outcome.ended = None
+            failure, what = carried
+            how = None if failure is None else f"{type(failure).__name__}: {failure}"
+            error = _shared_error(failure, exchange(how, key, wait), what)
+            if error is not None:  # on every process: none goes on to the commit
+                raise error
 
         return bounded
 
@@ -80,11 +98,18 @@ def shared_failure(failure: Exception | None, name: str, what: str) -> Exception
     (its own failure, if any, is the cause).
     """
     how = None if failure is None else f"{type(failure).__name__}: {failure}"
-    ended = gather(how, name)
+    return _shared_error(failure, gather(how, name), what)
+
+
+def _shared_error(
+    failure: Exception | None, ended: list[str | None], what: str
+) -> Exception | None:
+    """The error every process raises, from how each process's part ended (``ended``, in
+    process order: None or the failure's text), or None (see ``shared_failure``)."""
     failed = [(p, h) for p, h in enumerate(ended) if h is not None]
     if not failed:
         return None
-    if len(failed) == len(ended):
+    if len(failed) == len(ended) and failure is not None:
         return failure
     error = CheckpointError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
     error.__cause__ = failure
@@ -138,4 +163,65 @@ def sharing_failures(handler: Any, name: str, what: str) -> Any:
         return out
 
     handler.save = save_and_share
+    return handler
+
+
+class _Carried:
+    """The futures of one background save, as one Orbax future whose ``result`` waits for
+    them all and never raises: how they ended is kept for the barrier Orbax waits at next
+    on the same thread (``async_write_complete``, before the commit), which carries it to
+    every process (``carrying_failures``)."""
+
+    def __init__(self, futures: list[Any], what: str):
+        self._futures = futures
+        self._what = what
+
+    def result(self, timeout: float | None = None) -> None:
+        start = time.time()
+        failure: Exception | None = None
+        for f in self._futures:  # each one waited for: nothing of this save writes after
+            left = None if timeout is None else max(0.0, timeout - (time.time() - start))
+            try:
+                f.result(timeout=left)
+            except Exception as e:
+                failure = failure or e
+        _outcome.ended = (failure, self._what)
+
+    def cancel(self) -> None:
+        for f in self._futures:
+            with contextlib.suppress(Exception):
+                f.cancel()
+
+
+def carrying_failures(handler: Any, name: str, what: str) -> Any:
+    """``handler`` (the Orbax checkpoint handler of an ``AsyncCheckpointer``), whose part of
+    a save failing on one process fails it on every process at once.
+
+    The part written before ``save`` returns (``async_save`` itself) is shared there, on
+    the calling thread of every process, as ``sharing_failures`` does. The part written in
+    the background (each process's arrays) ends on Orbax's background thread, where nothing
+    that waits for every process may be added: its futures are given to Orbax as one
+    (``_Carried``) that keeps how they ended instead of raising, so every process still
+    comes to the barrier Orbax waits at before its commit, and that barrier carries each
+    process's outcome to the others (``distributed.exchange``: values put before the wait,
+    read after it). Every process then raises the same ``CheckpointError`` on that thread,
+    naming the process that failed, and process 0 does not commit; the main thread raises
+    it at the next ``wait_until_finished``. Without it the others wait at that barrier until
+    ``MODELSHARD_BARRIER_TIMEOUT``.
+    """
+    if jax.process_count() == 1:
+        return handler
+    async_save = handler.async_save
+
+    async def async_save_and_carry(*args: Any, **kwargs: Any) -> Any:
+        failure: Exception | None = None
+        futures = None
+        try:
+            futures = await async_save(*args, **kwargs)
+        except Exception as e:
+            failure = e
+        raise_shared(failure, name, what)
+        return [_Carried(list(futures or []), what)]
+
+    handler.async_save = async_save_and_carry
     return handler

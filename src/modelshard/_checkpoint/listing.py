@@ -9,6 +9,11 @@ process or host died, or it failed) or by a removal that did not:
 - ``N.orbax-checkpoint-tmp...``: a local save's staging folder, renamed to ``N`` when done;
 - ``.modelshard-rotated/N.PID``: a step rotation moved aside and had not yet deleted.
 
+Inside a leftover, Orbax writes each item of the step (``state``, ``modelshard``, ``items``,
+``metrics``) under a temporary name (``state.orbax-checkpoint-tmp...``) renamed when the
+item is written: such an item is listed as unfinished, under the name it has, not as
+missing; a name that is no part of a step is listed as other.
+
 The next save of step N removes the first two (``CheckpointManager.save``), opening the
 manager removes the third. ``modelshard steps`` prints this listing.
 """
@@ -32,10 +37,12 @@ from .storage import (
     RECORD_ITEM,
     ROTATED,
     STATE_ITEM,
+    TREE_METADATA,
 )
 from .urls import forget_listings, is_remote, location, reaching
 
 _NUMBERED = re.compile(rf"(0|[1-9][0-9]*)((?:{re.escape(ORBAX_TMP)}.*)?)")
+_STEP = re.compile(r"0|[1-9][0-9]*")
 _ROTATED = re.compile(r"(0|[1-9][0-9]*)\.[0-9]+")
 PARTS = (CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}", ITEMS_ITEM, METRICS_ITEM)
 """What a step may hold, in the order listed (``items`` and ``metrics`` are optional)."""
@@ -52,7 +59,11 @@ class StepEntry:
         why: for a leftover, what left it (``"interrupted save"``, ``"staging folder of an
             interrupted save"``, ``"removal by rotation not finished"``); ``""`` when complete.
         has: the parts of a step that are there (see ``PARTS``), and the commit file.
-        lacks: the parts a complete step needs that are missing.
+        unfinished: ``(part, name)`` for each part there only under a temporary name (an
+            item Orbax had not finished writing).
+        lacks: the parts a complete step needs that are missing (neither there nor
+            unfinished).
+        others: the names in it that are no part of a step.
         files: how many files it holds.
         bytes: their total size.
     """
@@ -62,7 +73,9 @@ class StepEntry:
     path: Any
     why: str
     has: tuple[str, ...]
+    unfinished: tuple[tuple[str, str], ...]
     lacks: tuple[str, ...]
+    others: tuple[str, ...]
     files: int
     bytes: int
 
@@ -73,7 +86,9 @@ class StepEntry:
             "path": str(self.path),
             "why": self.why or None,
             "has": list(self.has),
+            "unfinished": [{"part": p, "name": n} for p, n in self.unfinished],
             "lacks": list(self.lacks),
+            "others": list(self.others),
             "files": self.files,
             "bytes": self.bytes,
         }
@@ -99,20 +114,65 @@ def _tally(path: Any) -> tuple[int, int]:
     return files, size
 
 
+def _temporary(path: Any, part: str, names: list[str]) -> str | None:
+    """The temporary name under which ``part`` is in ``path`` (an item Orbax had not
+    finished: ``state.orbax-checkpoint-tmp...``), or None."""
+    item, _, inner = part.partition("/")
+    for name in names:
+        if name.startswith(f"{item}{ORBAX_TMP}") and (not inner or (path / name / inner).exists()):
+            return name
+    return None
+
+
 def _entry(step: int, path: Any, why: str | None) -> StepEntry:
     complete = why is None and is_complete_step(path)
-    has, lacks = [], []
+    is_dir = path.is_dir()
+    names = sorted(c.name for c in path.iterdir()) if is_dir else []
+    has: list[str] = []
+    unfinished: list[tuple[str, str]] = []
+    lacks: list[str] = []
     needed = [CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}"]
     if is_remote(path):
         needed.append(COMMIT_FILE)
     for part in (*PARTS, COMMIT_FILE):
         if (path / part).exists():
             has.append(part)
+        elif (name := _temporary(path, part, names)) is not None:
+            unfinished.append((part, name))
         elif part in needed:
             lacks.append(part)
-    files, size = _tally(path) if path.is_dir() else (1, 0)
+    known = {p.partition("/")[0] for p in (*PARTS, COMMIT_FILE)} | {n for _, n in unfinished}
+    others = tuple(n for n in names if n not in known)
+    files, size = _tally(path) if is_dir else (1, 0)
     reason = "" if complete else why or "interrupted save"
-    return StepEntry(step, complete, path, reason, tuple(has), tuple(lacks), files, size)
+    return StepEntry(
+        step,
+        complete,
+        path,
+        reason,
+        tuple(has),
+        tuple(unfinished),
+        tuple(lacks),
+        others,
+        files,
+        size,
+    )
+
+
+def checkpoint_kind(root: Any) -> str | None:
+    """What ``root`` is when it is a checkpoint rather than a manager's root: ``"step"``
+    (a manager's step: its ``state`` item in a folder named by a number), ``"checkpoint"``
+    (any other, ``modelshard.save``'s or Orbax's), or None (not a checkpoint).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached.
+    """
+    with reaching(root):
+        if not any((root / name).exists() for name in (CHECKPOINT_METADATA, TREE_METADATA)):
+            return None
+        if _STEP.fullmatch(root.name) and (root / STATE_ITEM).is_dir():
+            return "step"
+    return "checkpoint"
 
 
 def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:

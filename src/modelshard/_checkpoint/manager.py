@@ -17,7 +17,8 @@ broadcast (``distributed.broadcast``: which steps are complete, whether a step m
 written, whether another manager holds the lock), and every wait is a coordination-service
 barrier or exchange entered by every process in the same order, on the main thread, with a
 timeout (``distributed.barrier_timeout_s``). No device collective is issued by the manager
-itself; Orbax's background thread waits only on coordination-service barriers.
+itself; Orbax's background thread waits only on coordination-service barriers (the one
+before the commit carries each process's outcome: ``barriers.carrying_failures``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 from .._base import CheckpointError, DistributedError
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .barriers import sharing_failures
+from .barriers import carrying_failures, sharing_failures
 from .items import decode_items, encode_items
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .restoring import restore
@@ -306,10 +307,12 @@ class CheckpointManager:
                     METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
                 },
             )
-            if not self.async_save:
-                # as ms.save's: a part failing on one process fails the step on every
-                # process at once, so they stay in step (the asynchronous path shares its
-                # outcome in wait_until_finished)
+            # as ms.save's: a part failing on one process fails the step on every process
+            # at once, so they stay in step; in the background, through the barrier Orbax
+            # waits at before its commit (carrying_failures)
+            if self.async_save:
+                handler = carrying_failures(handler, "modelshard:manager:started", "writing")
+            else:
                 handler = sharing_failures(handler, "modelshard:manager:written", "writing")
             kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
             self._ckptr = kind(
@@ -716,7 +719,9 @@ class CheckpointManager:
         failed = [(p, h) for p, h in enumerate(ended) if h is not None]
         if failed:
             steps = self._agreed_steps()  # every process raises the same text
-            where = "" if len(ended) == 1 else f"process {failed[0][0]}: "
+            # one failure every process raised (carrying_failures) names its process itself
+            same = len(failed) == len(ended) and len({h for _, h in failed}) == 1
+            where = "" if same else f"process {failed[0][0]}: "
             raise CheckpointError(
                 f"step {step} was not saved to {self.directory}: {where}{failed[0][1]}. "
                 f"Steps on disk: {', '.join(map(str, steps)) or 'none'}."

@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import CheckpointError, dtype_name
 from .._runtime import barrier
-from .barriers import shared_failure
+from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .chunks import aligned_chunks
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
@@ -548,9 +548,7 @@ class Stream:
                 raise
             failure = e
         if count > 1:  # every process's part written (the barrier), or all raise at once
-            shared = shared_failure(failure, "modelshard:stream:written", f"writing {directory}")
-            if shared is not None:
-                raise shared
+            raise_shared(failure, "modelshard:stream:written", f"writing {directory}")
             for p in range(count):
                 part = json.loads((directory / PART_FILE.format(p)).read_text())
                 sums.update({k: (v[0], v[1]) for k, v in part.items()})

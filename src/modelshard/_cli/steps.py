@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     root = location(args.root)
     if not is_root(root):
         raise CheckpointError(f"{args.root} does not exist.")
+    not_a_root(root, args.root)
     entries = list_steps(root)
     complete = [e.step for e in entries if e.complete]
     if args.json:
@@ -60,11 +61,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, **kw)
     for e in entries:
         status = "complete" if e.complete else f"leftover: {e.why}"
-        there = ", ".join(e.has) or "nothing"
-        if e.lacks:
-            there += f"; no {', '.join(e.lacks)}"
-        if not e.complete and e.path.name != str(e.step):
-            there += f" ({e.path.name})"
+        there = what_is_there(e)
         cells = [str(e.step), status, str(e.files), format_bytes(e.bytes), there]
         table.add_row(*map(literal, cells))
     console().print(table)
@@ -77,6 +74,52 @@ def run(args: argparse.Namespace) -> int:
             "its step number removes it."
         )
     return 0
+
+
+def what_is_there(e: Any) -> str:
+    """The table's "what is there" of one ``StepEntry``: a leftover's own name when it is
+    not the step number, its parts, those only under a temporary name (unfinished), those
+    missing, other names."""
+    said = [", ".join(e.has) or "nothing"]
+    if e.unfinished:
+        said.append(f"unfinished: {', '.join(f'{p} (as {n})' for p, n in e.unfinished)}")
+    if e.lacks:
+        said.append(f"no {', '.join(e.lacks)}")
+    if e.others:
+        said.append(f"other: {', '.join(e.others)}")
+    there = "; ".join(said)
+    if not e.complete and e.path.name != str(e.step):
+        there = f"in {e.path.name}: {there}"
+    return there
+
+
+def not_a_root(root: Any, given: str) -> None:
+    """Refuse a checkpoint given where a manager root is expected: it has no steps, which
+    an empty listing would not say."""
+    from .._base import CheckpointError
+    from .._checkpoint import checkpoint_kind
+
+    kind = checkpoint_kind(root)
+    if kind is None:
+        return
+    if kind == "step":
+        what = f"step {root.name} of a CheckpointManager root"
+        fix = f"`modelshard steps {parent_of(given)}` lists that root's steps"
+    else:
+        what = "a checkpoint"
+        fix = f"`modelshard inspect {given}` shows what it holds"
+    raise CheckpointError(
+        f"{given} is {what}, not a CheckpointManager root (a folder of numbered steps), so "
+        f"it has no steps; {fix}."
+    )
+
+
+def parent_of(given: str) -> str:
+    """The folder above ``given`` as the user wrote it (a path or a URL)."""
+    head, sep, _ = given.rstrip("/").rpartition("/")
+    if not sep:
+        return "."
+    return head or "/"
 
 
 def is_root(root: Any) -> bool:

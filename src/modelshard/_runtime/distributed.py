@@ -10,7 +10,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -392,6 +392,46 @@ def gather(
     except Exception as e:
         _abandon(client, key)
         raise wait_failed("gather", name, timeout, e) from e
+    _read(client, key, readers=jax.process_count())
+    return out
+
+
+def exchange(value: Any, name: str, wait: Callable[[], None]) -> list[Any]:
+    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait for
+    every process that each makes anyway (an Orbax barrier), which the exchange adds none to.
+
+    Each process puts its value in the coordination service's key-value store before it
+    waits and reads the others' once the wait is over, when all of them are there: nothing
+    here waits for another process but ``wait`` itself, so it may run wherever that wait
+    runs (Orbax's background save thread included). Every process must call it with the
+    same ``name``, in the same order. Without a coordination service (a runtime started
+    without one) the other processes' values are unknown: None.
+
+    Raises:
+        whatever ``wait`` raises (the exchange is then abandoned, as ``_key`` says).
+    """
+    text = json.dumps(value)
+    client = _client() if jax.process_count() > 1 else None
+    if client is None:
+        wait()
+        me = jax.process_index()
+        return [json.loads(text) if p == me else None for p in range(jax.process_count())]
+    key = _key(client, "exchange", name)
+    client.key_value_set(f"{key}/{jax.process_index()}", text)
+    try:
+        wait()
+    except Exception:
+        _abandon(client, key)
+        raise
+    timeout = barrier_timeout_s()
+    out = []
+    try:
+        for p in range(jax.process_count()):
+            out.append(
+                json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
+            )
+    except Exception as e:  # set before the wait by every process that passed it
+        raise wait_failed("exchange", name, timeout, e) from e
     _read(client, key, readers=jax.process_count())
     return out
 

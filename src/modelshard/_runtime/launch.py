@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import itertools
 import os
 import re
 import shutil
@@ -45,11 +46,15 @@ ENV_HEARTBEAT_TIMEOUT = "MODELSHARD_HEARTBEAT_TIMEOUT"
 # other processes before raising (modelshard.distributed.DEFAULT_BARRIER_TIMEOUT_S unset).
 ENV_BARRIER_TIMEOUT = "MODELSHARD_BARRIER_TIMEOUT"
 
-# Gloo prints one line per peer for every new communicator: noise, not information.
-# Its threads write concurrently, so a line may start with another's "[Gloo] Rank ".
+# Gloo prints one line per peer for every new communicator: noise, not information. Its
+# threads write it in pieces ("[Gloo] Rank ", then the rest), concurrently with each other
+# and with the program's own output on the same stream, so a piece may land inside another
+# line. The filter removes the pieces wherever they are, a whole message with its newline,
+# and keeps every other byte as the program wrote it (``_without_noise``).
 _NOISE = re.compile(
-    rb"^(\[Gloo\] Rank )*\d* ?is connected to \d+ peer ranks\. "
-    rb"Expected number of connected peer ranks is : \d+\s*$"
+    rb"(?:\[Gloo\] Rank )*\d* ?is connected to \d+ peer ranks\. "
+    rb"Expected number of connected peer ranks is : \d+\r?\n?"
+    rb"|\[Gloo\] Rank (?!\d)"
 )
 _POLL_S = 0.02
 DEFAULT_GRACE_S = 30.0
@@ -219,12 +224,32 @@ def _cannot_start(program: str) -> str | None:
     return None
 
 
+def _without_noise(held: bytes, line: bytes) -> tuple[bytes | None, bytes]:
+    """``(what to print, what to hold)`` for ``line`` read after ``held``: gloo's pieces
+    removed (``_NOISE``). A message that ended the line took its newline with it, so what
+    is left of the line is the start of one the program is still writing: it is held and
+    printed with its end. None when nothing is left to print now."""
+    text = _NOISE.sub(b"", held + line)
+    if not text:
+        return None, b""
+    if line.endswith(b"\n") and not text.endswith(b"\n"):
+        return None, text
+    return text, b""
+
+
 def _forward(
     stream: IO[bytes], out: Any, prefix: bytes, lock: threading.Lock, show_noise: bool
 ) -> None:
     sink = out.buffer if hasattr(out, "buffer") else None
-    for line in iter(stream.readline, b""):
-        if not show_noise and _NOISE.match(line):
+    held = b""
+    for read in itertools.chain(iter(stream.readline, b""), [None]):
+        if read is None:  # the end: what was held is the program's last line
+            line: bytes | None = held or None
+        elif show_noise:
+            line = read
+        else:
+            line, held = _without_noise(held, read)
+        if line is None:
             continue
         if not line.endswith(b"\n"):
             line += b"\n"

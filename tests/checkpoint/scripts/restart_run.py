@@ -26,7 +26,17 @@ import time
 import modelshard as ms
 
 faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a stuck run
+T0 = time.time()
+
+
+def note(what: str) -> None:
+    """A line of what this process does, timed from its start: the outputs of both
+    processes, read side by side, say where each one was when a run went wrong."""
+    print(f"at {time.time() - T0:.1f} s: {what}", flush=True)
+
+
 ms.distributed.initialize()
+note("initialized")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -78,6 +88,7 @@ def main() -> int:
     resumed = None
     with contextlib.suppress(ms.CheckpointError):  # "no checkpoint": a fresh root
         resumed = int(mngr.items()["step"])
+    note(f"resuming from {resumed} (complete steps {mngr.all_steps()})")
     if resumed is not None:
         state = mngr.restore(like=state, specs=SPECS, mesh=mesh)
         want = {k: v + np.float32(resumed + 1) for k, v in initial().items()}
@@ -93,10 +104,13 @@ def main() -> int:
     start = 0 if resumed is None else resumed + 1
     for step in range(start, args.until + 1):
         state = add_one(state)
+        note(f"saving {step}")
         mngr.save(step, state, items={"step": step})
         saved.append(step)
         print(f"saved {step}", flush=True)
+    note("closing (the last save finishes)")
     mngr.close()
+    note(f"closed (complete steps {mngr.all_steps()})")
     with open(os.path.join(args.out, f"result_{me}.json"), "w") as f:
         json.dump({"resumed": resumed, "saved": saved, "steps": mngr.all_steps()}, f)
     ms.distributed.barrier("done")

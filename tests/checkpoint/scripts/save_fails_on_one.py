@@ -12,6 +12,10 @@ sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folde
   item of Orbax's composite save, written once Orbax's folders are made);
 - ``manager``: as ``arrays``, in a synchronous ``CheckpointManager``'s save of step 0;
   both processes then save step 1 with it;
+- ``background``: process 1's arrays fail while they are written in the background, in an
+  asynchronous ``CheckpointManager``'s save of step 0 (an injected future that raises
+  ``OSError`` when waited for): ``save`` returns on both, ``wait_until_finished`` raises on
+  both; both processes then save step 1 with it;
 - ``after``: nothing injected: the processes are still in step and save.
 
 Each process records in ``OUT/result_<process>.json``, for every case, what it raised
@@ -20,6 +24,7 @@ Each process records in ``OUT/result_<process>.json``, for every case, what it r
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -48,6 +53,25 @@ def injected(what: str, coroutine: bool = False):
         fail()
 
     return fail_async if coroutine else fail
+
+
+class FailingWrite:
+    """A future of a write that fails: it raises when waited for, on the background thread."""
+
+    def result(self, timeout=None):
+        time.sleep(0.5)  # the other process is at the barrier by now
+        raise OSError("No space left on device (injected)")
+
+    def cancel(self):
+        pass
+
+
+def failing_in_the_background(real):
+    async def async_save(self, *args, **kwargs):
+        futures = await real(self, *args, **kwargs)
+        return [*(futures or []), FailingWrite()]
+
+    return async_save
 
 
 def main() -> int:
@@ -83,17 +107,34 @@ def main() -> int:
         "async_save",
         "No space left on device",
     )
+    cases["background"] = (  # an asynchronous manager's step 0, failing in the background
+        f"{root}/background",
+        1,
+        ocp.PyTreeCheckpointHandler,
+        "async_save",
+        None,
+    )
     cases["after"] = (f"{root}/after", None, None, None, None)
     results = {}
     for case, (path, who, owner, attr, what) in cases.items():
         real = None if owner is None else getattr(owner, attr)
-        if me == who:
+        if me == who and what is None:
+            setattr(owner, attr, failing_in_the_background(real))
+        elif me == who:
             setattr(owner, attr, injected(what, coroutine=attr == "async_save"))
         t0 = time.monotonic()
         try:
             if case == "manager":
                 with ms.CheckpointManager(path, async_save=False, handle_signals=False) as mngr:
                     mngr.save(0, state)
+            elif case == "background":
+                mngr = ms.CheckpointManager(path, handle_signals=False)
+                try:
+                    results["background started"] = mngr.save(0, state)
+                    mngr.wait_until_finished()
+                finally:
+                    with contextlib.suppress(Exception):
+                        mngr.close()
             else:
                 ms.save(path, state)
             raised = None
@@ -108,6 +149,10 @@ def main() -> int:
     with ms.CheckpointManager(f"{root}/manager", async_save=False, handle_signals=False) as mngr:
         mngr.save(1, state)
         results["manager"]["steps after"] = mngr.all_steps()
+    with ms.CheckpointManager(f"{root}/background", handle_signals=False) as mngr:
+        mngr.save(1, state)
+        mngr.wait_until_finished()
+        results["background"]["steps after"] = mngr.all_steps()
     restored = ms.restore(f"{root}/after", like=state)
     results["after"]["bit_exact"] = all(
         np.array_equal(np.asarray(a.data), np.asarray(b.data))
