@@ -40,14 +40,6 @@ HEARTBEAT_S = 5  # MODELSHARD_HEARTBEAT_TIMEOUT for the runs where a process die
 SURVIVOR_BOUND_S = HEARTBEAT_S + 25
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("slow") and "slow" not in (
-        request.config.getoption("markexpr") or ""
-    ):
-        pytest.skip("runs with `pytest -m slow`")
-
-
 def initial() -> dict[str, np.ndarray]:
     """What the script starts from (its step s holds these plus s + 1, exactly)."""
     return {

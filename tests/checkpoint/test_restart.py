@@ -46,14 +46,6 @@ SURVIVOR_BOUND_S = HEARTBEAT_S + 25
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("slow") and "slow" not in (
-        request.config.getoption("markexpr") or ""
-    ):
-        pytest.skip("runs with `pytest -m slow`")
-
-
 def two_processes(
     *args: str,
     env: dict[str, str],

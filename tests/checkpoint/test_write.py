@@ -26,14 +26,6 @@ from helpers import Zygote, assert_bit_exact
 SCRIPTS = Path(__file__).parent / "ckpt_scripts"
 
 
-@pytest.fixture(autouse=True)
-def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("slow") and "slow" not in (
-        request.config.getoption("markexpr") or ""
-    ):
-        pytest.skip("runs with `pytest -m slow`")
-
-
 def test_zero_size_only_state_is_refused_clearly(tmp_path):
     with pytest.raises(ms.CheckpointError) as e:
         ms.save(tmp_path / "c", {"a": jnp.zeros((0, 3)), "b": jnp.zeros(0, jnp.int8)})

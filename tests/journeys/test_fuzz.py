@@ -192,11 +192,3 @@ def test_fuzz_expand_args_reports_every_argument(
 @given(cases())
 def test_fuzz_plan_and_shard_slow(case: tuple[Any, Container, tuple[Any, ...]]) -> None:
     check(*case)
-
-
-@pytest.fixture(autouse=True)
-def _slow_only_on_request(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("slow") and "slow" not in (
-        request.config.getoption("markexpr") or ""
-    ):
-        pytest.skip("the 10,000-example profile runs with `pytest -m slow`")
