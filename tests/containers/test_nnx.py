@@ -55,3 +55,29 @@ def test_nnx_rng_state_round_trips():
     assert "drop/rngs/key" in key_paths
     rebuilt = flat.rebuild(flat.arrays)
     assert same(rebuilt, model)
+
+
+def test_nnx_call_write_back_sets_values_and_keeps_flax_trace_check():
+    import pytest
+    from flax import nnx
+
+    from modelshard._containers.nnx import nnx_call_leaves
+
+    lin = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    call = nnx_call_leaves(lin)
+    assert call is not None
+    new = [jnp.full(x.shape, 7.0, x.dtype) for x in call.leaves]
+    call.write_back(range(len(new)), new)
+    for x in jax.tree.leaves(nnx.state(lin)):
+        np.testing.assert_array_equal(x, np.full(x.shape, 7.0, np.float32))
+
+    # Written from inside a trace the module was not created in: Flax's own error.
+    @jax.jit
+    def inside(x):
+        call.write_back([0], [x])
+        return x
+
+    from flax import errors
+
+    with pytest.raises(errors.TraceContextError, match="different trace level"):
+        inside(jnp.zeros(3))

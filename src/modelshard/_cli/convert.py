@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from .._base import format_bytes
     from .._weights import is_safetensors, shipped_mappings
 
-    return_freed_memory()  # streams tensor-sized buffers, as reshard does
+    return_freed_memory()  # streams tensor-sized buffers
     # the user's input files: missing or unreadable is the OSError itself (with its errno)
     if not (args.mapping in shipped_mappings() and not os.path.exists(args.mapping)):
         readable(args.mapping)

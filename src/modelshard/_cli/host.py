@@ -51,10 +51,10 @@ def return_freed_memory() -> None:
     By default glibc raises that threshold to the largest block freed so far (up to 32
     MiB), so the chunk-sized buffers resharding frees and allocates again, chunk after
     chunk and on many reader threads, would stay resident as fragmented heap (the
-    command's peak: docs/benchmarks/checkpoint.md). ``modelshard reshard`` and
-    ``modelshard convert``
-    exist only to stream a checkpoint, so the allocator's settings are theirs to choose.
-    Elsewhere (no glibc) nothing changes.
+    command's peak: docs/benchmarks/weights.md). ``modelshard convert`` exists only to
+    stream a checkpoint, so the allocator's settings are its to choose (``modelshard
+    reshard`` keeps the arena only: ``one_malloc_arena``). Elsewhere (no glibc) nothing
+    changes.
     """
     import ctypes
 
@@ -64,4 +64,25 @@ def return_freed_memory() -> None:
         return
     m_mmap_threshold, m_arena_max = -3, -8
     mallopt(m_mmap_threshold, 128 << 10)
+    mallopt(m_arena_max, 1)
+
+
+def one_malloc_arena() -> None:
+    """glibc: keep one malloc arena (``modelshard reshard``'s setting).
+
+    By default glibc gives threads that allocate arenas of their own (up to 8 per core), so
+    the chunk-sized buffers resharding frees on one reader thread and allocates on another
+    would stay resident in several arenas at once. One arena holds the command's peak within
+    a few MiB of what ``return_freed_memory`` also does (283-290 MiB for a 256 MiB checkpoint
+    and for one 128 MiB leaf, 348-362 MiB with glibc's defaults), in half its time: a
+    mapping of its own per freed block means each new chunk is zero-filled page by page on
+    first touch (docs/benchmarks/checkpoint.md). Elsewhere (no glibc) nothing changes.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    m_arena_max = -8
     mallopt(m_arena_max, 1)

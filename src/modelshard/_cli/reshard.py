@@ -15,7 +15,7 @@ from .args import (
     positive_float,
     target_specs,
 )
-from .host import join_launch, return_freed_memory, use_cpu_devices
+from .host import join_launch, one_malloc_arena, use_cpu_devices
 from .output import emit, progress_bar, say, writing
 
 
@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes = args.mesh
-    return_freed_memory()
+    one_malloc_arena()
     join_launch()  # under `modelshard launch`: each process writes a share of the leaves
     use_cpu_devices(math.prod(sizes.values()))
     from .._base import format_bytes, format_mesh, make_mesh

@@ -61,6 +61,14 @@ class NnxCall(NamedTuple):
 _ORDERS: dict[Hashable, LeafOrder | None] = {}
 _MAX_ORDERS = 256
 _raw_value = operator.attrgetter("_raw_value")
+_set_slot = object.__setattr__
+
+
+def _current_trace() -> Any:
+    """The JAX trace state NNX compares a Variable's against before it may be updated."""
+    from flax.nnx import tracers
+
+    return tracers.current_jax_trace()
 
 
 def _is_variable(x: Any) -> bool:
@@ -157,11 +165,18 @@ def nnx_call_leaves(value: Any) -> NnxCall | None:
         return None
 
     def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
+        # Variable.__setattr__ asks JAX for the current trace once per Variable; asked once
+        # here, the same check costs a comparison per Variable (a tenth of the time on a
+        # 1,000-leaf update: docs/benchmarks/dispatch.md).
+        here = _current_trace()
         for m, new in zip(positions, values, strict=True):
             var = ordered[m]
             if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
                 var.set_value(new)
-            else:  # what set_value does for a plain array, minus its copy and hook lookup
+            elif var._trace_state._jax_trace == here:
+                # what set_value does for a plain array, minus its copy and hook lookup
+                _set_slot(var, "_raw_value", new)
+            else:  # a ref Variable, or Flax's TraceContextError for another trace level
                 var._raw_value = new
 
     return NnxCall(raws, order.aux, order, write_back)
