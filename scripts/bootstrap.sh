@@ -41,4 +41,8 @@ if "$vpy" -m pip install -q --disable-pip-version-check uv >/dev/null 2>&1; then
 else
   "$vpy" -m pip install -q --disable-pip-version-check "${reqs[@]}" -e "$EXTRAS"
 fi
+# Bytecode for everything installed, written whatever PYTHONDONTWRITEBYTECODE says (uv writes
+# none by default): without it every new process compiles what it imports from source, and a
+# process importing JAX, Orbax and modelshard starts about three times slower.
+"$vpy" -m compileall -q -j 0 "$VENV/lib" >/dev/null
 echo "$want" > "$STAMP"
