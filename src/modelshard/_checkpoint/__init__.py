@@ -15,8 +15,8 @@ from .items import read_items as read_items
 from .items import read_metadata as read_metadata
 from .listing import checkpoint_kind as checkpoint_kind
 from .listing import list_steps as list_steps
+from .listing import manager_step as manager_step
 from .manager import CheckpointManager as CheckpointManager
-from .manager import manager_step as manager_step
 from .mapped import host_leaves as host_leaves
 from .record import Record as Record
 from .resharding import reshard as reshard

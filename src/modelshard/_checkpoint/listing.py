@@ -1,6 +1,6 @@
 """What a ``CheckpointManager`` root holds, step by step: complete steps and leftovers.
 
-A step is complete by ``manager.is_complete_step`` (the one definition). Everything else
+A step is complete by ``is_complete_step`` (the one definition). Everything else
 that carries a step number is a leftover, written by a save that did not finish (its
 process or host died, or it failed) or by a removal that did not:
 
@@ -26,7 +26,6 @@ import os
 import re
 from typing import Any
 
-from .manager import is_complete_step
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
@@ -46,6 +45,58 @@ _STEP = re.compile(r"0|[1-9][0-9]*")
 _ROTATED = re.compile(r"(0|[1-9][0-9]*)\.[0-9]+")
 PARTS = (CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}", ITEMS_ITEM, METRICS_ITEM)
 """What a step may hold, in the order listed (``items`` and ``metrics`` are optional)."""
+
+
+def is_complete_step(step_dir: Any) -> bool:
+    """Whether ``step_dir`` holds a finished manager step: a real directory with Orbax's
+    checkpoint metadata and modelshard's record, plus the commit file on object storage."""
+    try:
+        if not is_remote(step_dir) and step_dir.is_symlink():
+            return False
+        if not step_dir.is_dir():
+            return False
+        needed = [step_dir / CHECKPOINT_METADATA, step_dir / RECORD_ITEM / RECORD_FILE]
+        if is_remote(step_dir):
+            needed.append(step_dir / COMMIT_FILE)
+        return all(p.is_file() for p in needed)
+    except OSError:
+        return False
+
+
+def complete_steps(root: Any) -> list[int]:
+    """Every complete step under a manager's ``root``, ascending (the one definition).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached (``urls.reaching``).
+    """
+    forget_listings(root)  # another process may have written or removed steps since
+    try:
+        with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
+            children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    with reaching(root):
+        return sorted(
+            int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c)
+        )
+
+
+def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
+    """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
+    step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
+    tree of its own). What ``modelshard inspect|plan|reshard`` read."""
+    from .storage import TREE_METADATA
+
+    root = location(directory)
+    try:
+        if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
+            return root, None
+    except OSError:
+        return root, None
+    steps = complete_steps(root)
+    if not steps:
+        return root, None
+    return root / str(steps[-1]), steps[-1]
 
 
 @dataclasses.dataclass(frozen=True)

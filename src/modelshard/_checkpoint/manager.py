@@ -27,7 +27,6 @@ import contextlib
 import json
 import numbers
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -37,6 +36,7 @@ from .._runtime import barrier, broadcast, gather
 from . import guard
 from .barriers import carrying_failures, sharing_failures
 from .items import decode_items, encode_items
+from .listing import complete_steps, is_complete_step
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .restoring import restore
 from .storage import (
@@ -63,60 +63,6 @@ from .urls import (
     reaching,
 )
 from .write import check_compression, coordinated_processes, prepare, save_handler
-
-_STEP = re.compile(r"0|[1-9][0-9]*")
-
-
-def is_complete_step(step_dir: Any) -> bool:
-    """Whether ``step_dir`` holds a finished manager step: a real directory with Orbax's
-    checkpoint metadata and modelshard's record, plus the commit file on object storage."""
-    try:
-        if not is_remote(step_dir) and step_dir.is_symlink():
-            return False
-        if not step_dir.is_dir():
-            return False
-        needed = [step_dir / CHECKPOINT_METADATA, step_dir / RECORD_ITEM / RECORD_FILE]
-        if is_remote(step_dir):
-            needed.append(step_dir / COMMIT_FILE)
-        return all(p.is_file() for p in needed)
-    except OSError:
-        return False
-
-
-def complete_steps(root: Any) -> list[int]:
-    """Every complete step under a manager's ``root``, ascending (the one definition).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached (``urls.reaching``).
-    """
-    forget_listings(root)  # another process may have written or removed steps since
-    try:
-        with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
-            children = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    with reaching(root):
-        return sorted(
-            int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c)
-        )
-
-
-def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
-    """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
-    step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
-    tree of its own). What ``modelshard inspect|plan|reshard`` read."""
-    from .storage import TREE_METADATA
-
-    root = location(directory)
-    try:
-        if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
-            return root, None
-    except OSError:
-        return root, None
-    steps = complete_steps(root)
-    if not steps:
-        return root, None
-    return root / str(steps[-1]), steps[-1]
 
 
 def _read_json(path: Any) -> Any:
