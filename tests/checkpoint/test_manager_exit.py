@@ -68,8 +68,18 @@ def run_script(argv, send=None):
 
 # These endings run side by side, once per session (each child mostly waits on its held
 # back save, so together they take about as long as the slowest one).
-SIGNALS = {"sigterm": signal.SIGTERM, "cooperative": signal.SIGTERM}
-TOGETHER = ["end", "with_raises", "sigterm", "cooperative", "lost", "fails"]
+SIGNALS = {"sigterm": signal.SIGTERM, "cooperative": signal.SIGTERM, "sigint": signal.SIGINT}
+TOGETHER = [
+    "end",
+    "with_raises",
+    "exit3",
+    "raises",
+    "sigterm",
+    "sigint",
+    "cooperative",
+    "lost",
+    "fails",
+]
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +121,11 @@ def test_script_end_finishes_the_pending_save(ended, mode, rc):
         assert "RuntimeError: the training step failed" in err
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "rc"), [("exit3", 3), ("raises", 1)])
-def test_sys_exit_or_an_uncaught_error_keeps_its_status_and_the_save(tmp_path, mode, rc):
-    code, _, err, wall = run_child(tmp_path, mode)
-    assert wall < LIMIT_S
+def test_sys_exit_or_an_uncaught_error_keeps_its_status_and_the_save(ended, mode, rc):
+    root, code, _, err, _ = child(ended, mode)
     assert code == rc, err
-    assert_step(tmp_path, 2)
+    assert_step(root, 2)
 
 
 def test_sigterm_finishes_the_pending_save_then_dies_of_it(ended):
@@ -127,13 +135,17 @@ def test_sigterm_finishes_the_pending_save_then_dies_of_it(ended):
     assert_step(root, 2)
 
 
+def test_sigint_finishes_the_pending_save_then_dies_of_it(ended):
+    root, code, _, _, _ = child(ended, "sigint")
+    assert code in (-signal.SIGINT, 128 + signal.SIGINT)
+    assert_step(root, 2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sigint", "kill_self"])
-def test_sigint_and_a_self_sent_sigterm(tmp_path, mode):
-    sig = signal.SIGINT if mode == "sigint" else signal.SIGTERM
-    code, _, _, wall = run_child(tmp_path, mode, send=sig if mode == "sigint" else None)
+def test_a_self_sent_sigterm(tmp_path):
+    code, _, _, wall = run_child(tmp_path, "kill_self")
     assert wall < LIMIT_S
-    assert code in (-sig, 128 + sig)
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM)
     assert_step(tmp_path, 2)
 
 
