@@ -51,7 +51,8 @@ class LogicalRules:
         pairs: ``(name, mesh axes)`` in the order given; ``()`` replicates.
         ordered: whether they follow Flax's list semantics (repeats, fallback).
         source: how errors name where the rules came from.
-        public: the rules as the user should see them again (a dict, or a tuple of pairs).
+        public: the rules as the user wrote them (a dict for a mapping, a tuple of pairs
+            for Flax-style lists); Flax's functions take ``flax_rules``.
         candidates: name -> its targets, in order (one for a mapping).
         file: the TOML rules file they were read from (hints then speak TOML), or None.
         labels: per pair, the entry that wrote it as errors name it (``rules['heads']``,
@@ -81,6 +82,14 @@ class LogicalRules:
     def _hash(self) -> int:
         # hashed on every jax.jit call inside a logical_rules block (the cache key): once
         return hash((self.pairs, self.ordered))
+
+    @property
+    def flax_rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+        """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order, whatever form
+        they were written in: what ``nn.logical_to_mesh_axes(names, rules.flax_rules)`` and
+        ``nn.logical_axis_rules`` take, and what Flax's context holds inside
+        [`logical_rules`][modelshard.logical_rules]."""
+        return tuple((n, _public_entry(t)) for n, t in self.pairs)
 
     def label(self, name: str, target: Target | None = None) -> str:
         """The entry that maps ``name`` (to ``target``, for Flax-style lists where a name
@@ -581,8 +590,7 @@ def _flax_bridge(rules: LogicalRules | None, on: bool) -> Iterator[None]:
     if spmd is None:
         yield
         return
-    pairs = () if rules is None else tuple((n, _public_entry(t)) for n, t in rules.pairs)
-    with spmd.logical_axis_rules(pairs):
+    with spmd.logical_axis_rules(() if rules is None else rules.flax_rules):
         yield
 
 
