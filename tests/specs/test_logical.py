@@ -352,8 +352,8 @@ def test_a_misspelt_logical_name_gets_did_you_mean(mesh24):
         "    spec: P('data', 'mlp') (from P('batch', 'mlp') for the whole argument)",
         "    mesh: data=2, model=4",
         "    hint: mesh axes are 'data', 'model', and 'mlp' is not a logical name of the "
-        "active ms.logical_rules context (names: batch, embed, mpl); did you mean 'mpl'? "
-        "(or add 'mlp': <mesh axes or None> there)",
+        "active ms.logical_rules context (names: batch, embed, mpl); it has 'mpl': 'model': "
+        "did you mean 'mlp': 'model'? (or add 'mlp': <mesh axes or None> there)",
     ]
 
 

@@ -112,6 +112,17 @@ class LogicalRules:
         placeholder."""
         return logical_entry(name, axis, self.file, self.ordered)
 
+    def written(self, name: str, as_name: str | None = None) -> str:
+        """``name``'s first entry as the user wrote it (``hedas = "none"`` in a rules
+        file, ``'hedas': None`` in Python), under ``as_name`` instead when given (the
+        entry a typo was meant to be)."""
+        value = _public_entry(self.candidates[name][0])
+        key = name if as_name is None else as_name
+        if self.file is not None:
+            v = toml_entry(value)
+            return f'["{key}", {v}]' if self.ordered else f"{key} = {v}"
+        return f"({key!r}, {value!r})" if self.ordered else f"{key!r}: {value!r}"
+
 
 def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
     """``heads = "model"`` (a rules file's [logical] table), ``["heads", "model"]`` (its
