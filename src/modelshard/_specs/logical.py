@@ -410,7 +410,9 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
             is installed).
 
     Yields:
-        The layered, validated rules (``None`` when they are cleared).
+        The layered, validated rules (``None`` when they are cleared); their
+        ``flax_rules`` are the same rules as the ``(name, mesh axes)`` pairs Flax's own
+        functions take (``nn.logical_to_mesh_axes(names, rules.flax_rules)``).
 
     Raises:
         SpecError: a layer is not logical rules (every bad entry listed), the rules do
