@@ -129,3 +129,26 @@ def test_a_rules_files_logical_pairs_get_the_pair_to_change(tmp_path, capsys):
         entry,
         hint,
     )
+
+
+def test_a_misspelt_logical_name_in_the_rules_file_gets_did_you_mean(tmp_path, capsys):
+    """``hedas = "none"`` for 'heads': each leaf's hint names the entry and the TOML line
+    meant, on the command line as from Python."""
+    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
+    ckpt = ms.save(tmp_path / "ckpt", params)
+    rules = tmp_path / "tp.toml"
+    rules.write_text(RULES.replace('heads = "model"', 'hedas = "none"'))
+    argv = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", str(rules)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    at = err.index("  tree:block_0/k/kernel float32[16, 4, 4]")
+    assert err[at : at + 5] == [
+        "  tree:block_0/k/kernel float32[16, 4, 4]",
+        "    problem: axis 'heads' (dimension 1) is not in the mesh",
+        '    spec: ["none", "heads", "none"] (from metadata (LogicallyPartitioned))',
+        "    mesh: data=2, model=4",
+        "    hint: mesh axes are 'data', 'model', and 'heads' is not a logical name of the "
+        f"[logical] table of {rules} (names: batch, seq, embed, hedas, kv, mlp, vocab); it has "
+        'hedas = "none": did you mean heads = "none"? (or add heads = "<mesh axis>" there)',
+    ]
+    assert sum("did you mean heads" in line for line in err) == 8  # q, k, v, o of 2 blocks

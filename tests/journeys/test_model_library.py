@@ -31,9 +31,7 @@ USERS = {"fsdp": ({"data": 8}, FSDP), "tp": ({"data": 2, "model": 4}, {})}
 
 def flax_spec(names: tuple[str, ...], rules: ms.LogicalRules) -> P:
     """Flax's placement of ``names`` under the layered ``rules``, trailing Nones dropped."""
-    public = rules.public
-    pairs = list(public.items()) if isinstance(public, dict) else list(public)
-    return strip(nn.logical_to_mesh_axes(names, pairs))
+    return strip(nn.logical_to_mesh_axes(names, rules.flax_rules))
 
 
 def strip(spec) -> P:

@@ -107,8 +107,7 @@ def test_strict_constraints_raise_at_the_model_line():
 
 def merged_pairs(rules) -> list:
     """The layered rules as Flax's pairs, for nn.logical_to_mesh_axes."""
-    public = rules.public
-    return list(public.items()) if isinstance(public, dict) else list(public)
+    return list(rules.flax_rules)
 
 
 @pytest.mark.parametrize("user", ["fsdp", "tp"])

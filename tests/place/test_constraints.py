@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,3 +248,37 @@ def test_inside_shard_jit_the_site_is_the_users_and_the_problem_in_logical_terms
         "tinylm defaults['heads']",
     )
     assert e.value.to_json()["site"] == site
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return ms.constrain(nn.Dense(16)(x), P("data", "modle"))
+
+
+def test_the_traced_function_named_is_the_one_given_to_jit_not_an_inner_call(mesh24):
+    """A constraint in a linen module's __call__, under jax.value_and_grad in a jitted
+    train_step: the header names train_step (the function given to jax.jit or shard_jit,
+    at the line it is running), not the module Flax called nor the loss grad traced."""
+    here = os.path.relpath(__file__)
+    x = jnp.ones((8, 16))
+    params = {"params": {"Dense_0": nn.Dense(16).init(jax.random.key(0), x)["params"]}}
+    call = f"constrain at {here}:{_line(_Block.__call__, 'ms.constrain(')} in _Block.__call__"
+
+    def loss_fn(p, x):
+        return _Block().apply(p, x).sum()
+
+    def train_step(p, x):
+        return jax.value_and_grad(loss_fn)(p, x)
+
+    name = "test_the_traced_function_named_is_the_one_given_to_jit_not_an_inner_call"
+    site = (
+        f"{call}, while tracing {name}.<locals>.train_step "
+        f"({here}:{_line(train_step, 'jax.value_and_grad(')})"
+    )
+    with jax.set_mesh(mesh24), pytest.raises(ms.SpecError) as e:
+        jax.jit(train_step)(params, x)
+    assert e.value.site == site
+    with pytest.raises(ms.SpecError) as e:
+        ms.shard_jit(train_step, mesh=mesh24, in_specs=(P(), P("data")))(params, x)
+    assert e.value.site == site

@@ -352,8 +352,8 @@ def test_a_misspelt_logical_name_gets_did_you_mean(mesh24):
         "    spec: P('data', 'mlp') (from P('batch', 'mlp') for the whole argument)",
         "    mesh: data=2, model=4",
         "    hint: mesh axes are 'data', 'model', and 'mlp' is not a logical name of the "
-        "active ms.logical_rules context (names: batch, embed, mpl); did you mean 'mpl'? "
-        "(or add 'mlp': <mesh axes or None> there)",
+        "active ms.logical_rules context (names: batch, embed, mpl); it has 'mpl': 'model': "
+        "did you mean 'mlp': 'model'? (or add 'mlp': <mesh axes or None> there)",
     ]
 
 
@@ -462,6 +462,31 @@ def test_a_misspelt_mesh_axis_is_refused_on_entry_under_a_mesh(mesh24):
     # an axis this mesh lacks and resembles none is left to the plan (shared rules)
     with jax.set_mesh(mesh24), ms.logical_rules({"batch": ("data", "fsdp")}) as rules:
         assert rules is not None
+
+
+def test_a_misspelt_mesh_axis_is_refused_before_plain_jit_unboxes_linen_params(mesh24):
+    """The trial's path: jax.jit over linen's init and nn.unbox, which Flax resolves
+    itself; with the mesh set before the rules, the entry check names the rule entry."""
+
+    class Embed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.ones, ("embed", "vocab"))
+            return x @ self.param("w", init, (16, 32))
+
+    x = jnp.ones((8, 16))
+    with (
+        jax.set_mesh(mesh24),
+        pytest.raises(ms.SpecError) as e,
+        ms.logical_rules({"embed": None, "vocab": "modle"}),
+    ):
+        jax.jit(lambda: nn.unbox(Embed().init(jax.random.key(0), x)))()
+    assert str(e.value).splitlines() == [
+        MISSPELT_AXIS[0],
+        "  logical_rules:rules['vocab']",
+        "    problem: 'vocab' maps to mesh axis 'modle', which is not in the mesh",
+        MISSPELT_AXIS[3],
+    ]
 
 
 def test_a_misspelt_mesh_axis_is_refused_by_shard_jit_before_flax_sees_it(mesh24):

@@ -182,6 +182,29 @@ def test_flax_with_logical_constraint_honours_the_context():
     assert nn.get_logical_axis_rules() == ()  # Flax's context restored on exit
 
 
+@pytest.mark.parametrize(
+    "user",
+    [
+        {"embed": "data", "heads": None},  # a mapping over the defaults
+        [("batch", "data"), ("embed", "data"), ("embed", "model"), ("heads", None)],  # pairs
+    ],
+    ids=["mapping", "pairs"],
+)
+def test_flax_rules_are_what_flax_logical_to_mesh_axes_takes(user, mesh24):
+    """The yielded rules' flax_rules go to Flax's own functions as they are, whether the
+    layers were mappings or pairs, and Flax places every leaf where modelshard does."""
+    names = {"q": ("embed", "heads", "kv"), "up": ("embed", "mlp")}
+    with ms.logical_rules(tinylm.AXES, user) as rules:
+        assert rules is not None
+        flax_rules = rules.flax_rules
+        placed = specs(mesh24)
+        assert flax_rules == nn.get_logical_axis_rules()  # what Flax's context holds
+    assert all(isinstance(pair, tuple) and len(pair) == 2 for pair in flax_rules)
+    for path, logical in names.items():
+        flax_spec = list(nn.logical_to_mesh_axes(logical, flax_rules))
+        assert P(*flax_spec) == placed[path], path
+
+
 def test_nnx_metadata_sees_the_context(mesh24):
     """nnx.get_partition_spec reads the same layered rules as modelshard's plan."""
     model = nnx_model.TinyLM(rngs=nnx.Rngs(0))

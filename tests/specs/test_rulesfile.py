@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -178,3 +180,48 @@ def test_backslash_in_a_double_quoted_pattern_hints_single_quotes(tmp_path):
     ]
     bad.write_text("[[rules]]\npattern = 'norm\\d?$'\nspec = []\n")  # what the hint says
     assert load_rules(bad).rules[0][0] == r"norm\d?$"
+
+
+SDS = jax.ShapeDtypeStruct
+HEADS = {"q": SDS((16, 4), jnp.float32), "o": SDS((4, 16), jnp.float32)}
+QO = [("q", P("embed", "heads")), ("o", P("heads", "embed"))]
+
+
+def test_a_misspelt_logical_name_in_the_table_gets_did_you_mean(tmp_path, mesh24):
+    """``hedas = "none"`` in [logical]: every leaf naming 'heads' says which entry is the
+    likely typo and the line to write instead, in TOML; Python rules say it in Python."""
+    path = tmp_path / "tp.toml"
+    path.write_text(
+        "".join(f"[[rules]]\npattern = '^{p}$'\nspec = {list(s)!r}\n\n" for p, s in QO).replace(
+            "'", '"'
+        )
+        + '[logical]\nembed = "none"\nhedas = "none"\n'
+    )
+    with pytest.raises(ms.SpecError) as e:
+        ms.plan(HEADS, load_rules(path), mesh24)
+    table = f"the [logical] table of {path} (names: embed, hedas)"
+    hint = (
+        f"    hint: mesh axes are 'data', 'model', and 'heads' is not a logical name of {table}; "
+        'it has hedas = "none": did you mean heads = "none"? (or add heads = "<mesh axis>" there)'
+    )
+    assert str(e.value).splitlines() == [
+        "2 sharding problems found (every offending leaf is listed; paths are arg:path):",
+        "  tree:o float32[4, 16]",
+        "    problem: axis 'heads' (dimension 0) is not in the mesh",
+        "    spec: P('heads', None) (from rule 1 '^o$')",
+        "    mesh: data=2, model=4",
+        hint,
+        "  tree:q float32[16, 4]",
+        "    problem: axis 'heads' (dimension 1) is not in the mesh",
+        "    spec: P(None, 'heads') (from rule 0 '^q$')",
+        "    mesh: data=2, model=4",
+        hint,
+    ]
+    python = ms.Rules(QO, logical={"embed": None, "hedas": "model"})
+    with pytest.raises(ms.SpecError) as e:
+        ms.plan(HEADS, python, mesh24)
+    assert str(e.value).splitlines()[5] == (
+        "    hint: mesh axes are 'data', 'model', and 'heads' is not a logical name of "
+        "Rules(logical=...) (names: embed, hedas); it has 'hedas': 'model': did you mean "
+        "'heads': 'model'? (or add 'heads': <mesh axes or None> there)"
+    )

@@ -86,24 +86,44 @@ def _caller(stacklevel: int) -> FrameType | None:
 def call_site(traced: bool, stacklevel: int = 1) -> str | None:
     """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
     user's ``constrain`` call (the first frame outside modelshard, ``stacklevel - 1``
-    frames further out) and, while tracing, the function being traced (the outermost user
-    frame below JAX's tracing machinery)."""
+    frames further out) and, while tracing, the function being traced: the outermost user
+    function that JAX called (the one given to ``jax.jit`` or ``shard_jit``, not a loss
+    under ``jax.grad`` nor a module that Flax calls), at the line it is running."""
     frame = _caller(stacklevel)
     if frame is None:
         return None
     out = f"constrain at {_where(frame)} in {frame.f_code.co_qualname}"
     if not traced:
         return out
-    outer, f = frame, frame.f_back
-    while f is not None and not f.f_code.co_filename.startswith(_JAX):
-        if not _library(f) and not f.f_code.co_filename.startswith(_PACKAGE):
-            outer = f
-        f = f.f_back
-    if f is not None and outer is not frame:
-        out += f", while tracing {outer.f_code.co_qualname} ({_where(outer)})"
-    elif f is not None:
+    outer = _traced_function(frame)
+    if outer is frame:
         out += ", while it is traced"
+    elif outer is not None:
+        out += f", while tracing {outer.f_code.co_qualname} ({_where(outer)})"
     return out
+
+
+def _traced_function(frame: FrameType) -> FrameType | None:
+    """The outermost user frame that JAX's machinery called (through library or modelshard
+    frames: Flax calls a module, ``shard_jit`` its step), from ``frame`` out to the
+    bottom of the stack; None if JAX called none. ``jax.tree.map`` calling back into user
+    code is not a trace."""
+    found: FrameType | None = None
+    user: FrameType | None = None  # the outermost user frame since the last JAX frame
+    f: FrameType | None = frame
+    while f is not None:
+        path = f.f_code.co_filename
+        if path.startswith(_JAX):
+            if user is not None and not path.endswith(_TREE_UTIL):
+                found = user
+            user = None
+        elif not _library(f) and not path.startswith(_PACKAGE):
+            user = f
+        f = f.f_back
+    return found
+
+
+_TREE_UTIL = os.sep + "tree_util.py"
 
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -51,7 +51,8 @@ class LogicalRules:
         pairs: ``(name, mesh axes)`` in the order given; ``()`` replicates.
         ordered: whether they follow Flax's list semantics (repeats, fallback).
         source: how errors name where the rules came from.
-        public: the rules as the user should see them again (a dict, or a tuple of pairs).
+        public: the rules as the user wrote them (a dict for a mapping, a tuple of pairs
+            for Flax-style lists); Flax's functions take ``flax_rules``.
         candidates: name -> its targets, in order (one for a mapping).
         file: the TOML rules file they were read from (hints then speak TOML), or None.
         labels: per pair, the entry that wrote it as errors name it (``rules['heads']``,
@@ -82,6 +83,14 @@ class LogicalRules:
         # hashed on every jax.jit call inside a logical_rules block (the cache key): once
         return hash((self.pairs, self.ordered))
 
+    @property
+    def flax_rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
+        """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order, whatever form
+        they were written in: what ``nn.logical_to_mesh_axes(names, rules.flax_rules)`` and
+        ``nn.logical_axis_rules`` take, and what Flax's context holds inside
+        [`logical_rules`][modelshard.logical_rules]."""
+        return tuple((n, _public_entry(t)) for n, t in self.pairs)
+
     def label(self, name: str, target: Target | None = None) -> str:
         """The entry that maps ``name`` (to ``target``, for Flax-style lists where a name
         repeats): ``rules['heads']``; the source's name when pairs carry no labels."""
@@ -102,6 +111,17 @@ class LogicalRules:
         (``'heads': 'model'``, or a pair for Flax-style lists); ``axis=None``: a
         placeholder."""
         return logical_entry(name, axis, self.file, self.ordered)
+
+    def written(self, name: str, as_name: str | None = None) -> str:
+        """``name``'s first entry as the user wrote it (``hedas = "none"`` in a rules
+        file, ``'hedas': None`` in Python), under ``as_name`` instead when given (the
+        entry a typo was meant to be)."""
+        value = _public_entry(self.candidates[name][0])
+        key = name if as_name is None else as_name
+        if self.file is not None:
+            v = toml_entry(value)
+            return f'["{key}", {v}]' if self.ordered else f"{key} = {v}"
+        return f"({key!r}, {value!r})" if self.ordered else f"{key!r}: {value!r}"
 
 
 def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
@@ -390,7 +410,9 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
             is installed).
 
     Yields:
-        The layered, validated rules (``None`` when they are cleared).
+        The layered, validated rules (``None`` when they are cleared); their
+        ``flax_rules`` are the same rules as the ``(name, mesh axes)`` pairs Flax's own
+        functions take (``nn.logical_to_mesh_axes(names, rules.flax_rules)``).
 
     Raises:
         SpecError: a layer is not logical rules (every bad entry listed), the rules do
@@ -581,8 +603,7 @@ def _flax_bridge(rules: LogicalRules | None, on: bool) -> Iterator[None]:
     if spmd is None:
         yield
         return
-    pairs = () if rules is None else tuple((n, _public_entry(t)) for n, t in rules.pairs)
-    with spmd.logical_axis_rules(pairs):
+    with spmd.logical_axis_rules(() if rules is None else rules.flax_rules):
         yield
 
 

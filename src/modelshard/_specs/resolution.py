@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 from .._base import Problem, close_match, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from .logical import LogicalRules, active_logical, add_name_hint, did_you_mean
+from .logical import LogicalRules, active_logical, add_name_hint
 
 Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
 """Per dimension of a spec, each logical name in it with its mesh axes and the entry of
@@ -451,7 +451,14 @@ def _unknown(
     if close is not None:
         return f"did you mean {close!r}? ({axes})"
     if logical is not None:
-        add = did_you_mean(name, list(logical.candidates), f"add {logical.entry(name)} there")
+        add = f"add {logical.entry(name)} there"
+        # logical names are short words: a swapped pair of letters ('hedas') is a typo
+        typo = close_match(name, logical.candidates, cutoff=0.6)
+        if typo is not None:  # the rules' entry is the misspelt one: show it and its fix
+            add = (
+                f"it has {logical.written(typo)}: did you mean "
+                f"{logical.written(typo, as_name=name)}? (or {add})"
+            )
         return f"{axes}, and {name!r} is not a logical name of {logical.describe()}; {add}"
     if file is None and vocabulary() == "cli":  # the command's saved specs: no rules file yet
         return (
