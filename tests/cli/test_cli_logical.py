@@ -5,9 +5,11 @@ when --rules was passed)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import modelshard as ms
 from modelshard.cli import main
@@ -20,12 +22,22 @@ RULES = (
 )
 
 
-def test_a_non_dividing_logical_axis_in_rules_file_words(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tinylm's linen parameters, saved once: their logical names are saved with the leaves."""
     params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
-    ckpt = ms.save(tmp_path / "ckpt", params)  # the logical names are saved with the leaves
+    return ms.save(tmp_path_factory.mktemp("tinylm") / "ckpt", params)
+
+
+def plan_argv(ckpt: Path, rules: Path, text: str, mesh: str) -> list[str]:
+    """``modelshard plan CKPT --mesh MESH --rules RULES``, the rules file written first."""
+    rules.write_text(text)
+    return ["plan", str(ckpt), "--mesh", mesh, "--rules", str(rules)]
+
+
+def test_a_non_dividing_logical_axis_in_rules_file_words(ckpt, tmp_path, capsys):
     rules = tmp_path / "tp.toml"
-    rules.write_text(RULES)
-    argv = ["plan", str(ckpt), "--mesh", "data=1,model=8", "--rules", str(rules)]
+    argv = plan_argv(ckpt, rules, RULES, "data=1,model=8")
     assert main([*argv, "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["error"]["problems"]
     assert len(problems) == 8  # q, k, v and o of two blocks
@@ -54,14 +66,11 @@ def test_a_non_dividing_logical_axis_in_rules_file_words(tmp_path, capsys):
     ]
 
 
-def test_the_plan_table_names_logical_names_and_the_rules_file(tmp_path, capsys):
+def test_the_plan_table_names_logical_names_and_the_rules_file(ckpt, tmp_path, capsys):
     """modelshard plan --rules: a leaf placed by its saved logical names shows them and the
     rules file's [logical] table that mapped them, not just metadata (LogicallyPartitioned)."""
-    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
-    ckpt = ms.save(tmp_path / "ckpt", params)
     rules = tmp_path / "tp.toml"
-    rules.write_text(RULES.replace('mlp = "none"', 'mlp = "model"'))
-    argv = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", str(rules)]
+    argv = plan_argv(ckpt, rules, RULES.replace('mlp = "none"', 'mlp = "model"'), "data=2,model=4")
     assert main(argv) == 0
     rows = {}
     for line in capsys.readouterr().out.splitlines():
@@ -93,17 +102,17 @@ def test_the_plan_table_names_logical_names_and_the_rules_file(tmp_path, capsys)
     )
 
 
-def test_a_rules_files_logical_pairs_get_the_pair_to_change(tmp_path, capsys):
+def test_a_rules_files_logical_pairs_get_the_pair_to_change(ckpt, tmp_path, capsys):
     """Rules written as Flax-style pairs (logical = [[name, axes], ...]): the problem names
     the pair by its index and the hint gives the pair to write there."""
-    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
-    ckpt = ms.save(tmp_path / "ckpt", params)
     rules = tmp_path / "pairs.toml"
-    rules.write_text(
+    argv = plan_argv(
+        ckpt,
+        rules,
         'strict = false\nlogical = [["batch", "data"], ["embed", "none"], ["heads", "model"], '
-        '["kv", "none"], ["mlp", "none"], ["vocab", "none"]]\n'
+        '["kv", "none"], ["mlp", "none"], ["vocab", "none"]]\n',
+        "data=1,model=8",
     )
-    argv = ["plan", str(ckpt), "--mesh", "data=1,model=8", "--rules", str(rules)]
     assert main(argv) == 1
     err = capsys.readouterr().err.splitlines()
     at = err.index("  tree:block_0/o/kernel float32[4, 4, 16]")
@@ -131,14 +140,13 @@ def test_a_rules_files_logical_pairs_get_the_pair_to_change(tmp_path, capsys):
     )
 
 
-def test_a_misspelt_logical_name_in_the_rules_file_gets_did_you_mean(tmp_path, capsys):
+def test_a_misspelt_logical_name_in_the_rules_file_gets_did_you_mean(ckpt, tmp_path, capsys):
     """``hedas = "none"`` for 'heads': each leaf's hint names the entry and the TOML line
     meant, on the command line as from Python."""
-    params = linen_model.TinyLM().init(jax.random.key(0), jnp.zeros((8, 8), jnp.int32))["params"]
-    ckpt = ms.save(tmp_path / "ckpt", params)
     rules = tmp_path / "tp.toml"
-    rules.write_text(RULES.replace('heads = "model"', 'hedas = "none"'))
-    argv = ["plan", str(ckpt), "--mesh", "data=2,model=4", "--rules", str(rules)]
+    argv = plan_argv(
+        ckpt, rules, RULES.replace('heads = "model"', 'hedas = "none"'), "data=2,model=4"
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err.splitlines()
     at = err.index("  tree:block_0/k/kernel float32[16, 4, 4]")
