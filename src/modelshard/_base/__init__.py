@@ -1,5 +1,5 @@
 """The base area's façade: the vocabulary every other area shares (errors, how things are
-written for people, dtypes, canonical paths, meshes, folding numbered paths). It imports
+written for people, dtypes, canonical paths, meshes, folding numbered paths, durable files). It imports
 nothing else from the package."""
 
 from .dtypes import canonical_dtype as canonical_dtype
@@ -15,6 +15,8 @@ from .errors import ModelshardError as ModelshardError
 from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
+from .files import fsync_dir as fsync_dir
+from .files import write_text_durable as write_text_durable
 from .folding import fold as fold
 from .mesh import current_mesh as current_mesh
 from .mesh import is_abstract as is_abstract

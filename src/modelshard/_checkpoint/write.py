@@ -20,7 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract
+from .._base import (
+    CheckpointError,
+    canonical_dtype,
+    dtype_name,
+    fsync_dir,
+    is_abstract,
+    write_text_durable,
+)
 from .._containers import split
 from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
@@ -243,21 +250,6 @@ def coordinated_processes() -> Any:
     )
 
 
-def write_text_durable(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``), so an
     overwrite never leaves the path empty; False where the system cannot."""
@@ -360,7 +352,7 @@ def _write_atomic(
         record.resolve()
         if primary:
             write_text_durable(staging / RECORD_FILE, record.dumps())
-            _fsync_dir(staging)
+            fsync_dir(staging)
     except Exception as e:
         failure = e
     except BaseException:
@@ -391,7 +383,7 @@ def _commit(path: Path, staging: Path, old: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .._base import CheckpointError, size_in_bytes
+from .._base import CheckpointError, fsync_dir, size_in_bytes
 from .recipe import contiguous
 from .safetensors import dtype_code
 
@@ -112,15 +112,6 @@ def new_token() -> str:
 def temporary(p: Path, token: str) -> Path:
     """The temporary file a write of ``p`` fills before renaming it into place."""
     return p.with_name(f"{p.name}.{token}.partial")
-
-
-def fsync_dir(d: Path) -> None:
-    """Make the renames into ``d`` durable."""
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_partial(
