@@ -44,6 +44,22 @@ def use_cpu_devices(n: int) -> None:
         )
 
 
+# glibc's mallopt parameters
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8
+
+
+def _mallopt(*settings: tuple[int, int]) -> None:
+    """Set glibc's allocator ``(parameter, value)`` pairs; without glibc, nothing."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    for parameter, value in settings:
+        mallopt(parameter, value)
+
+
 def return_freed_memory() -> None:
     """glibc: give every block of 128 KiB or more its own mapping, unmapped when freed, and
     keep one malloc arena.
@@ -56,15 +72,7 @@ def return_freed_memory() -> None:
     reshard`` keeps the arena only: ``one_malloc_arena``). Elsewhere (no glibc) nothing
     changes.
     """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    m_mmap_threshold, m_arena_max = -3, -8
-    mallopt(m_mmap_threshold, 128 << 10)
-    mallopt(m_arena_max, 1)
+    _mallopt((_M_MMAP_THRESHOLD, 128 << 10), (_M_ARENA_MAX, 1))
 
 
 def one_malloc_arena() -> None:
@@ -73,16 +81,8 @@ def one_malloc_arena() -> None:
     By default glibc gives threads that allocate arenas of their own (up to 8 per core), so
     the chunk-sized buffers resharding frees on one reader thread and allocates on another
     would stay resident in several arenas at once. One arena holds the command's peak within
-    a few MiB of what ``return_freed_memory`` also does (283-290 MiB for a 256 MiB checkpoint
-    and for one 128 MiB leaf, 348-362 MiB with glibc's defaults), in half its time: a
-    mapping of its own per freed block means each new chunk is zero-filled page by page on
-    first touch (docs/benchmarks/checkpoint.md). Elsewhere (no glibc) nothing changes.
+    a few MiB of what ``return_freed_memory`` also does, in about half its time: a mapping
+    of its own per freed block means each new chunk is zero-filled page by page on first
+    touch (measured: docs/benchmarks/checkpoint.md). Elsewhere (no glibc) nothing changes.
     """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    m_arena_max = -8
-    mallopt(m_arena_max, 1)
+    _mallopt((_M_ARENA_MAX, 1))
