@@ -117,11 +117,8 @@ class LogicalRules:
         file, ``'hedas': None`` in Python), under ``as_name`` instead when given (the
         entry a typo was meant to be)."""
         value = _public_entry(self.candidates[name][0])
-        key = name if as_name is None else as_name
-        if self.file is not None:
-            v = toml_entry(value)
-            return f'["{key}", {v}]' if self.ordered else f"{key} = {v}"
-        return f"({key!r}, {value!r})" if self.ordered else f"{key!r}: {value!r}"
+        text = toml_entry(value) if self.file is not None else repr(value)
+        return _entry(name if as_name is None else as_name, text, self.file, self.ordered)
 
 
 def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
@@ -130,8 +127,16 @@ def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) 
     pairs); without ``axis`` a placeholder names what goes there."""
     if file is not None:
         value = toml_entry(axis if axis is not None else "<mesh axis>")
+    else:
+        value = repr(axis) if axis is not None else "<mesh axes or None>"
+    return _entry(name, value, file, ordered)
+
+
+def _entry(name: str, value: str, file: str | None, ordered: bool) -> str:
+    """One rule entry, its value already written (``value``), in the form the user wrote
+    the rules in: a rules file's table line or array entry, a Python mapping or pair."""
+    if file is not None:
         return f'["{name}", {value}]' if ordered else f"{name} = {value}"
-    value = repr(axis) if axis is not None else "<mesh axes or None>"
     return f"({name!r}, {value})" if ordered else f"{name!r}: {value}"
 
 
