@@ -15,6 +15,9 @@ import modelshard as ms
 from modelshard.cli import main
 from tinylm import linen_model
 
+# one worker runs this file (its module fixture trains and saves once)
+pytestmark = pytest.mark.xdist_group("cli-logical")
+
 RULES = (
     "strict = false\n\n[logical]\n"
     'batch = "data"\nseq = "none"\nembed = "none"\nheads = "model"\n'

@@ -21,6 +21,9 @@ import modelshard as ms
 import tinylm
 from tinylm import linen_model, nnx_model
 
+# one worker runs this file (its module fixture trains and saves once)
+pytestmark = pytest.mark.xdist_group("model-library")
+
 CONFIG = tinylm.Config(layers=1)
 IDS = (jnp.arange(64, dtype=jnp.int32).reshape(8, 8) * 7) % CONFIG.vocab
 BY_METADATA = ms.Rules([], strict=False)  # every leaf by its logical names
