@@ -19,6 +19,10 @@ import orbax.checkpoint as ocp
 import modelshard as ms
 
 root, mode = sys.argv[1], sys.argv[2]
+# As a script started at a terminal: Python's own SIGINT handler. A run started in the
+# background by a shell (a CI runner, `make test &`) inherits SIGINT ignored, and Python
+# then installs no handler, so the "sigint" ending would never see the signal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 N = 1 << 16
 
 
