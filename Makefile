@@ -33,14 +33,18 @@ docs: env
 # start processes (the journey matrix, the examples) is one xdist_group: one worker runs it.
 XDIST = -n 2 --dist loadgroup
 
-# The full suite: lint, types, strict docs build, every test on the lock, then the floor subset.
-test: lint typecheck docs
-	bash scripts/pytest.sh $(XDIST)
-	$(MAKE) test-floor
+# The full suite. Lint and the strict docs build first (the suite tests the built HTML); then
+# three jobs side by side: pyright, every test on the lock, and the floor subset on the oldest
+# versions, one test at a time. The main suite's workers spend much of their time waiting on
+# the processes they start, which the other two use. Their output follows the main suite's.
+FLOOR_RUN = VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
+
+test: lint docs env-floor
+	bash scripts/alongside.sh "$(PY) -m pyright" "$(FLOOR_RUN)" -- bash scripts/pytest.sh $(XDIST)
 
 # The journey matrix and the examples on the oldest supported versions.
 test-floor: env-floor
-	VENV=.venv-floor bash scripts/pytest.sh $(XDIST) -q -p no:cacheprovider $(FLOOR_TESTS)
+	$(FLOOR_RUN) $(XDIST)
 
 test-fast: env
 	bash scripts/pytest.sh -x -q
