@@ -15,7 +15,8 @@ Rows (the state: float32 matrices of random normals, ``fsdp("data")`` over 8 CPU
   ``StandardCheckpointHandler`` (its default: zstd chunks); raw Orbax
   ``PyTreeCheckpointHandler(use_compression=False)``; the floor, ``np.save`` of each leaf
   gathered to the host + ``fsync``, one file per leaf;
-- restore onto the saved layout (warm page cache): ``modelshard.restore`` verified and with
+- restore onto the saved layout (warm page cache: each row's files are read, untimed, just
+  before it, as this machine pages out file data left untouched; ``checkpoint.warm``): ``modelshard.restore`` verified and with
   ``verify=False``; raw Orbax restoring the same sharded targets from its own (zstd)
   checkpoint; the floor, ``np.load`` + ``jax.device_put`` onto the same shardings;
 - restore onto a new layout: the checkpoints read as ``P(None, "model")`` on a (2, 4) mesh:
@@ -56,7 +57,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import modelshard as ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoint import _np_load, _np_save, _setup  # noqa: E402  (the same state)
+from checkpoint import _np_load, _np_save, _setup, warm  # noqa: E402  (the same state)
 
 
 def main(argv=None) -> int:
@@ -90,11 +91,26 @@ def main(argv=None) -> int:
     same_codec = "relayout_orbax" if ms_codec == "zstd" else "relayout_orbax_raw"
 
     cpu: dict[str, list[float]] = {}
+    # the checkpoint each read row reads, read untimed just before it (``warm``): every
+    # restore row is from a warm page cache, the floor's included
+    reads = {
+        "restore_modelshard": "ms",
+        "restore_modelshard_noverify": "ms",
+        "restore_orbax": "orbax",
+        "restore_orbax_raw": "orbax_raw",
+        "restore_np": "np",
+        "relayout_modelshard": "ms",
+        "relayout_modelshard_of_orbax": "orbax",
+        "relayout_orbax": "orbax",
+        "relayout_orbax_raw": "orbax_raw",
+    }
 
     def timed(name, fn, setup=None):
         def run():
             if setup is not None:
                 setup()
+            if name in reads and (root / reads[name]).exists():
+                warm(root / reads[name])
             c, t = time.process_time(), time.perf_counter()
             jax.block_until_ready(fn())
             cpu.setdefault(name, []).append(time.process_time() - c)
@@ -208,6 +224,7 @@ def main(argv=None) -> int:
             m, per, c = ratio(b, a)  # throughput fraction of the floor = floor time / time
             out[f"{a}_of_floor"] = round(m, 2)
             out[f"{a}_of_floor_per_repeat"] = [round(p, 2) for p in per]
+            out[f"{a}_of_floor_cpu"] = round(c, 2)  # the floor's process CPU time over the row's
             lines.append(
                 f"{a}: {med[a]:.3f} s, {nbytes / med[a] / 1e9:.2f} GB/s = {m:.2f}x the floor's "
                 f"throughput ({b} {med[b]:.3f} s; per repeat {' '.join(f'{p:.2f}' for p in per)}; "
@@ -253,6 +270,7 @@ def main(argv=None) -> int:
     figures["leaves"] = args.leaves
     figures["repeats"] = args.repeats
     figures |= {f"{k}_s": round(med[k], 2) for k in med}
+    figures |= {f"{k}_cpu_s": round(statistics.median(v), 2) for k, v in cpu.items()}
     figures |= {f"{k}_repeats_s": [round(t, 2) for t in v] for k, v in times.items()}
     figures |= {f"{d}_bytes_vs_state": round(n / nbytes, 3) for d, n in sizes.items()}
     figures |= {f"{k}_throughput_gbs": round(nbytes / v / 1e9, 2) for k, v in med.items()}

@@ -245,8 +245,6 @@ def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, mo
     fit under the cap is reserved whole and its four blocks are read at once, so
     TensorStore decodes each chunk once for all four (queued one after another, each block
     decoded all of them again: 2x Orbax's CPU time on zstd chunks)."""
-    from orbax.checkpoint._src.serialization import limits
-
     mesh8 = ms.make_mesh({"data": 8})
     rows = NamedSharding(mesh8, P("data"))
     state = {
@@ -259,25 +257,23 @@ def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, mo
     monkeypatch.setattr(read, "RESTORE_CONCURRENT_BYTES", 4 * buffer)  # one array's blocks
     requests, together, peak = [], [0], [0]
     wait = arrival.FairLimiter.wait_for_bytes
-    inner_wait = limits.UnlimitedInFlightBytes.wait_for_bytes
-    inner_release = limits.UnlimitedInFlightBytes.release_bytes
+    read_box = arrival.read_box
 
     async def wait_spy(self, n):
         requests.append(n)
         await wait(self, n)
 
-    async def inner_wait_spy(self, n):
-        await inner_wait(self, n)
+    async def read_spy(store, bounds):
         together[0] += 1
         peak[0] = max(peak[0], together[0])
-
-    async def inner_release_spy(self, n):
-        together[0] -= 1
-        await inner_release(self, n)
+        await asyncio.sleep(0)  # every read of the array started before any finishes
+        try:
+            return await read_box(store, bounds)
+        finally:
+            together[0] -= 1
 
     monkeypatch.setattr(arrival.FairLimiter, "wait_for_bytes", wait_spy)
-    monkeypatch.setattr(limits.UnlimitedInFlightBytes, "wait_for_bytes", inner_wait_spy)
-    monkeypatch.setattr(limits.UnlimitedInFlightBytes, "release_bytes", inner_release_spy)
+    monkeypatch.setattr(arrival, "read_box", read_spy)
     like = {k: {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=cols)} for k in state}
     out = ms.restore(tmp_path / "c", like=like)
     assert requests == [4 * 4 * buffer] * 5  # one reservation per array: its four reads
@@ -304,5 +300,73 @@ def test_the_array_metadata_file_is_read_once_per_restore(tmp_path, mesh8, monke
     monkeypatch.setattr(array_metadata_store.Store, "_get_array_metadatas", spy)
     out = ms.restore(tmp_path / "c", like=state)
     assert len(reads) == 1
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+# ---- read_placed: each shard read once into the buffer its device keeps ---------------------
+
+
+def _orbax_shard_reads(monkeypatch):
+    """A list that grows by one for each shard Orbax's own read path reads."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    calls = []
+    real = serialization._read_shard
+
+    async def spy(*args, **kwargs):
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(serialization, "_read_shard", spy)
+    return calls
+
+
+def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(tmp_path, mesh24, monkeypatch):
+    """``read_placed`` reads every distinct shard once, into a host buffer aligned so that a
+    CPU device adopts it instead of copying it again; a shard held by two devices (replicas
+    over ``data``) is copied for the second one, so that no two device buffers share memory
+    and a donated replica is overwritten alone."""
+    cols = NamedSharding(mesh24, P(None, "model"))
+    state = {
+        f"layer{i}": {"w": jax.device_put(jnp.arange(64 * 32.0).reshape(64, 32) - i, cols)}
+        for i in range(3)
+    }
+    ms.save(tmp_path / "c", state)
+    orbax_reads = _orbax_shard_reads(monkeypatch)
+    out = ms.restore(
+        tmp_path / "c",
+        like=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        ),
+    )
+    assert orbax_reads == []  # none went through Orbax's per-shard read
+    for name, leaf in state.items():
+        x = out[name]["w"]
+        assert x.sharding == cols
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(leaf["w"]))
+        pointers = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+        assert len(set(pointers)) == len(pointers) == 8  # replicas do not share buffers
+        if jax.default_backend() == "cpu":
+            assert all(p % arrival.HOST_ALIGN == 0 for p in pointers)
+    x = out["layer0"]["w"]
+    twice = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+    np.testing.assert_array_equal(np.asarray(twice), 2 * np.asarray(state["layer0"]["w"]))
+    np.testing.assert_array_equal(np.asarray(out["layer1"]["w"]), np.asarray(state["layer1"]["w"]))
+
+
+def test_a_checkpoint_outside_ocdbt_is_read_by_orbax(tmp_path, mesh8, monkeypatch):
+    """What ``read_placed`` does not handle (here a plain Orbax checkpoint without OCDBT)
+    is read by Orbax's own path, with the same result."""
+    state = _state(mesh8, n=3)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "c", args=ocp.args.PyTreeSave(state))
+    orbax_reads = _orbax_shard_reads(monkeypatch)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+    out = ms.restore(tmp_path / "c", like=like)
+    assert len(orbax_reads) == 3 * 8
     for name, leaf in state.items():
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -124,6 +125,104 @@ def chunk_cache(infos: Sequence[Any], max_bytes: int) -> Callable[[Any], Any]:
     return cached
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    n = math.prod(shape) * dt.itemsize
+    raw = np.empty(n + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start : start + n].view(dt).reshape(shape)
+
+
+# XLA's CPU client adopts a host buffer aligned so as its device buffer instead of copying it
+HOST_ALIGN = 64
+
+
+async def read_box(store: Any, bounds: tuple[tuple[int, int], ...]) -> Any:
+    """The box ``bounds`` (``(start, stop)`` per dimension) of the open TensorStore
+    ``store``, read into a new ``aligned_empty`` array."""
+    import numpy as np
+    import tensorstore as ts
+
+    buf = aligned_empty(tuple(hi - lo for lo, hi in bounds), np.dtype(store.dtype.numpy_dtype))
+    await ts.array(buf).write(store[tuple(slice(lo, hi) for lo, hi in bounds)])
+    return buf
+
+
+async def read_placed(info: Any, arg: Any, metadata_store: Any = None) -> Any:
+    """The array of ``info`` read into its sharding ``arg.sharding``, or None where Orbax's
+    own read must do it (restore arguments of another kind, a dtype to cast to, a PRNG key,
+    a shape that differs from the stored one, extension metadata, a checkpoint not in OCDBT).
+
+    Orbax's read (``serialization._read_and_create_array``) fills a zeroed buffer per
+    distinct shard, then copies it onto each device with its own ``jax.device_put``: two
+    copies of every byte after TensorStore's and much Python per shard (a restore spent
+    more time so than reading; docs/benchmarks/checkpoint.md). Here TensorStore writes each
+    distinct shard, through the same spec and context, into an uninitialised buffer aligned
+    for the host (``aligned_empty``: on CPU devices it becomes the device buffer as it is),
+    and one ``device_put`` places them all; a shard several devices hold is copied for
+    each further device, so that no two device buffers share memory.
+    """
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    from .._internals import ArrayReadSpec
+
+    sharding = getattr(arg, "sharding", None)
+    if (
+        type(arg) is not ocp.ArrayRestoreArgs
+        or not isinstance(sharding, jax.sharding.Sharding)
+        or arg.dtype is None
+        or jax.dtypes.issubdtype(arg.dtype, jax.dtypes.prng_key)
+        or arg.strict is False
+        or info.name is None
+        or info.parent_dir is None
+        or not info.is_ocdbt_checkpoint
+    ):
+        return None
+    metas = None if metadata_store is None else await metadata_store.read(info.parent_dir)
+    if metas and any(
+        m.param_name == info.name and m.ext_metadata for m in next(iter(metas.values()))
+    ):
+        return None  # Orbax acts on it (PRNG key data is wrapped)
+    spec = ArrayReadSpec(
+        directory=info.parent_dir.as_posix(),
+        relative_array_filename=info.name,
+        use_zarr3=info.use_zarr3,
+        use_ocdbt=True,
+        raise_array_data_missing_error=info.raise_array_data_missing_error,
+    )
+    t = await ts.open(spec.json, open=True, context=info.ts_context)
+    shape = tuple(t.shape)
+    dtype = np.dtype(arg.dtype)
+    wanted = arg.global_shape
+    if (wanted is not None and tuple(wanted) != shape) or np.dtype(t.dtype.numpy_dtype) != dtype:
+        return None
+    groups: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        whole = index or (slice(None),) * len(shape)
+        bounds = tuple(sl.indices(n)[:2] for sl, n in zip(whole, shape, strict=True))
+        groups.setdefault(bounds, []).append(device)
+
+    bufs = await asyncio.gather(*(read_box(t, b) for b in groups))
+    hosts, targets = [], []
+    for buf, devices in zip(bufs, groups.values(), strict=True):
+        for i, device in enumerate(devices):
+            copy = buf if i == 0 else aligned_empty(buf.shape, dtype)
+            if i:
+                copy[...] = buf
+            hosts.append(copy)
+            targets.append(
+                jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
+            )
+    placed = jax.device_put(hosts, targets)
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
+
+
 @functools.cache
 def _handler_class() -> type:
     import orbax.checkpoint as ocp
@@ -163,7 +262,9 @@ def _handler_class() -> type:
                     # the whole array reserved at once: its reads run together
                     await limiter.wait_for_bytes(group)
                     try:
-                        (x,) = await base([cached(info).replace(byte_limiter=unlimited)], [arg])
+                        x = await read_placed(cached(info), arg, self._array_metadata_store)
+                        if x is None:
+                            (x,) = await base([cached(info).replace(byte_limiter=unlimited)], [arg])
                     finally:
                         await limiter.release_bytes(group)
                 else:
