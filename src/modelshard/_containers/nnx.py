@@ -101,7 +101,19 @@ def _same_metadata(variables: list[Any], copies: list[dict[str, Any]]) -> bool:
 
 
 def _copies(variables: list[Any]) -> list[dict[str, Any]]:
-    return [dict(m) for m in map(_metadata, variables)]
+    """A copy of each Variable's metadata, equal ones shared: comparing a call's metadata
+    against a few copies that stay in cache costs far less than against one copy per
+    Variable (most Variables of a model carry the same metadata)."""
+    shared: dict[Any, dict[str, Any]] = {}
+    out = []
+    for m in map(_metadata, variables):
+        try:
+            key = tuple(m.items())
+            copy = shared.setdefault(key, dict(m))
+        except TypeError:  # an unhashable metadata value
+            copy = dict(m)
+        out.append(copy)
+    return out
 
 
 @dataclasses.dataclass(eq=False)
