@@ -81,3 +81,37 @@ def test_nnx_call_write_back_sets_values_and_keeps_flax_trace_check():
 
     with pytest.raises(errors.TraceContextError, match="different trace level"):
         inside(jnp.zeros(3))
+
+
+def test_nnx_call_sees_metadata_set_in_place():
+    from flax import nnx
+
+    from modelshard._containers.nnx import nnx_call_leaves
+
+    lin = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
+    first = nnx_call_leaves(lin)
+    assert first is not None and nnx_call_leaves(lin).key is first.key  # the snapshot
+    lin.kernel.set_metadata(out_sharding=(None, "model"))  # in place: the same dict
+    again = nnx_call_leaves(lin)
+    assert again is not None and again.key is not first.key
+    assert again.aux[0] == nnx.split(lin)[0] != first.aux[0]  # the GraphDef holds metadata
+    other = nnx.Linear(2, 8, rngs=nnx.Rngs(1))  # same structure, the first metadata
+    assert nnx_call_leaves(other).aux[0] == first.aux[0]
+
+
+def test_nnx_snapshot_is_dropped_with_its_module():
+    import gc
+    import weakref
+
+    from flax import nnx
+
+    from modelshard._containers.nnx import nnx_call_leaves
+
+    lin = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    call = nnx_call_leaves(lin)
+    assert call is not None and call.again is not None
+    kernel = weakref.ref(lin.kernel[...])
+    assert call.again(lin) is not None
+    del lin, call
+    gc.collect()
+    assert kernel() is None  # the snapshot held the module's containers, and their arrays

@@ -342,7 +342,7 @@ def test_route_stops_after_repeated_misses(mesh8, count_compiles):
     assert sj._route is None and n["jit(<lambda>)"] == sj.cache_size == 2
 
 
-def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
+def test_containers_with_static_leaves_take_the_full_path(mesh8):
     eqx = pytest.importorskip("equinox")
     mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
     sj = ms.shard_jit(lambda m, x: m(x), mesh=mesh8, in_specs=(P(), P()))
@@ -351,6 +351,137 @@ def test_containers_with_static_leaves_or_nnx_take_the_full_path(mesh8):
     sj2 = ms.shard_jit(lambda p, n: p["w"] * n, mesh=mesh8, in_specs=(RULES, None))
     sj2(_params(), 2)
     assert sj2._route is None  # a Python scalar argument is static
+
+
+# ---- NNX modules on the route: the same module object taken again by its snapshot -----
+
+
+def _full_paths(sj):
+    """Count the calls that take the full path (modelshard's own flattening)."""
+    full = sj._take
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return full(*a, **k)
+
+    sj._take = counted
+    return calls
+
+
+def _nnx_net():
+    from flax import nnx
+
+    class Scale(nnx.Module):
+        def __init__(self, k):
+            self.w = nnx.Param(jnp.ones(8))
+            self.k = k  # a static attribute
+
+    class Net(nnx.Module):
+        def __init__(self):
+            # axis names as metadata: with no rule matching, the plan reads them
+            self.ps = nnx.List(
+                [nnx.Param(jnp.ones(8), out_sharding=("data",), eager_sharding=False)]
+                + [nnx.Param(jnp.full(8, float(i))) for i in (1, 2)]
+            )
+            self.sub = Scale(1.0)
+            self.steps = nnx.BatchStat(jnp.zeros(()))
+
+    return Net, Scale
+
+
+# ps/0 matches no rule: its axis names come from its metadata
+NET_RULES = ms.Rules([(r"^(ps/[1-9]|sub/w)$", P("data"))], strict=False)
+
+
+def _net_step(m):
+    m.steps[...] = m.steps[...] + 1  # state the step updates: written back by the route too
+    return sum(p[...].sum() for p in m.ps) + m.sub.w[...].sum() * m.sub.k
+
+
+def _net_expected(m):
+    return sum(float(np.asarray(p[...]).sum()) for p in m.ps) + float(
+        np.asarray(m.sub.w[...]).sum()
+    ) * float(m.sub.k)
+
+
+def test_nnx_module_takes_the_route_and_writes_state_back(mesh8, count_compiles):
+    Net, _ = _nnx_net()
+    m = Net()
+    sj = ms.shard_jit(_net_step, mesh=mesh8, in_specs=(NET_RULES,))
+    with count_compiles() as n:
+        assert float(sj(m)) == _net_expected(m)
+        assert sj._route is not None
+        _no_full_path(sj)
+        for i in range(2, 6):
+            assert float(sj(m)) == _net_expected(m)
+            assert float(m.steps[...]) == i  # the update reached the caller's Variable
+    assert n["jit(_net_step)"] == sj.cache_size == 1
+    assert m.ps[0][...].sharding.spec == P("data")  # placed by the plan, from the metadata
+
+
+@pytest.mark.parametrize(
+    ("change", "compiles"),
+    [
+        ("value set in place", 1),
+        ("Variable replaced", 1),  # same type, shape and metadata: the same signature
+        ("submodule swapped", 1),
+        ("Variable added", 2),
+        ("Variable removed", 2),
+        ("metadata set in place", 2),
+        ("static attribute", 2),
+    ],
+)
+def test_nnx_route_sees_every_change_between_calls(mesh8, count_compiles, change, compiles):
+    from flax import nnx
+
+    Net, Scale = _nnx_net()
+    m = Net()
+    sj = ms.shard_jit(_net_step, mesh=mesh8, in_specs=(NET_RULES,))
+    with count_compiles() as n:
+        sj(m)
+        sj(m)
+        full = _full_paths(sj)
+        with jax.set_mesh(mesh8):  # Explicit axes: eager updates of sharded values need it
+            if change == "value set in place":
+                m.ps[0][...] = jnp.full(8, 5.0)
+            elif change == "Variable replaced":
+                m.ps[1] = nnx.Param(jnp.full(8, 3.0))
+            elif change == "submodule swapped":
+                m.sub = Scale(1.0)
+                m.sub.w[...] = jnp.full(8, 4.0)
+            elif change == "Variable added":
+                m.ps.append(nnx.Param(jnp.full(8, 6.0)))
+            elif change == "Variable removed":
+                del m.ps[2]
+            elif change == "metadata set in place":
+                m.ps[0].set_metadata(out_sharding=(None,))
+            else:
+                m.sub.k = 3.0
+        steps = m.steps  # the Variable the next call must update (replaced ones included)
+        assert float(sj(m)) == _net_expected(m)
+        assert float(steps[...]) == 3.0
+        # A change of value is the route's own business; anything else is the full path's.
+        assert full[0] == (0 if change == "value set in place" else 1)
+        _no_full_path(sj)  # and the route again for the calls after that
+        assert float(sj(m)) == _net_expected(m)
+    assert n["jit(_net_step)"] == sj.cache_size == compiles
+    spec = P(None) if change == "metadata set in place" else P("data")
+    assert m.ps[0][...].sharding.spec == spec
+
+
+def test_nnx_route_takes_the_same_object_only(mesh8, count_compiles):
+    Net, _ = _nnx_net()
+    a, b = Net(), Net()
+    sj = ms.shard_jit(_net_step, mesh=mesh8, in_specs=(NET_RULES,))
+    with count_compiles() as n:
+        sj(a)
+        full = _full_paths(sj)
+        with jax.set_mesh(mesh8):
+            b.ps[1][...] = jnp.full(8, 7.0)
+        assert float(sj(b)) == _net_expected(b)  # another module of the same structure
+        assert full[0] == 1 and float(b.steps[...]) == 1.0 and float(a.steps[...]) == 1.0
+    assert n["jit(_net_step)"] == sj.cache_size == 1
 
 
 # ---- arguments: kwargs, dict specs, missing specs --------------------------------------

@@ -2,7 +2,9 @@
 container split into its leaves (``split`` -> ``Flat``). Above ``_base`` only."""
 
 from .adapter import Adapter as Adapter
+from .adapter import Again as Again
 from .adapter import CallLeaves as CallLeaves
+from .adapter import WriteBack as WriteBack
 from .describe import ARRAY_TYPES as ARRAY_TYPES
 from .describe import NUMBER_TYPES as NUMBER_TYPES
 from .describe import LeafInfo as LeafInfo

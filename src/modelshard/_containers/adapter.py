@@ -14,6 +14,12 @@ from typing import Any, NamedTuple
 
 from .describe import LeafInfo
 
+WriteBack = Callable[[Sequence[int], Sequence[Any]], None]
+"""``write_back(positions, values)``: set leaves of the caller's (mutable) container."""
+
+Again = Callable[[Any], "tuple[list[Any], WriteBack | None] | None"]
+"""``again(obj)``: an argument's leaves taken as the last call took them (``CallLeaves.again``)."""
+
 
 class CallLeaves(NamedTuple):
     """One container flattened for one compiled call (``Adapter.flatten_for_call``).
@@ -26,12 +32,20 @@ class CallLeaves(NamedTuple):
         write_back: for a mutable container, ``write_back(positions, values)`` sets the
             leaves at those ``flatten`` positions to ``values`` in the caller's object;
             ``None`` for an immutable one.
+        arrays_only: the adapter has checked that every leaf is an array (a type in
+            ``ARRAY_TYPES``), so the caller need not look for static or nested leaves.
+        again: for a container that a later call may take again without flattening,
+            ``again(obj)`` gives ``(leaves, write_back)`` when ``obj`` is this very object
+            with the same ``key`` and every leaf still an array, else ``None``; ``None``
+            (the default) when the adapter cannot tell cheaply.
     """
 
     leaves: list[Any]
     aux: Hashable
     key: Hashable
-    write_back: Callable[[Sequence[int], Sequence[Any]], None] | None
+    write_back: WriteBack | None
+    arrays_only: bool = False
+    again: Again | None = None
 
 
 class Adapter:

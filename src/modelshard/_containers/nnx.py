@@ -6,12 +6,20 @@ a JAX pytree down to its ``Variable`` objects, and a cached ``LeafOrder`` maps t
 ``nnx.split``'s leaf order. Flattening an NNX pytree still runs Flax's Python per node,
 so the same module *object* called again is only checked: a ``Snapshot`` remembers every
 container in its graph (modules, ``nnx.List``, plain lists, tuples and dicts) with the
-identity of each attribute or item, and a call whose containers still hold the very same
-objects (C-level identity comparisons) reuses the Variables and their order. Anything
-else (an attribute set, a Variable replaced, a list grown) takes the JAX-pytree route, and
-a new structure ``nnx.split``.
+identity of each attribute or item, and a copy of every Variable's metadata. A call whose
+containers still hold the very same objects (C-level identity comparisons) and whose
+Variables carry equal metadata reuses the Variables and their order. Anything else (an
+attribute set, a Variable replaced, a list grown) takes the JAX-pytree route, and a new
+structure ``nnx.split``.
 
-Updates are written back with ``Variable.set_value`` on the Variables that changed.
+Metadata is compared because ``nnx.split`` puts it in the ``GraphDef`` and plans read
+axis names from it (``out_sharding``), while the pytree structure leaves it out (Variables
+are its leaves) and Flax changes it in place (``set_metadata``): a ``LeafOrder`` whose
+Variables now carry other metadata is made again by ``nnx.split``, as for a new structure.
+
+Updates are written back with ``Variable.set_value`` on the Variables that changed. A
+snapshot is dropped when its module object is (it holds the module's containers, and
+with them the Variables' arrays).
 
 [`NnxModuleAdapter`][modelshard.adapters.NnxModuleAdapter] is the adapter of NNX modules and
 other NNX graph objects; it calls ``nnx_call_leaves`` on that path. Flax is imported only
@@ -21,15 +29,16 @@ inside the adapter's methods, once the user has a module to hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import sys
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
-from .adapter import Adapter, CallLeaves
+from .adapter import Adapter, Again, CallLeaves, WriteBack
 from .describe import ARRAY_TYPES, LeafInfo, describe_pytree
 
 
@@ -41,26 +50,32 @@ class LeafOrder:
         aux: ``(graphdef, treedef)`` as the adapter's ``flatten`` gives it.
         perm: position in the pytree leaves of each of ``nnx.split``'s leaves.
         unique: how many distinct Variables the structure holds.
+        metadata: a copy of each pytree leaf's metadata when ``aux`` was made (the
+            ``GraphDef`` holds it).
     """
 
     aux: Hashable
     perm: tuple[int, ...]
     unique: int
+    metadata: list[dict[str, Any]]
 
 
 class NnxCall(NamedTuple):
     """One call's NNX leaves: the array values, the adapter's ``aux``, a cheap cache key
-    (the ``LeafOrder``) and the write-back into the caller's Variables."""
+    (the ``LeafOrder``), the write-back into the caller's Variables and, for an object
+    watched by a ``Snapshot``, ``again`` (``CallLeaves.again``)."""
 
     leaves: list[Any]
     aux: Hashable
     key: LeafOrder
-    write_back: Callable[[Sequence[int], Sequence[Any]], None]
+    write_back: WriteBack
+    again: Again | None
 
 
 _ORDERS: dict[Hashable, LeafOrder | None] = {}
 _MAX_ORDERS = 256
 _raw_value = operator.attrgetter("_raw_value")
+_metadata = operator.attrgetter("_var_metadata")
 _set_slot = object.__setattr__
 
 
@@ -76,6 +91,31 @@ def _is_variable(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
+def _same_metadata(variables: list[Any], copies: list[dict[str, Any]]) -> bool:
+    """Whether ``variables`` carry metadata equal to ``copies`` (one C-level list
+    comparison of dicts)."""
+    try:
+        return list(map(_metadata, variables)) == copies
+    except Exception:  # a metadata value whose == is no bool (an array): treat as changed
+        return False
+
+
+def _copies(variables: list[Any]) -> list[dict[str, Any]]:
+    """A copy of each Variable's metadata, equal ones shared: comparing a call's metadata
+    against a few copies that stay in cache costs far less than against one copy per
+    Variable (most Variables of a model carry the same metadata)."""
+    shared: dict[Any, dict[str, Any]] = {}
+    out = []
+    for m in map(_metadata, variables):
+        try:
+            key = tuple(m.items())
+            copy = shared.setdefault(key, dict(m))
+        except TypeError:  # an unhashable metadata value
+            copy = dict(m)
+        out.append(copy)
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class Snapshot:
     """One NNX object's graph as last seen: each container with the objects it held.
@@ -85,16 +125,25 @@ class Snapshot:
         containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
             dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
         variables: the Variables in ``nnx.split`` order.
+        metadata: a copy of each Variable's metadata, in the same order.
         order: the structure's ``LeafOrder``.
+        again: ``CallLeaves.again`` for the watched object; it holds the snapshot weakly,
+            so that what keeps it (a ``shard_jit``'s route) keeps no module state alive.
     """
 
     ref: Any
     containers: list[tuple[Any, list[Any] | None, list[Any]]]
     variables: list[Any]
+    metadata: list[dict[str, Any]]
     order: LeafOrder
+    again: Again = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.again = functools.partial(_again, weakref.ref(self))
 
     def holds(self) -> bool:
-        """Whether every container still holds the very same objects."""
+        """Whether every container still holds the very same objects, and every Variable
+        the same metadata."""
         is_ = operator.is_
         for c, keys, values in self.containers:
             if keys is None:
@@ -102,11 +151,70 @@ class Snapshot:
                     return False
             elif list(c) != keys or not all(map(is_, c.values(), values)):
                 return False
-        return True
+        return _same_metadata(self.variables, self.metadata)
+
+    def values(self) -> list[Any] | None:
+        """The Variables' values in ``nnx.split`` order if the snapshot still ``holds`` and
+        every value is an array, else ``None``."""
+        if not self.holds():
+            return None
+        return _array_values(self.variables)
+
+    def call(self) -> NnxCall | None:
+        """This call's leaves if the snapshot still ``holds`` and every value is an
+        array, else ``None``."""
+        raws = self.values()
+        if raws is None:
+            return None
+        return NnxCall(raws, self.order.aux, self.order, self.write_back, self.again)
+
+    def write_back(self, positions: Sequence[int], values: Sequence[Any]) -> None:
+        """Set the Variables at ``positions`` (``nnx.split`` order) to ``values``."""
+        # Variable.__setattr__ asks JAX for the current trace once per Variable; asked once
+        # here, the same check costs a comparison per Variable (a tenth of the time on a
+        # 1,000-leaf update: docs/benchmarks/dispatch.md).
+        here = _current_trace()
+        ordered = self.variables
+        for m, new in zip(positions, values, strict=True):
+            var = ordered[m]
+            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
+                var.set_value(new)
+            elif var._trace_state._jax_trace == here:
+                # what set_value does for a plain array, minus its copy and hook lookup
+                _set_slot(var, "_raw_value", new)
+            else:  # a ref Variable, or Flax's TraceContextError for another trace level
+                var._raw_value = new
+
+
+def _again(snapshot: weakref.ref[Snapshot], value: Any) -> tuple[list[Any], WriteBack] | None:
+    snap = snapshot()
+    if snap is None or snap.ref() is not value:
+        return None
+    raws = snap.values()
+    return None if raws is None else (raws, snap.write_back)
+
+
+def _array_values(variables: list[Any]) -> list[Any] | None:
+    """Each Variable's value, or ``None`` unless every one is an array."""
+    try:
+        raws = list(map(_raw_value, variables))
+    except AttributeError:
+        return None
+    if not set(map(type, raws)) <= ARRAY_TYPES:
+        return None
+    return raws
 
 
 _SNAPSHOTS: dict[int, Snapshot] = {}
 _MAX_SNAPSHOTS = 64
+
+
+def _forget(snapshots: dict[int, Snapshot], key: int, ref: Any) -> None:
+    """Drop the snapshot of an object that was just collected (``snapshots`` is
+    ``_SNAPSHOTS``, bound early: at interpreter exit the module's globals are gone)."""
+    snap = snapshots.get(key)
+    if snap is not None and snap.ref is ref:
+        del snapshots[key]
 
 
 def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | None:
@@ -115,7 +223,7 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
     if nnx is None:
         return None
     try:
-        ref = weakref.ref(value)
+        ref = weakref.ref(value, functools.partial(_forget, _SNAPSHOTS, id(value)))
     except TypeError:
         return None
     containers: list[tuple[Any, list[Any] | None, list[Any]]] = []
@@ -137,49 +245,34 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
         elif t is list or t is tuple:
             containers.append((x, None, list(x)))
             todo.extend(x)
-    return Snapshot(ref, containers, variables, order)
+    return Snapshot(ref, containers, variables, _copies(variables), order)
 
 
 def nnx_call_leaves(value: Any) -> NnxCall | None:
     """The per-call route for an NNX object, or ``None`` to use ``nnx.split``."""
     snap = _SNAPSHOTS.get(id(value))
-    if snap is not None and snap.ref() is value and snap.holds():
-        ordered, order = snap.variables, snap.order
-    else:
-        found = _order_of(value)
-        if found is None:
-            return None
-        ordered, order = found
-        if any(v._var_metadata.get("on_get_value") for v in ordered):
-            return None
-        snap = _snapshot(value, ordered, order)
-        if snap is not None:
-            if len(_SNAPSHOTS) >= _MAX_SNAPSHOTS:
-                _SNAPSHOTS.clear()
-            _SNAPSHOTS[id(value)] = snap
-    try:
-        raws = list(map(_raw_value, ordered))
-    except AttributeError:
+    if snap is not None and snap.ref() is value:
+        call = snap.call()
+        if call is not None:
+            return call
+    found = _order_of(value)
+    if found is None:
         return None
-    if not set(map(type, raws)) <= ARRAY_TYPES:
+    ordered, order = found
+    if any(v._var_metadata.get("on_get_value") for v in ordered):
         return None
-
-    def write_back(positions: Sequence[int], values: Sequence[Any]) -> None:
-        # Variable.__setattr__ asks JAX for the current trace once per Variable; asked once
-        # here, the same check costs a comparison per Variable (a tenth of the time on a
-        # 1,000-leaf update: docs/benchmarks/dispatch.md).
-        here = _current_trace()
-        for m, new in zip(positions, values, strict=True):
-            var = ordered[m]
-            if "on_set_value" in var._var_metadata or type(var._raw_value) not in ARRAY_TYPES:
-                var.set_value(new)
-            elif var._trace_state._jax_trace == here:
-                # what set_value does for a plain array, minus its copy and hook lookup
-                _set_slot(var, "_raw_value", new)
-            else:  # a ref Variable, or Flax's TraceContextError for another trace level
-                var._raw_value = new
-
-    return NnxCall(raws, order.aux, order, write_back)
+    snap = _snapshot(value, ordered, order)
+    if snap is None:  # not watchable: for this call only
+        raws = _array_values(ordered)
+        if raws is None:
+            return None
+        return NnxCall(
+            raws, order.aux, order, Snapshot(None, [], ordered, [], order).write_back, None
+        )
+    if len(_SNAPSHOTS) >= _MAX_SNAPSHOTS:
+        _SNAPSHOTS.clear()
+    _SNAPSHOTS[id(value)] = snap
+    return snap.call()
 
 
 def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
@@ -193,9 +286,8 @@ def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
         known = key in _ORDERS
     except TypeError:
         return None
-    if known:
-        order = _ORDERS[key]
-    else:
+    order = _ORDERS[key] if known else None
+    if not known or (order is not None and not _same_metadata(variables, order.metadata)):
         order = _leaf_order(value, variables)
         if len(_ORDERS) >= _MAX_ORDERS:
             _ORDERS.clear()
@@ -218,7 +310,12 @@ def _leaf_order(value: Any, variables: list[Any]) -> LeafOrder | None:
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if len(leaves) != len(in_state):  # a Variable holding several arrays
         return None
-    return LeafOrder((graphdef, treedef), tuple(where[id(v)] for v in in_state), len(where))
+    return LeafOrder(
+        (graphdef, treedef),
+        tuple(where[id(v)] for v in in_state),
+        len(where),
+        _copies(variables),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,4 +373,4 @@ class NnxModuleAdapter(Adapter):
         fast = nnx_call_leaves(obj)
         if fast is None:
             return Adapter.flatten_for_call(self, obj)
-        return CallLeaves(fast.leaves, fast.aux, fast.key, fast.write_back)
+        return CallLeaves(fast.leaves, fast.aux, fast.key, fast.write_back, True, fast.again)

@@ -11,6 +11,7 @@ from jax.core import Tracer
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .._base import AdapterError, Problem, SpecError, canonical_dtype
+from .._containers import WriteBack
 from .._place import Plan, recording_constraints
 from .._specs import LeafPlan, expand_args
 from .layout import NOSPEC, Slot
@@ -47,8 +48,8 @@ class Entry:
             the output's arrays in the flat result.
         expect: ``(shape, canonical dtype)`` of every flat input leaf.
         bounds: ``(start, stop)`` of each dynamic argument's leaves among the flat inputs.
-        plain: its arguments are positional plain pytrees of arrays, so calls may gather
-            their leaves by a remembered layout (``Route``).
+        positional: every argument is positional and dynamic (no keyword or static
+            ones), so calls may gather their leaves by a remembered layout (``Route``).
         abstract: every flat input leaf's abstract value in its planned sharding (what the
             function was traced and is compiled for).
         compiled: the executable, once compiled.
@@ -63,7 +64,7 @@ class Entry:
     updates: tuple[tuple[int, tuple[int, ...]], ...]
     expect: list[tuple[tuple[int, ...], Any]]
     bounds: list[tuple[int, int]]
-    plain: bool = False
+    positional: bool = False
     abstract: list[jax.ShapeDtypeStruct] = dataclasses.field(default_factory=list)
     compiled: Any = None
     run: Callable[..., Any] = dataclasses.field(init=False)
@@ -101,16 +102,30 @@ class Entry:
 
     def finish(self, out: Sequence[Any], taken: Sequence[Taken]) -> Any:
         """Rebuild the output and write state updates into the caller's mutable containers."""
+        if not self.updates:
+            return self.desc.build(out)
+        return self._written(out, [(t.write_back, t.array_index) for t in taken])
+
+    def finish_gathered(self, out: Sequence[Any], write_backs: Sequence[WriteBack | None]) -> Any:
+        """``finish`` for a call whose leaves ``Route`` gathered: ``write_backs`` has each
+        argument's write-back (every leaf of an argument written back is an array)."""
+        if not self.updates:
+            return self.desc.build(out)
+        return self._written(out, [(w, None) for w in write_backs])
+
+    def _written(
+        self, out: Sequence[Any], backs: Sequence[tuple[WriteBack | None, tuple[int, ...] | None]]
+    ) -> Any:
         n = self.desc.num_arrays
-        result = self.desc.build(out if not self.updates else out[:n])
+        result = self.desc.build(out[:n])
         at = n
         for k, changed in self.updates:
             if not changed:
                 continue
-            t = taken[k]
-            positions = changed if t.array_index is None else [t.array_index[m] for m in changed]
-            assert t.write_back is not None  # updates exist only for mutable containers
-            t.write_back(positions, out[at : at + len(changed)])
+            write_back, index = backs[k]
+            positions = changed if index is None else [index[m] for m in changed]
+            assert write_back is not None  # updates exist only for mutable containers
+            write_back(positions, out[at : at + len(changed)])
             at += len(changed)
         return result
 
@@ -120,13 +135,10 @@ def has_tracer(flat: Sequence[Any]) -> bool:
     return any(isinstance(x, Tracer) for x in flat)
 
 
-def _plain(slots: tuple[Slot, ...], taken: Sequence[Taken]) -> bool:
-    """Whether an entry's calls may take ``Route``: every
-    argument positional and dynamic, a container JAX flattens itself holding arrays only
-    (no static leaves, nothing written back)."""
-    if [(s.pos, s.kw, s.static) for s in slots] != [(i, None, False) for i in range(len(slots))]:
-        return False  # keyword or static arguments: the full path binds them
-    return all(t.adapter.follows_pytree and t.array_index is None for t in taken)
+def _positional(slots: tuple[Slot, ...]) -> bool:
+    """Whether every argument is positional and dynamic (keyword or static arguments: the
+    full path binds them)."""
+    return [(s.pos, s.kw, s.static) for s in slots] == [(i, None, False) for i in range(len(slots))]
 
 
 def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
@@ -248,8 +260,10 @@ def build_entry(call: Call) -> Entry:
         out_shardings=tuple(out_sh),
         donate_argnums=donate,
     )
-    plain = not updates and _plain(call.slots, taken)
-    return Entry(jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, plain, abstract)
+    positional = _positional(call.slots)
+    return Entry(
+        jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, positional, abstract
+    )
 
 
 def explicit_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:

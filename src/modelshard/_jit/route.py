@@ -1,4 +1,4 @@
-"""``shard_jit``'s per-call route for plain containers: gather leaves by a remembered layout.
+"""``shard_jit``'s per-call route: gather leaves by a remembered layout.
 
 JAX flattens a dict by sorting its keys on every call (``jax.jit`` on a dict of 1,000 arrays
 against the same jit on the pre-flattened arrays: docs/benchmarks/dispatch.md). Model state
@@ -12,6 +12,11 @@ flattened by JAX and its structure compared. Anything that differs (a key, a len
 node type, a leaf that is not a known array type) makes ``Route.gather`` return
 ``None``, and ``shard_jit`` takes its full path: the route can only be faster, never
 different.
+
+An argument whose adapter can take the same object again (``CallLeaves.again``: an NNX
+module watched by its snapshot) is taken by that instead, with its write-back for the
+state the step updates; the adapter answers ``None`` for anything the full path would
+see otherwise.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Any
 
 import jax
 
-from .._containers import ARRAY_TYPES
+from .._containers import ARRAY_TYPES, WriteBack
 from .build import Entry
+from .take import Taken
 
 _LEAF: Any = ("leaf",)
 _NONE: Any = ("none",)
@@ -118,25 +124,51 @@ def _gather(x: Any, lay: Any, out: list[Any]) -> bool:
     return True
 
 
+def routable(entry: Entry, taken: Sequence[Taken]) -> bool:
+    """Whether later calls like this one may take a ``Route``: every argument positional
+    and dynamic, and each either taken again by its adapter (``again``) or a container JAX
+    flattens itself holding arrays only and written back nowhere."""
+    return entry.positional and all(
+        t.again is not None
+        or (t.adapter.follows_pytree and t.array_index is None and t.write_back is None)
+        for t in taken
+    )
+
+
 class Route:
-    """The remembered layout of one call's arguments, for an entry of plain containers.
+    """The remembered layout of one call's arguments (``routable``).
 
     Attributes:
         entry: the compiled entry the arguments belong to.
     """
 
-    def __init__(self, entry: Entry, args: Sequence[Any]):
+    def __init__(self, entry: Entry, args: Sequence[Any], taken: Sequence[Taken]):
         self.entry = entry
-        self._layouts = [_cheaper(a, _layout(a)) for a in args]
+        self._layouts = [
+            ("again", t.again) if t.again is not None else _cheaper(a, _layout(a))
+            for a, t in zip(args, taken, strict=True)
+        ]
+        # Leaves taken again were checked by their adapter; the others are checked here.
+        self._check_types = any(lay[0] != "again" for lay in self._layouts)
 
-    def gather(self, args: Sequence[Any]) -> list[Any] | None:
-        """The flat array leaves of ``args``, or ``None`` if anything is laid out otherwise."""
+    def gather(self, args: Sequence[Any]) -> tuple[list[Any], list[WriteBack | None]] | None:
+        """The flat array leaves of ``args`` and each argument's write-back, or ``None`` if
+        anything is laid out otherwise."""
         if len(args) != len(self._layouts):
             return None
         out: list[Any] = []
+        backs: list[WriteBack | None] = []
         for a, lay in zip(args, self._layouts, strict=True):
-            if not _gather(a, lay, out):
+            if lay[0] == "again":
+                got = lay[1](a)
+                if got is None:
+                    return None
+                out.extend(got[0])
+                backs.append(got[1])
+            elif _gather(a, lay, out):
+                backs.append(None)
+            else:
                 return None
-        if not set(map(type, out)) <= ARRAY_TYPES:
+        if self._check_types and not set(map(type, out)) <= ARRAY_TYPES:
             return None  # a Python number or another static leaf: the full path decides
-        return out
+        return out, backs

@@ -7,7 +7,7 @@ leaves, which of them are arrays, and how to write updates back into the caller'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 from .._base import AdapterError
@@ -15,7 +15,9 @@ from .._containers import (
     ARRAY_TYPES,
     REGISTRY,
     Adapter,
+    Again,
     CallLeaves,
+    WriteBack,
     holds_nested,
     is_array,
     nested_adapter,
@@ -41,6 +43,8 @@ class Taken(NamedTuple):
         arrays: the array leaves, in order.
         write_back: ``write_back(positions, values)`` sets leaves of the caller's object
             (a mutable container), or ``None``.
+        again: the adapter's ``CallLeaves.again`` (taking the same object again on a later
+            call), or ``None``.
     """
 
     slot: Slot
@@ -50,7 +54,8 @@ class Taken(NamedTuple):
     aux: Hashable
     array_index: tuple[int, ...] | None
     arrays: list[Any]
-    write_back: Callable[[Sequence[int], Sequence[Any]], None] | None
+    write_back: WriteBack | None
+    again: Again | None = None
 
 
 def _array_index(leaves: Sequence[Any]) -> tuple[int, ...] | None:
@@ -66,11 +71,15 @@ def _array_index(leaves: Sequence[Any]) -> tuple[int, ...] | None:
 
 def _taken(slot: Slot, value: Any, adapter: Adapter, call: CallLeaves) -> Taken:
     leaves = call.leaves
+    if call.arrays_only:
+        return Taken(
+            slot, value, adapter, leaves, call.aux, None, leaves, call.write_back, call.again
+        )
     if adapter.numbers_are_arrays:
         leaves = numbers_to_arrays(leaves)
     index = _array_index(leaves)
     arrays = leaves if index is None else [leaves[i] for i in index]
-    return Taken(slot, value, adapter, leaves, call.aux, index, arrays, call.write_back)
+    return Taken(slot, value, adapter, leaves, call.aux, index, arrays, call.write_back, call.again)
 
 
 def _flatten_for_call(adapter: Adapter, value: Any, plain: bool) -> CallLeaves:
@@ -91,7 +100,8 @@ def take(slot: Slot, value: Any) -> tuple[Taken, Hashable]:
     are equal."""
     adapter = _lookup(type(value))
     call = _flatten_for_call(adapter, value, plain=False)
-    if holds_nested(call.leaves):  # containers inside: each split by its own adapter
+    if not call.arrays_only and holds_nested(call.leaves):
+        # containers inside: each split by its own adapter
         adapter = nested_adapter(adapter)
         call = _flatten_for_call(adapter, value, plain=False)
     taken = _taken(slot, value, adapter, call)

@@ -36,7 +36,7 @@ from .._place import place
 from .._specs import active_logical, check_mesh_axes
 from .build import Call, Entry, Stale, build_entry, has_tracer
 from .layout import ArgumentLayout, Slot, invalid
-from .route import Route
+from .route import Route, routable
 from .take import Taken, static_part, take, take_plainly
 
 _MAX_BY_STRUCTURE = 512
@@ -97,7 +97,7 @@ class ShardJit:
         # same entries by structure and static values only (what each call looks up).
         self._by_signature: dict[Hashable, Entry] = {}
         self._by_structure: dict[Hashable, Entry] = {}
-        self._route: Route | None = None  # the layout of the last plain-container call
+        self._route: Route | None = None  # the layout of the last routable call
         self._route_misses = 0
         self._moved: dict[int, int] = {}  # entry id -> calls that moved its inputs
         self._route_env: tuple[Any, Any] | None = None  # the _env() the route was built in
@@ -132,16 +132,16 @@ class ShardJit:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self._route
         if route is not None and not kwargs and self._env() == self._route_env:
-            # Plain containers laid out as last time: gather their leaves and call.
-            flat = route.gather(args)
-            if flat is not None:
+            # Arguments laid out as last time: gather their leaves and call.
+            got = route.gather(args)
+            if got is not None:
                 entry = route.entry
                 try:
-                    out = entry.run(*flat)
+                    out = entry.run(*got[0])
                 except (TypeError, ValueError):
                     pass  # new shapes or misplaced inputs: the full path decides
                 else:
-                    return entry.desc.build(out)
+                    return entry.finish_gathered(out, got[1])
             # A ShardJit whose calls keep changing layout stops trying this route.
             self._route = None
             self._route_misses += 1
@@ -177,8 +177,8 @@ class ShardJit:
                 out = self._recover(entry, flat, taken)
                 if out is None:
                     raise
-        if entry.plain and self._route_misses < _MAX_ROUTE_MISSES:
-            self._route = Route(entry, args)
+        if self._route_misses < _MAX_ROUTE_MISSES and routable(entry, taken):
+            self._route = Route(entry, args, taken)
             self._route_env = key[-1]  # type: ignore[index]  # _take's key: env last
         return entry.finish(out, taken)
 
