@@ -17,8 +17,8 @@ Orbax converts on every array of every save and restore:
 - ``get_tensorstore_raw_bytes`` reads TensorStore's metrics around each batch of arrays
   (``tensorstore_utils.py:1194``), a list of dicts, only for a throughput log line.
 
-A save every step of a 61-leaf NNX model and its Adam state grew the process by about
-27 KiB a save, without bound (docs/benchmarks/checkpoint.md). ``stop_leaks`` ends both:
+A save every step of an NNX model and its Adam state grew the process with every save,
+without bound (docs/benchmarks/checkpoint.md, "A save every step"). ``stop_leaks`` ends both:
 Orbax no longer reads the metrics (its log line is skipped when the count is None), and
 ``to_json`` of ``ts.KvStore.Spec`` and ``ts.Spec`` gives back the reference each key and
 value kept. The second is installed only where a probe conversion shows that extra
