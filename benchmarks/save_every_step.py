@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/save_every_step.py                 # 2 processes x 4 devices, 200 saves
     .venv/bin/python benchmarks/save_every_step.py --saves 1000    # the memory figure of issue 34
+    .venv/bin/python benchmarks/save_every_step.py --one-arena     # the same, MALLOC_ARENA_MAX=1
 
 Under ``modelshard launch -n 2 --devices-per-process 4`` each process trains a ~2 MB NNX
 model (10 ``nnx.Linear(128, 128)``) with ``nnx.Optimizer(adam)``: 62 leaves, kernels and
@@ -18,7 +19,10 @@ them, ``Record.resolve``), timed by wrapping those two functions. Reported: the 
 checksum share of a save (target <= 10%), the median save time, and resident memory
 (``VmRSS``) after save 50 and after the last save, as growth per save and as a fraction of the
 RSS at save 50 (target: <= 2% over 1,000 saves). Figures go to
-``docs/benchmarks/results/save_every_step.json``.
+``docs/benchmarks/results/save_every_step.json``; with ``--one-arena`` the processes run with
+one glibc malloc arena (``MALLOC_ARENA_MAX=1``) and the figures go to
+``save_every_step_one_arena.json``: what of the growth is freed memory that glibc's
+per-thread arenas keep, not memory anything holds.
 """
 
 from __future__ import annotations
@@ -131,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--saves", type=int, default=200, help="saves per run (default 200)")
     ap.add_argument("--warmup", type=int, default=50, help="saves before RSS is compared (50)")
+    ap.add_argument(
+        "--one-arena", action="store_true", help="run the processes with MALLOC_ARENA_MAX=1"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -159,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             "--dir",
             str(Path(tmp) / "run"),
         ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120 + 5 * args.saves)
+        env = {**os.environ, "MALLOC_ARENA_MAX": "1"} if args.one_arena else None
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=120 + 5 * args.saves, env=env
+        )
     runs = [
         json.loads(line.split("RESULT ", 1)[1])
         for line in out.stdout.splitlines()
@@ -197,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from results import write_results
 
-    write_results("save_every_step", figures, argv=sys.argv)
+    name = "save_every_step_one_arena" if args.one_arena else "save_every_step"
+    write_results(name, figures, argv=sys.argv)
     return 0
 
 

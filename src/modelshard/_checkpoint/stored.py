@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from .._base import CheckpointError
+from .leaks import stop_leaks
 from .record import LeafRecord
 from .sources import Source
 from .storage import TREE_METADATA, orbax_name, read_small
@@ -67,6 +68,7 @@ class ArrayReader:
         try:
             if self.store is None:
                 use_ocdbt, use_zarr3 = self.fmt
+                stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
                 spec = ArrayReadSpec(
                     str(self.source.tree_dir),
                     orbax_name(self.rec.key),

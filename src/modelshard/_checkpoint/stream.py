@@ -51,6 +51,7 @@ from .._runtime import barrier
 from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .chunks import aligned_chunks
+from .leaks import stop_leaks
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -251,6 +252,7 @@ def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
 def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
     from .._internals import ArrayWriteSpec
 
+    stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
     return ArrayWriteSpec(
         _posix(directory),
         orbax_name(lay.rec.key),

@@ -32,6 +32,7 @@ from .._containers import split
 from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
+from .leaks import stop_leaks
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -436,33 +437,12 @@ def save_handler(compression: str | None = None) -> Any:
     )
 
 
-def _no_raw_bytes(direction: Any = None) -> None:
-    """Orbax's byte count for its raw-throughput log line, not taken (see
-    ``skip_leaking_metrics``): with None Orbax skips that line."""
-    del direction
-
-
-def skip_leaking_metrics() -> None:
-    """Stop Orbax reading TensorStore's metrics around every array write and read.
-
-    It reads them (``tensorstore.experimental_collect_matching_metrics``) only to log a raw
-    throughput, and TensorStore's conversion of them to Python leaks the lists it builds
-    (several per call): with a save every step, resident memory grew with every save,
-    without bound (tests/checkpoint/test_save_memory.py). Orbax skips the log line when the
-    count is None.
-    """
-    from .._internals import tensorstore_utils
-
-    tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
-
-
 def registry_with(arrays: Any) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except
     ``arrays`` for ``jax.Array`` (``save_handler``'s writes, ``arrival``'s reads)."""
     import orbax.checkpoint as ocp
 
-    skip_leaking_metrics()
-
+    stop_leaks()  # every save and restore goes through here
     th = ocp.type_handlers
     kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
     return th.create_type_handler_registry(

@@ -41,7 +41,7 @@ with needed(
     "s3:// checkpoints: its build_kvstore_tspec is replaced in that module, where Orbax's "
     "own code looks it up, by one that gives TensorStore's s3 kvstore; and its "
     "get_tensorstore_raw_bytes, whose metrics conversion leaks memory on every save "
-    "(write.skip_leaking_metrics); and its build_array_write_spec, wrapped so that "
+    "(leaks.stop_leaks); and its build_array_write_spec, wrapped so that "
     "modelshard's own writes are stored in chunks aligned for other splits (chunks.py)",
 ):
     from orbax.checkpoint._src.serialization import tensorstore_utils

@@ -1,0 +1,110 @@
+"""What TensorStore leaks on every save and restore, and what modelshard does about it.
+
+TensorStore turns its JSON into Python in one function, ``JsonToPyObject``
+(``python/tensorstore/json_type_caster.cc``, TensorStore 0.1.86, the newest release): for a
+JSON object it builds each key and value and hands them to ``PyDict_SetItem`` after
+``.release()``, but ``PyDict_SetItem`` takes new references of its own instead of stealing
+them. So every key and every value of every dict TensorStore gives Python (``to_json()``,
+``experimental_collect_matching_metrics()``) keeps one reference too many and is never
+freed, with everything it holds.
+
+Orbax converts on every array of every save and restore:
+
+- ``build_kvstore_tspec`` resolves each array's kvstore spec with
+  ``ts.KvStore.Spec(base_driver_spec).to_json()``
+  (``orbax/checkpoint/_src/serialization/tensorstore_utils.py:376``, orbax-checkpoint
+  0.12.8): four strings a leaf, the checkpoint's path among them;
+- ``get_tensorstore_raw_bytes`` reads TensorStore's metrics around each batch of arrays
+  (``tensorstore_utils.py:1194``), a list of dicts, only for a throughput log line.
+
+A save every step of an NNX model and its Adam state grew the process with every save,
+without bound (docs/benchmarks/checkpoint.md, "A save every step"). ``stop_leaks`` ends both:
+Orbax no longer reads the metrics (its log line is skipped when the count is None), and
+``to_json`` of ``ts.KvStore.Spec`` and ``ts.Spec`` gives back the reference each key and
+value kept. The second is installed only where a probe conversion shows that extra
+reference, so a TensorStore without the bug is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_lock = threading.Lock()
+_stopped = False
+
+_decref = ctypes.pythonapi.Py_DecRef
+_decref.argtypes = [ctypes.py_object]
+_decref.restype = None
+
+
+def _no_raw_bytes(direction: Any = None) -> None:
+    """Orbax's byte count for its raw-throughput log line, not taken: with None Orbax
+    skips that line, and TensorStore's metrics are never converted."""
+    del direction
+
+
+def give_back(value: Any) -> None:
+    """Drop the reference ``JsonToPyObject`` kept on every key and value of every dict in
+    ``value`` (the dicts of a list included; a list's items are not over-counted)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            give_back(v)
+            # the dict still holds each of them: nothing is freed while it is walked
+            _decref(k)
+            _decref(v)
+    elif isinstance(value, list):
+        for v in value:
+            give_back(v)
+
+
+def kept_references(convert: Callable[[], dict[str, Any]]) -> int:
+    """How many references the first key and value of ``convert()`` keep once the dict is
+    gone: 2 under the bug, 0 without it (``convert`` makes strings of its own, not
+    interned ones)."""
+    converted = convert()
+    key, value = next(iter(converted.items()))
+    del converted
+    # each is held here and by getrefcount's argument
+    return sys.getrefcount(key) + sys.getrefcount(value) - 4
+
+
+def _returning_references(to_json: Any) -> Any:
+    @functools.wraps(to_json)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = to_json(self, *args, **kwargs)
+        give_back(out)
+        return out
+
+    return wrapper
+
+
+def _plug(cls: Any, probe: Callable[[], Any]) -> None:
+    """Wrap ``cls.to_json`` with ``give_back`` if ``probe()``'s conversion over-counts."""
+    if kept_references(lambda: probe().to_json()) == 2:
+        cls.to_json = _returning_references(cls.to_json)
+
+
+def stop_leaks() -> None:
+    """Stop TensorStore's conversions to Python leaking on every save and restore (see the
+    module docstring); idempotent, and the first call costs two probe conversions."""
+    global _stopped
+    with _lock:
+        if _stopped:
+            return
+        import tensorstore as ts
+
+        from .._internals import tensorstore_utils
+
+        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
+        path = "/modelshard-probe-of-tensorstore-json/"
+        _plug(ts.KvStore.Spec, lambda: ts.KvStore.Spec({"driver": "file", "path": path}))
+        _plug(
+            ts.Spec,
+            lambda: ts.Spec({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}),
+        )
+        _stopped = True
