@@ -33,13 +33,15 @@ docs: env
 # start processes (the journey matrix, the examples) is one xdist_group: one worker runs it.
 XDIST = -n 2 --dist loadgroup
 
-# The full suite. Lint and the strict docs build first (the suite tests the built HTML); then
-# three jobs side by side: pyright, every test on the lock, and the floor subset on the oldest
-# versions, one test at a time. The main suite's workers spend much of their time waiting on
-# the processes they start, which the other two use. Their output follows the main suite's.
+# The full suite. First, side by side: lint, the strict docs build (the suite tests its HTML)
+# and the floor environment. Then three jobs side by side: pyright, every test on the lock,
+# and the floor subset on the oldest versions, one test at a time. The main suite's workers
+# spend much of their time waiting on the processes they start, which the other two use.
+# Their output follows the main suite's.
 FLOOR_RUN = VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
 
-test: lint docs env-floor
+test: env
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint docs env-floor
 	bash scripts/alongside.sh "$(PY) -m pyright" "$(FLOOR_RUN)" -- bash scripts/pytest.sh $(XDIST)
 
 # The journey matrix and the examples on the oldest supported versions.
