@@ -33,15 +33,16 @@ docs: env
 # start processes (the journey matrix, the examples) is one xdist_group: one worker runs it.
 XDIST = -n 2 --dist loadgroup
 
-# The full suite. First, side by side: lint, the strict docs build (the suite tests its HTML)
-# and the floor environment. Then three jobs side by side: pyright, every test on the lock,
-# and the floor subset on the oldest versions, one test at a time. The main suite's workers
-# spend much of their time waiting on the processes they start, which the other two use.
-# Their output follows the main suite's.
+# The full suite. First lint and the floor environment, side by side. Then three jobs side
+# by side: pyright, every test on the lock (the strict docs build among them:
+# tests/project/test_docs.py builds the site and reads its HTML), and the floor subset on the
+# oldest versions, one test at a time. The main suite's workers spend much of their time
+# waiting on the processes they start, which the other two use. Their output follows the
+# main suite's.
 FLOOR_RUN = VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test: env
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint docs env-floor
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint env-floor
 	bash scripts/alongside.sh "$(PY) -m pyright" "$(FLOOR_RUN)" -- bash scripts/pytest.sh $(XDIST)
 
 # The journey matrix and the examples on the oldest supported versions.

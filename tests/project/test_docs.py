@@ -210,8 +210,8 @@ def test_no_sphinx_roles_in_sources() -> None:
 
 
 def _built_site(tmp_path: Path) -> Path:
-    """The strict build ``make docs`` wrote (``make test`` runs it first) if it is newer
-    than every page and source file; else a strict build of our own."""
+    """The strict build ``make docs`` wrote if it is newer than every page and source
+    file; else a strict build of our own (the one ``make test`` runs)."""
     made = ROOT / ".venv" / "site" / "index.html"
     sources = [*(ROOT / "src").rglob("*.py"), *DOCS.rglob("*"), ROOT / "mkdocs.yml"]
     if made.is_file() and made.stat().st_mtime > max(p.stat().st_mtime for p in sources):
