@@ -92,11 +92,13 @@ def sigkill_rounds(
 
 def test_sigkill_at_random_moments_never_lists_a_partial_step(zygote, tmp_path):
     start = time.monotonic()
-    stats = sigkill_rounds(zygote, tmp_path, kills=20, seed=20261130, timeout_s=150)
+    # A bound on a hang, not a timing: 20 rounds take about a minute on an idle machine,
+    # and `make test` runs the floor tests and pyright beside the suite.
+    stats = sigkill_rounds(zygote, tmp_path, kills=20, seed=20261130, timeout_s=300)
     print("sigkill stats:", stats, f"{time.monotonic() - start:.1f}s")
     assert stats["kills"] == 20
     assert stats["steps_seen"] > 8  # the kills landed while saves were going on
-    assert time.monotonic() - start < 150
+    assert time.monotonic() - start < 300
 
 
 @pytest.mark.slow
