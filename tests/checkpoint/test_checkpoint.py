@@ -201,15 +201,19 @@ def test_we_read_plain_standard_checkpointer(tmp_path, mesh24):
 def test_we_read_plain_orbax_checkpoint_manager(tmp_path, mesh8):
     tree = MAKERS["optax"]()
     with ocp.CheckpointManager(str(tmp_path / "m")) as mngr:
-        mngr.save(7, args=ocp.args.StandardSave(tree))
+        for step in (9, 10, 11):  # sorted as numbers, the latest is 11 (as text, 9)
+            mngr.save(step, args=ocp.args.StandardSave(tree))
         mngr.wait_until_finished()
-    out = ms.restore(tmp_path / "m" / "7", like=tree, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
+    out = ms.restore(
+        tmp_path / "m" / "11", like=tree, specs=ms.fsdp("data", min_size=0), mesh=mesh8
+    )
     assert_same_values(tree, out)
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(tmp_path / "m")
     assert str(e.value).endswith(
-        f"It looks like a CheckpointManager directory (steps 7): pass a step directory such as "
-        f"{tmp_path / 'm' / '7'}, or use modelshard.CheckpointManager(...).restore()."
+        "It looks like a CheckpointManager directory (steps 9, 10, 11): pass a step directory "
+        f"such as {tmp_path / 'm' / '11'}, or restore with "
+        "modelshard.CheckpointManager(...).restore()."
     )
 
 

@@ -241,6 +241,17 @@ def test_public_reshard_lays_a_checkpoint_out_for_a_new_mesh_and_casts(tmp_path)
         ms.reshard(src, dst, mesh=mesh)
 
 
+def test_public_reshard_of_a_manager_root_takes_its_latest_complete_step(tmp_path):
+    with ms.CheckpointManager(tmp_path / "run", max_to_keep=3) as mngr:
+        for step in (9, 10, 11):  # as numbers the latest is 11; as text it would be 9
+            mngr.save(step, {"w": jnp.full((16, 4), float(step))})
+    mesh = ms.make_mesh({"data": 8})
+    dst = ms.reshard(tmp_path / "run", tmp_path / "dst", specs=P("data"), mesh=mesh)
+    out = ms.restore(dst, mesh=mesh)
+    np.testing.assert_array_equal(out["w"], np.full((16, 4), 11.0))
+    assert out["w"].sharding.spec == P("data")
+
+
 def test_the_cli_reshard_command_calls_the_public_function(tmp_path, monkeypatch, capsys):
     import importlib
 

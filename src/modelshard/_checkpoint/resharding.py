@@ -20,6 +20,7 @@ from typing import Any
 from .._base import CheckpointError
 from .._place import plan
 from .items import extras_json
+from .listing import manager_step
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
 from .sources import Source, locate, planning_tree
@@ -63,7 +64,9 @@ def reshard(
     the command line calls this.
 
     Args:
-        src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step.
+        src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step;
+            a [`CheckpointManager`][modelshard.CheckpointManager]'s root directory stands
+            for its latest complete step, as on the command line.
         dst: the new checkpoint directory, or a ``gs://``/``s3://`` URL (written in place,
             complete once its commit file is written).
         specs: a spec-like over the checkpoint's canonical paths (``P(...)``,
@@ -110,6 +113,7 @@ def reshard(
         >>> ms.restore(dst)["w"].sharding.spec
         P('data',)
     """
+    src, _ = manager_step(src)
     rewrite(
         src,
         dst,

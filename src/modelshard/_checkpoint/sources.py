@@ -80,12 +80,12 @@ def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
 
 
 def _manager_hint(p: Path) -> str:
-    steps = sorted(c.name for c in p.iterdir() if c.is_dir() and c.name.isdigit())
+    steps = sorted(int(c.name) for c in p.iterdir() if c.is_dir() and c.name.isdigit())
     if steps:
         return (
-            f" It looks like a CheckpointManager directory (steps {', '.join(steps[-5:])}): "
-            f"pass a step directory such as {p / steps[-1]}, or use "
-            "modelshard.CheckpointManager(...).restore()."
+            f" It looks like a CheckpointManager directory (steps "
+            f"{', '.join(map(str, steps[-5:]))}): pass a step directory such as "
+            f"{p / str(steps[-1])}, or restore with modelshard.CheckpointManager(...).restore()."
         )
     return ""
 

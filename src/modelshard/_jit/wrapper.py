@@ -454,10 +454,14 @@ def shard_jit(
     ``on_mismatch="raise"``, a committed array whose sharding differs from the plan raises
     [`ShardingMismatchError`][modelshard.ShardingMismatchError] naming the leaf and both shardings instead.
 
-    Each signature (structure, shapes, dtypes, static values, mesh, logical rules) is
-    compiled once, by one XLA compilation, whatever its inputs are: NumPy arrays, unplaced
-    or placed arrays and the step's own outputs fed back all run the same executable
-    ([`cache_size`][modelshard.ShardJit.cache_size] counts them).
+    Each signature (structure, shapes, dtypes, static values, mesh, logical rules, and
+    for NNX modules each ``Variable``'s metadata) is compiled once, by one XLA
+    compilation, whatever its inputs are: NumPy arrays, unplaced or placed arrays and the
+    step's own outputs fed back all run the same executable
+    ([`cache_size`][modelshard.ShardJit.cache_size] counts them). Metadata is part of it as
+    in ``nnx.jit`` (the function sees it, and plans read ``out_sharding`` from it): a
+    ``Variable.set_metadata`` between calls, of any key, plans and compiles again, and
+    metadata set back to what it was runs the executable already compiled.
 
     Args:
         fn: the function.
