@@ -16,6 +16,7 @@ from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
 from .files import fsync_dir as fsync_dir
+from .files import sync_tree as sync_tree
 from .files import write_text_durable as write_text_durable
 from .folding import fold as fold
 from .mesh import current_mesh as current_mesh

@@ -22,3 +22,16 @@ def write_text_durable(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def sync_tree(root: str | os.PathLike[str]) -> None:
+    """Sync every file under ``root``, then each directory, deepest first, and ``root``:
+    what was written there without syncs is on the disk, and so are its names."""
+    for here, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(here)

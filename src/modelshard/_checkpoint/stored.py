@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from .._base import CheckpointError
+from .arrival import aligned_empty
 from .leaks import stop_leaks
 from .record import LeafRecord
 from .sources import Source
@@ -35,7 +36,8 @@ def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> Checkpoint
 class ArrayReader:
     """Reads boxes of one stored array of a checkpoint straight from its TensorStore store
     (the spec Orbax's read path uses), as NumPy arrays of the stored dtype: nothing is
-    placed on a device. ``reader(box)`` takes a tuple of ``slice(start, stop)``; a failure
+    placed on a device. ``reader(box)`` takes a tuple of ``slice(start, stop)`` and returns
+    a new array aligned as ``arrival.aligned_empty`` makes it; a failure
     is a CheckpointError naming the leaf. Not verified: compare the boxes' checksums
     (``checksum.box_sums``) with ``rec.checksum``, as ``write_stream`` does with ``expect``.
 
@@ -76,6 +78,12 @@ class ArrayReader:
                     use_ocdbt=use_ocdbt,
                 )
                 self.store = ts.open(spec.json, context=self.context).result()
-            return self.store[box].read().result()
+            view = self.store[box]
+            # Read into a buffer aligned for XLA's CPU client: ``device_put`` onto a CPU
+            # device (``write_stream`` checksums each slab there) then adopts it as it
+            # is, where TensorStore's own ``read()`` result was copied first.
+            out = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
+            ts.array(out).write(view).result()
+            return out
         except Exception as e:
             raise _unreadable(self.source, self.rec, e) from e

@@ -11,6 +11,9 @@ with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the
 that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside the arrays
 (``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
 here in Orbax's format, and Orbax's own finalize step merges the per-process stores.
+TensorStore writes a process's store without syncing it at each commit (each slab's write
+is one); the store is synced once, whole, when its last slab is written, before anything
+is published.
 
 Slabs and chunks (``slab_plan``): slabs follow the producer's own blocks (the source's
 stored chunks, so that each is decoded once), grown along the trailing dimensions up to the
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import CheckpointError, dtype_name
+from .._base import CheckpointError, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums
@@ -323,6 +326,13 @@ def _copy_all(
     from orbax.checkpoint import type_handlers as tsu
 
     context = tsu.get_ts_context(use_ocdbt=True)
+    local = not is_remote(directory)
+    if local:
+        # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's
+        # write is a commit: slab after slab waited on the disk. The store is synced
+        # once, whole, when every slab is written (``sync_tree`` below), before anything
+        # is published.
+        context = ts.Context(ts.Context.Spec({"file_io_sync": False}), parent=context)
     tasks = [
         (lay, box, i == len(boxes) - 1)
         for lay in layouts
@@ -389,6 +399,8 @@ def _copy_all(
                 out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
         while writing:
             writing.popleft()[0].result()
+    if local and layouts:
+        sync_tree(_posix(directory / f"ocdbt.process_{process}"))
     return out
 
 
