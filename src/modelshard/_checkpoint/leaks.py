@@ -93,6 +93,8 @@ def stop_leaks() -> None:
     """Stop TensorStore's conversions to Python leaking on every save and restore (see the
     module docstring); idempotent, and the first call costs two probe conversions."""
     global _stopped
+    if _stopped:  # called per leaf by the stream writer: no lock once installed
+        return
     with _lock:
         if _stopped:
             return
