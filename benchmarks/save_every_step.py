@@ -4,13 +4,14 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/save_every_step.py                 # 2 processes x 4 devices, 200 saves
     .venv/bin/python benchmarks/save_every_step.py --saves 1000    # the memory figure of issue 34
-    .venv/bin/python benchmarks/save_every_step.py --one-arena     # the same, MALLOC_ARENA_MAX=1
+    .venv/bin/python benchmarks/save_every_step.py --glibc-arenas  # glibc's default arenas
 
 Under ``modelshard launch -n 2 --devices-per-process 4`` each process trains a ~2 MB NNX
 model (10 ``nnx.Linear(128, 128)``) with ``nnx.Optimizer(adam)``: 62 leaves, kernels and
 biases split over ``model`` on a ``data=2, model=4`` mesh, so every leaf spans both
 processes. Each step runs a ``shard_jit`` step and ``CheckpointManager(max_to_keep=3)``
-saves asynchronously.
+saves asynchronously. The launcher starts the processes with one glibc malloc arena
+(``MALLOC_ARENA_MAX=1``, its default when the caller's environment does not set it).
 
 Measured per save, on each process: the wall time of ``mngr.save`` (what the training loop
 waits for: the previous step's background write, then this step's copy off the devices), and
@@ -18,11 +19,11 @@ within it the time spent on checksums (dispatching them, ``start_checksums``, an
 them, ``Record.resolve``), timed by wrapping those two functions. Reported: the median
 checksum share of a save (target <= 10%), the median save time, and resident memory
 (``VmRSS``) after save 50 and after the last save, as growth per save and as a fraction of the
-RSS at save 50 (target: <= 2% over 1,000 saves). Figures go to
-``docs/benchmarks/results/save_every_step.json``; with ``--one-arena`` the processes run with
-one glibc malloc arena (``MALLOC_ARENA_MAX=1``) and the figures go to
-``save_every_step_one_arena.json``: what of the growth is freed memory that glibc's
-per-thread arenas keep, not memory anything holds.
+RSS at save 50 (target: <= 2% over 1,000 saves), and the median time of the training step
+itself (what one arena could cost: every thread allocates from it). Figures go to
+``docs/benchmarks/results/save_every_step.json``; with ``--glibc-arenas`` the processes run
+with glibc's own default, up to 8 arenas per core (``MALLOC_ARENA_MAX`` set to that number,
+so the launcher keeps it), and the figures go to ``save_every_step_glibc_arenas.json``.
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def child(args: argparse.Namespace) -> None:
     x = np.random.default_rng(0).normal(size=(32, 128)).astype(np.float32)
     xb = ms.assemble_process_local(x[rows], P("data"), mesh)
     leaves = len(ms.adapters.split({"model": model, "opt": opt}).arrays)
-    saves, sums, rss = [], [], []
+    saves, sums, rss, steps = [], [], [], []
     with ms.CheckpointManager(args.dir, max_to_keep=3, handle_signals=False) as mngr:
         for step in range(args.saves):
             # the step finishes before the save starts: the checksums wait for the state
             # they sum, which would count the step's own time as theirs
+            t = time.perf_counter()
             jax.block_until_ready((train_step(model, opt, xb), nnx.state(model), nnx.state(opt)))
+            steps.append(time.perf_counter() - t)
             spent[0] = 0.0
             t = time.perf_counter()
             mngr.save(step, {"model": model, "opt": opt})
@@ -125,6 +128,8 @@ def child(args: argparse.Namespace) -> None:
                 "save_s": saves,
                 "checksum_s": sums,
                 "rss_kib": rss,
+                "step_s": steps,
+                "arenas": os.environ.get("MALLOC_ARENA_MAX"),
             }
         ),
         flush=True,
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=200, help="saves per run (default 200)")
     ap.add_argument("--warmup", type=int, default=50, help="saves before RSS is compared (50)")
     ap.add_argument(
-        "--one-arena", action="store_true", help="run the processes with MALLOC_ARENA_MAX=1"
+        "--glibc-arenas",
+        action="store_true",
+        help="run the processes with glibc's default number of malloc arenas (8 per core)",
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -166,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             "--dir",
             str(Path(tmp) / "run"),
         ]
-        env = {**os.environ, "MALLOC_ARENA_MAX": "1"} if args.one_arena else None
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        if args.glibc_arenas:
+            # glibc's own limit on 64-bit, from the CPUs the process may run on
+            env["MALLOC_ARENA_MAX"] = str(8 * len(os.sched_getaffinity(0)))
         out = subprocess.run(
             cmd, capture_output=True, text=True, timeout=120 + 5 * args.saves, env=env
         )
@@ -188,16 +198,19 @@ def main(argv: list[str] | None = None) -> int:
             c / s for c, s in zip(r["checksum_s"][steady], r["save_s"][steady], strict=True)
         )
         save = statistics.median(r["save_s"][steady])
+        step = statistics.median(r["step_s"][steady])
         checksum = statistics.median(r["checksum_s"][steady])
         at_w, last = r["rss_kib"][w - 1], r["rss_kib"][-1]
         growth = (last - at_w) / at_w
         per_save = (last - at_w) / max(1, args.saves - w)
         print(
-            f"  process {p}: save {save * 1e3:.1f} ms (median), checksums {checksum * 1e3:.2f} ms"
+            f"  process {p} (MALLOC_ARENA_MAX={r['arenas']}): step {step * 1e3:.1f} ms, "
+            f"save {save * 1e3:.1f} ms (medians), checksums {checksum * 1e3:.2f} ms"
             f" = {share:.1%} of the save; RSS {at_w / 1024:.1f} MiB after save {w}, "
             f"{last / 1024:.1f} MiB after save {args.saves} ({growth:+.2%}, "
             f"{per_save:+.1f} KiB per save)"
         )
+        figures[f"p{p}_step_ms"] = round(step * 1e3, 2)
         figures[f"p{p}_save_ms"] = round(save * 1e3, 1)
         figures[f"p{p}_checksum_ms"] = round(checksum * 1e3, 2)
         figures[f"p{p}_checksum_share"] = round(share, 4)
@@ -207,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from results import write_results
 
-    name = "save_every_step_one_arena" if args.one_arena else "save_every_step"
+    figures["malloc_arena_max"] = int(runs[0]["arenas"] or 0)  # 0: not set
+    name = "save_every_step_glibc_arenas" if args.glibc_arenas else "save_every_step"
     write_results(name, figures, argv=sys.argv)
     return 0
 

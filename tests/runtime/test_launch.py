@@ -106,6 +106,14 @@ def test_child_env_and_free_port():
     assert child_env({}, "127.0.0.1:5", 4, 2, 8, 7)["MODELSHARD_HEARTBEAT_TIMEOUT"] == "7"
 
 
+def test_child_env_keeps_one_malloc_arena_unless_set():
+    glibc = (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    env = child_env({}, "127.0.0.1:5", 2, 0, 4)
+    # glibc reads it at start; elsewhere nothing reads it and nothing is set
+    assert env.get("MALLOC_ARENA_MAX") == ("1" if glibc else None)
+    assert child_env({"MALLOC_ARENA_MAX": "8"}, "127.0.0.1:5", 2, 0, 4)["MALLOC_ARENA_MAX"] == "8"
+
+
 def test_heartbeat_timeout_reaches_every_process(capfd):
     code = "import os; print(os.environ.get('MODELSHARD_HEARTBEAT_TIMEOUT'))"
     assert main(["-n", "2", "--heartbeat-timeout", "7", "--", PY, "-c", code]) == 0

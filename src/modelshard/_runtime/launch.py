@@ -46,6 +46,10 @@ ENV_HEARTBEAT_TIMEOUT = "MODELSHARD_HEARTBEAT_TIMEOUT"
 # other processes before raising (modelshard.distributed.DEFAULT_BARRIER_TIMEOUT_S unset).
 ENV_BARRIER_TIMEOUT = "MODELSHARD_BARRIER_TIMEOUT"
 
+# glibc's limit on its malloc arenas, read when a process starts. modelshard launch sets
+# it to one for its processes unless the caller's environment sets it (``child_env``).
+ENV_MALLOC_ARENA_MAX = "MALLOC_ARENA_MAX"
+
 # Gloo prints one line per peer for every new communicator: noise, not information. Its
 # threads write it in pieces ("[Gloo] Rank ", then the rest), concurrently with each other
 # and with the program's own output on the same stream, so a piece may land inside another
@@ -161,6 +165,15 @@ def reserve_port() -> socket.socket | None:
     return s
 
 
+def _glibc() -> bool:
+    """Whether this process runs on glibc (its processes will: same machine, same C
+    library)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # no such name: not glibc
+        return False
+
+
 def child_env(
     base: dict[str, str],
     coordinator: str,
@@ -169,8 +182,19 @@ def child_env(
     devices: int,
     heartbeat_timeout: float | None = None,
 ) -> dict[str, str]:
-    """The environment of process ``index``: ``base`` plus what ``initialize`` reads."""
+    """The environment of process ``index``: ``base`` plus what ``initialize`` reads.
+
+    Under glibc, also one malloc arena (``MALLOC_ARENA_MAX=1``) unless ``base`` sets the
+    limit itself. With glibc's default, an arena per thread up to 8 per core, a process
+    that saves every step grows without a plateau: each save's host copies are allocated
+    and freed on short-lived threads, and every arena they land in keeps its high-water
+    mark (``malloc_trim`` gives back only the main arena's top). One arena keeps such a run
+    flat (docs/benchmarks/checkpoint.md, "A save every step"). Other C libraries ignore the
+    variable, so it is not set there.
+    """
     env = dict(base)
+    if ENV_MALLOC_ARENA_MAX not in env and _glibc():
+        env[ENV_MALLOC_ARENA_MAX] = "1"
     if heartbeat_timeout is not None:
         env[ENV_HEARTBEAT_TIMEOUT] = f"{heartbeat_timeout:g}"
     env.update(
