@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from helpers import MAKERS
 from helpers import same_container as same
@@ -115,3 +116,47 @@ def test_nnx_snapshot_is_dropped_with_its_module():
     del lin, call
     gc.collect()
     assert kernel() is None  # the snapshot held the module's containers, and their arrays
+
+
+METADATA_EDITS = {
+    "set_metadata, in place": lambda v: v.set_metadata(out_sharding=(None, "model")),
+    "a new key, in place": lambda v: v.set_metadata(note="x"),
+    "the metadata dict replaced": lambda v: v.set_metadata(
+        {**v.get_metadata(), "out_sharding": (None, "model")}
+    ),
+    "edited through the dict": lambda v: v._var_metadata.__setitem__("note", "x"),
+}
+
+
+@pytest.mark.parametrize("edit", list(METADATA_EDITS))
+def test_nnx_call_sees_every_metadata_change_however_made(edit):
+    from flax import nnx
+
+    from modelshard._containers.nnx import nnx_call_leaves
+
+    lin = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
+    first = nnx_call_leaves(lin)
+    assert first is not None
+    for _ in range(3):  # unchanged: the snapshot's route, call after call
+        assert nnx_call_leaves(lin).key is first.key
+    METADATA_EDITS[edit](lin.kernel)
+    again = nnx_call_leaves(lin)
+    assert again is not None and again.key is not first.key
+    assert again.aux[0] == nnx.split(lin)[0] != first.aux[0]
+    assert nnx_call_leaves(lin).key is again.key  # and the new metadata is kept to
+
+
+def test_nnx_metadata_replaced_by_an_equal_dict_keeps_the_route_and_is_watched():
+    from flax import nnx
+
+    from modelshard._containers.nnx import nnx_call_leaves
+
+    lin = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
+    first = nnx_call_leaves(lin)
+    assert first is not None
+    old = lin.kernel._var_metadata
+    lin.kernel.set_metadata(dict(old))  # a new dict, equal: no new plan
+    assert lin.kernel._var_metadata is not old
+    assert nnx_call_leaves(lin).key is first.key
+    lin.kernel._var_metadata["note"] = "x"  # an edit of the new dict is still seen
+    assert nnx_call_leaves(lin).key is not first.key

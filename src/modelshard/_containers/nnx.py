@@ -16,6 +16,11 @@ Metadata is compared because ``nnx.split`` puts it in the ``GraphDef`` and plans
 axis names from it (``out_sharding``), while the pytree structure leaves it out (Variables
 are its leaves) and Flax changes it in place (``set_metadata``): a ``LeafOrder`` whose
 Variables now carry other metadata is made again by ``nnx.split``, as for a new structure.
+A snapshot watches its Variables' metadata dicts (``watched``, CPython 3.12+): while none
+of them has changed and each Variable still has its dict, the dicts are not read at all
+(reading a thousand of them, evicted from the caches by the step's own work, was most of
+what the snapshot's check cost); otherwise, and where dicts cannot be watched, they are
+compared.
 
 Updates are written back with ``Variable.set_value`` on the Variables that changed. A
 snapshot is dropped when its module object is (it holds the module's containers, and
@@ -40,6 +45,7 @@ import jax
 
 from .adapter import Adapter, Again, CallLeaves, WriteBack
 from .describe import ARRAY_TYPES, LeafInfo, describe_pytree
+from .watched import generation, watch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -137,9 +143,14 @@ class Snapshot:
     metadata: list[dict[str, Any]]
     order: LeafOrder
     again: Again = dataclasses.field(init=False)
+    dicts: list[dict[str, Any]] = dataclasses.field(init=False)
+    seen: int | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.again = functools.partial(_again, weakref.ref(self))
+        self.dicts = list(map(_metadata, self.variables))
+        if self.ref is not None and watch(self.dicts):
+            self.seen = generation()
 
     def holds(self) -> bool:
         """Whether every container still holds the very same objects, and every Variable
@@ -151,7 +162,30 @@ class Snapshot:
                     return False
             elif list(c) != keys or not all(map(is_, c.values(), values)):
                 return False
-        return _same_metadata(self.variables, self.metadata)
+        return self._metadata_unchanged()
+
+    def _metadata_unchanged(self) -> bool:
+        """Whether every Variable carries metadata equal to ``metadata``. While no watched
+        dict has changed (``watched.generation``) and each Variable still has the dict it
+        had, that is known without reading the dicts; otherwise they are compared, and
+        dicts Flax replaced with equal ones are watched in turn."""
+        dicts = list(map(_metadata, self.variables))
+        now = generation()
+        same_dicts = all(map(operator.is_, dicts, self.dicts))
+        if now is not None and now == self.seen and same_dicts:
+            return True
+        try:
+            if dicts != self.metadata:
+                return False
+        except Exception:  # a metadata value whose == is no bool (an array): changed
+            return False
+        if not same_dicts:
+            self.dicts = dicts
+            if not watch(dicts):
+                self.seen = None  # compared on every call from now on
+                return True
+        self.seen = now
+        return True
 
     def values(self) -> list[Any] | None:
         """The Variables' values in ``nnx.split`` order if the snapshot still ``holds`` and

@@ -1,0 +1,90 @@
+"""Knowing that dicts did not change without comparing them: CPython's dict watchers.
+
+A per-call check that a thousand small dicts still hold what they held (NNX ``Variable``
+metadata, which Flax edits in place) reads every one of them, entries and all, from
+memory the step's own work has just evicted: most of what the check costs. CPython 3.12
+and later can instead *watch* a dict (``PyDict_Watch``): every insertion, deletion,
+update, clear or deallocation of a watched dict first calls the watcher, which here
+moves a generation count. A caller records the count when it compares, and while the
+count has not moved, none of the dicts it watches has changed.
+
+The C API is reached through ``ctypes.pythonapi`` (calls made holding the GIL). Where
+it is missing (Python 3.11, another interpreter, every watcher slot taken), ``watch``
+returns ``False`` and ``generation`` is ``None``: callers compare as before. The
+watcher is cleared at interpreter exit, before the module's globals are torn down, so
+that dicts freed during finalisation call nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+from typing import Any
+
+_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
+)
+
+_lock = threading.Lock()
+# [generation]: a list, so that the watcher updates it without a global statement
+_count = [0]
+# None: not tried yet; False: unavailable; else (watch function, watcher id, callback)
+_watcher: Any = None
+
+
+def _changed(event: int, d: int, key: int, new: int) -> int:
+    _count[0] += 1
+    return 0
+
+
+def _install() -> Any:
+    global _watcher
+    with _lock:
+        if _watcher is not None:
+            return _watcher
+        try:
+            api = ctypes.pythonapi
+            add, watch, clear = api.PyDict_AddWatcher, api.PyDict_Watch, api.PyDict_ClearWatcher
+        except (AttributeError, OSError):  # before 3.12, or not CPython
+            _watcher = False
+            return _watcher
+        add.argtypes, add.restype = [_CALLBACK], ctypes.c_int
+        watch.argtypes, watch.restype = [ctypes.c_int, ctypes.py_object], ctypes.c_int
+        clear.argtypes, clear.restype = [ctypes.c_int], ctypes.c_int
+        callback = _CALLBACK(_changed)
+        try:
+            wid = add(callback)  # RuntimeError (raised by ctypes) when every slot is taken
+        except (RuntimeError, OSError):
+            _watcher = False
+            return _watcher
+        _watcher = (watch, wid, callback)
+        atexit.register(_uninstall, clear, wid)
+        return _watcher
+
+
+def _uninstall(clear: Any, wid: int) -> None:
+    global _watcher
+    with _lock:
+        clear(wid)
+        _watcher = False
+
+
+def watch(dicts: list[Any]) -> bool:
+    """Watch every dict of ``dicts`` (each a plain ``dict``); ``False`` if dict watchers
+    are unavailable, and then ``generation()`` is ``None``."""
+    w = _watcher if _watcher is not None else _install()
+    if w is False:
+        return False
+    fn, wid, _ = w
+    try:
+        for d in dicts:
+            fn(wid, d)
+    except (ValueError, TypeError, OSError):  # not a dict (PyDict_Watch refuses it)
+        return False
+    return True
+
+
+def generation() -> int | None:
+    """A count that moves whenever a watched dict changes; ``None`` without watchers."""
+    return _count[0] if _watcher else None
