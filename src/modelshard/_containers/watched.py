@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import threading
 from typing import Any
 
@@ -27,14 +28,17 @@ _CALLBACK = ctypes.CFUNCTYPE(
 )
 
 _lock = threading.Lock()
-# [generation]: a list, so that the watcher updates it without a global statement
+# [generation]: each change stores a value never stored before (``next`` of a count, one
+# C call, so that two threads changing dicts at once cannot store the same value twice,
+# which a ``+= 1`` could): a value read before a change always differs from one after
+_ticks = itertools.count(1)
 _count = [0]
 # None: not tried yet; False: unavailable; else (watch function, watcher id, callback)
 _watcher: Any = None
 
 
 def _changed(event: int, d: int, key: int, new: int) -> int:
-    _count[0] += 1
+    _count[0] = next(_ticks)
     return 0
 
 
