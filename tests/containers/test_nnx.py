@@ -3,6 +3,9 @@ and RNG state."""
 
 from __future__ import annotations
 
+import operator
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +163,54 @@ def test_nnx_metadata_replaced_by_an_equal_dict_keeps_the_route_and_is_watched()
     assert nnx_call_leaves(lin).key is first.key
     lin.kernel._var_metadata["note"] = "x"  # an edit of the new dict is still seen
     assert nnx_call_leaves(lin).key is not first.key
+
+
+def _watched_net():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.ps = nnx.List([nnx.Param(jnp.full(2, float(i))) for i in range(3)])
+            self.extra = nnx.data({"w": nnx.Param(jnp.full(2, 10.0))})
+            self.pair = nnx.data((nnx.Param(jnp.full(2, 20.0)),))
+            self.seq = nnx.data([nnx.Param(jnp.full(2, 40.0))])  # a list: never watched
+            self.w = nnx.Param(jnp.full(2, 30.0))
+
+    return Net()
+
+
+CONTAINER_EDITS = {
+    "an attribute set": lambda m, p: setattr(m, "w", p),
+    "an nnx.List item set": lambda m, p: m.ps.__setitem__(1, p),
+    "a plain dict item set": lambda m, p: m.extra.__setitem__("w", p),
+    "a tuple replaced": lambda m, p: setattr(m, "pair", (p,)),
+    "a plain list item set": lambda m, p: m.seq.__setitem__(0, p),
+}
+
+
+@pytest.mark.parametrize("watchers", [True, False], ids=["watched", "compared"])
+@pytest.mark.parametrize("edit", list(CONTAINER_EDITS))
+def test_nnx_call_sees_a_container_edited_after_quiet_calls(edit, watchers, monkeypatch):
+    # The dict containers are watched: while nothing changed they are not read. An edit
+    # after calls that took that shortcut must still reach the next call's leaves, and
+    # without dict watchers (Python 3.11) the containers are compared as before.
+    from flax import nnx
+
+    from modelshard._containers import nnx as nnx_adapter
+
+    if not watchers:
+        monkeypatch.setattr(nnx_adapter, "watch", lambda dicts: False)
+    m = _watched_net()
+    first = nnx_adapter.nnx_call_leaves(m)
+    assert first is not None
+    for _ in range(3):
+        assert nnx_adapter.nnx_call_leaves(m).key is first.key
+    snap = nnx_adapter._SNAPSHOTS[id(m)]
+    assert snap.watching is (watchers and sys.version_info >= (3, 12))
+    new = nnx.Param(jnp.full(2, 99.0))
+    CONTAINER_EDITS[edit](m, new)
+    again = nnx_adapter.nnx_call_leaves(m)
+    assert again is not None
+    assert any(leaf is new[...] for leaf in again.leaves)
+    after = nnx_adapter.nnx_call_leaves(m).leaves  # and kept to after
+    assert len(after) == len(again.leaves) and all(map(operator.is_, after, again.leaves))

@@ -16,11 +16,13 @@ Metadata is compared because ``nnx.split`` puts it in the ``GraphDef`` and plans
 axis names from it (``out_sharding``), while the pytree structure leaves it out (Variables
 are its leaves) and Flax changes it in place (``set_metadata``): a ``LeafOrder`` whose
 Variables now carry other metadata is made again by ``nnx.split``, as for a new structure.
-A snapshot watches its Variables' metadata dicts (``watched``, CPython 3.12+): while none
-of them has changed and each Variable still has its dict, the dicts are not read at all
-(reading a thousand of them, evicted from the caches by the step's own work, was most of
-what the snapshot's check cost); otherwise, and where dicts cannot be watched, they are
-compared.
+A snapshot watches its Variables' metadata dicts and its containers that are dicts (an
+object's attributes, an ``nnx.List``'s items, plain dicts) (``watched``, CPython 3.12+):
+while none of them has changed and each Variable still has its metadata dict, neither is
+read (reading a thousand metadata dicts, evicted from the caches by the step's own work,
+was most of what the check cost, and an ``nnx.List`` of a thousand Variables is a dict of
+a thousand attributes); otherwise, and where dicts cannot be watched, they are compared.
+Lists and tuples cannot be watched and are compared on every call.
 
 Updates are written back with ``Variable.set_value`` on the Variables that changed. A
 snapshot is dropped when its module object is (it holds the module's containers, and
@@ -144,35 +146,39 @@ class Snapshot:
     order: LeafOrder
     again: Again = dataclasses.field(init=False)
     dicts: list[dict[str, Any]] = dataclasses.field(init=False)
+    sequences: list[tuple[Any, list[Any]]] = dataclasses.field(init=False)
+    watching: bool = dataclasses.field(init=False, default=False)
     seen: int | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.again = functools.partial(_again, weakref.ref(self))
         self.dicts = list(map(_metadata, self.variables))
-        if self.ref is not None and watch(self.dicts):
-            self.seen = generation()
+        # the containers that are dicts (attributes and plain dicts) are watched beside the
+        # metadata: lists and tuples cannot be, and are compared on every call
+        self.sequences = [(c, values) for c, keys, values in self.containers if keys is None]
+        owned = [c for c, keys, _ in self.containers if keys is not None]
+        self.watching = self.ref is not None and watch(owned) and watch(self.dicts)
+        self.seen = generation()
 
     def holds(self) -> bool:
         """Whether every container still holds the very same objects, and every Variable
-        the same metadata."""
+        the same metadata. While no watched dict has changed (``watched.generation``),
+        the dict containers are known to hold them, and each Variable that still has the
+        metadata dict it had, the same metadata, without reading either; otherwise both
+        are compared, and metadata dicts Flax replaced with equal ones are watched in turn."""
         is_ = operator.is_
-        for c, keys, values in self.containers:
-            if keys is None:
-                if len(c) != len(values) or not all(map(is_, c, values)):
-                    return False
-            elif list(c) != keys or not all(map(is_, c.values(), values)):
-                return False
-        return self._metadata_unchanged()
-
-    def _metadata_unchanged(self) -> bool:
-        """Whether every Variable carries metadata equal to ``metadata``. While no watched
-        dict has changed (``watched.generation``) and each Variable still has the dict it
-        had, that is known without reading the dicts; otherwise they are compared, and
-        dicts Flax replaced with equal ones are watched in turn."""
-        dicts = list(map(_metadata, self.variables))
         now = generation()
-        same_dicts = all(map(operator.is_, dicts, self.dicts))
-        if now is not None and now == self.seen and same_dicts:
+        quiet = self.watching and now == self.seen
+        for c, values in self.sequences:
+            if len(c) != len(values) or not all(map(is_, c, values)):
+                return False
+        if not quiet:
+            for c, keys, values in self.containers:
+                if keys is not None and (list(c) != keys or not all(map(is_, c.values(), values))):
+                    return False
+        dicts = list(map(_metadata, self.variables))
+        same_dicts = all(map(is_, dicts, self.dicts))
+        if quiet and same_dicts:
             return True
         try:
             if dicts != self.metadata:
@@ -181,9 +187,8 @@ class Snapshot:
             return False
         if not same_dicts:
             self.dicts = dicts
-            if not watch(dicts):
-                self.seen = None  # compared on every call from now on
-                return True
+            if self.watching and not watch(dicts):
+                self.watching = False  # compared on every call from now on
         self.seen = now
         return True
 
