@@ -158,6 +158,51 @@ def _issue31(ctx: Ctx) -> None:
     check(ms.restore(path, like=state), {"w": w}, {"w": P("data", "model")})
 
 
+@case("restore_checksum_programs")
+def _restore_checksum_programs(ctx: Ctx) -> None:
+    """A restore compiles each checksum program it runs once, before it reads, and none it
+    does not run; a second restore compiles none. Leaves spanning processes are summed
+    each by a program of its shape and one collective adding them (a program of every
+    leaf compiled in time linear in their number, and the warm-up compiled another one,
+    never run); a process's own leaves each by its shape's program. Leaves of over 2**20
+    elements: smaller ones are summed on the host."""
+    import collections
+
+    shapes = {"a": (1024, 1032), "b": (1024, 1032), "c": (1024, 1032), "d": (2048, 1032)}
+    spec = LAYOUTS["span"]
+    want = {
+        k: (np.arange(np.prod(s), dtype=np.float32) % 65521 + i).reshape(s)
+        for i, (k, s) in enumerate(shapes.items())
+    }
+    state = ms.shard(want, spec, ctx.mesh)
+    path = ctx.files / "restore_checksum_programs"
+    ms.save(path, state, overwrite=True)
+    like = {
+        k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(ctx.mesh, spec))
+        for k, s in shapes.items()
+    }
+    names: list[str] = []
+
+    def listen(event: str, duration_secs: float, **kw: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(str(kw.get("fun_name")))
+
+    counts = []
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for _ in range(2):
+            names.clear()
+            check(ms.restore(path, like=like), want, {k: spec for k in shapes})
+            counts.append(collections.Counter(n for n in names if "check" in n or "block" in n))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    if ctx.n > 1:
+        first = {"jit(_leaf_block_rows)": 2, "jit(_add_block_rows)": 1}
+    else:
+        first = {"jit(_checksum_blocks)": 2}
+    assert counts == [first, {}], counts
+
+
 @cell("shard")
 def _shard(ctx: Ctx, layout: str, size: str) -> None:
     w = value(size)
