@@ -1,11 +1,13 @@
-"""Per-leaf checksums of a checkpoint (``fmix32x2``), on the devices or on the host.
+"""Per-leaf checksums of a checkpoint (``fmix32x2``): where each leaf is summed, and the
+device programs that sum it.
 
-Two sums modulo 2**32 over each leaf's bits: each value times a hashed weight of its
-position, and a hash of (value, position). Integer sums do not depend on reduction order, so
-the value is the same whatever sharding the leaf has when it is computed. Device checksums
-reduce each leaf in one XLA program; host checksums sum each shard in small blocks (nothing
-compiled, nothing gathered), which is what ``modelshard reshard`` uses; both give the same
-numbers.
+The sums themselves are ``fmix``'s; integer sums do not depend on reduction order, so a
+leaf's checksum is the same whatever sharding it has when it is computed. Leaves are
+reduced where they live, each device summing its own blocks: a save's in one program per
+mesh (``dispatch_sums``), a restore's with a program per shape and layout (``leaf_sums``,
+``dispatch_leaf_sums``). Leaves too small to be worth compiling for, and every leaf of
+``modelshard reshard``, are summed on the host instead (``host_sums``: nothing compiled,
+nothing gathered); both give the same numbers.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base import is_abstract
-
-CHECKSUM = "fmix32x2"
+from .fmix import CHECKSUM as CHECKSUM
+from .fmix import bits, terms
+from .host_sums import np_checksum, shard_checksum
 
 K = TypeVar("K", bound=Hashable)
 
@@ -35,21 +38,13 @@ def _lanes(x: jax.Array) -> jax.Array:
     if dt == jnp.bool_:
         return x.astype(jnp.uint32)
     size = dt.itemsize
-    if _bits(dt) < size * 8:
+    if bits(dt) < size * 8:
         # sub-byte types (int4, float4): widen exactly, then take the wide bits
         wide = jnp.float32 if jnp.issubdtype(dt, jnp.floating) else jnp.int32
         return jax.lax.bitcast_convert_type(x.astype(wide), jnp.uint32)
     if size == 8:
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
-
-
-def _bits(dt: Any) -> int:
-    try:
-        info = jnp.finfo(dt) if jnp.issubdtype(dt, jnp.floating) else jnp.iinfo(dt)
-        return int(info.bits)
-    except (TypeError, ValueError):
-        return dt.itemsize * 8
 
 
 def _checksum_one(x: jax.Array, origin: Any = None, strides: Any = None) -> jax.Array:
@@ -79,36 +74,15 @@ def _checksum_one(x: jax.Array, origin: Any = None, strides: Any = None) -> jax.
         for d in range(x.ndim):
             pos = origin[d] + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
             idx = idx + pos * (strides[d] * jnp.uint32(per))
-    terms = [t for k, v in enumerate(lanes) for t in _terms(v, idx + jnp.uint32(k), jnp.uint32)]
+    parts = [t for k, v in enumerate(lanes) for t in terms(v, idx + jnp.uint32(k), jnp.uint32)]
     zero = jnp.uint32(0)
     sums = jax.lax.reduce(
-        tuple(terms),
-        (zero,) * len(terms),
+        tuple(parts),
+        (zero,) * len(parts),
         lambda a, b: tuple(p + q for p, q in zip(a, b, strict=True)),
         tuple(range(len(shape))),
     )
     return jnp.stack([sum(sums[0::2], zero), sum(sums[1::2], zero)])
-
-
-def _fmix(h: Any, u32: Any) -> Any:
-    """MurmurHash3's 32-bit finaliser: a bijective, non-linear mix (jnp or np uint32)."""
-    h = h ^ (h >> 16)
-    h = h * u32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * u32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _weights(idx: Any, u32: Any) -> tuple[Any, Any]:
-    """The position-only parts of ``_terms``: a hashed odd weight and a position hash."""
-    return _fmix(idx ^ u32(0x9E3779B9), u32) | u32(1), _fmix(idx + u32(0x7F4A7C15), u32)
-
-
-def _terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
-    """Per-element terms of the two lanes: value times a hashed position weight, and a hash
-    of (value, position). Sums of either over all elements do not depend on order."""
-    w, h = _weights(idx, u32)
-    return v * w, _fmix(v ^ h, u32)
 
 
 _checksum_jit = jax.jit(_checksum_one)
@@ -142,94 +116,6 @@ def format_sums(s1: int, s2: int) -> str:
 # compilation shared by the whole group (a device reduction is much faster than NumPy's;
 # docs/benchmarks/checkpoint.md).
 HOST_MAX_ELEMENTS = 1 << 20
-
-
-def _np_lanes(a: np.ndarray) -> np.ndarray:
-    dt = a.dtype
-    if dt == np.bool_:
-        return a.astype(np.uint32)
-    if np.issubdtype(dt, np.complexfloating):
-        return np.stack([_np_lanes(np.real(a)), _np_lanes(np.imag(a))], axis=-1)
-    size = dt.itemsize
-    if _bits(dt) < size * 8:
-        wide = np.float32 if jnp.issubdtype(dt, jnp.floating) else np.int32
-        return a.astype(wide).view(np.uint32)
-    a = np.ascontiguousarray(a)
-    if size == 8:
-        return a.view(np.uint32).reshape(*a.shape, 2)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
-
-
-# Elements per step of a host checksum: its temporaries stay a few hundred KiB.
-HOST_BLOCK_ELEMENTS = 1 << 14
-
-
-def _np_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
-    """The two sums over the lanes of ``a``, the block at ``origin`` of an array of
-    ``shape``, taken ``HOST_BLOCK_ELEMENTS`` elements at a time."""
-    if a.size == 0:
-        return 0, 0
-    if a.ndim == 0:
-        a, origin, shape = a.reshape(1), (0,), (1,)
-    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    row_base = np.full(1, origin[-1], np.int64)  # global index of each row's first element
-    for d in range(a.ndim - 1):
-        along = (origin[d] + np.arange(a.shape[d], dtype=np.int64)) * strides[d]
-        row_base = (row_base[:, None] + along[None, :]).reshape(-1)
-    rows = a.reshape(-1, a.shape[-1])
-    cols = rows.shape[1]
-    step_r, step_c = max(1, HOST_BLOCK_ELEMENTS // cols), min(cols, HOST_BLOCK_ELEMENTS)
-    layout = (tuple(origin), a.shape, tuple(shape), a.dtype.str, step_r, step_c)
-    s1 = s2 = 0
-    for r in range(0, rows.shape[0], step_r):
-        for c in range(0, cols, step_c):
-            v = _np_lanes(rows[r : r + step_r, c : c + step_c])
-            key = (*layout, r, c)
-            wh = _WEIGHTS.get(key)
-            if wh is None:
-                per = math.prod(v.shape[2:])  # lanes per element
-                e = row_base[r : r + step_r, None] + np.arange(c, c + v.shape[1], dtype=np.int64)
-                idx = e[..., None] * per + np.arange(per, dtype=np.int64)
-                idx = (idx.reshape(v.shape) & 0xFFFFFFFF).astype(np.uint32)
-                wh = _weights(idx, np.uint32)
-                _remember(key, wh)
-            w, h = wh
-            s1 += int(np.sum(v * w, dtype=np.uint32))
-            s2 += int(np.sum(_fmix(v ^ h, np.uint32), dtype=np.uint32))
-    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
-
-
-# Host checksums of leaves laid out alike (every layer's kernel, each shard at its origin)
-# share their position terms: they are kept for reuse, up to this many bytes.
-HOST_WEIGHT_CACHE_BYTES = 16 << 20
-_WEIGHTS: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
-_weight_bytes = [0]
-
-
-def _remember(key: tuple[Any, ...], wh: tuple[np.ndarray, np.ndarray]) -> None:
-    size = wh[0].nbytes + wh[1].nbytes
-    if _weight_bytes[0] + size > HOST_WEIGHT_CACHE_BYTES:
-        _WEIGHTS.clear()
-        _weight_bytes[0] = 0
-    if size <= HOST_WEIGHT_CACHE_BYTES:
-        _WEIGHTS[key] = wh
-        _weight_bytes[0] += size
-
-
-def _np_checksum(a: np.ndarray) -> tuple[int, int]:
-    return _np_sums(a, (0,) * a.ndim, a.shape)
-
-
-def _shard_checksum(x: jax.Array) -> tuple[int, int]:
-    """``_np_checksum`` of a fully addressable array, summed shard by shard (one replica
-    of each) where the shards live: zero-copy views on CPU devices, nothing gathered."""
-    s1 = s2 = 0
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            origin = [sl.indices(d)[0] for sl, d in zip(shard.index, x.shape, strict=True)]
-            a, b = _np_sums(np.asarray(shard.data), origin, x.shape)
-            s1, s2 = s1 + a, s2 + b
-    return s1 & 0xFFFFFFFF, s2 & 0xFFFFFFFF
 
 
 def _spans_processes(x: Any) -> bool:
@@ -663,7 +549,7 @@ def start_checksums(
 
     def host_sums() -> list[tuple[int, int]]:
         return [
-            _np_checksum(np.asarray(arrays[i])) if small[i] else _shard_checksum(arrays[i])
+            np_checksum(np.asarray(arrays[i])) if small[i] else shard_checksum(arrays[i])
             for i in on_cpu
         ]
 
@@ -712,9 +598,9 @@ class Checksums(Generic[K]):
 
     def _sum(self, key: K, x: Any) -> Any:
         if self._host and isinstance(x, jax.Array) and x.is_fully_addressable:
-            return _shard_checksum(x)
+            return shard_checksum(x)
         if self._small[key]:
-            return _np_checksum(np.asarray(x))
+            return np_checksum(np.asarray(x))
         return leaf_sums(x)
 
     def add(self, key: K, x: jax.Array) -> None:
