@@ -75,3 +75,22 @@ def test_a_process_exits_cleanly_with_watched_dicts_alive():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert (out.returncode, out.stdout.strip(), out.stderr) == (0, "ok", "")
+
+
+def test_attribute_watching_is_probed_as_this_interpreter_behaves():
+    """``watches_attributes`` says whether an attribute set on an object whose ``vars()``
+    is watched moves the generation; where it says so, an NNX module's does too."""
+    from flax import nnx
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.a = 1
+
+    m = M()
+    assert watched.watch([vars(m)])
+    before = watched.generation()
+    m.a = 2
+    moved = watched.generation() != before
+    assert moved is watched.watches_attributes()
+    if sys.version_info[:2] == (3, 12):
+        assert moved  # the tested default stores attributes in the watched dict

@@ -17,7 +17,9 @@ axis names from it (``out_sharding``), while the pytree structure leaves it out 
 are its leaves) and Flax changes it in place (``set_metadata``): a ``LeafOrder`` whose
 Variables now carry other metadata is made again by ``nnx.split``, as for a new structure.
 A snapshot watches its Variables' metadata dicts and its containers that are dicts (an
-object's attributes, an ``nnx.List``'s items, plain dicts) (``watched``, CPython 3.12+):
+object's attributes, an ``nnx.List``'s items, plain dicts; attributes only where the
+interpreter tells their dict's watchers of a change, ``watched.watches_attributes``:
+CPython 3.12 does, 3.13.0 does not) (``watched``, CPython 3.12+):
 while none of them has changed and each Variable still has its metadata dict, neither is
 read (reading a thousand metadata dicts, evicted from the caches by the step's own work,
 was most of what the check cost, and an ``nnx.List`` of a thousand Variables is a dict of
@@ -47,7 +49,7 @@ import jax
 
 from .adapter import Adapter, Again, CallLeaves, WriteBack
 from .describe import ARRAY_TYPES, LeafInfo, describe_pytree
-from .watched import generation, watch
+from .watched import generation, watch, watches_attributes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -132,6 +134,7 @@ class Snapshot:
         ref: a weak reference to the object.
         containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
             dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
+        attributes: the containers that are an object's ``__dict__``.
         variables: the Variables in ``nnx.split`` order.
         metadata: a copy of each Variable's metadata, in the same order.
         order: the structure's ``LeafOrder``.
@@ -146,17 +149,27 @@ class Snapshot:
     order: LeafOrder
     again: Again = dataclasses.field(init=False)
     dicts: list[dict[str, Any]] = dataclasses.field(init=False)
-    sequences: list[tuple[Any, list[Any]]] = dataclasses.field(init=False)
+    attributes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    always: list[tuple[Any, list[Any] | None, list[Any]]] = dataclasses.field(init=False)
     watching: bool = dataclasses.field(init=False, default=False)
     seen: int | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.again = functools.partial(_again, weakref.ref(self))
         self.dicts = list(map(_metadata, self.variables))
-        # the containers that are dicts (attributes and plain dicts) are watched beside the
-        # metadata: lists and tuples cannot be, and are compared on every call
-        self.sequences = [(c, values) for c, keys, values in self.containers if keys is None]
-        owned = [c for c, keys, _ in self.containers if keys is not None]
+        # the containers that are dicts are watched beside the metadata: plain dicts, and an
+        # object's attributes where this interpreter tells their dict's watchers of a
+        # change (``watches_attributes``); the others (lists, tuples, attributes elsewhere)
+        # are compared on every call
+        attributes = {id(d) for d in self.attributes} if not watches_attributes() else set()
+        self.always = [
+            (c, keys, values)
+            for c, keys, values in self.containers
+            if keys is None or id(c) in attributes
+        ]
+        owned = [
+            c for c, keys, _ in self.containers if keys is not None and id(c) not in attributes
+        ]
         self.watching = self.ref is not None and watch(owned) and watch(self.dicts)
         self.seen = generation()
 
@@ -169,13 +182,12 @@ class Snapshot:
         is_ = operator.is_
         now = generation()
         quiet = self.watching and now == self.seen
-        for c, values in self.sequences:
-            if len(c) != len(values) or not all(map(is_, c, values)):
-                return False
-        if not quiet:
-            for c, keys, values in self.containers:
-                if keys is not None and (list(c) != keys or not all(map(is_, c.values(), values))):
+        for c, keys, values in self.always if quiet else self.containers:
+            if keys is None:
+                if len(c) != len(values) or not all(map(is_, c, values)):
                     return False
+            elif list(c) != keys or not all(map(is_, c.values(), values)):
+                return False
         dicts = list(map(_metadata, self.variables))
         same_dicts = all(map(is_, dicts, self.dicts))
         if quiet and same_dicts:
@@ -266,6 +278,7 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
     except TypeError:
         return None
     containers: list[tuple[Any, list[Any] | None, list[Any]]] = []
+    attributes: list[dict[str, Any]] = []  # the containers that are an object's vars()
     seen: set[int] = set()
     todo = [value]
     while todo:
@@ -277,6 +290,7 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
         if isinstance(x, nnx.Pytree):
             d = vars(x)
             containers.append((d, list(d), list(d.values())))
+            attributes.append(d)
             todo.extend(d.values())
         elif t is dict:
             containers.append((x, list(x), list(x.values())))
@@ -284,7 +298,7 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
         elif t is list or t is tuple:
             containers.append((x, None, list(x)))
             todo.extend(x)
-    return Snapshot(ref, containers, variables, _copies(variables), order)
+    return Snapshot(ref, containers, variables, _copies(variables), order, attributes)
 
 
 def nnx_call_leaves(value: Any) -> NnxCall | None:

@@ -10,7 +10,14 @@ count has not moved, none of the dicts it watches has changed.
 
 The C API is reached through ``ctypes.pythonapi`` (calls made holding the GIL). Where
 it is missing (Python 3.11, another interpreter, every watcher slot taken), ``watch``
-returns ``False`` and ``generation`` is ``None``: callers compare as before. The
+returns ``False`` and ``generation`` is ``None``: callers compare as before.
+
+An object's ``__dict__`` (``vars(x)``) is a dict too, but whether setting an attribute
+reaches its watcher depends on the interpreter: CPython 3.12 stores attributes in that
+dict once it exists, while 3.13.0 can go on storing them in the object's inline values,
+past the dict and its watcher (an attribute set on a watched ``vars(x)`` moved nothing).
+``watches_attributes`` probes this interpreter once; callers watch attribute dicts only
+where it holds, and compare them otherwise. The
 watcher is cleared at interpreter exit, before the module's globals are torn down, so
 that dicts freed during finalisation call nothing.
 """
@@ -86,6 +93,43 @@ def watch(dicts: list[Any]) -> bool:
             fn(wid, d)
     except (ValueError, TypeError, OSError):  # not a dict (PyDict_Watch refuses it)
         return False
+    return True
+
+
+_attributes: list[bool] = []
+
+
+class _Probe:
+    def __init__(self) -> None:
+        self.a = 1
+
+
+class _ProbeSlot(_Probe):
+    def __setattr__(self, name: str, value: Any) -> None:  # as ``nnx.Pytree`` sets them
+        object.__setattr__(self, name, value)
+
+
+def watches_attributes() -> bool:
+    """Whether setting, adding or deleting an attribute of an object moves ``generation``
+    once its ``vars()`` dict is watched (probed once, on plain and ``__setattr__`` classes)."""
+    if not _attributes:
+        _attributes.append(_probe_attributes())
+    return _attributes[0]
+
+
+def _probe_attributes() -> bool:
+    for cls in (_Probe, _ProbeSlot):
+        x = cls()
+        if not watch([vars(x)]):
+            return False
+        for name, change in (("a", 2), ("b", 3), ("a", None)):
+            before = generation()
+            if change is None:
+                delattr(x, name)
+            else:
+                setattr(x, name, change)
+            if generation() == before:
+                return False
     return True
 
 
