@@ -25,6 +25,7 @@ Rows (the state: float32 matrices of random normals, ``fsdp("data")`` over 8 CPU
   raw checkpoint (issue 28's relayout case; the fair pair is the one whose chunks use the
   same codec as ``ms.save``'s).
 
+Each save starts ``checkpoint.SETTLE_S`` after its old output was removed (see there).
 Within each repeat the methods run back to back in an order that rotates from repeat to
 repeat, so background load and disk write-back fall on each alike. Printed: medians, the
 throughput of each row as a fraction of its floor (``floor time / row time``, higher is
@@ -57,7 +58,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import modelshard as ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from checkpoint import _np_load, _np_save, _setup, warm  # noqa: E402  (the same state)
+from checkpoint import SETTLE_S, _np_load, _np_save, _setup, warm  # noqa: E402  (the same state)
 
 
 def main(argv=None) -> int:
@@ -119,7 +120,16 @@ def main(argv=None) -> int:
         return run
 
     def fresh(name):
-        return lambda: shutil.rmtree(root / name, ignore_errors=True)
+        """Remove ``name``'s old output, then wait ``SETTLE_S``: every save writes into
+        memory the hypervisor has taken back alike (``checkpoint.SETTLE_S``; unsettled,
+        one save wrote into pages freed moments before and the next did not, and the same
+        save's time moved threefold from repeat to repeat)."""
+
+        def setup():
+            shutil.rmtree(root / name, ignore_errors=True)
+            time.sleep(SETTLE_S)
+
+        return setup
 
     saves = {
         "save_modelshard": timed(
