@@ -134,7 +134,7 @@ class Snapshot:
         ref: a weak reference to the object.
         containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
             dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
-        attributes: the containers that are an object's ``__dict__``.
+        attributes: (init only) the containers that are an object's ``__dict__``.
         variables: the Variables in ``nnx.split`` order.
         metadata: a copy of each Variable's metadata, in the same order.
         order: the structure's ``LeafOrder``.
@@ -149,27 +149,25 @@ class Snapshot:
     order: LeafOrder
     again: Again = dataclasses.field(init=False)
     dicts: list[dict[str, Any]] = dataclasses.field(init=False)
-    attributes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    attributes: dataclasses.InitVar[Sequence[dict[str, Any]]] = ()
     always: list[tuple[Any, list[Any] | None, list[Any]]] = dataclasses.field(init=False)
     watching: bool = dataclasses.field(init=False, default=False)
     seen: int | None = dataclasses.field(init=False, default=None)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, attributes: Sequence[dict[str, Any]]) -> None:
         self.again = functools.partial(_again, weakref.ref(self))
         self.dicts = list(map(_metadata, self.variables))
         # the containers that are dicts are watched beside the metadata: plain dicts, and an
         # object's attributes where this interpreter tells their dict's watchers of a
         # change (``watches_attributes``); the others (lists, tuples, attributes elsewhere)
         # are compared on every call
-        attributes = {id(d) for d in self.attributes} if not watches_attributes() else set()
+        compared = {id(d) for d in attributes} if not watches_attributes() else set()
         self.always = [
             (c, keys, values)
             for c, keys, values in self.containers
-            if keys is None or id(c) in attributes
+            if keys is None or id(c) in compared
         ]
-        owned = [
-            c for c, keys, _ in self.containers if keys is not None and id(c) not in attributes
-        ]
+        owned = [c for c, keys, _ in self.containers if keys is not None and id(c) not in compared]
         self.watching = self.ref is not None and watch(owned) and watch(self.dicts)
         self.seen = generation()
 
