@@ -609,6 +609,12 @@ def fits(entries: tuple[Any, ...], shape: tuple[int, ...], sizes: dict[str, int]
     return True
 
 
+def _matches_every_path(pattern: str) -> bool:
+    """The documented catch-all: a pattern that matches the root path, a name and a nested
+    path alike (`.*`, `^`, `$`). A strict `Rules` never reports one as unused."""
+    return all(re.search(pattern, p) for p in ("", "a", "a/b/0/c"))
+
+
 def _logical(entries: tuple[Any, ...], logical: dict[str, Any] | None) -> tuple[Any, ...]:
     if not logical:
         return entries
@@ -721,7 +727,8 @@ def expect(
     for r in entries.values():
         if r[0] == "rules" and r[3] and id(r) in rules_used and id(r) not in seen_rules:
             seen_rules.add(id(r))
-            for i in range(len(r[1])):
-                if i not in rules_used[id(r)]:
+            for i, (pat, _, _) in enumerate(r[1]):
+                # A catch-all (it matches every path) is a fallback, never "unused".
+                if i not in rules_used[id(r)] and not _matches_every_path(pat):
                     v.bad.add(("Rules", f"rule {i}"))
     return v

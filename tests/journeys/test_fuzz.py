@@ -33,9 +33,11 @@ import modelshard as ms
 from modelshard._specs.expand import expand_args
 from strategies import (
     Container,
+    Leaf,
     build,
     containers,
     expect,
+    mesh_of,
     meshes,
     reach,
     sizes_of,
@@ -192,3 +194,23 @@ def test_fuzz_expand_args_reports_every_argument(
 @given(cases())
 def test_fuzz_plan_and_shard_slow(case: tuple[Any, Container, tuple[Any, ...]]) -> None:
     check(*case)
+
+
+@pytest.mark.parametrize("catch_all", [".*", "$", "^"])
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_unused_catch_all_of_strict_rules_is_a_fallback(catch_all: str, axis_type: str) -> None:
+    """A strict `Rules` whose earlier rules take every leaf leaves its catch-all unused:
+    the engine accepts that (docs/concepts/validation.md), and so must the oracle. The slow
+    profile once drew exactly this case and the oracle called it an error."""
+    mesh = mesh_of(("data",), (len(jax.devices()),), axis_type)
+    value = np.arange(16, dtype=np.float32).reshape(8, 2)
+    c = Container({"w": value}, [Leaf((("item", "w"),), value)])
+    recipe = ("rules", (("^w$", ("data",), False), (catch_all, (), False)), None, True)
+    assert not expect(recipe, c, sizes_of(mesh)).bad
+
+    @settings(max_examples=1, database=None, deadline=None)
+    @given(st.just(recipe))
+    def run(recipe: tuple[Any, ...]) -> None:  # `check` records hypothesis events
+        check(mesh, c, recipe)
+
+    run()
