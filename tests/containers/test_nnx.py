@@ -149,7 +149,7 @@ def test_nnx_call_sees_every_metadata_change_however_made(edit):
     assert nnx_call_leaves(lin).key is again.key  # and the new metadata is kept to
 
 
-def test_nnx_metadata_replaced_by_an_equal_dict_keeps_the_route_and_is_watched():
+def test_nnx_metadata_replaced_by_an_equal_dict_keeps_the_route_and_its_edits_are_seen():
     from flax import nnx
 
     from modelshard._containers.nnx import nnx_call_leaves
@@ -160,7 +160,8 @@ def test_nnx_metadata_replaced_by_an_equal_dict_keeps_the_route_and_is_watched()
     old = lin.kernel._var_metadata
     lin.kernel.set_metadata(dict(old))  # a new dict, equal: no new plan
     assert lin.kernel._var_metadata is not old
-    assert nnx_call_leaves(lin).key is first.key
+    for _ in range(3):  # quiet calls: the new dict is compared with the watched one
+        assert nnx_call_leaves(lin).key is first.key
     lin.kernel._var_metadata["note"] = "x"  # an edit of the new dict is still seen
     assert nnx_call_leaves(lin).key is not first.key
 

@@ -176,7 +176,8 @@ class Snapshot:
         the same metadata. While no watched dict has changed (``watched.generation``),
         the dict containers are known to hold them, and each Variable that still has the
         metadata dict it had, the same metadata, without reading either; otherwise both
-        are compared, and metadata dicts Flax replaced with equal ones are watched in turn."""
+        are compared, and metadata dicts Flax replaced with equal ones are watched in turn
+        (on a quiet call such a dict is compared with the watched one it replaced)."""
         is_ = operator.is_
         now = generation()
         quiet = self.watching and now == self.seen
@@ -187,9 +188,16 @@ class Snapshot:
             elif list(c) != keys or not all(map(is_, c.values(), values)):
                 return False
         dicts = list(map(_metadata, self.variables))
+        if quiet:
+            # The watched dicts are unchanged, so equal to the copies: comparing the lists
+            # (identity first, in C) is the whole metadata check, and a dict Flax replaced
+            # is compared by content.
+            try:
+                if dicts == self.dicts:
+                    return True
+            except Exception:  # a metadata value whose == is no bool (an array): changed
+                return False
         same_dicts = all(map(is_, dicts, self.dicts))
-        if quiet and same_dicts:
-            return True
         try:
             if dicts != self.metadata:
                 return False
