@@ -18,6 +18,7 @@ job dumps (SIGUSR1) and kills it after its own bound. The case a process is in i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -25,7 +26,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,22 @@ def agreed(what: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
+@contextlib.contextmanager
+def compiles() -> Iterator[list[str]]:
+    """The name of each program XLA compiles inside the block, from JAX's own events."""
+    names: list[str] = []
+
+    def listen(event: str, duration_secs: float, **kw: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(str(kw.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 # ---- the cases ----------------------------------------------------------------------------
 
 CASES: list[tuple[str, Callable[[Ctx], None]]] = []
@@ -146,6 +163,42 @@ def cell(name: str) -> Callable[[Callable[[Ctx, str, str], None]], None]:
                 )
 
     return add
+
+
+@case("step_compiles_once")
+def _step_compiles_once(ctx: Ctx) -> None:
+    """A step compiled before the process's first save, restore and manager step compiles
+    no more after them. They import Orbax, whose import defined JAX options that are part
+    of every jit cache key: a ``jax.jit`` and a ``shard_jit`` step each compiled twice.
+    The first case, so that nothing has imported Orbax before it (``setup`` does not)."""
+    import collections
+
+    assert "orbax.checkpoint" not in sys.modules, "Orbax was imported before: nothing to see"
+    spec = LAYOUTS["span"]
+    want = {"w": value("tiny")}
+    state = ms.shard(want, spec, ctx.mesh)
+
+    def step(s: dict[str, Any]) -> dict[str, Any]:
+        return {"w": s["w"] * 2.0}
+
+    plain = jax.jit(step)
+    sharded = ms.shard_jit(step, mesh=ctx.mesh, in_specs=(spec,))
+    path = ctx.files / "step_compiles_once"
+    with compiles() as names:
+        for _ in range(2):
+            jax.block_until_ready((plain(state), sharded(state)))
+        ms.save(path / "ck", state, overwrite=True)
+        restored = ms.restore(path / "ck", like=state)
+        with ms.CheckpointManager(path / "root", async_save=True) as mngr:
+            mngr.save(1, state)
+            mngr.wait_until_finished()
+        assert "orbax.checkpoint" in sys.modules
+        for x in (state, restored):
+            out = (plain(x), sharded(x))
+            for o in out:
+                check(o, {"w": want["w"] * 2.0}, {"w": spec})
+    steps = collections.Counter(n for n in names if n == "jit(step)")
+    assert steps == {"jit(step)": 2}, f"jax.jit's and shard_jit's step once each: {names}"
 
 
 @case("issue31_save_hang")
@@ -181,21 +234,11 @@ def _restore_checksum_programs(ctx: Ctx) -> None:
         k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(ctx.mesh, spec))
         for k, s in shapes.items()
     }
-    names: list[str] = []
-
-    def listen(event: str, duration_secs: float, **kw: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(str(kw.get("fun_name")))
-
     counts = []
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        for _ in range(2):
-            names.clear()
+    for _ in range(2):
+        with compiles() as names:
             check(ms.restore(path, like=like), want, {k: spec for k in shapes})
-            counts.append(collections.Counter(n for n in names if "check" in n or "block" in n))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+        counts.append(collections.Counter(n for n in names if "check" in n or "block" in n))
     if ctx.n > 1:
         first = {"jit(_leaf_block_rows)": 2, "jit(_add_block_rows)": 1}
     else:
@@ -456,7 +499,6 @@ def _ctrl_c(ctx: Ctx) -> None:
 
 def setup(ctx: Ctx) -> None:
     """Inputs every process reads: written by process 0 alone (plain files, no collective)."""
-    import orbax.checkpoint  # noqa: F401 - imported once here, not inside the first case's bound
     from safetensors.numpy import save_file
 
     if ctx.me == 0:

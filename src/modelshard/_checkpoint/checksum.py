@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._base import is_abstract
+from . import lazy_orbax  # noqa: F401  (settles JAX's options before any program is traced)
 from .fmix import CHECKSUM as CHECKSUM
 from .fmix import bits, terms
 from .host_sums import np_checksum, shard_checksum
@@ -88,19 +89,10 @@ def _checksum_one(x: jax.Array, origin: Any = None, strides: Any = None) -> jax.
 _checksum_jit = jax.jit(_checksum_one)
 
 
-def _settle_config() -> None:
-    """Import Orbax (and the JAX modules it imports) before a checksum program is traced:
-    they define JAX config options, which are part of every jit cache key, so a program
-    traced before that import missed the cache once after it (a fresh process compiled
-    the checksum twice in its first restore and again at its second save)."""
-    import orbax.checkpoint  # noqa: F401
-
-
 def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.Array:
     """The two sums (a ``uint32[2]`` device array, not waited for) over ``x``, the box at
     ``origin`` of a leaf of ``shape``. The sums of boxes that tile a leaf add up (modulo
     2**32) to the leaf's own; ``format_sums`` writes them as its checksum."""
-    _settle_config()
     strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
     return _checksum_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
 
@@ -205,7 +197,6 @@ def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
     A restore calls this before reading, so that compiling (tens of MiB for a moment)
     happens while little is resident rather than on top of the restored state.
     """
-    _settle_config()
     seen = set()
     spanning = []
     for t, host in zip(targets, on_host(targets, HOST_MAX_ELEMENTS), strict=True):
@@ -392,7 +383,6 @@ def dispatch_sums(arrays: Sequence[Any]) -> Callable[[], list[tuple[int, int]]]:
     on a CPU): a save, whose programs run again at every save, pays that once; a restore,
     whose programs run once, uses ``dispatch_leaf_sums``.
     """
-    _settle_config()
     on_mesh, others = _groups(arrays)
     running = []
     for mesh, members in on_mesh.items():
@@ -411,7 +401,6 @@ def dispatch_leaf_sums(arrays: Sequence[Any]) -> Callable[[], list[tuple[int, in
     mesh is summed block by block by a program of its own shape, dtype and layout
     (compiled once per distinct one, not once per leaf), and one collective per mesh adds
     the blocks' sums of all of them. The same contract as ``dispatch_sums``."""
-    _settle_config()
     running = []
     for idx, blocks, final, args in _leaf_plan(arrays):
         parts = [program(x) for program, x in blocks] if args is None else args
@@ -535,7 +524,6 @@ def start_checksums(
     and the host sums handed to a worker thread, so both run while the caller goes on
     (``save`` writes the data meanwhile).
     """
-    _settle_config()
     limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
     small = on_host(arrays, limit)
     on_cpu = [
@@ -587,7 +575,6 @@ class Checksums(Generic[K]):
     ) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _settle_config()
         limit = HOST_MAX_ELEMENTS if host_max_elements is None else host_max_elements
         self._keys = list(like)
         self._small = dict(zip(self._keys, on_host(list(like.values()), limit), strict=True))
