@@ -13,6 +13,7 @@ times, from before it imports the library until the arrays are ready:
 
 - ``modelshard``: ``import modelshard``; ``ms.restore(path, specs=fsdp("data"), mesh)``
   (checksums verified, as by default);
+- ``unverified``: the same with ``verify=False`` (what the checksums cost a first call);
 - ``orbax``: ``import orbax.checkpoint``; ``StandardCheckpointer().restore`` onto the same
   sharded ``ShapeDtypeStruct`` targets, from Orbax's own checkpoint of the same state;
 - ``floor``: ``np.load`` of one ``.npy`` file per leaf + ``jax.device_put`` onto the same
@@ -56,10 +57,11 @@ CHILD = textwrap.dedent(
     mesh = jax.make_mesh((8,), ("data",))
     sharding = NamedSharding(mesh, P("data"))
     t0, c0 = time.perf_counter(), time.process_time()
-    if method == "modelshard":
+    if method in ("modelshard", "unverified"):
         import modelshard as ms
         def restore():
-            return ms.restore(root + "/ms", specs=ms.fsdp("data"), mesh=mesh)
+            return ms.restore(root + "/ms", specs=ms.fsdp("data"), mesh=mesh,
+                              verify=method == "modelshard")
     elif method == "orbax":
         import orbax.checkpoint as ocp
         target = {k: {"w": jax.ShapeDtypeStruct(tuple(s), np.float32, sharding=sharding)}
@@ -76,12 +78,13 @@ CHILD = textwrap.dedent(
     jax.block_until_ready(restore())
     t2, c2 = time.perf_counter(), time.process_time()
     print(json.dumps({"first_s": t1 - t0, "import_s": t_import - t0, "second_s": t2 - t1,
-                      "first_cpu_s": c1 - c0, "second_cpu_s": c2 - c1}))
+                      "first_cpu_s": c1 - c0, "second_cpu_s": c2 - c1,
+                      "imports_orbax": int("orbax.checkpoint" in sys.modules)}))
     """
 )
 
-METHODS = ("modelshard", "orbax", "floor")
-READS = {"modelshard": "ms", "orbax": "orbax", "floor": "np"}  # what each method reads
+METHODS = ("modelshard", "unverified", "orbax", "floor")
+READS = {"modelshard": "ms", "unverified": "ms", "orbax": "orbax", "floor": "np"}  # its files
 
 
 def _setup(root: Path, mib: float, leaves: int) -> dict[str, list[int]]:
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         child.write_text(CHILD)
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
         for r in range(args.repeats):
-            for m in METHODS[r % 3 :] + METHODS[: r % 3]:
+            k = r % len(METHODS)
+            for m in METHODS[k:] + METHODS[:k]:
                 warm(root / READS[m])
                 out = subprocess.run(
                     [sys.executable, str(child), m, str(root), json.dumps(shapes)],
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  {m:10s} first call {figures[f'{m}_first_s']} s (of which import "
             f"{figures[f'{m}_import_s']} s), second {figures[f'{m}_second_s']} s"
         )
-    for m in ("modelshard", "orbax"):
+    figures["modelshard_imports_orbax"] = max(x["imports_orbax"] for x in runs["modelshard"])
+    for m in ("modelshard", "unverified", "orbax"):
         for k in ("first", "second"):
             per = [f[f"{k}_s"] / x[f"{k}_s"] for f, x in zip(runs["floor"], runs[m], strict=True)]
             figures[f"{m}_{k}_of_floor"] = round(statistics.median(per), 2)

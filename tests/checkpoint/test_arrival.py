@@ -1,5 +1,8 @@
-"""Restore hands each array over as Orbax reads it: checksums start while later leaves are
-still being read, under a byte cap that queues reads first come, first served."""
+"""Restore through Orbax hands each array over as Orbax reads it: checksums start while
+later leaves are still being read, under a byte cap that queues reads first come, first
+served. Orbax reads plain Orbax checkpoints and those on object storage; the tests of that
+path that use a local modelshard checkpoint send it through Orbax (``through_orbax``), which
+``direct.read_direct`` reads otherwise (tests/checkpoint/test_direct.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,12 @@ import modelshard as ms
 from modelshard._checkpoint import arrival, read
 from modelshard._checkpoint import checksum as cs
 from modelshard._checkpoint.sources import locate
+
+
+@pytest.fixture
+def through_orbax(monkeypatch):
+    """Local modelshard checkpoints read through Orbax, as remote and plain Orbax ones are."""
+    monkeypatch.setattr(read, "readable", lambda source: False)
 
 
 def _state(mesh, n=6):
@@ -109,7 +118,9 @@ def test_each_array_is_handed_over_before_the_read_returns(tmp_path, mesh8):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(state[p.split("/")[0]]["w"]))
 
 
-def test_restore_starts_each_checksum_while_orbax_is_still_reading(tmp_path, mesh8, monkeypatch):
+def test_restore_starts_each_checksum_while_orbax_is_still_reading(
+    tmp_path, mesh8, monkeypatch, through_orbax
+):
     state = _state(mesh8)
     ms.save(tmp_path / "c", state)
     reading = [False]
@@ -138,7 +149,9 @@ def test_restore_starts_each_checksum_while_orbax_is_still_reading(tmp_path, mes
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
 
 
-def test_reads_queue_under_the_fair_limiter_within_the_cap(tmp_path, mesh8, monkeypatch):
+def test_reads_queue_under_the_fair_limiter_within_the_cap(
+    tmp_path, mesh8, monkeypatch, through_orbax
+):
     state = _state(mesh8, n=8)
     ms.save(tmp_path / "c", state)
     shard = 64 * 8 * 4 // 8  # bytes of one device's rows of one leaf
@@ -196,7 +209,9 @@ def test_checksums_of_arrays_added_one_by_one_match_checksums(mesh8):
     assert list(got) == ["a", "b", "c"] and got == want
 
 
-def test_a_restore_onto_another_layout_keeps_as_many_reads_in_flight(tmp_path, monkeypatch):
+def test_a_restore_onto_another_layout_keeps_as_many_reads_in_flight(
+    tmp_path, monkeypatch, through_orbax
+):
     """Orbax counts a read as the stored chunks it touches: a column block of row-chunked
     data touches every row chunk, 4x the buffer it fills here. The cap is scaled by that
     overcount, so the relayout reads three buffers at once, as the saved layout does, where
@@ -240,7 +255,9 @@ def test_a_restore_onto_another_layout_keeps_as_many_reads_in_flight(tmp_path, m
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
 
 
-def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, monkeypatch):
+def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(
+    tmp_path, monkeypatch, through_orbax
+):
     """Each column block of row-chunked data touches every row chunk: an array whose reads
     fit under the cap is reserved whole and its four blocks are read at once, so
     TensorStore decodes each chunk once for all four (queued one after another, each block
@@ -282,7 +299,9 @@ def test_the_reads_of_an_array_that_fits_under_the_cap_run_together(tmp_path, mo
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
 
 
-def test_the_array_metadata_file_is_read_once_per_restore(tmp_path, mesh8, monkeypatch):
+def test_the_array_metadata_file_is_read_once_per_restore(
+    tmp_path, mesh8, monkeypatch, through_orbax
+):
     """Orbax reads and parses the array metadata file (every array's entry) at each
     deserialize call: once per restore in its own batch, once per array when each array is
     its own request (a 512-leaf restore took 3.5 s instead of 2.5 s)."""
@@ -322,7 +341,9 @@ def _orbax_shard_reads(monkeypatch):
     return calls
 
 
-def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(tmp_path, mesh24, monkeypatch):
+def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(
+    tmp_path, mesh24, monkeypatch, through_orbax
+):
     """``read_placed`` reads every distinct shard once, into a host buffer aligned so that a
     CPU device adopts it instead of copying it again; a shard held by two devices (replicas
     over ``data``) is copied for the second one, so that no two device buffers share memory

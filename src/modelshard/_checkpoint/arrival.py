@@ -202,25 +202,42 @@ async def read_placed(info: Any, arg: Any, metadata_store: Any = None) -> Any:
     wanted = arg.global_shape
     if (wanted is not None and tuple(wanted) != shape) or np.dtype(t.dtype.numpy_dtype) != dtype:
         return None
+    groups = shard_boxes(sharding, shape)
+    bufs = await asyncio.gather(*(read_box(t, b) for b in groups))
+    placed = place_boxes(bufs, list(groups.values()), sharding)
+    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
+
+
+def shard_boxes(
+    sharding: Any, shape: tuple[int, ...]
+) -> dict[tuple[tuple[int, int], ...], list[Any]]:
+    """Each distinct shard of this process (``(start, stop)`` per dimension) of an array of
+    ``shape`` laid out by ``sharding``, with the devices that hold it."""
     groups: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         whole = index or (slice(None),) * len(shape)
         bounds = tuple(sl.indices(n)[:2] for sl, n in zip(whole, shape, strict=True))
         groups.setdefault(bounds, []).append(device)
+    return groups
 
-    bufs = await asyncio.gather(*(read_box(t, b) for b in groups))
+
+def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding: Any) -> list[Any]:
+    """Host buffers read by ``read_box``, each placed on its devices by one ``device_put``
+    (the first device adopts the buffer on CPU; each further one gets its own copy, so that
+    no two device buffers share memory): the single-device arrays, buffer by buffer."""
+    import jax
+
     hosts, targets = [], []
-    for buf, devices in zip(bufs, groups.values(), strict=True):
-        for i, device in enumerate(devices):
-            copy = buf if i == 0 else aligned_empty(buf.shape, dtype)
+    for buf, devs in zip(bufs, devices, strict=True):
+        for i, device in enumerate(devs):
+            copy = buf if i == 0 else aligned_empty(buf.shape, buf.dtype)
             if i:
                 copy[...] = buf
             hosts.append(copy)
             targets.append(
                 jax.sharding.SingleDeviceSharding(device, memory_kind=sharding.memory_kind)
             )
-    placed = jax.device_put(hosts, targets)
-    return jax.make_array_from_single_device_arrays(shape, sharding, placed)
+    return jax.device_put(hosts, targets)
 
 
 @functools.cache

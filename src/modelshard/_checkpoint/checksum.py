@@ -582,6 +582,13 @@ class Checksums(Generic[K]):
         self._pending: dict[K, Any] = {}
         self._later: dict[K, Any] = {}  # arrays spanning processes, summed by collect
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="modelshard-checksum")
+        self._first: Future[Any] | None = None
+
+    def first(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the checksums' thread before any sum (a restore compiles its
+        programs so, while its first reads run); ``collect`` waits for it and raises what
+        it raised. Compiling is no collective: any thread may do it."""
+        self._first = self._worker.submit(fn)
 
     def _sum(self, key: K, x: Any) -> Any:
         if self._host and isinstance(x, jax.Array) and x.is_fully_addressable:
@@ -609,6 +616,8 @@ class Checksums(Generic[K]):
         """Every key's ``"xxxxxxxx:yyyyyyyy"``, in ``like``'s order; the keys never added
         (``arrays`` must hold them) are summed now."""
         try:
+            if self._first is not None:
+                self._first.result()  # the programs compiled: none is compiled twice
             spanning: dict[K, Any] = {}
             for key in self._keys:
                 if key in self._pending:

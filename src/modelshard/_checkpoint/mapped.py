@@ -48,8 +48,8 @@ from .._weights import (
 from .checksum import box_sums, format_sums
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
 from .record import LeafRecord, parse_dtype
-from .sources import Source
-from .stored import ArrayReader, store_format
+from .sources import Source, store_format
+from .stored import ArrayReader
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from .._containers import split
 from .._place import place, plan
 from .arrival import each_array_registry
 from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
+from .direct import read_direct, readable
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like
 from .storage import nest
@@ -301,15 +302,16 @@ def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
     return SingleDeviceSharding(jax.local_devices()[0])
 
 
-def orbax_read(
+def read_arrays(
     source: Source,
     targets: Mapping[str, Any],
     on_read: Callable[[str, jax.Array], None] | None = None,
 ) -> dict[str, Any]:
     """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct), calling
-    ``on_read(path, array)`` for each one as soon as it is read (the rest still reading)."""
-    import orbax.checkpoint as ocp
+    ``on_read(path, array)`` for each one as soon as it is read (the rest still reading).
 
+    A modelshard checkpoint on a local disk is read straight from TensorStore
+    (``direct.read_direct``, no Orbax imported); any other through Orbax."""
     recs = source.record.by_path()
     # zero-size leaves are in the record only (Orbax refuses to store them)
     empty = {p: t for p, t in targets.items() if math.prod(t.shape) == 0}
@@ -317,6 +319,25 @@ def orbax_read(
     targets = {p: t for p, t in targets.items() if p not in empty}
     if not targets:
         return zeros
+    chunks = source.write_shapes()
+    cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])
+    if readable(source):
+        sizes = {p: read_sizes(t, chunks.get(recs[p].key)) for p, t in targets.items()}
+        return zeros | read_direct(source, targets, on_read, cap, sizes)
+    return zeros | _orbax_read(source, targets, on_read, cap)
+
+
+def _orbax_read(
+    source: Source,
+    targets: Mapping[str, Any],
+    on_read: Callable[[str, jax.Array], None] | None,
+    cap: int,
+) -> dict[str, Any]:
+    """``read_arrays`` through Orbax's ``PyTreeCheckpointHandler`` (``arrival``'s handler
+    for ``jax.Array``), at most ``cap`` bytes reserved at once."""
+    import orbax.checkpoint as ocp
+
+    recs = source.record.by_path()
     full = len(targets) == sum(math.prod(r.stored_shape) > 0 for r in recs.values())
     if source.template is not None:
         # Orbax's own structure (lists stay lists); leaves not asked for are placeholders.
@@ -334,8 +355,6 @@ def orbax_read(
     from .._internals import BasePyTreeCheckpointHandler
 
     chunks = source.write_shapes()
-    cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])
-
     orbax_path = {format_path([*recs[p].key]): p for p in targets}
 
     def arrived(info: Any, x: Any) -> None:
@@ -361,7 +380,7 @@ def orbax_read(
     with ocp.Checkpointer(handler) as ckptr:
         out = ckptr.restore(source.tree_dir, args=args)
     flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-    return zeros | {p: flat_out[format_path([*recs[p].key])] for p in targets}
+    return {p: flat_out[format_path([*recs[p].key])] for p in targets}
 
 
 def _restore_args(target: jax.ShapeDtypeStruct) -> Any:
@@ -410,17 +429,17 @@ def read_checked(
     targets: Mapping[str, Any],
     on_read: Callable[[str, jax.Array], None] | None = None,
 ) -> dict[str, Any]:
-    """``orbax_read``, turning any failure into a CheckpointError naming the bad leaves
+    """``read_arrays``, turning any failure into a CheckpointError naming the bad leaves
     and, where it can be told, the file at fault."""
     try:
-        return orbax_read(source, targets, on_read)
+        return read_arrays(source, targets, on_read)
     except Exception as e:
         bad = []
         for p, t in targets.items():
             try:
                 if len(targets) == 1:
                     raise e
-                orbax_read(source, {p: t})
+                read_arrays(source, {p: t})
             except Exception as e1:
                 bad.append(f"  {p or '<root>'}: {_failure(e1, source.tree_dir)}")
         detail = "\n".join(bad) if bad else f"  {_failure(e, source.tree_dir)}"
@@ -531,9 +550,10 @@ def restore_saved(
     sums = None
     if verify:
         checked = _checked(source, targets)
-        warm_checksums(list(checked.values()))
-        # each leaf's checksum is dispatched as it arrives, while later leaves are read
+        # each leaf's checksum is dispatched as it arrives, while later leaves are read; the
+        # programs are compiled first, on the checksums' thread, while the reads start
         sums = Checksums(checked)
+        sums.first(lambda: warm_checksums(list(checked.values())))
     try:
         values = read_checked(source, targets, None if sums is None else sums.add)
     except BaseException:

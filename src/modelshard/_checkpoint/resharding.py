@@ -23,8 +23,8 @@ from .items import extras_json
 from .listing import manager_step
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
-from .sources import Source, locate, planning_tree
-from .stored import ArrayReader, store_format
+from .sources import Source, locate, planning_tree, store_format
+from .stored import ArrayReader
 from .stream import Stream, StreamLeaf, write_remote
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic

@@ -64,6 +64,17 @@ class Source:
         return self._write_shapes
 
 
+def store_format(source: Source) -> tuple[bool, bool]:
+    """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
+    import json
+
+    try:
+        meta = json.loads(read_small(source.tree_dir / TREE_METADATA))
+        return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
+    except (OSError, ValueError, AttributeError):
+        return True, False
+
+
 def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
     import json
 

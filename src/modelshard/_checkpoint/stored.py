@@ -5,24 +5,14 @@ stored dtype, no device, no Orbax restore. What ``reshard`` copies from, what
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._base import CheckpointError
 from .arrival import aligned_empty
 from .leaks import stop_leaks
 from .record import LeafRecord
-from .sources import Source
-from .storage import TREE_METADATA, orbax_name, read_small
-
-
-def store_format(source: Source) -> tuple[bool, bool]:
-    """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
-    try:
-        meta = json.loads(read_small(source.tree_dir / TREE_METADATA))
-        return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
-    except (OSError, ValueError, AttributeError):
-        return True, False
+from .sources import Source, store_format
+from .storage import orbax_name
 
 
 def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> CheckpointError:
