@@ -5,8 +5,10 @@ that does almost nothing, so what is timed is dispatch: flattening, cache lookup
 handling and rebuilding the output. Every variant runs in the same process, interleaved
 round by round so machine noise hits them alike; each number is the median of many calls.
 
-Run: ``python benchmarks/dispatch.py [--leaves 1000] [--rounds 15] [--calls 40] [--markdown]``
-(about four minutes on 2 cores).
+Run: ``python benchmarks/dispatch.py [--leaves 1000] [--rounds 15] [--calls 40] [--repeats 3]
+[--markdown]`` (about a minute per repeat on 2 cores). Each repeat measures every variant
+again, interleaved; a figure is the median over the repeats, and the ratios of each repeat
+are recorded too (``..._per_repeat``).
 """
 
 from __future__ import annotations
@@ -210,18 +212,34 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="update calls per variant per round (each runs 1,000 tiny kernels)",
     )
+    ap.add_argument("--repeats", type=int, default=3, help="whole measurements (default 3)")
     ap.add_argument("--read-only", action="store_true", help="skip the update workload")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     work = variants(args.leaves)
-    results = {READ: (measure(work[READ], args.rounds, args.calls), args.rounds, args.calls)}
-    if not args.read_only:
-        results[UPDATE] = (
-            measure(work[UPDATE], args.rounds, args.update_calls),
-            args.rounds,
-            args.update_calls,
-        )
+    runs: list[dict[str, tuple[dict[str, float], int, int]]] = []
+    for _ in range(args.repeats):
+        run = {READ: (measure(work[READ], args.rounds, args.calls), args.rounds, args.calls)}
+        if not args.read_only:
+            run[UPDATE] = (
+                measure(work[UPDATE], args.rounds, args.update_calls),
+                args.rounds,
+                args.update_calls,
+            )
+        runs.append(run)
+    results = {
+        w: ({k: statistics.median(r[w][0][k] for r in runs) for k in res}, n, c)
+        for w, (res, n, c) in runs[0].items()
+    }
     print(report(results, args.leaves, args.markdown))
+    per_repeat = {
+        (w, k): [_ratio(r[w][0][k] / r[w][0][RAW]) for r in runs]
+        for w, (res, _, _) in results.items()
+        for k in res
+    }
+    for (w, k), ratios in per_repeat.items():
+        if "shard_jit" in k:
+            print(f"  {w.split(':')[0]} {k}: per repeat {ratios}")
     if args.read_only:  # docs/benchmarks/dispatch.md shows both workloads from one run
         print("--read-only: docs/benchmarks/results/dispatch.json left as it was")
         return 0
@@ -233,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "read_calls": args.calls,
         "update_calls": args.update_calls,
+        "repeats": args.repeats,
     }
     for w, (res, _, _) in results.items():
         slug = w.split(":")[0].lower()
@@ -240,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             name = _slug(k)
             figures[f"{slug}_{name}_us"] = round(v * 1e6)
             figures[f"{slug}_{name}_vs_raw_jit"] = _ratio(v / res[RAW])
+            if "shard_jit" in k:
+                figures[f"{slug}_{name}_vs_raw_jit_per_repeat"] = per_repeat[(w, k)]
         d = res["shard_jit (the dict)"]
         figures[f"{slug}_shard_jit_the_dict_vs_jax_jit_the_dict"] = _ratio(
             d / res["jax.jit (the dict)"]
