@@ -170,3 +170,19 @@ def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
     assert lines[1] == (
         "  v: ValueError: stored array v is float32[4, 8], the record says float32[5, 8]"
     )
+
+
+@pytest.mark.parametrize(
+    "boxes, shape, chunk, shared",
+    [
+        ([((0, 128), (0, 64)), ((128, 256), (0, 64))], (256, 64), (128, 64), False),  # aligned
+        ([((0, 128), (0, 64)), ((128, 256), (0, 64))], (256, 64), (256, 64), True),  # 2 a chunk
+        ([((0, 256), (0, 32)), ((0, 256), (32, 64))], (256, 64), (64, 64), True),  # cols split
+        ([((0, 100), (0, 64)), ((100, 200), (0, 64))], (200, 64), (100, 64), False),
+        ([((0, 150), (0, 64)), ((150, 200), (0, 64))], (200, 64), (100, 64), True),
+        ([((0, 200), (0, 64))], (200, 64), (128, 64), False),  # one box: the whole array
+        ([((0, 128), (0, 64))], (256, 64), None, True),  # chunking unknown: cached
+    ],
+)
+def test_chunks_are_cached_only_where_two_shards_share_one(boxes, shape, chunk, shared):
+    assert direct.shares_chunks(boxes, shape, chunk) == shared

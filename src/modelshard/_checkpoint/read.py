@@ -323,7 +323,8 @@ def read_arrays(
     cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])
     if readable(source):
         sizes = {p: read_sizes(t, chunks.get(recs[p].key)) for p, t in targets.items()}
-        return zeros | read_direct(source, targets, on_read, cap, sizes)
+        stored = {p: chunks.get(recs[p].key) for p in targets}
+        return zeros | read_direct(source, targets, on_read, cap, sizes, stored)
     return zeros | _orbax_read(source, targets, on_read, cap)
 
 
