@@ -87,15 +87,21 @@ def test_plain_orbax_saves_in_the_same_process_keep_their_chunks(tmp_path, mesh_
     assert _chunk_shapes(tmp_path / "plain") == {"w": [512, 256]}
 
 
-def test_a_restore_reads_each_stored_chunk_once(tmp_path, mesh_2x4):
-    # 256-row chunks restored onto 128-row shards: two devices need each chunk
+@pytest.mark.parametrize("path", ["direct", "through Orbax"])
+def test_a_restore_reads_each_stored_chunk_once(tmp_path, mesh_2x4, path, monkeypatch):
+    # 256-row chunks restored onto 128-row shards: two devices need each chunk, which the
+    # restore's chunk cache reads once (``direct.shares_chunks``: needed here)
+    if path != "direct":
+        from modelshard._checkpoint import read as read_module
+
+        monkeypatch.setattr(read_module, "readable", lambda source: False)
     cols = NamedSharding(mesh_2x4, P(None, "model"))
     state = {f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), cols) for i in range(4)}
-    path = ms.save(tmp_path / "ck", state)
+    ck = ms.save(tmp_path / "ck", state)
     mesh = ms.make_mesh({"fsdp": 8})
-    ms.restore(path, mesh=mesh, specs=P("fsdp"))  # imports and compiles out of the count
+    ms.restore(ck, mesh=mesh, specs=P("fsdp"))  # imports and compiles out of the count
     before = _rchar()
-    out = ms.restore(path, mesh=mesh, specs=P("fsdp"))
+    out = ms.restore(ck, mesh=mesh, specs=P("fsdp"))
     read = _rchar() - before
     stored = 4 * 1024 * 1024 * 4
     assert stored <= read <= 1.05 * stored, f"read {read / stored:.3f}x the stored bytes"

@@ -253,6 +253,7 @@ def _handler_class() -> type:
             on_read: Callable[[Any, Any], None],
             max_bytes: int,
             group_bytes: Callable[[Any], int] | None = None,
+            cache_bytes: int | None = None,
         ) -> None:
             # as Orbax's default jax.Array handler is made (the store wraps PRNG key data),
             # with the store's file read once per restore rather than once per array
@@ -260,6 +261,7 @@ def _handler_class() -> type:
             self._on_read = on_read
             self._max_bytes = max_bytes
             self._group_bytes = group_bytes
+            self._cache_bytes = max_bytes if cache_bytes is None else cache_bytes
 
         async def deserialize(
             self, infos: Sequence[Any], args: Sequence[Any] | None = None
@@ -271,7 +273,7 @@ def _handler_class() -> type:
             limiter = FairLimiter(self._max_bytes)
             unlimited = UnlimitedInFlightBytes()
             base = super().deserialize
-            cached = chunk_cache(infos, self._max_bytes)
+            cached = chunk_cache(infos, self._cache_bytes) if self._cache_bytes else _as_is
 
             async def one(info: Any, arg: Any) -> Any:
                 group = 0 if self._group_bytes is None else self._group_bytes(info)
@@ -294,10 +296,15 @@ def _handler_class() -> type:
     return EachArrayHandler
 
 
+def _as_is(info: Any) -> Any:
+    return info
+
+
 def each_array_registry(
     on_read: Callable[[Any, Any], None],
     max_bytes: int,
     group_bytes: Callable[[Any], int] | None = None,
+    cache_bytes: int | None = None,
 ) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except that
     ``jax.Array``'s reads each array on its own and calls ``on_read(param_info, array)`` as
@@ -305,5 +312,6 @@ def each_array_registry(
 
     ``group_bytes(param_info)``: the bytes all of an array's reads reserve together (0: each
     read reserves its own); an array whose group is under ``max_bytes`` is reserved whole
-    and its reads run at once."""
-    return registry_with(_handler_class()(on_read, max_bytes, group_bytes))
+    and its reads run at once. ``cache_bytes``: the decoded-chunk cache (``chunk_cache``;
+    default ``max_bytes``, 0 for none)."""
+    return registry_with(_handler_class()(on_read, max_bytes, group_bytes, cache_bytes))

@@ -29,9 +29,9 @@ from .._base import (
 )
 from .._containers import split
 from .._place import place, plan
-from .arrival import each_array_registry
+from .arrival import each_array_registry, shard_boxes
 from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
-from .direct import read_direct, readable
+from .direct import read_direct, readable, shares_chunks
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like
 from .storage import nest
@@ -371,7 +371,13 @@ def _orbax_read(
     def group_bytes(info: Any) -> int:
         return groups.get(format_path(info.keypath or ()), 0)
 
-    registry = each_array_registry(arrived, cap, group_bytes)
+    shared = any(
+        shares_chunks(
+            list(shard_boxes(t.sharding, tuple(t.shape))), tuple(t.shape), chunks.get(recs[p].key)
+        )
+        for p, t in targets.items()
+    )
+    registry = each_array_registry(arrived, cap, group_bytes, cap if shared else 0)
     handler = ocp.PyTreeCheckpointHandler(
         type_handler_registry=registry,
         handler_impl=BasePyTreeCheckpointHandler(
