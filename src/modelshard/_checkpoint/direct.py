@@ -82,23 +82,6 @@ def readable(source: Source) -> bool:
     )
 
 
-def shares_chunks(
-    boxes: list[tuple[tuple[int, int], ...]],
-    shape: tuple[int, ...],
-    chunk: tuple[int, ...] | None,
-) -> bool:
-    """Whether a stored chunk of ``chunk`` shape (None: unknown) holds parts of two of
-    ``boxes``: some box starts or ends inside a chunk, short of the array's end."""
-    if chunk is None or len(chunk) != len(shape):
-        return True
-    return any(
-        (lo % c or (hi % c and hi != n))
-        for box in boxes
-        for (lo, hi), c, n in zip(box, chunk, shape, strict=True)
-        if c > 0 and (hi - lo) != n
-    )
-
-
 @dataclass
 class _Array:
     """One array being read: its open store, its shards and what is read so far."""
@@ -118,19 +101,16 @@ def read_direct(
     on_read: Callable[[str, Any], None] | None,
     cap: int,
     sizes: Mapping[str, list[int]],
-    chunks: Mapping[str, tuple[int, ...] | None],
+    cache_bytes: int,
 ) -> dict[str, Any]:
     """Each of ``targets`` (path -> sharded ``ShapeDtypeStruct`` of the stored shape and
     dtype) read from ``source`` (``readable``) into its sharding.
 
     ``sizes``: the bytes each array's reads reserve, one entry per distinct shard of this
     process (``read.read_sizes``); at most ``cap`` bytes are reserved at once, and a read
-    larger than ``cap`` waits until it runs alone. ``chunks``: each array's stored chunk
-    shape (None: unknown). Decoded chunks are cached (up to ``cap`` bytes) only where a
-    chunk holds parts of two of this process's shards (``shares_chunks``), so that it is
-    read once: otherwise the cache would hold a copy of every chunk read, for nothing
-    (55 MiB more peak memory in a 256 MiB restore onto chunk-aligned blocks, measured by
-    ``benchmarks/checkpoint.py``'s restore with reshard). A stored array whose shape or dtype
+    larger than ``cap`` waits until it runs alone. ``cache_bytes``: the cache of decoded
+    chunks (``read.read_arrays`` sizes it: ``chunks.shares_chunks``). A stored array whose
+    shape or dtype
     differs from its target is a ``ValueError`` naming it; TensorStore's errors (a missing
     or damaged chunk) are raised as they are.
     """
@@ -138,16 +118,13 @@ def read_direct(
     import numpy as np
     import tensorstore as ts
 
-    shared = any(
-        shares_chunks(list(shard_boxes(t.sharding, tuple(t.shape))), tuple(t.shape), chunks[p])
-        for p, t in targets.items()
-    )
+    boxes = {p: shard_boxes(t.sharding, tuple(t.shape)) for p, t in targets.items()}
     context = ts.Context(
         {
             "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY},
             "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_NODE_CACHE_BYTES},
             # decoded chunks, so that a chunk two local shards need is read once
-            "cache_pool": {"total_bytes_limit": int(cap) if shared else 0},
+            "cache_pool": {"total_bytes_limit": int(cache_bytes)},
         }
     )
     recs = source.record.by_path()
@@ -173,8 +150,7 @@ def read_direct(
                 f"stored array {orbax_name(recs[p].key)} is {stored[1]}{list(stored[0])}, "
                 f"the record says {dtype}{list(shape)}"
             )
-        groups = shard_boxes(t.sharding, shape)
-        arrays.append(_Array(p, t, store, list(groups), list(groups.values())))
+        arrays.append(_Array(p, t, store, list(boxes[p]), list(boxes[p].values())))
 
     # units of reservation, in order: a whole array whose reads fit under the cap, else
     # each of its shards

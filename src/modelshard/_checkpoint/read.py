@@ -31,7 +31,8 @@ from .._containers import split
 from .._place import place, plan
 from .arrival import each_array_registry, shard_boxes
 from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
-from .direct import read_direct, readable, shares_chunks
+from .chunks import shares_chunks
+from .direct import read_direct, readable
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like
 from .storage import nest
@@ -319,13 +320,17 @@ def read_arrays(
     targets = {p: t for p, t in targets.items() if p not in empty}
     if not targets:
         return zeros
-    chunks = source.write_shapes()
-    cap = read_cap([(t, chunks.get(recs[p].key)) for p, t in targets.items()])
+    chunks = {p: source.write_shapes().get(recs[p].key) for p in targets}
+    cap = read_cap([(t, chunks[p]) for p, t in targets.items()])
+    shared = any(
+        shares_chunks(list(shard_boxes(t.sharding, tuple(t.shape))), tuple(t.shape), chunks[p])
+        for p, t in targets.items()
+    )
+    cache = cap if shared else 0  # decoded chunks, where two of this process's shards share one
     if readable(source):
-        sizes = {p: read_sizes(t, chunks.get(recs[p].key)) for p, t in targets.items()}
-        stored = {p: chunks.get(recs[p].key) for p in targets}
-        return zeros | read_direct(source, targets, on_read, cap, sizes, stored)
-    return zeros | _orbax_read(source, targets, on_read, cap)
+        sizes = {p: read_sizes(t, chunks[p]) for p, t in targets.items()}
+        return zeros | read_direct(source, targets, on_read, cap, sizes, cache)
+    return zeros | _orbax_read(source, targets, on_read, cap, cache)
 
 
 def _orbax_read(
@@ -333,9 +338,11 @@ def _orbax_read(
     targets: Mapping[str, Any],
     on_read: Callable[[str, jax.Array], None] | None,
     cap: int,
+    cache: int,
 ) -> dict[str, Any]:
     """``read_arrays`` through Orbax's ``PyTreeCheckpointHandler`` (``arrival``'s handler
-    for ``jax.Array``), at most ``cap`` bytes reserved at once."""
+    for ``jax.Array``), at most ``cap`` bytes reserved at once, ``cache`` bytes of decoded
+    chunks cached."""
     import orbax.checkpoint as ocp
 
     recs = source.record.by_path()
@@ -371,13 +378,7 @@ def _orbax_read(
     def group_bytes(info: Any) -> int:
         return groups.get(format_path(info.keypath or ()), 0)
 
-    shared = any(
-        shares_chunks(
-            list(shard_boxes(t.sharding, tuple(t.shape))), tuple(t.shape), chunks.get(recs[p].key)
-        )
-        for p, t in targets.items()
-    )
-    registry = each_array_registry(arrived, cap, group_bytes, cap if shared else 0)
+    registry = each_array_registry(arrived, cap, group_bytes, cache)
     handler = ocp.PyTreeCheckpointHandler(
         type_handler_registry=registry,
         handler_impl=BasePyTreeCheckpointHandler(
