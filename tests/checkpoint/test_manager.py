@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,6 +274,34 @@ def test_items_beside_the_state(tmp_path):
     step = tmp_path / "0"
     assert ms.read_items(step)["data"] == {"pos": 42, "epoch": 1}
     assert ms.read_metadata(step) == {"note": "first"}
+
+
+@pytest.mark.parametrize("removed", ["the file", "the item directory"])
+def test_a_step_whose_items_are_gone_is_an_error_not_no_items(tmp_path, removed):
+    """A damaged step must not hand back ``{}`` for the RNG and data position it was saved
+    with; a step saved without items still reads as ``{}``."""
+    with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
+        mngr.save(0, _w(0))
+        mngr.save(1, _w(1), items={"rng": jax.random.key(1), "config": {"lr": 0.1}})
+    items = tmp_path / "1" / "items"
+    if removed == "the file":
+        (items / "items.json").unlink()
+    else:
+        shutil.rmtree(items)
+    with ms.CheckpointManager(tmp_path) as mngr:
+        assert mngr.items(0) == {}
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.items(1)
+        np.testing.assert_array_equal(np.asarray(mngr.restore(1)["w"]), np.asarray(_w(1)["w"]))
+    assert str(e.value) == (
+        f"{items / 'items.json'} is missing: the step was saved with its items, so it is "
+        "damaged and they cannot be read. Its arrays still restore (their checksums are "
+        "verified); restore a complete copy of the step to get the items back."
+    )
+    with pytest.raises(ms.CheckpointError) as again:
+        ms.read_items(tmp_path / "1")
+    assert str(again.value) == str(e.value)
+    assert ms.read_items(tmp_path / "0") == {}
 
 
 def test_items_that_cannot_be_saved_are_all_listed_and_nothing_is_written(tmp_path):

@@ -82,6 +82,25 @@ def test_truncated_data_names_the_leaf_and_the_file(tmp_path):
     assert "small" not in str(e.value)
 
 
+def test_one_damaged_file_shared_by_many_leaves_is_one_entry(tmp_path):
+    """OCDBT keeps several arrays' metadata in one file: deleting it fails every leaf with
+    the same error, shown once with the leaves it names (the first eight, then a count), and
+    without the TensorStore spec JSON TensorStore appends to it."""
+    state = {f"w{i:02d}": jnp.full((4, 4), float(i)) for i in range(10)}
+    path = ms.save(tmp_path / "c", state)
+    (shared,) = sorted((path / "d").iterdir())
+    shared.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 10 leaves of {path} (damaged or incomplete checkpoint):"
+    assert lines[1].startswith(
+        "  w00, w01, w02, w03, w04, w05, w06, w07 and 2 more: ValueError: NOT_FOUND: "
+    )
+    assert "tensorstore_spec" not in str(e.value) and len(lines) == 3
+    assert lines[2] == f"    file: {shared}"
+
+
 def test_deleted_process_shard_directory(tmp_path):
 
     path = ms.save(tmp_path / "c", {"w": jnp.arange(4096.0), "v": jnp.ones(3)})

@@ -54,6 +54,26 @@ def test_broken_orbax_metadata_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["save", "manager"])
+def test_deleted_tree_metadata_says_the_checkpoint_is_damaged(tmp_path, layout):
+    if layout == "save":
+        path = ms.save(tmp_path / "c", {"w": jnp.ones(3)})
+        meta, record = path / "_METADATA", path / "modelshard.json"
+    else:
+        with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+            mngr.save(2, {"w": jnp.ones(3)})
+        path = tmp_path / "m" / "2"
+        meta, record = path / "state" / "_METADATA", path / "modelshard" / "modelshard.json"
+    meta.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == (
+        f"checkpoint {path} is damaged: Orbax's tree metadata {meta} is missing, though "
+        f"modelshard's record {record} is there: the save completed and the file was lost "
+        "since. Restore a complete copy of the checkpoint."
+    )
+
+
+@pytest.mark.parametrize("layout", ["save", "manager"])
 def test_deleted_record_is_an_error_not_a_plain_orbax_checkpoint(tmp_path, layout):
 
     state = {"w": jnp.ones(3), "k": jax.random.key(0)}

@@ -149,7 +149,8 @@ def decode_items(doc: Mapping[str, Any], like: Mapping[str, Any] | None = None) 
 
 def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The named items saved with a checkpoint (a [`CheckpointManager`][modelshard.CheckpointManager]
-    step directory); ``{}`` if it has none.
+    step directory); ``{}`` if it has none. A step saved with items whose file is gone is a
+    CheckpointError (a damaged step), not ``{}``.
 
     Args:
         directory: the step directory (``mngr.step_directory(step)``).
@@ -176,6 +177,9 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
     try:
         raw = read_small(source.path / ITEMS_ITEM / ITEMS_FILE)
     except FileNotFoundError:
+        error = missing_items(source.path)
+        if error is not None:
+            raise error from None
         return {}
     try:
         doc = json.loads(raw)
@@ -188,6 +192,25 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
             f"{source.path / ITEMS_ITEM / ITEMS_FILE} is a JSON {type(doc).__name__}, not an object."
         )
     return decode_items(doc, like)
+
+
+def missing_items(step_dir: Any) -> CheckpointError | None:
+    """The error for a manager step saved with its items item whose file is gone (a damaged
+    step: ``items()`` would otherwise return ``{}`` and the run would lose its RNG and data
+    position without a word), or None where the step has no items item."""
+    from .storage import CHECKPOINT_METADATA, ITEMS_FILE, ITEMS_ITEM
+
+    meta = _document(step_dir / CHECKPOINT_METADATA)
+    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+    if not (step_dir / ITEMS_ITEM).is_dir() and not (
+        isinstance(handlers, dict) and ITEMS_ITEM in handlers
+    ):
+        return None
+    return CheckpointError(
+        f"{step_dir / ITEMS_ITEM / ITEMS_FILE} is missing: the step was saved with its items, "
+        "so it is damaged and they cannot be read. Its arrays still restore (their checksums "
+        "are verified); restore a complete copy of the step to get the items back."
+    )
 
 
 def _document(path: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Orbax is imported lazily, by the first save or restore; what its import changes in JAX is
-settled when modelshard is imported.
+"""Orbax is imported lazily, by the first save (and a restore of a plain Orbax checkpoint or
+one on object storage); what its import changes in JAX is settled when modelshard is
+imported.
 
 Orbax imports ``jax.extend``, and that import defines JAX options that are part of every
 jit cache key (Pallas's trace-context options). Defined after a step was compiled, they
@@ -8,7 +9,10 @@ then saved, compiled it twice (``jax.jit`` and ``shard_jit`` alike; counted with
 compile events by the journey matrix's ``step_compiles_once`` case). Importing
 ``jax.extend`` here, with modelshard (about 15 ms), defines them before any step is
 compiled, so Orbax's import later changes no cache key. The same holds for modelshard's
-own checksum programs: compiled before a restore's Orbax import, they compiled again after it.
+own checksum programs: a restore's, compiled before the first save imported Orbax, compiled
+again after it. (A function compiled before ``import modelshard`` still compiles once more:
+modelshard's own jit-key contexts, ``ms.logical_rules`` and ``ms.strict_constraints``, are
+defined at import.)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from .._base import CheckpointError, DistributedError
 from .._runtime import barrier, broadcast, gather
 from . import guard
 from .barriers import carrying_failures, sharing_failures
-from .items import decode_items, encode_items
+from .items import decode_items, encode_items, missing_items
 from .listing import complete_steps, is_complete_step
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .restoring import restore
@@ -582,10 +582,15 @@ class CheckpointManager:
         """The named items of ``step`` (default: the latest).
 
         A data iterator passed in ``like`` under its name gets its saved state
-        (``set_state``) and is returned; PRNG keys come back as keys.
+        (``set_state``) and is returned; PRNG keys come back as keys. A step whose items
+        file is gone (damaged) raises CheckpointError rather than giving ``{}``.
         """
         step = self._existing(step)
         doc = _read_json(self.step_directory(step) / ITEMS_ITEM / ITEMS_FILE)
+        if doc is None:
+            error = missing_items(self.step_directory(step))
+            if error is not None:
+                raise error
         return decode_items(doc or {}, like)
 
     def metrics(self, step: int) -> dict[str, Any] | None:

@@ -399,6 +399,10 @@ def _restore_args(target: jax.ShapeDtypeStruct) -> Any:
 
 _STATUS = re.compile(r"^[A-Z_]+: ")  # TensorStore's status codes: "DATA_LOSS: ..."
 _LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+# TensorStore appends the whole spec it failed on, JSON with its context: noise to a reader
+_SPEC = re.compile(r"\s*\[tensorstore_spec='(?:[^'\\]|\\.)*'\]")
+_MAX_TEXT = 300  # characters of one failure shown
+_MAX_NAMED = 8  # leaves named per failure before "and N more"
 
 
 def _json_unreadable(tree_dir: Path) -> str | None:
@@ -424,12 +428,30 @@ def _failure(e: BaseException, tree_dir: Path) -> str:
         chain.append(x)
         x = x.__cause__ or x.__context__
     best = next((c for c in reversed(chain) if _STATUS.match(str(c))), e)
-    text = (str(best).strip().splitlines() or [""])[0]
+    text = _SPEC.sub("", (str(best).strip().splitlines() or [""])[0])
     files = _LOCAL_FILE.findall(text)
     where = files[-1] if files else None
     if where is None and any(type(c).__name__ == "JSONDecodeError" for c in chain):
         where = _json_unreadable(tree_dir)
-    return f"{type(best).__name__}: {text[:300]}" + (f"\n    file: {where}" if where else "")
+    if len(text) > _MAX_TEXT:
+        text = text[: _MAX_TEXT - 1] + "…"
+    return f"{type(best).__name__}: {text}" + (f"\n    file: {where}" if where else "")
+
+
+def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
+    """One line per distinct failure, naming the leaves that failed so: a damaged file
+    shared by many leaves (OCDBT keeps several arrays' data in one file) is one entry, not
+    the same text once per leaf."""
+    by_text: dict[str, list[str]] = {}
+    for path, text in failures:
+        by_text.setdefault(text, []).append(path or "<root>")
+    lines = []
+    for text, paths in by_text.items():
+        shown = ", ".join(paths[:_MAX_NAMED])
+        if len(paths) > _MAX_NAMED:
+            shown += f" and {len(paths) - _MAX_NAMED} more"
+        lines.append(f"  {shown}: {text}")
+    return lines
 
 
 def read_checked(
@@ -449,8 +471,8 @@ def read_checked(
                     raise e
                 read_arrays(source, {p: t})
             except Exception as e1:
-                bad.append(f"  {p or '<root>'}: {_failure(e1, source.tree_dir)}")
-        detail = "\n".join(bad) if bad else f"  {_failure(e, source.tree_dir)}"
+                bad.append((p, _failure(e1, source.tree_dir)))
+        detail = "\n".join(_grouped(bad)) if bad else f"  {_failure(e, source.tree_dir)}"
         n = len(bad)
         what = f"{n} lea{'ves' if n != 1 else 'f'}" if bad else "the checkpoint"
         raise CheckpointError(

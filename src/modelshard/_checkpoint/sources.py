@@ -182,6 +182,17 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         named = [c for c in items if c.name == STATE_ITEM] or items
         if len(named) != 1:
             found = ", ".join(c.name for c in items) or "none"
+            written = (
+                p / RECORD_FILE if (p / RECORD_FILE).exists() else p / RECORD_ITEM / RECORD_FILE
+            )
+            if not items and written.exists():  # modelshard wrote it: its tree metadata is gone
+                where = p if written.parent == p else p / STATE_ITEM
+                raise CheckpointError(
+                    f"checkpoint {p} is damaged: Orbax's tree metadata {where / TREE_METADATA} "
+                    f"is missing, though modelshard's record {written} is there: the save "
+                    "completed and the file was lost since. Restore a complete copy of the "
+                    "checkpoint."
+                )
             raise CheckpointError(
                 f"no Orbax checkpoint at {p}: expected a _METADATA file there or "
                 f"in exactly one item directory (found: {found})." + _manager_hint(p)
