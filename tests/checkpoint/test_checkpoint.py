@@ -606,6 +606,34 @@ def test_a_replicated_leaf_is_checksummed_on_one_replica(mesh24):
         assert one_replica(abstract).sharding == one.sharding
 
 
+@pytest.mark.parametrize(
+    "shape, spec, split",
+    [
+        ((64, 32), P(), True),  # 8 replicas, rows divide
+        ((3, 16), P(), True),  # rows do not divide, columns do
+        ((3, 5), P(), False),  # nothing divides: the first replica sums it all
+        ((64, 32), P(None, "model"), True),  # 2 replicas of each column block
+        ((64, 32), P("data", "model"), False),  # no replicas
+    ],
+)
+def test_the_replicas_of_a_block_share_its_sums(mesh24, shape, spec, split):
+    """Each device's own sums, before the all-reduce (``_block_program``'s rows): the
+    replicas of a block each sum a slice of it, where a dimension divides among them, and
+    the rows add up to the leaf's checksum either way. The first replica summed every
+    replicated leaf alone, the other devices waiting (``read_share``'s replicated restore,
+    verified, took 0.43 s more than unverified on 2 processes x 4 devices)."""
+    from modelshard._checkpoint.checksum import _block_program, checksums
+
+    x = jnp.asarray(np.random.default_rng(3).normal(size=shape).astype(np.float32))
+    y = jax.device_put(x, NamedSharding(mesh24, spec))
+    padded = P(*spec, *([None] * (len(shape) - len(spec))))
+    rows = np.asarray(_block_program(mesh24, padded, shape)(y)).astype(np.uint64)
+    total = rows.sum(axis=0) % 2**32
+    assert f"{int(total[0]):08x}:{int(total[1]):08x}" == checksums([x])[0]
+    busy = int(np.count_nonzero(rows.any(axis=1)))
+    assert busy == (8 if split or spec == P("data", "model") else 1), rows
+
+
 FRESH_PROCESS = """
 import collections, json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"

@@ -280,8 +280,14 @@ def _mesh_spec(x: Any) -> tuple[Any, Any] | None:
 
 def _block_sums(mesh: Any, spec: Any, shape: tuple[int, ...], x: jax.Array) -> jax.Array:
     """Inside ``shard_map``: this device's block of a leaf of ``shape`` laid out by
-    ``spec``, summed at its origin; zero on every replica but the first (which alone
-    reduces: the others skip the work)."""
+    ``spec``, summed at its origin, its replicas sharing the work.
+
+    The replicas of a block (the devices along the mesh axes ``spec`` does not use) each sum
+    an equal slice of it, along the first dimension they divide, so that their sums add up
+    to the block's; where no dimension divides, the first replica sums the whole block and
+    the others give zero. (The first replica alone summed every replicated leaf: a state
+    replicated over 8 devices was summed on one, the other seven waiting at the all-reduce,
+    in a save or a restore alike.)"""
     sizes = dict(mesh.shape)
     origin = []
     used: set[str] = set()
@@ -293,12 +299,23 @@ def _block_sums(mesh: Any, spec: Any, shape: tuple[int, ...], x: jax.Array) -> j
             index = index * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
         origin.append(index * jnp.uint32(block % 2**32))
     strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
-    origin_v = jnp.stack(origin) if origin else jnp.zeros((0,), jnp.uint32)
     strides_v = jnp.asarray(np.asarray(strides, np.uint32))
+    replicas = [a for a in mesh.axis_names if a not in used]
+    count = math.prod(sizes[a] for a in replicas)
+    split = next((d for d, n in enumerate(x.shape) if n >= count and n % count == 0), None)
+    if count > 1 and split is not None:
+        replica = jnp.uint32(0)
+        for a in replicas:
+            replica = replica * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+        piece = x.shape[split] // count
+        start = replica * jnp.uint32(piece)
+        part = jax.lax.dynamic_slice_in_dim(x, start.astype(jnp.int32), piece, axis=split)
+        origin[split] = origin[split] + start
+        return _checksum_one(part, jnp.stack(origin), strides_v)
+    origin_v = jnp.stack(origin) if origin else jnp.zeros((0,), jnp.uint32)
     first = jnp.bool_(True)
-    for a in mesh.axis_names:
-        if a not in used:
-            first = first & (jax.lax.axis_index(a) == 0)
+    for a in replicas:
+        first = first & (jax.lax.axis_index(a) == 0)
     return jax.lax.cond(
         first,
         lambda: _checksum_one(x, origin_v, strides_v),
