@@ -102,7 +102,8 @@ def _store_class() -> type:
 def chunk_cache(infos: Sequence[Any], max_bytes: int) -> Callable[[Any], Any]:
     """``info`` -> the same ``ParamInfo`` reading through a TensorStore context whose chunk
     cache holds up to ``max_bytes`` decoded chunks (one context per Orbax context among
-    ``infos``, made for this restore and dropped with it).
+    ``infos``, made for this restore and dropped with it); with ``max_bytes`` 0, ``info``
+    itself (no cache: ``chunks.shares_chunks``).
 
     Orbax's context caches no chunk data, so a stored chunk that two of a process's devices
     each need part of (a 256-row chunk restored onto 128-row shards) was read from storage
@@ -111,6 +112,8 @@ def chunk_cache(infos: Sequence[Any], max_bytes: int) -> Callable[[Any], Any]:
     """
     import tensorstore as ts
 
+    if max_bytes <= 0:
+        return _as_is
     spec = ts.Context.Spec({"cache_pool": {"total_bytes_limit": int(max_bytes)}})
     contexts: dict[int, Any] = {}
     for info in infos:
@@ -123,6 +126,10 @@ def chunk_cache(infos: Sequence[Any], max_bytes: int) -> Callable[[Any], Any]:
         return info if parent is None else info.replace(ts_context=contexts[id(parent)])
 
     return cached
+
+
+def _as_is(info: Any) -> Any:
+    return info
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -252,8 +259,8 @@ def _handler_class() -> type:
             self,
             on_read: Callable[[Any, Any], None],
             max_bytes: int,
-            group_bytes: Callable[[Any], int] | None = None,
-            cache_bytes: int | None = None,
+            group_bytes: Callable[[Any], int] | None,
+            cache_bytes: int,
         ) -> None:
             # as Orbax's default jax.Array handler is made (the store wraps PRNG key data),
             # with the store's file read once per restore rather than once per array
@@ -261,7 +268,7 @@ def _handler_class() -> type:
             self._on_read = on_read
             self._max_bytes = max_bytes
             self._group_bytes = group_bytes
-            self._cache_bytes = max_bytes if cache_bytes is None else cache_bytes
+            self._cache_bytes = cache_bytes
 
         async def deserialize(
             self, infos: Sequence[Any], args: Sequence[Any] | None = None
@@ -273,7 +280,7 @@ def _handler_class() -> type:
             limiter = FairLimiter(self._max_bytes)
             unlimited = UnlimitedInFlightBytes()
             base = super().deserialize
-            cached = chunk_cache(infos, self._cache_bytes) if self._cache_bytes else _as_is
+            cached = chunk_cache(infos, self._cache_bytes)
 
             async def one(info: Any, arg: Any) -> Any:
                 group = 0 if self._group_bytes is None else self._group_bytes(info)
@@ -296,15 +303,11 @@ def _handler_class() -> type:
     return EachArrayHandler
 
 
-def _as_is(info: Any) -> Any:
-    return info
-
-
 def each_array_registry(
     on_read: Callable[[Any, Any], None],
     max_bytes: int,
-    group_bytes: Callable[[Any], int] | None = None,
-    cache_bytes: int | None = None,
+    group_bytes: Callable[[Any], int] | None,
+    cache_bytes: int,
 ) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except that
     ``jax.Array``'s reads each array on its own and calls ``on_read(param_info, array)`` as
@@ -313,5 +316,5 @@ def each_array_registry(
     ``group_bytes(param_info)``: the bytes all of an array's reads reserve together (0: each
     read reserves its own); an array whose group is under ``max_bytes`` is reserved whole
     and its reads run at once. ``cache_bytes``: the decoded-chunk cache (``chunk_cache``;
-    default ``max_bytes``, 0 for none)."""
+    0 for none)."""
     return registry_with(_handler_class()(on_read, max_bytes, group_bytes, cache_bytes))
