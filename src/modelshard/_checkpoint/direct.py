@@ -26,7 +26,7 @@ from typing import Any
 
 from .arrival import aligned_empty, place_boxes, shard_boxes
 from .sources import Source, store_format
-from .storage import TREE_METADATA, orbax_name, read_small
+from .storage import TREE_METADATA, orbax_name
 from .urls import is_remote
 
 # The TensorStore resources of Orbax's own reads (``tensorstore_utils.get_ts_context``):
@@ -56,12 +56,10 @@ def read_spec(tree_dir: str, name: str) -> dict[str, Any]:
 
 def listed_arrays(source: Source) -> set[tuple[str, ...]]:
     """The storage keys of the arrays Orbax's ``_METADATA`` lists: what plain Orbax reads
-    the checkpoint by. The file is read whole and must be sound (a ``ValueError`` where it
-    is not: damaged metadata is a damaged checkpoint, though these reads do not need it)."""
-    import json
-
+    the checkpoint by. The file must be sound (a ``ValueError`` where it is not: damaged
+    metadata is a damaged checkpoint, though these reads do not need it)."""
     path = source.tree_dir / TREE_METADATA
-    meta = json.loads(read_small(path))
+    meta = source.tree_metadata()
     try:
         return {
             tuple(str(k["key"]) for k in entry["key_metadata"])

@@ -9,6 +9,7 @@ the model code when restoring, planning or resharding.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import stat
 from pathlib import Path
@@ -52,35 +53,44 @@ class Source:
     tree_dir: Path
     record: Record
     template: Any = None
+    _tree_bytes: bytes | None = dataclasses.field(default=None, repr=False)
+    _tree: Any = dataclasses.field(default=None, repr=False)
     _write_shapes: dict[tuple[str, ...], tuple[int, ...]] | None = dataclasses.field(
         default=None, repr=False
     )
+
+    def tree_metadata(self) -> Any:
+        """Orbax's ``_METADATA``, parsed: read and parsed once (from the bytes ``locate``
+        read to bound it), where a restore asked for it three times over (its chunk shapes,
+        its format, the arrays it lists). A file that does not parse raises each time."""
+        if self._tree is None:
+            raw = self._tree_bytes
+            if raw is None:
+                raw = read_small(self.tree_dir / TREE_METADATA)
+            self._tree = json.loads(raw)
+        return self._tree
 
     def write_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         """Each stored array's write (chunk) shape, by storage key, where Orbax's
         ``_METADATA`` records it (read once)."""
         if self._write_shapes is None:
-            self._write_shapes = _read_write_shapes(self.tree_dir / TREE_METADATA)
+            self._write_shapes = _read_write_shapes(self)
         return self._write_shapes
 
 
 def store_format(source: Source) -> tuple[bool, bool]:
     """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
-    import json
-
     try:
-        meta = json.loads(read_small(source.tree_dir / TREE_METADATA))
+        meta = source.tree_metadata()
         return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
     except (OSError, ValueError, AttributeError):
         return True, False
 
 
-def _read_write_shapes(meta: Path) -> dict[tuple[str, ...], tuple[int, ...]]:
-    import json
-
+def _read_write_shapes(source: Source) -> dict[tuple[str, ...], tuple[int, ...]]:
     out: dict[tuple[str, ...], tuple[int, ...]] = {}
     try:
-        for entry in json.loads(read_small(meta))["tree_metadata"].values():
+        for entry in source.tree_metadata()["tree_metadata"].values():
             shape = entry["value_metadata"].get("write_shape")
             if shape:
                 key = tuple(str(k["key"]) for k in entry["key_metadata"])
@@ -199,27 +209,25 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             )
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
-    read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
+    tree_bytes = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
     if record_file.exists() or (not remote and record_file.is_symlink()):
-        import json
-
         try:
             data = json.loads(read_small(record_file))
         except (ValueError, RecursionError) as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
-        return Source(p, tree_dir, Record.from_json(data, str(record_file)))
+        return Source(p, tree_dir, Record.from_json(data, str(record_file)), _tree_bytes=tree_bytes)
     if is_marked(p):
         raise CheckpointError(
             f"{record_file} is missing, but modelshard wrote {p}: without the record the "
             "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
             "complete copy of the checkpoint."
         )
-    return _from_orbax(p, tree_dir)
+    return _from_orbax(p, tree_dir, tree_bytes)
 
 
-def _from_orbax(p: Path, tree_dir: Path) -> Source:
+def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes) -> Source:
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -258,7 +266,7 @@ def _from_orbax(p: Path, tree_dir: Path) -> Source:
             )
         )
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
-    return Source(p, tree_dir, record, template=tree)
+    return Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes)
 
 
 def partial_wrap(impl: str) -> Any:
