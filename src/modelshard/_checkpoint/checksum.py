@@ -294,33 +294,33 @@ def _block_sums(mesh: Any, spec: Any, shape: tuple[int, ...], x: jax.Array) -> j
     for entry, block in zip(spec, x.shape, strict=True):
         axes = _entry_axes(entry) or ()
         used.update(axes)
-        index = jnp.uint32(0)
-        for a in axes:
-            index = index * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
-        origin.append(index * jnp.uint32(block % 2**32))
+        origin.append(_position(axes, sizes) * jnp.uint32(block % 2**32))
     strides = [math.prod(shape[d + 1 :]) % 2**32 for d in range(len(shape))]
     strides_v = jnp.asarray(np.asarray(strides, np.uint32))
     replicas = [a for a in mesh.axis_names if a not in used]
     count = math.prod(sizes[a] for a in replicas)
     split = next((d for d, n in enumerate(x.shape) if n >= count and n % count == 0), None)
     if count > 1 and split is not None:
-        replica = jnp.uint32(0)
-        for a in replicas:
-            replica = replica * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
         piece = x.shape[split] // count
-        start = replica * jnp.uint32(piece)
+        start = _position(replicas, sizes) * jnp.uint32(piece)
         part = jax.lax.dynamic_slice_in_dim(x, start.astype(jnp.int32), piece, axis=split)
         origin[split] = origin[split] + start
         return _checksum_one(part, jnp.stack(origin), strides_v)
     origin_v = jnp.stack(origin) if origin else jnp.zeros((0,), jnp.uint32)
-    first = jnp.bool_(True)
-    for a in replicas:
-        first = first & (jax.lax.axis_index(a) == 0)
     return jax.lax.cond(
-        first,
+        _position(replicas, sizes) == 0,  # the first replica
         lambda: _checksum_one(x, origin_v, strides_v),
         lambda: jnp.zeros((2,), jnp.uint32),
     )
+
+
+def _position(axes: Sequence[str], sizes: Mapping[str, int]) -> jax.Array:
+    """Inside ``shard_map``: this device's index along ``axes`` taken together, the first
+    major (as a spec entry of several axes splits a dimension), as ``uint32``."""
+    index = jnp.uint32(0)
+    for a in axes:
+        index = index * jnp.uint32(sizes[a]) + jax.lax.axis_index(a).astype(jnp.uint32)
+    return index
 
 
 @functools.lru_cache(maxsize=256)
