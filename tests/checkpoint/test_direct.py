@@ -87,17 +87,17 @@ def test_each_array_is_handed_over_while_later_ones_are_read(tmp_path, mesh8, mo
     monkeypatch.setattr(read, "RESTORE_CONCURRENT_BYTES", 3 * shard + 1)
     monkeypatch.setattr(cs, "HOST_MAX_ELEMENTS", 0)  # every leaf reduced on the devices
     started, handed = [0], []
-    empty, add = direct.aligned_empty, cs.Checksums.add
+    start, add = direct.start_read, cs.Checksums.add
 
-    def empty_spy(shape, dtype):
+    def start_spy(view):
         started[0] += 1
-        return empty(shape, dtype)
+        return start(view)
 
     def add_spy(self, key, x):
         handed.append((key, started[0]))
         return add(self, key, x)
 
-    monkeypatch.setattr(direct, "aligned_empty", empty_spy)
+    monkeypatch.setattr(direct, "start_read", start_spy)
     monkeypatch.setattr(cs.Checksums, "add", add_spy)
     _equal(ms.restore(tmp_path / "c", like=state), state)
     assert [k for k, _ in handed] == [f"layer{i}/w" for i in range(8)]  # in order
@@ -123,19 +123,19 @@ def test_bytes_in_flight_stay_under_the_cap(tmp_path, saved_cols, wanted, monkey
     cap = read.read_cap([(one, chunk)])
     distinct = len(read.read_sizes(one, chunk))
     live, peak, batches = [0], [0], []
-    empty, place = direct.aligned_empty, direct.place_boxes
+    start, place = direct.start_read, direct.place_boxes
 
-    def empty_spy(shape, dtype):
-        live[0] += int(np.prod(shape)) * 4
+    def start_spy(view):
+        live[0] += int(np.prod(view.shape)) * 4
         peak[0] = max(peak[0], live[0])
-        return empty(shape, dtype)
+        return start(view)
 
     def place_spy(bufs, devices, sharding):
         live[0] -= sum(b.nbytes for b in bufs)
         batches.append(len(bufs))
         return place(bufs, devices, sharding)
 
-    monkeypatch.setattr(direct, "aligned_empty", empty_spy)
+    monkeypatch.setattr(direct, "start_read", start_spy)
     monkeypatch.setattr(direct, "place_boxes", place_spy)
     _equal(ms.restore(tmp_path / "c", like=like), state)
     assert batches == [distinct] * 8  # each array's shards read and placed together

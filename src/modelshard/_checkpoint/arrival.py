@@ -147,14 +147,20 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
 HOST_ALIGN = 64
 
 
+def start_read(view: Any) -> tuple[Any, Any]:
+    """Start reading ``view`` (an open TensorStore, indexed) into a new ``aligned_empty``
+    array: the array, and TensorStore's future of the read (await it, or ``result()``)."""
+    import tensorstore as ts
+
+    buf = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
+    return buf, ts.array(buf).write(view)
+
+
 async def read_box(store: Any, bounds: tuple[tuple[int, int], ...]) -> Any:
     """The box ``bounds`` (``(start, stop)`` per dimension) of the open TensorStore
     ``store``, read into a new ``aligned_empty`` array."""
-    import numpy as np
-    import tensorstore as ts
-
-    buf = aligned_empty(tuple(hi - lo for lo, hi in bounds), np.dtype(store.dtype.numpy_dtype))
-    await ts.array(buf).write(store[tuple(slice(lo, hi) for lo, hi in bounds)])
+    buf, done = start_read(store[tuple(slice(lo, hi) for lo, hi in bounds)])
+    await done
     return buf
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arrival import aligned_empty, place_boxes, shard_boxes
+from .arrival import place_boxes, shard_boxes, start_read
 from .sources import Source, store_format
 from .storage import TREE_METADATA, orbax_name
 from .urls import is_remote
@@ -190,10 +190,8 @@ def read_direct(
             finish_oldest()
         reads = []
         for i in idx:
-            lo_hi = a.boxes[i]
-            buf = aligned_empty(tuple(hi - lo for lo, hi in lo_hi), a.target.dtype)
-            view = a.store[tuple(slice(lo, hi) for lo, hi in lo_hi)]
-            reads.append(_Read(buf, ts.array(buf).write(view)))
+            view = a.store[tuple(slice(lo, hi) for lo, hi in a.boxes[i])]
+            reads.append(_Read(*start_read(view)))
         in_flight.append((a, idx, n, reads))
         reserved += n
     while in_flight:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._base import CheckpointError
-from .arrival import aligned_empty
+from .arrival import start_read
 from .leaks import stop_leaks
 from .record import LeafRecord
 from .sources import Source, store_format
@@ -68,12 +68,11 @@ class ArrayReader:
                     use_ocdbt=use_ocdbt,
                 )
                 self.store = ts.open(spec.json, context=self.context).result()
-            view = self.store[box]
             # Read into a buffer aligned for XLA's CPU client: ``device_put`` onto a CPU
             # device (``write_stream`` checksums each slab there) then adopts it as it
             # is, where TensorStore's own ``read()`` result was copied first.
-            out = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
-            ts.array(out).write(view).result()
+            out, done = start_read(self.store[box])
+            done.result()
             return out
         except Exception as e:
             raise _unreadable(self.source, self.rec, e) from e
