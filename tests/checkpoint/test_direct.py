@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from modelshard._checkpoint import checksum as cs
-from modelshard._checkpoint import direct, read
+from modelshard._checkpoint import direct, ocdbt, read
 from modelshard._checkpoint.chunks import shares_chunks
 from modelshard._checkpoint.sources import locate
 
@@ -46,7 +46,7 @@ def test_the_spec_is_the_one_orbax_reads_with(tmp_path, mesh8):
     source = locate(path)
     assert direct.readable(source)
     orbax = ArrayReadSpec(str(source.tree_dir), "layer0.w", False, use_ocdbt=True)
-    assert direct.read_spec(str(source.tree_dir), "layer0.w") == orbax.json
+    assert ocdbt.read_spec(str(source.tree_dir), "layer0.w") == orbax.json
 
 
 def test_a_fresh_process_restores_without_importing_orbax(tmp_path):

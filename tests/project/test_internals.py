@@ -16,7 +16,11 @@ import pytest
 from modelshard._internals.needs import installed, needed, supported
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "modelshard"
-INTERNALS = {SRC / "_internals" / "orbax.py", SRC / "_internals" / "jax.py"}
+INTERNALS = {
+    SRC / "_internals" / "orbax.py",
+    SRC / "_internals" / "orbax_text.py",
+    SRC / "_internals" / "jax.py",
+}
 PRIVATE = re.compile(r"\b(jax|jaxlib|orbax(\.checkpoint)?)\._src\b")
 
 
@@ -46,6 +50,17 @@ def test_every_private_name_imports(module: str) -> None:
     for symbol, names in blocks:
         assert len(names) == 1, f"{symbol}: one symbol per needed(...) block, got {names}"
         assert hasattr(mod, names[0]), symbol
+
+
+def test_every_name_written_as_text_is_orbaxs() -> None:
+    """``orbax_text`` spells Orbax's private names without importing Orbax: each must still
+    name what the installed Orbax has."""
+    import orbax.checkpoint as ocp
+
+    from modelshard._internals import orbax_text
+
+    cls = ocp.StandardCheckpointHandler
+    assert f"{cls.__module__}.{cls.__qualname__}" == orbax_text.STANDARD_HANDLER_NAME
 
 
 def test_every_private_import_sits_in_a_needed_block() -> None:

@@ -5,8 +5,9 @@ The sums themselves are ``fmix``'s; integer sums do not depend on reduction orde
 leaf's checksum is the same whatever sharding it has when it is computed. Leaves are
 reduced where they live, each device summing its own blocks: a save's in one program per
 mesh (``dispatch_sums``), a restore's with a program per shape and layout (``leaf_sums``,
-``dispatch_leaf_sums``). Leaves too small to be worth compiling for, and every leaf of
-``modelshard reshard``, are summed on the host instead (``host_sums``: nothing compiled,
+``dispatch_leaf_sums``), and a streamed checkpoint's slab by slab on one device
+(``box_sums``: ``reshard``, ``modelshard convert``). Leaves too small to be worth compiling
+for are summed on the host instead (``host_sums``: nothing compiled,
 nothing gathered); both give the same numbers.
 """
 

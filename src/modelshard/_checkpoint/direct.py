@@ -4,8 +4,8 @@ on a local disk.
 A process that restores once (a job resuming) paid for Orbax's import, about 0.2 s of
 its first restore, although the bytes come from TensorStore either way: Orbax's read path
 opens each stored array with a TensorStore spec and reads it. ``read_direct`` opens the
-same spec (``read_spec``: zarr v2 chunks in the checkpoint's OCDBT database, as Orbax's
-``ArrayReadSpec`` builds it; a test compares the two) in a context like Orbax's, and reads
+same spec (``ocdbt.read_spec``: zarr v2 chunks in the checkpoint's OCDBT database, as
+Orbax's ``ArrayReadSpec`` builds it) in a context like Orbax's, and reads
 each distinct shard this process holds into the buffer its device keeps, as
 ``arrival.read_placed`` does inside Orbax's handler. Reads are started first come, first
 served, while the bytes in flight stay under the restore's cap (an array whose reads fit
@@ -25,33 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arrival import place_boxes, shard_boxes, start_read
+from .ocdbt import context, read_spec
 from .sources import Source, store_format
 from .storage import TREE_METADATA, orbax_name
 from .urls import is_remote
-
-# The TensorStore resources of Orbax's own reads (``tensorstore_utils.get_ts_context``):
-# file reads in flight, and a cache of OCDBT's B-tree nodes.
-FILE_IO_CONCURRENCY = 128
-OCDBT_NODE_CACHE_BYTES = 100_000_000
-
-
-def read_spec(tree_dir: str, name: str) -> dict[str, Any]:
-    """The TensorStore spec of the stored array ``name`` (Orbax's name of its key) in the
-    OCDBT database of ``tree_dir``, zarr v2 chunks: the spec Orbax's read path opens."""
-    base = tree_dir.rstrip("/") + "/"
-    return {
-        "driver": "zarr",
-        "kvstore": {
-            "driver": "ocdbt",
-            "base": {"driver": "file", "path": base, "file_io_locking": {"mode": "non_atomic"}},
-            "manifest": {"driver": "file", "path": base},
-            "path": name,
-            "cache_pool": "cache_pool#ocdbt",
-        },
-        "recheck_cached_data": False,
-        "recheck_cached_metadata": False,
-        "fill_missing_data_reads": False,
-    }
 
 
 def listed_arrays(source: Source) -> set[tuple[str, ...]]:
@@ -117,14 +94,8 @@ def read_direct(
     import tensorstore as ts
 
     boxes = {p: shard_boxes(t.sharding, tuple(t.shape)) for p, t in targets.items()}
-    context = ts.Context(
-        {
-            "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY},
-            "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_NODE_CACHE_BYTES},
-            # decoded chunks, so that a chunk two local shards need is read once
-            "cache_pool": {"total_bytes_limit": int(cache_bytes)},
-        }
-    )
+    # decoded chunks cached, so that a chunk two local shards need is read once
+    ctx = context(cache_bytes)
     recs = source.record.by_path()
     listed = listed_arrays(source)
     for p in targets:
@@ -135,7 +106,7 @@ def read_direct(
             )
     tree_dir = str(source.tree_dir)
     opening = {
-        p: ts.open(read_spec(tree_dir, orbax_name(recs[p].key)), open=True, context=context)
+        p: ts.open(read_spec(tree_dir, orbax_name(recs[p].key)), open=True, context=ctx)
         for p in targets
     }
     arrays = []

@@ -1,7 +1,7 @@
 """Checksums summed on the host with NumPy: nothing compiled, nothing gathered.
 
-A leaf too small to be worth compiling a program for, or every leaf of ``modelshard
-reshard`` (which compiles nothing), is summed here, shard by shard where it lives (a
+A leaf too small to be worth compiling a program for (every leaf, with ``checksums(...,
+host=True)``) is summed here, shard by shard where it lives (a
 zero-copy view on CPU devices), ``HOST_BLOCK_ELEMENTS`` elements at a time. The position
 terms of blocks laid out alike are kept for reuse (``HOST_WEIGHT_CACHE_BYTES``). The sums
 are ``fmix``'s, as the devices take them.

@@ -24,7 +24,7 @@ from .listing import manager_step
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
 from .sources import Source, locate, planning_tree, store_format
-from .stored import ArrayReader
+from .stored import ArrayReader, reader_context
 from .stream import Stream, StreamLeaf, write_remote
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic
@@ -168,9 +168,7 @@ def rewrite(
     by_path = record.by_path()
     fmt = store_format(source)
     chunks = source.write_shapes()
-    from orbax.checkpoint import type_handlers as tsu
-
-    context = tsu.get_ts_context(use_ocdbt=fmt[0])
+    context = reader_context(source, fmt)
     leaves = []
     for leaf, s in zip(p.args[0].leaves, shardings, strict=True):
         rec = by_path[leaf.path]

@@ -10,9 +10,11 @@ from typing import Any
 from .._base import CheckpointError
 from .arrival import start_read
 from .leaks import stop_leaks
+from .ocdbt import context, read_spec
 from .record import LeafRecord
 from .sources import Source, store_format
 from .storage import orbax_name
+from .urls import is_remote
 
 
 def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> CheckpointError:
@@ -21,6 +23,32 @@ def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> Checkpoint
         f"cannot read 1 leaf of {source.path} (damaged or incomplete checkpoint):\n"
         f"  {rec.path or '<root>'}: {type(e).__name__}: {text}"
     )
+
+
+def _local_ocdbt(source: Source, fmt: tuple[bool, bool]) -> bool:
+    """Whether ``source``'s arrays are read without Orbax (``ocdbt.py``): zarr v2 in OCDBT
+    on a local disk."""
+    return fmt == (True, False) and not is_remote(source.path)
+
+
+def reader_context(source: Source, fmt: tuple[bool, bool]) -> Any:
+    """The TensorStore context the readers of ``source`` (``store_format`` ``fmt``) share:
+    Orbax's, built without Orbax where ``ocdbt.py`` reads the checkpoint."""
+    if _local_ocdbt(source, fmt):
+        return context()
+    from orbax.checkpoint import type_handlers as tsu
+
+    return tsu.get_ts_context(use_ocdbt=fmt[0])
+
+
+def _spec(source: Source, fmt: tuple[bool, bool], name: str) -> Any:
+    if _local_ocdbt(source, fmt):
+        return read_spec(str(source.tree_dir), name)
+    from .._internals import ArrayReadSpec
+
+    stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
+    use_ocdbt, use_zarr3 = fmt
+    return ArrayReadSpec(str(source.tree_dir), name, use_zarr3, use_ocdbt=use_ocdbt).json
 
 
 class ArrayReader:
@@ -35,7 +63,8 @@ class ArrayReader:
         source: the located checkpoint.
         rec: the leaf's record in ``source.record``.
         fmt: ``store_format(source)`` (computed once per checkpoint), or None.
-        context: a TensorStore context shared by the readers of one checkpoint, or None.
+        context: a TensorStore context shared by the readers of one checkpoint
+            (``reader_context``), or None.
     """
 
     def __init__(
@@ -45,29 +74,18 @@ class ArrayReader:
         fmt: tuple[bool, bool] | None = None,
         context: Any = None,
     ):
-        from orbax.checkpoint import type_handlers as tsu
-
         self.source, self.rec = source, rec
         self.fmt = store_format(source) if fmt is None else fmt
-        self.context = tsu.get_ts_context(use_ocdbt=self.fmt[0]) if context is None else context
+        self.context = reader_context(source, self.fmt) if context is None else context
         self.store: Any = None
 
     def __call__(self, box: tuple[slice, ...]) -> Any:
         import tensorstore as ts
 
-        from .._internals import ArrayReadSpec
-
         try:
             if self.store is None:
-                use_ocdbt, use_zarr3 = self.fmt
-                stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
-                spec = ArrayReadSpec(
-                    str(self.source.tree_dir),
-                    orbax_name(self.rec.key),
-                    use_zarr3,
-                    use_ocdbt=use_ocdbt,
-                )
-                self.store = ts.open(spec.json, context=self.context).result()
+                spec = _spec(self.source, self.fmt, orbax_name(self.rec.key))
+                self.store = ts.open(spec, context=self.context).result()
             # Read into a buffer aligned for XLA's CPU client: ``device_put`` onto a CPU
             # device (``write_stream`` checksums each slab there) then adopts it as it
             # is, where TensorStore's own ``read()`` result was copied first.

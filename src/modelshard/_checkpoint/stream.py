@@ -10,7 +10,9 @@ The result is the checkpoint ``save`` writes, readable by raw Orbax: every array
 with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the process
 that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside the arrays
 (``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
-here in Orbax's format, and Orbax's own finalize step merges the per-process stores.
+here in Orbax's format, and Orbax's finalize step merges the per-process stores. On a
+local disk all of it is built without importing Orbax (``ocdbt.py``: the same JSON, the
+same merge); on object storage Orbax builds the specs and merges.
 TensorStore writes a process's store without syncing it at each commit (each slab's write
 is one); the store is synced once, whole, when its last slab is written, before anything
 is published.
@@ -55,6 +57,7 @@ from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums
 from .chunks import aligned_chunks
 from .leaks import stop_leaks
+from .ocdbt import context, merge, sharding_json, write_spec
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -253,19 +256,33 @@ def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
 
 
 def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
+    """The TensorStore spec ``lay``'s array is written with: Orbax's ``ArrayWriteSpec``,
+    built without Orbax on a local disk (``ocdbt.write_spec``)."""
+    dtype = parse_dtype(lay.rec.stored_dtype)
+    name = orbax_name(lay.rec.key)
+    if not is_remote(directory):
+        return write_spec(
+            _posix(directory),
+            name,
+            shape=lay.rec.stored_shape,
+            chunk=lay.chunk,
+            dtype=dtype,
+            process=process,
+            compress=compress,
+        )
     from .._internals import ArrayWriteSpec
 
     stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
     return ArrayWriteSpec(
         _posix(directory),
-        orbax_name(lay.rec.key),
+        name,
         global_shape=lay.rec.stored_shape,
         write_shape=lay.chunk,
-        dtype=parse_dtype(lay.rec.stored_dtype),
+        dtype=dtype,
         use_ocdbt=True,
         process_id=process,
         use_compression=compress,
-    )
+    ).json
 
 
 def _posix(directory: Any) -> str:
@@ -323,16 +340,18 @@ def _copy_all(
     before it is checksummed and written. Returns, per path, the checksum of what was
     stored and, where ``expect`` is set, that of what was read (else None)."""
     import tensorstore as ts
-    from orbax.checkpoint import type_handlers as tsu
 
-    context = tsu.get_ts_context(use_ocdbt=True)
     local = not is_remote(directory)
     if local:
         # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's
         # write is a commit: slab after slab waited on the disk. The store is synced
         # once, whole, when every slab is written (``sync_tree`` below), before anything
         # is published.
-        context = ts.Context(ts.Context.Spec({"file_io_sync": False}), parent=context)
+        ctx = context(sync=False)
+    else:
+        from orbax.checkpoint import type_handlers as tsu
+
+        ctx = tsu.get_ts_context(use_ocdbt=True)
     tasks = [
         (lay, box, i == len(boxes) - 1)
         for lay in layouts
@@ -343,7 +362,7 @@ def _copy_all(
     # Every array is created before any is written, all at once: OCDBT commits the
     # creations together, where one at a time each would wait for the writes before it.
     opening = [
-        ts.open(_ts_spec(directory, lay, process, compress).json, create=True, context=context)
+        ts.open(_ts_spec(directory, lay, process, compress), create=True, context=ctx)
         for lay in layouts
     ]
     opened = {
@@ -436,14 +455,12 @@ def _tree_metadata(layouts: Sequence[_Layout]) -> dict[str, Any]:
 
 
 def _sharding_file(layouts: Sequence[_Layout]) -> dict[str, str]:
-    from orbax.checkpoint.metadata import NamedShardingMetadata
-
     out = {}
     for lay in layouts:
         if not math.prod(lay.rec.stored_shape):
             continue
         name = base64.urlsafe_b64encode(orbax_name(lay.rec.key).encode()).decode()
-        out[name] = NamedShardingMetadata.from_jax_sharding(lay.sharding).to_serialized_string()
+        out[name] = sharding_json(lay.sharding)
     return out
 
 
@@ -476,7 +493,16 @@ def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
     }
 
 
-def _finalize(directory: Any) -> None:
+def _finalize(directory: Any, layouts: Sequence[_Layout]) -> None:
+    """Orbax's finalize: each process's OCDBT database merged into the checkpoint's
+    (``ocdbt.merge`` on a local disk)."""
+    if not is_remote(directory):
+        names = [orbax_name(lay.rec.key) for lay in layouts if math.prod(lay.rec.stored_shape)]
+        try:
+            merge(_posix(directory), names)
+        except ValueError as e:
+            raise CheckpointError(f"cannot write {directory}: {e}") from e
+        return
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -583,7 +609,7 @@ class Stream:
         if process == 0:
             (directory / TREE_METADATA).write_text(json.dumps(_tree_metadata(self.layouts)))
             (directory / "_sharding").write_text(json.dumps(_sharding_file(self.layouts)))
-            _finalize(directory)
+            _finalize(directory, self.layouts)
             (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start_ns)))
         if self.progress is not None and count == 1:
             self.progress(self.total, self.total)

@@ -91,9 +91,3 @@ with needed(
     "(_checkpoint/barriers.py)",
 ):
     from orbax.checkpoint._src.multihost import multihost
-
-# Orbax records each item's handler by the dotted name of its class, which lives in a
-# private module; a checkpoint written by ``stream.py`` records the name Orbax itself would.
-STANDARD_HANDLER_NAME = (
-    f"{ocp.StandardCheckpointHandler.__module__}.{ocp.StandardCheckpointHandler.__qualname__}"
-)

@@ -1,0 +1,181 @@
+"""Orbax's layout of arrays in OCDBT on a local disk, read and written without importing
+Orbax.
+
+A checkpoint of modelshard's is Orbax's own format: zarr v2 arrays in an OCDBT database,
+one per writing process (``ocdbt.process_<i>/``) merged into the checkpoint's root once all
+are written, beside Orbax's metadata files. Orbax's import is about 0.2 s of a fresh
+process (``modelshard reshard``, a job restoring once), although the bytes go through
+TensorStore either way. So what Orbax would give for a local checkpoint is built here as
+plain JSON, each equal to Orbax's own (``tests/checkpoint/test_ocdbt.py`` compares them
+for every stored dtype, both encodings, both axis types, one and two processes):
+
+- ``read_spec``, ``write_spec``: the TensorStore specs Orbax's read and write paths open
+  for one array (``ArrayReadSpec``, ``ArrayWriteSpec``);
+- ``context``: Orbax's TensorStore context (``get_ts_context``);
+- ``sharding_json``: an array's entry of Orbax's ``_sharding`` file
+  (``NamedShardingMetadata.to_serialized_string``);
+- ``merge``: Orbax's finalize of an OCDBT save (``merge_ocdbt_per_process_files``), each
+  process's database copied into the root's in one atomic transaction, after the same
+  check (every array has its zarr metadata and chunks);
+
+Object storage and other formats still go through Orbax.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+# Orbax's TensorStore resources (``tensorstore_utils.get_ts_context``): file reads and
+# writes in flight, and a cache of OCDBT's B-tree nodes.
+FILE_IO_CONCURRENCY = 128
+OCDBT_NODE_CACHE_BYTES = 100_000_000
+
+# What Orbax's writes configure an OCDBT database with (``_add_ocdbt_write_options``).
+TARGET_DATA_FILE_SIZE = 2 << 30
+_WRITE_CONFIG = {
+    "target_data_file_size": TARGET_DATA_FILE_SIZE,
+    "config": {
+        "max_inline_value_bytes": 1024,
+        "max_decoded_node_bytes": 100_000_000,
+        "manifest_kind": "single",
+    },
+    "assume_config": True,
+}
+
+# Orbax's names of a zarr v2 array's metadata and chunk keys (``ocdbt_utils``).
+_ZARRAY = re.compile(r"(?:^|/)\.zarray$")
+_CHUNK = re.compile(r"(?:^|/)\d+(\.\d+)*$")
+
+
+def context(cache_bytes: int = 0, *, sync: bool = True) -> Any:
+    """A TensorStore context like Orbax's: ``cache_bytes`` of decoded chunks (0: none);
+    without ``sync``, files written are not synced as each OCDBT commit writes them (the
+    writer syncs the store itself, once)."""
+    import tensorstore as ts
+
+    spec: dict[str, Any] = {
+        "file_io_concurrency": {"limit": FILE_IO_CONCURRENCY},
+        "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_NODE_CACHE_BYTES},
+    }
+    if cache_bytes:
+        spec["cache_pool"] = {"total_bytes_limit": int(cache_bytes)}
+    if not sync:
+        spec["file_io_sync"] = False
+    return ts.Context(spec)
+
+
+def _kvstore(directory: str, *, write: bool) -> dict[str, Any]:
+    base = os.path.normpath(directory) + "/"
+    spec: dict[str, Any] = {
+        "driver": "ocdbt",
+        "base": {"driver": "file", "path": base, "file_io_locking": {"mode": "non_atomic"}},
+        "manifest": {"driver": "file", "path": base},
+    }
+    if write:
+        spec.update(_WRITE_CONFIG)
+    return spec
+
+
+def read_spec(tree_dir: str, name: str) -> dict[str, Any]:
+    """The TensorStore spec of the stored array ``name`` (Orbax's name of its key) in the
+    OCDBT database of ``tree_dir``, zarr v2 chunks: the spec Orbax's read path opens."""
+    return {
+        "driver": "zarr",
+        "kvstore": {
+            **_kvstore(tree_dir, write=False),
+            "path": name,
+            "cache_pool": "cache_pool#ocdbt",
+        },
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+        "fill_missing_data_reads": False,
+    }
+
+
+def write_spec(
+    tree_dir: str,
+    name: str,
+    *,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    dtype: Any,
+    process: int,
+    compress: bool,
+) -> dict[str, Any]:
+    """The TensorStore spec Orbax's ``ArrayWriteSpec`` gives the array ``name`` of
+    ``shape`` and ``dtype`` (a NumPy dtype), stored in chunks of ``chunk`` (under
+    ``TARGET_DATA_FILE_SIZE`` bytes, where Orbax keeps the shape it is given) in the
+    database of ``process``, raw or zstd-compressed."""
+    kv = _kvstore(os.path.join(tree_dir, f"ocdbt.process_{process}"), write=True)
+    return {
+        "driver": "zarr",
+        "kvstore": {**kv, "path": name, "cache_pool": "cache_pool#ocdbt"},
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+        "store_data_equal_to_fill_value": True,
+        "metadata": {
+            "shape": list(shape),
+            "chunks": list(chunk),
+            "compressor": {"id": "zstd", "level": 1} if compress else None,
+        },
+        "dtype": dtype.name,
+    }
+
+
+def sharding_json(sharding: Any) -> str:
+    """``sharding`` (a ``NamedSharding``) as Orbax's ``_sharding`` file holds it."""
+    mesh = sharding.mesh
+    data = {
+        "sharding_type": "NamedSharding",
+        "shape": [int(n) for n in mesh.shape.values()],
+        "axis_names": list(mesh.axis_names),
+        "axis_types": [str(t) for t in mesh.axis_types],
+        "partition_spec": list(sharding.spec),
+        "device_mesh": {"mesh": _ids(mesh.devices.tolist())},
+    }
+    return json.dumps(data)
+
+
+def _ids(devices: Any) -> Any:
+    if isinstance(devices, list):
+        return [_ids(d) for d in devices]
+    return {"id": int(devices.id)}
+
+
+def merge(tree_dir: str, names: Iterable[str]) -> None:
+    """Orbax's finalize of an OCDBT save: every ``ocdbt.process_<i>`` database under
+    ``tree_dir`` copied into the root's, in one atomic transaction, once every array of
+    ``names`` (Orbax's names) is seen with its zarr metadata and its chunks. A ``ValueError``
+    lists what is missing (nothing is committed then)."""
+    import tensorstore as ts
+
+    ctx = context()
+    children = sorted(
+        os.path.join(tree_dir, d) for d in os.listdir(tree_dir) if d.startswith("ocdbt.process_")
+    )
+    opening = [ts.KvStore.open(_kvstore(d, write=False), context=ctx) for d in children]
+    parent = ts.KvStore.open(_kvstore(tree_dir, write=True), context=ctx).result()
+    txn = ts.Transaction(atomic=True)
+    into = parent.with_transaction(txn)
+    for done in [child.result().experimental_copy_range_to(into) for child in opening]:
+        done.result()
+    with_meta, with_chunks = set(), set()
+    for key in into.list().result():
+        k = key.decode()
+        if _ZARRAY.search(k):
+            with_meta.add(_ZARRAY.sub("", k))
+        else:
+            with_chunks.add(_CHUNK.sub("", k))
+    wanted = set(names)
+    missing = sorted((wanted - with_meta) | (wanted - with_chunks))
+    if missing:
+        txn.abort()
+        raise ValueError(
+            f"{tree_dir}: {len(missing)} of {len(wanted)} arrays are missing their zarr "
+            f"metadata or chunks after the merge: {', '.join(missing)}"
+        )
+    txn.commit_async().result()

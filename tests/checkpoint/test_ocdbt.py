@@ -1,0 +1,159 @@
+"""Orbax's layout of arrays in OCDBT, built without Orbax: each spec, file entry and merge
+equal to Orbax's own, and a reshard in a fresh process that never imports Orbax."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorstore as ts
+from etils import epath
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard._checkpoint import ocdbt, stream
+from modelshard._checkpoint.sources import locate
+
+# every dtype a checkpoint stores (record.STORED_AS maps the others onto these)
+DTYPES = [
+    "float32", "bfloat16", "float16", "float64", "int8", "uint8", "int16", "int32", "uint32",
+    "int64", "bool", "int4", "int2", "float8_e5m2", "float8_e4m3fn", "complex64",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("process", [0, 1])
+def test_the_write_spec_is_orbaxs(dtype, compress, process):
+    from modelshard._internals import ArrayWriteSpec
+
+    for shape, chunk in [((1024, 2048), (512, 256)), ((), ()), ((7, 3, 5), (7, 1, 5))]:
+        orbax = ArrayWriteSpec(
+            "/ck/state/",
+            "layers.0.w",
+            global_shape=shape,
+            write_shape=chunk,
+            dtype=jnp.dtype(dtype),
+            use_ocdbt=True,
+            process_id=process,
+            use_compression=compress,
+        )
+        ours = ocdbt.write_spec(
+            "/ck/state/",
+            "layers.0.w",
+            shape=shape,
+            chunk=chunk,
+            dtype=jnp.dtype(dtype),
+            process=process,
+            compress=compress,
+        )
+        assert ours == json.loads(json.dumps(orbax.json))
+
+
+def test_the_read_spec_is_orbaxs(tmp_path, mesh8):
+    from modelshard._internals import ArrayReadSpec
+
+    path = ms.save(tmp_path / "c", {"w": ms.shard(jnp.ones((64, 8)), ms.fsdp("data"), mesh8)})
+    tree = str(locate(path).tree_dir)
+    orbax = ArrayReadSpec(tree, "w", False, use_ocdbt=True)
+    assert ocdbt.read_spec(tree, "w") == orbax.json
+
+
+def test_the_context_is_orbaxs():
+    orbax = ocp.type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+    assert ocdbt.context().spec.to_json() == orbax
+    assert ocdbt.context(1 << 20, sync=False).spec.to_json() == {
+        **orbax,
+        "cache_pool": {"total_bytes_limit": 1 << 20},
+        "file_io_sync": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "spec", [P(), P("data"), P(None, "model"), P("data", "model"), P(("data", "model"))]
+)
+def test_the_sharding_entry_is_orbaxs(mesh24, spec):
+    sharding = NamedSharding(mesh24, spec)
+    orbax = ocp.metadata.NamedShardingMetadata.from_jax_sharding(sharding)
+    assert ocdbt.sharding_json(sharding) == orbax.to_serialized_string()
+
+
+def _entries(directory):
+    """Every key of the OCDBT database at ``directory`` with its value."""
+    store = ts.KvStore.open(
+        {"driver": "ocdbt", "base": {"driver": "file", "path": str(directory) + "/"}}
+    ).result()
+    return {k: store.read(k).result().value for k in store.list().result()}
+
+
+def test_the_merge_is_orbaxs(tmp_path, mesh8, monkeypatch):
+    """The databases a reshard wrote, merged by ``ocdbt.merge`` and, in a copy, by Orbax's
+    finalize: the two roots hold the same keys and values, and plain Orbax reads ours."""
+    values = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "b": np.ones(3)}
+    src = ms.save(tmp_path / "src", ms.shard(values, ms.fsdp("data"), mesh8))
+    copy = tmp_path / "orbax_merged"
+    merge = ocdbt.merge
+
+    def copy_then_merge(tree_dir, names):
+        shutil.copytree(tree_dir, copy)
+        merge(tree_dir, names)
+
+    monkeypatch.setattr(stream, "merge", copy_then_merge)
+    rules = ms.Rules([("w$", P(None, "data")), (".*", P())])
+    out = ms.reshard(src, tmp_path / "dst", specs=rules, mesh=mesh8)
+    ocp.PyTreeCheckpointHandler(use_zarr3=False).finalize(epath.Path(copy))
+    ours = _entries(out)
+    assert ours == _entries(copy)
+    assert {k.decode() for k in ours} >= {"w/.zarray", "b/.zarray"}
+    plain = ocp.StandardCheckpointer().restore(str(out))
+    np.testing.assert_array_equal(plain["w"], values["w"])
+
+
+def test_a_merge_missing_an_array_names_it_and_commits_nothing(tmp_path, mesh8):
+    src = ms.save(tmp_path / "src", {"w": ms.shard(jnp.ones((64, 8)), ms.fsdp("data"), mesh8)})
+    staged = tmp_path / "staged"
+    shutil.copytree(locate(src).tree_dir, staged)
+    for f in staged.glob("manifest.ocdbt"):
+        f.unlink()  # the root's database, as before a merge
+    shutil.rmtree(staged / "d", ignore_errors=True)
+    with pytest.raises(ValueError) as e:
+        ocdbt.merge(str(staged), ["w", "v"])
+    assert str(e.value) == (
+        f"{staged}: 1 of 2 arrays are missing their zarr metadata or chunks after the merge: v"
+    )
+    assert not (staged / "manifest.ocdbt").exists()
+
+
+def test_a_fresh_process_reshards_without_importing_orbax(tmp_path, mesh8):
+    src = ms.save(
+        tmp_path / "src",
+        ms.shard(
+            {"w": np.arange(64 * 64, dtype=np.float32).reshape(64, 64)}, ms.fsdp("data"), mesh8
+        ),
+    )
+    script = f"""
+import sys
+from modelshard.cli import main
+code = main(["reshard", {str(src)!r}, {str(tmp_path / "dst")!r}, "--mesh", "data=2,model=4"])
+print(code, sorted(m for m in sys.modules if m.startswith("orbax")))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "0 []"
+    plain = ocp.StandardCheckpointer().restore(str(tmp_path / "dst"))
+    np.testing.assert_array_equal(plain["w"], np.arange(64 * 64, dtype=np.float32).reshape(64, 64))
+    back = ms.restore(tmp_path / "dst")  # verified: the source's checksums carried over
+    np.testing.assert_array_equal(np.asarray(back["w"]), plain["w"])
