@@ -10,6 +10,8 @@ checkpoint.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from modelshard._base import sync_tree
+from modelshard._checkpoint import checksum, stream
 from modelshard._checkpoint.stream import StreamLeaf, write_stream
 
 STORE = "ocdbt.process_0"
@@ -75,6 +78,24 @@ def test_write_stream_syncs_its_whole_store_before_publishing(tmp_path, events):
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_data_files_are_synced_while_later_leaves_are_written(tmp_path, monkeypatch):
+    """``EarlySync``: once a leaf is written, the files written so far are synced on a
+    thread of their own while the next leaves are; the final sync finds them clean."""
+    synced: list[str] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    leaves, _ = _Reads(delay=0.02).leaves("w", 4, (64, 32))
+    write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=4096)
+    data = {p for p in synced if f"{STORE}/d/" in p}
+    assert data, synced  # data files synced early (before the whole store's sync)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
 def test_sync_tree_syncs_each_file_before_its_directory(tmp_path, events):
     (tmp_path / "t" / "d").mkdir(parents=True)
     (tmp_path / "t" / "manifest").write_bytes(b"m")
@@ -86,3 +107,79 @@ def test_sync_tree_syncs_each_file_before_its_directory(tmp_path, events):
         assert order.index(path) > max(
             (order.index(q) for q in order if q.parent == path), default=-1
         ), f"{path} synced before what it holds"
+
+
+class _Reads:
+    """Readers of float32 leaves that sleep ``delay`` per read and record, as each read
+    starts, the leaf's name and how many reads are running (itself included)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.lock, self.running = delay, threading.Lock(), 0
+        self.seen: list[tuple[str, int]] = []
+        self.rng = np.random.default_rng(0)
+
+    def leaves(self, prefix: str, n: int, shape: tuple[int, int], chunks=None):
+        values = [self.rng.normal(size=shape).astype(np.float32) for _ in range(n)]
+        leaves = [
+            StreamLeaf(f"{prefix}{i}", shape, np.float32, self._reader(a, f"{prefix}{i}"),
+                       spec=P("data"), chunks=chunks)
+            for i, a in enumerate(values)
+        ]  # fmt: skip
+        return leaves, values
+
+    def _reader(self, a: np.ndarray, name: str):
+        def read(box):
+            with self.lock:
+                self.running += 1
+                self.seen.append((name, self.running))
+            time.sleep(self.delay)
+            with self.lock:
+                self.running -= 1
+            return a[box]
+
+        return read
+
+
+def test_slabs_are_read_ahead_on_two_threads_and_a_big_one_alone(tmp_path):
+    """``READS_AHEAD`` reads run at once, never more; a slab larger than ``slab_bytes`` (one
+    whole source block, "big") is read while no other read runs, once the slabs read ahead
+    before it are in."""
+    reads = _Reads(delay=0.05)
+    small, a = reads.leaves("small", 2, (64, 8))  # whole rows: 2 slabs of 32 rows each
+    big, b = reads.leaves("big", 2, (64, 32), chunks=(16, 32))  # 4 blocks of 2 KiB each
+    mesh = ms.make_mesh({"data": 2})
+    write_stream(tmp_path / "ck", [*small, *big], mesh=mesh, slab_bytes=1024, whole_bytes=4096)
+    assert stream.READS_AHEAD == 2
+    assert [name for name, _ in reads.seen] == ["small0"] * 2 + ["small1"] * 2 + ["big0"] * 4 + [
+        "big1"
+    ] * 4
+    assert max(n for _, n in reads.seen) == 2  # read ahead, on two threads at most
+    assert [n for name, n in reads.seen[5:]] == [1] * 7  # each big slab after the first: alone
+    out = ms.restore(tmp_path / "ck")
+    for name, values in (("small", a), ("big", b)):
+        for i, v in enumerate(values):
+            np.testing.assert_array_equal(np.asarray(out[f"{name}{i}"]), v)
+
+
+def test_the_checksum_programs_compile_once_each_on_their_own_thread(tmp_path, count_compiles):
+    """While the first slabs are read, the checksum programs compile on a thread of their
+    own; the slabs' checksums then compile nothing (each program once, none twice)."""
+    threads: list[str] = []
+    real = checksum.warm_box_sums
+
+    def spy(boxes, device):
+        threads.append(threading.current_thread().name)
+        real(boxes, device)
+
+    reads = _Reads(delay=0.0)
+    leaves, values = reads.leaves("w", 5, (72, 40))  # a shape no other test compiles for
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stream, "warm_box_sums", spy)
+        with count_compiles() as n:
+            write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=4096)
+    assert len(threads) == 1 and threads[0].startswith("modelshard-compile")
+    # slabs of 25 rows (4000 bytes): 25, 25 and 22 rows, each summed once per leaf as read
+    assert n["jit(_checksum_one)"] == 2
+    out = ms.restore(tmp_path / "ck")
+    for i, v in enumerate(values):
+        np.testing.assert_array_equal(np.asarray(out[f"w{i}"]), v)

@@ -15,6 +15,7 @@ from .errors import ModelshardError as ModelshardError
 from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
+from .files import EarlySync as EarlySync
 from .files import fsync_dir as fsync_dir
 from .files import sync_tree as sync_tree
 from .files import write_text_durable as write_text_durable

@@ -4,6 +4,7 @@ record and renames, a safetensors export's renames)."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -35,3 +36,51 @@ def sync_tree(root: str | os.PathLike[str]) -> None:
             finally:
                 os.close(fd)
         fsync_dir(here)
+
+
+class EarlySync:
+    """Files under ``root`` synced on a thread of their own while a writer goes on writing
+    more (``kick`` after each batch): the writer's final ``sync_tree`` then finds little
+    left to flush. Only a head start: what is synced here may still be written to, so
+    ``sync_tree`` after the last write is what makes the store durable. ``root`` None:
+    nothing is done. A failure here is left to ``sync_tree`` to meet and raise."""
+
+    def __init__(self, root: str | os.PathLike[str] | None) -> None:
+        self.root = root
+        self._synced: dict[str, int] = {}  # path -> size when synced
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: Future[None] | None = None
+
+    def __enter__(self) -> EarlySync:
+        if self.root is not None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="modelshard-sync")
+        return self
+
+    def kick(self) -> None:
+        """Sync what was written since the last pass, unless a pass is still running."""
+        if self._pool is None or (self._running is not None and not self._running.done()):
+            return
+        self._running = self._pool.submit(self._pass)
+
+    def _pass(self) -> None:
+        if self.root is None:
+            return
+        for here, _dirs, files in os.walk(self.root):
+            for name in files:
+                path = os.path.join(here, name)
+                try:
+                    size = os.stat(path).st_size
+                    if self._synced.get(path) == size:
+                        continue
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        os.fdatasync(fd)
+                    finally:
+                        os.close(fd)
+                    self._synced[path] = size
+                except OSError:
+                    continue  # replaced or removed meanwhile (a manifest): sync_tree's
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

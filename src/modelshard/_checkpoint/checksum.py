@@ -98,6 +98,17 @@ def box_sums(x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> jax.A
     return _checksum_jit(x, np.asarray(origin, np.uint32), np.asarray(strides, np.uint32))
 
 
+def warm_box_sums(boxes: Sequence[tuple[tuple[int, ...], Any]], device: Any) -> None:
+    """Compile ``box_sums``'s program for each ``(box shape, dtype)`` of ``boxes`` on
+    ``device`` (a writer calls this on a thread of its own while its first reads run:
+    the calls that follow compile nothing)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    for shape, dtype in boxes:
+        x = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        index = np.zeros(len(shape), np.uint32)
+        _checksum_jit.lower(x, index, index).compile()
+
+
 def format_sums(s1: int, s2: int) -> str:
     """Two sums (each taken modulo 2**32) as a checksum, ``"xxxxxxxx:yyyyyyyy"``."""
     return f"{s1 & 0xFFFFFFFF:08x}:{s2 & 0xFFFFFFFF:08x}"

@@ -51,10 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import CheckpointError, dtype_name, sync_tree
+from .._base import CheckpointError, EarlySync, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
-from .checksum import box_sums, checksum_mismatch_message, format_sums
+from .checksum import box_sums, checksum_mismatch_message, format_sums, warm_box_sums
 from .chunks import aligned_chunks
 from .leaks import stop_leaks
 from .ocdbt import context, merge, sharding_json, write_spec
@@ -80,8 +80,11 @@ DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
 
 WRITES_IN_FLIGHT = 3
-"""Slabs being written at once (each an OCDBT commit, which waits on the file system):
-with the one being read ahead and the one in hand, five slabs are held at most."""
+"""Slabs being written at once (each an OCDBT commit, which waits on the file system)."""
+
+READS_AHEAD = 2
+"""Slabs read ahead of the one in hand, each on a reader thread of its own: with the
+writes in flight, six slabs are held at most."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,17 +339,18 @@ def _copy_all(
     progress: Callable[[int], None],
     compress: bool,
 ) -> dict[str, tuple[str, str | None]]:
-    """Write ``layouts`` slab by slab, each slab read (on a worker thread) while the one
-    before it is checksummed and written. Returns, per path, the checksum of what was
-    stored and, where ``expect`` is set, that of what was read (else None)."""
+    """Write ``layouts`` slab by slab, the next slabs read (on reader threads) while one is
+    checksummed and written. Returns, per path, the checksum of what was stored and, where
+    ``expect`` is set, that of what was read (else None)."""
     import tensorstore as ts
 
     local = not is_remote(directory)
     if local:
         # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's
-        # write is a commit: slab after slab waited on the disk. The store is synced
-        # once, whole, when every slab is written (``sync_tree`` below), before anything
-        # is published.
+        # write is a commit: slab after slab waited on the disk. Here the files a commit
+        # wrote are synced on a thread of their own while later slabs are written
+        # (``EarlySync``), and the store is synced once, whole, when every slab is
+        # written (``sync_tree`` below), before anything is published.
         ctx = context(sync=False)
     else:
         from orbax.checkpoint import type_handlers as tsu
@@ -365,22 +369,42 @@ def _copy_all(
         ts.open(_ts_spec(directory, lay, process, compress), create=True, context=ctx)
         for lay in layouts
     ]
-    opened = {
-        lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
-        for lay, f in zip(layouts, opening, strict=True)
-    }
-    del opening
-    writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
-    with ThreadPoolExecutor(1, thread_name_prefix="modelshard-read") as pool:
+    store_dir = _posix(directory / f"ocdbt.process_{process}")
+    with (
+        ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
+        ThreadPoolExecutor(1, thread_name_prefix="modelshard-compile") as compiling,
+        EarlySync(store_dir if local else None) as early,
+    ):
+        # the checksum programs compile while the stores open and the first slabs are read
+        programs = {prog: None for lay, box, _ in tasks for prog in _programs(lay, box)}
+        warm: Any = compiling.submit(warm_box_sums, list(programs), device)
+        opened = {
+            lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
+            for lay, f in zip(layouts, opening, strict=True)
+        }
+        del opening
+        writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
+        reads: dict[int, Any] = {}
+        started = -1  # the last task whose read is started
 
-        def read(k: int) -> Any:
-            return pool.submit(tasks[k][0].leaf.read, tasks[k][1])
+        def read_ahead(current: int) -> None:
+            """Start the reads of the tasks up to ``READS_AHEAD`` past ``current``, none
+            past a big slab from ``current`` on (one is read alone and written first)."""
+            nonlocal started
+            while started + 1 < len(tasks) and started + 1 <= current + READS_AHEAD:
+                j = started + 1
+                if any(tasks[k][0].big for k in range(current, j)):
+                    break
+                reads[j] = pool.submit(tasks[j][0].leaf.read, tasks[j][1])
+                started = j
 
-        nxt = read(0) if tasks else None
+        read_ahead(0)
         for i, (lay, box, last) in enumerate(tasks):
-            assert nxt is not None
-            host = _as_array(nxt.result(), lay, box)
-            nxt = read(i + 1) if i + 1 < len(tasks) and not lay.big else None
+            host = _as_array(reads.pop(i).result(), lay, box)
+            read_ahead(i)
+            if warm is not None:
+                warm.result()  # compiled: no program is compiled twice
+                warm = None
             leaf = lay.leaf
             here = opened[leaf.path]
             shape = lay.rec.stored_shape
@@ -410,16 +434,30 @@ def _copy_all(
             if lay.big:  # one block at a time: its write is done before the next read
                 while writing:
                     writing.popleft()[0].result()
-                nxt = read(i + 1) if i + 1 < len(tasks) else None
+                read_ahead(i + 1)
             if last:
                 del opened[leaf.path]
                 got = here.read_sums.value() if leaf.expect is not None else None
                 separate = lay.cast is not None or leaf.expect is None
                 out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
+                early.kick()
         while writing:
             writing.popleft()[0].result()
     if local and layouts:
-        sync_tree(_posix(directory / f"ocdbt.process_{process}"))
+        sync_tree(store_dir)
+    return out
+
+
+def _programs(lay: _Layout, box: tuple[slice, ...]) -> list[tuple[tuple[int, ...], Any]]:
+    """The ``(shape, dtype)`` of each checksum a slab ``box`` of ``lay`` is given: as read
+    (``_bits_view``'s dtype) where it is verified or stored as read, as cast where cast."""
+    shape = tuple(b.stop - b.start for b in box)
+    stored = parse_dtype(lay.rec.stored_dtype)
+    out = []
+    if lay.leaf.expect is not None or lay.cast is None:
+        out.append((shape, lay.src_dtype if lay.cast is not None else stored))
+    if lay.cast is not None:
+        out.append((shape, stored))
     return out
 
 
