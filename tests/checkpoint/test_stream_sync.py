@@ -163,23 +163,40 @@ def test_slabs_are_read_ahead_on_two_threads_and_a_big_one_alone(tmp_path):
 
 def test_the_checksum_programs_compile_once_each_on_their_own_thread(tmp_path, count_compiles):
     """While the first slabs are read, the checksum programs compile on a thread of their
-    own; the slabs' checksums then compile nothing (each program once, none twice)."""
-    threads: list[str] = []
+    own; the slabs' checksums then compile nothing (each program once, none twice). A
+    program that would sum at most ``HOST_MAX_ELEMENTS`` elements in all is not compiled:
+    its slabs are summed on the host."""
+    warmed: list[tuple[str, list]] = []
     real = checksum.warm_box_sums
 
     def spy(boxes, device):
-        threads.append(threading.current_thread().name)
+        warmed.append((threading.current_thread().name, list(boxes)))
         real(boxes, device)
 
     reads = _Reads(delay=0.0)
-    leaves, values = reads.leaves("w", 5, (72, 40))  # a shape no other test compiles for
+    # whole rows in slabs of 1 MiB: 992 rows then 8; a shape no other test compiles for
+    leaves, values = reads.leaves("w", 5, (1000, 264))
+    assert 5 * 992 * 264 > checksum.HOST_MAX_ELEMENTS >= 5 * 8 * 264
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stream, "warm_box_sums", spy)
         with count_compiles() as n:
-            write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=4096)
-    assert len(threads) == 1 and threads[0].startswith("modelshard-compile")
-    # slabs of 25 rows (4000 bytes): 25, 25 and 22 rows, each summed once per leaf as read
-    assert n["jit(_checksum_one)"] == 2
-    out = ms.restore(tmp_path / "ck")
+            write_stream(
+                tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=1 << 20
+            )
+    [(thread, boxes)] = warmed
+    assert thread.startswith("modelshard-compile")
+    assert boxes == [((992, 264), np.dtype(np.float32))]
+    assert n["jit(_checksum_one)"] == 1
+    out = ms.restore(tmp_path / "ck")  # the record's checksums, device and host sums added
     for i, v in enumerate(values):
         np.testing.assert_array_equal(np.asarray(out[f"w{i}"]), v)
+
+
+def test_a_small_stream_compiles_no_checksum_program(tmp_path, count_compiles):
+    leaves, values = _Reads(delay=0.0).leaves("s", 3, (56, 24))
+    with count_compiles() as n:
+        write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=2048)
+    assert n["jit(_checksum_one)"] == 0
+    out = ms.restore(tmp_path / "ck")
+    for i, v in enumerate(values):
+        np.testing.assert_array_equal(np.asarray(out[f"s{i}"]), v)

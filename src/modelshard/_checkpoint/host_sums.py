@@ -96,6 +96,12 @@ def np_checksum(a: np.ndarray) -> tuple[int, int]:
     return _np_sums(a, (0,) * a.ndim, a.shape)
 
 
+def np_box_sums(a: np.ndarray, origin: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+    """``checksum.box_sums`` on the host: the two sums (``uint32[2]``) over ``a``, the box
+    at ``origin`` of a leaf of ``shape``."""
+    return np.asarray(_np_sums(a, origin, shape), np.uint32)
+
+
 def shard_checksum(x: jax.Array) -> tuple[int, int]:
     """``np_checksum`` of a fully addressable array, summed shard by shard (one replica
     of each) where the shards live: zero-copy views on CPU devices, nothing gathered."""

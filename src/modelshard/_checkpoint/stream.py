@@ -54,8 +54,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._base import CheckpointError, EarlySync, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
-from .checksum import box_sums, checksum_mismatch_message, format_sums, warm_box_sums
+from .checksum import (
+    HOST_MAX_ELEMENTS,
+    box_sums,
+    checksum_mismatch_message,
+    format_sums,
+    warm_box_sums,
+)
 from .chunks import aligned_chunks
+from .host_sums import np_box_sums
 from .leaks import stop_leaks
 from .ocdbt import context, merge, sharding_json, write_spec
 from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
@@ -296,10 +303,14 @@ class _Sums:
     """The running checksum of one array, summed on the device slab by slab."""
 
     def __init__(self) -> None:
-        self.parts: list[jax.Array] = []
+        self.parts: list[Any] = []  # device arrays, or NumPy arrays summed on the host
 
-    def add(self, x: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> None:
-        self.parts.append(box_sums(x, origin, shape))
+    def add(self, x: Any, origin: Sequence[int], shape: Sequence[int], host: bool) -> None:
+        """Start the sums of ``x``, the box at ``origin``: on its device, or on the host
+        with NumPy (``host``: too few elements share its program to be worth compiling)."""
+        self.parts.append(
+            np_box_sums(np.asarray(x), origin, shape) if host else box_sums(x, origin, shape)
+        )
 
     def value(self) -> str:
         if not self.parts:
@@ -375,9 +386,19 @@ def _copy_all(
         ThreadPoolExecutor(1, thread_name_prefix="modelshard-compile") as compiling,
         EarlySync(store_dir if local else None) as early,
     ):
-        # the checksum programs compile while the stores open and the first slabs are read
-        programs = {prog: None for lay, box, _ in tasks for prog in _programs(lay, box)}
-        warm: Any = compiling.submit(warm_box_sums, list(programs), device)
+        # The checksum programs compile while the stores open and the first slabs are
+        # read; a program that would sum fewer than HOST_MAX_ELEMENTS elements in all is
+        # not compiled: its slabs are summed on the host (as a restore decides).
+        sizes: dict[tuple[tuple[int, ...], Any], int] = collections.Counter()
+        for lay, box, _ in tasks:
+            for prog in _programs(lay, box):
+                sizes[prog] += math.prod(prog[0])
+        on_device = [prog for prog, n in sizes.items() if n > HOST_MAX_ELEMENTS]
+        warm: Any = compiling.submit(warm_box_sums, on_device, device) if on_device else None
+
+        def on_host(a: Any) -> bool:
+            return sizes[(tuple(a.shape), np.dtype(a.dtype))] <= HOST_MAX_ELEMENTS
+
         opened = {
             lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
             for lay, f in zip(layouts, opening, strict=True)
@@ -410,9 +431,11 @@ def _copy_all(
             shape = lay.rec.stored_shape
             origin = [b.start for b in box]
             bits = _bits_view(host, lay)
-            x = jax.device_put(bits, device)
+            read_on_host = on_host(bits)
+            x = bits if read_on_host and lay.cast is None else jax.device_put(bits, device)
+            as_read = bits if read_on_host else x
             if leaf.expect is not None:
-                here.read_sums.add(x, origin, shape)
+                here.read_sums.add(as_read, origin, shape, read_on_host)
             if lay.cast is not None:
                 stored_dt = parse_dtype(lay.rec.stored_dtype)
                 logical = _logical_dtype(leaf)
@@ -420,17 +443,17 @@ def _copy_all(
                 y = value.astype(lay.cast)
                 if stored_dt != y.dtype:
                     y = jax.lax.bitcast_convert_type(y, stored_dt)
-                here.out_sums.add(y, origin, shape)
+                here.out_sums.add(y, origin, shape, on_host(y))
                 data = np.asarray(y)
             else:
                 if leaf.expect is None:
-                    here.out_sums.add(x, origin, shape)
+                    here.out_sums.add(as_read, origin, shape, read_on_host)
                 data = bits
             while len(writing) >= WRITES_IN_FLIGHT:
                 writing.popleft()[0].result()
             writing.append((here.store[box].write(data), here.store))
             progress(host.size * lay.src_dtype.itemsize)
-            del x, host, bits, data
+            del x, as_read, host, bits, data
             if lay.big:  # one block at a time: its write is done before the next read
                 while writing:
                     writing.popleft()[0].result()
@@ -440,7 +463,8 @@ def _copy_all(
                 got = here.read_sums.value() if leaf.expect is not None else None
                 separate = lay.cast is not None or leaf.expect is None
                 out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
-                early.kick()
+                if i + 1 < len(tasks):  # the last leaf's files: sync_tree's, just below
+                    early.kick()
         while writing:
             writing.popleft()[0].result()
     if local and layouts:
