@@ -231,6 +231,21 @@ def counting_compiles() -> Iterator[collections.Counter[str]]:
 
 
 @pytest.fixture
+def datasynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``os.fdatasync`` is called on, in order, from any thread (the real calls
+    are made; needs ``/proc/self/fd``)."""
+    seen: list[str] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    return seen
+
+
+@pytest.fixture
 def count_compiles() -> Callable[[], contextlib.AbstractContextManager[collections.Counter[str]]]:
     """``counting_compiles``: ``with count_compiles() as n: ...`` then ``n["jit(step)"]``."""
     return counting_compiles

@@ -10,20 +10,6 @@ import pytest
 from modelshard._base import EarlySync
 
 
-@pytest.fixture
-def datasynced(monkeypatch):
-    """The paths ``os.fdatasync`` is called on, in order (the real calls are made)."""
-    seen: list[str] = []
-    real = os.fdatasync
-
-    def spy(fd: int) -> None:
-        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", spy)
-    return seen
-
-
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
 def test_each_pass_syncs_what_changed_since_the_last(tmp_path, datasynced):
     (tmp_path / "d").mkdir()

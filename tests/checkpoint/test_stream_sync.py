@@ -78,17 +78,10 @@ def test_write_stream_syncs_its_whole_store_before_publishing(tmp_path, events):
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
-def test_data_files_are_synced_while_later_leaves_are_written(tmp_path, monkeypatch):
+def test_data_files_are_synced_while_later_leaves_are_written(tmp_path, datasynced):
     """``EarlySync``: once a leaf is written, the files written so far are synced on a
     thread of their own while the next leaves are; the final sync finds them clean."""
-    synced: list[str] = []
-    real = os.fdatasync
-
-    def spy(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", spy)
+    synced = datasynced
     leaves, _ = _Reads(delay=0.02).leaves("w", 4, (64, 32))
     write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=4096)
     data = {p for p in synced if f"{STORE}/d/" in p}
