@@ -473,6 +473,13 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+DAMAGED_HINT = (
+    "hint: a file of the checkpoint is damaged or missing (a copy cut short, a disk fault); "
+    "use a complete copy of it, or an earlier checkpoint."
+)
+"""The last line of every error of a checkpoint whose files cannot be read."""
+
+
 def largest_data_file(path: Path) -> Path:
     return max((f for f in path.rglob("*") if f.parent.name == "d"), key=lambda f: f.stat().st_size)
 

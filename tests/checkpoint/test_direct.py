@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
+from helpers import DAMAGED_HINT
 from modelshard._checkpoint import checksum as cs
 from modelshard._checkpoint import direct, ocdbt, read
 from modelshard._checkpoint.chunks import shares_chunks
@@ -156,6 +157,7 @@ def test_damaged_tree_metadata_is_an_error_though_the_read_needs_none(tmp_path, 
     assert lines[1] == (
         f"  layer0/w: ValueError: {path / '_METADATA'} does not list the stored array layer0.w"
     )
+    assert lines[2:] == [DAMAGED_HINT]
 
 
 def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
@@ -171,6 +173,7 @@ def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
     assert lines[1] == (
         "  v: ValueError: stored array v is float32[4, 8], the record says float32[5, 8]"
     )
+    assert lines[2:] == [DAMAGED_HINT]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import assert_bit_exact, largest_data_file, truncate_file
+from helpers import DAMAGED_HINT, assert_bit_exact, largest_data_file, truncate_file
 
 
 def _flip(f: Path) -> None:
@@ -79,6 +79,7 @@ def test_truncated_data_names_the_leaf_and_the_file(tmp_path):
     assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
     assert lines[1].startswith("  big: ValueError: ")
     assert lines[2].startswith(f"    file: {path}")
+    assert lines[3:] == [DAMAGED_HINT]
     assert "small" not in str(e.value)
 
 
@@ -97,7 +98,8 @@ def test_one_damaged_file_shared_by_many_leaves_is_one_entry(tmp_path):
     assert lines[1].startswith(
         "  w00, w01, w02, w03, w04, w05, w06, w07 and 2 more: ValueError: NOT_FOUND: "
     )
-    assert "tensorstore_spec" not in str(e.value) and len(lines) == 3
+    assert lines[3] == DAMAGED_HINT
+    assert "tensorstore_spec" not in str(e.value) and len(lines) == 4
     assert lines[2] == f"    file: {shared}"
 
 

@@ -26,10 +26,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import launch_argv
+from helpers import DAMAGED_HINT, launch_argv
 from modelshard._checkpoint import locate
 from modelshard._checkpoint.resharding import reshard, rewrite
-from modelshard._checkpoint.stream import StreamLeaf, assign, slab_plan, write_stream
+from modelshard._checkpoint.slabs import StreamLeaf
+from modelshard._checkpoint.stream import write_stream
 
 reshard_module = importlib.import_module("modelshard._checkpoint.resharding")
 
@@ -124,31 +125,6 @@ def test_a_leaf_8x_larger_than_the_chunk_is_read_and_written_in_slabs(
     assert out["big"].sharding.spec == P(None, "model")
     _same_bits({"big": big, "b": np.arange(8.0, dtype=np.float32)}, out)
     _same_bits(out, _raw_orbax(tmp_path / "dst", mesh))
-
-
-def test_slab_plan_follows_the_source_blocks_and_tiles_the_new_shards():
-    kib = 1 << 10
-    # a block over the slab budget but within whole_bytes is one slab
-    plan = slab_plan((1024, 256), 4, (256, 256), 64 * kib, 256 * kib, (128, 256))
-    assert plan == ((128, 256), (128, 256))
-    # small blocks: whole rows first, then more rows up to the budget
-    assert slab_plan((1024, 256), 4, (32, 256), 64 * kib, 256 * kib, (16, 256)) == (
-        (64, 256),
-        (32, 256),
-    )
-    assert slab_plan((1024, 256), 4, (32, 256), 64 * kib, 256 * kib) == ((64, 256), (32, 256))
-    assert slab_plan((512, 64), 4, (512, 16), 4 * kib, 16 * kib, (512, 8)) == ((512, 8), (512, 8))
-    # a block over whole_bytes is cut, leading dimension first (a row too long: columns too)
-    assert slab_plan((512, 64), 4, (512, 16), 4 * kib, 16 * kib, (512, 64)) == ((16, 64), (16, 16))
-    assert slab_plan((4, 1024), 4, (4, 1024), kib, kib) == ((1, 256), (1, 256))
-    assert slab_plan((), 4, (), 1, 1) == ((), ())
-    assert slab_plan((0, 8), 4, (0, 8), 1, 1) == ((0, 8), (0, 8))
-
-
-def test_leaves_are_shared_between_processes_by_bytes():
-    assert assign([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40+10 | 30+20
-    assert assign([5, 5, 5], 1) == [0, 0, 0]
-    assert sorted(assign([1] * 7, 3)) == [0, 0, 0, 1, 1, 2, 2]
 
 
 def test_array_reader_reads_boxes_of_a_stored_array_without_devices(tmp_path):
@@ -329,11 +305,64 @@ def test_damaged_data_names_the_leaf(tmp_path):
     assert not (tmp_path / "dst").exists() and _hidden(tmp_path) == []
 
 
+def test_every_leaf_that_cannot_be_read_is_named_and_nothing_is_published(tmp_path):
+    """A reshard goes on past a leaf it cannot read, so that its error names every such
+    leaf, grouped by failure as a restore's is (no TensorStore spec), with what to do."""
+    state = {f"w{i:02d}": jnp.full((4, 4), float(i)) for i in range(10)}
+    src = ms.save(tmp_path / "src", state)
+    (shared,) = sorted((src / "d").iterdir())  # OCDBT keeps every small array in one file
+    shared.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        reshard(src, tmp_path / "dst", mesh=ms.make_mesh({"data": 8}))
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 10 leaves of {src} (damaged or incomplete checkpoint):"
+    assert lines[1].startswith(
+        "  w00, w01, w02, w03, w04, w05, w06, w07 and 2 more: ValueError: NOT_FOUND: "
+    )
+    assert lines[2] == f"    file: {shared}"
+    assert lines[3:] == [DAMAGED_HINT]
+    assert "tensorstore_spec" not in str(e.value)
+    assert not (tmp_path / "dst").exists() and _hidden(tmp_path) == []
+
+
+def test_an_unverified_reshard_carries_the_source_checksums(tmp_path):
+    """``verify=False`` copies damage unchecked, but each leaf no cast changes keeps the
+    source's checksum: a restore of the copy still finds the damage. A cast leaf gets the
+    checksum of what was read, damaged or not."""
+    mesh8 = ms.make_mesh({"data": 8})
+    big = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)
+    state = {"big": ms.shard(jnp.asarray(big), P("data"), mesh8), "small": jnp.arange(8.0)}
+    src = ms.save(tmp_path / "src", state)
+    before = {leaf.path: leaf.checksum for leaf in locate(src).record.leaves}
+    clean = reshard(src, tmp_path / "clean", mesh=mesh8, verify=False)
+    assert {leaf.path: leaf.checksum for leaf in locate(clean).record.leaves} == before
+    _same_bits({"big": big, "small": np.arange(8.0, dtype=np.float32)}, ms.restore(clean))
+    files = sorted(glob.glob(str(src / "ocdbt.process_*" / "d" / "*")), key=os.path.getsize)
+    data = bytearray(Path(files[-1]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(files[-1]).write_bytes(bytes(data))
+    copy = reshard(src, tmp_path / "copy", mesh=mesh8, verify=False, chunk_bytes=4096)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(copy)
+    assert str(e.value).startswith(f"checksum mismatch in {copy}")
+    assert "\n  big float32[256, 64]: recorded " + before["big"] in str(e.value)
+    cast = reshard(src, tmp_path / "cast", mesh=mesh8, verify=False, dtype=jnp.bfloat16)
+    assert ms.restore(cast)["big"].dtype == jnp.bfloat16  # verified: what was read, cast
+
+
 def test_the_destination_rules_are_kept(tmp_path):
     src = ms.save(tmp_path / "src", {"w": jnp.arange(8.0)})
     mesh = ms.make_mesh({"data": 8})
     with pytest.raises(ms.CheckpointError, match="the destination is inside the source"):
         reshard(src, src / "inner", mesh=mesh)
+    with pytest.raises(ms.CheckpointError) as e:
+        reshard(src, src, mesh=mesh, overwrite=True)
+    assert str(e.value).splitlines() == [
+        f"cannot reshard {src} into itself: the destination is the source checkpoint; write "
+        "to another path (and remove the source once the new one restores, if it should take "
+        "its place)."
+    ]
+    np.testing.assert_array_equal(ms.restore(src)["w"], np.arange(8.0))  # as it was
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("keep")
     with pytest.raises(ms.CheckpointError, match="not a modelshard checkpoint"):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import modelshard as ms
-from helpers import largest_data_file, truncate_file
+from helpers import DAMAGED_HINT, largest_data_file, truncate_file
 
 
 @pytest.mark.parametrize("what", ["data file", "directory", "record"])
@@ -51,6 +51,7 @@ def test_broken_orbax_metadata_names_the_file(tmp_path):
     assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
     assert lines[1].startswith("  w: JSONDecodeError: ")
     assert lines[2] == f"    file: {path / '_METADATA'}"
+    assert lines[3:] == [DAMAGED_HINT]
 
 
 @pytest.mark.parametrize("layout", ["save", "manager"])

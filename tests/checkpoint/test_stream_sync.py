@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 import modelshard as ms
 from modelshard._base import sync_tree
 from modelshard._checkpoint import checksum, stream
-from modelshard._checkpoint.stream import StreamLeaf, write_stream
+from modelshard._checkpoint.slabs import StreamLeaf
+from modelshard._checkpoint.stream import write_stream
 
 STORE = "ocdbt.process_0"
 

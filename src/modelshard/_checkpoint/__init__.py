@@ -22,10 +22,10 @@ from .record import Record as Record
 from .resharding import reshard as reshard
 from .resharding import step_extras as step_extras
 from .restoring import restore as restore
+from .slabs import StreamLeaf as StreamLeaf
 from .sources import Source as Source
 from .sources import locate as locate
 from .sources import planning_tree as planning_tree
-from .stream import StreamLeaf as StreamLeaf
 from .stream import write_stream as write_stream
 from .urls import check_bucket as check_bucket
 from .urls import is_remote as is_remote

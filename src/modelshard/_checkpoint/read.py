@@ -419,7 +419,7 @@ def _json_unreadable(tree_dir: Path) -> str | None:
     return None
 
 
-def _failure(e: BaseException, tree_dir: Path) -> str:
+def read_failure(e: BaseException, tree_dir: Path | None = None) -> str:
     """One leaf's read failure: TensorStore's innermost status (Orbax wraps it in vaguer
     errors) names the chunk and the file; a JSON error is pinned on the file that fails."""
     chain: list[BaseException] = []
@@ -431,22 +431,45 @@ def _failure(e: BaseException, tree_dir: Path) -> str:
     text = _SPEC.sub("", (str(best).strip().splitlines() or [""])[0])
     files = _LOCAL_FILE.findall(text)
     where = files[-1] if files else None
-    if where is None and any(type(c).__name__ == "JSONDecodeError" for c in chain):
+    if (
+        where is None
+        and tree_dir is not None
+        and any(type(c).__name__ == "JSONDecodeError" for c in chain)
+    ):
         where = _json_unreadable(tree_dir)
     if len(text) > _MAX_TEXT:
         text = text[: _MAX_TEXT - 1] + "…"
     return f"{type(best).__name__}: {text}" + (f"\n    file: {where}" if where else "")
 
 
+def unreadable(where: Any, failures: Sequence[tuple[str, str]], alone: str = "") -> CheckpointError:
+    """The error of a checkpoint ``where`` whose leaves could not be read: one entry per
+    distinct failure (``failures``: ``(path, read_failure(...))``; none: ``alone``, a
+    failure no single leaf's read showed), and what to do."""
+    n = len(failures)
+    what = f"{n} lea{'ves' if n != 1 else 'f'}" if n else "the checkpoint"
+    lines = _grouped(failures) if n else [f"  {alone}"]
+    return CheckpointError(
+        f"cannot read {what} of {where} (damaged or incomplete checkpoint):\n"
+        + "\n".join(lines)
+        + "\nhint: a file of the checkpoint is damaged or missing (a copy cut short, a disk "
+        "fault); use a complete copy of it, or an earlier checkpoint."
+    )
+
+
 def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
-    """One line per distinct failure, naming the leaves that failed so: a damaged file
+    """One entry per distinct failure, naming the leaves that failed so: a damaged file
     shared by many leaves (OCDBT keeps several arrays' data in one file) is one entry, not
-    the same text once per leaf."""
-    by_text: dict[str, list[str]] = {}
+    the same text once per leaf. Failures that name the same file with the same kind of
+    error are one failure (their texts may differ by the array or byte range read): the
+    first one's text is shown."""
+    groups: dict[str, tuple[str, list[str]]] = {}
     for path, text in failures:
-        by_text.setdefault(text, []).append(path or "<root>")
+        head, _, file = text.partition("\n    file: ")
+        key = f"{head.split(':', 2)[:2]}|{file}" if file else text
+        groups.setdefault(key, (text, []))[1].append(path or "<root>")
     lines = []
-    for text, paths in by_text.items():
+    for text, paths in groups.values():
         shown = ", ".join(paths[:_MAX_NAMED])
         if len(paths) > _MAX_NAMED:
             shown += f" and {len(paths) - _MAX_NAMED} more"
@@ -471,13 +494,8 @@ def read_checked(
                     raise e
                 read_arrays(source, {p: t})
             except Exception as e1:
-                bad.append((p, _failure(e1, source.tree_dir)))
-        detail = "\n".join(_grouped(bad)) if bad else f"  {_failure(e, source.tree_dir)}"
-        n = len(bad)
-        what = f"{n} lea{'ves' if n != 1 else 'f'}" if bad else "the checkpoint"
-        raise CheckpointError(
-            f"cannot read {what} of {source.path} (damaged or incomplete checkpoint):\n{detail}"
-        ) from e
+                bad.append((p, read_failure(e1, source.tree_dir)))
+        raise unreadable(source.path, bad, read_failure(e, source.tree_dir)) from e
 
 
 def _checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,9 +23,10 @@ from .items import extras_json
 from .listing import manager_step
 from .read import check_cast, check_holdable, concrete_mesh
 from .record import Record, parse_dtype
+from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree, store_format
 from .stored import ArrayReader, reader_context
-from .stream import Stream, StreamLeaf, write_remote
+from .stream import Stream, write_remote
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic
 
@@ -78,7 +79,10 @@ def reshard(
         chunk_bytes: host bytes in flight: slabs of a quarter of it are read ahead while
             one is written; a stored block of the source up to this size is read whole,
             larger ones in pieces.
-        verify: check the source's checksums as leaves are read.
+        verify: check the source's checksums as leaves are read. Without it each leaf
+            whose bits no ``dtype`` cast changes keeps the source's checksum, unverified
+            (so a later ``restore`` still catches damage that was copied); a cast leaf gets
+            the checksum of what was read, damaged or not.
         overwrite: replace ``dst`` if it is a checkpoint (anything else is refused).
         drop_items: reshard a [`CheckpointManager`][modelshard.CheckpointManager] step's
             arrays without its items and metrics (config, RNG state, data iterator,
@@ -152,8 +156,14 @@ def rewrite(
         raise CheckpointError(_not_carried(source.path, extras))
     out_path = location(dst)
     if not is_remote(out_path):
+        if out_path == source.path:
+            raise CheckpointError(
+                f"cannot reshard {source.path} into itself: the destination is the source "
+                "checkpoint; write to another path (and remove the source once the new one "
+                "restores, if it should take its place)."
+            )
         check_destination(out_path, overwrite=overwrite)
-        if out_path != source.path and out_path.is_relative_to(source.path):
+        if out_path.is_relative_to(source.path):
             raise CheckpointError(
                 f"cannot reshard {source.path} into {out_path}: the destination is inside the "
                 "source checkpoint; choose a path outside it."
@@ -184,6 +194,7 @@ def rewrite(
                 names=rec.names,
                 chunks=stored_chunk,
                 expect=rec.checksum if verify else None,
+                carry=None if verify else rec.checksum,
                 logical_dtype=None if rec.key_impl else parse_dtype(rec.dtype),
             )
         )

@@ -11,6 +11,7 @@ from .._base import CheckpointError
 from .arrival import start_read
 from .leaks import stop_leaks
 from .ocdbt import context, read_spec
+from .read import read_failure, unreadable
 from .record import LeafRecord
 from .sources import Source, store_format
 from .storage import orbax_name
@@ -18,11 +19,7 @@ from .urls import is_remote
 
 
 def _unreadable(source: Source, rec: LeafRecord, e: BaseException) -> CheckpointError:
-    text = (str(e).strip().splitlines() or [""])[0][:300]
-    return CheckpointError(
-        f"cannot read 1 leaf of {source.path} (damaged or incomplete checkpoint):\n"
-        f"  {rec.path or '<root>'}: {type(e).__name__}: {text}"
-    )
+    return unreadable(source.path, [(rec.path, read_failure(e, source.tree_dir))])
 
 
 def _local_ocdbt(source: Source, fmt: tuple[bool, bool]) -> bool:

@@ -17,12 +17,8 @@ TensorStore writes a process's store without syncing it at each commit (each sla
 is one); the store is synced once, whole, when its last slab is written, before anything
 is published.
 
-Slabs and chunks (``slab_plan``): slabs follow the producer's own blocks (the source's
-stored chunks, so that each is decoded once), grown along the trailing dimensions up to the
-slab budget (whole rows first), or cut along the leading ones where one block is larger
-than allowed. The new array is stored in chunks that tile both its slabs and its shards
-(per dimension, the greatest common divisor of the two), so every write covers whole
-chunks and a device restoring its shard reads only its own chunks.
+Slabs and chunks are laid out by ``slabs.py`` (``slab_plan``): slabs follow the producer's
+own blocks, and the new array is stored in chunks that tile both its slabs and its shards.
 
 Checksums are summed slab by slab on this process's first local device
 (``checksum.box_sums``, one small program per slab shape and dtype), while TensorStore
@@ -37,19 +33,16 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import CheckpointError, EarlySync, dtype_name, sync_tree
 from .._runtime import barrier
@@ -61,11 +54,22 @@ from .checksum import (
     format_sums,
     warm_box_sums,
 )
-from .chunks import aligned_chunks
 from .host_sums import np_box_sums
 from .leaks import stop_leaks
 from .ocdbt import context, merge, sharding_json, write_spec
-from .record import STORED_AS, LeafRecord, Record, mesh_json, parse_dtype, versions
+from .read import read_failure, unreadable
+from .record import Record, mesh_json, parse_dtype, versions
+from .slabs import (
+    Layout,
+    StreamLeaf,
+    assign,
+    bits_view,
+    carried,
+    lay_out,
+    logical_dtype,
+    programs,
+    slabs,
+)
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
@@ -78,7 +82,6 @@ from .storage import (
     check_names,
     nest,
     orbax_name,
-    storage_key,
 )
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic
@@ -94,178 +97,7 @@ READS_AHEAD = 2
 writes in flight, six slabs are held at most."""
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamLeaf:
-    """One leaf of a checkpoint being written by ``write_stream``.
-
-    Attributes:
-        path: canonical path (``"layers/0/kernel"``).
-        shape: the shape of the array ``read`` gives (for typed PRNG keys: the key data,
-            with its trailing dimensions).
-        dtype: its dtype (a NumPy/ml_dtypes dtype or its name: ``bfloat16``, ``float8_e4m3``
-            and ``uint4`` are fine; for keys ``uint32``).
-        read: ``read(index)`` -> the box ``index`` (a tuple of ``slice(start, stop)``, one
-            per dimension; ``()`` for a 0-d leaf) as a NumPy array of that shape and
-            ``dtype``. Called once per slab, in order, from a worker thread.
-        spec: the ``PartitionSpec`` of the leaf on the mesh (of the logical leaf; key data's
-            trailing dimensions are never split). None: replicated.
-        key_impl: for typed PRNG keys, the implementation name (``"threefry2x32"``).
-        names: logical axis names to record (linen/NNX boxes), if any.
-        chunks: the block shape reads suit best (the source's stored chunk shape): slabs
-            are whole blocks where the budget allows.
-        expect: the checksum the array read must have (``reshard`` passes the source's);
-            a mismatch is reported as damage of the source.
-        logical_dtype: the dtype the record gives the leaf, where ``read`` gives its bits
-            in another (a float8 leaf read as uint8); default ``dtype``.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: Any
-    read: Callable[[tuple[slice, ...]], Any]
-    spec: PartitionSpec | None = None
-    key_impl: str | None = None
-    names: tuple[Any, ...] | None = None
-    chunks: tuple[int, ...] | None = None
-    expect: str | None = None
-    logical_dtype: Any = None
-
-
-@dataclasses.dataclass
-class _Layout:
-    """Where and how one leaf is stored: decided before any byte is written."""
-
-    leaf: StreamLeaf
-    rec: LeafRecord  # checksum filled in once written
-    src_dtype: Any  # dtype of what ``read`` gives
-    cast: Any  # dtype the stored bits are cast to (None: stored as read)
-    sharding: NamedSharding
-    chunk: tuple[int, ...]
-    slab: tuple[int, ...]
-    big: bool  # a slab over the budget (one whole source block): not read ahead
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes read (what ``progress`` counts)."""
-        return math.prod(self.rec.stored_shape) * self.src_dtype.itemsize
-
-
-def _logical_dtype(leaf: StreamLeaf) -> Any:
-    return parse_dtype(
-        dtype_name(leaf.logical_dtype if leaf.logical_dtype is not None else leaf.dtype)
-    )
-
-
-def slab_plan(
-    shape: Sequence[int],
-    itemsize: int,
-    shard: Sequence[int],
-    slab_bytes: int,
-    whole_bytes: int,
-    chunks: Sequence[int] | None = None,
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(slab shape, stored chunk shape)`` for a leaf of ``shape`` whose new shards are
-    ``shard``, read best in blocks of ``chunks`` (default: whole rows).
-
-    A slab is whole blocks, grown from the last dimension while it fits ``slab_bytes``
-    (stopping at a dimension it does not cover whole); a block larger than ``slab_bytes``
-    is one slab if it fits ``whole_bytes``, else it is cut along its leading dimensions.
-    The chunk shape divides both the slab and the shard, dimension by dimension, cut
-    further as ``save`` cuts its chunks (``chunks.aligned_chunks``).
-    """
-    shape = tuple(int(d) for d in shape)
-    if not shape or not math.prod(shape):
-        return shape, shape
-    base = [1, *shape[1:]] if chunks is None or len(chunks) != len(shape) else list(chunks)
-    slab = [max(1, min(int(c), d)) for c, d in zip(base, shape, strict=True)]
-
-    def size() -> int:
-        return math.prod(slab) * itemsize
-
-    if size() > whole_bytes:
-        for d in range(len(shape)):  # cut the leading dimensions first
-            other = size() // slab[d]
-            slab[d] = max(1, min(slab[d], slab_bytes // max(1, other)))
-            if size() <= slab_bytes:
-                break
-    elif size() <= slab_bytes:
-        for d in range(len(shape) - 1, -1, -1):  # grow the trailing dimensions first
-            times = max(1, slab_bytes // size())
-            slab[d] = min(shape[d], slab[d] * times)
-            if slab[d] < shape[d]:
-                break
-    chunk = tuple(math.gcd(a, max(1, int(b))) for a, b in zip(slab, shard, strict=True))
-    return tuple(slab), aligned_chunks(shape, chunk, itemsize)
-
-
-def _layouts(
-    leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: int, whole_bytes: int
-) -> list[_Layout]:
-    out = []
-    for leaf in leaves:
-        src = parse_dtype(dtype_name(leaf.dtype))
-        logical = _logical_dtype(leaf)
-        cast = None
-        floating = leaf.key_impl is None and jnp.issubdtype(logical, jnp.floating)
-        if floating and dtype is not None and jnp.dtype(dtype) != logical:
-            cast = jnp.dtype(dtype)
-        final = cast if cast is not None else logical
-        stored_name = STORED_AS.get(dtype_name(final), dtype_name(final))
-        shape = tuple(int(d) for d in leaf.shape)
-        if leaf.key_impl is not None:
-            data = jax.ShapeDtypeStruct(shape, jnp.uint32)
-            impl = leaf.key_impl
-            keys = jax.eval_shape(lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl), data)
-            logical_shape, logical_name = tuple(keys.shape), dtype_name(keys.dtype)
-        else:
-            logical_shape, logical_name = shape, dtype_name(final)
-        spec = leaf.spec if leaf.spec is not None else PartitionSpec()
-        extra = len(shape) - len(logical_shape)
-        stored_spec = PartitionSpec(*spec, *([None] * (len(logical_shape) - len(spec) + extra)))
-        sharding = NamedSharding(mesh, stored_spec)
-        shard = sharding.shard_shape(shape) if shape else ()
-        itemsize = parse_dtype(stored_name).itemsize
-        width = max(itemsize, src.itemsize)
-        slab, chunk = slab_plan(shape, width, shard, slab_bytes, whole_bytes, leaf.chunks)
-        big = math.prod(slab) * width > slab_bytes
-        rec = LeafRecord(
-            path=leaf.path,
-            key=storage_key(leaf.path),
-            shape=logical_shape,
-            dtype=logical_name,
-            stored_shape=shape,
-            stored_dtype=stored_name,
-            key_impl=leaf.key_impl,
-            spec=spec if leaf.spec is not None else None,
-            names=leaf.names,
-        )
-        out.append(_Layout(leaf, rec, src, cast, sharding, chunk, slab, big))
-    return out
-
-
-def assign(sizes: Sequence[int], processes: int) -> list[int]:
-    """The process that writes each leaf of ``sizes`` (bytes): largest first, each to the
-    least loaded process (ties: the lowest index), the same answer on every process."""
-    load = [0] * processes
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        p = min(range(processes), key=lambda q: (load[q], q))
-        owner[i] = p
-        load[p] += sizes[i]
-    return owner
-
-
-def _slabs(lay: _Layout) -> Iterator[tuple[slice, ...]]:
-    """The boxes of ``lay.slab`` that tile the leaf, in C order."""
-    shape = lay.rec.stored_shape
-    starts = [range(0, n, s) for n, s in zip(shape, lay.slab, strict=True)]
-    for origin in itertools.product(*starts):
-        yield tuple(
-            slice(o, min(n, o + s)) for o, n, s in zip(origin, shape, lay.slab, strict=True)
-        )
-
-
-def _ts_spec(directory: Any, lay: _Layout, process: int, compress: bool) -> Any:
+def _ts_spec(directory: Any, lay: Layout, process: int, compress: bool) -> Any:
     """The TensorStore spec ``lay``'s array is written with: Orbax's ``ArrayWriteSpec``,
     built without Orbax on a local disk (``ocdbt.write_spec``)."""
     dtype = parse_dtype(lay.rec.stored_dtype)
@@ -319,7 +151,7 @@ class _Sums:
         return format_sums(int(both[0]), int(both[1]))
 
 
-def _as_array(x: Any, lay: _Layout, box: tuple[slice, ...]) -> np.ndarray:
+def _as_array(x: Any, lay: Layout, box: tuple[slice, ...]) -> np.ndarray:
     a = np.asarray(x)
     want = tuple(b.stop - b.start for b in box)
     if tuple(a.shape) != want and a.size == math.prod(want) and a.dtype == lay.src_dtype:
@@ -343,16 +175,21 @@ class _Open:
 
 
 def _copy_all(
-    layouts: Sequence[_Layout],
+    layouts: Sequence[Layout],
     directory: Any,
     process: int,
     device: Any,
     progress: Callable[[int], None],
     compress: bool,
+    source: str = "",
 ) -> dict[str, tuple[str, str | None]]:
     """Write ``layouts`` slab by slab, the next slabs read (on reader threads) while one is
     checksummed and written. Returns, per path, the checksum of what was stored and, where
-    ``expect`` is set, that of what was read (else None)."""
+    ``expect`` is set, that of what was read (else None).
+
+    A read that fails raises; copying a checkpoint (``source``, its path), the copy goes
+    on with the other leaves first, and the error names every leaf that could not be read
+    (``read.unreadable``)."""
     import tensorstore as ts
 
     local = not is_remote(directory)
@@ -370,7 +207,7 @@ def _copy_all(
     tasks = [
         (lay, box, i == len(boxes) - 1)
         for lay in layouts
-        for boxes in [list(_slabs(lay))]
+        for boxes in [list(slabs(lay))]
         for i, box in enumerate(boxes)
     ]
     out: dict[str, tuple[str, str | None]] = {}
@@ -391,7 +228,7 @@ def _copy_all(
         # not compiled: its slabs are summed on the host (as a restore decides).
         sizes: dict[tuple[tuple[int, ...], Any], int] = collections.Counter()
         for lay, box, _ in tasks:
-            for prog in _programs(lay, box):
+            for prog in programs(lay, box):
                 sizes[prog] += math.prod(prog[0])
         on_device = [prog for prog, n in sizes.items() if n > HOST_MAX_ELEMENTS]
         warm: Any = compiling.submit(warm_box_sums, on_device, device) if on_device else None
@@ -420,17 +257,30 @@ def _copy_all(
                 started = j
 
         read_ahead(0)
+        failed: dict[str, Exception] = {}
         for i, (lay, box, last) in enumerate(tasks):
-            host = _as_array(reads.pop(i).result(), lay, box)
+            leaf = lay.leaf
+            got_read = None
+            try:
+                got_read = reads.pop(i).result() if leaf.path not in failed else None
+            except Exception as e:
+                if not source:
+                    raise
+                failed[leaf.path] = e
+            if leaf.path in failed:  # the rest of this leaf is skipped
+                read_ahead(i + 1 if lay.big else i)
+                if last:
+                    del opened[leaf.path]
+                continue
+            host = _as_array(got_read, lay, box)
             read_ahead(i)
             if warm is not None:
                 warm.result()  # compiled: no program is compiled twice
                 warm = None
-            leaf = lay.leaf
             here = opened[leaf.path]
             shape = lay.rec.stored_shape
             origin = [b.start for b in box]
-            bits = _bits_view(host, lay)
+            bits = bits_view(host, lay)
             read_on_host = on_host(bits)
             x = bits if read_on_host and lay.cast is None else jax.device_put(bits, device)
             as_read = bits if read_on_host else x
@@ -438,7 +288,7 @@ def _copy_all(
                 here.read_sums.add(as_read, origin, shape, read_on_host)
             if lay.cast is not None:
                 stored_dt = parse_dtype(lay.rec.stored_dtype)
-                logical = _logical_dtype(leaf)
+                logical = logical_dtype(leaf)
                 value = x if logical == x.dtype else jax.lax.bitcast_convert_type(x, logical)
                 y = value.astype(lay.cast)
                 if stored_dt != y.dtype:
@@ -446,7 +296,7 @@ def _copy_all(
                 here.out_sums.add(y, origin, shape, on_host(y))
                 data = np.asarray(y)
             else:
-                if leaf.expect is None:
+                if leaf.expect is None and not carried(lay):
                     here.out_sums.add(as_read, origin, shape, read_on_host)
                 data = bits
             while len(writing) >= WRITES_IN_FLIGHT:
@@ -462,39 +312,22 @@ def _copy_all(
                 del opened[leaf.path]
                 got = here.read_sums.value() if leaf.expect is not None else None
                 separate = lay.cast is not None or leaf.expect is None
-                out[leaf.path] = (here.out_sums.value() if separate else str(got), got)
+                stored = here.out_sums.value() if separate else str(got)
+                out[leaf.path] = (str(leaf.carry) if carried(lay) else stored, got)
                 if i + 1 < len(tasks):  # the last leaf's files: sync_tree's, just below
                     early.kick()
         while writing:
             writing.popleft()[0].result()
+    if failed:
+        if len(failed) == 1:
+            raise next(iter(failed.values()))
+        raise unreadable(source, [(p, read_failure(e.__cause__ or e)) for p, e in failed.items()])
     if local and layouts:
         sync_tree(store_dir)
     return out
 
 
-def _programs(lay: _Layout, box: tuple[slice, ...]) -> list[tuple[tuple[int, ...], Any]]:
-    """The ``(shape, dtype)`` of each checksum a slab ``box`` of ``lay`` is given: as read
-    (``_bits_view``'s dtype) where it is verified or stored as read, as cast where cast."""
-    shape = tuple(b.stop - b.start for b in box)
-    stored = parse_dtype(lay.rec.stored_dtype)
-    out = []
-    if lay.leaf.expect is not None or lay.cast is None:
-        out.append((shape, lay.src_dtype if lay.cast is not None else stored))
-    if lay.cast is not None:
-        out.append((shape, stored))
-    return out
-
-
-def _bits_view(host: np.ndarray, lay: _Layout) -> np.ndarray:
-    """``host`` as the dtype it is stored in, when that is not the dtype it was read as
-    (no cast: the bits are stored as they are)."""
-    if lay.cast is not None:
-        return host
-    stored = parse_dtype(lay.rec.stored_dtype)
-    return host if host.dtype == stored else host.view(stored)
-
-
-def _tree_metadata(layouts: Sequence[_Layout]) -> dict[str, Any]:
+def _tree_metadata(layouts: Sequence[Layout]) -> dict[str, Any]:
     entries = {}
     for lay in layouts:
         if not math.prod(lay.rec.stored_shape):
@@ -516,7 +349,7 @@ def _tree_metadata(layouts: Sequence[_Layout]) -> dict[str, Any]:
     }
 
 
-def _sharding_file(layouts: Sequence[_Layout]) -> dict[str, str]:
+def _sharding_file(layouts: Sequence[Layout]) -> dict[str, str]:
     out = {}
     for lay in layouts:
         if not math.prod(lay.rec.stored_shape):
@@ -526,7 +359,7 @@ def _sharding_file(layouts: Sequence[_Layout]) -> dict[str, str]:
     return out
 
 
-def _array_metadatas(layouts: Sequence[_Layout]) -> dict[str, Any]:
+def _array_metadatas(layouts: Sequence[Layout]) -> dict[str, Any]:
     return {
         "array_metadatas": [
             {
@@ -555,7 +388,7 @@ def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
     }
 
 
-def _finalize(directory: Any, layouts: Sequence[_Layout]) -> None:
+def _finalize(directory: Any, layouts: Sequence[Layout]) -> None:
     """Orbax's finalize: each process's OCDBT database merged into the checkpoint's
     (``ocdbt.merge`` on a local disk)."""
     if not is_remote(directory):
@@ -591,7 +424,7 @@ class Stream:
     ) -> None:
         self.compress = check_compression(compression)
         whole = 4 * slab_bytes if whole_bytes is None else whole_bytes
-        self.layouts = _layouts(leaves, mesh, dtype, slab_bytes, whole)
+        self.layouts = lay_out(leaves, mesh, dtype, slab_bytes, whole)
         if not self.layouts:
             raise CheckpointError("nothing to write: the stream has no leaves.")
         check_names([(lay.rec.path, lay.rec.key) for lay in self.layouts], "cannot write")
@@ -632,7 +465,7 @@ class Stream:
         failure: Exception | None = None
         sums: dict[str, Any] = {}
         try:
-            sums = _copy_all(mine, directory, process, device, step, self.compress)
+            sums = _copy_all(mine, directory, process, device, step, self.compress, self.source)
             for lay in self.layouts:
                 if not math.prod(lay.rec.stored_shape) and process == 0:
                     sums[lay.rec.path] = self._empty_sums(lay)
@@ -676,7 +509,7 @@ class Stream:
         if self.progress is not None and count == 1:
             self.progress(self.total, self.total)
 
-    def _empty_sums(self, lay: _Layout) -> tuple[str, str | None]:
+    def _empty_sums(self, lay: Layout) -> tuple[str, str | None]:
         zero = format_sums(0, 0)
         return zero, (zero if lay.leaf.expect is not None else None)
 

@@ -51,7 +51,12 @@ def add_parser(sub: Any) -> None:
         help="compress DST's chunks with zstd (smaller files, several times the CPU time); "
         "default: each chunk's raw bytes, as modelshard.save writes them",
     )
-    r.add_argument("--no-verify", action="store_true", help="skip source checksum verification")
+    r.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip verifying the source's checksums; each leaf no --dtype cast changes keeps "
+        "the source's checksum unchecked, so a later restore still catches damage copied",
+    )
     r.add_argument(
         "--overwrite", action="store_true", help="replace DST if it is a modelshard checkpoint"
     )

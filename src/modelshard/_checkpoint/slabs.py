@@ -1,0 +1,231 @@
+"""How a streamed leaf is laid out before a byte is written: its stored dtype, shape and
+sharding, the slabs it is copied in and the chunks it is stored in, which process writes
+it, and which checksums its slabs are given (``stream.py`` copies them).
+
+Slabs and chunks (``slab_plan``): slabs follow the producer's own blocks (the source's
+stored chunks, so that each is decoded once), grown along the trailing dimensions up to the
+slab budget (whole rows first), or cut along the leading ones where one block is larger
+than allowed. The new array is stored in chunks that tile both its slabs and its shards
+(per dimension, the greatest common divisor of the two), so every write covers whole
+chunks and a device restoring its shard reads only its own chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .._base import dtype_name
+from .chunks import aligned_chunks
+from .record import STORED_AS, LeafRecord, parse_dtype
+from .storage import storage_key
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamLeaf:
+    """One leaf of a checkpoint being written by ``write_stream``.
+
+    Attributes:
+        path: canonical path (``"layers/0/kernel"``).
+        shape: the shape of the array ``read`` gives (for typed PRNG keys: the key data,
+            with its trailing dimensions).
+        dtype: its dtype (a NumPy/ml_dtypes dtype or its name: ``bfloat16``, ``float8_e4m3``
+            and ``uint4`` are fine; for keys ``uint32``).
+        read: ``read(index)`` -> the box ``index`` (a tuple of ``slice(start, stop)``, one
+            per dimension; ``()`` for a 0-d leaf) as a NumPy array of that shape and
+            ``dtype``. Called once per slab, in order, from a worker thread.
+        spec: the ``PartitionSpec`` of the leaf on the mesh (of the logical leaf; key data's
+            trailing dimensions are never split). None: replicated.
+        key_impl: for typed PRNG keys, the implementation name (``"threefry2x32"``).
+        names: logical axis names to record (linen/NNX boxes), if any.
+        chunks: the block shape reads suit best (the source's stored chunk shape): slabs
+            are whole blocks where the budget allows.
+        expect: the checksum the array read must have (``reshard`` passes the source's);
+            a mismatch is reported as damage of the source.
+        logical_dtype: the dtype the record gives the leaf, where ``read`` gives its bits
+            in another (a float8 leaf read as uint8); default ``dtype``.
+        carry: a checksum recorded as the stored array's without being checked, where no
+            cast changes the bits (``reshard(verify=False)`` passes the source's: damage
+            read unverified stays detectable by a later restore); nothing is summed then.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    read: Callable[[tuple[slice, ...]], Any]
+    spec: PartitionSpec | None = None
+    key_impl: str | None = None
+    names: tuple[Any, ...] | None = None
+    chunks: tuple[int, ...] | None = None
+    expect: str | None = None
+    logical_dtype: Any = None
+    carry: str | None = None
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where and how one leaf is stored: decided before any byte is written."""
+
+    leaf: StreamLeaf
+    rec: LeafRecord  # checksum filled in once written
+    src_dtype: Any  # dtype of what ``read`` gives
+    cast: Any  # dtype the stored bits are cast to (None: stored as read)
+    sharding: NamedSharding
+    chunk: tuple[int, ...]
+    slab: tuple[int, ...]
+    big: bool  # a slab over the budget (one whole source block): not read ahead
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read (what ``progress`` counts)."""
+        return math.prod(self.rec.stored_shape) * self.src_dtype.itemsize
+
+
+def logical_dtype(leaf: StreamLeaf) -> Any:
+    return parse_dtype(
+        dtype_name(leaf.logical_dtype if leaf.logical_dtype is not None else leaf.dtype)
+    )
+
+
+def slab_plan(
+    shape: Sequence[int],
+    itemsize: int,
+    shard: Sequence[int],
+    slab_bytes: int,
+    whole_bytes: int,
+    chunks: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(slab shape, stored chunk shape)`` for a leaf of ``shape`` whose new shards are
+    ``shard``, read best in blocks of ``chunks`` (default: whole rows).
+
+    A slab is whole blocks, grown from the last dimension while it fits ``slab_bytes``
+    (stopping at a dimension it does not cover whole); a block larger than ``slab_bytes``
+    is one slab if it fits ``whole_bytes``, else it is cut along its leading dimensions.
+    The chunk shape divides both the slab and the shard, dimension by dimension, cut
+    further as ``save`` cuts its chunks (``chunks.aligned_chunks``).
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape or not math.prod(shape):
+        return shape, shape
+    base = [1, *shape[1:]] if chunks is None or len(chunks) != len(shape) else list(chunks)
+    slab = [max(1, min(int(c), d)) for c, d in zip(base, shape, strict=True)]
+
+    def size() -> int:
+        return math.prod(slab) * itemsize
+
+    if size() > whole_bytes:
+        for d in range(len(shape)):  # cut the leading dimensions first
+            other = size() // slab[d]
+            slab[d] = max(1, min(slab[d], slab_bytes // max(1, other)))
+            if size() <= slab_bytes:
+                break
+    elif size() <= slab_bytes:
+        for d in range(len(shape) - 1, -1, -1):  # grow the trailing dimensions first
+            times = max(1, slab_bytes // size())
+            slab[d] = min(shape[d], slab[d] * times)
+            if slab[d] < shape[d]:
+                break
+    chunk = tuple(math.gcd(a, max(1, int(b))) for a, b in zip(slab, shard, strict=True))
+    return tuple(slab), aligned_chunks(shape, chunk, itemsize)
+
+
+def lay_out(
+    leaves: Iterable[StreamLeaf], mesh: Any, dtype: Any, slab_bytes: int, whole_bytes: int
+) -> list[Layout]:
+    out = []
+    for leaf in leaves:
+        src = parse_dtype(dtype_name(leaf.dtype))
+        logical = logical_dtype(leaf)
+        cast = None
+        floating = leaf.key_impl is None and jnp.issubdtype(logical, jnp.floating)
+        if floating and dtype is not None and jnp.dtype(dtype) != logical:
+            cast = jnp.dtype(dtype)
+        final = cast if cast is not None else logical
+        stored_name = STORED_AS.get(dtype_name(final), dtype_name(final))
+        shape = tuple(int(d) for d in leaf.shape)
+        if leaf.key_impl is not None:
+            data = jax.ShapeDtypeStruct(shape, jnp.uint32)
+            impl = leaf.key_impl
+            keys = jax.eval_shape(lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl), data)
+            logical_shape, logical_name = tuple(keys.shape), dtype_name(keys.dtype)
+        else:
+            logical_shape, logical_name = shape, dtype_name(final)
+        spec = leaf.spec if leaf.spec is not None else PartitionSpec()
+        extra = len(shape) - len(logical_shape)
+        stored_spec = PartitionSpec(*spec, *([None] * (len(logical_shape) - len(spec) + extra)))
+        sharding = NamedSharding(mesh, stored_spec)
+        shard = sharding.shard_shape(shape) if shape else ()
+        itemsize = parse_dtype(stored_name).itemsize
+        width = max(itemsize, src.itemsize)
+        slab, chunk = slab_plan(shape, width, shard, slab_bytes, whole_bytes, leaf.chunks)
+        big = math.prod(slab) * width > slab_bytes
+        rec = LeafRecord(
+            path=leaf.path,
+            key=storage_key(leaf.path),
+            shape=logical_shape,
+            dtype=logical_name,
+            stored_shape=shape,
+            stored_dtype=stored_name,
+            key_impl=leaf.key_impl,
+            spec=spec if leaf.spec is not None else None,
+            names=leaf.names,
+        )
+        out.append(Layout(leaf, rec, src, cast, sharding, chunk, slab, big))
+    return out
+
+
+def assign(sizes: Sequence[int], processes: int) -> list[int]:
+    """The process that writes each leaf of ``sizes`` (bytes): largest first, each to the
+    least loaded process (ties: the lowest index), the same answer on every process."""
+    load = [0] * processes
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        p = min(range(processes), key=lambda q: (load[q], q))
+        owner[i] = p
+        load[p] += sizes[i]
+    return owner
+
+
+def slabs(lay: Layout) -> Iterator[tuple[slice, ...]]:
+    """The boxes of ``lay.slab`` that tile the leaf, in C order."""
+    shape = lay.rec.stored_shape
+    starts = [range(0, n, s) for n, s in zip(shape, lay.slab, strict=True)]
+    for origin in itertools.product(*starts):
+        yield tuple(
+            slice(o, min(n, o + s)) for o, n, s in zip(origin, shape, lay.slab, strict=True)
+        )
+
+
+def carried(lay: Layout) -> bool:
+    """Whether ``lay``'s checksum is its leaf's ``carry``, recorded as it is (unsummed)."""
+    return lay.leaf.carry is not None and lay.leaf.expect is None and lay.cast is None
+
+
+def programs(lay: Layout, box: tuple[slice, ...]) -> list[tuple[tuple[int, ...], Any]]:
+    """The ``(shape, dtype)`` of each checksum a slab ``box`` of ``lay`` is given: as read
+    (``bits_view``'s dtype) where it is verified or stored as read, as cast where cast."""
+    shape = tuple(b.stop - b.start for b in box)
+    stored = parse_dtype(lay.rec.stored_dtype)
+    out = []
+    if lay.leaf.expect is not None or (lay.cast is None and not carried(lay)):
+        out.append((shape, lay.src_dtype if lay.cast is not None else stored))
+    if lay.cast is not None:
+        out.append((shape, stored))
+    return out
+
+
+def bits_view(host: np.ndarray, lay: Layout) -> np.ndarray:
+    """``host`` as the dtype it is stored in, when that is not the dtype it was read as
+    (no cast: the bits are stored as they are)."""
+    if lay.cast is not None:
+        return host
+    stored = parse_dtype(lay.rec.stored_dtype)
+    return host if host.dtype == stored else host.view(stored)
