@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -147,3 +149,37 @@ def test_cli_page_lists_every_option_as_help_does():
         assert shown == {a.option_strings[-1] for a in options}, name
         required = set.intersection(*({canonical.get(o, o) for o in r} for r, _ in rows))
         assert required == {a.option_strings[-1] for a in options if a.required}, name
+
+
+def test_ctrl_c_is_one_line_and_status_130_and_nothing_is_published(tmp_path):
+    """SIGINT to a ``modelshard reshard`` under way (its staging directory written): exit
+    status 130, one line on stderr, neither the destination nor its staging left."""
+    mesh = ms.make_mesh({"data": 8})
+    state = {f"w{i}": jnp.full((512, 1024), float(i)) for i in range(24)}  # 48 MiB
+    src = ms.save(tmp_path / "src", ms.shard(state, ms.fsdp("data"), mesh))
+    exe = Path(sys.executable).parent / "modelshard"
+    argv = [str(exe), "reshard", str(src), str(tmp_path / "dst"), "--mesh", "data=2,model=4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # SIGINT caught (not ignored, as it may be under a test runner's workers) in the
+    # process that execs the command: exec gives the command the default disposition
+    trampoline = "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); os.execv(sys.argv[1], sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", trampoline, *argv, "--chunk-mb", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith(".") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no staging seen"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.splitlines() == [
+        "modelshard reshard: error: interrupted (Ctrl-C); nothing half-written was published"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -213,111 +214,116 @@ def _copy_all(
     out: dict[str, tuple[str, str | None]] = {}
     # Every array is created before any is written, all at once: OCDBT commits the
     # creations together, where one at a time each would wait for the writes before it.
-    opening = [
-        ts.open(_ts_spec(directory, lay, process, compress), create=True, context=ctx)
-        for lay in layouts
-    ]
+    opening: list[Any] = []
     store_dir = _posix(directory / f"ocdbt.process_{process}")
-    with (
-        ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
-        ThreadPoolExecutor(1, thread_name_prefix="modelshard-compile") as compiling,
-        EarlySync(store_dir if local else None) as early,
-    ):
-        # The checksum programs compile while the stores open and the first slabs are
-        # read; a program that would sum fewer than HOST_MAX_ELEMENTS elements in all is
-        # not compiled: its slabs are summed on the host (as a restore decides).
-        sizes: dict[tuple[tuple[int, ...], Any], int] = collections.Counter()
-        for lay, box, _ in tasks:
-            for prog in programs(lay, box):
-                sizes[prog] += math.prod(prog[0])
-        on_device = [prog for prog, n in sizes.items() if n > HOST_MAX_ELEMENTS]
-        warm: Any = compiling.submit(warm_box_sums, on_device, device) if on_device else None
+    writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
+    try:
+        for lay in layouts:
+            spec = _ts_spec(directory, lay, process, compress)
+            opening.append(ts.open(spec, create=True, context=ctx))
+        with (
+            ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
+            ThreadPoolExecutor(1, thread_name_prefix="modelshard-compile") as compiling,
+            EarlySync(store_dir if local else None) as early,
+        ):
+            # The checksum programs compile while the stores open and the first slabs are
+            # read; a program that would sum fewer than HOST_MAX_ELEMENTS elements in all is
+            # not compiled: its slabs are summed on the host (as a restore decides).
+            sizes: dict[tuple[tuple[int, ...], Any], int] = collections.Counter()
+            for lay, box, _ in tasks:
+                for prog in programs(lay, box):
+                    sizes[prog] += math.prod(prog[0])
+            on_device = [prog for prog, n in sizes.items() if n > HOST_MAX_ELEMENTS]
+            warm: Any = compiling.submit(warm_box_sums, on_device, device) if on_device else None
 
-        def on_host(a: Any) -> bool:
-            return sizes[(tuple(a.shape), np.dtype(a.dtype))] <= HOST_MAX_ELEMENTS
+            def on_host(a: Any) -> bool:
+                return sizes[(tuple(a.shape), np.dtype(a.dtype))] <= HOST_MAX_ELEMENTS
 
-        opened = {
-            lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
-            for lay, f in zip(layouts, opening, strict=True)
-        }
-        del opening
-        writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
-        reads: dict[int, Any] = {}
-        started = -1  # the last task whose read is started
+            opened = {
+                lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
+                for lay, f in zip(layouts, opening, strict=True)
+            }
+            reads: dict[int, Any] = {}
+            started = -1  # the last task whose read is started
 
-        def read_ahead(current: int) -> None:
-            """Start the reads of the tasks up to ``READS_AHEAD`` past ``current``, none
-            past a big slab from ``current`` on (one is read alone and written first)."""
-            nonlocal started
-            while started + 1 < len(tasks) and started + 1 <= current + READS_AHEAD:
-                j = started + 1
-                if any(tasks[k][0].big for k in range(current, j)):
-                    break
-                reads[j] = pool.submit(tasks[j][0].leaf.read, tasks[j][1])
-                started = j
+            def read_ahead(current: int) -> None:
+                """Start the reads of the tasks up to ``READS_AHEAD`` past ``current``, none
+                past a big slab from ``current`` on (one is read alone and written first)."""
+                nonlocal started
+                while started + 1 < len(tasks) and started + 1 <= current + READS_AHEAD:
+                    j = started + 1
+                    if any(tasks[k][0].big for k in range(current, j)):
+                        break
+                    reads[j] = pool.submit(tasks[j][0].leaf.read, tasks[j][1])
+                    started = j
 
-        read_ahead(0)
-        failed: dict[str, Exception] = {}
-        for i, (lay, box, last) in enumerate(tasks):
-            leaf = lay.leaf
-            got_read = None
-            try:
-                got_read = reads.pop(i).result() if leaf.path not in failed else None
-            except Exception as e:
-                if not source:
-                    raise
-                failed[leaf.path] = e
-            if leaf.path in failed:  # the rest of this leaf is skipped
-                read_ahead(i + 1 if lay.big else i)
+            read_ahead(0)
+            failed: dict[str, Exception] = {}
+            for i, (lay, box, last) in enumerate(tasks):
+                leaf = lay.leaf
+                got_read = None
+                try:
+                    got_read = reads.pop(i).result() if leaf.path not in failed else None
+                except Exception as e:
+                    if not source:
+                        raise
+                    failed[leaf.path] = e
+                if leaf.path in failed:  # the rest of this leaf is skipped
+                    read_ahead(i + 1 if lay.big else i)
+                    if last:
+                        del opened[leaf.path]
+                    continue
+                host = _as_array(got_read, lay, box)
+                read_ahead(i)
+                if warm is not None:
+                    warm.result()  # compiled: no program is compiled twice
+                    warm = None
+                here = opened[leaf.path]
+                shape = lay.rec.stored_shape
+                origin = [b.start for b in box]
+                bits = bits_view(host, lay)
+                read_on_host = on_host(bits)
+                x = bits if read_on_host and lay.cast is None else jax.device_put(bits, device)
+                as_read = bits if read_on_host else x
+                if leaf.expect is not None:
+                    here.read_sums.add(as_read, origin, shape, read_on_host)
+                if lay.cast is not None:
+                    stored_dt = parse_dtype(lay.rec.stored_dtype)
+                    logical = logical_dtype(leaf)
+                    value = x if logical == x.dtype else jax.lax.bitcast_convert_type(x, logical)
+                    y = value.astype(lay.cast)
+                    if stored_dt != y.dtype:
+                        y = jax.lax.bitcast_convert_type(y, stored_dt)
+                    here.out_sums.add(y, origin, shape, on_host(y))
+                    data = np.asarray(y)
+                else:
+                    if leaf.expect is None and not carried(lay):
+                        here.out_sums.add(as_read, origin, shape, read_on_host)
+                    data = bits
+                while len(writing) >= WRITES_IN_FLIGHT:
+                    writing.popleft()[0].result()
+                writing.append((here.store[box].write(data), here.store))
+                progress(host.size * lay.src_dtype.itemsize)
+                del x, as_read, host, bits, data
+                if lay.big:  # one block at a time: its write is done before the next read
+                    while writing:
+                        writing.popleft()[0].result()
+                    read_ahead(i + 1)
                 if last:
                     del opened[leaf.path]
-                continue
-            host = _as_array(got_read, lay, box)
-            read_ahead(i)
-            if warm is not None:
-                warm.result()  # compiled: no program is compiled twice
-                warm = None
-            here = opened[leaf.path]
-            shape = lay.rec.stored_shape
-            origin = [b.start for b in box]
-            bits = bits_view(host, lay)
-            read_on_host = on_host(bits)
-            x = bits if read_on_host and lay.cast is None else jax.device_put(bits, device)
-            as_read = bits if read_on_host else x
-            if leaf.expect is not None:
-                here.read_sums.add(as_read, origin, shape, read_on_host)
-            if lay.cast is not None:
-                stored_dt = parse_dtype(lay.rec.stored_dtype)
-                logical = logical_dtype(leaf)
-                value = x if logical == x.dtype else jax.lax.bitcast_convert_type(x, logical)
-                y = value.astype(lay.cast)
-                if stored_dt != y.dtype:
-                    y = jax.lax.bitcast_convert_type(y, stored_dt)
-                here.out_sums.add(y, origin, shape, on_host(y))
-                data = np.asarray(y)
-            else:
-                if leaf.expect is None and not carried(lay):
-                    here.out_sums.add(as_read, origin, shape, read_on_host)
-                data = bits
-            while len(writing) >= WRITES_IN_FLIGHT:
+                    got = here.read_sums.value() if leaf.expect is not None else None
+                    separate = lay.cast is not None or leaf.expect is None
+                    stored = here.out_sums.value() if separate else str(got)
+                    out[leaf.path] = (str(leaf.carry) if carried(lay) else stored, got)
+                    if i + 1 < len(tasks):  # the last leaf's files: sync_tree's, just below
+                        early.kick()
+            while writing:
                 writing.popleft()[0].result()
-            writing.append((here.store[box].write(data), here.store))
-            progress(host.size * lay.src_dtype.itemsize)
-            del x, as_read, host, bits, data
-            if lay.big:  # one block at a time: its write is done before the next read
-                while writing:
-                    writing.popleft()[0].result()
-                read_ahead(i + 1)
-            if last:
-                del opened[leaf.path]
-                got = here.read_sums.value() if leaf.expect is not None else None
-                separate = lay.cast is not None or leaf.expect is None
-                stored = here.out_sums.value() if separate else str(got)
-                out[leaf.path] = (str(leaf.carry) if carried(lay) else stored, got)
-                if i + 1 < len(tasks):  # the last leaf's files: sync_tree's, just below
-                    early.kick()
-        while writing:
-            writing.popleft()[0].result()
+    finally:
+        # On the way out with an error (Ctrl-C among them), TensorStore's creations and
+        # writes still in flight end first: none may land in the staging directory after
+        # the caller has removed it.
+        _settle([*opening, *(f for f, _ in writing)])
     if failed:
         if len(failed) == 1:
             raise next(iter(failed.values()))
@@ -325,6 +331,13 @@ def _copy_all(
     if local and layouts:
         sync_tree(store_dir)
     return out
+
+
+def _settle(futures: Sequence[Any]) -> None:
+    """Wait for each of ``futures`` (TensorStore's), whatever it ends in."""
+    for f in futures:
+        with contextlib.suppress(Exception):  # the error on its way out is the one to report
+            f.result()
 
 
 def _tree_metadata(layouts: Sequence[Layout]) -> dict[str, Any]:

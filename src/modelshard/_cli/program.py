@@ -45,13 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     The same program as the ``modelshard`` script and ``python -m modelshard``. A user
     error never ends in a traceback: it is one line on stderr (with ``--json``, a JSON
-    document on stdout, as on success), exit status 1 for a problem and 2 for a usage error.
+    document on stdout, as on success), exit status 1 for a problem and 2 for a usage error;
+    Ctrl-C ends it with status 130 and one line.
 
     Args:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 done, 1 a problem, 2 a usage error.
+        The exit status: 0 done, 1 a problem, 2 a usage error, 130 interrupted.
 
     Example:
         >>> from modelshard.cli import main
@@ -82,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.run(args))
     except ModelshardError as e:
         return fail(args.command, 1, problem_json(e), as_json)
+    except KeyboardInterrupt:  # Ctrl-C: what a write had staged is removed on the way out
+        message = "interrupted (Ctrl-C); nothing half-written was published"
+        return fail(args.command, 130, {"type": "KeyboardInterrupt", "message": message}, as_json)
     except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
         return fail(args.command, 1, os_error_json(e), as_json)
     except ValueError as e:  # TensorStore reports a failed write (full disk) as ValueError
