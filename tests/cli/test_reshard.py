@@ -75,7 +75,19 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flag", "value", "says"),
     [
-        ("--dtype", "bogus", "argument --dtype: 'bogus' is not a floating-point dtype"),
+        (
+            "--dtype",
+            "bogus",
+            "argument --dtype: 'bogus' is not a dtype name; choose e.g. bfloat16, float16 or "
+            "float32",
+        ),
+        ("--dtype", "bf16", "argument --dtype: 'bf16' is not a dtype name; did you mean bfloat16?"),
+        ("--dtype", "FP16", "argument --dtype: 'FP16' is not a dtype name; did you mean float16?"),
+        (
+            "--dtype",
+            "bfloat61",
+            "argument --dtype: 'bfloat61' is not a dtype name; did you mean bfloat16?",
+        ),
         ("--dtype", "int8", "argument --dtype: 'int8' is not a floating-point dtype"),
         ("--chunk-mb", "nan", "argument --chunk-mb: 'nan' is not a finite number above 0"),
         ("--chunk-mb", "-1", "argument --chunk-mb: '-1' is not a finite number above 0"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -73,12 +74,31 @@ def float_dtype(text: str) -> str:
     try:
         dt = jnp.dtype(text)
     except (TypeError, ValueError):
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        guess = _FLOAT_ALIASES.get(text.strip().lower())
+        guess = guess or next(iter(difflib.get_close_matches(text, _FLOAT_NAMES, 1)), None)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype name; "
+            + (f"did you mean {guess}?" if guess else "choose e.g. bfloat16, float16 or float32")
+        ) from None
+    if not jnp.issubdtype(dt, jnp.floating):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a floating-point dtype; choose e.g. bfloat16, float16 or float32"
         )
     return dtype_name(dt)
+
+
+_FLOAT_NAMES = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"]
+# the short names other tools use for them
+_FLOAT_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "fp8": "float8_e4m3fn",
+}
 
 
 def regex_arg(text: str) -> re.Pattern[str]:
