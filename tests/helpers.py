@@ -484,6 +484,13 @@ def largest_data_file(path: Path) -> Path:
     return max((f for f in path.rglob("*") if f.parent.name == "d"), key=lambda f: f.stat().st_size)
 
 
+def flip_byte(f: Path) -> None:
+    """Flip the bits of the middle byte of ``f`` (damage no size check sees)."""
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
 def truncate_file(f: Path) -> None:
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size // 2)

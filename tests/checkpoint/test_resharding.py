@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, launch_argv
+from helpers import DAMAGED_HINT, flip_byte, largest_data_file, launch_argv
 from modelshard._checkpoint import locate
 from modelshard._checkpoint.resharding import reshard, rewrite
 from modelshard._checkpoint.slabs import StreamLeaf
@@ -337,10 +337,7 @@ def test_an_unverified_reshard_carries_the_source_checksums(tmp_path):
     clean = reshard(src, tmp_path / "clean", mesh=mesh8, verify=False)
     assert {leaf.path: leaf.checksum for leaf in locate(clean).record.leaves} == before
     _same_bits({"big": big, "small": np.arange(8.0, dtype=np.float32)}, ms.restore(clean))
-    files = sorted(glob.glob(str(src / "ocdbt.process_*" / "d" / "*")), key=os.path.getsize)
-    data = bytearray(Path(files[-1]).read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    Path(files[-1]).write_bytes(bytes(data))
+    flip_byte(largest_data_file(src))
     copy = reshard(src, tmp_path / "copy", mesh=mesh8, verify=False, chunk_bytes=4096)
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(copy)

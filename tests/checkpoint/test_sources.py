@@ -7,10 +7,12 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, largest_data_file, truncate_file
+from helpers import DAMAGED_HINT, flip_byte, largest_data_file, truncate_file
+from modelshard._checkpoint.sources import locate
 
 
 @pytest.mark.parametrize("what", ["data file", "directory", "record"])
@@ -95,3 +97,21 @@ def test_deleted_record_is_an_error_not_a_plain_orbax_checkpoint(tmp_path, layou
         "paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a complete copy "
         "of the checkpoint."
     )
+
+
+def test_a_manager_steps_state_item_given_alone_is_read_as_the_step(tmp_path):
+    """``root/<step>/state`` holds the arrays and no record (it is beside them): given on
+    its own it is read as the step, with the record's paths, dtypes and checksums (it read
+    as a plain Orbax checkpoint: PRNG keys as raw data, and damage unchecked)."""
+    state = {"w": jnp.arange(65536.0), "k": jax.random.key(0)}  # w: most of the data file
+    with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+        mngr.save(1, state)
+    item = tmp_path / "m" / "1" / "state"
+    source = locate(item)
+    assert source.path == tmp_path / "m" / "1" and source.template is None
+    out = ms.restore(item)
+    assert jax.dtypes.issubdtype(out["k"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(65536.0))
+    flip_byte(largest_data_file(item))
+    with pytest.raises(ms.CheckpointError, match=r"^checksum mismatch in "):
+        ms.restore(item)

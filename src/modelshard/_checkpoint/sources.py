@@ -218,6 +218,10 @@ def locate(directory: str | os.PathLike[str]) -> Source:
                 raise
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
         return Source(p, tree_dir, Record.from_json(data, str(record_file)), _tree_bytes=tree_bytes)
+    if p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists():
+        # a CheckpointManager step's arrays, given on their own: read as the step, whose
+        # record beside them gives their paths, dtypes and checksums
+        return locate(p.parent)
     if is_marked(p):
         raise CheckpointError(
             f"{record_file} is missing, but modelshard wrote {p}: without the record the "
