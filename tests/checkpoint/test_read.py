@@ -113,3 +113,12 @@ def test_deleted_process_shard_directory(tmp_path):
         assert "\n  w: " in str(e) or "\n  v: " in str(e)
     else:  # the root manifest may hold everything this small checkpoint needs
         np.testing.assert_array_equal(out["w"], np.arange(4096.0))
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_a_restore_without_a_mesh_rebuilds_the_saved_one_with_its_axis_types(tmp_path, axis_types):
+    mesh = ms.make_mesh({"data": 2, "model": 4}, axis_types=axis_types)
+    w = ms.shard(jnp.arange(64.0).reshape(8, 8), P("data", "model"), mesh)
+    out = ms.restore(ms.save(tmp_path / "c", {"w": w}))
+    assert out["w"].sharding.spec == P("data", "model")
+    assert out["w"].sharding.mesh.axis_types == mesh.axis_types

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import modelshard as ms
+from modelshard._checkpoint.record import Record
 
 
 def _leaf(record: dict[str, Any], path: str) -> dict[str, Any]:
@@ -141,3 +142,17 @@ def test_oversized_metadata_is_refused_unread(small_ckpt, monkeypatch, name):
     )
     monkeypatch.setattr(ckpt, "MAX_METADATA_BYTES", size)
     assert ms.restore(path)["w"].shape == (3, 4)
+
+
+def test_the_saved_meshs_axis_types_are_read_back_or_auto():
+    def record(mesh):
+        return Record(kind="pytree", leaves=[], mesh=mesh)
+
+    axes = {"data": 2, "model": 4}
+    assert record({"axes": axes, "axis_types": ["Explicit", "Auto"]}).mesh_axis_types() == [
+        "explicit",
+        "auto",
+    ]
+    for unknown in ([], ["Explicit"], ["Manual", "Auto"], "Explicit", None):
+        assert record({"axes": axes, "axis_types": unknown}).mesh_axis_types() == ["auto"] * 2
+    assert record(None).mesh_axis_types() == []

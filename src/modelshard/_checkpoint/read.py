@@ -299,7 +299,7 @@ def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
         return s
     sizes = record.mesh_sizes()
     if sizes and rec.spec is not None and int(np.prod(list(sizes.values()))) == jax.device_count():
-        return NamedSharding(make_mesh(sizes), rec.spec)
+        return NamedSharding(make_mesh(sizes, axis_types=record.mesh_axis_types()), rec.spec)
     return SingleDeviceSharding(jax.local_devices()[0])
 
 

@@ -268,6 +268,17 @@ class Record:
     def mesh_sizes(self) -> dict[str, int] | None:
         return None if self.mesh is None else dict(self.mesh["axes"])
 
+    def mesh_axis_types(self) -> list[str]:
+        """The saving mesh's axis types, one per axis (``"auto"``/``"explicit"``), for a
+        mesh rebuilt from the record; ``"auto"`` where the record does not say (older
+        records, plain Orbax) or names a type a mesh cannot be built with."""
+        sizes = self.mesh_sizes() or {}
+        saved = (self.mesh or {}).get("axis_types") or []
+        types = [str(t).lower() for t in saved] if isinstance(saved, list) else []
+        if len(types) != len(sizes) or not set(types) <= {"auto", "explicit"}:
+            return ["auto"] * len(sizes)
+        return types
+
     def saved_specs(self) -> Callable[[str, Any], PartitionSpec]:
         """A spec function giving each leaf the spec it was saved with (replicated where
         the record has none): the default layout of ``restore`` and ``reshard``."""

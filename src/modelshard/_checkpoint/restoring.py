@@ -34,8 +34,8 @@ def restore(
             [`fsdp`][modelshard.fsdp], ...), planned on ``mesh`` by the same pipeline as [`shard`][modelshard.shard].
             Default with a mesh: the specs the checkpoint was saved with.
         mesh: the target mesh (an ``AbstractMesh`` is made concrete). Without a mesh each
-            leaf takes ``like``'s sharding, else the saved mesh if this host has exactly
-            its devices, else the first local device.
+            leaf takes ``like``'s sharding, else the saved mesh (its axis types too) if
+            this host has exactly its devices, else the first local device.
         dtype: cast floating-point leaves to this floating-point dtype (stored values are
             verified first; an integer dtype is refused).
         partial: restore only the leaves both sides have: extra checkpoint leaves are
