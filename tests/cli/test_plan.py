@@ -270,3 +270,22 @@ def test_rules_file_problems_get_toml_fixes(ckpt, tmp_path, capsys):
         "      Rules:rule 1",
         "All 13 problems, each in full: the same command with --json.",
     ]
+
+
+def test_one_cause_of_several_rules_gets_every_rules_fix(tmp_path, capsys):
+    """Leaves of several rules failing alike are one cause; its hint names the fix of each
+    rule (following the example's rule alone would leave the others failing)."""
+    mesh = ms.make_mesh({"data": 8})
+    state = {name: jnp.ones((4, 6)) for name in "abcdefghij"}
+    ckpt = ms.save(tmp_path / "c", ms.shard(state, P(), mesh))
+    rules = tmp_path / "r.toml"
+    rules.write_text(
+        "".join(f'[[rules]]\npattern = "^{n}$"\nspec = ["model"]\n' for n in "abcdefghij")
+    )
+    assert main(["plan", str(ckpt), "--mesh", "data=1,model=3", "--rules", str(rules)]) == 1
+    [hint] = [x for x in capsys.readouterr().err.splitlines() if x.strip().startswith("hint:")]
+    fixes = "; ".join(f'in {rules} set rules[{i}].spec = ["none"]' for i in range(6))
+    assert hint == (
+        "      hint: shard this dimension over axes whose sizes divide it, pad it, or replicate "
+        f'it with "none": {fixes}; and 4 more (each problem has its own)'
+    )

@@ -257,7 +257,36 @@ def _fitting_hint(problems: Sequence[Problem]) -> str | None:
                 f"(r'^{prefix}/', P()) to replicate it, a catch-all (r'.*', P()) last, or "
                 "Rules(..., strict=False) to replicate unmatched leaves"
             )
-    return e.hint
+    return _joined_hints(problems)
+
+
+# distinct fixes a cause's hint lists before "and N more"
+_MAX_FIXES = 6
+
+
+def _joined_hints(problems: Sequence[Problem]) -> str | None:
+    """The problems' hint; where they differ only after a shared advice (one cause the
+    problems of several rules share: ``...: in tp.toml set rules[0].spec = ...``), the
+    advice once, then each rule's fix, so that following the hint fixes every leaf."""
+    hints = list(dict.fromkeys(p.hint for p in problems if p.hint))
+    if len(hints) <= 1:
+        return problems[0].hint
+    lo, hi = min(hints), max(hints)  # their shared start is every hint's
+    same = next((i for i, (a, b) in enumerate(zip(lo, hi, strict=False)) if a != b), len(lo))
+    cut = lo[:same].rfind(": ")
+    if cut < 0:
+        return problems[0].hint
+    fixes = sorted((h[cut + 2 :] for h in hints), key=_natural)  # rules[2] before rules[10]
+    more = len(fixes) - _MAX_FIXES
+    return (
+        hints[0][: cut + 2]
+        + "; ".join(fixes[:_MAX_FIXES])
+        + (f"; and {more} more (each problem has its own)" if more > 0 else "")
+    )
+
+
+def _natural(text: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
 def _common_prefix(paths: Sequence[str]) -> str:
