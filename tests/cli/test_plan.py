@@ -123,7 +123,9 @@ def test_an_indivisible_dimension_is_explained_in_rules_file_words(ckpt, tmp_pat
     saved = tmp_path / "saved"
     ms.save(saved, ms.shard({"w": jnp.ones((4, 6))}, P(None, "data"), ms.make_mesh({"data": 2})))
     assert main(["plan", str(saved), "--mesh", "data=4"]) == 1
-    assert capsys.readouterr().err.splitlines()[-1] == (
+    err = capsys.readouterr().err.splitlines()
+    assert err[-3] == '    spec: ["none", "data"] (from the specs it was saved with)'
+    assert err[-1] == (
         "    hint: shard this dimension over axes whose sizes divide it, pad it, or replicate it "
         'with "none": pass --rules RULES.toml with a rule for this leaf, spec = ["none", "none"]'
     )

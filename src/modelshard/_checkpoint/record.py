@@ -287,6 +287,7 @@ class Record:
         def saved_specs(path: str, leaf: Any) -> PartitionSpec:
             return specs.get(path) or PartitionSpec()
 
+        saved_specs.spec_source = "the specs it was saved with"  # type: ignore[attr-defined]
         return saved_specs
 
     def to_json(self) -> dict[str, Any]:

@@ -543,7 +543,8 @@ def resolve(
                 hint="return P(...) for every leaf (P() replicates)",
             )
             return None
-        return got, f"function {name}", ctx.logical
+        # a spec function may say in words where its specs come from (``spec_source``)
+        return got, getattr(s, "spec_source", None) or f"function {name}", ctx.logical
     ctx.problem(
         arg,
         info.path,
