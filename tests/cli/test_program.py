@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
@@ -153,7 +155,8 @@ def test_cli_page_lists_every_option_as_help_does():
 
 def test_ctrl_c_is_one_line_and_status_130_and_nothing_is_published(tmp_path):
     """SIGINT to a ``modelshard reshard`` under way (its staging directory written): exit
-    status 130, one line on stderr, neither the destination nor its staging left."""
+    status 130, one line on stderr, nothing published, and the next reshard to the same
+    path completes, leaving nothing hidden."""
     mesh = ms.make_mesh({"data": 8})
     state = {f"w{i}": jnp.full((512, 1024), float(i)) for i in range(24)}  # 48 MiB
     src = ms.save(tmp_path / "src", ms.shard(state, ms.fsdp("data"), mesh))
@@ -182,4 +185,49 @@ def test_ctrl_c_is_one_line_and_status_130_and_nothing_is_published(tmp_path):
     assert err.splitlines() == [
         "modelshard reshard: error: interrupted (Ctrl-C); nothing half-written was published"
     ]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert not (tmp_path / "dst").exists()
+    # The staging directory is removed on the way out; a slab write TensorStore started in
+    # the instant the interrupt came (before its future was kept) may land after that, as
+    # after a kill -9: the next reshard to the same path removes it.
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_dropped_inside_a_garbage_collector_callback_still_ends_the_command(
+    tmp_path, monkeypatch, capsys
+):
+    """Python drops a KeyboardInterrupt raised inside a gc callback (JAX registers one) as
+    "ignored", and the command went on and published. The command's next progress report
+    raises it again."""
+    from modelshard._cli import output
+    from modelshard._cli import reshard as reshard_cli
+
+    ticks: list[int] = []
+
+    def ctrl_c_in_gc(_phase: str, _info: dict) -> None:
+        gc.callbacks.remove(ctrl_c_in_gc)
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # as the signal would
+
+    def run(args):
+        with output.progress_bar(args, "resharding") as progress:
+            gc.callbacks.append(ctrl_c_in_gc)
+            gc.collect()  # the KeyboardInterrupt is dropped here, "ignored"
+            for i in range(3):
+                ticks.append(i)
+                progress(i, 3)
+        return 0
+
+    monkeypatch.setattr(reshard_cli, "run", run)
+    argv = ["reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--mesh", "data=2"]
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh process
+    try:
+        assert main(argv) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "modelshard reshard: error: interrupted (Ctrl-C); nothing half-written was published"
+    )
+    assert ticks == [0]  # the first report after the drop ended it

@@ -85,6 +85,11 @@ def test_reshard_in_process(ckpt, tmp_path, capsys):
         ("--dtype", "FP16", "argument --dtype: 'FP16' is not a dtype name; did you mean float16?"),
         (
             "--dtype",
+            "float8",
+            "argument --dtype: 'float8' is not a dtype name; did you mean float8_e4m3fn?",
+        ),
+        (
+            "--dtype",
             "bfloat61",
             "argument --dtype: 'bfloat61' is not a dtype name; did you mean bfloat16?",
         ),

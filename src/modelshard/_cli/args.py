@@ -98,6 +98,7 @@ _FLOAT_ALIASES = {
     "fp64": "float64",
     "f64": "float64",
     "fp8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
 }
 
 

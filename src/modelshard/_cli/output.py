@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -217,11 +218,66 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(self.prog, message)
 
 
-def progress_bar(args: argparse.Namespace, what: str) -> Any:
+@contextlib.contextmanager
+def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
     """The library's progress bar (``_base.reporter``) for a command: on stderr when it is a
     terminal, whatever the size, unless ``--json`` or ``--no-progress``; yields what to call
-    with ``(bytes_done, bytes_total)``, or None."""
+    with ``(bytes_done, bytes_total)``. Each call raises KeyboardInterrupt once Ctrl-C was
+    pressed, should its own have been dropped (``interruptible``)."""
     from .._base import reporter
 
     show = not args.json and not getattr(args, "no_progress", False)
-    return reporter(show, None, what, min_bytes=0)
+    with reporter(show, None, what, min_bytes=0) as report:
+
+        def tick(done: int, total: int) -> None:
+            if _interrupt.seen:
+                raise KeyboardInterrupt
+            if report is not None:
+                report(done, total)
+
+        yield tick
+
+
+class _Interrupt:
+    """Whether Ctrl-C was pressed while the command runs (``interruptible``)."""
+
+    seen = False
+
+
+_interrupt = _Interrupt()
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While a command runs, Ctrl-C also leaves a mark. Python drops a KeyboardInterrupt
+    raised inside a garbage collector's callback (JAX registers one) as "ignored", and the
+    command went on and published what it wrote; the command's progress reports
+    (``progress_bar``) raise it again. Python's own handler, where it is not installed
+    (SIGINT ignored, or another handler), is left alone."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        _interrupt.seen = True
+        raise KeyboardInterrupt
+
+    unraisable = sys.unraisablehook
+
+    def quiet(report: Any) -> None:  # the dropped interrupt is raised again: not "ignored"
+        if not isinstance(report.exc_value, KeyboardInterrupt):
+            unraisable(report)
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    sys.unraisablehook = quiet
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = unraisable
+        _interrupt.seen = False

@@ -4,7 +4,7 @@ Every command has ``--help`` and ``--json``. ``main`` turns every user error int
 on stderr (``modelshard CMD: error: ...``) or, with ``--json``, the one JSON document on
 stdout (as on success; stderr gets a short line); exit status
 1 for a problem (modelshard's errors, unreadable or unwritable paths), 2 for a usage error
-(argparse's convention). No traceback is printed for a user error. README.md beside this
+(argparse's convention), 130 for Ctrl-C. No traceback is printed for a user error. README.md beside this
 module says how to add a command; docs/cli.md documents the JSON schema.
 """
 
@@ -15,7 +15,15 @@ import sys
 from collections.abc import Sequence
 
 from . import convert, inspect, launch, mappings, plan, reshard, steps
-from .output import Parser, UsageError, fail, os_error_json, problem_json, tensorstore_os_error
+from .output import (
+    Parser,
+    UsageError,
+    fail,
+    interruptible,
+    os_error_json,
+    problem_json,
+    tensorstore_os_error,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
         prog="modelshard",
         description="Inspect, plan and reshard JAX checkpoints; launch local multi-process runs. "
         "Exit status: 0 done, 1 a problem (printed as one line, or a JSON object with --json), "
-        "2 a usage error.",
+        "2 a usage error, 130 interrupted.",
     )
     p.add_argument("--version", action="version", version=f"modelshard {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -79,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .._base import ModelshardError, speaking
 
     try:
-        with speaking("cli"):  # hints name options and rules-file lines, not Python
+        with speaking("cli"), interruptible():  # hints name options, not Python
             return int(args.run(args))
     except ModelshardError as e:
         return fail(args.command, 1, problem_json(e), as_json)
