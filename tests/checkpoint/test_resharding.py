@@ -280,7 +280,10 @@ def test_changed_checksums_name_every_leaf_and_nothing_is_published(tmp_path):
     )
     assert lines[1].startswith("  a float32[8, 8]: recorded 00000000:00000000, read ")
     assert lines[2].startswith("  c float32[3]: recorded 00000000:00000000, read ")
-    assert lines[3].startswith("hint: the checkpoint is damaged")
+    assert lines[3] == (
+        "hint: the checkpoint is damaged; restore an earlier one, or pass verify=False to copy "
+        "it anyway (the copy keeps the recorded checksums: restoring it reports the damage)."
+    )
     assert len(lines) == 4
     assert list(ms.restore(old)) == ["old"]  # the last good checkpoint is untouched
     assert _hidden(tmp_path) == []

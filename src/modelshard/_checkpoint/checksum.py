@@ -692,9 +692,12 @@ class StoredLeaf(Protocol):
     def stored_shape(self) -> Sequence[int]: ...
 
 
-def checksum_mismatch_message(where: str, bad: Sequence[tuple[StoredLeaf, str | None, str]]) -> str:
+def checksum_mismatch_message(
+    where: str, bad: Sequence[tuple[StoredLeaf, str | None, str]], anyway: str = "load it anyway"
+) -> str:
     """The error for the leaves of ``where`` whose checksum is not the recorded one:
-    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf."""
+    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf; ``anyway``: what
+    ``verify=False`` would do with it."""
     n = len(bad)
     return (
         f"checksum mismatch in {where}: the stored bytes of {n} lea"
@@ -705,5 +708,5 @@ def checksum_mismatch_message(where: str, bad: Sequence[tuple[StoredLeaf, str | 
             for r, want, got in bad
         )
         + "\nhint: the checkpoint is damaged; restore an earlier one, or pass verify=False "
-        "to load it anyway."
+        f"to {anyway}."
     )

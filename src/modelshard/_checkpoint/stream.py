@@ -513,7 +513,14 @@ class Stream:
             if lay.leaf.expect is not None and got is not None and got != lay.leaf.expect:
                 bad.append((lay.rec, lay.leaf.expect, got))
         if bad:
-            raise CheckpointError(checksum_mismatch_message(self.source or str(directory), bad))
+            raise CheckpointError(
+                checksum_mismatch_message(
+                    self.source or str(directory),
+                    bad,
+                    anyway="copy it anyway (the copy keeps the recorded checksums: restoring "
+                    "it reports the damage)",
+                )
+            )
         if process == 0:
             (directory / TREE_METADATA).write_text(json.dumps(_tree_metadata(self.layouts)))
             (directory / "_sharding").write_text(json.dumps(_sharding_file(self.layouts)))
