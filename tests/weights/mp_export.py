@@ -147,8 +147,16 @@ def main(out: str) -> None:
     result["before_full"] = digest()
     if me == 1:
         os.pwrite = full
+    # process 0 removes the temporaries slowly: process 1 must still not see them after
+    # its error (every process returns once they are gone)
+    from modelshard._weights import shared
+
+    remove = shared._remove
+    if me == 0:
+        shared._remove = lambda paths: (time.sleep(0.5), remove(paths))[1]
     attempt("full", lambda: ms.save_safetensors(one, st, overwrite=True))
     os.pwrite = real
+    shared._remove = remove
     result["after_full"] = digest()
     result["after_full_files"] = sorted(os.listdir(os.path.dirname(one)))
     attempt("replace", lambda: ms.save_safetensors(one, st, dtype="bfloat16", overwrite=True))

@@ -23,8 +23,8 @@ processes that hold the data:
    on every process in the same order (the leaves all-gathered, a collective), and
    written by one.
 4. Each process writes its parts with positioned writes and syncs; the outcome of every
-   process is gathered, and a failure anywhere is raised on every process (the
-   temporaries removed, the destination untouched). Process 0 then renames the
+   process is gathered, and a failure anywhere is raised on every process once process 0
+   has removed the temporaries (the destination untouched). Process 0 then renames the
    temporaries into place (index last) and syncs the directory; every process returns
    once that is done.
 
@@ -39,6 +39,7 @@ all-gathers of the mapped case) runs outside the branches that only process 0 ta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -323,15 +324,13 @@ def write_shared(
     token = shared["token"]
     temps = [temporary(final, token) for final, _ in layout.files]
     if shared["error"] is not None:
-        if me == 0:
-            _remove(temps)
+        _remove_everywhere(temps, me, "modelshard:export:created-removed")
         _raise_shared(error, [shared["error"]], "to create the export's files")
 
     unseen = [str(t) for t in temps if not t.is_file()]
     seen = gather(unseen[:1], "modelshard:export:seen")
     if any(seen):
-        if me == 0:
-            _remove(temps)
+        _remove_everywhere(temps, me, "modelshard:export:seen-removed")
         p = next(p for p, s in enumerate(seen) if s)
         raise CheckpointError(
             f"save_safetensors: process {p} does not see {seen[p][0]}, which process 0 "
@@ -391,8 +390,7 @@ def write_shared(
             os.close(fd)
     outcomes = gather(_describe(error), "modelshard:export:synced")
     if any(outcomes):
-        if me == 0:
-            _remove(temps)
+        _remove_everywhere(temps, me, "modelshard:export:written-removed")
         _raise_shared(error, outcomes, "to write its part of the export")
 
     error = None
@@ -423,6 +421,17 @@ def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
         if a.size:
             _pwrite_all(fd, memoryview(a.reshape(-1).view(np.uint8)), pos)
             pos += a.nbytes
+
+
+def _remove_everywhere(temps: Sequence[Path], me: int, key: str) -> None:
+    """Process 0 removes the export's temporaries; every process returns once they are
+    gone (one that raised at once could still see them: a caller listing the directory
+    after the error found a ``.partial`` there). A failure to remove them is not raised
+    over the export's own error, and no process is left waiting for process 0."""
+    if me == 0:
+        with contextlib.suppress(OSError):
+            _remove(temps)
+    broadcast(None, key)
 
 
 def _remove(paths: Sequence[Path]) -> None:
