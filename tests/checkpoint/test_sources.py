@@ -115,3 +115,29 @@ def test_a_manager_steps_state_item_given_alone_is_read_as_the_step(tmp_path):
     flip_byte(largest_data_file(item))
     with pytest.raises(ms.CheckpointError, match=r"^checksum mismatch in "):
         ms.restore(item)
+
+
+@pytest.mark.parametrize("layout", ["save", "manager"])
+def test_a_lost_ocdbt_manifest_is_named_before_any_read(tmp_path, capsys, layout):
+    """Without the manifest that indexes its arrays a checkpoint is damaged: ``locate``
+    says so (``modelshard inspect`` exited 0 on it; a restore failed leaf by leaf)."""
+    from modelshard.cli import main
+
+    if layout == "save":
+        path = ms.save(tmp_path / "c", {"w": jnp.ones(3)})
+        manifest = path / "manifest.ocdbt"
+    else:
+        with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+            mngr.save(2, {"w": jnp.ones(3)})
+        path = tmp_path / "m" / "2"
+        manifest = path / "state" / "manifest.ocdbt"
+    manifest.unlink()
+    message = (
+        f"checkpoint {path} is damaged: its OCDBT manifest {manifest}, the file that indexes "
+        "its arrays, is missing. Restore a complete copy of the checkpoint."
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == message
+    assert main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err == f"modelshard inspect: error: {message}\n"

@@ -256,3 +256,28 @@ def test_overwrite_never_leaves_the_path_without_a_checkpoint(tmp_path, monkeypa
     monkeypatch.undo()
     assert float(ms.restore(path)["w"][0]) in (0.0, 1.0)
     assert ckpt._exchange(tmp_path / "c", tmp_path / "c")  # this system can swap
+
+
+@pytest.mark.parametrize("name", ["ck[red]pt", "run*1", "a?b", "x[0-9]"])
+@pytest.mark.parametrize("how", ["save", "manager"])
+def test_a_path_that_reads_as_a_glob_pattern_still_restores(tmp_path, name, how):
+    """Orbax finds the per-process OCDBT databases to merge with a glob under the
+    checkpoint's path, so ``[``, ``]``, ``*`` and ``?`` there matched nothing: the save was
+    published without the manifest that indexes its arrays, and never restored."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    state = {"w": jnp.arange(4096.0).reshape(64, 64), "k": jax.random.key(3)}
+    if how == "save":
+        path = ms.save(tmp_path / name / "ck", state)
+    else:
+        with ms.CheckpointManager(tmp_path / name) as mngr:
+            mngr.save(1, state)
+        path = tmp_path / name / "1"
+    out = ms.restore(path)  # checksums verified
+    assert_bit_exact(state, out)
+    tree = path if how == "save" else path / "state"
+    assert (tree / "manifest.ocdbt").is_file()
+    if how == "save":
+        plain = ocp.StandardCheckpointer().restore(str(path))
+        np.testing.assert_array_equal(plain["w"], np.asarray(state["w"]))

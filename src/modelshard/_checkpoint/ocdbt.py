@@ -34,6 +34,9 @@ from typing import Any
 FILE_IO_CONCURRENCY = 128
 OCDBT_NODE_CACHE_BYTES = 100_000_000
 
+OCDBT_MANIFEST = "manifest.ocdbt"
+"""The file of an OCDBT database that indexes everything in it."""
+
 # What Orbax's writes configure an OCDBT database with (``_add_ocdbt_write_options``).
 TARGET_DATA_FILE_SIZE = 2 << 30
 _WRITE_CONFIG = {

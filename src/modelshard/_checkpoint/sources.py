@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, dtype_name, format_path, key_name
+from .ocdbt import OCDBT_MANIFEST
 from .record import LeafRecord, Record, dims
 from .storage import (
     COMMIT_FILE,
@@ -210,6 +211,8 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
     tree_bytes = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
+    if not remote:
+        _check_manifest(p, tree_dir, tree_bytes)
     if record_file.exists() or (not remote and record_file.is_symlink()):
         try:
             data = json.loads(read_small(record_file))
@@ -229,6 +232,27 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             "complete copy of the checkpoint."
         )
     return _from_orbax(p, tree_dir, tree_bytes)
+
+
+def _check_manifest(p: Path, tree_dir: Path, tree_bytes: bytes) -> None:
+    """Refuse a checkpoint whose arrays are in OCDBT (as its ``_METADATA`` says, listing at
+    least one array) but whose database has lost its manifest, the file that indexes them:
+    ``modelshard inspect`` said nothing of it, and a restore failed leaf by leaf. A
+    ``_METADATA`` that does not parse is left to the reads, which name it."""
+    try:
+        meta = json.loads(tree_bytes)
+        ocdbt = bool(meta.get("use_ocdbt", True))
+        arrays = any(
+            e["value_metadata"]["value_type"] == "jax.Array" for e in meta["tree_metadata"].values()
+        )
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return
+    manifest = tree_dir / OCDBT_MANIFEST
+    if ocdbt and arrays and not (manifest.exists() or manifest.is_symlink()):
+        raise CheckpointError(
+            f"checkpoint {p} is damaged: its OCDBT manifest {manifest}, the file that indexes "
+            "its arrays, is missing. Restore a complete copy of the checkpoint."
+        )
 
 
 def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes) -> Source:

@@ -9,6 +9,8 @@ module describes the layout.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -33,16 +35,19 @@ from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
 from .leaks import stop_leaks
+from .ocdbt import OCDBT_MANIFEST, merge
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
     CHECKPOINT_METADATA,
     MARKER,
     MAX_METADATA_BYTES,
     RECORD_FILE,
+    TREE_METADATA,
     aside_dir,
     check_names,
     is_marked,
     nest,
+    orbax_name,
     orbax_tmp_dirs,
     pieces_dir,
     staging_dir,
@@ -429,12 +434,37 @@ def save_handler(compression: str | None = None) -> Any:
         use_replica_parallel=jax.process_count() > 1,
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
     )
-    return ocp.PyTreeCheckpointHandler(
+    handler = ocp.PyTreeCheckpointHandler(
         save_concurrent_gb=96,
         restore_concurrent_gb=96,
         use_compression=check_compression(compression),
         type_handler_registry=registry_with(arrays),
     )
+    handler.finalize = functools.partial(_finalize, handler)  # type: ignore[method-assign]
+    return handler
+
+
+def _finalize(handler: Any, directory: Any) -> None:
+    """Orbax's finalize, then the merge of the per-process OCDBT databases where Orbax
+    skipped it. Orbax finds them with ``epath``'s glob of ``ocdbt.process_*`` under the
+    checkpoint's path, which reads ``[``, ``]``, ``*`` and ``?`` in that path as a pattern:
+    a checkpoint saved under ``run[1]/`` was published without the manifest that indexes
+    its arrays (Orbax only logged "Skipping merge"), and never restored. On a local disk
+    the merge is done again without a glob (``ocdbt.merge``)."""
+    type(handler).finalize(handler, directory)  # Orbax's, looked up when called
+    local = location(str(directory))
+    if is_remote(local) or not any(c in str(local) for c in "[]*?"):
+        return
+    stores = [d for d in os.listdir(local) if d.startswith("ocdbt.process_")]
+    if (local / OCDBT_MANIFEST).exists() or not stores:
+        return
+    meta = json.loads((local / TREE_METADATA).read_text())
+    names = [
+        orbax_name(tuple(str(k["key"]) for k in entry["key_metadata"]))
+        for entry in meta["tree_metadata"].values()
+        if entry["value_metadata"]["value_type"] == "jax.Array"
+    ]
+    merge(str(local), names)
 
 
 def registry_with(arrays: Any) -> Any:
