@@ -38,6 +38,7 @@ from .text import format_bytes as format_bytes
 from .text import format_mesh as format_mesh
 from .text import format_spec as format_spec
 from .text import literal as literal
+from .text import natural_key as natural_key
 from .text import quote_pattern as quote_pattern
 from .text import speaking as speaking
 from .text import spec_json as spec_json

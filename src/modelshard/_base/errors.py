@@ -9,7 +9,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from .text import format_mesh, format_spec, spec_json, toml_spec, vocabulary
+from .text import format_mesh, format_spec, natural_key, spec_json, toml_spec, vocabulary
 
 
 class ModelshardError(Exception):
@@ -276,17 +276,13 @@ def _joined_hints(problems: Sequence[Problem]) -> str | None:
     cut = lo[:same].rfind(": ")
     if cut < 0:
         return problems[0].hint
-    fixes = sorted((h[cut + 2 :] for h in hints), key=_natural)  # rules[2] before rules[10]
+    fixes = sorted((h[cut + 2 :] for h in hints), key=natural_key)  # rules[2] before rules[10]
     more = len(fixes) - _MAX_FIXES
     return (
         hints[0][: cut + 2]
         + "; ".join(fixes[:_MAX_FIXES])
         + (f"; and {more} more (each problem has its own)" if more > 0 else "")
     )
-
-
-def _natural(text: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
 def _common_prefix(paths: Sequence[str]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -144,3 +145,9 @@ def close_match(name: str, choices: Iterable[str], cutoff: float = 0.75) -> str 
     for a "did you mean" hint; None when none is close enough or ``name`` is itself one."""
     got = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
     return got[0] if got and got[0] != name else None
+
+
+def natural_key(text: str) -> list[tuple[int, int | str]]:
+    """A sort key reading numbers as numbers (``layers/2`` before ``layers/10``,
+    ``rules[2]`` before ``rules[10]``); a number and a word at one place compare too."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", text) if p]

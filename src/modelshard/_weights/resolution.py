@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._base import MappingError, Problem, dtype_name, literal, vocabulary
+from .._base import MappingError, Problem, dtype_name, literal, natural_key, vocabulary
 from . import recipe
 from .rules import MapRule, WeightMap, header
 from .steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts
@@ -140,7 +140,7 @@ def resolve(
         kept = []
         rows = [
             _row(p, node, mapping.rules[i])
-            for p, (node, i, _) in sorted(leaves.made.items(), key=lambda kv: _natural(kv[0]))
+            for p, (node, i, _) in sorted(leaves.made.items(), key=lambda kv: natural_key(kv[0]))
         ]
     if problems:
         problems = _once_per_rule(problems)
@@ -544,11 +544,6 @@ def _unused(mapping: WeightMap, i: int, sources: Iterable[str]) -> Problem:
 
 def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
-
-
-def _natural(path: str) -> list[tuple[int, int | str]]:
-    """A sort key reading numbers as numbers (``layers/2`` before ``layers/10``)."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", path) if p]
 
 
 def _row(path: str, node: recipe.Node, rule: MapRule) -> Row:
