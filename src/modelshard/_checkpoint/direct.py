@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arrival import place_boxes, shard_boxes, start_read
-from .ocdbt import context, read_spec
+from .ocdbt import array_keys, context, read_spec
 from .sources import Source, store_format
 from .storage import TREE_METADATA, orbax_name
 from .urls import is_remote
@@ -38,11 +38,7 @@ def listed_arrays(source: Source) -> set[tuple[str, ...]]:
     path = source.tree_dir / TREE_METADATA
     meta = source.tree_metadata()
     try:
-        return {
-            tuple(str(k["key"]) for k in entry["key_metadata"])
-            for entry in meta["tree_metadata"].values()
-            if entry["value_metadata"]["value_type"] == "jax.Array"
-        }
+        return set(array_keys(meta))
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not Orbax's tree metadata ({type(e).__name__}: {e})") from e
 

@@ -54,6 +54,17 @@ _ZARRAY = re.compile(r"(?:^|/)\.zarray$")
 _CHUNK = re.compile(r"(?:^|/)\d+(\.\d+)*$")
 
 
+def array_keys(tree_metadata: Any) -> list[tuple[str, ...]]:
+    """The storage keys of the arrays Orbax's ``_METADATA`` (parsed) lists, in its order:
+    what plain Orbax reads a checkpoint by. A file not of Orbax's shape raises ``KeyError``,
+    ``TypeError`` or ``AttributeError``."""
+    return [
+        tuple(str(k["key"]) for k in entry["key_metadata"])
+        for entry in tree_metadata["tree_metadata"].values()
+        if entry["value_metadata"]["value_type"] == "jax.Array"
+    ]
+
+
 def context(cache_bytes: int = 0, *, sync: bool = True) -> Any:
     """A TensorStore context like Orbax's: ``cache_bytes`` of decoded chunks (0: none);
     without ``sync``, files written are not synced as each OCDBT commit writes them (the

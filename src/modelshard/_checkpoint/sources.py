@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, dtype_name, format_path, key_name
-from .ocdbt import OCDBT_MANIFEST
+from .ocdbt import OCDBT_MANIFEST, array_keys
 from .record import LeafRecord, Record, dims
 from .storage import (
     COMMIT_FILE,
@@ -211,8 +211,9 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
     tree_bytes = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
-    if not remote:
-        _check_manifest(p, tree_dir, tree_bytes)
+    tree = _parsed(tree_bytes)  # parsed once: Source.tree_metadata keeps it
+    if not remote and tree is not None:
+        _check_manifest(p, tree_dir, tree)
     if record_file.exists() or (not remote and record_file.is_symlink()):
         try:
             data = json.loads(read_small(record_file))
@@ -220,7 +221,8 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
-        return Source(p, tree_dir, Record.from_json(data, str(record_file)), _tree_bytes=tree_bytes)
+        record = Record.from_json(data, str(record_file))
+        return Source(p, tree_dir, record, _tree_bytes=tree_bytes, _tree=tree)
     if p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists():
         # a CheckpointManager step's arrays, given on their own: read as the step, whose
         # record beside them gives their paths, dtypes and checksums
@@ -231,21 +233,27 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
             "complete copy of the checkpoint."
         )
-    return _from_orbax(p, tree_dir, tree_bytes)
+    return _from_orbax(p, tree_dir, tree_bytes, tree)
 
 
-def _check_manifest(p: Path, tree_dir: Path, tree_bytes: bytes) -> None:
-    """Refuse a checkpoint whose arrays are in OCDBT (as its ``_METADATA`` says, listing at
-    least one array) but whose database has lost its manifest, the file that indexes them:
-    ``modelshard inspect`` said nothing of it, and a restore failed leaf by leaf. A
-    ``_METADATA`` that does not parse is left to the reads, which name it."""
+def _parsed(tree_bytes: bytes) -> Any:
+    """``_METADATA``'s JSON, or None where it does not parse (left to the reads, which
+    name the file)."""
     try:
-        meta = json.loads(tree_bytes)
+        return json.loads(tree_bytes)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _check_manifest(p: Path, tree_dir: Path, meta: Any) -> None:
+    """Refuse a checkpoint whose arrays are in OCDBT (as its parsed ``_METADATA`` says,
+    listing at least one array) but whose database has lost its manifest, the file that
+    indexes them: ``modelshard inspect`` said nothing of it, and a restore failed leaf by
+    leaf. Metadata not of Orbax's shape is left to the reads, which name it."""
+    try:
         ocdbt = bool(meta.get("use_ocdbt", True))
-        arrays = any(
-            e["value_metadata"]["value_type"] == "jax.Array" for e in meta["tree_metadata"].values()
-        )
-    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        arrays = bool(array_keys(meta))
+    except (KeyError, TypeError, AttributeError):
         return
     manifest = tree_dir / OCDBT_MANIFEST
     if ocdbt and arrays and not (manifest.exists() or manifest.is_symlink()):
@@ -255,7 +263,7 @@ def _check_manifest(p: Path, tree_dir: Path, tree_bytes: bytes) -> None:
         )
 
 
-def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes) -> Source:
+def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source:
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -294,7 +302,7 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes) -> Source:
             )
         )
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
-    return Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes)
+    return Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes, _tree=meta)
 
 
 def partial_wrap(impl: str) -> Any:

@@ -35,7 +35,7 @@ from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
 from .leaks import stop_leaks
-from .ocdbt import OCDBT_MANIFEST, merge
+from .ocdbt import OCDBT_MANIFEST, array_keys, merge
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -459,12 +459,7 @@ def _finalize(handler: Any, directory: Any) -> None:
     if (local / OCDBT_MANIFEST).exists() or not stores:
         return
     meta = json.loads((local / TREE_METADATA).read_text())
-    names = [
-        orbax_name(tuple(str(k["key"]) for k in entry["key_metadata"]))
-        for entry in meta["tree_metadata"].values()
-        if entry["value_metadata"]["value_type"] == "jax.Array"
-    ]
-    merge(str(local), names)
+    merge(str(local), [orbax_name(key) for key in array_keys(meta)])
 
 
 def registry_with(arrays: Any) -> Any:
