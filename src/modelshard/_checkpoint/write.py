@@ -445,15 +445,16 @@ def save_handler(compression: str | None = None) -> Any:
 
 
 def _finalize(handler: Any, directory: Any) -> None:
-    """Orbax's finalize, then the merge of the per-process OCDBT databases where Orbax
-    skipped it. Orbax finds them with ``epath``'s glob of ``ocdbt.process_*`` under the
-    checkpoint's path, which reads ``[``, ``]``, ``*`` and ``?`` in that path as a pattern:
-    a checkpoint saved under ``run[1]/`` was published without the manifest that indexes
-    its arrays (Orbax only logged "Skipping merge"), and never restored. On a local disk
-    the merge is done again without a glob (``ocdbt.merge``)."""
+    """Orbax's finalize, then the merge of the per-process OCDBT databases wherever Orbax
+    left the checkpoint without the manifest that indexes its arrays. Orbax finds the
+    databases with ``epath``'s glob of ``ocdbt.process_*`` under the checkpoint's path,
+    which reads ``[``, ``]``, ``*`` and ``?`` in that path as a pattern: a checkpoint saved
+    under ``run[1]/`` was published without its manifest (Orbax only logged "Skipping
+    merge"), and never restored. On a local disk the merge is done again without a glob
+    (``ocdbt.merge``)."""
     type(handler).finalize(handler, directory)  # Orbax's, looked up when called
     local = location(str(directory))
-    if is_remote(local) or not any(c in str(local) for c in "[]*?"):
+    if is_remote(local):
         return
     stores = [d for d in os.listdir(local) if d.startswith("ocdbt.process_")]
     if (local / OCDBT_MANIFEST).exists() or not stores:
