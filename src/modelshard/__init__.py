@@ -18,6 +18,7 @@ from ._base import DistributedError as DistributedError
 from ._base import MappingError as MappingError
 from ._base import MeshError as MeshError
 from ._base import ModelshardError as ModelshardError
+from ._base import PartialRestoreWarning as PartialRestoreWarning
 from ._base import Problem as Problem
 from ._base import ShardingMismatchError as ShardingMismatchError
 from ._base import SpecError as SpecError

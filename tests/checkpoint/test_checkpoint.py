@@ -232,8 +232,8 @@ def test_structure_mismatch_is_a_path_first_diff(tmp_path):
         "  missing  new   float32[2] (in the target, not in the checkpoint)",
         "  extra    gone  float32[1] (in the checkpoint, not in the target)",
         "hint: pass partial=True to restore only the leaves both have (missing leaves then keep "
-        "like's values, so like must be concrete for them); shapes must match; pass dtype=... "
-        "to cast floating leaves",
+        "like's values, so like must be concrete for them; a warning names them); shapes must "
+        "match; pass dtype=... to cast floating leaves",
     ]
 
 

@@ -4,6 +4,7 @@ deleted errors clearly or restores bit for bit."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -122,3 +123,114 @@ def test_a_restore_without_a_mesh_rebuilds_the_saved_one_with_its_axis_types(tmp
     out = ms.restore(ms.save(tmp_path / "c", {"w": w}))
     assert out["w"].sharding.spec == P("data", "model")
     assert out["w"].sharding.mesh.axis_types == mesh.axis_types
+
+
+# ---- partial restores say what they left out -------------------------------------------
+
+
+def _partial_warnings(caught: list[warnings.WarningMessage]) -> list[ms.PartialRestoreWarning]:
+    return [c.message for c in caught if isinstance(c.message, ms.PartialRestoreWarning)]
+
+
+def test_partial_restore_warns_naming_every_leaf_it_left_out(tmp_path, mesh8):
+    """Kept and skipped leaves named in the message and listed in full for code; the warning
+    points at the caller's line; a partial restore that left nothing out says nothing."""
+    ms.save(tmp_path / "c", {"a": jnp.arange(8.0), "extra": jnp.ones(3)})
+    like = {"a": jnp.zeros(8), "fresh": jnp.full((8,), 5.0)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ms.restore(tmp_path / "c", like=like, specs=P("data"), mesh=mesh8, partial=True)
+    (w,) = _partial_warnings(caught)
+    assert str(w) == (
+        f"restored 1 of the target's 2 leaves from {tmp_path / 'c'}; 1 kept like's values "
+        "(not in the checkpoint): fresh; 1 checkpoint leaves not restored: extra (partial=True)"
+    )
+    assert (w.restored, w.kept, w.skipped) == (("a",), ("fresh",), ("extra",))
+    assert [c.filename for c in caught if c.message is w] == [__file__]
+    np.testing.assert_array_equal(out["a"], np.arange(8.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ms.restore(tmp_path / "c", like={"a": like["a"], "extra": jnp.ones(3)}, partial=True)
+    assert not _partial_warnings(caught)
+
+
+def test_partial_restore_names_the_first_five_and_counts_the_rest(tmp_path):
+    ms.save(tmp_path / "c", {"a": jnp.ones(2), **{f"old{i}": jnp.ones(1) for i in range(7)}})
+    like = {"a": jnp.ones(2), **{f"new{i}": jnp.ones(1) for i in range(6)}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ms.restore(tmp_path / "c", like=like, partial=True)
+    (w,) = _partial_warnings(caught)
+    assert str(w) == (
+        f"restored 1 of the target's 7 leaves from {tmp_path / 'c'}; 6 kept like's values (not "
+        "in the checkpoint): new0, new1, new2, new3, new4 and 1 more; 7 checkpoint leaves not "
+        "restored: old0, old1, old2, old3, old4 and 2 more (partial=True)"
+    )
+    assert len(w.kept) == 6 and len(w.skipped) == 7
+
+
+def _guide_checkpoint(path: Path):
+    """The Flax NNX checkpointing guide's save: ``nnx.state(model)`` through Orbax's
+    ``StandardCheckpointer`` (its paths end in ``/value``)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(4, 3, rngs=rngs)
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, nnx.state(Model(nnx.Rngs(0))))
+    return Model(nnx.Rngs(1))
+
+
+def _renamed_layer(path: Path):
+    ms.save(path, {"layers": {"0": {"kernel": jnp.ones((4, 3))}}})
+    return {"blocks": {"0": {"kernel": jnp.zeros((4, 3))}}}
+
+
+@pytest.mark.parametrize("case", [_guide_checkpoint, _renamed_layer], ids=["nnx-guide", "renamed"])
+def test_a_partial_restore_that_would_restore_nothing_is_refused(tmp_path, case):
+    """Following the mismatch hint once gave 0 of N leaves and no word: now the mismatch
+    does not suggest partial=True, and partial=True with no shared path is refused."""
+    target = case(tmp_path / "c")
+    with pytest.raises(ms.CheckpointError) as plain:
+        ms.restore(tmp_path / "c", like=target)
+    assert "partial=True to restore" not in str(plain.value)
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=target, partial=True)
+    lines = str(e.value).splitlines()
+    n = len(lines) - 2
+    assert lines[0] == (
+        f"restore(partial=True) would restore nothing from checkpoint {tmp_path / 'c'}: none of "
+        f"the target {type(target).__name__}'s {n // 2} leaves is in it ({n} differences: "
+        f"{n // 2} missing, {n // 2} extra; paths first):"
+    )
+    assert lines[-1] == (
+        "hint: the target and the checkpoint share no leaf path, so partial=True would restore "
+        "nothing: compare the paths (modelshard inspect shows the checkpoint's) and restore "
+        "with mapping=WeightMap([...]), a rule per renamed path"
+    )
+    assert plain.value.args[0].splitlines()[-1] == lines[-1]
+
+
+def test_partial_with_an_abstract_like_hints_at_a_concrete_one(tmp_path):
+    ms.save(tmp_path / "c", {"a": jnp.ones(2)})
+    like = jax.eval_shape(lambda: {"a": jnp.ones(2), "fresh": jnp.ones(3)})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=like, partial=True)
+    assert str(e.value).splitlines()[1:] == [
+        "  missing  fresh  float32[3] (in the target, not in the checkpoint)",
+        "hint: partial=True keeps like's values for the missing leaves, but like is abstract "
+        "there: pass a concrete like (a freshly initialised model)",
+    ]
+
+
+def test_a_manager_partial_restore_warns_too(tmp_path):
+    with ms.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"a": jnp.ones(2)})
+    with (
+        ms.CheckpointManager(tmp_path / "run") as mgr,
+        pytest.warns(ms.PartialRestoreWarning, match="kept like's values .*: head"),
+    ):
+        mgr.restore(like={"a": jnp.zeros(2), "head": jnp.zeros(1)}, partial=True)

@@ -12,9 +12,11 @@ from .errors import DistributedError as DistributedError
 from .errors import MappingError as MappingError
 from .errors import MeshError as MeshError
 from .errors import ModelshardError as ModelshardError
+from .errors import PartialRestoreWarning as PartialRestoreWarning
 from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
+from .errors import caller_stacklevel as caller_stacklevel
 from .files import EarlySync as EarlySync
 from .files import fsync_dir as fsync_dir
 from .files import sync_tree as sync_tree

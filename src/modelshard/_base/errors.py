@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -460,3 +461,47 @@ class DistributedError(ModelshardError, ValueError):
     devices of other processes where this process needs all of it."""
 
     __module__ = "modelshard"
+
+
+class PartialRestoreWarning(UserWarning):
+    """``restore(partial=True)`` left some leaves unrestored: the target's leaves the
+    checkpoint lacks kept ``like``'s values, and the checkpoint's leaves the target lacks
+    were not read.
+
+    Attributes:
+        restored: paths of the target's leaves read from the checkpoint.
+        kept: paths of the target's leaves that kept ``like``'s value.
+        skipped: paths of the checkpoint's leaves the target has no place for.
+
+    Example:
+        >>> import warnings
+        >>> import modelshard as ms
+        >>> w = ms.PartialRestoreWarning("", restored=("a",), kept=("b",), skipped=())
+        >>> w.kept
+        ('b',)
+    """
+
+    __module__ = "modelshard"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        restored: Sequence[str],
+        kept: Sequence[str],
+        skipped: Sequence[str],
+    ) -> None:
+        super().__init__(message)
+        self.restored = tuple(restored)
+        self.kept = tuple(kept)
+        self.skipped = tuple(skipped)
+
+
+def caller_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` called here that points at the first frame
+    outside modelshard: the user's line, however deep in the package the warning is raised
+    (``skip_file_prefixes`` does this from Python 3.12 only)."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("modelshard."):
+        level, frame = level + 1, frame.f_back
+    return level

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from .._base import (
     CheckpointError,
+    PartialRestoreWarning,
+    caller_stacklevel,
     canonical_dtype,
     dtype_name,
     format_path,
@@ -247,15 +250,30 @@ def mismatch_message(
     missing: Diff,
     extra: Diff,
     changed: Diff,
+    partial: bool = False,
 ) -> str:
     """Why ``like`` does not match the checkpoint: counts by kind, the folded rows, and
-    the hint that fits (a subtree restore, changed sizes, or ``partial=True``)."""
+    the hint that fits (a subtree restore, changed sizes, ``partial=True``, or a mapping
+    where the two share no path). ``partial``: what the caller passed, so a hint never
+    suggests what was already tried."""
     n = len(rows)
     kinds = ", ".join(
         f"{len(r)} {k}"
         for k, r in (("changed", changed), ("missing", missing), ("extra", extra))
         if r
     )
+    shared = sum(p in stored for p in paths)
+    if partial and not shared:
+        head = (
+            f"restore(partial=True) would restore nothing from checkpoint {source.path}: "
+            f"none of the target {type(like).__name__}'s {len(paths)} leaves is in it "
+            f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
+        )
+    else:
+        head = (
+            f"checkpoint {source.path} does not match the target {type(like).__name__} "
+            f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
+        )
     hints = []
     top = _subtree(paths, stored)
     if top is not None:
@@ -275,19 +293,55 @@ def mismatch_message(
         if dtype_only:
             hints.append("shapes must match; pass dtype=... to cast floating leaves")
     else:
-        if missing or extra:
+        if (missing or extra) and not shared:
+            hints.append(
+                "the target and the checkpoint share no leaf path, so partial=True would "
+                "restore nothing: compare the paths (modelshard inspect shows the "
+                "checkpoint's) and restore with mapping=WeightMap([...]), a rule per renamed "
+                "path"
+            )
+        elif missing and partial:
+            hints.append(
+                "partial=True keeps like's values for the missing leaves, but like is "
+                "abstract there: pass a concrete like (a freshly initialised model)"
+            )
+        elif missing or extra:
             hints.append(
                 "pass partial=True to restore only the leaves both have (missing leaves then "
-                "keep like's values, so like must be concrete for them)"
+                "keep like's values, so like must be concrete for them; a warning names them)"
             )
         if changed:
             hints.append("shapes must match; pass dtype=... to cast floating leaves")
-    return (
-        f"checkpoint {source.path} does not match the target {type(like).__name__} "
-        f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
-        + "\n".join(_format_diff(rows))
-        + "\nhint: "
-        + "; ".join(hints)
+    return head + "\n".join(_format_diff(rows)) + "\nhint: " + "; ".join(hints)
+
+
+def warn_partial(
+    source: Source,
+    paths: Sequence[str],
+    stored: Mapping[str, LeafRecord],
+    missing: Diff,
+    extra: Diff,
+) -> None:
+    """Say which leaves a partial restore did not restore: a ``PartialRestoreWarning``
+    whose message names them (the first few of each side) and whose attributes list all."""
+    kept = [p for _, p, _ in missing]
+    skipped = [p for _, p, _ in extra]
+    restored = [p for p in paths if p in stored]
+
+    def some(ps: Sequence[str]) -> str:
+        more = f" and {len(ps) - 5} more" if len(ps) > 5 else ""
+        return ", ".join(ps[:5]) + more
+
+    parts = [f"restored {len(restored)} of the target's {len(paths)} leaves from {source.path}"]
+    if kept:
+        parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept)}")
+    if skipped:
+        parts.append(f"{len(skipped)} checkpoint leaves not restored: {some(skipped)}")
+    warnings.warn(
+        PartialRestoreWarning(
+            "; ".join(parts) + " (partial=True)", restored=restored, kept=kept, skipped=skipped
+        ),
+        stacklevel=caller_stacklevel(),
     )
 
 
@@ -562,6 +616,8 @@ def restore_saved(
     )
     allowed = partial and concrete_missing
     rows = changed + ([] if allowed else missing) + ([] if partial else extra)
+    if partial and (missing or extra) and not any(p in stored for p in paths):
+        rows = changed + missing + extra  # nothing would be restored: show every difference
     if rows:
         raise CheckpointError(
             mismatch_message(
@@ -571,11 +627,14 @@ def restore_saved(
                 arrays,
                 stored,
                 rows,
-                [] if allowed else missing,
-                [] if partial else extra,
+                [r for r in missing if r in rows],
+                [r for r in extra if r in rows],
                 changed,
+                partial,
             )
         )
+    if missing or extra:
+        warn_partial(source, paths, stored, missing, extra)
     if specs is not None and mesh is None:
         raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
     if mesh is not None:

@@ -14,18 +14,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .._base import LIST_IN_FULL, MappingError, Problem
+from .._base import LIST_IN_FULL, MappingError, Problem, caller_stacklevel
 from .ops import Op, Reshape, Transpose, check_op
 
 _FIELD = re.compile(r"\{(\w+)\}")
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +312,7 @@ class WeightMap:
                     f"the mapping's config sets {name} = {value}, but {source} has "
                     f"{name} = {sizes[name]}; using the mapping's {value} (remove {name} "
                     f"from the mapping's config to take {source}'s)",
-                    skip_file_prefixes=(_PACKAGE,),  # points at the caller's line
+                    stacklevel=caller_stacklevel(),
                 )
         out = copy.copy(self)
         out.config = {**sizes, **self.config}
