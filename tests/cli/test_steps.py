@@ -95,6 +95,8 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
         {
             "step": s,
             "status": "complete",
+            "owner": "modelshard",
+            "complete": True,
             "path": f"{base}/{s}",
             "why": None,
             "has": [*PARTS, "commit_success.txt"],
@@ -119,6 +121,8 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
             {
                 "step": 2,
                 "status": "leftover",
+                "owner": "modelshard",
+                "complete": False,
                 "path": f"{base}/{name}",
                 "why": why,
                 "has": done,
@@ -191,3 +195,69 @@ def test_steps_of_a_checkpoint_says_it_is_no_manager_root(tmp_path, capsys):
         assert doc["error"] == {"type": "CheckpointError", "message": message}
     # the root itself is listed
     assert main(["steps", str(tmp_path / "run")]) == 0
+
+
+def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_path, capsys):
+    """Orbax's own CheckpointManager saved steps 10, 15, 20 into the root; modelshard's
+    manager saved 5 and was interrupted saving 25. Orbax's are complete steps of another
+    tool, which the manager will not touch; 25 is a leftover of ours."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as orbax_mngr:
+        for s in (10, 15, 20):
+            args = ocp.args.Composite(
+                state=ocp.args.StandardSave({"w": jnp.full((4,), float(s))}),
+                metadata=ocp.args.JsonSave({"step": s}),
+            )
+            orbax_mngr.save(s, args=args)
+    with pytest.warns(ms.ForeignStepsWarning):
+        mngr = ms.CheckpointManager(root, handle_signals=False)
+    with mngr:
+        mngr.save(5, {"w": jnp.arange(8.0)})
+    # step 25 as a save of ours leaves it when it dies before the commit: items under
+    # Orbax's temporary names, the metadata Orbax writes as it starts (no marker yet)
+    staging = root / f"25{ORBAX_TMP}"
+    shutil.copytree(root / "5", staging)
+    for item in [p for p in staging.iterdir() if p.is_dir()]:
+        item.rename(staging / f"{item.name}{ORBAX_TMP}-1")
+    (staging / "commit_success.txt").unlink()
+    (staging / "_CHECKPOINT_METADATA").write_text('{"init_timestamp_nsecs": 1}')
+    status, doc = run_json(capsys, str(root))
+    assert status == 0
+    assert (doc["complete"], doc["latest"]) == ([5], 5)
+    orbax_parts = ["_CHECKPOINT_METADATA", "commit_success.txt", "metadata", "state"]
+    assert [
+        (e["step"], e["status"], e["owner"], e["complete"], e["why"], e["has"], e["lacks"])
+        for e in doc["steps"]
+    ] == [
+        (5, "complete", "modelshard", True, None, [*PARTS, "commit_success.txt"], []),
+        *[
+            (s, "foreign", "orbax", True, "written by another tool (Orbax)", orbax_parts, [])
+            for s in (10, 15, 20)
+        ],
+        (25, "leftover", "modelshard", False, "staging folder of an interrupted save",
+         ["_CHECKPOINT_METADATA"], []),
+    ]  # fmt: skip
+    capsys.readouterr()
+    assert main(["steps", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cells = [[c.strip() for c in line.split("│")[1:3]] for line in lines if "│" in line]
+    rows = {step: status for step, status in cells if step}  # a long cell wraps its row
+    assert rows == {
+        "5": "complete",
+        "10": "written by another tool (Orbax), complete",
+        "15": "written by another tool (Orbax), complete",
+        "20": "written by another tool (Orbax), complete",
+        "25": "leftover: staging folder of an interrupted save",
+    }
+    assert lines[-3:] == [
+        "latest complete step: 5; leftovers of step 25; written by another tool: step 10, 15, 20",
+        "A leftover is what a save that did not finish left behind; the next save of its step "
+        "number removes it.",
+        "A CheckpointManager never removes or replaces a step another tool wrote: it neither "
+        "lists nor restores it, and refuses to save over its number. Save under other step "
+        "numbers, move it away, or remove it by name with CheckpointManager.delete(step).",
+    ]

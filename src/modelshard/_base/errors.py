@@ -456,6 +456,29 @@ class CheckpointError(ModelshardError, ValueError):
     __module__ = "modelshard"
 
 
+class ForeignStepError(CheckpointError):
+    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's
+    own ``CheckpointManager`` writes into folders of the same names): it never removes or
+    replaces what it did not write. ``CheckpointManager.delete(step)`` removes one by name.
+
+    Attributes:
+        step: the step number refused.
+    """
+
+    __module__ = "modelshard"
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class ForeignStepsWarning(UserWarning):
+    """A ``CheckpointManager`` was opened on a root holding steps another tool wrote; it
+    lists, restores and rotates only its own, and leaves those alone."""
+
+    __module__ = "modelshard"
+
+
 class DistributedError(ModelshardError, ValueError):
     """A multi-process setting that is malformed or comes too late, or a value that spans
     devices of other processes where this process needs all of it."""

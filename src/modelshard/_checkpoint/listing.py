@@ -1,31 +1,45 @@
-"""What a ``CheckpointManager`` root holds, step by step: complete steps and leftovers.
+"""What a ``CheckpointManager`` root holds, step by step: its steps, its leftovers, and
+what another tool wrote there.
 
-A step is complete by ``is_complete_step`` (the one definition). Everything else
-that carries a step number is a leftover, written by a save that did not finish (its
-process or host died, or it failed) or by a removal that did not:
+A step is complete by ``is_complete_step`` (the one definition). Every other entry that
+carries a step number is either a leftover of the manager's own, written by a save that did
+not finish (its process or host died, or it failed) or by a removal that did not:
 
 - ``N/`` that is not complete: on object storage, a save writes there directly and
-  commits last (``storage.COMMIT_FILE``); on a local disk, a folder someone else put there;
+  commits last (``storage.COMMIT_FILE``);
 - ``N.orbax-checkpoint-tmp...``: a local save's staging folder, renamed to ``N`` when done;
-- ``.modelshard-rotated/N.PID``: a step rotation moved aside and had not yet deleted.
+- ``.modelshard-rotated/N.PID``: a step rotation moved aside and had not yet deleted;
+
+or another tool's (``owner``): Orbax's own ``CheckpointManager`` writes steps into folders
+of the same names. Which is whose is read from the entry itself (``entry_owner``): the
+manager's committed steps carry ``storage.MARKER`` in ``_CHECKPOINT_METADATA``; its
+unfinished ones do not yet (Orbax writes the custom metadata at the commit) but hold the
+record item (``modelshard/``, or under Orbax's temporary name), created as the save starts;
+an entry with Orbax's metadata and neither is Orbax's (complete by Orbax's rule: its final
+name, plus the commit file on object storage), anything else another tool's. An empty
+folder, or one holding only the metadata file Orbax writes as any save starts, holds
+nothing to lose and is a leftover.
 
 Inside a leftover, Orbax writes each item of the step (``state``, ``modelshard``, ``items``,
 ``metrics``) under a temporary name (``state.orbax-checkpoint-tmp...``) renamed when the
 item is written: such an item is listed as unfinished, under the name it has, not as
 missing; a name that is no part of a step is listed as other.
 
-The next save of step N removes the first two (``CheckpointManager.save``), opening the
-manager removes the third. ``modelshard steps`` prints this listing.
+The next save of step N removes its leftovers (``CheckpointManager.save``), opening the
+manager removes the rotated ones; another tool's entries are never removed or replaced
+except by ``CheckpointManager.delete(N)``. ``modelshard steps`` prints this listing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 from typing import Any
 
+from .._base import CheckpointError
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
@@ -37,6 +51,8 @@ from .storage import (
     ROTATED,
     STATE_ITEM,
     TREE_METADATA,
+    is_marked,
+    read_small,
 )
 from .urls import forget_listings, is_remote, location, reaching
 
@@ -81,6 +97,138 @@ def complete_steps(root: Any) -> list[int]:
         )
 
 
+OURS = "modelshard"
+ORBAX = "orbax"
+OTHER = "other"
+WRITERS = {ORBAX: "Orbax", OTHER: ""}
+"""How each other owner is named to people (``""``: a tool that cannot be told)."""
+
+
+def _step_metadata(path: Any) -> dict[str, Any] | None:
+    """Orbax's ``_CHECKPOINT_METADATA`` in ``path`` as a dict, or None (none, unreadable)."""
+    try:
+        data = json.loads(read_small(path / CHECKPOINT_METADATA))
+    except (OSError, ValueError, RecursionError, CheckpointError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
+    """Who wrote the numbered entry ``path`` (``N/`` or ``N.orbax-checkpoint-tmp...``):
+    ``OURS`` (a manager step, committed or not), ``ORBAX`` (Orbax's own step, committed or
+    not), ``OTHER`` (a link, a file, or a folder of anything else), or None when it holds
+    nothing to lose (empty, or only the metadata Orbax writes as any save starts).
+
+    ``names``: its entries, when the caller listed them already.
+    """
+    if (not is_remote(path) and path.is_symlink()) or not path.is_dir():
+        return OTHER
+    if names is None:
+        names = sorted(c.name for c in path.iterdir())
+    if not names:
+        return None
+    if CHECKPOINT_METADATA in names and is_marked(path):
+        return OURS
+    meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
+    # a commit without the marker is another writer's: the manager marks before it commits
+    committed = meta is not None and meta.get("commit_timestamp_nsecs") is not None
+    record = any(n == RECORD_ITEM or n.startswith(f"{RECORD_ITEM}{ORBAX_TMP}") for n in names)
+    if record and not committed:
+        return OURS
+    if meta is None:
+        return OTHER
+    if names == [CHECKPOINT_METADATA] and not committed and not meta.get("item_handlers"):
+        return None
+    return ORBAX
+
+
+def orbax_complete(path: Any, names: list[str]) -> bool:
+    """Whether Orbax counts the entry ``path`` as a finished step: its final name (a local
+    save is renamed to it when done), and on object storage its commit file."""
+    if not _STEP.fullmatch(path.name):
+        return False
+    return not is_remote(path) or COMMIT_FILE in names
+
+
+@dataclasses.dataclass(frozen=True)
+class Foreign:
+    """A numbered entry of a manager's root that another tool wrote.
+
+    Attributes:
+        step: the step number it carries.
+        name: its name in the root (``20``, ``20.orbax-checkpoint-tmp``).
+        owner: ``ORBAX`` or ``OTHER``.
+        complete: whether its writer counts it as finished (Orbax's rule; False for
+            ``OTHER``).
+    """
+
+    step: int
+    name: str
+    owner: str
+    complete: bool
+
+    @property
+    def writer(self) -> str:
+        """``"another tool (Orbax)"`` or ``"another tool"``."""
+        who = WRITERS.get(self.owner, "")
+        return f"another tool ({who})" if who else "another tool"
+
+    def describe(self, root: Any) -> str:
+        """``"<root>/20 is a complete step written by another tool (Orbax)"`` and the like."""
+        path = root / self.name
+        if self.owner != ORBAX:
+            return f"{path} was put there by another tool or by hand (no step of modelshard's or Orbax's)"
+        if self.complete:
+            return f"{path} is a complete step written by {self.writer}"
+        return f"{path} is an unfinished save by {self.writer}"
+
+    @property
+    def kind(self) -> str:
+        """``"complete, Orbax"``, ``"unfinished, Orbax"`` or ``"another tool"``."""
+        if self.owner != ORBAX:
+            return "another tool"
+        return f"{'complete' if self.complete else 'unfinished'}, {WRITERS[ORBAX]}"
+
+    def to_json(self) -> list[Any]:
+        return [self.step, self.name, self.owner, self.complete]
+
+    @classmethod
+    def from_json(cls, doc: list[Any]) -> Foreign:
+        return cls(int(doc[0]), str(doc[1]), str(doc[2]), bool(doc[3]))
+
+
+def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]:
+    """Every numbered entry of ``root`` another tool wrote, by step then name.
+    ``complete``: the manager's complete steps, when known (they are not looked into).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached (``urls.reaching``).
+    """
+    skip = set(complete or ())
+    try:
+        with reaching(root):
+            children = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out: list[Foreign] = []
+    with reaching(root):
+        for c in children:
+            m = _NUMBERED.fullmatch(c.name)
+            if m is None or (not m.group(2) and int(m.group(1)) in skip):
+                continue
+            names = sorted(n.name for n in c.iterdir()) if _plain_dir(c) else []
+            owner = entry_owner(c, names)
+            if owner in (ORBAX, OTHER):
+                done = owner == ORBAX and orbax_complete(c, names)
+                out.append(Foreign(int(m.group(1)), c.name, owner, done))
+    return sorted(out, key=lambda f: (f.step, f.name))
+
+
+def _plain_dir(path: Any) -> bool:
+    """A folder, not a link to one."""
+    return (is_remote(path) or not path.is_symlink()) and path.is_dir()
+
+
 def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
     """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
     step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
@@ -105,18 +253,25 @@ class StepEntry:
 
     Attributes:
         step: the step number.
-        complete: whether it is a complete step (restorable).
+        complete: whether its writer counts it as finished: for the manager's own, a
+            complete step (restorable); for Orbax's, by Orbax's rule.
         path: where it is.
         why: for a leftover, what left it (``"interrupted save"``, ``"staging folder of an
-            interrupted save"``, ``"removal by rotation not finished"``); ``""`` when complete.
-        has: the parts of a step that are there (see ``PARTS``), and the commit file.
+            interrupted save"``, ``"removal by rotation not finished"``); for another
+            tool's entry, ``"written by another tool (Orbax)"`` or ``"written by another
+            tool"``; ``""`` for a complete step of the manager's.
+        has: the parts of a step that are there (see ``PARTS``), and the commit file;
+            for another tool's entry, every name in it.
         unfinished: ``(part, name)`` for each part there only under a temporary name (an
             item Orbax had not finished writing).
         lacks: the parts a complete step needs that are missing (neither there nor
-            unfinished).
+            unfinished); none for another tool's entry.
         others: the names in it that are no part of a step.
         files: how many files it holds.
         bytes: their total size.
+        owner: who wrote it: ``"modelshard"`` (this package's manager), ``"orbax"``
+            (Orbax's own manager), ``"other"`` (another tool), or None (it holds nothing
+            to lose: an empty folder, or only the metadata any save starts with).
     """
 
     step: int
@@ -129,11 +284,29 @@ class StepEntry:
     others: tuple[str, ...]
     files: int
     bytes: int
+    owner: str | None = OURS
+
+    @property
+    def foreign(self) -> bool:
+        """Whether another tool wrote it (a manager never removes or replaces it)."""
+        return self.owner in (ORBAX, OTHER)
+
+    @property
+    def restorable(self) -> bool:
+        """Whether the manager lists and restores it: a complete step of its own."""
+        return self.complete and self.owner == OURS
+
+    @property
+    def status(self) -> str:
+        """``"complete"`` (restorable), ``"foreign"`` (another tool's) or ``"leftover"``."""
+        return "complete" if self.restorable else "foreign" if self.foreign else "leftover"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "status": "complete" if self.complete else "leftover",
+            "status": self.status,
+            "owner": self.owner,
+            "complete": self.complete,
             "path": str(self.path),
             "why": self.why or None,
             "has": list(self.has),
@@ -175,10 +348,30 @@ def _temporary(path: Any, part: str, names: list[str]) -> str | None:
     return None
 
 
+ROTATED_WHY = "removal by rotation not finished"
+
+
 def _entry(step: int, path: Any, why: str | None) -> StepEntry:
-    complete = why is None and is_complete_step(path)
-    is_dir = path.is_dir()
+    is_dir = _plain_dir(path)
     names = sorted(c.name for c in path.iterdir()) if is_dir else []
+    owner = OURS if why == ROTATED_WHY else entry_owner(path, names)
+    files, size = _tally(path) if is_dir else (1, 0)
+    if owner in (ORBAX, OTHER):
+        temporary = tuple((n.partition(ORBAX_TMP)[0], n) for n in names if ORBAX_TMP in n)
+        return StepEntry(
+            step,
+            owner == ORBAX and orbax_complete(path, names),
+            path,
+            f"written by {Foreign(step, path.name, owner, False).writer}",
+            tuple(n for n in names if ORBAX_TMP not in n),
+            temporary,
+            (),
+            (),
+            files,
+            size,
+            owner,
+        )
+    complete = why is None and is_complete_step(path)
     has: list[str] = []
     unfinished: list[tuple[str, str]] = []
     lacks: list[str] = []
@@ -194,7 +387,6 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
             lacks.append(part)
     known = {p.partition("/")[0] for p in (*PARTS, COMMIT_FILE)} | {n for _, n in unfinished}
     others = tuple(n for n in names if n not in known)
-    files, size = _tally(path) if is_dir else (1, 0)
     reason = "" if complete else why or "interrupted save"
     return StepEntry(
         step,
@@ -207,6 +399,7 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
         others,
         files,
         size,
+        owner,
     )
 
 
@@ -227,8 +420,8 @@ def checkpoint_kind(root: Any) -> str | None:
 
 
 def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
-    """Every numbered entry of the manager root ``directory``, complete or leftover, by
-    step (a step's leftovers after it), read from storage now.
+    """Every numbered entry of the manager root ``directory``, complete, leftover or another
+    tool's, by step (a step's complete entry first), read from storage now.
 
     Raises:
         CheckpointError: object storage that cannot be reached.
@@ -243,7 +436,7 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
             return []
         for child in children:
             m = _NUMBERED.fullmatch(child.name)
-            if m is not None and child.is_dir():
+            if m is not None:
                 staging = bool(m.group(2))
                 why = "staging folder of an interrupted save" if staging else None
                 out.append(_entry(int(m.group(1)), child, why))
@@ -251,6 +444,5 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
                 for aside in child.iterdir():
                     r = _ROTATED.fullmatch(aside.name)
                     if r is not None:
-                        why = "removal by rotation not finished"
-                        out.append(_entry(int(r.group(1)), aside, why))
-    return sorted(out, key=lambda e: (e.step, not e.complete, str(e.path)))
+                        out.append(_entry(int(r.group(1)), aside, ROTATED_WHY))
+    return sorted(out, key=lambda e: (e.step, not e.restorable, not e.complete, str(e.path)))

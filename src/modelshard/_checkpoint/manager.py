@@ -10,7 +10,10 @@ definition decides what a step is (``complete_steps``), read from storage every 
   empty numbered folder is not a step;
 - rotation (``KeepPolicy``) runs on complete steps
   only and never removes the newest;
-- exit safety and preemption live in ``guard``.
+- exit safety and preemption live in ``guard``;
+- what another tool wrote into the root (Orbax's own steps share its names) is never
+  removed or replaced: listed (``listing.foreign_steps``), refused by ``save`` with
+  ``ForeignStepError``, skipped by ``should_save``, removed only by ``delete(step)``.
 
 Under several processes every decision that depends on storage is made by process 0 and
 broadcast (``distributed.broadcast``: which steps are complete, whether a step may be
@@ -28,15 +31,16 @@ import json
 import numbers
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._base import CheckpointError, DistributedError
+from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
 from .._runtime import barrier, broadcast, gather
 from . import guard
 from .barriers import carrying_failures, sharing_failures
 from .items import decode_items, encode_items, missing_items
-from .listing import complete_steps, is_complete_step
+from .listing import OURS, Foreign, complete_steps, entry_owner, foreign_steps, is_complete_step
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .restoring import restore
 from .storage import (
@@ -85,6 +89,36 @@ def _json_or_error(what: str, value: Any) -> None:
         ) from e
 
 
+def _refusal(step: int, root: Any, entries: list[Foreign]) -> str:
+    """Why ``save(step)`` refuses the step number another tool's ``entries`` hold, and
+    what to do."""
+    held = "; ".join(f.describe(root) for f in entries)
+    names = " and ".join(str(root / f.name) for f in entries)
+    return (
+        f"cannot save step {step}: {held}, and this CheckpointManager never removes or "
+        "replaces what it did not write.\n"
+        f"Save under another step number, move {names} out of {root}, or, to replace it, "
+        f"remove it by name with delete({step}) first."
+    )
+
+
+def _foreign_summary(root: Any, entries: list[Foreign], own: list[int]) -> str:
+    """The warning a manager opened on a root holding another tool's steps gives."""
+    groups: dict[str, list[int]] = {}
+    for f in entries:
+        steps = groups.setdefault(f.kind, [])
+        if f.step not in steps:
+            steps.append(f.step)
+    held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
+    mine = f"latest here: {own[-1]}" if own else "none here yet, so latest_step() is None"
+    return (
+        f"{root} holds steps another tool wrote: {held}. This CheckpointManager restores and "
+        f"rotates only its own steps ({mine}), never removes or replaces these, and does not "
+        "save over their numbers (should_save is False for them, save raises "
+        f"ForeignStepError); `modelshard steps {root}` lists them."
+    )
+
+
 class CheckpointManager:
     """Save a training state every few steps, keep the ones that matter, restore anywhere.
 
@@ -97,6 +131,12 @@ class CheckpointManager:
 
     Rotation keeps the union of the rules given (none given: keep every step), and
     always the newest complete step.
+
+    What another tool wrote into the root is never removed or replaced: Orbax's own
+    ``CheckpointManager`` names its steps as this one does, so a root may hold both.
+    Such steps are not listed (``all_steps``) nor restored; opening the manager warns
+    (``ForeignStepsWarning``) naming them; ``should_save`` is False for their numbers and
+    ``save`` refuses them (``ForeignStepError``); ``delete(step)`` removes one by name.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -192,7 +232,9 @@ class CheckpointManager:
         self._writer_agreed = False
         self._metrics: dict[int, Any] = {}
         self._closed = False
+        self._foreign: list[Foreign] | None = None  # as process 0 last listed them
         self._purge_rotated()
+        self._warn_foreign()
         guard.watch(self, handle_signals=handle_signals)
 
     # -- what the exit guard needs ---------------------------------------------------------
@@ -230,11 +272,38 @@ class CheckpointManager:
     def _agreed_steps(self) -> list[int]:
         """The complete steps as process 0 lists them, on every process (a collective:
         two processes listing the directory at different moments of a commit would
-        disagree)."""
-        mine = complete_steps(self.directory) if self._primary() else None
-        steps = [int(s) for s in broadcast(mine, "modelshard:manager:steps")]
+        disagree); another tool's steps, listed with them, are kept for ``should_save``."""
+        listing = None
+        if self._primary():
+            steps = complete_steps(self.directory)
+            others = foreign_steps(self.directory, steps)
+            listing = {"steps": steps, "foreign": [f.to_json() for f in others]}
+        agreed = broadcast(listing, "modelshard:manager:steps")
         forget_listings(self.directory)  # every process reads those steps afresh
-        return steps
+        self._foreign = [Foreign.from_json(f) for f in agreed["foreign"]]
+        return [int(s) for s in agreed["steps"]]
+
+    def _foreign_at(self, step: int) -> list[Foreign]:
+        """Another tool's entries numbered ``step``, as process 0 last listed them (listed
+        now, on every process, if never yet)."""
+        if self._foreign is None:
+            self._agreed_steps()
+        return [f for f in self._foreign or () if f.step == step]
+
+    def _warn_foreign(self) -> None:
+        """Process 0 warns once, as the manager opens, about another tool's steps in the
+        root (a loop would otherwise start from scratch beside them without a word)."""
+        if not self._primary():
+            return
+        try:
+            steps = complete_steps(self.directory)
+            others = foreign_steps(self.directory, steps)
+        except CheckpointError:
+            return  # unreachable storage: the first listing or save says so
+        if others:
+            warnings.warn(
+                _foreign_summary(self.directory, others, steps), ForeignStepsWarning, stacklevel=3
+            )
 
     def _checkpointer(self) -> Any:
         if self._ckptr is None:
@@ -289,8 +358,9 @@ class CheckpointManager:
         shutil.rmtree(target, ignore_errors=True)
 
     def _remove_partial(self, step: int) -> None:
-        """Remove what an interrupted or failed save of ``step`` left behind, or refuse
-        a folder of that name that modelshard did not write."""
+        """Remove what an interrupted or failed save of ``step`` left behind: entries of
+        that number this manager wrote, or holding nothing (``listing.entry_owner``);
+        another tool's were refused before (``_save_verdict``) and are never touched."""
         step_dir = self.step_directory(step)
         try:
             with reaching(self.directory):
@@ -298,24 +368,13 @@ class CheckpointManager:
         except (FileNotFoundError, NotADirectoryError):  # object storage: no "directory"
             children = []  # before the first object
         for c in children:
-            if c.name.startswith(f"{step}{ORBAX_TMP}"):
+            if c.name.startswith(f"{step}{ORBAX_TMP}") and entry_owner(c) in (OURS, None):
                 if self._remote:
                     c.rmtree(missing_ok=True)
                 else:
                     shutil.rmtree(c, ignore_errors=True)
-        if not step_dir.exists():
+        if not step_dir.exists() or entry_owner(step_dir) not in (OURS, None):
             return
-        entries = list(step_dir.iterdir()) if step_dir.is_dir() else None
-        ours = entries is not None and (
-            not entries
-            or (step_dir / CHECKPOINT_METADATA).exists()
-            or (step_dir / STATE_ITEM).exists()
-        )
-        if not ours or (not self._remote and step_dir.is_symlink()):
-            raise CheckpointError(
-                f"cannot save step {step}: {step_dir} exists and is not a checkpoint "
-                "modelshard wrote (nor empty); move it away or save another step."
-            )
         if self._remote:
             step_dir.rmtree(missing_ok=True)
         else:
@@ -366,17 +425,24 @@ class CheckpointManager:
         barrier("modelshard:manager:rotated")
 
     def _save_verdict(self, step: int) -> None:
-        """Process 0 decides whether ``step`` may be written (not a step already, no
-        foreign folder in the way; an interrupted save's leftovers removed) and tells
-        the others: every process raises the same error, or none does."""
+        """Process 0 decides whether ``step`` may be written (not a step already, not a
+        number another tool's step holds; an interrupted save's leftovers removed) and
+        tells the others: every process raises the same error, or none does."""
         error: Exception | None = None
+        listing = None
         if self._primary():
             try:
-                if step in complete_steps(self.directory):
+                steps = complete_steps(self.directory)
+                if step in steps:
                     raise CheckpointError(
                         f"step {step} already exists in {self.directory}; steps are never "
                         "overwritten."
                     )
+                others = foreign_steps(self.directory, steps)
+                listing = [f.to_json() for f in others]
+                held = [f for f in others if f.step == step]
+                if held:
+                    raise ForeignStepError(_refusal(step, self.directory, held), step=step)
                 with reaching(self.directory):
                     self._remove_partial(step)
             except CheckpointError as e:
@@ -386,14 +452,22 @@ class CheckpointManager:
                     f"cannot save step {step} to {self.directory}: {type(e).__name__}: {e}"
                 )
                 error.__cause__ = e
-        refused = broadcast(None if error is None else str(error), "modelshard:manager:save")
+        said = None if error is None else str(error)
+        verdict = broadcast(
+            {"refused": said, "foreign": isinstance(error, ForeignStepError), "listing": listing},
+            "modelshard:manager:save",
+        )
+        if verdict["listing"] is not None:
+            self._foreign = [Foreign.from_json(f) for f in verdict["listing"]]
         # Orbax checks on every process that the step is not there yet: each asks the
         # server, not a listing remembered from before process 0 removed the leftovers
         forget_listings(self.directory)
         if error is not None:
             raise error  # process 0: the error itself, with its cause
-        if refused is not None:
-            raise CheckpointError(refused)
+        if verdict["foreign"]:
+            raise ForeignStepError(verdict["refused"], step=step)
+        if verdict["refused"] is not None:
+            raise CheckpointError(verdict["refused"])
 
     # -- the public API --------------------------------------------------------------------
 
@@ -422,15 +496,22 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether ``save`` would write ``step``: a multiple of ``save_interval_steps``,
-        or any step once the process was asked to stop (see ``reached_preemption``).
+        or any step once the process was asked to stop (see ``reached_preemption``), and
+        not a number another tool's step holds in the root (``save`` would refuse it).
 
         A loop that calls this every step handles stops itself: the first SIGTERM or
         SIGINT makes the next step a saving step; after the loop the process exits with
         ``128 + signal``.
+
+        Another tool's steps are those process 0 listed last (its first call lists the
+        root; every ``save``, ``all_steps`` and ``delete`` lists it again), so every
+        process answers alike; a step written there since is refused by ``save``.
         """
         if step == self._last_saved:
             return False
-        return self.reached_preemption(step) or save_step_ok(step, self.save_interval_steps)
+        if not (self.reached_preemption(step) or save_step_ok(step, self.save_interval_steps)):
+            return False
+        return not self._foreign_at(step)
 
     def save(
         self,
@@ -459,6 +540,8 @@ class CheckpointManager:
             returns; during a stop request it is complete when ``save`` returns).
 
         Raises:
+            ForeignStepError: another tool's step (Orbax's own, say) holds that number in
+                the root; it is left as it is (``delete(step)`` removes it by name).
             CheckpointError: the step exists, or the state, items or metrics cannot be
                 saved (checked before anything is written), or the previous
                 asynchronous save failed.
@@ -521,6 +604,64 @@ class CheckpointManager:
             self._rotate()
         return True
 
+    def delete(self, step: int) -> None:
+        """Remove step ``step`` from the root, whoever wrote it: the one way to replace a
+        step another tool wrote (``delete(20)``, then ``save(20, ...)``), and to remove one
+        of the manager's own outside its keep rules.
+
+        Everything carrying that number goes: ``<step>/`` (a link: the link itself, not
+        what it points to) and the staging folders ``<step>.orbax-checkpoint-tmp...``. A
+        local step is first renamed aside in one step, so a crash leaves it whole or
+        gone. Every process calls it; process 0 removes, the others wait for it.
+
+        Raises:
+            CheckpointError: nothing in the root carries that number, or it cannot be
+                removed.
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
+        step = int(step)
+        self._become_writer()
+        self.wait_until_finished()  # a pending save of that step finishes first
+        error = None
+        if self._primary():
+            try:
+                with reaching(self.directory):
+                    error = self._remove_numbered(step)
+            except OSError as e:
+                error = f"cannot delete step {step} of {self.directory}: {type(e).__name__}: {e}"
+        refused = broadcast(error, "modelshard:manager:deleted")
+        self._metrics.pop(step, None)
+        if self._last_saved == step:
+            self._last_saved = None
+        self._agreed_steps()  # every process lists afresh (should_save's foreign steps)
+        if refused is not None:
+            raise CheckpointError(refused)
+
+    def _remove_numbered(self, step: int) -> str | None:
+        """Process 0's part of ``delete``: None once removed, or why nothing was."""
+        try:
+            children = list(self.directory.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            children = []
+        numbered = [
+            c for c in children if c.name == str(step) or c.name.startswith(f"{step}{ORBAX_TMP}")
+        ]
+        if not numbered:
+            return f"no step {step} in {self.directory}: nothing there carries that number."
+        for c in sorted(numbered, key=lambda c: c.name != str(step)):
+            if self._remote and c.name != str(step):
+                c.rmtree(missing_ok=True)
+            elif self._remote:
+                self._delete_step(step)
+            elif c.is_symlink() or not c.is_dir():
+                c.unlink()
+            elif c.name == str(step):
+                self._delete_step(step)
+            else:
+                shutil.rmtree(c)
+        return None
+
     def step_directory(self, step: int) -> Any:
         """The directory of ``step`` (which [`modelshard.restore`][modelshard.restore] also reads)."""
         return self.directory / str(step)
@@ -528,15 +669,34 @@ class CheckpointManager:
     def _existing(self, step: int | None) -> int:
         self.wait_until_finished()
         steps = self._agreed_steps()
+        others = self._foreign or []
         if step is None:
             if not steps:
-                raise CheckpointError(f"no checkpoint in {self.directory}: no step was saved yet.")
+                held = sorted({f.step for f in others})
+                beside = (
+                    f" (steps {', '.join(map(str, held))} there were written by another tool; "
+                    "this CheckpointManager does not restore them)"
+                    if held
+                    else ""
+                )
+                raise CheckpointError(
+                    f"no checkpoint in {self.directory}: no step was saved yet{beside}."
+                )
             return steps[-1]
         path = self.step_directory(step)
         if step not in steps and not self._remote and path.is_symlink():
             raise CheckpointError(
                 f"{path} is a symbolic link to {path.resolve()}; steps are directories of "
                 f"{self.directory}, refusing to follow it."
+            )
+        held = [f for f in others if f.step == step]
+        if step not in steps and held:
+            raise ForeignStepError(
+                f"cannot restore step {step}: "
+                f"{'; '.join(f.describe(self.directory) for f in held)}; "
+                "this CheckpointManager restores only its own steps "
+                f"({', '.join(map(str, steps)) or 'none here'}).",
+                step=step,
             )
         if step not in steps:
             raise CheckpointError(

@@ -1,4 +1,5 @@
-"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover."""
+"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what
+another tool (Orbax's own CheckpointManager) wrote there."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ def add_parser(sub: Any) -> None:
         "steps",
         help="list a CheckpointManager root's steps, complete and leftover",
         description="List every step in a CheckpointManager's root (a local path, gs:// or "
-        "s3://): the complete ones, which restore, and the leftovers of saves that did not "
-        "finish (a process or host died): what is there, what is missing, files and bytes. "
-        "The next save of a leftover's step number removes it.",
+        "s3://): the complete ones, which restore, the leftovers of saves that did not "
+        "finish (a process or host died), and steps another tool wrote there (Orbax's own "
+        "CheckpointManager): what is there, what is missing, files and bytes. The next save "
+        "of a leftover's step number removes it; another tool's steps are never removed or "
+        "replaced by the manager.",
     )
     s.add_argument("root", metavar="ROOT", help="the manager's root directory or URL")
     add_json(s)
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(f"{args.root} does not exist.")
     not_a_root(root, args.root)
     entries = list_steps(root)
-    complete = [e.step for e in entries if e.complete]
+    complete = [e.step for e in entries if e.restorable]
     if args.json:
         emit(
             args,
@@ -60,18 +63,32 @@ def run(args: argparse.Namespace) -> int:
     ]:
         table.add_column(col, **kw)
     for e in entries:
-        status = "complete" if e.complete else f"leftover: {e.why}"
+        status = "complete" if e.restorable else f"leftover: {e.why}"
+        if e.foreign:
+            status = f"{e.why}, {'complete' if e.complete else 'unfinished'}"
         there = what_is_there(e)
         cells = [str(e.step), status, str(e.files), format_bytes(e.bytes), there]
         table.add_row(*map(literal, cells))
     console().print(table)
-    leftovers = sorted({e.step for e in entries if not e.complete})
-    latest = f"latest complete step: {complete[-1]}" if complete else "no complete step"
-    say(latest + (f"; leftovers of step {', '.join(map(str, leftovers))}" if leftovers else ""))
+    leftovers = sorted({e.step for e in entries if e.status == "leftover"})
+    foreign = sorted({e.step for e in entries if e.foreign})
+    said = [f"latest complete step: {complete[-1]}" if complete else "no complete step"]
+    if leftovers:
+        said.append(f"leftovers of step {', '.join(map(str, leftovers))}")
+    if foreign:
+        said.append(f"written by another tool: step {', '.join(map(str, foreign))}")
+    say("; ".join(said))
     if leftovers:
         say(
             "A leftover is what a save that did not finish left behind; the next save of "
             "its step number removes it."
+        )
+    if foreign:
+        say(
+            "A CheckpointManager never removes or replaces a step another tool wrote: it "
+            "neither lists nor restores it, and refuses to save over its number. Save under "
+            "other step numbers, move it away, or remove it by name with "
+            "CheckpointManager.delete(step)."
         )
     return 0
 
@@ -88,7 +105,7 @@ def what_is_there(e: Any) -> str:
     if e.others:
         said.append(f"other: {', '.join(e.others)}")
     there = "; ".join(said)
-    if not e.complete and e.path.name != str(e.step):
+    if not e.restorable and e.path.name != str(e.step):
         there = f"in {e.path.name}: {there}"
     return there
 

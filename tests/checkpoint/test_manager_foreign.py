@@ -1,0 +1,269 @@
+"""A manager root that already holds another tool's steps (``_checkpoint/manager.py``,
+``listing.py``): Orbax's own ``CheckpointManager`` wrote steps 10, 15 and 20 there, as a
+user moving to modelshard has them. The manager never removes nor replaces them, says so,
+and removes one only when asked by name; its own interrupted saves are still cleaned."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import modelshard as ms
+from modelshard._checkpoint import list_steps
+
+ORBAX_STEPS = (10, 15, 20)
+
+
+def write_orbax_steps(root: Path, steps=ORBAX_STEPS) -> None:
+    """Steps saved by Orbax's own CheckpointManager, as its guides show."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(root) as mngr:
+        for s in steps:
+            mngr.save(
+                s,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"w": jnp.full((4,), float(s))}),
+                    metadata=ocp.args.JsonSave({"step": s}),
+                ),
+            )
+        mngr.wait_until_finished()
+
+
+def snapshot(path: Path, only=None) -> dict[str, bytes | None]:
+    """Every folder (None) and file (its bytes) under ``path``, read without modelshard;
+    ``only``: under these names of ``path`` alone."""
+    out: dict[str, bytes | None] = {}
+    for folder, _, files in os.walk(path):
+        rel = os.path.relpath(folder, path)
+        if only is not None and rel.split(os.sep)[0] not in only:
+            continue
+        out[rel] = None
+        for f in files:
+            out[os.path.join(rel, f)] = Path(folder, f).read_bytes()
+    return out
+
+
+def orbax_snapshot(root: Path) -> dict[str, bytes | None]:
+    return snapshot(root, only={str(s) for s in ORBAX_STEPS})
+
+
+def orbax_restores(root: Path, step: int) -> float:
+    """Orbax's own manager still restores ``step`` (the user's checkpoint is whole)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(root) as mngr:
+        got = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore({"w": jnp.zeros((4,))}),
+                metadata=ocp.args.JsonRestore(),
+            ),
+        )
+    assert got["metadata"] == {"step": step}
+    return float(got["state"]["w"][0])
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    root = tmp_path / "run"
+    write_orbax_steps(root)
+    return root
+
+
+def opened(root: Path, **kw) -> ms.CheckpointManager:
+    with pytest.warns(ms.ForeignStepsWarning) as said:
+        mngr = ms.CheckpointManager(root, async_save=False, handle_signals=False, **kw)
+    assert len(said) == 1
+    return mngr
+
+
+def test_opening_warns_once_naming_the_other_tools_steps(root):
+    with pytest.warns(ms.ForeignStepsWarning) as said:
+        mngr = ms.CheckpointManager(root, handle_signals=False)
+    assert [str(w.message) for w in said] == [
+        f"{root} holds steps another tool wrote: 10, 15, 20 (complete, Orbax). This "
+        "CheckpointManager restores and rotates only its own steps (none here yet, so "
+        "latest_step() is None), never removes or replaces these, and does not save over "
+        "their numbers (should_save is False for them, save raises ForeignStepError); "
+        f"`modelshard steps {root}` lists them."
+    ]
+    assert said[0].filename == __file__  # points at the user's line
+    with mngr:
+        assert (mngr.latest_step(), mngr.all_steps()) == (None, [])
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.restore()
+        assert str(e.value) == (
+            f"no checkpoint in {root}: no step was saved yet (steps 10, 15, 20 there were "
+            "written by another tool; this CheckpointManager does not restore them)."
+        )
+        with pytest.raises(ms.ForeignStepError) as e:
+            mngr.restore(20)
+        assert str(e.value) == (
+            f"cannot restore step 20: {root / '20'} is a complete step written by another "
+            "tool (Orbax); this CheckpointManager restores only its own steps (none here)."
+        )
+    with warnings.catch_warnings():  # a root of its own steps alone: no warning
+        warnings.simplefilter("error")
+        ms.CheckpointManager(root.parent / "mine", handle_signals=False).close()
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_saving_over_an_orbax_step_is_refused_and_leaves_it_byte_identical(root, force):
+    before = orbax_snapshot(root)
+    with opened(root) as mngr:
+        assert not mngr.should_save(20)
+        assert mngr.should_save(21)
+        with pytest.raises(ms.ForeignStepError) as e:
+            mngr.save(20, {"w": jnp.ones(4)}, force=force)
+        assert isinstance(e.value, ValueError) and e.value.step == 20
+        assert str(e.value).splitlines() == [
+            f"cannot save step 20: {root / '20'} is a complete step written by another tool "
+            "(Orbax), and this CheckpointManager never removes or replaces what it did not "
+            "write.",
+            f"Save under another step number, move {root / '20'} out of {root}, or, to "
+            "replace it, remove it by name with delete(20) first.",
+        ]
+        assert mngr.all_steps() == []
+    assert orbax_snapshot(root) == before
+    assert len(before) > 30 and sorted(os.listdir(root)) == [
+        ".modelshard-lock",
+        *map(str, ORBAX_STEPS),
+    ]
+    assert orbax_restores(root, 20) == 20.0
+
+
+def test_a_loop_keeping_two_steps_never_deletes_the_orbax_steps(root):
+    before = orbax_snapshot(root)
+    with opened(root, max_to_keep=2) as mngr:
+        saved = []
+        for step in range(5, 26):
+            if mngr.should_save(step):
+                assert mngr.save(step, {"w": jnp.full((4,), float(step))})
+                saved.append(step)
+        assert mngr.all_steps() == [24, 25]
+        assert float(mngr.restore()["w"][0]) == 25.0
+    assert saved == [s for s in range(5, 26) if s not in ORBAX_STEPS]
+    assert orbax_snapshot(root) == before
+    assert sorted(os.listdir(root)) == [
+        ".modelshard-lock",
+        ".modelshard-rotated",
+        "10",
+        "15",
+        "20",
+        "24",
+        "25",
+    ]
+    assert [orbax_restores(root, s) for s in ORBAX_STEPS] == [10.0, 15.0, 20.0]
+
+
+def test_delete_by_name_replaces_an_orbax_step(root):
+    with opened(root) as mngr:
+        mngr.delete(20)
+        assert mngr.should_save(20)
+        assert mngr.save(20, {"w": jnp.full((4,), 7.0)})
+        assert mngr.all_steps() == [20]
+        assert float(mngr.restore(20)["w"][0]) == 7.0
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.delete(30)
+        assert str(e.value) == f"no step 30 in {root}: nothing there carries that number."
+        mngr.delete(20)  # one of its own, outside its keep rules
+        assert mngr.all_steps() == []
+    assert sorted(n for n in os.listdir(root) if n[0].isdigit()) == ["10", "15"]
+    assert [orbax_restores(root, s) for s in (10, 15)] == [10.0, 15.0]
+
+
+def _unfinished(step_dir: Path, into: Path) -> None:
+    """``step_dir`` as it was mid-save: renamed to Orbax's staging name ``into``, each item
+    under its temporary name, ``_CHECKPOINT_METADATA`` as Orbax writes it when a save starts
+    (no custom metadata, no commit yet)."""
+    shutil.copytree(step_dir, into)
+    for item in [p for p in into.iterdir() if p.is_dir()]:
+        item.rename(into / f"{item.name}.orbax-checkpoint-tmp-1234")
+    (into / "commit_success.txt").unlink(missing_ok=True)
+    (into / "_CHECKPOINT_METADATA").write_text('{"init_timestamp_nsecs": 1796000000000000000}')
+
+
+def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
+    with opened(root) as mngr:
+        mngr.save(1, {"w": jnp.ones(4)})
+        # an interrupted save of ours (step 30), and one of Orbax's (step 31)
+        _unfinished(root / "1", root / "30.orbax-checkpoint-tmp")
+        _unfinished(root / "10", root / "31.orbax-checkpoint-tmp")
+        # an empty folder and a bare start of a save hold nothing to lose
+        (root / "32").mkdir()
+        (root / "33.orbax-checkpoint-tmp").mkdir()
+        (root / "33.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text(
+            '{"init_timestamp_nsecs": 1796000000000000000}'
+        )
+        listed = {e.path.name: (e.status, e.owner, e.complete, e.why) for e in list_steps(root)}
+        assert listed == {
+            "1": ("complete", "modelshard", True, ""),
+            "10": ("foreign", "orbax", True, "written by another tool (Orbax)"),
+            "15": ("foreign", "orbax", True, "written by another tool (Orbax)"),
+            "20": ("foreign", "orbax", True, "written by another tool (Orbax)"),
+            "30.orbax-checkpoint-tmp": (
+                "leftover",
+                "modelshard",
+                False,
+                "staging folder of an interrupted save",
+            ),
+            "31.orbax-checkpoint-tmp": (
+                "foreign",
+                "orbax",
+                False,
+                "written by another tool (Orbax)",
+            ),
+            "32": ("leftover", None, False, "interrupted save"),
+            "33.orbax-checkpoint-tmp": (
+                "leftover",
+                None,
+                False,
+                "staging folder of an interrupted save",
+            ),
+        }
+        kept = snapshot(root / "31.orbax-checkpoint-tmp")
+        for step in (30, 32, 33):
+            assert mngr.save(step, {"w": jnp.full((4,), float(step))})
+        with pytest.raises(ms.ForeignStepError) as e:
+            mngr.save(31, {"w": jnp.ones(4)})
+        assert str(e.value).splitlines()[0] == (
+            f"cannot save step 31: {root / '31.orbax-checkpoint-tmp'} is an unfinished save by "
+            "another tool (Orbax), and this CheckpointManager never removes or replaces what "
+            "it did not write."
+        )
+        assert mngr.all_steps() == [1, 30, 32, 33]
+    assert snapshot(root / "31.orbax-checkpoint-tmp") == kept
+    assert sorted(n for n in os.listdir(root) if n[0].isdigit()) == [
+        "1",
+        "10",
+        "15",
+        "20",
+        "30",
+        "31.orbax-checkpoint-tmp",
+        "32",
+        "33",
+    ]
+
+
+def test_a_step_of_ours_whose_record_item_was_removed_is_not_taken_for_orbaxs(tmp_path):
+    """A committed step of ours keeps its marker: damaged, it is still ours (a leftover
+    the next save of its number replaces), never another tool's."""
+    with ms.CheckpointManager(tmp_path, async_save=False, handle_signals=False) as mngr:
+        mngr.save(3, {"w": jnp.ones(4)})
+        shutil.rmtree(tmp_path / "3" / "modelshard")
+    [entry] = list_steps(tmp_path)
+    assert (entry.status, entry.owner) == ("leftover", "modelshard")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of another tool's here
+        mngr = ms.CheckpointManager(tmp_path, async_save=False, handle_signals=False)
+    with mngr:
+        assert mngr.should_save(3)
+        assert mngr.save(3, {"w": jnp.full((4,), 2.0)})
+        np.testing.assert_array_equal(mngr.restore(3)["w"], np.full((4,), 2.0))
