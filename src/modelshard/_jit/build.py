@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.core import Tracer
@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from .._base import AdapterError, Problem, SpecError, canonical_dtype
 from .._containers import WriteBack
 from .._place import Plan, recording_constraints
-from .._specs import LeafPlan, expand_args
+from .._specs import ArgPlan, LeafPlan, expand_args
 from .layout import NOSPEC, Slot
 from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
 from .take import Taken
@@ -197,7 +197,8 @@ def build_entry(call: Call) -> Entry:
         plan_args.append((s.name, t.value, s.spec))
     if problems:
         raise SpecError(problems)
-    argplans = expand_args(plan_args, mesh)
+    # the entry outlives the call: its plan keeps each argument's structure, not its values
+    argplans = [_structure(a) for a in expand_args(plan_args, mesh)]
     plan = Plan(argplans, mesh)
     by_name = {a.name: i for i, a in enumerate(argplans)}
     per_arg_sh: list[list[Any]] = []
@@ -266,6 +267,22 @@ def build_entry(call: Call) -> Entry:
     )
 
 
+def _structure(arg: ArgPlan) -> ArgPlan:
+    """``arg`` with its container's array leaves as ``ShapeDtypeStruct`` and the container
+    rebuilt from them (static leaves kept: they are part of the signature): a cached plan
+    that held the call's own container kept its arrays (an NNX module, the module itself)
+    alive as long as the ``ShardJit``."""
+    flat = arg.flat
+    infos = flat.infos  # paths and metadata, read from the real container
+    at = set(flat.array_index)
+    leaves = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) if i in at else x for i, x in enumerate(flat.leaves)
+    ]
+    obj = flat.adapter.unflatten(flat.aux, leaves)
+    abstract = dataclasses.replace(flat, obj=obj, leaves=leaves, _infos=infos)
+    return dataclasses.replace(arg, flat=abstract)
+
+
 def explicit_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:
     """The names of the mesh's Explicit axes."""
     return frozenset(
@@ -293,6 +310,15 @@ def _explicit_out(call: Call, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
             f"out_specs gave {len(out)} shardings for {desc.num_arrays} output array leaves"
         )
     return out
+
+
+class _Structure(NamedTuple):
+    """What tracing needs of one dynamic argument (``Taken`` without its values)."""
+
+    slot: Slot
+    adapter: Any
+    aux: Hashable
+    array_index: tuple[int, ...] | None
 
 
 class _FlatFunction:
@@ -325,13 +351,16 @@ class _FlatFunction:
                 else:
                     kw[s.kw] = call.kwargs[s.kw]
         self._pos, self._kw = pos, kw
-        self._dyn: list[tuple[Taken, tuple[Any, ...] | None]] = []
+        # Each dynamic argument's structure, not the Taken: that holds the call's container
+        # and its arrays (and an NNX module's write-back), which the jax.jit over this
+        # function would keep alive as long as the ShardJit.
+        self._dyn: list[tuple[_Structure, tuple[Any, ...] | None]] = []
         for t in call.taken:
             template = None
             if t.array_index is not None:
                 at = set(t.array_index)
                 template = tuple(None if i in at else x for i, x in enumerate(t.leaves))
-            self._dyn.append((t, template))
+            self._dyn.append((_Structure(t.slot, t.adapter, t.aux, t.array_index), template))
         self._sources: list[tuple[Any, Hashable]] = [(t.adapter, t.aux) for t in call.taken]
         self._mutable = [k for k, t in enumerate(call.taken) if t.adapter.mutable]
         self.desc: OutDesc | None = None

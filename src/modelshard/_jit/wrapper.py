@@ -368,7 +368,9 @@ class ShardJit:
         arguments, the mesh and the active logical rules; how the arrays are placed is not
         part of it (NumPy arrays, uncommitted arrays and the step's own outputs fed back run
         the same executable). Signatures only planned or lowered (``.plan``, ``.lower``)
-        are not counted; ``clear_cache`` resets the count. To count compilations yourself,
+        are not counted; ``clear_cache`` resets the count. The cache holds each signature's
+        structure (tree structures, shapes, dtypes, shardings, static values), never the
+        arrays or modules of the calls that made it. To count compilations yourself,
         listen to JAX's ``/jax/core/compile/backend_compile_duration`` monitoring event
         (the fine-tuning guide shows how).
         """
