@@ -88,14 +88,17 @@ def split_output(
 
     def match(x: Any) -> tuple[Adapter, list[Any], Hashable, int | None] | None:
         try:
-            adapter, leaves, aux = flatten_nested(get_adapter(x), x)
+            own = get_adapter(x)
+            adapter, leaves, aux = flatten_nested(own, x)
         except Exception:
             return None
         try:
             j = index.get((id(adapter), aux))
         except TypeError:  # unhashable structure key: never an input's
             j = None
-        if j is None and adapter.follows_pytree:
+        # A pytree that is no input's (a (new_state, loss) tuple) is looked into, even
+        # when it holds registered containers: one of them may be an input coming back.
+        if j is None and own.follows_pytree:
             return None
         return adapter, leaves, aux, j
 
