@@ -31,6 +31,7 @@ pytestmark = [
 ]
 
 SCRIPT = Path(__file__).parents[1] / "mp_scripts" / "save_every_step.py"
+FAILS = Path(__file__).parent / "manager_scripts" / "background_fails.py"
 STEPS = 20
 LIMIT_S = 150  # a backstop for a loaded 2-core machine, not an expectation
 HEARTBEAT_S = 5  # MODELSHARD_HEARTBEAT_TIMEOUT for the runs where a process dies
@@ -55,10 +56,16 @@ def by_launch(root: Path, out: Path, *args: str) -> tuple[list[int], str]:
 
 
 def by_environment(
-    root: Path, out: Path, *args: str, extra_env: dict[str, str] | None = None
+    root: Path,
+    out: Path,
+    *args: str,
+    extra_env: dict[str, str] | None = None,
+    script: Path = SCRIPT,
+    limit_s: float = LIMIT_S,
 ) -> tuple[list[int], list[str], list[float]]:
-    """Start both processes as a scheduler would: each with its MODELSHARD_* variables and
-    nothing watching over them. Returns each one's exit code, output and end time."""
+    """Start both processes of ``script`` as a scheduler would: each with its MODELSHARD_*
+    variables and nothing watching over them (SIGKILLed after ``limit_s``). Returns each
+    one's exit code, output and end time."""
     reservation = _launch.reserve_port()
     port = reservation.getsockname()[1] if reservation is not None else _launch.free_port()
     procs = []
@@ -68,7 +75,7 @@ def by_environment(
             env.update(extra_env or {})
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(SCRIPT), str(root), str(out), *args],
+                    [sys.executable, str(script), str(root), str(out), *args],
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
@@ -88,7 +95,7 @@ def by_environment(
         for t in readers:
             t.start()
         for t in readers:
-            t.join(LIMIT_S)
+            t.join(limit_s)
     finally:
         for p in procs:  # the backstop: nothing outlives the test
             if p.poll() is None:
@@ -187,3 +194,39 @@ def test_a_save_failing_on_one_process_fails_on_every_process(tmp_path):
         f"step 3 was not saved to {root}: process 1: OSError: disk quota exceeded (injected). "
         "Steps on disk: "
     ), errors[0]
+
+
+def test_a_background_step_failing_on_one_process_raises_on_every_process_at_once(tmp_path):
+    """An asynchronous manager's step 1 fails on one process after ``save`` returned: its
+    arrays on a full disk (process 1), or the commit (process 0, the merge of the
+    processes' OCDBT databases). Every process raises the same error from
+    ``wait_until_finished`` within seconds (the barrier timeout is 120 s), naming the
+    process and its cause; step 0 stays the latest step, bit-exact, and step 1 saves next."""
+    root, out = tmp_path / "run", tmp_path
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "120", "MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
+    codes, outputs, _ = by_environment(root, out, extra_env=env, script=FAILS, limit_s=90)
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((out / f"result_{i}.json").read_text()) for i in range(2)]
+    for case in ("disk", "commit"):
+        raised = [r[case]["raised"] for r in results]
+        assert raised[0] == raised[1], raised  # the same error on both
+        assert raised[0]["type"] == "CheckpointError", raised
+        message = raised[0]["message"]
+        if case == "disk":  # TensorStore's own text names the file it could not write
+            assert message.startswith(
+                f"step 1 was not saved to {root / case}: CheckpointError: writing failed on "
+                "process 1: ValueError: OUT_OF_RANGE: Error writing "
+            ), message
+            assert "ocdbt.process_1" in message and "File too large" in message, message
+            assert message.endswith(". Steps on disk: 0."), message
+        else:
+            assert message == (
+                f"step 1 was not saved to {root / case}: CheckpointError: committing failed "
+                "on process 0: OSError: No space left on device (injected). Steps on disk: 0."
+            ), message
+        for r in results:
+            assert r[f"{case} started"] is True, r  # it failed in the background
+            assert r[case]["seconds"] < 30, r  # not the 120 s barrier timeout
+            assert r[case]["steps"] == [0] and r[case]["bit_exact"] is True, r
+            assert r[case]["steps after"] == [0, 1], r

@@ -1,6 +1,7 @@
 """Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``; a
 failure on one process shared with the others (``shared_failure``, ``sharing_failures``,
-and ``carrying_failures`` for a background save).
+and ``carrying_failures`` and ``carrying_commit`` for a background save: its writes and
+its commit).
 
 Orbax (0.12.8) waits at coordination-service barriers of its own in every multi-process
 save (its start, directory creation, the commit of an asynchronous save), each with a
@@ -32,10 +33,15 @@ from .._runtime import barrier_timeout_s, exchange, gather, wait_failed
 KEY_PREFIX = "modelshard"
 """The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
 
+COMMITTING = "committing"
+"""What a background save's commit is called in the error every process raises."""
+
 _lock = threading.Lock()
 _SHARED = "_modelshard_shared"  # set on the errors shared_failure makes
-# How this thread's part of a background save ended, once ``_Carried`` waited for it:
-# the next barrier of ours on this thread carries it to the other processes.
+# How this thread's parts of a background save ended (``carried``: one entry per barrier
+# of ours still to come on this thread, oldest first): set by ``_Carried`` once it waited
+# for the writes (the write, then the commit), the commit's replaced by ``carrying_commit``
+# where it failed; each barrier carries its entry to the other processes.
 _outcome = threading.local()
 
 
@@ -60,14 +66,14 @@ def _wrap(original: Any) -> Any:
                 except Exception as e:  # DEADLINE_EXCEEDED, or a peer's failure
                     raise wait_failed("Orbax barrier", key, timeout, e) from e
 
-            carried = getattr(_outcome, "ended", None)
-            if carried is None:
+            carried = getattr(_outcome, "carried", None)
+            if not carried:
                 return wait()
-            _outcome.ended = None
-            failure, what = carried
+            failure, what = carried.pop(0)
             how = None if failure is None else f"{type(failure).__name__}: {failure}"
             error = _shared_error(failure, exchange(how, key, wait), what)
             if error is not None:  # on every process: none goes on to the commit
+                carried.clear()
                 raise error
 
         return bounded
@@ -185,7 +191,8 @@ class _Carried:
                 f.result(timeout=left)
             except Exception as e:
                 failure = failure or e
-        _outcome.ended = (failure, self._what)
+        # the barrier before the commit carries this; the one after it, the commit's end
+        _outcome.carried = [(failure, self._what), (None, COMMITTING)]
 
     def cancel(self) -> None:
         for f in self._futures:
@@ -225,3 +232,44 @@ def carrying_failures(handler: Any, name: str, what: str) -> Any:
 
     handler.async_save = async_save_and_carry
     return handler
+
+
+def carrying_commit(checkpointer: Any) -> Any:
+    """``checkpointer`` (an ``AsyncCheckpointer`` whose handler is ``carrying_failures``'),
+    whose commit failing on the primary process fails the save on every process at once.
+
+    Orbax commits on its background thread between its two last barriers, on the primary
+    process alone: it writes the step's metadata, finalizes each item (the merge of every
+    process's OCDBT database into the one index of the arrays) and renames the step into
+    place (or writes its commit file). Where that raised, the primary's thread ended
+    there, and the others waited at the barrier after the commit until
+    ``MODELSHARD_BARRIER_TIMEOUT``. With it the failure is kept instead, the primary still
+    comes to that barrier, which carries it to every process (as ``carrying_failures``'
+    barrier before the commit does), and every process raises the same
+    ``CheckpointError`` (``committing failed on process 0: ...``) on that thread; the main
+    thread raises it at the next ``wait_until_finished``. The step is not listed: what the
+    commit left is an unfinished step, which the next save of that step removes.
+
+    It wraps Orbax's ``AsyncCheckpointer._make_on_commit_callback`` on this instance (no
+    public hook runs around the whole commit).
+    """
+    if jax.process_count() == 1:
+        return checkpointer
+    make = checkpointer._make_on_commit_callback
+
+    def make_carrying(*args: Any, **kwargs: Any) -> Any:
+        commit = make(*args, **kwargs)
+
+        def commit_and_carry() -> None:
+            try:
+                commit()
+            except Exception as e:
+                carried = getattr(_outcome, "carried", None)
+                if not carried:  # no barrier of ours to carry it: Orbax's own handling
+                    raise
+                carried[0] = (e, COMMITTING)
+
+        return commit_and_carry
+
+    checkpointer._make_on_commit_callback = make_carrying
+    return checkpointer

@@ -38,7 +38,7 @@ from typing import Any
 from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .barriers import carrying_failures, sharing_failures
+from .barriers import carrying_commit, carrying_failures, sharing_failures
 from .items import decode_items, encode_items, missing_items
 from .listing import OURS, Foreign, complete_steps, entry_owner, foreign_steps, is_complete_step
 from .policy import KeepPolicy, as_steps, save_step_ok
@@ -333,6 +333,8 @@ class CheckpointManager:
             self._ckptr = kind(
                 handler, atomicity_options=atomicity, multiprocessing_options=processes
             )
+            if self.async_save:  # and a commit failing on process 0, through the next one
+                carrying_commit(self._ckptr)
         return self._ckptr
 
     def _purge_rotated(self) -> None:
