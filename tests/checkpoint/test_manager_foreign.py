@@ -5,8 +5,11 @@ and removes one only when asked by name; its own interrupted saves are still cle
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 
 import modelshard as ms
+from helpers import launch_argv
 from modelshard._checkpoint import list_steps
 
 ORBAX_STEPS = (10, 15, 20)
@@ -267,3 +271,41 @@ def test_a_step_of_ours_whose_record_item_was_removed_is_not_taken_for_orbaxs(tm
         assert mngr.should_save(3)
         assert mngr.save(3, {"w": jnp.full((4,), 2.0)})
         np.testing.assert_array_equal(mngr.restore(3)["w"], np.full((4,), 2.0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
+def test_two_processes_agree_on_the_other_tools_steps(root, tmp_path):
+    """Process 0 lists and decides, the others follow: on both processes the loop skips
+    10, 15 and 20, ``save(20)`` raises the same ``ForeignStepError``, and ``delete(20)``
+    then ``save(20)`` replace it; only process 0 warns."""
+    script = Path(__file__).parent / "manager_scripts" / "foreign_steps.py"
+    before = orbax_snapshot(root)
+    cmd = launch_argv(sys.executable, str(script), str(root), str(tmp_path), timeout=150)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    refused = {
+        "type": "ForeignStepError",
+        "message": (
+            f"cannot save step 20: {root / '20'} is a complete step written by another tool "
+            "(Orbax), and this CheckpointManager never removes or replaces what it did not "
+            f"write.\nSave under another step number, move {root / '20'} out of {root}, or, "
+            "to replace it, remove it by name with delete(20) first."
+        ),
+        "step": 20,
+    }
+    for me, r in enumerate(results):
+        assert r == {
+            "warned": ["ForeignStepsWarning"] if me == 0 else [],
+            "saved": [s for s in range(5, 26) if s not in ORBAX_STEPS],
+            "raised": refused,
+            "steps": [24, 25],
+            "steps after": [20, 24, 25],
+            "restored 20": 99.0,
+        }, (me, r)
+    after = orbax_snapshot(root)
+    assert {k: v for k, v in after.items() if not k.startswith("20")} == {
+        k: v for k, v in before.items() if not k.startswith("20")
+    }
+    assert [orbax_restores(root, s) for s in (10, 15)] == [10.0, 15.0]

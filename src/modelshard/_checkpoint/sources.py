@@ -37,6 +37,7 @@ from .storage import (
     storage_key,
 )
 from .urls import is_remote, location, reaching
+from .values import values_tree
 
 
 @dataclasses.dataclass
@@ -316,10 +317,11 @@ def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.restored_dtype(dtype))
 
 
-def abstract_tree(record: Record, dtype: Any = None) -> dict[str, Any]:
-    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``)."""
+def abstract_tree(record: Record, dtype: Any = None, *, values: bool = False) -> dict[str, Any]:
+    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``),
+    with the record's Python values in place where ``values``."""
     items = [(storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
-    return nest(items, "record")
+    return nest(items + (values_tree(record) if values else []), "record")
 
 
 def planning_tree(record: Record) -> dict[str, Any]:
@@ -345,9 +347,10 @@ def planning_tree(record: Record) -> dict[str, Any]:
 
 def abstract_like(source: Source, dtype: Any = None) -> Any:
     """The abstract container a checkpoint describes: Orbax's own structure (lists stay
-    lists) for plain Orbax checkpoints, nested dicts from the record otherwise."""
+    lists) for plain Orbax checkpoints, nested dicts from the record otherwise (its
+    Python values included)."""
     if source.template is None:
-        return abstract_tree(source.record, dtype)
+        return abstract_tree(source.record, dtype, values=True)
     by_path = source.record.by_path()
     keys, treedef = jax.tree_util.tree_flatten_with_path(source.template)
     leaves = [_abstract_leaf(by_path[format_path(path)], dtype) for path, _ in keys]
