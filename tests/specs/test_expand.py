@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -475,3 +476,39 @@ def test_rule_matches_shared_across_layer_indices_stay_exact():
     assert blind.match("layers/7/kernel")[0] == 1  # type: ignore[index]
     assert sighted.match("layers/123/kernel")[0] == 0  # type: ignore[index]
     assert sighted.match("layers/23/kernel")[0] == 1  # type: ignore[index]
+
+
+# ---- logical rules that place nothing ------------------------------------------------------
+
+
+def test_logical_rules_that_place_no_leaf_of_an_unboxed_state_say_so():
+    """A MaxText-style state (params unboxed, the names gone) under logical rules with
+    strict=False was replicated leaf by leaf without a word; the boxed state is not told."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(16, kernel_init=init)(x)
+
+    boxed = jax.eval_shape(lambda: Mlp().init(jax.random.key(0), jnp.zeros((1, 8))))
+    rules = ms.Rules([], logical={"embed": None, "mlp": "model"}, strict=False)
+    mesh = ms.make_mesh({"data": 2, "model": 4}, abstract=True)
+    with pytest.warns(UserWarning) as caught:
+        plan = ms.plan(nn.meta.unbox(boxed), rules, mesh)
+    assert [str(w.message) for w in caught] == [
+        "tree: logical rules placed none of the dict's 2 array leaves (no leaf carries logical "
+        "names and no path rule matches), so every leaf is replicated. An unboxed state "
+        "(nn.meta.unbox, MaxText) has lost its names: pass the boxed state, or its names as the "
+        "spec (nn.get_partition_spec(boxed_state) inside ms.logical_rules(...)), or add path "
+        "rules."
+    ]
+    assert caught[0].filename == __file__
+    assert plan["params/Dense_0/kernel"].spec == P()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ms.plan(boxed, rules, mesh)["params/Dense_0/kernel"].spec == P(None, "model")
+        with ms.logical_rules([("embed", None), ("mlp", "model")]):  # the fix the hint gives
+            named = ms.plan(nn.meta.unbox(boxed), nn.get_partition_spec(boxed), mesh)
+        assert named["params/Dense_0/kernel"].spec == P(None, "model")

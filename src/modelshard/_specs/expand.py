@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -19,11 +20,19 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from .._base import AdapterError, Problem, SpecError, canonical_dtype, format_path, mesh_sizes
+from .._base import (
+    AdapterError,
+    Problem,
+    SpecError,
+    caller_stacklevel,
+    canonical_dtype,
+    format_path,
+    mesh_sizes,
+)
 from .._base import split as split_path
 from .._containers import ARRAY_TYPES, Flat, LeafInfo, split
 from .language import FSDP, Rules, is_leaf_spec
-from .resolution import Ctx, Via, refused_by_jax, resolve_checked, unmatched_key
+from .resolution import UNMATCHED, Ctx, Via, refused_by_jax, resolve_checked, unmatched_key
 
 
 class LeafPlan(NamedTuple):
@@ -332,7 +341,28 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
                 )
     if ctx.problems:
         raise SpecError(ctx.problems)
+    for (name, tree, spec_like), planned in zip(args, out, strict=True):
+        _tell_nothing_named(name, tree, spec_like, planned.leaves)
     return out
+
+
+def _tell_nothing_named(arg: str, tree: Any, rules: Any, leaves: Sequence[LeafPlan]) -> None:
+    """Warn where logical rules placed no leaf of an argument (``strict=False``): a state
+    whose params were unboxed (MaxText keeps the names in a tree of their own) is silently
+    replicated otherwise."""
+    if type(rules) is not Rules or rules.logical is None or rules.strict:
+        return
+    if not any(lp.shape for lp in leaves) or any(lp.rule != UNMATCHED for lp in leaves if lp.shape):
+        return
+    n = sum(1 for lp in leaves if lp.shape)
+    warnings.warn(
+        f"{arg}: logical rules placed none of the {type(tree).__name__}'s {n} array leaves "
+        "(no leaf carries logical names and no path rule matches), so every leaf is "
+        "replicated. An unboxed state (nn.meta.unbox, MaxText) has lost its names: pass the "
+        "boxed state, or its names as the spec (nn.get_partition_spec(boxed_state) inside "
+        "ms.logical_rules(...)), or add path rules.",
+        stacklevel=caller_stacklevel(),
+    )
 
 
 def is_catch_all(pattern: str) -> bool:

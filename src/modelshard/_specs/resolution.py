@@ -496,6 +496,9 @@ def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
     return refused
 
 
+UNMATCHED = "unmatched (replicated, strict=False)"  # a plan row's rule: nothing placed it
+
+
 def resolve(
     arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
 ) -> tuple[PartitionSpec, str, LogicalRules | None] | None:
@@ -512,7 +515,7 @@ def resolve(
         elif info.names is not None:
             spec, rule = PartitionSpec(*info.names), f"metadata ({info.box})"
         else:
-            return PartitionSpec(), "unmatched (replicated, strict=False)", None
+            return PartitionSpec(), UNMATCHED, None
         return spec, rule, s.compiled_logical if s.logical is not None else ctx.logical
     if isinstance(s, FSDP):
         return *s.spec_for(shape, ctx.sizes), None
