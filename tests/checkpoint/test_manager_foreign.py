@@ -309,3 +309,52 @@ def test_two_processes_agree_on_the_other_tools_steps(root, tmp_path):
         k: v for k, v in before.items() if not k.startswith("20")
     }
     assert [orbax_restores(root, s) for s in (10, 15)] == [10.0, 15.0]
+
+
+def _s3_tree(url: str) -> dict[str, bytes]:
+    """Every object under ``url`` and its bytes, read without modelshard."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    base = url.removeprefix("s3://")
+    return {p[len(base) + 1 :]: fs.cat_file(p) for p in fs.find(base)}
+
+
+def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s3_root):
+    """On ``s3://`` Orbax's step is complete by its commit file: steps 10, 15, 20 as Orbax
+    committed them and 30 as Orbax left it mid-save (no commit file, the metadata it
+    starts with); the manager refuses both kinds and removes neither."""
+    import s3fs
+
+    local = tmp_path / "orbax"
+    write_orbax_steps(local)
+    shutil.copytree(local / "10", tmp_path / "30")
+    for done in (tmp_path / "30").rglob("commit_success.txt"):
+        done.unlink()
+    (tmp_path / "30" / "_CHECKPOINT_METADATA").write_text('{"init_timestamp_nsecs": 1}')
+    fs = s3fs.S3FileSystem()
+    base = s3_root.removeprefix("s3://")
+    for s in ORBAX_STEPS:
+        fs.put(str(local / str(s)), f"{base}/{s}", recursive=True)
+    fs.put(str(tmp_path / "30"), f"{base}/30", recursive=True)
+    before = _s3_tree(s3_root)
+    with pytest.warns(ms.ForeignStepsWarning) as said:
+        mngr = ms.CheckpointManager(s3_root, async_save=False, handle_signals=False)
+    assert "10, 15, 20 (complete, Orbax); 30 (unfinished, Orbax)" in str(said[0].message)
+    with mngr:
+        assert [mngr.should_save(s) for s in (20, 25, 30)] == [False, True, False]
+        for step, what in ((20, "is a complete step"), (30, "is an unfinished save by")):
+            with pytest.raises(ms.ForeignStepError) as e:
+                mngr.save(step, {"w": jnp.ones(4)}, force=True)
+            assert str(e.value).startswith(f"cannot save step {step}: {s3_root}/{step} {what}")
+        assert mngr.save(25, {"w": jnp.ones(4)})
+        assert mngr.all_steps() == [25]
+    listed = [(e.step, e.status, e.owner, e.complete) for e in list_steps(s3_root)]
+    assert listed == [
+        *[(s, "foreign", "orbax", True) for s in ORBAX_STEPS],
+        (25, "complete", "modelshard", True),
+        (30, "foreign", "orbax", False),
+    ]
+    after = _s3_tree(s3_root)
+    assert {k: v for k, v in after.items() if not k.startswith("25/")} == before
