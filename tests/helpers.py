@@ -508,3 +508,27 @@ def launch_argv(
         sys.executable, launch.__file__, "-n", str(n), "--devices-per-process", str(devices),
         "--timeout", str(timeout), "--grace", str(grace), "--", *command,
     ]  # fmt: skip
+
+
+def assert_every_leaf_restored(saved: Any, restored: Any, where: Any = "") -> None:
+    """Every leaf of ``saved`` is in ``restored`` at its canonical path, with its value:
+    arrays bit for bit (a NumPy one as an array of its dtype), Python values of the same
+    type and equal (``repr``: NaN equals NaN, -0.0 is not 0.0). Code among the leaves (an
+    activation function) is not state and is not compared."""
+
+    def leaves(tree: Any) -> dict[str, Any]:
+        flat = ms.adapters.split(tree)
+        out = dict(zip(flat.paths, flat.arrays, strict=True))
+        out.update({p: x for _, p, x in flat.statics() if not callable(x)})
+        return out
+
+    want, got = leaves(saved), leaves(restored)
+    dropped = sorted(set(want) - set(got))
+    assert not dropped, f"{where}: leaves dropped by the save or the restore: {dropped}"
+    for p, x in want.items():
+        y = got[p]
+        if ms.adapters.is_array(x):
+            assert ms.adapters.is_array(y), f"{where}: {p}: {type(y).__name__}, not an array"
+            assert array_bits(np.asarray(x)) == array_bits(np.asarray(y)), f"{where}: {p}"
+        else:
+            assert (type(y), repr(y)) == (type(x), repr(x)), f"{where}: {p}: {y!r} != {x!r}"

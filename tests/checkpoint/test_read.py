@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -234,3 +235,111 @@ def test_a_manager_partial_restore_warns_too(tmp_path):
         pytest.warns(ms.PartialRestoreWarning, match="kept like's values .*: head"),
     ):
         mgr.restore(like={"a": jnp.zeros(2), "head": jnp.zeros(1)}, partial=True)
+
+
+class _Counter:
+    """What each container kind holds of Python values: a saved state and a like with
+    other values of the same types (restore must give the saved ones back)."""
+
+    @staticmethod
+    def make(kind: str, epoch: int, name: str, rate: float) -> Any:
+        w = jnp.arange(4.0)
+        if kind == "pytree":
+            return {"w": w, "epoch": epoch, "name": name, "rate": rate, "none": None, "empty": {}}
+        if kind == "linen":  # variables with a Python counter among the collections
+            return {"params": {"kernel": w}, "state": {"step": epoch, "tag": name, "ema": rate}}
+        if kind == "nnx":
+            from flax import nnx
+
+            class NnxModel(nnx.Module):
+                def __init__(self) -> None:
+                    self.w = nnx.Param(w)
+                    self.step = nnx.Variable(epoch)
+                    self.tag = nnx.Variable(name)
+                    self.rate = nnx.Variable(rate)
+                    self.act = jax.nn.relu  # static: part of the graph, not a leaf
+
+            return NnxModel()
+        import equinox as eqx
+
+        class Model(eqx.Module):
+            w: jax.Array
+            drop: eqx.nn.Dropout  # its p (a float) and inference (a bool) are leaves
+            step: int
+            tag: str
+            act: Any = jax.nn.relu  # code among the leaves: taken from like
+
+        return Model(w, eqx.nn.Dropout(rate, inference=epoch % 2 == 0), epoch, name)
+
+
+def _values_of(tree: Any) -> dict[str, Any]:
+    """Path -> (type, value) of every leaf that is not an array."""
+    flat = ms.adapters.split(tree)
+    return {p: (type(x), x) for _, p, x in flat.statics() if not callable(x)}
+
+
+@pytest.mark.parametrize("kind", ["pytree", "linen", "nnx", "equinox"])
+def test_python_values_come_back_from_the_checkpoint_not_from_like(tmp_path, kind):
+    """Python values (an epoch, a run name, a dropout rate, an NNX Variable's int) were
+    dropped by save, and restore(like=) handed back like's as if restored."""
+    saved = _Counter.make(kind, 3, "run1", 0.25)
+    path = ms.save(tmp_path / "c", saved)
+    want = _values_of(saved)
+    assert len(want) >= 3
+    restored = ms.restore(path, like=_Counter.make(kind, 0, "other", 0.5))
+    assert _values_of(restored) == want
+    assert type(restored).__qualname__ == type(saved).__qualname__
+    # without like: nested dicts, the values in them at their paths
+    assert _values_of(ms.restore(path)) == want
+
+
+def test_a_value_the_checkpoint_lacks_is_a_missing_leaf(tmp_path):
+    """like's value for a leaf the checkpoint does not hold was returned as if restored."""
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "name": "run1"})
+    like = {"w": jnp.zeros(2), "epoch": 0, "name": ""}
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path, like=like)
+    lines = str(e.value).splitlines()
+    assert lines[:2] == [
+        f"checkpoint {path} does not match the target dict (1 difference: 1 missing; paths first):",
+        "  missing  epoch  int (in the target, not in the checkpoint)",
+    ]
+    assert lines[2].startswith("hint: pass partial=True")
+    with pytest.warns(ms.PartialRestoreWarning, match="epoch"):
+        out = ms.restore(path, like=like, partial=True)
+    assert out["epoch"] == 0 and out["name"] == "run1"  # kept, and said so; restored
+
+
+def test_a_value_of_another_type_is_a_changed_leaf(tmp_path):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "epoch": 3, "name": "run1"})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path, like={"w": jnp.zeros(2), "epoch": 0.0, "name": "x"})
+    assert str(e.value).splitlines()[:2] == [
+        f"checkpoint {path} does not match the target dict (1 difference: 1 changed; paths first):",
+        "  changed  epoch  checkpoint int 3 -> target float",
+    ]
+    with pytest.raises(ms.CheckpointError, match="checkpoint int 3 -> target float"):
+        ms.restore(path, like={"w": jnp.zeros(2), "epoch": 0.0, "name": "x"}, partial=True)
+
+
+def test_a_value_like_lacks_is_an_extra_leaf(tmp_path):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "epoch": 3})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path, like={"w": jnp.zeros(2)})
+    assert str(e.value).splitlines()[1] == (
+        "  extra    epoch  int 3 (in the checkpoint, not in the target)"
+    )
+
+
+def test_a_record_that_predates_values_keeps_likes_values(tmp_path):
+    """A checkpoint written before values were recorded holds none: like's are kept, as
+    they were, rather than every restore of it failing."""
+    import json
+
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2)})
+    record = json.loads((path / "modelshard.json").read_text())
+    del record["values"]
+    (path / "modelshard.json").write_text(json.dumps(record))
+    out = ms.restore(path, like={"w": jnp.zeros(2), "epoch": 4})
+    assert out["epoch"] == 4
+    assert_bit_exact({"w": jnp.ones(2)}, {"w": out["w"]})

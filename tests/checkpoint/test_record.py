@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from typing import Any
 
+import jax.numpy as jnp
 import pytest
 
 import modelshard as ms
@@ -156,3 +158,126 @@ def test_the_saved_meshs_axis_types_are_read_back_or_auto():
     for unknown in ([], ["Explicit"], ["Manual", "Auto"], "Explicit", None):
         assert record({"axes": axes, "axis_types": unknown}).mesh_axis_types() == ["auto"] * 2
     assert record(None).mesh_axis_types() == []
+
+
+@pytest.fixture
+def values_ckpt(tmp_path):
+    """A checkpoint holding Python values beside its array, and its record as a dict."""
+    import json
+
+    state = {"w": jnp.ones(3), "epoch": 3, "name": "run1", "lr": 0.1}
+    path = ms.save(tmp_path / "c", state)
+    return path, json.loads((path / "modelshard.json").read_text())
+
+
+def _value(record: dict[str, Any], path: str) -> dict[str, Any]:
+    return next(v for v in record["values"] if v["path"] == path)
+
+
+VALUE_EDITS = {
+    "type unknown": (
+        lambda r: _value(r, "epoch").update(type="pickle"),
+        "value 'epoch' of the record is invalid: type 'pickle' is not one of ['bool', "
+        "'bytes', 'complex', 'float', 'int', 'none', 'str'].",
+    ),
+    "value of another type": (
+        lambda r: _value(r, "epoch").update(value="3"),
+        "value 'epoch' of the record is invalid: '3' is not an int as the record writes it.",
+    ),
+    "bool for an int": (
+        lambda r: _value(r, "epoch").update(value=True),
+        "value 'epoch' of the record is invalid: True is not an int as the record writes it.",
+    ),
+    "float not a number": (
+        lambda r: _value(r, "lr").update(value="fast"),
+        "value 'lr' of the record is invalid: 'fast' is not a float (a JSON number, 'inf', "
+        "'-inf' or 'nan').",
+    ),
+    "str not a str": (
+        lambda r: _value(r, "name").update(value=[1]),
+        "value 'name' of the record is invalid: [1] is not a str.",
+    ),
+    "key walks up": (
+        lambda r: _value(r, "name").update(key=["..", "name"]),
+        "value 'name' of the record is invalid: its key ['..', 'name'] is not the one its "
+        "path gives, ['name'].",
+    ),
+    "path of an array": (
+        lambda r: _value(r, "name").update(path="w", key=["w"]),
+        "two leaves have the canonical path 'w'; rename one of them.",
+    ),
+    "values not a list of objects": (
+        lambda r: r.update(values=["epoch"]),
+        "the modelshard record is malformed (TypeError: string indices must be integers, not "
+        "'str').",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(VALUE_EDITS))
+def test_edited_values_are_refused_naming_value_and_file(values_ckpt, edit):
+    import json
+
+    path, record = values_ckpt
+    change, message = VALUE_EDITS[edit]
+    change(record)
+    (path / "modelshard.json").write_text(json.dumps(record))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    assert str(e.value) == f"{path / 'modelshard.json'}: {message}"
+
+
+VALUES = {
+    "int": 3,
+    "negative": -7,
+    "big int": 2**200,
+    "negative big int": -(2**64) - 1,
+    "float": 0.1,
+    "negative zero": -0.0,
+    "inf": math.inf,
+    "minus inf": -math.inf,
+    "largest float": 1.7976931348623157e308,
+    "complex": complex(1.5, -math.inf),
+    "bool": True,
+    "str": "ü 🎉\x00\n",
+    "empty str": "",
+    "bytes": b"\x00\xff",
+    "none": None,
+}
+
+
+@pytest.mark.parametrize("name", list(VALUES))
+def test_values_survive_the_records_json_with_their_types(name):
+    """Each value read back from the record's JSON is the value written, of its type
+    (ints of any size, every float including -0.0 and the infinities)."""
+    import json
+
+    from modelshard._checkpoint.record import ValueRecord
+
+    x = VALUES[name]
+    text = json.dumps(
+        ValueRecord("v", ("v",), type(x).__name__.replace("NoneType", "none"), x).to_json()
+    )
+    back = ValueRecord.from_json(json.loads(text)).value
+    assert type(back) is type(x)
+    assert repr(back) == repr(x)  # -0.0 and 0.0 differ here, as do inf and -inf
+
+
+def test_nan_survives_the_records_json():
+    import json
+
+    from modelshard._checkpoint.record import ValueRecord
+
+    text = json.dumps(ValueRecord("v", ("v",), "float", math.nan).to_json())
+    assert "NaN" not in text  # the record stays strict JSON
+    assert math.isnan(ValueRecord.from_json(json.loads(text)).value)
+
+
+def test_a_record_without_values_is_read_as_predating_them(small_ckpt):
+    """Records written before values were stored have no ``values`` key: read as None
+    (``like``'s values are then kept), not as an empty list."""
+    _, record = small_ckpt
+    assert record["values"] == []
+    del record["values"]
+    assert Record.from_json(record).values is None
+    assert Record.from_json({**record, "values": []}).values == []

@@ -5,8 +5,10 @@ names that are data; an empty state refused."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import importlib.util
+import math
 import os
 import random
 import subprocess
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -281,3 +284,80 @@ def test_a_path_that_reads_as_a_glob_pattern_still_restores(tmp_path, name, how)
     if how == "save":
         plain = ocp.StandardCheckpointer().restore(str(path))
         np.testing.assert_array_equal(plain["w"], np.asarray(state["w"]))
+
+
+def test_python_values_are_written_into_the_record_with_their_types(tmp_path):
+    """Plain Python leaves were dropped by save (only arrays reached the disk); each is now
+    in the record, typed, exactly (a big int, -inf, a NaN, bytes)."""
+    import json
+
+    state = {
+        "w": jnp.ones(2),
+        "epoch": 3,
+        "name": "run1",
+        "lr": 0.1,
+        "flag": True,
+        "big": 2**70,
+        "low": -math.inf,
+        "raw": b"\x00\x01",
+        "act": jax.nn.relu,  # code: not state, not saved, not refused
+    }
+    path = ms.save(tmp_path / "c", state)
+    record = json.loads((path / "modelshard.json").read_text())
+    assert [leaf["path"] for leaf in record["leaves"]] == ["w"]
+    assert record["values"] == [
+        {"path": "big", "key": ["big"], "type": "int", "value": "0x400000000000000000"},
+        {"path": "epoch", "key": ["epoch"], "type": "int", "value": 3},
+        {"path": "flag", "key": ["flag"], "type": "bool", "value": True},
+        {"path": "low", "key": ["low"], "type": "float", "value": "-inf"},
+        {"path": "lr", "key": ["lr"], "type": "float", "value": 0.1},
+        {"path": "name", "key": ["name"], "type": "str", "value": "run1"},
+        {"path": "raw", "key": ["raw"], "type": "bytes", "value": "AAE="},
+    ]
+
+
+class _Config:
+    pass
+
+
+class _Mode(enum.IntEnum):
+    TRAIN = 1
+
+
+def test_leaves_that_cannot_be_saved_faithfully_are_refused_by_name(tmp_path):
+    """Objects among the leaves (neither arrays, Python values nor code) were dropped
+    silently; save now refuses them all at once, naming each, and writes nothing."""
+    state = {
+        "w": jnp.ones(2),
+        "cfg": _Config(),
+        "opt": {"mode": _Mode.TRAIN, "dtype": np.dtype("float32")},
+        "epoch": 3,
+    }
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", state)
+    assert str(e.value).splitlines() == [
+        "cannot save 3 leaves (nothing was written): a checkpoint holds arrays and the values "
+        "bool, int, float, complex, str, bytes and None, and these are neither:",
+        f"  cfg: a {__name__}._Config",
+        "  opt/dtype: a numpy.dtypes.Float32DType",
+        f"  opt/mode: a {__name__}._Mode, a subclass of int (convert it: int(x))",
+        "hint: make each an array or one of those values; or, if it is part of the model's "
+        "definition, a static field (eqx.field(static=True), flax.struct.field(pytree_node="
+        "False), an NNX attribute that is not a Variable), which is not saved and comes from "
+        "like= on restore.",
+    ]
+    assert not (tmp_path / "c").exists()
+
+
+def test_values_too_large_for_the_record_are_refused(tmp_path, monkeypatch):
+    values = importlib.import_module("modelshard._checkpoint.values")
+    monkeypatch.setattr(values, "MAX_VALUES_BYTES", 1000)
+    state = {"w": jnp.ones(2), "text": "x" * 2000, "n": 1}
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", state)
+    assert str(e.value) == (
+        "cannot save: the state's Python values take 2119 bytes of JSON in the record, more "
+        "than 1000; the largest: text (str), n (int). Store large data as arrays "
+        "(np.frombuffer for bytes)."
+    )
+    assert not (tmp_path / "c").exists()

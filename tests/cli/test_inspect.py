@@ -145,3 +145,19 @@ def test_inspect_of_a_manager_step_names_its_items_and_metrics(tmp_path, capsys)
         "items: data (CheckpointManager.items; --json shows them)",
         "metrics: loss=0.5",
     ]
+
+
+def test_inspect_lists_the_python_values(tmp_path, capsys):
+    """The values a checkpoint holds beside its arrays are listed, text and JSON."""
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "epoch": 3, "name": "run1", "lr": 0.1})
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "values: epoch=3, lr=0.1, name='run1'" in out.splitlines()
+    assert main(["inspect", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(v["path"], v["type"], v["value"]) for v in data["values"]] == [
+        ("epoch", "int", 3),
+        ("lr", "float", 0.1),
+        ("name", "str", "run1"),
+    ]

@@ -39,6 +39,7 @@ from .direct import read_direct, readable
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like
 from .storage import nest
+from .values import restored_values
 
 # Bytes of read buffers Orbax may hold at once during a restore: bounds host memory beyond
 # the restored arrays themselves (each read buffer is copied onto its devices, then freed).
@@ -609,6 +610,9 @@ def restore_saved(
     paths, arrays = flat.paths, flat.arrays
     stored = record.by_path()
     missing, extra, changed = _diff(paths, arrays, stored, dtype)
+    # Python values (an epoch, a name) come from the record, diffed as the arrays are
+    statics, v_missing, v_extra, v_changed = restored_values(flat, record)
+    missing, extra, changed = missing + v_missing, extra + v_extra, changed + v_changed
     concrete_missing = all(
         not isinstance(x, jax.ShapeDtypeStruct)
         for p, x in zip(paths, arrays, strict=True)
@@ -675,4 +679,4 @@ def restore_saved(
             out.append(finish_leaf(values.pop(path), stored[path], dtype))
         else:  # partial restore: a missing leaf keeps like's value
             out.append(place([x], [s])[0] if s is not None else x)
-    return flat.rebuild(out)
+    return flat.rebuild(out, statics=statics)

@@ -13,11 +13,13 @@ without gathering anything.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._base import CheckpointError
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
-from .storage import FORMAT, name_collisions, storage_key
+from .storage import FORMAT, name_collisions, nest, storage_key
 
 # Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
 # dtype it has (the record keeps the real dtype).
@@ -147,6 +149,133 @@ class LeafRecord:
         )
 
 
+VALUE_TYPES: dict[type, str] = {
+    bool: "bool",
+    int: "int",
+    float: "float",
+    complex: "complex",
+    str: "str",
+    bytes: "bytes",
+    type(None): "none",
+}
+"""The Python values a checkpoint holds beside its arrays (exactly these types, not
+subclasses), and the type tag the record gives each."""
+
+_SAFE_INT = 1 << 53  # beyond it, JSON readers other than Python's lose digits
+_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _float_json(x: float) -> float | str:
+    return x if math.isfinite(x) else "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+
+
+def _float_value(v: Any) -> float:
+    if type(v) is float or (type(v) is int and abs(v) < _SAFE_INT):
+        return float(v)
+    if isinstance(v, str) and v in _FLOATS:
+        return _FLOATS[v]
+    raise ValueError(f"{v!r} is not a float (a JSON number, 'inf', '-inf' or 'nan')")
+
+
+def encode_value(x: Any) -> Any:
+    """A value of ``VALUE_TYPES`` as JSON that gives it back exactly (``decode_value``)."""
+    t = type(x)
+    if t is int and abs(x) >= _SAFE_INT:
+        return format(x, "#x")  # hex: exact, and no digit limit on reading it back
+    if t is float:
+        return _float_json(x)
+    if t is complex:
+        return [_float_json(x.real), _float_json(x.imag)]
+    if t is bytes:
+        return base64.b64encode(x).decode("ascii")
+    return x
+
+
+def decode_value(tag: str, v: Any) -> Any:
+    """The value ``encode_value`` wrote for a value of type ``tag``; ValueError if ``v``
+    is not what it writes."""
+    if tag == "bool" and type(v) is bool:
+        return v
+    if tag == "int":
+        if type(v) is int and abs(v) < _SAFE_INT:
+            return v
+        if isinstance(v, str) and len(v) <= MAX_VALUE_CHARS and _HEX.fullmatch(v):
+            out = int(v, 16)
+            if abs(out) >= _SAFE_INT:
+                return out
+        raise ValueError(f"{_short(v)} is not an int as the record writes it")
+    if tag == "float":
+        return _float_value(v)
+    if tag == "complex" and isinstance(v, list) and len(v) == 2:
+        return complex(_float_value(v[0]), _float_value(v[1]))
+    if tag == "str" and isinstance(v, str):
+        return v
+    if tag == "bytes" and isinstance(v, str):
+        try:
+            return base64.b64decode(v.encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError) as e:
+            raise ValueError(f"{_short(v)} is not base64") from e
+    if tag == "none" and v is None:
+        return None
+    if tag not in VALUE_TYPES.values():
+        raise ValueError(f"type {_short(tag)} is not one of {sorted(VALUE_TYPES.values())}")
+    raise ValueError(f"{_short(v)} is not a {tag}")
+
+
+MAX_VALUE_CHARS = 1 << 16
+"""The longest hex int a record may hold (a 260000-bit number)."""
+_HEX = re.compile(r"-?0x[0-9a-f]+")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def value_text(value: Any, limit: int = 60) -> str:
+    """How ``inspect`` and error messages show a value: its repr, cut at ``limit``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclasses.dataclass
+class ValueRecord:
+    """A leaf that is a plain Python value (``VALUE_TYPES``), stored in the record itself.
+
+    Attributes:
+        path: canonical path (``"epoch"``, ``"step/value"``).
+        key: where a restore without ``like`` puts it in the nested dicts (the storage key
+            its path gives, as for an array).
+        type: its type tag (``"int"``, ``"str"``...).
+        value: the value itself.
+    """
+
+    path: str
+    key: tuple[str, ...]
+    type: str
+    value: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "key": list(self.key),
+            "type": self.type,
+            "value": encode_value(self.value),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ValueRecord:
+        path = str(d["path"])
+        tag = d["type"]
+        try:
+            value = decode_value(tag, d["value"])
+        except ValueError as e:
+            raise CheckpointError(
+                f"value {path or '<root>'!r} of the record is invalid: {e}."
+            ) from e
+        return cls(path=path, key=tuple(str(k) for k in d["key"]), type=str(tag), value=value)
+
+
 MAX_ELEMENTS = 1 << 56
 """The most elements a leaf of a record may have (about 7e16: far beyond any device)."""
 
@@ -241,6 +370,9 @@ class Record:
         versions: package name -> version at save time.
         metadata: user metadata passed to ``save``.
         source: ``"modelshard"``, or ``"orbax"`` for a record inferred from Orbax metadata.
+        values: the leaves that are plain Python values (``ValueRecord``), in container
+            order; None where the record predates them (or was inferred from Orbax), so
+            a ``like``'s values cannot be checked against it.
     """
 
     kind: str
@@ -249,6 +381,7 @@ class Record:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "modelshard"
+    values: list[ValueRecord] | None = None
     pending: Callable[[], list[str]] | None = dataclasses.field(default=None, repr=False)
 
     def resolve(self) -> None:
@@ -306,6 +439,7 @@ class Record:
             "checksum": CHECKSUM,
             "metadata": self.metadata,
             "leaves": [leaf.to_json() for leaf in self.leaves],
+            **({} if self.values is None else {"values": [v.to_json() for v in self.values]}),
         }
 
     def dumps(self) -> str:
@@ -327,12 +461,15 @@ class Record:
             raise CheckpointError(f"{where}: unknown checksum algorithm {d.get('checksum')!r}.")
         try:
             leaves = [LeafRecord.from_json(x) for x in d["leaves"]]
+            raw_values = d.get("values")
+            values = None if raw_values is None else [ValueRecord.from_json(x) for x in raw_values]
             record = cls(
                 kind=str(d["kind"]),
                 leaves=leaves,
                 mesh=d.get("mesh"),
                 versions=dict(d.get("versions") or {}),
                 metadata=dict(d.get("metadata") or {}),
+                values=values,
             )
             axes = record.mesh_sizes()
             if axes is not None and not all(
@@ -357,6 +494,15 @@ class Record:
                 f"{where}: the record's leaves do not name distinct stored arrays:\n"
                 + "\n".join(clashes)
             )
+        for value in record.values or ():
+            if value.key != storage_key(value.path):
+                raise CheckpointError(
+                    f"{where}: value {value.path or '<root>'!r} of the record is invalid: its "
+                    f"key {list(value.key)} is not the one its path gives, "
+                    f"{list(storage_key(value.path))}."
+                )
+        # arrays and values together form the tree a restore without like returns
+        nest([(x.key, None) for x in (*record.leaves, *(record.values or ()))], where)
         return record
 
 

@@ -209,6 +209,7 @@ def rewrite(
         source=str(source.path),
         progress=progress,
         compression=compression,
+        values=record.values,  # the Python values (an epoch, a name) go with the arrays
     )
     if is_remote(out_path):
         write_remote(out_path, stream, overwrite=overwrite)

@@ -59,7 +59,7 @@ from .host_sums import np_box_sums
 from .leaks import stop_leaks
 from .ocdbt import context, merge, sharding_json, write_spec
 from .read import read_failure, unreadable
-from .record import Record, mesh_json, parse_dtype, versions
+from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
 from .slabs import (
     Layout,
     StreamLeaf,
@@ -434,6 +434,7 @@ class Stream:
         source: str = "",
         progress: Callable[[int, int], None] | None = None,
         compression: str | None = None,
+        values: Sequence[ValueRecord] | None = (),
     ) -> None:
         self.compress = check_compression(compression)
         whole = 4 * slab_bytes if whole_bytes is None else whole_bytes
@@ -441,13 +442,19 @@ class Stream:
         if not self.layouts:
             raise CheckpointError("nothing to write: the stream has no leaves.")
         check_names([(lay.rec.path, lay.rec.key) for lay in self.layouts], "cannot write")
-        nest([(lay.rec.key, 0) for lay in self.layouts], "cannot write")
+        # the arrays and the record's Python values (None: a source that predates them)
+        kept = None if values is None else list(values)
+        nest(
+            [(lay.rec.key, 0) for lay in self.layouts] + [(v.key, 0) for v in kept or ()],
+            "cannot write",
+        )
         self.record = Record(
             kind=kind,
             leaves=[lay.rec for lay in self.layouts],
             mesh=mesh_json(mesh),
             versions=versions(),
             metadata=dict(metadata or {}),
+            values=kept,
         )
         self.source = source
         self.progress = progress

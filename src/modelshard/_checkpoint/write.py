@@ -54,6 +54,7 @@ from .storage import (
     storage_key,
 )
 from .urls import is_remote, location
+from .values import saved_values
 
 
 def _is_key(x: Any) -> bool:
@@ -156,13 +157,16 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
     """Split ``state`` into the nested dict Orbax stores and the record beside it.
 
     Everything that can refuse the state is checked here, before the caller writes a
-    byte: the leaves themselves, their storage names and the metadata.
+    byte: the leaves themselves, their storage names and the metadata. Leaves that are
+    Python values go into the record (``values.saved_values``); any other object that is
+    not code is refused.
     """
     flat = split(state)
     infos, arrays = flat.infos, flat.arrays
     if not arrays:
         raise CheckpointError(f"nothing to save: the {type(state).__name__} has no array leaves.")
     check_leaves([info.path for info in infos], arrays)
+    values = saved_values(flat)
     check_names([(info.path, storage_key(info.path)) for info in infos], "cannot save")
     user_metadata = check_metadata(metadata)
     mesh = None
@@ -207,7 +211,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
     items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
-    nest(items, "save")  # canonical paths must form a tree, zero-size leaves included
+    # canonical paths must form a tree, zero-size leaves and values included
+    nest(items + [(v.key, v.value) for v in values], "save")
     # Orbax refuses zero-size arrays: the record's shape and dtype say all there is.
     tree = nest([(k, x) for k, x in items if x.size], "save")
     if not tree:
@@ -220,6 +225,7 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         mesh=None if mesh is None else mesh_json(mesh),
         versions=versions(),
         metadata=user_metadata,
+        values=values,
         pending=pending,
     )
     return tree, record
@@ -510,7 +516,10 @@ def save(
             ``gs://`` or ``s3://`` URL (written in place and committed by Orbax's commit file).
         state: any registered container (pytree, optax state, NNX module or state, linen
             variables, Equinox module, TrainState...). Typed PRNG keys, bfloat16 and NumPy
-            leaves are fine; abstract leaves are not.
+            leaves are fine; abstract leaves are not. Leaves that are Python values
+            (``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``None``) are
+            stored in the record and restored with their types; functions among the leaves
+            are code, not saved (``restore`` takes them from ``like``).
         overwrite: replace an existing checkpoint at ``directory``.
         metadata: JSON-serialisable user metadata stored in the record.
         compression: None (default) stores each chunk's raw bytes; ``"zstd"`` compresses
@@ -523,8 +532,9 @@ def save(
         The absolute path of the checkpoint.
 
     Raises:
-        CheckpointError: ``directory`` exists (without ``overwrite``), a leaf is abstract,
-            two leaves share a canonical path, or ``compression`` is not None or ``"zstd"``.
+        CheckpointError: ``directory`` exists (without ``overwrite``), a leaf is abstract
+            or an object that is neither an array, a Python value nor code, two leaves
+            share a canonical path, or ``compression`` is not None or ``"zstd"``.
 
     Example:
         >>> import tempfile, jax.numpy as jnp

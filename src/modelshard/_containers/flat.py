@@ -6,7 +6,7 @@ Containers nest: those among the leaves are split by their own adapters (``neste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from .._base import AdapterError
@@ -83,14 +83,39 @@ class Flat:
             node = kids[c]
         return list(children_of(node))
 
-    def rebuild(self, arrays: Sequence[Any], *, mirror: bool = False) -> Any:
+    def statics(self) -> list[tuple[int, str, Any]]:
+        """``(position in leaves, path, value)`` of every leaf that is not an array
+        (Python numbers and strings, functions, other objects), in order."""
+        at = set(self.array_index)
+        if len(at) == len(self.leaves):
+            return []
+        if self.adapter.follows_pytree:
+            described = describe_cached(self.obj, self.aux)
+        else:
+            described = self.adapter.describe(self.obj)
+        return [
+            (i, info.path, x)
+            for i, (info, x) in enumerate(zip(described, self.leaves, strict=True))
+            if i not in at
+        ]
+
+    def rebuild(
+        self,
+        arrays: Sequence[Any],
+        *,
+        mirror: bool = False,
+        statics: Mapping[int, Any] | None = None,
+    ) -> Any:
         """The same container with its array leaves replaced by ``arrays``.
 
         With ``mirror=True`` the container comes back in the form its adapter uses for
         trees of shardings or plans (``Adapter.mirror``: an NNX module's
-        ``nnx.State``); otherwise it is rebuilt as itself.
+        ``nnx.State``); otherwise it is rebuilt as itself. ``statics`` replaces other
+        leaves by position (``statics()`` gives them).
         """
         leaves = self._with(arrays)
+        for i, v in (statics or {}).items():
+            leaves[i] = v
         if mirror:
             return self.adapter.mirror(self.aux, leaves)
         return self.adapter.unflatten(self.aux, leaves)

@@ -1,0 +1,120 @@
+"""Leaves that are not arrays: what a checkpoint holds of them, and putting them back.
+
+A state's Python values (``record.VALUE_TYPES``: an epoch counter, a run name, an
+Equinox ``Dropout``'s rate, an NNX ``Variable`` holding an int) are stored in the record
+itself, each with its type. Functions among the leaves (an Equinox ``MLP``'s activation)
+are code, not state: never stored, they come from ``like`` on restore. Any other object is
+refused by ``save`` before a byte is written, rather than dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._base import CheckpointError
+from .._containers import Flat
+from .record import VALUE_TYPES, Record, ValueRecord, value_text
+from .storage import MAX_METADATA_BYTES, storage_key
+
+MAX_VALUES_BYTES = MAX_METADATA_BYTES // 4
+"""The most bytes of JSON a save's values may take in its record (its metadata gets half
+of ``MAX_METADATA_BYTES``): a record larger than the limit would never be read back."""
+
+Diff = list[tuple[str, str, str]]  # (what, path, detail), as read.py's diffs
+
+_NAMES = ", ".join(t.__name__ for t in VALUE_TYPES if t is not type(None)) + " and None"
+
+
+def is_code(x: Any) -> bool:
+    """Whether the leaf ``x`` is code (a function, a class, a callable object): not
+    saved, taken from ``like`` on restore."""
+    return type(x) not in VALUE_TYPES and callable(x)
+
+
+def _why_not(x: Any) -> str:
+    t = type(x)
+    name = f"a {t.__module__}.{t.__qualname__}"
+    for base in VALUE_TYPES:
+        if isinstance(x, base) and base is not type(None):
+            return f"{name}, a subclass of {base.__name__} (convert it: {base.__name__}(x))"
+    return name
+
+
+def saved_values(flat: Flat) -> list[ValueRecord]:
+    """The values of ``flat`` the record stores, in container order; CheckpointError
+    naming every leaf that is neither an array, a value nor code."""
+    values, refused = [], []
+    for _, path, x in flat.statics():
+        tag = VALUE_TYPES.get(type(x))
+        if tag is not None:
+            values.append(ValueRecord(path, storage_key(path), tag, x))
+        elif not is_code(x):
+            refused.append(f"  {path or '<root>'}: {_why_not(x)}")
+    if refused:
+        n = len(refused)
+        raise CheckpointError(
+            f"cannot save {n} lea{'ves' if n != 1 else 'f'} (nothing was written): a "
+            f"checkpoint holds arrays and the values {_NAMES}, and "
+            f"{'these are' if n != 1 else 'this is'} neither:\n"
+            + "\n".join(refused)
+            + "\nhint: make each an array or one of those values; or, if it is part of the "
+            "model's definition, a static field (eqx.field(static=True), "
+            "flax.struct.field(pytree_node=False), an NNX attribute that is not a Variable), "
+            "which is not saved and comes from like= on restore."
+        )
+    size = len(json.dumps([v.to_json() for v in values]))
+    if size > MAX_VALUES_BYTES:
+        largest = sorted(values, key=lambda v: -len(json.dumps(v.to_json())))[:3]
+        raise CheckpointError(
+            f"cannot save: the state's Python values take {size} bytes of JSON in the record, "
+            f"more than {MAX_VALUES_BYTES}; the largest: "
+            + ", ".join(f"{v.path or '<root>'} ({v.type})" for v in largest)
+            + ". Store large data as arrays (np.frombuffer for bytes)."
+        )
+    return values
+
+
+def restored_values(flat: Flat, record: Record) -> tuple[dict[int, Any], Diff, Diff, Diff]:
+    """What a restore into ``flat`` (the ``like``) takes from the record's values:
+    ``(position -> value, missing, extra, changed)``.
+
+    Each value of ``like`` is replaced by the checkpoint's, of the same type (another
+    type is ``changed``; one the checkpoint lacks is ``missing``, one ``like`` lacks
+    ``extra``). Code in ``like`` is kept. A record without values (written before they
+    were recorded, or inferred from plain Orbax) leaves ``like``'s values as they are.
+    """
+    if record.values is None:
+        return {}, [], [], []
+    saved = {v.path: v for v in record.values}
+    out: dict[int, Any] = {}
+    missing: Diff = []
+    changed: Diff = []
+    seen = set()
+    for i, path, x in flat.statics():
+        if is_code(x):
+            continue
+        here = VALUE_TYPES.get(type(x)) or type(x).__name__
+        v = saved.get(path)
+        if v is None:
+            missing.append(("missing", path, f"{here} (in the target, not in the checkpoint)"))
+            continue
+        seen.add(path)
+        if v.type != here:
+            changed.append(
+                ("changed", path, f"checkpoint {v.type} {value_text(v.value)} -> target {here}")
+            )
+            continue
+        out[i] = v.value
+    extra: Diff = [
+        ("extra", p, f"{v.type} {value_text(v.value)} (in the checkpoint, not in the target)")
+        for p, v in saved.items()
+        if p not in seen
+    ]
+    return out, missing, extra, changed
+
+
+def values_tree(record: Record) -> list[tuple[tuple[str, ...], Any]]:
+    """``(storage key, value)`` of every value of the record, for the nested dicts a
+    restore without ``like`` returns."""
+    return [(v.key, v.value) for v in record.values or ()]
