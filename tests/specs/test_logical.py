@@ -417,9 +417,8 @@ def test_sharded_initialisation_never_whole_on_one_device(mesh24):
     named = ms.Rules([], strict=False)
     by_path = ms.Rules([(r"weight$", P("mlp", "embed")), (r".*", P())])
     x = jnp.zeros((2, 16))
-    # modelshard's context only (flax=False: Flax's would make linen constrain with
-    # with_sharding_constraint, which Explicit meshes refuse; NNX's eager sharding, which
-    # reads Flax's context, is off here).
+    # modelshard's context only (flax=False: out_specs alone places every leaf; NNX's eager
+    # sharding, which reads Flax's context, is off here).
     with (
         jax.set_mesh(mesh24),
         ms.logical_rules(rules, flax=False),
@@ -501,3 +500,192 @@ def test_a_misspelt_mesh_axis_is_refused_by_shard_jit_before_flax_sees_it(mesh24
     with ms.logical_rules({"batch": "data", "mlp": "modle"}), pytest.raises(ms.SpecError) as e:
         init(jnp.ones((8, 16)))
     assert str(e.value).splitlines() == MISSPELT_AXIS
+
+
+# ---- Flax's own constraint paths under ms.logical_rules (issue 44) ----------------------
+# Each path run under ms.logical_rules inside shard_jit against Flax's own rules mechanism:
+# nn.logical_axis_rules with jax.jit where Flax's own path runs, nn.logical_to_mesh_sharding
+# / nnx.get_partition_spec (the specs Flax's rules give each leaf) where it does not.
+
+FLAX_RULES = [("batch", "data"), ("embed", None), ("heads", "model"), ("kv", None)]
+FLAX_RULES += [("mlp", "model")]
+LECUN = nn.initializers.lecun_normal()
+UNPLACED = ms.Rules([], strict=False)  # each leaf by its own logical names
+
+
+def same_placement(got, want, mesh) -> None:
+    """Every leaf of ``got`` on ``mesh`` as ``want`` (a tree of arrays or specs) places it."""
+    for (path, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        w = w.sharding if hasattr(w, "sharding") else jax.sharding.NamedSharding(mesh, w)
+        assert g.sharding.is_equivalent_to(w, g.ndim), (jax.tree_util.keystr(path), g.sharding)
+
+
+def flax_spec_tree(boxed_tree, mesh):
+    """The spec of every leaf as Flax's own rules give it (nn.logical_to_mesh_sharding)."""
+    got = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_tree), mesh, FLAX_RULES)
+    return jax.tree.map(lambda s: s.spec, nn.unbox(got))
+
+
+class Heads(nn.Module):
+    """An attention projection: linen's DenseGeneral creates its kernel (and bias) flat, boxed
+    with the three (two) names of the final shape, unboxes that box, then reshapes it."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning(LECUN, ("embed", "heads", "kv"))
+        bias = nn.with_logical_partitioning(nn.initializers.ones_init(), ("heads", "kv"))
+        return nn.DenseGeneral((4, 2), kernel_init=kernel, bias_init=bias)(x)
+
+
+class FullRank(nn.Module):
+    """Heads' params created at their full rank: what Flax's own path runs under a mesh
+    (Flax constrains DenseGeneral's flat kernel by three names there and fails, flax#3676,
+    in init and in apply, whose shape check calls the initializer)."""
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = nn.with_logical_partitioning(LECUN, ("embed", "heads", "kv"))
+        bias = nn.with_logical_partitioning(nn.initializers.ones_init(), ("heads", "kv"))
+        w = self.param("kernel", kernel, (16, 4, 2))
+        b = self.param("bias", bias, (4, 2))
+        return jnp.einsum("bi,ihk->bhk", x, w) + jnp.asarray(b)
+
+
+class FullRankHeads(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return FullRank(name="DenseGeneral_0")(x)  # Heads' variable tree
+
+
+def test_linen_boxed_params_created_flat_then_reshaped_unbox_as_flax(mesh24):
+    """LogicallyPartitioned.unbox under ms.logical_rules, init and apply: DenseGeneral's flat
+    kernel and bias are left unconstrained (Flax's own unbox leaves every box so without a
+    mesh, and fails on these with one); every param is constrained at full rank as Flax's
+    rules place it, where Flax's own context places the same params created at full rank."""
+    x = jnp.arange(128.0).reshape(8, 16)
+    key = jax.random.key(0)
+    with nn.logical_axis_rules(FLAX_RULES):  # Flax's own, where its path runs: no mesh
+        flax_init = jax.jit(lambda x: Heads().init(key, x))(x)
+    with ms.logical_rules(FLAX_RULES):
+        init = ms.shard_jit(lambda x: nn.unbox(Heads().init(key, x)), in_specs=(P("batch"),))
+        boxed = ms.shard_jit(lambda x: Heads().init(key, x), in_specs=(P("batch"),))
+        apply = ms.shard_jit(lambda v, x: Heads().apply(v, x), in_specs=(UNPLACED, P("batch")))
+        with jax.set_mesh(mesh24):
+            params = init(x)  # unboxed by Flax inside the step: its constraints kept
+            variables = boxed(x)
+            y = apply(variables, x)
+    want = flax_spec_tree(flax_init, mesh24)
+    assert want["params"]["DenseGeneral_0"] == {
+        "kernel": P(None, "model", None),
+        "bias": P("model", None),
+    }
+    same_placement(params, want, mesh24)
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(nn.unbox(flax_init)), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    with jax.set_mesh(mesh24), nn.logical_axis_rules(FLAX_RULES):
+        if mesh24.axis_types[0] == jax.sharding.AxisType.Auto:  # Explicit: Flax's asserts
+            flax_params = jax.jit(lambda x: nn.unbox(FullRankHeads().init(key, x)))(x)
+            same_placement(params, flax_params, mesh24)
+        placed = ms.shard(variables, UNPLACED, mesh24)
+        y_flax = jax.jit(lambda v, x: FullRankHeads().apply(v, x))(
+            placed, ms.shard(x, P("data"), mesh24)
+        )
+    assert y.sharding.is_equivalent_to(y_flax.sharding, 3)
+    assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh24, P("data", "model")), 3)
+    np.testing.assert_allclose(y, y_flax, rtol=1e-4)
+
+
+class ConstrainedMLP(nn.Module):
+    """nn.with_logical_constraint on an activation inside __call__ (returned, to be seen)."""
+
+    @nn.compact
+    def __call__(self, x):
+        up = nn.with_logical_partitioning(LECUN, ("embed", "mlp"))
+        h = nn.Dense(32, use_bias=False, kernel_init=up)(x)
+        h = nn.with_logical_constraint(h, ("batch", "mlp"))
+        return h, nn.with_logical_constraint(h.sum(-1), ("batch",))
+
+
+def test_linen_with_logical_constraint_in_call_as_flax(mesh24):
+    """nn.with_logical_constraint inside __call__, init and apply, as Flax's own context
+    places it (on Explicit meshes too: there it reshards where Flax's would assert)."""
+    x = jnp.arange(128.0).reshape(8, 16)
+    key = jax.random.key(0)
+    with ms.logical_rules(FLAX_RULES), jax.set_mesh(mesh24):
+        init = ms.shard_jit(
+            lambda x: ConstrainedMLP().init_with_output(key, x), in_specs=(P("batch"),)
+        )
+        (h, s), variables = init(x)
+        apply = ms.shard_jit(
+            lambda v, x: ConstrainedMLP().apply(v, x), in_specs=(UNPLACED, P(None))
+        )
+        h2, s2 = apply(variables, x)  # x replicated: the constraint moves h
+    want = nn.logical_to_mesh_sharding(P("batch", "mlp"), mesh24, FLAX_RULES)
+    for got in (h, h2):
+        assert got.sharding.is_equivalent_to(want, 2)
+    for got in (s, s2):
+        assert got.sharding.spec in (P("data"), P("data", None))
+    with jax.set_mesh(mesh24), nn.logical_axis_rules(FLAX_RULES):
+        if mesh24.axis_types[0] == jax.sharding.AxisType.Auto:  # Explicit: Flax's asserts
+            (h_init, _), _ = jax.jit(lambda x: ConstrainedMLP().init_with_output(key, x))(x)
+            assert h.sharding.is_equivalent_to(h_init.sharding, 2)
+        placed = ms.shard(variables, UNPLACED, mesh24)
+        h_flax, _ = jax.jit(lambda v, x: ConstrainedMLP().apply(v, x))(
+            placed, ms.shard(x, P("data"), mesh24)
+        )
+    assert h2.sharding.is_equivalent_to(h_flax.sharding, 2)
+    np.testing.assert_allclose(h2, h_flax, rtol=1e-4)
+
+
+class NNXHeads(nnx.Module):
+    """NNX's flat-then-reshaped kernel (LinearGeneral, multi-dim features), an Einsum, and a
+    Variable's own sharding_rules ('h' is mesh axis 'model' for this Variable only)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.proj = nnx.LinearGeneral(
+            16,
+            (4, 2),
+            kernel_init=nnx.with_partitioning(LECUN, ("embed", "heads", "kv")),
+            bias_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("heads", "kv")),
+            rngs=rngs,
+        )
+        self.out = nnx.Einsum(
+            "bhk,hkd->bhd",
+            (4, 2, 16),
+            kernel_init=nnx.with_partitioning(
+                LECUN, ("h", "kv", "embed"), sharding_rules=(("h", "model"),)
+            ),
+            rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return self.out(self.proj(x))
+
+
+def test_nnx_metadata_under_the_context_as_flax(mesh24):
+    """NNX's eager sharding and nnx.get_partition_spec, init and apply, under ms.logical_rules
+    inside shard_jit: every Param and the output placed as under Flax's own context."""
+    x = jnp.arange(128.0).reshape(8, 16)
+    with jax.set_mesh(mesh24), nn.logical_axis_rules(FLAX_RULES):
+        flax_model = nnx.jit(lambda: NNXHeads(nnx.Rngs(0)))()
+        flax_specs = nnx.get_partition_spec(nnx.state(flax_model, nnx.Param))
+        y_flax = nnx.jit(lambda m, x: m(x))(flax_model, ms.shard(x, P("data"), mesh24))
+    with ms.logical_rules(FLAX_RULES), jax.set_mesh(mesh24):
+        model = ms.shard_jit(lambda: NNXHeads(nnx.Rngs(0)), in_specs=())()
+        y = ms.shard_jit(lambda m, x: m(x), in_specs=(UNPLACED, P("batch")))(model, x)
+        assert nnx.get_partition_spec(nnx.state(model, nnx.Param)) == flax_specs
+    state = nnx.state(model, nnx.Param)
+    same_placement(jax.tree.leaves(state), jax.tree.leaves(flax_specs), mesh24)
+    same_placement(
+        jax.tree.leaves(state), jax.tree.leaves(nnx.state(flax_model, nnx.Param)), mesh24
+    )
+    assert model.proj.kernel.get_value().sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh24, P(None, "model")), 3
+    )
+    assert model.out.kernel.get_value().sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh24, P("model")), 3
+    )
+    assert y.sharding.is_equivalent_to(y_flax.sharding, 3)
+    np.testing.assert_allclose(y, y_flax, rtol=1e-4)

@@ -24,6 +24,7 @@ from .files import fsync_dir as fsync_dir
 from .files import sync_tree as sync_tree
 from .files import write_text_durable as write_text_durable
 from .folding import fold as fold
+from .mesh import constrain_array as constrain_array
 from .mesh import current_mesh as current_mesh
 from .mesh import is_abstract as is_abstract
 from .mesh import make_mesh as make_mesh

@@ -1,6 +1,6 @@
 """Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default), the
-active mesh (``current_mesh``) and what every module reads of a mesh (``mesh_sizes``,
-``is_abstract``)."""
+active mesh (``current_mesh``), what every module reads of a mesh (``mesh_sizes``,
+``is_abstract``) and one array constrained on a mesh of any axis types (``constrain_array``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .errors import MeshError
 
@@ -150,3 +150,40 @@ def current_mesh(concrete: bool = False) -> Any:
             "`with jax.set_mesh(mesh):` (shard_jit sets it while tracing)."
         )
     return mesh
+
+
+def constrain_array(x: Any, sharding: NamedSharding | PartitionSpec, mesh: Any) -> Any:
+    """``x`` constrained to ``sharding`` (a ``NamedSharding``, or a spec on the context's
+    mesh) whatever ``mesh``'s axis types: ``reshard`` where an Explicit axis is involved (the
+    spec names one, or ``x`` is already sharded over one), since ``with_sharding_constraint``
+    only asserts there; ``with_sharding_constraint`` otherwise."""
+    explicit = {
+        name
+        for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    }
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
+    if explicit and (_axes(spec) & explicit or _sharded_over(x, explicit)):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _axes(spec: Any) -> set[str]:
+    """The mesh axes a ``PartitionSpec`` names (``None`` and ``UNCONSTRAINED`` name none)."""
+    out: set[str] = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            out.add(entry)
+        elif isinstance(entry, tuple):
+            out.update(a for a in entry if isinstance(a, str))
+    return out
+
+
+def _sharded_over(x: Any, axes: set[str]) -> bool:
+    """Whether ``x``'s type says it is sharded over one of ``axes`` (then only ``reshard``
+    may move it)."""
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:
+        return False
+    return bool(_axes(spec) & axes)

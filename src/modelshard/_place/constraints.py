@@ -15,12 +15,13 @@ from typing import Any
 
 import jax
 from jax.core import Tracer
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import (
     MeshError,
     SpecError,
     close_match,
+    constrain_array,
     current_mesh,
     dtype_name,
     format_spec,
@@ -361,31 +362,11 @@ def _record(
 def constrain_leaves(arrays: Sequence[Any], specs: Sequence[Any], mesh: Any) -> list[Any]:
     """Each array constrained to its spec: ``with_sharding_constraint`` on Auto axes,
     ``jax.sharding.reshard`` where an Explicit axis is involved (which refuses the former)."""
-    explicit = {
-        name
-        for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-    }
-    out = []
-    for x, spec in zip(arrays, specs, strict=True):
-        s = NamedSharding(mesh, spec)
-        if (explicit and _names(spec) & explicit) or _explicit_typed(x, explicit):
-            out.append(jax.sharding.reshard(x, s))
-        else:
-            out.append(jax.lax.with_sharding_constraint(x, s))
-    return out
+    return [
+        constrain_array(x, NamedSharding(mesh, spec), mesh)
+        for x, spec in zip(arrays, specs, strict=True)
+    ]
 
 
 def _names(spec: Any) -> set[str]:
     return {a for e in spec if is_axes_entry(e) for a in entry_axes(e)}
-
-
-def _explicit_typed(x: Any, explicit: set[str]) -> bool:
-    """Whether ``x`` is currently sharded over an Explicit axis (so only reshard may move it)."""
-    if not explicit:
-        return False
-    try:
-        spec = jax.typeof(x).sharding.spec
-    except Exception:
-        return False
-    return bool(_names(spec) & explicit)

@@ -28,12 +28,14 @@ import dataclasses
 import functools
 import importlib.util
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import Problem, SpecError, close_match, format_mesh, toml_entry
+from .._base import Problem, SpecError, close_match, constrain_array, format_mesh, toml_entry
 
 Target: TypeAlias = tuple[str, ...]  # the mesh axes one logical name maps to; () replicates
 LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] | Rules | None
@@ -396,10 +398,12 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
     Flax: with ``flax=True`` (default) the layered rules are also Flax's
     ``nn.logical_axis_rules`` context inside the block, so Flax's own logical API sees
     them too: linen's ``nn.with_logical_constraint`` and ``LogicallyPartitioned``
-    unboxing, ``nnx.get_partition_spec`` and NNX's eager sharding. Flax constrains with
-    ``jax.lax.with_sharding_constraint``, which an all-Explicit mesh turns into an
-    assertion; on such meshes use ``constrain`` in model code (it reshards there) and pass
-    ``flax=False`` when Flax code should not constrain.
+    unboxing, ``nnx.get_partition_spec`` and NNX's eager sharding. Inside the block linen
+    applies its constraints as ``constrain`` does (it reshards where an Explicit axis is
+    involved, where Flax's ``with_sharding_constraint`` only asserts), and leaves a
+    parameter box whose value has fewer dimensions than its names unconstrained
+    (``DenseGeneral`` makes its kernel flat, then reshapes it; the reshaped parameter is
+    constrained when the module reads it). ``flax=False`` keeps Flax's code unconstrained.
 
     Tracing: the rules in force are part of ``jax.jit``'s cache key, as the mesh is, so a
     function jitted once and called under other rules (or none) is traced again and its
@@ -608,8 +612,79 @@ def _flax_bridge(rules: LogicalRules | None, on: bool) -> Iterator[None]:
     if spmd is None:
         yield
         return
-    with spmd.logical_axis_rules(() if rules is None else rules.flax_rules):
-        yield
+    _hook_linen()
+    token = _BRIDGED.set(True)
+    try:
+        with spmd.logical_axis_rules(() if rules is None else rules.flax_rules):
+            yield
+    finally:
+        _BRIDGED.reset(token)
+
+
+# Where Flax's context holds modelshard's rules, linen applies its logical constraints as
+# ``constrain`` does; elsewhere linen's functions run exactly as Flax wrote them.
+_BRIDGED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "modelshard_flax_bridged", default=False
+)
+_linen_hooked = False
+_linen_hooking = threading.Lock()
+
+
+def _hook_linen() -> None:
+    """Wrap linen's two constraint points, once (both defer to Flax's own code outside a
+    bridged context):
+
+    - ``LogicallyPartitioned.unbox`` leaves a box whose value has fewer dimensions than its
+      names unconstrained: an initializer wrapper made it flat and reshapes it
+      (``DenseGeneral``'s kernel and bias), and Flax constrains the reshaped box at full
+      rank when the module reads the param. Flax's own unbox constrains nothing without a
+      mesh, and with one constrains the flat value by the full-rank names and fails
+      (flax#3676); ``shard_jit`` always traces under its mesh.
+    - the constraint itself (``nn.with_logical_constraint``, every unbox) reshards where
+      an Explicit axis is involved, where ``with_sharding_constraint`` only asserts (as
+      NNX's eager sharding does on Explicit meshes).
+    """
+    global _linen_hooked
+    with _linen_hooking:
+        if not _linen_hooked:
+            _wrap_linen()
+            _linen_hooked = True
+
+
+def _wrap_linen() -> None:
+    """The two wrappers ``_hook_linen`` describes, installed on Flax."""
+    import flax.linen.spmd as linen_spmd
+
+    box = linen_spmd.LogicallyPartitioned
+    unbox = box.unbox
+
+    @functools.wraps(unbox)
+    def bridged_unbox(self: Any, apply_constraint: bool = True) -> Any:
+        if apply_constraint and _BRIDGED.get():
+            ndim = getattr(self.value, "ndim", None)
+            if ndim is not None and ndim < len(self.names):
+                return self.value
+        return unbox(self, apply_constraint)
+
+    box.unbox = bridged_unbox
+    constraint = getattr(linen_spmd, "_with_sharding_constraint", None)
+    if constraint is None:  # a Flax without this function: its constraints stay its own
+        return
+
+    @functools.wraps(constraint)
+    def bridged_constraint(x: Any, axis_resources: Any, mesh: Any = None) -> Any:
+        target = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if (
+            not _BRIDGED.get()
+            or target.empty  # no mesh: Flax's own does nothing
+            or axis_resources is None
+            or any(e is PartitionSpec.UNCONSTRAINED for e in axis_resources)
+        ):
+            return constraint(x, axis_resources, mesh)
+        sharding = axis_resources if mesh is None else NamedSharding(mesh, axis_resources)
+        return constrain_array(x, sharding, target)
+
+    linen_spmd._with_sharding_constraint = bridged_constraint
 
 
 def _flax_spmd() -> Any:
