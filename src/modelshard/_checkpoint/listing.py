@@ -216,7 +216,10 @@ def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]
             m = _NUMBERED.fullmatch(c.name)
             if m is None or (not m.group(2) and int(m.group(1)) in skip):
                 continue
-            names = sorted(n.name for n in c.iterdir()) if _plain_dir(c) else []
+            plain = _plain_dir(c)
+            if plain and is_marked(c):
+                continue  # committed by the manager: one read tells
+            names = sorted(n.name for n in c.iterdir()) if plain else []
             owner = entry_owner(c, names)
             if owner in (ORBAX, OTHER):
                 done = owner == ORBAX and orbax_complete(c, names)

@@ -192,6 +192,10 @@ class CheckpointManager:
             CheckpointError: an option is out of range (``save_interval_steps``,
                 ``compression``, the keep rules), or the local ``directory`` cannot be
                 created.
+
+        Warns:
+            ForeignStepsWarning: the root holds steps another tool wrote (Orbax's own
+                manager's): named, on process 0, once.
         """
         if (
             isinstance(save_interval_steps, bool)
@@ -296,8 +300,8 @@ class CheckpointManager:
         if not self._primary():
             return
         try:
-            steps = complete_steps(self.directory)
-            others = foreign_steps(self.directory, steps)
+            others = foreign_steps(self.directory)
+            steps = complete_steps(self.directory) if others else []
         except CheckpointError:
             return  # unreachable storage: the first listing or save says so
         if others:
@@ -624,6 +628,9 @@ class CheckpointManager:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
         self._become_writer()
+        if self._closed:
+            self._release_lock()
+            raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
         self.wait_until_finished()  # a pending save of that step finishes first
         error = None
         if self._primary():

@@ -2,7 +2,9 @@
 
 Keeping is a union: a step stays if any rule keeps it (the latest ``N``, every ``K``-th,
 the best ``N`` by a metric, a step the user named). The newest complete step is always
-kept, so rotation never deletes the only checkpoint there is. Saving is arithmetic on the
+kept, so rotation never deletes the only checkpoint there is. Rotation sees the manager's
+own complete steps only (``listing.complete_steps``): another tool's steps in the root are
+never among them, so never deleted. Saving is arithmetic on the
 step (``step % save_interval_steps == 0``), with no hidden first save; a stop request
 (preemption) makes any step a saving step.
 """
