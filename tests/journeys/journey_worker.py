@@ -319,6 +319,16 @@ def _save_restore(ctx: Ctx, layout: str, size: str) -> None:
     ms.save(path, state, overwrite=True)
     check(ms.restore(path, like=state), want, _saved_specs(layout, state))
     check(ms.restore(path), want)  # no like: as saved
+    # Python values beside the arrays: none dropped, with like or without, on every process
+    values = {"epoch": 7, "run": f"{layout}-{size}", "lr": 0.5, "done": False}
+    other = {"epoch": 0, "run": "", "lr": 0.0, "done": True}
+    path = ctx.files / f"save-values-{layout}-{size}"
+    ms.save(path, {**state, **values}, overwrite=True)
+    for got in (ms.restore(path), ms.restore(path, like={**state, **other})):
+        assert {k: (type(got[k]), got[k]) for k in values} == {
+            k: (type(v), v) for k, v in values.items()
+        }, got
+        check({k: got[k] for k in want}, want)
 
 
 @cell("reshard")
