@@ -152,9 +152,9 @@ def test_array_reader_reads_boxes_of_a_stored_array_without_devices(tmp_path):
     ]
     sums = np.sum(each, axis=0)
     assert format_sums(int(sums[0]), int(sums[1])) == rec.checksum  # boxes add up to the leaf
-    (src / "d").rename(src / "gone")
+    (src / "d").rename(src / "gone")  # after locate, which names a file lost before it
     with pytest.raises(ms.CheckpointError) as e:
-        ArrayReader(locate(src), rec)(boxes[0])
+        ArrayReader(source, rec)(boxes[0])
     assert str(e.value).startswith(
         f"cannot read 1 leaf of {src} (damaged or incomplete checkpoint):\n  w: "
     )
@@ -308,13 +308,20 @@ def test_damaged_data_names_the_leaf(tmp_path):
     assert not (tmp_path / "dst").exists() and _hidden(tmp_path) == []
 
 
-def test_every_leaf_that_cannot_be_read_is_named_and_nothing_is_published(tmp_path):
+def test_every_leaf_that_cannot_be_read_is_named_and_nothing_is_published(tmp_path, monkeypatch):
     """A reshard goes on past a leaf it cannot read, so that its error names every such
     leaf, grouped by failure as a restore's is (no TensorStore spec), with what to do."""
     state = {f"w{i:02d}": jnp.full((4, 4), float(i)) for i in range(10)}
     src = ms.save(tmp_path / "src", state)
     (shared,) = sorted((src / "d").iterdir())  # OCDBT keeps every small array in one file
-    shared.unlink()
+    real = reshard_module.locate
+
+    def locate_then_lose(directory):  # lost once locate looked (it names a file lost before)
+        source = real(directory)
+        shared.unlink()
+        return source
+
+    monkeypatch.setattr(reshard_module, "locate", locate_then_lose)
     with pytest.raises(ms.CheckpointError) as e:
         reshard(src, tmp_path / "dst", mesh=ms.make_mesh({"data": 8}))
     lines = str(e.value).splitlines()

@@ -3,6 +3,7 @@ record, broken Orbax metadata."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import jax
@@ -141,3 +142,96 @@ def test_a_lost_ocdbt_manifest_is_named_before_any_read(tmp_path, capsys, layout
     assert str(e.value) == message
     assert main(["inspect", str(path)]) == 1
     assert capsys.readouterr().err == f"modelshard inspect: error: {message}\n"
+
+
+def _data_file(tree_dir, leaf_bytes):
+    """The data file of the one array stored out of line (values of up to 1,024 bytes live
+    in the index itself), found by its size: the array's bytes and the writing process's
+    own index after them."""
+    (f,) = [f for f in tree_dir.glob("ocdbt.process_*/d/*") if f.stat().st_size >= leaf_bytes]
+    return f
+
+
+@pytest.mark.parametrize("layout", ["save", "manager"])
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_lost_data_file_is_named_with_its_arrays_before_any_read(tmp_path, layout, damage):
+    """A data file the OCDBT index refers to, deleted or cut short, is named by ``locate``
+    (so by ``restore`` and ``modelshard inspect``, which exited 0) with the arrays it holds;
+    only the index is read, the data files are stat'ed."""
+    state = {"layers": [{"w": jnp.arange(4096.0)}], "b": jnp.ones(3)}  # w: 16 KiB, raw
+    if layout == "save":
+        path = ms.save(tmp_path / "c", state)
+        tree_dir = path
+    else:
+        with ms.CheckpointManager(tmp_path / "m", async_save=False) as mngr:
+            mngr.save(2, state)
+        path = tmp_path / "m" / "2"
+        tree_dir = path / "state"
+    f = _data_file(tree_dir, 16384)
+    if damage == "deleted":
+        f.unlink()
+        state_line = "missing"
+    else:
+        with open(f, "r+b") as fh:
+            fh.truncate(1000)
+        state_line = "cut short: 1000 bytes, the index needs 16384"
+    with pytest.raises(ms.CheckpointError) as e:
+        locate(path)
+    assert str(e.value).splitlines() == [
+        f"checkpoint {path} is damaged: 1 file of its OCDBT database is missing or cut short:",
+        f"  {f}: {state_line}; it holds the array layers/0/w",
+        "Restore a complete copy of the checkpoint.",
+    ]
+    with pytest.raises(ms.CheckpointError) as again:
+        ms.restore(path)
+    assert str(again.value) == str(e.value)
+
+
+def test_a_lost_index_node_and_a_file_of_many_arrays(tmp_path):
+    """A file holding part of the index itself (the B-tree node of the root's database) is
+    named as such; a file holding many arrays names the first six (in natural order) and
+    counts the rest."""
+    state = {f"w{i}": jnp.full((512,), float(i)) for i in range(24)}  # 2 KiB each: out of line
+    path = ms.save(tmp_path / "c", state)
+    (node,) = (path / "d").iterdir()
+    node.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        locate(path)
+    assert str(e.value).splitlines() == [
+        f"checkpoint {path} is damaged: 1 file of its OCDBT database is missing or cut short:",
+        f"  {node}: missing; it holds part of the index of its arrays",
+        "Restore a complete copy of the checkpoint.",
+    ]
+    shutil.rmtree(path)
+    path = ms.save(tmp_path / "c", state)
+    data = largest_data_file(path)  # the writes share out the arrays among a few files
+    held = data.stat().st_size // 2048
+    data.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        locate(path)
+    line = str(e.value).splitlines()[1]
+    m = re.fullmatch(
+        rf"  {re.escape(str(data))}: missing; it holds the arrays (.*) and (\d+) more", line
+    )
+    assert m is not None, line
+    names = m[1].split(", ")
+    assert len(names) == 6 and len(names) + int(m[2]) == held
+    assert names == sorted(names, key=lambda n: int(n[1:])) and set(names) <= set(state)
+
+
+def test_a_plain_orbax_checkpoint_with_a_lost_data_file(tmp_path):
+    import orbax.checkpoint as ocp
+
+    path = tmp_path / "plain"
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(path), {"a": {"b": jnp.arange(8192.0)}, "c": jnp.ones(2)})
+    (f,) = [f for f in path.glob("ocdbt.process_*/d/*") if f.stat().st_size >= 1024]
+    assert locate(path).record.source == "orbax"
+    f.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        locate(path)
+    assert str(e.value).splitlines() == [
+        f"checkpoint {path} is damaged: 1 file of its OCDBT database is missing or cut short:",
+        f"  {f}: missing; it holds the array a/b",
+        "Restore a complete copy of the checkpoint.",
+    ]

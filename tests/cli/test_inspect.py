@@ -7,6 +7,7 @@ import json
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
@@ -160,4 +161,52 @@ def test_inspect_lists_the_python_values(tmp_path, capsys):
         ("epoch", "int", 3),
         ("lr", "float", 0.1),
         ("name", "str", "run1"),
+    ]
+
+
+def _out_of_line(tree_dir, at_least):
+    """The one data file holding an array stored out of line (the index keeps values of up
+    to 1,024 bytes itself)."""
+    (f,) = [f for f in tree_dir.glob("ocdbt.process_*/d/*") if f.stat().st_size >= at_least]
+    return f
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_inspect_names_a_lost_data_file_and_its_arrays(tmp_path, capsys, damage):
+    """``inspect`` exited 0 on a checkpoint whose data file was deleted or cut short (only
+    the restore failed): it stats every file the OCDBT index refers to and names it."""
+    path = ms.save(tmp_path / "c", {"embed": jnp.arange(4096.0), "b": jnp.ones(3)})
+    f = _out_of_line(path, 16384)
+    if damage == "deleted":
+        f.unlink()
+        what = "missing"
+    else:
+        with open(f, "r+b") as fh:
+            fh.truncate(100)
+        what = "cut short: 100 bytes, the index needs 16384"
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"modelshard inspect: error: checkpoint {path} is damaged: 1 file of its OCDBT "
+        "database is missing or cut short:",
+        f"  {f}: {what}; it holds the array embed",
+        "Restore a complete copy of the checkpoint.",
+    ]
+    assert main(["inspect", str(path), "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "CheckpointError" and f"  {f}: {what}; " in error["message"]
+
+
+def test_inspect_names_a_lost_data_file_of_a_plain_orbax_checkpoint(tmp_path, capsys):
+    path = tmp_path / "plain"
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(path), {"a": {"b": jnp.arange(8192.0)}, "c": jnp.ones(2)})
+    f = _out_of_line(path, 1024)
+    f.unlink()
+    assert main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"modelshard inspect: error: checkpoint {path} is damaged: 1 file of its OCDBT "
+        "database is missing or cut short:",
+        f"  {f}: missing; it holds the array a/b",
+        "Restore a complete copy of the checkpoint.",
     ]

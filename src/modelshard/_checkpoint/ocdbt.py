@@ -17,17 +17,21 @@ for every stored dtype, both encodings, both axis types, one and two processes):
 - ``merge``: Orbax's finalize of an OCDBT save (``merge_ocdbt_per_process_files``), each
   process's database copied into the root's in one atomic transaction, after the same
   check (every array has its zarr metadata and chunks);
+- ``lost_files``: the files a database's index refers to that are missing or cut short
+  (the index's nodes read, each file stat'ed; no chunk read);
 
 Object storage and other formats still go through Orbax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote
 
 # Orbax's TensorStore resources (``tensorstore_utils.get_ts_context``): file reads and
 # writes in flight, and a cache of OCDBT's B-tree nodes.
@@ -193,3 +197,116 @@ def merge(tree_dir: str, names: Iterable[str]) -> None:
             f"metadata or chunks after the merge: {', '.join(missing)}"
         )
     txn.commit_async().result()
+
+
+# A place in a database's files, as TensorStore's ``ocdbt.dump`` names it
+# (``LabeledIndirectDataReference``): ``<kind>:<base path>:<relative path>:<offset>:<length>``,
+# both paths percent-encoded and relative to the database's directory.
+_FILE = re.compile(r"[^:]+:([^:]*):([^:]*)")
+
+
+@dataclasses.dataclass
+class LostFile:
+    """A file of an OCDBT database that its index refers to but that is missing or cut
+    short.
+
+    Attributes:
+        path: the file, absolute.
+        size: its size in bytes; None where it is missing.
+        needed: the end of the furthest byte range the index refers to in it.
+        names: the arrays (Orbax's names) with a chunk or metadata in it, sorted.
+        index: whether it holds nodes of the index itself (the arrays indexed under a
+            lost node are unknown).
+    """
+
+    path: str
+    size: int | None
+    needed: int
+    names: list[str]
+    index: bool
+
+
+def lost_files(tree_dir: str) -> list[LostFile]:
+    """The files of the OCDBT database in ``tree_dir`` that its latest version refers to
+    but that are missing or shorter than the byte ranges it refers to, in path order.
+
+    A look, not a verification: the manifest and the B-tree's nodes are read (values of up
+    to ``max_inline_value_bytes`` live in them), every other file is only stat'ed; a node
+    is read only where its file holds it whole. A manifest or node TensorStore cannot read
+    or decode is left to the reads, which name it (none is listed for it)."""
+    import tensorstore as ts
+
+    root = os.path.normpath(tree_dir)
+    kv = ts.KvStore.open({"driver": "file", "path": root + "/"}).result()
+    try:
+        versions = ts.ocdbt.dump(kv).result()["versions"]
+    except ValueError:
+        return []
+    top = versions[-1]["root"].get("location") if versions else None
+    sizes: dict[str, int | None] = {}  # by path
+    paths: dict[str, str | None] = {}  # a reference's "<kind>:<base>:<relative>" -> path
+    ends: dict[str, int] = {}  # by that head: the furthest byte referred to
+    keys: dict[str, list[bytes]] = {}  # by that head: the keys of values stored there
+    nodes: set[str] = set()  # heads of B-tree nodes
+
+    def size(head: str) -> int | None:
+        if head not in paths:
+            m = _FILE.fullmatch(head)
+            paths[head] = path = m and os.path.join(root, unquote(m[1]), unquote(m[2]))
+            if path is not None and path not in sizes:
+                try:
+                    sizes[path] = os.stat(path).st_size
+                except (FileNotFoundError, NotADirectoryError):
+                    sizes[path] = None
+        path = paths[head]
+        return sizes[path] if path is not None else None
+
+    def note(location: str) -> tuple[str, int]:
+        head, offset, length = location.rsplit(":", 2)
+        end = int(offset) + int(length)
+        if end > ends.get(head, 0):
+            ends[head] = end
+        return head, end
+
+    # the B-tree a level at a time, each level's nodes read together; a node's keys are
+    # relative to the prefixes above it
+    level = [(top, b"")] if top else []
+    while level:
+        reads = []
+        for location, prefix in level:
+            head, end = note(location)
+            nodes.add(head)
+            held = size(head)
+            if held is not None and held >= end:
+                reads.append((ts.ocdbt.dump(kv, location), prefix))
+        level = []
+        for read, prefix in reads:
+            try:
+                entries = read.result()["entries"]
+            except ValueError:
+                continue
+            for e in entries:
+                if "location" in e:
+                    level.append((e["location"], prefix + e.get("subtree_common_prefix", b"")))
+                elif "indirect_value" in e:
+                    head, _ = note(e["indirect_value"])
+                    keys.setdefault(head, []).append(prefix + e["key"])
+    lost: dict[str, LostFile] = {}
+    for head, end in ends.items():
+        held = size(head)
+        path = paths[head]
+        if path is None or (held is not None and held >= end):
+            continue
+        f = lost.setdefault(path, LostFile(path, held, 0, [], False))
+        f.needed = max(f.needed, end)
+        f.index = f.index or head in nodes
+        f.names.extend(_array_name(k) for k in keys.get(head, ()))
+    for f in lost.values():
+        f.names = sorted(set(f.names))
+    return sorted(lost.values(), key=lambda f: f.path)
+
+
+def _array_name(key: bytes) -> str:
+    """The array a key of the database belongs to (its zarr metadata or a chunk)."""
+    text = key.decode(errors="replace")
+    return _CHUNK.sub("", _ZARRAY.sub("", text))

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._base import CheckpointError, dtype_name, format_path, key_name
-from .ocdbt import OCDBT_MANIFEST, array_keys
+from .._base import CheckpointError, dtype_name, format_path, key_name, natural_key
+from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files
 from .record import LeafRecord, Record, dims
 from .storage import (
     COMMIT_FILE,
@@ -253,15 +253,51 @@ def _check_manifest(p: Path, tree_dir: Path, meta: Any) -> None:
     leaf. Metadata not of Orbax's shape is left to the reads, which name it."""
     try:
         ocdbt = bool(meta.get("use_ocdbt", True))
-        arrays = bool(array_keys(meta))
+        keys = array_keys(meta)
+        arrays = bool(keys)
     except (KeyError, TypeError, AttributeError):
         return
     manifest = tree_dir / OCDBT_MANIFEST
-    if ocdbt and arrays and not (manifest.exists() or manifest.is_symlink()):
+    if not (ocdbt and arrays):
+        return
+    if not (manifest.exists() or manifest.is_symlink()):
         raise CheckpointError(
             f"checkpoint {p} is damaged: its OCDBT manifest {manifest}, the file that indexes "
             "its arrays, is missing. Restore a complete copy of the checkpoint."
         )
+    lost = lost_files(str(tree_dir))
+    if lost:
+        raise CheckpointError(_lost_message(p, lost, {".".join(k): "/".join(k) for k in keys}))
+
+
+_NAMED = 6  # the arrays a lost file's line names; the rest are counted
+
+
+def _lost_message(p: Path, lost: list[LostFile], paths: dict[str, str]) -> str:
+    """One line per file the index refers to that is missing or cut short, with the arrays
+    stored in it (``paths``: Orbax's name of each array to its path)."""
+    n = len(lost)
+    lines = [
+        f"checkpoint {p} is damaged: {n} file{'s' if n != 1 else ''} of its OCDBT database "
+        f"{'are' if n != 1 else 'is'} missing or cut short:"
+    ]
+    for f in lost:
+        state = (
+            "missing"
+            if f.size is None
+            else f"cut short: {f.size} bytes, the index needs {f.needed}"
+        )
+        names = sorted({paths.get(name, name) for name in f.names}, key=natural_key)
+        shown = ", ".join(names[:_NAMED]) + (
+            f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+        )
+        held = [
+            *(["part of the index of its arrays"] if f.index else []),
+            *([f"the array{'s' if len(names) != 1 else ''} {shown}"] if names else []),
+        ]
+        lines.append(f"  {f.path}: {state}; it holds {' and '.join(held)}")
+    lines.append("Restore a complete copy of the checkpoint.")
+    return "\n".join(lines)
 
 
 def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source:
