@@ -29,7 +29,9 @@ def restore(
             ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
         like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
             giving the type to return; without it a nested dict of arrays is rebuilt from
-            the checkpoint's record (or Orbax metadata).
+            the checkpoint's record (or Orbax metadata). The state's Python values (an
+            epoch, a name) come from the checkpoint, never from ``like`` (one of another
+            type is a changed leaf); functions among the leaves come from ``like``.
         specs: one spec-like for the whole container (``P()``, [`Rules`][modelshard.Rules],
             [`fsdp`][modelshard.fsdp], ...), planned on ``mesh`` by the same pipeline as [`shard`][modelshard.shard].
             Default with a mesh: the specs the checkpoint was saved with.
