@@ -32,6 +32,11 @@ from ._checkpoint import reshard as reshard
 from ._checkpoint import restore as restore
 from ._checkpoint import save as save
 from ._containers import register_container as register_container
+from ._fit import FitAdvice as FitAdvice
+from ._fit import StepMemory as StepMemory
+from ._fit import Suggestion as Suggestion
+from ._fit import fit_advice as fit_advice
+from ._fit import step_memory as step_memory
 from ._jit import ShardJit as ShardJit
 from ._jit import shard_jit as shard_jit
 from ._place import ActivationConstraint as ActivationConstraint

@@ -12,6 +12,7 @@ from .constraints import strict_constraints as strict_constraints
 from .placement import place as place
 from .placement import shard as shard
 from .planning import Plan as Plan
+from .planning import parse_bytes as parse_bytes
 from .planning import plan as plan
 from .shard_mapping import ShardMap as ShardMap
 from .shard_mapping import shard_map as shard_map

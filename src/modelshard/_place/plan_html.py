@@ -38,6 +38,8 @@ class PlanView(Protocol):
     def summary(self) -> str: ...
     def activation_rows(self) -> list[dict[str, Any]]: ...
 
+    memory: Any
+
 
 MAX_GRID = 16
 """Tile grids larger than this many rows or columns show their first rows/columns only."""
@@ -369,6 +371,42 @@ def memory_html(plan: PlanView) -> str:
     return "".join(out)
 
 
+def step_memory_html(plan: PlanView) -> str:
+    """A step's memory per device (``plan.memory``, from XLA) as a bar by part; empty for
+    a plan of a state alone."""
+    m = getattr(plan, "memory", None)
+    if m is None:
+        return ""
+    parts = [(k, text, n) for k, text, n in m.part_rows() if n > 0]
+    source = "XLA's peak" if m.peak is not None else "XLA's argument + output + temp - alias"
+    out = [
+        f'<section class="ms-step-memory" data-total="{m.total}"><h3>Step memory per device'
+        f'</h3><div class="ms-note">{_esc(format_bytes(m.total))} per device ({_esc(source)}, '
+        f"{_esc(m.platform)}, compiled in {m.compile_seconds:.1f}s); gradients are estimated "
+        "as the parameters' bytes</div>",
+        '<div class="ms-bar">',
+    ]
+    for i, (k, text, n) in enumerate(parts):
+        width = 100 * n / m.total if m.total else 0
+        out.append(
+            f'<span class="ms-seg" data-part="{k}" data-bytes="{n}"'
+            f' style="width:{width:.3f}%;background:{_PALETTE[i % len(_PALETTE)]}"'
+            f' title="{_esc(text)}: {_esc(format_bytes(n))}"></span>'
+        )
+    out.append(
+        '</div><table class="ms-legend"><thead><tr><th>part</th>'
+        '<th class="num">per device</th><th class="num">share</th></tr></thead><tbody>'
+    )
+    for i, (_, text, n) in enumerate(parts):
+        out.append(
+            f'<tr><td><span class="ms-swatch" style="background:{_PALETTE[i % len(_PALETTE)]}">'
+            f'</span>{_esc(text)}</td><td class="num">{_esc(format_bytes(n))}</td>'
+            f'<td class="num">{n / m.total if m.total else 0:.1%}</td></tr>'
+        )
+    out.append("</tbody></table></section>")
+    return "".join(out)
+
+
 def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The grouped table; each row's tiles (of its first leaf) open on demand, every panel
     alike (all closed: no row is singled out)."""
@@ -436,6 +474,7 @@ def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
         f' data-bytes-per-device="{plan.bytes_per_device()}"><style>{CSS}</style>'
         f'<div class="ms-summary"><b>modelshard plan</b>: {_esc(plan.summary())}</div>'
         + memory_html(plan)
+        + step_memory_html(plan)
         + rows_html(plan, fold=fold, filter=filter, tiles=tiles)
         + activations_html(plan)
         + "</div>"

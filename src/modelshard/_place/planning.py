@@ -55,6 +55,10 @@ class Plan:
             [`constrain`][modelshard.constrain] places while the step runs
             ([`ActivationConstraint`][modelshard.ActivationConstraint]: name, logical names,
             spec, bytes per device); empty for [`plan`][modelshard.plan].
+        memory: for a plan made by [`step_memory`][modelshard.step_memory] (or
+            [`fit_advice`][modelshard.fit_advice]), the step's
+            [`StepMemory`][modelshard.StepMemory] from XLA, which the table and HTML show
+            too; None otherwise.
     """
 
     def __init__(self, args: Sequence[ArgPlan], mesh: Any):
@@ -62,6 +66,7 @@ class Plan:
         self.args = list(args)
         self.sizes = mesh_sizes(mesh)
         self.activations: list[ActivationConstraint] = []
+        self.memory: Any = None
         self._shardings: dict[Any, NamedSharding] = {}
 
     # ---- per-leaf views -------------------------------------------------------------
@@ -510,6 +515,20 @@ class PlanTable:
             for row in acts:
                 a.add_row(*map(literal, row.values()))
             parts.append(a)
+        if p.memory is not None:
+            s = Table(
+                title="step memory per device (XLA)",
+                box=None,
+                pad_edge=False,
+                title_justify="left",
+            )
+            s.add_column("part")
+            s.add_column("per device", justify="right")
+            s.add_column("share", justify="right")
+            for row in p.memory.lines():
+                s.add_row(*row)
+            parts.append(s)
+            parts.append(Text(p.memory.summary()))
         parts.append(Text(p.summary()))
         return Group(*parts)
 

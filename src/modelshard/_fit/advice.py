@@ -1,0 +1,425 @@
+"""``fit_advice``: given a per-device budget, the smallest change that makes a step fit, each
+candidate checked by compiling it (``memory.py`` measures)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from .._base import format_bytes, format_mesh, format_spec
+from .._specs import Rules
+from .candidates import (
+    KINDS,
+    Change,
+    abstract,
+    batch_change,
+    cast_outputs,
+    changes_for,
+    moment_target,
+    norm_spec,
+)
+from .memory import (
+    StepMemory,
+    batch_positions,
+    check_roles,
+    compile_mesh,
+    measure,
+    unwrap,
+    wrap,
+)
+from .rulegen import rules_for
+
+# Megatron-style tensor parallelism by parameter name: column-parallel layers shard their
+# output dimension, row-parallel ones their input, embeddings their vocabulary.
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """One change checked by compiling the step with it.
+
+    Attributes:
+        kind: one of ``KINDS`` (``"+"``-joined for a combination).
+        description: the change in words.
+        memory: the [`StepMemory`][modelshard.StepMemory] of the step with the change.
+        saves: bytes per device saved against the step as given.
+        fits: whether ``memory.total`` is within the budget.
+        in_specs: the ``in_specs`` to compile the step with.
+        rules: argument name -> [`Rules`][modelshard.Rules] for every argument whose
+            placement changed (``rules.to_toml()`` is a rules file).
+        args: the abstract arguments compiled (a smaller batch, narrower moments).
+        donate_argnums: the donated arguments.
+        step: the function compiled (the rematerialised step for ``remat``).
+        code: what to paste: Python for the change.
+        error: why the candidate could not be compiled (then ``memory`` is None).
+    """
+
+    kind: str
+    description: str
+    memory: StepMemory | None
+    saves: int
+    fits: bool
+    in_specs: Any = dataclasses.field(repr=False)
+    rules: dict[str, Rules] = dataclasses.field(repr=False)
+    args: tuple[Any, ...] = dataclasses.field(repr=False)
+    donate_argnums: tuple[int, ...] = dataclasses.field(repr=False)
+    step: Callable[..., Any] = dataclasses.field(repr=False)
+    code: str = ""
+    error: str | None = None
+
+    def toml(self, arg: str | None = None) -> str | None:
+        """The rules file for argument ``arg`` (default: the only one that changed)."""
+        if not self.rules:
+            return None
+        if arg is None:
+            arg = next(iter(self.rules))
+        return self.rules[arg].to_toml()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "description": self.description,
+            "fits": self.fits,
+            "saves": self.saves,
+            "total": None if self.memory is None else self.memory.total,
+            "compile_seconds": None
+            if self.memory is None
+            else round(self.memory.compile_seconds, 3),
+            "code": self.code,
+            "rules": {name: r.to_toml() for name, r in self.rules.items()},
+            "error": self.error,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class FitAdvice:
+    """Whether a step fits a per-device budget, and the changes that make it fit.
+
+    Attributes:
+        budget: bytes per device.
+        memory: the step as given ([`StepMemory`][modelshard.StepMemory]).
+        fits: whether it fits as given (then no suggestion is made).
+        suggestions: every candidate checked, in the order tried, with its bytes.
+        best: the least invasive suggestion that fits (the first that fits, in ``KINDS``
+            order, a combination last); None when the step fits or nothing tried fits.
+        compiles: how many compiles the advice took (one per candidate, plus the step).
+        compile_seconds: their total time.
+    """
+
+    budget: int
+    memory: StepMemory
+    fits: bool
+    suggestions: list[Suggestion]
+    best: Suggestion | None
+    compiles: int
+    compile_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "budget": self.budget,
+            "fits": self.fits,
+            "memory": self.memory.to_json(),
+            "best": None if self.best is None else self.best.to_json(),
+            "suggestions": [s.to_json() for s in self.suggestions],
+            "compiles": self.compiles,
+            "compile_seconds": round(self.compile_seconds, 3),
+        }
+
+    def __str__(self) -> str:
+        m = self.memory
+        head = (
+            f"{format_bytes(m.total)} per device on mesh ({format_mesh(m.mesh)}) "
+            f"{'fits' if self.fits else 'does not fit'} the budget of "
+            f"{format_bytes(self.budget)}"
+        )
+        out = [str(m), head]
+        if self.suggestions:
+            out.append(
+                f"checked {len(self.suggestions)} changes ({self.compiles} compiles, "
+                f"{self.compile_seconds:.1f}s):"
+            )
+            for s in self.suggestions:
+                if s.memory is None:
+                    out.append(f"  {s.description}: not compiled ({s.error})")
+                    continue
+                mark = "fits" if s.fits else "too big"
+                out.append(
+                    f"  {s.description}: {format_bytes(s.memory.total)} "
+                    f"(saves {format_bytes(s.saves)}), {mark}"
+                )
+        if self.best is not None:
+            out += ["smallest change that fits: " + self.best.description, self.best.code]
+        elif not self.fits:
+            out.append("no change tried fits: shard over a larger mesh, or a smaller model")
+        return "\n".join(out)
+
+
+# ---- per-leaf spec changes -------------------------------------------------------------
+
+
+def fit_advice(
+    step: Callable[..., Any],
+    *args: Any,
+    budget: int | float | str,
+    mesh: Any = None,
+    in_specs: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+    batch_argnums: int | Sequence[int] | None = None,
+    roles: Mapping[str, str | re.Pattern[str]] | None = None,
+    remat: Callable[..., Any] | None = None,
+    kinds: Sequence[str] = KINDS,
+    first: bool = False,
+    topology: str | None = None,
+    **kwargs: Any,
+) -> FitAdvice:
+    """Whether ``step`` fits ``budget`` bytes per device, and the smallest change that does.
+
+    The step is compiled once as given ([`step_memory`][modelshard.step_memory]); if it does
+    not fit, each candidate change is compiled once more, from abstract arguments only
+    (nothing is allocated), and its bytes per device read from XLA: donating the state,
+    sharding the optimizer state over a mesh axis (ZeRO-1), bfloat16 first moments, FSDP
+    (parameters and optimizer state over an axis), tensor parallelism for known parameter
+    names (``q/k/v``, ``up/gate``: output dimension; ``o``, ``down``: input dimension;
+    embeddings: vocabulary), the rematerialised step (``remat``, or the step's own
+    ``remat=True`` keyword), and halving the batch until it fits. When no single change
+    fits, the changes that saved memory are combined, largest saving first, until it fits.
+    Placement changes come as [`Rules`][modelshard.Rules] (``Suggestion.rules``,
+    ``Suggestion.code``), ready to paste.
+
+    Args:
+        step: the training step (a function or a ``ShardJit``).
+        *args: its arguments, abstract (``jax.ShapeDtypeStruct`` leaves).
+        budget: bytes per device, or text such as ``"16GiB"``.
+        mesh, in_specs, donate_argnums, static_argnums, batch_argnums, roles, topology,
+            **kwargs: as for [`step_memory`][modelshard.step_memory].
+        remat: the same step with rematerialisation (``jax.checkpoint`` around its layers or
+            loss), to check as a candidate.
+        kinds: which kinds of change to try (``KINDS``).
+        first: stop at the first change that fits (fewer compiles); by default every
+            single change is checked, so each one's saving is known.
+
+    Returns:
+        A [`FitAdvice`][modelshard.FitAdvice]: ``fits``, ``best``, every ``suggestions``
+        with its bytes, and the compile count and time.
+
+    Raises:
+        SpecError: a spec that cannot be placed, an unknown role or kind, a bad budget.
+        MeshError: a mesh larger than the devices JAX can compile for.
+    """
+    from .._base import Problem, SpecError
+    from .._place import parse_bytes
+
+    limit = parse_bytes(budget)
+    check_roles(roles)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise SpecError(
+            [
+                Problem(
+                    "kinds",
+                    bad[0],
+                    f"{bad[0]!r} is not a kind of change",
+                    hint="kinds are " + ", ".join(map(repr, KINDS)),
+                )
+            ],
+            header="invalid kinds:",
+        )
+    cmesh = compile_mesh(mesh, topology)
+    base_fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
+    statics = set(static)
+    dynamic = [i for i in range(len(args)) if i not in statics]
+    batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
+    args = tuple(
+        a if i in statics else jax.tree_util.tree_map(abstract, a) if _plain(a) else a
+        for i, a in enumerate(args)
+    )
+
+    def compile_one(
+        fn: Callable[..., Any], specs: Any, call: Sequence[Any], donate: tuple[int, ...]
+    ) -> StepMemory:
+        jitted = wrap(
+            fn, mesh=cmesh, in_specs=specs, donate_argnums=donate, static_argnums=tuple(statics)
+        )
+        return measure(jitted, call, kwargs, [call[i] for i in dynamic], batch, roles)
+
+    t0 = time.perf_counter()
+    base = compile_one(base_fn, in_specs, args, donated)
+    compiles = 1
+    if base.total <= limit:
+        return FitAdvice(limit, base, True, [], None, compiles, time.perf_counter() - t0)
+
+    plan = base.plan
+    leaf_roles = [r for _, r in base.roles]
+    changes = changes_for(
+        plan, leaf_roles, base, args, dynamic, batch, base_fn, remat, donated, kinds
+    )
+    tried: list[Suggestion] = []
+
+    def attempt(stack: list[Change]) -> Suggestion:
+        fn, call, donate = base_fn, list(args), donated
+        specs = [leaf.spec for leaf in plan.leaves]
+        for ch in stack:
+            if ch.specs is not None:
+                specs = [
+                    ch.specs(leaf, s, r)
+                    for leaf, s, r in zip(plan.leaves, specs, leaf_roles, strict=True)
+                ]
+            if ch.args is not None:
+                call = ch.args(call)
+            if ch.step is not None:
+                fn = ch.step if fn is base_fn else fn
+            if ch.donate is not None:
+                donate = ch.donate
+        for ch in stack:  # outputs narrowed last, around whichever step
+            if ch.kind == "moments_dtype" and ch.step is not None:
+                fn = ch.step if len(stack) == 1 else cast_outputs(fn, *moment_target(ch))
+        new_specs, rules = _in_specs(in_specs, plan, specs, dynamic, len(args))
+        kind = "+".join(ch.kind for ch in stack)
+        text = "; ".join(ch.description for ch in stack)
+        code = _code(stack, rules)
+        try:
+            mem = compile_one(fn, new_specs, call, donate)
+        except Exception as e:  # a candidate the step cannot take is reported, not raised
+            return Suggestion(
+                kind,
+                text,
+                None,
+                0,
+                False,
+                new_specs,
+                rules,
+                tuple(call),
+                donate,
+                fn,
+                code,
+                f"{type(e).__name__}: {e}",
+            )
+        return Suggestion(
+            kind,
+            text,
+            mem,
+            base.total - mem.total,
+            mem.total <= limit,
+            new_specs,
+            rules,
+            tuple(call),
+            donate,
+            fn,
+            code,
+        )
+
+    best = None
+    for ch in changes:
+        if ch.kind == "batch":
+            continue
+        s = attempt([ch])
+        compiles += s.memory is not None
+        tried.append(s)
+        if s.fits and best is None:
+            best = s
+            if first:
+                break
+    batch_change = next((c for c in changes if c.kind == "batch"), None)
+    if best is None and batch_change is not None:
+        s = _halve_until_fits(attempt, batch_change, tried, [])
+        compiles += s[1]
+        best = s[0]
+    if best is None:  # combine what saved, largest saving first
+        saving = sorted(
+            (
+                s
+                for s in tried
+                if s.memory is not None and s.saves > 0 and "+" not in s.kind and s.kind != "batch"
+            ),
+            key=lambda s: -s.saves,
+        )
+        stack: list[Change] = []
+        for s in saving:
+            ch = next(c for c in changes if c.description == s.description)
+            # FSDP over an axis already holds the optimizer state there
+            if ch.kind == "shard_optimizer" and any(c.kind == "fsdp" for c in stack):
+                continue
+            stack.append(ch)
+            if len(stack) == 1:
+                continue
+            combo = attempt(stack)
+            compiles += combo.memory is not None
+            tried.append(combo)
+            if combo.fits:
+                best = combo
+                break
+        if best is None and batch_change is not None and stack:
+            s = _halve_until_fits(attempt, batch_change, tried, stack)
+            compiles += s[1]
+            best = s[0]
+    return FitAdvice(limit, base, False, tried, best, compiles, time.perf_counter() - t0)
+
+
+def _plain(a: Any) -> bool:
+    """Whether ``a`` is a plain pytree of arrays (converted to ``ShapeDtypeStruct``s)."""
+    leaves = jax.tree_util.tree_leaves(a)
+    return all(isinstance(x, jax.Array | jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _halve_until_fits(
+    attempt: Callable[[list[Change]], Suggestion],
+    change: Change,
+    tried: list[Suggestion],
+    stack: list[Change],
+) -> tuple[Suggestion | None, int]:
+    """Halve the batch (with ``stack`` applied) until the step fits: the largest batch."""
+    n = 0
+    for k in range(1, 64):
+        ch = batch_change(change, k)
+        if ch is None:
+            return None, n
+        s = attempt([*stack, ch])
+        n += s.memory is not None
+        tried.append(s)
+        if s.fits:
+            return s, n
+        if s.memory is None:
+            return None, n
+    return None, n
+
+
+# ---- candidates ------------------------------------------------------------------------
+
+
+def _in_specs(
+    in_specs: Any, plan: Any, specs: list[PartitionSpec], dynamic: list[int], nargs: int
+) -> tuple[Any, dict[str, Rules]]:
+    """``in_specs`` with each argument whose leaves' specs changed given as rules."""
+    rules: dict[str, Rules] = {}
+    new = dict(in_specs) if isinstance(in_specs, Mapping) else list(in_specs)
+    at = 0
+    for i, a in enumerate(plan.args):
+        mine = specs[at : at + len(a.leaves)]
+        at += len(a.leaves)
+        if all(
+            norm_spec(s) == norm_spec(leaf.spec) for s, leaf in zip(mine, a.leaves, strict=True)
+        ):
+            continue
+        r = rules_for([leaf.path for leaf in a.leaves], mine, [leaf.shape for leaf in a.leaves])
+        rules[a.name] = r
+        if isinstance(new, dict):
+            new[a.name] = r
+        else:
+            new[dynamic[i]] = r
+    return (new if isinstance(new, dict) else tuple(new)), rules
+
+
+def _code(stack: Sequence[Change], rules: Mapping[str, Rules]) -> str:
+    """What to paste: each argument's new rules (Python), then the other changes."""
+    out = []
+    for name, r in rules.items():
+        body = "".join(f"\n    ({p!r}, {format_spec(s)})," for p, s in r.rules)
+        out.append(f"{name}_rules = ms.Rules([{body}\n])")
+    out += [ch.code for ch in stack if ch.specs is None and ch.code]
+    return "\n".join(out)

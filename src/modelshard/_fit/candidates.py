@@ -1,0 +1,376 @@
+"""The changes ``fit_advice`` tries: each a function of a leaf's spec and role, of the
+abstract arguments, or of the step (``advice.py`` compiles them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from .._specs import entry_axes
+from .memory import StepMemory
+
+_COLUMN = re.compile(
+    r"(^|/)(q|k|v|query|key|value|wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|qkv_proj|c_attn|"
+    r"up|gate|up_proj|gate_proj|wi|wi_0|wi_1|w1|w3|fc1|fc_in|c_fc|dense_h_to_4h)(/|$)"
+)
+_ROW = re.compile(
+    r"(^|/)(o|out|wo|o_proj|out_proj|attn_out|down|down_proj|w2|fc2|fc_out|c_proj|"
+    r"dense_4h_to_h)(/|$)"
+)
+_VOCAB = re.compile(
+    r"(^|/)(embed|embedding|embeddings|wte|tok_embeddings|embed_tokens|token_embedder|"
+    r"word_embeddings)(/|$)"
+)
+_HEAD = re.compile(r"(^|/)(lm_head|unembed|unembedding)(/|$)")
+
+KINDS = ("donate", "shard_optimizer", "moments_dtype", "fsdp", "tensor_parallel", "remat", "batch")
+"""The kinds of change ``fit_advice`` tries, least invasive first."""
+
+
+def norm_spec(spec: PartitionSpec) -> tuple[Any, ...]:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def add_axis(
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    sizes: Mapping[str, int],
+    axis: str,
+    dims: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """``spec`` with ``axis`` added to the first of ``dims`` (default: the largest shard
+    dimension first) whose shard it divides; unchanged when ``axis`` is used or none does."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if any(axis in entry_axes(e) for e in entries) or not shape:
+        return spec
+    shard = [
+        shape[d] // math.prod(sizes[a] for a in entry_axes(entries[d])) for d in range(len(shape))
+    ]
+    order = (
+        sorted(range(len(shape)), key=lambda d: (-shard[d], d))
+        if dims is None
+        else [d % len(shape) for d in dims if -len(shape) <= d < len(shape)]
+    )
+    for d in order:
+        if shard[d] % sizes[axis] == 0 and shard[d] >= sizes[axis]:
+            old = entry_axes(entries[d])
+            entries[d] = axis if not old else (*old, axis)
+            return PartitionSpec(*entries)
+    return spec
+
+
+def tp_dims(path: str, shape: tuple[int, ...]) -> list[int] | None:
+    if len(shape) < 2:
+        return None
+    if _VOCAB.search(path):
+        return [0]
+    if _HEAD.search(path):
+        return [-1]
+    if _COLUMN.search(path):
+        return [-1, -2]
+    if _ROW.search(path):
+        return [-2, -3]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A candidate: new specs for some leaves, new arguments, another step or donation."""
+
+    kind: str
+    description: str
+    code: str
+    specs: Callable[[Any, PartitionSpec, str], PartitionSpec] | None = None
+    args: Callable[[list[Any]], list[Any]] | None = None
+    step: Callable[..., Any] | None = None
+    donate: tuple[int, ...] | None = None
+    batch: BatchInfo | None = None  # the batch halved (``batch_change`` halves it further)
+    narrowed: frozenset[str] = frozenset()  # leaf paths whose dtype the change narrows
+
+
+# ---- abstract arguments ----------------------------------------------------------------
+
+
+def abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def rebuild(value: Any, fn: Callable[[str, Any], Any]) -> Any:
+    """``value`` with each array leaf replaced by ``fn(path, leaf)``."""
+    from .._containers import split
+
+    flat = split(value)
+    return flat.rebuild(
+        [fn(info.path, leaf) for info, leaf in zip(flat.infos, flat.arrays, strict=True)]
+    )
+
+
+def cast_outputs(step: Callable[..., Any], paths: set[str], dtype: Any) -> Callable[..., Any]:
+    """``step`` whose outputs at ``paths`` (suffixes of output paths) come out in ``dtype``,
+    as an optimizer configured for narrower moments writes them."""
+
+    @functools.wraps(step)
+    def narrowed(*a: Any, **k: Any) -> Any:
+        out = step(*a, **k)
+        return rebuild(
+            out,
+            lambda p, x: (
+                x.astype(dtype)
+                if any(p == q or p.endswith("/" + q) for q in paths)
+                and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+                else x
+            ),
+        )
+
+    return narrowed
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchInfo:
+    positions: tuple[int, ...]  # argument positions of the batch
+    per_device: int
+    global_size: int
+    factor: int
+
+
+def changes_for(
+    plan: Any,
+    leaf_roles: list[str],
+    base: StepMemory,
+    args: Sequence[Any],
+    dynamic: list[int],
+    batch: list[int],
+    fn: Callable[..., Any],
+    remat: Callable[..., Any] | None,
+    donated: tuple[int, ...],
+    kinds: Sequence[str],
+) -> list[Change]:
+    sizes = plan.sizes
+    axes = [a for a, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n > 1]
+    out: list[Change] = []
+    arg_roles: dict[int, set[str]] = {}
+    at = 0
+    for i, a in enumerate(plan.args):
+        arg_roles[i] = set(leaf_roles[at : at + len(a.leaves)])
+        at += len(a.leaves)
+    state_args = [
+        dynamic[i] for i, rs in arg_roles.items() if rs & {"parameters", "optimizer_state"}
+    ]
+    if "donate" in kinds and base.parts["outputs"] > 0 and not set(state_args) <= set(donated):
+        nums = tuple(sorted(set(donated) | set(state_args)))
+        out.append(
+            Change(
+                "donate",
+                f"donate the state (donate_argnums={nums})",
+                f"ms.shard_jit(step, ..., donate_argnums={nums})",
+                donate=nums,
+            )
+        )
+    has_opt = "optimizer_state" in leaf_roles
+    for axis in axes:
+        if "shard_optimizer" in kinds and has_opt:
+            out.append(
+                _spec_change(
+                    "shard_optimizer",
+                    f"shard the optimizer state over {axis!r} (ZeRO-1)",
+                    lambda leaf, s, r, ax=axis: (
+                        add_axis(s, leaf.shape, sizes, ax)
+                        if r == "optimizer_state" and math.prod(leaf.shape) >= 2**14
+                        else s
+                    ),
+                    axis,
+                )
+            )
+    if "moments_dtype" in kinds and has_opt:
+        mc = _moments_change(plan, leaf_roles, dynamic, fn)
+        if mc is not None:
+            out.append(mc)
+    for axis in axes:
+        if "fsdp" in kinds:
+            out.append(
+                _spec_change(
+                    "fsdp",
+                    f"shard parameters and optimizer state over {axis!r} (FSDP)",
+                    lambda leaf, s, r, ax=axis: (
+                        add_axis(s, leaf.shape, sizes, ax)
+                        if r in ("parameters", "optimizer_state") and math.prod(leaf.shape) >= 2**14
+                        else s
+                    ),
+                    axis,
+                )
+            )
+    batch_axes = set()
+    for i in batch:
+        for leaf in plan.args[i].leaves:
+            if leaf.spec and len(leaf.shape):
+                batch_axes |= set(entry_axes(leaf.spec[0]))
+    if "tensor_parallel" in kinds:
+        names = [
+            leaf.path
+            for leaf, r in zip(plan.leaves, leaf_roles, strict=True)
+            if r in ("parameters", "optimizer_state") and tp_dims(leaf.path, leaf.shape)
+        ]
+        tp_axes = [a for a in axes if a not in batch_axes] or axes
+        for axis in tp_axes if names else []:
+            out.append(
+                _spec_change(
+                    "tensor_parallel",
+                    f"tensor-parallel rules over {axis!r} for known parameter names",
+                    lambda leaf, s, r, ax=axis: (
+                        add_axis(s, leaf.shape, sizes, ax, tp_dims(leaf.path, leaf.shape))
+                        if r in ("parameters", "optimizer_state") and tp_dims(leaf.path, leaf.shape)
+                        else s
+                    ),
+                    axis,
+                )
+            )
+    if "remat" in kinds:
+        variant, how = _remat_step(fn, remat)
+        if variant is not None:
+            out.append(Change("remat", "rematerialise the step's activations", how, step=variant))
+    if "batch" in kinds and batch:
+        info = _batch_info(plan, batch, dynamic)
+        if info is not None:
+            out.append(Change("batch", "halve the batch", "", args=_halver(info, 1), batch=info))
+    return out
+
+
+def _spec_change(kind: str, text: str, fn: Callable[..., PartitionSpec], axis: str) -> Change:
+    return Change(kind, text, "", specs=fn)
+
+
+def moment_target(ch: Change) -> tuple[set[str], Any]:
+    return set(ch.narrowed), jax.numpy.bfloat16
+
+
+def _moments_change(
+    plan: Any, leaf_roles: list[str], dynamic: list[int], fn: Callable[..., Any]
+) -> Change | None:
+    """bfloat16 first moments (optax's ``mu_dtype``) where the state has ``mu`` leaves,
+    else every float32 leaf of the optimizer state."""
+    picked: dict[int, set[str]] = {}
+    cands = [(i, leaf) for i, a in enumerate(plan.args) for leaf in a.leaves]
+    opt = [
+        (i, leaf)
+        for (i, leaf), r in zip(cands, leaf_roles, strict=True)
+        if r == "optimizer_state" and str(leaf.dtype) == "float32" and len(leaf.shape)
+    ]
+    mu = [(i, leaf) for i, leaf in opt if "mu" in leaf.path.split("/")]
+    chosen = mu or opt
+    if not chosen:
+        return None
+    for i, leaf in chosen:
+        picked.setdefault(i, set()).add(leaf.path)
+    bf16 = jax.numpy.bfloat16
+
+    def narrow(call: list[Any]) -> list[Any]:
+        call = list(call)
+        for i, paths in picked.items():
+            pos = dynamic[i]
+            call[pos] = rebuild(
+                call[pos],
+                lambda p, x, ps=paths: (
+                    jax.ShapeDtypeStruct(x.shape, bf16) if p in ps else abstract(x)
+                ),
+            )
+        return call
+
+    all_paths = set().union(*picked.values())
+    if mu:
+        text, code = (
+            "keep the first moments in bfloat16",
+            "optax.adamw(learning_rate, mu_dtype=jnp.bfloat16)",
+        )
+    else:
+        text, code = (
+            "keep the optimizer state in bfloat16",
+            "the optimizer's float32 state written in bfloat16",
+        )
+    return Change(
+        "moments_dtype",
+        text,
+        code,
+        args=narrow,
+        step=cast_outputs(fn, all_paths, bf16),
+        narrowed=frozenset(all_paths),
+    )
+
+
+def _remat_step(
+    fn: Callable[..., Any], remat: Callable[..., Any] | None
+) -> tuple[Callable[..., Any] | None, str]:
+    if remat is not None:
+        return remat, "the rematerialised step (remat=...) in place of the step"
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None, ""
+    if "remat" in params:
+        return functools.partial(fn, remat=True), "step(..., remat=True)"
+    return None, ""
+
+
+def _batch_info(plan: Any, batch: list[int], dynamic: list[int]) -> BatchInfo | None:
+    sizes = plan.sizes
+    lead = set()
+    factors = set()
+    for i in batch:
+        for leaf in plan.args[i].leaves:
+            if not leaf.shape:
+                continue
+            lead.add(leaf.shape[0])
+            entry = leaf.spec[0] if len(leaf.spec) else None
+            factors.add(math.prod(sizes[a] for a in entry_axes(entry)))
+    if len(lead) != 1 or len(factors) != 1:
+        return None
+    (g,), (f,) = lead, factors
+    return BatchInfo(tuple(dynamic[i] for i in batch), g // f, g, f)
+
+
+def _halver(info: BatchInfo, k: int) -> Callable[[list[Any]], list[Any]]:
+    size = info.global_size >> k
+
+    def halve(call: list[Any]) -> list[Any]:
+        call = list(call)
+        for pos in info.positions:
+            call[pos] = rebuild(
+                call[pos],
+                lambda p, x: (
+                    jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype)
+                    if len(x.shape)
+                    else abstract(x)
+                ),
+            )
+        return call
+
+    return halve
+
+
+def batch_change(change: Change, k: int) -> Change | None:
+    info = change.batch
+    if info is None:  # only the batch change is halved
+        return None
+    size = info.global_size >> k
+    if size < info.factor or (info.global_size % (1 << k)) or size % info.factor:
+        return None
+    per = size // info.factor
+    text = f"batch per device {info.per_device} -> {per} (global {info.global_size} -> {size})"
+    return Change(
+        "batch", text, f"a global batch of {size} ({per} per device)", args=_halver(info, k)
+    )
+
+
+# ---- in_specs and code -----------------------------------------------------------------

@@ -1,0 +1,453 @@
+"""``step_memory``: the per-device memory of a compiled step, from XLA's own analysis, split
+into parameters, optimizer state, gradients, temporaries, batch and outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from .._base import Problem, SpecError, format_bytes, format_mesh, mesh_sizes
+
+PARTS = (
+    "parameters",
+    "optimizer_state",
+    "gradients",
+    "temporaries",
+    "batch",
+    "other_inputs",
+    "outputs",
+    "layout",
+)
+"""The parts of a step's memory, in the order tables and JSON list them."""
+
+PART_TEXT = {
+    "parameters": "parameters",
+    "optimizer_state": "optimizer state",
+    "gradients": "gradients (estimated)",
+    "temporaries": "activations and temporaries",
+    "batch": "batch",
+    "other_inputs": "other inputs",
+    "outputs": "outputs (not donated)",
+    "layout": "layout (padding, pruned inputs)",
+}
+
+ROLES = ("parameters", "optimizer_state", "batch", "other_inputs")
+"""What an input leaf is: the roles ``roles=`` may name."""
+
+_OPT_NAMES = frozenset({"opt_state", "optimizer", "opt"})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """The memory one device needs to run a compiled step, from XLA's analysis.
+
+    ``parts`` add up to ``total`` exactly. Inputs are split by role from the plan (each
+    leaf's bytes per device); ``gradients`` is an estimate, the parameters' bytes per device
+    (they live among XLA's temporaries, which do not say which buffer is which), capped by
+    the temporaries; ``temporaries`` is the rest of XLA's temporary and peak bytes
+    (activations, the optimizer's intermediates); ``outputs`` the output buffers not written
+    in place of a donated input; ``layout`` what XLA's argument bytes differ from the plan's
+    (padding of small arrays on TPU, positive; inputs the program does not use and drops,
+    negative), zero on CPU.
+
+    Attributes:
+        total: bytes per device: XLA's ``peak_memory_in_bytes`` where the backend reports
+            the program's peak (TPU, GPU), else argument + output + temporary - alias
+            bytes (CPU, whose ``peak_memory_in_bytes`` is not the program's peak).
+        parts: part name -> bytes per device (``PARTS`` order).
+        argument: XLA's ``argument_size_in_bytes``.
+        output: ``output_size_in_bytes``.
+        temp: ``temp_size_in_bytes``.
+        alias: ``alias_size_in_bytes`` (outputs written in place of donated inputs).
+        code: ``generated_code_size_in_bytes`` (not part of ``total``).
+        peak: XLA's ``peak_memory_in_bytes`` where it is the program's peak, else None.
+        compile_seconds: how long lowering and compiling took.
+        platform: the platform compiled for (``tpu``, ``cpu``, ...).
+        device_kind: the devices' kind (``TPU v5 lite``, ``cpu``).
+        mesh: axis name -> size.
+        plan: the [`Plan`][modelshard.Plan] of the step's inputs (its ``memory`` is this).
+        roles: ``(displayed path, role)`` of every input leaf.
+    """
+
+    total: int
+    parts: dict[str, int]
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    code: int
+    peak: int | None
+    compile_seconds: float
+    platform: str
+    device_kind: str
+    mesh: dict[str, int]
+    plan: Any = dataclasses.field(repr=False, compare=False)
+    roles: list[tuple[str, str]] = dataclasses.field(repr=False, compare=False)
+
+    def fits(self, budget: int | float | str) -> bool:
+        """Whether ``total`` is at most ``budget`` (bytes or text such as ``"16GiB"``)."""
+        from .._place import parse_bytes
+
+        return self.total <= parse_bytes(budget)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready: ``total``, ``parts``, XLA's figures, compile time, platform, mesh."""
+        return {
+            "total": self.total,
+            "parts": dict(self.parts),
+            "xla": {
+                "argument": self.argument,
+                "output": self.output,
+                "temp": self.temp,
+                "alias": self.alias,
+                "generated_code": self.code,
+                "peak": self.peak,
+            },
+            "compile_seconds": round(self.compile_seconds, 3),
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "mesh": dict(self.mesh),
+        }
+
+    def part_rows(self) -> list[tuple[str, str, int]]:
+        """``(part, words, bytes)`` of every nonzero part, in ``PARTS`` order."""
+        return [(k, PART_TEXT[k], n) for k, n in self.parts.items() if n != 0]
+
+    def lines(self, budget: int | None = None) -> list[tuple[str, str, str]]:
+        """``(part, bytes, share of total)`` rows, the nonzero parts, then the total."""
+        out = []
+        for name in PARTS:
+            n = self.parts.get(name, 0)
+            if n == 0 and name not in ("parameters", "temporaries"):
+                continue
+            share = f"{n / self.total:.0%}" if self.total else ""
+            out.append((PART_TEXT[name], format_bytes(n), share))
+        out.append(("total per device", format_bytes(self.total), ""))
+        if budget is not None:
+            verdict = "fits" if self.total <= budget else "does not fit"
+            out.append((f"budget ({verdict})", format_bytes(budget), f"{self.total / budget:.0%}"))
+        return out
+
+    def summary(self) -> str:
+        """One line: total per device, the largest parts, the mesh and compile time."""
+        big = sorted(((n, k) for k, n in self.parts.items() if n > 0), reverse=True)[:3]
+        parts = ", ".join(f"{PART_TEXT[k]} {format_bytes(n)}" for n, k in big)
+        source = "XLA peak" if self.peak is not None else "XLA argument+output+temp-alias"
+        return (
+            f"step: {format_bytes(self.total)} per device ({source}; {parts}) on mesh "
+            f"({format_mesh(self.mesh)}), {self.platform}, compiled in "
+            f"{self.compile_seconds:.1f}s"
+        )
+
+    def __str__(self) -> str:
+        width = max(len(p) for p, _, _ in self.lines())
+        rows = [f"{p:<{width}}  {b:>10}  {s:>4}".rstrip() for p, b, s in self.lines()]
+        return "\n".join(["step memory per device", *rows, self.summary()])
+
+
+def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
+    """A mesh programs can be compiled for.
+
+    Args:
+        mesh: a ``Mesh`` (kept), an ``AbstractMesh`` or axis sizes (``{"data": 4}``), laid
+            on this machine's devices, or on ``topology``'s; default: the active mesh.
+        topology: a TPU topology name (``"v5e:4x4"``): compile for a slice this machine does
+            not have (``jax.experimental.topologies``, TPU only).
+
+    Raises:
+        MeshError: more devices asked for than exist, or the topology is unknown here.
+    """
+    from .._base import MeshError, current_mesh, make_mesh
+
+    if mesh is None:
+        mesh = current_mesh(concrete=True)
+    if isinstance(mesh, jax.sharding.Mesh) and topology is None:
+        return mesh
+    if isinstance(mesh, Mapping):
+        sizes, axis_types = {str(k): int(v) for k, v in mesh.items()}, "auto"
+    else:
+        sizes = mesh_sizes(mesh)
+        axis_types = getattr(mesh, "axis_types", None) or "auto"
+    if topology is None:
+        n, have = math.prod(sizes.values()), jax.device_count()
+        if n > have:
+            raise MeshError(
+                f"mesh ({format_mesh(sizes)}) needs {n} devices to compile for, this machine "
+                f"has {have}; pass topology='v5e:4x4' (TPU) to compile for a slice it does not "
+                f"have, or simulate CPU devices: jax.config.update('jax_num_cpu_devices', {n}) "
+                "before JAX starts"
+            )
+        return make_mesh(sizes, axis_types=axis_types)
+    from jax.experimental import topologies
+
+    platform = jax.devices()[0].platform
+    try:
+        desc = topologies.get_topology_desc(platform=platform, topology_name=topology)
+    except Exception as e:  # JAX raises several types for an unknown name or platform
+        raise MeshError(
+            f"cannot compile for topology {topology!r} on {platform}: {type(e).__name__}: {e}"
+        ) from None
+    return make_mesh(sizes, axis_types=axis_types, devices=list(desc.devices))
+
+
+def _is_optax(x: Any) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "optax"
+
+
+def _optax_arg(value: Any) -> bool:
+    """Whether an argument is an optax state (or holds only optax states)."""
+    if _is_optax(value):
+        return True
+    tops = jax.tree_util.tree_leaves(value, is_leaf=_is_optax)
+    return bool(tops) and all(_is_optax(t) for t in tops)
+
+
+def _float(dtype: Any) -> bool:
+    try:
+        return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+    except TypeError:  # extended dtypes (PRNG keys)
+        return False
+
+
+def classify(
+    plan: Any,
+    values: Sequence[Any],
+    batch_args: Sequence[int],
+    roles: Mapping[str, str | re.Pattern[str]] | None = None,
+) -> list[str]:
+    """The role of every leaf of ``plan`` (in ``plan.leaves`` order).
+
+    ``roles``: role -> regex searched in the displayed path (``"arg:path"`` with several
+    arguments), the first role that matches wins. Otherwise: arguments in ``batch_args`` are
+    the batch; a leaf under an ``opt_state``/``optimizer`` key, or in an optax state, is
+    optimizer state; other floating leaves are parameters, the rest (step counters, RNG
+    keys) other inputs.
+    """
+    compiled = [(r, re.compile(p) if isinstance(p, str) else p) for r, p in (roles or {}).items()]
+    out = []
+    named = plan.named()
+    at = 0
+    for i, a in enumerate(plan.args):
+        optax_arg = _optax_arg(values[i]) if i < len(values) else False
+        for leaf in a.leaves:
+            path = named[at][0]
+            at += 1
+            role = next((r for r, rx in compiled if rx.search(path)), None)
+            if role is None:
+                comps = set(leaf.path.split("/")) | {a.name}
+                if i in batch_args:
+                    role = "batch"
+                elif optax_arg or comps & _OPT_NAMES:
+                    role = "optimizer_state"
+                elif _float(leaf.dtype):
+                    role = "parameters"
+                else:
+                    role = "other_inputs"
+            out.append(role)
+    return out
+
+
+def check_roles(roles: Mapping[str, Any] | None) -> None:
+    bad = [r for r in roles or {} if r not in ROLES]
+    if bad:
+        raise SpecError(
+            [
+                Problem(
+                    "roles",
+                    bad[0],
+                    f"{bad[0]!r} is not a role",
+                    hint="roles are " + ", ".join(map(repr, ROLES)),
+                )
+            ],
+            header="invalid roles:",
+        )
+
+
+def measure(
+    jitted: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    values: Sequence[Any],
+    batch_args: Sequence[int],
+    roles: Mapping[str, Any] | None = None,
+) -> StepMemory:
+    """Lower and compile ``jitted`` (a ``ShardJit``) for abstract ``args`` and split XLA's
+    memory analysis by role (``values``: the dynamic arguments, ``batch_args`` their
+    positions among them that are the batch). One compile; nothing is allocated."""
+    plan = jitted.plan(*args, **kwargs)
+    t = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    seconds = time.perf_counter() - t
+    m = compiled.memory_analysis()
+    mesh = plan.mesh
+    dev = mesh.devices.flat[0]
+    platform = str(getattr(dev, "platform", "cpu"))
+    leaf_roles = classify(plan, values, batch_args, roles)
+    planned: dict[str, int] = dict.fromkeys(ROLES, 0)
+    for leaf, role in zip(plan.leaves, leaf_roles, strict=True):
+        planned[role] += plan.bytes_per_device(leaf)
+    arg, out, temp, alias = (
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.temp_size_in_bytes),
+        int(m.alias_size_in_bytes),
+    )
+    summed = arg + out + temp - alias
+    raw_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    # CPU's peak_memory_in_bytes is not the program's peak (often below its own arguments).
+    peak = raw_peak if platform != "cpu" and raw_peak > 0 else None
+    total = summed if peak is None else peak
+    resident = arg + out - alias
+    live_temp = max(0, total - resident)  # what is live beyond inputs and outputs at the peak
+    gradients = min(planned["parameters"], live_temp)
+    parts = {
+        "parameters": planned["parameters"],
+        "optimizer_state": planned["optimizer_state"],
+        "gradients": gradients,
+        "temporaries": total - resident - gradients,
+        "batch": planned["batch"],
+        "other_inputs": planned["other_inputs"],
+        "outputs": out - alias,
+        "layout": arg - sum(planned.values()),
+    }
+    result = StepMemory(
+        total=total,
+        parts=parts,
+        argument=arg,
+        output=out,
+        temp=temp,
+        alias=alias,
+        code=int(getattr(m, "generated_code_size_in_bytes", 0) or 0),
+        peak=peak,
+        compile_seconds=seconds,
+        platform=platform,
+        device_kind=str(getattr(dev, "device_kind", platform)),
+        mesh=mesh_sizes(mesh),
+        plan=plan,
+        roles=[(p, r) for (p, _), r in zip(plan.named(), leaf_roles, strict=True)],
+    )
+    plan.memory = result
+    return result
+
+
+def unwrap(
+    step: Callable[..., Any],
+    in_specs: Any,
+    donate_argnums: int | Sequence[int],
+    static_argnums: int | Sequence[int],
+) -> tuple[Callable[..., Any], Any, tuple[int, ...], tuple[int, ...]]:
+    """``(function, in_specs, donated, static)`` of ``step``: a ``ShardJit`` passed in gives
+    its own function, specs, donations and statics where these are not given."""
+    from .._jit import ShardJit
+
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    if isinstance(step, ShardJit):
+        layout = step._layout  # this package's own wrapper: its settings, read back
+        in_specs = step.in_specs if in_specs is None else in_specs
+        donate = donate or tuple(layout._donate_nums)
+        static = static or tuple(layout._static_nums)
+        step = step.fn
+    if in_specs is None:
+        raise SpecError(
+            [
+                Problem(
+                    "in_specs",
+                    None,
+                    "in_specs is required: one spec-like per argument of the step",
+                    hint="in_specs=(rules, P('data')) for step(state, batch)",
+                )
+            ],
+            header="cannot compile the step:",
+        )
+    return step, in_specs, donate, static
+
+
+def wrap(
+    step: Callable[..., Any],
+    *,
+    mesh: Any,
+    in_specs: Any,
+    donate_argnums: tuple[int, ...],
+    static_argnums: tuple[int, ...],
+) -> Any:
+    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
+    from .._jit import shard_jit
+
+    return shard_jit(
+        step,
+        mesh=mesh,
+        in_specs=in_specs,
+        donate_argnums=donate_argnums,
+        static_argnums=static_argnums,
+    )
+
+
+def batch_positions(args: Sequence[Any], batch_argnums: int | Sequence[int] | None) -> list[int]:
+    """The batch's argument positions: as given, else the last of several arguments."""
+    if batch_argnums is None:
+        return [len(args) - 1] if len(args) > 1 else []
+    return [batch_argnums] if isinstance(batch_argnums, int) else list(batch_argnums)
+
+
+def step_memory(
+    step: Callable[..., Any],
+    *args: Any,
+    mesh: Any = None,
+    in_specs: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+    batch_argnums: int | Sequence[int] | None = None,
+    roles: Mapping[str, str | re.Pattern[str]] | None = None,
+    topology: str | None = None,
+    **kwargs: Any,
+) -> StepMemory:
+    """The per-device memory of one call of ``step``, from XLA, before any run.
+
+    The step is compiled once for abstract arguments (``jax.ShapeDtypeStruct`` leaves, from
+    ``jax.eval_shape``; arrays work too), as [`shard_jit`][modelshard.shard_jit] would
+    compile it, and XLA's memory analysis is split into parameters, optimizer state,
+    gradients, activations and temporaries, batch and outputs (see
+    [`StepMemory`][modelshard.StepMemory]). Nothing is allocated on any device.
+
+    Args:
+        step: the training step (a function or a ``ShardJit``).
+        *args: its arguments, abstract.
+        mesh: a ``Mesh``, an ``AbstractMesh`` or axis sizes; default: the active mesh. A mesh
+            larger than this machine compiles on simulated CPU devices, or for a TPU
+            ``topology``.
+        in_specs: one spec-like per argument, as for ``shard_jit``.
+        donate_argnums: arguments donated to the step (the state: its outputs then take the
+            inputs' place, as in a training loop).
+        static_argnums: arguments passed as compile-time constants.
+        batch_argnums: the batch's positions; default: the last argument when there are
+            several.
+        roles: role -> regex searched in a leaf's displayed path (``"arg:path"``), to say
+            which leaves are ``parameters``, ``optimizer_state``, ``batch`` or
+            ``other_inputs`` where the default (by container: optax states and
+            ``opt_state`` keys are optimizer state) is not right.
+        topology: a TPU topology name (``"v5e:4x4"``) to compile for.
+        **kwargs: keyword arguments of the step.
+
+    Returns:
+        A [`StepMemory`][modelshard.StepMemory]; its ``plan`` is the inputs'
+        [`Plan`][modelshard.Plan], whose table and HTML show the step's memory too.
+
+    Raises:
+        SpecError: a spec that cannot be placed, or an unknown role.
+        MeshError: a mesh larger than the devices JAX can compile for.
+    """
+    check_roles(roles)
+    cmesh = compile_mesh(mesh, topology)
+    fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
+    jitted = wrap(fn, mesh=cmesh, in_specs=in_specs, donate_argnums=donated, static_argnums=static)
+    statics = set(static)
+    dynamic = [i for i in range(len(args)) if i not in statics]
+    batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
+    return measure(jitted, args, kwargs, [args[i] for i in dynamic], batch, roles)

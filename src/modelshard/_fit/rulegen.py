@@ -1,0 +1,71 @@
+"""``rules_for``: short [`Rules`][modelshard.Rules] that give every leaf of an argument the
+spec wanted for it (what advice hands back, pasteable)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from .._specs import Rules
+
+
+def _norm(spec: PartitionSpec) -> tuple[Any, ...]:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _component(c: str) -> str:
+    """One path component as a regex; layer numbers match any number."""
+    return re.sub(r"\d+", r"\\d+", re.escape(c))
+
+
+def _candidates(path: str) -> list[str]:
+    """Patterns matching ``path``, shortest first: a suffix of its components, or a first
+    component and a suffix."""
+    comps = [_component(c) for c in path.split("/")]
+    n = len(comps)
+    out = []
+    for k in range(1, n + 1):
+        suffix = "/".join(comps[n - k :])
+        out.append(f"^{suffix}$" if k == n else f"(^|/){suffix}$")
+        for j in range(1, n - k):
+            out.append(f"^{'/'.join(comps[:j])}/(.*/)?{suffix}$")
+    return sorted(out, key=len)
+
+
+def rules_for(
+    paths: Sequence[str], specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...]]
+) -> Rules:
+    """Rules whose first match gives each leaf ``specs[i]``: one rule per group of leaves
+    wanting the same spec (a pattern that matches no leaf wanting another), then a
+    catch-all for the most common spec. Rank-0 leaves replicate whatever matches them."""
+    want = {p: _norm(s) for p, s, shape in zip(paths, specs, shapes, strict=True) if shape}
+    if not want:
+        return Rules([(".*", PartitionSpec())])
+    default = Counter(want.values()).most_common(1)[0][0]
+    pure: dict[str, bool] = {}
+    rules: list[tuple[str, PartitionSpec]] = []
+    covered: set[str] = set()
+    for path, spec in want.items():
+        if spec == default or path in covered:
+            continue
+        for pat in _candidates(path):
+            if pat not in pure:
+                rx = re.compile(pat)
+                hits = [q for q in want if rx.search(q)]
+                pure[pat] = all(want[q] == spec for q in hits)
+            if pure[pat]:
+                break
+        else:  # unreachable: the full anchored path matches only itself
+            pat = "^" + re.escape(path) + "$"
+        rx = re.compile(pat)
+        covered |= {q for q in want if rx.search(q)}
+        rules.append((pat, PartitionSpec(*spec)))
+    rules.append((".*", PartitionSpec(*default)))
+    return Rules(rules)

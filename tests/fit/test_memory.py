@@ -1,0 +1,138 @@
+"""``ms.step_memory`` (``_fit/memory.py``): a compiled step's memory per device from XLA,
+split by role so the parts add up to XLA's total, from abstract inputs only."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+
+MESH = {"data": 4, "model": 2}
+
+
+def _xla_total(step, state, batch, mesh, state_spec, donate=(0,)):
+    """The same program compiled by plain ``jax.jit`` with the plan's shardings."""
+    p = ms.plan(state, state_spec, mesh)
+    state_in = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, p.shardings
+    )
+    batch_in = jax.ShapeDtypeStruct(
+        batch.shape, batch.dtype, sharding=NamedSharding(mesh, P("data"))
+    )
+    m = jax.jit(step, donate_argnums=donate).lower(state_in, batch_in).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def test_the_parts_add_up_to_xlas_total_and_nothing_is_allocated(decoder):
+    mesh = ms.make_mesh(MESH)
+    before = len(jax.live_arrays())
+    m = ms.step_memory(
+        decoder.step,
+        decoder.state,
+        decoder.batch,
+        mesh=mesh,
+        in_specs=(ms.fsdp("data", min_size=0), P("data")),
+        donate_argnums=0,
+    )
+    assert len(jax.live_arrays()) == before  # abstract inputs only
+    assert sum(m.parts.values()) == m.total == m.argument + m.output + m.temp - m.alias
+    assert m.total == _xla_total(
+        decoder.step, decoder.state, decoder.batch, mesh, ms.fsdp("data", min_size=0)
+    )
+    assert m.peak is None and m.platform == "cpu"  # CPU's peak field is not the step's
+    # inputs by role, from the plan: parameters and moments sharded 4 ways
+    plan = m.plan
+    params = sum(plan.bytes_per_device(x) for p, x in plan.named() if "params/" in p)
+    opt = sum(plan.bytes_per_device(x) for p, x in plan.named() if "opt_state/" in p)
+    assert (m.parts["parameters"], m.parts["optimizer_state"]) == (params, opt)
+    assert opt == 2 * params + 4  # mu, nu and adam's count
+    assert m.parts["batch"] == 16 * 32 * 4 // 4
+    assert m.parts["gradients"] == params and m.parts["temporaries"] > 0
+    assert m.parts["layout"] == 0  # CPU: XLA's argument bytes are the plan's
+    assert m.parts["outputs"] < 1024  # the state is donated: only the loss and scalars are new
+    assert m.compile_seconds > 0 and m.mesh == MESH
+    assert plan.memory is m
+
+
+def test_without_donation_the_new_state_is_counted_as_outputs(dict_decoder):
+    d = dict_decoder
+    kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")))
+    kept = ms.step_memory(d.step, d.state, d.batch, **kw)
+    donated = ms.step_memory(d.step, d.state, d.batch, donate_argnums=0, **kw)
+    state_bytes = kept.parts["parameters"] + kept.parts["optimizer_state"] + 4
+    assert kept.parts["outputs"] >= state_bytes
+    assert donated.parts["outputs"] < 1024 < state_bytes // 4 < kept.total - donated.total
+    assert sum(kept.parts.values()) == kept.total
+
+
+def test_a_shard_jit_step_brings_its_own_specs_and_donation(dict_decoder):
+    d = dict_decoder
+    mesh = ms.make_mesh(MESH)
+    jitted = ms.shard_jit(
+        d.step, mesh=mesh, in_specs=(ms.fsdp("data"), P("data")), donate_argnums=0
+    )
+    m = ms.step_memory(jitted, d.state, d.batch, mesh=mesh)
+    assert m.parts["outputs"] < 1024
+    assert m.plan["state:params/layers_0/mlp/up/kernel"].spec == P(None, "data")
+    assert jitted.cache_size == 0  # measuring compiled a copy, not the user's step
+
+
+def test_roles_name_leaves_the_default_cannot_tell(dict_decoder):
+    d = dict_decoder
+    kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")), donate_argnums=0)
+    m = ms.step_memory(d.step, d.state, d.batch, roles={"batch": r"^state:params/embed/"}, **kw)
+    embed = math.prod((512, 64)) * 4
+    assert m.parts["batch"] == embed + 16 * 32 * 4 // 4
+    assert dict(m.roles)["state:params/embed/embedding"] == "batch"
+    assert dict(m.roles)["state:step"] == "other_inputs"
+    with pytest.raises(ms.SpecError) as e:
+        ms.step_memory(d.step, d.state, d.batch, roles={"weights": "embed"}, **kw)
+    assert str(e.value).splitlines() == [
+        "invalid roles:",
+        "  roles:weights",
+        "    problem: 'weights' is not a role",
+        "    hint: roles are 'parameters', 'optimizer_state', 'batch', 'other_inputs'",
+    ]
+
+
+def test_a_mesh_larger_than_the_machine_is_refused_with_the_ways_to_get_one(dict_decoder):
+    d = dict_decoder
+    with pytest.raises(ms.MeshError) as e:
+        ms.step_memory(d.step, d.state, d.batch, mesh={"data": 16}, in_specs=(P(), P("data")))
+    assert str(e.value) == (
+        "mesh (data=16) needs 16 devices to compile for, this machine has 8; pass "
+        "topology='v5e:4x4' (TPU) to compile for a slice it does not have, or simulate CPU "
+        "devices: jax.config.update('jax_num_cpu_devices', 16) before JAX starts"
+    )
+
+
+def test_the_plan_table_html_and_json_show_the_step(dict_decoder):
+    d = dict_decoder
+    m = ms.step_memory(
+        d.step,
+        d.state,
+        d.batch,
+        mesh=ms.make_mesh(MESH),
+        in_specs=(P(), P("data")),
+        donate_argnums=0,
+    )
+    text = str(m.plan.table())
+    assert "step memory per device (XLA)" in text
+    assert "gradients (estimated)" in text and "total per device" in text
+    html = m.plan.html()
+    assert f'class="ms-step-memory" data-total="{m.total}"' in html
+    assert f'data-part="parameters" data-bytes="{m.parts["parameters"]}"' in html
+    data = m.to_json()
+    assert sum(data["parts"].values()) == data["total"]
+    assert data["xla"]["alias"] == m.alias and data["platform"] == "cpu"
+    assert m.fits(m.total) and not m.fits(m.total - 1)
