@@ -1,7 +1,8 @@
 """A manager root that already holds another tool's steps (``_checkpoint/manager.py``,
 ``listing.py``): Orbax's own ``CheckpointManager`` wrote steps 10, 15 and 20 there, as a
-user moving to modelshard has them. The manager never removes nor replaces them, says so,
-and removes one only when asked by name; its own interrupted saves are still cleaned."""
+user moving to modelshard has them. The manager lists and restores them beside its own,
+never removes nor replaces them, warns about what it cannot restore, and removes one only
+when asked by name; its own interrupted saves are still cleaned."""
 
 from __future__ import annotations
 
@@ -82,36 +83,56 @@ def root(tmp_path) -> Path:
 
 
 def opened(root: Path, **kw) -> ms.CheckpointManager:
-    with pytest.warns(ms.ForeignStepsWarning) as said:
-        mngr = ms.CheckpointManager(root, async_save=False, handle_signals=False, **kw)
-    assert len(said) == 1
-    return mngr
+    """The manager on ``root``: Orbax's complete steps it restores give no warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return ms.CheckpointManager(root, async_save=False, handle_signals=False, **kw)
 
 
-def test_opening_warns_once_naming_the_other_tools_steps(root):
+def test_orbaxs_complete_steps_are_listed_and_restored_as_its_own(root):
+    with opened(root) as mngr:
+        assert (mngr.latest_step(), mngr.all_steps()) == (20, [10, 15, 20])
+        assert float(mngr.restore()["w"][0]) == 20.0
+        assert float(mngr.restore(15, like={"w": jnp.zeros(4)})["w"][0]) == 15.0
+        assert mngr.items() == {"metadata": {"step": 20}}  # its JsonSave item
+        assert mngr.items(10) == {"metadata": {"step": 10}}
+        assert (mngr.metadata(20), mngr.metrics(20)) == ({}, None)
+        assert repr(mngr) == f"CheckpointManager({str(root)!r}, steps=[10, 15, 20])"
+    assert ms.read_items(root / "20") == {"metadata": {"step": 20}}
+
+
+def test_opening_warns_once_naming_what_it_does_not_restore(root):
+    _unfinished(root / "10", root / "31.orbax-checkpoint-tmp")
+    (root / "32").write_text("notes")
     with pytest.warns(ms.ForeignStepsWarning) as said:
         mngr = ms.CheckpointManager(root, handle_signals=False)
     assert [str(w.message) for w in said] == [
-        f"{root} holds steps another tool wrote: 10, 15, 20 (complete, Orbax). This "
-        "CheckpointManager restores and rotates only its own steps (none here yet, so "
-        "latest_step() is None), never removes or replaces these, and does not save over "
-        "their numbers (should_save is False for them, save raises ForeignStepError); "
+        f"{root} holds steps another tool wrote that this CheckpointManager does not "
+        "restore: 31 (unfinished, Orbax); 32 (another tool). It never removes or replaces "
+        "them, and does not save over their numbers (should_save is False for them, save "
+        "raises ForeignStepError); latest_step() is 20. "
         f"`modelshard steps {root}` lists them."
     ]
     assert said[0].filename == __file__  # points at the user's line
     with mngr:
-        assert (mngr.latest_step(), mngr.all_steps()) == (None, [])
+        assert mngr.all_steps() == [10, 15, 20]
+        assert not mngr.should_save(31) and not mngr.should_save(32)
+        with pytest.raises(ms.ForeignStepError) as e:
+            mngr.restore(31)
+        assert str(e.value) == (
+            f"cannot restore step 31: {root / '31.orbax-checkpoint-tmp'} is an unfinished "
+            "save by another tool (Orbax); this CheckpointManager restores its own complete "
+            "steps and Orbax's complete steps that hold a state item (`state`, or a single "
+            "tree item); here: 10, 15, 20."
+        )
+    empty = root.parent / "empty"
+    _unfinished(root / "10", empty / "31.orbax-checkpoint-tmp")
+    with pytest.warns(ms.ForeignStepsWarning), ms.CheckpointManager(empty) as mngr:
         with pytest.raises(ms.CheckpointError) as e:
             mngr.restore()
         assert str(e.value) == (
-            f"no checkpoint in {root}: no step was saved yet (steps 10, 15, 20 there were "
-            "written by another tool; this CheckpointManager does not restore them)."
-        )
-        with pytest.raises(ms.ForeignStepError) as e:
-            mngr.restore(20)
-        assert str(e.value) == (
-            f"cannot restore step 20: {root / '20'} is a complete step written by another "
-            "tool (Orbax); this CheckpointManager restores only its own steps (none here)."
+            f"no checkpoint in {empty}: no step was saved yet (steps 31 there were written "
+            "by another tool, and are not steps this CheckpointManager restores)."
         )
     with warnings.catch_warnings():  # a root of its own steps alone: no warning
         warnings.simplefilter("error")
@@ -134,7 +155,7 @@ def test_saving_over_an_orbax_step_is_refused_and_leaves_it_byte_identical(root,
             f"Save under another step number, move {root / '20'} out of {root}, or, to "
             "replace it, remove it by name with delete(20) first.",
         ]
-        assert mngr.all_steps() == []
+        assert mngr.all_steps() == [10, 15, 20]
     assert orbax_snapshot(root) == before
     assert len(before) > 30 and sorted(os.listdir(root)) == [
         ".modelshard-lock",
@@ -151,7 +172,7 @@ def test_a_loop_keeping_two_steps_never_deletes_the_orbax_steps(root):
             if mngr.should_save(step):
                 assert mngr.save(step, {"w": jnp.full((4,), float(step))})
                 saved.append(step)
-        assert mngr.all_steps() == [24, 25]
+        assert mngr.all_steps() == [10, 15, 20, 24, 25]
         assert float(mngr.restore()["w"][0]) == 25.0
     assert saved == [s for s in range(5, 26) if s not in ORBAX_STEPS]
     assert orbax_snapshot(root) == before
@@ -171,14 +192,16 @@ def test_delete_by_name_replaces_an_orbax_step(root):
     with opened(root) as mngr:
         mngr.delete(20)
         assert mngr.should_save(20)
+        assert mngr.all_steps() == [10, 15]
         assert mngr.save(20, {"w": jnp.full((4,), 7.0)})
-        assert mngr.all_steps() == [20]
+        assert mngr.all_steps() == [10, 15, 20]
         assert float(mngr.restore(20)["w"][0]) == 7.0
+        assert mngr.items(20) == {}  # its own step now: Orbax's items went with Orbax's
         with pytest.raises(ms.CheckpointError) as e:
             mngr.delete(30)
         assert str(e.value) == f"no step 30 in {root}: nothing there carries that number."
         mngr.delete(20)  # one of its own, outside its keep rules
-        assert mngr.all_steps() == []
+        assert mngr.all_steps() == [10, 15]
     assert sorted(n for n in os.listdir(root) if n[0].isdigit()) == ["10", "15"]
     assert [orbax_restores(root, s) for s in (10, 15)] == [10.0, 15.0]
 
@@ -209,9 +232,9 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
         listed = {e.path.name: (e.status, e.owner, e.complete, e.why) for e in list_steps(root)}
         assert listed == {
             "1": ("complete", "modelshard", True, ""),
-            "10": ("foreign", "orbax", True, "written by another tool (Orbax)"),
-            "15": ("foreign", "orbax", True, "written by another tool (Orbax)"),
-            "20": ("foreign", "orbax", True, "written by another tool (Orbax)"),
+            "10": ("complete", "orbax", True, "written by another tool (Orbax)"),
+            "15": ("complete", "orbax", True, "written by another tool (Orbax)"),
+            "20": ("complete", "orbax", True, "written by another tool (Orbax)"),
             "30.orbax-checkpoint-tmp": (
                 "leftover",
                 "modelshard",
@@ -242,7 +265,7 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
             "another tool (Orbax), and this CheckpointManager never removes or replaces what "
             "it did not write."
         )
-        assert mngr.all_steps() == [1, 30, 32, 33]
+        assert mngr.all_steps() == [1, 10, 15, 20, 30, 32, 33]
     assert snapshot(root / "31.orbax-checkpoint-tmp") == kept
     assert sorted(n for n in os.listdir(root) if n[0].isdigit()) == [
         "1",
@@ -276,9 +299,9 @@ def test_a_step_of_ours_whose_record_item_was_removed_is_not_taken_for_orbaxs(tm
 @pytest.mark.multiprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
 def test_two_processes_agree_on_the_other_tools_steps(root, tmp_path):
-    """Process 0 lists and decides, the others follow: on both processes the loop skips
-    10, 15 and 20, ``save(20)`` raises the same ``ForeignStepError``, and ``delete(20)``
-    then ``save(20)`` replace it; only process 0 warns."""
+    """Process 0 lists and decides, the others follow: on both processes Orbax's steps are
+    listed and restored, the loop skips 10, 15 and 20, ``save(20)`` raises the same
+    ``ForeignStepError``, and ``delete(20)`` then ``save(20)`` replace it; nothing warns."""
     script = Path(__file__).parent / "manager_scripts" / "foreign_steps.py"
     before = orbax_snapshot(root)
     cmd = launch_argv(sys.executable, str(script), str(root), str(tmp_path), timeout=150)
@@ -297,11 +320,13 @@ def test_two_processes_agree_on_the_other_tools_steps(root, tmp_path):
     }
     for me, r in enumerate(results):
         assert r == {
-            "warned": ["ForeignStepsWarning"] if me == 0 else [],
+            "warned": [],
+            "orbax 20": 20.0,
+            "items 20": {"metadata": {"step": 20}},
             "saved": [s for s in range(5, 26) if s not in ORBAX_STEPS],
             "raised": refused,
-            "steps": [24, 25],
-            "steps after": [20, 24, 25],
+            "steps": [10, 15, 20, 24, 25],
+            "steps after": [10, 15, 20, 24, 25],
             "restored 20": 99.0,
         }, (me, r)
     after = orbax_snapshot(root)
@@ -324,7 +349,7 @@ def _s3_tree(url: str) -> dict[str, bytes]:
 def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s3_root):
     """On ``s3://`` Orbax's step is complete by its commit file: steps 10, 15, 20 as Orbax
     committed them and 30 as Orbax left it mid-save (no commit file, the metadata it
-    starts with); the manager refuses both kinds and removes neither."""
+    starts with); the manager restores the first, refuses both kinds and removes neither."""
     import s3fs
 
     local = tmp_path / "orbax"
@@ -341,7 +366,7 @@ def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s
     before = _s3_tree(s3_root)
     with pytest.warns(ms.ForeignStepsWarning) as said:
         mngr = ms.CheckpointManager(s3_root, async_save=False, handle_signals=False)
-    assert "10, 15, 20 (complete, Orbax); 30 (unfinished, Orbax)" in str(said[0].message)
+    assert "does not restore: 30 (unfinished, Orbax). It never" in str(said[0].message)
     with mngr:
         assert [mngr.should_save(s) for s in (20, 25, 30)] == [False, True, False]
         for step, what in ((20, "is a complete step"), (30, "is an unfinished save by")):
@@ -349,10 +374,12 @@ def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s
                 mngr.save(step, {"w": jnp.ones(4)}, force=True)
             assert str(e.value).startswith(f"cannot save step {step}: {s3_root}/{step} {what}")
         assert mngr.save(25, {"w": jnp.ones(4)})
-        assert mngr.all_steps() == [25]
+        assert mngr.all_steps() == [10, 15, 20, 25]
+        assert float(mngr.restore(20)["w"][0]) == 20.0
+        assert mngr.items(20) == {"metadata": {"step": 20}}
     listed = [(e.step, e.status, e.owner, e.complete) for e in list_steps(s3_root)]
     assert listed == [
-        *[(s, "foreign", "orbax", True) for s in ORBAX_STEPS],
+        *[(s, "complete", "orbax", True) for s in ORBAX_STEPS],
         (25, "complete", "modelshard", True),
         (30, "foreign", "orbax", False),
     ]

@@ -200,7 +200,7 @@ def test_steps_of_a_checkpoint_says_it_is_no_manager_root(tmp_path, capsys):
 def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_path, capsys):
     """Orbax's own CheckpointManager saved steps 10, 15, 20 into the root; modelshard's
     manager saved 5 and was interrupted saving 25. Orbax's are complete steps of another
-    tool, which the manager will not touch; 25 is a leftover of ours."""
+    tool, which the manager restores and will not touch; 25 is a leftover of ours."""
     import shutil
 
     import orbax.checkpoint as ocp
@@ -213,9 +213,7 @@ def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_p
                 metadata=ocp.args.JsonSave({"step": s}),
             )
             orbax_mngr.save(s, args=args)
-    with pytest.warns(ms.ForeignStepsWarning):
-        mngr = ms.CheckpointManager(root, handle_signals=False)
-    with mngr:
+    with ms.CheckpointManager(root, handle_signals=False) as mngr:
         mngr.save(5, {"w": jnp.arange(8.0)})
     # step 25 as a save of ours leaves it when it dies before the commit: items under
     # Orbax's temporary names, the metadata Orbax writes as it starts (no marker yet)
@@ -227,7 +225,7 @@ def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_p
     (staging / "_CHECKPOINT_METADATA").write_text('{"init_timestamp_nsecs": 1}')
     status, doc = run_json(capsys, str(root))
     assert status == 0
-    assert (doc["complete"], doc["latest"]) == ([5], 5)
+    assert (doc["complete"], doc["latest"]) == ([5, 10, 15, 20], 20)
     orbax_parts = ["_CHECKPOINT_METADATA", "commit_success.txt", "metadata", "state"]
     assert [
         (e["step"], e["status"], e["owner"], e["complete"], e["why"], e["has"], e["lacks"])
@@ -235,7 +233,7 @@ def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_p
     ] == [
         (5, "complete", "modelshard", True, None, [*PARTS, "commit_success.txt"], []),
         *[
-            (s, "foreign", "orbax", True, "written by another tool (Orbax)", orbax_parts, [])
+            (s, "complete", "orbax", True, "written by another tool (Orbax)", orbax_parts, [])
             for s in (10, 15, 20)
         ],
         (25, "leftover", "modelshard", False, "staging folder of an interrupted save",
@@ -248,16 +246,32 @@ def test_steps_tells_another_tools_complete_steps_from_an_interrupted_save(tmp_p
     rows = {step: status for step, status in cells if step}  # a long cell wraps its row
     assert rows == {
         "5": "complete",
-        "10": "written by another tool (Orbax), complete",
-        "15": "written by another tool (Orbax), complete",
-        "20": "written by another tool (Orbax), complete",
+        "10": "complete, written by another tool (Orbax)",
+        "15": "complete, written by another tool (Orbax)",
+        "20": "complete, written by another tool (Orbax)",
         "25": "leftover: staging folder of an interrupted save",
     }
     assert lines[-3:] == [
-        "latest complete step: 5; leftovers of step 25; written by another tool: step 10, 15, 20",
+        "latest complete step: 20; Orbax's: step 10, 15, 20; leftovers of step 25",
         "A leftover is what a save that did not finish left behind; the next save of its step "
         "number removes it.",
+        "A CheckpointManager lists and restores the complete steps of Orbax's own "
+        "CheckpointManager as its own, but never removes or replaces them (its rotation leaves "
+        "them) and refuses to save over their numbers; CheckpointManager.delete(step) removes "
+        "one by name.",
+    ]
+    # an unfinished save of Orbax's is neither listed nor restored
+    shutil.copytree(root / "10", root / f"30{ORBAX_TMP}")
+    capsys.readouterr()
+    assert main(["steps", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "written by another tool (Orbax), unfinished" in "".join(lines)
+    assert lines[-4] == (
+        "latest complete step: 20; Orbax's: step 10, 15, 20; leftovers of step 25; written by "
+        "another tool: step 30"
+    )
+    assert lines[-1] == (
         "A CheckpointManager never removes or replaces a step another tool wrote: it neither "
         "lists nor restores it, and refuses to save over its number. Save under other step "
-        "numbers, move it away, or remove it by name with CheckpointManager.delete(step).",
-    ]
+        "numbers, move it away, or remove it by name with CheckpointManager.delete(step)."
+    )

@@ -33,15 +33,16 @@ COLLECTIVES = {
 LOCAL = {
     "mkdir", "exists", "is_dir", "iterdir", "rename", "rmtree", "unlink", "write_text",
     "open", "close", "flock", "dumps", "time_ns", "format", "range", "len", "type", "pop",
-    "keep", "metrics", "CheckpointError", "ForeignStepError", "to_json",
+    "keep", "metrics", "CheckpointError", "ForeignStepError", "to_json", "sorted",
 }  # fmt: skip
 
 # modelshard's own functions called in those branches: local work, checked one level down.
 OURS = {
     "remove_leftovers", "_exchange", "fsync_dir", "write_text_durable", "_make_room",
-    "complete_steps", "reaching", "_remove_partial", "_delete_step", "_finalize",
+    "complete_steps", "reaching", "remove_partial", "delete_step", "_finalize",
     "_tree_metadata", "_sharding_file", "_checkpoint_metadata", "_empty_sums",
-    "_write_adapter", "_commit", "foreign_steps", "_refusal", "_remove_numbered",
+    "_write_adapter", "_commit", "foreign_steps", "refusal", "remove_numbered",
+    "purge_rotated", "adopted_steps",
 }  # fmt: skip
 
 

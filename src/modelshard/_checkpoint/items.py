@@ -11,6 +11,10 @@ with the arrays or not at all). Each item is one of:
 
 Everything is checked before any byte of the step is written; the error lists every item
 that cannot be stored.
+
+A step Orbax's own ``CheckpointManager`` wrote (which the manager lists and restores) has
+no such document: its items are those of its ``args.Composite`` written with
+``ocp.args.JsonSave``, each an item folder holding one JSON file (``orbax_items``).
 """
 
 from __future__ import annotations
@@ -174,6 +178,9 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
     from .storage import ITEMS_FILE, ITEMS_ITEM, read_small
 
     source = locate(directory)
+    if source.record.source == "orbax" and source.tree_dir != source.path:
+        # Orbax's own manager's step: its JSON items, beside the item read as its state
+        return decode_items(orbax_items(source.path, source.tree_dir.name), like)
     try:
         raw = read_small(source.path / ITEMS_ITEM / ITEMS_FILE)
     except FileNotFoundError:
@@ -226,15 +233,34 @@ def _document(path: Any) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
+def read_json(path: Any) -> Any:
+    """The JSON document at ``path``, or None where there is no such file."""
+    from .urls import reaching
+
+    try:
+        with reaching(path):
+            return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} cannot be read as JSON: {type(e).__name__}: {e}") from e
+
+
 def extras_json(directory: Any) -> dict[str, Any]:
     """A manager step's items (as stored: JSON, keys and iterator states tagged) and
-    metrics, for ``modelshard inspect --json``; ``{}`` for a checkpoint without them."""
-    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM
+    metrics, for ``modelshard inspect --json``; ``{}`` for a checkpoint without them. A step
+    of Orbax's own manager gives its JSON items (``orbax_items``) and its metrics."""
+    from .listing import orbax_state
+    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM, RECORD_ITEM
     from .urls import location
 
     root = location(directory)
     out: dict[str, Any] = {}
     items = _document(root / ITEMS_ITEM / ITEMS_FILE)
+    if items is None and not (root / RECORD_ITEM).exists() and _orbax_step(root):
+        state = orbax_state(root, _names(root))
+        found = orbax_items(root, state) if state is not None else {}
+        items = found or None
     if items is not None:
         out["items"] = items
     metrics = _document(root / METRICS_ITEM / METRICS_FILE)
@@ -257,3 +283,79 @@ def read_metadata(directory: Any) -> dict[str, Any]:
     from .sources import locate
 
     return dict(locate(directory).record.metadata)
+
+
+_ORBAX_JSON = "JsonCheckpointHandler"
+"""The name of the type of Orbax's handler of a JSON item, as its step's
+``_CHECKPOINT_METADATA`` names it (``item_handlers``)."""
+_ORBAX_JSON_FILE = "metadata"
+"""The file Orbax's ``JsonCheckpointHandler`` writes by default, in its item folder."""
+
+
+def _names(step_dir: Any) -> list[str]:
+    return sorted(c.name for c in step_dir.iterdir())
+
+
+def _orbax_step(step_dir: Any) -> dict[str, Any] | None:
+    """The ``_CHECKPOINT_METADATA`` of Orbax's step ``step_dir`` as a dict, or None."""
+    from .storage import CHECKPOINT_METADATA
+
+    try:
+        meta = _document(step_dir / CHECKPOINT_METADATA)
+    except CheckpointError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
+    """The JSON items of a step Orbax's own ``CheckpointManager`` wrote, by item name, as
+    they were saved: every item its ``_CHECKPOINT_METADATA`` lists with Orbax's JSON
+    handler (``ocp.args.JsonSave`` in its ``args.Composite``), each read from the one file
+    in its folder. Not ``state`` (the item restored as the state), not ``metrics`` (Orbax's
+    own, ``CheckpointManager.metrics``), nor another tree item (read with
+    [`modelshard.restore`][modelshard.restore] on its folder). A step written without
+    handler names: every item folder without Orbax's tree metadata.
+
+    Raises:
+        CheckpointError: a JSON item the step lists whose file is gone or not JSON (a
+            damaged step).
+    """
+    from .storage import COMMIT_FILE, METRICS_ITEM, ORBAX_TMP, TREE_METADATA, read_small
+
+    meta = _orbax_step(step_dir) or {}
+    handlers = meta.get("item_handlers")
+    names = _names(step_dir)
+    if isinstance(handlers, dict):
+        listed = sorted(n for n, h in handlers.items() if str(h).endswith(_ORBAX_JSON))
+    else:
+        listed = [
+            n
+            for n in names
+            if ORBAX_TMP not in n
+            and (step_dir / n).is_dir()
+            and not (step_dir / n / TREE_METADATA).exists()
+        ]
+    out: dict[str, Any] = {}
+    for name in listed:
+        if name in (state, METRICS_ITEM):
+            continue
+        item = step_dir / name
+        files = (
+            sorted(c.name for c in item.iterdir() if c.name != COMMIT_FILE) if item.is_dir() else []
+        )
+        file = (
+            _ORBAX_JSON_FILE if _ORBAX_JSON_FILE in files else files[0] if len(files) == 1 else None
+        )
+        if file is None:
+            raise CheckpointError(
+                f"{item} is missing its JSON file: Orbax's step {step_dir.name} was saved with "
+                f"the JSON item {name!r}, so it is damaged and that item cannot be read. Its "
+                "arrays still restore; restore a complete copy of the step to get it back."
+            )
+        try:
+            out[name] = json.loads(read_small(item / file))
+        except (ValueError, RecursionError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{item / file} is not valid JSON: {e}") from e
+    return out

@@ -150,6 +150,21 @@ def orbax_complete(path: Any, names: list[str]) -> bool:
     return not is_remote(path) or COMMIT_FILE in names
 
 
+def orbax_state(path: Any, names: list[str]) -> str | None:
+    """The item of Orbax's step ``path`` a restore reads as the state, as
+    ``sources.locate`` picks it: ``state`` where it holds Orbax's tree metadata, else the
+    one item that does (``default``, the item of a manager saving a single item); None
+    where there is no such item or several (the step is listed but not restored)."""
+    trees = [
+        n
+        for n in names
+        if ORBAX_TMP not in n and not n.startswith(".") and (path / n / TREE_METADATA).is_file()
+    ]
+    if STATE_ITEM in trees:
+        return STATE_ITEM
+    return trees[0] if len(trees) == 1 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Foreign:
     """A numbered entry of a manager's root that another tool wrote.
@@ -160,12 +175,22 @@ class Foreign:
         owner: ``ORBAX`` or ``OTHER``.
         complete: whether its writer counts it as finished (Orbax's rule; False for
             ``OTHER``).
+        state: for a complete step of Orbax's, the item restored as its state
+            (``orbax_state``: ``state``, or its one tree item), which makes it a step
+            the manager lists and restores; None otherwise.
     """
 
     step: int
     name: str
     owner: str
     complete: bool
+    state: str | None = None
+
+    @property
+    def restorable(self) -> bool:
+        """Whether the manager lists and restores it (a complete step of Orbax's with a
+        state item); it still never removes or replaces it."""
+        return self.complete and self.state is not None
 
     @property
     def writer(self) -> str:
@@ -190,11 +215,12 @@ class Foreign:
         return f"{'complete' if self.complete else 'unfinished'}, {WRITERS[ORBAX]}"
 
     def to_json(self) -> list[Any]:
-        return [self.step, self.name, self.owner, self.complete]
+        return [self.step, self.name, self.owner, self.complete, self.state]
 
     @classmethod
     def from_json(cls, doc: list[Any]) -> Foreign:
-        return cls(int(doc[0]), str(doc[1]), str(doc[2]), bool(doc[3]))
+        state = None if doc[4] is None else str(doc[4])
+        return cls(int(doc[0]), str(doc[1]), str(doc[2]), bool(doc[3]), state)
 
 
 def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]:
@@ -223,8 +249,57 @@ def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]
             owner = entry_owner(c, names)
             if owner in (ORBAX, OTHER):
                 done = owner == ORBAX and orbax_complete(c, names)
-                out.append(Foreign(int(m.group(1)), c.name, owner, done))
+                state = orbax_state(c, names) if done else None
+                out.append(Foreign(int(m.group(1)), c.name, owner, done, state))
     return sorted(out, key=lambda f: (f.step, f.name))
+
+
+def refusal(step: int, root: Any, entries: list[Foreign]) -> str:
+    """Why ``CheckpointManager.save(step)`` refuses the step number another tool's
+    ``entries`` hold, and what to do."""
+    held = "; ".join(f.describe(root) for f in entries)
+    names = " and ".join(str(root / f.name) for f in entries)
+    return (
+        f"cannot save step {step}: {held}, and this CheckpointManager never removes or "
+        "replaces what it did not write.\n"
+        f"Save under another step number, move {names} out of {root}, or, to replace it, "
+        f"remove it by name with delete({step}) first."
+    )
+
+
+def foreign_summary(root: Any, entries: list[Foreign], steps: list[int]) -> str:
+    """The warning a manager opened on a root holding another tool's ``entries`` it does
+    not restore gives (``steps``: those it restores)."""
+    groups: dict[str, list[int]] = {}
+    for f in entries:
+        numbers = groups.setdefault(f.kind, [])
+        if f.step not in numbers:
+            numbers.append(f.step)
+    held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
+    latest = steps[-1] if steps else None
+    return (
+        f"{root} holds steps another tool wrote that this CheckpointManager does not "
+        f"restore: {held}. It never removes or replaces them, and does not save over their "
+        "numbers (should_save is False for them, save raises ForeignStepError); "
+        f"latest_step() is {latest}. `modelshard steps {root}` lists them."
+    )
+
+
+def adopted_steps(others: list[Foreign]) -> list[int]:
+    """The steps of ``others`` (``foreign_steps``) the manager lists and restores beside
+    its own: Orbax's complete steps with a state item."""
+    return sorted({f.step for f in others if f.restorable})
+
+
+def restorable_steps(root: Any) -> list[int]:
+    """Every step a manager of ``root`` lists and restores, ascending: its own complete
+    steps and Orbax's (``adopted_steps``).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached (``urls.reaching``).
+    """
+    steps = complete_steps(root)
+    return sorted({*steps, *adopted_steps(foreign_steps(root, steps))})
 
 
 def _plain_dir(path: Any) -> bool:
@@ -235,16 +310,15 @@ def _plain_dir(path: Any) -> bool:
 def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
     """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
     step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
-    tree of its own). What ``modelshard inspect|plan|reshard`` read."""
-    from .storage import TREE_METADATA
-
+    tree of its own), the manager's own or Orbax's (``restorable_steps``). What
+    ``modelshard inspect|plan|reshard`` read."""
     root = location(directory)
     try:
         if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
             return root, None
     except OSError:
         return root, None
-    steps = complete_steps(root)
+    steps = restorable_steps(root)
     if not steps:
         return root, None
     return root / str(steps[-1]), steps[-1]
@@ -275,6 +349,8 @@ class StepEntry:
         owner: who wrote it: ``"modelshard"`` (this package's manager), ``"orbax"``
             (Orbax's own manager), ``"other"`` (another tool), or None (it holds nothing
             to lose: an empty folder, or only the metadata any save starts with).
+        state: for a complete step of Orbax's, the item restored as its state
+            (``orbax_state``), or None.
     """
 
     step: int
@@ -288,6 +364,7 @@ class StepEntry:
     files: int
     bytes: int
     owner: str | None = OURS
+    state: str | None = None
 
     @property
     def foreign(self) -> bool:
@@ -296,12 +373,16 @@ class StepEntry:
 
     @property
     def restorable(self) -> bool:
-        """Whether the manager lists and restores it: a complete step of its own."""
+        """Whether the manager lists and restores it: a complete step of its own, or
+        Orbax's complete step with a state item (``owner`` tells them apart)."""
+        if self.owner == ORBAX:
+            return self.complete and self.state is not None
         return self.complete and self.owner == OURS
 
     @property
     def status(self) -> str:
-        """``"complete"`` (restorable), ``"foreign"`` (another tool's) or ``"leftover"``."""
+        """``"complete"`` (restorable: the manager's or Orbax's, ``owner`` says whose),
+        ``"foreign"`` (another tool's, not restorable) or ``"leftover"``."""
         return "complete" if self.restorable else "foreign" if self.foreign else "leftover"
 
     def to_json(self) -> dict[str, Any]:
@@ -361,9 +442,10 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
     files, size = _tally(path) if is_dir else (1, 0)
     if owner in (ORBAX, OTHER):
         temporary = tuple((n.partition(ORBAX_TMP)[0], n) for n in names if ORBAX_TMP in n)
+        done = owner == ORBAX and orbax_complete(path, names)
         return StepEntry(
             step,
-            owner == ORBAX and orbax_complete(path, names),
+            done,
             path,
             f"written by {Foreign(step, path.name, owner, False).writer}",
             tuple(n for n in names if ORBAX_TMP not in n),
@@ -373,6 +455,7 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
             files,
             size,
             owner,
+            orbax_state(path, names) if done else None,
         )
     complete = why is None and is_complete_step(path)
     has: list[str] = []

@@ -1,19 +1,21 @@
 """``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
 
-Each step is written by Orbax (its ``AsyncCheckpointer`` over a composite of items:
-``state`` the sharded arrays, ``modelshard`` the record, ``items`` and ``metrics`` small
-JSON) into a temporary directory that is renamed when complete, or, on object storage,
-completed by Orbax's commit file. Everything else is the manager's own, so that one
-definition decides what a step is (``complete_steps``), read from storage every time:
+Each step is written by Orbax (``step_writer``: a composite of items, ``state`` the
+sharded arrays, ``modelshard`` the record, ``items`` and ``metrics`` small JSON) into a
+temporary directory that is renamed when complete, or, on object storage, completed by
+Orbax's commit file. Everything else is the manager's own, so that one definition decides
+what a step is (``complete_steps``), read from storage every time:
 
 - listing never trusts a cache, so a failed save does not hide steps on disk, and an
   empty numbered folder is not a step;
-- rotation (``KeepPolicy``) runs on complete steps
-  only and never removes the newest;
+- rotation (``KeepPolicy``) runs on its own complete steps only and never removes the
+  newest (``removal``);
 - exit safety and preemption live in ``guard``;
 - what another tool wrote into the root (Orbax's own steps share its names) is never
   removed or replaced: listed (``listing.foreign_steps``), refused by ``save`` with
-  ``ForeignStepError``, skipped by ``should_save``, removed only by ``delete(step)``.
+  ``ForeignStepError``, skipped by ``should_save``, removed only by ``delete(step)``;
+  Orbax's complete steps are adopted: listed beside the manager's own and restored
+  (``listing.adopted_steps``), their JSON items read as items (``items.orbax_items``).
 
 Under several processes every decision that depends on storage is made by process 0 and
 broadcast (``distributed.broadcast``: which steps are complete, whether a step may be
@@ -26,11 +28,8 @@ before the commit carries each process's outcome: ``barriers.carrying_failures``
 
 from __future__ import annotations
 
-import contextlib
-import json
 import numbers
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -38,85 +37,35 @@ from typing import Any
 from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .barriers import carrying_commit, carrying_failures, sharing_failures
-from .items import decode_items, encode_items, missing_items
-from .listing import OURS, Foreign, complete_steps, entry_owner, foreign_steps, is_complete_step
+from .items import decode_items, encode_items, missing_items, orbax_items, read_json
+from .listing import (
+    Foreign,
+    adopted_steps,
+    complete_steps,
+    foreign_steps,
+    foreign_summary,
+    is_complete_step,
+    refusal,
+    restorable_steps,
+)
 from .policy import KeepPolicy, as_steps, save_step_ok
+from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
+from .step_writer import json_or_error, step_checkpointer
 from .storage import (
     CHECKPOINT_METADATA,
-    COMMIT_FILE,
     ITEMS_FILE,
     ITEMS_ITEM,
     LOCK,
     MARKER,
     METRICS_FILE,
     METRICS_ITEM,
-    ORBAX_TMP,
     RECORD_FILE,
     RECORD_ITEM,
-    ROTATED,
     STATE_ITEM,
 )
-from .urls import (
-    atomicity_options,
-    check_bucket,
-    forget_listings,
-    is_remote,
-    location,
-    reaching,
-)
-from .write import check_compression, coordinated_processes, prepare, save_handler
-
-
-def _read_json(path: Any) -> Any:
-    try:
-        with reaching(path):
-            return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path} cannot be read as JSON: {type(e).__name__}: {e}") from e
-
-
-def _json_or_error(what: str, value: Any) -> None:
-    try:
-        json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise CheckpointError(
-            f"{what} must be JSON (nothing was written): {type(e).__name__}: {e}. "
-            "Convert NumPy/JAX scalars with float(...) or int(...)."
-        ) from e
-
-
-def _refusal(step: int, root: Any, entries: list[Foreign]) -> str:
-    """Why ``save(step)`` refuses the step number another tool's ``entries`` hold, and
-    what to do."""
-    held = "; ".join(f.describe(root) for f in entries)
-    names = " and ".join(str(root / f.name) for f in entries)
-    return (
-        f"cannot save step {step}: {held}, and this CheckpointManager never removes or "
-        "replaces what it did not write.\n"
-        f"Save under another step number, move {names} out of {root}, or, to replace it, "
-        f"remove it by name with delete({step}) first."
-    )
-
-
-def _foreign_summary(root: Any, entries: list[Foreign], own: list[int]) -> str:
-    """The warning a manager opened on a root holding another tool's steps gives."""
-    groups: dict[str, list[int]] = {}
-    for f in entries:
-        steps = groups.setdefault(f.kind, [])
-        if f.step not in steps:
-            steps.append(f.step)
-    held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
-    mine = f"latest here: {own[-1]}" if own else "none here yet, so latest_step() is None"
-    return (
-        f"{root} holds steps another tool wrote: {held}. This CheckpointManager restores and "
-        f"rotates only its own steps ({mine}), never removes or replaces these, and does not "
-        "save over their numbers (should_save is False for them, save raises "
-        f"ForeignStepError); `modelshard steps {root}` lists them."
-    )
+from .urls import check_bucket, forget_listings, is_remote, location, reaching
+from .write import check_compression, prepare
 
 
 class CheckpointManager:
@@ -130,13 +79,15 @@ class CheckpointManager:
     finished is reported with its step and the exit status is non-zero.
 
     Rotation keeps the union of the rules given (none given: keep every step), and
-    always the newest complete step.
+    always the newest complete step of its own.
 
     What another tool wrote into the root is never removed or replaced: Orbax's own
-    ``CheckpointManager`` names its steps as this one does, so a root may hold both.
-    Such steps are not listed (``all_steps``) nor restored; opening the manager warns
-    (``ForeignStepsWarning``) naming them; ``should_save`` is False for their numbers and
-    ``save`` refuses them (``ForeignStepError``); ``delete(step)`` removes one by name.
+    ``CheckpointManager`` names its steps as this one does, so a run moves between them
+    mid-way. Orbax's complete steps are listed (``all_steps``) and restored with its own
+    (``restore``; ``items`` gives their JSON items) but never rotated; other entries
+    (unfinished saves, another tool's) are neither, and opening the manager warns
+    (``ForeignStepsWarning``) naming them. ``should_save`` is False for every such number
+    and ``save`` refuses it (``ForeignStepError``); ``delete(step)`` removes one by name.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -194,8 +145,8 @@ class CheckpointManager:
                 created.
 
         Warns:
-            ForeignStepsWarning: the root holds steps another tool wrote (Orbax's own
-                manager's): named, on process 0, once.
+            ForeignStepsWarning: the root holds entries another tool wrote that are not
+                Orbax's complete steps (an unfinished save): named, on process 0, once.
         """
         if (
             isinstance(save_interval_steps, bool)
@@ -281,11 +232,16 @@ class CheckpointManager:
         if self._primary():
             steps = complete_steps(self.directory)
             others = foreign_steps(self.directory, steps)
+            steps = sorted({*steps, *adopted_steps(others)})  # Orbax's complete steps too
             listing = {"steps": steps, "foreign": [f.to_json() for f in others]}
         agreed = broadcast(listing, "modelshard:manager:steps")
         forget_listings(self.directory)  # every process reads those steps afresh
         self._foreign = [Foreign.from_json(f) for f in agreed["foreign"]]
         return [int(s) for s in agreed["steps"]]
+
+    def _adopted(self, step: int) -> Foreign | None:
+        """Orbax's step ``step`` the manager restores, as process 0 last listed it, or None."""
+        return next((f for f in self._foreign or () if f.step == step and f.restorable), None)
 
     def _foreign_at(self, step: int) -> list[Foreign]:
         """Another tool's entries numbered ``step``, as process 0 last listed them (listed
@@ -295,96 +251,25 @@ class CheckpointManager:
         return [f for f in self._foreign or () if f.step == step]
 
     def _warn_foreign(self) -> None:
-        """Process 0 warns once, as the manager opens, about another tool's steps in the
-        root (a loop would otherwise start from scratch beside them without a word)."""
+        """Process 0 warns once, as the manager opens, about another tool's entries in the
+        root that it does not restore (Orbax's complete steps it restores: no warning)."""
         if not self._primary():
             return
         try:
             others = foreign_steps(self.directory)
-            steps = complete_steps(self.directory) if others else []
+            held = [f for f in others if not f.restorable]
+            steps = restorable_steps(self.directory) if held else []
         except CheckpointError:
             return  # unreachable storage: the first listing or save says so
-        if others:
+        if held:
             warnings.warn(
-                _foreign_summary(self.directory, others, steps), ForeignStepsWarning, stacklevel=3
+                foreign_summary(self.directory, held, steps), ForeignStepsWarning, stacklevel=3
             )
-
-    def _checkpointer(self) -> Any:
-        if self._ckptr is None:
-            import orbax.checkpoint as ocp
-
-            atomicity = atomicity_options(self.directory)
-            processes = coordinated_processes()
-            handler = ocp.CompositeCheckpointHandler(
-                composite_options=ocp.CompositeOptions(
-                    atomicity_options=atomicity, multiprocessing_options=processes
-                ),
-                **{
-                    STATE_ITEM: save_handler(self.compression),
-                    RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-                    ITEMS_ITEM: ocp.JsonCheckpointHandler(filename=ITEMS_FILE),
-                    METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
-                },
-            )
-            # as ms.save's: a part failing on one process fails the step on every process
-            # at once, so they stay in step; in the background, through the barrier Orbax
-            # waits at before its commit (carrying_failures)
-            if self.async_save:
-                handler = carrying_failures(handler, "modelshard:manager:started", "writing")
-            else:
-                handler = sharing_failures(handler, "modelshard:manager:written", "writing")
-            kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
-            self._ckptr = kind(
-                handler, atomicity_options=atomicity, multiprocessing_options=processes
-            )
-            if self.async_save:  # and a commit failing on process 0, through the next one
-                carrying_commit(self._ckptr)
-        return self._ckptr
 
     def _purge_rotated(self) -> None:
-        """Delete the steps rotation moved aside (one rename each, so never listed)."""
-        rotated = self.directory / ROTATED
-        if self._primary() and not self._remote and rotated.is_dir():
-            for step_dir in rotated.iterdir():
-                shutil.rmtree(step_dir, ignore_errors=True)
-
-    def _delete_step(self, step: int) -> None:
-        step_dir = self.step_directory(step)
-        if self._remote:
-            # no atomic rename: first make it incomplete, then remove the rest
-            for marker in (COMMIT_FILE, CHECKPOINT_METADATA):
-                with contextlib.suppress(FileNotFoundError):
-                    (step_dir / marker).unlink()
-            step_dir.rmtree(missing_ok=True)
-            return
-        rotated = self.directory / ROTATED
-        rotated.mkdir(exist_ok=True)
-        target = rotated / f"{step}.{os.getpid()}"
-        os.rename(step_dir, target)
-        shutil.rmtree(target, ignore_errors=True)
-
-    def _remove_partial(self, step: int) -> None:
-        """Remove what an interrupted or failed save of ``step`` left behind: entries of
-        that number this manager wrote, or holding nothing (``listing.entry_owner``);
-        another tool's were refused before (``_save_verdict``) and are never touched."""
-        step_dir = self.step_directory(step)
-        try:
-            with reaching(self.directory):
-                children = list(self.directory.iterdir())
-        except (FileNotFoundError, NotADirectoryError):  # object storage: no "directory"
-            children = []  # before the first object
-        for c in children:
-            if c.name.startswith(f"{step}{ORBAX_TMP}") and entry_owner(c) in (OURS, None):
-                if self._remote:
-                    c.rmtree(missing_ok=True)
-                else:
-                    shutil.rmtree(c, ignore_errors=True)
-        if not step_dir.exists() or entry_owner(step_dir) not in (OURS, None):
-            return
-        if self._remote:
-            step_dir.rmtree(missing_ok=True)
-        else:
-            shutil.rmtree(step_dir)
+        """Process 0 deletes the steps rotation moved aside (``removal.purge_rotated``)."""
+        if self._primary():
+            purge_rotated(self.directory)
 
     def _become_writer(self) -> None:
         """Hold ``LOCK`` until ``close`` (the OS drops it if the process dies); process 0
@@ -426,7 +311,7 @@ class CheckpointManager:
                 metrics = {s: m for s in steps if (m := self.metrics(s)) is not None}
                 for s in steps:
                     if s not in self.policy.keep(steps, metrics):
-                        self._delete_step(s)
+                        delete_step(self.directory, s)
                         self._metrics.pop(s, None)
         barrier("modelshard:manager:rotated")
 
@@ -448,9 +333,9 @@ class CheckpointManager:
                 listing = [f.to_json() for f in others]
                 held = [f for f in others if f.step == step]
                 if held:
-                    raise ForeignStepError(_refusal(step, self.directory, held), step=step)
+                    raise ForeignStepError(refusal(step, self.directory, held), step=step)
                 with reaching(self.directory):
-                    self._remove_partial(step)
+                    remove_partial(self.directory, step)
             except CheckpointError as e:
                 error = e
             except Exception as e:  # told to every process, which all raise it
@@ -567,7 +452,7 @@ class CheckpointManager:
         if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
             return False
         if metadata is not None:
-            _json_or_error("metadata", dict(metadata))
+            json_or_error("metadata", dict(metadata))
         # Checks the state and starts its checksums (one device program), which run while
         # the previous step's write is waited for; nothing is written yet.
         tree, record = prepare(state, metadata)
@@ -577,7 +462,7 @@ class CheckpointManager:
         if metrics is not None:
             if not isinstance(metrics, Mapping):
                 raise CheckpointError(f"metrics must be a dict, got {type(metrics).__name__}.")
-            _json_or_error("metrics", dict(metrics))
+            json_or_error("metrics", dict(metrics))
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
         record.resolve()  # collectives over arrays spanning processes: every process
@@ -589,7 +474,9 @@ class CheckpointManager:
         if metrics is not None:
             args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
             self._metrics[step] = dict(metrics)
-        ckptr = self._checkpointer()
+        if self._ckptr is None:
+            self._ckptr = step_checkpointer(self.directory, self.compression, self.async_save)
+        ckptr = self._ckptr
         try:
             ckptr.save(
                 self.step_directory(step), args=ocp.args.Composite(**args), custom_metadata=MARKER
@@ -636,7 +523,7 @@ class CheckpointManager:
         if self._primary():
             try:
                 with reaching(self.directory):
-                    error = self._remove_numbered(step)
+                    error = remove_numbered(self.directory, step)
             except OSError as e:
                 error = f"cannot delete step {step} of {self.directory}: {type(e).__name__}: {e}"
         refused = broadcast(error, "modelshard:manager:deleted")
@@ -646,30 +533,6 @@ class CheckpointManager:
         self._agreed_steps()  # every process lists afresh (should_save's foreign steps)
         if refused is not None:
             raise CheckpointError(refused)
-
-    def _remove_numbered(self, step: int) -> str | None:
-        """Process 0's part of ``delete``: None once removed, or why nothing was."""
-        try:
-            children = list(self.directory.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            children = []
-        numbered = [
-            c for c in children if c.name == str(step) or c.name.startswith(f"{step}{ORBAX_TMP}")
-        ]
-        if not numbered:
-            return f"no step {step} in {self.directory}: nothing there carries that number."
-        for c in sorted(numbered, key=lambda c: c.name != str(step)):
-            if self._remote and c.name != str(step):
-                c.rmtree(missing_ok=True)
-            elif self._remote:
-                self._delete_step(step)
-            elif c.is_symlink() or not c.is_dir():
-                c.unlink()
-            elif c.name == str(step):
-                self._delete_step(step)
-            else:
-                shutil.rmtree(c)
-        return None
 
     def step_directory(self, step: int) -> Any:
         """The directory of ``step`` (which [`modelshard.restore`][modelshard.restore] also reads)."""
@@ -683,8 +546,8 @@ class CheckpointManager:
             if not steps:
                 held = sorted({f.step for f in others})
                 beside = (
-                    f" (steps {', '.join(map(str, held))} there were written by another tool; "
-                    "this CheckpointManager does not restore them)"
+                    f" (steps {', '.join(map(str, held))} there were written by another tool, "
+                    "and are not steps this CheckpointManager restores)"
                     if held
                     else ""
                 )
@@ -703,8 +566,9 @@ class CheckpointManager:
             raise ForeignStepError(
                 f"cannot restore step {step}: "
                 f"{'; '.join(f.describe(self.directory) for f in held)}; "
-                "this CheckpointManager restores only its own steps "
-                f"({', '.join(map(str, steps)) or 'none here'}).",
+                "this CheckpointManager restores its own complete steps and Orbax's complete "
+                "steps that hold a state item (`state`, or a single tree item); here: "
+                f"{', '.join(map(str, steps)) or 'none'}.",
                 step=step,
             )
         if step not in steps:
@@ -753,9 +617,16 @@ class CheckpointManager:
         A data iterator passed in ``like`` under its name gets its saved state
         (``set_state``) and is returned; PRNG keys come back as keys. A step whose items
         file is gone (damaged) raises CheckpointError rather than giving ``{}``.
+
+        A step Orbax's own manager wrote gives the JSON items of its ``args.Composite``
+        (``ocp.args.JsonSave``), by item name (``{"metadata": {...}}``); its other tree
+        items are read with [`modelshard.restore`][modelshard.restore] on their folder.
         """
         step = self._existing(step)
-        doc = _read_json(self.step_directory(step) / ITEMS_ITEM / ITEMS_FILE)
+        adopted = self._adopted(step)
+        if adopted is not None and adopted.state is not None:
+            return decode_items(orbax_items(self.step_directory(step), adopted.state), like)
+        doc = read_json(self.step_directory(step) / ITEMS_ITEM / ITEMS_FILE)
         if doc is None:
             error = missing_items(self.step_directory(step))
             if error is not None:
@@ -765,16 +636,20 @@ class CheckpointManager:
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step``, or None if it was saved without."""
         if step not in self._metrics:
-            found = _read_json(self.step_directory(step) / METRICS_ITEM / METRICS_FILE)
+            found = read_json(self.step_directory(step) / METRICS_ITEM / METRICS_FILE)
             if found is None:
                 return None
             self._metrics[step] = found
         return self._metrics[step]
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The user metadata saved with ``step`` (default: the latest)."""
+        """The user metadata saved with ``step`` (default: the latest); for a step Orbax's
+        own manager wrote, its ``custom_metadata``."""
         step = self._existing(step)
-        record = _read_json(self.step_directory(step) / RECORD_ITEM / RECORD_FILE) or {}
+        if self._adopted(step) is not None:
+            meta = read_json(self.step_directory(step) / CHECKPOINT_METADATA) or {}
+            return dict(meta.get("custom_metadata") or {})
+        record = read_json(self.step_directory(step) / RECORD_ITEM / RECORD_FILE) or {}
         return dict(record.get("metadata") or {})
 
     def best_step(self) -> int | None:
@@ -795,7 +670,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every complete step, ascending, read from storage (see ``complete_steps``).
+        """Every complete step, ascending, read from storage: its own (see
+        ``complete_steps``) and Orbax's (``listing.adopted_steps``).
 
         Under several processes this is process 0's listing, broadcast: two processes
         that listed storage at different moments (a step committed or rotated away in
@@ -870,4 +746,5 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         # this process's own listing: a repr is no place for a collective
-        return f"CheckpointManager({str(self.directory)!r}, steps={complete_steps(self.directory)})"
+        steps = restorable_steps(self.directory)
+        return f"CheckpointManager({str(self.directory)!r}, steps={steps})"

@@ -1,5 +1,7 @@
 """``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what
-another tool (Orbax's own CheckpointManager) wrote there."""
+another tool wrote there: Orbax's own CheckpointManager's complete steps, which the
+manager restores (never removes), and anything else, which it neither restores nor
+removes."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ def add_parser(sub: Any) -> None:
         description="List every step in a CheckpointManager's root (a local path, gs:// or "
         "s3://): the complete ones, which restore, the leftovers of saves that did not "
         "finish (a process or host died), and steps another tool wrote there (Orbax's own "
-        "CheckpointManager): what is there, what is missing, files and bytes. The next save "
-        "of a leftover's step number removes it; another tool's steps are never removed or "
-        "replaced by the manager.",
+        "CheckpointManager's complete steps restore as the manager's do): what is there, what "
+        "is missing, files and bytes. The next save of a leftover's step number removes it; "
+        "another tool's steps are never removed or replaced by the manager.",
     )
     s.add_argument("root", metavar="ROOT", help="the manager's root directory or URL")
     add_json(s)
@@ -66,13 +68,18 @@ def run(args: argparse.Namespace) -> int:
         status = "complete" if e.restorable else f"leftover: {e.why}"
         if e.foreign:
             status = f"{e.why}, {'complete' if e.complete else 'unfinished'}"
+        if e.foreign and e.restorable:
+            status = f"complete, {e.why}"
         there = what_is_there(e)
         cells = [str(e.step), status, str(e.files), format_bytes(e.bytes), there]
         table.add_row(*map(literal, cells))
     console().print(table)
     leftovers = sorted({e.step for e in entries if e.status == "leftover"})
-    foreign = sorted({e.step for e in entries if e.foreign})
+    foreign = sorted({e.step for e in entries if e.status == "foreign"})
+    orbax = sorted({e.step for e in entries if e.foreign and e.restorable})
     said = [f"latest complete step: {complete[-1]}" if complete else "no complete step"]
+    if orbax:
+        said.append(f"Orbax's: step {', '.join(map(str, orbax))}")
     if leftovers:
         said.append(f"leftovers of step {', '.join(map(str, leftovers))}")
     if foreign:
@@ -82,6 +89,13 @@ def run(args: argparse.Namespace) -> int:
         say(
             "A leftover is what a save that did not finish left behind; the next save of "
             "its step number removes it."
+        )
+    if orbax:
+        say(
+            "A CheckpointManager lists and restores the complete steps of Orbax's own "
+            "CheckpointManager as its own, but never removes or replaces them (its rotation "
+            "leaves them) and refuses to save over their numbers; "
+            "CheckpointManager.delete(step) removes one by name."
         )
     if foreign:
         say(

@@ -1,10 +1,12 @@
 """A ``CheckpointManager`` on two processes, opened on a root where Orbax's own manager saved
-steps 10, 15 and 20: a loop over steps 5..25 (``max_to_keep=2``) that asks ``should_save``
-every step, then ``save(20)`` called anyway, then ``delete(20)`` and ``save(20)``.
+steps 10, 15 and 20: Orbax's step 20 restored with its items, a loop over steps 5..25
+(``max_to_keep=2``) that asks ``should_save`` every step, then ``save(20)`` called anyway,
+then ``delete(20)`` and ``save(20)``.
 
 Usage: ``python foreign_steps.py ROOT OUT``. Each process records in
-``OUT/result_<process>.json`` the warnings it gave when opening, the steps it saved, what
-``save(20)`` raised, and the steps listed at the end.
+``OUT/result_<process>.json`` the warnings it gave when opening, what it restored of
+Orbax's step 20, the steps it saved, what ``save(20)`` raised, and the steps listed at the
+end.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> int:
         warnings.simplefilter("always")
         mngr = ms.CheckpointManager(root, max_to_keep=2, keep_steps=[20], handle_signals=False)
     warned = [type(w.message).__name__ for w in said if issubclass(w.category, UserWarning)]
+    orbax = mngr.restore(20, like={"w": np.zeros(4, np.float32)}, specs=P(), mesh=mesh)
+    orbax_items = mngr.items(20)
     saved = []
     for step in range(5, 26):
         if mngr.should_save(step):
@@ -57,6 +61,8 @@ def main() -> int:
     value = float(np.asarray(restored["w"].addressable_shards[0].data)[0, 0])
     result = {
         "warned": warned,
+        "orbax 20": float(np.asarray(orbax["w"].addressable_shards[0].data)[0]),
+        "items 20": orbax_items,
         "saved": saved,
         "raised": raised,
         "steps": steps,
