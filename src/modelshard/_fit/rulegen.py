@@ -44,26 +44,30 @@ def rules_for(
 ) -> Rules:
     """Rules whose first match gives each leaf ``specs[i]``: one rule per group of leaves
     wanting the same spec (a pattern that matches no leaf wanting another), then a
-    catch-all for the most common spec. Rank-0 leaves replicate whatever matches them."""
+    catch-all: replicated if any leaf is, else the most common spec. Rank-0 leaves replicate whatever matches them."""
     want = {p: _norm(s) for p, s, shape in zip(paths, specs, shapes, strict=True) if shape}
     if not want:
         return Rules([(".*", PartitionSpec())])
-    default = Counter(want.values()).most_common(1)[0][0]
-    pure: dict[str, bool] = {}
+    # the catch-all replicates where any leaf replicates: leaves added later stay whole
+    default = () if () in want.values() else Counter(want.values()).most_common(1)[0][0]
+    pure: dict[str, int] = {}  # pattern -> leaves it matches if all want one spec, else 0
     rules: list[tuple[str, PartitionSpec]] = []
     covered: set[str] = set()
     for path, spec in want.items():
         if spec == default or path in covered:
             continue
+        # of the patterns that match no leaf wanting another spec, the one covering most
+        # leaves (then the shortest): one rule per group, not per leaf
+        best: tuple[int, int, str] | None = None
         for pat in _candidates(path):
             if pat not in pure:
                 rx = re.compile(pat)
                 hits = [q for q in want if rx.search(q)]
-                pure[pat] = all(want[q] == spec for q in hits)
-            if pure[pat]:
-                break
-        else:  # unreachable: the full anchored path matches only itself
-            pat = "^" + re.escape(path) + "$"
+                pure[pat] = len(hits) if all(want[q] == spec for q in hits) else 0
+            if pure[pat] and (best is None or (-pure[pat], len(pat)) < best[:2]):
+                best = (-pure[pat], len(pat), pat)
+        # the whole anchored path always qualifies: it matches this leaf alone
+        pat = best[2] if best is not None else "^" + re.escape(path) + "$"
         rx = re.compile(pat)
         covered |= {q for q in want if rx.search(q)}
         rules.append((pat, PartitionSpec(*spec)))
