@@ -1,0 +1,174 @@
+"""A run switched mid-way from Orbax's own ``CheckpointManager`` to modelshard's, as
+docs/guides/long-runs.md shows (``_checkpoint/manager.py``, ``listing.py``, ``items.py``):
+Orbax's loop saves a linen ``TrainState`` (params boxed by ``nn.with_logical_partitioning``,
+optax adamw) with a JSON item up to step 20; modelshard's manager on the same root resumes
+from Orbax's latest step onto another mesh and trains to step 40. The result is the
+uninterrupted run's, bit for bit; Orbax's steps are left byte for byte; the CLI and
+``ms.restore`` read the root and its steps."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
+from modelshard.cli import main
+
+nn = pytest.importorskip("flax.linen")
+optax = pytest.importorskip("optax")
+ocp = pytest.importorskip("orbax.checkpoint")
+train_state = pytest.importorskip("flax.training.train_state")
+
+ORBAX_KEPT = (10, 15, 20)
+RULES = ms.Rules([], logical={"embed": None, "mlp": "model"}, strict=False)
+# Orbax stores a linen box's array under ``.../value``: read as the box's array (where the
+# restore does not already: not strict)
+UNBOX = ms.WeightMap([ms.MapRule(r"(.+)/value", "{1}"), ms.MapRule(r"(.*)", "{1}")], strict=False)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        x = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        x = nn.relu(x)
+        return nn.Dense(4, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(x)
+
+
+MODEL = MLP()
+BATCH = jax.random.normal(jax.random.key(1), (8, 4))
+
+
+def create():
+    params = MODEL.init(jax.random.key(0), BATCH)["params"]
+    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params, tx=optax.adamw(1e-2))
+
+
+@jax.jit
+def train_step(state):
+    def loss(params):
+        return jnp.mean(MODEL.apply({"params": params}, BATCH) ** 2)
+
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def train_step_on(state, mesh):
+    """``train_step`` on a state laid out over ``mesh``: the maths on a replicated copy, as
+    the uninterrupted run did them (a sum split over devices would round differently),
+    the result laid out as the state was."""
+    layout = jax.tree.map(lambda a: a.sharding, state)
+    out = train_step(jax.device_put(state, NamedSharding(mesh, P())))
+    return jax.device_put(out, layout)
+
+
+def arrays(state) -> list[np.ndarray]:
+    return [np.asarray(a) for a in jax.tree.leaves(state)]
+
+
+def by_path(tree) -> dict[str, np.ndarray]:
+    """Each array by its path, a linen box's ``/value`` left out."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    out = {jax.tree_util.keystr(k, simple=True, separator="/"): np.asarray(v) for k, v in flat}
+    return {k.removesuffix("/value"): v for k, v in out.items()}
+
+
+def snapshot(root: Path, steps) -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for s in steps:
+        for folder, _, files in os.walk(root / str(s)):
+            out[folder] = None
+            for f in files:
+                out[os.path.join(folder, f)] = Path(folder, f).read_bytes()
+    return out
+
+
+def orbax_loop(root: Path, until: int):
+    """Orbax's CheckpointManager loop, as Orbax's guides write it."""
+    options = ocp.CheckpointManagerOptions(save_interval_steps=5, max_to_keep=3)
+    state = create()
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        for step in range(1, until + 1):
+            state = train_step(state)
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    metadata=ocp.args.JsonSave({"step": step, "data": {"position": step * 8}}),
+                ),
+            )
+        mngr.wait_until_finished()
+    return state
+
+
+def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsys):
+    root = tmp_path / "run"
+    at_20 = orbax_loop(root, 20)
+    assert sorted(int(n) for n in os.listdir(root)) == list(ORBAX_KEPT)
+    orbaxs = snapshot(root, ORBAX_KEPT)
+
+    # the root as Orbax left it: the CLI reads its latest step
+    assert main(["inspect", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["step"], doc["items"]) == (
+        20,
+        {"metadata": {"step": 20, "data": {"position": 160}}},
+    )
+
+    # the switch, as docs/guides/long-runs.md writes it
+    with ms.CheckpointManager(root, save_interval_steps=5, max_to_keep=3) as mngr:
+        start = mngr.latest_step()
+        state = mngr.restore(like=create(), specs=RULES, mesh=mesh24, mapping=UNBOX)
+        position = mngr.items()["metadata"]["data"]["position"]
+        for step in range(start + 1, 41):
+            state = train_step_on(state, mesh24)
+            position += 8
+            if mngr.should_save(step):
+                mngr.save(
+                    step, state, items={"metadata": {"step": step, "data": {"position": position}}}
+                )
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [10, 15, 20, 30, 35, 40]  # 25 rotated, Orbax's kept
+    assert start == 20 and position == 320
+    kernel = state.params["Dense_0"]["kernel"]
+    assert kernel.value.sharding.spec == P(None, "model") and kernel.names == ("embed", "mlp")
+
+    full = at_20
+    for _ in range(20):
+        full = train_step(full)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(state), arrays(full), strict=True))
+    with ms.CheckpointManager(root) as mngr:
+        again = mngr.restore(like=create(), specs=RULES, mesh=mesh24)
+        assert mngr.items() == {"metadata": {"step": 40, "data": {"position": 320}}}
+        assert mngr.items(20) == {"metadata": {"step": 20, "data": {"position": 160}}}
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(again), arrays(full), strict=True))
+    assert snapshot(root, ORBAX_KEPT) == orbaxs
+
+    # Orbax's step read directly, and the CLI on the root both wrote into
+    direct = ms.restore(root / "20", like=create(), specs=RULES, mesh=mesh24, mapping=UNBOX)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(direct), arrays(at_20), strict=True))
+    assert main(["steps", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["complete"], doc["latest"]) == ([10, 15, 20, 30, 35, 40], 40)
+    assert [(e["step"], e["status"], e["owner"]) for e in doc["steps"]] == [
+        *[(s, "complete", "orbax") for s in ORBAX_KEPT],
+        *[(s, "complete", "modelshard") for s in (30, 35, 40)],
+    ]
+    assert main(["inspect", str(root / "20")]) == 0
+    out = capsys.readouterr().out
+    assert "params/Dense_0/kernel" in out and "items: metadata" in out
+    dst = tmp_path / "resharded"
+    argv = ["reshard", str(root / "20"), str(dst), "--mesh", "data=8", "--drop-items"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    resharded, expected = by_path(ms.restore(dst)), by_path(at_20)
+    assert sorted(resharded) == sorted(expected)
+    assert all(np.array_equal(resharded[k], expected[k]) for k in expected)
+    assert snapshot(root, ORBAX_KEPT) == orbaxs
