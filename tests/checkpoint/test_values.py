@@ -3,8 +3,8 @@ restored with their types in every container kind, or refused by name; code is n
 
 The property test draws random trees of Python scalars, strings, bytes, NumPy scalars, None
 and empty containers, inside dicts, linen-style variable dicts, Equinox and NNX modules, and
-checks every leaf comes back (value and type) with and without ``like``, through a reshard
-too, or that save refuses exactly the objects it cannot hold."""
+checks every leaf comes back (value and type) with and without ``like``, or that save
+refuses exactly the objects it cannot hold; a reshard and a manager step keep them too."""
 
 from __future__ import annotations
 
