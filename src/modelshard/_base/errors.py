@@ -473,8 +473,9 @@ class ForeignStepError(CheckpointError):
 
 
 class ForeignStepsWarning(UserWarning):
-    """A ``CheckpointManager`` was opened on a root holding steps another tool wrote; it
-    lists, restores and rotates only its own, and leaves those alone."""
+    """A ``CheckpointManager`` was opened on a root holding entries another tool wrote that
+    it does not restore (an unfinished save of Orbax's, anything else another tool put
+    there; Orbax's complete steps are listed and restored); it leaves them alone."""
 
     __module__ = "modelshard"
 
