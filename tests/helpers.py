@@ -5,6 +5,7 @@ checkpoint stored a leaf with. Tests import them with ``from helpers import ...`
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import re
@@ -532,3 +533,50 @@ def assert_every_leaf_restored(saved: Any, restored: Any, where: Any = "") -> No
             assert array_bits(np.asarray(x)) == array_bits(np.asarray(y)), f"{where}: {p}"
         else:
             assert (type(y), repr(y)) == (type(x), repr(x)), f"{where}: {p}: {y!r} != {x!r}"
+
+
+@functools.cache
+def _guide_mlp_class() -> type:
+    from flax import nnx
+
+    class TwoLayerMLP(nnx.Module):
+        def __init__(self, dim: int, rngs: nnx.Rngs):
+            self.linear1 = nnx.Linear(dim, dim, rngs=rngs, use_bias=False)
+            self.bn = nnx.BatchNorm(dim, rngs=rngs)
+            self.linear2 = nnx.Linear(dim, dim, rngs=rngs, use_bias=False)
+
+        def __call__(self, x: Any) -> Any:
+            return self.linear2(self.bn(self.linear1(x)))
+
+    return TwoLayerMLP
+
+
+def guide_mlp(dim: int = 16, seed: int = 0) -> Any:
+    """The model of the Flax NNX checkpointing guide: two ``Linear`` layers around a
+    ``BatchNorm`` (one class for every call)."""
+    from flax import nnx
+
+    return _guide_mlp_class()(dim, rngs=nnx.Rngs(seed))
+
+
+def boxed_train_state(seed: int = 0, step: int = 0) -> Any:
+    """A linen ``TrainState`` whose params are boxed (``LogicallyPartitioned`` and
+    ``Partitioned`` kernels) with an adamw state, whose moments are boxed too; ``step``
+    a Python int, as ``TrainState.create`` makes it."""
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    init = nn.initializers.lecun_normal()
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            x = nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+            return nn.Dense(8, kernel_init=nn.with_partitioning(init, (None, "data")))(x)
+
+    model = Model()
+    params = model.init(jax.random.key(seed), jnp.ones((1, 8)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(0.1))
+    grads = jax.tree.map(jnp.ones_like, params)
+    return state.apply_gradients(grads=grads).replace(step=step)  # moments not zero

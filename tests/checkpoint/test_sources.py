@@ -10,9 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, flip_byte, largest_data_file, truncate_file
+from helpers import (
+    DAMAGED_HINT,
+    assert_bit_exact,
+    boxed_train_state,
+    flip_byte,
+    guide_mlp,
+    largest_data_file,
+    truncate_file,
+)
 from modelshard._checkpoint.sources import locate
 
 
@@ -235,3 +244,109 @@ def test_a_plain_orbax_checkpoint_with_a_lost_data_file(tmp_path):
         f"  {f}: missing; it holds the array a/b",
         "Restore a complete copy of the checkpoint.",
     ]
+
+
+# ---- plain Orbax checkpoints of boxed states: read as the state they came from ----------
+
+
+def _orbax_save(path, state):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(path), state)
+    return path
+
+
+def _paths(path):
+    return [leaf.path for leaf in locate(path).record.leaves]
+
+
+def test_the_flax_nnx_guides_checkpoint_restores_onto_another_mesh(tmp_path, mesh24):
+    """The Flax guide's save of ``nnx.state(model)`` (Orbax stores ``kernel/value``) is
+    restored into the model with no mapping, bit-exact, under the paths ``plan`` shows."""
+    from flax import nnx
+
+    model = guide_mlp(seed=0)
+    path = _orbax_save(tmp_path / "state", nnx.state(model))
+    assert sorted(_paths(path)) == sorted(ms.adapters.split(model).paths)
+    abstract = nnx.eval_shape(lambda: guide_mlp(seed=1))
+    specs = ms.Rules([(r"kernel$", P(None, "model")), (r".*", P())])
+    out = ms.restore(path, like=abstract, specs=specs, mesh=mesh24)
+    assert type(out) is type(model)
+    assert out.linear1.kernel[...].sharding.spec == P(None, "model")
+    assert out.linear1.kernel[...].sharding.mesh.axis_types == mesh24.axis_types
+    assert_bit_exact(nnx.state(model), nnx.state(out))
+    plain = ms.restore(path)  # without like: nested dicts under the same paths
+    np.testing.assert_array_equal(plain["bn"]["mean"], model.bn.mean[...])
+
+
+def test_a_linen_train_state_with_boxed_params_and_adamw_restores(tmp_path, mesh8):
+    """A ``TrainState`` whose params (and so adamw's moments) are ``Partitioned`` /
+    ``LogicallyPartitioned``, saved by Orbax with its Python int step: restored into
+    the boxed state, boxes and their names kept, bit-exact."""
+    import flax.linen as nn
+
+    state = boxed_train_state(seed=0, step=7)
+    path = _orbax_save(tmp_path / "ts", state)
+    assert "opt_state/0/mu/Dense_1/kernel" in _paths(path)
+    like = jax.eval_shape(lambda: boxed_train_state(seed=1))
+    out = ms.restore(path, like=like, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
+    kernel = out.params["Dense_0"]["kernel"]
+    assert type(kernel) is nn.LogicallyPartitioned and kernel.names == ("embed", "mlp")
+    assert type(out.opt_state[0].nu["Dense_1"]["kernel"]) is nn.Partitioned
+    assert kernel.value.sharding.spec == P(None, "data")
+    assert kernel.value.sharding.mesh.axis_types == mesh8.axis_types
+    assert int(out.step) == 7 and out.step.dtype == jnp.int32
+    assert_bit_exact(state.replace(step=jnp.asarray(7)), out)
+
+
+def test_a_dict_whose_leaf_really_is_named_value(tmp_path):
+    """Only a node whose one child is ``value`` is a box: a dict with other keys beside
+    ``value``, or a root ``{"value": ...}``, keeps its names; a target that really has a
+    leaf named ``value`` under a dict is restored under its own paths."""
+    tree = {"w": {"value": jnp.arange(4.0)}, "n": {"value": jnp.ones(2), "scale": jnp.zeros(2)}}
+    path = _orbax_save(tmp_path / "d", tree)
+    assert sorted(_paths(path)) == ["n/scale", "n/value", "w"]
+    assert_bit_exact(tree, ms.restore(path, like=tree))
+    assert_bit_exact({"w": tree["w"]["value"], "n": tree["n"]}, ms.restore(path))
+    root = _orbax_save(tmp_path / "r", {"value": jnp.arange(3.0)})
+    assert _paths(root) == ["value"]
+    np.testing.assert_array_equal(ms.restore(root)["value"], np.arange(3.0))
+
+
+def test_mappings_written_for_orbaxs_own_names_still_restore(tmp_path):
+    """Mappings written before boxes were read (rules for ``kernel/value``) keep working,
+    and so do ones written for the canonical paths."""
+    from flax import nnx
+
+    model = guide_mlp(seed=0)
+    path = _orbax_save(tmp_path / "state", nnx.state(model))
+    abstract = nnx.eval_shape(lambda: guide_mlp(seed=1))
+    for mapping in (
+        ms.WeightMap([ms.MapRule(r"(.+)/value", "{1}")]),
+        ms.WeightMap(
+            [ms.MapRule(r"linear1/kernel/value", "linear1/kernel"), ms.MapRule(r"(.+)/value", "{1}")]
+        ),
+        ms.WeightMap(
+            [ms.MapRule(r"linear(\d)/kernel", "linear{1}/kernel"), ms.MapRule(r"(.*)", "{1}")]
+        ),
+    ):
+        out = ms.restore(path, like=abstract, mapping=mapping)
+        assert_bit_exact(nnx.state(model), nnx.state(out))
+    state = boxed_train_state(seed=0, step=3)
+    path = _orbax_save(tmp_path / "ts", state)
+    mapping = ms.WeightMap([ms.MapRule(r"(.+)/value", "{1}"), ms.MapRule(r"(.*)", "{1}")])
+    out = ms.restore(path, like=jax.eval_shape(lambda: boxed_train_state(seed=1)), mapping=mapping)
+    assert_bit_exact(state.replace(step=jnp.asarray(3)), out)
+
+
+def test_a_lost_data_file_of_a_boxed_orbax_state_names_canonical_paths(tmp_path):
+    from flax import nnx
+
+    model = guide_mlp(dim=64, seed=0)
+    path = _orbax_save(tmp_path / "state", nnx.state(model))
+    lost = largest_data_file(path)
+    lost.unlink()
+    with pytest.raises(ms.CheckpointError) as e:
+        locate(path)
+    assert "/value" not in str(e.value) and "linear1/kernel" in str(e.value)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .._base import MappingError
 from .._weights import (
     Cast,
     Node,
@@ -48,7 +49,7 @@ from .._weights import (
 from .checksum import box_sums, format_sums
 from .read import check_holdable, finish_leaf, read_checked, verify_checksums
 from .record import LeafRecord, parse_dtype
-from .sources import Source, store_format
+from .sources import Source, store_format, stored_view
 from .stored import ArrayReader
 
 
@@ -123,6 +124,13 @@ def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -
     return jax.make_array_from_single_device_arrays(node.shape, sharding, arrays)
 
 
+def _resolved(wm: Any, source: Source, like: Any, dtype: Any) -> Any:
+    """``resolve_target`` of the mapping against the checkpoint's leaves."""
+    recs = source.record.by_path()
+    table = {p: (r.shape, _logical_dtype(r)) for p, r in recs.items()}
+    return resolve_target(wm, table, like, dtype)
+
+
 def restore_mapped(
     source: Source,
     *,
@@ -135,9 +143,20 @@ def restore_mapped(
 ) -> Any:
     """The body of ``restore`` when a mapping is given (see [`restore`][modelshard.restore])."""
     wm = as_mapping(mapping, split_dots=False)
+    try:
+        like, flat, res = _resolved(wm, source, like, dtype)
+    except MappingError as first:
+        # rules written for Orbax's own names of a plain Orbax checkpoint's boxes
+        # (``kernel/value``) still resolve, against the stored keys
+        view = stored_view(source)
+        if view is source:
+            raise
+        try:
+            like, flat, res = _resolved(wm, view, like, dtype)
+        except MappingError:
+            raise first from None
+        source = view
     recs = source.record.by_path()
-    table = {p: (r.shape, _logical_dtype(r)) for p, r in recs.items()}
-    like, flat, res = resolve_target(wm, table, like, dtype)
     if mesh is not None and specs is None:
         specs = carried_specs(res, recs)
     shardings = leaf_shardings(like, flat, specs, mesh)

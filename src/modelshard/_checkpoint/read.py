@@ -37,7 +37,7 @@ from .checksum import Checksums, checksum_mismatch_message, checksums, warm_chec
 from .chunks import shares_chunks
 from .direct import read_direct, readable
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
-from .sources import Source, abstract_like
+from .sources import Source, abstract_like, stored_view
 from .storage import nest
 from .values import restored_values
 
@@ -405,8 +405,10 @@ def _orbax_read(
     if source.template is not None:
         # Orbax's own structure (lists stay lists); leaves not asked for are placeholders.
         flat_t = jax.tree_util.tree_flatten_with_path(source.template)
+        path_of = {format_path([*r.key]): p for p, r in recs.items()}  # a box's kernel/value
         tree = jax.tree_util.tree_unflatten(
-            flat_t[1], [targets.get(format_path(k), ocp.PLACEHOLDER) for k, _ in flat_t[0]]
+            flat_t[1],
+            [targets.get(path_of.get(format_path(k), ""), ocp.PLACEHOLDER) for k, _ in flat_t[0]],
         )
         restore_args = jax.tree.map(lambda t: t if t is ocp.PLACEHOLDER else _restore_args(t), tree)
         partial = False
@@ -591,6 +593,18 @@ def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     return x if want is None or x.dtype == want else x.astype(want)
 
 
+def _matching_view(source: Source, paths: Sequence[str]) -> Source:
+    """``source`` named as ``like`` names it: a plain Orbax checkpoint's boxes by their
+    canonical paths (``kernel``), unless ``like``'s own paths are the stored keys (a dict
+    that really has a leaf named ``value``: ``stored_view``)."""
+    view = stored_view(source)
+    if view is source:
+        return source
+    wanted = set(paths)
+    canonical = sum(p in wanted for p in source.record.by_path())
+    return view if sum(p in wanted for p in view.record.by_path()) > canonical else source
+
+
 def restore_saved(
     source: Source,
     *,
@@ -603,11 +617,12 @@ def restore_saved(
 ) -> Any:
     """The body of [`restore`][modelshard.restore] without a mapping: every leaf read as
     saved, into its planned sharding (``dtype`` already checked by ``check_cast``)."""
-    record = source.record
     if like is None:
         like = abstract_like(source, dtype)
     flat = split(like)
     paths, arrays = flat.paths, flat.arrays
+    source = _matching_view(source, paths)
+    record = source.record
     stored = record.by_path()
     missing, extra, changed = _diff(paths, arrays, stored, dtype)
     # Python values (an epoch, a name) come from the record, diffed as the arrays are

@@ -214,7 +214,9 @@ def locate(directory: str | os.PathLike[str]) -> Source:
     tree_bytes = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
     tree = _parsed(tree_bytes)  # parsed once: Source.tree_metadata keeps it
     if not remote and tree is not None:
-        _check_manifest(p, tree_dir, tree)
+        beside = p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists()
+        written = record_file.exists() or is_marked(p) or beside
+        _check_manifest(p, tree_dir, tree, plain=not written)
     if record_file.exists() or (not remote and record_file.is_symlink()):
         try:
             data = json.loads(read_small(record_file))
@@ -246,17 +248,23 @@ def _parsed(tree_bytes: bytes) -> Any:
         return None
 
 
-def _check_manifest(p: Path, tree_dir: Path, meta: Any) -> None:
+def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) -> None:
     """Refuse a checkpoint whose arrays are in OCDBT (as its parsed ``_METADATA`` says,
     listing at least one array) but whose database has lost its manifest, the file that
     indexes them: ``modelshard inspect`` said nothing of it, and a restore failed leaf by
-    leaf. Metadata not of Orbax's shape is left to the reads, which name it."""
+    leaf. Metadata not of Orbax's shape is left to the reads, which name it. ``plain``:
+    written by plain Orbax, its arrays named by their canonical paths (``box_parents``)."""
     try:
         ocdbt = bool(meta.get("use_ocdbt", True))
         keys = array_keys(meta)
         arrays = bool(keys)
+        every = [
+            tuple(str(k["key"]) for k in entry["key_metadata"])
+            for entry in meta["tree_metadata"].values()
+        ]
     except (KeyError, TypeError, AttributeError):
         return
+    boxes = box_parents(every) if plain else set()
     manifest = tree_dir / OCDBT_MANIFEST
     if not (ocdbt and arrays):
         return
@@ -267,7 +275,8 @@ def _check_manifest(p: Path, tree_dir: Path, meta: Any) -> None:
         )
     lost = lost_files(str(tree_dir))
     if lost:
-        raise CheckpointError(_lost_message(p, lost, {".".join(k): "/".join(k) for k in keys}))
+        named = {".".join(k): "/".join(k[:-1] if k[:-1] in boxes else k) for k in keys}
+        raise CheckpointError(_lost_message(p, lost, named))
 
 
 _NAMED = 6  # the arrays a lost file's line names; the rest are counted
@@ -311,7 +320,10 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
             f"cannot read the Orbax metadata of {tree_dir}: {type(e).__name__}: {e}"
         ) from e
     leaves, mesh = [], None
-    for keys, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    stored = [tuple(key_name(k) for k in keys) for keys, _ in flat]
+    boxes = box_parents(stored)
+    for (keys, meta), key in zip(flat, stored, strict=True):
         try:
             shape = dims(list(getattr(meta, "shape", ()) or ()))
         except ValueError as e:
@@ -327,10 +339,13 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
                 mesh = {"axes": axes, "axis_types": []}
             if axes == mesh["axes"]:
                 spec = PartitionSpec(*sh.partition_spec)
+        if type(meta).__name__ == "ScalarMetadata":
+            # a Python number Orbax stored 64-bit: read as JAX holds one (jnp.asarray)
+            dtype = dtype_name(jax.dtypes.canonicalize_dtype(getattr(meta, "dtype", None)))
         leaves.append(
             LeafRecord(
-                path=format_path(keys),
-                key=tuple(key_name(k) for k in keys),
+                path=format_path(key[:-1] if key[:-1] in boxes else key),
+                key=key,
                 shape=shape,
                 dtype=dtype,
                 stored_shape=shape,
@@ -340,6 +355,45 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
         )
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
     return Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes, _tree=meta)
+
+
+def box_parents(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    """The nodes of a plain Orbax tree (``keys``: every stored leaf's key) that are boxes:
+    a node whose only child is the leaf ``value``. Orbax stores a linen ``Partitioned`` /
+    ``LogicallyPartitioned`` and an NNX ``Variable`` so (``kernel/value``), recording no
+    type for them in ``_METADATA``, so the layout is the signal. A dict with other keys
+    beside ``value``, or a root ``{"value": ...}``, is left alone."""
+    children: dict[tuple[str, ...], set[str]] = {}
+    for key in keys:
+        for i in range(len(key)):
+            children.setdefault(key[:i], set()).add(key[i])
+    return {
+        key[:-1]
+        for key in keys
+        if len(key) >= 2 and key[-1] == "value" and children[key[:-1]] == {"value"}
+    }
+
+
+def stored_view(source: Source) -> Source:
+    """``source`` with each leaf named by its key as Orbax stores it (``kernel/value``)
+    rather than its canonical path (``kernel``): the same for a modelshard checkpoint; for
+    a plain Orbax one with boxes, what a target whose dict really has a leaf named
+    ``value`` matches."""
+    leaves = [dataclasses.replace(x, path=format_path(x.key)) for x in source.record.leaves]
+    if all(a.path == b.path for a, b in zip(leaves, source.record.leaves, strict=True)):
+        return source
+    return dataclasses.replace(source, record=dataclasses.replace(source.record, leaves=leaves))
+
+
+def _unboxed(tree: Any, boxes: set[tuple[str, ...]], at: tuple[str, ...] = ()) -> Any:
+    """Orbax's metadata tree with each box (``box_parents``) replaced by its ``value``."""
+    if isinstance(tree, dict):
+        if at in boxes:
+            return tree["value"]
+        return {k: _unboxed(v, boxes, (*at, str(k))) for k, v in tree.items()}
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return type(tree)(_unboxed(v, boxes, (*at, str(i))) for i, v in enumerate(tree))
+    return tree
 
 
 def partial_wrap(impl: str) -> Any:
@@ -383,11 +437,16 @@ def planning_tree(record: Record) -> dict[str, Any]:
 
 def abstract_like(source: Source, dtype: Any = None) -> Any:
     """The abstract container a checkpoint describes: Orbax's own structure (lists stay
-    lists) for plain Orbax checkpoints, nested dicts from the record otherwise (its
-    Python values included)."""
+    lists; each box its value, as the record's paths say) for plain Orbax checkpoints,
+    nested dicts from the record otherwise (its Python values included)."""
     if source.template is None:
         return abstract_tree(source.record, dtype, values=True)
-    by_path = source.record.by_path()
-    keys, treedef = jax.tree_util.tree_flatten_with_path(source.template)
-    leaves = [_abstract_leaf(by_path[format_path(path)], dtype) for path, _ in keys]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    leaves = source.record.leaves
+    boxes = {x.key[:-1] for x in leaves if x.path != format_path(x.key)}
+    by_key = {x.key: x for x in leaves}
+    keys, treedef = jax.tree_util.tree_flatten_with_path(_unboxed(source.template, boxes))
+    out = []
+    for path, _ in keys:
+        key = tuple(key_name(k) for k in path)
+        out.append(_abstract_leaf(by_key[(*key, "value") if key in boxes else key], dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)

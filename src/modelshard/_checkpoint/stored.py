@@ -12,7 +12,7 @@ from .arrival import start_read
 from .leaks import stop_leaks
 from .ocdbt import context, read_spec
 from .read import read_failure, unreadable
-from .record import LeafRecord
+from .record import LeafRecord, parse_dtype
 from .sources import Source, store_format
 from .storage import orbax_name
 from .urls import is_remote
@@ -83,6 +83,10 @@ class ArrayReader:
             if self.store is None:
                 spec = _spec(self.source, self.fmt, orbax_name(self.rec.key))
                 self.store = ts.open(spec, context=self.context).result()
+                want = parse_dtype(self.rec.stored_dtype)
+                if self.store.dtype.numpy_dtype != want:
+                    # a Python number plain Orbax stored 64-bit, recorded as JAX holds it
+                    self.store = ts.cast(self.store, want)
             # Read into a buffer aligned for XLA's CPU client: ``device_put`` onto a CPU
             # device (``write_stream`` checksums each slab there) then adopts it as it
             # is, where TensorStore's own ``read()`` result was copied first.
