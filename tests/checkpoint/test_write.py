@@ -361,3 +361,28 @@ def test_values_too_large_for_the_record_are_refused(tmp_path, monkeypatch):
         "(np.frombuffer for bytes)."
     )
     assert not (tmp_path / "c").exists()
+
+
+def test_numpy_leaves_that_are_not_numbers_are_refused_by_name(tmp_path):
+    """NumPy strings, bytes, dates and object arrays escaped as JAX's TypeError."""
+    state = {
+        "w": jnp.ones(2),
+        "tag": np.str_("run1"),
+        "raw": np.bytes_(b"x"),
+        "when": np.datetime64("2020-01-01"),
+        "objs": np.array([None, 1]),
+    }
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", state)
+    assert str(e.value).splitlines() == [
+        "cannot save 4 leaves (nothing was written):",
+        "  objs: it is a NumPy array of dtype object, not numbers, which a checkpoint's arrays "
+        "cannot hold",
+        "  raw: it is a NumPy scalar of dtype |S1, not numbers, which a checkpoint's arrays "
+        "cannot hold; as a Python value it is saved: bytes(x)",
+        "  tag: it is a NumPy scalar of dtype <U4, not numbers, which a checkpoint's arrays "
+        "cannot hold; as a Python value it is saved: str(x)",
+        "  when: it is a NumPy scalar of dtype datetime64[D], not numbers, which a "
+        "checkpoint's arrays cannot hold",
+    ]
+    assert not (tmp_path / "c").exists()

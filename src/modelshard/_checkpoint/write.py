@@ -129,6 +129,15 @@ def _leaf_problem(path: str, x: Any) -> str | None:
             "the array was deleted (donated to a jitted step, or .delete() called); save "
             "the step's output instead"
         )
+    if isinstance(x, np.ndarray | np.generic) and x.dtype.kind in "USOMm":
+        # strings, bytes, objects, dates: nothing JAX or a checkpoint's arrays can hold
+        scalar = isinstance(x, np.generic)
+        convert = {"U": "str(x)", "S": "bytes(x)"}.get(x.dtype.kind) if scalar else None
+        return (
+            f"it is a NumPy {'scalar' if scalar else 'array'} of dtype {x.dtype}, not numbers, "
+            "which a checkpoint's arrays cannot hold"
+            + (f"; as a Python value it is saved: {convert}" if convert else "")
+        )
     if isinstance(x, np.ndarray | np.generic) and canonical_dtype(x.dtype) != x.dtype:
         return (
             f"it is a NumPy {dtype_name(x.dtype)} array, which JAX holds as "
