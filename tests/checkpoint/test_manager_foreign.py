@@ -385,3 +385,77 @@ def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s
     ]
     after = _s3_tree(s3_root)
     assert {k: v for k, v in after.items() if not k.startswith("25/")} == before
+
+
+def test_orbaxs_single_item_steps_metrics_and_custom_metadata_are_read(tmp_path):
+    """A manager saving one item (``args.StandardSave``: its ``default`` item), tracking
+    metrics (``best_fn``) and given ``custom_metadata``: restored, metrics and metadata as
+    Orbax saved them, no items; ``best_step`` ranks them with the manager's own."""
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(root, options=options) as orbax_mngr:
+        for s in (1, 2):
+            orbax_mngr.save(
+                s,
+                args=ocp.args.StandardSave({"w": jnp.full((4,), float(s))}),
+                metrics={"loss": 1.0 / s},
+                custom_metadata={"run": "a", "step": s},
+            )
+    assert sorted(os.listdir(root / "2")) == [
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "default",
+        "metrics",
+    ]
+    with opened(root, keep_best=1, best_fn=lambda m: -m["loss"]) as mngr:
+        assert mngr.all_steps() == [1, 2]
+        assert float(mngr.restore()["w"][0]) == 2.0
+        assert (mngr.items(2), mngr.metadata(2), mngr.metrics(2)) == (
+            {},
+            {"run": "a", "step": 2},
+            {"loss": 0.5},
+        )
+        mngr.save(3, {"w": jnp.ones(4)}, metrics={"loss": 0.9})
+        assert mngr.best_step() == 2
+        assert mngr.all_steps() == [1, 2, 3]  # keep_best=1 rotates its own steps only
+    assert ms.read_metadata(root / "2") == {"run": "a", "step": 2}
+
+
+def test_orbax_steps_it_cannot_restore_or_read_are_said_so(root):
+    """Two tree items and no ``state``: listed as Orbax's, not restored (which tree would
+    be the state?). A JSON item whose file is gone: ``items`` says the step is damaged."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(root) as orbax_mngr:
+        orbax_mngr.save(
+            30,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave({"w": jnp.ones(4)}),
+                opt=ocp.args.StandardSave({"mu": jnp.ones(4)}),
+            ),
+        )
+    (root / "20" / "metadata" / "metadata").unlink()
+    with pytest.warns(ms.ForeignStepsWarning) as said:
+        mngr = ms.CheckpointManager(root, async_save=False, handle_signals=False)
+    assert "does not restore: 30 (complete, Orbax). It never" in str(said[0].message)
+    with mngr:
+        assert mngr.all_steps() == [10, 15, 20]
+        with pytest.raises(ms.ForeignStepError) as e:
+            mngr.restore(30)
+        assert str(e.value).startswith(
+            f"cannot restore step 30: {root / '30'} is a complete step written by another "
+            "tool (Orbax); this CheckpointManager restores its own complete steps and Orbax's "
+            "complete steps that hold a state item"
+        )
+        with pytest.raises(ms.CheckpointError) as e:
+            mngr.items(20)
+        assert str(e.value) == (
+            f"{root / '20' / 'metadata'} is missing its JSON file: Orbax's step 20 was saved "
+            "with the JSON item 'metadata', so it is damaged and that item cannot be read. Its "
+            "arrays still restore; restore a complete copy of the step to get it back."
+        )
+        assert float(mngr.restore(20)["w"][0]) == 20.0
+    opt = ms.restore(root / "30" / "opt")  # another tree item, read on its own
+    assert float(opt["mu"][0]) == 1.0

@@ -271,7 +271,8 @@ def extras_json(directory: Any) -> dict[str, Any]:
 
 def read_metadata(directory: Any) -> dict[str, Any]:
     """The user metadata saved with a checkpoint (``save(..., metadata=...)``, or a
-    manager step's), without reading any array.
+    manager step's; for a step Orbax's own manager wrote, its ``custom_metadata``), without
+    reading any array.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -282,7 +283,11 @@ def read_metadata(directory: Any) -> dict[str, Any]:
     """
     from .sources import locate
 
-    return dict(locate(directory).record.metadata)
+    source = locate(directory)
+    if source.record.source == "orbax" and source.tree_dir != source.path:
+        # a step of Orbax's own manager: the custom_metadata its save was given
+        return dict((_orbax_step(source.path) or {}).get("custom_metadata") or {})
+    return dict(source.record.metadata)
 
 
 _ORBAX_JSON = "JsonCheckpointHandler"
