@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import CONVERT_MAP, one_line
+from helpers import CONVERT_MAP, assert_bit_exact, boxed_train_state, guide_mlp, one_line
 from modelshard.cli import main
 
 
@@ -235,3 +235,47 @@ def test_printed_lines_show_paths_literally(ckpt, tmp_path, capsys):
     argv = ["convert", str(st), str(conv), "--mapping", str(tmp_path / "map.toml")]
     assert main([*argv, "--mesh", "data=8"]) == 0
     assert capsys.readouterr().out == f"wrote {conv}: 2 leaves, 3.06 KiB, mesh data=8\n"
+
+
+@pytest.mark.parametrize("state", ["nnx guide", "linen TrainState"])
+def test_orbaxs_checkpoint_of_a_boxed_state_under_the_paths_plan_shows(tmp_path, capsys, state):
+    """A plain Orbax checkpoint of a boxed state (the Flax NNX guide's ``nnx.state``, a
+    linen ``TrainState`` with boxed params and adamw moments): ``inspect`` and ``plan``
+    show the paths ``ms.plan`` shows for the model (``linear1/kernel``, not
+    ``linear1/kernel/value``), and ``reshard`` with rules written for them lays it out."""
+    from flax import nnx
+
+    if state == "nnx guide":
+        model = guide_mlp(seed=0)
+        saved, make = nnx.state(model), lambda: guide_mlp(seed=1)
+    else:
+        model = saved = boxed_train_state(seed=0, step=5)
+        make = lambda: boxed_train_state(seed=1)  # noqa: E731
+    src, dst = tmp_path / "state", tmp_path / "out"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(src), saved)
+    want = [
+        leaf.path for leaf in ms.plan(model, P(), ms.make_mesh({"data": 8}, abstract=True)).leaves
+    ]
+    assert main(["inspect", str(src), "--json"]) == 0
+    assert sorted(x["path"] for x in json.loads(capsys.readouterr().out)["leaves"]) == sorted(want)
+    rules = tmp_path / "rules.toml"
+    rules.write_text(
+        "[[rules]]\npattern = 'kernel$'\nspec = ['none', 'data']\n"
+        "[[rules]]\npattern = '.*'\nspec = []\n"
+    )
+    assert main(["plan", str(src), "--mesh", "data=8", "--rules", str(rules), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert sorted(p for row in rows for p in row["paths"]) == sorted(want)
+    kernels = [p for row in rows if row["spec"] == [None, "data"] for p in row["paths"]]
+    assert kernels and all(p.endswith("kernel") for p in kernels)
+    assert main(["reshard", str(src), str(dst), "--mesh", "data=8", "--rules", str(rules)]) == 0
+    capsys.readouterr()
+    like = jax.eval_shape(make) if state != "nnx guide" else nnx.eval_shape(make)
+    out = ms.restore(dst, like=like)
+    if state == "nnx guide":
+        assert out.linear2.kernel[...].sharding.spec == P(None, "data")
+        assert_bit_exact(saved, nnx.state(out))
+    else:
+        assert out.opt_state[0].mu["Dense_1"]["kernel"].value.sharding.spec == P(None, "data")
+        assert_bit_exact(model.replace(step=jnp.asarray(5)), out)
