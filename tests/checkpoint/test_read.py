@@ -351,13 +351,19 @@ def test_a_value_like_lacks_is_an_extra_leaf(tmp_path):
 
 def test_a_record_that_predates_values_keeps_likes_values(tmp_path):
     """A checkpoint written before values were recorded holds none: like's are kept, as
-    they were, rather than every restore of it failing."""
+    they were, rather than every restore of it failing, and a warning says so."""
     import json
 
     path = ms.save(tmp_path / "c", {"w": jnp.ones(2)})
     record = json.loads((path / "modelshard.json").read_text())
     del record["values"]
     (path / "modelshard.json").write_text(json.dumps(record))
-    out = ms.restore(path, like={"w": jnp.zeros(2), "epoch": 4})
+    with pytest.warns(UserWarning) as caught:
+        out = ms.restore(path, like={"w": jnp.zeros(2), "epoch": 4, "act": jax.nn.relu})
+    assert [str(w.message) for w in caught] == [
+        f"checkpoint {path} holds no Python values (written before modelshard saved them, or "
+        "by plain Orbax): 1 kept like's values: epoch"
+    ]
+    assert caught[0].filename == __file__  # the user's line, not modelshard's
     assert out["epoch"] == 4
     assert_bit_exact({"w": jnp.ones(2)}, {"w": out["w"]})

@@ -626,7 +626,7 @@ def restore_saved(
     stored = record.by_path()
     missing, extra, changed = _diff(paths, arrays, stored, dtype)
     # Python values (an epoch, a name) come from the record, diffed as the arrays are
-    statics, v_missing, v_extra, v_changed = restored_values(flat, record)
+    statics, v_missing, v_extra, v_changed = restored_values(flat, record, source.path)
     missing, extra, changed = missing + v_missing, extra + v_extra, changed + v_changed
     concrete_missing = all(
         not isinstance(x, jax.ShapeDtypeStruct)

@@ -10,9 +10,10 @@ refused by ``save`` before a byte is written, rather than dropped.
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
-from .._base import CheckpointError
+from .._base import CheckpointError, caller_stacklevel
 from .._containers import Flat
 from .record import VALUE_TYPES, Record, ValueRecord, value_text
 from .storage import MAX_METADATA_BYTES, storage_key
@@ -75,16 +76,30 @@ def saved_values(flat: Flat) -> list[ValueRecord]:
     return values
 
 
-def restored_values(flat: Flat, record: Record) -> tuple[dict[int, Any], Diff, Diff, Diff]:
+def restored_values(
+    flat: Flat, record: Record, where: Any = ""
+) -> tuple[dict[int, Any], Diff, Diff, Diff]:
     """What a restore into ``flat`` (the ``like``) takes from the record's values:
     ``(position -> value, missing, extra, changed)``.
 
     Each value of ``like`` is replaced by the checkpoint's, of the same type (another
     type is ``changed``; one the checkpoint lacks is ``missing``, one ``like`` lacks
     ``extra``). Code in ``like`` is kept. A record without values (written before they
-    were recorded, or inferred from plain Orbax) leaves ``like``'s values as they are.
+    were recorded, or inferred from plain Orbax) leaves ``like``'s values as they are, and
+    a warning names them.
     """
     if record.values is None:
+        kept = [p for _, p, x in flat.statics() if not is_code(x)]
+        if kept:
+            more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
+            warnings.warn(
+                f"checkpoint {where} holds no Python values (written before modelshard saved "
+                f"them, or by plain Orbax): {len(kept)} kept like's values: "
+                + ", ".join(p or "<root>" for p in kept[:5])
+                + more,
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
         return {}, [], [], []
     saved = {v.path: v for v in record.values}
     out: dict[int, Any] = {}
