@@ -15,6 +15,7 @@ from ._base import AdapterError as AdapterError
 from ._base import AssembleError as AssembleError
 from ._base import CheckpointError as CheckpointError
 from ._base import DistributedError as DistributedError
+from ._base import FitError as FitError
 from ._base import ForeignStepError as ForeignStepError
 from ._base import ForeignStepsWarning as ForeignStepsWarning
 from ._base import MappingError as MappingError

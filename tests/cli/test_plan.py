@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -291,3 +292,150 @@ def test_one_cause_of_several_rules_gets_every_rules_fix(tmp_path, capsys):
         "      hint: shard this dimension over axes whose sizes divide it, pad it, or replicate "
         f'it with "none": {fixes}; and 4 more (each problem has its own)'
     )
+
+
+STEP_MODULE = '''
+import jax, jax.numpy as jnp, optax
+
+TX = optax.adamw(1e-3)
+
+
+def init(key):
+    k1, k2 = jax.random.split(key)
+    return {"mlp": {"up": {"kernel": jax.random.normal(k1, (64, 256))},
+                    "down": {"kernel": jax.random.normal(k2, (256, 64))}}}
+
+
+def state():
+    params = init(jax.random.key(0))
+    return {"params": params, "opt_state": TX.init(params)}
+
+
+def loss(params, x):
+    h = jax.nn.gelu(x @ params["mlp"]["up"]["kernel"])
+    return ((h @ params["mlp"]["down"]["kernel"] - x) ** 2).mean()
+
+
+def step(state, x):
+    value, grads = jax.value_and_grad(loss)(state["params"], x)
+    updates, opt_state = TX.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, value
+
+
+def step_named(state, batch):
+    return step(state, batch["x"])
+
+
+def sgd(state, x):
+    """A step over the checkpoint's own tree (nested dicts): plain SGD."""
+    grads = jax.grad(loss)(state, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+'''
+
+
+@pytest.fixture
+def step_module(tmp_path, monkeypatch):
+    """A module defining a state, an AdamW step and an SGD step, importable by name."""
+    import uuid
+
+    name = f"fit_step_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(STEP_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_a_step_is_planned_with_its_memory_from_xla(step_module, capsys):
+    mod = step_module
+    base = ["plan", "--state", f"{mod}:state", "--step", f"{mod}:step", "--mesh", "data=4,model=2"]
+    assert main([*base, "--batch", "float32[16,64]", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    memory = data["step_memory"]
+    assert sum(memory["parts"].values()) == memory["total"]
+    assert memory["parts"]["parameters"] == 2 * 64 * 256 * 4  # replicated: no --rules
+    assert memory["parts"]["optimizer_state"] == 2 * memory["parts"]["parameters"] + 4
+    assert memory["parts"]["batch"] == 16 * 64 * 4 // 4  # over the first mesh axis
+    assert data["advice"] is None and data["mesh"] == {"data": 4, "model": 2}
+    # the same figures as the library's, in-process
+    import importlib
+
+    m = importlib.import_module(mod)
+    lib = ms.step_memory(
+        m.step,
+        jax.eval_shape(m.state),
+        jax.ShapeDtypeStruct((16, 64), jnp.float32),
+        mesh={"data": 4, "model": 2},
+        in_specs=(P(), P("data")),
+        donate_argnums=0,
+    )
+    assert memory["total"] == lib.total
+    named = ["plan", "--state", f"{mod}:state", "--step", f"{mod}:step_named"]
+    assert main([*named, "--mesh", "data=4,model=2", "--batch", "x=float32[16,64]"]) == 0
+    out = capsys.readouterr().out
+    assert "step memory per device (XLA)" in out and "gradients (estimated)" in out
+
+
+def test_a_step_over_budget_names_the_smallest_change_and_writes_its_rules(
+    step_module, tmp_path, capsys
+):
+    mod = step_module
+    argv = ["plan", "--state", f"{mod}:state", "--step", f"{mod}:step", "--mesh", "data=8"]
+    argv += ["--batch", "float32[16,64]"]
+    assert main([*argv, "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["step_memory"]["total"]
+    budget = str(total - 1)
+    out_rules = tmp_path / "fits.toml"
+    assert main([*argv, "--budget", budget, "--write-rules", str(out_rules)]) == 1
+    captured = capsys.readouterr()
+    assert "smallest change that fits: shard the optimizer state over 'data' (ZeRO-1)" in (
+        captured.out
+    )
+    assert "# rules file for state" in captured.out  # the command line pastes TOML
+    err = captured.err.splitlines()
+    assert err[0] == f"wrote {out_rules}"
+    assert err[1] == "modelshard plan: error: the step does not fit the memory budget:"
+    assert err[3].startswith(f"    problem: the step needs {ms._base.format_bytes(total)}")
+    assert err[-1].startswith("    hint: the smallest change that fits (")
+    assert err[-1].endswith("checked by compiling): shard the optimizer state over 'data' (ZeRO-1)")
+    # the rules file written, given back as --rules, fits
+    assert main([*argv, "--rules", str(out_rules), "--budget", budget]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--budget", budget, "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "FitError"
+    advice = error["advice"]
+    assert (advice["fits"], advice["best"]["kind"]) == (False, "shard_optimizer")
+    assert (
+        advice["best"]["total"] <= total - 1
+        and advice["compiles"] == len(advice["suggestions"]) + 1
+    )
+
+
+def test_a_checkpoints_tree_goes_to_the_step(step_module, tmp_path, capsys):
+    import importlib
+
+    m = importlib.import_module(step_module)
+    ms.save(tmp_path / "ckpt", m.init(jax.random.key(0)))
+    argv = ["plan", str(tmp_path / "ckpt"), "--step", f"{step_module}:sgd", "--mesh", "data=8"]
+    assert main([*argv, "--batch", "float32[16,64]", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["step_memory"]
+    assert memory["parts"]["parameters"] == 2 * 64 * 256 * 4  # replicated, as it was saved
+    assert (
+        memory["parts"]["optimizer_state"] == 0
+        and sum(memory["parts"].values()) == (memory["total"])
+    )
+
+
+def test_step_arguments_are_checked(step_module, capsys):
+    base = ["plan", "--state", f"{step_module}:state", "--mesh", "data=8"]
+    for flag, value, said in (
+        ("--step", "nomodule", "'nomodule' is not MODULE:FUNCTION, e.g. train:step"),
+        ("--step", "no_such_module_xyz:step", "cannot import 'no_such_module_xyz'"),
+        ("--step", f"{step_module}:nothing", f"module '{step_module}' has no 'nothing'"),
+        ("--batch", "int32(16)", "'int32(16)' is not an array shape"),
+        ("--batch", "a=int32[2],int32[2]", "name every array of several: 'int32[2]'"),
+    ):
+        assert main([*base, flag, value]) == 2
+        assert said in one_line(capsys.readouterr().err, "plan")
+    assert main([*base, "--step", f"{step_module}:step"]) == 2
+    assert "--step and --batch go together" in capsys.readouterr().err

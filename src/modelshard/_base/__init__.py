@@ -9,6 +9,7 @@ from .errors import AdapterError as AdapterError
 from .errors import AssembleError as AssembleError
 from .errors import CheckpointError as CheckpointError
 from .errors import DistributedError as DistributedError
+from .errors import FitError as FitError
 from .errors import ForeignStepError as ForeignStepError
 from .errors import ForeignStepsWarning as ForeignStepsWarning
 from .errors import MappingError as MappingError

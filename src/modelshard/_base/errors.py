@@ -416,6 +416,27 @@ class SpecError(ModelshardError, ValueError):
         return out
 
 
+class FitError(SpecError):
+    """A step needs more memory per device than its budget
+    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``).
+
+    Attributes:
+        advice: the ``FitAdvice``: the step's memory and every change checked (its JSON is
+            part of ``to_json``, under ``advice``).
+    """
+
+    __module__ = "modelshard"
+
+    def __init__(self, problems: Sequence[Problem], advice: Any, header: str | None = None):
+        super().__init__(problems, header=header)
+        self.advice = advice
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out["advice"] = self.advice.to_json()
+        return out
+
+
 class ShardingMismatchError(SpecError):
     """An input's current sharding differs from the planned one and moving it was refused."""
 

@@ -1,9 +1,12 @@
-"""``modelshard plan``: a checkpoint planned onto a mesh, no devices needed."""
+"""``modelshard plan``: a checkpoint planned onto a mesh, no devices needed; with ``--step``,
+the training step's memory per device from XLA and, with ``--budget``, the smallest change
+that fits."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 from .args import (
@@ -16,19 +19,28 @@ from .args import (
     regex_arg,
     target_specs,
 )
-from .output import console, emit, say
+from .output import console, emit, fail, say
 
 
 def add_parser(sub: Any) -> None:
     """The ``plan`` subcommand."""
     pl = sub.add_parser(
         "plan",
-        help="plan a checkpoint onto a mesh",
+        help="plan a checkpoint onto a mesh; will a training step fit?",
         description="Plan every leaf of a checkpoint onto a target mesh: spec, "
         "matching rule and bytes per device; or list every problem at once "
-        "(exit status 1). No devices are needed.",
+        "(exit status 1). No devices are needed. With --step, the training step is "
+        "compiled for abstract inputs (nothing is allocated) and XLA's memory per device "
+        "is shown by part; with --budget too, the smallest change that fits, each checked "
+        "by compiling.",
     )
-    pl.add_argument("checkpoint", metavar="CKPT", help=CKPT_HELP)
+    pl.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        nargs="?",
+        default=None,
+        help=CKPT_HELP + " (or give the state with --state)",
+    )
     add_target(pl)
     add_json(pl)
     add_max_rows(pl)
@@ -51,7 +63,62 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="SIZE",
         help="memory per device, e.g. 16GiB or 80GB: exit status 1 if the plan needs more, "
-        "naming the largest contributors",
+        "naming the largest contributors; with --step, the step's memory is checked and "
+        "the smallest change that fits is named",
+    )
+    st = pl.add_argument_group("a training step (will it fit?)")
+    st.add_argument(
+        "--step",
+        dest="step_fn",
+        type=function_arg,
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the training step, step(state, batch) -> (state, ...), imported from MODULE "
+        "(the current directory is on the path); it is compiled, never run",
+    )
+    st.add_argument(
+        "--state",
+        type=function_arg,
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a function of no arguments returning the state (called under jax.eval_shape: "
+        "nothing is allocated); default: the checkpoint's tree (nested dicts)",
+    )
+    st.add_argument(
+        "--batch",
+        type=batch_arg,
+        default=None,
+        metavar="SHAPE",
+        help="the batch as abstract arrays: int32[16,2048] or "
+        "tokens=int32[16,2048],mask=bool[16,2048] (global shapes)",
+    )
+    st.add_argument(
+        "--batch-axes",
+        default=None,
+        metavar="AXES",
+        help="mesh axes the batch's first dimension is split over, e.g. data or data,fsdp "
+        "(default: the first mesh axis)",
+    )
+    st.add_argument(
+        "--no-donate",
+        action="store_true",
+        help="do not donate the state to the step (by default its outputs take the inputs' "
+        "place, as in a training loop)",
+    )
+    st.add_argument(
+        "--topology",
+        default=None,
+        metavar="NAME",
+        help="compile for a TPU slice this machine does not have, e.g. v5e:4x4 (the "
+        "--mesh sizes must multiply to its chips); elsewhere a mesh larger than the "
+        "machine compiles on simulated CPU devices (JAX_NUM_CPU_DEVICES)",
+    )
+    st.add_argument(
+        "--write-rules",
+        metavar="OUT.toml",
+        default=None,
+        help="with --budget: write the smallest change that fits as a rules file (when it "
+        "changes placement)",
     )
     pl.add_argument(
         "--html",
@@ -68,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     from .._checkpoint import locate, planning_tree
     from .._place import plan
 
+    if args.step_fn is not None or args.state is not None:
+        return run_step(args)
+    if args.checkpoint is None:
+        return usage(args, "give a checkpoint (CKPT), or --state and --step")
     sizes = args.mesh
     source = locate(checkpoint_arg(args, args.checkpoint))
     specs = target_specs(args, source.record)
@@ -101,4 +172,144 @@ def run(args: argparse.Namespace) -> int:
         say(f"wrote {os.path.abspath(args.html)}", stderr=True)
     if args.budget is not None:
         p.check_budget(args.budget)
+    return 0
+
+
+def usage(args: argparse.Namespace, message: str) -> int:
+    """Options that do not go together: a usage error (exit status 2), as argparse's."""
+    full = f"{message} (see 'modelshard plan --help')"
+    return fail("plan", 2, {"type": "UsageError", "message": full}, args.json)
+
+
+def function_arg(text: str) -> Any:
+    """argparse type: ``module:function``, imported (the current directory first on the
+    path, as ``python -m`` has it)."""
+    import importlib
+    import sys
+
+    module, colon, name = text.partition(":")
+    if not colon or not module or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:FUNCTION, e.g. train:step")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise argparse.ArgumentTypeError(f"cannot import {module!r}: {e}") from None
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise argparse.ArgumentTypeError(f"module {module!r} has no {name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise argparse.ArgumentTypeError(f"{text} is not callable")
+    return obj
+
+
+_ARRAY = re.compile(r"^\s*(?:([A-Za-z_][\w.]*)\s*=\s*)?([a-z][a-z0-9_]*)\[([\d,\s]*)\]\s*$")
+
+
+def batch_arg(text: str) -> Any:
+    """argparse type: ``int32[16,2048]`` or ``tokens=int32[16,2048],mask=bool[16,2048]``:
+    one abstract array, or a dict of them."""
+    import jax
+    import numpy as np
+
+    parts = re.split(r",(?![^\[]*\])", text)  # commas outside brackets
+    out: dict[str, Any] = {}
+    for part in parts:
+        m = _ARRAY.match(part)
+        if m is None:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not an array shape; write int32[16,2048] or "
+                "tokens=int32[16,2048],mask=bool[16,2048]"
+            )
+        name, dtype, dims = m.groups()
+        try:
+            dt = np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16
+        except TypeError:
+            raise argparse.ArgumentTypeError(f"{dtype!r} is not a dtype") from None
+        shape = tuple(int(d) for d in dims.split(",") if d.strip())
+        if name is None and len(parts) > 1:
+            raise argparse.ArgumentTypeError(f"name every array of several: {part.strip()!r}")
+        out[name or ""] = jax.ShapeDtypeStruct(shape, dt)
+    return out[""] if list(out) == [""] else out
+
+
+def run_step(args: argparse.Namespace) -> int:
+    """``--step``: the step's memory per device (and, with ``--budget``, the advice)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    from .._fit import fit_advice, step_memory
+
+    if args.step_fn is None or args.batch is None:
+        return usage(args, "--step and --batch go together (and --state or CKPT)")
+    sizes = args.mesh
+    source = None
+    if args.state is not None:
+        state = jax.eval_shape(args.state)
+        from .._specs import load_rules
+
+        specs = load_rules(args.rules) if args.rules else PartitionSpec()
+    elif args.checkpoint is not None:
+        from .._checkpoint import locate, planning_tree
+
+        source = locate(checkpoint_arg(args, args.checkpoint))
+        state = planning_tree(source.record)
+        specs = target_specs(args, source.record)
+    else:
+        return usage(args, "--step needs the state: CKPT or --state")
+    axes = args.batch_axes.split(",") if args.batch_axes else [next(iter(sizes))]
+    batch_spec = PartitionSpec(axes[0] if len(axes) == 1 else tuple(axes))
+    kw: dict[str, Any] = dict(
+        mesh=sizes,
+        in_specs=(specs, batch_spec),
+        donate_argnums=() if args.no_donate else (0,),
+        topology=args.topology,
+    )
+    if args.budget is None:
+        m = step_memory(args.step_fn, state, args.batch, **kw)
+        advice = None
+    else:
+        advice = fit_advice(args.step_fn, state, args.batch, budget=args.budget, **kw)
+        m = advice.memory
+    p = m.plan
+    out: str | None = args.write_rules
+    rules_text = None
+    if out is not None and advice is not None and advice.best is not None:
+        rules_text = advice.best.toml()  # None: the change moves nothing (batch, remat)
+    if out is not None and rules_text is not None:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(rules_text)
+    if args.html is not None:
+        p.to_html(args.html, fold=not args.no_fold, filter=args.filter, title="plan of the step")
+    if args.json:
+        if advice is not None:
+            advice.check()
+        emit(
+            args,
+            {
+                "checkpoint": None if source is None else str(source.path),
+                "step": getattr(args, "step", None),
+                "mesh": sizes,
+                "bytes_per_device": p.bytes_per_device(),
+                "total_bytes": p.total_bytes,
+                "step_memory": m.to_json(),
+                "advice": None if advice is None else advice.to_json(),
+                "modules": p.modules(filter=args.filter),
+                "rows": p.groups(fold=not args.no_fold, filter=args.filter),
+                "leaves": p.rows(filter=args.filter),
+            },
+        )
+        return 0
+    console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
+    if advice is not None:
+        for line in advice.lines():
+            say(line)
+    if args.html is not None:
+        say(f"wrote {os.path.abspath(args.html)}", stderr=True)
+    if out is not None and rules_text is not None:
+        say(f"wrote {os.path.abspath(out)}", stderr=True)
+    if advice is not None:
+        advice.check()
     return 0

@@ -57,6 +57,8 @@ class Suggestion:
         step: the function compiled (the rematerialised step for ``remat``).
         code: what to paste: Python for the change.
         error: why the candidate could not be compiled (then ``memory`` is None).
+        notes: the changes that are not placement (donation, moments, remat, batch), as
+            in ``code``.
     """
 
     kind: str
@@ -71,6 +73,17 @@ class Suggestion:
     step: Callable[..., Any] = dataclasses.field(repr=False)
     code: str = ""
     error: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def pasteable(self) -> str:
+        """``code`` where Python is read; on the command line each changed argument's rules
+        as a rules file (TOML), then the other changes."""
+        from .._base import vocabulary
+
+        if vocabulary() != "cli" or not self.rules:
+            return self.code
+        files = [f"# rules file for {name}\n{r.to_toml()}" for name, r in self.rules.items()]
+        return "\n".join([*files, *self.notes]).rstrip()
 
     def toml(self, arg: str | None = None) -> str | None:
         """The rules file for argument ``arg`` (default: the only one that changed)."""
@@ -130,33 +143,79 @@ class FitAdvice:
             "compile_seconds": round(self.compile_seconds, 3),
         }
 
-    def __str__(self) -> str:
+    def check(self) -> None:
+        """Raise if the step as given does not fit the budget.
+
+        Raises:
+            FitError: one problem naming the step's bytes per device, the budget, its
+                largest parts and the smallest change that fits (if any was found);
+                ``advice`` is this object.
+        """
+        if self.fits:
+            return
+        from .._base import FitError, Problem
+
         m = self.memory
-        head = (
-            f"{format_bytes(m.total)} per device on mesh ({format_mesh(m.mesh)}) "
-            f"{'fits' if self.fits else 'does not fit'} the budget of "
-            f"{format_bytes(self.budget)}"
+        big = sorted(((n, k) for k, text, n in m.part_rows() if n > 0), reverse=True)[:3]
+        parts = ", ".join(
+            f"{dict((k, t) for k, t, _ in m.part_rows())[k]} {format_bytes(n)}" for n, k in big
         )
-        out = [str(m), head]
+        if self.best is not None:
+            hint = (
+                f"the smallest change that fits ({format_bytes(self.best.memory.total)} per "
+                f"device, checked by compiling): {self.best.description}"
+                if self.best.memory is not None
+                else self.best.description
+            )
+        else:
+            hint = "no change tried fits: shard over a larger mesh, or train a smaller model"
+        raise FitError(
+            [
+                Problem(
+                    "budget",
+                    None,  # the whole step, no single leaf
+                    f"the step needs {format_bytes(m.total)} per device > budget "
+                    f"{format_bytes(self.budget)} (largest: {parts})",
+                    mesh=m.mesh,
+                    hint=hint,
+                    cause="bytes per device > budget",
+                )
+            ],
+            self,
+            header="the step does not fit the memory budget:",
+        )
+
+    def lines(self) -> list[str]:
+        """The verdict, each change checked with its bytes, and the smallest that fits
+        (with what to paste): what ``str()`` prints below the step's memory."""
+        m = self.memory
+        verdict = "fits" if self.fits else "does not fit"
+        out = [
+            f"{format_bytes(m.total)} per device on mesh ({format_mesh(m.mesh)}) {verdict} "
+            f"the budget of {format_bytes(self.budget)}"
+        ]
         if self.suggestions:
             out.append(
                 f"checked {len(self.suggestions)} changes ({self.compiles} compiles, "
                 f"{self.compile_seconds:.1f}s):"
             )
-            for s in self.suggestions:
-                if s.memory is None:
-                    out.append(f"  {s.description}: not compiled ({s.error})")
-                    continue
-                mark = "fits" if s.fits else "too big"
-                out.append(
-                    f"  {s.description}: {format_bytes(s.memory.total)} "
-                    f"(saves {format_bytes(s.saves)}), {mark}"
-                )
+        for s in self.suggestions:
+            if s.memory is None:
+                out.append(f"  {s.description}: not compiled ({s.error})")
+                continue
+            mark = "fits" if s.fits else "too big"
+            out.append(
+                f"  {s.description}: {format_bytes(s.memory.total)} "
+                f"(saves {format_bytes(s.saves)}), {mark}"
+            )
         if self.best is not None:
-            out += ["smallest change that fits: " + self.best.description, self.best.code]
+            out += ["smallest change that fits: " + self.best.description, self.best.pasteable()]
         elif not self.fits:
             out.append("no change tried fits: shard over a larger mesh, or a smaller model")
-        return "\n".join(out)
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join([str(self.memory), *self.lines()])
 
 
 # ---- per-leaf spec changes -------------------------------------------------------------
@@ -272,17 +331,18 @@ def fit_advice(
                 ]
             if ch.args is not None:
                 call = ch.args(call)
-            if ch.step is not None:
-                fn = ch.step if fn is base_fn else fn
+            if ch.step is not None and ch.kind != "moments_dtype":
+                fn = ch.step
             if ch.donate is not None:
                 donate = ch.donate
         for ch in stack:  # outputs narrowed last, around whichever step
-            if ch.kind == "moments_dtype" and ch.step is not None:
-                fn = ch.step if len(stack) == 1 else cast_outputs(fn, *moment_target(ch))
+            if ch.kind == "moments_dtype":
+                fn = cast_outputs(fn, *moment_target(ch))
         new_specs, rules = _in_specs(in_specs, plan, specs, dynamic, len(args))
         kind = "+".join(ch.kind for ch in stack)
         text = "; ".join(ch.description for ch in stack)
         code = _code(stack, rules)
+        notes = tuple(ch.code for ch in stack if ch.specs is None and ch.code)
         try:
             mem = compile_one(fn, new_specs, call, donate)
         except Exception as e:  # a candidate the step cannot take is reported, not raised
@@ -299,6 +359,7 @@ def fit_advice(
                 fn,
                 code,
                 f"{type(e).__name__}: {e}",
+                notes,
             )
         return Suggestion(
             kind,
@@ -312,6 +373,7 @@ def fit_advice(
             donate,
             fn,
             code,
+            notes=notes,
         )
 
     best = None

@@ -195,7 +195,7 @@ def changes_for(
                 )
             )
     if "moments_dtype" in kinds and has_opt:
-        mc = _moments_change(plan, leaf_roles, dynamic, fn)
+        mc = _moments_change(plan, leaf_roles, dynamic)
         if mc is not None:
             out.append(mc)
     for axis in axes:
@@ -256,9 +256,7 @@ def moment_target(ch: Change) -> tuple[set[str], Any]:
     return set(ch.narrowed), jax.numpy.bfloat16
 
 
-def _moments_change(
-    plan: Any, leaf_roles: list[str], dynamic: list[int], fn: Callable[..., Any]
-) -> Change | None:
+def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Change | None:
     """bfloat16 first moments (optax's ``mu_dtype``) where the state has ``mu`` leaves,
     else every float32 leaf of the optimizer state."""
     picked: dict[int, set[str]] = {}
@@ -304,7 +302,6 @@ def _moments_change(
         text,
         code,
         args=narrow,
-        step=cast_outputs(fn, all_paths, bf16),
         narrowed=frozenset(all_paths),
     )
 
