@@ -6,6 +6,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import MAKERS, stored_codec
+from helpers import MAKERS, assert_bit_exact, boxed_train_state, guide_mlp, stored_codec
 
 
 @pytest.fixture
@@ -185,6 +187,47 @@ def test_plain_orbax_standard_checkpointer_reads_ours(tmp_path):
     nnx_path = ms.save(tmp_path / "n", MAKERS["nnx"]())
     key_data = ocp.StandardCheckpointer().restore(str(nnx_path))["drop"]["rngs"]["key"]
     assert key_data.dtype == jnp.uint32 and key_data.shape == (2,)
+
+
+FRAMEWORKS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "frameworks.md"
+
+
+def _doc_block(marker: str) -> str:
+    """The one ```python block of the frameworks guide that holds ``marker``."""
+    text = FRAMEWORKS_PAGE.read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_the_flax_guides_restore_reads_ours_by_the_documented_lines(tmp_path, axis_type):
+    """Rolling back: the lines docs/guides/frameworks.md gives, run as shown, read
+    ``ms.save``'s checkpoints of a sharded NNX model (the Flax guide's restore with
+    ``nnx.replace_by_pure_dict``) and of a linen ``TrainState`` with boxed params and
+    adamw moments (boxes rebuilt), bit-exact."""
+    import flax.linen as nn
+    from flax import nnx
+
+    mesh = ms.make_mesh({"data": 8}, axis_types=axis_type)
+    model = guide_mlp(seed=0)
+    ms.shard(model, ms.fsdp("data", min_size=0), mesh)
+    ns = {"ms": ms, "nnx": nnx, "ocp": ocp, "ckpt_dir": str(tmp_path), "model": model}
+    ns["TwoLayerMLP"] = type(model)
+    exec(_doc_block("# the Flax guide's restore, reading a modelshard checkpoint"), ns)
+    assert type(ns["model"]) is type(model) and ns["model"] is not model
+    assert_bit_exact(nnx.state(model), nnx.state(ns["model"]))
+
+    state = ms.shard(boxed_train_state(seed=0, step=4), ms.fsdp("data", min_size=0), mesh)
+    ms.save(tmp_path / "linen", state)
+    ns = {"jax": jax}
+    exec(_doc_block("def restore_modelshard_checkpoint("), ns)
+    like = jax.eval_shape(lambda: boxed_train_state(seed=1))
+    back = ns["restore_modelshard_checkpoint"](str(tmp_path / "linen"), like)
+    kernel = back.opt_state[0].mu["Dense_0"]["kernel"]
+    assert type(kernel) is nn.LogicallyPartitioned and kernel.names == ("embed", "mlp")
+    assert type(back.params["Dense_1"]["kernel"]) is nn.Partitioned
+    assert_bit_exact(state, back)
 
 
 def test_we_read_plain_standard_checkpointer(tmp_path, mesh24):

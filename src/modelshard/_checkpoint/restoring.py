@@ -27,6 +27,15 @@ def restore(
     Args:
         directory: a checkpoint written by [`save`][modelshard.save], by Orbax's
             ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
+            Orbax stores a box (linen ``Partitioned`` / ``LogicallyPartitioned``, optax
+            moments of boxed params) and an NNX ``Variable`` (the Flax guide's
+            ``nnx.state(model)``) as a node whose only child is ``value``, and records no
+            type for it: such a node (not the root; its ``value`` an array) is read as the
+            box it was, named by its canonical path (``linear/kernel``, as
+            [`plan`][modelshard.plan] shows it, not ``linear/kernel/value``), so it
+            restores into the boxed or NNX ``like`` with no mapping. A ``like`` whose own
+            paths end in ``value`` (a dict that really has such a leaf) is matched on the
+            names as stored. A Python number Orbax stored (64-bit) is read as JAX holds it.
         like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
             giving the type to return; without it a nested dict of arrays is rebuilt from
             the checkpoint's record (or Orbax metadata). The state's Python values (an
@@ -46,6 +55,8 @@ def restore(
         mapping: a [`WeightMap`][modelshard.WeightMap] (or a path to its TOML file) from the checkpoint's
             leaf paths to ``like``'s: a checkpoint of another layout (linen scanned layers
             into an unscanned NNX model, t5x/MaxText names, a model without the new head).
+            Rules match the canonical paths (a mapping written for a plain Orbax
+            checkpoint's ``kernel/value`` names still resolves against them).
             Every unmapped or unfitting leaf is reported at once (``MappingError``);
             with a mesh, ``specs`` default to each leaf's saved spec carried through its
             recipe; typed PRNG keys map too; ``partial`` is the mapping's ``keep``.
