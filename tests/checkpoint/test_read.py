@@ -188,19 +188,20 @@ def test_partial_restore_names_the_first_five_and_counts_the_rest(tmp_path):
     assert len(w.kept) == 6 and len(w.skipped) == 7
 
 
-def _guide_checkpoint(path: Path):
-    """The Flax NNX checkpointing guide's save: ``nnx.state(model)`` through Orbax's
-    ``StandardCheckpointer`` (its paths end in ``/value``)."""
-    import orbax.checkpoint as ocp
+def _renamed_module(path: Path):
+    """An NNX model saved, then a new version of its class whose layer has another name."""
     from flax import nnx
 
-    class Model(nnx.Module):
+    class Old(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.proj = nnx.Linear(4, 3, rngs=rngs)
+
+    class New(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             self.linear = nnx.Linear(4, 3, rngs=rngs)
 
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, nnx.state(Model(nnx.Rngs(0))))
-    return Model(nnx.Rngs(1))
+    ms.save(path, Old(nnx.Rngs(0)))
+    return New(nnx.Rngs(1))
 
 
 def _renamed_layer(path: Path):
@@ -208,7 +209,7 @@ def _renamed_layer(path: Path):
     return {"blocks": {"0": {"kernel": jnp.zeros((4, 3))}}}
 
 
-@pytest.mark.parametrize("case", [_guide_checkpoint, _renamed_layer], ids=["nnx-guide", "renamed"])
+@pytest.mark.parametrize("case", [_renamed_module, _renamed_layer], ids=["nnx", "dict"])
 def test_a_partial_restore_that_would_restore_nothing_is_refused(tmp_path, case):
     """Following the mismatch hint once gave 0 of N leaves and no word: now the mismatch
     does not suggest partial=True, and partial=True with no shared path is refused."""
@@ -367,3 +368,18 @@ def test_a_record_that_predates_values_keeps_likes_values(tmp_path):
     assert caught[0].filename == __file__  # the user's line, not modelshard's
     assert out["epoch"] == 4
     assert_bit_exact({"w": jnp.ones(2)}, {"w": out["w"]})
+
+
+def test_an_abstract_like_takes_the_saved_numbers_as_its_arrays(tmp_path):
+    """jax.eval_shape turns a Python int into an int32[]: the saved 3 fills it (it was a
+    'missing' array and an 'extra' value, refused)."""
+    ms.save(tmp_path / "c", {"w": jnp.ones(3), "epoch": 3, "lr": 0.5, "flag": True})
+    like = jax.eval_shape(lambda: {"w": jnp.ones(3), "epoch": 3, "lr": 0.5, "flag": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ms.restore(tmp_path / "c", like=like)
+    assert {k: (v.dtype.name, v.item()) for k, v in out.items() if k != "w"} == {
+        "epoch": ("int32", 3),
+        "lr": ("float32", 0.5),
+        "flag": ("bool", True),
+    }

@@ -39,7 +39,7 @@ from .direct import read_direct, readable
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like, stored_view
 from .storage import nest
-from .values import restored_values
+from .values import restored_values, values_as_arrays
 
 # Bytes of read buffers Orbax may hold at once during a restore: bounds host memory beyond
 # the restored arrays themselves (each read buffer is copied onto its devices, then freed).
@@ -317,23 +317,19 @@ def mismatch_message(
 
 
 def warn_partial(
-    source: Source,
-    paths: Sequence[str],
-    stored: Mapping[str, LeafRecord],
-    missing: Diff,
-    extra: Diff,
+    source: Source, n: int, restored: Sequence[str], missing: Diff, extra: Diff
 ) -> None:
     """Say which leaves a partial restore did not restore: a ``PartialRestoreWarning``
-    whose message names them (the first few of each side) and whose attributes list all."""
+    whose message names them (the first few of each side) and whose attributes list all.
+    ``n``: the target's array leaves; ``restored``: those read from the checkpoint."""
     kept = [p for _, p, _ in missing]
     skipped = [p for _, p, _ in extra]
-    restored = [p for p in paths if p in stored]
 
     def some(ps: Sequence[str]) -> str:
         more = f" and {len(ps) - 5} more" if len(ps) > 5 else ""
         return ", ".join(ps[:5]) + more
 
-    parts = [f"restored {len(restored)} of the target's {len(paths)} leaves from {source.path}"]
+    parts = [f"restored {len(restored)} of the target's {n} leaves from {source.path}"]
     if kept:
         parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept)}")
     if skipped:
@@ -628,6 +624,10 @@ def restore_saved(
     # Python values (an epoch, a name) come from the record, diffed as the arrays are
     statics, v_missing, v_extra, v_changed = restored_values(flat, record, source.path)
     missing, extra, changed = missing + v_missing, extra + v_extra, changed + v_changed
+    numbers = values_as_arrays(paths, arrays, record)  # an abstract like's int32[] epoch
+    if numbers:
+        missing = [r for r in missing if r[1] not in numbers]
+        extra = [r for r in extra if r[1] not in numbers]
     concrete_missing = all(
         not isinstance(x, jax.ShapeDtypeStruct)
         for p, x in zip(paths, arrays, strict=True)
@@ -635,7 +635,7 @@ def restore_saved(
     )
     allowed = partial and concrete_missing
     rows = changed + ([] if allowed else missing) + ([] if partial else extra)
-    if partial and (missing or extra) and not any(p in stored for p in paths):
+    if partial and (missing or extra) and not any(p in stored or p in numbers for p in paths):
         rows = changed + missing + extra  # nothing would be restored: show every difference
     if rows:
         raise CheckpointError(
@@ -653,7 +653,8 @@ def restore_saved(
             )
         )
     if missing or extra:
-        warn_partial(source, paths, stored, missing, extra)
+        restored = [p for p in paths if p in stored or p in numbers]
+        warn_partial(source, len(paths), restored, missing, extra)
     if specs is not None and mesh is None:
         raise CheckpointError("restore(specs=...) needs mesh=...: specs are planned on a mesh.")
     if mesh is not None:
@@ -692,6 +693,9 @@ def restore_saved(
     for path, x, s in zip(paths, arrays, shardings, strict=True):
         if path in values:
             out.append(finish_leaf(values.pop(path), stored[path], dtype))
+        elif path in numbers:
+            y = jnp.asarray(numbers[path])
+            out.append(place([y], [s])[0] if s is not None else y)
         else:  # partial restore: a missing leaf keeps like's value
             out.append(place([x], [s])[0] if s is not None else x)
     return flat.rebuild(out, statics=statics)

@@ -13,6 +13,8 @@ import json
 import warnings
 from typing import Any
 
+import numpy as np
+
 from .._base import CheckpointError, caller_stacklevel
 from .._containers import Flat
 from .record import VALUE_TYPES, Record, ValueRecord, value_text
@@ -133,3 +135,24 @@ def values_tree(record: Record) -> list[tuple[tuple[str, ...], Any]]:
     """``(storage key, value)`` of every value of the record, for the nested dicts a
     restore without ``like`` returns."""
     return [(v.key, v.value) for v in record.values or ()]
+
+
+_NUMBER_KINDS = {"bool": "b", "int": "biu", "float": "f", "complex": "c"}
+
+
+def values_as_arrays(paths: list[str], arrays: list[Any], record: Record) -> dict[str, np.ndarray]:
+    """The record's numbers that ``like`` holds as rank-0 arrays (``jax.eval_shape`` makes
+    an ``int32[]`` of a Python ``int``): path -> the value as an array of ``like``'s dtype,
+    where that dtype's kind holds the value's type (an int into an integer or a float)."""
+    if not record.values:
+        return {}
+    saved = {v.path: v for v in record.values}
+    out = {}
+    for path, x in zip(paths, arrays, strict=True):
+        v = saved.get(path)
+        if v is None or tuple(x.shape) != () or v.type not in _NUMBER_KINDS:
+            continue
+        kind = np.dtype(x.dtype).kind
+        if kind in _NUMBER_KINDS[v.type] or (v.type == "int" and kind in "fc"):
+            out[path] = np.asarray(v.value, dtype=x.dtype)
+    return out
