@@ -18,7 +18,9 @@ record item (``modelshard/``, or under Orbax's temporary name), created as the s
 an entry with Orbax's metadata and neither is Orbax's (complete by Orbax's rule: its final
 name, plus the commit file on object storage), anything else another tool's. An empty
 folder, or one holding only the metadata file Orbax writes as any save starts, holds
-nothing to lose and is a leftover.
+nothing to lose and is a leftover; so is one holding only items of a step and no metadata
+(on object storage, a process's share of the arrays, written before process 0 wrote the
+metadata, of a save that died).
 
 Inside a leftover, Orbax writes each item of the step (``state``, ``modelshard``, ``items``,
 ``metrics``) under a temporary name (``state.orbax-checkpoint-tmp...``) renamed when the
@@ -97,6 +99,8 @@ def complete_steps(root: Any) -> list[int]:
         )
 
 
+_ITEMS = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM}
+"""The items of a manager's step."""
 OURS = "modelshard"
 ORBAX = "orbax"
 OTHER = "other"
@@ -136,7 +140,9 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     if record and not committed:
         return OURS
     if meta is None:
-        return OTHER
+        # only parts of a step, no metadata yet: on object storage another process wrote
+        # its share of the arrays before process 0 wrote the metadata, and the save died
+        return OURS if all(n.partition(ORBAX_TMP)[0] in _ITEMS for n in names) else OTHER
     if names == [CHECKPOINT_METADATA] and not committed and not meta.get("item_handlers"):
         return None
     return ORBAX
