@@ -114,7 +114,14 @@ def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsy
     assert sorted(int(n) for n in os.listdir(root)) == list(ORBAX_KEPT)
     orbaxs = snapshot(root, ORBAX_KEPT)
 
-    # the root as Orbax left it: the CLI reads its latest step
+    # the root as Orbax left it: ms.restore says to open it with the manager, the CLI
+    # reads its latest step
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(root)
+    assert str(e.value).endswith(
+        f"pass a step directory such as {root / '20'}, or restore with "
+        "modelshard.CheckpointManager(...).restore()."
+    )
     assert main(["inspect", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["step"], doc["items"]) == (

@@ -29,7 +29,10 @@ missing; a name that is no part of a step is listed as other.
 
 The next save of step N removes its leftovers (``CheckpointManager.save``), opening the
 manager removes the rotated ones; another tool's entries are never removed or replaced
-except by ``CheckpointManager.delete(N)``. ``modelshard steps`` prints this listing.
+except by ``CheckpointManager.delete(N)``. Orbax's complete steps that hold an item to
+restore as the state (``orbax_state``) are adopted: listed and restored beside the
+manager's own (``adopted_steps``, ``restorable_steps``), told apart by their owner.
+``modelshard steps`` prints this listing.
 """
 
 from __future__ import annotations

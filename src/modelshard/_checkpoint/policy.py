@@ -4,7 +4,8 @@ Keeping is a union: a step stays if any rule keeps it (the latest ``N``, every `
 the best ``N`` by a metric, a step the user named). The newest complete step is always
 kept, so rotation never deletes the only checkpoint there is. Rotation sees the manager's
 own complete steps only (``listing.complete_steps``): another tool's steps in the root are
-never among them, so never deleted. Saving is arithmetic on the
+never among them, so never deleted, Orbax's complete steps the manager lists and restores
+included. Saving is arithmetic on the
 step (``step % save_interval_steps == 0``), with no hidden first save; a stop request
 (preemption) makes any step a saving step.
 """
