@@ -29,9 +29,6 @@ train_state = pytest.importorskip("flax.training.train_state")
 
 ORBAX_KEPT = (10, 15, 20)
 RULES = ms.Rules([], logical={"embed": None, "mlp": "model"}, strict=False)
-# Orbax stores a linen box's array under ``.../value``: read as the box's array (where the
-# restore does not already: not strict)
-UNBOX = ms.WeightMap([ms.MapRule(r"(.+)/value", "{1}"), ms.MapRule(r"(.*)", "{1}")], strict=False)
 
 
 class MLP(nn.Module):
@@ -132,7 +129,7 @@ def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsy
     # the switch, as docs/guides/long-runs.md writes it
     with ms.CheckpointManager(root, save_interval_steps=5, max_to_keep=3) as mngr:
         start = mngr.latest_step()
-        state = mngr.restore(like=create(), specs=RULES, mesh=mesh24, mapping=UNBOX)
+        state = mngr.restore(like=create(), specs=RULES, mesh=mesh24)
         position = mngr.items()["metadata"]["data"]["position"]
         for step in range(start + 1, 41):
             state = train_step_on(state, mesh24)
@@ -159,7 +156,7 @@ def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsy
     assert snapshot(root, ORBAX_KEPT) == orbaxs
 
     # Orbax's step read directly, and the CLI on the root both wrote into
-    direct = ms.restore(root / "20", like=create(), specs=RULES, mesh=mesh24, mapping=UNBOX)
+    direct = ms.restore(root / "20", like=create(), specs=RULES, mesh=mesh24)
     assert all(np.array_equal(a, b) for a, b in zip(arrays(direct), arrays(at_20), strict=True))
     assert main(["steps", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
