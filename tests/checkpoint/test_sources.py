@@ -325,7 +325,10 @@ def test_mappings_written_for_orbaxs_own_names_still_restore(tmp_path):
     for mapping in (
         ms.WeightMap([ms.MapRule(r"(.+)/value", "{1}")]),
         ms.WeightMap(
-            [ms.MapRule(r"linear1/kernel/value", "linear1/kernel"), ms.MapRule(r"(.+)/value", "{1}")]
+            [
+                ms.MapRule(r"linear1/kernel/value", "linear1/kernel"),
+                ms.MapRule(r"(.+)/value", "{1}"),
+            ]
         ),
         ms.WeightMap(
             [ms.MapRule(r"linear(\d)/kernel", "linear{1}/kernel"), ms.MapRule(r"(.*)", "{1}")]
@@ -350,3 +353,23 @@ def test_a_lost_data_file_of_a_boxed_orbax_state_names_canonical_paths(tmp_path)
     with pytest.raises(ms.CheckpointError) as e:
         locate(path)
     assert "/value" not in str(e.value) and "linear1/kernel" in str(e.value)
+
+
+def test_an_nnx_models_rng_key_orbax_stored_comes_back_a_key(tmp_path, mesh8):
+    """Orbax stores an ``nnx.Rngs``'s typed key as its key data, naming no implementation
+    in ``_METADATA``: a ``like`` holding a typed key there gets it back, bit-exact."""
+    from flax import nnx
+
+    class WithDropout(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(8, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    model = WithDropout(nnx.Rngs(0))
+    path = _orbax_save(tmp_path / "state", nnx.state(model))
+    like = nnx.eval_shape(lambda: WithDropout(nnx.Rngs(1)))
+    out = ms.restore(path, like=like, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
+    key = out.drop.rngs.key[...]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert out.linear.kernel[...].sharding.spec == P("data")
+    assert_bit_exact(nnx.state(model), nnx.state(out))

@@ -8,6 +8,8 @@ damaged leaves and, where it can be told, the file at fault.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -581,6 +583,8 @@ def verify_checksums(
 def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
     """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
     if rec.key_impl is not None:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x  # Orbax's read gave the key back itself (a plain Orbax checkpoint's)
         return jax.random.wrap_key_data(x, impl=rec.key_impl)
     if STORED_AS.get(rec.dtype) == rec.stored_dtype:
         # device_put: a zero-size bitcast forgets its sharding
@@ -601,6 +605,45 @@ def _matching_view(source: Source, paths: Sequence[str]) -> Source:
     return view if sum(p in wanted for p in view.record.by_path()) > canonical else source
 
 
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # JAX's named PRNG implementations
+
+
+@functools.cache
+def _key_impl_of(dtype: Any) -> str | None:
+    """The name of the PRNG implementation of a typed key dtype (an abstract key has no
+    ``jax.random.key_impl``)."""
+    for name in _KEY_IMPLS:
+        if jax.eval_shape(lambda name=name: jax.random.key(0, impl=name)).dtype == dtype:
+            return name
+    return None
+
+
+def _keys_as_like(source: Source, paths: Sequence[str], arrays: Sequence[Any]) -> Source:
+    """Plain Orbax stores a typed PRNG key (an NNX ``Rngs``'s) as its key data and names
+    no implementation: a leaf ``like`` holds as a typed key, whose key data the stored
+    array is (shape and dtype), is read as that key."""
+    if source.record.source != "orbax":
+        return source
+    recs = source.record.by_path()
+    keys = {}
+    for path, x in zip(paths, arrays, strict=True):
+        rec = recs.get(path)
+        if rec is None or not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            continue
+        impl = _key_impl_of(x.dtype)
+        if impl is None or rec.key_impl is not None:
+            continue
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        if (tuple(data.shape), dtype_name(data.dtype)) == (rec.stored_shape, rec.stored_dtype):
+            keys[path] = dataclasses.replace(
+                rec, shape=tuple(x.shape), dtype=dtype_name(x.dtype), key_impl=impl
+            )
+    if not keys:
+        return source
+    leaves = [keys.get(leaf.path, leaf) for leaf in source.record.leaves]
+    return dataclasses.replace(source, record=dataclasses.replace(source.record, leaves=leaves))
+
+
 def restore_saved(
     source: Source,
     *,
@@ -617,7 +660,7 @@ def restore_saved(
         like = abstract_like(source, dtype)
     flat = split(like)
     paths, arrays = flat.paths, flat.arrays
-    source = _matching_view(source, paths)
+    source = _keys_as_like(_matching_view(source, paths), paths, arrays)
     record = source.record
     stored = record.by_path()
     missing, extra, changed = _diff(paths, arrays, stored, dtype)
