@@ -373,3 +373,23 @@ def test_an_nnx_models_rng_key_orbax_stored_comes_back_a_key(tmp_path, mesh8):
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     assert out.linear.kernel[...].sharding.spec == P("data")
     assert_bit_exact(nnx.state(model), nnx.state(out))
+
+
+def test_a_mismatch_with_a_boxed_orbax_state_names_the_canonical_paths(tmp_path):
+    from flax import nnx
+
+    path = _orbax_save(tmp_path / "state", nnx.state(guide_mlp(dim=16)))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path, like=nnx.eval_shape(lambda: guide_mlp(dim=8)))
+    lines = str(e.value).splitlines()
+    assert lines[1:] == [
+        "  changed  bn/bias              checkpoint float32[16] -> target float32[8]",
+        "  changed  bn/mean              checkpoint float32[16] -> target float32[8]",
+        "  changed  bn/scale             checkpoint float32[16] -> target float32[8]",
+        "  changed  bn/var               checkpoint float32[16] -> target float32[8]",
+        "  changed  linear{1..2}/kernel  checkpoint float32[16, 16] -> target float32[8, 8]  "
+        "(2 leaves)",
+        "hint: the checkpoint's shapes differ from the target's (sizes 16 -> 8 (8 leaves)): build "
+        "the target with the configuration the checkpoint was saved with (partial=True cannot "
+        "help: these leaves exist on both sides)",
+    ]
