@@ -377,15 +377,33 @@ def wrap(
     donate_argnums: tuple[int, ...],
     static_argnums: tuple[int, ...],
 ) -> Any:
-    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
+    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles).
+
+    Parameters past ``in_specs`` that have defaults (``remat=False``) are compile-time
+    constants: the step is compiled with their values, as a training loop calls it."""
+    import inspect
+
     from .._jit import shard_jit
 
+    names: tuple[str, ...] = ()
+    if isinstance(in_specs, tuple | list):
+        try:
+            params = list(inspect.signature(step).parameters.values())
+        except (TypeError, ValueError):  # a callable without a signature: as given
+            params = []
+        rest = params[len(in_specs) :]
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        if rest and all(p.default is not inspect.Parameter.empty for p in rest if p.kind in kinds):
+            names = tuple(p.name for p in rest if p.kind in kinds)
+            positional = [p for p in rest if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+            in_specs = (*in_specs, *([None] * len(positional)))
     return shard_jit(
         step,
         mesh=mesh,
         in_specs=in_specs,
         donate_argnums=donate_argnums,
         static_argnums=static_argnums,
+        static_argnames=names,
     )
 
 
