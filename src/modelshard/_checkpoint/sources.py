@@ -391,7 +391,10 @@ def _unboxed(tree: Any, boxes: set[tuple[str, ...]], at: tuple[str, ...] = ()) -
         if at in boxes:
             return tree["value"]
         return {k: _unboxed(v, boxes, (*at, str(k))) for k, v in tree.items()}
-    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple: keyed by field
+        fields = zip(tree._fields, tree, strict=True)  # pyright: ignore[reportAttributeAccessIssue]
+        return type(tree)(*(_unboxed(v, boxes, (*at, f)) for f, v in fields))
+    if isinstance(tree, list | tuple):
         return type(tree)(_unboxed(v, boxes, (*at, str(i))) for i, v in enumerate(tree))
     return tree
 
