@@ -269,7 +269,9 @@ def part_topology(
     for label, sizes, topology in meshes:
         n = math.prod(sizes.values())
         tokens = jax.ShapeDtypeStruct((batch * n, seq), jnp.int32)
-        kw = dict(mesh=sizes, in_specs=(P(), P("data")), donate_argnums=0, topology=topology)
+        kw: dict[str, Any] = dict(
+            mesh=sizes, in_specs=(P(), P("data")), donate_argnums=0, topology=topology
+        )
         m = ms.step_memory(make_step(cfg), state, tokens, **kw)
         limit = budget if budget is not None else m.total * 2 // 3
         advice = ms.fit_advice(
@@ -298,7 +300,7 @@ def part_topology(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny models (a check on CPU)")
     ap.add_argument("--parts", default="memory,batch,topology")
     ap.add_argument("--sizes", default="0,1,2", help="which of the three decoders")

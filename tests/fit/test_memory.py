@@ -136,3 +136,46 @@ def test_the_plan_table_html_and_json_show_the_step(dict_decoder):
     assert sum(data["parts"].values()) == data["total"]
     assert data["xla"]["alias"] == m.alias and data["platform"] == "cpu"
     assert m.fits(m.total) and not m.fits(m.total - 1)
+
+
+def test_an_nnx_model_and_its_optimizer_are_split_by_role():
+    """NNX: the model and ``nnx.Optimizer`` as two arguments, abstract (``nnx.eval_shape``),
+    updated in place by the step."""
+    import optax
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up = nnx.Linear(64, 256, rngs=rngs)
+            self.down = nnx.Linear(256, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.gelu(self.up(x)))
+
+    def make():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    def step(model, opt, x):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(x) - x) ** 2).mean())(model)
+        opt.update(model, grads)
+        return loss
+
+    model, opt = nnx.eval_shape(make)
+    x = jax.ShapeDtypeStruct((16, 64), jax.numpy.float32)
+    m = ms.step_memory(
+        step,
+        model,
+        opt,
+        x,
+        mesh={"data": 8},
+        in_specs=(ms.fsdp("data"), P(), P("data")),
+        donate_argnums=(0, 1),
+    )
+    assert sum(m.parts.values()) == m.total
+    params = (64 * 256 * 2 // 8 + 256 + 64) * 4  # kernels over 'data', biases whole
+    assert m.parts["parameters"] == params
+    assert m.parts["optimizer_state"] == 2 * (64 * 256 * 2 + 256 + 64) * 4 + 4 + 4
+    roles = dict(m.roles)
+    assert roles["model:up/kernel"] == "parameters" and roles["x:"] == "batch"
+    assert roles["opt:opt_state/0/mu/up/kernel"] == "optimizer_state"
