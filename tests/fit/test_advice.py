@@ -160,3 +160,46 @@ def test_bad_kinds_and_budgets_are_refused(dict_decoder):
     ]
     with pytest.raises(ms.SpecError, match="'lots' is not a size"):
         ms.fit_advice(d.step, d.state, d.batch, budget="lots", **kw)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_auto_and_explicit_meshes(axis_types):
+    """On an Explicit mesh a change the model code cannot take (a product whose operands
+    are both split over 'data') is reported with JAX's error, not raised."""
+    import optax
+
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def loss(p, x):
+        return ((jnp.tanh(x @ p["up"]) @ p["down"] - x) ** 2).mean()
+
+    def step(state, x):
+        grads = jax.grad(loss)(state["params"], x)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+
+    def init():
+        params = {"up": jnp.zeros((64, 256)), "down": jnp.zeros((256, 64))}
+        return {"params": params, "opt_state": tx.init(params)}
+
+    state, x = jax.eval_shape(init), jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    kw = dict(
+        mesh=ms.make_mesh({"data": 8}, axis_types=axis_types),
+        in_specs=(P(), P("data")),
+        donate_argnums=0,
+    )
+    m = ms.step_memory(step, state, x, **kw)
+    assert sum(m.parts.values()) == m.total
+    assert m.parts["parameters"] == m.parts["optimizer_state"] == 2 * 64 * 256 * 4
+    advice = ms.fit_advice(
+        step, state, x, budget=m.total - 1, kinds=("shard_optimizer", "fsdp"), **kw
+    )
+    zero1, fsdp = advice.suggestions
+    assert advice.best is zero1 and zero1.fits
+    if axis_types == "auto":
+        assert fsdp.fits and fsdp.error is None and advice.compiles == 3
+    else:
+        assert (fsdp.memory, fsdp.fits) == (None, False)
+        assert fsdp.error.startswith("ShardingTypeError: dot_general operation with inputs")
+        assert advice.compiles == 2  # a candidate that does not compile is not counted
+        assert "(FSDP): not compiled (ShardingTypeError:" in str(advice)
