@@ -393,3 +393,21 @@ def test_a_mismatch_with_a_boxed_orbax_state_names_the_canonical_paths(tmp_path)
         "the target with the configuration the checkpoint was saved with (partial=True cannot "
         "help: these leaves exist on both sides)",
     ]
+
+
+def test_a_python_int_orbax_stored_is_read_as_jax_holds_it_unless_it_does_not_fit(tmp_path):
+    """Orbax stores a Python int 64-bit: one that fits is read as an int32 (as
+    ``jnp.asarray`` holds it without x64); a larger one is never wrapped, its restore
+    asks for x64."""
+    path = _orbax_save(tmp_path / "small", {"step": 2**31 - 1, "epoch": -(2**31)})
+    out = ms.restore(path)
+    assert out["step"].dtype == jnp.int32 and int(out["step"]) == 2**31 - 1
+    assert int(out["epoch"]) == -(2**31)
+    big = _orbax_save(tmp_path / "big", {"step": 2**33 + 5, "w": jnp.ones(2)})
+    assert locate(big).record.by_path()["step"].dtype == "int64"
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(big)
+    assert str(e.value).splitlines()[1:] == [
+        "  step: int64[]",
+        "hint: jax.config.update('jax_enable_x64', True) before using JAX.",
+    ]

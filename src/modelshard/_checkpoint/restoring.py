@@ -35,7 +35,8 @@ def restore(
             [`plan`][modelshard.plan] shows it, not ``linear/kernel/value``), so it
             restores into the boxed or NNX ``like`` with no mapping. A ``like`` whose own
             paths end in ``value`` (a dict that really has such a leaf) is matched on the
-            names as stored. A Python number Orbax stored (64-bit) is read as JAX holds it;
+            names as stored. A Python number Orbax stored (64-bit) is read as JAX holds it
+            (an int that does not fit int32 without x64 is refused, never wrapped);
             a typed PRNG key Orbax stored as its key data, as the key ``like`` holds there.
         like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
             giving the type to return; without it a nested dict of arrays is rebuilt from

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, dtype_name, format_path, key_name, natural_key
-from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files
+from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, read_spec
+from .ocdbt import context as ocdbt_context
 from .record import LeafRecord, Record, dims
 from .storage import (
     COMMIT_FILE,
@@ -33,6 +34,7 @@ from .storage import (
     is_marked,
     kind_of,
     nest,
+    orbax_name,
     read_small,
     storage_key,
 )
@@ -323,25 +325,27 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     stored = [tuple(key_name(k) for k in keys) for keys, _ in flat]
     boxes = box_parents(stored)
-    for (keys, meta), key in zip(flat, stored, strict=True):
+    narrowed = []
+    for (keys, info), key in zip(flat, stored, strict=True):
         try:
-            shape = dims(list(getattr(meta, "shape", ()) or ()))
+            shape = dims(list(getattr(info, "shape", ()) or ()))
         except ValueError as e:
             raise CheckpointError(
                 f"{tree_dir / TREE_METADATA}: the array {format_path(keys)!r} is invalid: {e}."
             ) from e
-        dtype = dtype_name(getattr(meta, "dtype", None) or jnp.float32)
+        dtype = dtype_name(getattr(info, "dtype", None) or jnp.float32)
         spec = None
-        sh: Any = getattr(meta, "sharding", None)
+        sh: Any = getattr(info, "sharding", None)
         if type(sh).__name__ == "NamedShardingMetadata":
             axes = dict(zip(sh.axis_names, (int(s) for s in sh.shape), strict=True))
             if mesh is None:
                 mesh = {"axes": axes, "axis_types": []}
             if axes == mesh["axes"]:
                 spec = PartitionSpec(*sh.partition_spec)
-        if type(meta).__name__ == "ScalarMetadata":
-            # a Python number Orbax stored 64-bit: read as JAX holds one (jnp.asarray)
-            dtype = dtype_name(jax.dtypes.canonicalize_dtype(getattr(meta, "dtype", None)))
+        if type(info).__name__ == "ScalarMetadata":
+            held = jax.dtypes.canonicalize_dtype(getattr(info, "dtype", None))
+            if dtype_name(held) != dtype:  # a Python number Orbax stored 64-bit
+                narrowed.append((len(leaves), held))
         leaves.append(
             LeafRecord(
                 path=format_path(key[:-1] if key[:-1] in boxes else key),
@@ -354,7 +358,42 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
             )
         )
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
-    return Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes, _tree=meta)
+    source = Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes, _tree=meta)
+    for i, held in narrowed:
+        # read as JAX holds the number (jnp.asarray: int32, float32 without x64), unless
+        # it does not fit: then it stays 64-bit, and a restore says it needs x64
+        if _holds(source, leaves[i].key, held):
+            name = dtype_name(held)
+            record.leaves[i] = dataclasses.replace(leaves[i], dtype=name, stored_dtype=name)
+    return source
+
+
+def _holds(source: Source, key: tuple[str, ...], held: Any) -> bool:
+    """Whether the Python number plain Orbax stored at ``key`` (64-bit, a few bytes) is
+    held exactly in ``held`` as an int; a float is rounded as JAX rounds one. A number
+    that cannot be read stays 64-bit (the restore reads it and names any damage)."""
+    if not jnp.issubdtype(held, jnp.integer):
+        return True
+    import numpy as np
+    import tensorstore as ts
+
+    use_ocdbt, use_zarr3 = store_format(source)
+    name = orbax_name(key)
+    try:
+        if (use_ocdbt, use_zarr3) == (True, False) and not is_remote(source.path):
+            spec, ctx = read_spec(str(source.tree_dir), name), ocdbt_context()
+        else:
+            from orbax.checkpoint import type_handlers as tsu
+
+            from .._internals import ArrayReadSpec
+
+            spec = ArrayReadSpec(str(source.tree_dir), name, use_zarr3, use_ocdbt=use_ocdbt).json
+            ctx = tsu.get_ts_context(use_ocdbt=use_ocdbt)
+        value = int(np.asarray(ts.open(spec, open=True, context=ctx).result().read().result()))
+    except Exception:
+        return False
+    info = np.iinfo(held)
+    return info.min <= value <= info.max
 
 
 def box_parents(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
