@@ -411,3 +411,10 @@ def test_a_python_int_orbax_stored_is_read_as_jax_holds_it_unless_it_does_not_fi
         "  step: int64[]",
         "hint: jax.config.update('jax_enable_x64', True) before using JAX.",
     ]
+
+
+def test_a_plain_orbax_checkpoints_chunks_and_format_come_from_its_metadata(tmp_path):
+    path = _orbax_save(tmp_path / "plain", {"w": {"value": jnp.ones((64, 8))}, "b": jnp.ones(3)})
+    source = locate(path)
+    assert source.tree_metadata()["use_ocdbt"] is True
+    assert source.write_shapes() == {("w", "value"): (64, 8), ("b",): (3,)}
