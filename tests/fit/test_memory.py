@@ -179,3 +179,32 @@ def test_an_nnx_model_and_its_optimizer_are_split_by_role():
     roles = dict(m.roles)
     assert roles["model:up/kernel"] == "parameters" and roles["x:"] == "batch"
     assert roles["opt:opt_state/0/mu/up/kernel"] == "optimizer_state"
+
+
+def test_concrete_arrays_are_read_for_their_shapes_only(dict_decoder):
+    d = dict_decoder
+    state = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), d.state)
+    batch = jax.numpy.zeros(d.batch.shape, d.batch.dtype)
+    before = {id(a) for a in jax.live_arrays()}
+    with jax.transfer_guard("disallow"):  # no array is moved or copied to be placed
+        m = ms.step_memory(
+            d.step,
+            state,
+            batch,
+            mesh=ms.make_mesh(MESH),
+            in_specs=(P(), P("data")),
+            donate_argnums=0,
+        )
+    assert {id(a) for a in jax.live_arrays()} == before  # nothing placed, nothing donated
+    assert (
+        m.total
+        == ms.step_memory(
+            d.step,
+            d.state,
+            d.batch,
+            mesh=ms.make_mesh(MESH),
+            in_specs=(P(), P("data")),
+            donate_argnums=0,
+        ).total
+    )
+    assert not batch.is_deleted()

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 from jax.sharding import PartitionSpec
 
 from .._base import format_bytes, format_mesh, format_spec
@@ -17,7 +16,6 @@ from .._specs import Rules
 from .candidates import (
     KINDS,
     Change,
-    abstract,
     batch_change,
     cast_outputs,
     changes_for,
@@ -26,6 +24,7 @@ from .candidates import (
 )
 from .memory import (
     StepMemory,
+    abstract_args,
     batch_positions,
     check_roles,
     compile_mesh,
@@ -294,10 +293,7 @@ def fit_advice(
     statics = set(static)
     dynamic = [i for i in range(len(args)) if i not in statics]
     batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
-    args = tuple(
-        a if i in statics else jax.tree_util.tree_map(abstract, a) if _plain(a) else a
-        for i, a in enumerate(args)
-    )
+    args = abstract_args(args, statics)
 
     def compile_one(
         fn: Callable[..., Any], specs: Any, call: Sequence[Any], donate: tuple[int, ...]
@@ -421,12 +417,6 @@ def fit_advice(
             compiles += s[1]
             best = s[0]
     return FitAdvice(limit, base, False, tried, best, compiles, time.perf_counter() - t0)
-
-
-def _plain(a: Any) -> bool:
-    """Whether ``a`` is a plain pytree of arrays (converted to ``ShapeDtypeStruct``s)."""
-    leaves = jax.tree_util.tree_leaves(a)
-    return all(isinstance(x, jax.Array | jax.ShapeDtypeStruct) for x in leaves)
 
 
 def _halve_until_fits(

@@ -407,6 +407,32 @@ def wrap(
     )
 
 
+def abstract_args(args: Sequence[Any], statics: set[int]) -> tuple[Any, ...]:
+    """``args`` with every concrete array leaf replaced by its ``ShapeDtypeStruct``, so that
+    compiling for them moves nothing to a device (abstract arguments are kept as given)."""
+    from .._containers import split
+
+    out = []
+    for i, a in enumerate(args):
+        if i in statics:
+            out.append(a)
+            continue
+        flat = split(a)
+        arrays = flat.arrays
+        if not any(isinstance(x, jax.Array) for x in arrays):
+            out.append(a)
+            continue
+        out.append(
+            flat.rebuild(
+                [
+                    jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+                    for x in arrays
+                ]
+            )
+        )
+    return tuple(out)
+
+
 def batch_positions(args: Sequence[Any], batch_argnums: int | Sequence[int] | None) -> list[int]:
     """The batch's argument positions: as given, else the last of several arguments."""
     if batch_argnums is None:
@@ -436,7 +462,7 @@ def step_memory(
 
     Args:
         step: the training step (a function or a ``ShardJit``).
-        *args: its arguments, abstract.
+        *args: its arguments, abstract (concrete arrays are read for their shapes only).
         mesh: a ``Mesh``, an ``AbstractMesh`` or axis sizes; default: the active mesh. A mesh
             larger than this machine compiles on simulated CPU devices, or for a TPU
             ``topology``.
@@ -466,6 +492,7 @@ def step_memory(
     fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
     jitted = wrap(fn, mesh=cmesh, in_specs=in_specs, donate_argnums=donated, static_argnums=static)
     statics = set(static)
+    args = abstract_args(args, statics)
     dynamic = [i for i in range(len(args)) if i not in statics]
     batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
     return measure(jitted, args, kwargs, [args[i] for i in dynamic], batch, roles)
