@@ -345,12 +345,15 @@ def step_module(tmp_path, monkeypatch):
     return name
 
 
-def test_a_step_is_planned_with_its_memory_from_xla(step_module, capsys):
+def test_a_step_is_planned_with_its_memory_from_xla(step_module, tmp_path, capsys):
     mod = step_module
     base = ["plan", "--state", f"{mod}:state", "--step", f"{mod}:step", "--mesh", "data=4,model=2"]
-    assert main([*base, "--batch", "float32[16,64]", "--json"]) == 0
+    html = tmp_path / "step.html"
+    assert main([*base, "--batch", "float32[16,64]", "--json", "--html", str(html)]) == 0
     data = json.loads(capsys.readouterr().out)
     memory = data["step_memory"]
+    page = html.read_text()
+    assert f'class="ms-step-memory" data-total="{memory["total"]}"' in page
     assert sum(memory["parts"].values()) == memory["total"]
     assert memory["parts"]["parameters"] == 2 * 64 * 256 * 4  # replicated: no --rules
     assert memory["parts"]["optimizer_state"] == 2 * memory["parts"]["parameters"] + 4
