@@ -194,6 +194,8 @@ def part_memory(name: str, cfg: Any, batch: int, seq: int, mesh: Any, out: dict)
     if m.peak is not None:
         out[f"{name}_xla_peak_bytes"] = m.peak
     out[f"{name}_compile_seconds"] = round(m.compile_seconds, 2)
+    if m.refused is not None:
+        out[f"{name}_refused"] = m.refused
     print(f"[{name}] {m.summary()}", flush=True)
     if sum(m.parts.values()) != m.total:
         raise SystemExit(f"{name}: the parts do not add up to the total")
@@ -290,6 +292,8 @@ def part_topology(
         out[f"{key}_optimizer_state_bytes"] = m.parts["optimizer_state"]
         out[f"{key}_temporaries_bytes"] = m.parts["temporaries"]
         out[f"{key}_fits_as_given"] = "yes" if advice.fits else "no"
+        if m.refused is not None:
+            out[f"{key}_refused"] = m.refused
         if advice.best is not None and advice.best.memory is not None:
             out[f"{key}_suggestion"] = advice.best.description
             out[f"{key}_suggestion_total_bytes"] = advice.best.memory.total
@@ -312,7 +316,7 @@ def main() -> None:
     sizes = SMALL if args.small else SIZES
     big = SMALL_BIG if args.small else BIG
     seq = args.seq or (32 if args.small else 1024)
-    batch = args.batch or (4 if args.small else 8)
+    batch = args.batch or (4 if args.small else 1)
     max_batch = args.max_batch or (16 if args.small else 64)
     parts = args.parts.split(",")
     picked = [list(sizes.items())[int(i)] for i in args.sizes.split(",")]

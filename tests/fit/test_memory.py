@@ -208,3 +208,42 @@ def test_concrete_arrays_are_read_for_their_shapes_only(dict_decoder):
         ).total
     )
     assert not batch.is_deleted()
+
+
+TPU_REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (16.03G) exceeds available HBM (15.75G)."
+)
+
+
+def test_a_step_xla_refuses_is_estimated_from_its_message(dict_decoder):
+    """TPU's compiler refuses a program larger than the chip before anything runs (no
+    memory analysis then): the temporaries its message names and the planned inputs are
+    the estimate, said to be one; any other error is raised as it is."""
+    from modelshard._fit.memory import measure
+
+    d = dict_decoder
+    real = ms.shard_jit(d.step, mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")))
+
+    class Refusing:
+        def __init__(self, message):
+            self.message = message
+
+        def plan(self, *args):
+            return real.plan(*args)
+
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            raise RuntimeError(self.message + "\n(more lines of XLA's report)")
+
+    args = (d.state, d.batch)
+    m = measure(Refusing(TPU_REFUSAL), args, {}, list(args), [1])
+    inputs = m.plan.bytes_per_device()
+    assert (m.refused, m.temp, m.argument) == (TPU_REFUSAL, int(16.03 * 2**30), inputs)
+    assert m.total == inputs + m.temp == sum(m.parts.values()) and m.peak is None
+    assert "estimated: XLA refused it, more than the device holds" in m.summary()
+    assert m.to_json()["refused"] == TPU_REFUSAL
+    with pytest.raises(RuntimeError, match="INTERNAL: something else"):
+        measure(Refusing("INTERNAL: something else"), args, {}, list(args), [1])

@@ -73,6 +73,10 @@ class StepMemory:
         mesh: axis name -> size.
         plan: the [`Plan`][modelshard.Plan] of the step's inputs (its ``memory`` is this).
         roles: ``(displayed path, role)`` of every input leaf.
+        refused: XLA's message where it refused to compile the step because it needs more
+            memory than the device has (TPU's ``RESOURCE_EXHAUSTED``); the figures are then
+            estimated: the temporaries XLA's message names plus the planned inputs, no
+            output counted. None when the step compiled.
     """
 
     total: int
@@ -89,6 +93,7 @@ class StepMemory:
     mesh: dict[str, int]
     plan: Any = dataclasses.field(repr=False, compare=False)
     roles: list[tuple[str, str]] = dataclasses.field(repr=False, compare=False)
+    refused: str | None = None
 
     def fits(self, budget: int | float | str) -> bool:
         """Whether ``total`` is at most ``budget`` (bytes or text such as ``"16GiB"``)."""
@@ -113,6 +118,7 @@ class StepMemory:
             "platform": self.platform,
             "device_kind": self.device_kind,
             "mesh": dict(self.mesh),
+            "refused": self.refused,
         }
 
     def part_rows(self) -> list[tuple[str, str, int]]:
@@ -138,7 +144,13 @@ class StepMemory:
         """One line: total per device, the largest parts, the mesh and compile time."""
         big = sorted(((n, k) for k, n in self.parts.items() if n > 0), reverse=True)[:3]
         parts = ", ".join(f"{PART_TEXT[k]} {format_bytes(n)}" for n, k in big)
-        source = "XLA peak" if self.peak is not None else "XLA argument+output+temp-alias"
+        source = (
+            "XLA peak"
+            if self.peak is not None
+            else "XLA argument+output+temp-alias"
+            if self.refused is None
+            else "estimated: XLA refused it, more than the device holds"
+        )
         return (
             f"step: {format_bytes(self.total)} per device ({source}; {parts}) on mesh "
             f"({format_mesh(self.mesh)}), {self.platform}, compiled in "
@@ -282,9 +294,15 @@ def measure(
     positions among them that are the batch). One compile; nothing is allocated."""
     plan = jitted.plan(*args, **kwargs)
     t = time.perf_counter()
-    compiled = jitted.lower(*args, **kwargs).compile()
+    refused = None
+    try:
+        m: Any = jitted.lower(*args, **kwargs).compile().memory_analysis()
+    except Exception as e:  # JaxRuntimeError; its type is not public API
+        refused = refused_temporaries(e)
+        if refused is None:
+            raise
+        m = _Refused(sum(plan.bytes_per_device(leaf) for leaf in plan.leaves), refused[0])
     seconds = time.perf_counter() - t
-    m = compiled.memory_analysis()
     mesh = plan.mesh
     dev = mesh.devices.flat[0]
     platform = str(getattr(dev, "platform", "cpu"))
@@ -331,9 +349,42 @@ def measure(
         mesh=mesh_sizes(mesh),
         plan=plan,
         roles=[(p, r) for (p, _), r in zip(plan.named(), leaf_roles, strict=True)],
+        refused=None if refused is None else refused[1],
     )
     plan.memory = result
     return result
+
+
+_REFUSED = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory")
+_TEMPORARIES = re.compile(r"HLO temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
+
+
+def refused_temporaries(error: BaseException) -> tuple[int, str] | None:
+    """``(temporary bytes, XLA's message)`` where the compiler refused a program for
+    needing more memory than the device has (TPU's compiler does, before anything runs);
+    None for any other error. XLA writes sizes in binary units with two decimals; a
+    message that names no temporaries gives 0 (the inputs alone then count)."""
+    text = str(error)
+    if _REFUSED.search(text) is None:
+        return None
+    m = _TEMPORARIES.search(text)
+    temp = 0
+    if m is not None:
+        temp = int(float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)])
+    return temp, text.strip().splitlines()[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """The memory analysis of a program XLA refused: its inputs as planned and the
+    temporaries its message names (no output counted, no peak)."""
+
+    argument_size_in_bytes: int
+    temp_size_in_bytes: int
+    output_size_in_bytes: int = 0
+    alias_size_in_bytes: int = 0
+    generated_code_size_in_bytes: int = 0
+    peak_memory_in_bytes: int = 0
 
 
 def unwrap(
