@@ -226,12 +226,73 @@ def test_a_partial_restore_that_would_restore_nothing_is_refused(tmp_path, case)
         f"the target {type(target).__name__}'s {n // 2} leaves is in it ({n} differences: "
         f"{n // 2} missing, {n // 2} extra; paths first):"
     )
+    old, new = ("proj", "linear") if case is _renamed_module else ("layers", "blocks")
+    mapping = f'ms.WeightMap([ms.MapRule(r"{old}/(.*)", "{new}/{{1}}")])'
     assert lines[-1] == (
         "hint: the target and the checkpoint share no leaf path, so partial=True would restore "
-        "nothing: compare the paths (modelshard inspect shows the checkpoint's) and restore "
-        "with mapping=WeightMap([...]), a rule per renamed path"
+        f"nothing: leaves that match in shape look renamed ({old}/ -> {new}/): restore them "
+        f"with mapping={mapping}"
     )
     assert plain.value.args[0].splitlines()[-1] == lines[-1]
+    out = ms.restore(tmp_path / "c", like=target, mapping=eval(mapping))  # the hint, pasted
+    saved = ms.adapters.split(ms.restore(tmp_path / "c")).arrays
+    for a, b in zip(saved, ms.adapters.split(out).arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_renamed_leaves_get_a_mapping_to_paste(tmp_path):
+    """A renamed layer beside kept ones, a new head and a dropped leaf: the hint's mapping,
+    pasted as it is, restores the renamed leaves (partial=True would keep like's values)."""
+    ms.save(
+        tmp_path / "c",
+        {
+            "up": {"kernel": jnp.ones((16, 32))},
+            "down": {"kernel": jnp.ones((32, 16))},
+            "gone": jnp.ones(3),
+        },
+    )
+    like = {
+        "up_proj": {"kernel": jnp.zeros((16, 32))},
+        "down": {"kernel": jnp.zeros((32, 16))},
+        "head": {"kernel": jnp.zeros((16, 2))},
+    }
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like=like)
+    hint = str(e.value).splitlines()[-1]
+    mapping = (
+        'ms.WeightMap([ms.MapRule(r"up/(.*)", "up_proj/{1}"), ms.MapRule(r"gone", None), '
+        'ms.MapRule(r"(.*)", "{1}")], keep=[\'head/kernel\'])'
+    )
+    assert hint.startswith(
+        "hint: leaves that match in shape look renamed (up/ -> up_proj/): restore them with "
+        f"mapping={mapping} (the last rule keeps every other path as it is); pass partial=True"
+    )
+    out = ms.restore(tmp_path / "c", like=like, mapping=eval(mapping))
+    np.testing.assert_array_equal(out["up_proj"]["kernel"], np.ones((16, 32)))
+    np.testing.assert_array_equal(out["head"]["kernel"], np.zeros((16, 2)))
+
+
+def test_nothing_shared_and_nothing_pairs_up_says_how_to_write_the_mapping(tmp_path):
+    ms.save(tmp_path / "c", {"a": jnp.ones(2)})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like={"b": jnp.ones(3)}, partial=True)
+    assert str(e.value).splitlines()[-1] == (
+        "hint: the target and the checkpoint share no leaf path, so partial=True would restore "
+        "nothing: compare the paths (modelshard inspect shows the checkpoint's) and restore with "
+        'mapping=ms.WeightMap([...]): a rule per renamed path, then ms.MapRule(r"(.*)", "{1}") '
+        "to keep the other paths"
+    )
+
+
+def test_a_value_of_another_type_says_so_in_the_hint(tmp_path):
+    ms.save(tmp_path / "c", {"w": jnp.ones(2), "k": 1})
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(tmp_path / "c", like={"w": jnp.ones(2), "k": 1.5})
+    assert str(e.value).splitlines()[1:] == [
+        "  changed  k  checkpoint int 1 -> target float",
+        "hint: a Python value must keep its type: build like with the saved value's type "
+        "(ms.restore without like shows them)",
+    ]
 
 
 def test_partial_with_an_abstract_like_hints_at_a_concrete_one(tmp_path):

@@ -129,7 +129,7 @@ def test_a_reshard_carries_the_values(tmp_path, mesh8):
     dst = ms.reshard(src, tmp_path / "dst", mesh=mesh8)
     assert_every_leaf_restored(state, ms.restore(dst))
     record = json.loads((dst / "modelshard.json").read_text())
-    assert [v["path"] for v in record["values"]] == ["epoch", "lr", "run"]
+    assert [v["path"] for v in record["values"]] == ["epoch", "lr", "run", "none"]
 
 
 def test_a_manager_step_keeps_the_values(tmp_path):
@@ -154,3 +154,14 @@ def test_code_and_optax_states_save_without_refusal(tmp_path):
     back = ms.restore(path, like=state)
     assert back["mlp"].activation is mlp.activation
     assert_every_leaf_restored(state, back)
+
+
+def test_nones_come_back_without_like(tmp_path):
+    """JAX flattens None to no leaf: it was lost by a restore without like (Orbax keeps it),
+    and is a match, not an extra leaf, for a like holding it."""
+    state = {"w": jnp.ones(2), "sched": None, "sub": {"z": None, "k": 1}}
+    ms.save(tmp_path / "c", state)
+    back = ms.restore(tmp_path / "c")
+    assert back["sched"] is None and back["sub"] == {"z": None, "k": 1}
+    out = ms.restore(tmp_path / "c", like=state)
+    assert out["sched"] is None and out["sub"] == {"z": None, "k": 1}

@@ -297,11 +297,17 @@ def mismatch_message(
             hints.append("shapes must match; pass dtype=... to cast floating leaves")
     else:
         if (missing or extra) and not shared:
+            renamed = _rename_mapping(paths, arrays, stored, missing, extra)
             hints.append(
                 "the target and the checkpoint share no leaf path, so partial=True would "
-                "restore nothing: compare the paths (modelshard inspect shows the "
-                "checkpoint's) and restore with mapping=WeightMap([...]), a rule per renamed "
-                "path"
+                "restore nothing: "
+                + (
+                    renamed
+                    if renamed is not None
+                    else "compare the paths (modelshard inspect shows the checkpoint's) and "
+                    "restore with mapping=ms.WeightMap([...]): a rule per renamed path, then "
+                    'ms.MapRule(r"(.*)", "{1}") to keep the other paths'
+                )
             )
         elif missing and partial:
             hints.append(
@@ -309,13 +315,72 @@ def mismatch_message(
                 "abstract there: pass a concrete like (a freshly initialised model)"
             )
         elif missing or extra:
+            renamed = _rename_mapping(paths, arrays, stored, missing, extra)
+            if renamed is not None:
+                hints.append(renamed)
             hints.append(
                 "pass partial=True to restore only the leaves both have (missing leaves then "
                 "keep like's values, so like must be concrete for them; a warning names them)"
             )
         if changed:
             hints.append("shapes must match; pass dtype=... to cast floating leaves")
+    if any(p not in stored for _, p, _ in changed):  # a Python value of another type
+        hints.append(
+            "a Python value must keep its type: build like with the saved value's type "
+            "(ms.restore without like shows them)"
+        )
     return head + "\n".join(_format_diff(rows)) + "\nhint: " + "; ".join(hints)
+
+
+def _rename_mapping(
+    paths: Sequence[str],
+    arrays: Sequence[Any],
+    stored: Mapping[str, LeafRecord],
+    missing: Diff,
+    extra: Diff,
+) -> str | None:
+    """Where missing and extra leaves pair up (same shape, dtype and last name) as renamed
+    parents (``up/kernel`` saved, ``up_proj/kernel`` wanted), the ``mapping=`` that
+    restores them, ready to paste; None where nothing pairs up."""
+    target = {p: x for p, x in zip(paths, arrays, strict=True)}
+    pool: dict[tuple[Any, ...], list[str]] = {}
+    for _, p, _ in extra:
+        r = stored.get(p)
+        if r is not None:
+            pool.setdefault((r.shape, r.dtype, p.rsplit("/", 1)[-1]), []).append(p)
+    renames: dict[str, str] = {}
+    unpaired = []
+    paired = 0
+    for _, p, _ in missing:
+        x = target.get(p)
+        key = None if x is None else (tuple(x.shape), dtype_name(x.dtype), p.rsplit("/", 1)[-1])
+        cands = pool.get(key) if key is not None else None
+        if not cands:
+            unpaired.append(p)
+            continue
+        saved = cands.pop(0)
+        paired += 1
+        a, b = saved.split("/"), p.split("/")
+        while len(a) > 1 and len(b) > 1 and a[-1] == b[-1]:
+            a, b = a[:-1], b[:-1]
+        renames.setdefault("/".join(a), "/".join(b))
+    if not renames or len(renames) > 4:
+        return None
+    dropped = sorted(p for ps in pool.values() for p in ps)
+    rules = [f'ms.MapRule(r"{re.escape(a)}/(.*)", "{b}/{{1}}")' for a, b in renames.items()]
+    rules += [f'ms.MapRule(r"{re.escape(p)}", None)' for p in dropped[:4]]
+    kept = len(stored) > paired + len(dropped)  # paths both sides have: kept as they are
+    if kept:
+        rules.append('ms.MapRule(r"(.*)", "{1}")')
+    keep = f", keep={[re.escape(p) for p in unpaired[:4]]!r}" if unpaired else ""
+    return (
+        "leaves that match in shape look renamed ("
+        + ", ".join(f"{a}/ -> {b}/" for a, b in renames.items())
+        + "): restore them with mapping=ms.WeightMap(["
+        + ", ".join(rules)
+        + f"]{keep})"
+        + (" (the last rule keeps every other path as it is)" if kept else "")
+    )
 
 
 def warn_partial(

@@ -13,9 +13,10 @@ import json
 import warnings
 from typing import Any
 
+import jax
 import numpy as np
 
-from .._base import CheckpointError, caller_stacklevel
+from .._base import CheckpointError, caller_stacklevel, format_path
 from .._containers import Flat
 from .record import VALUE_TYPES, Record, ValueRecord, value_text
 from .storage import MAX_METADATA_BYTES, storage_key
@@ -44,6 +45,16 @@ def _why_not(x: Any) -> str:
     return name
 
 
+def none_paths(flat: Flat) -> list[str]:
+    """Paths of the ``None`` entries of a plain pytree (``{"scheduler": None}``): JAX
+    flattens ``None`` to no leaf at all, so the record keeps them to give them back to a
+    restore without ``like``, as Orbax does."""
+    if not flat.adapter.follows_pytree:
+        return []
+    found, _ = jax.tree_util.tree_flatten_with_path(flat.obj, is_leaf=lambda x: x is None)
+    return [path for keys, x in found if x is None and (path := format_path(keys))]
+
+
 def saved_values(flat: Flat) -> list[ValueRecord]:
     """The values of ``flat`` the record stores, in container order; CheckpointError
     naming every leaf that is neither an array, a value nor code."""
@@ -54,6 +65,7 @@ def saved_values(flat: Flat) -> list[ValueRecord]:
             values.append(ValueRecord(path, storage_key(path), tag, x))
         elif not is_code(x):
             refused.append(f"  {path or '<root>'}: {_why_not(x)}")
+    values += [ValueRecord(p, storage_key(p), "none", None) for p in none_paths(flat)]
     if refused:
         n = len(refused)
         raise CheckpointError(
@@ -123,6 +135,7 @@ def restored_values(
             )
             continue
         out[i] = v.value
+    seen.update(none_paths(flat))  # like's own Nones: its structure, given back as it is
     extra: Diff = [
         ("extra", p, f"{v.type} {value_text(v.value)} (in the checkpoint, not in the target)")
         for p, v in saved.items()
