@@ -261,8 +261,10 @@ def run_step(args: argparse.Namespace) -> int:
         return usage(args, "--step needs the state: CKPT or --state")
     axes = args.batch_axes.split(",") if args.batch_axes else [next(iter(sizes))]
     batch_spec = PartitionSpec(axes[0] if len(axes) == 1 else tuple(axes))
+    from .._base import make_mesh
+
     kw: dict[str, Any] = dict(
-        mesh=sizes,
+        mesh=make_mesh(sizes, axis_types=args.axis_types, abstract=True),
         in_specs=(specs, batch_spec),
         donate_argnums=() if args.no_donate else (0,),
         topology=args.topology,
