@@ -190,15 +190,38 @@ def _program(x: Any) -> tuple[Any, ...]:
     return (tuple(x.shape), np.dtype(x.dtype).str, getattr(x, "sharding", None))
 
 
+def on_accelerator(x: Any) -> bool:
+    """Whether ``x`` (an array or a sharded abstract one) lives on devices other than CPUs.
+
+    Its checksum is then summed on the host: on an accelerator every distinct shape,
+    dtype and layout is a program compiled for about a second (a TPU v5e), which a job
+    that saves once pays on its first save, while NumPy sums the shards as they come to
+    the host in threads beside the writes (docs/benchmarks/accelerator.md)."""
+    devices = getattr(getattr(x, "sharding", None), "device_set", None)
+    return bool(devices) and next(iter(devices)).platform != "cpu"
+
+
 def on_host(arrays: Sequence[Any], limit: int) -> list[bool]:
-    """For each array, whether its checksum is summed on the host (see ``HOST_MAX_ELEMENTS``)."""
+    """For each array, whether its checksum is summed on the host: a small group (see
+    ``HOST_MAX_ELEMENTS``) or a leaf on an accelerator, held whole by this process."""
     total: dict[tuple[Any, ...], int] = {}
     keys = []
     for x in arrays:
         key = _program(x)
         keys.append(key)
         total[key] = total.get(key, 0) + math.prod(x.shape)
-    return [total[k] <= limit and _addressable(x) for k, x in zip(keys, arrays, strict=True)]
+    return [
+        (total[k] <= limit or on_accelerator(x)) and _addressable(x)
+        for k, x in zip(keys, arrays, strict=True)
+    ]
+
+
+def host_checksum(x: Any) -> tuple[int, int]:
+    """The host sums of one array: shard by shard where it has shards (one replica of
+    each, nothing gathered), else the whole of it."""
+    if isinstance(x, jax.Array):
+        return shard_checksum(x)
+    return np_checksum(np.asarray(x))
 
 
 def warm_checksums(targets: Sequence[jax.ShapeDtypeStruct]) -> None:
@@ -530,17 +553,20 @@ def leaf_sums(x: jax.Array) -> jax.Array:
     return _mesh_program(placed[0], (placed[1],), (tuple(x.shape),))(x)
 
 
-_HOST_WORKER: list[Any] = []
+_HOST_WORKERS: list[Any] = []
 
 
-def _host_worker() -> Any:
-    """The one thread that takes host checksums while a save writes (made once: a thread
-    per save would be started and torn down every step)."""
+def host_workers() -> Any:
+    """The threads that take host checksums while a save writes or a restore reads, a leaf
+    each at a time (NumPy releases the GIL while it sums), made once: a pool per save
+    would be started and torn down every step."""
+    import os
     from concurrent.futures import ThreadPoolExecutor
 
-    if not _HOST_WORKER:
-        _HOST_WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="modelshard-checksum"))
-    return _HOST_WORKER[0]
+    if not _HOST_WORKERS:
+        n = max(1, min(8, os.cpu_count() or 1))
+        _HOST_WORKERS.append(ThreadPoolExecutor(n, thread_name_prefix="modelshard-checksum"))
+    return _HOST_WORKERS[0]
 
 
 def start_checksums(
@@ -564,21 +590,14 @@ def start_checksums(
     on_devices = [i for i in range(len(arrays)) if i not in elsewhere]
     fetch = dispatch_sums([arrays[i] for i in on_devices])
 
-    def host_sums() -> list[tuple[int, int]]:
-        return [
-            np_checksum(np.asarray(arrays[i])) if small[i] else shard_checksum(arrays[i])
-            for i in on_cpu
-        ]
-
-    done = _host_worker().submit(host_sums) if on_cpu else None
+    done = [host_workers().submit(host_checksum, arrays[i]) for i in on_cpu]
 
     def collect() -> list[str]:
         sums: list[tuple[int, int]] = [(0, 0)] * len(arrays)
         for i, s in zip(on_devices, fetch(), strict=True):
             sums[i] = s
-        if done is not None:
-            for i, s in zip(on_cpu, done.result(), strict=True):
-                sums[i] = s
+        for i, f in zip(on_cpu, done, strict=True):
+            sums[i] = f.result()
         return [format_sums(a, b) for a, b in sums]
 
     return collect
@@ -589,10 +608,11 @@ class Checksums(Generic[K]):
 
     ``like`` maps each key to the array, or the sharded abstract array, that will be
     added under it: which leaves are summed on the host is decided from all of them at
-    once, as ``checksums`` decides. ``add`` returns at once: the sums are taken by one
-    worker thread (a device reduction on CPU devices can run in the thread that starts it,
-    which inside Orbax's reads would hold up its event loop) while the caller reads the
-    next leaves. ``collect`` waits for them; ``close`` abandons them.
+    once, as ``checksums`` decides. ``add`` returns at once: device reductions are started
+    by one worker thread (a device reduction on CPU devices can run in the thread that
+    starts it, which inside Orbax's reads would hold up its event loop), host sums by
+    ``host_workers``, while the caller reads the next leaves. ``collect`` waits for them;
+    ``close`` abandons them.
     """
 
     def __init__(
@@ -620,11 +640,10 @@ class Checksums(Generic[K]):
         self._first = self._worker.submit(fn)
 
     def _sum(self, key: K, x: Any) -> Any:
-        if self._host and isinstance(x, jax.Array) and x.is_fully_addressable:
-            return shard_checksum(x)
-        if self._small[key]:
-            return np_checksum(np.asarray(x))
         return leaf_sums(x)
+
+    def _on_host(self, key: K, x: Any) -> bool:
+        return self._small[key] or (self._host and isinstance(x, jax.Array) and _addressable(x))
 
     def add(self, key: K, x: jax.Array) -> None:
         """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
@@ -638,6 +657,8 @@ class Checksums(Generic[K]):
             return
         if _spans_processes(x):
             self._later[key] = x
+        elif self._on_host(key, x):
+            self._pending[key] = host_workers().submit(host_checksum, x)
         else:
             self._pending[key] = self._worker.submit(self._sum, key, x)
 
@@ -677,7 +698,9 @@ class Checksums(Generic[K]):
         return out
 
     def close(self) -> None:
-        """Stop the worker (sums still queued are dropped)."""
+        """Stop the worker (sums still queued are dropped, host sums too)."""
+        for f in self._pending.values():
+            f.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
