@@ -8,8 +8,9 @@ It trains a small NNX model with ``shard_jit`` on every device, then saves and r
 through each path (``ms.save``/``ms.restore`` with checksums verified on the accelerator,
 an asynchronous ``CheckpointManager``), moves checkpoints between the accelerator and the
 CPU both ways, reshards with the CLI, and restores 384 MiB in a fresh process (which must
-not import Orbax). It also checks that the step compiles once across the first save, which
-is the first import of Orbax. Each check prints PASS or FAIL; the results go to
+not import Orbax; run first, in child processes, since one process at a time may hold a
+TPU). It also checks that the step compiles once across the first save, which is the first
+import of Orbax. Each check prints PASS or FAIL; the results go to
 ``$OUT/gpu_checks.json`` (``/tmp`` without ``OUT``), and the exit status is 1 if any failed.
 The last run is in docs/reliability.md ("On a GPU").
 """
@@ -63,9 +64,52 @@ class MLP(nnx.Module):
         return self.l2(jax.nn.relu(self.l1(x)))
 
 
+# One process at a time may hold a TPU (libtpu's lockfile): the fresh-process restore runs
+# first, in children, before this process opens the accelerator.
+_SAVE_BIG = """
+import sys
+import numpy as np
+import jax
+import modelshard as ms
+mesh = ms.make_mesh({"data": len(jax.devices())})
+rng = np.random.default_rng(1)
+big = {f"l{i}": rng.standard_normal((2048, 1024)).astype(np.float32) for i in range(48)}
+ms.save(sys.argv[1], ms.shard(big, ms.fsdp("data"), mesh))
+"""
+
+_RESTORE_BIG = """
+import sys, time
+import jax
+t0 = time.perf_counter()
+import modelshard as ms
+mesh = ms.make_mesh({"data": len(jax.devices())})
+jax.block_until_ready(ms.restore(sys.argv[1], specs=ms.fsdp("data"), mesh=mesh))
+t1 = time.perf_counter()
+jax.block_until_ready(ms.restore(sys.argv[1], specs=ms.fsdp("data"), mesh=mesh))
+t2 = time.perf_counter()
+print(round(t1 - t0, 3), round(t2 - t1, 3), "orbax.checkpoint" in sys.modules)
+"""
+
+
+def fresh_process_restore(root: str) -> None:
+    big_path = os.path.join(root, "big")
+    saved = subprocess.run(
+        [sys.executable, "-c", _SAVE_BIG, big_path], capture_output=True, text=True
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _RESTORE_BIG, big_path], capture_output=True, text=True
+    )
+    ok(
+        "384 MiB restored in a fresh process, Orbax not imported (first s, second s, imported)",
+        saved.returncode == 0 and done.returncode == 0 and done.stdout.strip().endswith("False"),
+        (saved.stderr[-300:] + done.stdout + done.stderr[-300:]).strip(),
+    )
+
+
 def main() -> int:
     t00 = time.perf_counter()
     root = tempfile.mkdtemp()
+    fresh_process_restore(root)
     accel = [d for d in jax.devices() if d.platform != "cpu"]
     ok("an accelerator is visible", accel, jax.devices())
     n = len(jax.devices())
@@ -151,28 +195,6 @@ def main() -> int:
     ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     ok("modelshard reshard", done.returncode == 0, (done.stdout + done.stderr)[-300:])
-
-    rng = np.random.default_rng(1)
-    big = {f"l{i}": rng.standard_normal((2048, 1024)).astype(np.float32) for i in range(48)}
-    big_path = ms.save(os.path.join(root, "big"), ms.shard(big, spec, mesh))
-    child = f"""
-import sys, time
-import jax
-t0 = time.perf_counter()
-import modelshard as ms
-mesh = ms.make_mesh({{"data": {n}}})
-jax.block_until_ready(ms.restore({str(big_path)!r}, specs=ms.fsdp("data"), mesh=mesh))
-t1 = time.perf_counter()
-jax.block_until_ready(ms.restore({str(big_path)!r}, specs=ms.fsdp("data"), mesh=mesh))
-t2 = time.perf_counter()
-print(round(t1 - t0, 3), round(t2 - t1, 3), "orbax.checkpoint" in sys.modules)
-"""
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
-    ok(
-        "384 MiB restored in a fresh process, Orbax not imported (first s, second s, imported)",
-        done.returncode == 0 and done.stdout.strip().endswith("False"),
-        (done.stdout + done.stderr[-300:]).strip(),
-    )
 
     out = {
         "versions": {
