@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -209,3 +210,79 @@ def test_orbaxs_state_of_each_kind_is_restored_onto_a_mesh(tmp_path, kind, mesh2
     assert type(out) is type(made)
     assert all(np.array_equal(a, b) for a, b in zip(arrays(out), arrays(made), strict=True))
     assert any(a.sharding.spec != P() for a in jax.tree.leaves(out) if isinstance(a, jax.Array))
+
+
+LONG_RUNS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "long-runs.md"
+
+
+def _doc_block(marker: str) -> str:
+    """The one ```python block of the long-runs guide that holds ``marker``."""
+    text = LONG_RUNS_PAGE.read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, flags=re.MULTILINE | re.DOTALL)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_an_unchanged_orbax_job_goes_back_to_our_steps(tmp_path, mesh24):
+    """Rolling back, as docs/guides/long-runs.md writes it: our manager's steps of a linen
+    ``TrainState`` with boxed params and a JSON ``metadata`` item are read by Orbax's own
+    manager, the item with ``ocp.args.JsonRestore()`` unchanged and the state by the
+    documented lines, bit-exact; Orbax's job then saves its own steps beside ours, and our
+    manager reads the root it left."""
+    root = tmp_path / "run"
+    state = jax.device_put(create(), NamedSharding(mesh24, P()))
+    with ms.CheckpointManager(root, save_interval_steps=5) as mngr:
+        for step in range(1, 11):
+            state = train_step(state)
+            if mngr.should_save(step):
+                mngr.save(
+                    step,
+                    ms.shard(state, RULES, mesh24),
+                    items={
+                        "metadata": {"step": step, "data": {"position": step * 8}},
+                        "rng": jax.random.key(step),  # not Orbax's JSON: items.json only
+                    },
+                )
+    assert sorted(os.listdir(root / "10")) == [
+        "_CHECKPOINT_METADATA", "commit_success.txt", "items", "metadata", "modelshard", "state",
+    ]  # fmt: skip
+
+    ns: dict = {"jax": jax}
+    exec(_doc_block("def put_back_boxes("), ns)
+    options = ocp.CheckpointManagerOptions(save_interval_steps=5, max_to_keep=3)
+    with ocp.CheckpointManager(root, options=options) as orbax_mngr:
+        latest = orbax_mngr.latest_step()
+        restored = orbax_mngr.restore(
+            latest,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()
+            ),
+        )
+        back = ns["put_back_boxes"](restored.state, jax.eval_shape(create))
+        assert restored.metadata == {"step": 10, "data": {"position": 80}}
+        assert latest == 10 and type(back) is type(state)
+        kernel = back.opt_state[0].mu["Dense_0"]["kernel"]
+        assert type(kernel) is nn.LogicallyPartitioned and kernel.names == ("embed", "mlp")
+        assert all(np.array_equal(a, b) for a, b in zip(arrays(back), arrays(state), strict=True))
+        for step in range(latest + 1, 21):  # Orbax's loop carries on beside our steps
+            back = train_step(jax.device_put(back, NamedSharding(mesh24, P())))
+            orbax_mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(back),
+                    metadata=ocp.args.JsonSave({"step": step, "data": {"position": step * 8}}),
+                ),
+            )
+        orbax_mngr.wait_until_finished()
+        assert orbax_mngr.all_steps() == [10, 15, 20]  # Orbax's rules rotated our 5 away
+
+    for _ in range(10):
+        state = train_step(state)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays(back), arrays(state), strict=True))
+    with ms.CheckpointManager(root) as mngr:
+        assert mngr.all_steps() == [10, 15, 20]
+        assert mngr.items(10)["metadata"] == {"step": 10, "data": {"position": 80}}
+        assert jax.random.key_data(mngr.items(10)["rng"]).tolist() == (
+            jax.random.key_data(jax.random.key(10)).tolist()
+        )
+        assert mngr.items() == {"metadata": {"step": 20, "data": {"position": 160}}}

@@ -44,6 +44,7 @@ def test_save_rotate_items_and_commit_files(bucket_root):
     assert _names(f"{bucket_root}/2") == [
         "_CHECKPOINT_METADATA",
         "commit_success.txt",
+        "data",  # the JSON item again, where Orbax's own manager reads it
         "items",
         "modelshard",
         "state",

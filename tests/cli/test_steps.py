@@ -72,7 +72,7 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
     inside = sorted(listing(leftover["path"]))
     unfinished = [
         {"part": part, "name": n}
-        for part in ("state", "modelshard/modelshard.json", "items")
+        for part in ("state", "modelshard/modelshard.json", "items", "data")
         for n in inside
         if n.startswith(part.split("/")[0] + ORBAX_TMP)
     ]
@@ -86,7 +86,13 @@ def test_steps_lists_complete_steps_and_the_leftovers_of_a_dead_save(root, capsy
         assert name.startswith(f"2{ORBAX_TMP}")
         why, lacks = "staging folder of an interrupted save", []
         # the items are written, under their temporary names: unfinished, not missing
-        assert [u["part"] for u in unfinished] == ["state", "modelshard/modelshard.json", "items"]
+        # "data": the JSON item also written as Orbax's JsonSave writes it
+        assert [u["part"] for u in unfinished] == [
+            "state",
+            "modelshard/modelshard.json",
+            "items",
+            "data",
+        ]
         assert done == ["_CHECKPOINT_METADATA"]
         names = ", ".join(f"{u['part']} (as {u['name']})" for u in unfinished)
         there = f"in {name}: _CHECKPOINT_METADATA; unfinished: {names}"

@@ -12,6 +12,11 @@ with the arrays or not at all). Each item is one of:
 Everything is checked before any byte of the step is written; the error lists every item
 that cannot be stored.
 
+Each JSON item is also written as an item of the step of its own, ``<name>/metadata``,
+as Orbax's ``ocp.args.JsonSave`` writes it (``orbax_json_items``), so that a job going back
+to Orbax's own ``CheckpointManager`` reads it with ``ocp.args.JsonRestore()``; the manager
+itself reads ``items.json`` only.
+
 A step Orbax's own ``CheckpointManager`` wrote (which the manager lists and restores) has
 no such document: its items are those of its ``args.Composite`` written with
 ``ocp.args.JsonSave``, each an item folder holding one JSON file (``orbax_items``).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -118,6 +124,39 @@ def encode_items(items: Mapping[str, Any] | None) -> dict[str, Any]:
             + "\n".join(f"  {p}" for p in problems)
             + "\nItems are JSON values, data iterators with get_state()/set_state(), or PRNG keys."
         )
+    return out
+
+
+_FOLDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+"""A name an item folder of a step may take: one plain path component that no name Orbax
+writes in a step (``_CHECKPOINT_METADATA``, staging names) can be."""
+
+
+def orbax_json_items(items: Mapping[str, Any] | None, encoded: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON items of a step that are also written as items of their own, as Orbax's
+    ``ocp.args.JsonSave`` writes them (``<step>/<name>/metadata``), so that Orbax's own
+    manager reads them back with ``ocp.args.JsonRestore()`` in its ``args.Composite``.
+
+    Only plain JSON items whose name is a plain folder name (letters, digits, ``_``, ``-``,
+    ``.``, starting with a letter or digit) other than the step's own items (``state``,
+    ``modelshard``, ``items``, ``metrics``) and Orbax's names; data iterators and PRNG keys
+    are in ``items.json`` only. ``encoded``: ``encode_items(items)``.
+    """
+    from .storage import COMMIT_FILE, ITEMS_ITEM, METRICS_ITEM, ORBAX_TMP, RECORD_ITEM, STATE_ITEM
+
+    taken = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM, COMMIT_FILE.lower()}
+    out: dict[str, Any] = {}
+    for name, value in (items or {}).items():
+        if (
+            isinstance(name, str)
+            and _FOLDER.fullmatch(name)
+            and ORBAX_TMP not in name
+            and name.lower() not in taken  # one folder on a case-insensitive disk
+            and not _is_iterator(value)
+            and not hasattr(value, "dtype")
+        ):
+            out[name] = encoded[name]
+            taken.add(name.lower())
     return out
 
 

@@ -444,6 +444,20 @@ def _temporary(path: Any, part: str, names: list[str]) -> str | None:
 ROTATED_WHY = "removal by rotation not finished"
 
 
+def _json_copies(path: Any, names: list[str]) -> list[str]:
+    """The JSON items beside a manager step's own that its ``_CHECKPOINT_METADATA`` lists
+    (each JSON item of ``save(items=...)`` written as Orbax's ``JsonSave`` writes one)."""
+    meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
+    handlers = meta.get("item_handlers") if meta is not None else None
+    if not isinstance(handlers, dict):
+        return []
+    return sorted(
+        n
+        for n, h in handlers.items()
+        if n not in _ITEMS and str(h).endswith("JsonCheckpointHandler")
+    )
+
+
 def _entry(step: int, path: Any, why: str | None) -> StepEntry:
     is_dir = _plain_dir(path)
     names = sorted(c.name for c in path.iterdir()) if is_dir else []
@@ -480,7 +494,17 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
             unfinished.append((part, name))
         elif part in needed:
             lacks.append(part)
-    known = {p.partition("/")[0] for p in (*PARTS, COMMIT_FILE)} | {n for _, n in unfinished}
+    # the JSON items a step also holds as Orbax's own (``items.orbax_json_items``): copies
+    # of what ``items`` holds, so only one not finished is named
+    copies = _json_copies(path, names)
+    for name in copies:
+        if not (path / name).exists() and (tmp := _temporary(path, name, names)) is not None:
+            unfinished.append((name, tmp))
+    known = (
+        {p.partition("/")[0] for p in (*PARTS, COMMIT_FILE)}
+        | {n for _, n in unfinished}
+        | set(copies)
+    )
     others = tuple(n for n in names if n not in known)
     reason = "" if complete else why or "interrupted save"
     return StepEntry(

@@ -37,7 +37,14 @@ from typing import Any
 from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .items import decode_items, encode_items, missing_items, orbax_items, read_json
+from .items import (
+    decode_items,
+    encode_items,
+    missing_items,
+    orbax_items,
+    orbax_json_items,
+    read_json,
+)
 from .listing import (
     Foreign,
     adopted_steps,
@@ -471,6 +478,9 @@ class CheckpointManager:
             RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
             ITEMS_ITEM: ocp.args.JsonSave(encoded),
         }
+        # each JSON item also where Orbax's own manager reads it (JsonRestore), in the step
+        for name, value in orbax_json_items(items, encoded).items():
+            args[name] = ocp.args.JsonSave(value)
         if metrics is not None:
             args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
             self._metrics[step] = dict(metrics)

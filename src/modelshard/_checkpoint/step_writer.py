@@ -34,16 +34,21 @@ def step_checkpointer(directory: Any, compression: str | None, async_save: bool)
 
     atomicity = atomicity_options(directory)
     processes = coordinated_processes()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(STATE_ITEM, ocp.args.PyTreeSave, save_handler(compression))
+    for item, filename in (
+        (RECORD_ITEM, RECORD_FILE),
+        (ITEMS_ITEM, ITEMS_FILE),
+        (METRICS_ITEM, METRICS_FILE),
+    ):
+        registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler(filename=filename))
+    # a registry, not fixed items: each JSON item a step mirrors (``orbax_json_items``)
+    # gets Orbax's default JSON handler under its own name as the step is saved
     handler = ocp.CompositeCheckpointHandler(
         composite_options=ocp.CompositeOptions(
             atomicity_options=atomicity, multiprocessing_options=processes
         ),
-        **{
-            STATE_ITEM: save_handler(compression),
-            RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-            ITEMS_ITEM: ocp.JsonCheckpointHandler(filename=ITEMS_FILE),
-            METRICS_ITEM: ocp.JsonCheckpointHandler(filename=METRICS_FILE),
-        },
+        handler_registry=registry,
     )
     # as ms.save's: a part failing on one process fails the step on every process at once,
     # so they stay in step; in the background, through the barrier Orbax waits at before
