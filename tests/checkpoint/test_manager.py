@@ -395,7 +395,7 @@ def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(root / "3"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["step"] is None and data["metadata"] == {"note": "x"}
+    assert data["step"] == 3 and data["metadata"] == {"note": "x"}
     assert data["metrics"] == {"loss": 0.5}
     assert data["items"]["cfg"] == {"lr": 0.1}
     assert data["items"]["rng"]["impl"] == "threefry2x32"

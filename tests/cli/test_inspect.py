@@ -148,6 +148,24 @@ def test_inspect_of_a_manager_step_names_its_items_and_metrics(tmp_path, capsys)
     ]
 
 
+def test_inspect_json_of_a_step_directory_gives_its_step(tmp_path, capsys):
+    """A step directory (or its ``state`` item) given itself reports its step, as its root
+    does; a checkpoint named by a number is no step."""
+    with ms.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(15, {"w": jnp.ones((8, 2))}, items={"data": {"pos": 2}})
+    plain = ms.save(tmp_path / "5", {"w": jnp.ones(2)})
+    capsys.readouterr()
+    for given, step in [("run", 15), ("run/15", 15), ("run/15/state", 15), ("5", None)]:
+        assert main(["inspect", str(tmp_path / given), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (given, doc["step"], doc.get("items")) == (
+            given,
+            step,
+            None if step is None else {"data": {"pos": 2}},
+        )
+    assert plain == tmp_path / "5"
+
+
 def test_inspect_lists_the_python_values(tmp_path, capsys):
     """The values a checkpoint holds beside its arrays are listed, text and JSON."""
     path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "epoch": 3, "name": "run1", "lr": 0.1})

@@ -48,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
         data["mesh"] = rec.mesh_sizes()
         data["axis_types"] = saved.get("axis_types")
         data["path"] = absolute(source.path)
-        data["step"] = args.step
+        # a step directory given itself is that step, as its root would say
+        named = source.path.name
+        step_dir = source.tree_dir != source.path and named.isdigit() and named == str(int(named))
+        data["step"] = args.step if args.step is not None else int(named) if step_dir else None
         data.update(extras_json(source.path))
         data["source"] = rec.source
         data["total_bytes"] = rec.nbytes
