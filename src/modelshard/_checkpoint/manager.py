@@ -37,14 +37,7 @@ from typing import Any
 from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .items import (
-    decode_items,
-    encode_items,
-    missing_items,
-    orbax_items,
-    orbax_json_items,
-    read_json,
-)
+from .items import decode_items, encode_items, missing_items, orbax_items, read_json
 from .listing import (
     Foreign,
     adopted_steps,
@@ -58,7 +51,7 @@ from .listing import (
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
-from .step_writer import json_or_error, step_checkpointer
+from .step_writer import json_or_error, step_args, step_checkpointer
 from .storage import (
     CHECKPOINT_METADATA,
     ITEMS_FILE,
@@ -69,7 +62,6 @@ from .storage import (
     METRICS_ITEM,
     RECORD_FILE,
     RECORD_ITEM,
-    STATE_ITEM,
 )
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
@@ -446,8 +438,6 @@ class CheckpointManager:
             DistributedError: another process did not come to one of the save's barriers
                 (Orbax's included) within ``MODELSHARD_BARRIER_TIMEOUT``.
         """
-        import orbax.checkpoint as ocp
-
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
         step = int(step)
@@ -473,24 +463,14 @@ class CheckpointManager:
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
         record.resolve()  # collectives over arrays spanning processes: every process
-        args = {
-            STATE_ITEM: ocp.args.PyTreeSave(tree),
-            RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
-            ITEMS_ITEM: ocp.args.JsonSave(encoded),
-        }
-        # each JSON item also where Orbax's own manager reads it (JsonRestore), in the step
-        for name, value in orbax_json_items(items, encoded).items():
-            args[name] = ocp.args.JsonSave(value)
+        args = step_args(tree, record.to_json(), items, encoded, metrics)
         if metrics is not None:
-            args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
             self._metrics[step] = dict(metrics)
         if self._ckptr is None:
             self._ckptr = step_checkpointer(self.directory, self.compression, self.async_save)
         ckptr = self._ckptr
         try:
-            ckptr.save(
-                self.step_directory(step), args=ocp.args.Composite(**args), custom_metadata=MARKER
-            )
+            ckptr.save(self.step_directory(step), args=args, custom_metadata=MARKER)
         except DistributedError:
             raise  # a process did not come to one of Orbax's barriers: its own error
         except Exception as e:

@@ -3,17 +3,20 @@ step with, and the check of what a step's JSON parts hold before a byte is writt
 
 A step is one Orbax composite of items: ``state`` (the arrays, through
 ``write.save_handler``), ``modelshard`` (the record), ``items`` and ``metrics`` (small
-JSON), committed together. Under several processes a part failing on one process fails
-the step on every process at once (``barriers``), as ``ms.save`` does.
+JSON), and each JSON item again as Orbax's own manager reads it (``step_args``),
+committed together. Under several processes a part failing on one process fails the step
+on every process at once (``barriers``), as ``ms.save`` does.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from .._base import CheckpointError
 from .barriers import carrying_commit, carrying_failures, sharing_failures
+from .items import orbax_json_items
 from .storage import (
     ITEMS_FILE,
     ITEMS_ITEM,
@@ -62,6 +65,31 @@ def step_checkpointer(directory: Any, compression: str | None, async_save: bool)
     if async_save:  # and a commit failing on process 0, through the next one
         carrying_commit(ckptr)
     return ckptr
+
+
+def step_args(
+    tree: Any,
+    record: dict[str, Any],
+    items: Mapping[str, Any] | None,
+    encoded: dict[str, Any],
+    metrics: Mapping[str, Any] | None,
+) -> Any:
+    """The ``args.Composite`` of one step: the stored ``tree``, the ``record`` (JSON),
+    the ``encoded`` items (``encode_items(items)``), the ``metrics`` where given, and each
+    JSON item again under its own name, where Orbax's own manager reads it with
+    ``ocp.args.JsonRestore()`` (``orbax_json_items``)."""
+    import orbax.checkpoint as ocp
+
+    args = {
+        STATE_ITEM: ocp.args.PyTreeSave(tree),
+        RECORD_ITEM: ocp.args.JsonSave(record),
+        ITEMS_ITEM: ocp.args.JsonSave(encoded),
+    }
+    for name, value in orbax_json_items(items, encoded).items():
+        args[name] = ocp.args.JsonSave(value)
+    if metrics is not None:
+        args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
+    return ocp.args.Composite(**args)
 
 
 def json_or_error(what: str, value: Any) -> None:
