@@ -286,3 +286,33 @@ def test_an_unchanged_orbax_job_goes_back_to_our_steps(tmp_path, mesh24):
             jax.random.key_data(jax.random.key(10)).tolist()
         )
         assert mngr.items() == {"metadata": {"step": 20, "data": {"position": 160}}}
+
+
+def test_orbaxs_manager_reads_our_step_of_an_nnx_model_as_the_flax_guide_does(tmp_path):
+    """The NNX line the guide gives: Orbax's manager restores our step's ``state`` without
+    a target and ``nnx.replace_by_pure_dict`` puts it into the abstract ``nnx.State``."""
+    from flax import nnx
+
+    def make():
+        return nnx.Sequential(
+            nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+        )
+
+    model = make()
+    with ms.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(3, model, items={"metadata": {"epoch": 1}})
+    with ocp.CheckpointManager(tmp_path / "run") as orbax_mngr:
+        restored = orbax_mngr.restore(
+            orbax_mngr.latest_step(),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()
+            ),
+        )
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+    nnx.replace_by_pure_dict(abstract_state, restored.state)
+    back = nnx.merge(graphdef, abstract_state)
+    assert restored.metadata == {"epoch": 1}
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(arrays(nnx.state(back)), arrays(nnx.state(model)), strict=True)
+    )
