@@ -25,6 +25,7 @@ from .memory import (
     StepMemory,
     abstract_args,
     batch_positions,
+    check_names,
     check_roles,
     compile_mesh,
     measure,
@@ -269,24 +270,11 @@ def fit_advice(
         SpecError: a spec that cannot be placed, an unknown role or kind, a bad budget.
         MeshError: a mesh larger than the devices JAX can compile for.
     """
-    from .._base import Problem, SpecError
     from .._place import parse_bytes
 
     limit = parse_bytes(budget)
     check_roles(roles)
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise SpecError(
-            [
-                Problem(
-                    "kinds",
-                    bad[0],
-                    f"{bad[0]!r} is not a kind of change",
-                    hint="kinds are " + ", ".join(map(repr, KINDS)),
-                )
-            ],
-            header="invalid kinds:",
-        )
+    check_names("kind", kinds, KINDS, "kind of change")
     cmesh = compile_mesh(mesh, topology)
     base_fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
     statics = set(static)

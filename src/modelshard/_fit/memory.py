@@ -265,20 +265,26 @@ def classify(
     return out
 
 
-def check_roles(roles: Mapping[str, Any] | None) -> None:
-    bad = [r for r in roles or {} if r not in ROLES]
+def check_names(what: str, given: Any, allowed: Sequence[str], noun: str = "") -> None:
+    """SpecError naming the first of ``given`` not in ``allowed`` (``what``: "role";
+    ``noun``: what one is called in the message, ``what`` by default)."""
+    bad = [r for r in given or () if r not in allowed]
     if bad:
         raise SpecError(
             [
                 Problem(
-                    "roles",
+                    f"{what}s",
                     bad[0],
-                    f"{bad[0]!r} is not a role",
-                    hint="roles are " + ", ".join(map(repr, ROLES)),
+                    f"{bad[0]!r} is not a {noun or what}",
+                    hint=f"{what}s are " + ", ".join(map(repr, allowed)),
                 )
             ],
-            header="invalid roles:",
+            header=f"invalid {what}s:",
         )
+
+
+def check_roles(roles: Mapping[str, Any] | None) -> None:
+    check_names("role", roles, ROLES)
 
 
 def measure(
