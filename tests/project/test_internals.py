@@ -20,6 +20,7 @@ INTERNALS = {
     SRC / "_internals" / "orbax.py",
     SRC / "_internals" / "orbax_text.py",
     SRC / "_internals" / "jax.py",
+    SRC / "_internals" / "patches.py",  # names the private symbols it patches
 }
 PRIVATE = re.compile(r"\b(jax|jaxlib|orbax(\.checkpoint)?)\._src\b")
 

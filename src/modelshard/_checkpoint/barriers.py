@@ -84,12 +84,14 @@ def _wrap(original: Any) -> Any:
 
 def enable() -> None:
     """Bound Orbax's barriers of modelshard's saves (idempotent; see the module doc)."""
-    from .._internals import multihost
+    from .._internals import wrap_barrier_sync_fn
 
     with _lock:
-        if getattr(multihost.get_barrier_sync_fn, "__modelshard_wrapped__", False):
-            return
-        multihost.get_barrier_sync_fn = _wrap(multihost.get_barrier_sync_fn)
+        wrap_barrier_sync_fn(
+            lambda current: (
+                None if getattr(current, "__modelshard_wrapped__", False) else _wrap(current)
+            )
+        )
 
 
 def shared_failure(failure: Exception | None, name: str, what: str) -> Exception | None:
@@ -156,8 +158,12 @@ def sharing_failures(handler: Any, name: str, what: str) -> Any:
     """
     if jax.process_count() == 1:
         return handler
-    save = handler.save
+    from .._internals import wrap_handler_save
 
+    return wrap_handler_save(handler, lambda save: _sharing(save, name, what))
+
+
+def _sharing(save: Any, name: str, what: str) -> Any:
     def save_and_share(*args: Any, **kwargs: Any) -> Any:
         failure: Exception | None = None
         out = None
@@ -168,8 +174,7 @@ def sharing_failures(handler: Any, name: str, what: str) -> Any:
         raise_shared(failure, name, what)
         return out
 
-    handler.save = save_and_share
-    return handler
+    return save_and_share
 
 
 class _Carried:
@@ -218,8 +223,12 @@ def carrying_failures(handler: Any, name: str, what: str) -> Any:
     """
     if jax.process_count() == 1:
         return handler
-    async_save = handler.async_save
+    from .._internals import wrap_handler_async_save
 
+    return wrap_handler_async_save(handler, lambda save: _carrying(save, name, what))
+
+
+def _carrying(async_save: Any, name: str, what: str) -> Any:
     async def async_save_and_carry(*args: Any, **kwargs: Any) -> Any:
         failure: Exception | None = None
         futures = None
@@ -230,8 +239,7 @@ def carrying_failures(handler: Any, name: str, what: str) -> Any:
         raise_shared(failure, name, what)
         return [_Carried(list(futures or []), what)]
 
-    handler.async_save = async_save_and_carry
-    return handler
+    return async_save_and_carry
 
 
 def carrying_commit(checkpointer: Any) -> Any:
@@ -255,8 +263,12 @@ def carrying_commit(checkpointer: Any) -> Any:
     """
     if jax.process_count() == 1:
         return checkpointer
-    make = checkpointer._make_on_commit_callback
+    from .._internals import wrap_commit_callback
 
+    return wrap_commit_callback(checkpointer, _carrying_commit)
+
+
+def _carrying_commit(make: Any) -> Any:
     def make_carrying(*args: Any, **kwargs: Any) -> Any:
         commit = make(*args, **kwargs)
 
@@ -271,5 +283,4 @@ def carrying_commit(checkpointer: Any) -> Any:
 
         return commit_and_carry
 
-    checkpointer._make_on_commit_callback = make_carrying
-    return checkpointer
+    return make_carrying

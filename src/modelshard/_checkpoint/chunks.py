@@ -94,11 +94,16 @@ def _args_class() -> type:
 def _install() -> None:
     """Wrap Orbax's ``build_array_write_spec`` (once) so that a write marked with
     ``AlignedSaveArgs`` is stored in ``aligned_chunks``."""
-    from .._internals import tensorstore_utils
+    from .._internals import wrap_build_array_write_spec
 
-    original = tensorstore_utils.build_array_write_spec
+    wrap_build_array_write_spec(_aligning)
+
+
+def _aligning(original: Any) -> Any:
+    """``original`` (Orbax's ``build_array_write_spec``) storing a write marked with
+    ``AlignedSaveArgs`` in ``aligned_chunks``; None where it does so already."""
     if getattr(original, "modelshard_aligned", False):
-        return
+        return None
     marked = _args_class()
 
     @functools.wraps(original)
@@ -111,7 +116,7 @@ def _install() -> None:
         return original(info, arg, **kwargs)
 
     build_array_write_spec.modelshard_aligned = True  # type: ignore[attr-defined]
-    tensorstore_utils.build_array_write_spec = build_array_write_spec
+    return build_array_write_spec
 
 
 @functools.cache

@@ -85,8 +85,10 @@ def _returning_references(to_json: Any) -> Any:
 
 def _plug(cls: Any, probe: Callable[[], Any]) -> None:
     """Wrap ``cls.to_json`` with ``give_back`` if ``probe()``'s conversion over-counts."""
+    from .._internals import wrap_to_json
+
     if kept_references(lambda: probe().to_json()) == 2:
-        cls.to_json = _returning_references(cls.to_json)
+        wrap_to_json(cls, _returning_references)
 
 
 def stop_leaks() -> None:
@@ -100,9 +102,9 @@ def stop_leaks() -> None:
             return
         import tensorstore as ts
 
-        from .._internals import tensorstore_utils
+        from .._internals import replace_raw_bytes
 
-        tensorstore_utils.get_tensorstore_raw_bytes = _no_raw_bytes
+        replace_raw_bytes(_no_raw_bytes)
         path = "/modelshard-probe-of-tensorstore-json/"
         _plug(ts.KvStore.Spec, lambda: ts.KvStore.Spec({"driver": "file", "path": path}))
         _plug(

@@ -133,13 +133,19 @@ def _wrap(build: Any) -> Any:
 def enable() -> None:
     """Make Orbax write and read ``s3://`` through TensorStore's s3 kvstore (idempotent;
     nothing is changed where Orbax does so already)."""
+    from .._internals import wrap_build_kvstore_tspec
+
     with _lock:
-        tsu = _tsu()
-        current = tsu.build_kvstore_tspec
-        if _state.get("native") or current is _state.get("wrapper"):
-            return
-        if orbax_handles_s3(current):
-            _state["native"] = True
-            return
-        _state.update(original=current, wrapper=_wrap(current))
-        tsu.build_kvstore_tspec = _state["wrapper"]
+        wrap_build_kvstore_tspec(_replacing)
+
+
+def _replacing(current: Any) -> Any:
+    """The wrapper to install over Orbax's ``build_kvstore_tspec`` (``current``), or None
+    where it is installed already or Orbax handles ``s3://`` itself."""
+    if _state.get("native") or current is _state.get("wrapper"):
+        return None
+    if orbax_handles_s3(current):
+        _state["native"] = True
+        return None
+    _state.update(original=current, wrapper=_wrap(current))
+    return _state["wrapper"]

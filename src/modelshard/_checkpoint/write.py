@@ -9,7 +9,6 @@ module describes the layout.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -441,7 +440,7 @@ def save_handler(compression: str | None = None) -> Any:
     writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
     import orbax.checkpoint as ocp
 
-    from .._internals import ArrayMetadataStore
+    from .._internals import ArrayMetadataStore, wrap_handler_finalize
 
     arrays = aligned_array_handler(
         # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
@@ -455,8 +454,7 @@ def save_handler(compression: str | None = None) -> Any:
         use_compression=check_compression(compression),
         type_handler_registry=registry_with(arrays),
     )
-    handler.finalize = functools.partial(_finalize, handler)  # type: ignore[method-assign]
-    return handler
+    return wrap_handler_finalize(handler, _finalize)
 
 
 def _finalize(handler: Any, directory: Any) -> None:

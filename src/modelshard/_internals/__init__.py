@@ -2,7 +2,7 @@
 
 Other areas import these names from this façade (``from .._internals import global_state``).
 Each is loaded on first use, from ``orbax.py``, ``orbax_text.py`` (names written as text:
-Orbax not imported) or ``jax.py``: naming the package loads neither library, and Orbax is
+Orbax not imported), ``jax.py`` or ``patches.py`` (every patch of another library): naming the package loads neither library, and Orbax is
 imported only by the code that checkpoints.
 """
 
@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     from .orbax import multihost as multihost
     from .orbax import tensorstore_utils as tensorstore_utils
     from .orbax_text import STANDARD_HANDLER_NAME as STANDARD_HANDLER_NAME
+    from .patches import replace_raw_bytes as replace_raw_bytes
+    from .patches import wrap_barrier_sync_fn as wrap_barrier_sync_fn
+    from .patches import wrap_build_array_write_spec as wrap_build_array_write_spec
+    from .patches import wrap_build_kvstore_tspec as wrap_build_kvstore_tspec
+    from .patches import wrap_commit_callback as wrap_commit_callback
+    from .patches import wrap_handler_async_save as wrap_handler_async_save
+    from .patches import wrap_handler_finalize as wrap_handler_finalize
+    from .patches import wrap_handler_save as wrap_handler_save
+    from .patches import wrap_linen_constraint as wrap_linen_constraint
+    from .patches import wrap_linen_unbox as wrap_linen_unbox
+    from .patches import wrap_to_json as wrap_to_json
 
 # which module owns each name: importing it loads that module's library (and only then)
 _OWNER = {
@@ -38,6 +49,17 @@ _OWNER = {
     "UnlimitedInFlightBytes": "orbax",
     "multihost": "orbax",
     "tensorstore_utils": "orbax",
+    "replace_raw_bytes": "patches",
+    "wrap_build_array_write_spec": "patches",
+    "wrap_build_kvstore_tspec": "patches",
+    "wrap_barrier_sync_fn": "patches",
+    "wrap_handler_save": "patches",
+    "wrap_handler_async_save": "patches",
+    "wrap_handler_finalize": "patches",
+    "wrap_commit_callback": "patches",
+    "wrap_to_json": "patches",
+    "wrap_linen_unbox": "patches",
+    "wrap_linen_constraint": "patches",
 }
 
 
@@ -49,6 +71,8 @@ def __getattr__(name: str) -> Any:
         from . import orbax as module
     elif owner == "orbax_text":
         from . import orbax_text as module
+    elif owner == "patches":  # imports each library only when a patch is installed
+        from . import patches as module
     else:
         from . import jax as module
     return getattr(module, name)

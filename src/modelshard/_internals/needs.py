@@ -50,9 +50,16 @@ def needed(distribution: str, symbol: str, used_for: str) -> Iterator[None]:
     try:
         yield
     except ImportError as e:
-        raise ImportError(
-            f"modelshard needs {symbol} from {distribution} {installed(distribution)} "
-            f"({used_for}), and that version does not have it ({e}). modelshard supports "
-            f"{supported(distribution)} (README, 'Supported versions'): install a version "
-            "in that range, or report the release that moved it."
-        ) from e
+        raise ImportError(moved(distribution, symbol, used_for, str(e))) from e
+
+
+def moved(distribution: str, symbol: str, used_for: str, detail: str) -> str:
+    """The message of an ImportError for ``symbol`` of ``distribution`` missing from the
+    installed version (``needed``, and ``patches`` for what it patches): the symbol, the
+    version, what modelshard uses it for, ``detail`` and the versions supported."""
+    return (
+        f"modelshard needs {symbol} from {distribution} {installed(distribution)} "
+        f"({used_for}), and that version does not have it ({detail}). modelshard supports "
+        f"{supported(distribution)} (README, 'Supported versions'): install a version "
+        "in that range, or report the release that moved it."
+    )

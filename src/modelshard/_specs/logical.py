@@ -653,11 +653,13 @@ def _hook_linen() -> None:
 
 def _wrap_linen() -> None:
     """The two wrappers ``_hook_linen`` describes, installed on Flax."""
-    import flax.linen.spmd as linen_spmd
+    from .._internals import wrap_linen_constraint, wrap_linen_unbox
 
-    box = linen_spmd.LogicallyPartitioned
-    unbox = box.unbox
+    wrap_linen_unbox(_bridged_unbox)
+    wrap_linen_constraint(_bridged_constraint)
 
+
+def _bridged_unbox(unbox: Any) -> Any:
     @functools.wraps(unbox)
     def bridged_unbox(self: Any, apply_constraint: bool = True) -> Any:
         if apply_constraint and _BRIDGED.get():
@@ -666,11 +668,10 @@ def _wrap_linen() -> None:
                 return self.value
         return unbox(self, apply_constraint)
 
-    box.unbox = bridged_unbox
-    constraint = getattr(linen_spmd, "_with_sharding_constraint", None)
-    if constraint is None:  # a Flax without this function: its constraints stay its own
-        return
+    return bridged_unbox
 
+
+def _bridged_constraint(constraint: Any) -> Any:
     @functools.wraps(constraint)
     def bridged_constraint(x: Any, axis_resources: Any, mesh: Any = None) -> Any:
         target = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -684,7 +685,7 @@ def _wrap_linen() -> None:
         sharding = axis_resources if mesh is None else NamedSharding(mesh, axis_resources)
         return constrain_array(x, sharding, target)
 
-    linen_spmd._with_sharding_constraint = bridged_constraint
+    return bridged_constraint
 
 
 def _flax_spmd() -> Any:
