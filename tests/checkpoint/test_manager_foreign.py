@@ -229,6 +229,18 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
         (root / "33.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text(
             '{"init_timestamp_nsecs": 1796000000000000000}'
         )
+        # a save of ours killed while writing its first file, and one killed before its
+        # items: its metadata names our record item (a SIGKILL test met both)
+        (root / "34.orbax-checkpoint-tmp").mkdir()
+        (root / "34.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text("")
+        (root / "35.orbax-checkpoint-tmp").mkdir()
+        (root / "35.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text(
+            '{"item_handlers": {"state": "x", "modelshard": "y"}, "init_timestamp_nsecs": 1}'
+        )
+        (root / "36.orbax-checkpoint-tmp" / "items.orbax-checkpoint-tmp").mkdir(parents=True)
+        (root / "36.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text(
+            '{"item_handlers": null, "init_timestamp_nsecs": 1, "commit_timestamp_nsecs": null}'
+        )
         listed = {e.path.name: (e.status, e.owner, e.complete, e.why) for e in list_steps(root)}
         assert listed == {
             "1": ("complete", "modelshard", True, ""),
@@ -254,9 +266,27 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
                 False,
                 "staging folder of an interrupted save",
             ),
+            "34.orbax-checkpoint-tmp": (
+                "leftover",
+                None,
+                False,
+                "staging folder of an interrupted save",
+            ),
+            "35.orbax-checkpoint-tmp": (
+                "leftover",
+                "modelshard",
+                False,
+                "staging folder of an interrupted save",
+            ),
+            "36.orbax-checkpoint-tmp": (
+                "leftover",
+                "modelshard",
+                False,
+                "staging folder of an interrupted save",
+            ),
         }
         kept = snapshot(root / "31.orbax-checkpoint-tmp")
-        for step in (30, 32, 33):
+        for step in (30, 32, 33, 34, 35, 36):
             assert mngr.save(step, {"w": jnp.full((4,), float(step))})
         with pytest.raises(ms.ForeignStepError) as e:
             mngr.save(31, {"w": jnp.ones(4)})
@@ -265,7 +295,7 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
             "another tool (Orbax), and this CheckpointManager never removes or replaces what "
             "it did not write."
         )
-        assert mngr.all_steps() == [1, 10, 15, 20, 30, 32, 33]
+        assert mngr.all_steps() == [1, 10, 15, 20, 30, 32, 33, 34, 35, 36]
     assert snapshot(root / "31.orbax-checkpoint-tmp") == kept
     assert sorted(n for n in os.listdir(root) if n[0].isdigit()) == [
         "1",
@@ -276,6 +306,9 @@ def test_interrupted_saves_are_told_apart_ours_cleaned_orbaxs_kept(root):
         "31.orbax-checkpoint-tmp",
         "32",
         "33",
+        "34",
+        "35",
+        "36",
     ]
 
 

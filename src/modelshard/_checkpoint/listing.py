@@ -139,15 +139,21 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
     # a commit without the marker is another writer's: the manager marks before it commits
     committed = meta is not None and meta.get("commit_timestamp_nsecs") is not None
-    record = any(n == RECORD_ITEM or n.startswith(f"{RECORD_ITEM}{ORBAX_TMP}") for n in names)
-    if record and not committed:
+    # a save of ours not committed yet: its record or items item made (Orbax makes a save's
+    # items in name order, so a kill can leave items/ alone) or announced in the metadata
+    ours = (RECORD_ITEM, ITEMS_ITEM)
+    record = any(n.partition(ORBAX_TMP)[0] in ours for n in names)
+    handlers = meta.get("item_handlers") if meta is not None else None
+    if not committed and (record or (isinstance(handlers, dict) and RECORD_ITEM in handlers)):
         return OURS
+    if names == [CHECKPOINT_METADATA] and (
+        meta is None or not (committed or meta.get("item_handlers"))
+    ):
+        return None  # only the metadata a save starts with (cut short by a kill, or empty)
     if meta is None:
         # only parts of a step, no metadata yet: on object storage another process wrote
         # its share of the arrays before process 0 wrote the metadata, and the save died
         return OURS if all(n.partition(ORBAX_TMP)[0] in _ITEMS for n in names) else OTHER
-    if names == [CHECKPOINT_METADATA] and not committed and not meta.get("item_handlers"):
-        return None
     return ORBAX
 
 
