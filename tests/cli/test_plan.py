@@ -442,3 +442,42 @@ def test_step_arguments_are_checked(step_module, capsys):
         assert said in one_line(capsys.readouterr().err, "plan")
     assert main([*base, "--step", f"{step_module}:step"]) == 2
     assert "--step and --batch go together" in capsys.readouterr().err
+
+
+def test_the_command_simulates_the_cpu_devices_its_mesh_needs(step_module):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    argv = ["plan", "--state", f"{step_module}:state", "--step", f"{step_module}:step"]
+    argv += ["--batch", "float32[16,64]", "--mesh", "data=8", "--json"]
+    code = "import sys; from modelshard.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["mesh"] == {"data": 8}
+    assert data["step_memory"]["parts"]["batch"] == 16 * 64 * 4 // 8
+
+
+def test_a_mesh_larger_than_a_started_jax_is_explained_in_command_line_words(step_module, capsys):
+    # JAX started with 8 CPU devices, as when a module uses JAX on import
+    assert jax.device_count() == 8
+    argv = ["plan", "--state", f"{step_module}:state", "--step", f"{step_module}:step"]
+    argv += ["--batch", "float32[64,64]"]
+    assert main([*argv, "--mesh", "data=64"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "modelshard plan: error: mesh (data=64) needs 64 devices to compile for, this machine "
+        "has 8: JAX had started before --mesh was read (the --step or --state module runs JAX "
+        "when imported); pass --topology v5e:8x8 to compile for a TPU slice, or have that "
+        "module call jax.config.update('jax_num_cpu_devices', 64) before it uses JAX"
+    ]
+    assert main([*argv, "--mesh", "data=4,model=3"]) == 1  # no v5e slice has 12 chips
+    assert capsys.readouterr().err.splitlines() == [
+        "modelshard plan: error: mesh (data=4, model=3) needs 12 devices to compile for, this "
+        "machine has 8: JAX had started before --mesh was read (the --step or --state module "
+        "runs JAX when imported); have that module call "
+        "jax.config.update('jax_num_cpu_devices', 12) before it uses JAX"
+    ]

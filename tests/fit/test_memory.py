@@ -247,3 +247,13 @@ def test_a_step_xla_refuses_is_estimated_from_its_message(dict_decoder):
     assert m.to_json()["refused"] == TPU_REFUSAL
     with pytest.raises(RuntimeError, match="INTERNAL: something else"):
         measure(Refusing("INTERNAL: something else"), args, {}, list(args), [1])
+
+
+def test_no_tpu_slice_is_offered_for_a_mesh_no_slice_matches(dict_decoder):
+    d = dict_decoder
+    with pytest.raises(ms.MeshError) as e:
+        ms.step_memory(d.step, d.state, d.batch, mesh={"data": 12}, in_specs=(P(), P("data")))
+    assert str(e.value) == (
+        "mesh (data=12) needs 12 devices to compile for, this machine has 8; simulate CPU "
+        "devices: jax.config.update('jax_num_cpu_devices', 12) before JAX starts"
+    )

@@ -5,6 +5,7 @@ that fits."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Any
@@ -173,6 +174,34 @@ def run(args: argparse.Namespace) -> int:
     if args.budget is not None:
         p.check_budget(args.budget)
     return 0
+
+
+def simulate_devices(argv: list[str]) -> None:
+    """Before the arguments are parsed (``--step`` and ``--state`` import the user's module,
+    which may start JAX): as many simulated CPU devices as ``--mesh`` needs. Only the CPU
+    backend is affected: on an accelerator machine the accelerator is still used."""
+    from jax._src import xla_bridge
+
+    from .args import parse_mesh
+
+    text = None
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a == "--mesh" and i + 1 < len(argv):
+            text = argv[i + 1]
+        elif a.startswith("--mesh="):
+            text = a.removeprefix("--mesh=")
+    if text is None or xla_bridge.backends_are_initialized():
+        return
+    try:
+        n = math.prod(parse_mesh(text).values())
+    except ValueError:  # argparse reports it
+        return
+    import jax
+
+    if n > max(int(jax.config.jax_num_cpu_devices), 1):
+        jax.config.update("jax_num_cpu_devices", n)
 
 
 def usage(args: argparse.Namespace, message: str) -> int:

@@ -72,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.run(argv[1:])
     as_json = _wants_json(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
+    if command == "plan":
+        plan.simulate_devices(argv)
     p = parser()
     try:
         args = p.parse_args(argv)

@@ -189,12 +189,7 @@ def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
     if topology is None:
         n, have = math.prod(sizes.values()), jax.device_count()
         if n > have:
-            raise MeshError(
-                f"mesh ({format_mesh(sizes)}) needs {n} devices to compile for, this machine "
-                f"has {have}; pass topology='v5e:4x4' (TPU) to compile for a slice it does not "
-                f"have, or simulate CPU devices: jax.config.update('jax_num_cpu_devices', {n}) "
-                "before JAX starts"
-            )
+            raise MeshError(too_few_devices(sizes, have))
         return make_mesh(sizes, axis_types=axis_types)
     from jax.experimental import topologies
 
@@ -206,6 +201,39 @@ def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
             f"cannot compile for topology {topology!r} on {platform}: {type(e).__name__}: {e}"
         ) from None
     return make_mesh(sizes, axis_types=axis_types, devices=list(desc.devices))
+
+
+# v5e slices by chip count: what the hint offers for a mesh of that many devices
+_V5E = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
+    """Why a mesh of ``sizes`` cannot be compiled for on ``have`` devices, and the ways to
+    get them, in the entry point's words (a TPU slice only when one has that many chips)."""
+    from .._base import vocabulary
+
+    n = math.prod(sizes.values())
+    head = f"mesh ({format_mesh(sizes)}) needs {n} devices to compile for, this machine has {have}"
+    slice_ = _V5E.get(n)
+    if vocabulary() == "cli":
+        tpu = f"pass --topology v5e:{slice_} to compile for a TPU slice" if slice_ else ""
+        if jax.devices()[0].platform != "cpu":  # the command simulates CPU devices only
+            return f"{head}; {tpu or 'use a smaller --mesh'}"
+        tpu = f"{tpu}, or " if tpu else ""
+        return (
+            f"{head}: JAX had started before --mesh was read (the --step or --state module "
+            f"runs JAX when imported); {tpu}have that module call "
+            f"jax.config.update('jax_num_cpu_devices', {n}) before it uses JAX"
+        )
+    tpu = (
+        f"pass topology='v5e:{slice_}' (TPU) to compile for a slice it does not have, or "
+        if (slice_)
+        else ""
+    )
+    return (
+        f"{head}; {tpu}simulate CPU devices: jax.config.update('jax_num_cpu_devices', {n}) "
+        "before JAX starts"
+    )
 
 
 def _is_optax(x: Any) -> bool:
