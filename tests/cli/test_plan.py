@@ -326,6 +326,10 @@ def step_named(state, batch):
     return step(state, batch["x"])
 
 
+def broken(state, x):
+    raise ValueError("x must be tokens,\\nnot floats")
+
+
 def sgd(state, x):
     """A step over the checkpoint's own tree (nested dicts): plain SGD."""
     grads = jax.grad(loss)(state, x)
@@ -481,3 +485,30 @@ def test_a_mesh_larger_than_a_started_jax_is_explained_in_command_line_words(ste
         "runs JAX when imported); have that module call "
         "jax.config.update('jax_num_cpu_devices', 12) before it uses JAX"
     ]
+
+
+def test_a_step_that_raises_is_one_error_naming_it(step_module, capsys):
+    mod = step_module
+    argv = ["plan", "--state", f"{mod}:state", "--mesh", "data=8"]
+    assert main([*argv, "--step", f"{mod}:broken", "--batch", "float32[16,64]"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"modelshard plan: error: the step {mod}:broken raised while being traced: "
+        "ValueError: x must be tokens,",
+        "not floats",
+    ]
+    # a batch of the wrong shape, with --json: the one document on stdout
+    assert main([*argv, "--step", f"{mod}:step", "--batch", "float32[16,63]", "--json"]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert (data["ok"], data["exit_status"]) == (False, 1)
+    error = data["error"]
+    assert error["type"] == "TypeError" and error["function"] == f"{mod}:step"
+    assert error["message"].startswith(
+        f"the step {mod}:step raised while being traced: TypeError: dot_general requires "
+    )
+    assert captured.err == (
+        "modelshard plan: error: TypeError, exit status 1 (the JSON on stdout says what and "
+        "where)\n"
+    )

@@ -264,6 +264,19 @@ def batch_arg(text: str) -> Any:
     return out[""] if list(out) == [""] else out
 
 
+def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
+    """The user's function raised while JAX traced it: one error naming it (exit status 1),
+    not a traceback. modelshard's own errors go on to ``main`` as from any command."""
+    from .._base import ModelshardError
+
+    if isinstance(e, ModelshardError):
+        raise e
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    kind = type(e).__name__
+    message = f"the {what} {name} raised while being traced: {kind}: {e}"
+    return fail("plan", 1, {"type": kind, "message": message, "function": name}, args.json)
+
+
 def run_step(args: argparse.Namespace) -> int:
     """``--step``: the step's memory per device (and, with ``--budget``, the advice)."""
     import jax
@@ -276,7 +289,10 @@ def run_step(args: argparse.Namespace) -> int:
     sizes = args.mesh
     source = None
     if args.state is not None:
-        state = jax.eval_shape(args.state)
+        try:
+            state = jax.eval_shape(args.state)
+        except Exception as e:
+            return raised(args, "state function", args.state, e)
         from .._specs import load_rules
 
         specs = load_rules(args.rules) if args.rules else PartitionSpec()
@@ -298,12 +314,15 @@ def run_step(args: argparse.Namespace) -> int:
         donate_argnums=() if args.no_donate else (0,),
         topology=args.topology,
     )
-    if args.budget is None:
-        m = step_memory(args.step_fn, state, args.batch, **kw)
-        advice = None
-    else:
-        advice = fit_advice(args.step_fn, state, args.batch, budget=args.budget, **kw)
-        m = advice.memory
+    try:
+        if args.budget is None:
+            m = step_memory(args.step_fn, state, args.batch, **kw)
+            advice = None
+        else:
+            advice = fit_advice(args.step_fn, state, args.batch, budget=args.budget, **kw)
+            m = advice.memory
+    except Exception as e:
+        return raised(args, "step", args.step_fn, e)
     p = m.plan
     out: str | None = args.write_rules
     rules_text = None
