@@ -146,6 +146,16 @@ def test_tensor_parallel_rules_for_known_names_and_narrower_moments(dict_decoder
     assert tp.saves > moments.saves and advice.best is moments  # least invasive first
 
 
+def test_no_tensor_parallel_rules_over_the_batchs_axis(dict_decoder):
+    d = dict_decoder
+    kw = dict(mesh=ms.make_mesh({"data": 8}), in_specs=(P(), P("data")), donate_argnums=0)
+    base = ms.step_memory(d.step, d.state, d.batch, **kw)
+    advice = ms.fit_advice(
+        d.step, d.state, d.batch, budget=base.total - 1, kinds=("tensor_parallel",), **kw
+    )
+    assert advice.suggestions == [] and advice.best is None and advice.compiles == 1
+
+
 def test_bad_kinds_and_budgets_are_refused(dict_decoder):
     d = dict_decoder
     kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")))

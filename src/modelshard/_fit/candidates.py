@@ -223,7 +223,8 @@ def changes_for(
             for leaf, r in zip(plan.leaves, leaf_roles, strict=True)
             if r in ("parameters", "optimizer_state") and tp_dims(leaf.path, leaf.shape)
         ]
-        tp_axes = [a for a in axes if a not in batch_axes] or axes
+        # over the batch's axis the same devices would split both: no tensor parallelism
+        tp_axes = [a for a in axes if a not in batch_axes]
         for axis in tp_axes if names else []:
             out.append(
                 _spec_change(
