@@ -440,10 +440,17 @@ class Zygote:
         return line
 
     def start(self, root: Path) -> int:
-        """Fork a saver on ``root``; return the step it resumes at once its backend is up."""
+        """Fork a saver on ``root``; return the step it resumes at once its backend is up.
+        The saver's START may come before the zygote's FORKED line (both write one pipe)."""
         self.send(f"fork {root}")
-        self.saver = int(self.expect("FORKED ").split()[1])
-        return int(self.expect(f"{self.saver} START ").split()[2])
+        first = self.expect(r"FORKED |\d+ START ")
+        if first.startswith("FORKED "):
+            self.saver = int(first.split()[1])
+            return int(self.expect(f"{self.saver} START ").split()[2])
+        pid, _, step = first.split()
+        self.saver = int(pid)
+        self.expect(f"FORKED {pid}$")
+        return int(step)
 
     def kill_saver(self) -> list[str]:
         """SIGKILL the saver, wait until it is gone; return what it printed since START."""
