@@ -116,6 +116,29 @@ def test_changes_combine_when_none_fits_alone(dict_decoder):
     assert up == P(None, ("model", "data"))  # both axes, largest saving first
 
 
+def test_the_batch_is_cut_only_when_no_combination_keeps_it(dict_decoder, compiles):
+    d = dict_decoder
+    kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")), donate_argnums=0)
+    batch = jax.ShapeDtypeStruct((64, 32), jnp.int32)  # activations dominate
+    model = ms.step_memory(
+        d.step, d.state, batch, **{**kw, "in_specs": (ms.fsdp("model"), P("data"))}
+    )
+    halved = ms.step_memory(d.step, d.state, jax.ShapeDtypeStruct((32, 32), jnp.int32), **kw)
+    budget = model.total - 1
+    assert halved.total <= budget  # half the batch alone would fit too
+    compiles.clear()
+    advice = ms.fit_advice(d.step, d.state, batch, budget=budget, kinds=("fsdp", "batch"), **kw)
+    assert [s.kind for s in advice.suggestions] == ["fsdp", "fsdp", "fsdp+fsdp"]
+    best = advice.best
+    assert best is not None and best.fits and best.args[1].shape == (64, 32)
+    assert advice.compiles == len(compiles) == 4  # the step, then one per candidate
+    # with nothing else that saves, the batch is cut
+    only = ms.fit_advice(d.step, d.state, batch, budget=budget, kinds=("batch",), **kw)
+    assert only.best is not None and only.best.description == (
+        "batch per device 16 -> 8 (global 64 -> 32)"
+    )
+
+
 def test_tensor_parallel_rules_for_known_names_and_narrower_moments(dict_decoder):
     d = dict_decoder
     kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")), donate_argnums=0)

@@ -246,8 +246,8 @@ def fit_advice(
     names (``q/k/v``, ``up/gate``: output dimension; ``o``, ``down``: input dimension;
     embeddings: vocabulary), the rematerialised step (``remat``, or the step's own
     ``remat=True`` keyword), and halving the batch until it fits. When no single change
-    fits, the changes that saved memory are combined, largest saving first, until it fits.
-    Placement changes come as [`Rules`][modelshard.Rules] (``Suggestion.rules``,
+    fits, the changes that saved memory are combined, largest saving first, until it fits;
+    only then is the batch cut (with them all applied): the last resort. Placement changes come as [`Rules`][modelshard.Rules] (``Suggestion.rules``,
     ``Suggestion.code``), ready to paste.
 
     Args:
@@ -370,11 +370,7 @@ def fit_advice(
             if first:
                 break
     batch_change = next((c for c in changes if c.kind == "batch"), None)
-    if best is None and batch_change is not None:
-        s = _halve_until_fits(attempt, batch_change, tried, [])
-        compiles += s[1]
-        best = s[0]
-    if best is None:  # combine what saved, largest saving first
+    if best is None:  # combine what saved, largest saving first; the batch is cut last
         saving = sorted(
             (
                 s
@@ -398,7 +394,7 @@ def fit_advice(
             if combo.fits:
                 best = combo
                 break
-        if best is None and batch_change is not None and stack:
+        if best is None and batch_change is not None:  # the largest batch, all else applied
             s = _halve_until_fits(attempt, batch_change, tried, stack)
             compiles += s[1]
             best = s[0]
