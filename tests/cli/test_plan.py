@@ -512,3 +512,35 @@ def test_a_step_that_raises_is_one_error_naming_it(step_module, capsys):
         "modelshard plan: error: TypeError, exit status 1 (the JSON on stdout says what and "
         "where)\n"
     )
+
+
+def test_write_rules_names_the_other_changes_and_says_when_nothing_is_written(
+    step_module, tmp_path, capsys
+):
+    mod = step_module
+    argv = ["plan", "--state", f"{mod}:state", "--step", f"{mod}:step", "--mesh", "data=8"]
+    argv += ["--batch", "float32[1024,64]"]
+    out_rules = tmp_path / "fits.toml"
+    # FSDP and narrower moments with a quarter of the batch: the file says the rest
+    assert main([*argv, "--budget", "400000", "--write-rules", str(out_rules)]) == 1
+    capsys.readouterr()
+    lines = out_rules.read_text().splitlines()
+    assert lines[:6] == [
+        "# This placement fits the budget only with these changes too (modelshard plan",
+        "# --budget, checked by compiling):",
+        "#   optax.adamw(learning_rate, mu_dtype=jnp.bfloat16)",
+        "#   a global batch of 256 (32 per device)",
+        "",
+        "strict = true",
+    ]
+    assert ms.load_rules(out_rules)  # still a rules file
+    for extra, why in (
+        ([], "--write-rules writes the change that fits a --budget; none was given"),
+        (["--budget", "1GiB"], "the step fits the budget as it is"),
+        (["--budget", "1KiB"], "no change tried fits the budget"),
+    ):
+        target = tmp_path / "none.toml"
+        main([*argv, *extra, "--write-rules", str(target)])
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == f"nothing written to {target}: {why}"
+        assert not target.exists()

@@ -277,6 +277,29 @@ def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
     return fail("plan", 1, {"type": kind, "message": message, "function": name}, args.json)
 
 
+def rules_file(advice: Any) -> tuple[str | None, str | None]:
+    """``--write-rules``: the best change's rules file, headed by the other changes it
+    needs (a smaller batch, narrower moments, remat) as comments; or why none is written."""
+    if advice is None:
+        return None, "--write-rules writes the change that fits a --budget; none was given"
+    if advice.fits:
+        return None, "the step fits the budget as it is"
+    best = advice.best
+    if best is None:
+        return None, "no change tried fits the budget"
+    text = best.toml()
+    if text is None:
+        return None, f"the smallest change that fits moves nothing: {best.description}"
+    if not best.notes:
+        return text, None
+    head = [
+        "# This placement fits the budget only with these changes too (modelshard plan",
+        "# --budget, checked by compiling):",
+        *(f"#   {note}" for note in best.notes),
+    ]
+    return "\n".join([*head, "", text]), None
+
+
 def run_step(args: argparse.Namespace) -> int:
     """``--step``: the step's memory per device (and, with ``--budget``, the advice)."""
     import jax
@@ -325,12 +348,12 @@ def run_step(args: argparse.Namespace) -> int:
         return raised(args, "step", args.step_fn, e)
     p = m.plan
     out: str | None = args.write_rules
-    rules_text = None
-    if out is not None and advice is not None and advice.best is not None:
-        rules_text = advice.best.toml()  # None: the change moves nothing (batch, remat)
+    rules_text, unwritten = rules_file(advice) if out is not None else (None, None)
     if out is not None and rules_text is not None:
         with open(out, "w", encoding="utf-8") as f:
             f.write(rules_text)
+    if out is not None and unwritten is not None:
+        say(f"nothing written to {os.path.abspath(out)}: {unwritten}", stderr=True)
     if args.html is not None:
         p.to_html(args.html, fold=not args.no_fold, filter=args.filter, title="plan of the step")
     if args.json:
