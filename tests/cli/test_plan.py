@@ -444,6 +444,19 @@ def test_step_arguments_are_checked(step_module, capsys):
     ):
         assert main([*base, flag, value]) == 2
         assert said in one_line(capsys.readouterr().err, "plan")
+    for value, said in (
+        (
+            "float32(64,256)",
+            "argument --batch: 'float32(64,256)' is not an array shape; write int32[16,2048] "
+            "or tokens=int32[16,2048],mask=bool[16,2048]",
+        ),
+        ("f32[64,256]", "argument --batch: 'f32' is not a dtype here; write float32"),
+        ("x=bf16[2],y=i32[2]", "argument --batch: 'bf16' is not a dtype here; write bfloat16"),
+    ):
+        assert main([*base, "--batch", value]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"modelshard plan: error: {said} (see 'modelshard plan --help')"
+        ]
     assert main([*base, "--step", f"{step_module}:step"]) == 2
     assert "--step and --batch go together" in capsys.readouterr().err
 

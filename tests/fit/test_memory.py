@@ -85,6 +85,11 @@ def test_a_shard_jit_step_brings_its_own_specs_and_donation(dict_decoder):
     assert m.parts["outputs"] < 1024
     assert m.plan["state:params/layers_0/mlp/up/kernel"].spec == P(None, "data")
     assert jitted.cache_size == 0  # measuring compiled a copy, not the user's step
+    # no mesh given: the ShardJit's own (no mesh is active here)
+    own = ms.step_memory(jitted, d.state, d.batch)
+    assert own.mesh == MESH and own.total == m.total
+    advice = ms.fit_advice(jitted, d.state, d.batch, budget=m.total)
+    assert advice.fits and advice.memory.mesh == MESH
 
 
 def test_roles_name_leaves_the_default_cannot_tell(dict_decoder):

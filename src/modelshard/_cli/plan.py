@@ -237,13 +237,34 @@ def function_arg(text: str) -> Any:
 _ARRAY = re.compile(r"^\s*(?:([A-Za-z_][\w.]*)\s*=\s*)?([a-z][a-z0-9_]*)\[([\d,\s]*)\]\s*$")
 
 
+# dtypes as jaxprs print them (f32[64,256]), and the name --batch takes
+_SHORT_DTYPES = {
+    "bf16": "bfloat16",
+    **{f"f{n}": f"float{n}" for n in (16, 32, 64)},
+    **{f"i{n}": f"int{n}" for n in (8, 16, 32, 64)},
+    **{f"u{n}": f"uint{n}" for n in (8, 16, 32, 64)},
+}
+
+
+def _outside_brackets(text: str) -> list[str]:
+    """``text`` split at the commas outside ``[...]`` and ``(...)``: a shape written
+    with parentheses stays one part, to be quoted whole in the error."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "[(") - (c in "])")
+        if c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def batch_arg(text: str) -> Any:
     """argparse type: ``int32[16,2048]`` or ``tokens=int32[16,2048],mask=bool[16,2048]``:
     one abstract array, or a dict of them."""
     import jax
     import numpy as np
 
-    parts = re.split(r",(?![^\[]*\])", text)  # commas outside brackets
+    parts = _outside_brackets(text)
     out: dict[str, Any] = {}
     for part in parts:
         m = _ARRAY.match(part)
@@ -253,6 +274,10 @@ def batch_arg(text: str) -> Any:
                 "tokens=int32[16,2048],mask=bool[16,2048]"
             )
         name, dtype, dims = m.groups()
+        if dtype in _SHORT_DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"{dtype!r} is not a dtype here; write {_SHORT_DTYPES[dtype]}"
+            )
         try:
             dt = np.dtype(dtype) if dtype != "bfloat16" else jax.numpy.bfloat16
         except TypeError:

@@ -29,6 +29,7 @@ from .memory import (
     check_roles,
     compile_mesh,
     measure,
+    own_mesh,
     unwrap,
     wrap,
 )
@@ -275,7 +276,7 @@ def fit_advice(
     limit = parse_bytes(budget)
     check_roles(roles)
     check_names("kind", kinds, KINDS, "kind of change")
-    cmesh = compile_mesh(mesh, topology)
+    cmesh = compile_mesh(own_mesh(step, mesh), topology)
     base_fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
     statics = set(static)
     dynamic = [i for i in range(len(args)) if i not in statics]

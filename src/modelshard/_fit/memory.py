@@ -421,6 +421,13 @@ class _Refused:
     peak_memory_in_bytes: int = 0
 
 
+def own_mesh(step: Any, mesh: Any) -> Any:
+    """``mesh``, or where none is given the mesh a ``ShardJit`` step was made with."""
+    from .._jit import ShardJit
+
+    return step.mesh if mesh is None and isinstance(step, ShardJit) else mesh
+
+
 def unwrap(
     step: Callable[..., Any],
     in_specs: Any,
@@ -548,7 +555,8 @@ def step_memory(
     Args:
         step: the training step (a function or a ``ShardJit``).
         *args: its arguments, abstract (concrete arrays are read for their shapes only).
-        mesh: a ``Mesh``, an ``AbstractMesh`` or axis sizes; default: the active mesh. A mesh
+        mesh: a ``Mesh``, an ``AbstractMesh`` or axis sizes; default: a ``ShardJit`` step's
+            own mesh, else the active mesh. A mesh
             larger than this machine compiles on simulated CPU devices, or for a TPU
             ``topology``.
         in_specs: one spec-like per argument, as for ``shard_jit``.
@@ -573,7 +581,7 @@ def step_memory(
         MeshError: a mesh larger than the devices JAX can compile for.
     """
     check_roles(roles)
-    cmesh = compile_mesh(mesh, topology)
+    cmesh = compile_mesh(own_mesh(step, mesh), topology)
     fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
     jitted = wrap(fn, mesh=cmesh, in_specs=in_specs, donate_argnums=donated, static_argnums=static)
     statics = set(static)
