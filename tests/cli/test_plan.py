@@ -480,22 +480,23 @@ def test_the_command_simulates_the_cpu_devices_its_mesh_needs(step_module):
 
 
 def test_a_mesh_larger_than_a_started_jax_is_explained_in_command_line_words(step_module, capsys):
-    # JAX started with 8 CPU devices, as when a module uses JAX on import
+    # JAX started with 8 CPU devices, as when a module sets its count or uses JAX on import
     assert jax.device_count() == 8
     argv = ["plan", "--state", f"{step_module}:state", "--step", f"{step_module}:step"]
     argv += ["--batch", "float32[64,64]"]
     assert main([*argv, "--mesh", "data=64"]) == 1
     assert capsys.readouterr().err.splitlines() == [
         "modelshard plan: error: mesh (data=64) needs 64 devices to compile for, this machine "
-        "has 8: JAX had started before --mesh was read (the --step or --state module runs JAX "
-        "when imported); pass --topology v5e:8x8 to compile for a TPU slice, or have that "
-        "module call jax.config.update('jax_num_cpu_devices', 64) before it uses JAX"
+        "has 8: the --step or --state module fixed JAX's device count when imported (its own "
+        "jax_num_cpu_devices, or a JAX computation); pass --topology v5e:8x8 to compile for a "
+        "TPU slice, or have that module call jax.config.update('jax_num_cpu_devices', 64) "
+        "before it uses JAX"
     ]
     assert main([*argv, "--mesh", "data=4,model=3"]) == 1  # no v5e slice has 12 chips
     assert capsys.readouterr().err.splitlines() == [
         "modelshard plan: error: mesh (data=4, model=3) needs 12 devices to compile for, this "
-        "machine has 8: JAX had started before --mesh was read (the --step or --state module "
-        "runs JAX when imported); have that module call "
+        "machine has 8: the --step or --state module fixed JAX's device count when imported "
+        "(its own jax_num_cpu_devices, or a JAX computation); have that module call "
         "jax.config.update('jax_num_cpu_devices', 12) before it uses JAX"
     ]
 

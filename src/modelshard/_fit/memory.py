@@ -221,9 +221,9 @@ def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
             return f"{head}; {tpu or 'use a smaller --mesh'}"
         tpu = f"{tpu}, or " if tpu else ""
         return (
-            f"{head}: JAX had started before --mesh was read (the --step or --state module "
-            f"runs JAX when imported); {tpu}have that module call "
-            f"jax.config.update('jax_num_cpu_devices', {n}) before it uses JAX"
+            f"{head}: the --step or --state module fixed JAX's device count when imported "
+            f"(its own jax_num_cpu_devices, or a JAX computation); {tpu}have that module "
+            f"call jax.config.update('jax_num_cpu_devices', {n}) before it uses JAX"
         )
     tpu = (
         f"pass topology='v5e:{slice_}' (TPU) to compile for a slice it does not have, or "
