@@ -184,10 +184,12 @@ def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
     state = _state(mesh8, n=2)
     ms.save(tmp_path / "c", state)
 
-    def broken(self, key, x):
+    def broken(*args):
         raise RuntimeError("checksum program failed")
 
+    # device programs and host sums alike (small leaves, and every leaf on an accelerator)
     monkeypatch.setattr(cs.Checksums, "_sum", broken)
+    monkeypatch.setattr(cs, "host_checksum", broken)
     with pytest.raises(RuntimeError, match=r"^checksum program failed$"):
         ms.restore(tmp_path / "c", like=state)
 

@@ -180,8 +180,7 @@ def simulate_devices(argv: list[str]) -> None:
     """Before the arguments are parsed (``--step`` and ``--state`` import the user's module,
     which may start JAX): as many simulated CPU devices as ``--mesh`` needs. Only the CPU
     backend is affected: on an accelerator machine the accelerator is still used."""
-    from jax._src import xla_bridge
-
+    from .._internals import backends_are_initialized
     from .args import parse_mesh
 
     text = None
@@ -192,9 +191,7 @@ def simulate_devices(argv: list[str]) -> None:
             text = argv[i + 1]
         elif a.startswith("--mesh="):
             text = a.removeprefix("--mesh=")
-    # JAX's own test of "before the backend starts" (private: treated as started if gone)
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)
-    if text is None or started():
+    if text is None or backends_are_initialized():
         return
     try:
         n = math.prod(parse_mesh(text).values())

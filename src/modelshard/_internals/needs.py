@@ -34,7 +34,10 @@ def supported(distribution: str) -> str:
         spec = req.split(";")[0].strip()
         name = re.match(r"[A-Za-z0-9_.-]+", spec)
         if name and re.sub(r"[-_.]+", "-", name.group()).lower() == wanted:
-            return re.sub(r"\[[^]]*\]", "", spec).replace(" ", "")
+            spec = re.sub(r"\[[^]]*\]", "", spec).replace(" ", "")
+            # the floor first (metadata may list "<0.13,>=0.12.3")
+            parts = sorted(spec[name.end() :].split(","), key=lambda c: not c.startswith(">"))
+            return spec[: name.end()] + ",".join(parts)
     return distribution
 
 
