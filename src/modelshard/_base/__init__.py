@@ -23,7 +23,7 @@ from .errors import caller_stacklevel as caller_stacklevel
 from .files import EarlySync as EarlySync
 from .files import fsync_dir as fsync_dir
 from .files import sync_tree as sync_tree
-from .files import write_text_durable as write_text_durable
+from .files import write_durable as write_durable
 from .folding import fold as fold
 from .mesh import constrain_array as constrain_array
 from .mesh import current_mesh as current_mesh
@@ -47,6 +47,7 @@ from .text import literal as literal
 from .text import natural_key as natural_key
 from .text import quote_pattern as quote_pattern
 from .text import speaking as speaking
+from .text import spec_from_json as spec_from_json
 from .text import spec_json as spec_json
 from .text import toml_entry as toml_entry
 from .text import toml_spec as toml_spec

@@ -14,7 +14,7 @@ import contextvars
 import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from jax.sharding import PartitionSpec
 
@@ -64,11 +64,32 @@ def format_spec(spec: Any) -> str:
     return repr(spec)
 
 
-def spec_json(spec: PartitionSpec) -> list[Any]:
-    """A spec as JSON, the one spelling of every JSON output (plans, records, errors):
-    one entry per dimension, ``None`` or an axis name or a list of names."""
+@overload
+def spec_json(spec: PartitionSpec) -> list[Any]: ...
+@overload
+def spec_json(spec: None) -> None: ...
+def spec_json(spec: PartitionSpec | None) -> list[Any] | None:
+    """A spec as JSON, the one spelling of every JSON output (plans, records, errors).
+
+    Example:
+        >>> spec_json(PartitionSpec("data", None, ("a", "b")))
+        ['data', None, ['a', 'b']]
+    """
+    if spec is None:
+        return None
     entries = spec.partitions if hasattr(spec, "partitions") else tuple(spec)
     return [list(e) if isinstance(e, tuple) else e for e in entries]
+
+
+@overload
+def spec_from_json(value: Iterable[Any]) -> PartitionSpec: ...
+@overload
+def spec_from_json(value: None) -> None: ...
+def spec_from_json(value: Iterable[Any] | None) -> PartitionSpec | None:
+    """The inverse of ``spec_json``."""
+    if value is None:
+        return None
+    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
 
 
 def toml_spec(entries: Any) -> str:

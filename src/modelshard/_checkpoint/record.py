@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import CheckpointError
+from .._base import CheckpointError, spec_from_json, spec_json
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
 from .storage import FORMAT, name_collisions, nest, storage_key
@@ -44,19 +44,6 @@ def parse_dtype(name: str) -> Any:
         return jnp.dtype(name)
     except TypeError as e:
         raise CheckpointError(f"unknown dtype {name!r} in the checkpoint record") from e
-
-
-def spec_to_json(spec: PartitionSpec | None) -> list[Any] | None:
-    """``P('data', None, ('a', 'b'))`` -> ``["data", null, ["a", "b"]]``."""
-    if spec is None:
-        return None
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def spec_from_json(value: Any) -> PartitionSpec | None:
-    if value is None:
-        return None
-    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
 
 
 @dataclasses.dataclass
@@ -119,7 +106,7 @@ class LeafRecord:
             "stored_shape": list(self.stored_shape),
             "stored_dtype": self.stored_dtype,
             "key_impl": self.key_impl,
-            "spec": spec_to_json(self.spec),
+            "spec": spec_json(self.spec),
             "names": None if self.names is None else [_json_name(n) for n in self.names],
             "checksum": self.checksum,
         }

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._base import format_bytes, format_spec
-from .._specs import entry_axes, spec_from_json
+from .._base import format_bytes, format_spec, spec_from_json
+from .._specs import entry_axes
 
 
 class PlanView(Protocol):

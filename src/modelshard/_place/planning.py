@@ -22,6 +22,7 @@ from .._base import (
     literal,
     mesh_sizes,
     size_in_bytes,
+    spec_from_json,
     spec_json,
     vocabulary,
 )
@@ -31,7 +32,6 @@ from .._specs import (
     SpecLike,
     entry_axes,
     expand_args,
-    spec_from_json,
 )
 from .constraints import ActivationConstraint
 from .plan_html import logical_text, rule_text

@@ -13,7 +13,6 @@ from .language import fsdp as fsdp
 from .language import is_axes_entry as is_axes_entry
 from .language import is_entry as is_entry
 from .language import is_leaf_spec as is_leaf_spec
-from .language import spec_from_json as spec_from_json
 from .logical import LogicalAxes as LogicalAxes
 from .logical import active_logical as active_logical
 from .logical import check_mesh_axes as check_mesh_axes

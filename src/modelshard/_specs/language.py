@@ -374,12 +374,6 @@ def _is_pytree_node(x: Any) -> bool:
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-# The JSON spelling of specs (plans, records, ``--json``): ``_base``'s ``spec_json``.
-def spec_from_json(value: Sequence[Any]) -> PartitionSpec:
-    """The inverse of ``spec_json``."""
-    return PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in value])
-
-
 # The TOML spelling of rules: ``Rules.to_toml`` writes it (entries as ``_text.toml_entry``
 # spells them), ``_rulesfile`` reads it back.
 def rules_to_toml(rules: Rules) -> str:
