@@ -246,6 +246,20 @@ def datasynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.fixture
+def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``os.fsync`` is called on, in order (the real calls are made)."""
+    seen: list[str] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return seen
+
+
+@pytest.fixture
 def count_compiles() -> Callable[[], contextlib.AbstractContextManager[collections.Counter[str]]]:
     """``counting_compiles``: ``with count_compiles() as n: ...`` then ``n["jit(step)"]``."""
     return counting_compiles

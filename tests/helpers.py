@@ -587,3 +587,73 @@ def boxed_train_state(seed: int = 0, step: int = 0) -> Any:
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(0.1))
     grads = jax.tree.map(jnp.ones_like, params)
     return state.apply_gradients(grads=grads).replace(step=step)  # moments not zero
+
+
+_WRITER = r"""
+import os, sys
+exec(sys.argv[1])  # defines write(i); writes the first content before READY
+print("READY", flush=True)
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        i = 1
+        while True:
+            write(i)
+            i += 1
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("REAPED", flush=True)
+"""
+
+
+def kill_while_writing(
+    path: Path, setup: str, kills: int = 20, seed: int = 0, timeout_s: float = 60
+) -> list[bytes]:
+    """``path``'s bytes after each of ``kills`` SIGKILLs of a writer at a random moment.
+
+    ``setup`` (Python) defines ``write(i)``, called with ``0`` once, then ``1, 2, ...`` in
+    a loop by a child forked from one process that imported everything once (so a kill
+    costs a fork, not an interpreter start)."""
+    import random
+
+    rng = random.Random(seed)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, setup],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.strip())
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+
+    def expect() -> str:
+        left = deadline - time.monotonic()
+        try:
+            return lines.get(timeout=max(left, 0.01))
+        except queue.Empty:
+            raise AssertionError(f"the writer did not answer within {timeout_s} s") from None
+
+    seen = []
+    try:
+        assert expect() == "READY"
+        assert proc.stdin is not None
+        for _ in range(kills):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            pid = int(expect())
+            time.sleep(rng.uniform(0.005, 0.05))
+            os.kill(pid, signal.SIGKILL)
+            assert expect() == "REAPED"
+            seen.append(path.read_bytes())
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return seen

@@ -38,7 +38,7 @@ LOCAL = {
 
 # modelshard's own functions called in those branches: local work, checked one level down.
 OURS = {
-    "remove_leftovers", "_exchange", "fsync_dir", "write_text_durable", "_make_room",
+    "remove_leftovers", "_exchange", "fsync_dir", "write_durable", "_make_room",
     "complete_steps", "reaching", "remove_partial", "delete_step", "_finalize",
     "_tree_metadata", "_sharding_file", "_checkpoint_metadata", "_empty_sums",
     "_write_adapter", "_commit", "foreign_steps", "refusal", "remove_numbered",

@@ -1,9 +1,10 @@
 """Files made durable: what a writer syncs before it calls a write done (the checkpoint's
-record and renames, a safetensors export's renames)."""
+record and renames, a safetensors export's renames, a model directory's small files)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,12 +18,26 @@ def fsync_dir(d: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_text_durable(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and sync it to the disk before returning."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def write_durable(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Replace ``path`` with ``data`` (text is written as UTF-8) all at once, durably.
+
+    ``data`` fills a temporary in the same directory under a name no other writer draws;
+    it is synced, renamed over ``path`` and the directory synced. A reader, a killed
+    writer or a crash finds the old file or the new one, never an empty or partial one.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def sync_tree(root: str | os.PathLike[str]) -> None:

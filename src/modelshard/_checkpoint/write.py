@@ -27,7 +27,7 @@ from .._base import (
     dtype_name,
     fsync_dir,
     is_abstract,
-    write_text_durable,
+    write_durable,
 )
 from .._containers import split
 from .barriers import raise_shared, sharing_failures
@@ -371,7 +371,7 @@ def _write_atomic(
         # them here, before the branch that only process 0 enters.
         record.resolve()
         if primary:
-            write_text_durable(staging / RECORD_FILE, record.dumps())
+            write_durable(staging / RECORD_FILE, record.dumps())
             fsync_dir(staging)
     except Exception as e:
         failure = e

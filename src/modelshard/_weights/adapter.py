@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import MappingError, Problem
+from .._base import MappingError, Problem, write_durable
 from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import reference_directory
@@ -153,9 +153,7 @@ def _write_adapter(
     """``adapter_model.safetensors`` and ``adapter_config.json`` (each replaced once
     complete): local file writes, no collective."""
     write_safetensors(out / "adapter_model.safetensors", items, tensors.__getitem__, _META)
-    tmp = out / ".adapter_config.json.partial"
-    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "adapter_config.json")
+    write_durable(out / "adapter_config.json", json.dumps(config, indent=2) + "\n")
 
 
 _META: Mapping[str, str] = {"format": "pt"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import dtype_name
+from .._base import dtype_name, write_durable
 from . import hub
 
 DEFAULT_SHARD_SIZE = "5GB"
@@ -100,16 +99,8 @@ def write_model_files(directory: Path, source: Path | None, dtype: str | None) -
             keys = [k for k in ("dtype", "torch_dtype") if k in data] or ["dtype"]
             for k in keys:
                 data[k] = dtype
-        _replace(directory / "config.json", json.dumps(data, indent=2) + "\n")
+        write_durable(directory / "config.json", json.dumps(data, indent=2) + "\n")
     for name in CARRIED:
         src = source / name
         if src.is_file() and src.resolve() != (directory / name).resolve():
-            tmp = directory / f".{name}.partial"
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, directory / name)
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+            write_durable(directory / name, src.read_bytes())
