@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 import modelshard as ms
@@ -657,3 +658,53 @@ def kill_while_writing(
         proc.kill()
         proc.wait(timeout=30)
     return seen
+
+
+_RNG = np.random.default_rng(0)
+
+
+def rand(shape: tuple[int, ...], dtype: Any = BF16) -> np.ndarray:
+    """Standard-normal values of ``dtype`` (drawn in float32) from one shared generator."""
+    return _RNG.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def row_layers(mesh: Any, n: int = 6, cols: int = 8) -> dict[str, Any]:
+    """``n`` layers of one (64, cols) float32 ``w`` each, rows sharded over ``data``."""
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    return {
+        f"layer{i}": {
+            "w": jax.device_put(
+                jnp.arange(64 * cols, dtype=jnp.float32).reshape(64, cols) + i, rows
+            )
+        }
+        for i in range(n)
+    }
+
+
+# ---- shard_jit tests: one small dict of params, placed anywhere --------------------------
+
+JIT_RULES = ms.Rules([("w$", PartitionSpec("data", None)), ("b$", PartitionSpec())])
+
+
+def jit_params() -> dict[str, Any]:
+    """A (16, 4) ``w`` and a (4,) ``b``: ``JIT_RULES`` shards ``w`` by rows."""
+    return {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones(4)}
+
+
+def committed_to_device0(tree: Any) -> Any:
+    """Every leaf committed to the first device."""
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.devices()[0]), tree)
+
+
+def sharded_otherwise(tree: Any, mesh: Any) -> Any:
+    """Every leaf sharded along its last dimension (replicated where ``data`` does not divide it)."""
+
+    def put(x: Any) -> Any:
+        spec = (
+            PartitionSpec(*([None] * (x.ndim - 1)), "data")
+            if x.shape[-1] % 8 == 0
+            else PartitionSpec()
+        )
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map(put, tree)

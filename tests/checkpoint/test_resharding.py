@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, flip_byte, largest_data_file, launch_argv
+from helpers import DAMAGED_HINT, array_bits, flip_byte, largest_data_file, launch_argv
 from modelshard._checkpoint import locate
 from modelshard._checkpoint.resharding import reshard, rewrite
 from modelshard._checkpoint.slabs import StreamLeaf
@@ -35,16 +35,9 @@ from modelshard._checkpoint.stream import write_stream
 reshard_module = importlib.import_module("modelshard._checkpoint.resharding")
 
 
-def _bits(x: Any) -> bytes:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    a = np.asarray(x)
-    return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
-
-
 def _same_bits(want: dict[str, Any], got: dict[str, Any]) -> None:
     assert sorted(want) == sorted(got)
-    bad = [k for k in want if _bits(want[k]) != _bits(got[k])]
+    bad = [k for k in want if array_bits(want[k]) != array_bits(got[k])]
     assert not bad, f"not bit-exact: {bad}"
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
+from helpers import rand
 from modelshard._weights import parse_weight_map
 from modelshard._weights.writing import write_safetensors
 
@@ -23,20 +24,16 @@ D, H, KV, HD, FF, LAYERS = 16, 4, 2, 4, 24, 2  # grouped-query: q 16 rows, k and
 BF16 = ml_dtypes.bfloat16
 
 
-def _rand(shape: tuple[int, ...], dtype: Any = BF16) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(np.float32).astype(dtype)
-
-
 def _hf(path: Path) -> dict[str, np.ndarray]:
     """Separate q, k, v and gate, up projections, PyTorch [out, in], by safetensors.numpy."""
     t = {}
     for i in range(LAYERS):
         pre = f"model.layers.{i}."
-        t[pre + "self_attn.q_proj.weight"] = _rand((H * HD, D))
-        t[pre + "self_attn.k_proj.weight"] = _rand((KV * HD, D))
-        t[pre + "self_attn.v_proj.weight"] = _rand((KV * HD, D))
-        t[pre + "mlp.gate_proj.weight"] = _rand((FF, D))
-        t[pre + "mlp.up_proj.weight"] = _rand((FF, D))
+        t[pre + "self_attn.q_proj.weight"] = rand((H * HD, D))
+        t[pre + "self_attn.k_proj.weight"] = rand((KV * HD, D))
+        t[pre + "self_attn.v_proj.weight"] = rand((KV * HD, D))
+        t[pre + "mlp.gate_proj.weight"] = rand((FF, D))
+        t[pre + "mlp.up_proj.weight"] = rand((FF, D))
     save_file(t, str(path))
     return t
 
@@ -100,7 +97,7 @@ def test_concat_fuses_q_k_v_and_gate_up_and_exports_back_bit_exact(tmp_path, mes
 
 def test_split_cuts_a_fused_tensor_into_unequal_parts_and_back(tmp_path, mesh8):
     # GPT-2's Conv1D layout [in, out]: q, k, v side by side along axis 1
-    fused = {f"h.{i}.attn.c_attn.weight": _rand((D, (H + 2 * KV) * HD)) for i in range(LAYERS)}
+    fused = {f"h.{i}.attn.c_attn.weight": rand((D, (H + 2 * KV) * HD)) for i in range(LAYERS)}
     save_file(fused, str(tmp_path / "gpt.safetensors"))
     wm = ms.WeightMap(
         [
@@ -140,7 +137,7 @@ def test_split_cuts_a_fused_tensor_into_unequal_parts_and_back(tmp_path, mesh8):
 
 
 def test_split_into_equal_parts_reads_each_part_as_rows(tmp_path, mesh8):
-    w = _rand((3 * 8, 4), np.float32)  # PyTorch's fused [3*out, in]
+    w = rand((3 * 8, 4), np.float32)  # PyTorch's fused [3*out, in]
     save_file({"qkv.weight": w}, str(tmp_path / "m.safetensors"))
     wm = ms.WeightMap(
         [ms.MapRule(r"qkv\.weight", "{n}/kernel", split=ms.Split("n", ("q", "k", "v")))]
@@ -157,13 +154,13 @@ def test_fused_rules_problems_are_listed_at_once_path_first(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file(
         {
-            "a.q": _rand((4, 8), np.float32),
-            "a.k": _rand((4, 6), np.float32),  # axis 1 differs: fine for axis 1, not axis 0
-            "b.q": _rand((4, 8), np.float32),
-            "b.k": _rand((4, 8), BF16),  # another dtype
-            "c": _rand((10, 3), np.float32),  # 10 rows do not cut into 3 equal parts
-            "d": _rand((10, 3), np.float32),  # sizes sum to 9
-            "e": _rand((2, 3), np.float32),
+            "a.q": rand((4, 8), np.float32),
+            "a.k": rand((4, 6), np.float32),  # axis 1 differs: fine for axis 1, not axis 0
+            "b.q": rand((4, 8), np.float32),
+            "b.k": rand((4, 8), BF16),  # another dtype
+            "c": rand((10, 3), np.float32),  # 10 rows do not cut into 3 equal parts
+            "d": rand((10, 3), np.float32),  # sizes sum to 9
+            "e": rand((2, 3), np.float32),
         },
         str(path),
     )
@@ -306,7 +303,7 @@ def test_transposed_load_of_every_dtype_is_bit_exact(tmp_path, dtype, mesh24):
     if dtype is np.int8:
         w = RNG.integers(-128, 128, (12, 32)).astype(np.int8)
     else:
-        w = _rand((12, 32), dtype)
+        w = rand((12, 32), dtype)
     path = tmp_path / "m.safetensors"
     if "float8" in np.dtype(dtype).name:  # safetensors.numpy cannot write fp8
         write_safetensors(path, [("w", w.shape, w.dtype)], lambda name: w)

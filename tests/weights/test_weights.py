@@ -18,15 +18,12 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
+from helpers import rand
 from modelshard._weights import load_weight_map, open_safetensors, parse_weight_map
 from modelshard._weights.safetensors import SafetensorsFiles
 from modelshard._weights.writing import write_safetensors
 
 RNG = np.random.default_rng(0)
-
-
-def _rand(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    return RNG.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
 def _st(path: Path, tensors: dict[str, np.ndarray]) -> Path:
@@ -93,7 +90,7 @@ DTYPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_every_dtype_loads_bit_exact(tmp_path, dtype, mesh8):
     """Files of the safetensors package's writers (bf16, f16, fp8, int8, ...) load bit-exact."""
-    a = _rand((16, 4), dtype) if np.dtype(dtype).kind != "b" else RNG.random((16, 4)) > 0.5
+    a = rand((16, 4), dtype) if np.dtype(dtype).kind != "b" else RNG.random((16, 4)) > 0.5
     path = _st(tmp_path / "m.safetensors", {"w": a, "s": np.asarray(a[0, 0])})
     out = ms.load_safetensors(path, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
     assert out["w"].dtype == a.dtype and out["w"].sharding.spec == P("data")
@@ -102,7 +99,7 @@ def test_every_dtype_loads_bit_exact(tmp_path, dtype, mesh8):
 
 
 def test_fsdp_each_device_reads_only_its_rows(tmp_path, mesh8, count_reads):
-    a = _rand((64, 32), np.float32)
+    a = rand((64, 32), np.float32)
     path = _st(tmp_path / "m.safetensors", {"w": a})
     out = ms.load_safetensors(path, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
     assert out["w"].sharding.spec == P("data")
@@ -111,7 +108,7 @@ def test_fsdp_each_device_reads_only_its_rows(tmp_path, mesh8, count_reads):
 
 
 def test_transposed_load_reads_each_tensor_once(tmp_path, mesh8, count_reads):
-    a = _rand((32, 64), np.float32)  # PyTorch [out, in]
+    a = rand((32, 64), np.float32)  # PyTorch [out, in]
     path = _st(tmp_path / "m.safetensors", {"fc.weight": a})
     wm = ms.WeightMap([ms.MapRule(r"(\w+)\.weight", "{1}/kernel", transpose=(1, 0))])
     like = {"fc": {"kernel": jax.ShapeDtypeStruct((64, 32), np.float32)}}
@@ -124,7 +121,7 @@ def test_transposed_load_reads_each_tensor_once(tmp_path, mesh8, count_reads):
 
 
 def test_sharded_index_of_several_files(tmp_path, mesh24):
-    a, b = _rand((8, 4), np.float32), _rand((4,), ml_dtypes.bfloat16)
+    a, b = rand((8, 4), np.float32), rand((4,), ml_dtypes.bfloat16)
     save_file({"a.weight": a}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"b.bias": b}, str(tmp_path / "model-00002-of-00002.safetensors"))
     index = {
@@ -145,9 +142,7 @@ def test_sharded_index_of_several_files(tmp_path, mesh24):
 
 
 def test_dtype_casts_floating_tensors_only(tmp_path):
-    path = _st(
-        tmp_path / "m.safetensors", {"w": _rand((4,), ml_dtypes.bfloat16), "i": np.arange(3)}
-    )
+    path = _st(tmp_path / "m.safetensors", {"w": rand((4,), ml_dtypes.bfloat16), "i": np.arange(3)})
     like = {"w": jax.ShapeDtypeStruct((4,), np.float32), "i": jax.ShapeDtypeStruct((3,), np.int64)}
     out = ms.load_safetensors(path, like=like, dtype="float32")
     assert out["w"].dtype == np.float32 and out["i"].dtype == jnp.int32  # canonical on CPU
@@ -159,17 +154,17 @@ LAYERS, D, FF = 3, 16, 32
 
 
 def _llama_tensors() -> dict[str, np.ndarray]:
-    t = {"model.embed_tokens.weight": _rand((64, D), ml_dtypes.bfloat16)}
+    t = {"model.embed_tokens.weight": rand((64, D), ml_dtypes.bfloat16)}
     for i in range(LAYERS):
         pre = f"model.layers.{i}."
         for n in "qkvo":
-            t[pre + f"self_attn.{n}_proj.weight"] = _rand((D, D), ml_dtypes.bfloat16)
-        t[pre + "mlp.gate_proj.weight"] = _rand((FF, D), ml_dtypes.bfloat16)
-        t[pre + "mlp.up_proj.weight"] = _rand((FF, D), ml_dtypes.bfloat16)
-        t[pre + "mlp.down_proj.weight"] = _rand((D, FF), ml_dtypes.bfloat16)
-        t[pre + "input_layernorm.weight"] = _rand((D,), ml_dtypes.bfloat16)
-        t[pre + "self_attn.rotary_emb.inv_freq"] = _rand((4,), np.float32)
-    t["model.norm.weight"] = _rand((D,), ml_dtypes.bfloat16)
+            t[pre + f"self_attn.{n}_proj.weight"] = rand((D, D), ml_dtypes.bfloat16)
+        t[pre + "mlp.gate_proj.weight"] = rand((FF, D), ml_dtypes.bfloat16)
+        t[pre + "mlp.up_proj.weight"] = rand((FF, D), ml_dtypes.bfloat16)
+        t[pre + "mlp.down_proj.weight"] = rand((D, FF), ml_dtypes.bfloat16)
+        t[pre + "input_layernorm.weight"] = rand((D,), ml_dtypes.bfloat16)
+        t[pre + "self_attn.rotary_emb.inv_freq"] = rand((4,), np.float32)
+    t["model.norm.weight"] = rand((D,), ml_dtypes.bfloat16)
     return t
 
 
@@ -274,7 +269,7 @@ def test_dry_run_prints_the_table_and_reads_nothing(tmp_path, count_reads):
 
 
 def test_unstack_scanned_checkpoint_into_unscanned_leaves_and_back(tmp_path):
-    k = _rand((LAYERS, D, FF), np.float32)
+    k = rand((LAYERS, D, FF), np.float32)
     path = _st(tmp_path / "scan.safetensors", {"params/layers/mlp/kernel": k})
     wm = ms.WeightMap(
         [
@@ -300,7 +295,7 @@ def test_nnx_module_as_like(tmp_path, mesh8):
     from flax import nnx
 
     model = nnx.eval_shape(lambda: nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
-    w, b = _rand((8, 16), np.float32), _rand((8,), np.float32)
+    w, b = rand((8, 16), np.float32), rand((8,), np.float32)
     path = _st(tmp_path / "m.safetensors", {"fc.weight": w, "fc.bias": b})
     wm = ms.WeightMap(
         [ms.MapRule(r"fc\.weight", "kernel", transpose=(1, 0)), ms.MapRule(r"fc\.bias", "bias")]
@@ -321,9 +316,9 @@ def test_every_problem_is_listed_at_once_path_first(tmp_path):
     path = _st(
         tmp_path / "m.safetensors",
         {
-            "a.weight": _rand((4, 8), np.float32),
-            "b.weight": _rand((4, 8), ml_dtypes.bfloat16),
-            "stray": _rand((3,), np.float32),
+            "a.weight": rand((4, 8), np.float32),
+            "b.weight": rand((4, 8), ml_dtypes.bfloat16),
+            "stray": rand((3,), np.float32),
         },
     )
     wm = ms.WeightMap(
@@ -368,11 +363,11 @@ def test_stack_problems_name_missing_layers_and_values(tmp_path):
     path = _st(
         tmp_path / "m.safetensors",
         {
-            "l.0.w": _rand((2,), np.float32),
-            "l.2.w": _rand((2,), np.float32),
-            "g.up": _rand((2,), np.float32),
-            "g.extra": _rand((2,), np.float32),
-            "t.0": _rand((2, 2), np.float32),
+            "l.0.w": rand((2,), np.float32),
+            "l.2.w": rand((2,), np.float32),
+            "g.up": rand((2,), np.float32),
+            "g.extra": rand((2,), np.float32),
+            "t.0": rand((2, 2), np.float32),
         },
     )
     wm = ms.WeightMap(
@@ -401,7 +396,7 @@ def test_stack_problems_name_missing_layers_and_values(tmp_path):
 
 def test_two_sources_to_one_target_and_a_target_the_like_lacks(tmp_path):
     path = _st(
-        tmp_path / "m.safetensors", {"x.a": _rand((2,), np.float32), "x.b": _rand((2,), np.float32)}
+        tmp_path / "m.safetensors", {"x.a": rand((2,), np.float32), "x.b": rand((2,), np.float32)}
     )
     wm = ms.WeightMap([ms.MapRule(r"x\.(a|b)", "x")])
     with pytest.raises(ms.MappingError, match=r"stored tensors x\.a, x\.b all map to this leaf"):
@@ -440,7 +435,7 @@ def test_malformed_rules_are_refused_when_built():
 
 def test_reshape_config_names_and_bad_sizes(tmp_path):
     path = _st(
-        tmp_path / "m.safetensors", {"w": _rand((4, 6), np.float32), "v": _rand((4, 6), np.float32)}
+        tmp_path / "m.safetensors", {"w": rand((4, 6), np.float32), "v": rand((4, 6), np.float32)}
     )
     wm = ms.WeightMap(
         [ms.MapRule("w", "w", reshape=("heads", -1)), ms.MapRule("v", "v", reshape=("nope", 5))],
@@ -463,7 +458,7 @@ def test_reshape_config_names_and_bad_sizes(tmp_path):
 
 
 def test_abstract_like_for_a_kept_leaf_is_an_error(tmp_path):
-    path = _st(tmp_path / "m.safetensors", {"w": _rand((2,), np.float32)})
+    path = _st(tmp_path / "m.safetensors", {"w": rand((2,), np.float32)})
     like = {
         "w": jax.ShapeDtypeStruct((2,), np.float32),
         "lora": jax.ShapeDtypeStruct((2,), np.float32),
@@ -578,7 +573,7 @@ def test_index_and_files_that_disagree_name_the_tensor_and_both_files(tmp_path):
 
 
 def test_specs_without_a_mesh_is_an_error(tmp_path):
-    path = _st(tmp_path / "m.safetensors", {"w": _rand((2,), np.float32)})
+    path = _st(tmp_path / "m.safetensors", {"w": rand((2,), np.float32)})
     with pytest.raises(ms.CheckpointError, match=r"specs=\.\.\. needs mesh="):
         ms.load_safetensors(path, specs=P())
 
@@ -588,7 +583,7 @@ def test_specs_without_a_mesh_is_an_error(tmp_path):
 
 def test_our_writer_is_read_by_the_safetensors_package(tmp_path):
     t = {
-        "a": _rand((3, 5), ml_dtypes.bfloat16),
+        "a": rand((3, 5), ml_dtypes.bfloat16),
         "b": np.arange(7, dtype=np.int8),
         "c": np.float32(2.5),
     }
@@ -708,8 +703,8 @@ def test_import_modelshard_does_not_import_safetensors():
 
 
 def test_restore_with_mapping_renames_transposes_unstacks_and_keeps(tmp_path, mesh8):
-    k = _rand((3, 8, 16), np.float32)
-    w = _rand((16, 8), np.float32)
+    k = rand((3, 8, 16), np.float32)
+    w = rand((16, 8), np.float32)
     ms.save(
         tmp_path / "ck",
         {"params": {"layers": {"kernel": jnp.asarray(k)}, "out": {"w": jnp.asarray(w)}}},
