@@ -511,7 +511,7 @@ def launch_argv(
     """``modelshard launch -n N --devices-per-process D --timeout T --grace G -- COMMAND`` as
     an argv for ``subprocess``: the launcher bounds its processes, so killing it (a test's
     backstop) kills them too."""
-    from modelshard._runtime import launch
+    from modelshard._runtime import processes as launch
 
     return [
         sys.executable, launch.__file__, "-n", str(n), "--devices-per-process", str(devices),

@@ -23,7 +23,7 @@ import pytest
 
 import modelshard as ms
 from helpers import launch_argv
-from modelshard._runtime import launch as _launch
+from modelshard._runtime import processes as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,

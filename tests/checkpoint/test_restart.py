@@ -27,7 +27,7 @@ import pytest
 import modelshard as ms
 from modelshard._checkpoint import list_steps
 from modelshard._checkpoint.storage import staging_dir
-from modelshard._runtime import launch as _launch
+from modelshard._runtime import processes as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,

@@ -137,7 +137,7 @@ def test_cli_page_lists_every_option_as_help_does():
     import argparse
 
     from modelshard._cli import parser
-    from modelshard._runtime.launch import _parser as launch_parser
+    from modelshard._runtime.processes import _parser as launch_parser
 
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     parsers = {**sub.choices, "launch": launch_parser()}

@@ -264,7 +264,7 @@ def test_barrier_broadcast_and_gather_on_two_processes(tmp_path):
     """Through the coordination service: process 0's value everywhere, every value
     everywhere, and a barrier one process never reaches fails after the timeout with the
     barrier's name (the other process is unharmed, and both meet at the next one)."""
-    from modelshard._runtime import launch as _launch
+    from modelshard._runtime import processes as _launch
 
     script = Path(__file__).parents[1] / "mp_scripts" / "coordinate.py"
     cmd = [sys.executable, _launch.__file__, "-n", "2", "--timeout", "120", "--grace", "1"]

@@ -7,7 +7,7 @@ import pytest
 
 import modelshard as ms
 from modelshard._runtime import distributed
-from modelshard._runtime import launch as _launch
+from modelshard._runtime import processes as _launch
 
 NAMES = ["MODELSHARD_BARRIER_TIMEOUT", "MODELSHARD_HEARTBEAT_TIMEOUT"]
 

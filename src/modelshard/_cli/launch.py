@@ -1,5 +1,5 @@
 """``modelshard launch``: a command run as N local JAX processes (the launcher itself is
-``modelshard._runtime.launch``, which parses its own arguments)."""
+``modelshard._runtime.processes``, which parses its own arguments)."""
 
 from __future__ import annotations
 

@@ -19,5 +19,5 @@ from .distributed import local_slice as local_slice
 from .distributed import require_addressable as require_addressable
 from .distributed import to_host as to_host
 from .distributed import wait_failed as wait_failed
-from .launch import ENV_COORDINATOR as ENV_COORDINATOR
-from .launch import main as main
+from .processes import ENV_COORDINATOR as ENV_COORDINATOR
+from .processes import main as main

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from .._base import DistributedError
 from .._containers import split
-from .launch import (
+from .processes import (
     ENV_BARRIER_TIMEOUT,
     ENV_COORDINATOR,
     ENV_HEARTBEAT_TIMEOUT,

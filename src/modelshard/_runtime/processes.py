@@ -488,7 +488,7 @@ def main(argv: list[str]) -> int:
     """``modelshard launch -n N [--devices-per-process K] [--timeout S] -- command ...``.
 
     Example:
-        >>> from modelshard._runtime.launch import main
+        >>> from modelshard._runtime.processes import main
         >>> main(["-n", "2", "--", "python", "-c", "print('hi')"])  # doctest: +SKIP
         [process 0] hi
         [process 1] hi

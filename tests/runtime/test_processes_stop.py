@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import pytest
 
-from modelshard._runtime import launch as _launch
+from modelshard._runtime import processes as _launch
 
 PY = sys.executable
 

@@ -1,4 +1,5 @@
-"""``modelshard launch``: environment, prefixed output, exit codes, and nothing left behind.
+"""The launcher (``_runtime/processes.py``): environment, prefixed output, exit codes, and
+nothing left behind.
 
 These tests start plain Python children (no JAX), so they are fast; the JAX runs are in
 ``test_multiprocess.py``.
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from modelshard._runtime import launch as _launch
-from modelshard._runtime.launch import child_env, free_port, main, run
+from modelshard._runtime import processes as _launch
+from modelshard._runtime.processes import child_env, free_port, main, run
 
 PY = sys.executable
 # The launcher runs as a plain script (it imports no JAX), as fast as a launcher can start.
