@@ -1,5 +1,5 @@
 """Orbax's barriers in modelshard's saves, bounded by ``MODELSHARD_BARRIER_TIMEOUT``; a
-failure on one process shared with the others (``shared_failure``, ``sharing_failures``,
+failure on one process shared with the others (``sharing_failures``,
 and ``carrying_failures`` and ``carrying_commit`` for a background save: its writes and
 its commit).
 
@@ -27,8 +27,14 @@ from typing import Any
 
 import jax
 
-from .._base import CheckpointError, DistributedError
-from .._runtime import barrier_timeout_s, exchange, gather, wait_failed
+from .._runtime import (
+    barrier_timeout_s,
+    exchange,
+    outcome,
+    raise_shared,
+    shared_error,
+    wait_failed,
+)
 
 KEY_PREFIX = "modelshard"
 """The ``barrier_sync_key_prefix`` of every Orbax call modelshard makes."""
@@ -37,7 +43,6 @@ COMMITTING = "committing"
 """What a background save's commit is called in the error every process raises."""
 
 _lock = threading.Lock()
-_SHARED = "_modelshard_shared"  # set on the errors shared_failure makes
 # How this thread's parts of a background save ended (``carried``: one entry per barrier
 # of ours still to come on this thread, oldest first): set by ``_Carried`` once it waited
 # for the writes (the write, then the commit), the commit's replaced by ``carrying_commit``
@@ -70,8 +75,7 @@ def _wrap(original: Any) -> Any:
             if not carried:
                 return wait()
             failure, what = carried.pop(0)
-            how = None if failure is None else f"{type(failure).__name__}: {failure}"
-            error = _shared_error(failure, exchange(how, key, wait), what)
+            error = shared_error(failure, exchange(outcome(failure), key, wait), what)
             if error is not None:  # on every process: none goes on to the commit
                 carried.clear()
                 raise error
@@ -92,57 +96,6 @@ def enable() -> None:
                 None if getattr(current, "__modelshard_wrapped__", False) else _wrap(current)
             )
         )
-
-
-def shared_failure(failure: Exception | None, name: str, what: str) -> Exception | None:
-    """Tell every process how this process's part of ``what`` ended (a coordination-service
-    exchange every process enters, as the manager shares a background save's outcome), and
-    return the error every process raises if any part failed, or None.
-
-    Without it a process whose part failed raises alone, and the others wait for it at the
-    next barrier until ``MODELSHARD_BARRIER_TIMEOUT``. When every process failed (one
-    process, or a check every process makes) each gets its own failure as it is; else
-    every process gets the same ``CheckpointError``, naming the first process that failed
-    (its own failure, if any, is the cause).
-    """
-    how = None if failure is None else f"{type(failure).__name__}: {failure}"
-    return _shared_error(failure, gather(how, name), what)
-
-
-def _shared_error(
-    failure: Exception | None, ended: list[str | None], what: str
-) -> Exception | None:
-    """The error every process raises, from how each process's part ended (``ended``, in
-    process order: None or the failure's text), or None (see ``shared_failure``)."""
-    failed = [(p, h) for p, h in enumerate(ended) if h is not None]
-    if not failed:
-        return None
-    if len(failed) == len(ended) and failure is not None:
-        return failure
-    error = CheckpointError(f"{what} failed on process {failed[0][0]}: {failed[0][1]}")
-    error.__cause__ = failure
-    setattr(error, _SHARED, True)
-    return error
-
-
-def is_shared(error: BaseException) -> bool:
-    """Whether ``error`` came out of ``shared_failure``: every process raised it at once,
-    so no process waits for another at a later barrier of the same write."""
-    return bool(getattr(error, _SHARED, False))
-
-
-def raise_shared(failure: Exception | None, name: str, what: str) -> None:
-    """``shared_failure``, raised: every process raises the same error, or none does.
-
-    A failure that is already shared (``is_shared``: every process raised it at once) is
-    raised as it is, without another exchange, and so is a ``DistributedError`` (a
-    process did not come to a wait: it would not come to the exchange either).
-    """
-    if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
-        raise failure
-    shared = shared_failure(failure, name, what)
-    if shared is not None:
-        raise shared
 
 
 def sharing_failures(handler: Any, name: str, what: str) -> Any:

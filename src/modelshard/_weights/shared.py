@@ -54,7 +54,7 @@ import jax
 import numpy as np
 
 from .._base import CheckpointError, DistributedError
-from .._runtime import broadcast, gather, require_addressable
+from .._runtime import Outcome, broadcast, gather, outcome, require_addressable, shared_error
 from .recipe import contiguous
 from .writing import (
     Entry,
@@ -247,24 +247,10 @@ def _write_blocks(
                 at += n * item
 
 
-def _describe(e: BaseException | None) -> list[str] | None:
-    return None if e is None else [type(e).__name__, str(e)]
-
-
-def _raise_shared(own: BaseException | None, outcomes: Sequence[list[str] | None], what: str):
-    """Raise on every process when any failed: this process's own error, or the first
-    failing process's, as the same class where it is one of ours, else a DistributedError."""
-    if own is not None:
-        raise own
-    for p, o in enumerate(outcomes):
-        if o is None:
-            continue
-        kind, text = o
-        if kind == "CheckpointError":
-            raise CheckpointError(text)
-        if kind == "DistributedError":
-            raise DistributedError(text)
-        raise DistributedError(f"save_safetensors: process {p} failed {what}: {kind}: {text}")
+def _raise_shared(own: BaseException | None, ended: Sequence[Outcome], what: str) -> None:
+    error = shared_error(own, ended, f"save_safetensors: {what}")
+    if error is not None:
+        raise error
 
 
 def _digest(layout: Layout, metadata: Mapping[str, str] | None) -> str:
@@ -320,12 +306,12 @@ def write_shared(
                     )
         except Exception as e:
             error = e
-    shared = broadcast({"token": token, "error": _describe(error)}, "modelshard:export:created")
+    shared = broadcast({"token": token, "error": outcome(error)}, "modelshard:export:created")
     token = shared["token"]
     temps = [temporary(final, token) for final, _ in layout.files]
     if shared["error"] is not None:
         _remove_everywhere(temps, me, "modelshard:export:created-removed")
-        _raise_shared(error, [shared["error"]], "to create the export's files")
+        _raise_shared(error, [shared["error"]], "creating the export's files")
 
     unseen = [str(t) for t in temps if not t.is_file()]
     seen = gather(unseen[:1], "modelshard:export:seen")
@@ -361,7 +347,7 @@ def write_shared(
                 progress(nbytes)
     except Exception as e:
         error = e
-    outcomes = gather(_describe(error), "modelshard:export:written")
+    outcomes = gather(outcome(error), "modelshard:export:written")
     if step and not any(outcomes):
         # Computed on every process in the same order: what they read is all-gathered.
         for part, writer in step:
@@ -379,7 +365,7 @@ def write_shared(
                 del value
             except Exception as e:
                 error = error or e
-        outcomes = gather(_describe(error), "modelshard:export:computed")
+        outcomes = gather(outcome(error), "modelshard:export:computed")
     try:
         for fd in fds.values():
             os.fsync(fd)
@@ -388,10 +374,10 @@ def write_shared(
     finally:
         for fd in fds.values():
             os.close(fd)
-    outcomes = gather(_describe(error), "modelshard:export:synced")
+    outcomes = gather(outcome(error), "modelshard:export:synced")
     if any(outcomes):
         _remove_everywhere(temps, me, "modelshard:export:written-removed")
-        _raise_shared(error, outcomes, "to write its part of the export")
+        _raise_shared(error, outcomes, "writing the export")
 
     error = None
     if me == 0:
@@ -402,9 +388,9 @@ def write_shared(
         except Exception as e:
             error = e
             _remove([*temps, *([] if index_tmp is None else [index_tmp])])
-    outcome = broadcast(_describe(error), "modelshard:export:committed")
-    if outcome is not None:
-        _raise_shared(error, [outcome], "to rename the export into place")
+    ended = broadcast(outcome(error), "modelshard:export:committed")
+    if ended is not None:
+        _raise_shared(error, [ended], "renaming the export into place")
     return layout.out
 
 

@@ -1,0 +1,72 @@
+"""One process's failure shared with the others of a run: every process raises at once,
+rather than the others waiting for the failed one at the next barrier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._base import CheckpointError, DistributedError
+from .distributed import gather
+
+_SHARED = "_modelshard_shared"  # set on the errors shared_error makes
+
+Outcome = list[str] | None
+"""How one process's part ended: None, or its failure's ``[class name, message]``."""
+
+
+def outcome(failure: BaseException | None) -> Outcome:
+    """``failure`` as it travels to the other processes (JSON)."""
+    return None if failure is None else [type(failure).__name__, str(failure)]
+
+
+def shared_error(
+    failure: BaseException | None, ended: Sequence[Outcome], what: str
+) -> BaseException | None:
+    """The error every process raises, from how each process's part ended (``ended``, in
+    process order), or None when none failed.
+
+    Every process failed (one process, or a check every process makes): each raises its
+    own. The first failing process raised a ``CheckpointError`` or ``DistributedError``:
+    every process raises one of that class and message (it already says what failed).
+    Else every process raises the same ``CheckpointError`` naming that process, with its
+    own failure, if any, as the cause.
+    """
+    failed = [(p, o) for p, o in enumerate(ended) if o is not None]
+    if not failed:
+        return None
+    if failure is not None and len(failed) == len(ended):
+        return failure
+    p, (kind, text) = failed[0]
+    known = {c.__name__: c for c in (CheckpointError, DistributedError)}
+    error = known[kind](text) if kind in known else None
+    if error is None:
+        error = CheckpointError(f"{what} failed on process {p}: {kind}: {text}")
+    error.__cause__ = failure
+    setattr(error, _SHARED, True)
+    return error
+
+
+def shared_failure(failure: BaseException | None, name: str, what: str) -> BaseException | None:
+    """Tell every process how this process's part of ``what`` ended (a gather every process
+    enters, under ``name``) and return the error every process raises (``shared_error``)."""
+    return shared_error(failure, gather(outcome(failure), name), what)
+
+
+def is_shared(error: BaseException) -> bool:
+    """Whether ``error`` came out of ``shared_error``: every process raised it at once, so
+    no process waits for another at a later barrier of the same write."""
+    return bool(getattr(error, _SHARED, False))
+
+
+def raise_shared(failure: BaseException | None, name: str, what: str) -> None:
+    """``shared_failure``, raised: every process raises, or none does.
+
+    A failure already shared (``is_shared``) is raised as it is, without another exchange,
+    and so is a ``DistributedError`` (a process did not come to a wait: it would not come
+    to the exchange either).
+    """
+    if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
+        raise failure
+    shared = shared_failure(failure, name, what)
+    if shared is not None:
+        raise shared
