@@ -1,10 +1,10 @@
 """The containers area's façade: the adapter registry, the built-in adapters and a
 container split into its leaves (``split`` -> ``Flat``). Above ``_base`` only."""
 
-from .adapter import Adapter as Adapter
-from .adapter import Again as Again
-from .adapter import CallLeaves as CallLeaves
-from .adapter import WriteBack as WriteBack
+from .adapter_base import Adapter as Adapter
+from .adapter_base import Again as Again
+from .adapter_base import CallLeaves as CallLeaves
+from .adapter_base import WriteBack as WriteBack
 from .describe import ARRAY_TYPES as ARRAY_TYPES
 from .describe import NUMBER_TYPES as NUMBER_TYPES
 from .describe import LeafInfo as LeafInfo

@@ -10,7 +10,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from .._base import AdapterError
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .describe import ARRAY_TYPES, LeafInfo, children_of, describe_cached, is_array
 from .nested import flatten_nested
 from .registry import get_adapter

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 from .._base import AdapterError, join
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .describe import ARRAY_TYPES, LeafInfo, numbers_to_arrays
 from .nesting import nested_leaf, nested_types
 from .registry import get_adapter

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .adapter import Adapter, Again, CallLeaves, WriteBack
+from .adapter_base import Adapter, Again, CallLeaves, WriteBack
 from .describe import ARRAY_TYPES, LeafInfo, describe_pytree
 from .watched import generation, watch, watches_attributes
 

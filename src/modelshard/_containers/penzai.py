@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .describe import LeafInfo, describe_pytree
 from .nesting import nested_leaf
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from .._base import AdapterError
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .describe import LeafInfo, describe_pytree
 from .nesting import flatten_pytree, unflatten_pytree
 

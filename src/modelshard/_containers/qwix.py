@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .describe import LeafInfo, describe_pytree
 from .nesting import flatten_pytree, unflatten_pytree
 

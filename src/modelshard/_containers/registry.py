@@ -25,7 +25,7 @@ from typing import Any
 
 from .._base import AdapterError
 from . import nesting
-from .adapter import Adapter
+from .adapter_base import Adapter
 from .nnx import NnxModuleAdapter
 from .penzai import NamedArrayAdapter, PenzaiVariableAdapter
 from .pytree import PytreeAdapter, callbacks_adapter
