@@ -25,5 +25,5 @@ from .failures import outcome as outcome
 from .failures import raise_shared as raise_shared
 from .failures import shared_error as shared_error
 from .failures import shared_failure as shared_failure
-from .launch import ENV_COORDINATOR as ENV_COORDINATOR
-from .launch import main as main
+from .processes import ENV_COORDINATOR as ENV_COORDINATOR
+from .processes import main as main
