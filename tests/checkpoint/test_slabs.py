@@ -1,9 +1,9 @@
 """How a streamed leaf is laid out (``_checkpoint/slabs.py``): slabs that follow the
-source's blocks, stored chunks that tile slabs and shards, leaves shared out by bytes."""
+source's blocks, stored chunks that tile slabs and shards."""
 
 from __future__ import annotations
 
-from modelshard._checkpoint.slabs import assign, slab_plan
+from modelshard._checkpoint.slabs import slab_plan
 
 
 def test_slab_plan_follows_the_source_blocks_and_tiles_the_new_shards():
@@ -24,8 +24,3 @@ def test_slab_plan_follows_the_source_blocks_and_tiles_the_new_shards():
     assert slab_plan((), 4, (), 1, 1) == ((), ())
     assert slab_plan((0, 8), 4, (0, 8), 1, 1) == ((0, 8), (0, 8))
 
-
-def test_leaves_are_shared_between_processes_by_bytes():
-    assert assign([10, 40, 30, 20], 2) == [0, 0, 1, 1]  # 40+10 | 30+20
-    assert assign([5, 5, 5], 1) == [0, 0, 0]
-    assert sorted(assign([1] * 7, 3)) == [0, 0, 0, 1, 1, 2, 2]

@@ -2,6 +2,8 @@
 written for people, dtypes, canonical paths, meshes, folding numbered paths, durable files). It imports
 nothing else from the package."""
 
+from .balance import LeastLoaded as LeastLoaded
+from .balance import assign as assign
 from .dtypes import canonical_dtype as canonical_dtype
 from .dtypes import dtype_name as dtype_name
 from .errors import LIST_IN_FULL as LIST_IN_FULL

@@ -182,18 +182,6 @@ def lay_out(
     return out
 
 
-def assign(sizes: Sequence[int], processes: int) -> list[int]:
-    """The process that writes each leaf of ``sizes`` (bytes): largest first, each to the
-    least loaded process (ties: the lowest index), the same answer on every process."""
-    load = [0] * processes
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        p = min(range(processes), key=lambda q: (load[q], q))
-        owner[i] = p
-        load[p] += sizes[i]
-    return owner
-
-
 def slabs(lay: Layout) -> Iterator[tuple[slice, ...]]:
     """The boxes of ``lay.slab`` that tile the leaf, in C order."""
     shape = lay.rec.stored_shape

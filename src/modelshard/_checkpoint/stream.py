@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, EarlySync, dtype_name, sync_tree
+from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
 from .checksum import (

@@ -53,7 +53,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, DistributedError
+from .._base import CheckpointError, DistributedError, LeastLoaded
 from .._runtime import Outcome, broadcast, gather, outcome, require_addressable, shared_error
 from .recipe import contiguous
 from .writing import (
@@ -144,48 +144,41 @@ class _Part:
     blocks: list[Block] | None  # None: the whole tensor
 
 
-def assign(
+def plan_parts(
     layout: Layout, plans: Mapping[str, TensorPlan], processes: int
 ) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
     """Every process's parts, and the tensors computed in step with their writers; work
     spread by bytes, least-loaded holder first (ties: the lowest process)."""
-    load = [0] * processes
+    greedy = LeastLoaded(processes)
     mine: dict[int, list[_Part]] = {p: [] for p in range(processes)}
     step: list[tuple[_Part, int]] = []
-
-    def pick(among: Sequence[int], nbytes: int) -> int:
-        w = min(among, key=lambda p: (load[p], p))
-        load[w] += nbytes
-        return w
-
     for f, (_, group) in enumerate(layout.files):
-        start = 0
+        offset = 0
         for name, shape, dt in group:
             item = np.dtype(dt).itemsize
-            start += math.prod(shape) * item  # the next tensor's; this one's is below
-            offset = start - math.prod(shape) * item
+            nbytes = math.prod(shape) * item
+            at, offset = offset, offset + nbytes
             plan = plans[name]
             entry = (name, tuple(shape), dt)
-            if math.prod(shape) == 0:
+            if nbytes == 0:
                 continue
             if plan.holders is not None:
-                w = pick(sorted(plan.holders), math.prod(shape) * item)
-                mine[w].append(_Part(f, offset, entry, None))
+                w = greedy.pick(nbytes, plan.holders)
+                mine[w].append(_Part(f, at, entry, None))
             elif plan.blocks is not None:
                 chosen: dict[int, list[Block]] = {}
                 for b, holders in plan.blocks:
-                    chosen.setdefault(pick(sorted(holders), volume(b) * item), []).append(b)
+                    chosen.setdefault(greedy.pick(volume(b) * item, holders), []).append(b)
                 for w, bs in sorted(chosen.items()):
-                    mine[w].append(_Part(f, offset, entry, bs))
+                    mine[w].append(_Part(f, at, entry, bs))
             else:
-                step.append((_Part(f, offset, entry, None), pick(range(processes), 0)))
-                load[step[-1][1]] += math.prod(shape) * item
+                step.append((_Part(f, at, entry, None), greedy.pick(nbytes)))
     return mine, step
 
 
 def bytes_of(process: int, layout: Layout, plans: Mapping[str, TensorPlan], processes: int) -> int:
     """How many bytes ``process`` writes of ``layout`` (what its progress counts)."""
-    mine, step = assign(layout, plans, processes)
+    mine, step = plan_parts(layout, plans, processes)
     total = 0
     for part in mine[process]:
         _, shape, dt = part.entry
@@ -324,7 +317,7 @@ def write_shared(
             "a file system that every process mounts (a shared directory)"
         )
 
-    mine, step = assign(layout, plans, n)
+    mine, step = plan_parts(layout, plans, n)
     error = None
     fds: dict[int, int] = {}
     try:
