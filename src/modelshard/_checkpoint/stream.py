@@ -63,7 +63,6 @@ from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
 from .slabs import (
     Layout,
     StreamLeaf,
-    assign,
     bits_view,
     carried,
     lay_out,
