@@ -144,15 +144,7 @@ def cause_key(p: Problem) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Cause:
-    """Problems with one cause: a summary, how many, an example, and the hint that fits.
-
-    Attributes:
-        what: the cause in one sentence a person reads: the problems' ``cause`` when they
-            give one, else the first problem's own sentence with its real numbers (the
-            grouping key, numbers erased, stays internal).
-        problems: every problem with this cause, in order.
-        hint: how to fix all of them.
-    """
+    """Problems with one cause: a summary, how many, an example, and the hint that fits."""
 
     what: str
     problems: tuple[Problem, ...]
@@ -298,9 +290,8 @@ def _common_prefix(paths: Sequence[str]) -> str:
 
 
 def _example(problems: Sequence[Problem]) -> Problem:
-    """The first problem whose path others mirror below their first components (the
-    parameter ``params/block_0/k/kernel`` of ``opt/0/mu/block_0/k/kernel``), else the
-    first problem."""
+    """The first problem whose path others mirror below their first components (the parameter
+    ``params/block_0/k/kernel`` of ``opt/0/mu/block_0/k/kernel``), else the first problem."""
     suffixes: dict[str, int] = {}
     for p in problems:
         parts = (p.path or "").split("/")
@@ -327,14 +318,7 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
 
 
 class SpecError(ModelshardError, ValueError):
-    """Specs that do not fit the tree or the mesh; lists every offending leaf at once.
-
-    Attributes:
-        problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
-        site: where in the user's code the specs were applied, when that is not the
-            call that raised (``constrain at model.py:42 in MLP.__call__, while tracing step
-            (train.py:9)``).
-    """
+    """Specs that do not fit the tree or the mesh; lists every offending leaf at once."""
 
     __module__ = "modelshard"
     noun = "sharding problem"  # what a problem is called in the summary line
@@ -418,12 +402,7 @@ class SpecError(ModelshardError, ValueError):
 
 class FitError(SpecError):
     """A step needs more memory per device than its budget
-    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``).
-
-    Attributes:
-        advice: the ``FitAdvice``: the step's memory and every change checked (its JSON is
-            part of ``to_json``, under ``advice``).
-    """
+    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``)."""
 
     __module__ = "modelshard"
 
@@ -478,13 +457,9 @@ class CheckpointError(ModelshardError, ValueError):
 
 
 class ForeignStepError(CheckpointError):
-    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's
-    own ``CheckpointManager`` writes into folders of the same names): it never removes or
-    replaces what it did not write. ``CheckpointManager.delete(step)`` removes one by name.
-
-    Attributes:
-        step: the step number refused.
-    """
+    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's own
+    ``CheckpointManager`` writes into folders of the same names): it never removes or replaces
+    what it did not write."""
 
     __module__ = "modelshard"
 

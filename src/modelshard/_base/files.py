@@ -19,12 +19,7 @@ def fsync_dir(d: str | os.PathLike[str]) -> None:
 
 
 def write_durable(path: str | os.PathLike[str], data: str | bytes) -> None:
-    """Replace ``path`` with ``data`` (text is written as UTF-8) all at once, durably.
-
-    ``data`` fills a temporary in the same directory under a name no other writer draws;
-    it is synced, renamed over ``path`` and the directory synced. A reader, a killed
-    writer or a crash finds the old file or the new one, never an empty or partial one.
-    """
+    """Replace ``path`` with ``data`` (text is written as UTF-8) all at once, durably."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.partial")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -54,11 +49,9 @@ def sync_tree(root: str | os.PathLike[str]) -> None:
 
 
 class EarlySync:
-    """Files under ``root`` synced on a thread of their own while a writer goes on writing
-    more (``kick`` after each batch): the writer's final ``sync_tree`` then finds little
-    left to flush. Only a head start: what is synced here may still be written to, so
-    ``sync_tree`` after the last write is what makes the store durable. ``root`` None:
-    nothing is done. A failure here is left to ``sync_tree`` to meet and raise."""
+    """Files under ``root`` synced on a thread of their own while a writer goes on writing more
+    (``kick`` after each batch): the writer's final ``sync_tree`` then finds little left to
+    flush."""
 
     def __init__(self, root: str | os.PathLike[str] | None) -> None:
         self.root = root

@@ -1,8 +1,4 @@
-"""Folding paths that differ only in layer numbers: ``encoderblock_{0..26}/mlp/kernel``.
-
-Errors group their offending leaves with it and plans fold their rows with it, so a
-model of 27 identical blocks reads as one line per kind of leaf, never as 27.
-"""
+"""Folding paths that differ only in layer numbers: ``encoderblock_{0..26}/mlp/kernel``."""
 
 from __future__ import annotations
 

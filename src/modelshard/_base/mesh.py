@@ -111,11 +111,7 @@ def is_abstract(mesh: Any) -> bool:
 
 
 def mesh_sizes(mesh: Any) -> dict[str, int]:
-    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``.
-
-    Raises:
-        MeshError: ``mesh`` is not a mesh.
-    """
+    """Axis name -> size for a ``Mesh`` or ``AbstractMesh``."""
     try:
         return {str(k): int(v) for k, v in dict(mesh.shape).items()}
     except Exception as e:
@@ -126,16 +122,8 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 def current_mesh(concrete: bool = False) -> Any:
-    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when
-    ``mesh=`` is not given.
-
-    Args:
-        concrete: prefer the concrete ``Mesh`` (outside a trace, where arrays can be
-            placed); inside ``jit``, and otherwise, the ``AbstractMesh``.
-
-    Raises:
-        MeshError: no mesh is active.
-    """
+    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when ``mesh=``
+    is not given."""
     if concrete:
         try:
             mesh = jax.sharding.get_mesh()

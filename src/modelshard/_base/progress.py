@@ -1,12 +1,4 @@
-"""Progress in bytes, the one bar of the library and the CLI.
-
-``progress=True`` (the default of ``load_safetensors`` and ``save_safetensors``) draws a
-``rich`` bar on stderr only when stderr is a terminal and the work is at least
-``MIN_BYTES`` (256 MiB): nothing in a pipe, a log file or a test. ``False`` draws nothing;
-a callable is called as ``progress(bytes_done, bytes_total)`` instead of a bar. The
-commands (``reshard``, ``convert``) draw the same bar whatever the size, unless ``--json``
-or ``--no-progress``.
-"""
+"""Progress in bytes, the one bar of the library and the CLI."""
 
 from __future__ import annotations
 
@@ -23,11 +15,7 @@ Report = Callable[[int, int], None]
 
 
 def terminal() -> Any:
-    """A ``rich`` console on stderr if stderr is a terminal, else ``None``.
-
-    Decided by the stream's own ``isatty()``, not by ``FORCE_COLOR`` or ``TTY_COMPATIBLE``
-    (which make ``rich`` draw into pipes, and CI logs).
-    """
+    """A ``rich`` console on stderr if stderr is a terminal, else ``None``."""
     stream = sys.stderr
     try:
         tty = bool(stream.isatty())
@@ -44,10 +32,7 @@ def terminal() -> Any:
 def reporter(
     progress: Progress, total: int | None, description: str, *, min_bytes: int | None = None
 ) -> Iterator[Report | None]:
-    """What to call after each piece: the user's callable, a bar's update, or ``None``.
-
-    ``total`` may be unknown (None) until the first report; ``min_bytes`` (default
-    ``MIN_BYTES``) is the smallest known total that draws a bar."""
+    """What to call after each piece: the user's callable, a bar's update, or ``None``."""
     if callable(progress):
         yield progress
         return

@@ -1,11 +1,5 @@
-"""How the package writes things for people: byte counts (``1.50 MiB``), regular
-expressions as their authors wrote them, and user text handed to ``rich`` shown literally.
-
-Every table, panel and progress bar that ``rich`` draws goes through ``literal`` for the
-user's own strings (paths, rule patterns, axis and file names): ``rich`` reads ``[...]`` in
-a plain string as a style tag, so ``attn/w[qkv]$`` would lose its ``[qkv]``. This module
-imports nothing from modelshard (every module may use it).
-"""
+"""How the package writes things for people: byte counts (``1.50 MiB``), regular expressions as
+their authors wrote them, and user text handed to ``rich`` shown literally."""
 
 from __future__ import annotations
 

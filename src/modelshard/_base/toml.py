@@ -1,9 +1,6 @@
-"""TOML files the package reads (rules files, weight-mapping files): the file read as UTF-8
-and parsed, every failure a ``Problem``; and the checks each schema makes of its tables
-(unknown keys named with a did-you-mean, a true/false flag, an array of tables).
-
-Each reader keeps its own error class and header; this module only builds the problems.
-"""
+"""TOML files the package reads (rules files, weight-mapping files): the file read as UTF-8 and
+parsed, every failure a ``Problem``; and the checks each schema makes of its tables (unknown keys
+named with a did-you-mean, a true/false flag, an array of tables)."""
 
 from __future__ import annotations
 
@@ -91,9 +88,8 @@ def check_keys(
     problems: list[Problem],
     what: str = "key",
 ) -> bool:
-    """Add a problem for every key of ``table`` that is not ``allowed`` (in the order given,
-    which the hint lists); whether all were allowed. ``where`` prefixes each key's
-    location (``""`` for the top level)."""
+    """Add a problem for every key of ``table`` that is not ``allowed`` (in the order given, which
+    the hint lists); whether all were allowed."""
     allowed = list(allowed)
     ok = True
     for k in table:

@@ -1,7 +1,4 @@
-"""Byte sizes as people write them: ``16GiB``, ``80 GB``, ``512 MiB``, ``1.5kb``, ``4096``.
-
-The one parser; each caller raises its own error, naming its own argument (a plan's
-budget, ``max_shard_size``, a command-line option)."""
+"""Byte sizes as people write them: ``16GiB``, ``80 GB``, ``512 MiB``, ``1.5kb``, ``4096``."""
 
 from __future__ import annotations
 

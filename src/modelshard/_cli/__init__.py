@@ -1,5 +1,4 @@
-"""The ``modelshard`` command line, one module per command (see README.md beside this file).
-The public entry point is ``modelshard.cli.main``."""
+"""The ``modelshard`` command line, one module per command (see README.md beside this file)."""
 
 from __future__ import annotations
 

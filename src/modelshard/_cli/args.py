@@ -14,11 +14,7 @@ from .output import say
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``.
-
-    Raises:
-        MeshError: the text is not ``name=size`` pairs with positive sizes.
-    """
+    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``."""
     from .._base import MeshError
 
     out: dict[str, int] = {}

@@ -316,10 +316,9 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
 
 
 def _refuse_existing(args: argparse.Namespace, max_shard_size: int | str | None) -> None:
-    """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or
-    (a directory, or ``--max-shard-size``) the index, the lone file or shards of the same
-    name; the same rule as ``save_safetensors(overwrite=)``, checked before the source is
-    read."""
+    """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or (a
+    directory, or ``--max-shard-size``) the index, the lone file or shards of the same name; the
+    same rule as ``save_safetensors(overwrite=)``, checked before the source is read."""
     from .._weights import check_destination
 
     check_destination(

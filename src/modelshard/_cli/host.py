@@ -8,9 +8,8 @@ MAX_CPU_DEVICES = 4096
 
 def join_launch() -> None:
     """Join the run when started by ``modelshard launch`` (or any launcher that sets
-    ``MODELSHARD_COORDINATOR``): a streaming command run by every process of a job then
-    writes one destination together, each process its share. Without it each process
-    would write the whole destination on its own, into the same path."""
+    ``MODELSHARD_COORDINATOR``): a streaming command run by every process of a job then writes
+    one destination together, each process its share."""
     import os
 
     from .._runtime import ENV_COORDINATOR
@@ -61,28 +60,11 @@ def _mallopt(*settings: tuple[int, int]) -> None:
 
 
 def return_freed_memory() -> None:
-    """glibc: give every block of 128 KiB or more its own mapping, unmapped when freed, and
-    keep one malloc arena.
-
-    By default glibc raises that threshold to the largest block freed so far (up to 32
-    MiB), so the chunk-sized buffers resharding frees and allocates again, chunk after
-    chunk and on many reader threads, would stay resident as fragmented heap (the
-    command's peak: docs/benchmarks/weights.md). ``modelshard convert`` exists only to
-    stream a checkpoint, so the allocator's settings are its to choose (``modelshard
-    reshard`` keeps the arena only: ``one_malloc_arena``). Elsewhere (no glibc) nothing
-    changes.
-    """
+    """glibc: give every block of 128 KiB or more its own mapping, unmapped when freed, and keep one
+    malloc arena."""
     _mallopt((_M_MMAP_THRESHOLD, 128 << 10), (_M_ARENA_MAX, 1))
 
 
 def one_malloc_arena() -> None:
-    """glibc: keep one malloc arena (``modelshard reshard``'s setting).
-
-    By default glibc gives threads that allocate arenas of their own (up to 8 per core), so
-    the chunk-sized buffers resharding frees on one reader thread and allocates on another
-    would stay resident in several arenas at once. One arena holds the command's peak within
-    a few MiB of what ``return_freed_memory`` also does, in about half its time: a mapping
-    of its own per freed block means each new chunk is zero-filled page by page on first
-    touch (measured: docs/benchmarks/checkpoint.md). Elsewhere (no glibc) nothing changes.
-    """
+    """glibc: keep one malloc arena (``modelshard reshard``'s setting)."""
     _mallopt((_M_ARENA_MAX, 1))

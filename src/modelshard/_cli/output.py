@@ -186,12 +186,7 @@ def problem_json(e: Exception) -> dict[str, Any]:
 
 
 def fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int:
-    """Report a failed command; returns ``status``.
-
-    Without ``--json``: the message on stderr (``modelshard plan: error: ...``). With
-    ``--json``: the one JSON document on stdout, as on success (``"ok": false``, the exit
-    status, the error), and one short human line on stderr saying where the details are.
-    """
+    """Report a failed command; returns ``status``."""
     prog = f"modelshard{' ' + command if command else ''}"
     if as_json:
         envelope = {"schema": SCHEMA, "command": command, "ok": False, "exit_status": status}
@@ -221,9 +216,8 @@ class Parser(argparse.ArgumentParser):
 @contextlib.contextmanager
 def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
     """The library's progress bar (``_base.reporter``) for a command: on stderr when it is a
-    terminal, whatever the size, unless ``--json`` or ``--no-progress``; yields what to call
-    with ``(bytes_done, bytes_total)``. Each call raises KeyboardInterrupt once Ctrl-C was
-    pressed, should its own have been dropped (``interruptible``)."""
+    terminal, whatever the size, unless ``--json`` or ``--no-progress``; yields what to call with
+    ``(bytes_done, bytes_total)``."""
     from .._base import reporter
 
     show = not args.json and not getattr(args, "no_progress", False)
@@ -249,11 +243,7 @@ _interrupt = _Interrupt()
 
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
-    """While a command runs, Ctrl-C also leaves a mark. Python drops a KeyboardInterrupt
-    raised inside a garbage collector's callback (JAX registers one) as "ignored", and the
-    command went on and published what it wrote; the command's progress reports
-    (``progress_bar``) raise it again. Python's own handler, where it is not installed
-    (SIGINT ignored, or another handler), is left alone."""
+    """While a command runs, Ctrl-C also leaves a mark."""
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.default_int_handler:
         yield

@@ -1,6 +1,5 @@
-"""``modelshard plan``: a checkpoint planned onto a mesh, no devices needed; with ``--step``,
-the training step's memory per device from XLA and, with ``--budget``, the smallest change
-that fits."""
+"""``modelshard plan``: a checkpoint planned onto a mesh, no devices needed; with ``--step``, the
+training step's memory per device from XLA and, with ``--budget``, the smallest change that fits."""
 
 from __future__ import annotations
 
@@ -177,9 +176,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def simulate_devices(argv: list[str]) -> None:
-    """Before the arguments are parsed (``--step`` and ``--state`` import the user's module,
-    which may start JAX): as many simulated CPU devices as ``--mesh`` needs. Only the CPU
-    backend is affected: on an accelerator machine the accelerator is still used."""
+    """Before the arguments are parsed (``--step`` and ``--state`` import the user's module, which
+    may start JAX): as many simulated CPU devices as ``--mesh`` needs."""
     from .._internals import backends_are_initialized
     from .args import parse_mesh
 

@@ -1,12 +1,4 @@
-"""``modelshard.cli.main``: the ``modelshard`` command line (``python -m modelshard`` too).
-
-Every command has ``--help`` and ``--json``. ``main`` turns every user error into one line
-on stderr (``modelshard CMD: error: ...``) or, with ``--json``, the one JSON document on
-stdout (as on success; stderr gets a short line); exit status
-1 for a problem (modelshard's errors, unreadable or unwritable paths), 2 for a usage error
-(argparse's convention), 130 for Ctrl-C. No traceback is printed for a user error. README.md beside this
-module says how to add a command; docs/cli.md documents the JSON schema.
-"""
+"""``modelshard.cli.main``: the ``modelshard`` command line (``python -m modelshard`` too)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what
-another tool wrote there: Orbax's own CheckpointManager's complete steps, which the
-manager restores (never removes), and anything else, which it neither restores nor
-removes."""
+"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what another
+tool wrote there: Orbax's own CheckpointManager's complete steps, which the manager restores
+(never removes), and anything else, which it neither restores nor removes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The base class of every container adapter: what modelshard asks of a container type.
-
-[`Adapter`][modelshard.adapters.Adapter] declares every capability with a default that is
-right for an immutable container whose paths come from ``describe``; ``CallLeaves`` is one
-container flattened for one compiled call. The registry (``registry.py``) maps types to
-adapters; each built-in adapter lives in the module of its plug-in (``pytree.py``,
-``nnx.py``, ``penzai.py``, ``qwix.py``).
-"""
+"""The base class of every container adapter: what modelshard asks of a container type."""
 
 from __future__ import annotations
 

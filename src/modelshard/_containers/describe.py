@@ -1,9 +1,4 @@
-"""What a leaf is and what it is called: array leaves, canonical paths, metadata boxes.
-
-``describe_pytree`` walks any JAX pytree once and names every leaf by its canonical
-path; it runs on every plan (over 10,000-leaf trees), so it is written for speed, and its
-result is cached per tree structure.
-"""
+"""What a leaf is and what it is called: array leaves, canonical paths, metadata boxes."""
 
 from __future__ import annotations
 
@@ -127,17 +122,7 @@ def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
 
 
 def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
-    """``describe_pytree`` of ``obj``, whose ``jax.tree_util`` structure is ``treedef``.
-
-    Paths and metadata are a function of the tree structure alone (dict keys, sequence
-    lengths, node types and their aux data, where boxes keep their axis names), so the
-    last structure described is remembered: planning the same model again (a restore
-    after a save, ``shard`` after ``plan``) skips the walk. Only one structure is kept:
-    JAX's structure hash ignores dict keys, so same-shaped trees collide and each lookup
-    costs a structure comparison. Structures with a dict key that is not a ``str`` are
-    never kept (``1``, ``1.0`` and ``True`` compare equal in a structure but name
-    different paths), nor are uncomparable ones.
-    """
+    """``describe_pytree`` of ``obj``, whose ``jax.tree_util`` structure is ``treedef``."""
     global _last
     last_treedef, last_nested, last_infos = _last
     nested = nested_types()

@@ -1,7 +1,4 @@
-"""A container split by its adapter: leaves, structure, paths, and rebuilding it.
-
-Containers nest: those among the leaves are split by their own adapters (``nested.py``).
-"""
+"""A container split by its adapter: leaves, structure, paths, and rebuilding it."""
 
 from __future__ import annotations
 

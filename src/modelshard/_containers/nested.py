@@ -1,10 +1,4 @@
-"""Containers inside containers: each split by its own adapter.
-
-A registered container found among another container's leaves (a custom class inside a
-dict, penzai's ``Parameter`` inside a penzai model, an NNX module inside a tuple) is split
-by its own adapter through ``NestedAdapter``, so its leaves, paths and metadata are seen at
-any depth and it is rebuilt as itself. Which types nest is ``nesting.py``'s question.
-"""
+"""Containers inside containers: each split by its own adapter."""
 
 from __future__ import annotations
 
@@ -78,14 +72,7 @@ def nested_adapter(outer: Adapter) -> NestedAdapter:
 
 
 class Inner(NamedTuple):
-    """One container nested among an outer container's leaves.
-
-    Attributes:
-        pos: its position among the outer adapter's leaves.
-        adapter: its adapter (a ``NestedAdapter`` when it nests further).
-        aux: its structure key.
-        size: how many leaves it contributes.
-    """
+    """One container nested among an outer container's leaves."""
 
     pos: int
     adapter: Adapter
@@ -103,13 +90,8 @@ class NestedAux(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class NestedAdapter(Adapter):
-    """A container holding containers of registered kinds: the outer adapter's leaves, with
-    each nested container replaced by its own leaves (recursively).
-
-    Its kind is the outer container's. It counts as mutable (so ``shard_jit`` writes back
-    through ``update``): nested containers that are mutable themselves (NNX modules,
-    penzai variables) are updated in place, the rest rebuilt.
-    """
+    """A container holding containers of registered kinds: the outer adapter's leaves, with each
+    nested container replaced by its own leaves (recursively)."""
 
     outer: Adapter
     mutable = True

@@ -1,14 +1,4 @@
-"""The container types that are split by their own adapter wherever they appear.
-
-A registered container whose adapter is not JAX's own flattening (an NNX module, a user
-class registered with callbacks, a penzai variable) is one leaf to any other container's
-flattening and description: its own adapter splits it (``nested.py``). Which types those
-are is the registry's knowledge; this module sits below describing (``describe.py``) and
-pytree flattening (``pytree.py``) so that neither imports the registry. The registry
-installs its ``nested`` query here once, when it is created (``install``); every reader
-asks through ``nested_types``, so lazily registered built-ins are seen as soon as their
-library is imported.
-"""
+"""The container types that are split by their own adapter wherever they appear."""
 
 from __future__ import annotations
 
@@ -37,11 +27,8 @@ def nested_types() -> tuple[type, ...]:
 
 
 def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
-    """An ``is_leaf`` for ``jax.tree_util`` that is true for instances of the nested
-    container types (``nested_types``) other than ``root``, or None when there are none.
-
-    The answer is memoised per type while the nested types stay the same.
-    """
+    """An ``is_leaf`` for ``jax.tree_util`` that is true for instances of the nested container types
+    (``nested_types``) other than ``root``, or None when there are none."""
     global _memo
     stop = _source()
     if not stop:

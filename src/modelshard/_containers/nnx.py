@@ -1,39 +1,4 @@
-"""NNX objects on ``shard_jit``'s per-call path: their Variables without ``nnx.split``.
-
-``nnx.split`` walks the whole graph and builds a ``GraphDef`` (most of ``nnx.jit``'s
-per-call time: docs/benchmarks/dispatch.md). A module seen before is instead flattened as
-a JAX pytree down to its ``Variable`` objects, and a cached ``LeafOrder`` maps those onto
-``nnx.split``'s leaf order. Flattening an NNX pytree still runs Flax's Python per node,
-so the same module *object* called again is only checked: a ``Snapshot`` remembers every
-container in its graph (modules, ``nnx.List``, plain lists, tuples and dicts) with the
-identity of each attribute or item, and a copy of every Variable's metadata. A call whose
-containers still hold the very same objects (C-level identity comparisons) and whose
-Variables carry equal metadata reuses the Variables and their order. Anything else (an
-attribute set, a Variable replaced, a list grown) takes the JAX-pytree route, and a new
-structure ``nnx.split``.
-
-Metadata is compared because ``nnx.split`` puts it in the ``GraphDef`` and plans read
-axis names from it (``out_sharding``), while the pytree structure leaves it out (Variables
-are its leaves) and Flax changes it in place (``set_metadata``): a ``LeafOrder`` whose
-Variables now carry other metadata is made again by ``nnx.split``, as for a new structure.
-A snapshot watches its Variables' metadata dicts and its containers that are dicts (an
-object's attributes, an ``nnx.List``'s items, plain dicts; attributes only where the
-interpreter tells their dict's watchers of a change, ``watched.watches_attributes``:
-CPython 3.12 does, 3.13.0 does not) (``watched``, CPython 3.12+):
-while none of them has changed and each Variable still has its metadata dict, neither is
-read (reading a thousand metadata dicts, evicted from the caches by the step's own work,
-was most of what the check cost, and an ``nnx.List`` of a thousand Variables is a dict of
-a thousand attributes); otherwise, and where dicts cannot be watched, they are compared.
-Lists and tuples cannot be watched and are compared on every call.
-
-Updates are written back with ``Variable.set_value`` on the Variables that changed. A
-snapshot is dropped when its module object is (it holds the module's containers, and
-with them the Variables' arrays).
-
-[`NnxModuleAdapter`][modelshard.adapters.NnxModuleAdapter] is the adapter of NNX modules and
-other NNX graph objects; it calls ``nnx_call_leaves`` on that path. Flax is imported only
-inside the adapter's methods, once the user has a module to hand.
-"""
+"""NNX objects on ``shard_jit``'s per-call path: their Variables without ``nnx.split``."""
 
 from __future__ import annotations
 
@@ -54,15 +19,7 @@ from .watched import generation, watch, watches_attributes
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LeafOrder:
-    """How one NNX structure's pytree leaves (Variables) map onto ``nnx.split``'s order.
-
-    Attributes:
-        aux: ``(graphdef, treedef)`` as the adapter's ``flatten`` gives it.
-        perm: position in the pytree leaves of each of ``nnx.split``'s leaves.
-        unique: how many distinct Variables the structure holds.
-        metadata: a copy of each pytree leaf's metadata when ``aux`` was made (the
-            ``GraphDef`` holds it).
-    """
+    """How one NNX structure's pytree leaves (Variables) map onto ``nnx.split``'s order."""
 
     aux: Hashable
     perm: tuple[int, ...]
@@ -128,19 +85,7 @@ def _copies(variables: list[Any]) -> list[dict[str, Any]]:
 
 @dataclasses.dataclass(eq=False)
 class Snapshot:
-    """One NNX object's graph as last seen: each container with the objects it held.
-
-    Attributes:
-        ref: a weak reference to the object.
-        containers: ``(container, keys, values)``: an object's ``__dict__`` (or a plain
-            dict) with its keys and values, or a list/tuple (``keys`` ``None``) with its items.
-        attributes: (init only) the containers that are an object's ``__dict__``.
-        variables: the Variables in ``nnx.split`` order.
-        metadata: a copy of each Variable's metadata, in the same order.
-        order: the structure's ``LeafOrder``.
-        again: ``CallLeaves.again`` for the watched object; it holds the snapshot weakly,
-            so that what keeps it (a ``shard_jit``'s route) keeps no module state alive.
-    """
+    """One NNX object's graph as last seen: each container with the objects it held."""
 
     ref: Any
     containers: list[tuple[Any, list[Any] | None, list[Any]]]
@@ -172,12 +117,8 @@ class Snapshot:
         self.seen = generation()
 
     def holds(self) -> bool:
-        """Whether every container still holds the very same objects, and every Variable
-        the same metadata. While no watched dict has changed (``watched.generation``),
-        the dict containers are known to hold them, and each Variable that still has the
-        metadata dict it had, the same metadata, without reading either; otherwise both
-        are compared, and metadata dicts Flax replaced with equal ones are watched in turn
-        (on a quiet call such a dict is compared with the watched one it replaced)."""
+        """Whether every container still holds the very same objects, and every Variable the same
+        metadata."""
         is_ = operator.is_
         now = generation()
         quiet = self.watching and now == self.seen

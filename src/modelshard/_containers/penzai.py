@@ -1,21 +1,4 @@
-"""Adapters for penzai models (``pz.nn``): mutable variables and named arrays.
-
-A penzai model is a pytree whose parameters are *variables*: mutable ``pz.Parameter`` /
-``pz.StateVariable`` objects that are deliberately not pytree nodes (JAX sees each as one
-opaque leaf). Their values are usually ``pz.nx.NamedArray``\\ s, whose axis names are the
-model's own logical vocabulary (``"embedding"``, ``"neurons"``, ``"heads"``).
-
-Two adapters, registered lazily once penzai is imported (the registry's table), let modelshard see through both:
-
-- ``PenzaiVariableAdapter`` splits a variable into the leaves of its value; the
-  variable's own path is the path of its value (``blocks/0/attn/query/weights``, no
-  ``/value``). It is mutable: ``update`` writes new values into the caller's variable.
-- ``NamedArrayAdapter`` names a named array's data by its axis names: positional axes
-  first (``None``), then the named axes in order, so ``Rules(logical={"embedding": "data",
-  "neurons": "model"})`` shards it as penzai's own ``name_to_name_sharding`` would.
-
-Neither module imports penzai at import time.
-"""
+"""Adapters for penzai models (``pz.nn``): mutable variables and named arrays."""
 
 from __future__ import annotations
 

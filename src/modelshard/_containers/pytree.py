@@ -1,9 +1,5 @@
 """The plain-pytree plug-in: anything JAX can flatten, and user classes registered with
-``flatten=``/``unflatten=`` callbacks (which become JAX pytrees too).
-
-``PytreeAdapter`` is the default for every unregistered type (dicts, lists, tuples,
-NamedTuples such as optax states, registered dataclasses such as ``TrainState``).
-"""
+``flatten=``/``unflatten=`` callbacks (which become JAX pytrees too)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""Adapter for qwix's quantized parameters: paths without the ``array`` wrapper.
-
-qwix (post-training quantization for Flax) replaces a weight by ``WithAux(QArray(qvalue,
-scale, zero_point), how)``. JAX opens it as a pytree, which would name the quantized value
-``kernel/array/qvalue``; this adapter, registered lazily once qwix is imported, names it
-``kernel/qvalue`` (and ``kernel/scale``, ``kernel/zero_point``). The metadata boxes qwix puts
-around each part (the weight's logical axis names, with the scale's reduced axes already set to
-``None`` by qwix) reach the rule engine unchanged, so a quantized linen or NNX model plans
-exactly as Flax's own ``logical_to_mesh_sharding`` shards it.
-"""
+"""Adapter for qwix's quantized parameters: paths without the ``array`` wrapper."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""The registry of model-state types: which adapter splits which container.
-
-The registry follows Orbax's type-handler registry: a base class ([`Adapter`][modelshard.adapters.Adapter], which
-declares every capability modelshard uses, with defaults), one global default,
-``register_container(ty, adapter, override=False)`` and ``get_adapter(obj)``. Lookup is
-first match: user registrations (most recent first), then built-ins, then the plain-pytree
-adapter that serves every JAX pytree (dicts, lists, tuples, NamedTuples such as optax
-states, registered dataclasses such as ``TrainState``, ``None``).
-
-Built-ins are registered lazily, from one table (``_LAZY_BUILTINS``): an object can only
-be an ``nnx.Module`` once Flax has been imported, so modelshard never imports Flax,
-Equinox, optax, penzai or qwix itself; each entry names a class by module and attribute,
-and its adapter (from the plug-in's own module: ``pytree.py``, ``nnx.py``, ``penzai.py``,
-``qwix.py``) is made once that module is in ``sys.modules``. Splitting a container with
-its adapter is [`modelshard.adapters.split`][modelshard.adapters.split] (``flat.py``);
-naming its leaves is ``describe.py``.
-"""
+"""The registry of model-state types: which adapter splits which container."""
 
 from __future__ import annotations
 

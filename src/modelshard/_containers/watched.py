@@ -1,26 +1,4 @@
-"""Knowing that dicts did not change without comparing them: CPython's dict watchers.
-
-A per-call check that a thousand small dicts still hold what they held (NNX ``Variable``
-metadata, which Flax edits in place) reads every one of them, entries and all, from
-memory the step's own work has just evicted: most of what the check costs. CPython 3.12
-and later can instead *watch* a dict (``PyDict_Watch``): every insertion, deletion,
-update, clear or deallocation of a watched dict first calls the watcher, which here
-moves a generation count. A caller records the count when it compares, and while the
-count has not moved, none of the dicts it watches has changed.
-
-The C API is reached through ``ctypes.pythonapi`` (calls made holding the GIL). Where
-it is missing (Python 3.11, another interpreter, every watcher slot taken), ``watch``
-returns ``False`` and ``generation`` is ``None``: callers compare as before.
-
-An object's ``__dict__`` (``vars(x)``) is a dict too, but whether setting an attribute
-reaches its watcher depends on the interpreter: CPython 3.12 stores attributes in that
-dict once it exists, while 3.13.0 can go on storing them in the object's inline values,
-past the dict and its watcher (an attribute set on a watched ``vars(x)`` moved nothing).
-``watches_attributes`` probes this interpreter once; callers watch attribute dicts only
-where it holds, and compare them otherwise. The
-watcher is cleared at interpreter exit, before the module's globals are torn down, so
-that dicts freed during finalisation call nothing.
-"""
+"""Knowing that dicts did not change without comparing them: CPython's dict watchers."""
 
 from __future__ import annotations
 

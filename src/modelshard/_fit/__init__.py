@@ -1,6 +1,5 @@
-"""The fit area's façade: ``step_memory`` (a compiled step's memory per device, from XLA,
-split by role) and ``fit_advice`` (the smallest change that fits a budget, each checked by
-compiling). Above ``_jit``, whose ``shard_jit`` compiles every candidate."""
+"""The fit area's façade: ``step_memory`` (a compiled step's memory per device, from XLA, split by
+role) and ``fit_advice`` (the smallest change that fits a budget, each checked by compiling)."""
 
 from .advice import KINDS as KINDS
 from .advice import FitAdvice as FitAdvice

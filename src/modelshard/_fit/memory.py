@@ -164,17 +164,7 @@ class StepMemory:
 
 
 def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
-    """A mesh programs can be compiled for.
-
-    Args:
-        mesh: a ``Mesh`` (kept), an ``AbstractMesh`` or axis sizes (``{"data": 4}``), laid
-            on this machine's devices, or on ``topology``'s; default: the active mesh.
-        topology: a TPU topology name (``"v5e:4x4"``): compile for a slice this machine does
-            not have (``jax.experimental.topologies``, TPU only).
-
-    Raises:
-        MeshError: more devices asked for than exist, or the topology is unknown here.
-    """
+    """A mesh programs can be compiled for."""
     from .._base import MeshError, current_mesh, make_mesh
 
     if mesh is None:
@@ -261,14 +251,7 @@ def classify(
     batch_args: Sequence[int],
     roles: Mapping[str, str | re.Pattern[str]] | None = None,
 ) -> list[str]:
-    """The role of every leaf of ``plan`` (in ``plan.leaves`` order).
-
-    ``roles``: role -> regex searched in the displayed path (``"arg:path"`` with several
-    arguments), the first role that matches wins. Otherwise: arguments in ``batch_args`` are
-    the batch; a leaf under an ``opt_state``/``optimizer`` key, or in an optax state, is
-    optimizer state; other floating leaves are parameters, the rest (step counters, RNG
-    keys) other inputs.
-    """
+    """The role of every leaf of ``plan`` (in ``plan.leaves`` order)."""
     compiled = [(r, re.compile(p) if isinstance(p, str) else p) for r, p in (roles or {}).items()]
     out = []
     named = plan.named()
@@ -394,10 +377,9 @@ _TEMPORARIES = re.compile(r"HLO temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
 
 
 def refused_temporaries(error: BaseException) -> tuple[int, str] | None:
-    """``(temporary bytes, XLA's message)`` where the compiler refused a program for
-    needing more memory than the device has (TPU's compiler does, before anything runs);
-    None for any other error. XLA writes sizes in binary units with two decimals; a
-    message that names no temporaries gives 0 (the inputs alone then count)."""
+    """``(temporary bytes, XLA's message)`` where the compiler refused a program for needing more
+    memory than the device has (TPU's compiler does, before anything runs); None for any other
+    error."""
     text = str(error)
     if _REFUSED.search(text) is None:
         return None
@@ -469,10 +451,7 @@ def wrap(
     donate_argnums: tuple[int, ...],
     static_argnums: tuple[int, ...],
 ) -> Any:
-    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles).
-
-    Parameters past ``in_specs`` that have defaults (``remat=False``) are compile-time
-    constants: the step is compiled with their values, as a training loop calls it."""
+    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
     import inspect
 
     from .._jit import shard_jit

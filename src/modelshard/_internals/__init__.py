@@ -1,10 +1,4 @@
-"""Other libraries' private names that modelshard needs, each imported once, with its reason.
-
-Other areas import these names from this façade (``from .._internals import global_state``).
-Each is loaded on first use, from ``orbax.py``, ``orbax_text.py`` (names written as text:
-Orbax not imported), ``jax.py`` or ``patches.py`` (every patch of another library): naming the package loads neither library, and Orbax is
-imported only by the code that checkpoints.
-"""
+"""Other libraries' private names that modelshard needs, each imported once, with its reason."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Every private name of JAX (``jax._src``) that modelshard uses, each imported once with
-what it is for.
-
-JAX has no public way to ask whether its backends have started, to reach the
-coordination-service client ``jax.distributed.initialize`` made, or to tell a Cloud TPU VM
-apart; and ``jax.Array`` is abstract, so the concrete array type is named here. An import
-that fails here says which symbol moved (``needs.needed``), and
-``tests/project/test_internals.py`` imports this module so that an upgrade fails there
-first.
-"""
+"""Every private name of JAX (``jax._src``) that modelshard uses, each imported once with what it is
+for."""
 
 from __future__ import annotations
 

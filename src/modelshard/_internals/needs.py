@@ -1,10 +1,4 @@
-"""One clear failure when another library's private name moves: ``needed``.
-
-Every private import of ``orbax.py`` and ``jax.py`` sits in a ``with needed(...)`` block,
-so an upgrade that renames or removes one fails at that line with an ImportError naming
-the symbol, the installed version of its library, what modelshard uses it for and the
-versions modelshard supports.
-"""
+"""One clear failure when another library's private name moves: ``needed``."""
 
 from __future__ import annotations
 
@@ -43,13 +37,7 @@ def supported(distribution: str) -> str:
 
 @contextmanager
 def needed(distribution: str, symbol: str, used_for: str) -> Iterator[None]:
-    """Turn an ImportError inside the block into one that says what moved and why we care.
-
-    Args:
-        distribution: the library's distribution name (``"orbax-checkpoint"``).
-        symbol: the dotted name imported in the block.
-        used_for: what modelshard does with it, in a few words.
-    """
+    """Turn an ImportError inside the block into one that says what moved and why we care."""
     try:
         yield
     except ImportError as e:

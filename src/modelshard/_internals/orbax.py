@@ -1,15 +1,5 @@
-"""Every private name of Orbax (``orbax.checkpoint._src``) that modelshard uses, each
-imported once with what it is for.
-
-Orbax's public API (``orbax.checkpoint``, ``ocp.type_handlers``, ``ocp.metadata``) covers
-what ``save``/``restore`` ask of Orbax as a checkpointer; what is here is what modelshard
-does below that level: reading and writing one stored array straight through TensorStore
-with Orbax's own specs (reshard, convert, streaming), a restore handler that hands each
-array over as it arrives, and ``s3://`` through TensorStore's s3 kvstore. Orbax renames its
-``_src`` modules between minor versions; an import that fails here says which symbol moved
-(``needs.needed``), and ``tests/project/test_internals.py`` imports this module so that an
-upgrade fails there first.
-"""
+"""Every private name of Orbax (``orbax.checkpoint._src``) that modelshard uses, each imported once
+with what it is for."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Orbax's private names that modelshard writes into a checkpoint as text, without importing
-Orbax (a local reshard never does: ``_checkpoint/ocdbt.py``).
-
-``tests/project/test_internals.py`` checks each against the Orbax installed, so that an
-upgrade that moves one fails there first.
-"""
+"""Orbax's private names that modelshard writes into a checkpoint as text, without importing Orbax
+(a local reshard never does: ``_checkpoint/ocdbt.py``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Every patch modelshard installs on another library (Orbax, TensorStore, Flax), in one place.
-
-Each function here installs one patch: it first checks that what it patches exists (a
-callable, with the parameters modelshard's wrapper passes or reads), raising an ImportError
-that names the symbol, the installed version, what modelshard uses it for and the versions
-supported (``needs.moved``) where it does not, so that an upgrade fails here, at the
-patch, rather than deep inside a save. Then it calls ``wrap`` with what is there now;
-``wrap`` (the area's code: the wrapper's body, and whether it is installed already)
-returns the replacement, or None to leave it as it is.
-
-The libraries are imported inside each function: naming this module imports none of them.
-"""
+"""Every patch modelshard installs on another library (Orbax, TensorStore, Flax), in one place."""
 
 from __future__ import annotations
 
@@ -37,9 +26,8 @@ def target(
     used_for: str,
     params: Iterable[str] = (),
 ) -> Any:
-    """``owner.name``, checked: a callable whose signature has each of ``params`` (a
-    signature Python cannot read is not checked); an ImportError saying what moved
-    otherwise."""
+    """``owner.name``, checked: a callable whose signature has each of ``params`` (a signature
+    Python cannot read is not checked); an ImportError saying what moved otherwise."""
     current = getattr(owner, name, None)
     if current is None or not callable(current):
         raise ImportError(moved(distribution, symbol, used_for, f"no callable {name!r} there"))
@@ -74,10 +62,9 @@ def _install(owner: Any, name: str, wrap: Wrap, **check: Any) -> Any:
 
 def replace_raw_bytes(replacement: Callable[..., Any]) -> bool:
     """Replace Orbax's ``tensorstore_utils.get_tensorstore_raw_bytes``: where it exists
-    (orbax-checkpoint 0.12.8 has it, 0.12.3 does not), Orbax converts TensorStore's metrics
-    to Python around each batch of arrays, for a log line only, and TensorStore's
-    conversion leaks every key and value (``_checkpoint/leaks.py``). An Orbax without it
-    reads no metrics: nothing to replace there, and False is returned."""
+    (orbax-checkpoint 0.12.8 has it, 0.12.3 does not), Orbax converts TensorStore's metrics to
+    Python around each batch of arrays, for a log line only, and TensorStore's conversion leaks
+    every key and value (``_checkpoint/leaks.py``)."""
     from . import orbax
 
     if not hasattr(orbax.tensorstore_utils, "get_tensorstore_raw_bytes"):
@@ -94,10 +81,9 @@ def replace_raw_bytes(replacement: Callable[..., Any]) -> bool:
 
 
 def wrap_build_array_write_spec(wrap: Wrap) -> Any:
-    """Wrap Orbax's ``tensorstore_utils.build_array_write_spec``: Orbax's ``ArrayHandler``
-    takes each array's chunk shape from its local shard, with no option for another, and
-    modelshard's own writes are stored in chunks aligned for other splits
-    (``_checkpoint/chunks.py``)."""
+    """Wrap Orbax's ``tensorstore_utils.build_array_write_spec``: Orbax's ``ArrayHandler`` takes
+    each array's chunk shape from its local shard, with no option for another, and modelshard's
+    own writes are stored in chunks aligned for other splits (``_checkpoint/chunks.py``)."""
     from . import orbax
 
     return _install(
@@ -151,10 +137,9 @@ def wrap_barrier_sync_fn(wrap: Wrap) -> Any:
 
 
 def wrap_handler_save(handler: Any, wrap: Wrap) -> Any:
-    """Wrap ``handler.save`` (an Orbax checkpoint handler of a synchronous
-    ``Checkpointer``): no hook of Orbax runs between a handler's write and the barrier
-    after it, where a failure on one process is shared with the others
-    (``_checkpoint/barriers.sharing_failures``)."""
+    """Wrap ``handler.save`` (an Orbax checkpoint handler of a synchronous ``Checkpointer``): no
+    hook of Orbax runs between a handler's write and the barrier after it, where a failure on one
+    process is shared with the others (``_checkpoint/barriers.sharing_failures``)."""
     _install(
         handler,
         "save",
@@ -255,10 +240,9 @@ def wrap_linen_unbox(wrap: Wrap) -> Any:
 
 
 def wrap_linen_constraint(wrap: Wrap) -> Any:
-    """Wrap ``flax.linen.spmd._with_sharding_constraint``: every logical constraint of
-    linen ends there as ``jax.lax.with_sharding_constraint``, which only asserts on an
-    Explicit mesh axis; under modelshard's rules it reshards as ``constrain`` does
-    (``_specs/logical.py``)."""
+    """Wrap ``flax.linen.spmd._with_sharding_constraint``: every logical constraint of linen ends
+    there as ``jax.lax.with_sharding_constraint``, which only asserts on an Explicit mesh axis;
+    under modelshard's rules it reshards as ``constrain`` does (``_specs/logical.py``)."""
     import flax.linen.spmd as linen_spmd
 
     return _install(

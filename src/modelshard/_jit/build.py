@@ -25,36 +25,7 @@ class Stale(Exception):
 
 @dataclasses.dataclass
 class Entry:
-    """One compiled signature.
-
-    Calls run ``run``: until the first call, a method that compiles the entry (``compile``)
-    and calls the executable; from then on the ``jax.stages.Compiled`` executable itself.
-    The executable was lowered from the one trace, with every input typed by its planned
-    sharding, so it checks only shapes and dtypes and places what it is given (NumPy
-    arrays, uncommitted arrays) itself: every kind of input and the function's own outputs
-    fed back run the same executable, compiled once. ``jax.jit``'s call path would key its
-    cache on each input's own type instead, which carries the mesh once placed and none
-    before (``f32[8]({Auto: ('data',)})`` vs ``f32[8]({})``), and compile again.
-
-    Attributes:
-        jitted: the ``jax.jit`` over the flat array leaves (lowering, and calls on tracers
-            under an outer transformation).
-        in_shardings: the planned sharding of every flat input leaf.
-        leaf_plans: ``(argument name, LeafPlan)`` of every flat input leaf.
-        plan: the [`Plan`][modelshard.Plan] of every argument that has a spec.
-        desc: the output's recorded structure.
-        updates: per mutable-container argument ``(index among dynamic args, positions
-            among its array leaves that the function changed)``; their new values follow
-            the output's arrays in the flat result.
-        expect: ``(shape, canonical dtype)`` of every flat input leaf.
-        bounds: ``(start, stop)`` of each dynamic argument's leaves among the flat inputs.
-        positional: every argument is positional and dynamic (no keyword or static
-            ones), so calls may gather their leaves by a remembered layout (``Route``).
-        abstract: every flat input leaf's abstract value in its planned sharding (what the
-            function was traced and is compiled for).
-        compiled: the executable, once compiled.
-        run: what a call runs (see above).
-    """
+    """One compiled signature."""
 
     jitted: Any
     in_shardings: list[Any]
@@ -152,18 +123,8 @@ def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a cache miss builds from: the function, its mesh and output specs, and one
-    call's arguments.
-
-    Attributes:
-        fn: the user's function.
-        mesh: the mesh compiled for.
-        out_specs: ``shard_jit``'s ``out_specs`` (``None``: inferred).
-        slots: the call's argument slots.
-        taken: its dynamic arguments, flattened (in slot order, static slots skipped).
-        args: positional arguments (static ones are passed as they are).
-        kwargs: keyword arguments.
-    """
+    """What a cache miss builds from: the function, its mesh and output specs, and one call's
+    arguments."""
 
     fn: Callable[..., Any]
     mesh: Mesh | AbstractMesh
@@ -322,15 +283,7 @@ class _Structure(NamedTuple):
 
 
 class _FlatFunction:
-    """The function ``jax.jit`` sees: flat array leaves in, flat array leaves out.
-
-    It rebuilds the arguments from the leaves, calls the user's function under the mesh,
-    splits its output, and appends the new values of mutable containers' changed leaves.
-    Tracing records the output's structure in ``desc`` and the changed leaves in
-    ``updates``; once ``frozen`` is set (after the first trace) later traces keep
-    those updates. A trace for other shapes or dtypes than ``expect`` raises
-    ``Stale``.
-    """
+    """The function ``jax.jit`` sees: flat array leaves in, flat array leaves out."""
 
     def __init__(
         self, call: Call, bounds: list[tuple[int, int]], expect: list[tuple[tuple[int, ...], Any]]

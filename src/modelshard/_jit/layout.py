@@ -1,9 +1,4 @@
-"""How ``shard_jit`` maps a call's arguments onto the function's parameters.
-
-Each distinct call layout (number of positional arguments, keyword names) is resolved once
-against the signature into ``Slot`` objects (name, static, spec, donated), which are
-then reused, and compared by identity, on every call.
-"""
+"""How ``shard_jit`` maps a call's arguments onto the function's parameters."""
 
 from __future__ import annotations
 
@@ -26,18 +21,7 @@ NOSPEC: Any = _NoSpec()
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Slot:
-    """One argument of a call: where it comes from and how it is treated.
-
-    Slots are made once per call layout and compared by identity (cheap cache keys).
-
-    Attributes:
-        name: parameter name (``args[2]`` for extra positional arguments).
-        pos: positional index, or ``None`` for a keyword argument.
-        kw: keyword name, or ``None`` for a positional argument.
-        static: passed as a compile-time constant.
-        spec: the spec-like from ``in_specs`` (``NOSPEC`` when none was given).
-        donate: its array leaves are donated.
-    """
+    """One argument of a call: where it comes from and how it is treated."""
 
     name: str
     pos: int | None
@@ -59,13 +43,8 @@ def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
 
 
 class ArgumentLayout:
-    """A function's signature with ``shard_jit``'s ``in_specs``, donation and static
-    arguments: checked once, then resolved per call layout into ``Slot`` objects.
-
-    Attributes:
-        plain_arity: the number of parameters when every one is positional (a call with
-            exactly that many positional arguments needs no binding), else ``-1``.
-    """
+    """A function's signature with ``shard_jit``'s ``in_specs``, donation and static arguments:
+    checked once, then resolved per call layout into ``Slot`` objects."""
 
     def __init__(
         self,

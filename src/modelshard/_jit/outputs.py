@@ -1,11 +1,4 @@
-"""How ``shard_jit`` splits a function's output into array leaves and builds it back.
-
-A function's output is cut into *parts*: containers that have the structure of an input
-argument (so they can inherit that argument's shardings), containers whose adapter is not
-JAX's own flattening (NNX modules: [`follows_pytree`][modelshard.adapters.Adapter.follows_pytree]
-is false), and single leaves. The description is recorded once, while
-tracing, and replayed on every call.
-"""
+"""How ``shard_jit`` splits a function's output into array leaves and builds it back."""
 
 from __future__ import annotations
 
@@ -21,15 +14,7 @@ from .._specs import entry_axes
 
 @dataclasses.dataclass(frozen=True)
 class Part:
-    """One part of an output: a container (``adapter`` set) or a single leaf.
-
-    Attributes:
-        adapter: the container's adapter, or ``None`` for a single leaf.
-        aux: the adapter's structure key.
-        template: every leaf, with array positions set to ``None`` (static leaves kept).
-        array_index: positions of the array leaves in ``template``.
-        source: index of the dynamic input argument with the same structure, or ``None``.
-    """
+    """One part of an output: a container (``adapter`` set) or a single leaf."""
 
     adapter: Adapter | None
     aux: Hashable
@@ -50,13 +35,7 @@ class Part:
 
 @dataclasses.dataclass(frozen=True)
 class OutDesc:
-    """The recorded structure of a function's output.
-
-    Attributes:
-        outer: tree structure over the parts (``None`` when the output is one part).
-        parts: the parts, in order.
-        bounds: ``(start, stop)`` of each part's arrays in the flat output.
-    """
+    """The recorded structure of a function's output."""
 
     outer: Any
     parts: tuple[Part, ...]
@@ -77,13 +56,7 @@ class OutDesc:
 def split_output(
     out: Any, sources: Sequence[tuple[Adapter, Hashable]]
 ) -> tuple[list[Any], OutDesc]:
-    """Split ``out`` into its array leaves and an ``OutDesc``.
-
-    Args:
-        out: what the function returned (traced or abstract leaves).
-        sources: ``(adapter, aux)`` of each dynamic input argument; an output container
-            with the same pair is a part that remembers which input it mirrors.
-    """
+    """Split ``out`` into its array leaves and an ``OutDesc``."""
     index = {(id(a), aux): j for j, (a, aux) in reversed(list(enumerate(sources)))}
 
     def match(x: Any) -> tuple[Adapter, list[Any], Hashable, int | None] | None:
@@ -141,14 +114,7 @@ def split_output(
 
 
 def set_by_function(jaxpr: Any) -> list[bool]:
-    """Per output of a closed jaxpr: whether the function itself gave it a sharding.
-
-    An output is set by the function when the value it returns comes from a sharding
-    constraint (``constrain``, ``jax.lax.with_sharding_constraint``) or a ``reshard``,
-    directly or through dtype conversions and copies, and through nested jitted, remat'd
-    or custom-derivative calls. (On Explicit meshes the output's type carries its sharding
-    too: ``inferred_shardings`` compares that separately.)
-    """
+    """Per output of a closed jaxpr: whether the function itself gave it a sharding."""
     tables: dict[int, dict[int, Any]] = {}
 
     def producers(j: Any) -> dict[int, Any]:
@@ -200,23 +166,7 @@ def inferred_shardings(
     inputs: Callable[[int], tuple[Sequence[Any], Sequence[Any]]],
     explicit_axes: frozenset[str],
 ) -> list[Any]:
-    """Out shardings when ``out_specs`` is omitted.
-
-    Every leaf is ``None`` (the compiler decides, as with ``jax.jit``) except a leaf of an
-    output part that is the same state coming back: the part has exactly the structure of a
-    dynamic input argument (same adapter and structure key), and the leaf has the shape and
-    dtype of the input's leaf at the same position. Such a leaf keeps the input's sharding,
-    unless the function set one itself: a constraint (``by_function``) or, on a mesh with
-    Explicit axes, an output type whose sharding over those axes differs from the input's.
-
-    Args:
-        desc: the output's structure.
-        avals: the abstract output array leaves.
-        by_function: per output leaf, whether a constraint in the function produced it.
-        inputs: ``inputs(j)`` gives dynamic argument ``j``'s flat shardings and abstract
-            leaves.
-        explicit_axes: the mesh's Explicit axis names.
-    """
+    """Out shardings when ``out_specs`` is omitted."""
     out: list[Any] = [None] * desc.num_arrays
     for part, (a, b) in zip(desc.parts, desc.bounds, strict=True):
         if part.source is None:

@@ -1,23 +1,4 @@
-"""``shard_jit``'s per-call route: gather leaves by a remembered layout.
-
-JAX flattens a dict by sorting its keys on every call (``jax.jit`` on a dict of 1,000 arrays
-against the same jit on the pre-flattened arrays: docs/benchmarks/dispatch.md). Model state
-passed to a step
-is the same structure call after call, and dicts rebuilt by JAX even keep their keys in
-the same (sorted) order. A ``Route`` remembers, for every dict, list and tuple of the
-last call's arguments, its keys in insertion order and where each child goes; the next call
-only checks that each node still has those keys in that order and gathers the leaves with
-C-level list operations. Any other node (optax states, ``TrainState``, registered types) is
-flattened by JAX and its structure compared. Anything that differs (a key, a length, a
-node type, a leaf that is not a known array type) makes ``Route.gather`` return
-``None``, and ``shard_jit`` takes its full path: the route can only be faster, never
-different.
-
-An argument whose adapter can take the same object again (``CallLeaves.again``: an NNX
-module watched by its snapshot) is taken by that instead, with its write-back for the
-state the step updates; the adapter answers ``None`` for anything the full path would
-see otherwise.
-"""
+"""``shard_jit``'s per-call route: gather leaves by a remembered layout."""
 
 from __future__ import annotations
 
@@ -72,14 +53,7 @@ def _count(lay: Any) -> tuple[int, int]:
 
 
 def _cheaper(x: Any, lay: Any) -> Any:
-    """``lay``, or JAX's flattening when that is cheaper for ``x``.
-
-    Checking a node in Python costs what JAX takes to flatten a few leaves, hence the
-    cut-off below (a node per five leaves). Wide containers (a dict of 1,000 arrays, the
-    dict rows of docs/benchmarks/dispatch.md) gather faster in Python, deep ones
-    (hundreds of small dicts) flatten faster in JAX, whose structure is then compared
-    whole.
-    """
+    """``lay``, or JAX's flattening when that is cheaper for ``x``."""
     if lay[0] not in ("dict", "seq"):
         return lay
     nodes, leaves = _count(lay)
@@ -136,11 +110,7 @@ def routable(entry: Entry, taken: Sequence[Taken]) -> bool:
 
 
 class Route:
-    """The remembered layout of one call's arguments (``routable``).
-
-    Attributes:
-        entry: the compiled entry the arguments belong to.
-    """
+    """The remembered layout of one call's arguments (``routable``)."""
 
     def __init__(self, entry: Entry, args: Sequence[Any], taken: Sequence[Taken]):
         self.entry = entry

@@ -1,9 +1,4 @@
-"""Flattening ``shard_jit``'s dynamic arguments on every call, as cheaply as each allows.
-
-Each argument is flattened by its adapter's ``flatten_for_call`` (an NNX module seen before
-takes its adapter's Variable route instead of ``nnx.split``) into a ``Taken``: its
-leaves, which of them are arrays, and how to write updates back into the caller's object.
-"""
+"""Flattening ``shard_jit``'s dynamic arguments on every call, as cheaply as each allows."""
 
 from __future__ import annotations
 
@@ -30,22 +25,7 @@ _lookup = REGISTRY.lookup
 
 
 class Taken(NamedTuple):
-    """One dynamic argument of a call, flattened by its adapter.
-
-    Attributes:
-        slot: where the argument comes from and how it is treated.
-        value: the argument as passed.
-        adapter: its container's adapter.
-        leaves: every leaf, in ``flatten`` order (array and static).
-        aux: the adapter's structure key.
-        array_index: positions of the array leaves in ``leaves``, or ``None`` when every leaf
-            is an array.
-        arrays: the array leaves, in order.
-        write_back: ``write_back(positions, values)`` sets leaves of the caller's object
-            (a mutable container), or ``None``.
-        again: the adapter's ``CallLeaves.again`` (taking the same object again on a later
-            call), or ``None``.
-    """
+    """One dynamic argument of a call, flattened by its adapter."""
 
     slot: Slot
     value: Any
@@ -95,9 +75,8 @@ def _flatten_for_call(adapter: Adapter, value: Any, plain: bool) -> CallLeaves:
 
 
 def take(slot: Slot, value: Any) -> tuple[Taken, Hashable]:
-    """Flatten one argument; also return its structure key (adapter included) for the
-    per-structure cache: equal keys mean the same leaves are arrays and static leaves
-    are equal."""
+    """Flatten one argument; also return its structure key (adapter included) for the per-structure
+    cache: equal keys mean the same leaves are arrays and static leaves are equal."""
     adapter = _lookup(type(value))
     call = _flatten_for_call(adapter, value, plain=False)
     if not call.arrays_only and holds_nested(call.leaves):

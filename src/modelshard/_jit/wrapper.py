@@ -1,13 +1,4 @@
-"""``shard_jit``: ``jax.jit`` over containers, with one spec-like per argument.
-
-The first call with a new abstract signature (structure, shapes, dtypes, static leaves and
-static arguments) plans every argument through ``expand_args``,
-traces the function once to learn its output, builds a ``jax.jit`` over the flat array
-leaves with ``in_shardings``/``out_shardings`` and donation mapped onto those leaves, and
-compiles that trace ahead of time (one XLA compilation, whatever the inputs' placement).
-Every later call only flattens its arguments, looks the signature up and calls the
-compiled executable: no regex, no validation.
-"""
+"""``shard_jit``: ``jax.jit`` over containers, with one spec-like per argument."""
 
 from __future__ import annotations
 
@@ -200,13 +191,7 @@ class ShardJit:
         structure_key: Hashable,
         stale: bool = False,
     ) -> Entry:
-        """Find or build the entry for a signature the structure table has not seen.
-
-        The structure table is keyed by structure and static values only; shapes and dtypes
-        are checked by the entry's executable (a ``TypeError`` for others) or, for tracers,
-        by ``jax.jit``'s own cache (a retrace with other shapes raises ``Stale``): either
-        lands here with ``stale=True``.
-        """
+        """Find or build the entry for a signature the structure table has not seen."""
         # Arguments are flattened again by their adapter's own flatten here (not a per-call
         # route), so planning and tracing see exactly what the adapter makes of them.
         taken = [take_plainly(t) for t in taken]
@@ -390,17 +375,10 @@ def _execute(entry: Entry, flat: Sequence[Any]) -> Any:
 def _place(
     entry: Entry, taken: Sequence[Taken], flat: Sequence[Any], move_committed: bool
 ) -> list[Any]:
-    """``flat`` placed as planned before an entry's first call (or after ``jax.jit``
-    refused the inputs), with the placed arrays of mutable containers (NNX modules) written
-    back into the caller's objects, so later calls find them in place (Variables the function
-    does not change included).
-
-    The entry was traced with every input in its planned sharding, so placed inputs let
-    ``jax.jit`` reuse that trace (and outputs fed back into the next call match it too).
-    Committed arrays are moved only with ``move_committed`` (after ``jax.jit`` refused
-    committed arrays placed otherwise, with ``on_mismatch="move"``); otherwise they are left
-    for ``jax.jit`` to accept or refuse.
-    """
+    """``flat`` placed as planned before an entry's first call (or after ``jax.jit`` refused the
+    inputs), with the placed arrays of mutable containers (NNX modules) written back into the
+    caller's objects, so later calls find them in place (Variables the function does not change
+    included)."""
     todo = [
         i
         for i, x in enumerate(flat)

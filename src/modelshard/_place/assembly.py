@@ -1,9 +1,4 @@
-"""Global arrays from per-device local pieces (``assemble``), and back (``partitions``).
-
-A leaf's global shape is its local shape with every sharded dimension multiplied by the
-product of the sizes of the mesh axes that shard it, computed per leaf. Every piece is
-checked against the first (structure, dtype, shape) and every problem is reported at once.
-"""
+"""Global arrays from per-device local pieces (``assemble``), and back (``partitions``)."""
 
 from __future__ import annotations
 
@@ -63,11 +58,7 @@ def _positions(mesh: Any) -> tuple[list[Any], list[int]]:
 
 
 def _local_specs(flat0: Flat, specs: SpecLike, mesh: Any) -> list[PartitionSpec]:
-    """Each leaf's spec, chosen from the local shapes on a size-1 copy of ``mesh``.
-
-    Divisibility is a property of the global shape (always divisible here), so specs are
-    picked without it; axis names and ranks are still checked.
-    """
+    """Each leaf's spec, chosen from the local shapes on a size-1 copy of ``mesh``."""
     ones = make_mesh(
         {str(a): 1 for a in mesh.axis_names}, abstract=True, axis_types=tuple(mesh.axis_types)
     )

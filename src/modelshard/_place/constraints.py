@@ -105,10 +105,9 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
 
 
 def _traced_function(frame: FrameType) -> FrameType | None:
-    """The outermost user frame that JAX's machinery called (through library or modelshard
-    frames: Flax calls a module, ``shard_jit`` its step), from ``frame`` out to the
-    bottom of the stack; None if JAX called none. ``jax.tree.map`` calling back into user
-    code is not a trace."""
+    """The outermost user frame that JAX's machinery called (through library or modelshard frames:
+    Flax calls a module, ``shard_jit`` its step), from ``frame`` out to the bottom of the stack;
+    None if JAX called none."""
     found: FrameType | None = None
     user: FrameType | None = None  # the outermost user frame since the last JAX frame
     f: FrameType | None = frame

@@ -14,12 +14,7 @@ from .planning import Plan, plan
 
 
 def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
-    """Put each array on its sharding; abstract leaves get the sharding attached.
-
-    NumPy arrays, uncommitted arrays, arrays committed to one device and arrays sharded
-    another way are all moved (one batched ``device_put``); arrays already placed right
-    are returned as they are.
-    """
+    """Put each array on its sharding; abstract leaves get the sharding attached."""
     out: list[Any] = list(arrays)
     todo_i, todo_x, todo_s = [], [], []
     for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
@@ -45,11 +40,7 @@ def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
 
 
 def _local_to_global(x: Any, s: Any) -> Any:
-    """Multi-process: an array committed to this process's devices, as a global array.
-
-    ``device_put`` refuses committed arrays for shardings that span other processes; like
-    NumPy inputs, such an array must hold the same full value on every process.
-    """
+    """Multi-process: an array committed to this process's devices, as a global array."""
     if not (
         isinstance(x, jax.Array)
         and x.is_fully_addressable

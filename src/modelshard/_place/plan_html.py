@@ -1,10 +1,5 @@
-"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, a leaf's tiles, and a
-leaf's logical names in words (the rule cells of the HTML and of ``plan.table()``).
-
-Everything here is computed from the plan alone (no arrays, no devices), so abstract
-meshes of thousands of devices render too; large tile grids are summarised, never drawn
-cell by cell. The HTML is self-contained: inline CSS, no script, no external resource.
-"""
+"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, a leaf's tiles, and a leaf's
+logical names in words (the rule cells of the HTML and of ``plan.table()``)."""
 
 from __future__ import annotations
 
@@ -89,12 +84,10 @@ def _esc(x: Any) -> str:
 
 
 def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``embed, heads->model, kv (tinylm defaults)``: each dimension's logical names in
-    order, a name that shards its dimension with the mesh axes it maps to (a name without
-    an arrow replicates it), and the rules that mapped them, once after each run of names
-    one source mapped (``batch->data, seq (tinylm defaults), mlp (rules)``).
-    A source is its entry without the name (``rules`` for ``rules['heads']``, ``[logical]
-    of tp.toml`` for ``[logical] heads of /path/tp.toml``)."""
+    """``embed, heads->model, kv (tinylm defaults)``: each dimension's logical names in order, a
+    name that shards its dimension with the mesh axes it maps to (a name without an arrow
+    replicates it), and the rules that mapped them, once after each run of names one source
+    mapped (``batch->data, seq (tinylm defaults), mlp (rules)``)."""
     if not logical:
         return ""
     names: list[tuple[str, str]] = []
@@ -139,18 +132,7 @@ def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
 
 
 class Tiles:
-    """Which device holds which slice of one leaf: one tile per distinct shard.
-
-    Built by [`modelshard.Plan.tiles`][modelshard.Plan.tiles]. ``tiles`` lists, per shard, its index along
-    each dimension, the slice of the global shape and the devices holding it (more than
-    one: replicas). Renders as HTML in notebooks, as a rich table in terminals.
-
-    Attributes:
-        path: the leaf's path.
-        shape: its global shape; ``spec`` its ``PartitionSpec``.
-        parts: how many pieces each dimension is cut into.
-        tiles: ``(index, slices, device_ids)`` per shard, in index order.
-    """
+    """Which device holds which slice of one leaf: one tile per distinct shard."""
 
     def __init__(self, plan: PlanView, path: str, leaf: Any):
         self.path = path

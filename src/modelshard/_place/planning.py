@@ -435,12 +435,7 @@ def longest_rule(cells: list[dict[str, str]]) -> int:
 
 
 class PlanTable:
-    """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable.
-
-    Paths are never cut: the path column wraps, and on a narrow console the rule and
-    dtype columns go first. Below the rows: one line per top-level module with its bytes
-    per device.
-    """
+    """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable."""
 
     def __init__(
         self,
@@ -604,11 +599,7 @@ class PlanTable:
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """``"16GiB"`` -> 17179869184; ``"80GB"`` -> 80e9; ``"512 MiB"``; a number is bytes.
-
-    Raises:
-        SpecError: the text is not a size.
-    """
+    """``"16GiB"`` -> 17179869184; ``"80GB"`` -> 80e9; ``"512 MiB"``; a number is bytes."""
     n = size_in_bytes(value)
     if n is not None:
         return n

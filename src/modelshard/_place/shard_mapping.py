@@ -1,12 +1,4 @@
-"""``shard_map``: ``jax.shard_map`` over containers, with one spec-like per argument.
-
-Each argument's spec-like is expanded onto its array leaves by the one pipeline
-(``expand_args``), so every problem (unknown axis, rank,
-a dimension its mesh axes do not divide, so no whole local shard) is listed, with the leaf's
-path, before ``fn`` is traced. ``jax.shard_map`` then runs over the flat leaves; inside,
-each container is rebuilt from its local shards, and ``fn``'s output is split again.
-``out_specs`` is expanded over the output's structure, learnt from one shape-only trace.
-"""
+"""``shard_map``: ``jax.shard_map`` over containers, with one spec-like per argument."""
 
 from __future__ import annotations
 
@@ -240,12 +232,7 @@ def _body(
 
 
 def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) -> list[Any]:
-    """One ``PartitionSpec`` per output leaf: ``specs`` expanded over the output's structure.
-
-    The leaves are local shards, so the expansion runs on a mesh of the same axes, each of
-    size 1: unknown axes, ranks and axes used twice are reported; divisibility cannot fail.
-    Spec functions see the local leaf.
-    """
+    """One ``PartitionSpec`` per output leaf: ``specs`` expanded over the output's structure."""
     given = jax.tree_util.tree_leaves(specs, is_leaf=is_leaf_spec)
     if any(isinstance(s, FSDP) for s in given):
         raise _invalid(

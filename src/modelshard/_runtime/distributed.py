@@ -1,7 +1,6 @@
-"""The multi-process runtime behind the public ``modelshard.distributed`` module: starting
-JAX's distributed runtime from the environment, and the coordination-service helpers
-(``barrier``, ``broadcast``, ``gather``) the library and training scripts share. The design
-notes are the public module's docstring."""
+"""The multi-process runtime behind the public ``modelshard.distributed`` module: starting JAX's
+distributed runtime from the environment, and the coordination-service helpers (``barrier``,
+``broadcast``, ``gather``) the library and training scripts share."""
 
 from __future__ import annotations
 
@@ -51,13 +50,9 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
 
 
 def env_seconds(name: str, env: Mapping[str, str] | None = None) -> float | None:
-    """The positive number of seconds in the environment variable ``name`` (``5``,
-    ``5.0``, ``2.5``), or None when it is unset or empty: the one reading of
-    ``MODELSHARD_BARRIER_TIMEOUT`` and ``MODELSHARD_HEARTBEAT_TIMEOUT``.
-
-    Raises:
-        DistributedError: the value is not a positive, finite number.
-    """
+    """The positive number of seconds in the environment variable ``name`` (``5``, ``5.0``,
+    ``2.5``), or None when it is unset or empty: the one reading of
+    ``MODELSHARD_BARRIER_TIMEOUT`` and ``MODELSHARD_HEARTBEAT_TIMEOUT``."""
     raw = (os.environ if env is None else env).get(name, "")
     if raw == "":
         return None
@@ -234,15 +229,7 @@ _seen_lock = threading.Lock()
 
 
 def _key(client: Any, kind: str, name: str) -> str:
-    """A coordination-service key for this call of ``name``.
-
-    Every process calls the same names in the same order, so the n-th call has the same
-    key everywhere, unless a process raised before a call the others made. They wait for
-    it until the timeout, then mark that key abandoned (``_abandon``) and raise. A process
-    that comes to an abandoned key afterwards skipped it, and takes the next key, the one
-    the others use next: its call meets theirs, never the abandoned call or its leftovers
-    (a gather's stale values), and the counts are in step again.
-    """
+    """A coordination-service key for this call of ``name``."""
     with _seen_lock:
         n = _seen.get(f"{kind}:{name}", 0) + 1
         while _abandoned(client, f"modelshard/{kind}/{name}/{n}"):
@@ -397,19 +384,8 @@ def gather(
 
 
 def exchange(value: Any, name: str, wait: Callable[[], None]) -> list[Any]:
-    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait for
-    every process that each makes anyway (an Orbax barrier), which the exchange adds none to.
-
-    Each process puts its value in the coordination service's key-value store before it
-    waits and reads the others' once the wait is over, when all of them are there: nothing
-    here waits for another process but ``wait`` itself, so it may run wherever that wait
-    runs (Orbax's background save thread included). Every process must call it with the
-    same ``name``, in the same order. Without a coordination service (a runtime started
-    without one) the other processes' values are unknown: None.
-
-    Raises:
-        whatever ``wait`` raises (the exchange is then abandoned, as ``_key`` says).
-    """
+    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait for every
+    process that each makes anyway (an Orbax barrier), which the exchange adds none to."""
     text = json.dumps(value)
     client = _client() if jax.process_count() > 1 else None
     if client is None:

@@ -1,18 +1,4 @@
-"""``modelshard launch``: N local processes on JAX's distributed runtime, as one command.
-
-Each process gets the coordinator address (a loopback port), the process count, its index
-and its number of simulated CPU devices in the environment, which
-[`modelshard.distributed.initialize`][modelshard.distributed.initialize] reads. Output is forwarded line by line with a
-``[process i]`` prefix. When one process fails, the others are stopped: SIGTERM, then
-SIGKILL after a grace period (JAX ignores SIGTERM while it waits in a collective), each
-process in its own process group so nothing it started stays behind.
-
-The coordinator's port is reserved for the whole run (``reserve_port``): the launcher
-keeps it bound with ``SO_REUSEPORT``, which JAX's coordinator (a gRPC server) also sets, so
-the coordinator can bind it while no other program can take it in between. Processes are
-started without a ``preexec_fn`` (which would fork a multithreaded process): on Linux each
-goes through a small exec helper that asks the kernel to kill it if the launcher dies.
-"""
+"""``modelshard launch``: N local processes on JAX's distributed runtime, as one command."""
 
 from __future__ import annotations
 
@@ -143,15 +129,8 @@ def free_port() -> int:
 
 
 def reserve_port() -> socket.socket | None:
-    """A socket holding a free port on 127.0.0.1 until it is closed, or ``None`` where the
-    platform has no ``SO_REUSEPORT``.
-
-    The socket is bound with ``SO_REUSEPORT`` and never listens: a server that also sets
-    ``SO_REUSEPORT`` (JAX's coordinator does, through gRPC) can bind and listen on the port,
-    and only listening sockets receive connections, while a program that does not set it
-    gets "address in use". So the port cannot be taken between choosing it and the
-    coordinator binding it.
-    """
+    """A socket holding a free port on 127.0.0.1 until it is closed, or ``None`` where the platform
+    has no ``SO_REUSEPORT``."""
     reuse = getattr(socket, "SO_REUSEPORT", None)
     if reuse is None:  # pragma: no cover - not Linux/macOS
         return None
@@ -166,8 +145,7 @@ def reserve_port() -> socket.socket | None:
 
 
 def _glibc() -> bool:
-    """Whether this process runs on glibc (its processes will: same machine, same C
-    library)."""
+    """Whether this process runs on glibc (its processes will: same machine, same C library)."""
     try:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError, AttributeError):  # no such name: not glibc
@@ -182,16 +160,7 @@ def child_env(
     devices: int,
     heartbeat_timeout: float | None = None,
 ) -> dict[str, str]:
-    """The environment of process ``index``: ``base`` plus what ``initialize`` reads.
-
-    Under glibc, also one malloc arena (``MALLOC_ARENA_MAX=1``) unless ``base`` sets the
-    limit itself. With glibc's default, an arena per thread up to 8 per core, a process
-    that saves every step grows without a plateau: each save's host copies are allocated
-    and freed on short-lived threads, and every arena they land in keeps its high-water
-    mark (``malloc_trim`` gives back only the main arena's top). One arena keeps such a run
-    flat (docs/benchmarks/checkpoint.md, "A save every step"). Other C libraries ignore the
-    variable, so it is not set there.
-    """
+    """The environment of process ``index``: ``base`` plus what ``initialize`` reads."""
     env = dict(base)
     if ENV_MALLOC_ARENA_MAX not in env and _glibc():
         env[ENV_MALLOC_ARENA_MAX] = "1"
@@ -249,10 +218,8 @@ def _cannot_start(program: str) -> str | None:
 
 
 def _without_noise(held: bytes, line: bytes) -> tuple[bytes | None, bytes]:
-    """``(what to print, what to hold)`` for ``line`` read after ``held``: gloo's pieces
-    removed (``_NOISE``). A message that ended the line took its newline with it, so what
-    is left of the line is the start of one the program is still writing: it is held and
-    printed with its end. None when nothing is left to print now."""
+    """``(what to print, what to hold)`` for ``line`` read after ``held``: gloo's pieces removed
+    (``_NOISE``)."""
     text = _NOISE.sub(b"", held + line)
     if not text:
         return None, b""
@@ -349,21 +316,7 @@ def run(
     stdout: Any = None,
     stderr: Any = None,
 ) -> int:
-    """Run ``command`` as ``num`` processes; return 0 if all succeed, else a failing code.
-
-    A signal to the launcher (SIGTERM, SIGINT, SIGHUP) is forwarded to every process,
-    which gets ``grace`` seconds to finish (a preemption save) before SIGKILL. A process
-    that ends on SIGTERM or SIGINT by itself (its scheduler stopped it) stops the others
-    the same way, and is not a failure. After a failure or the timeout the others get
-    ``min(grace, FAILURE_GRACE_S)``.
-
-    Returns the first failing process's exit code (128 + signal if it was killed), 124
-    on timeout, 128 + signal when the run was stopped by a signal and every process ended
-    within the grace, 137 when one had to be killed after the grace (its save was cut
-    short; each is named), 127 when the command cannot be started. Unless all succeed,
-    every process's exit status is reported at the end; every process group is gone when
-    it returns.
-    """
+    """Run ``command`` as ``num`` processes; return 0 if all succeed, else a failing code."""
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     lock = threading.Lock()

@@ -1,10 +1,4 @@
-"""The one pipeline: split each argument, expand its spec onto every array leaf, validate.
-
-Everything that places arrays (``shard``, ``shard_jit``, ``constrain``, ``restore``, the
-CLI) calls ``expand_args`` and consumes its [`LeafPlan`][modelshard.LeafPlan] lists; nothing else
-expands or validates specs. This module walks arguments, prefix trees and leaves; how one
-leaf's spec is resolved and checked is ``modelshard._specs.resolution``.
-"""
+"""The one pipeline: split each argument, expand its spec onto every array leaf, validate."""
 
 from __future__ import annotations
 
@@ -167,14 +161,8 @@ def _plan_leaves(
     ctx: Ctx,
     hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
-    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING;
-    ``hits``: when every leaf has the same ``Rules``, each leaf's match, found in bulk).
-
-    This loop runs over every leaf of every plan (10,000-leaf trees), so it is written
-    flat: leaves that resolve the same way (same spec source, same shape, same matched
-    rule) share one resolution and one validation, cached in ``ctx.resolved``; per leaf
-    there is a dict lookup and one tuple built.
-    """
+    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING; ``hits``:
+    when every leaf has the same ``Rules``, each leaf's match, found in bulk)."""
     resolved = ctx.resolved
     placed = ctx.placed
     out: list[LeafPlan] = []
@@ -244,14 +232,7 @@ def _plan_leaves(
 def _plan_matched(
     arg: str, infos: list[LeafInfo], arrays: list[Any], rules: Rules, ctx: Ctx, hits: list[Any]
 ) -> list[LeafPlan]:
-    """``_plan_leaves`` when one ``Rules`` was matched against every path in bulk.
-
-    A leaf that matched rule ``i`` with shape ``shape`` and dtype ``dtype`` plans exactly
-    like every other such leaf, so the first one goes through ``_plan_leaves`` (resolution,
-    validation, rule usage, problems) and the others reuse its spec, rule and placed
-    dtype. Leaves that matched no rule, NumPy leaves (checked one by one for dtypes JAX
-    refuses) and leaves with problems always take the full path.
-    """
+    """``_plan_leaves`` when one ``Rules`` was matched against every path in bulk."""
     out: list[LeafPlan] = []
     append = out.append
     done: dict[tuple[Any, ...], LeafPlan] = {}
@@ -276,27 +257,14 @@ def _plan_matched(
 
 
 def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
-    """Split and plan several ``(name, container, spec_like)`` arguments at once.
-
-    Returns:
-        One [`ArgPlan`][modelshard.ArgPlan] per argument.
-
-    Raises:
-        SpecError: listing every problem across every argument.
-        AdapterError: a container could not be split.
-    """
+    """Split and plan several ``(name, container, spec_like)`` arguments at once."""
     with _gc_paused():
         return _expand_args(args, mesh)
 
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a plan is built.
-
-    A plan allocates a few objects per leaf, and nothing in it forms a reference cycle;
-    with the collector running, those allocations set off collections that scan the whole
-    heap (every object JAX and the model hold) several times per 10,000-leaf plan.
-    """
+    """Pause the cyclic garbage collector while a plan is built."""
     if not gc.isenabled():
         yield
         return

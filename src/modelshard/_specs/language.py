@@ -1,15 +1,4 @@
-"""The spec language: what may be given as the sharding of one argument.
-
-One *spec-like* value is given per argument and expanded onto every array leaf inside it:
-
-- a ``PartitionSpec``: the same spec for every array leaf (``P()``
-  replicates everything);
-- [`Rules`][modelshard.Rules]: regex rules over canonical paths, first match wins, plus logical names;
-- [`fsdp`][modelshard.fsdp]: shard each leaf's largest divisible dimension over one mesh axis;
-- a callable ``(path, leaf) -> PartitionSpec``;
-- a prefix tree (dict / list / tuple / NamedTuple / dataclass pytree) of the above, whose
-  keys follow the container's canonical paths (``{"params": rules, "batch_stats": P()}``).
-"""
+"""The spec language: what may be given as the sharding of one argument."""
 
 from __future__ import annotations
 
@@ -36,11 +25,7 @@ def partial_axes(spec: PartitionSpec) -> frozenset[str]:
 
 
 def to_spec(value: Any, where: str) -> PartitionSpec:
-    """Normalise a rule's spec: a ``PartitionSpec``, or a tuple/list of axis entries.
-
-    Raises:
-        SpecError: ``value`` is neither (``None`` included: replicate with ``P()``).
-    """
+    """Normalise a rule's spec: a ``PartitionSpec``, or a tuple/list of axis entries."""
     if isinstance(value, PartitionSpec):
         return value
     if isinstance(value, tuple | list) and all(is_entry(e) for e in value):

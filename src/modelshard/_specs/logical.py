@@ -1,24 +1,4 @@
-"""Logical axis names: the rules that map them to mesh axes, and the context that sets them.
-
-Logical rules come in two forms, accepted wherever ``logical=`` is (``Rules``, rules files,
-[`logical_rules`][modelshard.logical_rules]):
-
-- a mapping ``{"batch": ("data", "fsdp"), "embed": None}``: one target per name. Two names
-  of one leaf mapped onto the same mesh axis is an error (the plan says which).
-- Flax's ordered list of ``(logical_name, mesh_axes)`` pairs, as ``nn.logical_axis_rules``
-  and MaxText's ``logical_axis_rules`` write them: a name may repeat, and for each leaf the
-  pairs are tried in order; a pair applies to its dimension only when none of its mesh axes
-  is already taken by another dimension, so a later pair is the fallback of an earlier one.
-  A name whose every pair is blocked replicates that dimension, as in Flax.
-
-Model code names logical axes only; the script decides what they mean, either with
-``Rules(logical=...)`` or with the [`logical_rules`][modelshard.logical_rules] context (a ``ContextVar``, so it is
-per thread and per task, and a ``shard_jit`` trace sees the context of its call). Flax's
-own ``nn.logical_axis_rules`` context is honoured when no modelshard context is active.
-
-How one spec is resolved through the rules lives in ``modelshard._specs.resolution``; this module
-only validates and holds the rules.
-"""
+"""Logical axis names: the rules that map them to mesh axes, and the context that sets them."""
 
 from __future__ import annotations
 
@@ -43,25 +23,7 @@ LogicalLike: TypeAlias = Any  # Mapping[str, axes] | Sequence[tuple[str, axes]] 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LogicalRules:
-    """Validated logical rules: what the resolver reads.
-
-    Two ``LogicalRules`` with the same pairs (and semantics) are equal and hash alike, so a
-    ``shard_jit`` step entered under an equal ``logical_rules`` context on every call
-    reuses its compiled signature.
-
-    Attributes:
-        pairs: ``(name, mesh axes)`` in the order given; ``()`` replicates.
-        ordered: whether they follow Flax's list semantics (repeats, fallback).
-        source: how errors name where the rules came from.
-        public: the rules as the user wrote them (a dict for a mapping, a tuple of pairs
-            for Flax-style lists); Flax's functions take ``flax_rules``.
-        candidates: name -> its targets, in order (one for a mapping).
-        file: the TOML rules file they were read from (hints then speak TOML), or None.
-        labels: per pair, the entry that wrote it as errors name it (``rules['heads']``,
-            ``tinylm defaults['heads']``, ``rules[3]``).
-        declared: ``(name, library)`` for every logical name a
-            [`LogicalAxes`][modelshard.LogicalAxes] among the layers declared.
-    """
+    """Validated logical rules: what the resolver reads."""
 
     pairs: tuple[tuple[str, Target], ...]
     ordered: bool
@@ -108,10 +70,9 @@ class LogicalRules:
         return f"{self.source} (names: {shown or 'none'})"
 
     def entry(self, name: str, axis: str | None = None) -> str:
-        """One entry mapping ``name`` to ``axis``, written as the user writes these rules:
-        a TOML line for a rules file (``heads = "model"``), Python for the others
-        (``'heads': 'model'``, or a pair for Flax-style lists); ``axis=None``: a
-        placeholder."""
+        """One entry mapping ``name`` to ``axis``, written as the user writes these rules: a TOML
+        line for a rules file (``heads = "model"``), Python for the others (``'heads': 'model'``,
+        or a pair for Flax-style lists); ``axis=None``: a placeholder."""
         return logical_entry(name, axis, self.file, self.ordered)
 
     def written(self, name: str, as_name: str | None = None) -> str:
@@ -179,12 +140,8 @@ def compile_logical(
     where: str = "logical",
     file: str | None = None,
 ) -> tuple[LogicalRules | None, list[Problem]]:
-    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules``
-    (``file``: the rules file they come from, so that hints speak TOML).
-
-    Returns:
-        The rules (None when ``value`` is None or invalid) and every problem found.
-    """
+    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules`` (``file``: the
+    rules file they come from, so that hints speak TOML)."""
     if value is None:
         return None, []
     problems: list[Problem] = []
@@ -455,12 +412,8 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
 
 
 def layered(layers: Sequence[Any], base: LogicalRules | None) -> LogicalRules | None:
-    """``layers`` on top of ``base`` (the enclosing context's rules), validated and checked
-    against the declared names.
-
-    Raises:
-        SpecError: a bad layer, or rules that do not fit the declared names.
-    """
+    """``layers`` on top of ``base`` (the enclosing context's rules), validated and checked against
+    the declared names."""
     out = None if base is None or base is _CLEARED else base
     user: list[tuple[str, str]] = []  # (name, label) of every entry a user's layer wrote
     if not layers:
@@ -568,14 +521,10 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
 
 
 def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
-    """Every mesh axis ``rules`` map to that is a likely typo of an axis of ``mesh``
-    (``'modle'`` on a mesh with ``'model'``) is an error here, before Flax's bridge meets
-    it as a bare ``ValueError``; an axis the mesh lacks and resembles none is left to the
-    plan (rules may be shared by meshes of other shapes). No mesh: nothing to check.
-
-    Raises:
-        SpecError: every misspelt entry listed, each with "did you mean".
-    """
+    """Every mesh axis ``rules`` map to that is a likely typo of an axis of ``mesh`` (``'modle'`` on
+    a mesh with ``'model'``) is an error here, before Flax's bridge meets it as a bare
+    ``ValueError``; an axis the mesh lacks and resembles none is left to the plan (rules may be
+    shared by meshes of other shapes)."""
     if rules is None or mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
         return
     axes = [str(a) for a in mesh.axis_names]
@@ -631,19 +580,8 @@ _linen_hooking = threading.Lock()
 
 
 def _hook_linen() -> None:
-    """Wrap linen's two constraint points, once (both defer to Flax's own code outside a
-    bridged context):
-
-    - ``LogicallyPartitioned.unbox`` leaves a box whose value has fewer dimensions than its
-      names unconstrained: an initializer wrapper made it flat and reshapes it
-      (``DenseGeneral``'s kernel and bias), and Flax constrains the reshaped box at full
-      rank when the module reads the param. Flax's own unbox constrains nothing without a
-      mesh, and with one constrains the flat value by the full-rank names and fails
-      (flax#3676); ``shard_jit`` always traces under its mesh.
-    - the constraint itself (``nn.with_logical_constraint``, every unbox) reshards where
-      an Explicit axis is involved, where ``with_sharding_constraint`` only asserts (as
-      NNX's eager sharding does on Explicit meshes).
-    """
+    """Wrap linen's two constraint points, once (both defer to Flax's own code outside a bridged
+    context)."""
     global _linen_hooked
     with _linen_hooking:
         if not _linen_hooked:

@@ -1,10 +1,4 @@
-"""One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline.
-
-``modelshard._specs.expand`` walks every argument and leaf and calls into this module to turn
-a leaf's spec source (a ``PartitionSpec``, ``Rules``, ``fsdp``, a function) into a mesh-axis
-``PartitionSpec`` and to check it against the leaf and the mesh; every problem is collected
-in one ``Ctx`` so a ``SpecError`` lists them all.
-"""
+"""One leaf's spec, resolved to mesh axes and validated: the per-leaf half of the pipeline."""
 
 from __future__ import annotations
 
@@ -84,14 +78,8 @@ class Ctx:
 def resolve_names(
     spec: PartitionSpec, logical: LogicalRules | None
 ) -> tuple[PartitionSpec, str | None, Via]:
-    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem,
-    which name and entry mapped each dimension).
-
-    Names ``logical`` does not know stay as they are (mesh axes, or names ``check``
-    reports). A mapping substitutes each name; Flax's ordered list assigns pairs in order,
-    each only while none of its mesh axes is taken by another dimension (names that are
-    mesh axes already take theirs), exactly as ``flax.linen.logical_to_mesh_axes``.
-    """
+    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem, which name
+    and entry mapped each dimension)."""
     if logical is None or partial_axes(spec):  # partial specs are left for check to report
         return spec, None, ()
     entries = list(spec)

@@ -1,37 +1,4 @@
-"""Rules files: [`Rules`][modelshard.Rules] written as TOML, for the CLI and for configs.
-
-The format (documented in ``docs/guides/rules-file.md``)::
-
-    strict = true                    # optional, default true
-
-    [[rules]]                        # first match wins, patterns use re.search
-    pattern = "embedding$"
-    spec = ["vocab", "embed"]        # one entry per dimension
-
-    [[rules]]
-    pattern = "kernel$"
-    spec = ["embed", ["data", "model"]]   # a list shards one dimension over several axes
-
-    [[rules]]
-    pattern = ".*"
-    spec = []                        # replicate
-
-    [logical]                        # logical name -> mesh axis
-    vocab = "model"
-    embed = "none"                   # "none" replicates the dimension
-    mlp = ["data", "model"]
-
-TOML has no null, so a replicated dimension is written ``"none"``. Logical rules may also
-be Flax's ordered list of pairs (a name may repeat; a later pair applies when an earlier
-one's mesh axes are taken by another dimension), written as MaxText writes them::
-
-    logical = [
-      ["embed", ["fsdp", "fsdp_transpose"]],
-      ["embed", "fsdp"],
-      ["mlp", ["tensor", "fsdp_transpose"]],
-      ["norm", []],                  # [] (or "none") replicates
-    ]
-"""
+"""Rules files: [`Rules`][modelshard.Rules] written as TOML, for the CLI and for configs."""
 
 from __future__ import annotations
 
