@@ -168,9 +168,8 @@ class Snapshot:
 
     def write_back(self, positions: Sequence[int], values: Sequence[Any]) -> None:
         """Set the Variables at ``positions`` (``nnx.split`` order) to ``values``."""
-        # Variable.__setattr__ asks JAX for the current trace once per Variable; asked once
-        # here, the same check costs a comparison per Variable (a tenth of the time on a
-        # 1,000-leaf update: docs/benchmarks/dispatch.md).
+        # Variable.__setattr__ asks JAX for the current trace per Variable; asked once here,
+        # each Variable costs a comparison.
         here = _current_trace()
         ordered = self.variables
         for m, new in zip(positions, values, strict=True):

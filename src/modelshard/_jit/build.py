@@ -56,9 +56,8 @@ class Entry:
         compiled = self.compile()
         out = compiled(*flat)
         # ``Compiled.__call__`` forwards every call to the C++ dispatcher it builds on its
-        # first call; later calls go to that directly (a Python frame and a copy of the
-        # arguments fewer, visible on a 1,000-leaf call: docs/benchmarks/dispatch.md), where
-        # this JAX has it.
+        # first call; later calls go to it directly (a Python frame and an argument copy
+        # fewer), where this JAX has it.
         direct = getattr(compiled, "_call", None)
         if callable(direct):
             self.run = direct
