@@ -318,7 +318,14 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
 
 
 class SpecError(ModelshardError, ValueError):
-    """Specs that do not fit the tree or the mesh; lists every offending leaf at once."""
+    """Specs that do not fit the tree or the mesh; lists every offending leaf at once.
+
+    Attributes:
+        problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
+        site: where in the user's code the specs were applied, when that is not the
+            call that raised (``constrain at model.py:42 in MLP.__call__, while tracing step
+            (train.py:9)``).
+    """
 
     __module__ = "modelshard"
     noun = "sharding problem"  # what a problem is called in the summary line
@@ -402,7 +409,12 @@ class SpecError(ModelshardError, ValueError):
 
 class FitError(SpecError):
     """A step needs more memory per device than its budget
-    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``)."""
+    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``).
+
+    Attributes:
+        advice: the ``FitAdvice``: the step's memory and every change checked (its JSON is
+            part of ``to_json``, under ``advice``).
+    """
 
     __module__ = "modelshard"
 
@@ -457,9 +469,13 @@ class CheckpointError(ModelshardError, ValueError):
 
 
 class ForeignStepError(CheckpointError):
-    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's own
-    ``CheckpointManager`` writes into folders of the same names): it never removes or replaces
-    what it did not write."""
+    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's
+    own ``CheckpointManager`` writes into folders of the same names): it never removes or
+    replaces what it did not write. ``CheckpointManager.delete(step)`` removes one by name.
+
+    Attributes:
+        step: the step number refused.
+    """
 
     __module__ = "modelshard"
 
