@@ -149,7 +149,7 @@ def main(out: str) -> None:
         os.pwrite = full
     # process 0 removes the temporaries slowly: process 1 must still not see them after
     # its error (every process returns once they are gone)
-    from modelshard._weights import shared
+    from modelshard._weights import multiprocess_writing as shared
 
     remove = shared._remove
     if me == 0:

@@ -38,7 +38,7 @@ from safetensors.numpy import load_file, save_file
 import modelshard as ms
 from helpers import launch_argv
 from modelshard._base import progress as progress_mod
-from modelshard._weights import shared
+from modelshard._weights import multiprocess_writing as shared
 
 # one worker runs this file (its module fixtures start processes once)
 pytestmark = pytest.mark.xdist_group("export")

@@ -13,7 +13,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,13 +82,20 @@ class Source:
         return self._write_shapes
 
 
-def store_format(source: Source) -> tuple[bool, bool]:
-    """``(use_ocdbt, use_zarr3)`` of the source's arrays, as its ``_METADATA`` says."""
+class StoreFormat(NamedTuple):
+    """How a checkpoint's arrays are stored: in an OCDBT database, as zarr v3."""
+
+    ocdbt: bool
+    zarr3: bool
+
+
+def store_format(source: Source) -> StoreFormat:
+    """The source's ``StoreFormat``, as its ``_METADATA`` says (Orbax's defaults if unread)."""
     try:
         meta = source.tree_metadata()
-        return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
+        return StoreFormat(bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)))
     except (OSError, ValueError, AttributeError):
-        return True, False
+        return StoreFormat(ocdbt=True, zarr3=False)
 
 
 def _read_write_shapes(source: Source) -> dict[tuple[str, ...], tuple[int, ...]]:

@@ -8,7 +8,6 @@ the design.
 
 from __future__ import annotations
 
-from .adapter import save_peft_adapter as save_peft_adapter
 from .export import check_destination as check_destination
 from .export import save_safetensors as save_safetensors
 from .export import write_export as write_export
@@ -36,6 +35,7 @@ from .ops import Rearrange as Rearrange
 from .ops import Reshape as Reshape
 from .ops import Scale as Scale
 from .ops import Transpose as Transpose
+from .peft_adapter import save_peft_adapter as save_peft_adapter
 from .recipe import Cast as Cast
 from .recipe import Node as Node
 from .recipe import Read as Read
@@ -45,8 +45,8 @@ from .recipe import needed_specs as needed_specs
 from .recipe import norm_index as norm_index
 from .recipe import on_key_data as on_key_data
 from .recipe import unaliased as unaliased
-from .resolution import Resolution as Resolution
-from .resolution import resolve as resolve
+from .resolver import Resolution as Resolution
+from .resolver import resolve as resolve
 from .rules import Concat as Concat
 from .rules import MapRule as MapRule
 from .rules import Split as Split

@@ -3,7 +3,7 @@
 With a reference, the stored tensors are the reference's (names, shapes, dtypes), each
 computed by the ``inverse.Exporter``; without one every leaf is written under its own
 path. ``write_export`` is the one writer (one process: ``writing``; several:
-``shared.write_shared``), which ``modelshard convert --to safetensors`` shares.
+``multiprocess_writing.write_shared``), which ``modelshard convert --to safetensors`` shares.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from .._runtime import barrier, gather
 from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
-from .safetensors import dtype_code
-from .shared import (
+from .multiprocess_writing import (
     Block,
     SharedPlan,
     TensorPlan,
@@ -35,7 +34,8 @@ from .shared import (
     local_block,
     write_shared,
 )
-from .writing import Entry, Layout, plan_layout, sharded_layout, sharded_names, write_layout
+from .safetensors import dtype_code
+from .writing import Entry, FileLayout, plan_layout, sharded_layout, sharded_names, write_layout
 
 
 def save_safetensors(
@@ -367,10 +367,10 @@ def write_export(
     Hugging Face's sharded layout with ``max_shard_size``; progress in bytes (this
     process's). An existing export is replaced only with ``overwrite`` (``flag`` names
     it in the refusal). With several processes and ``shared``, every process writes its
-    part (``shared.write_shared``); every process must call it."""
+    part (``multiprocess_writing.write_shared``); every process must call it."""
     layout = plan_layout(path, items, max_shard_size)
 
-    def refuse(layout: Layout) -> None:
+    def refuse(layout: FileLayout) -> None:
         check_destination(path, max_shard_size, overwrite=overwrite, flag=flag)
 
     several = jax.process_count() > 1 and shared is not None

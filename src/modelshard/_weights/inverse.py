@@ -1,7 +1,7 @@
 """The import mapping run backwards: ``unmap`` and the ``Exporter`` that computes each
 stored tensor of a reference from target leaves.
 
-An export runs the same resolution as an import (``.resolution.resolve``) against a
+An export runs the same resolution as an import (``resolver.resolve``) against a
 reference's header (the names, shapes and dtypes to write) and inverts every recipe; a
 tensor that ``also`` rules copied into more leaves is written once, from its first rule's
 leaf.
@@ -21,10 +21,10 @@ from .._containers import split
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
-from .resolution import Resolution, resolve
+from .multiprocess_writing import Block, SharedPlan, TensorPlan, array_plan, full_leaf
+from .resolver import Resolution, resolve
 from .rules import WeightMap
 from .safetensors import open_safetensors
-from .shared import Block, SharedPlan, TensorPlan, array_plan, full_leaf
 
 
 def reference_table(

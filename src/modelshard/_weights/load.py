@@ -1,7 +1,7 @@
 """``load_safetensors``: pretrained weights in (``export.py`` writes them out).
 
 Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
-them against the target's leaves (``.resolution.resolve``, all problems at once); the
+them against the target's leaves (``resolver.resolve``, all problems at once); the
 target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]); then each leaf is built
 with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
 addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
@@ -35,7 +35,7 @@ from .._base import split as split_path
 from .._containers import split
 from . import recipe
 from .mapfile import checkpoint_config, load_weight_map
-from .resolution import Resolution, resolve
+from .resolver import Resolution, resolve
 from .rules import WeightMap
 from .safetensors import SafetensorsFiles, open_safetensors
 

@@ -1,7 +1,7 @@
 """The operations of a rule's ``ops``: ``Rearrange`` (with its einops parser), ``Transpose``,
 ``Reshape``, ``Add`` and ``Scale``, and the checks each needs before any tensor is seen.
 
-Resolution turns each into recipe nodes (``steps.py``); an export inverts those nodes.
+Resolution turns each into recipe nodes (``rule_steps.py``); an export inverts those nodes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ first rule whose ``source`` regex matches its whole name. The rule's ``target`` 
 names the leaf (``{1}`` or ``{name}`` insert the regex's groups) and its transforms say how
 the stored tensor becomes that leaf: ``Stack``/``Concat`` join several stored tensors,
 ``Unstack``/``Split`` cut one, and ``ops`` (``ops.py``) compute on each piece. A rule is
-checked when its ``WeightMap`` is built (every malformed rule at once); ``resolution.py``
+checked when its ``WeightMap`` is built (every malformed rule at once); ``resolver.py``
 then resolves a mapping against the stored tensors.
 """
 

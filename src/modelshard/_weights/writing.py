@@ -149,7 +149,7 @@ def _write_partial(
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class FileLayout:
     """The files one write produces, decided from the names and sizes alone (every
     process of a run computes the same one).
 
@@ -182,7 +182,7 @@ class Layout:
 
 def plan_layout(
     path: str | os.PathLike[str], items: list[Entry], max_shard_size: int | str | None
-) -> Layout:
+) -> FileLayout:
     """The files that writing ``items`` to ``path`` makes: one file, or with
     ``max_shard_size`` Hugging Face's sharded layout (see ``write_sharded``).
 
@@ -197,12 +197,12 @@ def plan_layout(
                 ".safetensors file name, or max_shard_size= to write a sharded checkpoint "
                 "with this index"
             )
-        return Layout([(p, items)], None, None, p, None)
+        return FileLayout([(p, items)], None, None, p, None)
     directory, stem = sharded_names(path)
     groups = shard_groups(items, parse_size(max_shard_size))
     if len(groups) == 1:
         out = directory / f"{stem}.safetensors"
-        return Layout([(out, items)], None, None, out, (directory, stem))
+        return FileLayout([(out, items)], None, None, out, (directory, stem))
     n = len(groups)
     names = [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     total = sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in items)
@@ -213,10 +213,10 @@ def plan_layout(
     index = directory / f"{stem}.safetensors.index.json"
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     files = [(directory / f, g) for f, g in zip(names, groups, strict=True)]
-    return Layout(files, index, text, index, (directory, stem))
+    return FileLayout(files, index, text, index, (directory, stem))
 
 
-def prepare_directory(layout: Layout) -> None:
+def prepare_directory(layout: FileLayout) -> None:
     """Check that ``layout`` can be written where it goes, creating missing parent
     directories (as ``save_pretrained`` creates its directory).
 
@@ -228,7 +228,7 @@ def prepare_directory(layout: Layout) -> None:
     _make_dir(layout.directory)
 
 
-def write_index(layout: Layout, token: str) -> Path | None:
+def write_index(layout: FileLayout, token: str) -> Path | None:
     """The index's temporary, written and synced (None: no index)."""
     if layout.index is None or layout.index_text is None:
         return None
@@ -240,7 +240,7 @@ def write_index(layout: Layout, token: str) -> Path | None:
     return tmp
 
 
-def commit_layout(layout: Layout, temps: list[Path], index_tmp: Path | None) -> Path:
+def commit_layout(layout: FileLayout, temps: list[Path], index_tmp: Path | None) -> Path:
     """Rename complete temporaries into place (the index last), make the renames durable,
     then remove the earlier layout's files under the same stem that this one does not
     have."""
@@ -260,7 +260,7 @@ def commit_layout(layout: Layout, temps: list[Path], index_tmp: Path | None) -> 
 
 
 def write_layout(
-    layout: Layout,
+    layout: FileLayout,
     compute: Callable[[str], Any],
     metadata: Mapping[str, str] | None,
     progress: Callable[[int], None] | None = None,

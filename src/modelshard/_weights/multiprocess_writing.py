@@ -58,7 +58,7 @@ from .._runtime import Outcome, broadcast, gather, outcome, require_addressable,
 from .recipe import contiguous
 from .writing import (
     Entry,
-    Layout,
+    FileLayout,
     check_pieces,
     commit_layout,
     encode_header,
@@ -145,7 +145,7 @@ class _Part:
 
 
 def plan_parts(
-    layout: Layout, plans: Mapping[str, TensorPlan], processes: int
+    layout: FileLayout, plans: Mapping[str, TensorPlan], processes: int
 ) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
     """Every process's parts, and the tensors computed in step with their writers; work
     spread by bytes, least-loaded holder first (ties: the lowest process)."""
@@ -176,7 +176,9 @@ def plan_parts(
     return mine, step
 
 
-def bytes_of(process: int, layout: Layout, plans: Mapping[str, TensorPlan], processes: int) -> int:
+def bytes_of(
+    process: int, layout: FileLayout, plans: Mapping[str, TensorPlan], processes: int
+) -> int:
     """How many bytes ``process`` writes of ``layout`` (what its progress counts)."""
     mine, step = plan_parts(layout, plans, processes)
     total = 0
@@ -246,7 +248,7 @@ def _raise_shared(own: BaseException | None, ended: Sequence[Outcome], what: str
         raise error
 
 
-def _digest(layout: Layout, metadata: Mapping[str, str] | None) -> str:
+def _digest(layout: FileLayout, metadata: Mapping[str, str] | None) -> str:
     doc = [
         str(layout.out),
         [[str(f), [[n, list(s), str(np.dtype(d))] for n, s, d in g]] for f, g in layout.files],
@@ -256,12 +258,12 @@ def _digest(layout: Layout, metadata: Mapping[str, str] | None) -> str:
 
 
 def write_shared(
-    layout: Layout,
+    layout: FileLayout,
     plans: Mapping[str, TensorPlan],
     compute: Callable[[str], Any],
     read_block: Callable[[str, Block], np.ndarray],
     metadata: Mapping[str, str] | None,
-    check_destination: Callable[[Layout], None],
+    check_destination: Callable[[FileLayout], None],
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Write ``layout`` from every process of the run (see the module's docstring);
@@ -420,7 +422,7 @@ def _remove(paths: Sequence[Path]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SharedPlan:
-    """How the processes of a run share an export's writing (``shared.write_shared``).
+    """How the processes of a run share an export's writing (``multiprocess_writing.write_shared``).
 
     Attributes:
         plans: ``plans()``: per stored tensor, who can write it (asked only when there

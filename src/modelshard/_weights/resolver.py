@@ -23,8 +23,8 @@ from typing import Any
 
 from .._base import MappingError, Problem, dtype_name, literal, natural_key, vocabulary
 from . import recipe
+from .rule_steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts
 from .rules import MapRule, WeightMap, header
-from .steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,8 @@ from .._base import MappingError, Problem, write_durable
 from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import reference_directory
-from .resolution import resolve
-from .shared import host_leaf
+from .multiprocess_writing import host_leaf
+from .resolver import resolve
 from .writing import write_safetensors
 
 _A, _B = "/lora/lora_a", "/lora/lora_b"

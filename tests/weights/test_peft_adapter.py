@@ -10,12 +10,12 @@ import re
 import numpy as np
 
 from helpers import kill_while_writing
-from modelshard._weights.adapter import _write_adapter
+from modelshard._weights.peft_adapter import _write_adapter
 
 _SETUP = """
 from pathlib import Path
 import numpy as np
-from modelshard._weights.adapter import _write_adapter
+from modelshard._weights.peft_adapter import _write_adapter
 out = Path({out!r})
 tensors = {{"m.lora_A.weight": np.ones((2, 4), np.float32)}}
 items = [(k, v.shape, v.dtype) for k, v in tensors.items()]
