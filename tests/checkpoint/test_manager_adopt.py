@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -112,9 +113,17 @@ def orbax_loop(root: Path, until: int):
     return state
 
 
-def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsys):
+@pytest.fixture(scope="module")
+def orbax_run(tmp_path_factory):
+    """Orbax's loop run once for the module to step 20: its root and its state then."""
+    root = tmp_path_factory.mktemp("orbax") / "run"
+    return root, orbax_loop(root, 20)
+
+
+def test_a_run_moves_from_orbaxs_manager_to_ours_mid_way(tmp_path, mesh24, capsys, orbax_run):
     root = tmp_path / "run"
-    at_20 = orbax_loop(root, 20)
+    shutil.copytree(orbax_run[0], root)
+    at_20 = orbax_run[1]
     assert sorted(int(n) for n in os.listdir(root)) == list(ORBAX_KEPT)
     orbaxs = snapshot(root, ORBAX_KEPT)
 

@@ -75,10 +75,18 @@ def orbax_restores(root: Path, step: int) -> float:
     return float(got["state"]["w"][0])
 
 
-@pytest.fixture
-def root(tmp_path) -> Path:
-    root = tmp_path / "run"
+@pytest.fixture(scope="module")
+def orbax_steps(tmp_path_factory) -> Path:
+    """Orbax's steps written once for the module; each test gets its own copy."""
+    root = tmp_path_factory.mktemp("orbax") / "run"
     write_orbax_steps(root)
+    return root
+
+
+@pytest.fixture
+def root(tmp_path, orbax_steps) -> Path:
+    root = tmp_path / "run"
+    shutil.copytree(orbax_steps, root)
     return root
 
 
@@ -379,14 +387,15 @@ def _s3_tree(url: str) -> dict[str, bytes]:
     return {p[len(base) + 1 :]: fs.cat_file(p) for p in fs.find(base)}
 
 
-def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(tmp_path, s3_root):
+def test_on_object_storage_orbax_steps_are_told_by_their_commit_file(
+    tmp_path, s3_root, orbax_steps
+):
     """On ``s3://`` Orbax's step is complete by its commit file: steps 10, 15, 20 as Orbax
     committed them and 30 as Orbax left it mid-save (no commit file, the metadata it
     starts with); the manager restores the first, refuses both kinds and removes neither."""
     import s3fs
 
-    local = tmp_path / "orbax"
-    write_orbax_steps(local)
+    local = orbax_steps
     shutil.copytree(local / "10", tmp_path / "30")
     for done in (tmp_path / "30").rglob("commit_success.txt"):
         done.unlink()
