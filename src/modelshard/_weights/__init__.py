@@ -12,19 +12,14 @@ from .export import check_destination as check_destination
 from .export import save_safetensors as save_safetensors
 from .export import write_export as write_export
 from .inverse import Exporter as Exporter
-from .inverse import invert_resolution as invert_resolution
 from .inverse import reference_table as reference_table
 from .inverse import unmap as unmap
-from .load import MappedLeaf as MappedLeaf
 from .load import as_mapping as as_mapping
 from .load import keep_value as keep_value
 from .load import leaf_shardings as leaf_shardings
 from .load import load_safetensors as load_safetensors
 from .load import mapped_leaves as mapped_leaves
-from .load import nest_paths as nest_paths
-from .load import place_mapped as place_mapped
 from .load import resolve_target as resolve_target
-from .load import target_table as target_table
 from .mapfile import load_weight_map as load_weight_map
 from .mapfile import parse_weight_map as parse_weight_map
 from .model_dir import finish_model_directory as finish_model_directory
@@ -45,7 +40,6 @@ from .recipe import needed_specs as needed_specs
 from .recipe import norm_index as norm_index
 from .recipe import on_key_data as on_key_data
 from .recipe import unaliased as unaliased
-from .resolver import Resolution as Resolution
 from .resolver import resolve as resolve
 from .rules import Concat as Concat
 from .rules import MapRule as MapRule
@@ -58,6 +52,4 @@ from .safetensors import open_safetensors as open_safetensors
 from .shipped import ShippedMapping as ShippedMapping
 from .shipped import shipped_mappings as shipped_mappings
 from .writing import parse_size as parse_size
-from .writing import sharded_layout as sharded_layout
-from .writing import sharded_names as sharded_names
 from .writing import write_safetensors as write_safetensors

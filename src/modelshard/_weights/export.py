@@ -17,10 +17,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, DistributedError, MappingError, Problem, Progress, reporter
+from .._base import CheckpointError, MappingError, Problem, Progress, reporter
 from .._base import split as split_path
 from .._containers import split
-from .._runtime import barrier, gather
+from .._runtime import barrier, raise_shared
 from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
@@ -131,9 +131,8 @@ def save_safetensors(
             ``overwrite``; ``path`` ends ``.index.json`` without ``max_shard_size``; a
             parent of ``path`` is a file; a malformed ``max_shard_size``; several
             processes: one does not see the files process 0 created (not a shared
-            directory).
-        DistributedError: several processes: they would write different exports, or one
-            of them failed (raised on every process).
+            directory), or one failed (the same error on every process, naming it).
+        DistributedError: several processes: they would write different exports.
 
     Example:
         >>> import tempfile, jax, numpy as np, jax.numpy as jnp, modelshard as ms
@@ -181,13 +180,7 @@ def save_safetensors(
             ex.check_also()  # a refused export writes nothing
         except MappingError as e:
             error = e
-        if jax.process_count() > 1:  # refused on every process, or on none
-            outcomes = gather(None if error is None else str(error), "modelshard:export:also")
-            if error is None and any(outcomes):
-                p = next(p for p, o in enumerate(outcomes) if o)
-                raise DistributedError(f"save_safetensors: process {p} refused: {outcomes[p]}")
-        if error is not None:
-            raise error
+        raise_shared(error, "modelshard:export:also", "save_safetensors: checking tied leaves")
         items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
         compute = ex.compute
         shared = ex.shared_plan()
@@ -209,14 +202,9 @@ def save_safetensors(
 
 
 def check_state(state: Any) -> None:
-    """Refuse a state an export would write nothing of, or only part of.
-
-    Raises:
-        CheckpointError: no array leaf at all.
-        MappingError: every leaf that is not an array in a dict, list or tuple (the
-            user's data; what a registered container holds besides arrays, an Equinox
-            module's functions, a dataclass's settings, is not a weight and passes).
-    """
+    """Refuse a state with no array (``CheckpointError``) or with a non-array leaf in a
+    dict, list or tuple (``MappingError``, every one listed); a registered container's
+    other fields (an Equinox module's functions) are not weights and pass."""
     flat = split(state)
     problems = [
         Problem(
@@ -239,8 +227,7 @@ def check_state(state: Any) -> None:
 
 
 def non_arrays(state: Any, flat: Any) -> list[tuple[str, Any]]:
-    """The leaves of ``state`` that are not arrays and sit in a dict, list or tuple
-    (a pytree's plain nodes), with their paths."""
+    """``(path, leaf)`` of each non-array leaf in a dict, list or tuple of ``state``."""
     if not flat.adapter.follows_pytree or len(flat.array_index) == len(flat.leaves):
         return []
     from jax.tree_util import DictKey, SequenceKey
@@ -260,15 +247,10 @@ def non_arrays(state: Any, flat: Any) -> list[tuple[str, Any]]:
 def canonical_export(
     state: Any, dtype: Any = None
 ) -> tuple[list[Entry], Callable[[str], Any], SharedPlan]:
-    """Every leaf of ``state`` as a stored tensor named by its canonical path with ``.``
-    for ``/`` (floating leaves cast to ``dtype``), ``compute(name)``: that leaf on the
-    host, gathered from its devices when asked (one leaf at a time), and how several
-    processes share the writing (a leaf no process holds whole: block by block).
-
-    Raises:
-        MappingError: every leaf whose name would not read back (a ``.`` in a path
-            component) or whose dtype safetensors cannot store.
-    """
+    """Every leaf as a stored tensor under its path with ``.`` for ``/`` (floating ones
+    cast to ``dtype``), ``compute(name)`` (that leaf on the host, when asked) and how
+    several processes share the writing. ``MappingError``: every leaf whose name would not
+    read back (a ``.`` in a component) or whose dtype safetensors cannot store."""
     flat, targets = target_table(state)
     cast = None if dtype is None else np.dtype(dtype)
     items: list[Entry] = []
@@ -331,13 +313,8 @@ def check_destination(
     overwrite: bool,
     flag: str = "overwrite=True",
 ) -> None:
-    """Refuse to replace an existing export without consent (``flag`` names it: the
-    argument, or the CLI's option): the file, or with ``max_shard_size`` the index, the
-    lone file or shards of the same stem.
-
-    Raises:
-        CheckpointError: something is there and not ``overwrite``.
-    """
+    """``CheckpointError`` where an export is already there (the file; sharded: the index,
+    the lone file or shards of the stem) and not ``overwrite`` (``flag`` names it)."""
     if overwrite:
         return
     dest = Path(path)
@@ -363,11 +340,9 @@ def write_export(
     flag: str = "overwrite=True",
     shared: SharedPlan | None = None,
 ) -> Path:
-    """Write ``items`` (name, shape, dtype), each computed when written: one file, or
-    Hugging Face's sharded layout with ``max_shard_size``; progress in bytes (this
-    process's). An existing export is replaced only with ``overwrite`` (``flag`` names
-    it in the refusal). With several processes and ``shared``, every process writes its
-    part (``multiprocess_writing.write_shared``); every process must call it."""
+    """Write ``items`` (name, shape, dtype), each computed when written, as one file or
+    HF's shards (``max_shard_size``), refusing an existing export without ``overwrite``.
+    With several processes and ``shared`` every process writes its part (and must call)."""
     layout = plan_layout(path, items, max_shard_size)
 
     def refuse(layout: FileLayout) -> None:

@@ -1,12 +1,6 @@
-"""``load_safetensors``: pretrained weights in (``export.py`` writes them out).
-
-Import: the headers give every stored tensor's name, shape and dtype; the mapping resolves
-them against the target's leaves (``resolver.resolve``, all problems at once); the
-target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]); then each leaf is built
-with ``jax.make_array_from_callback``, whose callback reads exactly the slice each
-addressable device holds through the leaf's recipe. One leaf's reads are in flight at a
-time, so host memory stays at the placed state plus, at most, one stored tensor.
-"""
+"""``load_safetensors``: headers -> ``resolver.resolve`` -> ``modelshard.plan`` -> each
+leaf built with ``jax.make_array_from_callback``, every device's block read through its
+recipe; one leaf at a time, so host memory stays near one stored tensor."""
 
 from __future__ import annotations
 
@@ -102,15 +96,9 @@ def build_leaf(
     sharding: Any,
     fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
 ) -> jax.Array:
-    """One target leaf from its recipe: each addressable device's slice read once.
-
-    A device's slice of a transposed leaf (PyTorch's ``[out, in]`` into an ``[in, out]``
-    kernel) is a strided view of the stored tensor's memory map; it is handed to JAX as
-    it is, and the runtime's host-to-device copy, which takes arbitrary strides, writes
-    it transposed into the device's buffer (XLA's blocked transpose, faster than NumPy's
-    tiled copy; docs/benchmarks/weights.md): one pass over the device's bytes, no device
-    computation and no resharding.
-    """
+    """One target leaf from its recipe, each addressable device's block read once. A
+    transposed block stays a strided view of the file's map: JAX's host-to-device copy
+    takes any strides, so the transpose costs no extra pass."""
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)
     with contextlib.suppress(AttributeError):  # a whole tensor a reshape needs: read once
@@ -286,20 +274,9 @@ def place_mapped(
 
 @dataclasses.dataclass(frozen=True)
 class MappedLeaf:
-    """One target leaf of a mapped import, computed a run of rows at a time: what a
-    streaming checkpoint writer consumes (``modelshard convert``).
-
-    Attributes:
-        path: the canonical target path.
-        shape: its shape.
-        dtype: its dtype.
-        spec: its planned ``PartitionSpec`` on the mesh (``None``: not on a mesh).
-        read: ``read(index)``: the block ``index`` (a tuple of slices, one per
-            dimension; ``()`` for a 0-d leaf) as a C-order NumPy array; the stored tensors
-            are read as in a load (whole rows: one positioned read; across the rows: from
-            the tensor's memory map, closed once the leaf's last element is read).
-        nbytes: its size in bytes.
-    """
+    """One target leaf of a mapped import, read a block at a time (what ``modelshard
+    convert`` streams into a checkpoint): its path, shape, dtype, planned ``spec`` (None
+    off a mesh) and ``read(index)``, the block as a C-order array."""
 
     path: str
     shape: tuple[int, ...]
@@ -321,12 +298,8 @@ def mapped_leaves(
     mesh: Any = None,
     dtype: Any = None,
 ) -> tuple[Resolution, list[MappedLeaf]]:
-    """Resolve and plan a safetensors import (as ``load_safetensors`` does, every problem
-    at once) without reading a tensor: the mapping table and one ``MappedLeaf`` per
-    target leaf, in container order, each reading only what its rows need when asked.
-
-    ``files`` must stay open while the leaves are read.
-    """
+    """Resolve and plan an import as ``load_safetensors`` does, reading nothing: the table
+    and one ``MappedLeaf`` per target leaf (``files`` must stay open while they read)."""
     wm = as_mapping(mapping, split_dots=True).with_config(checkpoint_config(files.path))
     like, flat, res = resolve_target(wm, files.table(), like, dtype)
     shardings = leaf_shardings(like, flat, specs, mesh)

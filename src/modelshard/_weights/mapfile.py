@@ -1,64 +1,5 @@
-"""Mapping files: a [`WeightMap`][modelshard.WeightMap] written as TOML (``--mapping`` of the CLI).
-
-The format (documented in ``docs/concepts/mapping.md``)::
-
-    strict = true                      # optional: a rule matching nothing is an error
-                                       # (skip rules excepted: they ignore what is there)
-    keep = ["^head/"]                  # target leaves that keep like's values
-    optional = ["lora_"]               # the same, where a model may not have them at all
-
-    [config]                           # sizes named in reshape
-    heads = 4
-
-    [[rules]]                          # first match wins; re.fullmatch on stored names
-    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.o_proj\\.weight'
-    target = "layers/{1}/attn/o/kernel"
-    transpose = [1, 0]
-
-    [[rules]]
-    source = 'model\\.layers\\.(\\d+)\\.mlp\\.(gate|up)_proj\\.weight'
-    target = "layers/{1}/mlp/gate_up/kernel"
-    transpose = [1, 0]
-    stack = { group = 2, axis = 0, order = ["gate", "up"] }
-
-    [[rules]]
-    source = 'params/layers/(.+)'
-    target = "layers/{layer}/{1}"
-    unstack = { key = "layer", axis = 0 }
-
-    [[rules]]
-    source = '.*\\.rotary_emb\\.inv_freq'
-    skip = true
-
-    [[rules]]                          # q, k, v into one fused kernel [embed, q+k+v]
-    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.(q|k|v)_proj\\.weight'
-    target = "layers/{1}/attn/qkv/kernel"
-    transpose = [1, 0]
-    concat = { group = 2, axis = 1, order = ["q", "k", "v"] }
-
-    [[rules]]                          # a fused tensor into its parts
-    source = 'h\\.(\\d+)\\.attn\\.c_attn\\.weight'
-    target = "layers/{1}/attn/{part}/kernel"
-    split = { key = "part", names = ["q", "k", "v"], axis = 1 }
-
-    [[rules]]                          # ordered operations, each inverted on export
-    source = 'model\\.layers\\.(\\d+)\\.self_attn\\.q_proj\\.weight'
-    target = "layers/{1}/attn/q_einsum/w"
-    ops = [{ rearrange = "(h d) e -> h e d", h = "num_attention_heads" }]
-
-    [[rules]]                          # one stored tensor into one more leaf
-    source = 'model\\.embed_tokens\\.weight'
-    target = "head/kernel"
-    transpose = [1, 0]
-    also = true
-    untied = "lm_head.weight"
-
-A rule's other keys: ``reshape = ["heads", -1]``, ``cast = "float32"``, ``optional = true``
-(a rule that may match nothing, as ``lm_head.weight`` in a tied checkpoint); ``split`` takes
-``sizes = [...]`` (ints or config names) for unequal parts. ``ops`` entries are tables
-of one operation: ``rearrange`` (with its sizes as more keys), ``transpose``,
-``reshape``, ``add``, ``scale``.
-"""
+"""Mapping files: a [`WeightMap`][modelshard.WeightMap] written as TOML (``--mapping``),
+every malformed entry reported at once; the format is ``docs/concepts/mapping.md``'s."""
 
 from __future__ import annotations
 
@@ -100,6 +41,7 @@ _RULE = {
     "optional",
 }
 _OPS = ("rearrange", "transpose", "reshape", "add", "scale")
+_BAD = object()  # a field that was reported as malformed
 
 
 def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op, ...] | None:
@@ -218,25 +160,27 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
     problems: list[Problem] = []
     check_keys(data, sorted(_TOP), source, "", problems, "top-level key")
     strict = flag(data, "strict", True, source, problems)
-    keep = data.get("keep", [])
-    if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
-        problems.append(Problem(source, "keep", f"keep must be an array of regexes, got {keep!r}"))
-        keep = []
-    optional = data.get("optional", [])
-    if not (isinstance(optional, list) and all(isinstance(k, str) for k in optional)):
-        problems.append(
-            Problem(source, "optional", f"optional must be an array of regexes, got {optional!r}")
-        )
-        optional = []
-    config = data.get("config", {})
-    if not (
-        isinstance(config, Mapping)
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in config.values())
-    ):
-        problems.append(
-            Problem(source, "config", f"config must be a table of integers, got {config!r}")
-        )
-        config = {}
+
+    def field(d: Mapping[str, Any], key: str, at: str, default: Any, ok: Any, what: str) -> Any:
+        v = d.get(key, default)
+        if v is not default and not ok(v):
+            problems.append(Problem(source, at, f"{key} must be {what}, got {v!r}"))
+            return _BAD
+        return v
+
+    def regexes(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(k, str) for k in v)
+
+    keep = field(data, "keep", "keep", [], regexes, "an array of regexes")
+    optional = field(data, "optional", "optional", [], regexes, "an array of regexes")
+    config = field(
+        data,
+        "config",
+        "config",
+        {},
+        lambda c: isinstance(c, Mapping) and all(map(_is_size, c.values())),
+        "a table of integers",
+    )
     raw = tables(data, "rules", source, problems)
     rules: list[MapRule] = []
     for i, item in enumerate(raw):
@@ -336,34 +280,14 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         if "ops" in item:
             ops = _ops(item["ops"], f"{where}.ops", problems, source)
             bad |= ops is None
-        also = item.get("also", False)
-        if not isinstance(also, bool):
-            problems.append(
-                Problem(source, f"{where}.also", f"also must be true or false, got {also!r}")
-            )
-            bad = True
-        optional_rule = item.get("optional", False)
-        if not isinstance(optional_rule, bool):
-            problems.append(
-                Problem(
-                    source,
-                    f"{where}.optional",
-                    f"optional must be true or false, got {optional_rule!r}",
-                )
-            )
-            bad = True
-        untied = item.get("untied")
-        if untied is not None and not isinstance(untied, str):
-            problems.append(
-                Problem(source, f"{where}.untied", f"untied must be a tensor name, got {untied!r}")
-            )
-            bad = True
-        cast = item.get("cast")
-        if cast is not None and not isinstance(cast, str):
-            problems.append(
-                Problem(source, f"{where}.cast", f"cast must be a dtype name, got {cast!r}")
-            )
-            bad = True
+        is_bool, is_str = (lambda v: isinstance(v, bool)), (lambda v: isinstance(v, str))
+        also = field(item, "also", f"{where}.also", False, is_bool, "true or false")
+        optional_rule = field(
+            item, "optional", f"{where}.optional", False, is_bool, "true or false"
+        )
+        untied = field(item, "untied", f"{where}.untied", None, is_str, "a tensor name")
+        cast = field(item, "cast", f"{where}.cast", None, is_str, "a dtype name")
+        bad |= _BAD in (also, optional_rule, untied, cast)
         if not bad:
             rules.append(
                 MapRule(

@@ -1,40 +1,18 @@
-"""One safetensors export written by every process of a multi-process run.
+"""One safetensors export written by every process of a run: the files a one-process
+export writes, byte for byte, each tensor written in place by a process holding it.
 
-Every process calls ``save_safetensors`` with the same state and path, as every other save
-is called. The result is the files a one-process export of the same state writes, byte
-for byte (same names, same shard split, same headers), written in place by the
-processes that hold the data:
+1. Every process computes the layout; a digest is gathered (processes that would write
+   different exports are refused before anything is written).
+2. Process 0 decides about the destination and creates each file's temporary under a
+   token it broadcasts; the others check they see it (a shared file system is needed).
+3. The plan comes from the shardings alone, the same on every process: a tensor held
+   whole somewhere is written by one holder, one split across processes block by block
+   by its owners (``LeastLoaded`` by bytes); mapped tensors no process holds whole are
+   computed on every process in step (all-gathered) and written by one.
+4. Positioned writes, fsync; outcomes gathered (a failure raised everywhere once process
+   0 removed the temporaries); process 0 renames into place, index last.
 
-1. Every process computes the same layout (``safetensors.plan_layout``) from the names,
-   shapes and dtypes; a digest of it is gathered, and processes that disagree (another
-   path, another state structure) are refused before anything is written.
-2. Process 0 alone decides about the destination (``overwrite``), creates each file's
-   temporary (``{file}.{token}.partial``, the token drawn by process 0 and broadcast: no
-   other write uses the name), writes its header and sizes it; the others check that they
-   see it (a path on a disk of each host's own is refused here, by name).
-3. Each stored tensor is planned from the shardings alone, so every process computes the
-   same plan without asking the others: a tensor some processes hold whole (replicated,
-   split only among one process's devices) is written by one of them; a process-local
-   leaf (NumPy, one device) by process 0, whose value ``save()`` keeps too; a leaf that no
-   process holds whole (split across processes) block by block, each distinct block by one
-   of the processes holding it, at its offsets in the file (a process's blocks that form
-   whole rows go in one write). Work is spread by bytes, least-loaded process first.
-   Stored tensors a mapping computes from leaves that no process holds whole are computed
-   on every process in the same order (the leaves all-gathered, a collective), and
-   written by one.
-4. Each process writes its parts with positioned writes and syncs; the outcome of every
-   process is gathered, and a failure anywhere is raised on every process once process 0
-   has removed the temporaries (the destination untouched). Process 0 then renames the
-   temporaries into place (index last) and syncs the directory; every process returns
-   once that is done.
-
-Several processes write disjoint byte ranges of one temporary file (never the same
-bytes, and only process 0 creates, renames or removes it), so the directory must be on a
-file system that every process mounts with ordinary positioned writes: a local disk in a
-one-host run, NFS, Lustre, GPFS, a cluster file system; not an object store's FUSE mount.
-
-Every step that needs all processes (the gathers, the barrier-like broadcasts, the
-all-gathers of the mapped case) runs outside the branches that only process 0 takes.
+Collectives never run inside a branch only process 0 takes.
 """
 
 from __future__ import annotations
@@ -74,24 +52,16 @@ Block = tuple[tuple[int, int], ...]
 
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
-    """Who can write one stored tensor.
-
-    Attributes:
-        holders: the processes that can compute it whole on their own (``compute``), or
-            None when none can.
-        blocks: with ``holders`` None: each distinct block and the processes holding it
-            (``read_block``), or None: computed on every process in step (``compute``
-            all-gathers what it needs).
-    """
+    """Who can write one stored tensor: ``holders`` (processes that hold it whole), else
+    ``blocks`` (each block and its holders), else neither: computed on every process."""
 
     holders: frozenset[int] | None
     blocks: list[tuple[Block, frozenset[int]]] | None = None
 
 
 def array_plan(x: Any) -> TensorPlan:
-    """How one leaf can be written: a process-local value (NumPy, an array on this
-    process's devices only) by process 0; a global array by the processes holding it whole,
-    else block by block."""
+    """How one leaf can be written: a process-local value by process 0, a global array by
+    the processes holding it whole, else block by block."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return TensorPlan(frozenset({0}))
     shape = tuple(x.shape)
@@ -147,8 +117,7 @@ class _Part:
 def plan_parts(
     layout: FileLayout, plans: Mapping[str, TensorPlan], processes: int
 ) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
-    """Every process's parts, and the tensors computed in step with their writers; work
-    spread by bytes, least-loaded holder first (ties: the lowest process)."""
+    """Every process's parts, and the tensors computed in step with their writers."""
     greedy = LeastLoaded(processes)
     mine: dict[int, list[_Part]] = {p: [] for p in range(processes)}
     step: list[tuple[_Part, int]] = []
@@ -181,20 +150,17 @@ def bytes_of(
 ) -> int:
     """How many bytes ``process`` writes of ``layout`` (what its progress counts)."""
     mine, step = plan_parts(layout, plans, processes)
-    total = 0
-    for part in mine[process]:
-        _, shape, dt = part.entry
-        n = math.prod(shape) if part.blocks is None else sum(volume(b) for b in part.blocks)
-        total += n * np.dtype(dt).itemsize
-    for part, writer in step:
-        if writer == process:
-            total += math.prod(part.entry[1]) * np.dtype(part.entry[2]).itemsize
-    return total
+    return sum(map(_nbytes, mine[process])) + sum(_nbytes(p) for p, w in step if w == process)
+
+
+def _nbytes(part: _Part) -> int:
+    _, shape, dt = part.entry
+    n = math.prod(shape) if part.blocks is None else sum(volume(b) for b in part.blocks)
+    return n * np.dtype(dt).itemsize
 
 
 def _runs(shape: tuple[int, ...], b: Block) -> list[tuple[int, int]]:
-    """Block ``b`` of a C-order tensor as ``(element offset, element count)`` runs, in
-    the order of the block's own C-order elements."""
+    """Block ``b`` of a C-order tensor as ``(element offset, count)`` runs, in C order."""
     k = len(shape)
     while k > 0 and b[k - 1] == (0, shape[k - 1]):
         k -= 1
@@ -220,8 +186,8 @@ def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
 def _write_blocks(
     fd: int, base: int, shape: tuple[int, ...], dt: np.dtype[Any], got: dict[Block, np.ndarray]
 ) -> None:
-    """Blocks at their places in a tensor starting at byte ``base``: blocks that together
-    form whole rows in one write, any other block run by run."""
+    """Blocks at their places in a tensor at byte ``base``: blocks that together form
+    whole rows in one write, any other run by run."""
     item = dt.itemsize
     rows: dict[tuple[int, int], list[Block]] = {}
     for b in got:
@@ -266,15 +232,9 @@ def write_shared(
     check_destination: Callable[[FileLayout], None],
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write ``layout`` from every process of the run (see the module's docstring);
-    every process must call it, with the same layout.
-
-    Raises:
-        DistributedError: the processes would write different exports; another process
-            failed (its error, named).
-        CheckpointError: process 0 refused the destination (on every process); a process
-            does not see the temporaries process 0 created.
-    """
+    """Write ``layout`` from every process of the run (each must call it, see the module
+    doc). ``DistributedError``: the processes would write different exports;
+    ``CheckpointError``: a refused destination, unseen temporaries, a failed process."""
     me, n = jax.process_index(), jax.process_count()
     digests = gather(_digest(layout, metadata), "modelshard:export:plan")
     if len(set(digests)) > 1:
@@ -322,41 +282,34 @@ def write_shared(
     mine, step = plan_parts(layout, plans, n)
     error = None
     fds: dict[int, int] = {}
+
+    def place(part: _Part) -> tuple[int, int]:  # (fd, the tensor's first byte)
+        if part.file not in fds:
+            fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
+        return fds[part.file], len(heads[part.file]) + part.offset
+
     try:
         for part in mine[me]:
-            fd = fds.get(part.file)
-            if fd is None:
-                fd = fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
-            base = len(heads[part.file]) + part.offset
             name, shape, dt = part.entry
-            dt = np.dtype(dt)
             if part.blocks is None:
-                _write_whole(fd, base, part.entry, compute(name))
-                nbytes = math.prod(shape) * dt.itemsize
+                _write_whole(*place(part), part.entry, compute(name))
             else:
-                got = {b: _cast(read_block(name, b), dt) for b in part.blocks}
-                _write_blocks(fd, base, shape, dt, got)
-                nbytes = sum(a.nbytes for a in got.values())
+                got = {b: _cast(read_block(name, b), np.dtype(dt)) for b in part.blocks}
+                _write_blocks(*place(part), shape, np.dtype(dt), got)
                 del got
             if progress is not None:
-                progress(nbytes)
+                progress(_nbytes(part))
     except Exception as e:
         error = e
     outcomes = gather(outcome(error), "modelshard:export:written")
     if step and not any(outcomes):
-        # Computed on every process in the same order: what they read is all-gathered.
-        for part, writer in step:
-            name = part.entry[0]
+        for part, writer in step:  # every process in the same order: compute all-gathers
             try:
-                value = compute(name)
+                value = compute(part.entry[0])
                 if writer == me and error is None:
-                    fd = fds.get(part.file)
-                    if fd is None:
-                        fd = fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
-                    base = len(heads[part.file]) + part.offset
-                    _write_whole(fd, base, part.entry, value)
+                    _write_whole(*place(part), part.entry, value)
                     if progress is not None:
-                        progress(math.prod(part.entry[1]) * np.dtype(part.entry[2]).itemsize)
+                        progress(_nbytes(part))
                 del value
             except Exception as e:
                 error = error or e
@@ -405,10 +358,8 @@ def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
 
 
 def _remove_everywhere(temps: Sequence[Path], me: int, key: str) -> None:
-    """Process 0 removes the export's temporaries; every process returns once they are
-    gone (one that raised at once could still see them: a caller listing the directory
-    after the error found a ``.partial`` there). A failure to remove them is not raised
-    over the export's own error, and no process is left waiting for process 0."""
+    """Process 0 removes the temporaries; every process returns once they are gone (so no
+    caller sees a ``.partial`` after the error). A removal failure is not raised."""
     if me == 0:
         with contextlib.suppress(OSError):
             _remove(temps)
@@ -422,14 +373,8 @@ def _remove(paths: Sequence[Path]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SharedPlan:
-    """How the processes of a run share an export's writing (``multiprocess_writing.write_shared``).
-
-    Attributes:
-        plans: ``plans()``: per stored tensor, who can write it (asked only when there
-            are several processes).
-        read_block: ``read_block(name, block)``: this process's copy of one block of a
-            stored tensor that no process holds whole (not cast yet).
-    """
+    """How processes share an export's writing: ``plans()`` (who can write each stored
+    tensor) and ``read_block(name, block)`` (this process's copy of a block, not cast)."""
 
     plans: Callable[[], dict[str, TensorPlan]]
     read_block: Callable[[str, Block], np.ndarray]
@@ -437,13 +382,12 @@ class SharedPlan:
 
 def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
     """One leaf on the host as blocks of whole rows, in order: a leaf sharded along its
-    first axis only is its shards' own buffers, written one after the other without
-    assembling the leaf; any other leaf is ``[host_leaf(x)]``."""
+    first axis only as its shards' own buffers (never assembled), else ``[host_leaf(x)]``."""
     if isinstance(x, jax.Array) and x.ndim > 0 and whole_here(x):
         blocks: dict[tuple[int, int], Any] = {}
         for shard in x.addressable_shards:
-            idx = [s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True)]
-            if any(lo != 0 or hi != d for (lo, hi), d in zip(idx[1:], x.shape[1:], strict=True)):
+            idx = block_of(shard.index, x.shape)
+            if idx[1:] != tuple((0, d) for d in x.shape[1:]):
                 break
             blocks.setdefault(idx[0], shard.data)
         else:
@@ -459,23 +403,17 @@ def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
 
 
 def host_leaf(x: Any, name: str = "") -> np.ndarray:
-    """One leaf as a fresh NumPy array, assembled from this process's shards (each
-    distinct block copied once), so that nothing stays attached to the ``jax.Array``:
-    ``np.asarray(x)`` / ``jax.device_get(x)`` cache the host copy on the array, which
-    keeps every leaf written so far alive, and an export would peak at twice the state.
-
-    Raises:
-        DistributedError: this process holds only part of the array (it is split across
-            processes).
-    """
+    """One leaf as a fresh NumPy array from this process's shards (each block once):
+    ``np.asarray(x)`` would cache the copy on the array and keep every written leaf alive.
+    ``DistributedError`` where this process holds only part of it."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if not whole_here(x):
         require_addressable(x, name or "a leaf")
     out = np.empty(x.shape, x.dtype)
-    done: set[tuple[tuple[int, int], ...]] = set()
+    done: set[Block] = set()
     for shard in x.addressable_shards:
-        key = tuple(s.indices(d)[:2] for s, d in zip(shard.index, x.shape, strict=True))
+        key = block_of(shard.index, x.shape)
         if key not in done:
             done.add(key)
             out[shard.index] = np.asarray(shard.data)
@@ -483,8 +421,8 @@ def host_leaf(x: Any, name: str = "") -> np.ndarray:
 
 
 def full_leaf(x: Any, name: str) -> np.ndarray:
-    """``host_leaf``, or where this process holds only part of ``x`` its all-gathered
-    value (a collective: every process must ask for the same leaves in the same order)."""
+    """``host_leaf``, or all-gathered where this process holds only part of ``x`` (a
+    collective: every process asks for the same leaves in the same order)."""
     if whole_here(x):
         return host_leaf(x, name)
     from jax.experimental import multihost_utils

@@ -1,18 +1,11 @@
-"""Recipes: how one array is computed from stored tensors, read a slice at a time.
+"""Recipes: how one array is computed from stored tensors, read a block at a time.
 
-A mapping resolves every target leaf to a small expression tree of ``Node`` objects:
-``Read`` leaves name a stored tensor; ``Permuted``, ``Reshaped``, ``Take`` (one index of
-an axis), ``Slice`` (a range of an axis), ``Stacked`` (along a new axis), ``Joined`` (along
-an existing one), ``Cast`` and ``Arith`` (adding or multiplying by a constant) compute on
-top. Every node knows its shape
-and dtype without reading anything, so a whole mapping is validated before one byte is
-read, and every node can be inverted, which is how the same mapping writes an export.
-
-``node.read(index, fetch)`` computes only the part of the result selected by ``index``
-(a tuple of slices, one per dimension, as ``jax.make_array_from_callback`` hands them
-out): transposes, takes, slices, stacks, concatenations and casts pass the slice down to the stored tensor, so a
-device reads only its part of each tensor; a reshape needs its whole input (read once per
-leaf through the ``fetch`` cache).
+Each target leaf is a small tree of ``Node``: ``Read`` (a stored tensor) under
+``Permuted``, ``Reshaped``, ``Take``, ``Slice``, ``Stacked``, ``Joined``, ``Cast``,
+``Arith``. Shapes and dtypes are known before any read (a mapping is checked first), and
+every node inverts (how an export runs the mapping backwards). ``node.read(index, fetch)``
+passes the block down, so a device reads only its part; a reshape that is not blockwise
+reads its whole input once per leaf.
 """
 
 from __future__ import annotations
@@ -32,11 +25,8 @@ Fetch = Callable[[str, Index], np.ndarray]
 """``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
 
 
-# Buffers at least this large get their own anonymous memory map, returned to the system
-# when freed. A load allocates and frees one device slice after another; from malloc's
-# heap those freed slices stay resident as fragments (peak memory measured by
-# benchmarks/weights.py: docs/benchmarks/weights.md), since glibc raises its own mmap
-# threshold to the largest block freed so far.
+# Buffers this large get their own anonymous map, returned to the system when freed: a
+# load's freed device slices would otherwise stay resident as heap fragments.
 OWN_MAP_BYTES = 1 << 20
 
 
@@ -70,10 +60,7 @@ def unaliased(a: Any) -> np.ndarray:
     return copy_of(a) if a.flags.c_contiguous and not a.flags.writeable else a
 
 
-# A transposing copy walks one side across the grain: element by element, every read (or
-# write) lands on another cache line. Copying TILE x TILE blocks keeps both sides of a
-# block in cache, faster than one ``np.copyto`` of the whole transposed view
-# (docs/benchmarks/weights.md).
+# A transposing copy in TILE x TILE blocks keeps both sides of a block in cache.
 TILE = 128
 
 
