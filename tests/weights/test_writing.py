@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import modelshard as ms
-from modelshard._weights.writing import parse_size, write_safetensors, write_sharded
+from modelshard._weights.writing import parse_size, write_safetensors
 
 
 def test_a_failed_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):
@@ -23,7 +23,7 @@ def test_a_failed_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):
         return state[name] + 1
 
     with pytest.raises(OSError, match="disk full"):
-        write_sharded(tmp_path, items, compute, None, 1024)
+        write_safetensors(tmp_path, items, compute, max_shard_size=1024)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no .partial left
     assert (np.asarray(ms.load_safetensors(good)["w1"]) == 1).all()
 

@@ -1,11 +1,6 @@
-"""The import mapping run backwards: ``unmap`` and the ``Exporter`` that computes each
-stored tensor of a reference from target leaves.
-
-An export runs the same resolution as an import (``resolver.resolve``) against a
-reference's header (the names, shapes and dtypes to write) and inverts every recipe; a
-tensor that ``also`` rules copied into more leaves is written once, from its first rule's
-leaf.
-"""
+"""The import mapping run backwards: the same ``resolver.resolve`` against a reference's
+header, every recipe inverted; ``unmap`` and the ``Exporter`` (stored tensors computed
+from target leaves)."""
 
 from __future__ import annotations
 
@@ -40,27 +35,13 @@ def reference_table(
 
 
 class Exporter:
-    """The stored tensors of a reference computed from target leaves by the inverted
-    mapping, one at a time (``compute`` in ``order``); each target leaf is loaded to the
-    host once (``load(path)``) and dropped when no later tensor reads it.
+    """A reference's stored tensors computed from target leaves (``load(path)``, each
+    loaded once and dropped after its last use), one at a time: ``compute`` in ``order``.
 
-    A stored tensor that an ``also`` rule copied into more leaves is written once, from
-    its first rule's leaf; ``check_also`` (run by every export before anything is
-    written) refuses an ``also`` leaf that no longer equals it. With ``untie`` each such
-    leaf is written instead under its rule's ``untied`` name.
-
-    Args:
-        targets: the target leaves, path -> (shape, dtype).
-        load: ``load(path)``: that target leaf as a NumPy array (from a state on the
-            devices, or from a checkpoint one leaf at a time).
-        table: the reference's stored tensors, name -> (shape, dtype).
-        wm: the import mapping.
-        dtype: the import's ``dtype``.
-        untie: write ``also`` leaves under their rules' ``untied`` names.
-
-    Raises:
-        MappingError: the mapping does not fit; ``untie`` with an ``also`` rule that
-            names no ``untied`` tensor.
+    A tensor ``also`` rules copied into more leaves is written once, from its first rule's
+    leaf; ``check_also`` refuses an also leaf that no longer equals it, or with ``untie``
+    such leaves are written under their rule's ``untied`` name. ``MappingError``: the
+    mapping does not fit; ``untie`` with an also rule that names no ``untied`` tensor.
     """
 
     def __init__(
@@ -123,6 +104,7 @@ class Exporter:
                 last[k] = i
         self._last = last
         self._cache: dict[str, np.ndarray] = {}
+        self._fetch = _loading(load, self._cache)
         self.keep_cache = True
         self.values: dict[str, Any] = {}
 
@@ -136,9 +118,8 @@ class Exporter:
         *,
         untie: bool = False,
     ) -> Exporter:
-        """An exporter reading the leaves of ``state`` (fetched from its devices; with
-        several processes, a leaf this process holds only part of is all-gathered: a
-        collective, so every process computes the same tensors in the same order)."""
+        """An exporter reading the leaves of ``state`` (a leaf held only in part here is
+        all-gathered: every process computes the same tensors in the same order)."""
         flat, targets = target_table(state)
         values = dict(zip(flat.paths, flat.arrays, strict=True))
         ex = cls(targets, lambda p: full_leaf(values[p], p), table, wm, dtype, untie=untie)
@@ -150,9 +131,8 @@ class Exporter:
         return ex
 
     def shared_plan(self) -> SharedPlan:
-        """How several processes share writing this export: a stored tensor whose leaves
-        some process holds whole is computed there; any other on every process, in
-        step (its leaves all-gathered), and written by one."""
+        """How processes share this export: a tensor whose leaves some process holds whole
+        is computed there, any other on every process in step and written by one."""
 
         def plans() -> dict[str, TensorPlan]:
             leaf = {k: array_plan(x).holders for k, x in self.values.items()}
@@ -170,12 +150,6 @@ class Exporter:
 
         return SharedPlan(plans, no_blocks)
 
-    def _fetch(self, key: str, index: tuple[slice, ...]) -> np.ndarray:
-        whole = self._cache.get(key)
-        if whole is None:
-            whole = self._cache[key] = self.load(key)
-        return whole[index]
-
     def compute(self, name: str) -> np.ndarray:
         value = self.sources[name].read(None, self._fetch)
         i = self._pos[name]
@@ -185,25 +159,13 @@ class Exporter:
         return value
 
     def check_also(self) -> None:
-        """Refuse ``also`` leaves that no longer equal the tensor they were loaded from
-        (each compared, bit for bit, with what its first rule's leaf writes).
-
-        Raises:
-            MappingError: every such leaf, named, with how many elements differ.
-        """
+        """``MappingError`` naming every ``also`` leaf that no longer equals, bit for bit,
+        the tensor its first rule's leaf writes."""
         problems: list[Problem] = []
         for name, leaves, i, node in self.also:
-            cache: dict[str, np.ndarray] = {}
-
-            def fetch(key: str, index: tuple[slice, ...], cache: dict = cache) -> np.ndarray:
-                whole = cache.get(key)
-                if whole is None:
-                    whole = cache[key] = self.load(key)
-                return whole[index]
-
+            fetch = _loading(self.load, {})
             want = recipe.contiguous(self.sources[name].read(None, fetch))
             got = recipe.contiguous(node.read(None, fetch))
-            cache.clear()
             bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
             if bits is None:
                 same = want.tobytes() == got.tobytes()
@@ -307,6 +269,18 @@ def _no_value(path: str) -> Any:
             )
         ]
     )
+
+
+def _loading(load: Callable[[str], np.ndarray], cache: dict[str, np.ndarray]) -> recipe.Fetch:
+    """A recipe ``fetch`` reading each target leaf once through ``load`` into ``cache``."""
+
+    def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
+        whole = cache.get(key)
+        if whole is None:
+            whole = cache[key] = load(key)
+        return whole[index]
+
+    return fetch
 
 
 def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:

@@ -1,19 +1,8 @@
-"""The safetensors format, read a slice at a time (writing: ``writing.py``).
+"""The safetensors format, read a block at a time (writing: ``writing.py``).
 
-A safetensors file is an 8-byte little-endian header length, a JSON header (tensor name
--> ``dtype``, ``shape``, ``data_offsets`` into the data that follows; optional
-``__metadata__`` of strings), then the tensors' bytes, C order. A sharded checkpoint adds
-``model.safetensors.index.json`` with ``weight_map``: tensor name -> file.
-
-A device's slice along the first axis (rows ``[lo, hi)`` of a C-order tensor, one
-contiguous byte range) is one positioned read (``os.preadv``) into a buffer of its own,
-which JAX then owns: exactly its bytes, copied once. Not a memory map of the file: mapped
-pages count in the process's resident memory for as long as the map is open, so mapping
-the whole file peaks at the file *plus* the device copies (``safetensors``' ``safe_open``
-maps it). A slice across the rows (a transposed leaf's device block) is a strided view
-of a map of that one tensor, open while its leaf is placed: JAX's host-to-device copy
-reads it straight from the page cache. Dtypes map through ``ml_dtypes`` (bf16 and every
-fp8 variant), which the ``safetensors`` package's NumPy backend cannot return for fp8.
+A block of whole rows is one positioned read into a buffer JAX then owns; any other block
+is a strided view of a map of that one tensor (not of the file: mapped pages count in RSS
+while the map is open). Dtypes go through ``ml_dtypes`` (bf16, every fp8).
 """
 
 from __future__ import annotations
@@ -137,13 +126,8 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
 
 
 class SafetensorsFiles:
-    """One safetensors file or a sharded checkpoint (an index and its files), header only.
-
-    Attributes:
-        path: the file, or the index file.
-        tensors: name -> ``TensorEntry``, in stored order.
-        metadata: the ``__metadata__`` strings (of every file, merged).
-    """
+    """One safetensors file or a sharded checkpoint, headers only: ``path`` (the file or
+    index), ``tensors`` (name -> ``TensorEntry``), ``metadata`` (every file's, merged)."""
 
     def __init__(self, path: Path, tensors: dict[str, TensorEntry], metadata: dict[str, str]):
         self.path = path
@@ -202,14 +186,8 @@ class SafetensorsFiles:
         return out
 
     def mapped(self, name: str) -> np.ndarray:
-        """The stored tensor as a read-only array over a memory map of its bytes only.
-
-        For slices across the rows (a transposed leaf's device block): the slice is
-        copied straight out of the page cache, where a read would first copy the whole
-        tensor into a buffer. The mapped pages count in RSS only while the map lives; the
-        map is closed when the last view of it is dropped (``fetch``'s cache holds it for
-        one leaf).
-        """
+        """The stored tensor as a read-only array over a map of its bytes only (a block
+        across the rows is copied straight from the page cache); unmapped with its last view."""
         t = self.tensors[name]
         if t.nbytes == 0:
             return np.empty(t.shape, t.dtype)
@@ -225,11 +203,9 @@ class SafetensorsFiles:
         return np.frombuffer(mm, t.dtype, math.prod(t.shape), t.offset - start).reshape(t.shape)
 
     def fetch(self, cache: dict[Any, np.ndarray]) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
-        """A ``fetch(name, index)`` for recipes. A slice of whole rows is one positioned
-        read of its bytes; any other slice is a read-only view of the tensor's memory map
-        (kept in ``cache``, which the caller drops after each leaf), copied once by the
-        recipe's last step. ``fetch(name, index, out)``: whole rows are read straight
-        into ``out`` (a C-contiguous block of a larger buffer: a stacked leaf's part)."""
+        """A ``fetch(name, index[, out])`` for recipes: whole rows by one positioned read
+        (into ``out`` when given), any other block a view of the tensor's map (kept in
+        ``cache``, which the caller drops after each leaf)."""
 
         def fetch(name: str, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
             t = self.tensors[name]
@@ -262,16 +238,9 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
 
 
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
-    """Read the header(s) of a safetensors file, an index file, a directory holding
-    ``model.safetensors.index.json`` or one ``*.safetensors`` file, or an
-    ``hf://org/name[@revision]`` repository (its snapshot directory: ``hub.resolve``).
-    Nothing else is read.
-
-    Raises:
-        CheckpointError: no such file or repository, a malformed header or index, an index
-            entry outside the index's directory, a tensor named in the index missing from
-            its file, or one tensor in two files.
-    """
+    """The headers of a file, an index, a directory holding either, or an ``hf://``
+    repository (``hub.resolve``); nothing else is read. ``CheckpointError``: missing, a
+    malformed header or index, an entry outside its directory, a tensor missing or twice."""
     p = hub.resolve(path) if hub.is_hub(path) else Path(path)
     if p.is_dir():
         index = p / INDEX_NAME

@@ -1,7 +1,5 @@
-"""Safetensors written a tensor at a time: one file, or a sharded layout with its index,
-each file filled under a temporary name no other writer draws and renamed into place, so an
-existing file is replaced only by a complete new one.
-"""
+"""Safetensors written by one process a tensor at a time: one file, or HF's shards and
+index; each file complete and synced under a temporary name before it replaces anything."""
 
 from __future__ import annotations
 
@@ -39,23 +37,11 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def _make_dir(d: Path) -> None:
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise CheckpointError(
-            f"{d}: cannot be the directory to write safetensors into (it, or a parent of "
-            "it, is a file)"
-        ) from None
-    except PermissionError as e:
-        raise CheckpointError(f"{d}: cannot create the directory to write into: {e}") from None
-
-
 def check_pieces(
     name: str, pieces: list[np.ndarray], shape: tuple[int, ...], dt: np.dtype[Any]
 ) -> None:
-    """A computed tensor: one array of the entry's shape, or blocks of whole rows that
-    concatenate to it, all of the entry's dtype."""
+    """``CheckpointError`` unless the computed ``pieces`` are one array of the entry's
+    shape and dtype, or blocks of whole rows that concatenate to it."""
     a = pieces[0]
     if len(pieces) == 1 and a.shape == shape and a.dtype == dt:
         return
@@ -81,8 +67,8 @@ Entry = tuple[str, tuple[int, ...], Any]
 def encode_header(
     items: list[Entry], metadata: Mapping[str, str] | None
 ) -> tuple[bytes, list[int]]:
-    """What a file holds before its data (the 8-byte length and the JSON header, padded
-    to 8 bytes), and where each tensor's bytes start in the file."""
+    """A file's bytes before its data (length, JSON header padded to 8), and where each
+    tensor starts."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -104,8 +90,7 @@ def encode_header(
 
 
 def new_token() -> str:
-    """A token no other write draws: temporary files carry it, so two writers (two
-    processes, two runs) never write under one temporary name."""
+    """A token for temporary names, so two writers never share one."""
     return uuid.uuid4().hex[:16]
 
 
@@ -122,10 +107,8 @@ def _write_partial(
     progress: Callable[[int], None] | None,
     token: str,
 ) -> Path:
-    """``p``'s temporary (``temporary(p, token)``), complete and synced: the header, then
-    each tensor's bytes (``compute(name)``: the tensor, or a list of blocks of whole rows
-    in order, written one after the other: a leaf sharded along its first axis, shard by
-    shard)."""
+    """``p``'s temporary, complete and synced: the header, then each tensor's bytes
+    (``compute(name)``: an array, or blocks of whole rows in order)."""
     head, _ = encode_header(items, metadata)
     tmp = temporary(p, token)
     try:
@@ -150,17 +133,9 @@ def _write_partial(
 
 @dataclasses.dataclass(frozen=True)
 class FileLayout:
-    """The files one write produces, decided from the names and sizes alone (every
-    process of a run computes the same one).
-
-    Attributes:
-        files: each final file and the tensors it holds, in order.
-        index: the sharded layout's index (written last), or None.
-        index_text: its contents.
-        out: what the write returns: the one file, or the index.
-        stem: ``(directory, stem)`` whose earlier sharded files the write replaces, or
-            None (one file named by the caller).
-    """
+    """The files one write produces, from names and sizes alone (the same on every
+    process): each file with its tensors, the index and its text (sharded), what the write
+    returns (``out``) and the ``(directory, stem)`` whose older shards it replaces."""
 
     files: list[tuple[Path, list[Entry]]]
     index: Path | None
@@ -172,23 +147,13 @@ class FileLayout:
     def directory(self) -> Path:
         return self.out.parent
 
-    def existing(self) -> list[Path]:
-        """What is at the destination now that this write would replace."""
-        if self.stem is None:
-            p = self.out
-            return [p] if p.is_file() or p.is_symlink() else []
-        return sharded_layout(*self.stem)
-
 
 def plan_layout(
     path: str | os.PathLike[str], items: list[Entry], max_shard_size: int | str | None
 ) -> FileLayout:
-    """The files that writing ``items`` to ``path`` makes: one file, or with
-    ``max_shard_size`` Hugging Face's sharded layout (see ``write_sharded``).
-
-    Raises:
-        CheckpointError: one file to an index name; a malformed ``max_shard_size``.
-    """
+    """The files writing ``items`` to ``path`` makes: one file, or with ``max_shard_size``
+    HF's ``{stem}-0000k-of-0000n.safetensors`` and index (one shard: ``{stem}.safetensors``).
+    ``CheckpointError``: one file to an index name; a malformed ``max_shard_size``."""
     if max_shard_size is None:
         p = Path(path)
         if p.name.endswith(".index.json"):
@@ -217,15 +182,20 @@ def plan_layout(
 
 
 def prepare_directory(layout: FileLayout) -> None:
-    """Check that ``layout`` can be written where it goes, creating missing parent
-    directories (as ``save_pretrained`` creates its directory).
-
-    Raises:
-        CheckpointError: one file's path is a directory; a parent is a file.
-    """
+    """Create missing parent directories (as ``save_pretrained`` does); ``CheckpointError``
+    where one file's path is a directory or a parent is a file."""
     if layout.stem is None and layout.out.is_dir():
         raise CheckpointError(f"{layout.out}: a directory; pass a .safetensors file name in it")
-    _make_dir(layout.directory)
+    d = layout.directory
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(
+            f"{d}: cannot be the directory to write safetensors into (it, or a parent of "
+            "it, is a file)"
+        ) from None
+    except PermissionError as e:
+        raise CheckpointError(f"{d}: cannot create the directory to write into: {e}") from None
 
 
 def write_index(layout: FileLayout, token: str) -> Path | None:
@@ -241,9 +211,8 @@ def write_index(layout: FileLayout, token: str) -> Path | None:
 
 
 def commit_layout(layout: FileLayout, temps: list[Path], index_tmp: Path | None) -> Path:
-    """Rename complete temporaries into place (the index last), make the renames durable,
-    then remove the earlier layout's files under the same stem that this one does not
-    have."""
+    """Rename complete temporaries into place (index last), sync the directory, then
+    remove the older layout's files under the stem that this one does not have."""
     for (final, _), tmp in zip(layout.files, temps, strict=True):
         os.replace(tmp, final)
     if index_tmp is not None and layout.index is not None:
@@ -265,9 +234,8 @@ def write_layout(
     metadata: Mapping[str, str] | None,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write every file of ``layout`` from this process: each complete (temporary,
-    synced) before any is renamed into place; a failure removes the temporaries and
-    leaves what was there untouched."""
+    """Write every file of ``layout`` from this process, all complete before any replaces
+    anything; a failure removes the temporaries and leaves what was there untouched."""
     prepare_directory(layout)
     token = new_token()
     temps: list[Path] = []
@@ -289,25 +257,21 @@ def write_safetensors(
     compute: Callable[[str], np.ndarray],
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
+    max_shard_size: int | str | None = None,
 ) -> Path:
-    """Write a safetensors file a tensor at a time: the header from ``entries`` (name,
-    shape, dtype), then each tensor's bytes from ``compute(name)``, which may free it
-    after. The file appears under ``path`` only once complete (a temporary of its own,
-    synced, renamed); missing parent directories are created.
-
-    Raises:
-        CheckpointError: ``path`` ends ``.index.json`` or is a directory; a parent is a
-            file; a computed tensor does not match its entry.
-    """
-    return write_layout(plan_layout(path, list(entries), None), compute, metadata, progress)
+    """Write safetensors a tensor at a time (``compute(name)`` per entry, which may free
+    it after): one file, or HF's shards with ``max_shard_size`` (``plan_layout``).
+    ``CheckpointError``: a bad path (an index name, a directory, a file as parent) or a
+    computed tensor that does not match its entry."""
+    layout = plan_layout(path, list(entries), max_shard_size)
+    return write_layout(layout, compute, metadata, progress)
 
 
 def shard_groups(
     items: list[tuple[str, tuple[int, ...], Any]], max_bytes: int
 ) -> list[list[tuple[str, tuple[int, ...], Any]]]:
-    """Tensors into shards in order, as ``huggingface_hub``/``transformers`` split a state
-    dict: a new shard when the next tensor would take the current one over ``max_bytes``;
-    a tensor larger than that alone in a shard of its own."""
+    """Tensors into shards in order, as ``huggingface_hub`` splits a state dict: a new
+    shard when the next tensor would pass ``max_bytes``; a larger tensor alone."""
     groups: list[list[tuple[str, tuple[int, ...], Any]]] = []
     current: list[tuple[str, tuple[int, ...], Any]] = []
     size = 0
@@ -327,10 +291,8 @@ def shard_groups(
 
 
 def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
-    """``(directory, stem)`` of a sharded write: a directory (stem ``model``), a
-    ``name.safetensors`` or a ``name.safetensors.index.json`` (stem ``name``). Shards
-    are ``{stem}-00001-of-0000n.safetensors``, the index ``{stem}.safetensors.index.json``;
-    a checkpoint that fits one shard is ``{stem}.safetensors`` alone."""
+    """``(directory, stem)`` of a sharded write: a directory (stem ``model``), or a
+    ``name.safetensors`` / ``name.safetensors.index.json`` (stem ``name``)."""
     p = Path(path)
     name = p.name
     for suffix in (".index.json", ".json", ".safetensors"):
@@ -343,33 +305,10 @@ def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
 
 
 def sharded_layout(directory: Path, stem: str) -> list[Path]:
-    """The files of the sharded layout under ``stem`` that ``directory`` holds now, sorted:
-    the index ``{stem}.safetensors.index.json``, a lone ``{stem}.safetensors`` and shards
-    ``{stem}-0000k-of-0000n.safetensors`` (what a sharded write there replaces)."""
+    """The index, lone file and shards under ``stem`` in ``directory`` now, sorted (what
+    a sharded write there replaces)."""
     if not directory.is_dir():
         return []
     shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
     names = {f"{stem}.safetensors", f"{stem}.safetensors.index.json"}
     return sorted(f for f in directory.iterdir() if f.name in names or shard.fullmatch(f.name))
-
-
-def write_sharded(
-    path: str | os.PathLike[str],
-    entries: Iterable[Entry],
-    compute: Callable[[str], np.ndarray],
-    metadata: Mapping[str, str] | None,
-    max_shard_size: int | str,
-    progress: Callable[[int], None] | None = None,
-) -> Path:
-    """Hugging Face's sharded layout: ``{stem}-0000k-of-0000n.safetensors`` of at most
-    ``max_shard_size`` bytes each (a larger tensor alone) and ``{stem}.safetensors.index.json``
-    (``metadata.total_size``, ``weight_map``), the names and index ``transformers`` writes;
-    one shard: ``{stem}.safetensors`` alone.
-
-    Every shard is written complete (a temporary, synced) before any is renamed into
-    place; the index goes last. Shard files of an earlier layout under the same stem (and
-    a lone ``{stem}.safetensors``, or a stale index) are removed once the new checkpoint is
-    complete. Returns the index (or the one file).
-    """
-    layout = plan_layout(path, list(entries), max_shard_size)
-    return write_layout(layout, compute, metadata, progress)
