@@ -19,7 +19,6 @@ from .candidates import (
     cast_outputs,
     changes_for,
     moment_target,
-    norm_spec,
 )
 from .memory import (
     StepMemory,
@@ -33,7 +32,7 @@ from .memory import (
     unwrap,
     wrap,
 )
-from .rulegen import rules_for
+from .rulegen import norm_spec, rules_for
 
 # Megatron-style tensor parallelism by parameter name: column-parallel layers shard their
 # output dimension, row-parallel ones their input, embeddings their vocabulary.

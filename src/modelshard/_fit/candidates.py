@@ -35,13 +35,6 @@ KINDS = ("donate", "shard_optimizer", "moments_dtype", "fsdp", "tensor_parallel"
 """The kinds of change ``fit_advice`` tries, least invasive first."""
 
 
-def norm_spec(spec: PartitionSpec) -> tuple[Any, ...]:
-    entries = list(spec)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return tuple(entries)
-
-
 def add_axis(
     spec: PartitionSpec,
     shape: tuple[int, ...],

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec
 from .._specs import Rules
 
 
-def _norm(spec: PartitionSpec) -> tuple[Any, ...]:
+def norm_spec(spec: PartitionSpec) -> tuple[Any, ...]:
+    """The entries without trailing ``None``s: specs that place a leaf alike compare equal."""
     entries = list(spec)
     while entries and entries[-1] is None:
         entries.pop()
@@ -45,7 +46,7 @@ def rules_for(
     """Rules whose first match gives each leaf ``specs[i]``: one rule per group of leaves
     wanting the same spec (a pattern that matches no leaf wanting another), then a
     catch-all: replicated if any leaf is, else the most common spec. Rank-0 leaves replicate whatever matches them."""
-    want = {p: _norm(s) for p, s, shape in zip(paths, specs, shapes, strict=True) if shape}
+    want = {p: norm_spec(s) for p, s, shape in zip(paths, specs, shapes, strict=True) if shape}
     if not want:
         return Rules([(".*", PartitionSpec())])
     # the catch-all replicates where any leaf replicates: leaves added later stay whole

@@ -183,17 +183,10 @@ class Plan:
         named = self.named(filter)
 
         def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
-            leaf = leaves[0]
             return {
                 "path": path,
                 "count": len(leaves),
-                "shape": list(leaf.shape),
-                "dtype": dtype_name(leaf.dtype),
-                "spec": spec_json(leaf.spec),
-                "rule": leaf.rule,
-                "logical": logical_json(leaf.logical),
-                "bytes_per_device": self.bytes_per_device(leaf),
-                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+                **self._leaf_json(leaves[0]),
                 "paths": paths,
             }
 
@@ -281,19 +274,18 @@ class Plan:
         that mapped it (``[{"name": "heads", "axes": ["model"], "rule": "rules['heads']"}]``,
         ``[]`` for none), or ``null`` when no logical name was mapped.
         """
-        return [
-            {
-                "path": path,
-                "shape": list(leaf.shape),
-                "dtype": dtype_name(leaf.dtype),
-                "spec": spec_json(leaf.spec),
-                "rule": leaf.rule,
-                "logical": logical_json(leaf.logical),
-                "bytes_per_device": self.bytes_per_device(leaf),
-                "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
-            }
-            for path, leaf in self.named(filter)
-        ]
+        return [{"path": path, **self._leaf_json(leaf)} for path, leaf in self.named(filter)]
+
+    def _leaf_json(self, leaf: LeafPlan) -> dict[str, Any]:
+        return {
+            "shape": list(leaf.shape),
+            "dtype": dtype_name(leaf.dtype),
+            "spec": spec_json(leaf.spec),
+            "rule": leaf.rule,
+            "logical": logical_json(leaf.logical),
+            "bytes_per_device": self.bytes_per_device(leaf),
+            "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+        }
 
     def summary(self) -> str:
         """One line: leaves, bytes per device versus replicated bytes, the mesh."""
