@@ -1,13 +1,7 @@
-"""``hf://org/name[@revision]``: a Hugging Face Hub repository as a safetensors path.
-
-Resolved to a snapshot directory by ``huggingface_hub`` (the optional extra
-``modelshard[hf]``, imported only when such a path is used): the local cache first; if
-the cache has no complete snapshot (a ``.safetensors`` file, or an index with all its
-files), a download of only
-``*.safetensors`` and ``*.json`` (weights, index, ``config.json``), unless
-``HF_HUB_OFFLINE`` is set, in which case nothing is fetched. A repository that cannot be
-had is a ``CheckpointError`` naming it.
-"""
+"""``hf://org/name[@revision]``: a Hugging Face Hub repository as a safetensors path,
+resolved by ``huggingface_hub`` (``modelshard[hf]``, imported only then): a complete
+cached snapshot, else a download of ``*.safetensors`` and ``*.json`` only (none under
+``HF_HUB_OFFLINE``); a repository that cannot be had is a ``CheckpointError``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""LoRA adapters out as a peft adapter: ``adapter_model.safetensors`` and
-``adapter_config.json``, what ``peft.PeftModel.from_pretrained(base, directory)`` loads.
-
-An adapter is found by flax's convention (``nnx.LoRALinear``): the module at ``P`` with a
-``P/kernel`` leaf has its adapter at ``P/lora/lora_a`` ([in, rank]) and
-``P/lora/lora_b`` ([rank, out]), its output ``x @ lora_a @ lora_b`` added to the
-module's. The import mapping, resolved against the base checkpoint, says which stored
-``[out, in]`` weight ``P/kernel`` comes from: the adapter is written under that module's
-name, ``lora_A`` as ``lora_a`` transposed and ``lora_B`` as ``lora_b`` transposed and
-divided by peft's scaling ``alpha / rank``, so that peft's output equals the state's.
-"""
+"""LoRA adapters out as a peft adapter directory (``save_peft_adapter`` says how)."""
 
 from __future__ import annotations
 

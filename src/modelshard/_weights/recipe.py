@@ -130,6 +130,32 @@ class Node:
         return f"<{self.describe()}: {dtype_name(self.dtype)}{list(self.shape)}>"
 
 
+class _OneChild(Node):
+    """A step on one ``child``: it reads what the child reads, sliceable where it is."""
+
+    child: Node
+
+    def reads(self) -> list[str]:
+        return self.child.reads()
+
+    @property
+    def sliceable(self) -> bool:
+        return self.child.sliceable
+
+
+class _Children(Node):
+    """A step joining ``children``: it reads what they read, sliceable where all are."""
+
+    children: list[Node]
+
+    def reads(self) -> list[str]:
+        return [k for c in self.children for k in c.reads()]
+
+    @property
+    def sliceable(self) -> bool:
+        return all(c.sliceable for c in self.children)
+
+
 @dataclasses.dataclass(repr=False)
 class Read(Node):
     key: str
@@ -155,7 +181,7 @@ class Read(Node):
 
 
 @dataclasses.dataclass(repr=False)
-class Permuted(Node):
+class Permuted(_OneChild):
     child: Node
     perm: tuple[int, ...]
 
@@ -170,19 +196,12 @@ class Permuted(Node):
             inner[p] = index[j]
         return self.child.read(tuple(inner), fetch).transpose(self.perm)
 
-    def reads(self) -> list[str]:
-        return self.child.reads()
-
     def describe(self) -> str:
         return f"transpose{self.perm} of {self.child.describe()}"
 
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
-
 
 @dataclasses.dataclass(repr=False)
-class Reshaped(Node):
+class Reshaped(_OneChild):
     """``child`` in another shape (C order). A block of the result that is one block of
     the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
     axis the reshape leaves alone) reads only that block; any other needs the whole
@@ -209,9 +228,6 @@ class Reshaped(Node):
             if wholes is not None:  # read once for all the leaf's devices
                 wholes[id(self)] = whole
         return whole if index is None else whole[index]
-
-    def reads(self) -> list[str]:
-        return self.child.reads()
 
     def describe(self) -> str:
         return f"reshape{self.shape} of {self.child.describe()}"
@@ -307,7 +323,7 @@ def _block_of(sizes: Sequence[int], lo: int, hi: int) -> list[slice] | None:
 
 
 @dataclasses.dataclass(repr=False)
-class Take(Node):
+class Take(_OneChild):
     """Index ``i`` of axis ``axis`` of ``child`` (the axis is dropped)."""
 
     child: Node
@@ -324,19 +340,12 @@ class Take(Node):
         inner = (*index[: self.axis], slice(self.i, self.i + 1), *index[self.axis :])
         return np.squeeze(self.child.read(inner, fetch), axis=self.axis)
 
-    def reads(self) -> list[str]:
-        return self.child.reads()
-
     def describe(self) -> str:
         return f"[{self.i}] of axis {self.axis} of {self.child.describe()}"
 
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
-
 
 @dataclasses.dataclass(repr=False)
-class Stacked(Node):
+class Stacked(_Children):
     """``children`` stacked along a new axis ``axis``."""
 
     children: list[Node]
@@ -356,20 +365,13 @@ class Stacked(Node):
             c.read_into(rest, fetch, out[(slice(None),) * self.axis + (i,)])
         return out
 
-    def reads(self) -> list[str]:
-        return [k for c in self.children for k in c.reads()]
-
     def describe(self) -> str:
         first = self.children[0].describe()
         return f"stack(axis {self.axis}) of {len(self.children)}: {first}, ..."
 
-    @property
-    def sliceable(self) -> bool:
-        return all(c.sliceable for c in self.children)
-
 
 @dataclasses.dataclass(repr=False)
-class Joined(Node):
+class Joined(_Children):
     """``children`` joined along their existing axis ``axis`` (fused q, k, v)."""
 
     children: list[Node]
@@ -401,20 +403,13 @@ class Joined(Node):
             at += n
         return out
 
-    def reads(self) -> list[str]:
-        return [k for c in self.children for k in c.reads()]
-
     def describe(self) -> str:
         first = self.children[0].describe()
         return f"concat(axis {self.axis}) of {len(self.children)}: {first}, ..."
 
-    @property
-    def sliceable(self) -> bool:
-        return all(c.sliceable for c in self.children)
-
 
 @dataclasses.dataclass(repr=False)
-class Slice(Node):
+class Slice(_OneChild):
     """Indices ``[lo, hi)`` of axis ``axis`` of ``child`` (one part of a fused tensor)."""
 
     child: Node
@@ -433,19 +428,12 @@ class Slice(Node):
         inner = (*index[:ax], slice(index[ax].start + lo, index[ax].stop + lo), *index[ax + 1 :])
         return self.child.read(inner, fetch)
 
-    def reads(self) -> list[str]:
-        return self.child.reads()
-
     def describe(self) -> str:
         return f"[{self.lo}:{self.hi}] of axis {self.axis} of {self.child.describe()}"
 
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
-
 
 @dataclasses.dataclass(repr=False)
-class Cast(Node):
+class Cast(_OneChild):
     child: Node
     dtype: np.dtype[Any]
 
@@ -461,15 +449,8 @@ class Cast(Node):
     def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
         copy_tiled(out, self.child.read(index, fetch), casting="unsafe")
 
-    def reads(self) -> list[str]:
-        return self.child.reads()
-
     def describe(self) -> str:
         return f"cast({dtype_name(self.dtype)}) of {self.child.describe()}"
-
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
 
 
 ARITH_INVERSE = {"add": "sub", "sub": "add", "mul": "div", "div": "mul"}
@@ -482,7 +463,7 @@ def arith_dtype(dtype: Any) -> np.dtype[Any]:
 
 
 @dataclasses.dataclass(repr=False)
-class Arith(Node):
+class Arith(_OneChild):
     """``child`` plus (``add``), minus (``sub``), times (``mul``) or divided by (``div``)
     the constant ``value``: computed in ``arith_dtype`` and rounded to ``child``'s dtype,
     elementwise (a slice of the result reads a slice of ``child``). ``add`` and ``sub``,
@@ -517,15 +498,8 @@ class Arith(Node):
         np.copyto(narrow, out, casting="unsafe")
         return narrow
 
-    def reads(self) -> list[str]:
-        return self.child.reads()
-
     def describe(self) -> str:
         return f"{self.op}({self.value!r}) of {self.child.describe()}"
-
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
 
 
 def invert(
