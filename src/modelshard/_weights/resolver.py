@@ -1,17 +1,7 @@
-"""Resolution: a mapping against the stored tensors' names, shapes and dtypes (and the
-target's leaves) -> one recipe per target leaf, reading nothing, every problem at once.
-
-``resolve`` runs five phases, each a function with its inputs and outputs:
-
-1. ``match_sources``: which rule takes each stored tensor (``Matches``);
-2. ``build_single``: a leaf (or one per piece of an unstack or split) from one tensor;
-3. ``build_joined``: a leaf from the tensors a stack or concat rule gathered;
-4. ``unused_rules``: under ``strict``, every rule that took nothing;
-5. ``fit_targets``: the leaves against the target's (shapes, dtypes, ``keep``), giving the
-   mapping table.
-
-Phases 2 and 3 fill one ``Leaves``; every phase appends to one list of problems, raised
-together as a ``MappingError``.
+"""A mapping against the stored tensors (and the target's leaves) -> one recipe per target
+leaf, reading nothing, every problem at once. ``resolve`` runs five phases:
+``match_sources``, ``build_single``, ``build_joined``, ``unused_rules`` (strict),
+``fit_targets``; each appends to one list of problems, raised as one ``MappingError``.
 """
 
 from __future__ import annotations
@@ -152,17 +142,9 @@ def resolve(
 
 @dataclasses.dataclass
 class Matches:
-    """Which rule takes each stored tensor (phase 1's output).
-
-    Attributes:
-        single: ``(rule, name, match)`` of each tensor that makes leaves on its own (an
-            ``also`` rule's tensors included).
-        joins: ``(rule, leaf path)`` -> the join group's value -> the stored name, for
-            stack and concat rules.
-        clashed: the joins in which two tensors had the same group value (reported).
-        skipped: tensors a skip rule took.
-        used: the rules that took a tensor.
-    """
+    """Which rule takes each stored tensor (phase 1): ``single`` tensors that make leaves
+    on their own, ``joins`` ((rule, leaf) -> group value -> name), ``clashed`` joins
+    (reported), ``skipped`` tensors and the ``used`` rules."""
 
     single: list[tuple[int, str, re.Match[str]]] = dataclasses.field(default_factory=list)
     joins: dict[tuple[int, str], dict[str, str]] = dataclasses.field(default_factory=dict)
@@ -173,13 +155,8 @@ class Matches:
 
 @dataclasses.dataclass
 class Leaves:
-    """The leaves phases 2 and 3 build.
-
-    Attributes:
-        made: leaf path -> (its recipe, the rule's index, the stored names it reads).
-        failed: leaves whose stored tensor has a problem of its own (reported there, so
-            ``fit_targets`` does not report them missing).
-    """
+    """The leaves phases 2 and 3 build: ``made`` (path -> recipe, rule, stored names) and
+    ``failed`` (their tensor's problem is reported, so they are not reported missing)."""
 
     made: dict[str, tuple[recipe.Node, int, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict
@@ -285,33 +262,25 @@ def build_single(
         rule = mapping.rules[i]
         shape, dt = sources[name]
         read = recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
-        if rule.unstack is not None:
-            ax = rule.unstack.axis
-            if not -len(shape) <= ax < len(shape):
-                problems.append(bad(name, read, f"unstack axis {ax} is out of range", i))
-                continue
-            ax %= len(shape)
-            for k in range(shape[ax]):
-                path = mapping._format(rule, m, {rule.unstack.key: str(k)})
-                node = piece(mapping, rule, i, recipe.Take(read, ax, k), name, dtype, problems)
+        if rule.unstack is not None or rule.split is not None:
+            parts: list[tuple[str, recipe.Node]]
+            if rule.unstack is not None:
+                key, ax = rule.unstack.key, rule.unstack.axis
+                if not -len(shape) <= ax < len(shape):
+                    problems.append(bad(name, read, f"unstack axis {ax} is out of range", i))
+                    continue
+                ax %= len(shape)
+                parts = [(str(k), recipe.Take(read, ax, k)) for k in range(shape[ax])]
+            else:
+                assert rule.split is not None
+                key, parts = rule.split.key, split_parts(mapping, rule, i, read, name, problems)
+            paths = [mapping._format(rule, m, {key: part}) for part, _ in parts]
+            for path, (_, cut) in zip(paths, parts, strict=True):
+                node = piece(mapping, rule, i, cut, name, dtype, problems)
                 if node is None:  # the same problem for every piece: reported once
-                    leaves.failed.update(
-                        mapping._format(rule, m, {rule.unstack.key: str(j)})
-                        for j in range(shape[ax])
-                    )
+                    leaves.failed.update(paths)
                     break
                 leaves.add(path, node, i, (name,), problems)
-        elif rule.split is not None:
-            parts = split_parts(mapping, rule, i, read, name, problems)
-            for part, cut in parts:
-                path = mapping._format(rule, m, {rule.split.key: part})
-                leaf = piece(mapping, rule, i, cut, name, dtype, problems)
-                if leaf is None:  # the same problem for every part: reported once
-                    leaves.failed.update(
-                        mapping._format(rule, m, {rule.split.key: p}) for p, _ in parts
-                    )
-                    break
-                leaves.add(path, leaf, i, (name,), problems)
         else:
             path = mapping._format(rule, m, {})
             node = piece(mapping, rule, i, read, name, dtype, problems)
