@@ -46,41 +46,34 @@ _BAD = object()  # a field that was reported as malformed
 
 def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op, ...] | None:
     """``ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add = 1.0 }]``."""
+
+    def report(at: str, text: str, hint: str | None = None) -> None:
+        problems.append(Problem(src, at, text, hint=hint))
+
     if not isinstance(value, list):
-        problems.append(Problem(src, where, f"{value!r} is not an array of tables", hint=_OPS_HINT))
+        report(where, f"{value!r} is not an array of tables", hint=_OPS_HINT)
         return None
     out: list[Op] = []
     for j, item in enumerate(value):
         at = f"{where}[{j}]"
         if not isinstance(item, Mapping):
-            problems.append(Problem(src, at, f"{item!r} is not a table", hint=_OPS_HINT))
+            report(at, f"{item!r} is not a table", hint=_OPS_HINT)
             continue
         kinds = [k for k in _OPS if k in item]
         typos = [k for k in item if close_match(k, _OPS)]
         if not kinds and typos:  # { rearange = ... }: name the key, not "no operation"
             for k in typos:
-                problems.append(
-                    Problem(
-                        src,
-                        f"{at}.{k}",
-                        unknown_key(k, _OPS),
-                        hint="operations: " + ", ".join(_OPS),
-                    )
-                )
+                report(f"{at}.{k}", unknown_key(k, _OPS), hint="operations: " + ", ".join(_OPS))
             continue
         if len(kinds) != 1:
             what = "no operation" if not kinds else f"{len(kinds)} operations ({', '.join(kinds)})"
-            problems.append(
-                Problem(src, at, f"{what}: give exactly one of {', '.join(_OPS)}", hint=_OPS_HINT)
-            )
+            report(at, f"{what}: give exactly one of {', '.join(_OPS)}", hint=_OPS_HINT)
             continue
         kind = kinds[0]
         arg = item[kind]
         extra = [k for k in item if k != kind]
         if kind != "rearrange" and extra:
-            problems.append(
-                Problem(src, f"{at}.{extra[0]}", f"{unknown_key(extra[0], _OPS)} for {kind}")
-            )
+            report(f"{at}.{extra[0]}", f"{unknown_key(extra[0], _OPS)} for {kind}")
             continue
         if kind == "rearrange":
             sizes = {k: item[k] for k in extra}
@@ -90,12 +83,10 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
                 if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
             ]
             if not isinstance(arg, str):
-                problems.append(Problem(src, f"{at}.rearrange", f"{arg!r} is not a string"))
+                report(f"{at}.rearrange", f"{arg!r} is not a string")
             elif wrong:
                 for k in wrong:
-                    problems.append(
-                        Problem(src, f"{at}.{k}", f"size {sizes[k]!r} is not an integer or a name")
-                    )
+                    report(f"{at}.{k}", f"size {sizes[k]!r} is not an integer or a name")
             else:
                 out.append(Rearrange(arg, **sizes))
         elif kind in ("transpose", "reshape"):
@@ -105,7 +96,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
         elif isinstance(arg, int | float) and not isinstance(arg, bool):
             out.append(Add(float(arg)) if kind == "add" else Scale(float(arg)))
         else:
-            problems.append(Problem(src, f"{at}.{kind}", f"{arg!r} is not a number"))
+            report(f"{at}.{kind}", f"{arg!r} is not a number")
     return tuple(out) if len(out) == len(value) else None
 
 
@@ -158,13 +149,17 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         'dense/kernel'
     """
     problems: list[Problem] = []
+
+    def report(at: str, text: str, hint: str | None = None) -> None:
+        problems.append(Problem(source, at, text, hint=hint))
+
     check_keys(data, sorted(_TOP), source, "", problems, "top-level key")
     strict = flag(data, "strict", True, source, problems)
 
     def field(d: Mapping[str, Any], key: str, at: str, default: Any, ok: Any, what: str) -> Any:
         v = d.get(key, default)
         if v is not default and not ok(v):
-            problems.append(Problem(source, at, f"{key} must be {what}, got {v!r}"))
+            report(at, f"{key} must be {what}, got {v!r}")
             return _BAD
         return v
 
@@ -186,29 +181,22 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
     for i, item in enumerate(raw):
         where = f"rules[{i}]"
         if not isinstance(item, Mapping):
-            problems.append(Problem(source, where, f"{item!r} is not a table"))
+            report(where, f"{item!r} is not a table")
             continue
         bad = not check_keys(item, sorted(_RULE), source, where, problems)
         src, target, skip = item.get("source"), item.get("target"), item.get("skip", False)
         if not isinstance(src, str):
-            problems.append(
-                Problem(source, f"{where}.source", f"source must be a regex string, got {src!r}")
-            )
+            report(f"{where}.source", f"source must be a regex string, got {src!r}")
             bad = True
         if skip is not True and not isinstance(target, str):
-            problems.append(
-                Problem(
-                    source,
-                    f"{where}.target",
-                    f"target must be a path template, got {target!r}",
-                    hint="or write skip = true to ignore the matched tensors",
-                )
+            report(
+                f"{where}.target",
+                f"target must be a path template, got {target!r}",
+                hint="or write skip = true to ignore the matched tensors",
             )
             bad = True
         if skip is True and target is not None:
-            problems.append(
-                Problem(source, where, "a rule cannot have both target and skip = true")
-            )
+            report(where, "a rule cannot have both target and skip = true")
             bad = True
         transpose = item.get("transpose")
         if transpose is not None:
@@ -263,15 +251,13 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
             names = None if t is None else t.get("names")
             sizes = None if t is None else t.get("sizes")
             if names is not None and not all(isinstance(n, str) for n in names):
-                problems.append(
-                    Problem(source, f"{where}.split.names", f"{names!r} is not an array of strings")
-                )
+                report(f"{where}.split.names", f"{names!r} is not an array of strings")
                 names = None
             if sizes is not None:
                 sizes = _ints(sizes, f"{where}.split.sizes", problems, source, True)
                 bad |= sizes is None
             if t is not None and names is None and "names" not in t:
-                problems.append(Problem(source, f"{where}.split", "names is required"))
+                report(f"{where}.split", "names is required")
             if t is None or names is None:
                 bad = True
             else:

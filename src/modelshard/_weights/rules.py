@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -279,26 +279,19 @@ class WeightMap:
         wm.split_dots = split_dots
         return wm
 
-    def match(self, name: str) -> tuple[int, re.Match[str]] | None:
-        """The index of the first rule (not an ``also`` rule) matching ``name`` and the
-        match, or ``None``."""
+    def _matches(self, name: str, also: bool) -> Iterator[tuple[int, re.Match[str]]]:
         for i, pattern in enumerate(self._compiled):
-            if pattern is None or self.rules[i].also:
-                continue
-            m = pattern.fullmatch(name)
-            if m is not None:
-                return i, m
-        return None
+            m = None if pattern is None else pattern.fullmatch(name)
+            if m is not None and self.rules[i].also == also:
+                yield i, m
+
+    def match(self, name: str) -> tuple[int, re.Match[str]] | None:
+        """The first rule (not an ``also`` rule) matching ``name``, and the match."""
+        return next(self._matches(name, False), None)
 
     def also_matches(self, name: str) -> list[tuple[int, re.Match[str]]]:
         """Every ``also`` rule matching ``name``, with its match."""
-        out = []
-        for i, pattern in enumerate(self._compiled):
-            if pattern is not None and self.rules[i].also:
-                m = pattern.fullmatch(name)
-                if m is not None:
-                    out.append((i, m))
-        return out
+        return list(self._matches(name, True))
 
     def with_config(self, sizes: Mapping[str, int], source: str = "config.json") -> WeightMap:
         """This mapping with ``sizes`` (a checkpoint's ``config.json``, read from
@@ -370,10 +363,14 @@ def header(problems: Sequence[Problem]) -> str:
 
 def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] | None:
     where = f"rules[{i}]"
+
+    def bad(text: str, hint: str | None = None) -> None:
+        problems.append(Problem("mapping", where, text, hint=hint))
+
     try:
         pattern = re.compile(rule.source)
     except re.error as e:
-        problems.append(Problem("mapping", where, f"source {rule.source!r} is not a regex: {e}"))
+        bad(f"source {rule.source!r} is not a regex: {e}")
         return None
     groups = {str(n) for n in range(pattern.groups + 1)} | set(pattern.groupindex)
     fields = set(_FIELD.findall(rule.target or ""))
@@ -381,66 +378,38 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
         if cut is None:
             continue
         if cut.key not in fields:
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"{what} key {{{cut.key}}} is not in the target {rule.target!r}",
-                    hint="the target template must name each piece, e.g. layers/{layer}/...",
-                )
+            bad(
+                f"{what} key {{{cut.key}}} is not in the target {rule.target!r}",
+                hint="the target template must name each piece, e.g. layers/{layer}/...",
             )
         fields.discard(cut.key)
     if rule.split is not None:
         names = rule.split.names
         if not names or len(set(names)) != len(names):
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"split names {tuple(names)!r} must be distinct and at least one",
-                )
-            )
+            bad(f"split names {tuple(names)!r} must be distinct and at least one")
         elif rule.split.sizes is not None and len(rule.split.sizes) != len(names):
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"split has {len(names)} names {tuple(names)!r} but "
-                    f"{len(rule.split.sizes)} sizes {tuple(rule.split.sizes)!r}",
-                    hint="give one size per name, or none for equal parts",
-                )
+            bad(
+                f"split has {len(names)} names {tuple(names)!r} but "
+                f"{len(rule.split.sizes)} sizes {tuple(rule.split.sizes)!r}",
+                hint="give one size per name, or none for equal parts",
             )
     for f in sorted(fields - groups):
-        problems.append(
-            Problem(
-                "mapping",
-                where,
-                f"target {rule.target!r} uses {{{f}}} but the source regex "
-                f"{rule.source!r} has no group {f!r}",
-                hint="name a group of the regex ({1}, {name}) or write the text literally",
-            )
+        bad(
+            f"target {rule.target!r} uses {{{f}}} but the source regex "
+            f"{rule.source!r} has no group {f!r}",
+            hint="name a group of the regex ({1}, {name}) or write the text literally",
         )
     join = rule.join
     verb = "stack" if rule.stack is not None else "concat"
     if join is not None:
         g = str(join.group)
         if g not in groups or g == "0":
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"{verb} group {join.group!r} is not a group of {rule.source!r}",
-                )
-            )
+            bad(f"{verb} group {join.group!r} is not a group of {rule.source!r}")
         elif g in fields or (g in pattern.groupindex and str(pattern.groupindex[g]) in fields):
             joined = "stacked" if rule.stack is not None else "concatenated"
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"the target {rule.target!r} uses the {joined} group {{{g}}}",
-                    hint=f"the {joined} tensors share one target: leave the group out of it",
-                )
+            bad(
+                f"the target {rule.target!r} uses the {joined} group {{{g}}}",
+                hint=f"the {joined} tensors share one target: leave the group out of it",
             )
     steps = [
         n
@@ -453,68 +422,42 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
         if v is not None
     ]
     if len(steps) > 1:
-        problems.append(
-            Problem(
-                "mapping",
-                where,
-                f"a rule cannot both {steps[0]} and {steps[1]}",
-                hint="one rule joins or cuts tensors in one way; write two rules",
-            )
+        bad(
+            f"a rule cannot both {steps[0]} and {steps[1]}",
+            hint="one rule joins or cuts tensors in one way; write two rules",
         )
     if rule.target is None and (rule.transpose or rule.reshape or rule.ops or steps):
-        problems.append(Problem("mapping", where, "a skip rule (target None) takes no transforms"))
+        bad("a skip rule (target None) takes no transforms")
     if rule.ops is not None:
         if rule.transpose is not None or rule.reshape is not None:
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    "a rule takes ops or transpose/reshape, not both",
-                    hint="write Transpose(...) and Reshape(...) into ops",
-                )
+            bad(
+                "a rule takes ops or transpose/reshape, not both",
+                hint="write Transpose(...) and Reshape(...) into ops",
             )
         if isinstance(rule.ops, tuple):
             for j, op in enumerate(rule.ops):
                 check_op(op, f"{where}.ops[{j}]", problems)
         else:
-            problems.append(
-                Problem("mapping", where, f"ops {rule.ops!r} is not a list of operations")
-            )
+            bad(f"ops {rule.ops!r} is not a list of operations")
     if rule.also:
         if rule.target is None:
-            problems.append(
-                Problem("mapping", where, "an also rule needs a target (it fills another leaf)")
-            )
+            bad("an also rule needs a target (it fills another leaf)")
         if join is not None:
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"an also rule cannot {verb}",
-                    hint="an also rule copies one stored tensor into one more leaf",
-                )
+            bad(
+                f"an also rule cannot {verb}",
+                hint="an also rule copies one stored tensor into one more leaf",
             )
     elif rule.untied is not None:
-        problems.append(
-            Problem(
-                "mapping",
-                where,
-                f"untied {rule.untied!r} needs also=True",
-                hint="untied names the stored tensor an untied export writes an also leaf as",
-            )
+        bad(
+            f"untied {rule.untied!r} needs also=True",
+            hint="untied names the stored tensor an untied export writes an also leaf as",
         )
     if rule.untied is not None:
         for f in sorted(set(_FIELD.findall(rule.untied)) - groups):
-            problems.append(
-                Problem(
-                    "mapping",
-                    where,
-                    f"untied {rule.untied!r} uses {{{f}}} but the source regex has no such group",
-                )
-            )
+            bad(f"untied {rule.untied!r} uses {{{f}}} but the source regex has no such group")
     if rule.cast is not None:
         try:
             np.dtype(rule.cast)
         except TypeError:
-            problems.append(Problem("mapping", where, f"cast {rule.cast!r} is not a dtype name"))
+            bad(f"cast {rule.cast!r} is not a dtype name")
     return pattern
