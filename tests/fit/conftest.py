@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
+
+import modelshard as ms
 
 VOCAB, DIM, HIDDEN, LAYERS = 512, 64, 256, 2
 
@@ -103,4 +106,18 @@ def dict_decoder() -> types.SimpleNamespace:
         step=dict_step,
         state=jax.eval_shape(_dict_state, jax.random.key(0)),
         batch=jax.ShapeDtypeStruct((16, 32), jnp.int32),
+    )
+
+
+@pytest.fixture(scope="module")
+def dict_base() -> ms.StepMemory:
+    """The dict step's memory on a (data=4, model=2) mesh, the state replicated and donated,
+    the batch over 'data': the starting point several tests compare with, compiled once."""
+    return ms.step_memory(
+        dict_step,
+        jax.eval_shape(_dict_state, jax.random.key(0)),
+        jax.ShapeDtypeStruct((16, 32), jnp.int32),
+        mesh=ms.make_mesh({"data": 4, "model": 2}),
+        in_specs=(P(), P("data")),
+        donate_argnums=0,
     )

@@ -43,10 +43,9 @@ def compiles():
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def test_a_step_that_fits_gets_no_suggestion(dict_decoder, compiles):
-    d = dict_decoder
+def test_a_step_that_fits_gets_no_suggestion(dict_decoder, dict_base, compiles):
+    d, m = dict_decoder, dict_base
     kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")), donate_argnums=0)
-    m = ms.step_memory(d.step, d.state, d.batch, **kw)
     compiles.clear()
     advice = ms.fit_advice(d.step, d.state, d.batch, budget=m.total, **kw)
     assert (advice.fits, advice.suggestions, advice.best) == (True, [], None)
@@ -142,10 +141,9 @@ def test_the_batch_is_cut_only_when_no_combination_keeps_it(dict_decoder, compil
     )
 
 
-def test_tensor_parallel_rules_for_known_names_and_narrower_moments(dict_decoder):
-    d = dict_decoder
+def test_tensor_parallel_rules_for_known_names_and_narrower_moments(dict_decoder, dict_base):
+    d, base = dict_decoder, dict_base
     kw = dict(mesh=ms.make_mesh(MESH), in_specs=(P(), P("data")), donate_argnums=0)
-    base = ms.step_memory(d.step, d.state, d.batch, **kw)
     advice = ms.fit_advice(
         d.step,
         d.state,
