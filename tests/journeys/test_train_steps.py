@@ -80,14 +80,29 @@ def _eqx_step(gather):
     return step, tx
 
 
-def test_equinox_train_step(mesh, count_compiles):
+def _eqx_model():
+    import equinox as eqx
+
+    return eqx.nn.MLP(D_IN, D_OUT, D_HID, 2, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def eqx_reference():
+    """The step run unsharded, once for every mesh: (model, optimizer state, loss)."""
+    import equinox as eqx
+
+    ref_step, tx = _eqx_step(False)
+    opt = tx.init(eqx.filter(_eqx_model(), eqx.is_array))
+    return eqx.filter_jit(ref_step)(_eqx_model(), opt, *_data())
+
+
+def test_equinox_train_step(mesh, count_compiles, eqx_reference):
     import equinox as eqx
 
     spec = _strategy(mesh) or ms.Rules([(r"weight$", P("model", None)), (r"bias$", P("model"))])
-    make = lambda: eqx.nn.MLP(D_IN, D_OUT, D_HID, 2, key=jax.random.key(0))  # noqa: E731
+    make = _eqx_model
     x, y = _data()
-    ref_step, tx = _eqx_step(False)
-    ref = eqx.filter_jit(ref_step)(make(), tx.init(eqx.filter(make(), eqx.is_array)), x, y)
+    ref = eqx_reference
 
     step, tx = _eqx_step(_explicit(mesh))
     sj = ms.shard_jit(
@@ -164,12 +179,21 @@ def _linen_step(gather):
     return step
 
 
-def test_linen_train_state_step(mesh):
+@pytest.fixture(scope="module")
+def linen_references():
+    """The step run unsharded, once for every mesh: (state, loss) by whether params are
+    boxed."""
+    return {
+        boxed: jax.jit(_linen_step(False))(_linen_state(boxed), *_data()) for boxed in (False, True)
+    }
+
+
+def test_linen_train_state_step(mesh, linen_references):
     # Tensor parallel from the boxes' axis names; only the last (unboxed) bias needs a rule.
     spec = _strategy(mesh) or ms.Rules([(r"Dense_1/bias$", P())])
     x, y = _data()
     boxed = len(mesh.axis_names) == 2
-    ref = jax.jit(_linen_step(False))(_linen_state(boxed), x, y)
+    ref = linen_references[boxed]
     sj = ms.shard_jit(
         _linen_step(_explicit(mesh)),
         mesh=mesh,
@@ -226,15 +250,24 @@ def _nnx_step(gather):
     return step
 
 
-def test_nnx_train_step_updates_caller_modules(mesh):
+@pytest.fixture(scope="module")
+def nnx_reference():
+    """The step run unsharded, once for every mesh: the updated model, optimizer, loss."""
+    from flax import nnx
+
+    ref_model, ref_opt = _nnx_model()
+    ref_loss = nnx.jit(_nnx_step(False))(ref_model, ref_opt, *_data())
+    return ref_model, ref_opt, ref_loss
+
+
+def test_nnx_train_step_updates_caller_modules(mesh, nnx_reference):
     from flax import nnx
 
     spec = _strategy(mesh) or ms.Rules(
         [(r"kernel$", P(None, "model")), (r"(bias|scale|mean|var)$", P("model"))]
     )
     x, y = _data()
-    ref_model, ref_opt = _nnx_model()
-    ref_loss = nnx.jit(_nnx_step(False))(ref_model, ref_opt, x, y)
+    ref_model, ref_opt, ref_loss = nnx_reference
 
     model, opt = _nnx_model()
     ms.shard(model, spec, mesh)
