@@ -198,8 +198,8 @@ def gemma_text_rules() -> ms.Rules:
 def stored_codec(path: Any, key: str) -> Any:
     """The codec of the stored array of leaf ``key`` in the checkpoint (or manager step) at
     ``path``, as TensorStore reads its zarr metadata: None for raw chunks."""
+    from modelshard._checkpoint.reader import ArrayReader
     from modelshard._checkpoint.sources import locate
-    from modelshard._checkpoint.stored import ArrayReader
 
     source = locate(path)
     reader = ArrayReader(source, source.record.by_path()[key])

@@ -444,3 +444,22 @@ def test_an_abstract_like_takes_the_saved_numbers_as_its_arrays(tmp_path):
         "lr": ("float32", 0.5),
         "flag": ("bool", True),
     }
+
+
+def test_checksums_of_arrays_added_one_by_one_match_checksums(mesh8):
+    from modelshard._checkpoint import checksum as cs
+
+    xs = {
+        "a": jax.device_put(
+            jnp.arange(4096, dtype=jnp.int32).reshape(64, 64), NamedSharding(mesh8, P("data"))
+        ),
+        "b": jnp.ones((3, 5), jnp.bfloat16),
+        "c": jnp.arange(10, dtype=jnp.uint8),
+    }
+    want = dict(zip(xs, cs.checksums(list(xs.values())), strict=True))
+    batch = cs.Checksums(xs)
+    batch.add("c", xs["c"])
+    batch.add("a", xs["a"])
+    batch.add("not checked", xs["a"])
+    got = batch.collect({"b": xs["b"]})  # "b" was never added: summed from the mapping
+    assert list(got) == ["a", "b", "c"] and got == want

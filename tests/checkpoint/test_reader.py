@@ -1,19 +1,30 @@
-"""Every dtype on disk and back bit for bit (``_checkpoint/stored.py`` and the record's
-``stored_as``): what TensorStore lacks stored as bits, 64-bit under x64, resharded as stored."""
+"""Every stored array read one way (``_checkpoint/reader.py``): the spec Orbax would open,
+Orbax never imported for a local checkpoint, each array handed over as its reads are in,
+no more bytes in flight than the cap, each shard read once into the buffer its device
+keeps, plain Orbax's layouts read alike; damage an error naming the leaf and the file.
+Every dtype on disk and back bit for bit (with the record's ``stored_as``)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DTYPES, assert_bit_exact, values
+from helpers import DAMAGED_HINT, DTYPES, assert_bit_exact, values
+from modelshard._checkpoint import checksum as cs
+from modelshard._checkpoint import ocdbt, reader
+from modelshard._checkpoint.sources import locate
 
 SCRIPTS = Path(__file__).parent / "ckpt_scripts"
 
@@ -114,3 +125,302 @@ def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
     out = ms.restore(tmp_path / "dst")
     assert_bit_exact(state, out)
     assert out["f8"].sharding.spec == P("model")
+
+
+# ---- the one reader: specs, reads in flight, placement --------------------------------------
+
+
+def _state(mesh, n=6, cols=8):
+    rows = NamedSharding(mesh, P("data"))
+    return {
+        f"layer{i}": {
+            "w": jax.device_put(
+                jnp.arange(64 * cols, dtype=jnp.float32).reshape(64, cols) + i, rows
+            )
+        }
+        for i in range(n)
+    }
+
+
+def _equal(out, state):
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
+
+
+def _abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def _orbax_reads(monkeypatch):
+    """A list that grows by one for each shard Orbax's own read path reads, or restore."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    calls = []
+    real = serialization._read_shard
+
+    async def spy(*args, **kwargs):
+        calls.append(1)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(serialization, "_read_shard", spy)
+    restore = ocp.Checkpointer.restore
+    monkeypatch.setattr(
+        ocp.Checkpointer, "restore", lambda *a, **k: calls.append(1) or restore(*a, **k)
+    )
+    return calls
+
+
+def test_the_spec_is_the_one_orbax_reads_with(tmp_path, mesh8):
+    from modelshard._internals import ArrayReadSpec
+
+    path = ms.save(tmp_path / "c", _state(mesh8, n=1))
+    source = locate(path)
+    orbax = ArrayReadSpec(str(source.tree_dir), "layer0.w", False, use_ocdbt=True)
+    assert ocdbt.read_spec(str(source.tree_dir), "layer0.w") == orbax.json
+    assert reader.array_spec(source, "layer0.w") == orbax.json
+
+
+def test_a_fresh_process_restores_without_importing_orbax(tmp_path):
+    script = f"""
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+import modelshard as ms
+mesh = ms.make_mesh({{"data": 8}})
+w = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+if sys.argv[1] == "save":
+    w_sharded = ms.shard(w, ms.fsdp("data"), mesh)
+    ms.save({str(tmp_path / "c")!r}, {{"w": w_sharded, "b": np.ones(3, np.float32)}})
+else:
+    out = ms.restore({str(tmp_path / "c")!r}, specs=ms.fsdp("data"), mesh=mesh)
+    assert np.array_equal(np.asarray(out["w"]), w) and "data" in out["w"].sharding.spec
+    print(sorted(m for m in sys.modules if m.startswith("orbax")))
+"""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    for step in ("save", "restore"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, step],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"  # the checksums verified, Orbax never imported
+
+
+def test_each_array_is_handed_over_while_later_ones_are_read(tmp_path, mesh8, monkeypatch):
+    """With room for three shards in flight, the first array's checksum starts before the
+    last array's reads are started; every array's checksum is started."""
+    state = _state(mesh8, n=8)
+    ms.save(tmp_path / "c", state)
+    shard = 64 * 8 * 4 // 8
+    monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", 3 * shard + 1)
+    monkeypatch.setattr(cs, "HOST_MAX_ELEMENTS", 0, raising=False)  # leaves summed on devices
+    started, handed = [0], []
+    start, add = reader.start_read, cs.Checksums.add
+
+    def start_spy(view):
+        started[0] += 1
+        return start(view)
+
+    def add_spy(self, key, x):
+        handed.append((key, started[0]))
+        return add(self, key, x)
+
+    monkeypatch.setattr(reader, "start_read", start_spy)
+    monkeypatch.setattr(cs.Checksums, "add", add_spy)
+    _equal(ms.restore(tmp_path / "c", like=state), state)
+    assert [k for k, _ in handed] == [f"layer{i}/w" for i in range(8)]  # in order
+    assert handed[0][1] < 8 * 8  # the first handed over before the last read started
+    assert started[0] == 8 * 8  # each shard read once
+
+
+def test_each_array_is_handed_over_before_the_read_returns(tmp_path, mesh8):
+    state = _state(mesh8)
+    ms.save(tmp_path / "c", state)
+    source = locate(tmp_path / "c")
+    targets = {f"layer{i}/w": _abstract(state)[f"layer{i}"]["w"] for i in range(6)}
+    seen = {}
+    out = reader.read_checked(source, targets, lambda p, x: seen.setdefault(p, x))
+    assert list(seen) == list(targets)
+    for p, x in out.items():
+        assert seen[p] is x
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(state[p.split("/")[0]]["w"]))
+
+
+@pytest.mark.parametrize("saved_cols, wanted", [(8, P("data")), (32, P(None, "model"))])
+def test_bytes_in_flight_stay_under_the_cap(tmp_path, saved_cols, wanted, monkeypatch):
+    """The buffers being read never reach the cap, yet several arrays are read at once;
+    each array (its reads under the cap) is reserved whole, its reads started together and
+    placed together, on a relayout (column blocks of row-chunked data) as on the saved one."""
+    mesh8 = ms.make_mesh({"data": 8})
+    state = _state(mesh8, n=8, cols=saved_cols)
+    ms.save(tmp_path / "c", state)
+    target = NamedSharding(ms.make_mesh({"data": 2, "model": 4}), wanted)
+    one = jax.ShapeDtypeStruct((64, saved_cols), jnp.float32, sharding=target)
+    distinct = len(reader.shard_boxes(target, one.shape))
+    array_bytes = 64 * saved_cols * 4 * distinct // len(set(target.devices_indices_map(one.shape).values()))
+    cap = 3 * array_bytes
+    monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", cap)
+    live, peak, batches = [0], [0], []
+    start, place = reader.start_read, reader.place_boxes
+
+    def start_spy(view):
+        live[0] += int(np.prod(view.shape)) * 4
+        peak[0] = max(peak[0], live[0])
+        return start(view)
+
+    def place_spy(bufs, devices, sharding):
+        live[0] -= sum(b.nbytes for b in bufs)
+        batches.append(len(bufs))
+        return place(bufs, devices, sharding)
+
+    monkeypatch.setattr(reader, "start_read", start_spy)
+    monkeypatch.setattr(reader, "place_boxes", place_spy)
+    _equal(ms.restore(tmp_path / "c", like={k: {"w": one} for k in state}), state)
+    assert batches == [distinct] * 8  # each array's shards read and placed together
+    assert live[0] == 0 and 2 * array_bytes <= peak[0] < cap  # two arrays at once, no more
+
+
+def test_a_read_larger_than_the_cap_runs_alone(tmp_path, mesh8, monkeypatch):
+    state = _state(mesh8, n=3, cols=32)
+    ms.save(tmp_path / "c", state)
+    shard = 64 * 32 * 4 // 8
+    monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", shard // 2)
+    live, peak = [0], [0]
+    start, place = reader.start_read, reader.place_boxes
+
+    def start_spy(view):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        return start(view)
+
+    def place_spy(bufs, devices, sharding):
+        live[0] -= len(bufs)
+        return place(bufs, devices, sharding)
+
+    monkeypatch.setattr(reader, "start_read", start_spy)
+    monkeypatch.setattr(reader, "place_boxes", place_spy)
+    _equal(ms.restore(tmp_path / "c", like=state), state)
+    assert peak[0] == 1 and live[0] == 0
+
+
+def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(
+    tmp_path, mesh24, monkeypatch
+):
+    """Every distinct shard is read once, into a host buffer aligned so that a CPU device
+    adopts it instead of copying it again; a shard held by two devices (replicas over
+    ``data``) is copied for the second one, so that no two device buffers share memory
+    and a donated replica is overwritten alone."""
+    cols = NamedSharding(mesh24, P(None, "model"))
+    state = {
+        f"layer{i}": {"w": jax.device_put(jnp.arange(64 * 32.0).reshape(64, 32) - i, cols)}
+        for i in range(3)
+    }
+    ms.save(tmp_path / "c", state)
+    started = []
+    start = reader.start_read
+    monkeypatch.setattr(reader, "start_read", lambda v: started.append(1) or start(v))
+    out = ms.restore(tmp_path / "c", like=_abstract(state))
+    assert len(started) == 3 * 4  # each leaf's four column blocks, once
+    for name, leaf in state.items():
+        x = out[name]["w"]
+        assert x.sharding == cols
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(leaf["w"]))
+        pointers = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+        assert len(set(pointers)) == len(pointers) == 8  # replicas do not share buffers
+        if jax.default_backend() == "cpu":
+            assert all(p % reader.HOST_ALIGN == 0 for p in pointers)
+    x = out["layer0"]["w"]
+    twice = jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+    np.testing.assert_array_equal(np.asarray(twice), 2 * np.asarray(state["layer0"]["w"]))
+    np.testing.assert_array_equal(np.asarray(out["layer1"]["w"]), np.asarray(state["layer1"]["w"]))
+
+
+@pytest.mark.parametrize("use_ocdbt", [False, True])
+def test_plain_orbax_checkpoints_are_read_by_the_same_reader(tmp_path, mesh8, monkeypatch, use_ocdbt):
+    """A checkpoint Orbax wrote, in OCDBT or outside it, is read through the spec Orbax's
+    read path opens, by the same reader: Orbax's restore never runs."""
+    from modelshard._internals import ArrayReadSpec
+
+    state = _state(mesh8, n=3)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "c", args=ocp.args.PyTreeSave(state))
+    source = locate(tmp_path / "c")
+    want = ArrayReadSpec(str(source.tree_dir), "layer0.w", False, use_ocdbt=use_ocdbt).json
+    assert reader.array_spec(source, "layer0.w") == want
+    orbax_reads = _orbax_reads(monkeypatch)
+    _equal(ms.restore(tmp_path / "c", like=_abstract(state)), state)
+    assert orbax_reads == []
+
+
+def test_damaged_tree_metadata_is_an_error_though_the_read_needs_none(tmp_path, mesh8):
+    path = ms.save(tmp_path / "c", _state(mesh8, n=2))
+    meta = json.loads((path / "_METADATA").read_text())
+    del meta["tree_metadata"][next(iter(meta["tree_metadata"]))]
+    (path / "_METADATA").write_text(json.dumps(meta))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
+    assert lines[1] == (
+        f"  layer0/w: ValueError: {path / '_METADATA'} does not list the stored array layer0.w"
+    )
+    assert lines[2:] == [DAMAGED_HINT]
+
+
+def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones((64, 8)), "v": jnp.ones((4, 8))})
+    record = json.loads((path / "modelshard.json").read_text())
+    (leaf,) = [x for x in record["leaves"] if x["path"] == "v"]
+    leaf["shape"] = leaf["stored_shape"] = [5, 8]
+    (path / "modelshard.json").write_text(json.dumps(record))
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.restore(path, verify=False)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"cannot read 1 leaf of {path} (damaged or incomplete checkpoint):"
+    assert lines[1] == (
+        "  v: ValueError: stored array v is float32[4, 8], the record says float32[5, 8]"
+    )
+    assert lines[2:] == [DAMAGED_HINT]
+
+
+def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
+    tmp_path, mesh8, monkeypatch
+):
+    state = _state(mesh8, n=2)
+    ms.save(tmp_path / "c", state)
+
+    def broken(*args):
+        raise RuntimeError("checksum program failed")
+
+    # device programs and host sums alike (small leaves, and every leaf on an accelerator)
+    for name in ("box_sums", "host_checksum"):
+        monkeypatch.setattr(cs, name, broken, raising=False)
+    monkeypatch.setattr(cs.Checksums, "_sum", broken, raising=False)
+    with pytest.raises(RuntimeError, match=r"^checksum program failed$"):
+        ms.restore(tmp_path / "c", like=state)
+
+
+def test_array_reader_boxes_are_adopted_by_a_cpu_device_without_a_copy(tmp_path):
+    mesh = ms.make_mesh({"data": 8})
+    w = jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48)
+    b = jnp.arange(40, dtype=jnp.bfloat16).reshape(8, 5)
+    ms.save(tmp_path / "ck", ms.shard({"w": w, "b": b}, P("data"), mesh))
+    source = locate(tmp_path / "ck")
+    device = jax.local_devices()[0]
+    cases = {
+        "w": (w, [(slice(3, 17), slice(5, 41)), (slice(0, 64), slice(0, 48))]),
+        "b": (b, [(slice(1, 7), slice(2, 5)), (slice(0, 8), slice(0, 5))]),
+    }
+    for path, (want, boxes) in cases.items():
+        read = reader.ArrayReader(source, source.record.by_path()[path])
+        for box in boxes:
+            got = read(box)
+            assert got.ctypes.data % reader.HOST_ALIGN == 0
+            np.testing.assert_array_equal(got, np.asarray(want)[box])
+            on_device = jax.device_put(got, device)
+            assert on_device.unsafe_buffer_pointer() == got.ctypes.data

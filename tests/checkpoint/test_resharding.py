@@ -122,7 +122,7 @@ def test_a_leaf_8x_larger_than_the_chunk_is_read_and_written_in_slabs(
 
 def test_array_reader_reads_boxes_of_a_stored_array_without_devices(tmp_path):
     from modelshard._checkpoint.checksum import box_sums, format_sums
-    from modelshard._checkpoint.stored import ArrayReader
+    from modelshard._checkpoint.reader import ArrayReader
 
     w = np.random.default_rng(6).normal(size=(32, 24)).astype(np.float32)
     src = ms.save(

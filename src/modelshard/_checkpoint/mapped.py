@@ -47,10 +47,10 @@ from .._weights import (
     unaliased,
 )
 from .checksum import box_sums, format_sums
-from .read import check_holdable, finish_leaf, read_checked, verify_checksums
+from .read import check_holdable, finish_leaf, verify_checksums
+from .reader import ArrayReader, read_checked
 from .record import LeafRecord, parse_dtype
-from .sources import Source, store_format, stored_view
-from .stored import ArrayReader
+from .sources import Source, stored_view
 
 
 @functools.cache
@@ -277,12 +277,11 @@ def host_leaves(
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
     """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
     ``load(path)``: that one leaf read to this host straight from its TensorStore store
-    (``stored.ArrayReader``: no device, no Orbax restore), its checksum verified. An
+    (``reader.ArrayReader``: no device, no Orbax restore), its checksum verified. An
     export (``modelshard convert --to safetensors``) holds one leaf at a time this way,
     never the whole state."""
     recs = source.record.by_path()
     table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
-    fmt = store_format(source)
     device0 = jax.local_devices()[0]
 
     def load(path: str) -> np.ndarray:
@@ -292,7 +291,7 @@ def host_leaves(
             return np.zeros(rec.shape, logical)
         # a context of its own per leaf: a shared one keeps what it cached of every leaf
         # read so far (export's peak memory: docs/benchmarks/weights.md)
-        reader = ArrayReader(source, rec, fmt)
+        reader = ArrayReader(source, rec)
         bits = np.asarray(reader(tuple(slice(0, d) for d in rec.stored_shape)))
         if verify and rec.checksum is not None:
             x = jax.device_put(bits, device0)

@@ -1,19 +1,16 @@
 """Reading checkpoints: ``restore``, every leaf read straight into its planned sharding.
 
-Reads go through Orbax with a cap on the bytes in flight, are verified against the
+Reads go through ``reader.py`` with a cap on the bytes in flight, are verified against the
 record's checksums on the devices (each leaf's checksum starts as soon as it is read, while
-the next leaves are read: ``arrival.py``), and fail with a [`CheckpointError`][modelshard.CheckpointError] that names the
-damaged leaves and, where it can be told, the file at fault.
+the next leaves are read), and fail with a [`CheckpointError`][modelshard.CheckpointError]
+that names the damaged leaves and, where it can be told, the file at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import re
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,82 +22,17 @@ from .._base import (
     CheckpointError,
     canonical_dtype,
     dtype_name,
-    format_path,
     is_abstract,
     make_mesh,
 )
 from .._containers import split
 from .._place import place, plan
-from .arrival import each_array_registry, shard_boxes
 from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
-from .chunks import shares_chunks
-from .direct import read_direct, readable
 from .mismatch import diff, mismatch_message, warn_partial
+from .reader import read_checked
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
 from .sources import Source, abstract_like, stored_view
-from .storage import nest
 from .values import restored_values, values_as_arrays
-
-# Bytes of read buffers Orbax may hold at once during a restore: bounds host memory beyond
-# the restored arrays themselves (each read buffer is copied onto its devices, then freed).
-# Orbax counts a read as the whole stored chunks it touches; a restore onto another layout
-# (a column block of row-chunked data) touches up to several times its buffer, so the cap
-# grows by that factor (``read_cap``) and the buffers in flight stay at this many bytes. A
-# restore whose largest single read is bigger raises its cap just above that read (Orbax
-# refuses a read larger than the cap). 32 MiB holds two 16 MiB arrays' reads at once, so one
-# array's reads overlap the next one's opening; what that costs and saves (restore time
-# against raw Orbax, peak memory) is measured in docs/benchmarks/checkpoint.md.
-RESTORE_CONCURRENT_BYTES = 32 << 20
-
-
-def read_sizes(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> list[int]:
-    """The bytes Orbax reserves for each read of ``target`` on this host (one per distinct
-    shard, as it reads them): the shard's extent rounded out to whole stored chunks (as its
-    ``estimate_read_memory_footprint`` counts; with the chunk shape unknown, a bound)."""
-    shape = tuple(target.shape)
-    whole = (slice(None),) * len(shape)
-    s = target.sharding
-    indices = [whole] if s is None else s.addressable_devices_indices_map(shape).values()
-    sizes = {}
-    for index in indices:
-        size = np.dtype(target.dtype).itemsize
-        bounds = []
-        for i, (d, sl) in enumerate(zip(shape, index or whole, strict=True)):
-            lo, hi, _ = sl.indices(d)
-            bounds.append((lo, hi))
-            c = chunk[i] if chunk is not None and len(chunk) == len(target.shape) else 0
-            size *= max(1, (-(-hi // c) - lo // c) * c if c > 0 else 2 * d)
-        sizes[tuple(bounds)] = size
-    return list(sizes.values())
-
-
-def largest_read(target: jax.ShapeDtypeStruct, chunk: Sequence[int] | None) -> int:
-    """The most bytes Orbax reserves to read one of this host's shards of ``target``
-    (``read_sizes``)."""
-    return max(read_sizes(target, chunk))
-
-
-def _largest_shard(target: jax.ShapeDtypeStruct) -> int:
-    """Bytes of the largest read buffer of ``target`` on this host: one shard."""
-    s = target.sharding
-    shape = tuple(target.shape) if s is None else s.shard_shape(tuple(target.shape))
-    return max(1, math.prod(shape) * np.dtype(target.dtype).itemsize)
-
-
-def read_cap(reads: Sequence[tuple[jax.ShapeDtypeStruct, Sequence[int] | None]]) -> int:
-    """Orbax's ``restore_concurrent_bytes`` for ``reads`` (``(target, stored chunk shape)``
-    pairs): ``RESTORE_CONCURRENT_BYTES`` of read buffers, counted as Orbax counts them.
-
-    Orbax reserves for each read the stored chunks it touches (``largest_read``), which
-    on a relayout is several times the buffer actually held: a column block of row-chunked
-    data touches every row chunk. Capping that count at ``RESTORE_CONCURRENT_BYTES`` let
-    two or three reads run at once where the layout's own restore runs dozens, so the cap
-    is scaled by the largest such overcount; and raised above the largest single read."""
-    largest = max((largest_read(t, c) for t, c in reads), default=0)
-    over = max((largest_read(t, c) / _largest_shard(t) for t, c in reads), default=1.0)
-    # + 1: a reservation must leave a byte to spare, so an array of exactly
-    # RESTORE_CONCURRENT_BYTES can still be read whole (``arrival``'s groups)
-    return max(int(RESTORE_CONCURRENT_BYTES * max(1.0, over)) + 1, 1 + largest)
 
 
 def concrete_mesh(mesh: Any) -> Any:
@@ -164,203 +96,6 @@ def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
     if sizes and rec.spec is not None and int(np.prod(list(sizes.values()))) == jax.device_count():
         return NamedSharding(make_mesh(sizes, axis_types=record.mesh_axis_types()), rec.spec)
     return SingleDeviceSharding(jax.local_devices()[0])
-
-
-def read_arrays(
-    source: Source,
-    targets: Mapping[str, Any],
-    on_read: Callable[[str, jax.Array], None] | None = None,
-) -> dict[str, Any]:
-    """Restore the stored arrays of ``targets`` (path -> sharded ShapeDtypeStruct), calling
-    ``on_read(path, array)`` for each one as soon as it is read (the rest still reading).
-
-    A modelshard checkpoint on a local disk is read straight from TensorStore
-    (``direct.read_direct``, no Orbax imported); any other through Orbax."""
-    recs = source.record.by_path()
-    # zero-size leaves are in the record only (Orbax refuses to store them)
-    empty = {p: t for p, t in targets.items() if math.prod(t.shape) == 0}
-    zeros = {p: jnp.zeros(t.shape, t.dtype, device=t.sharding) for p, t in empty.items()}
-    targets = {p: t for p, t in targets.items() if p not in empty}
-    if not targets:
-        return zeros
-    chunks = {p: source.write_shapes().get(recs[p].key) for p in targets}
-    cap = read_cap([(t, chunks[p]) for p, t in targets.items()])
-    shared = any(
-        shares_chunks(list(shard_boxes(t.sharding, tuple(t.shape))), tuple(t.shape), chunks[p])
-        for p, t in targets.items()
-    )
-    cache = cap if shared else 0  # decoded chunks, where two of this process's shards share one
-    if readable(source):
-        sizes = {p: read_sizes(t, chunks[p]) for p, t in targets.items()}
-        return zeros | read_direct(source, targets, on_read, cap, sizes, cache)
-    return zeros | _orbax_read(source, targets, on_read, cap, cache)
-
-
-def _orbax_read(
-    source: Source,
-    targets: Mapping[str, Any],
-    on_read: Callable[[str, jax.Array], None] | None,
-    cap: int,
-    cache: int,
-) -> dict[str, Any]:
-    """``read_arrays`` through Orbax's ``PyTreeCheckpointHandler`` (``arrival``'s handler
-    for ``jax.Array``), at most ``cap`` bytes reserved at once, ``cache`` bytes of decoded
-    chunks cached."""
-    import orbax.checkpoint as ocp
-
-    recs = source.record.by_path()
-    full = len(targets) == sum(math.prod(r.stored_shape) > 0 for r in recs.values())
-    if source.template is not None:
-        # Orbax's own structure (lists stay lists); leaves not asked for are placeholders.
-        flat_t = jax.tree_util.tree_flatten_with_path(source.template)
-        path_of = {format_path([*r.key]): p for p, r in recs.items()}  # a box's kernel/value
-        tree = jax.tree_util.tree_unflatten(
-            flat_t[1],
-            [targets.get(path_of.get(format_path(k), ""), ocp.PLACEHOLDER) for k, _ in flat_t[0]],
-        )
-        restore_args = jax.tree.map(lambda t: t if t is ocp.PLACEHOLDER else _restore_args(t), tree)
-        partial = False
-    else:
-        tree = nest([(recs[p].key, t) for p, t in targets.items()], str(source.path))
-        restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
-        partial = not full
-    args = ocp.args.PyTreeRestore(item=tree, partial_restore=partial, restore_args=restore_args)
-    from .._internals import BasePyTreeCheckpointHandler
-
-    chunks = source.write_shapes()
-    orbax_path = {format_path([*recs[p].key]): p for p in targets}
-
-    def arrived(info: Any, x: Any) -> None:
-        path = orbax_path.get(format_path(info.keypath or ()))
-        if on_read is not None and path is not None:
-            on_read(path, x)
-
-    groups = {
-        format_path([*recs[p].key]): sum(read_sizes(t, chunks.get(recs[p].key)))
-        for p, t in targets.items()
-    }
-
-    def group_bytes(info: Any) -> int:
-        return groups.get(format_path(info.keypath or ()), 0)
-
-    registry = each_array_registry(arrived, cap, group_bytes, cache)
-    handler = ocp.PyTreeCheckpointHandler(
-        type_handler_registry=registry,
-        handler_impl=BasePyTreeCheckpointHandler(
-            restore_concurrent_bytes=cap, type_handler_registry=registry
-        ),
-    )
-    with ocp.Checkpointer(handler) as ckptr:
-        out = ckptr.restore(source.tree_dir, args=args)
-    flat_out = {format_path(k): v for k, v in jax.tree_util.tree_flatten_with_path(out)[0]}
-    return {p: flat_out[format_path([*recs[p].key])] for p in targets}
-
-
-def _restore_args(target: jax.ShapeDtypeStruct) -> Any:
-    import orbax.checkpoint as ocp
-
-    return ocp.checkpoint_utils.construct_restore_args(target)
-
-
-_STATUS = re.compile(r"^[A-Z_]+: ")  # TensorStore's status codes: "DATA_LOSS: ..."
-_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
-# TensorStore appends the whole spec it failed on, JSON with its context: noise to a reader
-_SPEC = re.compile(r"\s*\[tensorstore_spec='(?:[^'\\]|\\.)*'\]")
-_MAX_TEXT = 300  # characters of one failure shown
-_MAX_NAMED = 8  # leaves named per failure before "and N more"
-
-
-def _json_unreadable(tree_dir: Path) -> str | None:
-    """The first of Orbax's JSON metadata files in ``tree_dir`` that does not parse."""
-    import json
-
-    names = ["_METADATA", "_sharding", "_CHECKPOINT_METADATA"]
-    for f in [*(tree_dir / n for n in names), *sorted(tree_dir.glob("array_metadatas/*"))]:
-        try:
-            if f.is_file():
-                json.loads(f.read_bytes())
-        except (ValueError, RecursionError):
-            return str(f)
-    return None
-
-
-def read_failure(e: BaseException, tree_dir: Path | None = None) -> str:
-    """One leaf's read failure: TensorStore's innermost status (Orbax wraps it in vaguer
-    errors) names the chunk and the file; a JSON error is pinned on the file that fails."""
-    chain: list[BaseException] = []
-    x: BaseException | None = e
-    while x is not None and len(chain) < 16:
-        chain.append(x)
-        x = x.__cause__ or x.__context__
-    best = next((c for c in reversed(chain) if _STATUS.match(str(c))), e)
-    text = _SPEC.sub("", (str(best).strip().splitlines() or [""])[0])
-    files = _LOCAL_FILE.findall(text)
-    where = files[-1] if files else None
-    if (
-        where is None
-        and tree_dir is not None
-        and any(type(c).__name__ == "JSONDecodeError" for c in chain)
-    ):
-        where = _json_unreadable(tree_dir)
-    if len(text) > _MAX_TEXT:
-        text = text[: _MAX_TEXT - 1] + "…"
-    return f"{type(best).__name__}: {text}" + (f"\n    file: {where}" if where else "")
-
-
-def unreadable(where: Any, failures: Sequence[tuple[str, str]], alone: str = "") -> CheckpointError:
-    """The error of a checkpoint ``where`` whose leaves could not be read: one entry per
-    distinct failure (``failures``: ``(path, read_failure(...))``; none: ``alone``, a
-    failure no single leaf's read showed), and what to do."""
-    n = len(failures)
-    what = f"{n} lea{'ves' if n != 1 else 'f'}" if n else "the checkpoint"
-    lines = _grouped(failures) if n else [f"  {alone}"]
-    return CheckpointError(
-        f"cannot read {what} of {where} (damaged or incomplete checkpoint):\n"
-        + "\n".join(lines)
-        + "\nhint: a file of the checkpoint is damaged or missing (a copy cut short, a disk "
-        "fault); use a complete copy of it, or an earlier checkpoint."
-    )
-
-
-def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
-    """One entry per distinct failure, naming the leaves that failed so: a damaged file
-    shared by many leaves (OCDBT keeps several arrays' data in one file) is one entry, not
-    the same text once per leaf. Failures that name the same file with the same kind of
-    error are one failure (their texts may differ by the array or byte range read): the
-    first one's text is shown."""
-    groups: dict[str, tuple[str, list[str]]] = {}
-    for path, text in failures:
-        head, _, file = text.partition("\n    file: ")
-        key = f"{head.split(':', 2)[:2]}|{file}" if file else text
-        groups.setdefault(key, (text, []))[1].append(path or "<root>")
-    lines = []
-    for text, paths in groups.values():
-        shown = ", ".join(paths[:_MAX_NAMED])
-        if len(paths) > _MAX_NAMED:
-            shown += f" and {len(paths) - _MAX_NAMED} more"
-        lines.append(f"  {shown}: {text}")
-    return lines
-
-
-def read_checked(
-    source: Source,
-    targets: Mapping[str, Any],
-    on_read: Callable[[str, jax.Array], None] | None = None,
-) -> dict[str, Any]:
-    """``read_arrays``, turning any failure into a CheckpointError naming the bad leaves
-    and, where it can be told, the file at fault."""
-    try:
-        return read_arrays(source, targets, on_read)
-    except Exception as e:
-        bad = []
-        for p, t in targets.items():
-            try:
-                if len(targets) == 1:
-                    raise e
-                read_arrays(source, {p: t})
-            except Exception as e1:
-                bad.append((p, read_failure(e1, source.tree_dir)))
-        raise unreadable(source.path, bad, read_failure(e, source.tree_dir)) from e
 
 
 def _checked(source: Source, targets: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from .._place import plan
 from .items import extras_json
 from .listing import manager_step
 from .read import check_cast, check_holdable, concrete_mesh
+from .reader import ArrayReader, reader_context
 from .record import Record, parse_dtype
 from .slabs import StreamLeaf
-from .sources import Source, locate, planning_tree, store_format
-from .stored import ArrayReader, reader_context
+from .sources import Source, locate, planning_tree
 from .stream import Stream, write_remote
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic
@@ -176,9 +176,8 @@ def rewrite(
     p = plan(like, record.saved_specs() if specs is None else specs, mesh)
     shardings = p.flat_shardings(0)
     by_path = record.by_path()
-    fmt = store_format(source)
     chunks = source.write_shapes()
-    context = reader_context(source, fmt)
+    context = reader_context(source)
     leaves = []
     for leaf, s in zip(p.args[0].leaves, shardings, strict=True):
         rec = by_path[leaf.path]
@@ -188,7 +187,7 @@ def rewrite(
                 path=rec.path,
                 shape=rec.stored_shape,
                 dtype=parse_dtype(rec.stored_dtype),
-                read=ArrayReader(source, rec, fmt, context),
+                read=ArrayReader(source, rec, context),
                 spec=s.spec,
                 key_impl=rec.key_impl,
                 names=rec.names,

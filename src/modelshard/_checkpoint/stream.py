@@ -58,7 +58,7 @@ from .checksum import (
 from .host_sums import np_box_sums
 from .leaks import stop_leaks
 from .ocdbt import context, merge, sharding_json, write_spec
-from .read import read_failure, unreadable
+from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
 from .slabs import (
     Layout,
@@ -189,7 +189,7 @@ def _copy_all(
 
     A read that fails raises; copying a checkpoint (``source``, its path), the copy goes
     on with the other leaves first, and the error names every leaf that could not be read
-    (``read.unreadable``)."""
+    (``reader.unreadable``)."""
     import tensorstore as ts
 
     local = not is_remote(directory)
