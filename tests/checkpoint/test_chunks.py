@@ -87,14 +87,11 @@ def test_plain_orbax_saves_in_the_same_process_keep_their_chunks(tmp_path, mesh_
     assert _chunk_shapes(tmp_path / "plain") == {"w": [512, 256]}
 
 
-@pytest.mark.parametrize("path", ["direct", "through Orbax"])
-def test_a_restore_reads_each_stored_chunk_once(tmp_path, mesh_2x4, path, monkeypatch):
-    # 256-row chunks restored onto 128-row shards: two devices need each chunk, which the
-    # restore's chunk cache reads once (``direct.shares_chunks``: needed here)
-    if path != "direct":
-        from modelshard._checkpoint import read as read_module
-
-        monkeypatch.setattr(read_module, "readable", lambda source: False)
+def test_a_restore_reads_a_chunk_two_devices_share_about_once(tmp_path, mesh_2x4):
+    # 256-row chunks restored onto 128-row shards: two devices need each chunk. No chunk
+    # cache is kept: the array's reads run together (it is reserved whole), and TensorStore
+    # reads a chunk once for the reads in flight that want it. On a loaded machine one read
+    # may end before the other starts, so the bound sits well under twice, not at once.
     cols = NamedSharding(mesh_2x4, P(None, "model"))
     state = {f"w{i}": jax.device_put(np.full((1024, 1024), i, np.float32), cols) for i in range(4)}
     ck = ms.save(tmp_path / "ck", state)
@@ -104,5 +101,5 @@ def test_a_restore_reads_each_stored_chunk_once(tmp_path, mesh_2x4, path, monkey
     out = ms.restore(ck, mesh=mesh, specs=P("fsdp"))
     read = _rchar() - before
     stored = 4 * 1024 * 1024 * 4
-    assert stored <= read <= 1.05 * stored, f"read {read / stored:.3f}x the stored bytes"
+    assert stored <= read <= 1.5 * stored, f"read {read / stored:.3f}x the stored bytes"
     assert all(np.all(np.asarray(out[f"w{i}"]) == i) for i in range(4))

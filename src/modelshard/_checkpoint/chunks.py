@@ -59,27 +59,6 @@ def aligned_chunks(
     return tuple(chunk)
 
 
-def shares_chunks(
-    boxes: list[tuple[tuple[int, int], ...]],
-    shape: tuple[int, ...],
-    chunk: tuple[int, ...] | None,
-) -> bool:
-    """Whether a stored chunk of ``chunk`` shape (None: unknown) holds parts of two of
-    ``boxes`` (one process's shards of an array of ``shape``): some box starts or ends
-    inside a chunk, short of the array's end. A restore caches decoded chunks only then,
-    so that such a chunk is read once; elsewhere the cache would hold a copy of every chunk
-    read, for nothing (55 MiB more peak memory in a 256 MiB restore onto chunk-aligned
-    blocks: ``benchmarks/checkpoint.py``'s restore with reshard)."""
-    if chunk is None or len(chunk) != len(shape):
-        return True
-    return any(
-        (lo % c or (hi % c and hi != n))
-        for box in boxes
-        for (lo, hi), c, n in zip(box, chunk, shape, strict=True)
-        if c > 0 and (hi - lo) != n
-    )
-
-
 @functools.cache
 def _args_class() -> type:
     import orbax.checkpoint as ocp

@@ -12,8 +12,6 @@ if TYPE_CHECKING:
     from .orbax import ArrayMetadataStore as ArrayMetadataStore
     from .orbax import ArrayReadSpec as ArrayReadSpec
     from .orbax import ArrayWriteSpec as ArrayWriteSpec
-    from .orbax import BasePyTreeCheckpointHandler as BasePyTreeCheckpointHandler
-    from .orbax import UnlimitedInFlightBytes as UnlimitedInFlightBytes
     from .orbax import multihost as multihost
     from .orbax import tensorstore_utils as tensorstore_utils
     from .orbax_text import STANDARD_HANDLER_NAME as STANDARD_HANDLER_NAME
@@ -39,8 +37,6 @@ _OWNER = {
     "ArrayMetadataStore": "orbax",
     "ArrayReadSpec": "orbax",
     "ArrayWriteSpec": "orbax",
-    "BasePyTreeCheckpointHandler": "orbax",
-    "UnlimitedInFlightBytes": "orbax",
     "multihost": "orbax",
     "tensorstore_utils": "orbax",
     "replace_raw_bytes": "patches",

@@ -57,24 +57,6 @@ with needed(
 
 with needed(
     DIST,
-    "orbax.checkpoint._src.serialization.limits.UnlimitedInFlightBytes",
-    "restore: each array's read passes Orbax no byte limiter of its own, as modelshard's "
-    "FairLimiter caps the bytes in flight",
-):
-    from orbax.checkpoint._src.serialization.limits import UnlimitedInFlightBytes
-
-with needed(
-    DIST,
-    "orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler",
-    "restore: the PyTree handler's implementation, given a cap on bytes in flight and the "
-    "registry whose jax.Array handler hands each array over as it arrives",
-):
-    from orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler import (
-        BasePyTreeCheckpointHandler,
-    )
-
-with needed(
-    DIST,
     "orbax.checkpoint._src.multihost.multihost",
     "every barrier Orbax runs for a save of ours is bounded by MODELSHARD_BARRIER_TIMEOUT: "
     "its get_barrier_sync_fn is wrapped in that module, where Orbax's own code looks it up "
