@@ -107,7 +107,7 @@ def _read_write_shapes(source: Source) -> dict[tuple[str, ...], tuple[int, ...]]
                 key = tuple(str(k["key"]) for k in entry["key_metadata"])
                 out[key] = tuple(int(d) for d in shape)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        pass  # unknown chunking (CheckpointError is a ValueError): largest_read falls back to a bound
+        pass  # unknown chunking (CheckpointError is a ValueError): none recorded
     return out
 
 
