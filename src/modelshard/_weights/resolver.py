@@ -13,7 +13,7 @@ from typing import Any
 
 from .._base import MappingError, Problem, dtype_name, literal, natural_key, vocabulary
 from . import recipe
-from .rule_steps import NO_SIZE, bad, cast, join_order, piece, pre_cast, split_parts
+from .rule_steps import NO_SIZE, RuleSteps, cast, join_order
 from .rules import MapRule, WeightMap, header
 
 
@@ -259,32 +259,31 @@ def build_single(
     """Phase 2: the leaves each of ``single``'s tensors makes on its own: one, or one per
     index of an unstack or part of a split."""
     for i, name, m in single:
-        rule = mapping.rules[i]
-        shape, dt = sources[name]
-        read = recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
-        if rule.unstack is not None or rule.split is not None:
-            parts: list[tuple[str, recipe.Node]]
-            if rule.unstack is not None:
-                key, ax = rule.unstack.key, rule.unstack.axis
-                if not -len(shape) <= ax < len(shape):
-                    problems.append(bad(name, read, f"unstack axis {ax} is out of range", i))
-                    continue
-                ax %= len(shape)
-                parts = [(str(k), recipe.Take(read, ax, k)) for k in range(shape[ax])]
-            else:
-                assert rule.split is not None
-                key, parts = rule.split.key, split_parts(mapping, rule, i, read, name, problems)
-            paths = [mapping._format(rule, m, {key: part}) for part, _ in parts]
-            for path, (_, cut) in zip(paths, parts, strict=True):
-                node = piece(mapping, rule, i, cut, name, dtype, problems)
-                if node is None:  # the same problem for every piece: reported once
-                    leaves.failed.update(paths)
-                    break
-                leaves.add(path, node, i, (name,), problems)
-        else:
-            path = mapping._format(rule, m, {})
-            node = piece(mapping, rule, i, read, name, dtype, problems)
+        rule, steps = mapping.rules[i], RuleSteps(mapping, i, name, problems)
+        read = _read(name, sources)
+        parts: list[tuple[str, recipe.Node]] = [("", read)]
+        key: str | None = None
+        if rule.unstack is not None:
+            key, ax, n = rule.unstack.key, rule.unstack.axis, len(read.shape)
+            if not -n <= ax < n:
+                steps.bad(read, f"unstack axis {ax} is out of range")
+                continue
+            ax %= n
+            parts = [(str(k), recipe.Take(read, ax, k)) for k in range(read.shape[ax])]
+        elif rule.split is not None:
+            key, parts = rule.split.key, steps.split_parts(read)
+        paths = [mapping._format(rule, m, {} if key is None else {key: part}) for part, _ in parts]
+        for path, (_, cut) in zip(paths, parts, strict=True):
+            node = steps.piece(cut, dtype)
+            if node is None:  # the same problem for every piece: reported once
+                leaves.failed.update(paths)
+                break
             leaves.add(path, node, i, (name,), problems)
+
+
+def _read(name: str, sources: Tensors) -> recipe.Read:
+    shape, dt = sources[name]
+    return recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
 
 
 def build_joined(
@@ -304,15 +303,14 @@ def build_joined(
         join = rule.join
         assert join is not None
         verb = "stack" if rule.stack is not None else "concat"
-        order = join_order(join, verb, members, i, path, problems)
-        if order is None:
+        order = join_order(join, verb, members, i, path)
+        if isinstance(order, Problem):
+            problems.append(order)
             continue
         names = tuple(members[v] for v in order)
-        pieces = []
-        for name in names:
-            shape, dt = sources[name]
-            read = recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
-            pieces.append(pre_cast(mapping, rule, i, read, name, dtype, problems))
+        pieces = [
+            RuleSteps(mapping, i, n, problems).pre_cast(_read(n, sources), dtype) for n in names
+        ]
         nodes = [p for p in pieces if p is not None]
         if len(nodes) < len(pieces):
             leaves.failed.add(path)
