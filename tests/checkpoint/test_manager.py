@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -241,90 +240,6 @@ def test_save_interval_is_arithmetic_and_should_save_agrees(tmp_path):
         assert mngr.all_steps() == [3, 5, 10]
 
 
-def test_items_beside_the_state(tmp_path):
-    class Loader:  # the get_state/set_state protocol of grain's iterators
-        def __init__(self):
-            self.pos = 0
-
-        def get_state(self):
-            return {"pos": self.pos, "epoch": 1}
-
-        def set_state(self, state):
-            self.pos = state["pos"]
-
-    loader, key = Loader(), jax.random.key(7)
-    loader.pos = 42
-    items = {
-        "config": {"lr": 1e-3, "layers": [4, 4], "name": "run"},
-        "data": loader,
-        "rng": key,
-        "raw": jax.random.PRNGKey(3),
-    }
-    with ms.CheckpointManager(tmp_path) as mngr:
-        mngr.save(0, _w(0), items=items, metadata={"note": "first"})
-        fresh = Loader()
-        got = mngr.items(like={"data": fresh})
-        assert mngr.metadata() == {"note": "first"}
-    assert got["config"] == items["config"]
-    assert got["data"] is fresh and fresh.pos == 42
-    np.testing.assert_array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(key))
-    assert jax.random.key_impl(got["rng"]) == jax.random.key_impl(key)
-    np.testing.assert_array_equal(got["raw"], jax.random.PRNGKey(3))
-    # without ``like`` the iterator's state comes back; the public readers agree
-    step = tmp_path / "0"
-    assert ms.read_items(step)["data"] == {"pos": 42, "epoch": 1}
-    assert ms.read_metadata(step) == {"note": "first"}
-
-
-@pytest.mark.parametrize("removed", ["the file", "the item directory"])
-def test_a_step_whose_items_are_gone_is_an_error_not_no_items(tmp_path, removed):
-    """A damaged step must not hand back ``{}`` for the RNG and data position it was saved
-    with; a step saved without items still reads as ``{}``."""
-    with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
-        mngr.save(0, _w(0))
-        mngr.save(1, _w(1), items={"rng": jax.random.key(1), "config": {"lr": 0.1}})
-    items = tmp_path / "1" / "items"
-    if removed == "the file":
-        (items / "items.json").unlink()
-    else:
-        shutil.rmtree(items)
-    with ms.CheckpointManager(tmp_path) as mngr:
-        assert mngr.items(0) == {}
-        with pytest.raises(ms.CheckpointError) as e:
-            mngr.items(1)
-        np.testing.assert_array_equal(np.asarray(mngr.restore(1)["w"]), np.asarray(_w(1)["w"]))
-    assert str(e.value) == (
-        f"{items / 'items.json'} is missing: the step was saved with its items, so it is "
-        "damaged and they cannot be read. Its arrays still restore (their checksums are "
-        "verified); restore a complete copy of the step to get the items back."
-    )
-    with pytest.raises(ms.CheckpointError) as again:
-        ms.read_items(tmp_path / "1")
-    assert str(again.value) == str(e.value)
-    assert ms.read_items(tmp_path / "0") == {}
-
-
-def test_items_that_cannot_be_saved_are_all_listed_and_nothing_is_written(tmp_path):
-    with ms.CheckpointManager(tmp_path) as mngr:
-        with pytest.raises(ms.CheckpointError) as e:
-            mngr.save(
-                0,
-                _w(0),
-                items={"cfg": {"lr": np.float32(1), 3: "x"}, "big": jnp.ones((4, 4)), "": 1},
-            )
-        assert os.listdir(tmp_path) == [".modelshard-lock"] or mngr.all_steps() == []
-    assert str(e.value).splitlines() == [
-        "cannot save these items (nothing was written):",
-        "  items['cfg']['lr']: numpy.float32 is not JSON (use int(...) or float(...))",
-        "  items['cfg']: key 3 is a int, JSON keys are strings",
-        "  items['big']: an array of float32[4, 4]; put arrays in the sharded state (only "
-        "PRNG keys are items)",
-        "  item name '': names are non-empty strings",
-        "Items are JSON values, data iterators with get_state()/set_state(), or PRNG keys.",
-    ]
-    assert not any(n[0].isdigit() for n in os.listdir(tmp_path))
-
-
 def test_empty_or_foreign_numbered_folders_are_not_steps(tmp_path):
     with ms.CheckpointManager(tmp_path, async_save=False) as mngr:
         mngr.save(0, _w(0))
@@ -422,21 +337,6 @@ def test_cli_reads_a_manager_root_at_its_latest_complete_step(tmp_path, capsys):
     assert (out["step"], out["source"]) == (5, str(root / "5"))
     assert out["dropped"] == {"items": ["cfg"], "metrics": []}
     np.testing.assert_array_equal(ms.restore(dst)["w"], np.arange(8.0) + 5)
-
-
-def test_grain_iterator_resumes_where_it_was_saved(tmp_path):
-    grain = pytest.importorskip("grain")
-    ds = grain.MapDataset.range(100).map(lambda x: x * 2).to_iter_dataset()
-    it = iter(ds)
-    seen = [next(it) for _ in range(7)]
-    with ms.CheckpointManager(tmp_path, handle_signals=False) as mngr:
-        mngr.save(7, _w(7), items={"data": it})
-        fresh = iter(ds)
-        resumed = mngr.items(like={"data": fresh})["data"]
-    assert seen == list(range(0, 14, 2))
-    assert resumed is fresh
-    assert [next(resumed) for _ in range(3)] == [next(it) for _ in range(3)] == [14, 16, 18]
-    assert ms.read_items(tmp_path / "7")["data"] == {"next_index": 7}
 
 
 def test_restore_a_step_through_a_weight_map(tmp_path, mesh8):
