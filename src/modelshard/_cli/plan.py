@@ -144,34 +144,46 @@ def run(args: argparse.Namespace) -> int:
     specs = target_specs(args, source.record)
     mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
     p = plan(planning_tree(source.record), specs, mesh)
+    check = None if args.budget is None else lambda: p.check_budget(args.budget)
+    return report(args, p, str(source.path), f"plan of {source.path}", check)
+
+
+def report(
+    args: argparse.Namespace,
+    p: Any,
+    checkpoint: str | None,
+    title: str,
+    check: Any,
+    extra: dict[str, Any] | None = None,
+    lines: tuple[str, ...] = (),
+    written: str | None = None,
+) -> int:
+    """What ``plan`` prints (the table, or the JSON document with ``extra``'s keys), the
+    HTML page, then ``check()`` (``None``: nothing to check)."""
+    fold = not args.no_fold
+    if args.html is not None:
+        p.to_html(args.html, fold=fold, filter=args.filter, title=title)
     if args.json:
-        if args.html is not None:
-            p.to_html(args.html, fold=not args.no_fold, filter=args.filter)
-        if args.budget is not None:
-            p.check_budget(args.budget)
-        emit(
-            args,
-            {
-                "checkpoint": str(source.path),
-                "step": args.step,
-                "mesh": sizes,
-                "bytes_per_device": p.bytes_per_device(),
-                "total_bytes": p.total_bytes,
-                "modules": p.modules(filter=args.filter),
-                "rows": p.groups(fold=not args.no_fold, filter=args.filter),
-                "leaves": p.rows(filter=args.filter),
-            },
-        )
+        if check is not None:
+            check()
+        doc = {"checkpoint": checkpoint, "step": getattr(args, "step", None), "mesh": args.mesh}
+        doc |= {"bytes_per_device": p.bytes_per_device(), "total_bytes": p.total_bytes}
+        doc |= extra or {}
+        doc |= {
+            "modules": p.modules(filter=args.filter),
+            "rows": p.groups(fold=fold, filter=args.filter),
+            "leaves": p.rows(filter=args.filter),
+        }
+        emit(args, doc)
         return 0
-    if args.html is not None:
-        p.to_html(
-            args.html, fold=not args.no_fold, filter=args.filter, title=f"plan of {source.path}"
-        )
-    console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
-    if args.html is not None:
-        say(f"wrote {os.path.abspath(args.html)}", stderr=True)
-    if args.budget is not None:
-        p.check_budget(args.budget)
+    console().print(p.table(max_rows=args.max_rows, fold=fold, filter=args.filter))
+    for line in lines:
+        say(line)
+    for out in (args.html, written):
+        if out is not None:
+            say(f"wrote {os.path.abspath(out)}", stderr=True)
+    if check is not None:
+        check()
     return 0
 
 
@@ -351,7 +363,7 @@ def run_step(args: argparse.Namespace) -> int:
         return usage(args, "--step needs the state: CKPT or --state")
     axes = args.batch_axes.split(",") if args.batch_axes else [next(iter(sizes))]
     batch_spec = PartitionSpec(axes[0] if len(axes) == 1 else tuple(axes))
-    from .._base import make_mesh
+    from .._base import make_mesh, write_durable
 
     kw: dict[str, Any] = dict(
         mesh=make_mesh(sizes, axis_types=args.axis_types, abstract=True),
@@ -368,43 +380,23 @@ def run_step(args: argparse.Namespace) -> int:
             m = advice.memory
     except Exception as e:
         return raised(args, "step", args.step_fn, e)
-    p = m.plan
     out: str | None = args.write_rules
     rules_text, unwritten = rules_file(advice) if out is not None else (None, None)
     if out is not None and rules_text is not None:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(rules_text)
+        write_durable(out, rules_text)
     if out is not None and unwritten is not None:
         say(f"nothing written to {os.path.abspath(out)}: {unwritten}", stderr=True)
-    if args.html is not None:
-        p.to_html(args.html, fold=not args.no_fold, filter=args.filter, title="plan of the step")
-    if args.json:
-        if advice is not None:
-            advice.check()
-        emit(
-            args,
-            {
-                "checkpoint": None if source is None else str(source.path),
-                "step": getattr(args, "step", None),
-                "mesh": sizes,
-                "bytes_per_device": p.bytes_per_device(),
-                "total_bytes": p.total_bytes,
-                "step_memory": m.to_json(),
-                "advice": None if advice is None else advice.to_json(),
-                "modules": p.modules(filter=args.filter),
-                "rows": p.groups(fold=not args.no_fold, filter=args.filter),
-                "leaves": p.rows(filter=args.filter),
-            },
-        )
-        return 0
-    console().print(p.table(max_rows=args.max_rows, fold=not args.no_fold, filter=args.filter))
-    if advice is not None:
-        for line in advice.lines():
-            say(line)
-    if args.html is not None:
-        say(f"wrote {os.path.abspath(args.html)}", stderr=True)
-    if out is not None and rules_text is not None:
-        say(f"wrote {os.path.abspath(out)}", stderr=True)
-    if advice is not None:
-        advice.check()
-    return 0
+    extra = {
+        "step_memory": m.to_json(),
+        "advice": None if advice is None else advice.to_json(),
+    }
+    return report(
+        args,
+        m.plan,
+        None if source is None else str(source.path),
+        "plan of the step",
+        None if advice is None else advice.check,
+        extra,
+        () if advice is None else tuple(advice.lines()),
+        out if rules_text is not None else None,
+    )

@@ -25,6 +25,7 @@ from .._base import (
     spec_from_json,
     spec_json,
     vocabulary,
+    write_durable,
 )
 from .._specs import (
     ArgPlan,
@@ -368,7 +369,7 @@ class Plan:
         from .plan_html import page
 
         out = Path(path)
-        out.write_text(page(self, title=title, fold=fold, filter=filter), encoding="utf-8")
+        write_durable(out, page(self, title=title, fold=fold, filter=filter))
         return out
 
     def _repr_html_(self) -> str:
