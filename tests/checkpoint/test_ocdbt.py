@@ -1,5 +1,6 @@
-"""Orbax's layout of arrays in OCDBT, built without Orbax: each spec, file entry and merge
-equal to Orbax's own, and a reshard in a fresh process that never imports Orbax."""
+"""Orbax's layout of a checkpoint, built without Orbax: each spec, metadata file and merge
+equal to Orbax's own, on a local disk, gs:// and s3://, and a reshard in a fresh process
+that never imports Orbax."""
 
 from __future__ import annotations
 
@@ -18,8 +19,23 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._checkpoint import ocdbt, stream
+from modelshard._checkpoint import ocdbt, s3, stream
 from modelshard._checkpoint.sources import locate
+from modelshard._checkpoint.urls import kvstore, location
+
+# where a checkpoint's arrays may live: each spec is compared for all three
+LOCATIONS = ["/ck/state/", "gs://bkt/ck/state", "s3://bkt/ck/state"]
+
+
+@pytest.fixture
+def orbax_on_s3(monkeypatch):
+    """Orbax's specs for s3:// (through ``s3.enable``) and ours, from one AWS setting."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "TENSORSTORE_GCS_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    s3.enable()
+
 
 # every dtype a checkpoint stores (record.STORED_AS maps the others onto these)
 DTYPES = [
@@ -31,12 +47,13 @@ DTYPES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("compress", [False, True])
 @pytest.mark.parametrize("process", [0, 1])
-def test_the_write_spec_is_orbaxs(dtype, compress, process):
+def test_the_write_spec_is_orbaxs(dtype, compress, process, orbax_on_s3):
     from modelshard._internals import ArrayWriteSpec
 
-    for shape, chunk in [((1024, 2048), (512, 256)), ((), ()), ((7, 3, 5), (7, 1, 5))]:
+    cases = [((1024, 2048), (512, 256)), ((), ()), ((7, 3, 5), (7, 1, 5))]
+    for (shape, chunk), where in zip(cases, LOCATIONS, strict=True):
         orbax = ArrayWriteSpec(
-            "/ck/state/",
+            where,
             "layers.0.w",
             global_shape=shape,
             write_shape=chunk,
@@ -46,7 +63,7 @@ def test_the_write_spec_is_orbaxs(dtype, compress, process):
             use_compression=compress,
         )
         ours = ocdbt.write_spec(
-            "/ck/state/",
+            kvstore(location(where)),
             "layers.0.w",
             shape=shape,
             chunk=chunk,
@@ -57,13 +74,18 @@ def test_the_write_spec_is_orbaxs(dtype, compress, process):
         assert ours == json.loads(json.dumps(orbax.json))
 
 
-def test_the_read_spec_is_orbaxs(tmp_path, mesh8):
+def test_the_read_spec_is_orbaxs(tmp_path, mesh8, orbax_on_s3):
     from modelshard._internals import ArrayReadSpec
 
     path = ms.save(tmp_path / "c", {"w": ms.shard(jnp.ones((64, 8)), ms.fsdp("data"), mesh8)})
     tree = str(locate(path).tree_dir)
     orbax = ArrayReadSpec(tree, "w", False, use_ocdbt=True)
     assert ocdbt.read_spec(tree, "w") == orbax.json
+    for where in [tree, *LOCATIONS]:
+        orbax = ArrayReadSpec(where, "a.b", False, use_ocdbt=True)
+        assert ocdbt.read_spec(kvstore(location(where)), "a.b") == json.loads(
+            json.dumps(orbax.json)
+        )
 
 
 def test_the_context_is_orbaxs():
@@ -85,6 +107,40 @@ def test_the_sharding_entry_is_orbaxs(mesh24, spec):
     assert ocdbt.sharding_json(sharding) == orbax.to_serialized_string()
 
 
+def test_the_metadata_files_are_orbaxs(tmp_path, mesh24):
+    """``_METADATA``, ``_sharding``, ``array_metadatas/process_0`` and
+    ``_CHECKPOINT_METADATA`` built here equal the ones Orbax's handler wrote for ``save``."""
+    from modelshard._internals import STANDARD_HANDLER_NAME
+
+    state = {
+        "layers": {"0": {"w": ms.shard(jnp.ones((64, 8)), P("data", "model"), mesh24)}},
+        "b": ms.shard(jnp.ones(4, jnp.bfloat16), P(), mesh24),
+        "k": ms.shard(jnp.zeros((2, 8), jnp.int8), P(None, "model"), mesh24),
+    }
+    path = ms.save(tmp_path / "c", state)
+    orbax = {
+        f: json.loads((path / f).read_text())
+        for f in ["_METADATA", "_sharding", "array_metadatas/process_0", "_CHECKPOINT_METADATA"]
+    }
+    chunks = {
+        a["array_metadata"]["param_name"]: a["array_metadata"]["write_shape"]
+        for a in orbax["array_metadatas/process_0"]["array_metadatas"]
+    }
+    leaves = {"b": ("b",), "k": ("k",), "layers.0.w": ("layers", "0", "w")}
+    shardings = {"b": state["b"], "k": state["k"], "layers.0.w": state["layers"]["0"]["w"]}
+    assert ocdbt.tree_metadata((leaves[n], chunks[n]) for n in chunks) == orbax["_METADATA"]
+    assert ocdbt.array_metadatas(chunks.items()) == orbax["array_metadatas/process_0"]
+    sharded = ((n, shardings[n].sharding) for n in chunks)
+    assert ocdbt.sharding_file(sharded) == orbax["_sharding"]
+    handler = orbax["_CHECKPOINT_METADATA"]["item_handlers"]
+    ours = ocdbt.checkpoint_metadata(handler, 1, {"modelshard": "modelshard.checkpoint/1"})
+    times = ("init_timestamp_nsecs", "commit_timestamp_nsecs")
+    assert {k: v for k, v in ours.items() if k not in times} == {
+        k: v for k, v in orbax["_CHECKPOINT_METADATA"].items() if k not in times
+    }
+    assert STANDARD_HANDLER_NAME.endswith(".StandardCheckpointHandler")
+
+
 def _entries(directory):
     """Every key of the OCDBT database at ``directory`` with its value."""
     store = ts.KvStore.open(
@@ -102,7 +158,7 @@ def test_the_merge_is_orbaxs(tmp_path, mesh8, monkeypatch):
     merge = ocdbt.merge
 
     def copy_then_merge(tree_dir, names):
-        shutil.copytree(tree_dir, copy)
+        shutil.copytree(tree_dir["path"], copy)
         merge(tree_dir, names)
 
     monkeypatch.setattr(stream, "merge", copy_then_merge)
@@ -157,3 +213,25 @@ print(code, sorted(m for m in sys.modules if m.startswith("orbax")))
     np.testing.assert_array_equal(plain["w"], np.arange(64 * 64, dtype=np.float32).reshape(64, 64))
     back = ms.restore(tmp_path / "dst")  # verified: the source's checksums carried over
     np.testing.assert_array_equal(np.asarray(back["w"]), plain["w"])
+
+
+def test_a_reshard_to_object_storage_is_written_without_orbax(tmp_path, mesh8, bucket_root):
+    """Specs, context, metadata files and merge on gs:// and s3:// are this module's too:
+    with Orbax's own made to fail, the reshard still lands, and plain Orbax reads it."""
+    from modelshard._internals import tensorstore_utils as tsu
+
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    src = ms.save(tmp_path / "src", ms.shard({"w": w, "b": np.ones(3)}, ms.fsdp("data"), mesh8))
+
+    def orbax_called(*args, **kwargs):
+        raise AssertionError("Orbax was asked")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ocp.PyTreeCheckpointHandler, "finalize", orbax_called)
+        mp.setattr(tsu, "get_ts_context", orbax_called)
+        mp.setattr(tsu, "ArrayWriteSpec", orbax_called)
+        url = f"{bucket_root}/out"
+        ms.reshard(src, url, specs=ms.Rules([("w$", P(None, "data")), (".*", P())]), mesh=mesh8)
+    plain = ocp.StandardCheckpointer().restore(f"{url}/state")
+    np.testing.assert_array_equal(plain["w"], w)
+    np.testing.assert_array_equal(np.asarray(ms.restore(url)["w"]), w)

@@ -1,35 +1,39 @@
-"""Orbax's layout of arrays in OCDBT on a local disk, read and written without importing
-Orbax.
+"""Orbax's layout of a checkpoint, built without importing Orbax: the one module that knows
+it, on a local disk and on object storage alike.
 
 A checkpoint of modelshard's is Orbax's own format: zarr v2 arrays in an OCDBT database,
 one per writing process (``ocdbt.process_<i>/``) merged into the checkpoint's root once all
 are written, beside Orbax's metadata files. Orbax's import is about 0.2 s of a fresh
 process (``modelshard reshard``, a job restoring once), although the bytes go through
-TensorStore either way. So what Orbax would give for a local checkpoint is built here as
-plain JSON, each equal to Orbax's own (``tests/checkpoint/test_ocdbt.py`` compares them
-for every stored dtype, both encodings, both axis types, one and two processes):
+TensorStore either way. So what Orbax would give is built here as plain JSON, each equal
+to Orbax's own (``tests/checkpoint/test_ocdbt.py`` compares them for every stored dtype,
+both encodings, both axis types, one and two processes, a local disk, ``gs://`` and
+``s3://``). Where the arrays live is a TensorStore kvstore, ``urls.kvstore``'s (a local
+directory may be given as its path):
 
 - ``read_spec``, ``write_spec``: the TensorStore specs Orbax's read and write paths open
   for one array (``ArrayReadSpec``, ``ArrayWriteSpec``);
 - ``context``: Orbax's TensorStore context (``get_ts_context``);
-- ``sharding_json``: an array's entry of Orbax's ``_sharding`` file
-  (``NamedShardingMetadata.to_serialized_string``);
+- ``sharding_json`` / ``sharding_file``: Orbax's ``_sharding`` file
+  (``NamedShardingMetadata.to_serialized_string`` per array);
+- ``tree_metadata``, ``array_metadatas``, ``checkpoint_metadata``: the ``_METADATA``,
+  ``array_metadatas/process_<i>`` and ``_CHECKPOINT_METADATA`` files of a PyTree save;
 - ``merge``: Orbax's finalize of an OCDBT save (``merge_ocdbt_per_process_files``), each
   process's database copied into the root's in one atomic transaction, after the same
   check (every array has its zarr metadata and chunks);
-- ``lost_files``: the files a database's index refers to that are missing or cut short
-  (the index's nodes read, each file stat'ed; no chunk read);
-
-Object storage and other formats still go through Orbax.
+- ``lost_files``: the files a local database's index refers to that are missing or cut
+  short (the index's nodes read, each file stat'ed; no chunk read).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -41,10 +45,11 @@ OCDBT_NODE_CACHE_BYTES = 100_000_000
 OCDBT_MANIFEST = "manifest.ocdbt"
 """The file of an OCDBT database that indexes everything in it."""
 
-# What Orbax's writes configure an OCDBT database with (``_add_ocdbt_write_options``).
+# What Orbax's writes configure an OCDBT database with (``_add_ocdbt_write_options``):
+# data files of up to 2 GiB on a disk, 400 MiB on object storage.
 TARGET_DATA_FILE_SIZE = 2 << 30
+REMOTE_TARGET_DATA_FILE_SIZE = 400 << 20
 _WRITE_CONFIG = {
-    "target_data_file_size": TARGET_DATA_FILE_SIZE,
     "config": {
         "max_inline_value_bytes": 1024,
         "max_decoded_node_bytes": 100_000_000,
@@ -52,6 +57,17 @@ _WRITE_CONFIG = {
     },
     "assume_config": True,
 }
+
+# What Orbax's specs add on object storage (``is_remote_storage``): adjacent reads merged.
+_COALESCING = {
+    "experimental_read_coalescing_threshold_bytes": 1_000_000,
+    "experimental_read_coalescing_merged_bytes": 500_000_000_000,
+    "experimental_read_coalescing_interval": "1ms",
+}
+
+Tree = str | dict[str, Any]
+"""Where a checkpoint's arrays live: a TensorStore kvstore (``urls.kvstore``), or the path
+of a local directory."""
 
 # Orbax's names of a zarr v2 array's metadata and chunk keys (``ocdbt_utils``).
 _ZARRAY = re.compile(r"(?:^|/)\.zarray$")
@@ -86,21 +102,41 @@ def context(cache_bytes: int = 0, *, sync: bool = True) -> Any:
     return ts.Context(spec)
 
 
-def _kvstore(directory: str, *, write: bool) -> dict[str, Any]:
-    base = os.path.normpath(directory) + "/"
-    spec: dict[str, Any] = {
-        "driver": "ocdbt",
-        "base": {"driver": "file", "path": base, "file_io_locking": {"mode": "non_atomic"}},
-        "manifest": {"driver": "file", "path": base},
-    }
+def _base(tree: Tree, sub: str = "") -> dict[str, Any]:
+    """The kvstore of ``tree`` (or of its folder ``sub``), its path as Orbax's specs give
+    it: a local directory's with a trailing ``/``, an object store's without."""
+    kv = {"driver": "file", "path": os.path.normpath(tree) + "/"} if isinstance(tree, str) else tree
+    path = str(kv.get("path", ""))
+    if sub:
+        path = f"{path.rstrip('/')}/{sub}" if path.strip("/") else sub
+    if kv["driver"] == "file":
+        path = path.rstrip("/") + "/"
+    return {**kv, "path": path}
+
+
+def _kvstore(tree: Tree, *, write: bool, sub: str = "") -> dict[str, Any]:
+    """Orbax's OCDBT kvstore of ``tree`` (``build_kvstore_tspec``), to read or to write."""
+    base = _base(tree, sub)
+    if base["driver"] == "file":
+        # data files written in place, the manifest (what commits them) atomically
+        spec: dict[str, Any] = {
+            "driver": "ocdbt",
+            "base": {**base, "file_io_locking": {"mode": "non_atomic"}},
+            "manifest": base,
+        }
+        size = TARGET_DATA_FILE_SIZE
+    else:
+        spec = {"driver": "ocdbt", "base": base, **_COALESCING}
+        size = REMOTE_TARGET_DATA_FILE_SIZE
     if write:
-        spec.update(_WRITE_CONFIG)
+        spec.update(target_data_file_size=size, **_WRITE_CONFIG)
     return spec
 
 
-def read_spec(tree_dir: str, name: str) -> dict[str, Any]:
+def read_spec(tree_dir: Tree, name: str) -> dict[str, Any]:
     """The TensorStore spec of the stored array ``name`` (Orbax's name of its key) in the
-    OCDBT database of ``tree_dir``, zarr v2 chunks: the spec Orbax's read path opens."""
+    OCDBT database of ``tree_dir`` (a local path or a kvstore), zarr v2 chunks: the spec
+    Orbax's read path opens."""
     return {
         "driver": "zarr",
         "kvstore": {
@@ -115,7 +151,7 @@ def read_spec(tree_dir: str, name: str) -> dict[str, Any]:
 
 
 def write_spec(
-    tree_dir: str,
+    tree_dir: Tree,
     name: str,
     *,
     shape: tuple[int, ...],
@@ -127,8 +163,9 @@ def write_spec(
     """The TensorStore spec Orbax's ``ArrayWriteSpec`` gives the array ``name`` of
     ``shape`` and ``dtype`` (a NumPy dtype), stored in chunks of ``chunk`` (under
     ``TARGET_DATA_FILE_SIZE`` bytes, where Orbax keeps the shape it is given) in the
-    database of ``process``, raw or zstd-compressed."""
-    kv = _kvstore(os.path.join(tree_dir, f"ocdbt.process_{process}"), write=True)
+    database of ``process`` under ``tree_dir`` (a local path or a kvstore), raw or
+    zstd-compressed."""
+    kv = _kvstore(tree_dir, write=True, sub=f"ocdbt.process_{process}")
     return {
         "driver": "zarr",
         "kvstore": {**kv, "path": name, "cache_pool": "cache_pool#ocdbt"},
@@ -164,18 +201,103 @@ def _ids(devices: Any) -> Any:
     return {"id": int(devices.id)}
 
 
-def merge(tree_dir: str, names: Iterable[str]) -> None:
+def sharding_file(arrays: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """Orbax's ``_sharding`` file of ``arrays``, ``(name, NamedSharding)`` pairs: each
+    array's entry (``sharding_json``) under its name in URL-safe base64."""
+    return {
+        base64.urlsafe_b64encode(name.encode()).decode(): sharding_json(sharding)
+        for name, sharding in arrays
+    }
+
+
+def tree_metadata(arrays: Iterable[tuple[Sequence[str], Sequence[int]]]) -> dict[str, Any]:
+    """Orbax's ``_METADATA`` of a PyTree save of ``arrays``, ``(key, chunk)`` pairs: each
+    array's storage key (a nested dict's keys) and the shape of its chunks."""
+    entries = {
+        str(tuple(key)): {
+            "key_metadata": [{"key": k, "key_type": 2} for k in key],
+            "value_metadata": {
+                "value_type": "jax.Array",
+                "skip_deserialize": False,
+                "write_shape": list(chunk),
+            },
+        }
+        for key, chunk in arrays
+    }
+    return {
+        "tree_metadata": entries,
+        "use_ocdbt": True,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
+
+
+def array_metadatas(arrays: Iterable[tuple[str, Sequence[int]]]) -> dict[str, Any]:
+    """Orbax's ``array_metadatas/process_<i>`` file: ``(name, chunk)`` of each array
+    (every process lists every array; Orbax's finalize checks that the lists agree)."""
+    return {
+        "array_metadatas": [
+            {
+                "array_metadata": {
+                    "param_name": name,
+                    "write_shape": list(chunk),
+                    "chunk_shape": list(chunk),
+                    "ext_metadata": None,
+                }
+            }
+            for name, chunk in arrays
+        ]
+    }
+
+
+def checkpoint_metadata(handler: str, start_ns: int, custom: dict[str, Any]) -> dict[str, Any]:
+    """Orbax's ``_CHECKPOINT_METADATA`` of a checkpoint written by ``handler`` (the dotted
+    name of an Orbax handler class) from ``start_ns`` to now, with ``custom`` metadata."""
+    return {
+        "item_handlers": handler,
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": start_ns,
+        "commit_timestamp_nsecs": time.time_ns(),
+        "custom_metadata": dict(custom),
+    }
+
+
+def _databases(tree_dir: Tree) -> list[str]:
+    """The per-process databases under ``tree_dir`` (``ocdbt.process_<i>``), sorted."""
+    import tensorstore as ts
+
+    base = _base(tree_dir)
+    store = ts.KvStore.open({**base, "path": base["path"].rstrip("/") + "/"}).result()
+    keys = store.list(ts.KvStore.KeyRange("ocdbt.process_", "ocdbt.process`")).result()
+    return sorted({k.decode().split("/", 1)[0] for k in keys if b"/" in k})
+
+
+def unmerged(tree_dir: Tree) -> bool:
+    """Whether ``tree_dir`` holds per-process databases but no root manifest: a finalize
+    that did not merge them (the arrays are there, unindexed)."""
+    import tensorstore as ts
+
+    base = _base(tree_dir)
+    store = ts.KvStore.open({**base, "path": base["path"].rstrip("/") + "/"}).result()
+    return store.read(OCDBT_MANIFEST).result().state == "missing" and bool(_databases(tree_dir))
+
+
+def merge(tree_dir: Tree, names: Iterable[str]) -> None:
     """Orbax's finalize of an OCDBT save: every ``ocdbt.process_<i>`` database under
-    ``tree_dir`` copied into the root's, in one atomic transaction, once every array of
-    ``names`` (Orbax's names) is seen with its zarr metadata and its chunks. A ``ValueError``
-    lists what is missing (nothing is committed then)."""
+    ``tree_dir`` (a local path or a kvstore) copied into the root's, in one atomic
+    transaction, once every array of ``names`` (Orbax's names) is seen with its zarr
+    metadata and its chunks. A ``ValueError`` lists what is missing (nothing is committed
+    then). Unlike Orbax's glob, a path holding ``[``, ``*`` or ``?`` finds its databases."""
     import tensorstore as ts
 
     ctx = context()
-    children = sorted(
-        os.path.join(tree_dir, d) for d in os.listdir(tree_dir) if d.startswith("ocdbt.process_")
-    )
-    opening = [ts.KvStore.open(_kvstore(d, write=False), context=ctx) for d in children]
+    base = _base(tree_dir)
+    children = _databases(tree_dir)
+    opening = [
+        ts.KvStore.open(_kvstore(tree_dir, write=False, sub=d), context=ctx) for d in children
+    ]
     parent = ts.KvStore.open(_kvstore(tree_dir, write=True), context=ctx).result()
     txn = ts.Transaction(atomic=True)
     into = parent.with_transaction(txn)
@@ -192,8 +314,9 @@ def merge(tree_dir: str, names: Iterable[str]) -> None:
     missing = sorted((wanted - with_meta) | (wanted - with_chunks))
     if missing:
         txn.abort()
+        where = tree_dir if isinstance(tree_dir, str) else base["path"]
         raise ValueError(
-            f"{tree_dir}: {len(missing)} of {len(wanted)} arrays are missing their zarr "
+            f"{where}: {len(missing)} of {len(wanted)} arrays are missing their zarr "
             f"metadata or chunks after the merge: {', '.join(missing)}"
         )
     txn.commit_async().result()

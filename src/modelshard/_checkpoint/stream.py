@@ -10,9 +10,9 @@ The result is the checkpoint ``save`` writes, readable by raw Orbax: every array
 with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the process
 that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside the arrays
 (``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
-here in Orbax's format, and Orbax's finalize step merges the per-process stores. On a
-local disk all of it is built without importing Orbax (``ocdbt.py``: the same JSON, the
-same merge); on object storage Orbax builds the specs and merges.
+here in Orbax's format, and Orbax's finalize step merges the per-process stores. All of
+it comes from ``ocdbt.py`` (the same JSON, the same merge), on a local disk and on object
+storage alike: Orbax is not imported.
 TensorStore writes a process's store without syncing it at each commit (each slab's write
 is one); the store is synced once, whole, when its last slab is written, before anything
 is published.
@@ -30,7 +30,6 @@ the least loaded), and process 0 writes the metadata and the record once all are
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
 import dataclasses
@@ -56,8 +55,15 @@ from .checksum import (
     warm_box_sums,
 )
 from .host_sums import np_box_sums
-from .leaks import stop_leaks
-from .ocdbt import context, merge, sharding_json, write_spec
+from .ocdbt import (
+    array_metadatas,
+    checkpoint_metadata,
+    context,
+    merge,
+    sharding_file,
+    tree_metadata,
+    write_spec,
+)
 from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
 from .slabs import (
@@ -83,7 +89,7 @@ from .storage import (
     nest,
     orbax_name,
 )
-from .urls import is_remote, location
+from .urls import is_remote, kvstore, location
 from .write import check_compression, check_destination, write_atomic
 
 DEFAULT_SLAB_BYTES = 16 << 20
@@ -95,40 +101,6 @@ WRITES_IN_FLIGHT = 3
 READS_AHEAD = 2
 """Slabs read ahead of the one in hand, each on a reader thread of its own: with the
 writes in flight, six slabs are held at most."""
-
-
-def _ts_spec(directory: Any, lay: Layout, process: int, compress: bool) -> Any:
-    """The TensorStore spec ``lay``'s array is written with: Orbax's ``ArrayWriteSpec``,
-    built without Orbax on a local disk (``ocdbt.write_spec``)."""
-    dtype = parse_dtype(lay.rec.stored_dtype)
-    name = orbax_name(lay.rec.key)
-    if not is_remote(directory):
-        return write_spec(
-            _posix(directory),
-            name,
-            shape=lay.rec.stored_shape,
-            chunk=lay.chunk,
-            dtype=dtype,
-            process=process,
-            compress=compress,
-        )
-    from .._internals import ArrayWriteSpec
-
-    stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
-    return ArrayWriteSpec(
-        _posix(directory),
-        name,
-        global_shape=lay.rec.stored_shape,
-        write_shape=lay.chunk,
-        dtype=dtype,
-        use_ocdbt=True,
-        process_id=process,
-        use_compression=compress,
-    ).json
-
-
-def _posix(directory: Any) -> str:
-    return directory.as_posix() if hasattr(directory, "as_posix") else str(directory)
 
 
 class _Sums:
@@ -192,18 +164,14 @@ def _copy_all(
     (``reader.unreadable``)."""
     import tensorstore as ts
 
+    # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's write
+    # is a commit: slab after slab waited on the disk. On a local disk the files a commit
+    # wrote are synced on a thread of their own while later slabs are written
+    # (``EarlySync``), and the store is synced once, whole, when every slab is written
+    # (``sync_tree`` below), before anything is published; object storage has no files.
     local = not is_remote(directory)
-    if local:
-        # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's
-        # write is a commit: slab after slab waited on the disk. Here the files a commit
-        # wrote are synced on a thread of their own while later slabs are written
-        # (``EarlySync``), and the store is synced once, whole, when every slab is
-        # written (``sync_tree`` below), before anything is published.
-        ctx = context(sync=False)
-    else:
-        from orbax.checkpoint import type_handlers as tsu
-
-        ctx = tsu.get_ts_context(use_ocdbt=True)
+    ctx = context(sync=False)
+    tree = kvstore(directory)
     tasks = [
         (lay, box, i == len(boxes) - 1)
         for lay in layouts
@@ -214,11 +182,19 @@ def _copy_all(
     # Every array is created before any is written, all at once: OCDBT commits the
     # creations together, where one at a time each would wait for the writes before it.
     opening: list[Any] = []
-    store_dir = _posix(directory / f"ocdbt.process_{process}")
+    store_dir = str(directory / f"ocdbt.process_{process}")
     writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
     try:
         for lay in layouts:
-            spec = _ts_spec(directory, lay, process, compress)
+            spec = write_spec(
+                tree,
+                orbax_name(lay.rec.key),
+                shape=lay.rec.stored_shape,
+                chunk=lay.chunk,
+                dtype=parse_dtype(lay.rec.stored_dtype),
+                process=process,
+                compress=compress,
+            )
             opening.append(ts.open(spec, create=True, context=ctx))
         with (
             ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
@@ -339,81 +315,15 @@ def _settle(futures: Sequence[Any]) -> None:
             f.result()
 
 
-def _tree_metadata(layouts: Sequence[Layout]) -> dict[str, Any]:
-    entries = {}
-    for lay in layouts:
-        if not math.prod(lay.rec.stored_shape):
-            continue
-        entries[str(tuple(lay.rec.key))] = {
-            "key_metadata": [{"key": k, "key_type": 2} for k in lay.rec.key],
-            "value_metadata": {
-                "value_type": "jax.Array",
-                "skip_deserialize": False,
-                "write_shape": list(lay.chunk),
-            },
-        }
-    return {
-        "tree_metadata": entries,
-        "use_ocdbt": True,
-        "use_zarr3": False,
-        "store_array_data_equal_to_fill_value": True,
-        "custom_metadata": None,
-    }
-
-
-def _sharding_file(layouts: Sequence[Layout]) -> dict[str, str]:
-    out = {}
-    for lay in layouts:
-        if not math.prod(lay.rec.stored_shape):
-            continue
-        name = base64.urlsafe_b64encode(orbax_name(lay.rec.key).encode()).decode()
-        out[name] = sharding_json(lay.sharding)
-    return out
-
-
-def _array_metadatas(layouts: Sequence[Layout]) -> dict[str, Any]:
-    return {
-        "array_metadatas": [
-            {
-                "array_metadata": {
-                    "param_name": orbax_name(lay.rec.key),
-                    "write_shape": list(lay.chunk),
-                    "chunk_shape": list(lay.chunk),
-                    "ext_metadata": None,
-                }
-            }
-            for lay in layouts
-        ]
-    }
+def _stored(layouts: Sequence[Layout]) -> list[Layout]:
+    """The layouts of arrays with elements (a zero-size leaf is in the record only)."""
+    return [lay for lay in layouts if math.prod(lay.rec.stored_shape)]
 
 
 def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
     from .._internals import STANDARD_HANDLER_NAME
 
-    return {
-        "item_handlers": STANDARD_HANDLER_NAME,
-        "metrics": {},
-        "performance_metrics": {},
-        "init_timestamp_nsecs": start_ns,
-        "commit_timestamp_nsecs": time.time_ns(),
-        "custom_metadata": dict(MARKER),
-    }
-
-
-def _finalize(directory: Any, layouts: Sequence[Layout]) -> None:
-    """Orbax's finalize: each process's OCDBT database merged into the checkpoint's
-    (``ocdbt.merge`` on a local disk)."""
-    if not is_remote(directory):
-        names = [orbax_name(lay.rec.key) for lay in layouts if math.prod(lay.rec.stored_shape)]
-        try:
-            merge(_posix(directory), names)
-        except ValueError as e:
-            raise CheckpointError(f"cannot write {directory}: {e}") from e
-        return
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    ocp.PyTreeCheckpointHandler(use_zarr3=False).finalize(epath.Path(_posix(directory)))
+    return checkpoint_metadata(STANDARD_HANDLER_NAME, start_ns, MARKER)
 
 
 class Stream:
@@ -467,11 +377,10 @@ class Stream:
         start_ns = time.time_ns()
         process, count = jax.process_index(), jax.process_count()
         owner = assign([lay.nbytes for lay in self.layouts], count)
-        mine = [
-            lay
-            for lay, o in zip(self.layouts, owner, strict=True)
-            if o == process and math.prod(lay.rec.stored_shape)
-        ]
+        mine = _stored([lay for lay, o in zip(self.layouts, owner, strict=True) if o == process])
+        # Every process lists every array, as in an Orbax save (its finalize checks that
+        # each process's list is complete and that they agree).
+        arrays = _stored(self.layouts)
         directory.mkdir(parents=True, exist_ok=True)
         device = jax.local_devices()[0]
         done = [0]
@@ -488,13 +397,9 @@ class Stream:
             for lay in self.layouts:
                 if not math.prod(lay.rec.stored_shape) and process == 0:
                     sums[lay.rec.path] = self._empty_sums(lay)
-            # Every process lists every array, as in an Orbax save (its finalize checks
-            # that each process's list is complete and that they agree).
-            stored = [lay for lay in self.layouts if math.prod(lay.rec.stored_shape)]
+            listed = array_metadatas((orbax_name(lay.rec.key), lay.chunk) for lay in arrays)
             (directory / "array_metadatas").mkdir(exist_ok=True)
-            (directory / "array_metadatas" / f"process_{process}").write_text(
-                json.dumps(_array_metadatas(stored))
-            )
+            (directory / "array_metadatas" / f"process_{process}").write_text(json.dumps(listed))
             if count > 1:
                 (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
         except Exception as e:
@@ -528,9 +433,14 @@ class Stream:
                 )
             )
         if process == 0:
-            (directory / TREE_METADATA).write_text(json.dumps(_tree_metadata(self.layouts)))
-            (directory / "_sharding").write_text(json.dumps(_sharding_file(self.layouts)))
-            _finalize(directory, self.layouts)
+            tree = tree_metadata((lay.rec.key, lay.chunk) for lay in arrays)
+            (directory / TREE_METADATA).write_text(json.dumps(tree))
+            shardings = sharding_file((orbax_name(lay.rec.key), lay.sharding) for lay in arrays)
+            (directory / "_sharding").write_text(json.dumps(shardings))
+            try:  # Orbax's finalize: each process's database merged into the checkpoint's
+                merge(kvstore(directory), [orbax_name(lay.rec.key) for lay in arrays])
+            except ValueError as e:
+                raise CheckpointError(f"cannot write {directory}: {e}") from e
             (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start_ns)))
         if self.progress is not None and count == 1:
             self.progress(self.total, self.total)

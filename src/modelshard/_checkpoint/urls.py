@@ -107,6 +107,26 @@ def is_remote(path: Any) -> bool:
     return not isinstance(path, Path)
 
 
+def kvstore(path: Any) -> dict[str, Any]:
+    """TensorStore's kvstore of the directory ``path`` (from ``location``), as Orbax's
+    specs hold it: a ``file`` one on a local disk, a ``gcs`` one (or
+    ``TENSORSTORE_GCS_BACKEND``'s driver, as Orbax reads it) for ``gs://``, an ``s3`` one
+    configured from the AWS environment for ``s3://`` (``s3.kvstore_spec``)."""
+    if not is_remote(path):
+        return {"driver": "file", "path": os.path.normpath(path) + "/"}
+    bucket, _, key = str(path).split("://", 1)[1].partition("/")
+    key = os.path.normpath(key).lstrip("/") if key.strip("/") else ""
+    if scheme_of(path) == "s3":
+        from .s3 import kvstore_spec
+
+        return kvstore_spec(bucket, key)
+    return {
+        "driver": os.environ.get("TENSORSTORE_GCS_BACKEND", "gcs"),
+        "bucket": bucket,
+        "path": key,
+    }
+
+
 def forget_listings(path: Any) -> None:
     """Drop what the object-storage client remembers of folder listings, so that the next
     look at ``path`` asks the server.

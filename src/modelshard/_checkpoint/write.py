@@ -34,7 +34,7 @@ from .barriers import raise_shared, sharing_failures
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
 from .leaks import stop_leaks
-from .ocdbt import OCDBT_MANIFEST, array_keys, merge
+from .ocdbt import array_keys, merge, unmerged
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
 from .storage import (
     CHECKPOINT_METADATA,
@@ -52,7 +52,7 @@ from .storage import (
     staging_dir,
     storage_key,
 )
-from .urls import is_remote, location
+from .urls import is_remote, kvstore, location
 from .values import saved_values
 
 
@@ -463,22 +463,18 @@ def _finalize(handler: Any, directory: Any) -> None:
     databases with ``epath``'s glob of ``ocdbt.process_*`` under the checkpoint's path,
     which reads ``[``, ``]``, ``*`` and ``?`` in that path as a pattern: a checkpoint saved
     under ``run[1]/`` was published without its manifest (Orbax only logged "Skipping
-    merge"), and never restored. On a local disk the merge is done again without a glob
-    (``ocdbt.merge``)."""
+    merge"), and never restored. The merge is done again without a glob (``ocdbt.merge``)."""
     type(handler).finalize(handler, directory)  # Orbax's, looked up when called
-    local = location(str(directory))
-    if is_remote(local):
-        return
-    stores = [d for d in os.listdir(local) if d.startswith("ocdbt.process_")]
-    if (local / OCDBT_MANIFEST).exists() or not stores:
-        return
-    meta = json.loads((local / TREE_METADATA).read_text())
-    merge(str(local), [orbax_name(key) for key in array_keys(meta)])
+    where = location(str(directory))
+    tree = kvstore(where)
+    if unmerged(tree):
+        meta = json.loads((where / TREE_METADATA).read_text())
+        merge(tree, [orbax_name(key) for key in array_keys(meta)])
 
 
 def registry_with(arrays: Any) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except
-    ``arrays`` for ``jax.Array`` (``save_handler``'s writes)."""
+    ``arrays`` for ``jax.Array`` (``save_handler``'s writes, ``arrival``'s reads)."""
     import orbax.checkpoint as ocp
 
     stop_leaks()  # every save and restore goes through here
