@@ -209,14 +209,11 @@ class Tiles:
 
     @staticmethod
     def _slice_text(slices: Sequence[slice], shape: Sequence[int]) -> str:
-        return (
-            "["
-            + ", ".join(
-                ":" if s.start == 0 and s.stop == d else f"{s.start}:{s.stop}"
-                for s, d in zip(slices, shape, strict=True)
-            )
-            + "]"
-        )
+        cells = [
+            ":" if (s.start, s.stop) == (0, d) else f"{s.start}:{s.stop}"
+            for s, d in zip(slices, shape, strict=True)
+        ]
+        return f"[{', '.join(cells)}]"
 
     @staticmethod
     def _devices_text(devs: list[int]) -> str:
@@ -238,9 +235,9 @@ class Tiles:
                 f'<div class="ms-note ms-summarised">showing {shown_r} of {rows} rows and '
                 f"{shown_c} of {cols} columns of shards ({len(self.tiles)} shards in all)</div>"
             )
-        out += [
-            f'<div class="ms-grid" style="grid-template-columns:repeat({shown_c},minmax(0,9em))">',
-        ]
+        out.append(
+            f'<div class="ms-grid" style="grid-template-columns:repeat({shown_c},minmax(0,9em))">'
+        )
         for tile, slices, devs in self.tiles:
             r, c = self._cell(tile, cut)
             if r >= shown_r or c >= shown_c:
@@ -255,9 +252,7 @@ class Tiles:
                 f'<span class="ms-devs">{"replicas" if len(devs) > 1 else "device"} '
                 f"{_esc(self._devices_text(devs))}</span></div>"
             )
-        out.append("</div>")
-        out.append("</div>")
-        return "".join(out)
+        return "".join(out) + "</div></div>"
 
     def _repr_html_(self) -> str:
         return f'<div class="ms-plan"><style>{CSS}</style>{self.html()}</div>'
@@ -315,42 +310,49 @@ def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
 # ---- the whole plan ------------------------------------------------------------------------
 
 
-def memory_html(plan: PlanView) -> str:
-    """The per-device memory bar, split by top-level module, with its legend."""
-    modules = plan.modules()
-    per = plan.bytes_per_device()
-    out = [
-        f'<section class="ms-memory" data-bytes-per-device="{per}"'
-        f' data-devices="{plan.num_devices}"><h3>Memory per device</h3>',
-        f'<div class="ms-note">each of the {plan.num_devices} devices holds '
-        f"{_esc(format_bytes(per))} of this state (replicated everywhere it would be "
-        f"{_esc(format_bytes(plan.total_bytes))})</div>",
-        '<div class="ms-bar">',
-    ]
-    for i, m in enumerate(modules):
-        width = 100 * m["bytes_per_device"] / per if per else 0
+def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, head: str) -> str:
+    """A bar split into ``items`` (data attribute, name, bytes, the legend's cells before and
+    after its bytes and share), and its legend under the columns ``head``."""
+    out = ['<div class="ms-bar">']
+    for i, (data, name, n, _, _) in enumerate(items):
         out.append(
-            f'<span class="ms-seg" data-module="{_esc(m["module"])}"'
-            f' data-bytes="{m["bytes_per_device"]}"'
-            f' style="width:{width:.3f}%;background:{_PALETTE[i % len(_PALETTE)]}"'
-            f' title="{_esc(m["module"])}: {_esc(format_bytes(m["bytes_per_device"]))}"></span>'
+            f'<span class="ms-seg" {data} data-bytes="{n}"'
+            f' style="width:{100 * n / total if total else 0:.3f}%;background:'
+            f'{_PALETTE[i % len(_PALETTE)]}" title="{_esc(name)}: {_esc(format_bytes(n))}"></span>'
         )
-    out.append(
-        '</div><table class="ms-legend"><thead><tr><th>module</th>'
-        '<th class="num">leaves</th><th class="num">per device</th>'
-        '<th class="num">share</th><th class="num">replicated</th></tr></thead><tbody>'
-    )
-    for i, m in enumerate(modules):
-        share = m["bytes_per_device"] / per if per else 0
+    out.append(f'</div><table class="ms-legend"><thead><tr>{head}</tr></thead><tbody>')
+    for i, (_, name, n, before, after) in enumerate(items):
+        cells = [*before, format_bytes(n), f"{n / total if total else 0:.1%}", *after]
         out.append(
             f'<tr><td><span class="ms-swatch" style="background:{_PALETTE[i % len(_PALETTE)]}">'
-            f'</span>{_esc(m["module"])}</td><td class="num">{m["leaves"]}</td>'
-            f'<td class="num">{_esc(format_bytes(m["bytes_per_device"]))}</td>'
-            f'<td class="num">{share:.1%}</td>'
-            f'<td class="num">{_esc(format_bytes(m["bytes"]))}</td></tr>'
+            f"</span>{_esc(name)}</td>"
+            + "".join(f'<td class="num">{_esc(c)}</td>' for c in cells)
+            + "</tr>"
         )
     out.append("</tbody></table></section>")
     return "".join(out)
+
+
+def memory_html(plan: PlanView) -> str:
+    """The per-device memory bar, split by top-level module, with its legend."""
+    per = plan.bytes_per_device()
+    items = [
+        (f'data-module="{_esc(m["module"])}"', m["module"], m["bytes_per_device"], [m["leaves"]],
+         [format_bytes(m["bytes"])])
+        for m in plan.modules()
+    ]  # fmt: skip
+    return (
+        f'<section class="ms-memory" data-bytes-per-device="{per}"'
+        f' data-devices="{plan.num_devices}"><h3>Memory per device</h3>'
+        f'<div class="ms-note">each of the {plan.num_devices} devices holds '
+        f"{_esc(format_bytes(per))} of this state (replicated everywhere it would be "
+        f"{_esc(format_bytes(plan.total_bytes))})</div>"
+    ) + _bar(
+        items,
+        per,
+        '<th>module</th><th class="num">leaves</th><th class="num">per device</th>'
+        '<th class="num">share</th><th class="num">replicated</th>',
+    )
 
 
 def step_memory_html(plan: PlanView) -> str:
@@ -359,34 +361,16 @@ def step_memory_html(plan: PlanView) -> str:
     m = getattr(plan, "memory", None)
     if m is None:
         return ""
-    parts = [(k, text, n) for k, text, n in m.part_rows() if n > 0]
+    items = [(f'data-part="{k}"', text, n, [], []) for k, text, n in m.part_rows() if n > 0]
     source = "XLA's peak" if m.peak is not None else "XLA's argument + output + temp - alias"
-    out = [
+    return (
         f'<section class="ms-step-memory" data-total="{m.total}"><h3>Step memory per device'
         f'</h3><div class="ms-note">{_esc(format_bytes(m.total))} per device ({_esc(source)}, '
         f"{_esc(m.platform)}, compiled in {m.compile_seconds:.1f}s); gradients are estimated "
-        "as the parameters' bytes</div>",
-        '<div class="ms-bar">',
-    ]
-    for i, (k, text, n) in enumerate(parts):
-        width = 100 * n / m.total if m.total else 0
-        out.append(
-            f'<span class="ms-seg" data-part="{k}" data-bytes="{n}"'
-            f' style="width:{width:.3f}%;background:{_PALETTE[i % len(_PALETTE)]}"'
-            f' title="{_esc(text)}: {_esc(format_bytes(n))}"></span>'
-        )
-    out.append(
-        '</div><table class="ms-legend"><thead><tr><th>part</th>'
-        '<th class="num">per device</th><th class="num">share</th></tr></thead><tbody>'
+        "as the parameters' bytes</div>"
+    ) + _bar(
+        items, m.total, '<th>part</th><th class="num">per device</th><th class="num">share</th>'
     )
-    for i, (_, text, n) in enumerate(parts):
-        out.append(
-            f'<tr><td><span class="ms-swatch" style="background:{_PALETTE[i % len(_PALETTE)]}">'
-            f'</span>{_esc(text)}</td><td class="num">{_esc(format_bytes(n))}</td>'
-            f'<td class="num">{n / m.total if m.total else 0:.1%}</td></tr>'
-        )
-    out.append("</tbody></table></section>")
-    return "".join(out)
 
 
 def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
