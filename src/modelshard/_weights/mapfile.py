@@ -42,6 +42,21 @@ _RULE = {
 }
 _OPS = ("rearrange", "transpose", "reshape", "add", "scale")
 _BAD = object()  # a field that was reported as malformed
+_JOIN = {"group": (int, str), "axis": int, "order": list}
+_UNSTACK = {"key": str, "axis": int}
+_SPLIT = {"key": str, "names": list, "axis": int, "sizes": list}
+
+
+def _is(kind: type) -> Any:
+    return lambda v: isinstance(v, kind)
+
+
+_RULE_FLAGS = (
+    ("also", False, _is(bool), "true or false"),
+    ("optional", False, _is(bool), "true or false"),
+    ("untied", None, _is(str), "a tensor name"),
+    ("cast", None, _is(str), "a dtype name"),
+)
 
 
 def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op, ...] | None:
@@ -198,56 +213,31 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         if skip is True and target is not None:
             report(where, "a rule cannot have both target and skip = true")
             bad = True
-        transpose = item.get("transpose")
-        if transpose is not None:
-            transpose = _ints(transpose, f"{where}.transpose", problems, source, False)
-            bad |= transpose is None
-        reshape = item.get("reshape")
-        if reshape is not None:
-            reshape = _ints(reshape, f"{where}.reshape", problems, source, True)
-            bad |= reshape is None
-        joins: dict[str, Any] = {}
+        shorthand: dict[str, Any] = {}
+        for kind in ("transpose", "reshape"):
+            if item.get(kind) is not None:
+                got = _ints(item[kind], f"{where}.{kind}", problems, source, kind == "reshape")
+                shorthand[kind] = got
+                bad |= got is None
+        steps: dict[str, Any] = {}
         for kind, cls in (("stack", Stack), ("concat", Concat)):
             if kind not in item:
                 continue
-            t = _table(
-                item[kind],
-                f"{where}.{kind}",
-                {"group": (int, str), "axis": int, "order": list},
-                "group",
-                problems,
-                source,
-            )  # type: ignore[dict-item]
+            t = _table(item[kind], f"{where}.{kind}", _JOIN, "group", problems, source)
             if t is None:
                 bad = True
             else:
                 order = t.get("order")
-                joins[kind] = cls(
-                    t["group"], t.get("axis", 0), None if order is None else tuple(map(str, order))
-                )
-        unstack = split = None
+                order = None if order is None else tuple(map(str, order))
+                steps[kind] = cls(t["group"], t.get("axis", 0), order)
         if "unstack" in item:
-            t = _table(
-                item["unstack"],
-                f"{where}.unstack",
-                {"key": str, "axis": int},
-                "key",
-                problems,
-                source,
-            )
+            t = _table(item["unstack"], f"{where}.unstack", _UNSTACK, "key", problems, source)
             if t is None:
                 bad = True
             else:
-                unstack = Unstack(t["key"], t.get("axis", 0))
+                steps["unstack"] = Unstack(t["key"], t.get("axis", 0))
         if "split" in item:
-            t = _table(
-                item["split"],
-                f"{where}.split",
-                {"key": str, "names": list, "axis": int, "sizes": list},
-                "key",
-                problems,
-                source,
-            )  # type: ignore[dict-item]
+            t = _table(item["split"], f"{where}.split", _SPLIT, "key", problems, source)
             names = None if t is None else t.get("names")
             sizes = None if t is None else t.get("sizes")
             if names is not None and not all(isinstance(n, str) for n in names):
@@ -261,37 +251,18 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
             if t is None or names is None:
                 bad = True
             else:
-                split = Split(t["key"], tuple(names), t.get("axis", 0), sizes)
-        ops = None
+                steps["split"] = Split(t["key"], tuple(names), t.get("axis", 0), sizes)
         if "ops" in item:
-            ops = _ops(item["ops"], f"{where}.ops", problems, source)
-            bad |= ops is None
-        is_bool, is_str = (lambda v: isinstance(v, bool)), (lambda v: isinstance(v, str))
-        also = field(item, "also", f"{where}.also", False, is_bool, "true or false")
-        optional_rule = field(
-            item, "optional", f"{where}.optional", False, is_bool, "true or false"
-        )
-        untied = field(item, "untied", f"{where}.untied", None, is_str, "a tensor name")
-        cast = field(item, "cast", f"{where}.cast", None, is_str, "a dtype name")
-        bad |= _BAD in (also, optional_rule, untied, cast)
+            shorthand["ops"] = _ops(item["ops"], f"{where}.ops", problems, source)
+            bad |= shorthand["ops"] is None
+        flags = {
+            k: field(item, k, f"{where}.{k}", default, ok, what)
+            for k, default, ok, what in _RULE_FLAGS
+        }
+        bad |= _BAD in flags.values()
         if not bad:
-            rules.append(
-                MapRule(
-                    src,  # type: ignore[arg-type]
-                    None if skip is True else target,
-                    transpose=transpose,
-                    reshape=reshape,
-                    stack=joins.get("stack"),
-                    unstack=unstack,
-                    cast=cast,
-                    concat=joins.get("concat"),
-                    split=split,
-                    ops=ops,
-                    also=also,
-                    untied=untied,
-                    optional=optional_rule,
-                )
-            )
+            target = None if skip is True else target
+            rules.append(MapRule(src, target, **shorthand, **steps, **flags))  # type: ignore[arg-type]
     header = f"invalid mapping file {source}:"
     if problems:
         raise MappingError(problems, header=header)

@@ -411,16 +411,7 @@ def _compile(i: int, rule: MapRule, problems: list[Problem]) -> re.Pattern[str] 
                 f"the target {rule.target!r} uses the {joined} group {{{g}}}",
                 hint=f"the {joined} tensors share one target: leave the group out of it",
             )
-    steps = [
-        n
-        for n, v in (
-            ("stack", rule.stack),
-            ("concat", rule.concat),
-            ("unstack", rule.unstack),
-            ("split", rule.split),
-        )
-        if v is not None
-    ]
+    steps = [n for n in ("stack", "concat", "unstack", "split") if getattr(rule, n) is not None]
     if len(steps) > 1:
         bad(
             f"a rule cannot both {steps[0]} and {steps[1]}",
