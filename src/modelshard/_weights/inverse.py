@@ -286,13 +286,7 @@ def _loading(load: Callable[[str], np.ndarray], cache: dict[str, np.ndarray]) ->
 def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
     """For each stored tensor the resolution reads, the recipe computing it from targets
     (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
-    out: dict[str, recipe.Node] = {}
-    pieces: dict[int, dict[str, Any]] = {}
-    for path, node in res.recipes.items():
-        if path not in res.also:
-            recipe.invert(path, node, out, pieces)
-    recipe.finish_inverse(out, pieces)
-    return out
+    return recipe.invert({p: n for p, n in res.recipes.items() if p not in res.also})
 
 
 def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
@@ -301,12 +295,7 @@ def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.
     by_rule: dict[int, list[str]] = {}
     for path, i in res.also.items():
         by_rule.setdefault(i, []).append(path)
-    out: dict[int, tuple[list[str], dict[str, recipe.Node]]] = {}
-    for i, paths in by_rule.items():
-        inverse: dict[str, recipe.Node] = {}
-        pieces: dict[int, dict[str, Any]] = {}
-        for path in paths:
-            recipe.invert(path, res.recipes[path], inverse, pieces)
-        recipe.finish_inverse(inverse, pieces)
-        out[i] = (paths, inverse)
-    return out
+    return {
+        i: (paths, recipe.invert({p: res.recipes[p] for p in paths}))
+        for i, paths in by_rule.items()
+    }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -502,16 +502,21 @@ class Arith(_OneChild):
         return f"{self.op}({self.value!r}) of {self.child.describe()}"
 
 
-def invert(
-    target: str, node: Node, out: dict[str, Node], pieces: dict[int, dict[str, Any]]
-) -> None:
-    """Walk one target's recipe backwards: for each stored tensor it reads, the recipe that
-    computes that tensor from the target ``Read(target)`` (into ``out``).
-
-    A ``Take`` (one layer of an unstacked source) contributes one piece of its source;
-    ``finish_inverse`` stacks the pieces once every target has been walked.
-    """
-    _invert(node, Read(target, node.shape, node.dtype), out, pieces)
+def invert(targets: Mapping[str, Node]) -> dict[str, Node]:
+    """The recipes run backwards: for each stored tensor that the recipes of ``targets``
+    (path -> recipe) read, the recipe computing it from the targets (``Read(path)``).
+    A ``Take`` or ``Slice`` gives one piece of its source; the pieces are then stacked
+    (one layer each) or concatenated (the parts of a fused tensor)."""
+    out: dict[str, Node] = {}
+    pieces: dict[int, dict[str, Any]] = {}
+    for target, node in targets.items():
+        _invert(node, Read(target, node.shape, node.dtype), out, pieces)
+    for slot in pieces.values():
+        parts, child = slot["parts"], slot["node"]
+        values = [parts[k] for k in sorted(parts)]
+        join = Stacked if len(values[0].shape) < len(child.shape) else Joined
+        _invert(child, join(values, slot["axis"]), out, {})
+    return out
 
 
 def _invert(
@@ -545,20 +550,6 @@ def _invert(
         raise TypeError(type(node).__name__)
 
 
-def finish_inverse(out: dict[str, Node], pieces: dict[int, dict[str, Any]]) -> None:
-    """Join the pieces ``invert`` collected into the tensors they came from: one layer
-    each (``Take``) stacked, the parts of a fused tensor (``Slice``) concatenated."""
-    for slot in pieces.values():
-        parts = slot["parts"]
-        child: Node = slot["node"]
-        values = [parts[k] for k in sorted(parts)]
-        if len(values[0].shape) < len(child.shape):
-            joined: Node = Stacked(values, slot["axis"])
-        else:
-            joined = Joined(values, slot["axis"])
-        _invert(child, joined, out, {})
-
-
 def as_dtype(dtype: Any) -> Any:
     """``np.dtype(dtype)``, or ``dtype`` itself for JAX's extended dtypes (``key<fry>``)."""
     try:
@@ -590,14 +581,10 @@ def on_key_data(node: Node, data: Callable[[str], tuple[tuple[int, ...], Any]]) 
         if isinstance(n, Reshaped):
             child = rw(n.child)
             return Reshaped(child, (*n.shape, *child.shape[len(n.child.shape) :]))
-        if isinstance(n, Take):
-            return Take(rw(n.child), n.axis, n.i)
-        if isinstance(n, Slice):
-            return Slice(rw(n.child), n.axis, n.lo, n.hi)
-        if isinstance(n, Stacked):
-            return Stacked([rw(c) for c in n.children], n.axis)
-        if isinstance(n, Joined):
-            return Joined([rw(c) for c in n.children], n.axis)
+        if isinstance(n, Take | Slice):  # the same cut of the leading axes
+            return dataclasses.replace(n, child=rw(n.child))
+        if isinstance(n, Stacked | Joined):
+            return dataclasses.replace(n, children=[rw(c) for c in n.children])
         raise TypeError(f"a PRNG key leaf cannot be computed by {n.describe()}")
 
     return rw(node)
