@@ -12,24 +12,14 @@ there is no atomic swap on object storage, so a crash in between leaves none.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._base import CheckpointError
 from .._runtime import broadcast
 from .barriers import sharing_failures
 from .record import Record
-from .storage import CHECKPOINT_METADATA, COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM
+from .storage import COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM, is_marked
 from .urls import atomicity_options, check_bucket, forget_listings, reaching
-
-
-def _ours(path: Any) -> bool:
-    try:
-        meta = json.loads((path / CHECKPOINT_METADATA).read_text())
-    except (OSError, ValueError):
-        return False
-    custom = meta.get("custom_metadata") if isinstance(meta, dict) else None
-    return isinstance(custom, dict) and "modelshard" in custom
 
 
 def prepare_remote(path: Any, *, overwrite: bool) -> None:
@@ -70,7 +60,7 @@ def _make_room(path: Any, *, overwrite: bool) -> None:
                 f"{path} already exists; pass overwrite=True to replace it (on object "
                 "storage the old checkpoint is removed before the new one is written)."
             )
-        if not _ours(path):
+        if not is_marked(path):
             raise CheckpointError(
                 f"{path} is not a checkpoint modelshard wrote; overwrite=True replaces only "
                 "those. Choose another path or remove it yourself."

@@ -38,7 +38,7 @@ from .storage import (
     read_small,
     storage_key,
 )
-from .urls import is_remote, location, reaching
+from .urls import is_remote, kvstore, location, reaching
 from .values import values_tree
 
 
@@ -387,8 +387,8 @@ def _holds(source: Source, key: tuple[str, ...], held: Any) -> bool:
     use_ocdbt, use_zarr3 = store_format(source)
     name = orbax_name(key)
     try:
-        if (use_ocdbt, use_zarr3) == (True, False) and not is_remote(source.path):
-            spec, ctx = read_spec(str(source.tree_dir), name), ocdbt_context()
+        if (use_ocdbt, use_zarr3) == (True, False):  # zarr v2 in OCDBT, on any storage
+            spec, ctx = read_spec(kvstore(source.tree_dir), name), ocdbt_context()
         else:
             from orbax.checkpoint import type_handlers as tsu
 
