@@ -722,3 +722,66 @@ def sharded_otherwise(tree: Any, mesh: Any) -> Any:
         return jax.device_put(x, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map(put, tree)
+
+
+def two_processes(
+    *args: str,
+    env: dict[str, str],
+    script: Path,
+    limit_s: float = 240,
+    ended: list[float] | None = None,
+    stuck: list[int] | None = None,
+) -> tuple[list[int], list[str]]:
+    """Start ``script`` with ``args`` as two JAX processes of 4 CPU devices each, as a
+    scheduler would, each with ``env`` (its MODELSHARD_* variables) on a coordinator port of
+    its own; their exit codes and outputs once both ended (SIGKILLed after ``limit_s``), in
+    ``ended`` the time (``time.time()``) each one's exit was seen, and in ``stuck`` the
+    processes the backstop killed (their stacks are in their output)."""
+    from modelshard._runtime import processes as _launch
+
+    ended = [0.0, 0.0] if ended is None else ended
+    stuck = [] if stuck is None else stuck
+    reservation = _launch.reserve_port()
+    port = reservation.getsockname()[1] if reservation is not None else _launch.free_port()
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[threading.Thread] = []
+    try:
+        for i in range(2):
+            child = _launch.child_env(dict(os.environ), f"127.0.0.1:{port}", 2, i, 4)
+            child.update(env)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args],
+                    env=child,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        outputs = ["", ""]
+
+        def read(i: int) -> None:
+            stream = procs[i].stdout
+            assert stream is not None
+            outputs[i] = stream.read()
+            procs[i].wait()
+            ended[i] = time.time()
+
+        readers += [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(limit_s)
+    finally:
+        stuck += [i for i, p in enumerate(procs) if p.poll() is None]
+        for i in stuck:  # the scripts dump their threads' stacks on SIGUSR1
+            procs[i].send_signal(signal.SIGUSR1)
+        time.sleep(3 if stuck else 0)
+        for i in stuck:  # the backstop: nothing outlives the test
+            procs[i].kill()
+            procs[i].wait()
+        for t in readers:
+            t.join(10)
+        if reservation is not None:
+            reservation.close()
+    return [p.returncode for p in procs], outputs

@@ -14,20 +14,16 @@ each phase, timed), whether the backstop fired, and where the whole outputs are 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import modelshard as ms
+from helpers import two_processes
 from modelshard._checkpoint import list_steps
 from modelshard._checkpoint.storage import staging_dir
-from modelshard._runtime import processes as _launch
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -44,66 +40,6 @@ BARRIER_S = 40  # bounds every wait, so a hang fails the run instead of the suit
 # error's propagation and the process's exit on a machine shared by several test runs.
 SURVIVOR_BOUND_S = HEARTBEAT_S + 25
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
-
-
-def two_processes(
-    *args: str,
-    env: dict[str, str],
-    script: Path = SCRIPT,
-    limit_s: float = LIMIT_S,
-    ended: list[float] | None = None,
-    stuck: list[int] | None = None,
-) -> tuple[list[int], list[str]]:
-    """Start both processes as a scheduler would, each with its MODELSHARD_* variables;
-    their exit codes and outputs once both ended (SIGKILLed after ``LIMIT_S``), in
-    ``ended`` the time (``time.time()``) each one's exit was seen, and in ``stuck`` the
-    processes the backstop killed (their stacks are in their output)."""
-    ended = [0.0, 0.0] if ended is None else ended
-    stuck = [] if stuck is None else stuck
-    reservation = _launch.reserve_port()
-    port = reservation.getsockname()[1] if reservation is not None else _launch.free_port()
-    procs: list[subprocess.Popen[str]] = []
-    readers: list[threading.Thread] = []
-    try:
-        for i in range(2):
-            child = _launch.child_env(dict(os.environ), f"127.0.0.1:{port}", 2, i, 4)
-            child.update(env)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(script), *args],
-                    env=child,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        outputs = ["", ""]
-
-        def read(i: int) -> None:
-            stream = procs[i].stdout
-            assert stream is not None
-            outputs[i] = stream.read()
-            procs[i].wait()
-            ended[i] = time.time()
-
-        readers += [threading.Thread(target=read, args=(i,)) for i in range(2)]
-        for t in readers:
-            t.start()
-        for t in readers:
-            t.join(limit_s)
-    finally:
-        stuck += [i for i, p in enumerate(procs) if p.poll() is None]
-        for i in stuck:  # the scripts dump their threads' stacks on SIGUSR1
-            procs[i].send_signal(signal.SIGUSR1)
-        time.sleep(3 if stuck else 0)
-        for i in stuck:  # the backstop: nothing outlives the test
-            procs[i].kill()
-            procs[i].wait()
-        for t in readers:
-            t.join(10)
-        if reservation is not None:
-            reservation.close()
-    return [p.returncode for p in procs], outputs
 
 
 def complete(root: str) -> list[int]:
@@ -127,7 +63,16 @@ def restarts(root: str, out: Path) -> None:
         t0 = time.time()
         ended, stuck = [0.0, 0.0], []
         codes, outputs = two_processes(
-            root, str(out), "--until", "11", *kill, env=env, ended=ended, stuck=stuck
+            root,
+            str(out),
+            "--until",
+            "11",
+            *kill,
+            env=env,
+            script=SCRIPT,
+            limit_s=LIMIT_S,
+            ended=ended,
+            stuck=stuck,
         )
         took = [e - t0 if e else float("nan") for e in ended]
         # what happened, kept whole: a run that fails once in a while is known by this
@@ -217,35 +162,6 @@ def test_steps_another_process_wrote_or_removed_are_seen_on_s3(s3_root, s3_env):
         assert float(mngr.restore(4)["w"][0]) == 4.0
 
 
-def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path):
-    """Process 1 is stuck before its save: process 0 waits at Orbax's first barrier for
-    ``MODELSHARD_BARRIER_TIMEOUT`` (not Orbax's own 300 s) and raises modelshard's
-    ``DistributedError``, naming the barrier and the variable."""
-    env = {"MODELSHARD_BARRIER_TIMEOUT": "6", "MODELSHARD_HEARTBEAT_TIMEOUT": "5"}
-    root = tmp_path / "run"
-    # process 0 exits right after its result, which the runtime then tells process 1
-    codes, outputs = two_processes(
-        str(root), str(tmp_path), env=env, script=SCRIPTS / "stuck_peer.py", limit_s=90
-    )
-    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
-    assert codes[0] == 0, said
-    result = json.loads((tmp_path / "result_0.json").read_text())
-    assert result["raised"] is not None, said
-    assert result["raised"]["type"] == "DistributedError", result
-    message = result["raised"]["message"]
-    key = "modelshard_Checkpointer:save_start"
-    assert message.startswith(
-        f"process 0 of 2: Orbax barrier {key!r} failed after waiting up to 6 s for the other "
-        "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
-    ), message
-    assert message.endswith(
-        "Another process died, is stuck, or took another path through the program (every "
-        "process must make the same calls in the same order)."
-    ), message
-    assert 6 <= result["seconds"] < 6 + 20, result
-    assert not (root / "0").exists()
-
-
 def test_a_reshard_write_failing_on_one_process_fails_on_every_process_at_once(tmp_path):
     """Process 1 cannot write its part (a full disk): both processes raise the same error
     at once, naming process 1, instead of process 0 waiting out the barrier timeout."""
@@ -294,46 +210,6 @@ def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
         assert r["barrier"] == "passed"
         assert r["broadcast"] == "from 0", results
         assert r["after"] == [0, 1], results
-
-
-def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
-    """``ms.save`` (and a ``CheckpointManager``'s save, synchronous or in the background)
-    where one process's part fails (its arrays on a full disk, process 0's rename on a
-    read-only one, an object store refusing one process): both processes raise
-    the same error at once, naming the process, instead of the other one waiting at the
-    next barrier for the barrier timeout; nothing is left behind, and the next save of both
-    processes works."""
-    root = tmp_path / "saves"
-    env = {"MODELSHARD_BARRIER_TIMEOUT": "120", "MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
-    script = SCRIPTS / "save_fails_on_one.py"
-    codes, outputs = two_processes(
-        str(root), str(tmp_path), s3_root, env=env, script=script, limit_s=200
-    )
-    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
-    assert codes == [0, 0], said
-    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
-    full = "OSError: No space left on device (injected)"
-    want = {
-        "arrays": f"writing {staging_dir(root / 'arrays')} failed on process 1: {full}",
-        "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
-        "system (injected)",
-        "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
-        "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
-        f"failed on process 1: {full}",
-        "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
-        f"writing failed on process 1: {full}. Steps on disk: none.",
-    }
-    for r in results:
-        for case, message in want.items():
-            assert r[case]["raised"] == {"type": "CheckpointError", "message": message}, r
-            assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
-        assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
-        assert r["manager"]["steps after"] == [1], r  # in step: the next save worked
-        assert r["background started"] is True, r  # the failure came after save returned
-        assert r["background"]["steps after"] == [1], r
-    for case in ("arrays", "commit"):
-        assert not (root / case).exists() and not staging_dir(root / case).exists()
-    assert sorted(p.name for p in root.iterdir()) == ["after", "background", "manager"]
 
 
 def test_every_process_lists_the_steps_process_0_lists(tmp_path):

@@ -1,0 +1,140 @@
+"""Orbax's barriers in modelshard's saves (``_checkpoint/barriers.py``): which barriers are
+modelshard's, the wrapper of Orbax's barrier function installed once, one process's
+handlers and checkpointers left as Orbax made them (nothing to share with no other
+process), and, with two real JAX processes (``scripts/``), a stuck peer named after
+``MODELSHARD_BARRIER_TIMEOUT`` and a part of a save failing on one process failing on every
+process at once (``sharing_failures``, ``carrying_failures``, ``carrying_commit``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import modelshard as ms
+from helpers import two_processes
+from modelshard._checkpoint import barriers
+from modelshard._checkpoint.storage import staging_dir
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [
+        ("modelshard_Checkpointer:save_start", True),
+        ("modelshard_async_write_complete.3", True),
+        ("Checkpointer:save_start", False),  # the user's own Orbax calls
+        ("modelshardx_Checkpointer:save_start", False),
+        ("my_modelshard_save", False),
+    ],
+)
+def test_only_barriers_named_with_modelshards_prefix_are_modelshards(key, ours):
+    assert barriers.ours(key) is ours
+
+
+def test_the_wrapper_of_orbaxs_barrier_function_is_installed_once():
+    from orbax.checkpoint._src.multihost import multihost
+
+    barriers.enable()
+    wrapped = multihost.get_barrier_sync_fn
+    assert getattr(wrapped, "__modelshard_wrapped__", False)
+    barriers.enable()
+    assert multihost.get_barrier_sync_fn is wrapped  # not wrapped twice
+    # one process: every barrier, modelshard's or not, passes at once, as Orbax's does
+    sync = multihost.get_barrier_sync_fn()
+    assert sync(key="modelshard_Checkpointer:save_start", timeout_ms=1) is None
+    assert sync(key="Checkpointer:save_start", timeout_ms=1) is None
+
+
+def test_one_process_keeps_orbaxs_handlers_and_checkpointers_as_they_are(tmp_path):
+    """Nothing is wrapped where no other process is told anything, and a save through
+    them still writes a checkpoint."""
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler()
+    assert barriers.sharing_failures(handler, "test:arrays", "writing") is handler
+    assert barriers.carrying_failures(handler, "test:arrays", "writing") is handler
+    assert "save" not in vars(handler) and "async_save" not in vars(handler)
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        assert barriers.carrying_commit(ckptr) is ckptr
+        assert "_make_on_commit_callback" not in vars(ckptr)
+        ckptr.save(tmp_path / "ck", args=ocp.args.PyTreeSave({"w": np.arange(4, dtype=np.float32)}))
+        ckptr.wait_until_finished()
+    np.testing.assert_array_equal(ms.restore(tmp_path / "ck")["w"], np.arange(4.0))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
+def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path):
+    """Process 1 is stuck before its save: process 0 waits at Orbax's first barrier for
+    ``MODELSHARD_BARRIER_TIMEOUT`` (not Orbax's own 300 s) and raises modelshard's
+    ``DistributedError``, naming the barrier and the variable."""
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "6", "MODELSHARD_HEARTBEAT_TIMEOUT": "5"}
+    root = tmp_path / "run"
+    # process 0 exits right after its result, which the runtime then tells process 1
+    codes, outputs = two_processes(
+        str(root), str(tmp_path), env=env, script=SCRIPTS / "stuck_peer.py", limit_s=90
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes[0] == 0, said
+    result = json.loads((tmp_path / "result_0.json").read_text())
+    assert result["raised"] is not None, said
+    assert result["raised"]["type"] == "DistributedError", result
+    message = result["raised"]["message"]
+    key = "modelshard_Checkpointer:save_start"
+    assert message.startswith(
+        f"process 0 of 2: Orbax barrier {key!r} failed after waiting up to 6 s for the other "
+        "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
+    ), message
+    assert message.endswith(
+        "Another process died, is stuck, or took another path through the program (every "
+        "process must make the same calls in the same order)."
+    ), message
+    assert 6 <= result["seconds"] < 6 + 20, result
+    assert not (root / "0").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
+def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, s3_root):
+    """``ms.save`` (and a ``CheckpointManager``'s save, synchronous or in the background)
+    where one process's part fails (its arrays on a full disk, process 0's rename on a
+    read-only one, an object store refusing one process): both processes raise
+    the same error at once, naming the process, instead of the other one waiting at the
+    next barrier for the barrier timeout; nothing is left behind, and the next save of both
+    processes works."""
+    root = tmp_path / "saves"
+    env = {"MODELSHARD_BARRIER_TIMEOUT": "120", "MODELSHARD_HEARTBEAT_TIMEOUT": "10"}
+    script = SCRIPTS / "save_fails_on_one.py"
+    codes, outputs = two_processes(
+        str(root), str(tmp_path), s3_root, env=env, script=script, limit_s=200
+    )
+    said = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outputs))
+    assert codes == [0, 0], said
+    results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
+    full = "OSError: No space left on device (injected)"
+    want = {
+        "arrays": f"writing {staging_dir(root / 'arrays')} failed on process 1: {full}",
+        "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
+        "system (injected)",
+        "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
+        "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
+        f"failed on process 1: {full}",
+        "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
+        f"writing failed on process 1: {full}. Steps on disk: none.",
+    }
+    for r in results:
+        for case, message in want.items():
+            assert r[case]["raised"] == {"type": "CheckpointError", "message": message}, r
+            assert r[case]["seconds"] < 60, r  # not the 120 s barrier timeout
+        assert r["after"]["raised"] is None and r["after"]["bit_exact"] is True, r
+        assert r["manager"]["steps after"] == [1], r  # in step: the next save worked
+        assert r["background started"] is True, r  # the failure came after save returned
+        assert r["background"]["steps after"] == [1], r
+    for case in ("arrays", "commit"):
+        assert not (root / case).exists() and not staging_dir(root / case).exists()
+    assert sorted(p.name for p in root.iterdir()) == ["after", "background", "manager"]
