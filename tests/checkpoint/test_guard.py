@@ -83,10 +83,10 @@ def test_the_unwinding_watch_is_on_only_while_a_save_is_pending(tmp_path, stop_c
     """Every frame leaving by an exception calls the guard back while the watch is on, so
     it is on only while a save is pending or a stop was requested."""
     mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        pytest.skip("no sys.monitoring before Python 3.12: the guard watches no unwinding")
     with ms.CheckpointManager(tmp_path, handle_signals=False) as mngr:
-        tool = next(
-            (t for t in range(6) if mon and mon.get_tool(t) == "modelshard-exit-guard"), None
-        )
+        tool = next((t for t in range(6) if mon.get_tool(t) == "modelshard-exit-guard"), None)
         if tool is None:
             pytest.skip("the guard watches no __main__ module in this process")
         gc.collect()  # managers of earlier tests, dropped but not collected yet

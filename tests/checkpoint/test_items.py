@@ -277,15 +277,15 @@ def test_the_json_items_of_orbaxs_own_step(tmp_path):
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave({"w": np.arange(4.0)}),
                 config=ocp.args.JsonSave({"lr": 0.1}),
-                notes=ocp.args.JsonSave(["a", "b"]),
+                notes=ocp.args.JsonSave({"tags": ["a", "b"]}),
             ),
             metrics={"loss": 0.25},  # Orbax's own item, not one of the step's JSON items
         )
         orbax_mngr.wait_until_finished()
     step = tmp_path / "4"
-    assert orbax_items(step, "state") == {"config": {"lr": 0.1}, "notes": ["a", "b"]}
-    assert ms.read_items(step) == {"config": {"lr": 0.1}, "notes": ["a", "b"]}
-    assert extras_json(step)["items"] == {"config": {"lr": 0.1}, "notes": ["a", "b"]}
+    assert orbax_items(step, "state") == {"config": {"lr": 0.1}, "notes": {"tags": ["a", "b"]}}
+    assert ms.read_items(step) == {"config": {"lr": 0.1}, "notes": {"tags": ["a", "b"]}}
+    assert extras_json(step)["items"] == {"config": {"lr": 0.1}, "notes": {"tags": ["a", "b"]}}
     for f in os.listdir(step / "notes"):
         os.remove(step / "notes" / f)
     with pytest.raises(ms.CheckpointError) as e:
