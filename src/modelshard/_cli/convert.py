@@ -11,9 +11,9 @@ from .args import (
     RULES_HELP,
     add_json,
     add_max_rows,
+    add_target,
     checkpoint_arg,
     float_dtype,
-    mesh_arg,
     positive_float,
     readable,
 )
@@ -61,19 +61,10 @@ def add_parser(sub: Any) -> None:
         "qwen2, ...: see 'modelshard mappings'). Default: every tensor under its own name, "
         "'.' read as '/'",
     )
-    c.add_argument(
-        "--mesh", type=mesh_arg, default=None, help="target mesh, e.g. data=8 (default data=1)"
+    replicated = RULES_HELP.replace(
+        "Default: the specs the checkpoint was saved with.", "Default: replicated."
     )
-    c.add_argument(
-        "--rules",
-        metavar="RULES.toml",
-        help=RULES_HELP.replace(
-            "Default: the specs the checkpoint was saved with.", "Default: replicated."
-        ),
-    )
-    c.add_argument(
-        "--axis-types", choices=["auto", "explicit"], default="auto", help="mesh axis types"
-    )
+    add_target(c, "target mesh, e.g. data=8 (default data=1)", replicated)
     c.add_argument(
         "--dtype", default=None, type=float_dtype, help="cast floating-point tensors, e.g. float32"
     )
@@ -278,7 +269,7 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     wm = as_mapping(args.mapping, split_dots=True).with_config(sizes)
     ex = Exporter(targets, load, table, wm, args.dtype)
     ex.check_also()  # a tied leaf changed since it was loaded: refused, nothing written
-    items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
+    items = ex.items()
     with progress_bar(args, "writing") as progress, writing(args.destination):
         dest = write_export(
             args.destination,

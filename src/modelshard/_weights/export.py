@@ -181,7 +181,7 @@ def save_safetensors(
         except MappingError as e:
             error = e
         raise_shared(error, "modelshard:export:also", "save_safetensors: checking tied leaves")
-        items = [(n, ex.table[n][0], ex.table[n][1]) for n in ex.order]
+        items = ex.items()
         compute = ex.compute
         shared = ex.shared_plan()
     out = write_export(

@@ -150,6 +150,10 @@ class Exporter:
 
         return SharedPlan(plans, no_blocks)
 
+    def items(self) -> list[tuple[str, tuple[int, ...], Any]]:
+        """``(name, shape, dtype)`` of each stored tensor, in writing order."""
+        return [(n, *self.table[n]) for n in self.order]
+
     def compute(self, name: str) -> np.ndarray:
         value = self.sources[name].read(None, self._fetch)
         i = self._pos[name]

@@ -202,14 +202,24 @@ def load_with(
     dry_run: bool,
     progress: Progress,
 ) -> Any:
-    wm = wm.with_config(checkpoint_config(files.path))
-    like, flat, res = resolve_target(wm, files.table(), like, dtype)
-    shardings = leaf_shardings(like, flat, specs, mesh)
+    flat, res, shardings = _planned(files, like, wm, specs, mesh, dtype)
     if dry_run:
         return res
-    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in res.recipes.values())
-    with reporter(progress, total, "Loading safetensors") as report:
+    with reporter(progress, _total(res), "Loading safetensors") as report:
         return place_mapped(flat, res, shardings, files.fetch, report)
+
+
+def _planned(
+    files: SafetensorsFiles, like: Any, wm: WeightMap, specs: Any, mesh: Any, dtype: Any
+) -> tuple[Any, Resolution, list[Any]]:
+    """``(like's Flat, the resolution, each leaf's sharding)`` of an import from ``files``."""
+    wm = wm.with_config(checkpoint_config(files.path))
+    like, flat, res = resolve_target(wm, files.table(), like, dtype)
+    return flat, res, leaf_shardings(like, flat, specs, mesh)
+
+
+def _total(res: Resolution) -> int:
+    return sum(math.prod(n.shape) * n.dtype.itemsize for n in res.recipes.values())
 
 
 def resolve_target(
@@ -257,8 +267,7 @@ def place_mapped(
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
-    total = sum(int(np.prod(n.shape)) * n.dtype.itemsize for n in res.recipes.values())
-    done = 0
+    total, done = _total(res), 0
     out = []
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
         node = res.recipes.get(path)
@@ -266,7 +275,7 @@ def place_mapped(
             out.append(keep_value(path, x, s))
             continue
         out.append(build_leaf(node, s, fetch_for))
-        done += int(np.prod(node.shape)) * node.dtype.itemsize
+        done += math.prod(node.shape) * node.dtype.itemsize
         if progress is not None:
             progress(done, total)
     return flat.update_inplace(out)
@@ -300,9 +309,8 @@ def mapped_leaves(
 ) -> tuple[Resolution, list[MappedLeaf]]:
     """Resolve and plan an import as ``load_safetensors`` does, reading nothing: the table
     and one ``MappedLeaf`` per target leaf (``files`` must stay open while they read)."""
-    wm = as_mapping(mapping, split_dots=True).with_config(checkpoint_config(files.path))
-    like, flat, res = resolve_target(wm, files.table(), like, dtype)
-    shardings = leaf_shardings(like, flat, specs, mesh)
+    wm = as_mapping(mapping, split_dots=True)
+    flat, res, shardings = _planned(files, like, wm, specs, mesh, dtype)
     out = []
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
         spec = s.spec if isinstance(s, NamedSharding) else None

@@ -347,11 +347,8 @@ def _cast(a: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
 
 
 def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
-    name, shape, dt = entry
-    pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
-    check_pieces(name, pieces, tuple(shape), np.dtype(dt))
     pos = base
-    for a in pieces:
+    for a in check_pieces(entry, got):
         if a.size:
             _pwrite_all(fd, memoryview(a.reshape(-1).view(np.uint8)), pos)
             pos += a.nbytes

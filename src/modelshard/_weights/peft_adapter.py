@@ -125,12 +125,9 @@ def save_peft_adapter(
             tensors[k] = np.ascontiguousarray(tensors[k] / np.asarray(scale, tensors[k].dtype))
     out = Path(directory)
     items = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    hub_id = str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
     source = reference_directory(reference)
-    base = base_model or (
-        str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
-    )
-    if base is None and source is not None:
-        base = str(source)
+    base = base_model or hub_id or (None if source is None else str(source))
     config = _config(rank, alpha if alpha is not None else rank, names, base)
     if jax.process_index() == 0:  # plain files: every value was computed by every process
         _write_adapter(out, items, tensors, config)

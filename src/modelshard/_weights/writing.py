@@ -37,14 +37,18 @@ def parse_size(size: int | str) -> int:
     return n
 
 
-def check_pieces(
-    name: str, pieces: list[np.ndarray], shape: tuple[int, ...], dt: np.dtype[Any]
-) -> None:
-    """``CheckpointError`` unless the computed ``pieces`` are one array of the entry's
-    shape and dtype, or blocks of whole rows that concatenate to it."""
+Entry = tuple[str, tuple[int, ...], Any]
+
+
+def check_pieces(entry: Entry, got: Any) -> list[np.ndarray]:
+    """``got`` (one array, or blocks of whole rows) as C-contiguous pieces;
+    ``CheckpointError`` unless they are one array of the entry's shape and dtype, or blocks
+    of whole rows that concatenate to it."""
+    name, shape, dt = entry[0], tuple(entry[1]), np.dtype(entry[2])
+    pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
     a = pieces[0]
     if len(pieces) == 1 and a.shape == shape and a.dtype == dt:
-        return
+        return pieces
     rows_fit = (
         len(pieces) > 1
         and len(shape) > 0
@@ -52,16 +56,13 @@ def check_pieces(
         and sum(p.shape[0] for p in pieces) == shape[0]
     )
     if rows_fit and all(p.dtype == dt for p in pieces):
-        return
+        return pieces
     got = (
         f"{a.dtype}{list(a.shape)}"
         if len(pieces) == 1
         else " + ".join(f"{p.dtype}{list(p.shape)}" for p in pieces)
     )
     raise CheckpointError(f"{name}: computed {got}, the header says {dt}{list(shape)}")
-
-
-Entry = tuple[str, tuple[int, ...], Any]
 
 
 def encode_header(
@@ -114,10 +115,9 @@ def _write_partial(
     try:
         with open(tmp, "xb") as f:
             f.write(head)
-            for name, shape, dt in items:
-                got = compute(name)
-                pieces = [contiguous(a) for a in (got if isinstance(got, list) else [got])]
-                check_pieces(name, pieces, tuple(shape), np.dtype(dt))
+            for entry in items:
+                got = compute(entry[0])
+                pieces = check_pieces(entry, got)
                 for a in pieces:
                     f.write(memoryview(a.reshape(-1).view(np.uint8)) if a.size else b"")
                 if progress is not None:
