@@ -186,15 +186,19 @@ def add_max_rows(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_target(p: argparse.ArgumentParser) -> None:
-    """The options naming the target layout: ``--mesh``, ``--rules``, ``--axis-types``."""
+def add_target(
+    p: argparse.ArgumentParser, mesh_help: str | None = None, rules_help: str = RULES_HELP
+) -> None:
+    """The options naming the target layout: ``--mesh`` (required unless given
+    ``mesh_help``), ``--rules``, ``--axis-types``."""
     p.add_argument(
         "--mesh",
-        required=True,
+        required=mesh_help is None,
         type=mesh_arg,
-        help="target mesh as name=size pairs, e.g. data=2,model=4",
+        default=None,
+        help=mesh_help or "target mesh as name=size pairs, e.g. data=2,model=4",
     )
-    p.add_argument("--rules", metavar="RULES.toml", help=RULES_HELP)
+    p.add_argument("--rules", metavar="RULES.toml", help=rules_help)
     p.add_argument(
         "--axis-types",
         choices=["auto", "explicit"],

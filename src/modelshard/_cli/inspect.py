@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import CKPT_HELP, add_json, add_max_rows, checkpoint_arg
-from .output import SHOW_ALL, absolute, console, emit, fmt_spec, say
+from .output import SHOW_ALL, absolute, console, emit, fmt_spec, new_table, say
 
 
 def add_parser(sub: Any) -> None:
@@ -31,8 +31,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from .._base import format_bytes, format_mesh, literal, spec_json
     from .._checkpoint import extras_json, locate
     from .._weights import is_safetensors
@@ -75,25 +73,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     mesh = rec.mesh_sizes()
     mesh_text = format_mesh(mesh) if mesh else "-"
-    table = Table(
-        title=literal(source.path),
-        caption=literal(
-            f"{len(rec.leaves)} array leaves, {format_bytes(rec.nbytes)}; kind {rec.kind}; "
-            f"saved on mesh ({mesh_text}); written by {rec.source}"
-        ),
-    )
     rows = _rows(rec.leaves, fold=not args.no_fold)
     folded = any(g.count > 1 for g in rows)
-    columns = [("path", {}), ("leaves", {"justify": "right"})] if folded else [("path", {})]
-    for col, kw in [
-        *columns,
-        ("shape", {}),
-        ("dtype", {}),
-        ("bytes", {"justify": "right"}),
-        ("saved spec", {}),
-        ("names", {}),
-    ]:
-        table.add_column(col, **kw)
+    columns = ["path", *(["leaves"] if folded else []), "shape", "dtype", "bytes"]
+    table = new_table(
+        source.path,
+        f"{len(rec.leaves)} array leaves, {format_bytes(rec.nbytes)}; kind {rec.kind}; "
+        f"saved on mesh ({mesh_text}); written by {rec.source}",
+        [*columns, "saved spec", "names"],
+        right=("leaves", "bytes"),
+    )
     shown = rows if args.max_rows is None else rows[: args.max_rows]
     for g in shown:
         leaf = g.items[0]
@@ -150,8 +139,6 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
 
 
 def _inspect_safetensors(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from .._base import format_bytes, literal
     from .._weights import open_safetensors
 
@@ -180,22 +167,13 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
                 },
             )
             return 0
-        table = Table(
-            title=literal(st.path),
-            caption=literal(
-                f"{len(tensors)} tensors, {format_bytes(st.nbytes)} in {len(files)} "
-                f"safetensors file{'s' if len(files) != 1 else ''}"
-            ),
+        table = new_table(
+            st.path,
+            f"{len(tensors)} tensors, {format_bytes(st.nbytes)} in {len(files)} "
+            f"safetensors file{'s' if len(files) != 1 else ''}",
+            ["name", "shape", "dtype", "bytes", *(["file"] if len(files) > 1 else [])],
+            right=("bytes",),
         )
-        for col, kw in [
-            ("name", {}),
-            ("shape", {}),
-            ("dtype", {}),
-            ("bytes", {"justify": "right"}),
-        ]:
-            table.add_column(col, **kw)
-        if len(files) > 1:
-            table.add_column("file")
         shown = tensors if args.max_rows is None else tensors[: args.max_rows]
         for t in shown:
             row = [t.name, str(t.shape), t.code, format_bytes(t.nbytes)]

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import add_json
-from .output import console, emit
+from .output import console, emit, new_table
 
 
 def add_parser(sub: Any) -> None:
@@ -37,13 +37,9 @@ def run(args: argparse.Namespace) -> int:
             },
         )
         return 0
-    from rich.table import Table
-
     from .._base import literal
 
-    t = Table(title="shipped weight mappings (--mapping NAME)")
-    for col in ("name", "reads", "maps onto"):
-        t.add_column(col)
+    t = new_table("shipped weight mappings (--mapping NAME)", None, ["name", "reads", "maps onto"])
     for m in shipped.values():
         t.add_row(m.name, literal(m.source), literal(m.target))
     console().print(t)

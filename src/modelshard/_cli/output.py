@@ -35,6 +35,20 @@ def say(text: str, stderr: bool = False) -> None:
     console(stderr=stderr).print(literal(text), highlight=False, soft_wrap=True)
 
 
+def new_table(
+    title: Any, caption: str | None, columns: list[str], right: tuple[str, ...] = ()
+) -> Any:
+    """A ``rich`` table with a literal title and caption; the ``right`` columns right-justified."""
+    from rich.table import Table
+
+    from .._base import literal
+
+    table = Table(title=literal(title), caption=None if caption is None else literal(caption))
+    for c in columns:
+        table.add_column(c, justify="right" if c in right else "left")
+    return table
+
+
 def absolute(path: Any) -> str:
     """A local path made absolute, as every ``--json`` output gives paths; a URL
     (``hf://org/name``, ``gs://bucket/run``) as given."""

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from .args import add_json
-from .output import absolute, console, emit, say
+from .output import absolute, console, emit, new_table, say
 
 
 def add_parser(sub: Any) -> None:
@@ -29,8 +29,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from .._base import CheckpointError, format_bytes, literal
     from .._checkpoint import list_steps, location
 
@@ -54,15 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if not entries:
         say(f"{args.root}: no steps.")
         return 0
-    table = Table(title=literal(str(root)))
-    for col, kw in [
-        ("step", {"justify": "right"}),
-        ("status", {}),
-        ("files", {"justify": "right"}),
-        ("bytes", {"justify": "right"}),
-        ("what is there", {}),
-    ]:
-        table.add_column(col, **kw)
+    columns = ["step", "status", "files", "bytes", "what is there"]
+    table = new_table(str(root), None, columns, right=("step", "files", "bytes"))
     for e in entries:
         status = "complete" if e.restorable else f"leftover: {e.why}"
         if e.foreign:
