@@ -315,41 +315,30 @@ def build_joined(
         if len(nodes) < len(pieces):
             leaves.failed.add(path)
             continue
-        ndim = len(nodes[0].shape) + (1 if rule.stack is not None else 0)
-        ax = join.axis
+        stack = rule.stack is not None
+        ndim, ax = len(nodes[0].shape) + stack, join.axis
         if not -ndim <= ax < ndim:
             problems.append(Problem("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range"))
             leaves.failed.add(path)
             continue
         ax %= ndim
-
-        if rule.stack is not None:  # what must agree between the pieces
+        if stack:  # what must agree between the pieces
             agree = {(p.shape, p.dtype) for p in nodes}
+            what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
         else:
             agree = {(len(p.shape), p.shape[:ax], p.shape[ax + 1 :], p.dtype) for p in nodes}
+            what = f"dtype or shape outside axis {ax}"
+            hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
         if len(agree) > 1:
             detail = ", ".join(
                 f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
                 for n, p in zip(names, nodes, strict=True)
             )
-            if rule.stack is not None:
-                what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
-            else:
-                what = f"dtype or shape outside axis {ax}"
-                hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
-            problems.append(
-                Problem(
-                    "target",
-                    path,
-                    f"the {'stacked' if rule.stack is not None else 'concatenated'} tensors differ "
-                    f"in {what}: {detail}",
-                    hint=hint,
-                )
-            )
+            joined = "stacked" if stack else "concatenated"
+            what = f"the {joined} tensors differ in {what}: {detail}"
+            problems.append(Problem("target", path, what, hint=hint))
             continue
-        node: recipe.Node = (
-            recipe.Stacked(nodes, ax) if rule.stack is not None else recipe.Joined(nodes, ax)
-        )
+        node = recipe.Stacked(nodes, ax) if stack else recipe.Joined(nodes, ax)
         leaves.add(path, cast(rule, node), i, names, problems)
 
 
@@ -404,11 +393,10 @@ def fit_targets(
         node, i, names = hit
         want = f"{dtype_name(dt)}{list(shape)}"
         got = f"{dtype_name(node.dtype)}{list(node.shape)}"
-        if tuple(shape) != node.shape or dtype_name(dt) != dtype_name(node.dtype):
-            hints = []
-            if tuple(shape) != node.shape:
-                hints.append("fix the rule's transpose/reshape/stack")
-            if dtype_name(dt) != dtype_name(node.dtype):
+        bad_shape, bad_dtype = tuple(shape) != node.shape, dtype_name(dt) != dtype_name(node.dtype)
+        if bad_shape or bad_dtype:
+            hints = ["fix the rule's transpose/reshape/stack"] if bad_shape else []
+            if bad_dtype:
                 hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
             problems.append(
                 Problem(
