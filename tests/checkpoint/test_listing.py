@@ -190,3 +190,25 @@ def test_what_a_directory_given_to_the_cli_is(mixed, tmp_path):
         shutil.copytree(mixed / step, only_ours / step)
     assert manager_step(only_ours) == (only_ours / "2", 2)
     np.testing.assert_array_equal(ms.restore(manager_step(only_ours)[0])["w"], _w(2)["w"])
+
+
+def test_another_tools_entries_and_the_json_process_0_sends_of_them(mixed, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(mixed / "10", root / "10")
+    shutil.copytree(mixed / "0", root / "0")  # the manager's: not listed
+    _entry(root, "12", {"notes.txt": "x"})
+    started = json.dumps({"item_handlers": {"state": "x"}})
+    _entry(root, "13.orbax-checkpoint-tmp-5", {"_CHECKPOINT_METADATA": started})
+    # the manager's complete steps are not looked into; a staging folder of one still is
+    found = foreign_steps(root, [0, 13])
+    assert found == [
+        Foreign(10, "10", ORBAX, True, "state"),
+        Foreign(12, "12", OTHER, False, None),
+        Foreign(13, "13.orbax-checkpoint-tmp-5", ORBAX, False, None),
+    ]
+    assert [Foreign.from_json(json.loads(json.dumps(f.to_json()))) for f in found] == found
+    assert [f.kind for f in found] == ["complete, Orbax", "another tool", "unfinished, Orbax"]
+    assert [f.restorable for f in found] == [True, False, False]
+    assert found[2].describe(root) == (
+        f"{root / '13.orbax-checkpoint-tmp-5'} is an unfinished save by another tool (Orbax)"
+    )
