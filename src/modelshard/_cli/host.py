@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Simulating devices costs time and memory in proportion (issue 17): 100,000 took minutes.
+# Simulating devices costs time and memory in proportion to their number.
 MAX_CPU_DEVICES = 4096
 
 
