@@ -92,11 +92,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             continue
         if kind == "rearrange":
             sizes = {k: item[k] for k in extra}
-            wrong = [
-                k
-                for k, v in sizes.items()
-                if not (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
-            ]
+            wrong = [k for k, v in sizes.items() if not (isinstance(v, str) or _is_size(v))]
             if not isinstance(arg, str):
                 report(f"{at}.rearrange", f"{arg!r} is not a string")
             elif wrong:
@@ -120,8 +116,7 @@ _OPS_HINT = 'e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add 
 
 def _ints(value: Any, where: str, problems: list[Problem], src: str, names: bool) -> Any:
     ok = isinstance(value, list) and all(
-        (isinstance(v, int) and not isinstance(v, bool)) or (names and isinstance(v, str))
-        for v in value
+        _is_size(v) or (names and isinstance(v, str)) for v in value
     )
     if not ok:
         what = "integers or config names" if names else "integers"
