@@ -148,7 +148,9 @@ def _equal(out, state):
 
 
 def _abstract(state):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
 
 
 def _orbax_reads(monkeypatch):
@@ -261,7 +263,9 @@ def test_bytes_in_flight_stay_under_the_cap(tmp_path, saved_cols, wanted, monkey
     target = NamedSharding(ms.make_mesh({"data": 2, "model": 4}), wanted)
     one = jax.ShapeDtypeStruct((64, saved_cols), jnp.float32, sharding=target)
     distinct = len(reader.shard_boxes(target, one.shape))
-    array_bytes = 64 * saved_cols * 4 * distinct // len(set(target.devices_indices_map(one.shape).values()))
+    array_bytes = (
+        64 * saved_cols * 4 * distinct // len(set(target.devices_indices_map(one.shape).values()))
+    )
     cap = 3 * array_bytes
     monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", cap)
     live, peak, batches = [0], [0], []
@@ -307,9 +311,7 @@ def test_a_read_larger_than_the_cap_runs_alone(tmp_path, mesh8, monkeypatch):
     assert peak[0] == 1 and live[0] == 0
 
 
-def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(
-    tmp_path, mesh24, monkeypatch
-):
+def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(tmp_path, mesh24, monkeypatch):
     """Every distinct shard is read once, into a host buffer aligned so that a CPU device
     adopts it instead of copying it again; a shard held by two devices (replicas over
     ``data``) is copied for the second one, so that no two device buffers share memory
@@ -340,7 +342,9 @@ def test_a_restore_reads_each_shard_into_the_buffer_its_device_keeps(
 
 
 @pytest.mark.parametrize("use_ocdbt", [False, True])
-def test_plain_orbax_checkpoints_are_read_by_the_same_reader(tmp_path, mesh8, monkeypatch, use_ocdbt):
+def test_plain_orbax_checkpoints_are_read_by_the_same_reader(
+    tmp_path, mesh8, monkeypatch, use_ocdbt
+):
     """A checkpoint Orbax wrote, in OCDBT or outside it, is read through the spec Orbax's
     read path opens, by the same reader: Orbax's restore never runs."""
     from modelshard._internals import ArrayReadSpec
@@ -424,3 +428,21 @@ def test_array_reader_boxes_are_adopted_by_a_cpu_device_without_a_copy(tmp_path)
             np.testing.assert_array_equal(got, np.asarray(want)[box])
             on_device = jax.device_put(got, device)
             assert on_device.unsafe_buffer_pointer() == got.ctypes.data
+
+
+def test_object_storage_is_read_through_the_same_specs(bucket_root, mesh8, monkeypatch):
+    """A checkpoint on ``gs://`` or ``s3://`` is read with ``ocdbt.read_spec`` over the
+    bucket's kvstore, as a local one is: Orbax's spec builder is never asked."""
+    from modelshard import _internals
+
+    state = _state(mesh8, n=2)
+    ms.save(f"{bucket_root}/c", state)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("Orbax's ArrayReadSpec built a spec")
+
+    monkeypatch.setattr(_internals, "ArrayReadSpec", refused)
+    _equal(ms.restore(f"{bucket_root}/c", like=_abstract(state)), state)
+    source = locate(f"{bucket_root}/c")
+    spec = reader.array_spec(source, "layer0.w")
+    assert spec["kvstore"]["base"]["driver"] in ("gcs", "s3")

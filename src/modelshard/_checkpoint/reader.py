@@ -3,10 +3,9 @@
 Orbax's read path opens each stored array with a TensorStore spec and reads it; so does
 this module, for every read of a checkpoint (``restore``, ``restore(mapping=)``, a manager's
 restore, ``reshard``, an export), with the spec and context Orbax would use: built by
-``ocdbt.py`` for zarr v2 in OCDBT on a local disk (Orbax not imported: about 0.2 s of a
-fresh process), by Orbax's ``ArrayReadSpec`` for object storage (``gs://``, ``s3://``: the
-kvstore Orbax's ``build_kvstore_tspec`` gives, ``s3.py``'s for S3) and the other layouts
-plain Orbax writes (outside OCDBT, zarr v3).
+``ocdbt.py`` for zarr v2 in OCDBT, on a local disk or object storage (``gs://``, ``s3://``:
+``urls.kvstore``), Orbax not imported (about 0.2 s of a fresh process); by Orbax's
+``ArrayReadSpec`` for the other layouts plain Orbax writes (outside OCDBT, zarr v3).
 
 - ``read_arrays``: arrays placed in their shardings. Each distinct shard this process holds
   is read once into a buffer aligned for the host (``aligned_empty``: a CPU device adopts
@@ -36,7 +35,7 @@ from .ocdbt import array_keys, context, read_spec
 from .record import LeafRecord, parse_dtype
 from .sources import Source, store_format
 from .storage import TREE_METADATA, orbax_name
-from .urls import is_remote
+from .urls import kvstore
 
 # Bytes of read buffers a restore holds at once beyond the restored arrays (each buffer is
 # placed on its devices, then freed): two 16 MiB arrays' reads, so one array's reads overlap
@@ -99,15 +98,16 @@ def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding:
     return jax.device_put(hosts, targets)
 
 
-def _local(source: Source) -> bool:
-    """Whether ``ocdbt.py`` builds the spec: zarr v2 in OCDBT on a local disk."""
-    return not is_remote(source.path) and store_format(source) == (True, False)
+def _ocdbt_zarr2(source: Source) -> bool:
+    """Whether ``ocdbt.py`` builds the spec: zarr v2 in OCDBT (every checkpoint of ours),
+    on a local disk or object storage."""
+    return store_format(source) == (True, False)
 
 
 def reader_context(source: Source) -> Any:
     """The TensorStore context the reads of ``source`` share: Orbax's (built by
-    ``ocdbt.context`` on a local disk)."""
-    if _local(source):
+    ``ocdbt.context`` for zarr v2 in OCDBT)."""
+    if _ocdbt_zarr2(source):
         return context()
     from orbax.checkpoint import type_handlers as tsu
 
@@ -115,9 +115,11 @@ def reader_context(source: Source) -> Any:
 
 
 def array_spec(source: Source, name: str) -> Any:
-    """The TensorStore spec Orbax's read path opens for the stored array ``name``."""
-    if _local(source):
-        return read_spec(str(source.tree_dir), name)
+    """The TensorStore spec Orbax's read path opens for the stored array ``name``: built
+    by ``ocdbt.read_spec`` (Orbax not imported), or by Orbax for the layouts only plain
+    Orbax writes (outside OCDBT, zarr v3)."""
+    if _ocdbt_zarr2(source):
+        return read_spec(kvstore(source.tree_dir), name)
     from .._internals import ArrayReadSpec
 
     stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
