@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
 from modelshard._base import sync_tree
-from modelshard._checkpoint import checksum, stream
+from modelshard._checkpoint import stream
 from modelshard._checkpoint.slabs import StreamLeaf
 from modelshard._checkpoint.stream import write_stream
 
@@ -155,33 +155,20 @@ def test_slabs_are_read_ahead_on_two_threads_and_a_big_one_alone(tmp_path):
             np.testing.assert_array_equal(np.asarray(out[f"{name}{i}"]), v)
 
 
-def test_the_checksum_programs_compile_once_each_on_their_own_thread(tmp_path, count_compiles):
-    """While the first slabs are read, the checksum programs compile on a thread of their
-    own; the slabs' checksums then compile nothing (each program once, none twice). A
-    program that would sum at most ``HOST_MAX_ELEMENTS`` elements in all is not compiled:
-    its slabs are summed on the host."""
-    warmed: list[tuple[str, list]] = []
-    real = checksum.warm_box_sums
-
-    def spy(boxes, device):
-        warmed.append((threading.current_thread().name, list(boxes)))
-        real(boxes, device)
-
+def test_slabs_of_any_shape_compile_no_checksum_program_twice(tmp_path, count_compiles):
+    """Slabs are summed on the host by programs of fixed sizes, whatever their shape: a
+    stream of a slab shape never seen before compiles nothing once those sizes are."""
     reads = _Reads(delay=0.0)
-    # whole rows in slabs of 1 MiB: 992 rows then 8; a shape no other test compiles for
+    # whole rows in slabs of 1 MiB: 992 rows then 8
     leaves, values = reads.leaves("w", 5, (1000, 264))
-    assert 5 * 992 * 264 > checksum.HOST_MAX_ELEMENTS >= 5 * 8 * 264
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stream, "warm_box_sums", spy)
-        with count_compiles() as n:
-            write_stream(
-                tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=1 << 20
-            )
-    [(thread, boxes)] = warmed
-    assert thread.startswith("modelshard-compile")
-    assert boxes == [((992, 264), np.dtype(np.float32))]
-    assert n["jit(_checksum_one)"] == 1
-    out = ms.restore(tmp_path / "ck")  # the record's checksums, device and host sums added
+    with count_compiles() as first:
+        write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=1 << 20)
+    assert first["jit(_sums_of)"] <= 3  # one per size at most (none if compiled before)
+    others, _ = _Reads(delay=0.0).leaves("v", 2, (1000, 270))
+    with count_compiles() as second:
+        write_stream(tmp_path / "ck2", others, mesh=ms.make_mesh({"data": 2}), slab_bytes=1 << 20)
+    assert second["jit(_sums_of)"] == 0
+    out = ms.restore(tmp_path / "ck")  # the record's checksums, slab sums added
     for i, v in enumerate(values):
         np.testing.assert_array_equal(np.asarray(out[f"w{i}"]), v)
 
@@ -190,7 +177,7 @@ def test_a_small_stream_compiles_no_checksum_program(tmp_path, count_compiles):
     leaves, values = _Reads(delay=0.0).leaves("s", 3, (56, 24))
     with count_compiles() as n:
         write_stream(tmp_path / "ck", leaves, mesh=ms.make_mesh({"data": 2}), slab_bytes=2048)
-    assert n["jit(_checksum_one)"] == 0
+    assert n["jit(_sums_of)"] == 0
     out = ms.restore(tmp_path / "ck")
     for i, v in enumerate(values):
         np.testing.assert_array_equal(np.asarray(out[f"s{i}"]), v)

@@ -450,7 +450,7 @@ class CheckpointManager:
             return False
         if metadata is not None:
             json_or_error("metadata", dict(metadata))
-        # Checks the state and starts its checksums (one device program), which run while
+        # Checks the state and starts its checksums (on the host workers), which run while
         # the previous step's write is waited for; nothing is written yet.
         tree, record = prepare(state, metadata)
         self.wait_until_finished()  # one save at a time; rotation of the finished one

@@ -1,7 +1,7 @@
 """Reading checkpoints: ``restore``, every leaf read straight into its planned sharding.
 
 Reads go through ``reader.py`` with a cap on the bytes in flight, are verified against the
-record's checksums on the devices (each leaf's checksum starts as soon as it is read, while
+record's checksums (each leaf's checksum starts on the host as soon as it is read, while
 the next leaves are read), and fail with a [`CheckpointError`][modelshard.CheckpointError]
 that names the damaged leaves and, where it can be told, the file at fault.
 """
@@ -27,7 +27,7 @@ from .._base import (
 )
 from .._containers import split
 from .._place import place, plan
-from .checksum import Checksums, checksum_mismatch_message, checksums, warm_checksums
+from .checksum import Checksums, checksum_mismatch_message, checksums
 from .mismatch import diff, mismatch_message, warn_partial
 from .reader import read_checked
 from .record import STORED_AS, LeafRecord, Record, parse_dtype
@@ -265,10 +265,8 @@ def restore_saved(
     sums = None
     if verify:
         checked = _checked(source, targets)
-        # each leaf's checksum is dispatched as it arrives, while later leaves are read; the
-        # programs are compiled first, on the checksums' thread, while the reads start
+        # each leaf's checksum is started as it arrives, while later leaves are read
         sums = Checksums(checked)
-        sums.first(lambda: warm_checksums(list(checked.values())))
     try:
         values = read_checked(source, targets, None if sums is None else sums.add)
     except BaseException:

@@ -197,19 +197,6 @@ def carried(lay: Layout) -> bool:
     return lay.leaf.carry is not None and lay.leaf.expect is None and lay.cast is None
 
 
-def programs(lay: Layout, box: tuple[slice, ...]) -> list[tuple[tuple[int, ...], Any]]:
-    """The ``(shape, dtype)`` of each checksum a slab ``box`` of ``lay`` is given: as read
-    (``bits_view``'s dtype) where it is verified or stored as read, as cast where cast."""
-    shape = tuple(b.stop - b.start for b in box)
-    stored = parse_dtype(lay.rec.stored_dtype)
-    out = []
-    if lay.leaf.expect is not None or (lay.cast is None and not carried(lay)):
-        out.append((shape, lay.src_dtype if lay.cast is not None else stored))
-    if lay.cast is not None:
-        out.append((shape, stored))
-    return out
-
-
 def bits_view(host: np.ndarray, lay: Layout) -> np.ndarray:
     """``host`` as the dtype it is stored in, when that is not the dtype it was read as
     (no cast: the bits are stored as they are)."""

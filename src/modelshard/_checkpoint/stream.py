@@ -20,9 +20,8 @@ is published.
 Slabs and chunks are laid out by ``slabs.py`` (``slab_plan``): slabs follow the producer's
 own blocks, and the new array is stored in chunks that tile both its slabs and its shards.
 
-Checksums are summed slab by slab on this process's first local device
-(``checksum.box_sums``, one small program per slab shape and dtype), while TensorStore
-reads and writes. A leaf given an expected checksum (``reshard`` passes the source's) is
+Checksums are summed slab by slab on the host (``checksum.box_sums``, on
+``checksum.host_workers``), while TensorStore reads and writes. A leaf given an expected checksum (``reshard`` passes the source's) is
 verified on the way; every mismatch is reported, with its leaf, before anything is
 published. Under several processes each writes a share of the leaves (largest first, to
 the least loaded), and process 0 writes the metadata and the record once all are done.
@@ -47,14 +46,7 @@ import numpy as np
 from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
-from .checksum import (
-    HOST_MAX_ELEMENTS,
-    box_sums,
-    checksum_mismatch_message,
-    format_sums,
-    warm_box_sums,
-)
-from .host_sums import np_box_sums
+from .checksum import box_sums, checksum_mismatch_message, format_sums, host_workers
 from .ocdbt import (
     array_metadatas,
     checkpoint_metadata,
@@ -73,7 +65,6 @@ from .slabs import (
     carried,
     lay_out,
     logical_dtype,
-    programs,
     slabs,
 )
 from .storage import (
@@ -104,23 +95,21 @@ writes in flight, six slabs are held at most."""
 
 
 class _Sums:
-    """The running checksum of one array, summed on the device slab by slab."""
+    """The running checksum of one array, summed slab by slab on the host workers."""
 
     def __init__(self) -> None:
-        self.parts: list[Any] = []  # device arrays, or NumPy arrays summed on the host
+        self.parts: list[Any] = []  # futures of (s1, s2), then the pairs themselves
 
-    def add(self, x: Any, origin: Sequence[int], shape: Sequence[int], host: bool) -> None:
-        """Start the sums of ``x``, the box at ``origin``: on its device, or on the host
-        with NumPy (``host``: too few elements share its program to be worth compiling)."""
-        self.parts.append(
-            np_box_sums(np.asarray(x), origin, shape) if host else box_sums(x, origin, shape)
-        )
+    def add(self, x: Any, origin: Sequence[int], shape: Sequence[int]) -> None:
+        """Start the sums of ``x``, the box at ``origin`` (two slabs at most in flight:
+        each holds its slab's bytes)."""
+        if len(self.parts) >= 2:
+            self.parts[-2] = self.parts[-2].result()
+        self.parts.append(host_workers().submit(box_sums, np.asarray(x), origin, shape))
 
     def value(self) -> str:
-        if not self.parts:
-            return format_sums(0, 0)
-        both = np.asarray(jax.device_get(self.parts), dtype=np.uint64).sum(axis=0)
-        return format_sums(int(both[0]), int(both[1]))
+        both = [p if isinstance(p, tuple) else p.result() for p in self.parts]
+        return format_sums(sum(a for a, _ in both), sum(b for _, b in both))
 
 
 def _as_array(x: Any, lay: Layout, box: tuple[slice, ...]) -> np.ndarray:
@@ -198,22 +187,8 @@ def _copy_all(
             opening.append(ts.open(spec, create=True, context=ctx))
         with (
             ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
-            ThreadPoolExecutor(1, thread_name_prefix="modelshard-compile") as compiling,
             EarlySync(store_dir if local else None) as early,
         ):
-            # The checksum programs compile while the stores open and the first slabs are
-            # read; a program that would sum fewer than HOST_MAX_ELEMENTS elements in all is
-            # not compiled: its slabs are summed on the host (as a restore decides).
-            sizes: dict[tuple[tuple[int, ...], Any], int] = collections.Counter()
-            for lay, box, _ in tasks:
-                for prog in programs(lay, box):
-                    sizes[prog] += math.prod(prog[0])
-            on_device = [prog for prog, n in sizes.items() if n > HOST_MAX_ELEMENTS]
-            warm: Any = compiling.submit(warm_box_sums, on_device, device) if on_device else None
-
-            def on_host(a: Any) -> bool:
-                return sizes[(tuple(a.shape), np.dtype(a.dtype))] <= HOST_MAX_ELEMENTS
-
             opened = {
                 lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
                 for lay, f in zip(layouts, opening, strict=True)
@@ -250,18 +225,14 @@ def _copy_all(
                     continue
                 host = _as_array(got_read, lay, box)
                 read_ahead(i)
-                if warm is not None:
-                    warm.result()  # compiled: no program is compiled twice
-                    warm = None
                 here = opened[leaf.path]
                 shape = lay.rec.stored_shape
                 origin = [b.start for b in box]
                 bits = bits_view(host, lay)
-                read_on_host = on_host(bits)
-                x = bits if read_on_host and lay.cast is None else jax.device_put(bits, device)
-                as_read = bits if read_on_host else x
+                x = bits if lay.cast is None else jax.device_put(bits, device)
+                as_read = bits
                 if leaf.expect is not None:
-                    here.read_sums.add(as_read, origin, shape, read_on_host)
+                    here.read_sums.add(as_read, origin, shape)
                 if lay.cast is not None:
                     stored_dt = parse_dtype(lay.rec.stored_dtype)
                     logical = logical_dtype(leaf)
@@ -269,11 +240,11 @@ def _copy_all(
                     y = value.astype(lay.cast)
                     if stored_dt != y.dtype:
                         y = jax.lax.bitcast_convert_type(y, stored_dt)
-                    here.out_sums.add(y, origin, shape, on_host(y))
                     data = np.asarray(y)
+                    here.out_sums.add(data, origin, shape)
                 else:
                     if leaf.expect is None and not carried(lay):
-                        here.out_sums.add(as_read, origin, shape, read_on_host)
+                        here.out_sums.add(as_read, origin, shape)
                     data = bits
                 while len(writing) >= WRITES_IN_FLIGHT:
                     writing.popleft()[0].result()

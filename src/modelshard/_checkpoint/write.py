@@ -214,7 +214,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
                 names=info.names,
             )
         )
-    # Device reductions run while the data is written; the record resolves them at the end.
+    # Checksums are summed on the host workers while the data is written; the record
+    # resolves them at the end.
     pending = start_checksums(stored)
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
