@@ -352,6 +352,7 @@ def main() -> None:
     p.add_argument("--skip-step", action="store_true")
     p.add_argument("--cpu", action="store_true", help="run the children on the CPU")
     p.add_argument("--timeout", type=float, default=500)
+    p.add_argument("--runs", help="a JSON file of earlier repeats to add to (and to keep these in)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -359,9 +360,12 @@ def main() -> None:
         run_child(args)
         return
     runs: dict[str, list[dict[str, Any]]] = {"modelshard": [], "orbax": []}
+    kept = Path(args.runs) if args.runs else None
+    if kept is not None and kept.is_file():
+        runs = json.loads(kept.read_text())
     root = Path(tempfile.mkdtemp(prefix="modelshard-accel-"))
     try:
-        for r in range(args.repeats):
+        for r in range(len(runs["modelshard"]), len(runs["modelshard"]) + args.repeats):
             order = ["modelshard", "orbax"] if r % 2 == 0 else ["orbax", "modelshard"]
             for method in order:
                 work = root / f"{method}-{r}"
@@ -369,6 +373,8 @@ def main() -> None:
                 got = _spawn(args, f"{method}_save", work)
                 got.update(_spawn(args, f"{method}_restore", work))
                 runs[method].append(got)
+                if kept is not None:
+                    kept.write_text(json.dumps(runs))
                 shutil.rmtree(work, ignore_errors=True)
                 print(method, r, {k: round(got[k], 3) for k in ROWS}, flush=True)
     finally:
@@ -396,6 +402,7 @@ def main() -> None:
             f"{row:22s} modelshard {statistics.median(a):7.3f} s  orbax "
             f"{statistics.median(b):7.3f} s  ratio {ratio:.2f}"
         )
+    results["repeats"] = len(runs["modelshard"])
     results["save_first_compile_s"] = [x["save_first_compile_s"] for x in runs["modelshard"]]
     results["restore_first_compile_s"] = [x["restore_first_compile_s"] for x in runs["modelshard"]]
     results["modelshard_programs"] = ", ".join(first["save_programs"] + first["restore_programs"])

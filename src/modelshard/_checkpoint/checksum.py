@@ -1,4 +1,4 @@
-"""Per-leaf checksums of a checkpoint (``fmix32x2``), summed on the host where the bytes are.
+"""Per-leaf checksums of a checkpoint (``fmix32x2``), summed where the bytes are.
 
 Two sums modulo 2**32 over each leaf's bits (``lanes``: ``uint32`` values, two per 64-bit
 element, real then imaginary parts of complex ones): each value times a hashed odd weight of
@@ -6,14 +6,15 @@ its position, and a hash of (value, position) (``terms``). Integer sums do not d
 order they are added in, so a leaf's checksum is the same whatever its sharding, and the
 sums of boxes that tile a leaf add up to the leaf's (``box_sums``).
 
-Every sum is taken on the host: a CPU device's shard is host memory already (a zero-copy
-view), an accelerator's is copied to the host once. One replica of each block is summed, on
-``host_workers`` threads while a save writes or a restore reads. A run of up to ``BLOCK``
-lanes is summed by one XLA program on the host's CPU, compiled once per process whatever the
-leaves' shapes, dtypes and layouts (a device program per shape and layout cost seconds of
-compilation on an accelerator); a run shorter than ``SMALL`` lanes with NumPy. A leaf that
-spans processes is summed by each on the blocks it holds, and the processes add their sums
-(``distributed.gather``) in ``Checksums.collect``.
+Two engines give the same sums. On the host (CPU devices, and what an accelerator's program
+does not take): one replica of each shard (a CPU device's a zero-copy view), on
+``host_workers`` threads while a save writes or a restore reads, by XLA programs of a few
+fixed sizes on the host's CPU, compiled once per process whatever the shapes, and NumPy for
+short runs. On an accelerator: each shard where it is, by a program per shard shape and
+dtype whose compile starts as soon as the leaves are known (``compile_for``), so it overlaps
+the writes or reads (the host engine would copy every byte off the device and sum it on a
+few cores). A leaf that spans processes is summed by each on the blocks it holds, and the
+processes add their sums (``distributed.gather``) in ``Checksums.collect``.
 """
 
 from __future__ import annotations
@@ -227,7 +228,91 @@ def _blocks(x: Any) -> list[tuple[Any, list[int]]]:
     ]
 
 
+# The second engine, for accelerators: a shard is summed where it is, by a program per shard
+# shape and dtype (origin and strides are arguments), compiled on ``_compilers`` threads as
+# soon as the leaves are known, so the compiles overlap the writes or reads. It has no
+# collective, so any thread may run it. Lanes that are not one per element go to the host.
+_DEVICE_DTYPES = frozenset(
+    np.dtype(t)
+    for t in ("float32", "int32", "uint32", "float16", "int16", "uint16", "int8", "uint8", "bool")
+) | {np.dtype(jnp.bfloat16)}
+DEVICE_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
+_COMPILED: dict[tuple[Any, ...], Future[Any]] = {}
+_COMPILERS: list[ThreadPoolExecutor] = []
+
+
+def on_device(x: Any) -> bool:
+    """Whether ``x`` (an array or an abstract one) is summed on its devices."""
+    s = getattr(x, "sharding", None)
+    return (
+        s is not None
+        and np.dtype(x.dtype) in _DEVICE_DTYPES
+        and next(iter(s.device_set)).platform in DEVICE_PLATFORMS
+    )
+
+
+def _shard_sums(x: jax.Array, at: jax.Array) -> jax.Array:
+    """The two sums of one shard; ``at``: its origin in the leaf, then the leaf's strides."""
+    if x.dtype == jnp.bool_:
+        v = x.astype(jnp.uint32)
+    else:
+        u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        v = jax.lax.bitcast_convert_type(x, u).astype(jnp.uint32)
+    idx = jnp.zeros(x.shape, jnp.uint32)
+    for d in range(x.ndim):
+        idx = idx + (at[0, d] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)) * at[1, d]
+    zero = jnp.uint32(0)
+    sums = jax.lax.reduce(
+        terms(v, idx, jnp.uint32),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        tuple(range(x.ndim)),
+    )
+    return jnp.stack(sums)
+
+
+def _compiled(shape: tuple[int, ...], dtype: Any, device: Any) -> Future[Any]:
+    """The program summing a shard of ``shape`` on ``device``, compiling in the background."""
+    key = (shape, np.dtype(dtype), device)
+    with _PROGRAMS_LOCK:
+        if key not in _COMPILED:
+            if not _COMPILERS:
+                n = max(1, min(8, os.cpu_count() or 1))
+                _COMPILERS.append(ThreadPoolExecutor(n, thread_name_prefix="modelshard-compile"))
+            s = jax.sharding.SingleDeviceSharding(device)
+            args = (
+                jax.ShapeDtypeStruct(shape, dtype, sharding=s),
+                jax.ShapeDtypeStruct((2, len(shape)), jnp.uint32, sharding=s),
+            )
+            _COMPILED[key] = _COMPILERS[0].submit(
+                lambda: jax.jit(_shard_sums).lower(*args).compile()
+            )
+        return _COMPILED[key]
+
+
+def compile_for(x: Any) -> None:
+    """Start compiling the programs that will sum ``x``'s shards, if it is summed on them."""
+    if on_device(x) and math.prod(x.shape):
+        shape = tuple(x.shape)
+        for device, index in x.sharding.addressable_devices_indices_map(shape).items():
+            extent = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=True))
+            _compiled(extent, x.dtype, device)
+
+
+def _device_sums(data: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    if not data.size:
+        return 0, 0
+    device = next(iter(data.devices()))
+    strides = [math.prod(shape[d + 1 :]) & 0xFFFFFFFF for d in range(len(shape))]
+    at = np.asarray([list(origin), strides], np.uint32).reshape(2, len(shape))
+    program = _compiled(tuple(data.shape), data.dtype, device).result()
+    s1, s2 = np.asarray(program(data, jax.device_put(at, device))).tolist()
+    return int(s1), int(s2)
+
+
 def _block_sums(data: Any, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+    if on_device(data):
+        return _device_sums(data, origin, shape)
     return box_sums(np.asarray(data), origin, shape)
 
 
@@ -244,6 +329,8 @@ class Checksums(Generic[K]):
     def __init__(self, like: Mapping[K, Any]) -> None:
         self._keys = list(like)
         self._spanning = [k for k, x in like.items() if not _addressable(x)]
+        for x in like.values():
+            compile_for(x)
         self._parts: dict[K, list[Future[tuple[int, int]]]] = {}
 
     def add(self, key: K, x: Any) -> None:

@@ -475,7 +475,7 @@ def _finalize(handler: Any, directory: Any) -> None:
 
 def registry_with(arrays: Any) -> Any:
     """An Orbax type-handler registry holding the global one's handlers, except
-    ``arrays`` for ``jax.Array`` (``save_handler``'s writes, ``arrival``'s reads)."""
+    ``arrays`` for ``jax.Array`` (``save_handler``'s writes)."""
     import orbax.checkpoint as ocp
 
     stop_leaks()  # every save and restore goes through here
