@@ -23,4 +23,3 @@ def test_slab_plan_follows_the_source_blocks_and_tiles_the_new_shards():
     assert slab_plan((4, 1024), 4, (4, 1024), kib, kib) == ((1, 256), (1, 256))
     assert slab_plan((), 4, (), 1, 1) == ((), ())
     assert slab_plan((0, 8), 4, (0, 8), 1, 1) == ((0, 8), (0, 8))
-

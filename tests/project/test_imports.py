@@ -224,6 +224,21 @@ def test_area_readmes_name_every_module() -> None:
     assert not missing, "\n".join(missing)
 
 
+def test_area_readmes_are_maps_not_walls() -> None:
+    """An area README is read in two minutes: at most 60 lines, no line over 200 characters."""
+    long = []
+    for readme in sorted((SRC / PACKAGE).glob("_*/README.md")):
+        lines = readme.read_text().splitlines()
+        if len(lines) > 60:
+            long.append(f"{readme.parent.name}/README.md: {len(lines)} lines")
+        long += [
+            f"{readme.parent.name}/README.md:{n}: {len(line)} characters"
+            for n, line in enumerate(lines, 1)
+            if len(line) > 200
+        ]
+    assert not long, "\n".join(long)
+
+
 def _area(module: str) -> str | None:
     """The area package a module belongs to (``modelshard._checkpoint.read`` ->
     ``modelshard._checkpoint``); None for the top-level modules."""
