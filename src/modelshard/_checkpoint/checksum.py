@@ -299,21 +299,34 @@ def compile_for(x: Any) -> None:
             _compiled(extent, x.dtype, device)
 
 
-def _device_sums(data: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
+@functools.lru_cache(maxsize=4096)
+def _at(origin: tuple[int, ...], strides: tuple[int, ...], device: Any) -> jax.Array:
+    return jax.device_put(np.asarray([origin, strides], np.uint32).reshape(2, -1), device)
+
+
+def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> Any:
+    """A shard's two sums on its device, dispatched and not waited for."""
     if not data.size:
         return 0, 0
     device = next(iter(data.devices()))
-    strides = [math.prod(shape[d + 1 :]) & 0xFFFFFFFF for d in range(len(shape))]
-    at = np.asarray([list(origin), strides], np.uint32).reshape(2, len(shape))
+    strides = tuple(math.prod(shape[d + 1 :]) & 0xFFFFFFFF for d in range(len(shape)))
     program = _compiled(tuple(data.shape), data.dtype, device).result()
-    s1, s2 = np.asarray(program(data, jax.device_put(at, device))).tolist()
-    return int(s1), int(s2)
+    return program(data, _at(tuple(origin), strides, device))
 
 
-def _block_sums(data: Any, origin: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
-    if on_device(data):
-        return _device_sums(data, origin, shape)
-    return box_sums(np.asarray(data), origin, shape)
+def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
+    """A block's sums: dispatched on its device now where its program is compiled (no wait
+    per block; ``collect`` fetches them together), else once it is; or on the host."""
+    if not on_device(data):
+        return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
+    if not _compiled(tuple(data.shape), data.dtype, next(iter(data.devices()))).done():
+        return host_workers().submit(_dispatch, data, origin, shape)
+    done: Future[Any] = Future()
+    try:
+        done.set_result(_dispatch(data, origin, shape))
+    except Exception as e:  # raised by collect, as a worker's would be
+        done.set_exception(e)
+    return done
 
 
 class Checksums(Generic[K]):
@@ -331,7 +344,7 @@ class Checksums(Generic[K]):
         self._spanning = [k for k, x in like.items() if not _addressable(x)]
         for x in like.values():
             compile_for(x)
-        self._parts: dict[K, list[Future[tuple[int, int]]]] = {}
+        self._parts: dict[K, list[Future[Any]]] = {}
 
     def add(self, key: K, x: Any) -> None:
         """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
@@ -340,9 +353,7 @@ class Checksums(Generic[K]):
         if key in self._parts or key not in self._keys:
             return
         shape = tuple(np.shape(x))
-        self._parts[key] = [
-            host_workers().submit(_block_sums, data, origin, shape) for data, origin in _blocks(x)
-        ]
+        self._parts[key] = [_start(data, origin, shape) for data, origin in _blocks(x)]
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
         """Every key's ``"xxxxxxxx:yyyyyyyy"``, in ``like``'s order; the keys never added
@@ -353,9 +364,12 @@ class Checksums(Generic[K]):
             for key in self._keys:
                 if key not in self._parts and arrays is not None and key in arrays:
                     self.add(key, arrays[key])
-            for key in self._keys:
-                parts = [f.result() for f in self._parts[key]]
-                sums[key] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
+            parts = {k: [f.result() for f in self._parts[k]] for k in self._keys}
+            on_devices = [p for ps in parts.values() for p in ps if isinstance(p, jax.Array)]
+            fetched = iter(jax.device_get(on_devices))  # one wait for every device's sums
+            for key, ps in parts.items():
+                got = [next(fetched).tolist() if isinstance(p, jax.Array) else p for p in ps]
+                sums[key] = (sum(int(p[0]) for p in got), sum(int(p[1]) for p in got))
         except Exception as e:
             failure = e
         finally:
