@@ -42,9 +42,10 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from typing import Any
 
-from .._base import CheckpointError
+from .._base import CheckpointError, ForeignStepsWarning
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
@@ -571,3 +572,17 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
                     if r is not None:
                         out.append(_entry(int(r.group(1)), aside, ROTATED_WHY))
     return sorted(out, key=lambda e: (e.step, not e.restorable, not e.complete, str(e.path)))
+
+
+def warn_foreign(root: Any, stacklevel: int) -> None:
+    """Warn (``stacklevel`` as ``warnings.warn``'s) about another tool's entries in ``root`` that a manager does not restore (Orbax's
+    complete steps it restores: no warning); unreachable storage is left to the listing."""
+    try:
+        held = [f for f in foreign_steps(root) if not f.restorable]
+        steps = restorable_steps(root) if held else []
+    except CheckpointError:
+        return
+    if held:
+        warnings.warn(
+            foreign_summary(root, held, steps), ForeignStepsWarning, stacklevel=stacklevel
+        )

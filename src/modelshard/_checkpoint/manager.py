@@ -1,40 +1,20 @@
 """``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
 
-Each step is written by Orbax (``step_writer``: a composite of items, ``state`` the
-sharded arrays, ``modelshard`` the record, ``items`` and ``metrics`` small JSON) into a
-temporary directory that is renamed when complete, or, on object storage, completed by
-Orbax's commit file. Everything else is the manager's own, so that one definition decides
-what a step is (``complete_steps``), read from storage every time:
-
-- listing never trusts a cache, so a failed save does not hide steps on disk, and an
-  empty numbered folder is not a step;
-- rotation (``KeepPolicy``) runs on its own complete steps only and never removes the
-  newest (``removal``);
-- exit safety and preemption live in ``guard``;
-- what another tool wrote into the root (Orbax's own steps share its names) is never
-  removed or replaced: listed (``listing.foreign_steps``), refused by ``save`` with
-  ``ForeignStepError``, skipped by ``should_save``, removed only by ``delete(step)``;
-  Orbax's complete steps are adopted: listed beside the manager's own and restored
-  (``listing.adopted_steps``), their JSON items read as items (``items.orbax_items``).
-
-Under several processes every decision that depends on storage is made by process 0 and
-broadcast (``distributed.broadcast``: which steps are complete, whether a step may be
-written, whether another manager holds the lock), and every wait is a coordination-service
-barrier or exchange entered by every process in the same order, on the main thread, with a
-timeout (``distributed.barrier_timeout_s``). No device collective is issued by the manager
-itself; Orbax's background thread waits only on coordination-service barriers (the one
-before the commit carries each process's outcome: ``barriers.carrying_failures``).
+Orbax writes each step (``step_writer``); what a step is, rotation, removal and another
+tool's entries are the manager's own (``listing``, ``policy``, ``removal``), read from
+storage every time; exits and preemption live in ``guard``. Under several processes every
+decision that depends on storage is made by process 0 and broadcast, and every wait is a
+coordination-service barrier on the main thread, entered by every process in one order.
 """
 
 from __future__ import annotations
 
 import numbers
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._base import CheckpointError, DistributedError, ForeignStepError, ForeignStepsWarning
+from .._base import CheckpointError, DistributedError, ForeignStepError
 from .._runtime import barrier, broadcast, gather
 from . import guard
 from .items import decode_items, encode_items, missing_items, orbax_items, read_json
@@ -43,10 +23,10 @@ from .listing import (
     adopted_steps,
     complete_steps,
     foreign_steps,
-    foreign_summary,
     is_complete_step,
     refusal,
     restorable_steps,
+    warn_foreign,
 )
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
@@ -198,8 +178,7 @@ class CheckpointManager:
         return self._pending
 
     def unfinished_step(self) -> int | None:
-        """The pending step unless it is complete on storage by now (its background save
-        may have finished without anyone waiting for it)."""
+        """The pending step unless it is complete on storage by now."""
         step = self._pending
         if step is None:
             return None
@@ -215,8 +194,6 @@ class CheckpointManager:
     def finish(self) -> None:
         self.wait_until_finished()
 
-    # -- helpers ---------------------------------------------------------------------------
-
     @staticmethod
     def _primary() -> bool:
         import jax
@@ -224,9 +201,8 @@ class CheckpointManager:
         return jax.process_index() == 0
 
     def _agreed_steps(self) -> list[int]:
-        """The complete steps as process 0 lists them, on every process (a collective:
-        two processes listing the directory at different moments of a commit would
-        disagree); another tool's steps, listed with them, are kept for ``should_save``."""
+        """The complete steps as process 0 lists them, on every process (a collective), and
+        another tool's, kept for ``should_save``."""
         listing = None
         if self._primary():
             steps = complete_steps(self.directory)
@@ -243,27 +219,14 @@ class CheckpointManager:
         return next((f for f in self._foreign or () if f.step == step and f.restorable), None)
 
     def _foreign_at(self, step: int) -> list[Foreign]:
-        """Another tool's entries numbered ``step``, as process 0 last listed them (listed
-        now, on every process, if never yet)."""
+        """Another tool's entries numbered ``step``, as process 0 last listed them."""
         if self._foreign is None:
             self._agreed_steps()
         return [f for f in self._foreign or () if f.step == step]
 
     def _warn_foreign(self) -> None:
-        """Process 0 warns once, as the manager opens, about another tool's entries in the
-        root that it does not restore (Orbax's complete steps it restores: no warning)."""
-        if not self._primary():
-            return
-        try:
-            others = foreign_steps(self.directory)
-            held = [f for f in others if not f.restorable]
-            steps = restorable_steps(self.directory) if held else []
-        except CheckpointError:
-            return  # unreachable storage: the first listing or save says so
-        if held:
-            warnings.warn(
-                foreign_summary(self.directory, held, steps), ForeignStepsWarning, stacklevel=3
-            )
+        if self._primary():
+            warn_foreign(self.directory, stacklevel=4)
 
     def _purge_rotated(self) -> None:
         """Process 0 deletes the steps rotation moved aside (``removal.purge_rotated``)."""
@@ -271,8 +234,7 @@ class CheckpointManager:
             purge_rotated(self.directory)
 
     def _become_writer(self) -> None:
-        """Hold ``LOCK`` until ``close`` (the OS drops it if the process dies); process 0
-        takes it and tells the others whether it could."""
+        """Process 0 holds ``LOCK`` until ``close`` (dropped if it dies) and tells the others."""
         if self._writer_agreed:
             return
         refused = None
@@ -302,8 +264,7 @@ class CheckpointManager:
             self._lock_fd = None
 
     def _rotate(self) -> None:
-        """Process 0 applies the keep policy to what it lists; the others wait for it
-        (every process calls this, whatever it sees on storage)."""
+        """Process 0 applies the keep policy to what it lists; every process waits for it."""
         if self._primary() and not self.policy.keeps_everything:
             steps = complete_steps(self.directory)
             if len(steps) > 1:
@@ -315,9 +276,8 @@ class CheckpointManager:
         barrier("modelshard:manager:rotated")
 
     def _save_verdict(self, step: int) -> None:
-        """Process 0 decides whether ``step`` may be written (not a step already, not a
-        number another tool's step holds; an interrupted save's leftovers removed) and
-        tells the others: every process raises the same error, or none does."""
+        """Process 0 decides whether ``step`` may be written (leftovers removed) and tells the
+        others: every process raises the same error, or none does."""
         error: Exception | None = None
         listing = None
         if self._primary():
@@ -349,8 +309,7 @@ class CheckpointManager:
         )
         if verdict["listing"] is not None:
             self._foreign = [Foreign.from_json(f) for f in verdict["listing"]]
-        # Orbax checks on every process that the step is not there yet: each asks the
-        # server, not a listing remembered from before process 0 removed the leftovers
+        # Orbax checks on every process that the step is absent: ask storage, not a cache
         forget_listings(self.directory)
         if error is not None:
             raise error  # process 0: the error itself, with its cause
@@ -358,8 +317,6 @@ class CheckpointManager:
             raise ForeignStepError(verdict["refused"], step=step)
         if verdict["refused"] is not None:
             raise CheckpointError(verdict["refused"])
-
-    # -- the public API --------------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the process was asked to stop: a SIGTERM/SIGINT on this host, or, under

@@ -37,6 +37,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
+from . import urls
+
 # Orbax's TensorStore resources (``tensorstore_utils.get_ts_context``): file reads and
 # writes in flight, and a cache of OCDBT's B-tree nodes.
 FILE_IO_CONCURRENCY = 128
@@ -264,13 +266,23 @@ def checkpoint_metadata(handler: str, start_ns: int, custom: dict[str, Any]) -> 
     }
 
 
+_PROCESS = "ocdbt.process_"
+
+
 def _databases(tree_dir: Tree) -> list[str]:
     """The per-process databases under ``tree_dir`` (``ocdbt.process_<i>``), sorted."""
     import tensorstore as ts
 
     base = _base(tree_dir)
+    if base["driver"] == "s3" or base["driver"].startswith("gcs"):
+        # listed as every other object-storage folder is: TensorStore's list of an object
+        # store aborted a test process once (cause not found)
+        scheme = "s3" if base["driver"] == "s3" else "gs"
+        url = f"{scheme}://{base['bucket']}/{base['path'].strip('/')}".rstrip("/")
+        urls.forget_listings(url)
+        return sorted(p.name for p in urls.location(url).iterdir() if p.name.startswith(_PROCESS))
     store = ts.KvStore.open({**base, "path": base["path"].rstrip("/") + "/"}).result()
-    keys = store.list(ts.KvStore.KeyRange("ocdbt.process_", "ocdbt.process`")).result()
+    keys = store.list(ts.KvStore.KeyRange(_PROCESS, "ocdbt.process`")).result()
     return sorted({k.decode().split("/", 1)[0] for k in keys if b"/" in k})
 
 
