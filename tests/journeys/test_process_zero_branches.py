@@ -40,9 +40,9 @@ LOCAL = {
 OURS = {
     "remove_leftovers", "_exchange", "fsync_dir", "write_durable", "_make_room",
     "complete_steps", "reaching", "remove_partial", "delete_step", "_finalize",
-    "_tree_metadata", "_sharding_file", "_checkpoint_metadata", "_empty_sums",
-    "_write_adapter", "_commit", "foreign_steps", "refusal", "remove_numbered",
-    "purge_rotated", "adopted_steps",
+    "tree_metadata", "sharding_file", "_checkpoint_metadata", "_empty_sums",
+    "kvstore", "merge", "orbax_name", "_commit", "foreign_steps", "refusal",
+    "remove_numbered", "purge_rotated", "adopted_steps", "warn_foreign", "_write_adapter",
 }  # fmt: skip
 
 
