@@ -234,28 +234,24 @@ def counting_compiles() -> Iterator[collections.Counter[str]]:
 def datasynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths ``os.fdatasync`` is called on, in order, from any thread (the real calls
     are made; needs ``/proc/self/fd``)."""
-    seen: list[str] = []
-    real = os.fdatasync
-
-    def spy(fd: int) -> None:
-        seen.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", spy)
-    return seen
+    return _synced(monkeypatch, "fdatasync")
 
 
 @pytest.fixture
 def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths ``os.fsync`` is called on, in order (the real calls are made)."""
+    return _synced(monkeypatch, "fsync")
+
+
+def _synced(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
     seen: list[str] = []
-    real = os.fsync
+    real = getattr(os, name)
 
     def spy(fd: int) -> None:
         seen.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
-    monkeypatch.setattr(os, "fsync", spy)
+    monkeypatch.setattr(os, name, spy)
     return seen
 
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, DTYPES, assert_bit_exact, values
+from helpers import DAMAGED_HINT, DTYPES, assert_bit_exact, row_layers, values
 from modelshard._checkpoint import checksum as cs
 from modelshard._checkpoint import ocdbt, reader
 from modelshard._checkpoint.sources import locate
@@ -130,18 +130,6 @@ def test_reshard_keeps_bitcast_and_zero_size_leaves_bit_exact(tmp_path):
 # ---- the one reader: specs, reads in flight, placement --------------------------------------
 
 
-def _state(mesh, n=6, cols=8):
-    rows = NamedSharding(mesh, P("data"))
-    return {
-        f"layer{i}": {
-            "w": jax.device_put(
-                jnp.arange(64 * cols, dtype=jnp.float32).reshape(64, cols) + i, rows
-            )
-        }
-        for i in range(n)
-    }
-
-
 def _equal(out, state):
     for name, leaf in state.items():
         np.testing.assert_array_equal(np.asarray(out[name]["w"]), np.asarray(leaf["w"]))
@@ -175,7 +163,7 @@ def _orbax_reads(monkeypatch):
 def test_the_spec_is_the_one_orbax_reads_with(tmp_path, mesh8):
     from modelshard._internals import ArrayReadSpec
 
-    path = ms.save(tmp_path / "c", _state(mesh8, n=1))
+    path = ms.save(tmp_path / "c", row_layers(mesh8, n=1))
     source = locate(path)
     orbax = ArrayReadSpec(str(source.tree_dir), "layer0.w", False, use_ocdbt=True)
     assert ocdbt.read_spec(str(source.tree_dir), "layer0.w") == orbax.json
@@ -215,7 +203,7 @@ else:
 def test_each_array_is_handed_over_while_later_ones_are_read(tmp_path, mesh8, monkeypatch):
     """With room for three shards in flight, the first array's checksum starts before the
     last array's reads are started; every array's checksum is started."""
-    state = _state(mesh8, n=8)
+    state = row_layers(mesh8, n=8)
     ms.save(tmp_path / "c", state)
     shard = 64 * 8 * 4 // 8
     monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", 3 * shard + 1)
@@ -240,7 +228,7 @@ def test_each_array_is_handed_over_while_later_ones_are_read(tmp_path, mesh8, mo
 
 
 def test_each_array_is_handed_over_before_the_read_returns(tmp_path, mesh8):
-    state = _state(mesh8)
+    state = row_layers(mesh8)
     ms.save(tmp_path / "c", state)
     source = locate(tmp_path / "c")
     targets = {f"layer{i}/w": _abstract(state)[f"layer{i}"]["w"] for i in range(6)}
@@ -258,7 +246,7 @@ def test_bytes_in_flight_stay_under_the_cap(tmp_path, saved_cols, wanted, monkey
     each array (its reads under the cap) is reserved whole, its reads started together and
     placed together, on a relayout (column blocks of row-chunked data) as on the saved one."""
     mesh8 = ms.make_mesh({"data": 8})
-    state = _state(mesh8, n=8, cols=saved_cols)
+    state = row_layers(mesh8, n=8, cols=saved_cols)
     ms.save(tmp_path / "c", state)
     target = NamedSharding(ms.make_mesh({"data": 2, "model": 4}), wanted)
     one = jax.ShapeDtypeStruct((64, saved_cols), jnp.float32, sharding=target)
@@ -289,7 +277,7 @@ def test_bytes_in_flight_stay_under_the_cap(tmp_path, saved_cols, wanted, monkey
 
 
 def test_a_read_larger_than_the_cap_runs_alone(tmp_path, mesh8, monkeypatch):
-    state = _state(mesh8, n=3, cols=32)
+    state = row_layers(mesh8, n=3, cols=32)
     ms.save(tmp_path / "c", state)
     shard = 64 * 32 * 4 // 8
     monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", shard // 2)
@@ -349,7 +337,7 @@ def test_plain_orbax_checkpoints_are_read_by_the_same_reader(
     read path opens, by the same reader: Orbax's restore never runs."""
     from modelshard._internals import ArrayReadSpec
 
-    state = _state(mesh8, n=3)
+    state = row_layers(mesh8, n=3)
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
     with ocp.Checkpointer(handler) as ckptr:
         ckptr.save(tmp_path / "c", args=ocp.args.PyTreeSave(state))
@@ -362,7 +350,7 @@ def test_plain_orbax_checkpoints_are_read_by_the_same_reader(
 
 
 def test_damaged_tree_metadata_is_an_error_though_the_read_needs_none(tmp_path, mesh8):
-    path = ms.save(tmp_path / "c", _state(mesh8, n=2))
+    path = ms.save(tmp_path / "c", row_layers(mesh8, n=2))
     meta = json.loads((path / "_METADATA").read_text())
     del meta["tree_metadata"][next(iter(meta["tree_metadata"]))]
     (path / "_METADATA").write_text(json.dumps(meta))
@@ -395,7 +383,7 @@ def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
 def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
     tmp_path, mesh8, monkeypatch
 ):
-    state = _state(mesh8, n=2)
+    state = row_layers(mesh8, n=2)
     ms.save(tmp_path / "c", state)
 
     def broken(*args):
@@ -435,7 +423,7 @@ def test_object_storage_is_read_through_the_same_specs(bucket_root, mesh8, monke
     bucket's kvstore, as a local one is: Orbax's spec builder is never asked."""
     from modelshard import _internals
 
-    state = _state(mesh8, n=2)
+    state = row_layers(mesh8, n=2)
     ms.save(f"{bucket_root}/c", state)
 
     def refused(*args, **kwargs):
