@@ -220,6 +220,9 @@ def test_the_device_engine_takes_what_it_can_and_compiles_before_the_bytes_arriv
         got = sums.collect()
     assert got == dict(enumerate(cs.checksums([np.asarray(a) for a in arrays.values()])))
     assert "jit(_shard_sums)" not in n
+    with count_compiles() as n:  # a zero-size shard has nothing to sum and compiles nothing
+        assert cs.checksums([jnp.zeros((0, 4))]) == ["00000000:00000000"]
+    assert "jit(_shard_sums)" not in n
 
 
 def test_a_checkpoint_summed_on_devices_verifies_as_one_summed_on_the_host(

@@ -304,26 +304,26 @@ def _at(origin: tuple[int, ...], strides: tuple[int, ...], device: Any) -> jax.A
     return jax.device_put(np.asarray([origin, strides], np.uint32).reshape(2, -1), device)
 
 
-def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int]) -> Any:
-    """A shard's two sums on its device, dispatched and not waited for."""
-    if not data.size:
-        return 0, 0
-    device = next(iter(data.devices()))
+def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int], program: Any) -> Any:
+    """A shard's two sums on its device by ``program`` (a future), dispatched, not waited for."""
     strides = tuple(math.prod(shape[d + 1 :]) & 0xFFFFFFFF for d in range(len(shape)))
-    program = _compiled(tuple(data.shape), data.dtype, device).result()
-    return program(data, _at(tuple(origin), strides, device))
+    return program.result()(data, _at(tuple(origin), strides, next(iter(data.devices()))))
 
 
 def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
     """A block's sums: dispatched on its device now where its program is compiled (no wait
     per block; ``collect`` fetches them together), else once it is; or on the host."""
+    done: Future[Any] = Future()
     if not on_device(data):
         return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
-    if not _compiled(tuple(data.shape), data.dtype, next(iter(data.devices()))).done():
-        return host_workers().submit(_dispatch, data, origin, shape)
-    done: Future[Any] = Future()
+    if not data.size:
+        done.set_result((0, 0))
+        return done
+    program = _compiled(tuple(data.shape), data.dtype, next(iter(data.devices())))
+    if not program.done():
+        return host_workers().submit(_dispatch, data, origin, shape, program)
     try:
-        done.set_result(_dispatch(data, origin, shape))
+        done.set_result(_dispatch(data, origin, shape, program))
     except Exception as e:  # raised by collect, as a worker's would be
         done.set_exception(e)
     return done
