@@ -3,10 +3,13 @@ limits that say what is left out."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import signal
 
 import numpy as np
+import pytest
 
 from helpers import CONVERT_MAP
 from modelshard.cli import main
@@ -168,3 +171,25 @@ def test_max_rows_says_what_is_left_out_below_every_table(ckpt, tmp_path, capsys
     (tmp_path / "map.toml").write_text(CONVERT_MAP)
     argv = ["convert", str(st), str(tmp_path / "c"), "--mapping", str(tmp_path / "map.toml")]
     assert below([*argv, "--dry-run", "--max-rows", "1"]) == f"... 4 more leaves; {show}"
+
+
+def test_first_ctrl_c_under_a_progress_bar_waits_for_its_tick_the_second_does_not():
+    """Raised anywhere, the first Ctrl-C could land inside a thread pool's ``submit`` and
+    leave a worker that the interpreter's exit waits on forever."""
+
+    from modelshard._cli import output
+
+    args = argparse.Namespace(json=False, no_progress=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with output.interruptible(), output.progress_bar(args, "copying") as tick:
+            handler = signal.getsignal(signal.SIGINT)
+            handler(signal.SIGINT, None)  # first press: marked, not raised
+            with pytest.raises(KeyboardInterrupt):
+                tick(1, 2)
+            with pytest.raises(KeyboardInterrupt):
+                handler(signal.SIGINT, None)  # second press: at once
+        with output.interruptible(), pytest.raises(KeyboardInterrupt):  # no bar: at once
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)

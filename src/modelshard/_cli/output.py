@@ -243,13 +243,19 @@ def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
             if report is not None:
                 report(done, total)
 
-        yield tick
+        _interrupt.at_ticks = True
+        try:
+            yield tick
+        finally:
+            _interrupt.at_ticks = False
 
 
 class _Interrupt:
-    """Whether Ctrl-C was pressed while the command runs (``interruptible``)."""
+    """Whether Ctrl-C was pressed while the command runs (``interruptible``), and whether
+    a progress bar's ticks raise it."""
 
     seen = False
+    at_ticks = False
 
 
 _interrupt = _Interrupt()
@@ -264,8 +270,12 @@ def interruptible() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
+        # Under a progress bar the first Ctrl-C is raised at the next tick: raised anywhere,
+        # it can land in a thread pool's submit and leave a worker the exit waits on forever.
+        first = not _interrupt.seen
         _interrupt.seen = True
-        raise KeyboardInterrupt
+        if not (first and _interrupt.at_ticks):
+            raise KeyboardInterrupt
 
     unraisable = sys.unraisablehook
 
