@@ -22,6 +22,7 @@ from .errors import Problem as Problem
 from .errors import ShardingMismatchError as ShardingMismatchError
 from .errors import SpecError as SpecError
 from .errors import caller_stacklevel as caller_stacklevel
+from .errors import spec_error as spec_error
 from .files import EarlySync as EarlySync
 from .files import fsync_dir as fsync_dir
 from .files import sync_tree as sync_tree
@@ -29,6 +30,7 @@ from .files import write_durable as write_durable
 from .folding import fold as fold
 from .mesh import constrain_array as constrain_array
 from .mesh import current_mesh as current_mesh
+from .mesh import explicit_axes as explicit_axes
 from .mesh import is_abstract as is_abstract
 from .mesh import make_mesh as make_mesh
 from .mesh import mesh_sizes as mesh_sizes

@@ -135,8 +135,7 @@ _NOT_IN_MESH = re.compile(r"axis '([^']+)' .*is not in the mesh")
 
 
 def cause_key(p: Problem) -> str:
-    """What problems share when they have one cause: the sentence without its numbers
-    (``dimension 0 (size 7) ...`` and ``dimension 1 (size 9) ...`` are one cause)."""
+    """What problems of one cause share: the sentence without its numbers."""
     if p.cause is not None:
         return p.cause
     return _DIGITS.sub("#", _PARENS_WITH_DIGITS.sub("", p.what)).strip()
@@ -156,14 +155,12 @@ class Cause:
 
     @property
     def example(self) -> Problem:
-        """The problem shown: the one with the shortest path (a parameter, not its
-        optimizer moments ``opt/0/mu/...``), the first of those."""
+        """The problem shown: a parameter rather than its optimizer moments."""
         return _example(self.problems)
 
     @property
     def mirrors(self) -> tuple[Problem, ...]:
-        """The other problems whose paths end with the example's path below its first
-        component (``opt/0/mu/heads/q`` for ``params/heads/q``): its optimizer moments."""
+        """The example's optimizer moments: paths ending with its path below the first component."""
         e = self.example
         _, _, tail = (e.path or "").partition("/")
         if "/" not in tail:  # a one-component tail (``bias``) names no parameter
@@ -177,11 +174,9 @@ class Cause:
 
     @property
     def numbers_differ(self) -> bool:
-        """Whether the problems' sentences differ (in their numbers) from the example's."""
         return any(p.what != self.example.what for p in self.problems)
 
     def folded(self) -> list[Any]:
-        """The problems' ``arg:path`` strings with numbered layers folded (``_fold.Fold``)."""
         from .folding import fold
 
         return fold(self.problems, lambda p: p.label())
@@ -223,8 +218,7 @@ class Cause:
 
 
 def _fitting_hint(problems: Sequence[Problem]) -> str | None:
-    """The hint that fits a whole cause (e.g. ``fsdp('fsdp')`` on a mesh without 'fsdp'),
-    else the problems' own hint (the first's, when they differ)."""
+    """The hint that fits a whole cause, else the problems' own (``_joined_hints``)."""
     e = problems[0]
     m = _NOT_IN_MESH.search(e.what)
     if m is not None and e.rule is not None and e.rule.startswith("fsdp("):
@@ -258,9 +252,8 @@ _MAX_FIXES = 6
 
 
 def _joined_hints(problems: Sequence[Problem]) -> str | None:
-    """The problems' hint; where they differ only after a shared advice (one cause the
-    problems of several rules share: ``...: in tp.toml set rules[0].spec = ...``), the
-    advice once, then each rule's fix, so that following the hint fixes every leaf."""
+    """The problems' hints: a shared advice once, then each rule's fix after it, so that
+    following the hint fixes every leaf."""
     hints = list(dict.fromkeys(p.hint for p in problems if p.hint))
     if len(hints) <= 1:
         return problems[0].hint
@@ -290,8 +283,7 @@ def _common_prefix(paths: Sequence[str]) -> str:
 
 
 def _example(problems: Sequence[Problem]) -> Problem:
-    """The first problem whose path others mirror below their first components (the parameter
-    ``params/block_0/k/kernel`` of ``opt/0/mu/block_0/k/kernel``), else the first problem."""
+    """The first problem whose path others mirror below their first components, else the first."""
     suffixes: dict[str, int] = {}
     for p in problems:
         parts = (p.path or "").split("/")
@@ -310,11 +302,11 @@ def group_problems(problems: Sequence[Problem]) -> list[Cause]:
     groups: dict[str, list[Problem]] = {}
     for p in problems:
         groups.setdefault(cause_key(p), []).append(p)
-    out = []
-    for ps in groups.values():
-        out.append(Cause(ps[0].cause or _example(ps).what, tuple(ps), _fitting_hint(ps)))
-    order = {id(c): i for i, c in enumerate(out)}
-    return sorted(out, key=lambda c: (-c.count, order[id(c)]))
+    out = [
+        Cause(ps[0].cause or _example(ps).what, tuple(ps), _fitting_hint(ps))
+        for ps in groups.values()
+    ]
+    return sorted(out, key=lambda c: -c.count)  # stable: ties keep the order first seen
 
 
 class SpecError(ModelshardError, ValueError):
@@ -338,15 +330,11 @@ class SpecError(ModelshardError, ValueError):
         self.site = site
         n = len(self.problems)
         if n <= LIST_IN_FULL:
-            header = header or (
-                f"{n} {self.noun}{'s' if n != 1 else ''} found "
-                f"(every offending leaf is listed; paths are arg:path):"
+            super().__init__(
+                self._listed("found (every offending leaf is listed; paths are arg:path):")
             )
-            lines = [header]
-            for p in self.problems:
-                lines.extend(p.lines())
-        else:
-            lines = self._grouped(header)
+            return
+        lines = self._grouped(header)
         if site:
             lines[0] = f"{site}: {lines[0]}"
         super().__init__("\n".join(lines))
@@ -358,10 +346,12 @@ class SpecError(ModelshardError, ValueError):
 
     def report(self) -> str:
         """Every problem in full, one block per leaf (``str(err)`` summarises large lists)."""
+        return self._listed("(every one):")
+
+    def _listed(self, tail: str) -> str:
         n = len(self.problems)
-        lines = [self.header or f"{n} {self.noun}{'s' if n != 1 else ''} (every one):"]
-        if self.site:
-            lines[0] = f"{self.site}: {lines[0]}"
+        head = self.header or f"{n} {self.noun}{'s' if n != 1 else ''} {tail}"
+        lines = [f"{self.site}: {head}" if self.site else head]
         for p in self.problems:
             lines.extend(p.lines())
         return "\n".join(lines)
@@ -405,6 +395,13 @@ class SpecError(ModelshardError, ValueError):
         out["problems"] = [p.to_json() for p in self.problems]
         out["causes"] = [c.to_json() for c in self.causes]
         return out
+
+
+def spec_error(
+    arg: str, path: str | None, what: str, header: str | None = None, **fields: Any
+) -> SpecError:
+    """A ``SpecError`` of one problem (``fields``: the ``Problem``'s other fields)."""
+    return SpecError([Problem(arg, path, what, **fields)], header=header)
 
 
 class FitError(SpecError):
@@ -534,9 +531,8 @@ class PartialRestoreWarning(UserWarning):
 
 
 def caller_stacklevel() -> int:
-    """``stacklevel`` for ``warnings.warn`` called here that points at the first frame
-    outside modelshard: the user's line, however deep in the package the warning is raised
-    (``skip_file_prefixes`` does this from Python 3.12 only)."""
+    """``stacklevel`` for ``warnings.warn`` naming the first frame outside modelshard
+    (``skip_file_prefixes`` would, from Python 3.12 only)."""
     level, frame = 2, sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("modelshard."):
         level, frame = level + 1, frame.f_back

@@ -9,13 +9,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 
-def fsync_dir(d: str | os.PathLike[str]) -> None:
-    """Make the renames into directory ``d`` durable (sync the directory itself)."""
-    fd = os.open(d, os.O_RDONLY)
+def _sync(path: str | os.PathLike[str], data_only: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        (os.fdatasync if data_only else os.fsync)(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(d: str | os.PathLike[str]) -> None:
+    """Make the renames into directory ``d`` durable (sync the directory itself)."""
+    _sync(d)
 
 
 def write_durable(path: str | os.PathLike[str], data: str | bytes) -> None:
@@ -40,18 +44,13 @@ def sync_tree(root: str | os.PathLike[str]) -> None:
     what was written there without syncs is on the disk, and so are its names."""
     for here, _dirs, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(here, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(here)
+            _sync(os.path.join(here, name))
+        _sync(here)
 
 
 class EarlySync:
-    """Files under ``root`` synced on a thread of their own while a writer goes on writing more
-    (``kick`` after each batch): the writer's final ``sync_tree`` then finds little left to
-    flush."""
+    """Files under ``root`` synced on a thread while a writer writes more (``kick`` after
+    each batch), so that its final ``sync_tree`` finds little left to flush."""
 
     def __init__(self, root: str | os.PathLike[str] | None) -> None:
         self.root = root
@@ -78,14 +77,9 @@ class EarlySync:
                 path = os.path.join(here, name)
                 try:
                     size = os.stat(path).st_size
-                    if self._synced.get(path) == size:
-                        continue
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        os.fdatasync(fd)
-                    finally:
-                        os.close(fd)
-                    self._synced[path] = size
+                    if self._synced.get(path) != size:
+                        _sync(path, data_only=True)
+                        self._synced[path] = size
                 except OSError:
                     continue  # replaced or removed meanwhile (a manifest): sync_tree's
 

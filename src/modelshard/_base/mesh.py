@@ -1,6 +1,4 @@
-"""Meshes: ``make_mesh`` (a device mesh from ``{"axis": size}``, Auto axes by default), the
-active mesh (``current_mesh``), what every module reads of a mesh (``mesh_sizes``,
-``is_abstract``) and one array constrained on a mesh of any axis types (``constrain_array``)."""
+"""Meshes: ``make_mesh``, the active mesh, what modules read of one, and ``constrain_array``."""
 
 from __future__ import annotations
 
@@ -122,8 +120,7 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 def current_mesh(concrete: bool = False) -> Any:
-    """The mesh of the active ``jax.set_mesh`` context: what every entry point uses when ``mesh=``
-    is not given."""
+    """The mesh of the active ``jax.set_mesh`` context, for entry points given no ``mesh=``."""
     if concrete:
         try:
             mesh = jax.sharding.get_mesh()
@@ -141,19 +138,19 @@ def current_mesh(concrete: bool = False) -> Any:
 
 
 def constrain_array(x: Any, sharding: NamedSharding | PartitionSpec, mesh: Any) -> Any:
-    """``x`` constrained to ``sharding`` (a ``NamedSharding``, or a spec on the context's
-    mesh) whatever ``mesh``'s axis types: ``reshard`` where an Explicit axis is involved (the
-    spec names one, or ``x`` is already sharded over one), since ``with_sharding_constraint``
-    only asserts there; ``with_sharding_constraint`` otherwise."""
-    explicit = {
-        name
-        for name, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Explicit
-    }
+    """``x`` constrained to ``sharding`` on a mesh of any axis types: ``reshard`` where an
+    Explicit axis is involved (``with_sharding_constraint`` only asserts there)."""
+    explicit = explicit_axes(mesh)
     spec = sharding.spec if isinstance(sharding, NamedSharding) else sharding
     if explicit and (_axes(spec) & explicit or _sharded_over(x, explicit)):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def explicit_axes(mesh: Any) -> frozenset[str]:
+    """The names of the mesh's Explicit axes."""
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    return frozenset(name for name, kind in kinds if kind == AxisType.Explicit)
 
 
 def _axes(spec: Any) -> set[str]:
@@ -167,9 +164,8 @@ def _axes(spec: Any) -> set[str]:
     return out
 
 
-def _sharded_over(x: Any, axes: set[str]) -> bool:
-    """Whether ``x``'s type says it is sharded over one of ``axes`` (then only ``reshard``
-    may move it)."""
+def _sharded_over(x: Any, axes: frozenset[str]) -> bool:
+    """Whether ``x``'s type says it is sharded over one of ``axes`` (only ``reshard`` moves it)."""
     try:
         spec = jax.typeof(x).sharding.spec
     except Exception:

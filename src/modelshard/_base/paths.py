@@ -11,8 +11,6 @@ SEPARATOR = "/"
 
 # Key entries that only say "the payload of a box" and never name anything a user wrote.
 _ARTIFACTS = frozenset({"value", "raw_value", "_value"})
-
-
 _ATTR = {DictKey: "key", GetAttrKey: "name", SequenceKey: "idx", FlattenedIndexKey: "key"}
 
 
@@ -54,11 +52,7 @@ def format_path(keys: Iterable[Any], *, drop_artifacts: bool = False) -> str:
 
 def join(prefix: str, path: str) -> str:
     """Join two canonical paths, either of which may be empty."""
-    if not prefix:
-        return path
-    if not path:
-        return prefix
-    return prefix + SEPARATOR + path
+    return prefix + SEPARATOR + path if prefix and path else prefix or path
 
 
 def split(path: str) -> tuple[str, ...]:

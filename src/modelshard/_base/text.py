@@ -36,8 +36,7 @@ def vocabulary() -> Vocabulary:
 
 
 SHOW_ALL = "run without --max-rows to show all"
-"""What every table cut by the command line's ``--max-rows`` says on the line below it
-(``modelshard inspect``, ``convert --dry-run``, and ``Plan.table`` under ``speaking("cli")``)."""
+"""What every table cut by the command line's ``--max-rows`` says on the line below it."""
 
 
 def format_bytes(n: float) -> str:
@@ -87,8 +86,7 @@ def spec_from_json(value: Iterable[Any] | None) -> PartitionSpec | None:
 
 
 def toml_spec(entries: Any) -> str:
-    """A spec as a rules file writes it (the JSON spelling of ``spec_json``, or a
-    ``PartitionSpec``): ``["none", "model"]``, ``[["data", "fsdp"], "none"]``, ``[]``.
+    """A spec (a ``PartitionSpec`` or its ``spec_json``) as a rules file writes it.
 
     Example:
         >>> print(toml_spec([None, "model"]), toml_spec([["data", "fsdp"]]), toml_spec([]))
@@ -133,9 +131,7 @@ def quote_pattern(pattern: str) -> str:
 
 
 def literal(text: Any, style: str = "") -> Any:
-    """User text as a ``rich`` renderable shown character for character: ``[bold]`` and
-    ``[qkv]`` stay text, never markup. Use it for every user string in a table cell, a
-    title, a caption, a panel or a progress description.
+    """User text as a ``rich`` renderable shown character for character, never as markup.
 
     Example:
         >>> from rich.console import Console
@@ -148,21 +144,18 @@ def literal(text: Any, style: str = "") -> Any:
 
 
 def escape_markup(text: Any) -> str:
-    """``text`` as ``rich`` markup that prints it literally (for places that take a markup
-    string, not a ``Text``: a progress description, a line mixing styles)."""
+    """``text`` as ``rich`` markup that prints it literally (where a markup string is taken)."""
     from rich.markup import escape
 
     return escape(str(text))
 
 
 def close_match(name: str, choices: Iterable[str], cutoff: float = 0.75) -> str | None:
-    """The one of ``choices`` that ``name`` is most likely a typo of (``modle`` -> ``model``),
-    for a "did you mean" hint; None when none is close enough or ``name`` is itself one."""
+    """The one of ``choices`` that ``name`` is most likely a typo of, for "did you mean"."""
     got = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
     return got[0] if got and got[0] != name else None
 
 
 def natural_key(text: str) -> list[tuple[int, int | str]]:
-    """A sort key reading numbers as numbers (``layers/2`` before ``layers/10``,
-    ``rules[2]`` before ``rules[10]``); a number and a word at one place compare too."""
+    """A sort key reading numbers as numbers: ``layers/2`` before ``layers/10``."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", text) if p]

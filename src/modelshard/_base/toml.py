@@ -1,6 +1,5 @@
-"""TOML files the package reads (rules files, weight-mapping files): the file read as UTF-8 and
-parsed, every failure a ``Problem``; and the checks each schema makes of its tables (unknown keys
-named with a did-you-mean, a true/false flag, an array of tables)."""
+"""TOML files the package reads (rules, weight mappings): parsed with every failure a
+``Problem``, and the checks each schema makes of its tables."""
 
 from __future__ import annotations
 
@@ -27,21 +26,10 @@ def read_toml(
     where: str | None,
     unreadable: str | None,
 ) -> dict[str, Any]:
-    """The parsed TOML of the file at ``path``.
+    """The parsed TOML of the file at ``path``; a failure is ``fail([problem])``.
 
-    Args:
-        path: the file.
-        fail: makes the reader's error from the problem (``SpecError``, ``MappingError``).
-        where: the ``path`` field of the problems (``None`` or ``""``).
-        unreadable: what the file is, when a file that cannot be read is a problem too
-            ("cannot read the mapping file: ..."); ``None``: its ``OSError``
-            (``FileNotFoundError`` for a missing file) propagates as it is.
-
-    Raises:
-        OSError: the file cannot be read and ``unreadable`` is None.
-        Exception: ``fail([problem])``: the text is not UTF-8 or not valid TOML (with a
-            hint on escapes when a backslash is the cause), or the file cannot be read
-            and ``unreadable`` is given.
+    ``where`` is the problems' ``path``; ``unreadable`` names the file when one that cannot
+    be read is a problem too (``None``: its ``OSError`` propagates).
 
     Example:
         >>> import pathlib, tempfile
@@ -88,8 +76,7 @@ def check_keys(
     problems: list[Problem],
     what: str = "key",
 ) -> bool:
-    """Add a problem for every key of ``table`` that is not ``allowed`` (in the order given, which
-    the hint lists); whether all were allowed."""
+    """Add a problem for every key of ``table`` not ``allowed``; whether all were."""
     allowed = list(allowed)
     ok = True
     for k in table:
@@ -104,8 +91,7 @@ def check_keys(
 def flag(
     data: Mapping[str, Any], key: str, default: bool, source: str, problems: list[Problem]
 ) -> bool:
-    """``data[key]`` as a true/false flag (``default`` when absent or invalid; an invalid
-    one is a problem)."""
+    """``data[key]`` as a true/false flag (``default`` when absent or invalid, a problem)."""
     value = data.get(key, default)
     if not isinstance(value, bool):
         problems.append(Problem(source, key, f"{key} must be true or false, got {value!r}"))
@@ -114,14 +100,10 @@ def flag(
 
 
 def tables(data: Mapping[str, Any], key: str, source: str, problems: list[Problem]) -> list[Any]:
-    """``data[key]`` as an array of tables (``[[rules]]`` blocks; empty when absent, or
-    when it is not an array, which is a problem). Its items are the caller's to check."""
+    """``data[key]`` as an array of tables (empty when absent, or not one: a problem)."""
     raw = data.get(key, [])
     if not isinstance(raw, list):
-        problems.append(
-            Problem(
-                source, key, f"{key} must be an array of tables", hint=f"write [[{key}]] blocks"
-            )
-        )
+        what, hint = f"{key} must be an array of tables", f"write [[{key}]] blocks"
+        problems.append(Problem(source, key, what, hint=hint))
         return []
     return raw
