@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,40 +30,19 @@ if TYPE_CHECKING:
 
 # which module owns each name: importing it loads that module's library (and only then)
 _OWNER = {
-    "ArrayImpl": "jax",
-    "backends_are_initialized": "jax",
-    "cloud_tpu_init": "jax",
-    "global_state": "jax",
+    **dict.fromkeys(
+        ("ArrayImpl", "backends_are_initialized", "cloud_tpu_init", "global_state"), "jax"
+    ),
+    **dict.fromkeys(
+        ("ArrayMetadataStore", "ArrayReadSpec", "ArrayWriteSpec", "multihost", "tensorstore_utils"),
+        "orbax",
+    ),
     "STANDARD_HANDLER_NAME": "orbax_text",
-    "ArrayMetadataStore": "orbax",
-    "ArrayReadSpec": "orbax",
-    "ArrayWriteSpec": "orbax",
-    "multihost": "orbax",
-    "tensorstore_utils": "orbax",
-    "replace_raw_bytes": "patches",
-    "wrap_build_array_write_spec": "patches",
-    "wrap_build_kvstore_tspec": "patches",
-    "wrap_barrier_sync_fn": "patches",
-    "wrap_handler_save": "patches",
-    "wrap_handler_async_save": "patches",
-    "wrap_handler_finalize": "patches",
-    "wrap_commit_callback": "patches",
-    "wrap_to_json": "patches",
-    "wrap_linen_unbox": "patches",
-    "wrap_linen_constraint": "patches",
 }
 
 
 def __getattr__(name: str) -> Any:
-    owner = _OWNER.get(name)
+    owner = _OWNER.get(name) or ("patches" if name.startswith(("wrap_", "replace_")) else None)
     if owner is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if owner == "orbax":
-        from . import orbax as module
-    elif owner == "orbax_text":
-        from . import orbax_text as module
-    elif owner == "patches":  # imports each library only when a patch is installed
-        from . import patches as module
-    else:
-        from . import jax as module
-    return getattr(module, name)
+    return getattr(importlib.import_module(f".{owner}", __name__), name)

@@ -3,8 +3,6 @@ with what it is for."""
 
 from __future__ import annotations
 
-import orbax.checkpoint as ocp
-
 from .needs import needed
 
 DIST = "orbax-checkpoint"
@@ -35,15 +33,6 @@ with needed(
     "modelshard's own writes are stored in chunks aligned for other splits (chunks.py)",
 ):
     from orbax.checkpoint._src.serialization import tensorstore_utils
-
-with needed(
-    DIST,
-    "orbax.checkpoint._src.multihost.multihost",
-    "bounded barriers: its get_barrier_sync_fn is replaced in that module, where Orbax's "
-    "own code looks it up, by one that waits modelshard's barrier timeout "
-    "(_checkpoint/barriers.py; orbax.checkpoint.multihost only re-exports it)",
-):
-    from orbax.checkpoint._src.multihost import multihost
 
 with needed(
     DIST,
