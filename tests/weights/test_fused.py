@@ -16,8 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
 from helpers import rand
-from modelshard._weights import parse_weight_map
-from modelshard._weights.writing import write_safetensors
+from modelshard._weights import parse_weight_map, write_safetensors
 
 RNG = np.random.default_rng(1)
 D, H, KV, HD, FF, LAYERS = 16, 4, 2, 4, 24, 2  # grouped-query: q 16 rows, k and v 8 each

@@ -19,9 +19,13 @@ from safetensors.numpy import load_file, save_file
 
 import modelshard as ms
 from helpers import rand
-from modelshard._weights import load_weight_map, open_safetensors, parse_weight_map
+from modelshard._weights import (
+    load_weight_map,
+    open_safetensors,
+    parse_weight_map,
+    write_safetensors,
+)
 from modelshard._weights.safetensors import SafetensorsFiles
-from modelshard._weights.writing import write_safetensors
 
 RNG = np.random.default_rng(0)
 

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import modelshard as ms
-from modelshard._weights.writing import parse_size, write_safetensors
+from modelshard._weights import parse_size, write_safetensors
 
 
 def test_a_failed_sharded_save_leaves_the_last_checkpoint_whole(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .export import check_destination as check_destination
 from .export import save_safetensors as save_safetensors
 from .export import write_export as write_export
+from .export import write_safetensors as write_safetensors
 from .inverse import Exporter as Exporter
 from .inverse import reference_table as reference_table
 from .inverse import unmap as unmap
@@ -52,4 +53,3 @@ from .safetensors import open_safetensors as open_safetensors
 from .shipped import ShippedMapping as ShippedMapping
 from .shipped import shipped_mappings as shipped_mappings
 from .writing import parse_size as parse_size
-from .writing import write_safetensors as write_safetensors

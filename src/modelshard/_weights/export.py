@@ -1,23 +1,18 @@
-"""``save_safetensors``: pretrained weights out, through the import mapping run backwards.
-
-With a reference, the stored tensors are the reference's (names, shapes, dtypes), each
-computed by the ``inverse.Exporter``; without one every leaf is written under its own
-path. ``write_export`` is the one writer (one process: ``writing``; several:
-``multiprocess_writing.write_shared``), which ``modelshard convert --to safetensors`` shares.
-"""
+"""``save_safetensors``: weights out, in their own names or through the import mapping run
+backwards (``inverse.Exporter``); ``write_export`` is the one writer, which ``modelshard
+convert --to safetensors`` shares."""
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from .._base import CheckpointError, MappingError, Problem, Progress, reporter
+from .._base import CheckpointError, MappingError, Problem, Progress
 from .._base import split as split_path
 from .._containers import split
 from .._runtime import barrier, raise_shared
@@ -29,13 +24,12 @@ from .multiprocess_writing import (
     SharedPlan,
     TensorPlan,
     array_plan,
-    bytes_of,
     host_rows,
     local_block,
-    write_shared,
+    write_layout,
 )
 from .safetensors import dtype_code
-from .writing import Entry, FileLayout, plan_layout, sharded_layout, sharded_names, write_layout
+from .writing import Entry, plan_layout, sharded_layout, sharded_names
 
 
 def save_safetensors(
@@ -343,26 +337,28 @@ def write_export(
     """Write ``items`` (name, shape, dtype), each computed when written, as one file or
     HF's shards (``max_shard_size``), refusing an existing export without ``overwrite``.
     With several processes and ``shared`` every process writes its part (and must call)."""
-    layout = plan_layout(path, items, max_shard_size)
 
-    def refuse(layout: FileLayout) -> None:
+    def refuse() -> None:
         check_destination(path, max_shard_size, overwrite=overwrite, flag=flag)
 
-    several = jax.process_count() > 1 and shared is not None
-    plans = shared.plans() if several and shared is not None else {}
-    if several:  # this process's bytes
-        total = bytes_of(jax.process_index(), layout, plans, jax.process_count())
-    else:
-        total = sum(math.prod(shape) * np.dtype(dt).itemsize for _, shape, dt in items)
-    with reporter(progress, total, "Writing safetensors") as report:
-        done = [0]
+    layout = plan_layout(path, items, max_shard_size)
+    return write_layout(layout, compute, metadata, shared=shared, progress=progress, refuse=refuse)
 
-        def step(n: int) -> None:
-            done[0] += n
-            if report is not None:
-                report(done[0], total)
 
-        if several and shared is not None:
-            return write_shared(layout, plans, compute, shared.read_block, metadata, refuse, step)
-        refuse(layout)
-        return write_layout(layout, compute, metadata, step)
+def write_safetensors(
+    path: str | os.PathLike[str],
+    entries: Iterable[Entry],
+    compute: Callable[[str], Any],
+    metadata: Mapping[str, str] | None = None,
+    max_shard_size: int | str | None = None,
+) -> Path:
+    """``write_export`` from this process alone, replacing what is there, with no bar."""
+    return write_export(
+        path,
+        list(entries),
+        compute,
+        metadata,
+        max_shard_size=max_shard_size,
+        progress=False,
+        overwrite=True,
+    )

@@ -176,7 +176,7 @@ def load_safetensors(
     Example:
         >>> import tempfile, numpy as np, jax, modelshard as ms
         >>> from jax.sharding import PartitionSpec as P
-        >>> from modelshard._weights.writing import write_safetensors
+        >>> from modelshard._weights import write_safetensors
         >>> w = np.arange(32, dtype=np.float32).reshape(4, 8)  # PyTorch [out, in]
         >>> path = tempfile.mkdtemp() + "/model.safetensors"
         >>> _ = write_safetensors(path, [("fc.weight", w.shape, w.dtype)], lambda n: w)

@@ -1,17 +1,14 @@
-"""One safetensors export written by every process of a run: the files a one-process
-export writes, byte for byte, each tensor written in place by a process holding it.
+"""Safetensors written by this process alone, or by every process of a run: the same
+files, byte for byte, each tensor written in place by a process holding it.
 
-1. Every process computes the layout; a digest is gathered (processes that would write
-   different exports are refused before anything is written).
-2. Process 0 decides about the destination and creates each file's temporary under a
-   token it broadcasts; the others check they see it (a shared file system is needed).
-3. The plan comes from the shardings alone, the same on every process: a tensor held
-   whole somewhere is written by one holder, one split across processes block by block
-   by its owners (``LeastLoaded`` by bytes); mapped tensors no process holds whole are
-   computed on every process in step (all-gathered) and written by one.
-4. Positioned writes, fsync; outcomes gathered (a failure raised everywhere once process
-   0 removed the temporaries); process 0 renames into place, index last.
-
+With several processes, a digest of the layout is gathered first (processes that would
+write different exports are refused), then process 0 checks the destination and creates
+each file's temporary under a token it broadcasts, which every process must see (a shared
+file system). The plan comes from the shardings alone: a tensor held whole somewhere is
+written by one holder (``LeastLoaded`` by bytes), one split across processes block by block
+by its owners, and a mapped tensor no process holds whole is computed on every process in
+step and written by one. Outcomes are gathered after the writes; a failure is raised
+everywhere once process 0 removed the temporaries; process 0 renames into place.
 Collectives never run inside a branch only process 0 takes.
 """
 
@@ -31,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, DistributedError, LeastLoaded
+from .._base import CheckpointError, DistributedError, LeastLoaded, Progress, reporter
 from .._runtime import Outcome, broadcast, gather, outcome, require_addressable, shared_error
 from .recipe import contiguous
 from .writing import (
@@ -40,10 +37,10 @@ from .writing import (
     check_pieces,
     commit_layout,
     encode_header,
+    entry_bytes,
     new_token,
     prepare_directory,
     temporary,
-    write_index,
 )
 
 Block = tuple[tuple[int, int], ...]
@@ -59,21 +56,32 @@ class TensorPlan:
     blocks: list[tuple[Block, frozenset[int]]] | None = None
 
 
+_HERE = TensorPlan(frozenset({0}))
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPlan:
+    """How processes share an export: ``plans()`` (who can write each stored tensor) and
+    ``read_block(name, block)`` (this process's copy of a block, not cast)."""
+
+    plans: Callable[[], dict[str, TensorPlan]]
+    read_block: Callable[[str, Block], np.ndarray]
+
+
 def array_plan(x: Any) -> TensorPlan:
-    """How one leaf can be written: a process-local value by process 0, a global array by
-    the processes holding it whole, else block by block."""
+    """A process-local value by process 0, a global array by the processes holding it
+    whole, else block by block."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return TensorPlan(frozenset({0}))
+        return _HERE
     shape = tuple(x.shape)
     blocks: dict[Block, set[int]] = {}
     for d, idx in x.sharding.devices_indices_map(shape).items():
         blocks.setdefault(block_of(idx, shape), set()).add(d.process_index)
-    size = math.prod(shape)
     covered: dict[int, int] = {}
     for b, procs in blocks.items():
         for p in procs:
             covered[p] = covered.get(p, 0) + volume(b)
-    whole = frozenset(p for p, n in covered.items() if n == size)
+    whole = frozenset(p for p, n in covered.items() if n == math.prod(shape))
     if whole:
         return TensorPlan(whole)
     return TensorPlan(None, [(b, frozenset(p)) for b, p in sorted(blocks.items())])
@@ -96,7 +104,7 @@ def volume(b: Block) -> int:
 
 
 def local_block(x: jax.Array, b: Block) -> np.ndarray:
-    """This process's copy of block ``b`` of ``x`` (one device's buffer, copied to the host)."""
+    """This process's copy of block ``b`` of ``x`` (one device's buffer, on the host)."""
     for shard in x.addressable_shards:
         if block_of(shard.index, x.shape) == b:
             return np.asarray(shard.data)
@@ -113,28 +121,33 @@ class _Part:
     entry: Entry
     blocks: list[Block] | None  # None: the whole tensor
 
+    @property
+    def nbytes(self) -> int:
+        if self.blocks is None:
+            return entry_bytes(self.entry)
+        return sum(map(volume, self.blocks)) * np.dtype(self.entry[2]).itemsize
+
 
 def plan_parts(
-    layout: FileLayout, plans: Mapping[str, TensorPlan], processes: int
+    layout: FileLayout, plans: Mapping[str, TensorPlan] | None, processes: int
 ) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
-    """Every process's parts, and the tensors computed in step with their writers."""
+    """Every process's parts, and the tensors computed in step with their writers (no
+    ``plans``: process 0 writes everything)."""
     greedy = LeastLoaded(processes)
     mine: dict[int, list[_Part]] = {p: [] for p in range(processes)}
     step: list[tuple[_Part, int]] = []
     for f, (_, group) in enumerate(layout.files):
         offset = 0
-        for name, shape, dt in group:
-            item = np.dtype(dt).itemsize
-            nbytes = math.prod(shape) * item
-            at, offset = offset, offset + nbytes
-            plan = plans[name]
-            entry = (name, tuple(shape), dt)
+        for entry in group:
+            at, nbytes = offset, entry_bytes(entry)
+            offset += nbytes
+            plan = _HERE if plans is None else plans[entry[0]]
             if nbytes == 0:
                 continue
             if plan.holders is not None:
-                w = greedy.pick(nbytes, plan.holders)
-                mine[w].append(_Part(f, at, entry, None))
+                mine[greedy.pick(nbytes, plan.holders)].append(_Part(f, at, entry, None))
             elif plan.blocks is not None:
+                item = np.dtype(entry[2]).itemsize
                 chosen: dict[int, list[Block]] = {}
                 for b, holders in plan.blocks:
                     chosen.setdefault(greedy.pick(volume(b) * item, holders), []).append(b)
@@ -143,20 +156,6 @@ def plan_parts(
             else:
                 step.append((_Part(f, at, entry, None), greedy.pick(nbytes)))
     return mine, step
-
-
-def bytes_of(
-    process: int, layout: FileLayout, plans: Mapping[str, TensorPlan], processes: int
-) -> int:
-    """How many bytes ``process`` writes of ``layout`` (what its progress counts)."""
-    mine, step = plan_parts(layout, plans, processes)
-    return sum(map(_nbytes, mine[process])) + sum(_nbytes(p) for p, w in step if w == process)
-
-
-def _nbytes(part: _Part) -> int:
-    _, shape, dt = part.entry
-    n = math.prod(shape) if part.blocks is None else sum(volume(b) for b in part.blocks)
-    return n * np.dtype(dt).itemsize
 
 
 def _runs(shape: tuple[int, ...], b: Block) -> list[tuple[int, int]]:
@@ -169,11 +168,10 @@ def _runs(shape: tuple[int, ...], b: Block) -> list[tuple[int, int]]:
         return [(0, inner)]
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     lo, hi = b[k - 1]
-    run = (hi - lo) * inner
     out = []
     for lead in itertools.product(*(range(a, z) for a, z in b[: k - 1])):
         off = sum(i * strides[d] for d, i in enumerate(lead)) + lo * strides[k - 1]
-        out.append((off, run))
+        out.append((off, (hi - lo) * inner))
     return out
 
 
@@ -208,10 +206,16 @@ def _write_blocks(
                 at += n * item
 
 
-def _raise_shared(own: BaseException | None, ended: Sequence[Outcome], what: str) -> None:
-    error = shared_error(own, ended, f"save_safetensors: {what}")
-    if error is not None:
-        raise error
+def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
+    for a in check_pieces(entry, got):
+        if a.size:
+            _pwrite_all(fd, memoryview(a.reshape(-1).view(np.uint8)), base)
+            base += a.nbytes
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for p in paths:
+        p.unlink(missing_ok=True)
 
 
 def _digest(layout: FileLayout, metadata: Mapping[str, str] | None) -> str:
@@ -223,64 +227,104 @@ def _digest(layout: FileLayout, metadata: Mapping[str, str] | None) -> str:
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
-def write_shared(
+class _Processes:
+    """The processes writing one layout: every process of the run, or this one alone (no
+    collective then, so a branch only process 0 takes may write)."""
+
+    def __init__(self, several: bool):
+        self.several = several
+        self.me = jax.process_index() if several else 0
+        self.n = jax.process_count() if several else 1
+
+    def gather(self, value: Any, key: str) -> list[Any]:
+        return gather(value, f"modelshard:export:{key}") if self.several else [value]
+
+    def broadcast(self, value: Any, key: str) -> Any:
+        return broadcast(value, f"modelshard:export:{key}") if self.several else value
+
+    def fail(self, temps: Sequence[Path], key: str, error: BaseException) -> BaseException:
+        """``error``, once process 0 removed the temporaries (every process waits for that,
+        so no caller sees one after the error; a removal failure is not raised)."""
+        if self.me == 0:
+            with contextlib.suppress(OSError):
+                _remove(temps)
+        self.broadcast(None, f"{key}-removed")
+        return error
+
+
+def _shared(own: BaseException | None, ended: Sequence[Outcome], what: str) -> BaseException:
+    """The error every process raises (an interrupt stays one on its own process)."""
+    if own is not None and not isinstance(own, Exception):
+        return own
+    return shared_error(own, ended, f"save_safetensors: {what}") or CheckpointError(what)
+
+
+def write_layout(
     layout: FileLayout,
-    plans: Mapping[str, TensorPlan],
     compute: Callable[[str], Any],
-    read_block: Callable[[str, Block], np.ndarray],
     metadata: Mapping[str, str] | None,
-    check_destination: Callable[[FileLayout], None],
-    progress: Callable[[int], None] | None = None,
+    *,
+    shared: SharedPlan | None = None,
+    progress: Progress = False,
+    refuse: Callable[[], None] | None = None,
 ) -> Path:
-    """Write ``layout`` from every process of the run (each must call it, see the module
-    doc). ``DistributedError``: the processes would write different exports;
-    ``CheckpointError``: a refused destination, unseen temporaries, a failed process."""
-    me, n = jax.process_index(), jax.process_count()
-    digests = gather(_digest(layout, metadata), "modelshard:export:plan")
-    if len(set(digests)) > 1:
-        differ = [p for p, d in enumerate(digests) if d != digests[0]]
-        raise DistributedError(
-            f"save_safetensors: processes {', '.join(map(str, differ))} would write another "
-            "export than process 0 (another path, other leaf names, shapes or dtypes, or "
-            "other options); every process must call it with the same path, the same "
-            "state structure and the same options"
-        )
-    heads = [encode_header(group, metadata)[0] for _, group in layout.files]
+    """Write ``layout`` (``compute(name)``: an array, or blocks of whole rows in order):
+    from this process, or with ``shared`` and several processes from every one (each must
+    call it). ``refuse``: process 0's check of the destination, before anything is written.
+
+    Raises:
+        DistributedError: the processes would write different exports.
+        CheckpointError: a refused destination, unseen temporaries, a failed process.
+    """
+    run = _Processes(shared is not None and jax.process_count() > 1)
+    me = run.me
+    if run.several:
+        digests = gather(_digest(layout, metadata), "modelshard:export:plan")
+        if len(set(digests)) > 1:
+            differ = [p for p, d in enumerate(digests) if d != digests[0]]
+            raise DistributedError(
+                f"save_safetensors: processes {', '.join(map(str, differ))} would write another "
+                "export than process 0 (another path, other leaf names, shapes or dtypes, or "
+                "other options); every process must call it with the same path, the same "
+                "state structure and the same options"
+            )
+    heads = [encode_header(group, metadata) for _, group in layout.files]
     error: BaseException | None = None
     token = ""
     if me == 0:
         token = new_token()
         try:
-            check_destination(layout)
+            if refuse is not None:
+                refuse()
             prepare_directory(layout)
             for (final, group), head in zip(layout.files, heads, strict=True):
                 with open(temporary(final, token), "xb") as f:
                     f.write(head)
-                    f.truncate(
-                        len(head) + sum(math.prod(s) * np.dtype(d).itemsize for _, s, d in group)
-                    )
-        except Exception as e:
+                    f.truncate(len(head) + sum(map(entry_bytes, group)))
+        except BaseException as e:
             error = e
-    shared = broadcast({"token": token, "error": outcome(error)}, "modelshard:export:created")
-    token = shared["token"]
-    temps = [temporary(final, token) for final, _ in layout.files]
-    if shared["error"] is not None:
-        _remove_everywhere(temps, me, "modelshard:export:created-removed")
-        _raise_shared(error, [shared["error"]], "creating the export's files")
-
+    created = run.broadcast({"token": token, "error": outcome(error)}, "created")
+    temps = [temporary(final, created["token"]) for final, _ in layout.files]
+    if created["error"] is not None:
+        ended = [created["error"]]
+        raise run.fail(temps, "created", _shared(error, ended, "creating the export's files"))
     unseen = [str(t) for t in temps if not t.is_file()]
-    seen = gather(unseen[:1], "modelshard:export:seen")
+    seen = run.gather(unseen[:1], "seen")
     if any(seen):
-        _remove_everywhere(temps, me, "modelshard:export:seen-removed")
         p = next(p for p, s in enumerate(seen) if s)
-        raise CheckpointError(
-            f"save_safetensors: process {p} does not see {seen[p][0]}, which process 0 "
-            "created: every process writes its part of one export, so the path must be on "
-            "a file system that every process mounts (a shared directory)"
+        raise run.fail(
+            temps,
+            "seen",
+            CheckpointError(
+                f"save_safetensors: process {p} does not see {seen[p][0]}, which process 0 "
+                "created: every process writes its part of one export, so the path must be "
+                "on a file system that every process mounts (a shared directory)"
+            ),
         )
 
-    mine, step = plan_parts(layout, plans, n)
-    error = None
+    plans = shared.plans() if run.several and shared is not None else None
+    mine, step = plan_parts(layout, plans, run.n)
+    total = sum(p.nbytes for p in mine[me]) + sum(p.nbytes for p, w in step if w == me)
     fds: dict[int, int] = {}
 
     def place(part: _Part) -> tuple[int, int]:  # (fd, the tensor's first byte)
@@ -288,32 +332,43 @@ def write_shared(
             fds[part.file] = os.open(temps[part.file], os.O_WRONLY)
         return fds[part.file], len(heads[part.file]) + part.offset
 
-    try:
-        for part in mine[me]:
-            name, shape, dt = part.entry
-            if part.blocks is None:
-                _write_whole(*place(part), part.entry, compute(name))
-            else:
-                got = {b: _cast(read_block(name, b), np.dtype(dt)) for b in part.blocks}
-                _write_blocks(*place(part), shape, np.dtype(dt), got)
-                del got
-            if progress is not None:
-                progress(_nbytes(part))
-    except Exception as e:
-        error = e
-    outcomes = gather(outcome(error), "modelshard:export:written")
-    if step and not any(outcomes):
-        for part, writer in step:  # every process in the same order: compute all-gathers
-            try:
-                value = compute(part.entry[0])
-                if writer == me and error is None:
-                    _write_whole(*place(part), part.entry, value)
-                    if progress is not None:
-                        progress(_nbytes(part))
-                del value
-            except Exception as e:
-                error = error or e
-        outcomes = gather(outcome(error), "modelshard:export:computed")
+    with reporter(progress, total, "Writing safetensors") as report:
+        done = 0
+
+        def wrote(part: _Part) -> None:
+            nonlocal done
+            done += part.nbytes
+            if report is not None:
+                report(done, total)
+
+        try:
+            for part in mine[me]:
+                name, shape, dt = part.entry
+                if part.blocks is None:
+                    _write_whole(*place(part), part.entry, compute(name))
+                else:
+                    assert shared is not None  # blocks come from a shared plan only
+                    dt = np.dtype(dt)
+                    got = {
+                        b: shared.read_block(name, b).astype(dt, copy=False) for b in part.blocks
+                    }
+                    _write_blocks(*place(part), shape, dt, got)
+                    del got
+                wrote(part)
+        except BaseException as e:
+            error = e
+        outcomes = run.gather(outcome(error), "written")
+        if step and not any(outcomes):
+            for part, writer in step:  # every process in the same order: compute all-gathers
+                try:
+                    value = compute(part.entry[0])
+                    if writer == me and error is None:
+                        _write_whole(*place(part), part.entry, value)
+                        wrote(part)
+                    del value
+                except BaseException as e:
+                    error = error or e
+            outcomes = run.gather(outcome(error), "computed")
     try:
         for fd in fds.values():
             os.fsync(fd)
@@ -322,59 +377,19 @@ def write_shared(
     finally:
         for fd in fds.values():
             os.close(fd)
-    outcomes = gather(outcome(error), "modelshard:export:synced")
+    outcomes = run.gather(outcome(error), "synced")
     if any(outcomes):
-        _remove_everywhere(temps, me, "modelshard:export:written-removed")
-        _raise_shared(error, outcomes, "writing the export")
-
+        raise run.fail(temps, "written", _shared(error, outcomes, "writing the export"))
     error = None
     if me == 0:
-        index_tmp = None
         try:
-            index_tmp = write_index(layout, token)
-            commit_layout(layout, temps, index_tmp)
-        except Exception as e:
+            commit_layout(layout, temps, token)
+        except BaseException as e:
             error = e
-            _remove([*temps, *([] if index_tmp is None else [index_tmp])])
-    ended = broadcast(outcome(error), "modelshard:export:committed")
+    ended = run.broadcast(outcome(error), "committed")
     if ended is not None:
-        _raise_shared(error, [ended], "renaming the export into place")
+        raise _shared(error, [ended], "renaming the export into place")
     return layout.out
-
-
-def _cast(a: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:
-    return a if a.dtype == dt else a.astype(dt)
-
-
-def _write_whole(fd: int, base: int, entry: Entry, got: Any) -> None:
-    pos = base
-    for a in check_pieces(entry, got):
-        if a.size:
-            _pwrite_all(fd, memoryview(a.reshape(-1).view(np.uint8)), pos)
-            pos += a.nbytes
-
-
-def _remove_everywhere(temps: Sequence[Path], me: int, key: str) -> None:
-    """Process 0 removes the temporaries; every process returns once they are gone (so no
-    caller sees a ``.partial`` after the error). A removal failure is not raised."""
-    if me == 0:
-        with contextlib.suppress(OSError):
-            _remove(temps)
-    broadcast(None, key)
-
-
-def _remove(paths: Sequence[Path]) -> None:
-    for p in paths:
-        p.unlink(missing_ok=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class SharedPlan:
-    """How processes share an export's writing: ``plans()`` (who can write each stored
-    tensor) and ``read_block(name, block)`` (this process's copy of a block, not cast)."""
-
-    plans: Callable[[], dict[str, TensorPlan]]
-    read_block: Callable[[str, Block], np.ndarray]
 
 
 def host_rows(x: Any, name: str = "") -> list[np.ndarray]:

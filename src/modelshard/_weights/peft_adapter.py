@@ -12,12 +12,12 @@ import jax
 import numpy as np
 
 from .._base import MappingError, Problem, write_durable
+from .export import write_safetensors
 from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import reference_directory
 from .multiprocess_writing import host_leaf
 from .resolver import resolve
-from .writing import write_safetensors
 
 _A, _B = "/lora/lora_a", "/lora/lora_b"
 
