@@ -22,6 +22,7 @@ from .pytree import PytreeAdapter as PytreeAdapter
 from .qwix import QwixWithAuxAdapter as QwixWithAuxAdapter
 from .registry import REGISTRY as REGISTRY
 from .registry import get_adapter as get_adapter
+from .registry import optax_kind as optax_kind
 from .registry import register_container as register_container
 from .registry import registered as registered
 from .registry import registry_snapshot as registry_snapshot

@@ -27,9 +27,7 @@ NUMBER_TYPES = frozenset({bool, int, float, complex})
 
 
 def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
-    """``leaves`` with every Python number made a rank-0 array, as ``jax.jit`` makes it
-    (weakly typed: ``0`` becomes an int32, ``0.1`` a float32 under default precision), for
-    containers whose adapter says ``numbers_are_arrays``."""
+    """``leaves`` with every Python number a (weakly typed) rank-0 array, as ``jax.jit`` makes it."""
     if not any(type(x) in NUMBER_TYPES for x in leaves):
         return leaves
     import jax.numpy as jnp
@@ -87,17 +85,9 @@ def _box_names(x: Any) -> tuple[Any, ...] | None:
     """The axis names a linen box or NNX Variable carries, if any."""
     names = getattr(x, "names", None)  # linen Partitioned / LogicallyPartitioned
     if names is None and hasattr(x, "get_metadata"):  # NNX Variable
-        for key in ("out_sharding", "sharding_names", "sharding"):
-            try:
-                names = x.get_metadata(key, None)
-            except Exception:  # older Flax spells metadata access differently
-                names = getattr(x, key, None)
-            if names is not None:
-                break
-        try:
-            rules = x.get_metadata("sharding_rules", None)
-        except Exception:
-            rules = getattr(x, "sharding_rules", None)
+        keys = ("out_sharding", "sharding_names", "sharding")
+        names = next((n for k in keys if (n := _metadata(x, k)) is not None), None)
+        rules = _metadata(x, "sharding_rules")
         if rules and isinstance(names, tuple | list):
             return with_sharding_rules(tuple(names), rules)
     if names is None or not isinstance(names, tuple | list):
@@ -105,13 +95,19 @@ def _box_names(x: Any) -> tuple[Any, ...] | None:
     return tuple(names)
 
 
+def _metadata(x: Any, key: str) -> Any:
+    try:
+        return x.get_metadata(key, None)
+    except Exception:  # older Flax spells metadata access differently
+        return getattr(x, key, None)
+
+
 def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
     """Describe every leaf of a JAX pytree, in ``tree_flatten`` order.
 
-    Plain dicts, lists and tuples are walked directly (this runs on every plan, over
-    10,000-leaf trees); any other node is opened one level with JAX's own
-    ``tree_flatten_with_path``, so custom pytrees keep their key names. Metadata boxes
-    give their payload the box's path (no ``/value``) and their axis names.
+    Plain dicts, lists and tuples are walked directly (this runs on every plan); other nodes
+    are opened with JAX's ``tree_flatten_with_path``, so custom pytrees keep their key names.
+    Metadata boxes give their payload the box's path and their axis names.
 
     Example:
         >>> import numpy as np
@@ -263,9 +259,8 @@ def children_of(node: Any) -> dict[str, Any]:
 
 
 def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
-    """An NNX Variable's axis names after its own ``sharding_rules`` metadata, as Flax's
-    ``nnx.get_partition_spec`` applies them: each name a pair maps is replaced by its mesh
-    axes (the last pair for a name wins); other names stay, for the plan's rules."""
+    """An NNX Variable's axis names after its own ``sharding_rules``, as Flax's
+    ``nnx.get_partition_spec`` applies them; other names stay, for the plan's rules."""
     try:
         table = {alias: on_mesh for alias, on_mesh in sharding_rules}
     except (TypeError, ValueError):  # not pairs: Flax could not use them either

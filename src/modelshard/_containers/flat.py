@@ -47,10 +47,7 @@ class Flat:
     def infos(self) -> list[LeafInfo]:
         """Path and metadata of every array leaf (computed on first use)."""
         if self._infos is None:
-            if self.adapter.follows_pytree:  # paths follow the JAX structure: cached
-                described = describe_cached(self.obj, self.aux)
-            else:
-                described = self.adapter.describe(self.obj)
+            described = self._described()
             if len(described) != len(self.leaves):
                 raise AdapterError(
                     f"adapter {self.adapter!r} described {len(described)} leaves but "
@@ -61,6 +58,11 @@ class Flat:
             else:
                 self._infos = [described[i] for i in self.array_index]
         return self._infos
+
+    def _described(self) -> list[LeafInfo]:
+        if self.adapter.follows_pytree:  # paths follow the JAX structure: cached
+            return describe_cached(self.obj, self.aux)
+        return self.adapter.describe(self.obj)
 
     @property
     def paths(self) -> list[str]:
@@ -86,15 +88,8 @@ class Flat:
         at = set(self.array_index)
         if len(at) == len(self.leaves):
             return []
-        if self.adapter.follows_pytree:
-            described = describe_cached(self.obj, self.aux)
-        else:
-            described = self.adapter.describe(self.obj)
-        return [
-            (i, info.path, x)
-            for i, (info, x) in enumerate(zip(described, self.leaves, strict=True))
-            if i not in at
-        ]
+        described = zip(self._described(), self.leaves, strict=True)
+        return [(i, info.path, x) for i, (info, x) in enumerate(described) if i not in at]
 
     def rebuild(
         self,
@@ -123,8 +118,7 @@ class Flat:
         return self.adapter.update(self.obj, self.aux, self._with(arrays))
 
     def hidden_arrays(self) -> list[tuple[str, type, list[str]]]:
-        """Static leaves that hold arrays in their attributes (an object modelshard cannot
-        open): ``(path, type, attribute names)`` for each, looked at one level deep."""
+        """``(path, type, attribute names)`` of static leaves holding arrays one level down."""
         at = set(self.array_index)
         found = [
             (i, x, attrs)
@@ -159,8 +153,7 @@ def split(obj: Any) -> Flat:
         (['w'], 'pytree')
     """
     adapter, leaves, aux = flatten_nested(get_adapter(obj), obj)
-    # This runs over every leaf of every plan: when every leaf has a known array type,
-    # one set of types decides it.
+    # every leaf of every plan: one set of known array types decides most containers
     if set(map(type, leaves)) <= ARRAY_TYPES:
         index = tuple(range(len(leaves)))
     else:

@@ -14,8 +14,7 @@ from .registry import get_adapter
 
 
 def flatten_one(adapter: Adapter, obj: Any) -> tuple[list[Any], Hashable]:
-    """``adapter.flatten(obj)``, its failures as ``AdapterError``, numbers made arrays
-    where the adapter says so."""
+    """``adapter.flatten(obj)``: failures as ``AdapterError``, numbers arrays where it says so."""
     try:
         leaves, aux = adapter.flatten(obj)
     except AdapterError:
@@ -45,9 +44,8 @@ def holds_nested(leaves: Sequence[Any]) -> bool:
 
 
 def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hashable]:
-    """``obj`` flattened by ``adapter``, then every nested container among its leaves by
-    its own adapter: the adapter that rebuilds it all (``adapter`` itself when nothing
-    nests, else a ``NestedAdapter``), the leaves and their structure key."""
+    """``obj`` flattened by ``adapter``, nested containers by their own: the adapter that
+    rebuilds it all (a ``NestedAdapter`` where anything nests), the leaves, the ``aux``."""
     leaves, aux = flatten_one(adapter, obj)
     if not holds_nested(leaves):
         return adapter, leaves, aux
@@ -60,8 +58,7 @@ _NESTED: dict[Adapter, NestedAdapter] = {}
 
 
 def nested_adapter(outer: Adapter) -> NestedAdapter:
-    """The ``NestedAdapter`` over ``outer``: one object per outer adapter, so that
-    structure keys that include the adapter (``shard_jit``'s caches) compare by identity."""
+    """The ``NestedAdapter`` over ``outer``, one per adapter: cache keys compare it by identity."""
     try:
         hit = _NESTED.get(outer)
     except TypeError:  # an unhashable user adapter
@@ -81,8 +78,7 @@ class Inner(NamedTuple):
 
 
 class NestedAux(NamedTuple):
-    """The structure of a container with nested containers: the outer adapter's ``aux``
-    and each nested container, in leaf order."""
+    """The outer adapter's ``aux`` and each nested container, in leaf order."""
 
     outer: Hashable
     inner: tuple[Inner, ...]
@@ -90,8 +86,7 @@ class NestedAux(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class NestedAdapter(Adapter):
-    """A container holding containers of registered kinds: the outer adapter's leaves, with each
-    nested container replaced by its own leaves (recursively)."""
+    """The outer adapter's leaves, each nested container replaced by its own (recursively)."""
 
     outer: Adapter
     mutable = True

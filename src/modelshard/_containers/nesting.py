@@ -21,14 +21,12 @@ def install(source: Callable[[], tuple[type, ...]]) -> None:
 
 
 def nested_types() -> tuple[type, ...]:
-    """The registered container types that are split by their own adapter wherever they
-    appear inside another container (those whose adapter is not JAX's own flattening)."""
+    """The registered container types split by their own adapter wherever they appear."""
     return _source()
 
 
 def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
-    """An ``is_leaf`` for ``jax.tree_util`` that is true for instances of the nested container types
-    (``nested_types``) other than ``root``, or None when there are none."""
+    """An ``is_leaf`` true for instances of ``nested_types`` other than ``root`` (None: none)."""
     global _memo
     stop = _source()
     if not stop:
@@ -48,9 +46,7 @@ def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
 
 
 def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
-    """``jax.tree_util.tree_flatten(obj)``, stopping at every nested container type
-    (``nested_types``) below the root: such a container is one leaf here, for its own
-    adapter to split."""
+    """``jax.tree_util.tree_flatten(obj)``, a nested container below the root one leaf."""
     return jax.tree_util.tree_flatten(obj, is_leaf=nested_leaf(obj))
 
 

@@ -28,9 +28,7 @@ class LeafOrder:
 
 
 class NnxCall(NamedTuple):
-    """One call's NNX leaves: the array values, the adapter's ``aux``, a cheap cache key
-    (the ``LeafOrder``), the write-back into the caller's Variables and, for an object
-    watched by a ``Snapshot``, ``again`` (``CallLeaves.again``)."""
+    """One call's NNX leaves, as ``CallLeaves`` (the ``LeafOrder`` is the cheap cache key)."""
 
     leaves: list[Any]
     aux: Hashable
@@ -58,19 +56,17 @@ def _is_variable(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
-def _same_metadata(variables: list[Any], copies: list[dict[str, Any]]) -> bool:
-    """Whether ``variables`` carry metadata equal to ``copies`` (one C-level list
-    comparison of dicts)."""
+def _equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """``a == b`` for lists of metadata dicts (one C-level comparison)."""
     try:
-        return list(map(_metadata, variables)) == copies
+        return a == b
     except Exception:  # a metadata value whose == is no bool (an array): treat as changed
         return False
 
 
 def _copies(variables: list[Any]) -> list[dict[str, Any]]:
-    """A copy of each Variable's metadata, equal ones shared: comparing a call's metadata
-    against a few copies that stay in cache costs far less than against one copy per
-    Variable (most Variables of a model carry the same metadata)."""
+    """A copy of each Variable's metadata, equal ones shared: a few copies that stay in cache
+    compare far faster than one per Variable."""
     shared: dict[Any, dict[str, Any]] = {}
     out = []
     for m in map(_metadata, variables):
@@ -102,10 +98,8 @@ class Snapshot:
     def __post_init__(self, attributes: Sequence[dict[str, Any]]) -> None:
         self.again = functools.partial(_again, weakref.ref(self))
         self.dicts = list(map(_metadata, self.variables))
-        # the containers that are dicts are watched beside the metadata: plain dicts, and an
-        # object's attributes where this interpreter tells their dict's watchers of a
-        # change (``watches_attributes``); the others (lists, tuples, attributes elsewhere)
-        # are compared on every call
+        # dicts (and attribute dicts where ``watches_attributes``) are watched with the
+        # metadata; the other containers are compared on every call
         compared = {id(d) for d in attributes} if not watches_attributes() else set()
         self.always = [
             (c, keys, values)
@@ -117,8 +111,7 @@ class Snapshot:
         self.seen = generation()
 
     def holds(self) -> bool:
-        """Whether every container still holds the very same objects, and every Variable the same
-        metadata."""
+        """Whether every container holds the same objects, and every Variable the same metadata."""
         is_ = operator.is_
         now = generation()
         quiet = self.watching and now == self.seen
@@ -129,20 +122,12 @@ class Snapshot:
             elif list(c) != keys or not all(map(is_, c.values(), values)):
                 return False
         dicts = list(map(_metadata, self.variables))
-        if quiet:
-            # The watched dicts are unchanged, so equal to the copies: comparing the lists
-            # (identity first, in C) is the whole metadata check, and a dict Flax replaced
-            # is compared by content.
-            try:
-                if dicts == self.dicts:
-                    return True
-            except Exception:  # a metadata value whose == is no bool (an array): changed
-                return False
+        # watched dicts unchanged are equal to the copies: comparing the lists (identity
+        # first, in C) is the whole check, and a dict Flax replaced compares by content
+        if quiet and _equal(dicts, self.dicts):
+            return True
         same_dicts = all(map(is_, dicts, self.dicts))
-        try:
-            if dicts != self.metadata:
-                return False
-        except Exception:  # a metadata value whose == is no bool (an array): changed
+        if not _equal(dicts, self.metadata):
             return False
         if not same_dicts:
             self.dicts = dicts
@@ -152,15 +137,12 @@ class Snapshot:
         return True
 
     def values(self) -> list[Any] | None:
-        """The Variables' values in ``nnx.split`` order if the snapshot still ``holds`` and
-        every value is an array, else ``None``."""
+        """The Variables' values in ``nnx.split`` order while ``holds`` and all are arrays."""
         if not self.holds():
             return None
         return _array_values(self.variables)
 
     def call(self) -> NnxCall | None:
-        """This call's leaves if the snapshot still ``holds`` and every value is an
-        array, else ``None``."""
         raws = self.values()
         if raws is None:
             return None
@@ -207,8 +189,7 @@ _MAX_SNAPSHOTS = 64
 
 
 def _forget(snapshots: dict[int, Snapshot], key: int, ref: Any) -> None:
-    """Drop the snapshot of an object that was just collected (``snapshots`` is
-    ``_SNAPSHOTS``, bound early: at interpreter exit the module's globals are gone)."""
+    """Drop a collected object's snapshot (``snapshots`` bound early: globals go at exit)."""
     snap = snapshots.get(key)
     if snap is not None and snap.ref is ref:
         del snapshots[key]
@@ -286,7 +267,9 @@ def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
     except TypeError:
         return None
     order = _ORDERS[key] if known else None
-    if not known or (order is not None and not _same_metadata(variables, order.metadata)):
+    if not known or (
+        order is not None and not _equal(list(map(_metadata, variables)), order.metadata)
+    ):
         order = _leaf_order(value, variables)
         if len(_ORDERS) >= _MAX_ORDERS:
             _ORDERS.clear()

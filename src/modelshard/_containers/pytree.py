@@ -59,9 +59,8 @@ def callbacks_adapter(
     unflatten: Callable[[Mapping[str, Any]], Any],
     kind: str,
 ) -> Adapter:
-    """A ``PytreeAdapter`` for ``ty`` whose children come from ``flatten`` and go back
-    through ``unflatten``: ``ty`` is registered with JAX once, dispatching through the
-    callbacks kept here, so a later registration can replace them."""
+    """A ``PytreeAdapter`` for ``ty`` whose children come from ``flatten`` and go back through
+    ``unflatten`` (registered with JAX once, through ``_CALLBACKS``, so they can be replaced)."""
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
         children = _CALLBACKS[ty][0](obj)
@@ -76,20 +75,18 @@ def callbacks_adapter(
     def unflatten_pytree(names: tuple[str, ...], children: Any) -> Any:
         return _CALLBACKS[ty][1](dict(zip(names, children, strict=True)))
 
+    instead = f"register it with an adapter instead: register_container({ty.__name__}, "
+    instead += f"modelshard.adapters.PytreeAdapter({kind!r}))."
     if ty not in _CALLBACKS and issubclass(ty, dict | list | tuple):
+        base = ty.__mro__[1].__name__
         raise AdapterError(
-            f"{ty.__name__} is a {ty.__mro__[1].__name__} subclass, which JAX already "
-            f"flattens; register it with an adapter instead: register_container("
-            f"{ty.__name__}, modelshard.adapters.PytreeAdapter({kind!r}))."
+            f"{ty.__name__} is a {base} subclass, which JAX already flattens; {instead}"
         )
     if ty not in _CALLBACKS:
         try:
             jax.tree_util.register_pytree_with_keys(ty, flatten_with_keys, unflatten_pytree)
         except ValueError as e:
-            raise AdapterError(
-                f"{ty.__name__} is already a JAX pytree, so JAX owns its flattening; register "
-                f"it with an adapter instead: register_container({ty.__name__}, "
-                f"modelshard.adapters.PytreeAdapter({kind!r}))."
-            ) from e
+            owns = f"{ty.__name__} is already a JAX pytree, so JAX owns its flattening"
+            raise AdapterError(f"{owns}; {instead}") from e
     _CALLBACKS[ty] = (flatten, unflatten)
     return PytreeAdapter(kind)

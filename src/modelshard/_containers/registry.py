@@ -52,16 +52,23 @@ class _Registry:
         self.cache.clear()
         self._nested = None
 
-    def nested(self) -> tuple[type, ...]:
-        """The registered types whose adapter is not JAX's own flattening: wherever one
-        appears inside another container it is split by its own adapter."""
+    def fresh(self) -> None:
+        # Lazy built-ins appear only once more modules are imported (every shard_jit call
+        # looks its arguments up: this check must stay cheap).
         if self.pending and len(sys.modules) != self.modules_seen:
             self.resolve_lazy()
+
+    def entries(self) -> list[tuple[type, Adapter]]:
+        """Every registration in lookup order: the user's, newest first, then the built-ins."""
+        self.fresh()
+        return [*reversed(self.user), *self.builtin]
+
+    def nested(self) -> tuple[type, ...]:
+        """The registered types split by their own adapter wherever they appear."""
+        self.fresh()
         if self._nested is None:
             self._nested = tuple(
-                ty
-                for ty, a in [*reversed(self.user), *self.builtin]
-                if not a.follows_pytree or a.numbers_are_arrays
+                ty for ty, a in self.entries() if not a.follows_pytree or a.numbers_are_arrays
             )
         return self._nested
 
@@ -79,29 +86,21 @@ class _Registry:
         self.pending = still
 
     def lookup(self, ty: type) -> Adapter:
-        # Lazy built-ins can only appear once more modules are imported (every call of
-        # shard_jit looks its arguments up here, so this check must be cheap).
-        if self.pending and len(sys.modules) != self.modules_seen:
-            self.resolve_lazy()
+        self.fresh()
         hit = self.cache.get(ty)
-        if hit is not None:
-            return hit
-        adapter: Adapter = _DEFAULT
-        for reg_ty, reg_adapter in [*reversed(self.user), *self.builtin]:
-            if issubclass(ty, reg_ty):
-                adapter = reg_adapter
-                break
-        if optax_kind(ty) and adapter is _DEFAULT:
-            adapter = _OPTAX
-        self.cache[ty] = adapter
-        return adapter
+        if hit is None:
+            default = _OPTAX if optax_kind(ty) else _DEFAULT
+            hit = next((a for t, a in self.entries() if issubclass(ty, t)), default)
+            self.cache[ty] = hit
+        return hit
 
 
 _OPTAX = PytreeAdapter("optax")
 
 
 def optax_kind(ty: type) -> bool:
-    return getattr(ty, "__module__", "").startswith("optax")
+    """Whether ``ty`` is one of optax's (an optimizer state)."""
+    return getattr(ty, "__module__", "").split(".", 1)[0] == "optax"
 
 
 REGISTRY = _Registry()
@@ -190,8 +189,7 @@ def get_adapter(obj: Any) -> Adapter:
 def registered() -> list[tuple[type, str]]:
     """Registered container types and their kinds, in lookup order."""
     REGISTRY.resolve_lazy()
-    entries = [*reversed(REGISTRY.user), *REGISTRY.builtin]
-    return [(t, a.kind) for t, a in entries]
+    return [(t, a.kind) for t, a in REGISTRY.entries()]
 
 
 @contextmanager

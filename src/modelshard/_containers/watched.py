@@ -13,9 +13,8 @@ _CALLBACK = ctypes.CFUNCTYPE(
 )
 
 _lock = threading.Lock()
-# [generation]: each change stores a value never stored before (``next`` of a count, one
-# C call, so that two threads changing dicts at once cannot store the same value twice,
-# which a ``+= 1`` could): a value read before a change always differs from one after
+# [generation]: each change stores a value never stored before (``next`` is one C call;
+# two threads' ``+= 1`` could store the same one)
 _ticks = itertools.count(1)
 _count = [0]
 # None: not tried yet; False: unavailable; else (watch function, watcher id, callback)
@@ -60,8 +59,7 @@ def _uninstall(clear: Any, wid: int) -> None:
 
 
 def watch(dicts: list[Any]) -> bool:
-    """Watch every dict of ``dicts`` (each a plain ``dict``); ``False`` if dict watchers
-    are unavailable, and then ``generation()`` is ``None``."""
+    """Watch every dict of ``dicts``; ``False`` where dict watchers are unavailable."""
     w = _watcher if _watcher is not None else _install()
     if w is False:
         return False
@@ -88,8 +86,7 @@ class _ProbeSlot(_Probe):
 
 
 def watches_attributes() -> bool:
-    """Whether setting, adding or deleting an attribute of an object moves ``generation``
-    once its ``vars()`` dict is watched (probed once, on plain and ``__setattr__`` classes)."""
+    """Whether changing an attribute moves ``generation`` once its ``vars()`` dict is watched."""
     if not _attributes:
         _attributes.append(_probe_attributes())
     return _attributes[0]
