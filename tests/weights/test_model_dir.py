@@ -8,7 +8,7 @@ import os
 import re
 
 from helpers import kill_while_writing
-from modelshard._weights.model_dir import write_model_files
+from modelshard._weights import finish_model_directory
 
 
 def _reference(tmp_path):
@@ -25,9 +25,10 @@ def test_config_json_killed_mid_write_is_the_old_or_the_new(tmp_path):
     ref, out = _reference(tmp_path)
     setup = f"""
 from pathlib import Path
-from modelshard._weights.model_dir import write_model_files
+from modelshard._weights import finish_model_directory
 def write(i):
-    write_model_files(Path({str(out)!r}), Path({str(ref)!r}), ("bfloat16", "float32")[i % 2])
+    dtype = ("bfloat16", "float32")[i % 2]
+    finish_model_directory(Path({str(out)!r}) / "model.safetensors", {str(ref)!r}, [("w", (4,), dtype)])
 write(0)
 """
     seen = kill_while_writing(out / "config.json", setup)
@@ -38,7 +39,7 @@ write(0)
 
 def test_each_file_is_synced_before_its_rename_and_the_directory_after(tmp_path, fsynced):
     ref, out = _reference(tmp_path)
-    write_model_files(out, ref, "bfloat16")
+    finish_model_directory(out / "model.safetensors", ref, [("w", (4,), "bfloat16")])
     names = [re.sub("[0-9a-f]{12}", "*", os.path.relpath(f, out)) for f in fsynced]
     assert names == [".config.json.*.partial", ".", ".tokenizer.json.*.partial", "."]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -1,6 +1,5 @@
-"""The import mapping run backwards: the same ``resolver.resolve`` against a reference's
-header, every recipe inverted; ``unmap`` and the ``Exporter`` (stored tensors computed
-from target leaves)."""
+"""The import mapping run backwards: ``resolve`` against a reference, every recipe
+inverted; ``unmap`` and the ``Exporter`` (stored tensors computed from target leaves)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
 from .multiprocess_writing import Block, SharedPlan, TensorPlan, array_plan, full_leaf
-from .resolver import Resolution, resolve
+from .resolver import resolve
 from .rules import WeightMap
 from .safetensors import open_safetensors
 
@@ -25,9 +24,8 @@ from .safetensors import open_safetensors
 def reference_table(
     reference: Any,
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], dict[str, str], dict[str, int]]:
-    """``(name -> (shape, dtype), metadata, config sizes)`` of an export's reference: a
-    safetensors file/index/directory (its headers, and the ``config.json`` beside it), or
-    any container (its leaves' paths; no metadata, no sizes)."""
+    """``(name -> (shape, dtype), metadata, config.json sizes)`` of a safetensors
+    reference, or of a container (its leaves' paths; no metadata, no sizes)."""
     if isinstance(reference, str | os.PathLike):
         with open_safetensors(reference) as ref:
             return ref.table(), dict(ref.metadata), checkpoint_config(ref.path)
@@ -35,14 +33,11 @@ def reference_table(
 
 
 class Exporter:
-    """A reference's stored tensors computed from target leaves (``load(path)``, each
-    loaded once and dropped after its last use), one at a time: ``compute`` in ``order``.
-
-    A tensor ``also`` rules copied into more leaves is written once, from its first rule's
-    leaf; ``check_also`` refuses an also leaf that no longer equals it, or with ``untie``
-    such leaves are written under their rule's ``untied`` name. ``MappingError``: the
-    mapping does not fit; ``untie`` with an also rule that names no ``untied`` tensor.
-    """
+    """A reference's stored tensors computed one at a time (``compute`` in ``order``) from
+    target leaves (``load(path)``, each dropped after its last use). A tensor ``also``
+    rules copied into more leaves is written from its first rule's leaf; ``check_also``
+    refuses an also leaf that no longer equals it, unless ``untie`` writes those leaves
+    under their rule's ``untied`` name. ``MappingError``: the mapping does not fit."""
 
     def __init__(
         self,
@@ -56,13 +51,16 @@ class Exporter:
     ):
         res = resolve(wm, table, targets, dtype=dtype, export=True)
         self.load = load
-        self.sources = invert_resolution(res)
+        self.sources = recipe.invert({p: n for p, n in res.recipes.items() if p not in res.also})
         # (stored name, also leaf paths, rule index, the stored tensor from those leaves)
         self.also: list[tuple[str, list[str], int, recipe.Node]] = []
         table = dict(table)
         problems: list[Problem] = []
-        for i, (paths, inverse) in invert_also(res).items():
-            for name, node in inverse.items():
+        by_rule: dict[int, list[str]] = {}
+        for path, i in res.also.items():
+            by_rule.setdefault(i, []).append(path)
+        for i, paths in by_rule.items():
+            for name, node in recipe.invert({p: res.recipes[p] for p in paths}).items():
                 leaves = [p for p in paths if name in res.recipes[p].reads()]
                 if name not in self.sources:  # its first rule skips it: written from here
                     self.sources[name] = node
@@ -118,8 +116,7 @@ class Exporter:
         *,
         untie: bool = False,
     ) -> Exporter:
-        """An exporter reading the leaves of ``state`` (a leaf held only in part here is
-        all-gathered: every process computes the same tensors in the same order)."""
+        """An exporter reading ``state``'s leaves (one held here in part is all-gathered)."""
         flat, targets = target_table(state)
         values = dict(zip(flat.paths, flat.arrays, strict=True))
         ex = cls(targets, lambda p: full_leaf(values[p], p), table, wm, dtype, untie=untie)
@@ -131,8 +128,8 @@ class Exporter:
         return ex
 
     def shared_plan(self) -> SharedPlan:
-        """How processes share this export: a tensor whose leaves some process holds whole
-        is computed there, any other on every process in step and written by one."""
+        """A tensor whose leaves some process holds whole is computed there, any other on
+        every process in step."""
 
         def plans() -> dict[str, TensorPlan]:
             leaf = {k: array_plan(x).holders for k, x in self.values.items()}
@@ -163,8 +160,7 @@ class Exporter:
         return value
 
     def check_also(self) -> None:
-        """``MappingError`` naming every ``also`` leaf that no longer equals, bit for bit,
-        the tensor its first rule's leaf writes."""
+        """``MappingError``: every ``also`` leaf no longer equal, bit for bit, to its tensor."""
         problems: list[Problem] = []
         for name, leaves, i, node in self.also:
             fetch = _loading(self.load, {})
@@ -240,43 +236,34 @@ def unmap(
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}
     flat = split(reference)
-    homeless = [n for n in ex.order if n not in table]  # table: the container's paths
-    if homeless:  # untie=True: the untied tensors have no leaf in a container
-        raise MappingError(
-            [
-                Problem(
-                    "source",
-                    n,
-                    "untie=True writes this tensor, but the reference container has no such leaf",
-                    hint="untie a safetensors reference, or give the container the leaf",
-                )
-                for n in homeless
-            ]
+    problems = [
+        Problem(
+            "source",
+            n,
+            "untie=True writes this tensor, but the reference container has no such leaf",
+            hint="untie a safetensors reference, or give the container the leaf",
         )
-    out = []
-    for path, x in zip(flat.paths, flat.arrays, strict=True):
-        if path in ex.sources:
-            out.append(ex.compute(path))
-        else:
-            out.append(_no_value(path) if isinstance(x, jax.ShapeDtypeStruct) else x)
-    return flat.rebuild(out)
-
-
-def _no_value(path: str) -> Any:
-    raise MappingError(
-        [
-            Problem(
-                "source",
-                path,
-                "a rule skips this leaf, and the reference holds no value for it",
-                hint="pass a concrete reference, or map the leaf",
-            )
-        ]
-    )
+        for n in ex.order
+        if n not in table  # table: the container's paths
+    ]
+    problems += [
+        Problem(
+            "source",
+            p,
+            "a rule skips this leaf, and the reference holds no value for it",
+            hint="pass a concrete reference, or map the leaf",
+        )
+        for p, x in zip(flat.paths, flat.arrays, strict=True)
+        if p not in ex.sources and isinstance(x, jax.ShapeDtypeStruct)
+    ]
+    if problems:
+        raise MappingError(problems)
+    pairs = zip(flat.paths, flat.arrays, strict=True)
+    return flat.rebuild([ex.compute(p) if p in ex.sources else x for p, x in pairs])
 
 
 def _loading(load: Callable[[str], np.ndarray], cache: dict[str, np.ndarray]) -> recipe.Fetch:
-    """A recipe ``fetch`` reading each target leaf once through ``load`` into ``cache``."""
+    """A recipe ``fetch`` loading each target leaf once into ``cache``."""
 
     def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
         whole = cache.get(key)
@@ -285,21 +272,3 @@ def _loading(load: Callable[[str], np.ndarray], cache: dict[str, np.ndarray]) ->
         return whole[index]
 
     return fetch
-
-
-def invert_resolution(res: Resolution) -> dict[str, recipe.Node]:
-    """For each stored tensor the resolution reads, the recipe computing it from targets
-    (from the first rule's leaf; ``also`` leaves: ``invert_also``)."""
-    return recipe.invert({p: n for p, n in res.recipes.items() if p not in res.also})
-
-
-def invert_also(res: Resolution) -> dict[int, tuple[list[str], dict[str, recipe.Node]]]:
-    """Per ``also`` rule: its leaves, and for each stored tensor it reads, the recipe
-    computing that tensor from those leaves."""
-    by_rule: dict[int, list[str]] = {}
-    for path, i in res.also.items():
-        by_rule.setdefault(i, []).append(path)
-    return {
-        i: (paths, recipe.invert({p: res.recipes[p] for p in paths}))
-        for i, paths in by_rule.items()
-    }

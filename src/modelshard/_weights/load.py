@@ -1,6 +1,5 @@
-"""``load_safetensors``: headers -> ``resolver.resolve`` -> ``modelshard.plan`` -> each
-leaf built with ``jax.make_array_from_callback``, every device's block read through its
-recipe; one leaf at a time, so host memory stays near one stored tensor."""
+"""``load_safetensors``: headers -> ``resolve`` -> ``plan`` -> each leaf built from its
+recipe one device block at a time, so host memory stays near one stored tensor."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ MappingLike = WeightMap | str | os.PathLike[str] | None
 
 
 def as_mapping(mapping: MappingLike, *, split_dots: bool) -> WeightMap:
-    """A [`WeightMap`][modelshard.WeightMap], a path to a mapping TOML file, or ``None`` (every tensor under
-    its own name; ``split_dots``: ``a.b.c`` -> ``a/b/c``)."""
+    """A ``WeightMap``, a TOML file or shipped name, or ``None``: each tensor under its name."""
     if mapping is None:
         return WeightMap.identity(split_dots=split_dots)
     if isinstance(mapping, WeightMap):
@@ -47,27 +45,18 @@ def as_mapping(mapping: MappingLike, *, split_dots: bool) -> WeightMap:
 
 
 def nest_paths(items: Mapping[str, Any]) -> dict[str, Any]:
-    """A nested dict from ``path -> value`` (``a/b`` -> ``{"a": {"b": value}}``).
-
-    Raises:
-        MappingError: a path that is both a leaf and a parent of another leaf.
-    """
+    """A nested dict from ``path -> value``; ``MappingError``: a path a leaf and a parent."""
     out: dict[str, Any] = {}
     problems: list[Problem] = []
     for path, value in items.items():
-        node = out
-        parts = split_path(path)
-        for c in parts[:-1]:
-            nxt = node.setdefault(c, {})
-            if not isinstance(nxt, dict):
-                problems.append(Problem("target", path, f"{c!r} is a leaf and a parent"))
-                break
-            node = nxt
+        *parents, last = split_path(path)
+        node: Any = out
+        for c in parents:
+            node = node.setdefault(c, {}) if isinstance(node, dict) else node
+        if not isinstance(node, dict) or last in node:
+            problems.append(Problem("target", path, "a leaf and a parent at once"))
         else:
-            if parts[-1] in node:
-                problems.append(Problem("target", path, "a leaf and a parent at once"))
-            else:
-                node[parts[-1]] = value
+            node[last] = value
     if problems:
         raise MappingError(problems)
     return out
@@ -96,9 +85,8 @@ def build_leaf(
     sharding: Any,
     fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
 ) -> jax.Array:
-    """One target leaf from its recipe, each addressable device's block read once. A
-    transposed block stays a strided view of the file's map: JAX's host-to-device copy
-    takes any strides, so the transpose costs no extra pass."""
+    """One target leaf from its recipe, each addressable device's block read once (a
+    transposed block stays a strided view: the host-to-device copy takes any strides)."""
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)
     with contextlib.suppress(AttributeError):  # a whole tensor a reshape needs: read once
@@ -187,33 +175,19 @@ def load_safetensors(
         >>> out["fc"]["kernel"].sharding.spec, bool((out["fc"]["kernel"] == w.T).all())
         (P('data',), True)
     """
-    wm = as_mapping(mapping, split_dots=True)
     with open_safetensors(path) as files:
-        return load_with(files, like, wm, specs, mesh, dtype, dry_run, progress)
-
-
-def load_with(
-    files: SafetensorsFiles,
-    like: Any,
-    wm: WeightMap,
-    specs: Any,
-    mesh: Any,
-    dtype: Any,
-    dry_run: bool,
-    progress: Progress,
-) -> Any:
-    flat, res, shardings = _planned(files, like, wm, specs, mesh, dtype)
-    if dry_run:
-        return res
-    with reporter(progress, _total(res), "Loading safetensors") as report:
-        return place_mapped(flat, res, shardings, files.fetch, report)
+        flat, res, shardings = _planned(files, like, mapping, specs, mesh, dtype)
+        if dry_run:
+            return res
+        with reporter(progress, _total(res), "Loading safetensors") as report:
+            return place_mapped(flat, res, shardings, files.fetch, report)
 
 
 def _planned(
-    files: SafetensorsFiles, like: Any, wm: WeightMap, specs: Any, mesh: Any, dtype: Any
+    files: SafetensorsFiles, like: Any, mapping: MappingLike, specs: Any, mesh: Any, dtype: Any
 ) -> tuple[Any, Resolution, list[Any]]:
     """``(like's Flat, the resolution, each leaf's sharding)`` of an import from ``files``."""
-    wm = wm.with_config(checkpoint_config(files.path))
+    wm = as_mapping(mapping, split_dots=True).with_config(checkpoint_config(files.path))
     like, flat, res = resolve_target(wm, files.table(), like, dtype)
     return flat, res, leaf_shardings(like, flat, specs, mesh)
 
@@ -225,8 +199,8 @@ def _total(res: Resolution) -> int:
 def resolve_target(
     wm: WeightMap, table: Mapping[str, tuple[tuple[int, ...], Any]], like: Any, dtype: Any
 ) -> tuple[Any, Any, Resolution]:
-    """``(like, its Flat, the resolution)``; without ``like``, a nested dict of
-    ``ShapeDtypeStruct`` of every mapped leaf stands in for it."""
+    """``(like, its Flat, the resolution)``; no ``like``: a dict of every mapped leaf's
+    ``ShapeDtypeStruct``."""
     if like is not None:
         flat, targets = target_table(like)
         res = resolve(wm, table, targets, dtype=dtype)
@@ -244,8 +218,8 @@ def resolve_target(
 
 
 def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
-    """One sharding per array leaf: planned by [`modelshard.plan`][modelshard.plan] on ``mesh``
-    (``specs`` default: replicated), else ``like``'s own, else the first local device."""
+    """One sharding per array leaf: planned on ``mesh`` (``specs`` default: replicated),
+    else ``like``'s own, else the first local device."""
     if specs is not None and mesh is None:
         raise CheckpointError("specs=... needs mesh=...: specs are planned on a mesh.")
     if mesh is None:
@@ -283,9 +257,8 @@ def place_mapped(
 
 @dataclasses.dataclass(frozen=True)
 class MappedLeaf:
-    """One target leaf of a mapped import, read a block at a time (what ``modelshard
-    convert`` streams into a checkpoint): its path, shape, dtype, planned ``spec`` (None
-    off a mesh) and ``read(index)``, the block as a C-order array."""
+    """One target leaf of a mapped import, which ``modelshard convert`` streams: its
+    planned ``spec`` (None off a mesh) and ``read(index)``, a block as a C-order array."""
 
     path: str
     shape: tuple[int, ...]
@@ -307,10 +280,9 @@ def mapped_leaves(
     mesh: Any = None,
     dtype: Any = None,
 ) -> tuple[Resolution, list[MappedLeaf]]:
-    """Resolve and plan an import as ``load_safetensors`` does, reading nothing: the table
-    and one ``MappedLeaf`` per target leaf (``files`` must stay open while they read)."""
-    wm = as_mapping(mapping, split_dots=True)
-    flat, res, shardings = _planned(files, like, wm, specs, mesh, dtype)
+    """An import resolved and planned as ``load_safetensors`` does, reading nothing: the
+    table and one ``MappedLeaf`` per target leaf (``files`` stays open while they read)."""
+    flat, res, shardings = _planned(files, like, mapping, specs, mesh, dtype)
     out = []
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
         spec = s.spec if isinstance(s, NamedSharding) else None
@@ -330,8 +302,7 @@ def _value_block(value: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
 
 
 class _BlockReader:
-    """``read(index)`` of one target leaf through its recipe; the tensors mapped or read
-    whole for it are dropped once its last element has been read."""
+    """``read(index)`` of one target leaf; what it mapped is dropped after its last block."""
 
     def __init__(
         self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
