@@ -94,14 +94,11 @@ def build_leaf(
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def piece(index: Any) -> np.ndarray:
-        idx = recipe.full_index(node.shape) if index is None else index
-        norm = tuple(s.indices(d)[:2] for s, d in zip(idx, node.shape, strict=True))
-        got = seen.get(norm)
-        if got is None:
-            got = seen[norm] = recipe.unaliased(
-                node.read(tuple(slice(a, b) for a, b in norm), fetch)
-            )
-        return got
+        norm = recipe.norm_index(index, node.shape)
+        key = tuple((s.start, s.stop) for s in norm)
+        if key not in seen:
+            seen[key] = recipe.unaliased(node.read(norm, fetch))
+        return seen[key]
 
     out = jax.make_array_from_callback(node.shape, sharding, piece)
     cache.clear()

@@ -1,11 +1,9 @@
-"""Recipes: how one array is computed from stored tensors, read a block at a time.
+"""Recipes: one array computed from stored tensors, a block at a time.
 
-Each target leaf is a small tree of ``Node``: ``Read`` (a stored tensor) under
-``Permuted``, ``Reshaped``, ``Take``, ``Slice``, ``Stacked``, ``Joined``, ``Cast``,
-``Arith``. Shapes and dtypes are known before any read (a mapping is checked first), and
-every node inverts (how an export runs the mapping backwards). ``node.read(index, fetch)``
-passes the block down, so a device reads only its part; a reshape that is not blockwise
-reads its whole input once per leaf.
+A target leaf is a small tree of ``Node`` over ``Read`` (a stored tensor), its shape and
+dtype known before any read. ``node.read(index, fetch)`` passes the block down, so a device
+reads only its part (a reshape that is not blockwise reads its whole input once per leaf);
+``invert`` runs the recipes backwards for an export.
 """
 
 from __future__ import annotations
@@ -24,14 +22,13 @@ Index = tuple[slice, ...]
 Fetch = Callable[[str, Index], np.ndarray]
 """``fetch(key, index)``: that part of the stored tensor ``key`` as a NumPy array."""
 
-
 # Buffers this large get their own anonymous map, returned to the system when freed: a
 # load's freed device slices would otherwise stay resident as heap fragments.
 OWN_MAP_BYTES = 1 << 20
 
 
 def host_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialised C-order array; large ones in their own memory map (see above)."""
+    """An uninitialised C-order array; a large one in its own memory map."""
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     if n < OWN_MAP_BYTES:
@@ -53,9 +50,8 @@ def copy_of(a: np.ndarray) -> np.ndarray:
 
 
 def unaliased(a: Any) -> np.ndarray:
-    """``a`` as a block to hand to JAX: a C-contiguous read-only view (of a file's memory
-    map, of a stored shard) copied into a buffer of its own, since JAX could alias it and
-    keep all of the viewed memory alive; anything else as it is."""
+    """``a`` to hand to JAX: a C-contiguous read-only view (of a map, of a shard) copied, as
+    JAX could alias it and keep all the viewed memory alive."""
     a = np.asarray(a)
     return copy_of(a) if a.flags.c_contiguous and not a.flags.writeable else a
 
@@ -65,8 +61,7 @@ TILE = 128
 
 
 def copy_tiled(out: np.ndarray, a: np.ndarray, casting: Any = "same_kind") -> None:
-    """``out[...] = a`` for a C-contiguous ``out``, in tiles when ``a`` is transposed (its
-    innermost axis in memory is not its last)."""
+    """``out[...] = a`` for a C-contiguous ``out``, in tiles when ``a`` is transposed."""
     moving = [i for i in range(a.ndim) if a.shape[i] > 1]
     if len(moving) < 2:
         np.copyto(out, a, casting=casting)
@@ -85,15 +80,10 @@ def copy_tiled(out: np.ndarray, a: np.ndarray, casting: Any = "same_kind") -> No
             np.copyto(out[t], a[t], casting=casting)
 
 
-def full_index(shape: Sequence[int]) -> Index:
-    return tuple(slice(0, d) for d in shape)
-
-
 def norm_index(index: Index | None, shape: Sequence[int]) -> Index:
-    """``index`` into an array of ``shape`` as plain ``slice(start, stop)`` bounds (``None``:
-    the whole array)."""
+    """``index`` as plain ``slice(start, stop)`` bounds (``None``: the whole array)."""
     if index is None:
-        return full_index(shape)
+        return tuple(slice(0, d) for d in shape)
     return tuple(slice(*s.indices(d)[:2]) for s, d in zip(index, shape, strict=True))
 
 
@@ -104,13 +94,11 @@ class Node:
     dtype: np.dtype[Any]
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        """The part of this node's value selected by ``index`` (``None``: all of it); may
-        be a view of a stored tensor (``contiguous`` makes it an array of its own)."""
+        """The block ``index`` of the value (``None``: all), maybe a view of a stored tensor."""
         raise NotImplementedError
 
     def read_into(self, index: Index | None, fetch: Fetch, out: np.ndarray) -> None:
-        """``out[...] = self.read(index, fetch)``, reading straight into ``out`` where the
-        step allows (a stored tensor's rows, a cast)."""
+        """``out[...] = self.read(index, fetch)``, straight into ``out`` where it can."""
         copy_tiled(out, self.read(index, fetch))
 
     def reads(self) -> list[str]:
@@ -121,39 +109,22 @@ class Node:
         """The recipe as text: ``transpose(1, 0) of model.w``."""
         raise NotImplementedError
 
-    @property
-    def sliceable(self) -> bool:
-        """Whether a slice of the result reads only a slice of every stored tensor."""
-        return True
-
     def __repr__(self) -> str:
         return f"<{self.describe()}: {dtype_name(self.dtype)}{list(self.shape)}>"
 
 
 class _OneChild(Node):
-    """A step on one ``child``: it reads what the child reads, sliceable where it is."""
-
     child: Node
 
     def reads(self) -> list[str]:
         return self.child.reads()
 
-    @property
-    def sliceable(self) -> bool:
-        return self.child.sliceable
-
 
 class _Children(Node):
-    """A step joining ``children``: it reads what they read, sliceable where all are."""
-
     children: list[Node]
 
     def reads(self) -> list[str]:
         return [k for c in self.children for k in c.reads()]
-
-    @property
-    def sliceable(self) -> bool:
-        return all(c.sliceable for c in self.children)
 
 
 @dataclasses.dataclass(repr=False)
@@ -202,10 +173,9 @@ class Permuted(_OneChild):
 
 @dataclasses.dataclass(repr=False)
 class Reshaped(_OneChild):
-    """``child`` in another shape (C order). A block of the result that is one block of
-    the child (splitting ``(h d)`` into ``h, d`` and taking a range of ``h``, or of any
-    axis the reshape leaves alone) reads only that block; any other needs the whole
-    child, read once per leaf where ``fetch`` has a ``wholes`` dict to keep it in."""
+    """``child`` in another shape (C order). A block of the result that is one block of the
+    child (a range of ``h`` of ``(h d) -> h, d``) reads only that; any other reads the whole
+    child, once per leaf where ``fetch`` has a ``wholes`` dict to keep it in."""
 
     child: Node
     shape: tuple[int, ...]
@@ -232,18 +202,13 @@ class Reshaped(_OneChild):
     def describe(self) -> str:
         return f"reshape{self.shape} of {self.child.describe()}"
 
-    @property
-    def sliceable(self) -> bool:
-        return False
-
 
 Groups = list[tuple[tuple[int, int], tuple[int, int]]]
 
 
 def reshape_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
-    """A reshape from ``a`` to ``b`` as groups of consecutive axes whose sizes multiply to
-    the same number (``(6, 4) -> (2, 3, 4)``: ``[((0, 1), (0, 2)), ((1, 2), (2, 3))]``),
-    ``None`` for empty shapes (no block reads then)."""
+    """A reshape as groups of consecutive axes of equal products (``(6, 4) -> (2, 3, 4)``:
+    ``[((0, 1), (0, 2)), ((1, 2), (2, 3))]``); ``None`` for empty shapes."""
     if 0 in a or 0 in b:
         return None
     groups: Groups = []
@@ -266,8 +231,8 @@ def reshape_groups(a: Sequence[int], b: Sequence[int]) -> Groups | None:
 
 
 def child_block(groups: Groups, a: Sequence[int], b: Sequence[int], index: Index) -> Index | None:
-    """The block of the reshape's input (shape ``a``) holding exactly the block ``index``
-    of its output (shape ``b``), or ``None`` where that is not one block."""
+    """The block of the input (shape ``a``) holding exactly the block ``index`` of the
+    output (shape ``b``), or ``None`` where that is not one block."""
     out: list[slice] = []
     for (i0, i1), (j0, j1) in groups:
         flat = _flat_range(b[j0:j1], index[j0:j1])
@@ -281,8 +246,7 @@ def child_block(groups: Groups, a: Sequence[int], b: Sequence[int], index: Index
 
 
 def _flat_range(sizes: Sequence[int], index: Sequence[slice]) -> tuple[int, int] | None:
-    """``index`` over ``sizes`` as one range of their C-order flattening (single points,
-    then one range, then whole axes), or ``None``."""
+    """``index`` over ``sizes`` as one range of their C-order flattening, or ``None``."""
     n = len(sizes)
     t = n
     while t > 0 and index[t - 1].start == 0 and index[t - 1].stop == sizes[t - 1]:
@@ -298,8 +262,8 @@ def _flat_range(sizes: Sequence[int], index: Sequence[slice]) -> tuple[int, int]
 
 
 def _block_of(sizes: Sequence[int], lo: int, hi: int) -> list[slice] | None:
-    """The range ``[lo, hi)`` of the C-order flattening of ``sizes`` as a block (single
-    points, then one range, then whole axes), or ``None``."""
+    """``[lo, hi)`` of the C-order flattening of ``sizes`` as a block (points, then one
+    range, then whole axes), or ``None``."""
     if hi <= lo:
         return None
     n = len(sizes)
@@ -454,20 +418,13 @@ class Cast(_OneChild):
 
 
 ARITH_INVERSE = {"add": "sub", "sub": "add", "mul": "div", "div": "mul"}
-
-
-def arith_dtype(dtype: Any) -> np.dtype[Any]:
-    """The dtype ``Arith`` computes in: float32 for narrower floats (bfloat16, float16,
-    fp8), the leaf's own for float32 and float64."""
-    return np.promote_types(np.dtype(dtype), np.float32)
+_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 
 
 @dataclasses.dataclass(repr=False)
 class Arith(_OneChild):
-    """``child`` plus (``add``), minus (``sub``), times (``mul``) or divided by (``div``)
-    the constant ``value``: computed in ``arith_dtype`` and rounded to ``child``'s dtype,
-    elementwise (a slice of the result reads a slice of ``child``). ``add`` and ``sub``,
-    ``mul`` and ``div`` invert each other."""
+    """``child`` ``op`` (``add``, ``sub``, ``mul``, ``div``) the constant ``value``, elementwise,
+    computed in float32 at least and rounded to ``child``'s dtype."""
 
     child: Node
     op: str
@@ -479,19 +436,11 @@ class Arith(_OneChild):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         x = self.child.read(index, fetch)
-        wide = arith_dtype(self.dtype)
+        wide = np.promote_types(np.dtype(self.dtype), np.float32)
         out = host_empty(x.shape, wide)
         copy_tiled(out, x, casting="unsafe")
-        c = np.asarray(self.value, wide)
         with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
-            if self.op == "add":
-                np.add(out, c, out=out)
-            elif self.op == "sub":
-                np.subtract(out, c, out=out)
-            elif self.op == "mul":
-                np.multiply(out, c, out=out)
-            else:
-                np.divide(out, c, out=out)
+            _UFUNCS[self.op](out, np.asarray(self.value, wide), out=out)
         if wide == self.dtype:
             return out
         narrow = host_empty(x.shape, self.dtype)
@@ -503,10 +452,9 @@ class Arith(_OneChild):
 
 
 def invert(targets: Mapping[str, Node]) -> dict[str, Node]:
-    """The recipes run backwards: for each stored tensor that the recipes of ``targets``
-    (path -> recipe) read, the recipe computing it from the targets (``Read(path)``).
-    A ``Take`` or ``Slice`` gives one piece of its source; the pieces are then stacked
-    (one layer each) or concatenated (the parts of a fused tensor)."""
+    """The recipes run backwards: each stored tensor that ``targets`` (path -> recipe) read,
+    computed from the targets (``Read(path)``); the pieces ``Take``s and ``Slice``s cut are
+    stacked or concatenated back."""
     out: dict[str, Node] = {}
     pieces: dict[int, dict[str, Any]] = {}
     for target, node in targets.items():
@@ -566,9 +514,8 @@ def is_key(dtype: Any) -> bool:
 
 
 def on_key_data(node: Node, data: Callable[[str], tuple[tuple[int, ...], Any]]) -> Node:
-    """A typed PRNG key leaf's recipe over the stored key data (``data(key)``: the stored
-    shape and dtype, ``[..., 2]`` uint32 for threefry): the same steps on the leading
-    axes, the trailing ones carried along (a key cannot be cast: refused when resolved)."""
+    """A PRNG key leaf's recipe over the stored key data (``data(key)``: its shape and
+    dtype, ``[..., 2]`` uint32 for threefry): the same steps on the leading axes."""
 
     def rw(n: Node) -> Node:
         if isinstance(n, Read):
@@ -595,11 +542,9 @@ Spec = tuple[Any, ...]
 
 
 def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
-    """For each stored tensor ``node`` reads, a spec under which every device's shard of
-    it holds all that device's block of ``node`` (placed with ``spec``) reads (into
-    ``out``): a transposed leaf's stored tensor sharded the permuted way, one layer's
-    stored stack sharded like the layer along the other axes; axes a step cannot follow
-    (a reshape, the cut axis of a slice) not split."""
+    """Into ``out``, for each stored tensor ``node`` reads, a spec under which each device's
+    shard holds what its block of ``node`` (placed with ``spec``) reads; an axis a step
+    cannot follow (a reshape's, a slice's cut) is not split."""
     spec = tuple(spec) + (None,) * (len(node.shape) - len(spec))
     if isinstance(node, Read):
         out.setdefault(node.key, []).append(spec)
@@ -626,11 +571,8 @@ def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
 
 
 def reshape_spec_back(node: Reshaped, spec: Spec) -> Spec:
-    """The spec of a reshape's input under which each device's shard holds the input block
-    its output block reads (``child_block``): an axis the reshape leaves alone keeps its
-    entry; an axis split into several (``(h d) -> h, d``) takes the entry of the first of
-    them when the others are not split; anything else (a merge, a later axis split) is
-    left whole."""
+    """A reshape's input spec: an axis left alone keeps its entry, one split into several
+    (``(h d) -> h, d``) the first's when the others are not split; any other is whole."""
     inner: list[Any] = [None] * len(node.child.shape)
     if node._groups is None:
         return tuple(inner)
@@ -642,10 +584,8 @@ def reshape_spec_back(node: Reshaped, spec: Spec) -> Spec:
 
 
 def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | None:
-    """The spec of ``node``'s result when each stored tensor it reads keeps its own
-    (``spec_of(key)``; ``None``: not known): a transpose permutes it, a layer taken out of
-    a stack drops the stacked axis's entry; ``None`` where the stored specs disagree (the
-    parts of a stack) or a reshape intervenes."""
+    """The spec of ``node``'s result when each stored tensor keeps its own (``spec_of``);
+    ``None`` where unknown, where the parts' specs disagree or a reshape intervenes."""
     if isinstance(node, Read):
         s = spec_of(node.key)
         return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
