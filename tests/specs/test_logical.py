@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._specs.language import rules_to_toml
 from modelshard._specs.rulesfile import parse_rules
 
 SDS = jax.ShapeDtypeStruct
@@ -78,7 +77,7 @@ def test_maxtext_rules_file_matches_flax():
     _, rules = maxtext()
     mesh = maxtext_mesh()
     r = ms.Rules([(r"w$", P("embed", "mlp")), (r"e$", P("vocab", "embed"))], logical=rules)
-    loaded = parse_rules(tomllib.loads(rules_to_toml(r)))
+    loaded = parse_rules(tomllib.loads(r.to_toml()))
     assert loaded.logical == r.logical
     tree = {"w": SDS((16, 32), jnp.float32), "e": SDS((64, 16), jnp.float32)}
     want = {
@@ -190,7 +189,7 @@ spec = ["embed"]
         ("norm", None),
         ("x", None),
     )
-    assert parse_rules(tomllib.loads(rules_to_toml(r))).logical == r.logical
+    assert parse_rules(tomllib.loads(r.to_toml())).logical == r.logical
     bad = 'logical = [["embed"], ["mlp", 3], "x"]'
     with pytest.raises(ms.SpecError) as e:
         parse_rules(tomllib.loads(bad), "r.toml")

@@ -8,7 +8,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._specs.language import rules_to_toml
 from modelshard._specs.rulesfile import load_rules, parse_rules
 
 EXAMPLE = """
@@ -73,7 +72,7 @@ def test_round_trip_through_toml(tmp_path):
         strict=False,
     )
     path = tmp_path / "r.toml"
-    path.write_text(rules_to_toml(rules))
+    path.write_text(rules.to_toml())
     back = load_rules(path)
     assert back.rules == rules.rules
     assert dict(back.logical or {}) == dict(rules.logical or {})

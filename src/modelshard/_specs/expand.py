@@ -71,14 +71,8 @@ def _prefix_entries(prefix: Any, arg: str, ctx: Ctx) -> list[tuple[tuple[str, ..
     try:
         items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
     except Exception as e:
-        ctx.problems.append(
-            Problem(
-                arg,
-                "",
-                f"the spec {type(prefix).__name__} could not be "
-                f"read as a prefix tree: {type(e).__name__}: {e}",
-            )
-        )
+        what = f"the spec {type(prefix).__name__} could not be read as a prefix tree"
+        ctx.problems.append(Problem(arg, "", f"{what}: {type(e).__name__}: {e}"))
         return None
     return [(split_path(format_path(k)), v) for k, v in items]
 
@@ -109,28 +103,19 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan
                     hit_keys.add(key)
                     break
             if found is _NOTHING:
+                hint = "add its path (or a parent of it) to the spec tree; the container's "
+                hint += "top-level keys are " + _top_keys(flat)
                 ctx.problem(
-                    arg,
-                    info.path,
-                    leaf,
-                    "no entry of the prefix tree covers this leaf",
-                    hint="add its path (or a parent of it) to the spec tree; the "
-                    "container's top-level keys are " + _top_keys(flat),
+                    arg, info.path, leaf, "no entry of the prefix tree covers this leaf", hint=hint
                 )
             per_leaf.append(found)
         for key, value in entries:
             if key in hit_keys:
                 continue
             if flat.children(key) is None:
-                ctx.problems.append(
-                    Problem(
-                        arg,
-                        "/".join(key),
-                        "this prefix-tree entry matches nothing in the container",
-                        spec=value,
-                        hint="the container's top-level keys are " + _top_keys(flat),
-                    )
-                )
+                what = "this prefix-tree entry matches nothing in the container"
+                hint = "the container's top-level keys are " + _top_keys(flat)
+                ctx.problems.append(Problem(arg, "/".join(key), what, spec=value, hint=hint))
     if hits is not None:
         return _plan_matched(arg, infos, arrays, spec_like, ctx, hits)
     return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
@@ -161,8 +146,8 @@ def _plan_leaves(
     ctx: Ctx,
     hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
-    """Resolve, validate and plan every leaf (``per_leaf``: its spec source, or _NOTHING; ``hits``:
-    when every leaf has the same ``Rules``, each leaf's match, found in bulk)."""
+    """Resolve, validate and plan every leaf (``per_leaf``: its spec-like or _NOTHING; ``hits``:
+    each leaf's match, where one ``Rules`` was matched in bulk)."""
     resolved = ctx.resolved
     placed = ctx.placed
     out: list[LeafPlan] = []
@@ -204,16 +189,7 @@ def _plan_leaves(
         spec, rule, problems, via = cached
         if problems:
             for what, hint, fields in problems:
-                ctx.problem(
-                    arg,
-                    info.path,
-                    leaf,
-                    what,
-                    spec=spec,
-                    rule=rule,
-                    hint=hint or None,
-                    fields=fields,
-                )
+                ctx.problem(arg, info.path, leaf, what, spec, rule, hint or None, fields)
             continue
         if type(leaf) not in _NOT_NUMPY and isinstance(leaf, np.ndarray | np.generic):
             refused = refused_by_jax(leaf)
@@ -280,10 +256,7 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
     ctx = Ctx(sizes)
     out = []
     for name, tree, spec_like in args:
-        try:
-            flat = split(tree)
-        except AdapterError:
-            raise
+        flat = split(tree)
         if not flat.array_index and flat.leaves:
             _refuse_hidden_arrays(name, flat)
         out.append(ArgPlan(name, flat, _expand_one(name, flat, spec_like, ctx)))
@@ -292,20 +265,16 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
             continue
         for i, (pattern, spec) in enumerate(rules.rules):
             if i not in used and not is_catch_all(pattern):
+                hint = (
+                    "fix the pattern (plan with Rules(..., strict=False) to list every "
+                    "path), remove the rule, or pass strict=False"
+                    if rules.file is None
+                    else f"fix its pattern in {rules.file} (strict = false there lets "
+                    "a plan list every path), remove that [[rules]] table, or set strict = false"
+                )
+                what = f"{rules.describe(i)} matched no leaf"
                 ctx.problems.append(
-                    Problem(
-                        "Rules",
-                        f"rule {i}",
-                        f"{rules.describe(i)} matched no leaf",
-                        spec=spec,
-                        mesh=ctx.sizes,
-                        hint="fix the pattern (plan with Rules(..., strict=False) to list every "
-                        "path), remove the rule, or pass strict=False"
-                        if rules.file is None
-                        else f"fix its pattern in {rules.file} (strict = false there lets "
-                        "a plan list every path), remove that [[rules]] table, or set "
-                        "strict = false",
-                    )
+                    Problem("Rules", f"rule {i}", what, spec=spec, mesh=ctx.sizes, hint=hint)
                 )
     if ctx.problems:
         raise SpecError(ctx.problems)
@@ -315,9 +284,8 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
 
 
 def _tell_nothing_named(arg: str, tree: Any, rules: Any, leaves: Sequence[LeafPlan]) -> None:
-    """Warn where logical rules placed no leaf of an argument (``strict=False``): a state
-    whose params were unboxed (MaxText keeps the names in a tree of their own) is silently
-    replicated otherwise."""
+    """Warn where logical rules placed no leaf of an argument (``strict=False``): an unboxed
+    state would be replicated silently."""
     if type(rules) is not Rules or rules.logical is None or rules.strict:
         return
     if not any(lp.shape for lp in leaves) or any(lp.rule != UNMATCHED for lp in leaves if lp.shape):
@@ -341,8 +309,8 @@ def is_catch_all(pattern: str) -> bool:
 
 
 def _refuse_hidden_arrays(arg: str, flat: Flat) -> None:
-    """An argument with no array leaf whose static leaves hold arrays: a container
-    modelshard cannot open, which would otherwise plan silently as nothing."""
+    """Refuse an argument with no array leaf whose static leaves hold arrays (it would plan as
+    nothing)."""
     hidden = flat.hidden_arrays()
     if not hidden:
         return

@@ -10,7 +10,15 @@ from typing import Any, TypeAlias
 
 from jax.sharding import PartitionSpec
 
-from .._base import Problem, SpecError, format_spec, quote_pattern, toml_entry
+from .._base import (
+    Problem,
+    SpecError,
+    format_spec,
+    quote_pattern,
+    spec_error,
+    toml_entry,
+    toml_spec,
+)
 from .logical import LogicalRules, compile_logical
 
 AxisEntry: TypeAlias = str | tuple[str, ...] | None
@@ -30,16 +38,9 @@ def to_spec(value: Any, where: str) -> PartitionSpec:
         return value
     if isinstance(value, tuple | list) and all(is_entry(e) for e in value):
         return PartitionSpec(*value)
-    raise SpecError(
-        [
-            Problem(
-                arg="spec",
-                path=where,
-                what=f"{value!r} ({type(value).__name__}) is not a PartitionSpec",
-                hint="write P('data', None) (or a tuple such as ('data', None)); P() replicates",
-            )
-        ]
-    )
+    what = f"{value!r} ({type(value).__name__}) is not a PartitionSpec"
+    hint = "write P('data', None) (or a tuple such as ('data', None)); P() replicates"
+    raise spec_error("spec", where, what, hint=hint)
 
 
 def is_axes_entry(e: Any) -> bool:
@@ -120,28 +121,15 @@ class Rules:
         if isinstance(rules, Mapping):
             rules = list(rules.items())
         if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
-            raise SpecError(
-                [
-                    Problem(
-                        "Rules",
-                        "",
-                        f"rules must be a list of (pattern, spec) pairs, got "
-                        f"{type(self.rules).__name__}",
-                        hint="Rules([(r'kernel$', P('data', None))])",
-                    )
-                ]
-            )
+            what = f"rules must be a list of (pattern, spec) pairs, got {type(self.rules).__name__}"
+            raise spec_error("Rules", "", what, hint="Rules([(r'kernel$', P('data', None))])")
         rules = list(rules)
         for i, item in enumerate(rules):
             where = f"rule {i}"
             if not (isinstance(item, tuple | list) and len(item) == 2):
+                hint = "each rule is a 2-tuple like (r'kernel$', P('data'))"
                 problems.append(
-                    Problem(
-                        "Rules",
-                        where,
-                        f"{item!r} is not a (pattern, spec) pair",
-                        hint="each rule is a 2-tuple like (r'kernel$', P('data'))",
-                    )
+                    Problem("Rules", where, f"{item!r} is not a (pattern, spec) pair", hint=hint)
                 )
                 continue
             pattern, spec = item
@@ -151,13 +139,8 @@ class Rules:
             try:
                 rx = re.compile(pattern)
             except re.error as e:
-                problems.append(
-                    Problem(
-                        "Rules",
-                        where,
-                        f"pattern {pattern!r} is not a valid regular expression: {e}",
-                    )
-                )
+                what = f"pattern {pattern!r} is not a valid regular expression: {e}"
+                problems.append(Problem("Rules", where, what))
                 continue
             try:
                 compiled.append((rx, to_spec(spec, where)))
@@ -183,10 +166,8 @@ class Rules:
     def match(self, path: str) -> tuple[int, PartitionSpec] | None:
         """``(index, spec)`` of the first rule whose pattern is found in ``path``, or None.
 
-        Matches are cached per path. When no pattern mentions a digit, a match cannot
-        depend on which digits a path holds (each becomes '0': ``\\d``, ``\\w``, ``.`` and
-        lengths behave the same), so ``layers/0/...`` .. ``layers/199/...`` share one
-        regex search.
+        Matches are cached per path; where no pattern mentions a digit, paths that differ
+        only in digits (``layers/0/...`` .. ``layers/199/...``) share one search.
         """
         return self.match_all((path,))[0]
 
@@ -230,7 +211,18 @@ class Rules:
             pattern = 'kernel$'
             spec = ["none", "model"]
         """
-        return rules_to_toml(self)
+        lines = [f"strict = {'true' if self.strict else 'false'}", ""]
+        for pattern, spec in self.rules:
+            quoted = f"'{pattern}'" if "'" not in pattern else toml_entry(pattern)
+            lines += ["[[rules]]", f"pattern = {quoted}", f"spec = {toml_spec(spec)}", ""]
+        logical = self.logical
+        if isinstance(logical, Mapping) and logical:
+            lines.append("[logical]")
+            lines += [f'"{k}" = {toml_entry(v)}' for k, v in logical.items()]
+        elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
+            pairs = [f'  ["{k}", {toml_entry(v)}],' for k, v in logical]
+            lines[1:1] = ["logical = [", *pairs, "]"]
+        return "\n".join(lines) + "\n"
 
     def describe(self, index: int) -> str:
         """``rule 0 'kernel$'``: how plans and errors name a rule."""
@@ -260,40 +252,17 @@ class FSDP:
             and all(isinstance(a, str) for a in self.axis)
         )
         if not ok:
-            raise SpecError(
-                [
-                    Problem(
-                        "fsdp",
-                        "axis",
-                        f"axis must be a mesh axis name or a tuple of names, got {self.axis!r}",
-                    )
-                ]
-            )
+            what = f"axis must be a mesh axis name or a tuple of names, got {self.axis!r}"
+            raise spec_error("fsdp", "axis", what)
         # Checked here, not per leaf: with no big or divisible leaf it would pass silently.
         twice = sorted({a for a in self.axes if self.axes.count(a) > 1})
         if twice:
-            raise SpecError(
-                [
-                    Problem(
-                        "fsdp",
-                        "axis",
-                        f"mesh axis {twice[0]!r} is used twice in {self.axis!r}",
-                        hint="each mesh axis may shard at most one dimension of a leaf",
-                    )
-                ]
-            )
-        if (
-            isinstance(self.min_size, bool)
-            or not isinstance(self.min_size, int)
-            or self.min_size < 0
-        ):
-            raise SpecError(
-                [
-                    Problem(
-                        "fsdp", "min_size", f"min_size must be an int >= 0, got {self.min_size!r}"
-                    )
-                ]
-            )
+            what = f"mesh axis {twice[0]!r} is used twice in {self.axis!r}"
+            hint = "each mesh axis may shard at most one dimension of a leaf"
+            raise spec_error("fsdp", "axis", what, hint=hint)
+        size = self.min_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise spec_error("fsdp", "min_size", f"min_size must be an int >= 0, got {size!r}")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -357,31 +326,3 @@ def _is_pytree_node(x: Any) -> bool:
     import jax
 
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
-
-
-# The TOML spelling of rules: ``Rules.to_toml`` writes it (entries as ``_text.toml_entry``
-# spells them), ``_rulesfile`` reads it back.
-def rules_to_toml(rules: Rules) -> str:
-    """The TOML text ``load_rules`` (``_rulesfile``, the reader) reads back as ``rules``."""
-    lines = [f"strict = {'true' if rules.strict else 'false'}", ""]
-    for pattern, spec in rules.rules:
-        lit = pattern.replace("'", "")
-        quoted = (
-            f"'{pattern}'"
-            if lit == pattern
-            else '"' + pattern.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        )
-        lines += [
-            "[[rules]]",
-            f"pattern = {quoted}",
-            "spec = [" + ", ".join(toml_entry(e) for e in spec) + "]",
-            "",
-        ]
-    logical = rules.logical
-    if isinstance(logical, Mapping) and logical:
-        lines.append("[logical]")
-        lines += [f'"{k}" = {toml_entry(v)}' for k, v in logical.items()]
-    elif logical:  # Flax's ordered pairs: a top-level array, before the first [[rules]]
-        pairs = [f'  ["{k}", {toml_entry(v)}],' for k, v in logical]
-        lines[1:1] = ["logical = [", *pairs, "]"]
-    return "\n".join(lines) + "\n"

@@ -49,15 +49,17 @@ class LogicalRules:
 
     @property
     def flax_rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
-        """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order, whatever form
-        they were written in: what ``nn.logical_to_mesh_axes(names, rules.flax_rules)`` and
-        ``nn.logical_axis_rules`` take, and what Flax's context holds inside
-        [`logical_rules`][modelshard.logical_rules]."""
+        """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order (what
+        ``nn.logical_to_mesh_axes`` and ``nn.logical_axis_rules`` take)."""
         return tuple((n, _public_entry(t)) for n, t in self.pairs)
 
+    @property
+    def entry_labels(self) -> tuple[str, ...]:
+        """How errors name each pair's entry (``rules['heads']``; else the source)."""
+        return self.labels or (self.source,) * len(self.pairs)
+
     def label(self, name: str, target: Target | None = None) -> str:
-        """The entry that maps ``name`` (to ``target``, for Flax-style lists where a name
-        repeats): ``rules['heads']``; the source's name when pairs carry no labels."""
+        """The entry that maps ``name`` (to ``target``, where a Flax-style name repeats)."""
         for (n, t), lab in zip(self.pairs, self.labels, strict=False):
             if n == name and (target is None or t == target):
                 return lab
@@ -70,24 +72,19 @@ class LogicalRules:
         return f"{self.source} (names: {shown or 'none'})"
 
     def entry(self, name: str, axis: str | None = None) -> str:
-        """One entry mapping ``name`` to ``axis``, written as the user writes these rules: a TOML
-        line for a rules file (``heads = "model"``), Python for the others (``'heads': 'model'``,
-        or a pair for Flax-style lists); ``axis=None``: a placeholder."""
+        """One entry mapping ``name`` to ``axis`` (None: a placeholder) as the user writes them."""
         return logical_entry(name, axis, self.file, self.ordered)
 
     def written(self, name: str, as_name: str | None = None) -> str:
-        """``name``'s first entry as the user wrote it (``hedas = "none"`` in a rules
-        file, ``'hedas': None`` in Python), under ``as_name`` instead when given (the
-        entry a typo was meant to be)."""
+        """``name``'s first entry as the user wrote it, under ``as_name`` when given."""
         value = _public_entry(self.candidates[name][0])
         text = toml_entry(value) if self.file is not None else repr(value)
         return _entry(name if as_name is None else as_name, text, self.file, self.ordered)
 
 
 def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) -> str:
-    """``heads = "model"`` (a rules file's [logical] table), ``["heads", "model"]`` (its
-    logical array), ``'heads': 'model'`` (a Python mapping), ``('heads', 'model')`` (Flax's
-    pairs); without ``axis`` a placeholder names what goes there."""
+    """``heads = "model"``, ``["heads", "model"]``, ``'heads': 'model'`` or ``('heads', 'model')``:
+    as a rules file's table or array, a Python mapping or Flax's pairs write it."""
     if file is not None:
         value = toml_entry(axis if axis is not None else "<mesh axis>")
     else:
@@ -96,16 +93,14 @@ def logical_entry(name: str, axis: str | None, file: str | None, ordered: bool) 
 
 
 def _entry(name: str, value: str, file: str | None, ordered: bool) -> str:
-    """One rule entry, its value already written (``value``), in the form the user wrote
-    the rules in: a rules file's table line or array entry, a Python mapping or pair."""
+    """``logical_entry`` of a value already written."""
     if file is not None:
         return f'["{name}", {value}]' if ordered else f"{name} = {value}"
     return f"({name!r}, {value})" if ordered else f"{name!r}: {value}"
 
 
 def add_name_hint(name: str, file: str | None) -> str:
-    """How to map a logical name when no logical rules exist yet, in the user's words: the
-    ``[logical]`` table to add to their rules file, or the Python."""
+    """How to map a logical name where no logical rules exist yet, in the user's words."""
     if file is not None:
         return (
             f"to map the logical name {name!r}, add to {file} a [logical] table with the line "
@@ -140,8 +135,7 @@ def compile_logical(
     where: str = "logical",
     file: str | None = None,
 ) -> tuple[LogicalRules | None, list[Problem]]:
-    """Validate ``value`` (a mapping or Flax's list of pairs) into ``LogicalRules`` (``file``: the
-    rules file they come from, so that hints speak TOML)."""
+    """Validate ``value`` (a mapping or Flax's pairs) into ``LogicalRules`` (``file``: hints speak TOML)."""
     if value is None:
         return None, []
     problems: list[Problem] = []
@@ -156,15 +150,9 @@ def compile_logical(
             if isinstance(item, tuple | list) and len(item) == 2:
                 items.append((i, item[0], item[1]))
             else:
-                problems.append(
-                    Problem(
-                        arg,
-                        f"{where}[{i}]",
-                        f"{item!r} is not a (logical name, mesh axes) pair",
-                        hint="each entry is a pair like ('embed', 'model') or "
-                        "('batch', ('data', 'fsdp'))",
-                    )
-                )
+                what = f"{item!r} is not a (logical name, mesh axes) pair"
+                pair = "each entry is a pair like ('embed', 'model') or ('batch', ('data', 'fsdp'))"
+                problems.append(Problem(arg, f"{where}[{i}]", what, hint=pair))
     else:
         return None, [
             Problem(
@@ -178,41 +166,39 @@ def compile_logical(
         ]
     pairs: list[tuple[str, Target]] = []
     labels: list[str] = []
-    candidates: dict[str, list[Target]] = {}
     for i, name, target in items:
         t = _target(target)
         if not isinstance(name, str) or t is None:
             at = f"{where}[{name!r}]" if not ordered else f"{where}[{i}]"
-            problems.append(
-                Problem(
-                    arg,
-                    at,
-                    f"{name!r} -> {target!r} is not a logical name -> mesh axes mapping",
-                    hint=hint,
-                )
-            )
+            what = f"{name!r} -> {target!r} is not a logical name -> mesh axes mapping"
+            problems.append(Problem(arg, at, what, hint=hint))
             continue
         pairs.append((name, t))
         labels.append(_entry_label(name, i, where, file, ordered))
-        candidates.setdefault(name, []).append(t)
     if problems:
         return None, problems
+    return _rules(pairs, labels, ordered, source, file), []
+
+
+def _rules(
+    pairs: list[tuple[str, Target]],
+    labels: list[str],
+    ordered: bool,
+    source: str,
+    file: str | None,
+    declared: tuple[tuple[str, str], ...] = (),
+) -> LogicalRules:
+    candidates: dict[str, list[Target]] = {}
+    for n, t in pairs:
+        candidates.setdefault(n, []).append(t)
     public = (
         tuple((n, _public_entry(t)) for n, t in pairs)
         if ordered
         else {n: _public_entry(t) for n, t in pairs}
     )
-    return (
-        LogicalRules(
-            tuple(pairs),
-            ordered,
-            source,
-            public,
-            {n: tuple(c) for n, c in candidates.items()},
-            file,
-            tuple(labels),
-        ),
-        [],
+    by_name = {n: tuple(c) for n, c in candidates.items()}
+    return LogicalRules(
+        tuple(pairs), ordered, source, public, by_name, file, tuple(labels), declared
     )
 
 
@@ -280,17 +266,17 @@ class LogicalAxes:
             for i, n in enumerate(names)
             if not isinstance(n, str)
         ]
-        for name in defaults:
-            if name not in names:
-                problems.append(
-                    Problem(
-                        "LogicalAxes",
-                        f"defaults[{name!r}]",
-                        f"{name!r} has a default but is not among the declared names",
-                        hint=did_you_mean(name, names, f"add {name!r} to names"),
-                        logical_name=name if isinstance(name, str) else None,
-                    )
-                )
+        problems += [
+            Problem(
+                "LogicalAxes",
+                f"defaults[{name!r}]",
+                f"{name!r} has a default but is not among the declared names",
+                hint=did_you_mean(name, names, f"add {name!r} to names"),
+                logical_name=name if isinstance(name, str) else None,
+            )
+            for name in defaults
+            if name not in names
+        ]
         compiled, bad = compile_logical(
             defaults, f"{library}'s defaults", arg="LogicalAxes", where=f"{library} defaults"
         )
@@ -412,8 +398,7 @@ def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | No
 
 
 def layered(layers: Sequence[Any], base: LogicalRules | None) -> LogicalRules | None:
-    """``layers`` on top of ``base`` (the enclosing context's rules), validated and checked against
-    the declared names."""
+    """``layers`` on ``base`` (the enclosing context's), validated against the declared names."""
     out = None if base is None or base is _CLEARED else base
     user: list[tuple[str, str]] = []  # (name, label) of every entry a user's layer wrote
     if not layers:
@@ -440,9 +425,8 @@ def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
     pairs: list[tuple[str, Target]] = []
     labels: list[str] = []
     placed: set[str] = set()
-    base_labels = base.labels or (base.source,) * len(base.pairs)
-    top_labels = top.labels or (top.source,) * len(top.pairs)
-    for (name, target), lab in zip(base.pairs, base_labels, strict=True):
+    top_labels = top.entry_labels
+    for (name, target), lab in zip(base.pairs, base.entry_labels, strict=True):
         if name not in replaced:
             pairs.append((name, target))
             labels.append(lab)
@@ -456,27 +440,9 @@ def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
         if n not in placed:
             pairs.append((n, t))
             labels.append(tl)
+    declared = tuple({**dict(base.declared), **dict(top.declared)}.items())
     ordered = base.ordered or top.ordered
-    candidates: dict[str, list[Target]] = {}
-    for n, t in pairs:
-        candidates.setdefault(n, []).append(t)
-    public = (
-        tuple((n, _public_entry(t)) for n, t in pairs)
-        if ordered
-        else {n: _public_entry(t) for n, t in pairs}
-    )
-    declared = dict(base.declared)
-    declared.update(top.declared)
-    return LogicalRules(
-        tuple(pairs),
-        ordered,
-        _CONTEXT,
-        public,
-        {n: tuple(c) for n, c in candidates.items()},
-        top.file or base.file,
-        tuple(labels),
-        tuple(declared.items()),
-    )
+    return _rules(pairs, labels, ordered, _CONTEXT, top.file or base.file, declared)
 
 
 def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> None:
@@ -486,33 +452,23 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
     names = list(declared)
     problems = []
     for name, label in user:
-        if name in declared:
-            continue
-        problems.append(
-            Problem(
-                "logical_rules",
-                label,
-                f"{name!r} is not a logical name {libraries} declares "
-                f"(declared: {', '.join(names)})",
-                hint=did_you_mean(
-                    name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
-                ),
-                logical_name=name,
-                logical_rule=label,
+        if name not in declared:
+            what = f"{name!r} is not a logical name {libraries} declares (declared: {', '.join(names)})"
+            hint = did_you_mean(
+                name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
             )
-        )
-    for name, library in declared.items():
-        if name not in rules.candidates:
             problems.append(
                 Problem(
-                    "logical_rules",
-                    f"names[{name!r}]",
-                    f"{library} declares the logical name {name!r} without a default, and "
-                    "no rule maps it",
-                    hint=f"add {logical_entry(name, None, None, rules.ordered)} to your rules "
-                    "(a mesh axis, a tuple of axes, or None to replicate)",
-                    logical_name=name,
+                    "logical_rules", label, what, hint=hint, logical_name=name, logical_rule=label
                 )
+            )
+    for name, library in declared.items():
+        if name not in rules.candidates:
+            what = f"{library} declares the logical name {name!r} without a default, and no rule maps it"
+            hint = f"add {logical_entry(name, None, None, rules.ordered)} to your rules "
+            hint += "(a mesh axis, a tuple of axes, or None to replicate)"
+            problems.append(
+                Problem("logical_rules", f"names[{name!r}]", what, hint=hint, logical_name=name)
             )
     if problems:
         raise SpecError(
@@ -521,17 +477,14 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
 
 
 def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
-    """Every mesh axis ``rules`` map to that is a likely typo of an axis of ``mesh`` (``'modle'`` on
-    a mesh with ``'model'``) is an error here, before Flax's bridge meets it as a bare
-    ``ValueError``; an axis the mesh lacks and resembles none is left to the plan (rules may be
-    shared by meshes of other shapes)."""
+    """Raise for every mesh axis ``rules`` map to that is a likely typo of one of ``mesh``'s,
+    before Flax meets it; one resembling none is the plan's to report (meshes differ)."""
     if rules is None or mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
         return
     axes = [str(a) for a in mesh.axis_names]
     shown = ", ".join(map(repr, axes))
-    labels = rules.labels or (rules.source,) * len(rules.pairs)
     problems = []
-    for (name, target), label in zip(rules.pairs, labels, strict=True):
+    for (name, target), label in zip(rules.pairs, rules.entry_labels, strict=True):
         for axis in target:
             close = close_match(axis, axes) if axis not in axes else None
             if close is not None:
@@ -555,8 +508,7 @@ def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
 
 @contextlib.contextmanager
 def _flax_bridge(rules: LogicalRules | None, on: bool) -> Iterator[None]:
-    """Flax's ``nn.logical_axis_rules`` context set to ``rules`` for the block (Flax's own
-    is a thread-local attribute, restored on exit)."""
+    """Flax's ``nn.logical_axis_rules`` context set to ``rules`` for the block."""
     spmd = _flax_spmd() if on else None
     if spmd is None:
         yield
@@ -580,21 +532,15 @@ _linen_hooking = threading.Lock()
 
 
 def _hook_linen() -> None:
-    """Wrap linen's two constraint points, once (both defer to Flax's own code outside a bridged
-    context)."""
+    """Wrap linen's two constraint points, once (both are Flax's own outside a bridged context)."""
     global _linen_hooked
     with _linen_hooking:
         if not _linen_hooked:
-            _wrap_linen()
+            from .._internals import wrap_linen_constraint, wrap_linen_unbox
+
+            wrap_linen_unbox(_bridged_unbox)
+            wrap_linen_constraint(_bridged_constraint)
             _linen_hooked = True
-
-
-def _wrap_linen() -> None:
-    """The two wrappers ``_hook_linen`` describes, installed on Flax."""
-    from .._internals import wrap_linen_constraint, wrap_linen_unbox
-
-    wrap_linen_unbox(_bridged_unbox)
-    wrap_linen_constraint(_bridged_constraint)
 
 
 def _bridged_unbox(unbox: Any) -> Any:

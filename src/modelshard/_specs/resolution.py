@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -22,8 +23,7 @@ the rules that mapped it: ``((("batch", ("data",), "rules['batch']"),), (), ...)
 
 
 Checked: TypeAlias = tuple[PartitionSpec, str, list[tuple[str, str, dict[str, Any]]], Via]
-"""One leaf's resolution: (spec, rule text, problems as (what, hint, Problem fields), the
-logical names and rule entries per dimension)."""
+"""One leaf's resolution: spec, rule text, problems as (what, hint, Problem fields), ``Via``."""
 
 
 class Ctx:
@@ -59,27 +59,15 @@ class Ctx:
     ) -> None:
         shape = tuple(getattr(leaf, "shape", ())) if leaf is not None else None
         dtype = dtype_name(leaf.dtype) if leaf is not None and hasattr(leaf, "dtype") else None
-        self.problems.append(
-            Problem(
-                arg=arg,
-                path=path,
-                what=what,
-                shape=shape,
-                dtype=dtype,
-                spec=spec,
-                rule=rule,
-                mesh=self.sizes,
-                hint=hint,
-                **(fields or {}),
-            )
-        )
+        fields = fields or {}
+        problem = Problem(arg, path, what, shape, dtype, spec, rule, self.sizes, hint, **fields)
+        self.problems.append(problem)
 
 
 def resolve_names(
     spec: PartitionSpec, logical: LogicalRules | None
 ) -> tuple[PartitionSpec, str | None, Via]:
-    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem, which name
-    and entry mapped each dimension)."""
+    """Map the logical names of ``spec`` through ``logical``: (mesh-axis spec, problem, ``Via``)."""
     if logical is None or partial_axes(spec):  # partial specs are left for check to report
         return spec, None, ()
     entries = list(spec)
@@ -149,9 +137,12 @@ def check(
     file: str | None = None,
 ) -> list[tuple[str, str]]:
     """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``
-    (``logical``: the rules its names went through, named in the hint for unknown names;
-    ``file``: the rules file the spec came from, whose lines the hint gives)."""
+    (``logical``, ``file``: where unknown names' hints point)."""
     out: list[tuple[str, str]] = []
+
+    def bad(what: str, hint: str) -> None:
+        out.append((what, hint))
+
     partial = partial_axes(spec)
     if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
         return [
@@ -164,40 +155,32 @@ def check(
         ]
     entries = tuple(spec)
     if len(entries) > len(shape):
-        out.append(
-            (
-                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
-                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
-                "P() to replicate it)",
-            )
+        bad(
+            f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+            f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
+            "P() to replicate it)",
         )
     seen: dict[str, int] = {}
     for dim, entry in enumerate(entries):
         if entry is None:
             continue
         if not is_axes_entry(entry):
-            out.append(
-                (
-                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
-                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
-                )
+            bad(
+                f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                "spec entries are mesh axis names such as 'data', tuples of them, or None",
             )
             continue
         axes = entry_axes(entry)
         for a in axes:
             if a not in sizes:
-                out.append(
-                    (
-                        f"axis {a!r} (dimension {dim}) is not in the mesh",
-                        _unknown(a, sizes, logical, file),
-                    )
+                bad(
+                    f"axis {a!r} (dimension {dim}) is not in the mesh",
+                    _unknown(a, sizes, logical, file),
                 )
             elif a in seen:
-                out.append(
-                    (
-                        f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
-                        "each mesh axis may shard at most one dimension of a leaf",
-                    )
+                bad(
+                    f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
+                    "each mesh axis may shard at most one dimension of a leaf",
                 )
             else:
                 seen[a] = dim
@@ -205,13 +188,11 @@ def check(
             n = math.prod(sizes[a] for a in axes)
             if shape[dim] % n:
                 by = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                out.append(
-                    (
-                        f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
-                        f"but {shape[dim]} is not divisible by {n}",
-                        "shard this dimension over axes whose sizes divide it, pad it, or "
-                        "replicate it with None",
-                    )
+                bad(
+                    f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                    f"but {shape[dim]} is not divisible by {n}",
+                    "shard this dimension over axes whose sizes divide it, pad it, or "
+                    "replicate it with None",
                 )
     return out
 
@@ -219,8 +200,7 @@ def check(
 def unmatched_key(
     arg: str, info: LeafInfo, leaf: Any, s: Rules, shape: tuple[int, ...], ctx: Ctx
 ) -> tuple[Any, ...] | None:
-    """The resolution-cache key of a leaf no rule matches, or None after reporting it
-    (under ``strict``)."""
+    """The resolution-cache key of a leaf no rule matches; None once reported (``strict``)."""
     if not shape:
         return (id(s), "scalar")  # scalars always replicate
     if info.names is not None:
@@ -258,15 +238,8 @@ def resolve_checked(
     if logical is not None:
         spec, twice, via = resolve_names(spec, logical)
         if twice is not None:
-            ctx.problem(
-                arg,
-                info.path,
-                leaf,
-                twice,
-                spec=spec,
-                rule=rule,
-                hint="give each dimension its own logical name",
-            )
+            hint = "give each dimension its own logical name"
+            ctx.problem(arg, info.path, leaf, twice, spec=spec, rule=rule, hint=hint)
             return None
     try:
         found = check(spec, shape, ctx.sizes, logical, file)
@@ -295,9 +268,8 @@ def _cli_hint(
     file: str | None,
     fields: Mapping[str, Any],
 ) -> str:
-    """A hint in the command line's words: a dimension to replicate is ``"none"`` in the
-    rules file, shown as the TOML spec to write in the ``rules[i]`` it came from, or the
-    ``[logical]`` line to change when a logical name mapped it."""
+    """A hint in the command line's words: the TOML spec to write in the ``rules[i]`` the
+    spec came from (logical names' hints are already the rules file's)."""
     name = fields.get("logical_name")
     if name is not None and fields.get("logical_rule") is not None:
         return hint  # already in the rules file's words (_in_logical_terms)
@@ -334,9 +306,8 @@ def _in_logical_terms(
     logical: LogicalRules | None,
     via: Via,
 ) -> tuple[str, str, dict[str, Any]]:
-    """A problem with a dimension a logical name mapped, said in the user's terms: which
-    logical name, which dimension, which entry of the rules, and a fix that is theirs to
-    make (the entry to change). Other problems keep their words, with the dimension."""
+    """A problem with a dimension a logical name mapped, in the user's terms: the name, the
+    dimension, the rules' entry and the fix to it; other problems keep their words."""
     m = _INDIVISIBLE.match(what) or _NOT_IN_MESH.fullmatch(what)
     if m is None:
         return what, hint, {}
@@ -402,7 +373,7 @@ def _not_in_mesh(
         f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
         "in the mesh"
     )
-    close = _close_axis(axis, sizes)
+    close = close_match(axis, sizes)
     if close is not None:
         return (
             what,
@@ -423,19 +394,13 @@ def _not_in_mesh(
     )
 
 
-def _close_axis(name: str, sizes: Mapping[str, int]) -> str | None:
-    """The mesh axis ``name`` is most likely a typo of (``modle`` -> ``model``), if any."""
-    return close_match(name, sizes)
-
-
 def _unknown(
     name: str, sizes: Mapping[str, int], logical: LogicalRules | None, file: str | None
 ) -> str:
-    """The hint for a spec name that is neither a mesh axis nor a known logical name, in
-    the user's words: a typo of a mesh axis gets "did you mean"; a logical name gets the
-    entry to add, as a TOML line for a rules file and as Python otherwise."""
+    """The hint for a name that is neither a mesh axis nor a known logical name: "did you
+    mean" for a typo of an axis, else the entry to add, in the user's words."""
     axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
-    close = _close_axis(name, sizes)
+    close = close_match(name, sizes)
     if close is not None:
         return f"did you mean {close!r}? ({axes})"
     if logical is not None:
@@ -460,8 +425,8 @@ _REFUSED: dict[Any, tuple[str, str] | None] = {}
 
 
 def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
-    """(what, hint) if JAX cannot hold this NumPy leaf: masked arrays, str/bytes/object/
-    datetime/structured/float128 dtypes. Plans must say so, not ``device_put`` later."""
+    """(what, hint) if JAX cannot hold this NumPy leaf (a masked array, a str/object/... dtype):
+    the plan says so, not a later ``device_put``."""
     if isinstance(leaf, np.ma.MaskedArray):
         return (
             "a NumPy masked array cannot be placed on devices",
@@ -490,8 +455,8 @@ UNMATCHED = "unmatched (replicated, strict=False)"  # a plan row's rule: nothing
 def resolve(
     arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
 ) -> tuple[PartitionSpec, str, LogicalRules | None] | None:
-    """The (spec, rule text, logical rules to map its names through) for one leaf; None
-    after reporting a problem. Explicit ``Rules(logical=...)`` wins over the context."""
+    """(spec, rule text, logical rules for its names) of one leaf; None once a problem is
+    reported. Explicit ``Rules(logical=...)`` wins over the context."""
     if isinstance(s, PartitionSpec):
         return s, f"{format_spec(s)} for the whole argument", ctx.logical
     if isinstance(s, Rules):
@@ -507,39 +472,24 @@ def resolve(
         return spec, rule, s.compiled_logical if s.logical is not None else ctx.logical
     if isinstance(s, FSDP):
         return *s.spec_for(shape, ctx.sizes), None
+    fail = functools.partial(ctx.problem, arg, info.path, leaf)
     if s is None:
-        ctx.problem(
-            arg,
-            info.path,
-            leaf,
-            "the spec is None",
-            hint="use P() to replicate; None is not a spec in modelshard",
-        )
+        fail("the spec is None", hint="use P() to replicate; None is not a spec in modelshard")
         return None
     if callable(s):
         name = getattr(s, "__name__", type(s).__name__)
         try:
             got = s(info.path, leaf)
         except Exception as e:
-            ctx.problem(
-                arg, info.path, leaf, f"spec function {name} raised {type(e).__name__}: {e}"
-            )
+            fail(f"spec function {name} raised {type(e).__name__}: {e}")
             return None
         if not isinstance(got, PartitionSpec):
-            ctx.problem(
-                arg,
-                info.path,
-                leaf,
-                f"spec function {name} returned {got!r}, not a PartitionSpec",
-                hint="return P(...) for every leaf (P() replicates)",
-            )
+            hint = "return P(...) for every leaf (P() replicates)"
+            fail(f"spec function {name} returned {got!r}, not a PartitionSpec", hint=hint)
             return None
         # a spec function may say in words where its specs come from (``spec_source``)
         return got, getattr(s, "spec_source", None) or f"function {name}", ctx.logical
-    ctx.problem(
-        arg,
-        info.path,
-        leaf,
+    fail(
         f"{s!r} ({type(s).__name__}) is not a spec",
         hint="give a PartitionSpec, Rules, fsdp(...), a function (path, leaf) -> "
         "PartitionSpec, or a prefix tree of these",

@@ -26,14 +26,9 @@ def _entry(value: Any, where: str, problems: list[Problem], arg: str, empty: boo
         return None
     if isinstance(value, list) and value and all(isinstance(v, str) and v != NONE for v in value):
         return tuple(value)
-    problems.append(
-        Problem(
-            arg,
-            where,
-            f"{value!r} is not an axis name, a list of axis names, or {NONE!r}",
-            hint=f'write "data", ["data", "model"] or "{NONE}" (TOML has no null)',
-        )
-    )
+    what = f"{value!r} is not an axis name, a list of axis names, or {NONE!r}"
+    hint = f'write "data", ["data", "model"] or "{NONE}" (TOML has no null)'
+    problems.append(Problem(arg, where, what, hint=hint))
     return None
 
 
@@ -70,27 +65,19 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
             problems.append(Problem(source, f"{where}.pattern", what))
             continue
         if not isinstance(spec, list):
-            problems.append(
-                Problem(
-                    source,
-                    f"{where}.spec",
-                    f"spec must be an array of entries, got {spec!r}",
-                    hint='spec = [] replicates; spec = ["data", "none"] shards dimension 0',
-                )
-            )
+            what = f"spec must be an array of entries, got {spec!r}"
+            hint = 'spec = [] replicates; spec = ["data", "none"] shards dimension 0'
+            problems.append(Problem(source, f"{where}.spec", what, hint=hint))
             continue
         try:
             re.compile(pattern)
         except re.error as e:
-            problems.append(
-                Problem(
-                    source,
-                    f"{where}.pattern",
-                    f"{quote_pattern(pattern)} is not a valid regular expression: {e}",
-                    hint="write a Python regular expression, in single quotes (a TOML "
-                    r"literal string, backslashes kept as written): pattern = 'norm\d?/weight$'",
-                )
+            what = f"{quote_pattern(pattern)} is not a valid regular expression: {e}"
+            hint = (
+                "write a Python regular expression, in single quotes (a TOML literal string, "
+                r"backslashes kept as written): pattern = 'norm\d?/weight$'"
             )
+            problems.append(Problem(source, f"{where}.pattern", what, hint=hint))
         entries = [_entry(e, f"{where}.spec[{j}]", problems, source) for j, e in enumerate(spec)]
         rules.append((pattern, PartitionSpec(*entries)))
     logical: Any = None
@@ -105,26 +92,15 @@ def parse_rules(data: Mapping[str, Any], source: str = "rules") -> Rules:
         for i, pair in enumerate(raw_logical):
             where = f"logical[{i}]"
             if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
-                problems.append(
-                    Problem(
-                        source,
-                        where,
-                        f"{pair!r} is not a [logical name, mesh axes] pair",
-                        hint='write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or '
-                        '["norm", []]',
-                    )
-                )
+                hint = 'write ["embed", ["fsdp", "tensor"]], ["embed", "fsdp"] or ["norm", []]'
+                what = f"{pair!r} is not a [logical name, mesh axes] pair"
+                problems.append(Problem(source, where, what, hint=hint))
                 continue
             logical.append((pair[0], _entry(pair[1], f"{where}[1]", problems, source, True)))
     elif raw_logical is not None:
-        problems.append(
-            Problem(
-                source,
-                "logical",
-                "logical must be a table of name = axis, or an array of [name, axes] pairs",
-                hint='[logical] embed = "model", or logical = [["embed", "model"]]',
-            )
-        )
+        what = "logical must be a table of name = axis, or an array of [name, axes] pairs"
+        hint = '[logical] embed = "model", or logical = [["embed", "model"]]'
+        problems.append(Problem(source, "logical", what, hint=hint))
     if problems:
         raise SpecError(problems, header=f"invalid rules file {source}:")
     try:
