@@ -121,7 +121,7 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "arrays": f"writing {staging_dir(root / 'arrays')} failed on process 1: {full}",
         "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
         "system (injected)",
-        "s3": f"writing {s3_root}/arrays failed on process 1: {full}",
+        "s3": f"writing {s3_root}/arrays/state failed on process 1: {full}",
         "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
         f"failed on process 1: {full}",
         "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "

@@ -79,6 +79,7 @@ CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp
     import orbax.checkpoint as ocp
     import modelshard as ms
+    from modelshard._checkpoint import shards
 
     root = sys.argv[1]
     v1 = {"w": jnp.arange(4096.0), "k": jax.random.key(1)}
@@ -95,7 +96,8 @@ CHILD = textwrap.dedent(
             print(f"STALLED {len(stalled)}", flush=True)
         time.sleep(300)
 
-    ocp.PyTreeCheckpointHandler.finalize = stall
+    ocp.PyTreeCheckpointHandler.finalize = stall  # the manager's step
+    shards._finalize = lambda *args: stall(None, args[0])  # ms.save's
     mngr.save(2, v2)
     ms.save(f"{root}/ckpt", v2, overwrite=True)
     print("NOT STALLED", flush=True)
@@ -381,11 +383,13 @@ def test_a_step_written_by_orbax_standard_handler_still_restores(tmp_path):
     StandardCheckpointHandler: zstd) restore and list beside the new raw ones."""
     import orbax.checkpoint as ocp
 
+    from modelshard._checkpoint.storage import nest
     from modelshard._checkpoint.write import prepare
 
     old = {"w": jnp.arange(64.0).reshape(8, 8), "k": jax.random.key(3)}
-    tree, record = prepare(old)
+    arrays, record = prepare(old)
     record.resolve()
+    tree = nest(arrays, "save")
     handler = ocp.CompositeCheckpointHandler(
         state=ocp.StandardCheckpointHandler(),
         modelshard=ocp.JsonCheckpointHandler(filename="modelshard.json"),

@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from modelshard._checkpoint import ocdbt, s3, stream
+from modelshard._checkpoint import ocdbt, s3, shards
 from modelshard._checkpoint.sources import locate
+from modelshard._checkpoint.storage import MARKER
 from modelshard._checkpoint.urls import kvstore, location
 
 # where a checkpoint's arrays may live: each spec is compared for all three
@@ -109,34 +110,39 @@ def test_the_sharding_entry_is_orbaxs(mesh24, spec):
 
 def test_the_metadata_files_are_orbaxs(tmp_path, mesh24):
     """``_METADATA``, ``_sharding``, ``array_metadatas/process_0`` and
-    ``_CHECKPOINT_METADATA`` built here equal the ones Orbax's handler wrote for ``save``."""
+    ``_CHECKPOINT_METADATA`` of ``save`` equal the ones Orbax's own handler writes for the
+    same arrays, stored in the same chunks (``save``'s)."""
     from modelshard._internals import STANDARD_HANDLER_NAME
 
     state = {
         "layers": {"0": {"w": ms.shard(jnp.ones((64, 8)), P("data", "model"), mesh24)}},
         "b": ms.shard(jnp.ones(4, jnp.bfloat16), P(), mesh24),
         "k": ms.shard(jnp.zeros((2, 8), jnp.int8), P(None, "model"), mesh24),
+        "one": jnp.arange(3.0),  # a single device's
     }
     path = ms.save(tmp_path / "c", state)
-    orbax = {
-        f: json.loads((path / f).read_text())
-        for f in ["_METADATA", "_sharding", "array_metadatas/process_0", "_CHECKPOINT_METADATA"]
-    }
+    names = ["_METADATA", "_sharding", "array_metadatas/process_0", "_CHECKPOINT_METADATA"]
+    ours = {f: json.loads((path / f).read_text()) for f in names}
     chunks = {
         a["array_metadata"]["param_name"]: a["array_metadata"]["write_shape"]
-        for a in orbax["array_metadatas/process_0"]["array_metadatas"]
+        for a in ours["array_metadatas/process_0"]["array_metadatas"]
     }
-    leaves = {"b": ("b",), "k": ("k",), "layers.0.w": ("layers", "0", "w")}
-    shardings = {"b": state["b"], "k": state["k"], "layers.0.w": state["layers"]["0"]["w"]}
-    assert ocdbt.tree_metadata((leaves[n], chunks[n]) for n in chunks) == orbax["_METADATA"]
-    assert ocdbt.array_metadatas(chunks.items()) == orbax["array_metadatas/process_0"]
-    sharded = ((n, shardings[n].sharding) for n in chunks)
-    assert ocdbt.sharding_file(sharded) == orbax["_sharding"]
-    handler = orbax["_CHECKPOINT_METADATA"]["item_handlers"]
-    ours = ocdbt.checkpoint_metadata(handler, 1, {"modelshard": "modelshard.checkpoint/1"})
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax", state, custom_metadata=MARKER)
+    theirs = {f: json.loads((tmp_path / "orbax" / f).read_text()) for f in names}
+    # Orbax stores each shard as one chunk; ``save`` cuts them finer (chunks.py)
+    assert chunks == {"b": [4], "k": [2, 2], "layers.0.w": [32, 2], "one": [3]}
+    for entry in theirs["_METADATA"]["tree_metadata"].values():
+        name = ".".join(k["key"] for k in entry["key_metadata"])
+        entry["value_metadata"]["write_shape"] = chunks[name]
+    for entry in theirs["array_metadatas/process_0"]["array_metadatas"]:
+        meta = entry["array_metadata"]
+        meta["write_shape"] = meta["chunk_shape"] = chunks[meta["param_name"]]
+    for f in ("_METADATA", "_sharding", "array_metadatas/process_0"):
+        assert ours[f] == theirs[f], f
     times = ("init_timestamp_nsecs", "commit_timestamp_nsecs")
-    assert {k: v for k, v in ours.items() if k not in times} == {
-        k: v for k, v in orbax["_CHECKPOINT_METADATA"].items() if k not in times
+    assert {k: v for k, v in ours["_CHECKPOINT_METADATA"].items() if k not in times} == {
+        k: v for k, v in theirs["_CHECKPOINT_METADATA"].items() if k not in times
     }
     assert STANDARD_HANDLER_NAME.endswith(".StandardCheckpointHandler")
 
@@ -161,7 +167,7 @@ def test_the_merge_is_orbaxs(tmp_path, mesh8, monkeypatch):
         shutil.copytree(tree_dir["path"], copy)
         merge(tree_dir, names)
 
-    monkeypatch.setattr(stream, "merge", copy_then_merge)
+    monkeypatch.setattr(shards, "merge", copy_then_merge)
     rules = ms.Rules([("w$", P(None, "data")), (".*", P())])
     out = ms.reshard(src, tmp_path / "dst", specs=rules, mesh=mesh8)
     ocp.PyTreeCheckpointHandler(use_zarr3=False).finalize(epath.Path(copy))

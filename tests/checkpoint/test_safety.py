@@ -228,14 +228,13 @@ def test_manager_refuses_non_json_metadata_without_a_partial_step(tmp_path):
 def test_a_save_that_fails_while_writing_leaves_no_hidden_copy(tmp_path, monkeypatch):
     import modelshard._checkpoint.write as write
 
-    real = write.orbax_save
+    real = write.write_held
 
-    def failing(directory: Path, tree: Any, *options: Any) -> None:
-        real(directory, tree, *options)  # a whole copy, as when the record then fails
-        Path(f"{directory}.orbax-checkpoint-tmp-1234").mkdir()  # as Orbax leaves one
+    def failing(directory: Path, held: Any, **options: Any) -> None:
+        real(directory, held, **options)  # a whole copy, as when the record then fails
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(write, "orbax_save", failing)
+    monkeypatch.setattr(write, "write_held", failing)
     with pytest.raises(OSError, match="No space left"):
         ms.save(tmp_path / "c", {"w": jnp.ones(2)})
     assert _hidden(tmp_path) == [] and not (tmp_path / "c").exists()

@@ -42,6 +42,7 @@ from .storage import (
     METRICS_ITEM,
     RECORD_FILE,
     RECORD_ITEM,
+    nest,
 )
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
@@ -409,7 +410,7 @@ class CheckpointManager:
             json_or_error("metadata", dict(metadata))
         # Checks the state and starts its checksums (on the host workers), which run while
         # the previous step's write is waited for; nothing is written yet.
-        tree, record = prepare(state, metadata)
+        arrays, record = prepare(state, metadata)
         self.wait_until_finished()  # one save at a time; rotation of the finished one
         self._save_verdict(step)
         encoded = encode_items(items)
@@ -420,7 +421,7 @@ class CheckpointManager:
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
         record.resolve()  # collectives over arrays spanning processes: every process
-        args = step_args(tree, record.to_json(), items, encoded, metrics)
+        args = step_args(nest(arrays, "save"), record.to_json(), items, encoded, metrics)
         if metrics is not None:
             self._metrics[step] = dict(metrics)
         if self._ckptr is None:

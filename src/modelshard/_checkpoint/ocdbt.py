@@ -16,8 +16,9 @@ directory may be given as its path):
 - ``context``: Orbax's TensorStore context (``get_ts_context``);
 - ``sharding_json`` / ``sharding_file``: Orbax's ``_sharding`` file
   (``NamedShardingMetadata.to_serialized_string`` per array);
-- ``tree_metadata``, ``array_metadatas``, ``checkpoint_metadata``: the ``_METADATA``,
-  ``array_metadatas/process_<i>`` and ``_CHECKPOINT_METADATA`` files of a PyTree save;
+- ``tree_metadata``, ``array_metadatas`` (``write_array_list``), ``checkpoint_metadata``:
+  the ``_METADATA``, ``array_metadatas/process_<i>`` and ``_CHECKPOINT_METADATA`` files of a
+  PyTree save;
 - ``merge``: Orbax's finalize of an OCDBT save (``merge_ocdbt_per_process_files``), each
   process's database copied into the root's in one atomic transaction, after the same
   check (every array has its zarr metadata and chunks);
@@ -183,9 +184,17 @@ def write_spec(
     }
 
 
-def sharding_json(sharding: Any) -> str:
-    """``sharding`` (a ``NamedSharding``) as Orbax's ``_sharding`` file holds it."""
-    mesh = sharding.mesh
+def sharding_json(sharding: Any) -> str | None:
+    """``sharding`` as Orbax's ``_sharding`` file holds it: a ``NamedSharding`` or a
+    ``SingleDeviceSharding``; None for another kind, which Orbax does not record either."""
+    import jax
+
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": str(device)})
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    mesh: Any = sharding.mesh
     data = {
         "sharding_type": "NamedSharding",
         "shape": [int(n) for n in mesh.shape.values()],
@@ -207,8 +216,9 @@ def sharding_file(arrays: Iterable[tuple[str, Any]]) -> dict[str, str]:
     """Orbax's ``_sharding`` file of ``arrays``, ``(name, NamedSharding)`` pairs: each
     array's entry (``sharding_json``) under its name in URL-safe base64."""
     return {
-        base64.urlsafe_b64encode(name.encode()).decode(): sharding_json(sharding)
+        base64.urlsafe_b64encode(name.encode()).decode(): entry
         for name, sharding in arrays
+        if (entry := sharding_json(sharding)) is not None
     }
 
 
@@ -235,6 +245,11 @@ def tree_metadata(arrays: Iterable[tuple[Sequence[str], Sequence[int]]]) -> dict
     }
 
 
+ARRAY_METADATAS = "array_metadatas"
+SHARDING_FILE = "_sharding"
+"""Orbax's folder of per-process array lists and its file of each array's sharding."""
+
+
 def array_metadatas(arrays: Iterable[tuple[str, Sequence[int]]]) -> dict[str, Any]:
     """Orbax's ``array_metadatas/process_<i>`` file: ``(name, chunk)`` of each array
     (every process lists every array; Orbax's finalize checks that the lists agree)."""
@@ -251,6 +266,14 @@ def array_metadatas(arrays: Iterable[tuple[str, Sequence[int]]]) -> dict[str, An
             for name, chunk in arrays
         ]
     }
+
+
+def write_array_list(directory: Any, process: int, arrays: Iterable[tuple[str, Any]]) -> None:
+    """Write ``array_metadatas/process_<process>`` (``array_metadatas``) into ``directory``
+    (a local ``Path`` or an ``epath.Path``)."""
+    (directory / ARRAY_METADATAS).mkdir(exist_ok=True)
+    listed = json.dumps(array_metadatas(arrays))
+    (directory / ARRAY_METADATAS / f"process_{process}").write_text(listed)
 
 
 def checkpoint_metadata(handler: str, start_ns: int, custom: dict[str, Any]) -> dict[str, Any]:

@@ -2,24 +2,32 @@
 
 On a local disk ``save`` writes into a staging directory and renames it (see
 `write.py`). Object stores have no rename, so there the checkpoint is written where it
-belongs, in one Orbax save of two items, ``state/`` (the arrays) and
-``modelshard/modelshard.json`` (the record), the layout of a manager step that
-`locate.locate` reads. Orbax writes its commit file
-(``storage.COMMIT_FILE``) last; a checkpoint without it is incomplete and ``locate``
-refuses it. ``overwrite`` removes the old checkpoint first (only one modelshard wrote):
+belongs, as two items, ``state/`` (the arrays) and ``modelshard/modelshard.json`` (the
+record), the layout of a manager step that `sources.locate` reads. The commit file
+(``storage.COMMIT_FILE``, Orbax's) is written last; a checkpoint without it is incomplete
+and ``locate`` refuses it. ``overwrite`` removes the old checkpoint first (only one modelshard wrote):
 there is no atomic swap on object storage, so a crash in between leaves none.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .._base import CheckpointError
 from .._runtime import broadcast
-from .barriers import sharing_failures
+from .barriers import raise_shared
 from .record import Record
-from .storage import COMMIT_FILE, MARKER, RECORD_FILE, RECORD_ITEM, STATE_ITEM, is_marked
-from .urls import atomicity_options, check_bucket, forget_listings, reaching
+from .shards import marked_metadata
+from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
+    RECORD_FILE,
+    RECORD_ITEM,
+    STATE_ITEM,
+    is_marked,
+)
+from .urls import check_bucket, forget_listings, reaching
 
 
 def prepare_remote(path: Any, *, overwrite: bool) -> None:
@@ -70,42 +78,42 @@ def _make_room(path: Any, *, overwrite: bool) -> None:
             path.rmtree()
 
 
-def save_remote(
-    path: Any, tree: Any, record: Record, *, overwrite: bool, handler: Any, processes: Any
-) -> None:
-    """Write ``tree`` and ``record`` as a checkpoint at the object-storage ``path``, in
-    one Orbax save committed by its commit file (see ``prepare_remote`` for an old one).
+def write_remote(path: Any, write: Any, record: Record, *, overwrite: bool) -> None:
+    """Write a checkpoint at the object-storage ``path`` in place (no rename there), as a
+    manager step's layout: ``write(path / "state")`` writes the arrays (every process),
+    then process 0 the record, the marked ``_CHECKPOINT_METADATA`` and the commit files,
+    last (see ``prepare_remote`` for an old checkpoint there). A part failing on one
+    process fails the save on every process at once."""
+    import time
 
-    ``handler`` writes the arrays (``write.save_handler``: ``save``'s compression, its
-    files), ``processes`` are Orbax's multiprocessing options
-    (``write.coordinated_processes``); ``write`` passes both, as it imports this module.
-    """
-    import orbax.checkpoint as ocp
+    import jax
 
+    start_ns = time.time_ns()
     prepare_remote(path, overwrite=overwrite)
-    record.resolve()  # collectives over arrays spanning processes: every process
-    atomicity = atomicity_options(path)
-    # a part that fails on one process fails the save on every process at once
-    composite = sharing_failures(
-        ocp.CompositeCheckpointHandler(
-            composite_options=ocp.CompositeOptions(
-                atomicity_options=atomicity, multiprocessing_options=processes
-            ),
-            **{
-                STATE_ITEM: handler,
-                RECORD_ITEM: ocp.JsonCheckpointHandler(filename=RECORD_FILE),
-            },
-        ),
-        "modelshard:save:arrays",
-        f"writing {path}",
-    )
-    args = ocp.args.Composite(
-        **{
-            STATE_ITEM: ocp.args.PyTreeSave(tree),
-            RECORD_ITEM: ocp.args.JsonSave(record.to_json()),
-        }
-    )
-    with ocp.Checkpointer(
-        composite, atomicity_options=atomicity, multiprocessing_options=processes
-    ) as ckptr:
-        ckptr.save(path, args=args, custom_metadata=MARKER)
+    failure: Exception | None = None
+    try:
+        write(path / STATE_ITEM)
+        record.resolve()  # collectives over arrays spanning processes: every process
+    except Exception as e:
+        if jax.process_count() == 1:
+            raise
+        failure = e
+    raise_shared(failure, "modelshard:save:written", f"writing {path}")
+    if jax.process_index() == 0:
+        try:
+            _commit(path, record, start_ns)
+        except Exception as e:
+            failure = e
+    raise_shared(failure, "modelshard:save:end", f"committing {path}")
+
+
+def _commit(path: Any, record: Record, start_ns: int) -> None:
+    """Process 0: the record, the step's metadata and the commit files, each item's and
+    then the checkpoint's, last (``locate`` refuses a checkpoint without it)."""
+    done = f"Checkpoint commit was successful to {path}"
+    with reaching(path):
+        (path / STATE_ITEM / COMMIT_FILE).write_text(done)
+        (path / RECORD_ITEM).mkdir(parents=True, exist_ok=True)
+        (path / RECORD_ITEM / RECORD_FILE).write_text(record.dumps())
+        (path / CHECKPOINT_METADATA).write_text(json.dumps(marked_metadata(start_ns)))
+        (path / COMMIT_FILE).write_text(done)

@@ -47,17 +47,10 @@ from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums, host_workers
-from .ocdbt import (
-    array_metadatas,
-    checkpoint_metadata,
-    context,
-    merge,
-    sharding_file,
-    tree_metadata,
-    write_spec,
-)
+from .ocdbt import context, write_array_list, write_spec
 from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
+from .shards import finish_tree
 from .slabs import (
     Layout,
     StreamLeaf,
@@ -67,19 +60,7 @@ from .slabs import (
     logical_dtype,
     slabs,
 )
-from .storage import (
-    CHECKPOINT_METADATA,
-    COMMIT_FILE,
-    MARKER,
-    PART_FILE,
-    RECORD_FILE,
-    RECORD_ITEM,
-    STATE_ITEM,
-    TREE_METADATA,
-    check_names,
-    nest,
-    orbax_name,
-)
+from .storage import PART_FILE, check_names, nest, orbax_name
 from .urls import is_remote, kvstore, location
 from .write import check_compression, check_destination, write_atomic
 
@@ -291,12 +272,6 @@ def _stored(layouts: Sequence[Layout]) -> list[Layout]:
     return [lay for lay in layouts if math.prod(lay.rec.stored_shape)]
 
 
-def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
-    from .._internals import STANDARD_HANDLER_NAME
-
-    return checkpoint_metadata(STANDARD_HANDLER_NAME, start_ns, MARKER)
-
-
 class Stream:
     """A checkpoint being written by ``write_stream``: its leaves laid out, then written
     into one directory by ``write`` (each process its share), all checked first."""
@@ -368,9 +343,8 @@ class Stream:
             for lay in self.layouts:
                 if not math.prod(lay.rec.stored_shape) and process == 0:
                     sums[lay.rec.path] = self._empty_sums(lay)
-            listed = array_metadatas((orbax_name(lay.rec.key), lay.chunk) for lay in arrays)
-            (directory / "array_metadatas").mkdir(exist_ok=True)
-            (directory / "array_metadatas" / f"process_{process}").write_text(json.dumps(listed))
+            names = [(orbax_name(lay.rec.key), lay.chunk) for lay in arrays]
+            write_array_list(directory, process, names)
             if count > 1:
                 (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
         except Exception as e:
@@ -403,16 +377,7 @@ class Stream:
                     "it reports the damage)",
                 )
             )
-        if process == 0:
-            tree = tree_metadata((lay.rec.key, lay.chunk) for lay in arrays)
-            (directory / TREE_METADATA).write_text(json.dumps(tree))
-            shardings = sharding_file((orbax_name(lay.rec.key), lay.sharding) for lay in arrays)
-            (directory / "_sharding").write_text(json.dumps(shardings))
-            try:  # Orbax's finalize: each process's database merged into the checkpoint's
-                merge(kvstore(directory), [orbax_name(lay.rec.key) for lay in arrays])
-            except ValueError as e:
-                raise CheckpointError(f"cannot write {directory}: {e}") from e
-            (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start_ns)))
+        finish_tree(directory, [(lay.rec.key, lay.chunk, lay.sharding) for lay in arrays], start_ns)
         if self.progress is not None and count == 1:
             self.progress(self.total, self.total)
 
@@ -490,19 +455,8 @@ def write_stream(
 
 
 def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
-    """``write_stream`` to object storage: written in place (no rename there) as a
-    manager-step layout (``state/`` and ``modelshard/modelshard.json``), with Orbax's
-    commit file written last; a checkpoint without it is refused by ``locate``."""
-    from .remote import prepare_remote
+    """``write_stream`` to object storage: written in place, committed by its commit file
+    (``remote.write_remote``)."""
+    from .remote import write_remote as write_in_place
 
-    prepare_remote(path, overwrite=overwrite)
-    stream.write(path / STATE_ITEM)
-    stream.record.resolve()  # collectives over spanning arrays: every process, before the branch
-    if jax.process_index() == 0:
-        # Orbax reads an item on object storage only once its own commit file is there.
-        (path / STATE_ITEM / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
-        (path / RECORD_ITEM).mkdir(parents=True, exist_ok=True)
-        (path / RECORD_ITEM / RECORD_FILE).write_text(stream.record.dumps())
-        (path / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(time.time_ns())))
-        (path / COMMIT_FILE).write_text(f"Checkpoint commit was successful to {path}")
-    barrier("modelshard:stream:committed")
+    write_in_place(path, stream.write, stream.record, overwrite=overwrite)

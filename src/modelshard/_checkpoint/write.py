@@ -30,15 +30,15 @@ from .._base import (
     write_durable,
 )
 from .._containers import split
-from .barriers import raise_shared, sharing_failures
+from .barriers import raise_shared
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
 from .leaks import stop_leaks
 from .ocdbt import array_keys, merge, unmerged
 from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
+from .shards import take, write_held
 from .storage import (
     CHECKPOINT_METADATA,
-    MARKER,
     MAX_METADATA_BYTES,
     RECORD_FILE,
     TREE_METADATA,
@@ -161,8 +161,11 @@ def check_leaves(paths: Sequence[str], arrays: Sequence[Any]) -> None:
         )
 
 
-def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Record]:
-    """Split ``state`` into the nested dict Orbax stores and the record beside it.
+def prepare(
+    state: Any, metadata: Mapping[str, Any] | None = None
+) -> tuple[list[tuple[tuple[str, ...], Any]], Record]:
+    """Split ``state`` into the arrays stored (``(storage key, array)``, none zero-size)
+    and the record beside it.
 
     Everything that can refuse the state is checked here, before the caller writes a
     byte: the leaves themselves, their storage names and the metadata. Leaves that are
@@ -223,8 +226,8 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
     # canonical paths must form a tree, zero-size leaves and values included
     nest(items + [(v.key, v.value) for v in values], "save")
     # Orbax refuses zero-size arrays: the record's shape and dtype say all there is.
-    tree = nest([(k, x) for k, x in items if x.size], "save")
-    if not tree:
+    arrays = [(k, x) for k, x in items if x.size]
+    if not arrays:
         raise CheckpointError(
             f"nothing to save: every array leaf of the {type(state).__name__} is zero-size."
         )
@@ -237,7 +240,7 @@ def prepare(state: Any, metadata: Mapping[str, Any] | None = None) -> tuple[dict
         values=values,
         pending=pending,
     )
-    return tree, record
+    return arrays, record
 
 
 def _replicated_if_local(x: Any) -> Any:
@@ -486,20 +489,6 @@ def registry_with(arrays: Any) -> Any:
     )
 
 
-def orbax_save(directory: Path, tree: Any, compression: str | None = None) -> None:
-    """Write ``tree`` as an Orbax PyTree checkpoint marked as modelshard's."""
-    import orbax.checkpoint as ocp
-
-    # Several processes: Orbax's own barriers (start, directories, commit) go through the
-    # coordination service, as the manager's do; one process: Orbax's defaults, unchanged.
-    processes = coordinated_processes()
-    handler = sharing_failures(
-        save_handler(compression), "modelshard:save:arrays", f"writing {directory}"
-    )
-    with ocp.Checkpointer(handler, multiprocessing_options=processes) as ckptr:
-        ckptr.save(directory, args=ocp.args.PyTreeSave(tree), custom_metadata=MARKER)
-
-
 def save(
     directory: str | os.PathLike[str],
     state: Any,
@@ -510,14 +499,14 @@ def save(
 ) -> Path:
     """Save any registered container as a sharded Orbax checkpoint with a modelshard record.
 
-    Each process writes its own shards (Orbax OCDBT). Beside the data, ``modelshard.json``
+    Each process writes its own shards (Orbax's OCDBT format, which plain Orbax restores). Beside the data, ``modelshard.json``
     records each leaf's canonical path, shape, dtype, the spec and mesh it was saved with,
     the container kind, package versions and a checksum. The directory appears only when
     complete: a save that fails or is killed leaves any earlier checkpoint there intact.
 
     Args:
         directory: where to write (made absolute; its parent is created), or a
-            ``gs://`` or ``s3://`` URL (written in place and committed by Orbax's commit file).
+            ``gs://`` or ``s3://`` URL (written in place, complete once its commit file is).
         state: any registered container (pytree, optax state, NNX module or state, linen
             variables, Equinox module, TrainState...). Typed PRNG keys, bfloat16 and NumPy
             leaves are fine; abstract leaves are not. Leaves that are Python values
@@ -548,19 +537,16 @@ def save(
         (4, 2)
     """
     path = location(directory)
-    check_compression(compression)
-    tree, record = prepare(state, metadata)
-    if is_remote(path):
-        from .remote import save_remote
+    compress = check_compression(compression)
+    arrays, record = prepare(state, metadata)
 
-        save_remote(
-            path,
-            tree,
-            record,
-            overwrite=overwrite,
-            handler=save_handler(compression),
-            processes=coordinated_processes(),
-        )
-        return path
-    write_atomic(path, lambda d: orbax_save(d, tree, compression), record, overwrite=overwrite)
+    def write(d: Any) -> None:
+        write_held(d, take(arrays, copy=False), compress=compress)
+
+    if is_remote(path):
+        from .remote import write_remote
+
+        write_remote(path, write, record, overwrite=overwrite)
+    else:
+        write_atomic(path, write, record, overwrite=overwrite)
     return path

@@ -4,12 +4,12 @@ Usage: ``python save_fails_on_one.py ROOT OUT [S3_ROOT]``. Saves a ``[64, 32]`` 
 sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folder of ROOT
 (or of S3_ROOT for the ``s3`` case):
 
-- ``arrays``: process 1's arrays cannot be written (an injected ``OSError`` where Orbax's
-  handler writes them: a full disk on one host);
+- ``arrays``: process 1's arrays cannot be written (an injected ``OSError`` where they are
+  written: a full disk on one host);
 - ``commit``: process 0 cannot rename the complete checkpoint into place (an injected
   ``OSError``);
-- ``s3``: as ``arrays``, to object storage (only with S3_ROOT; there the arrays are one
-  item of Orbax's composite save, written once Orbax's folders are made);
+- ``s3``: as ``arrays``, to object storage (only with S3_ROOT; there the arrays are the
+  ``state`` item, written in place);
 - ``manager``: as ``arrays``, in a synchronous ``CheckpointManager``'s save of step 0;
   both processes then save step 1 with it;
 - ``background``: process 1's arrays fail while they are written in the background, in an
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from modelshard._checkpoint import write  # noqa: E402
+from modelshard._checkpoint import shards, write  # noqa: E402
 
 
 def injected(what: str, coroutine: bool = False):
@@ -83,23 +83,11 @@ def main() -> int:
         {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)}, P("data", "model"), mesh
     )
     cases = {
-        "arrays": (
-            f"{root}/arrays",
-            1,
-            ocp.PyTreeCheckpointHandler,
-            "save",
-            "No space left on device",
-        ),
+        "arrays": (f"{root}/arrays", 1, shards, "_write_blocks", "No space left on device"),
         "commit": (f"{root}/commit", 0, write, "_commit", "Read-only file system"),
     }
     if s3 is not None:
-        cases["s3"] = (
-            f"{s3}/arrays",
-            1,
-            ocp.PyTreeCheckpointHandler,
-            "async_save",
-            "No space left on device",
-        )
+        cases["s3"] = (f"{s3}/arrays", 1, shards, "_write_blocks", "No space left on device")
     cases["manager"] = (  # a synchronous CheckpointManager's step, process 1's arrays failing
         f"{root}/manager",
         1,

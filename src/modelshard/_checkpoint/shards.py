@@ -1,0 +1,190 @@
+"""A state's arrays written shard by shard through ``ocdbt``'s specs: ``save`` and a
+manager step's ``state`` item, the same files ``stream.py`` writes for ``reshard``.
+
+``take`` copies each process's shards off their devices (the first replica of each, so every
+shard is written once), ``write_held`` writes them into the process's OCDBT database
+(``ocdbt.process_<i>``) in the chunks ``chunks.aligned_chunks`` gives, and ``finish_tree``
+writes Orbax's metadata files and merges the databases once every process is done. Orbax is
+not imported: the files are Orbax's format, built by ``ocdbt.py``, and plain Orbax reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import CheckpointError, sync_tree
+from .barriers import raise_shared
+from .chunks import aligned_chunks
+from .ocdbt import (
+    SHARDING_FILE,
+    checkpoint_metadata,
+    context,
+    merge,
+    sharding_file,
+    tree_metadata,
+    write_array_list,
+    write_spec,
+)
+from .storage import CHECKPOINT_METADATA, MARKER, TREE_METADATA, orbax_name
+from .urls import is_remote, kvstore
+
+
+@dataclasses.dataclass
+class Held:
+    """One array of a checkpoint being written, as this process holds it.
+
+    Attributes:
+        key: its storage key.
+        shape: its global shape.
+        dtype: its NumPy dtype (one TensorStore stores: ``write.storable``'s).
+        chunk: the stored chunk shape.
+        sharding: its sharding (for Orbax's ``_sharding`` file).
+        blocks: ``(box, host array)`` of each block this process writes.
+    """
+
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+    chunk: tuple[int, ...]
+    sharding: Any
+    blocks: list[tuple[tuple[slice, ...], Any]]
+
+
+def _box(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape, strict=True))
+
+
+def take(items: Sequence[tuple[tuple[str, ...], jax.Array]], *, copy: bool) -> list[Held]:
+    """This process's blocks of ``items`` (``(key, array)``, none zero-size) on the host:
+    the first replica of each shard it holds. Every copy off the devices is started before
+    any is waited for. With ``copy``, a block on a CPU device is copied too (a background
+    write must not read a buffer the caller may donate); without, it is a view of it."""
+    shards = [[s for s in x.addressable_shards if s.replica_id == 0] for _, x in items]
+    for own in shards:
+        for s in own:
+            s.data.copy_to_host_async()
+    held = []
+    for (key, x), own in zip(items, shards, strict=True):
+        shape = tuple(int(n) for n in x.shape)
+        dtype = np.dtype(x.dtype)
+        write_shape = x.sharding.shard_shape(shape)
+        blocks = [
+            (_box(s.index, shape), np.array(s.data) if copy else np.asarray(s.data)) for s in own
+        ]
+        chunk = aligned_chunks(shape, write_shape, dtype.itemsize)
+        held.append(Held(key, shape, dtype, chunk, x.sharding, blocks))
+    return held
+
+
+def _settle(futures: Sequence[Any]) -> None:
+    """Wait for each of ``futures`` (TensorStore's), whatever it ends in."""
+    for f in futures:
+        with contextlib.suppress(Exception):  # the error on its way out is the one to report
+            f.result()
+
+
+def _write_blocks(directory: Any, process: int, held: Sequence[Held], compress: bool) -> None:
+    """Write ``held``'s blocks into the database of ``process`` under ``directory``."""
+    import tensorstore as ts
+
+    mine = [h for h in held if h.blocks]
+    if not mine:
+        return
+    # Files are synced once, whole, below: TensorStore would sync each commit's own.
+    local = not is_remote(directory)
+    ctx = context(sync=False)
+    tree = kvstore(directory)
+    opening = [
+        ts.open(
+            write_spec(
+                tree,
+                orbax_name(h.key),
+                shape=h.shape,
+                chunk=h.chunk,
+                dtype=h.dtype,
+                process=process,
+                compress=compress,
+            ),
+            create=True,
+            context=ctx,
+        )
+        for h in mine
+    ]
+    writes: list[Any] = []
+    try:
+        for h, f in zip(mine, opening, strict=True):
+            store = f.result()
+            writes.extend(store[box].write(data) for box, data in h.blocks)
+        for w in writes:
+            w.result()
+    finally:
+        # On the way out with an error, writes in flight end first: none may land in a
+        # staging directory after the caller has removed it.
+        _settle([*opening, *writes])
+    if local:
+        sync_tree(str(directory / f"ocdbt.process_{process}"))
+
+
+def write_held(directory: Any, held: Sequence[Held], *, compress: bool) -> None:
+    """Write ``held`` (every process its own blocks) into ``directory`` as Orbax's PyTree
+    checkpoint marked as modelshard's (``finish_tree``); the record is left to the caller.
+
+    Under several processes, each one's part ending is told to the others before the
+    metadata is written: every process raises one error at once where any part failed."""
+    start_ns = time.time_ns()
+    process, count = jax.process_index(), jax.process_count()
+    failure: Exception | None = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_blocks(directory, process, held, compress)
+        write_array_list(directory, process, [(orbax_name(h.key), h.chunk) for h in held])
+    except Exception as e:
+        if count == 1:
+            raise
+        failure = e
+    raise_shared(failure, "modelshard:save:arrays", f"writing {directory}")
+    finish_tree(directory, [(h.key, h.chunk, h.sharding) for h in held], start_ns)
+
+
+def finish_tree(
+    directory: Any, arrays: Sequence[tuple[tuple[str, ...], Any, Any]], start_ns: int
+) -> None:
+    """Process 0, once every process wrote its arrays into ``directory``: Orbax's
+    ``_METADATA`` and ``_sharding`` of ``arrays`` (``(key, chunk, sharding)``), the merge of
+    every process's database, then ``_CHECKPOINT_METADATA`` (marked as modelshard's),
+    last. The other processes do nothing."""
+    if jax.process_index() == 0:
+        _finalize(directory, arrays, start_ns)
+
+
+def _finalize(
+    directory: Any, arrays: Sequence[tuple[tuple[str, ...], Any, Any]], start: int
+) -> None:
+    (directory / TREE_METADATA).write_text(json.dumps(tree_metadata((k, c) for k, c, _ in arrays)))
+    shardings = sharding_file((orbax_name(k), s) for k, _, s in arrays)
+    (directory / SHARDING_FILE).write_text(json.dumps(shardings))
+    try:  # Orbax's finalize: each process's database merged into the checkpoint's
+        merge(kvstore(directory), [orbax_name(k) for k, _, _ in arrays])
+    except ValueError as e:
+        raise CheckpointError(f"cannot write {directory}: {e}") from e
+    (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start)))
+
+
+def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
+    from .._internals import STANDARD_HANDLER_NAME
+
+    return checkpoint_metadata(STANDARD_HANDLER_NAME, start_ns, MARKER)
+
+
+def marked_metadata(start_ns: int) -> dict[str, Any]:
+    """Orbax's ``_CHECKPOINT_METADATA`` of a checkpoint written from ``start_ns`` to now,
+    marked as modelshard's."""
+    return _checkpoint_metadata(start_ns)
