@@ -82,25 +82,6 @@ def test_dtype_list_covers_what_jax_has():
         assert hasattr(jnp, name) == (name in DTYPES), name
 
 
-def test_dtypes_tensorstore_lacks_are_stored_as_bits(tmp_path):
-    import json
-
-    state = {dt: jnp.asarray(values(dt, (5,))) for dt in ["float8_e4m3", "uint4", "uint2"]}
-    ms.save(tmp_path / "c", state)
-    rec = json.loads((tmp_path / "c" / "modelshard.json").read_text())
-    stored = {leaf["path"]: (leaf["dtype"], leaf["stored_dtype"]) for leaf in rec["leaves"]}
-    assert stored == {
-        "float8_e4m3": ("float8_e4m3", "uint8"),
-        "uint4": ("uint4", "int4"),
-        "uint2": ("uint2", "int2"),
-    }
-    assert_bit_exact(state, ms.restore(tmp_path / "c"))
-    out = ms.restore(tmp_path / "c", dtype=jnp.float32)
-    assert out["float8_e4m3"].dtype == jnp.float32
-    np.testing.assert_array_equal(out["float8_e4m3"], state["float8_e4m3"].astype(jnp.float32))
-    assert out["uint4"].dtype == jnp.uint4  # integers are never cast
-
-
 def test_64_bit_dtypes_round_trip_under_x64_in_a_subprocess(zygote):
     """float64, int64, uint64, complex128 need ``jax_enable_x64``, which is process-wide: a
     child forked from the zygote turns it on before it first uses JAX."""

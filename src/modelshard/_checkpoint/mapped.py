@@ -21,8 +21,6 @@ Every stored leaf is read by Orbax straight into a sharding on the target's mesh
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,19 +45,11 @@ from .._weights import (
     unaliased,
 )
 from .checksum import box_sums, format_sums
-from .read import check_holdable, finish_leaf, verify_checksums
+from .codec import decode, logical_dtype, parse_dtype, stored_sharding, stored_struct
+from .read import check_holdable, verify_checksums
 from .reader import ArrayReader, read_checked
-from .record import LeafRecord, parse_dtype
+from .record import LeafRecord
 from .sources import Source, stored_view
-
-
-@functools.cache
-def _key_dtype(impl: str) -> Any:
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-def _logical_dtype(rec: LeafRecord) -> Any:
-    return _key_dtype(rec.key_impl) if rec.key_impl is not None else parse_dtype(rec.dtype)
 
 
 def _direct(node: Node) -> tuple[str, Any] | None:
@@ -127,7 +117,7 @@ def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -
 def _resolved(wm: Any, source: Source, like: Any, dtype: Any) -> Any:
     """``resolve_target`` of the mapping against the checkpoint's leaves."""
     recs = source.record.by_path()
-    table = {p: (r.shape, _logical_dtype(r)) for p, r in recs.items()}
+    table = {p: (r.shape, logical_dtype(r)) for p, r in recs.items()}
     return resolve_target(wm, table, like, dtype)
 
 
@@ -180,12 +170,7 @@ def restore_mapped(
             direct[path] = d
     targets_direct = {}
     for path, (key, _) in direct.items():
-        rec = recs[key]
-        targets_direct[key] = jax.ShapeDtypeStruct(
-            rec.stored_shape,
-            parse_dtype(rec.stored_dtype),
-            sharding=rec.stored_sharding(by_path[path]),
-        )
+        targets_direct[key] = stored_struct(recs[key], recs[key].stored_sharding(by_path[path]))
     values = read(targets_direct) if targets_direct else {}
 
     # The other leaves, in the order of the first stored leaf each reads, so every stored
@@ -195,7 +180,7 @@ def restore_mapped(
         (p for p in res.recipes if p not in direct),
         key=lambda p: min(rank[k] for k in res.recipes[p].reads()),
     )
-    plans: dict[str, tuple[Node, Any, str | None]] = {}
+    plans: dict[str, tuple[Node, Any, LeafRecord | None]] = {}
     needs: dict[str, list[Spec]] = {}
     for path in rest:
         plans[path] = plan = _executed(res.recipes[path], by_path[path], recs)
@@ -206,12 +191,12 @@ def restore_mapped(
     remaining = dict(uses)
     built: dict[str, Any] = {}
     for path in rest:
-        node, sharding, impl = plans[path]
+        node, sharding, keys = plans[path]
         for k in node.reads():
             if k not in on_mesh:
                 on_mesh[k] = _read_stored(read, k, recs[k], needs.get(k), sharding)
         x = _build_on_devices(node, sharding, on_mesh)
-        built[path] = x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+        built[path] = x if keys is None else decode(x, keys)
         for k in node.reads():
             remaining[k] -= 1
             if remaining[k] == 0:
@@ -221,7 +206,7 @@ def restore_mapped(
     for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
         if path in direct:
             key, cast = direct[path]
-            v = finish_leaf(values.pop(key), recs[key], None)
+            v = decode(values.pop(key), recs[key])
             out.append(v if cast is None else v.astype(cast))
         elif path in built:
             out.append(built.pop(path))
@@ -232,17 +217,14 @@ def restore_mapped(
 
 def _executed(
     node: Node, sharding: Any, recs: dict[str, LeafRecord]
-) -> tuple[Node, Any, str | None]:
-    """``(recipe over the stored arrays, its sharding, key impl)``: a typed key leaf is
-    computed on its key data (trailing dimensions unsplit) and wrapped after."""
-    impl = recs[node.reads()[0]].key_impl
-    if impl is None:
+) -> tuple[Node, Any, LeafRecord | None]:
+    """``(recipe over the stored arrays, its sharding, the record of a key it reads)``: a
+    typed key leaf is computed on its key data and decoded (wrapped) after."""
+    rec = recs[node.reads()[0]]
+    if rec.key_impl is None:
         return node, sharding, None
     data = on_key_data(node, lambda k: (recs[k].stored_shape, parse_dtype(recs[k].stored_dtype)))
-    if isinstance(sharding, NamedSharding):
-        extra = len(data.shape) - len(node.shape)
-        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
-    return data, sharding, impl
+    return data, stored_sharding(sharding, len(data.shape) - len(node.shape)), rec
 
 
 def _read_stored(
@@ -253,23 +235,15 @@ def _read_stored(
     sharding: Any,
 ) -> jax.Array:
     """One stored leaf read by Orbax onto the target's mesh, in the spec every leaf reading
-    it needs (replicated where they disagree); its bits as stored (finish_leaf casts)."""
+    it needs (replicated where they disagree), decoded (key data left to the recipe)."""
     if isinstance(sharding, NamedSharding):
         specs = set(wanted or [])
         spec = PartitionSpec(*specs.pop()) if len(specs) == 1 else PartitionSpec()
         target = NamedSharding(sharding.mesh, spec)
     else:
         target = sharding
-    got = read(
-        {
-            key: jax.ShapeDtypeStruct(
-                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=target
-            )
-        }
-    )[key]
-    if rec.key_impl is not None:
-        return got  # key data: the recipe runs on it and wraps the result
-    return finish_leaf(got, rec, None)
+    got = read({key: stored_struct(rec, target)})[key]
+    return got if rec.key_impl is not None else decode(got, rec)
 
 
 def host_leaves(
@@ -281,19 +255,16 @@ def host_leaves(
     export (``modelshard convert --to safetensors``) holds one leaf at a time this way,
     never the whole state."""
     recs = source.record.by_path()
-    table = {p: (r.shape, parse_dtype(r.dtype)) for p, r in recs.items() if r.key_impl is None}
+    table = {p: (r.shape, logical_dtype(r)) for p, r in recs.items() if r.key_impl is None}
 
     def load(path: str) -> np.ndarray:
         rec = recs[path]
-        logical = parse_dtype(rec.dtype)
-        if math.prod(rec.stored_shape) == 0:  # in the record only: Orbax stores no data
-            return np.zeros(rec.shape, logical)
         # a context of its own per leaf: a shared one keeps what it cached of every leaf
         # read so far (export's peak memory: docs/benchmarks/weights.md)
         reader = ArrayReader(source, rec)
         bits = np.asarray(reader(tuple(slice(0, d) for d in rec.stored_shape)))
         if verify and rec.checksum is not None:
             verify_checksums(source, {path: bits}, {path: format_sums(*box_sums(bits))})
-        return bits if bits.dtype == logical else bits.view(logical)
+        return decode(bits, rec)
 
     return table, load

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._base import PartialRestoreWarning, caller_stacklevel, dtype_name
+from .codec import logical_dtype
 from .record import LeafRecord
 from .sources import Source
 from .values import Diff
@@ -30,8 +31,7 @@ def diff(
             missing.append(("missing", path, f"{here} (in the target, not in the checkpoint)"))
             continue
         seen.add(path)
-        want = rec.restored_dtype(dtype)
-        want_name = rec.dtype if want is None else dtype_name(want)
+        want_name = dtype_name(logical_dtype(rec, dtype))
         if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
             cast = f" (restored as {want_name} by dtype=)" if want_name != rec.dtype else ""
             changed.append(

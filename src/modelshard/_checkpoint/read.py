@@ -9,7 +9,6 @@ that names the damaged leaves and, where it can be told, the file at fault.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,9 +27,10 @@ from .._base import (
 from .._containers import split
 from .._place import place, plan
 from .checksum import Checksums, checksum_mismatch_message, checksums
+from .codec import decode, encode, is_key, key_impl, parse_dtype, stored_struct
 from .mismatch import diff, mismatch_message, warn_partial
 from .reader import read_checked
-from .record import STORED_AS, LeafRecord, Record, parse_dtype
+from .record import LeafRecord, Record
 from .sources import Source, abstract_like, stored_view
 from .values import restored_values, values_as_arrays
 
@@ -125,19 +125,6 @@ def verify_checksums(
         raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
 
 
-def finish_leaf(x: Any, rec: LeafRecord, dtype: Any) -> Any:
-    """Stored array -> the leaf the user gets: typed keys rewrapped, floats cast to ``dtype``."""
-    if rec.key_impl is not None:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return x  # Orbax's read gave the key back itself (a plain Orbax checkpoint's)
-        return jax.random.wrap_key_data(x, impl=rec.key_impl)
-    if STORED_AS.get(rec.dtype) == rec.stored_dtype:
-        # device_put: a zero-size bitcast forgets its sharding
-        x = jax.device_put(jax.lax.bitcast_convert_type(x, parse_dtype(rec.dtype)), x.sharding)
-    want = rec.restored_dtype(dtype)
-    return x if want is None or x.dtype == want else x.astype(want)
-
-
 def _matching_view(source: Source, paths: Sequence[str]) -> Source:
     """``source`` named as ``like`` names it: a plain Orbax checkpoint's boxes by their
     canonical paths (``kernel``), unless ``like``'s own paths are the stored keys (a dict
@@ -150,19 +137,6 @@ def _matching_view(source: Source, paths: Sequence[str]) -> Source:
     return view if sum(p in wanted for p in view.record.by_path()) > canonical else source
 
 
-_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # JAX's named PRNG implementations
-
-
-@functools.cache
-def _key_impl_of(dtype: Any) -> str | None:
-    """The name of the PRNG implementation of a typed key dtype (an abstract key has no
-    ``jax.random.key_impl``)."""
-    for name in _KEY_IMPLS:
-        if jax.eval_shape(lambda name=name: jax.random.key(0, impl=name)).dtype == dtype:
-            return name
-    return None
-
-
 def _keys_as_like(source: Source, paths: Sequence[str], arrays: Sequence[Any]) -> Source:
     """Plain Orbax stores a typed PRNG key (an NNX ``Rngs``'s) as its key data and names
     no implementation: a leaf ``like`` holds as a typed key, whose key data the stored
@@ -173,15 +147,12 @@ def _keys_as_like(source: Source, paths: Sequence[str], arrays: Sequence[Any]) -
     keys = {}
     for path, x in zip(paths, arrays, strict=True):
         rec = recs.get(path)
-        if rec is None or not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if rec is None or rec.key_impl is not None or not is_key(x.dtype):
             continue
-        impl = _key_impl_of(x.dtype)
-        if impl is None or rec.key_impl is not None:
-            continue
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        data = jax.eval_shape(encode, jax.ShapeDtypeStruct(x.shape, x.dtype))
         if (tuple(data.shape), dtype_name(data.dtype)) == (rec.stored_shape, rec.stored_dtype):
             keys[path] = dataclasses.replace(
-                rec, shape=tuple(x.shape), dtype=dtype_name(x.dtype), key_impl=impl
+                rec, shape=tuple(x.shape), dtype=dtype_name(x.dtype), key_impl=key_impl(x.dtype)
             )
     if not keys:
         return source
@@ -258,9 +229,7 @@ def restore_saved(
     for path, s in zip(paths, shardings, strict=True):
         rec = stored.get(path)
         if rec is not None:
-            targets[path] = jax.ShapeDtypeStruct(
-                rec.stored_shape, parse_dtype(rec.stored_dtype), sharding=rec.stored_sharding(s)
-            )
+            targets[path] = stored_struct(rec, rec.stored_sharding(s))
     check_holdable(source, list(targets))
     sums = None
     if verify:
@@ -278,7 +247,7 @@ def restore_saved(
     out = []
     for path, x, s in zip(paths, arrays, shardings, strict=True):
         if path in values:
-            out.append(finish_leaf(values.pop(path), stored[path], dtype))
+            out.append(decode(values.pop(path), stored[path], dtype))
         elif path in numbers:
             y = jnp.asarray(numbers[path])
             out.append(place([y], [s])[0] if s is not None else y)

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from .._base import CheckpointError
+from .codec import empty, is_empty, parse_dtype, stored_struct
 from .leaks import stop_leaks
 from .ocdbt import array_keys, context, read_spec
-from .record import LeafRecord, parse_dtype
+from .record import LeafRecord
 from .sources import Source, store_format
 from .storage import TREE_METADATA, orbax_name
 from .urls import kvstore
@@ -181,15 +182,9 @@ def read_arrays(
 
     TensorStore's errors (a missing or damaged chunk) are raised as they are."""
     import jax
-    import jax.numpy as jnp
 
     recs = source.record.by_path()
-    # zero-size leaves are in the record only (Orbax refuses to store them)
-    out = {
-        p: jnp.zeros(t.shape, t.dtype, device=t.sharding)
-        for p, t in targets.items()
-        if math.prod(t.shape) == 0
-    }
+    out = {p: empty(t) for p, t in targets.items() if is_empty(t.shape)}
     paths = [p for p in targets if p not in out]
     stores = open_arrays(source, [recs[p] for p in paths], reader_context(source))
     # units of reservation, in order: a whole array whose reads fit under the cap, else
@@ -253,9 +248,10 @@ class _Array:
 class ArrayReader:
     """Reads boxes of one stored array (``read_arrays``' spec and checks), as NumPy arrays
     of the stored dtype: nothing is placed on a device. ``reader(box)`` takes a tuple of
-    ``slice(start, stop)`` and returns a new ``aligned_empty`` array; a failure is a
-    CheckpointError naming the leaf. Not verified: compare the boxes' checksums
-    (``checksum.box_sums``) with ``rec.checksum``, as ``write_stream`` does with ``expect``.
+    ``slice(start, stop)`` and returns a new ``aligned_empty`` array (``codec.empty`` for a
+    zero-size leaf); a failure is a CheckpointError naming the leaf. Not verified: compare
+    the boxes' checksums (``checksum.box_sums``) with ``rec.checksum``, as ``write_stream``
+    does with ``expect``.
 
     Args:
         source: the located checkpoint.
@@ -270,6 +266,8 @@ class ArrayReader:
         self.store: Any = None
 
     def __call__(self, box: tuple[slice, ...]) -> Any:
+        if is_empty(self.rec.stored_shape):
+            return empty(stored_struct(self.rec))[box]
         try:
             if self.store is None:
                 (self.store,) = open_arrays(self.source, [self.rec], self.context)

@@ -23,27 +23,15 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import CheckpointError, spec_from_json, spec_json
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
+from .codec import STORED_AS as STORED_AS  # re-exported: write and slabs import it here
+from .codec import parse_dtype as parse_dtype  # and slabs, stream, resharding this
+from .codec import stored_problem, stored_sharding
 from .storage import FORMAT, name_collisions, nest, storage_key
-
-# Dtypes TensorStore has no name for: such a leaf is stored as its bits in a same-width
-# dtype it has (the record keeps the real dtype).
-STORED_AS = {"float8_e4m3": "uint8", "uint4": "int4", "uint2": "int2"}
-
-
-def parse_dtype(name: str) -> Any:
-    """The dtype named by ``_dtypes.dtype_name`` (PRNG key dtypes are not parsed here)."""
-    try:
-        return jnp.dtype(name)
-    except TypeError as e:
-        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint record") from e
 
 
 @dataclasses.dataclass
@@ -79,23 +67,9 @@ class LeafRecord:
     def nbytes(self) -> int:
         return math.prod(self.stored_shape) * parse_dtype(self.stored_dtype).itemsize
 
-    def restored_dtype(self, dtype: Any = None) -> Any:
-        """The dtype this leaf is restored as: its own, or ``dtype`` for a floating-point
-        leaf (None for typed PRNG keys, which are rewrapped rather than cast)."""
-        if self.key_impl is not None:
-            return None
-        stored = parse_dtype(self.dtype)
-        if dtype is not None and jnp.issubdtype(stored, jnp.floating):
-            return jnp.dtype(dtype)
-        return stored
-
     def stored_sharding(self, sharding: Any) -> Any:
-        """The sharding of the stored array for a leaf placed with ``sharding``: key data's
-        trailing dimensions are not split."""
-        extra = len(self.stored_shape) - len(self.shape)
-        if extra and isinstance(sharding, NamedSharding):
-            return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
-        return sharding
+        """The sharding of the stored array for a leaf placed with ``sharding``."""
+        return stored_sharding(sharding, len(self.stored_shape) - len(self.shape))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -284,48 +258,21 @@ def dims(value: Any, what: str = "shape") -> tuple[int, ...]:
     return tuple(out)
 
 
-def _numeric(name: str) -> np.dtype[Any]:
-    dt = np.dtype(parse_dtype(name))
-    if dt.kind not in "biufcV":  # bool, ints, floats of every width, complex
-        raise CheckpointError(f"dtype {name!r} is not a numeric dtype")
-    return dt
-
-
 def leaf_problem(leaf: LeafRecord, axes: Mapping[str, int] | None) -> str | None:
     """What is wrong with one leaf of a record read from disk, or None.
 
     A record is input like any other: a leaf's storage key must be the one its path gives
     (so it can name nothing else in the checkpoint), its shapes and dtypes must describe
-    what is stored, and its spec must fit its rank and the recorded mesh.
+    what is stored (``codec.stored_problem``), and its spec must fit its rank and the
+    recorded mesh.
     """
     key = storage_key(leaf.path)
     if leaf.key != key:
         return f"its storage key {list(leaf.key)} is not the one its path gives, {list(key)}"
     if min((*leaf.shape, *leaf.stored_shape), default=0) < 0:
         return f"negative dimension in {list(leaf.shape)} (stored {list(leaf.stored_shape)})"
-    try:
-        stored = _numeric(leaf.stored_dtype)
-        if leaf.key_impl is None:
-            _numeric(leaf.dtype)
-    except CheckpointError as e:
-        return str(e)
-    if leaf.key_impl is not None:
-        impl = str(leaf.key_impl)
-        try:
-            data = jax.ShapeDtypeStruct(leaf.stored_shape, stored)
-            key_shape = jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
-        except (TypeError, ValueError) as e:
-            return f"it is not key data of PRNG impl {impl!r}: {str(e).splitlines()[0][:200]}"
-        if key_shape.shape != leaf.shape:
-            return f"its key data {list(leaf.stored_shape)} holds keys {list(key_shape.shape)}"
-    elif leaf.stored_shape != leaf.shape or leaf.stored_dtype not in (
-        leaf.dtype,
-        STORED_AS.get(leaf.dtype),
-    ):
-        return (
-            f"a {leaf.dtype}{list(leaf.shape)} leaf is never stored as "
-            f"{leaf.stored_dtype}{list(leaf.stored_shape)}"
-        )
+    if (problem := stored_problem(leaf)) is not None:
+        return problem
     if leaf.spec is not None:
         if len(leaf.spec) > len(leaf.shape):
             return f"its spec {leaf.spec} is longer than its rank {len(leaf.shape)}"

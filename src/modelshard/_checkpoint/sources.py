@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, dtype_name, format_path, key_name, natural_key
+from .codec import logical_dtype
 from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, read_spec
 from .ocdbt import context as ocdbt_context
 from .record import LeafRecord, Record, dims
@@ -445,15 +446,8 @@ def _unboxed(tree: Any, boxes: set[tuple[str, ...]], at: tuple[str, ...] = ()) -
     return tree
 
 
-def partial_wrap(impl: str) -> Any:
-    return lambda data: jax.random.wrap_key_data(data, impl=impl)
-
-
 def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
-    if leaf.key_impl is not None:
-        data = jax.ShapeDtypeStruct(leaf.stored_shape, jnp.uint32)
-        return jax.eval_shape(partial_wrap(leaf.key_impl), data)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.restored_dtype(dtype))
+    return jax.ShapeDtypeStruct(leaf.shape, logical_dtype(leaf, dtype))
 
 
 def abstract_tree(record: Record, dtype: Any = None, *, values: bool = False) -> dict[str, Any]:
