@@ -411,6 +411,16 @@ def test_a_value_like_lacks_is_an_extra_leaf(tmp_path):
     )
 
 
+def test_a_typed_key_where_a_number_was_saved_is_a_difference_not_a_crash(tmp_path):
+    path = ms.save(tmp_path / "c", {"w": jnp.ones(2), "epoch": 3})
+    with pytest.raises(ms.CheckpointError) as e:  # a scalar key: no NumPy dtype to hold 3
+        ms.restore(path, like={"w": jnp.zeros(2), "epoch": jax.random.key(0)})
+    assert str(e.value).splitlines()[1:3] == [
+        "  missing  epoch  key<fry>[] (in the target, not in the checkpoint)",
+        "  extra    epoch  int 3 (in the checkpoint, not in the target)",
+    ]
+
+
 def test_a_record_that_predates_values_keeps_likes_values(tmp_path):
     """A checkpoint written before values were recorded holds none: like's are kept, as
     they were, rather than every restore of it failing, and a warning says so."""

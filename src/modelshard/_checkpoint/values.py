@@ -18,6 +18,7 @@ import numpy as np
 
 from .._base import CheckpointError, caller_stacklevel, format_path
 from .._containers import Flat
+from .codec import is_key
 from .record import VALUE_TYPES, Record, ValueRecord, value_text
 from .storage import MAX_METADATA_BYTES, storage_key
 
@@ -163,7 +164,7 @@ def values_as_arrays(paths: list[str], arrays: list[Any], record: Record) -> dic
     out = {}
     for path, x in zip(paths, arrays, strict=True):
         v = saved.get(path)
-        if v is None or tuple(x.shape) != () or v.type not in _NUMBER_KINDS:
+        if v is None or tuple(x.shape) != () or v.type not in _NUMBER_KINDS or is_key(x.dtype):
             continue
         kind = np.dtype(x.dtype).kind
         if kind in _NUMBER_KINDS[v.type] or (v.type == "int" and kind in "fc"):
