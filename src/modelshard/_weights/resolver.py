@@ -1,13 +1,11 @@
 """A mapping against the stored tensors (and the target's leaves) -> one recipe per target
-leaf, reading nothing, every problem at once. ``resolve`` runs five phases:
-``match_sources``, ``build_single``, ``build_joined``, ``unused_rules`` (strict),
-``fit_targets``; each appends to one list of problems, raised as one ``MappingError``.
-"""
+leaf, reading nothing; every problem found is raised at once as one ``MappingError``."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -106,78 +104,65 @@ def resolve(
     dtype: Any = None,
     export: bool = False,
 ) -> Resolution:
-    """Resolve ``mapping`` against stored tensors ``sources`` (name -> (shape, dtype)) and
-    target leaves ``targets`` (path -> (shape, dtype); ``None``: whatever the mapping makes).
-
-    ``dtype``: floating-point stored tensors are cast to it (before the rules' ``cast``).
-    ``export``: resolving for an export, where kept leaves are not written, so a ``keep``
-    pattern matching nothing is no error (the state may have no adapters at all).
+    """Resolve ``mapping`` against stored tensors ``sources`` and target leaves ``targets``
+    (``None``: whatever the mapping makes). ``dtype``: floating-point stored tensors are
+    cast to it first. ``export``: kept leaves are not written, so a ``keep`` pattern that
+    matches nothing is no error.
 
     Raises:
         MappingError: every unmapped stored tensor, every target leaf with no source,
             every shape or dtype that does not fit, every rule that matched nothing.
     """
-    problems: list[Problem] = []
-    matches = match_sources(mapping, sources, problems)
-    leaves = Leaves()
-    build_single(mapping, sources, matches.single, dtype, leaves, problems)
-    build_joined(mapping, sources, matches, dtype, leaves, problems)
-    if mapping.strict:
-        problems.extend(unused_rules(mapping, matches.used, sources))
+    r = _Resolver(mapping, sources, dtype)
+    r.match_sources()
+    r.build_single()
+    r.build_joined()
+    if mapping.strict:  # a skip rule means "ignore if present", as an optional rule does
+        r.problems += [
+            _unused(mapping, i, sources)
+            for i, rule in enumerate(mapping.rules)
+            if i not in r.used and rule.target is not None and not rule.optional
+        ]
     if targets is not None:
-        kept, rows = fit_targets(mapping, targets, leaves, export, problems)
+        kept, rows = r.fit_targets(targets, export)
     else:
         kept = []
         rows = [
             _row(p, node, mapping.rules[i])
-            for p, (node, i, _) in sorted(leaves.made.items(), key=lambda kv: natural_key(kv[0]))
+            for p, (node, i, _) in sorted(r.made.items(), key=lambda kv: natural_key(kv[0]))
         ]
-    if problems:
-        problems = _once_per_rule(problems)
+    if r.problems:
+        problems = _once_per_rule(r.problems)
         raise MappingError(problems, header=header(problems))
-    also = {p: i for p, (_, i, _) in leaves.made.items() if mapping.rules[i].also}
-    recipes = {p: n for p, (n, _, _) in leaves.made.items()}
-    return Resolution(recipes, kept, matches.skipped, rows, also)
+    also = {p: i for p, (_, i, _) in r.made.items() if mapping.rules[i].also}
+    recipes = {p: n for p, (n, _, _) in r.made.items()}
+    return Resolution(recipes, kept, r.skipped, rows, also)
 
 
-@dataclasses.dataclass
-class Matches:
-    """Which rule takes each stored tensor (phase 1): ``single`` tensors that make leaves
-    on their own, ``joins`` ((rule, leaf) -> group value -> name), ``clashed`` joins
-    (reported), ``skipped`` tensors and the ``used`` rules."""
+class _Resolver:
+    """One resolution under way: which rule takes each stored tensor (``single`` tensors
+    make leaves alone; ``joins``: (rule, leaf) -> group value -> name), the leaves ``made``
+    (path -> recipe, rule, stored names) and those ``failed`` (their problem reported)."""
 
-    single: list[tuple[int, str, re.Match[str]]] = dataclasses.field(default_factory=list)
-    joins: dict[tuple[int, str], dict[str, str]] = dataclasses.field(default_factory=dict)
-    clashed: set[tuple[int, str]] = dataclasses.field(default_factory=set)
-    skipped: list[str] = dataclasses.field(default_factory=list)
-    used: set[int] = dataclasses.field(default_factory=set)
+    def __init__(self, mapping: WeightMap, sources: Tensors, dtype: Any):
+        self.mapping, self.sources, self.dtype = mapping, sources, dtype
+        self.problems: list[Problem] = []
+        self.single: list[tuple[int, str, re.Match[str]]] = []
+        self.joins: dict[tuple[int, str], dict[str, str]] = {}
+        self.clashed: set[tuple[int, str]] = set()
+        self.skipped: list[str] = []
+        self.used: set[int] = set()
+        self.made: dict[str, tuple[recipe.Node, int, tuple[str, ...]]] = {}
+        self.failed: set[str] = set()
 
+    def read(self, name: str) -> recipe.Read:
+        shape, dt = self.sources[name]
+        return recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
 
-@dataclasses.dataclass
-class Leaves:
-    """The leaves phases 2 and 3 build: ``made`` (path -> recipe, rule, stored names) and
-    ``failed`` (their tensor's problem is reported, so they are not reported missing)."""
-
-    made: dict[str, tuple[recipe.Node, int, tuple[str, ...]]] = dataclasses.field(
-        default_factory=dict
-    )
-    failed: set[str] = dataclasses.field(default_factory=set)
-
-    def add(
-        self,
-        path: str,
-        node: recipe.Node | None,
-        i: int,
-        names: tuple[str, ...],
-        problems: list[Problem],
-    ) -> None:
-        """Record ``path`` from rule ``i`` (``node`` ``None``: its tensor failed)."""
-        if node is None:
-            self.failed.add(path)
-            return
+    def add(self, path: str, node: recipe.Node, i: int, names: tuple[str, ...]) -> None:
         if path in self.made:
             other = self.made[path][2]
-            problems.append(
+            self.problems.append(
                 Problem(
                     "target",
                     path,
@@ -187,48 +172,48 @@ class Leaves:
                     cause="several stored tensors map to one leaf",
                 )
             )
-            return
-        self.made[path] = (node, i, names)
+        else:
+            self.made[path] = (node, i, names)
 
-
-def match_sources(mapping: WeightMap, sources: Tensors, problems: list[Problem]) -> Matches:
-    """Phase 1: the rule of each stored tensor; unmapped tensors and clashing join
-    members go to ``problems``."""
-    out = Matches()
-    for name in sources:
-        hit = mapping.match(name)
-        shape, dt = sources[name]
-        alsos = mapping.also_matches(name)
-        for j, m in alsos:
-            out.used.add(j)
-            out.single.append((j, name, m))
-        if hit is None and alsos:
-            continue  # only also rules map it: the export writes it from their leaf
-        if hit is None:
-            problems.append(
-                Problem(
-                    "source",
-                    name,
-                    "no rule maps this stored tensor",
-                    shape=tuple(shape),
-                    dtype=dtype_name(dt),
-                    hint="add a rule for it, or a skip rule (target None / skip = true)",
-                    cause="no rule maps this stored tensor",
+    def match_sources(self) -> None:
+        mapping = self.mapping
+        for name, (shape, dt) in self.sources.items():
+            hit = mapping.match(name)
+            alsos = mapping.also_matches(name)
+            for j, m in alsos:
+                self.used.add(j)
+                self.single.append((j, name, m))
+            if hit is None and alsos:
+                continue  # only also rules map it: the export writes it from their leaf
+            if hit is None:
+                self.problems.append(
+                    Problem(
+                        "source",
+                        name,
+                        "no rule maps this stored tensor",
+                        shape=tuple(shape),
+                        dtype=dtype_name(dt),
+                        hint="add a rule for it, or a skip rule (target None / skip = true)",
+                        cause="no rule maps this stored tensor",
+                    )
                 )
-            )
-            continue
-        i, m = hit
-        out.used.add(i)
-        rule = mapping.rules[i]
-        if rule.target is None:
-            out.skipped.append(name)
-        elif rule.join is not None:
-            key = mapping._format(rule, m, {})
-            members = out.joins.setdefault((i, key), {})
-            value = m.group(rule.join.group) or ""
-            verb = "stack" if rule.stack is not None else "concat"
-            if value in members:
-                problems.append(
+                continue
+            i, m = hit
+            self.used.add(i)
+            rule = mapping.rules[i]
+            if rule.target is None:
+                self.skipped.append(name)
+            elif rule.join is None:
+                self.single.append((i, name, m))
+            else:
+                key = mapping._format(rule, m, {})
+                members = self.joins.setdefault((i, key), {})
+                value = m.group(rule.join.group) or ""
+                if value not in members:
+                    members[value] = name
+                    continue
+                verb = "stack" if rule.stack is not None else "concat"
+                self.problems.append(
                     Problem(
                         "target",
                         key,
@@ -240,231 +225,181 @@ def match_sources(mapping: WeightMap, sources: Tensors, problems: list[Problem])
                         cause="several stored tensors map to one leaf",
                     )
                 )
-                out.clashed.add((i, key))
+                self.clashed.add((i, key))
+
+    def build_single(self) -> None:
+        """The leaves each tensor makes alone: one, or one per unstacked index or split part."""
+        for i, name, m in self.single:
+            rule, steps = self.mapping.rules[i], RuleSteps(self.mapping, i, name, self.problems)
+            read = self.read(name)
+            parts: list[tuple[str, recipe.Node]] = [("", read)]
+            key: str | None = None
+            if rule.unstack is not None:
+                key, ax, n = rule.unstack.key, rule.unstack.axis, len(read.shape)
+                if not -n <= ax < n:
+                    steps.bad(read, f"unstack axis {ax} is out of range")
+                    continue
+                ax %= n
+                parts = [(str(k), recipe.Take(read, ax, k)) for k in range(read.shape[ax])]
+            elif rule.split is not None:
+                key, parts = rule.split.key, steps.split_parts(read)
+            fmt = self.mapping._format
+            paths = [fmt(rule, m, {} if key is None else {key: part}) for part, _ in parts]
+            for path, (_, cut) in zip(paths, parts, strict=True):
+                node = steps.piece(cut, self.dtype)
+                if node is None:  # the same problem for every piece: reported once
+                    self.failed.update(paths)
+                    break
+                self.add(path, node, i, (name,))
+
+    def build_joined(self) -> None:
+        """One leaf per stack or concat: its members in order through the rule's operations,
+        checked to agree, joined and cast."""
+        for (i, path), members in self.joins.items():
+            if (i, path) in self.clashed:
+                continue
+            rule = self.mapping.rules[i]
+            join = rule.join
+            assert join is not None
+            stack = rule.stack is not None
+            verb = "stack" if stack else "concat"
+            order = join_order(join, verb, members, i, path)
+            if isinstance(order, Problem):
+                self.problems.append(order)
+                continue
+            names = tuple(members[v] for v in order)
+            pieces = [
+                RuleSteps(self.mapping, i, n, self.problems).pre_cast(self.read(n), self.dtype)
+                for n in names
+            ]
+            nodes = [p for p in pieces if p is not None]
+            if len(nodes) < len(pieces):
+                self.failed.add(path)
+                continue
+            ndim, ax = len(nodes[0].shape) + stack, join.axis
+            if not -ndim <= ax < ndim:
+                what = f"{verb} axis {ax} is out of range"
+                self.problems.append(Problem("mapping", f"rules[{i}]", what))
+                self.failed.add(path)
+                continue
+            ax %= ndim
+            if stack:  # what must agree between the pieces
+                agree = {(p.shape, p.dtype) for p in nodes}
+                what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
             else:
-                members[value] = name
-        else:
-            out.single.append((i, name, m))
-    return out
-
-
-def build_single(
-    mapping: WeightMap,
-    sources: Tensors,
-    single: Iterable[tuple[int, str, re.Match[str]]],
-    dtype: Any,
-    leaves: Leaves,
-    problems: list[Problem],
-) -> None:
-    """Phase 2: the leaves each of ``single``'s tensors makes on its own: one, or one per
-    index of an unstack or part of a split."""
-    for i, name, m in single:
-        rule, steps = mapping.rules[i], RuleSteps(mapping, i, name, problems)
-        read = _read(name, sources)
-        parts: list[tuple[str, recipe.Node]] = [("", read)]
-        key: str | None = None
-        if rule.unstack is not None:
-            key, ax, n = rule.unstack.key, rule.unstack.axis, len(read.shape)
-            if not -n <= ax < n:
-                steps.bad(read, f"unstack axis {ax} is out of range")
+                agree = {(len(p.shape), p.shape[:ax], p.shape[ax + 1 :], p.dtype) for p in nodes}
+                what = f"dtype or shape outside axis {ax}"
+                hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
+            if len(agree) > 1:
+                detail = ", ".join(
+                    f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
+                    for n, p in zip(names, nodes, strict=True)
+                )
+                joined = "stacked" if stack else "concatenated"
+                what = f"the {joined} tensors differ in {what}: {detail}"
+                self.problems.append(Problem("target", path, what, hint=hint))
                 continue
-            ax %= n
-            parts = [(str(k), recipe.Take(read, ax, k)) for k in range(read.shape[ax])]
-        elif rule.split is not None:
-            key, parts = rule.split.key, steps.split_parts(read)
-        paths = [mapping._format(rule, m, {} if key is None else {key: part}) for part, _ in parts]
-        for path, (_, cut) in zip(paths, parts, strict=True):
-            node = steps.piece(cut, dtype)
-            if node is None:  # the same problem for every piece: reported once
-                leaves.failed.update(paths)
-                break
-            leaves.add(path, node, i, (name,), problems)
+            node = recipe.Stacked(nodes, ax) if stack else recipe.Joined(nodes, ax)
+            self.add(path, cast(rule, node), i, names)
 
-
-def _read(name: str, sources: Tensors) -> recipe.Read:
-    shape, dt = sources[name]
-    return recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
-
-
-def build_joined(
-    mapping: WeightMap,
-    sources: Tensors,
-    matches: Matches,
-    dtype: Any,
-    leaves: Leaves,
-    problems: list[Problem],
-) -> None:
-    """Phase 3: one leaf per stack or concat: its members in order, each through the
-    rule's operations, checked to agree, then joined and cast."""
-    for (i, path), members in matches.joins.items():
-        if (i, path) in matches.clashed:
-            continue
-        rule = mapping.rules[i]
-        join = rule.join
-        assert join is not None
-        verb = "stack" if rule.stack is not None else "concat"
-        order = join_order(join, verb, members, i, path)
-        if isinstance(order, Problem):
-            problems.append(order)
-            continue
-        names = tuple(members[v] for v in order)
-        pieces = [
-            RuleSteps(mapping, i, n, problems).pre_cast(_read(n, sources), dtype) for n in names
-        ]
-        nodes = [p for p in pieces if p is not None]
-        if len(nodes) < len(pieces):
-            leaves.failed.add(path)
-            continue
-        stack = rule.stack is not None
-        ndim, ax = len(nodes[0].shape) + stack, join.axis
-        if not -ndim <= ax < ndim:
-            problems.append(Problem("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range"))
-            leaves.failed.add(path)
-            continue
-        ax %= ndim
-        if stack:  # what must agree between the pieces
-            agree = {(p.shape, p.dtype) for p in nodes}
-            what, hint = "shape or dtype", "only tensors of one shape and dtype stack"
-        else:
-            agree = {(len(p.shape), p.shape[:ax], p.shape[ax + 1 :], p.dtype) for p in nodes}
-            what = f"dtype or shape outside axis {ax}"
-            hint = f"only tensors of one dtype, equal in every axis but {ax}, concatenate"
-        if len(agree) > 1:
-            detail = ", ".join(
-                f"{n} {dtype_name(p.dtype)}{list(p.shape)}"
-                for n, p in zip(names, nodes, strict=True)
-            )
-            joined = "stacked" if stack else "concatenated"
-            what = f"the {joined} tensors differ in {what}: {detail}"
-            problems.append(Problem("target", path, what, hint=hint))
-            continue
-        node = recipe.Stacked(nodes, ax) if stack else recipe.Joined(nodes, ax)
-        leaves.add(path, cast(rule, node), i, names, problems)
-
-
-def unused_rules(mapping: WeightMap, used: set[int], sources: Iterable[str]) -> list[Problem]:
-    """Phase 4 (under ``strict``): a problem for each rule with a target that took no
-    stored tensor (a skip rule means "ignore if present", as an optional rule does)."""
-    return [
-        _unused(mapping, i, sources)
-        for i, rule in enumerate(mapping.rules)
-        if i not in used and rule.target is not None and not rule.optional
-    ]
-
-
-def fit_targets(
-    mapping: WeightMap,
-    targets: Tensors,
-    leaves: Leaves,
-    export: bool,
-    problems: list[Problem],
-) -> tuple[list[str], list[Row]]:
-    """Phase 5: every target leaf made with its shape and dtype, or kept by a ``keep``
-    pattern; every leaf made that the target lacks. Returns the kept paths and the
-    mapping table's rows in the target's order."""
-    kept: list[str] = []
-    rows: list[Row] = []
-    made = leaves.made
-    keep_used: set[int] = set()
-    for path, (shape, dt) in targets.items():
-        hit = made.get(path)
-        if hit is None and path in leaves.failed:
-            continue  # its stored tensor's problem is reported
-        if hit is None:
-            ks = [j for j, k in enumerate(mapping._keep) if k.search(path)]
-            if ks:
-                keep_used.update(ks)
-                kept.append(path)
-                rows.append(Row(path, (), "kept (like's value)", tuple(shape), dtype_name(dt)))
-                continue
-            problems.append(
-                Problem(
-                    "target",
-                    path,
-                    "no stored tensor maps to this leaf",
-                    shape=tuple(shape),
-                    dtype=dtype_name(dt),
-                    hint="add a rule producing it, or list it in keep=[...] to keep "
-                    "like's value (a new head, LoRA adapters)",
-                    cause="no stored tensor maps to this leaf",
-                )
-            )
-            continue
-        node, i, names = hit
-        want = f"{dtype_name(dt)}{list(shape)}"
-        got = f"{dtype_name(node.dtype)}{list(node.shape)}"
-        bad_shape, bad_dtype = tuple(shape) != node.shape, dtype_name(dt) != dtype_name(node.dtype)
-        if bad_shape or bad_dtype:
-            hints = ["fix the rule's transpose/reshape/stack"] if bad_shape else []
-            if bad_dtype:
-                hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
-            problems.append(
-                Problem(
-                    "target",
-                    path,
-                    f"the mapped value is {got} but the target leaf is {want} "
-                    f"(from {', '.join(names)} by rules[{i}]: "
-                    f"{mapping.rules[i].transforms_text()})",
-                    shape=tuple(shape),
-                    dtype=dtype_name(dt),
-                    hint="; ".join(hints),
-                    cause="shape or dtype does not fit",
-                )
-            )
-            continue
-        rows.append(_row(path, node, mapping.rules[i]))
-    for path in made:
-        if path not in targets:
-            node, i, names = made[path]
-            problems.append(
-                Problem(
-                    "target",
-                    path,
-                    f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
-                    hint="fix the target template; target paths are canonical "
-                    "(modelshard.plan(like, ...) lists them)",
-                    cause="mapped to a path the target does not have",
-                )
-            )
-    if mapping.strict and not export:
-        for j, k in enumerate(mapping.keep):  # optional patterns follow keep's in _keep
-            if j not in keep_used:
+    def fit_targets(self, targets: Tensors, export: bool) -> tuple[list[str], list[Row]]:
+        """Every target leaf made with its shape and dtype, or kept by a ``keep`` pattern;
+        every leaf made that the target lacks. The kept paths and the rows, in order."""
+        mapping, made, problems = self.mapping, self.made, self.problems
+        kept: list[str] = []
+        rows: list[Row] = []
+        keep_used: set[int] = set()
+        for path, (shape, dt) in targets.items():
+            hit = made.get(path)
+            if hit is None and path in self.failed:
+                continue  # its stored tensor's problem is reported
+            if hit is None:
+                ks = [j for j, k in enumerate(mapping._keep) if k.search(path)]
+                if ks:
+                    keep_used.update(ks)
+                    kept.append(path)
+                    rows.append(Row(path, (), "kept (like's value)", tuple(shape), dtype_name(dt)))
+                    continue
                 problems.append(
                     Problem(
-                        "mapping",
-                        f"keep[{j}]",
-                        f"keep pattern {k!r} matched no unmapped target leaf",
-                        hint="fix or remove the pattern",
+                        "target",
+                        path,
+                        "no stored tensor maps to this leaf",
+                        shape=tuple(shape),
+                        dtype=dtype_name(dt),
+                        hint="add a rule producing it, or list it in keep=[...] to keep "
+                        "like's value (a new head, LoRA adapters)",
+                        cause="no stored tensor maps to this leaf",
                     )
                 )
-    return kept, rows
+                continue
+            node, i, names = hit
+            want = f"{dtype_name(dt)}{list(shape)}"
+            got = f"{dtype_name(node.dtype)}{list(node.shape)}"
+            bad_shape = tuple(shape) != node.shape
+            bad_dtype = dtype_name(dt) != dtype_name(node.dtype)
+            if bad_shape or bad_dtype:
+                hints = ["fix the rule's transpose/reshape/stack"] if bad_shape else []
+                if bad_dtype:
+                    hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
+                problems.append(
+                    Problem(
+                        "target",
+                        path,
+                        f"the mapped value is {got} but the target leaf is {want} "
+                        f"(from {', '.join(names)} by rules[{i}]: "
+                        f"{mapping.rules[i].transforms_text()})",
+                        shape=tuple(shape),
+                        dtype=dtype_name(dt),
+                        hint="; ".join(hints),
+                        cause="shape or dtype does not fit",
+                    )
+                )
+                continue
+            rows.append(_row(path, node, mapping.rules[i]))
+        for path, (_, i, names) in made.items():
+            if path not in targets:
+                problems.append(
+                    Problem(
+                        "target",
+                        path,
+                        f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
+                        hint="fix the target template; target paths are canonical "
+                        "(modelshard.plan(like, ...) lists them)",
+                        cause="mapped to a path the target does not have",
+                    )
+                )
+        if mapping.strict and not export:
+            for j, k in enumerate(mapping.keep):  # optional patterns follow keep's in _keep
+                if j not in keep_used:
+                    problems.append(
+                        Problem(
+                            "mapping",
+                            f"keep[{j}]",
+                            f"keep pattern {k!r} matched no unmapped target leaf",
+                            hint="fix or remove the pattern",
+                        )
+                    )
+        return kept, rows
 
 
 def _once_per_rule(problems: list[Problem]) -> list[Problem]:
-    """A size missing from the config is one problem of its rule, not one per stored
-    tensor: the first tensor's is kept, its hint counting the others."""
-    first: dict[str, int] = {}
-    more: dict[str, int] = {}
+    """A size the config lacks is one problem per rule: the first tensor's, counting the rest."""
+    counts = Counter(p.what for p in problems if p.cause == NO_SIZE)
     out: list[Problem] = []
     for p in problems:
-        if p.cause != NO_SIZE:
-            out.append(p)
-        elif p.what in first:
-            more[p.what] = more.get(p.what, 0) + 1
-        else:
-            first[p.what] = len(out)
-            out.append(p)
-    for what, n in more.items():
-        j = first[what]
-        out[j] = dataclasses.replace(
-            out[j], hint=f"{out[j].hint} (the rule needs it for {_count(n, 'more stored tensor')})"
-        )
+        n = counts.pop(p.what, None) if p.cause == NO_SIZE else 0
+        if n is None:
+            continue  # a later tensor's: counted in the first one's hint
+        if n > 1:
+            more = _count(n - 1, "more stored tensor")
+            p = dataclasses.replace(p, hint=f"{p.hint} (the rule needs it for {more})")
+        out.append(p)
     return out
 
 
 def _unused(mapping: WeightMap, i: int, sources: Iterable[str]) -> Problem:
-    """The problem of rule ``i``, which no stored tensor took: its regex matches none, or
-    earlier rules took every tensor it matches (first match wins)."""
+    """Rule ``i`` took no stored tensor: its regex matches none, or earlier rules took them."""
     rule, pattern = mapping.rules[i], mapping._compiled[i]
     taken: dict[int, int] = {}
     for name in sources:
