@@ -1,11 +1,6 @@
-"""How each kind of leaf is stored and read back: ``encode`` gives what is stored for a leaf,
-``decode`` the leaf again from what is read, as its record says.
-
-A typed PRNG key is stored as its key data and wrapped again with the implementation the
-record names; a dtype TensorStore cannot store (``STORED_AS``) as its bits in a same-width
-dtype, bitcast back; a zero-size array not at all (Orbax refuses it): the record's shape and
-dtype say all there is (``empty``). ``stored_problem`` checks a record read from disk.
-"""
+"""How each kind of leaf is stored and read back (``encode``, ``decode``): a typed PRNG key as
+its key data, a dtype TensorStore cannot store (``STORED_AS``) as its bits in a same-width
+one, a zero-size array not at all (Orbax refuses it: the record says all there is)."""
 
 from __future__ import annotations
 
