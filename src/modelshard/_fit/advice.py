@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec
 
 from .._base import format_bytes, format_mesh, format_spec
@@ -18,24 +19,9 @@ from .candidates import (
     batch_change,
     cast_outputs,
     changes_for,
-    moment_target,
 )
-from .memory import (
-    StepMemory,
-    abstract_args,
-    batch_positions,
-    check_names,
-    check_roles,
-    compile_mesh,
-    measure,
-    own_mesh,
-    unwrap,
-    wrap,
-)
+from .memory import StepMemory, check_names, check_roles, compiler
 from .rulegen import norm_spec, rules_for
-
-# Megatron-style tensor parallelism by parameter name: column-parallel layers shard their
-# output dimension, row-parallel ones their input, embeddings their vocabulary.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +203,6 @@ class FitAdvice:
         return "\n".join([str(self.memory), *self.lines()])
 
 
-# ---- per-leaf spec changes -------------------------------------------------------------
-
-
 def fit_advice(
     step: Callable[..., Any],
     *args: Any,
@@ -275,35 +258,21 @@ def fit_advice(
     limit = parse_bytes(budget)
     check_roles(roles)
     check_names("kind", kinds, KINDS, "kind of change")
-    cmesh = compile_mesh(own_mesh(step, mesh), topology)
-    base_fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
-    statics = set(static)
-    dynamic = [i for i in range(len(args)) if i not in statics]
-    batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
-    args = abstract_args(args, statics)
-
-    def compile_one(
-        fn: Callable[..., Any], specs: Any, call: Sequence[Any], donate: tuple[int, ...]
-    ) -> StepMemory:
-        jitted = wrap(
-            fn, mesh=cmesh, in_specs=specs, donate_argnums=donate, static_argnums=tuple(statics)
-        )
-        return measure(jitted, call, kwargs, [call[i] for i in dynamic], batch, roles)
-
-    base = compile_one(base_fn, in_specs, args, donated)
+    batch, static, donate = batch_argnums, static_argnums, donate_argnums
+    c = compiler(step, args, kwargs, mesh, in_specs, donate, static, batch, roles, topology)
+    base = c.measure()
     compiles = 1
     if base.total <= limit:
         return FitAdvice(limit, base, True, [], None, compiles, base.compile_seconds)
 
     plan = base.plan
     leaf_roles = [r for _, r in base.roles]
-    changes = changes_for(
-        plan, leaf_roles, base, args, dynamic, batch, base_fn, remat, donated, kinds
-    )
+    dynamic = c.dynamic
+    changes = changes_for(plan, leaf_roles, base, dynamic, c.batch, c.fn, remat, c.donated, kinds)
     tried: list[Suggestion] = []
 
     def attempt(stack: list[Change]) -> Suggestion:
-        fn, call, donate = base_fn, list(args), donated
+        fn, call, donate = c.fn, list(c.args), c.donated
         specs = [leaf.spec for leaf in plan.leaves]
         for ch in stack:
             if ch.specs is not None:
@@ -319,44 +288,28 @@ def fit_advice(
                 donate = ch.donate
         for ch in stack:  # outputs narrowed last, around whichever step
             if ch.kind == "moments_dtype":
-                fn = cast_outputs(fn, *moment_target(ch))
-        new_specs, rules = _in_specs(in_specs, plan, specs, dynamic, len(args))
-        kind = "+".join(ch.kind for ch in stack)
-        text = "; ".join(ch.description for ch in stack)
-        code = _code(stack, rules)
-        notes = tuple(ch.code for ch in stack if ch.specs is None and ch.code)
-        try:
-            mem = compile_one(fn, new_specs, call, donate)
-        except Exception as e:  # a candidate the step cannot take is reported, not raised
-            return Suggestion(
-                kind,
-                text,
-                None,
-                0,
-                False,
-                new_specs,
-                rules,
-                tuple(call),
-                donate,
-                fn,
-                code,
-                f"{type(e).__name__}: {e}",
-                notes,
-            )
-        return Suggestion(
-            kind,
-            text,
-            mem,
-            base.total - mem.total,
-            mem.total <= limit,
-            new_specs,
-            rules,
-            tuple(call),
-            donate,
-            fn,
-            code,
-            notes=notes,
+                fn = cast_outputs(fn, set(ch.narrowed), jax.numpy.bfloat16)
+        new_specs, rules = _in_specs(c.in_specs, plan, specs, dynamic)
+        unmeasured = Suggestion(
+            kind="+".join(ch.kind for ch in stack),
+            description="; ".join(ch.description for ch in stack),
+            memory=None,
+            saves=0,
+            fits=False,
+            in_specs=new_specs,
+            rules=rules,
+            args=tuple(call),
+            donate_argnums=donate,
+            step=fn,
+            code=_code(stack, rules),
+            notes=tuple(ch.code for ch in stack if ch.specs is None and ch.code),
         )
+        try:
+            mem = c.measure(fn, new_specs, call, donate)
+        except Exception as e:  # a candidate the step cannot take is reported, not raised
+            return dataclasses.replace(unmeasured, error=f"{type(e).__name__}: {e}")
+        fits, saves = mem.total <= limit, base.total - mem.total
+        return dataclasses.replace(unmeasured, memory=mem, saves=saves, fits=fits)
 
     best = None
     for ch in changes:
@@ -426,11 +379,8 @@ def _halve_until_fits(
     return None, n
 
 
-# ---- candidates ------------------------------------------------------------------------
-
-
 def _in_specs(
-    in_specs: Any, plan: Any, specs: list[PartitionSpec], dynamic: list[int], nargs: int
+    in_specs: Any, plan: Any, specs: list[PartitionSpec], dynamic: list[int]
 ) -> tuple[Any, dict[str, Rules]]:
     """``in_specs`` with each argument whose leaves' specs changed given as rules."""
     rules: dict[str, Rules] = {}

@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec
 from .._specs import entry_axes
 from .memory import StepMemory
 
+# Megatron-style tensor parallelism by parameter name: column-parallel layers shard their
+# output dimension, row-parallel ones their input, embeddings their vocabulary.
 _COLUMN = re.compile(
     r"(^|/)(q|k|v|query|key|value|wq|wk|wv|wqkv|qkv|q_proj|k_proj|v_proj|qkv_proj|c_attn|"
     r"up|gate|up_proj|gate_proj|wi|wi_0|wi_1|w1|w3|fc1|fc_in|c_fc|dense_h_to_4h)(/|$)"
@@ -92,13 +94,8 @@ class Change:
     narrowed: frozenset[str] = frozenset()  # leaf paths whose dtype the change narrows
 
 
-# ---- abstract arguments ----------------------------------------------------------------
-
-
 def abstract(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def rebuild(value: Any, fn: Callable[[str, Any], Any]) -> Any:
@@ -143,7 +140,6 @@ def changes_for(
     plan: Any,
     leaf_roles: list[str],
     base: StepMemory,
-    args: Sequence[Any],
     dynamic: list[int],
     batch: list[int],
     fn: Callable[..., Any],
@@ -151,86 +147,72 @@ def changes_for(
     donated: tuple[int, ...],
     kinds: Sequence[str],
 ) -> list[Change]:
+    """Every change of ``kinds`` that applies to the step, in ``KINDS`` order."""
     sizes = plan.sizes
     axes = [a for a, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n > 1]
     out: list[Change] = []
-    arg_roles: dict[int, set[str]] = {}
+    state = ("parameters", "optimizer_state")
+
+    def per_axis(kind: str, text: str, over: Sequence[str], wanted: Any, tp: bool = False) -> None:
+        """One change per axis of ``over``: it added to each leaf ``wanted(leaf, role)`` picks."""
+        for axis in over if kind in kinds else ():
+
+            def specs(leaf: Any, s: PartitionSpec, r: str, ax: str = axis) -> PartitionSpec:
+                if not wanted(leaf, r):
+                    return s
+                return add_axis(
+                    s, leaf.shape, sizes, ax, tp_dims(leaf.path, leaf.shape) if tp else None
+                )
+
+            out.append(Change(kind, text.format(repr(axis)), "", specs=specs))
+
     at = 0
+    state_args = []
     for i, a in enumerate(plan.args):
-        arg_roles[i] = set(leaf_roles[at : at + len(a.leaves)])
+        if set(leaf_roles[at : at + len(a.leaves)]) & set(state):
+            state_args.append(dynamic[i])
         at += len(a.leaves)
-    state_args = [
-        dynamic[i] for i, rs in arg_roles.items() if rs & {"parameters", "optimizer_state"}
-    ]
     if "donate" in kinds and base.parts["outputs"] > 0 and not set(state_args) <= set(donated):
         nums = tuple(sorted(set(donated) | set(state_args)))
-        out.append(
-            Change(
-                "donate",
-                f"donate the state (donate_argnums={nums})",
-                f"ms.shard_jit(step, ..., donate_argnums={nums})",
-                donate=nums,
-            )
+        text, code = (
+            f"donate the state (donate_argnums={nums})",
+            f"ms.shard_jit(step, ..., donate_argnums={nums})",
         )
+        out.append(Change("donate", text, code, donate=nums))
     has_opt = "optimizer_state" in leaf_roles
-    for axis in axes:
-        if "shard_optimizer" in kinds and has_opt:
-            out.append(
-                _spec_change(
-                    "shard_optimizer",
-                    f"shard the optimizer state over {axis!r} (ZeRO-1)",
-                    lambda leaf, s, r, ax=axis: (
-                        add_axis(s, leaf.shape, sizes, ax)
-                        if r == "optimizer_state" and math.prod(leaf.shape) >= 2**14
-                        else s
-                    ),
-                    axis,
-                )
-            )
+    per_axis(
+        "shard_optimizer",
+        "shard the optimizer state over {} (ZeRO-1)",
+        axes if has_opt else [],
+        lambda leaf, r: r == "optimizer_state" and math.prod(leaf.shape) >= 2**14,
+    )
     if "moments_dtype" in kinds and has_opt:
         mc = _moments_change(plan, leaf_roles, dynamic)
         if mc is not None:
             out.append(mc)
-    for axis in axes:
-        if "fsdp" in kinds:
-            out.append(
-                _spec_change(
-                    "fsdp",
-                    f"shard parameters and optimizer state over {axis!r} (FSDP)",
-                    lambda leaf, s, r, ax=axis: (
-                        add_axis(s, leaf.shape, sizes, ax)
-                        if r in ("parameters", "optimizer_state") and math.prod(leaf.shape) >= 2**14
-                        else s
-                    ),
-                    axis,
-                )
-            )
-    batch_axes = set()
-    for i in batch:
-        for leaf in plan.args[i].leaves:
-            if leaf.spec and len(leaf.shape):
-                batch_axes |= set(entry_axes(leaf.spec[0]))
-    if "tensor_parallel" in kinds:
-        names = [
-            leaf.path
-            for leaf, r in zip(plan.leaves, leaf_roles, strict=True)
-            if r in ("parameters", "optimizer_state") and tp_dims(leaf.path, leaf.shape)
-        ]
+    per_axis(
+        "fsdp",
+        "shard parameters and optimizer state over {} (FSDP)",
+        axes,
+        lambda leaf, r: r in state and math.prod(leaf.shape) >= 2**14,
+    )
+    tp = [leaf for leaf, r in zip(plan.leaves, leaf_roles, strict=True) if r in state]
+    if any(tp_dims(leaf.path, leaf.shape) for leaf in tp):
         # over the batch's axis the same devices would split both: no tensor parallelism
-        tp_axes = [a for a in axes if a not in batch_axes]
-        for axis in tp_axes if names else []:
-            out.append(
-                _spec_change(
-                    "tensor_parallel",
-                    f"tensor-parallel rules over {axis!r} for known parameter names",
-                    lambda leaf, s, r, ax=axis: (
-                        add_axis(s, leaf.shape, sizes, ax, tp_dims(leaf.path, leaf.shape))
-                        if r in ("parameters", "optimizer_state") and tp_dims(leaf.path, leaf.shape)
-                        else s
-                    ),
-                    axis,
-                )
-            )
+        batch_axes = {
+            a
+            for i in batch
+            for leaf in plan.args[i].leaves
+            if leaf.spec and len(leaf.shape)
+            for a in entry_axes(leaf.spec[0])
+        }
+        per_axis(
+            "tensor_parallel",
+            "tensor-parallel rules over {} for known parameter names",
+            [a for a in axes if a not in batch_axes],
+            lambda leaf, r: r in state and tp_dims(leaf.path, leaf.shape),
+            tp=True,
+        )
     if "remat" in kinds:
         variant, how = _remat_step(fn, remat)
         if variant is not None:
@@ -240,14 +222,6 @@ def changes_for(
         if info is not None:
             out.append(Change("batch", "halve the batch", "", args=_halver(info, 1), batch=info))
     return out
-
-
-def _spec_change(kind: str, text: str, fn: Callable[..., PartitionSpec], axis: str) -> Change:
-    return Change(kind, text, "", specs=fn)
-
-
-def moment_target(ch: Change) -> tuple[set[str], Any]:
-    return set(ch.narrowed), jax.numpy.bfloat16
 
 
 def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Change | None:
@@ -280,7 +254,7 @@ def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Cha
             )
         return call
 
-    all_paths = set().union(*picked.values())
+    narrowed = frozenset(set().union(*picked.values()))
     if mu:
         text, code = (
             "keep the first moments in bfloat16",
@@ -291,13 +265,7 @@ def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Cha
             "keep the optimizer state in bfloat16",
             "the optimizer's float32 state written in bfloat16",
         )
-    return Change(
-        "moments_dtype",
-        text,
-        code,
-        args=narrow,
-        narrowed=frozenset(all_paths),
-    )
+    return Change("moments_dtype", text, code, args=narrow, narrowed=narrowed)
 
 
 def _remat_step(
@@ -362,6 +330,3 @@ def batch_change(change: Change, k: int) -> Change | None:
     return Change(
         "batch", text, f"a global batch of {size} ({per} per device)", args=_halver(info, k)
     )
-
-
-# ---- in_specs and code -----------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from .._base import Problem, SpecError, format_bytes, format_mesh, mesh_sizes
+from .._base import format_bytes, format_mesh, mesh_sizes, spec_error
 
 PARTS = (
     "parameters",
@@ -227,7 +227,9 @@ def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
 
 
 def _is_optax(x: Any) -> bool:
-    return type(x).__module__.split(".", 1)[0] == "optax"
+    from .._containers import optax_kind
+
+    return optax_kind(type(x))
 
 
 def _optax_arg(value: Any) -> bool:
@@ -235,7 +237,7 @@ def _optax_arg(value: Any) -> bool:
     if _is_optax(value):
         return True
     tops = jax.tree_util.tree_leaves(value, is_leaf=_is_optax)
-    return bool(tops) and all(_is_optax(t) for t in tops)
+    return bool(tops) and all(map(_is_optax, tops))
 
 
 def _float(dtype: Any) -> bool:
@@ -281,17 +283,9 @@ def check_names(what: str, given: Any, allowed: Sequence[str], noun: str = "") -
     ``noun``: what one is called in the message, ``what`` by default)."""
     bad = [r for r in given or () if r not in allowed]
     if bad:
-        raise SpecError(
-            [
-                Problem(
-                    f"{what}s",
-                    bad[0],
-                    f"{bad[0]!r} is not a {noun or what}",
-                    hint=f"{what}s are " + ", ".join(map(repr, allowed)),
-                )
-            ],
-            header=f"invalid {what}s:",
-        )
+        hint = f"{what}s are " + ", ".join(map(repr, allowed))
+        what_ = f"{bad[0]!r} is not a {noun or what}"
+        raise spec_error(f"{what}s", bad[0], what_, header=f"invalid {what}s:", hint=hint)
 
 
 def check_roles(roles: Mapping[str, Any] | None) -> None:
@@ -403,21 +397,56 @@ class _Refused:
     peak_memory_in_bytes: int = 0
 
 
-def own_mesh(step: Any, mesh: Any) -> Any:
-    """``mesh``, or where none is given the mesh a ``ShardJit`` step was made with."""
-    from .._jit import ShardJit
+@dataclasses.dataclass(frozen=True)
+class Compiler:
+    """A step as each measurement compiles it on ``mesh``: its function, specs, donations and
+    abstract arguments (``dynamic``: the non-static positions; ``batch``: the batch's among them)."""
 
-    return step.mesh if mesh is None and isinstance(step, ShardJit) else mesh
+    fn: Callable[..., Any]
+    in_specs: Any
+    donated: tuple[int, ...]
+    static: tuple[int, ...]
+    args: tuple[Any, ...]
+    dynamic: list[int]
+    batch: list[int]
+    mesh: Any
+    kwargs: Mapping[str, Any]
+    roles: Mapping[str, Any] | None
+
+    def measure(
+        self,
+        fn: Callable[..., Any] | None = None,
+        specs: Any = None,
+        call: Sequence[Any] | None = None,
+        donate: tuple[int, ...] | None = None,
+    ) -> StepMemory:
+        """The step (or ``fn`` with ``specs``, ``call`` and ``donate``) compiled and measured."""
+        call = self.args if call is None else call
+        jitted = wrap(
+            self.fn if fn is None else fn,
+            mesh=self.mesh,
+            in_specs=self.in_specs if specs is None else specs,
+            donate_argnums=self.donated if donate is None else donate,
+            static_argnums=self.static,
+        )
+        values = [call[i] for i in self.dynamic]
+        return measure(jitted, call, self.kwargs, values, self.batch, self.roles)
 
 
-def unwrap(
+def compiler(
     step: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mesh: Any,
     in_specs: Any,
     donate_argnums: int | Sequence[int],
     static_argnums: int | Sequence[int],
-) -> tuple[Callable[..., Any], Any, tuple[int, ...], tuple[int, ...]]:
-    """``(function, in_specs, donated, static)`` of ``step``: a ``ShardJit`` passed in gives
-    its own function, specs, donations and statics where these are not given."""
+    batch_argnums: int | Sequence[int] | None,
+    roles: Mapping[str, Any] | None,
+    topology: str | None,
+) -> Compiler:
+    """``step`` (a function, or a ``ShardJit`` whose own settings fill what is not given) ready to
+    compile on ``mesh`` (default: a ``ShardJit``'s own, else the active one)."""
     from .._jit import ShardJit
 
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
@@ -427,20 +456,20 @@ def unwrap(
         in_specs = step.in_specs if in_specs is None else in_specs
         donate = donate or tuple(layout._donate_nums)
         static = static or tuple(layout._static_nums)
+        mesh = step.mesh if mesh is None else mesh
         step = step.fn
+    cmesh = compile_mesh(mesh, topology)
     if in_specs is None:
-        raise SpecError(
-            [
-                Problem(
-                    "in_specs",
-                    None,
-                    "in_specs is required: one spec-like per argument of the step",
-                    hint="in_specs=(rules, P('data')) for step(state, batch)",
-                )
-            ],
-            header="cannot compile the step:",
-        )
-    return step, in_specs, donate, static
+        what = "in_specs is required: one spec-like per argument of the step"
+        hint = "in_specs=(rules, P('data')) for step(state, batch)"
+        raise spec_error("in_specs", None, what, header="cannot compile the step:", hint=hint)
+    dynamic = [i for i in range(len(args)) if i not in static]
+    if batch_argnums is None:  # the last of several arguments
+        batch_argnums = [len(args) - 1] if len(args) > 1 else []
+    wanted = [batch_argnums] if isinstance(batch_argnums, int) else batch_argnums
+    batch = [dynamic.index(i) for i in wanted if i in dynamic]
+    abstract = abstract_args(args, set(static))
+    return Compiler(step, in_specs, donate, static, abstract, dynamic, batch, cmesh, kwargs, roles)
 
 
 def wrap(
@@ -485,30 +514,16 @@ def abstract_args(args: Sequence[Any], statics: set[int]) -> tuple[Any, ...]:
 
     out = []
     for i, a in enumerate(args):
-        if i in statics:
+        flat = split(a) if i not in statics else None
+        if flat is None or not any(isinstance(x, jax.Array) for x in flat.arrays):
             out.append(a)
             continue
-        flat = split(a)
-        arrays = flat.arrays
-        if not any(isinstance(x, jax.Array) for x in arrays):
-            out.append(a)
-            continue
-        out.append(
-            flat.rebuild(
-                [
-                    jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
-                    for x in arrays
-                ]
-            )
-        )
+        arrays = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+            for x in flat.arrays
+        ]
+        out.append(flat.rebuild(arrays))
     return tuple(out)
-
-
-def batch_positions(args: Sequence[Any], batch_argnums: int | Sequence[int] | None) -> list[int]:
-    """The batch's argument positions: as given, else the last of several arguments."""
-    if batch_argnums is None:
-        return [len(args) - 1] if len(args) > 1 else []
-    return [batch_argnums] if isinstance(batch_argnums, int) else list(batch_argnums)
 
 
 def step_memory(
@@ -560,11 +575,6 @@ def step_memory(
         MeshError: a mesh larger than the devices JAX can compile for.
     """
     check_roles(roles)
-    cmesh = compile_mesh(own_mesh(step, mesh), topology)
-    fn, in_specs, donated, static = unwrap(step, in_specs, donate_argnums, static_argnums)
-    jitted = wrap(fn, mesh=cmesh, in_specs=in_specs, donate_argnums=donated, static_argnums=static)
-    statics = set(static)
-    args = abstract_args(args, statics)
-    dynamic = [i for i in range(len(args)) if i not in statics]
-    batch = [dynamic.index(i) for i in batch_positions(args, batch_argnums) if i in dynamic]
-    return measure(jitted, args, kwargs, [args[i] for i in dynamic], batch, roles)
+    batch, static, donate = batch_argnums, static_argnums, donate_argnums
+    c = compiler(step, args, kwargs, mesh, in_specs, donate, static, batch, roles, topology)
+    return c.measure()
