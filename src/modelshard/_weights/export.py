@@ -20,9 +20,7 @@ from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
 from .multiprocess_writing import (
-    Block,
     SharedPlan,
-    TensorPlan,
     array_plan,
     host_rows,
     local_block,
@@ -200,17 +198,27 @@ def check_state(state: Any) -> None:
     dict, list or tuple (``MappingError``, every one listed); a registered container's
     other fields (an Equinox module's functions) are not weights and pass."""
     flat = split(state)
-    problems = [
-        Problem(
-            "state",
-            path,
-            f"a {type(x).__module__}.{type(x).__qualname__}, not an array: safetensors "
-            "holds arrays only",
-            hint="make it an array (np.asarray(x)), or leave it out of the exported state",
-            cause="a leaf that is not an array",
-        )
-        for path, x in non_arrays(state, flat)
-    ]
+    problems = []
+    if flat.adapter.follows_pytree and len(flat.array_index) < len(flat.leaves):
+        from jax.tree_util import DictKey, SequenceKey
+
+        with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+        paths = [info.path for info in flat.adapter.describe(flat.obj)]
+        arrays = set(flat.array_index)
+        problems = [
+            Problem(
+                "state",
+                paths[i],
+                f"a {type(x).__module__}.{type(x).__qualname__}, not an array: safetensors "
+                "holds arrays only",
+                hint="make it an array (np.asarray(x)), or leave it out of the exported state",
+                cause="a leaf that is not an array",
+            )
+            for i, (keys, x) in enumerate(with_path)
+            if len(with_path) == len(flat.leaves)  # else nested containers: theirs to decide
+            and i not in arrays
+            and (not keys or isinstance(keys[-1], DictKey | SequenceKey))
+        ]
     if problems:
         raise MappingError(problems)
     if not flat.arrays:
@@ -220,31 +228,12 @@ def check_state(state: Any) -> None:
         )
 
 
-def non_arrays(state: Any, flat: Any) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` of each non-array leaf in a dict, list or tuple of ``state``."""
-    if not flat.adapter.follows_pytree or len(flat.array_index) == len(flat.leaves):
-        return []
-    from jax.tree_util import DictKey, SequenceKey
-
-    with_path = jax.tree_util.tree_flatten_with_path(state)[0]
-    if len(with_path) != len(flat.leaves):  # nested containers: their adapters decide
-        return []
-    paths = [info.path for info in flat.adapter.describe(flat.obj)]
-    arrays = set(flat.array_index)
-    return [
-        (paths[i], x)
-        for i, (keys, x) in enumerate(with_path)
-        if i not in arrays and (not keys or isinstance(keys[-1], DictKey | SequenceKey))
-    ]
-
-
 def canonical_export(
     state: Any, dtype: Any = None
 ) -> tuple[list[Entry], Callable[[str], Any], SharedPlan]:
     """Every leaf as a stored tensor under its path with ``.`` for ``/`` (floating ones
-    cast to ``dtype``), ``compute(name)`` (that leaf on the host, when asked) and how
-    several processes share the writing. ``MappingError``: every leaf whose name would not
-    read back (a ``.`` in a component) or whose dtype safetensors cannot store."""
+    cast to ``dtype``), ``compute(name)`` and the plan several processes share.
+    ``MappingError``: every leaf whose name would not read back or whose dtype has no code."""
     flat, targets = target_table(state)
     cast = None if dtype is None else np.dtype(dtype)
     items: list[Entry] = []
@@ -286,18 +275,16 @@ def canonical_export(
     want = {name: dt for name, _, dt in items}
 
     def compute(name: str) -> list[np.ndarray]:
-        return [
-            a if a.dtype == want[name] else a.astype(want[name])
-            for a in host_rows(values[name], name)
-        ]
+        return [a.astype(want[name], copy=False) for a in host_rows(values[name], name)]
 
-    def read_block(name: str, block: Block) -> np.ndarray:
-        return local_block(values[name], block)
-
-    def plans() -> dict[str, TensorPlan]:
-        return {name: array_plan(values[name]) for name, _, _ in items}
-
-    return items, compute, SharedPlan(plans, read_block)
+    return (
+        items,
+        compute,
+        SharedPlan(
+            lambda: {name: array_plan(values[name]) for name, _, _ in items},
+            lambda name, block: local_block(values[name], block),
+        ),
+    )
 
 
 def check_destination(

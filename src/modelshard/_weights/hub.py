@@ -1,7 +1,6 @@
 """``hf://org/name[@revision]``: a Hugging Face Hub repository as a safetensors path,
-resolved by ``huggingface_hub`` (``modelshard[hf]``, imported only then): a complete
-cached snapshot, else a download of ``*.safetensors`` and ``*.json`` only (none under
-``HF_HUB_OFFLINE``); a repository that cannot be had is a ``CheckpointError``."""
+resolved by ``huggingface_hub`` (imported only then): a complete cached snapshot, else a
+download of ``*.safetensors`` and ``*.json`` only (none under ``HF_HUB_OFFLINE``)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,8 @@ from typing import Any, TypeGuard
 from .._base import CheckpointError
 
 PREFIX = "hf://"
-PATTERNS = ["*.safetensors", "*.json"]
-"""What a download fetches: weights, their index and ``config.json``, nothing else."""
+PATTERNS = ["*.safetensors", "*.json"]  # weights, their index and config.json
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-_TRUE = {"1", "on", "yes", "true"}
 
 
 def is_hub(path: Any) -> TypeGuard[str]:
@@ -25,38 +22,9 @@ def is_hub(path: Any) -> TypeGuard[str]:
     return isinstance(path, str) and path.startswith(PREFIX)
 
 
-def parse(url: str) -> tuple[str, str | None]:
-    """``hf://org/name@rev`` -> ``("org/name", "rev")``; ``@rev`` is optional.
-
-    Raises:
-        CheckpointError: not ``hf://org/name`` with an optional ``@revision``.
-    """
-    repo, at, revision = url[len(PREFIX) :].partition("@")
-    if not _REPO.fullmatch(repo) or ".." in repo or (at and not revision):
-        raise CheckpointError(
-            f"{url}: not a Hub repository id (want hf://org/name or hf://org/name@revision)"
-        )
-    return repo, revision or None
-
-
-def offline() -> bool:
-    """``HF_HUB_OFFLINE`` as ``huggingface_hub`` reads it, read now (not at its import)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-
-
-def _cache_dir() -> str | None:
-    """The cache ``huggingface_hub`` would use, from the environment as it is now
-    (``huggingface_hub`` reads it once, at import); ``None``: its default."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    return None
-
-
 def complete(snapshot: Path) -> bool:
-    """Whether a cached snapshot holds a checkpoint: an index whose every file is there,
-    or (no index) a ``.safetensors`` file. A download interrupted part-way is not."""
+    """Whether a snapshot holds a checkpoint (an index whose every file is there, or a
+    ``.safetensors`` file), not a download interrupted part-way."""
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -71,10 +39,14 @@ def resolve(url: str) -> Path:
     """The local snapshot directory of ``hf://org/name[@revision]``.
 
     Raises:
-        CheckpointError: ``huggingface_hub`` is not installed, or the repository (at that
-            revision) is neither in the cache nor downloadable (offline, unknown, gated).
+        CheckpointError: not such an id; ``huggingface_hub`` is not installed; the
+            repository is neither in the cache nor downloadable (offline, unknown, gated).
     """
-    repo, revision = parse(url)
+    repo, at, revision = url[len(PREFIX) :].partition("@")
+    if not _REPO.fullmatch(repo) or ".." in repo or (at and not revision):
+        raise CheckpointError(
+            f"{url}: not a Hub repository id (want hf://org/name or hf://org/name@revision)"
+        )
     try:
         import huggingface_hub
     except ImportError:
@@ -82,9 +54,12 @@ def resolve(url: str) -> Path:
             f"{url}: hf:// paths need huggingface_hub (pip install 'modelshard[hf]')"
         ) from None
     at = f" at revision {revision}" if revision else ""
+    # the environment as it is now: huggingface_hub reads it once, at its import
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or (env.get("HF_HOME") and os.path.join(env["HF_HOME"], "hub"))
     kw: dict[str, Any] = {
-        "revision": revision,
-        "cache_dir": _cache_dir(),
+        "revision": revision or None,
+        "cache_dir": cache or None,
         "allow_patterns": PATTERNS,
     }
     try:
@@ -95,11 +70,11 @@ def resolve(url: str) -> Path:
         cached: Exception | None = e
     else:
         cached = None
-    if offline():
+    if env.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "on", "yes", "true"}:
         why = "not complete" if cached is None else "not"
         raise CheckpointError(
             f"{url}: repository {repo}{at} is {why} in the Hugging Face cache "
-            f"({_cache_dir() or 'the default cache'}) and HF_HUB_OFFLINE is set: nothing was "
+            f"({cache or 'the default cache'}) and HF_HUB_OFFLINE is set: nothing was "
             "downloaded"
         )
     try:

@@ -1,9 +1,6 @@
-"""The safetensors format, read a block at a time (writing: ``writing.py``).
-
-A block of whole rows is one positioned read into a buffer JAX then owns; any other block
-is a strided view of a map of that one tensor (not of the file: mapped pages count in RSS
-while the map is open). Dtypes go through ``ml_dtypes`` (bf16, every fp8).
-"""
+"""The safetensors format, read a block at a time: whole rows by one positioned read, any
+other block as a view of a map of that one tensor (not of the file: mapped pages count in
+RSS while the map is open)."""
 
 from __future__ import annotations
 
@@ -46,7 +43,6 @@ DTYPES: dict[str, Any] = {
     "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
     "F8_E8M0": ml_dtypes.float8_e8m0fnu,
 }
-"""Every safetensors dtype code with a NumPy dtype of one or more bytes per element."""
 _CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
 INDEX_NAME = "model.safetensors.index.json"
@@ -63,7 +59,7 @@ def dtype_code(dtype: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
-    """Where one stored tensor lives: file, byte offset of its data, shape, dtype."""
+    """Where one stored tensor lives: its file and the byte offset of its data."""
 
     name: str
     file: Path
@@ -126,8 +122,7 @@ def _read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
 
 
 class SafetensorsFiles:
-    """One safetensors file or a sharded checkpoint, headers only: ``path`` (the file or
-    index), ``tensors`` (name -> ``TensorEntry``), ``metadata`` (every file's, merged)."""
+    """A safetensors file or sharded checkpoint, headers only (``metadata``: every file's)."""
 
     def __init__(self, path: Path, tensors: dict[str, TensorEntry], metadata: dict[str, str]):
         self.path = path
@@ -165,8 +160,7 @@ class SafetensorsFiles:
         self.close()
 
     def read_rows(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``[lo, hi)`` of the first axis (a scalar: all of it), one positioned read
-        (into ``out``, a C-contiguous array of that shape and dtype, when given)."""
+        """Rows ``[lo, hi)`` (a scalar: all of it) by one positioned read, into ``out`` if given."""
         t = self.tensors[name]
         shape = t.shape
         if not shape:
@@ -186,8 +180,7 @@ class SafetensorsFiles:
         return out
 
     def mapped(self, name: str) -> np.ndarray:
-        """The stored tensor as a read-only array over a map of its bytes only (a block
-        across the rows is copied straight from the page cache); unmapped with its last view."""
+        """The stored tensor over a read-only map of its bytes, unmapped with its last view."""
         t = self.tensors[name]
         if t.nbytes == 0:
             return np.empty(t.shape, t.dtype)
@@ -203,9 +196,8 @@ class SafetensorsFiles:
         return np.frombuffer(mm, t.dtype, math.prod(t.shape), t.offset - start).reshape(t.shape)
 
     def fetch(self, cache: dict[Any, np.ndarray]) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
-        """A ``fetch(name, index[, out])`` for recipes: whole rows by one positioned read
-        (into ``out`` when given), any other block a view of the tensor's map (kept in
-        ``cache``, which the caller drops after each leaf)."""
+        """A recipe ``fetch(name, index[, out])``; the maps it makes go in ``cache``, which
+        the caller drops after each leaf."""
 
         def fetch(name: str, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
             t = self.tensors[name]
@@ -224,9 +216,8 @@ class SafetensorsFiles:
 
 
 def is_safetensors(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names a safetensors checkpoint: a ``.safetensors`` file, an
-    ``*.index.json`` file, a directory holding either (and no Orbax metadata), or an
-    ``hf://`` repository id (resolved when opened)."""
+    """Whether ``path`` names a safetensors file, an index, a directory holding either (and
+    no Orbax metadata), or an ``hf://`` repository."""
     if hub.is_hub(path):
         return True
     p = Path(path)
@@ -239,8 +230,8 @@ def is_safetensors(path: str | os.PathLike[str]) -> bool:
 
 def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
     """The headers of a file, an index, a directory holding either, or an ``hf://``
-    repository (``hub.resolve``); nothing else is read. ``CheckpointError``: missing, a
-    malformed header or index, an entry outside its directory, a tensor missing or twice."""
+    repository. ``CheckpointError``: missing, a malformed header or index, an entry outside
+    its directory, a tensor missing or twice."""
     p = hub.resolve(path) if hub.is_hub(path) else Path(path)
     if p.is_dir():
         index = p / INDEX_NAME
@@ -265,23 +256,18 @@ def open_safetensors(path: str | os.PathLike[str]) -> SafetensorsFiles:
 class _Pairs(dict[str, Any]):
     """A JSON object that remembers its repeated keys (``json`` keeps the last silently)."""
 
-    repeated: list[tuple[str, Any, Any]]
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
-    out = _Pairs()
-    out.repeated = []
-    for k, v in pairs:
-        if k in out:
-            out.repeated.append((k, out[k], v))
-        out[k] = v
-    return out
+    def __init__(self, pairs: list[tuple[str, Any]]):
+        super().__init__()
+        self.repeated: list[tuple[str, Any, Any]] = []
+        for k, v in pairs:
+            if k in self:
+                self.repeated.append((k, self[k], v))
+            self[k] = v
 
 
 def _roots(directory: Path) -> list[Path]:
     """Where an index's files may resolve to: its directory, and for a Hugging Face cache
-    snapshot (``models--org--name/snapshots/<rev>``, whose files are links into
-    ``models--org--name/blobs``) that repository's blobs."""
+    snapshot (``models--org--name/snapshots/<rev>``) that repository's ``blobs``."""
     base = directory.resolve()
     roots = [base]
     if base.parent.name == "snapshots":
@@ -303,7 +289,7 @@ def _escapes(directory: Path, file: str) -> str | None:
 
 def _open_index(p: Path) -> SafetensorsFiles:
     try:
-        doc = json.loads(p.read_text(), object_pairs_hook=_pairs)
+        doc = json.loads(p.read_text(), object_pairs_hook=_Pairs)
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
