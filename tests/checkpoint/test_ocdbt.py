@@ -221,6 +221,29 @@ print(code, sorted(m for m in sys.modules if m.startswith("orbax")))
     np.testing.assert_array_equal(np.asarray(back["w"]), plain["w"])
 
 
+def test_a_fresh_process_saves_without_importing_orbax(tmp_path):
+    """``save`` writes through ``shards``/``ocdbt``: Orbax is never imported, and plain
+    Orbax reads what it wrote."""
+    script = f"""
+import sys
+import jax, jax.numpy as jnp
+import modelshard as ms
+ms.save({str(tmp_path / "c")!r}, {{"w": jnp.arange(12.0).reshape(3, 4), "k": jax.random.key(0)}})
+print(sorted(m for m in sys.modules if m.startswith("orbax")))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    plain = ocp.StandardCheckpointer().restore(str(tmp_path / "c"))
+    np.testing.assert_array_equal(plain["w"], np.arange(12.0).reshape(3, 4))
+
+
 def test_a_reshard_to_object_storage_is_written_without_orbax(tmp_path, mesh8, bucket_root):
     """Specs, context, metadata files and merge on gs:// and s3:// are this module's too:
     with Orbax's own made to fail, the reshard still lands, and plain Orbax reads it."""

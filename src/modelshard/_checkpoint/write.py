@@ -1,8 +1,8 @@
 """Writing checkpoints: ``save``, and the atomic staging that ``reshard`` and the manager share.
 
-The state is split into the nested dict Orbax stores (keyed by the components of each
-leaf's canonical path; typed PRNG keys as their key data, dtypes TensorStore cannot name as
-their bits) and the record beside it, written into a staging directory and renamed into
+The state is split into the arrays stored (keyed by the components of each leaf's canonical
+path; typed PRNG keys as their key data, dtypes TensorStore cannot name as their bits) and
+the record beside it, written (``shards.py``) into a staging directory and renamed into
 place only when complete. The names on disk are ``.storage``'s; README.md beside this
 module describes the layout.
 """
@@ -245,7 +245,7 @@ def prepare(
 
 def _replicated_if_local(x: Any) -> Any:
     """Multi-process: a leaf held by this process only (NumPy, one device), as a global
-    array replicated on every device, which Orbax can write (process 0's value is kept)."""
+    array replicated on every device, whose first replica is written (process 0's value)."""
     if not (isinstance(x, jax.Array) and x.is_fully_addressable):
         return x
     mesh = Mesh(np.array(jax.devices()), ("devices",))
