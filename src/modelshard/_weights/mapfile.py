@@ -3,6 +3,7 @@ every malformed entry reported at once; the format is ``docs/concepts/mapping.md
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -24,27 +25,16 @@ from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 from .shipped import is_name, shipped_mappings
 
 _TOP = {"strict", "keep", "optional", "config", "rules"}
-_RULE = {
-    "source",
-    "target",
-    "skip",
-    "transpose",
-    "reshape",
-    "stack",
-    "unstack",
-    "concat",
-    "split",
-    "cast",
-    "ops",
-    "also",
-    "untied",
-    "optional",
-}
+_RULE = {f.name for f in dataclasses.fields(MapRule)} | {"skip"}
 _OPS = ("rearrange", "transpose", "reshape", "add", "scale")
 _BAD = object()  # a field that was reported as malformed
 _JOIN = {"group": (int, str), "axis": int, "order": list}
-_UNSTACK = {"key": str, "axis": int}
-_SPLIT = {"key": str, "names": list, "axis": int, "sizes": list}
+_STEPS: dict[str, tuple[Any, dict[str, Any], str]] = {  # class, its keys, the one required
+    "stack": (Stack, _JOIN, "group"),
+    "concat": (Concat, _JOIN, "group"),
+    "unstack": (Unstack, {"key": str, "axis": int}, "key"),
+    "split": (Split, {"key": str, "names": list, "axis": int, "sizes": list}, "key"),
+}
 
 
 def _is(kind: type) -> Any:
@@ -215,38 +205,27 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 shorthand[kind] = got
                 bad |= got is None
         steps: dict[str, Any] = {}
-        for kind, cls in (("stack", Stack), ("concat", Concat)):
+        for kind, (cls, keys, required) in _STEPS.items():
             if kind not in item:
                 continue
-            t = _table(item[kind], f"{where}.{kind}", _JOIN, "group", problems, source)
+            at = f"{where}.{kind}"
+            t = _table(item[kind], at, keys, required, problems, source)
+            if t is not None and kind == "split":
+                names, n = t.get("names"), len(problems)
+                if names is None:
+                    report(at, "names is required")
+                elif not all(isinstance(x, str) for x in names):
+                    report(f"{at}.names", f"{names!r} is not an array of strings")
+                if "sizes" in t:
+                    t["sizes"] = _ints(t["sizes"], f"{at}.sizes", problems, source, True)
+                t = t if len(problems) == n else None
             if t is None:
                 bad = True
             else:
-                order = t.get("order")
-                order = None if order is None else tuple(map(str, order))
-                steps[kind] = cls(t["group"], t.get("axis", 0), order)
-        if "unstack" in item:
-            t = _table(item["unstack"], f"{where}.unstack", _UNSTACK, "key", problems, source)
-            if t is None:
-                bad = True
-            else:
-                steps["unstack"] = Unstack(t["key"], t.get("axis", 0))
-        if "split" in item:
-            t = _table(item["split"], f"{where}.split", _SPLIT, "key", problems, source)
-            names = None if t is None else t.get("names")
-            sizes = None if t is None else t.get("sizes")
-            if names is not None and not all(isinstance(n, str) for n in names):
-                report(f"{where}.split.names", f"{names!r} is not an array of strings")
-                names = None
-            if sizes is not None:
-                sizes = _ints(sizes, f"{where}.split.sizes", problems, source, True)
-                bad |= sizes is None
-            if t is not None and names is None and "names" not in t:
-                report(f"{where}.split", "names is required")
-            if t is None or names is None:
-                bad = True
-            else:
-                steps["split"] = Split(t["key"], tuple(names), t.get("axis", 0), sizes)
+                for k in ("order", "names"):
+                    if k in t:
+                        t[k] = tuple(map(str, t[k]))
+                steps[kind] = cls(**t)
         if "ops" in item:
             shorthand["ops"] = _ops(item["ops"], f"{where}.ops", problems, source)
             bad |= shorthand["ops"] is None

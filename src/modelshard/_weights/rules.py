@@ -335,9 +335,6 @@ class WeightMap:
         out = _FIELD.sub(lambda f: _field(m, f.group(1), extra), rule.target)
         return out.replace(".", "/") if self.split_dots else out
 
-    def kept(self, path: str) -> bool:
-        return any(k.search(path) for k in self._keep)
-
     def __repr__(self) -> str:
         optional = f", optional={list(self.optional)!r}" if self.optional else ""
         return f"WeightMap({len(self.rules)} rules, keep={list(self.keep)!r}{optional})"
