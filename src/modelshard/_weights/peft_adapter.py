@@ -107,11 +107,13 @@ def save_peft_adapter(
                 )
             )
             continue
-        ranks.add(a.shape[1])
+        rank = a.shape[1]
+        ranks.add(rank)
         module = read[0].removesuffix(".weight")
         names.append(module)
+        scale = np.asarray((alpha if alpha is not None else rank) / rank, b.dtype)
         tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.T
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.T / scale)
     if len(ranks) > 1:
         problems.append(
             Problem("state", "", f"adapters of ranks {sorted(ranks)}; a peft adapter has one")
@@ -119,41 +121,16 @@ def save_peft_adapter(
     if problems:
         raise MappingError(problems, header="cannot write a peft adapter:")
     rank = ranks.pop()
-    scale = (alpha if alpha is not None else rank) / rank
-    for k in tensors:
-        if k.endswith("lora_B.weight"):
-            tensors[k] = np.ascontiguousarray(tensors[k] / np.asarray(scale, tensors[k].dtype))
-    out = Path(directory)
-    items = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    lora_alpha = alpha if alpha is not None else rank
     hub_id = str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
     source = reference_directory(reference)
-    base = base_model or hub_id or (None if source is None else str(source))
-    config = _config(rank, alpha if alpha is not None else rank, names, base)
-    if jax.process_index() == 0:  # plain files: every value was computed by every process
-        _write_adapter(out, items, tensors, config)
-    return out
-
-
-def _write_adapter(
-    out: Path, items: list[Any], tensors: Mapping[str, Any], config: Mapping[str, Any]
-) -> None:
-    """``adapter_model.safetensors`` and ``adapter_config.json`` (each replaced once
-    complete): local file writes, no collective."""
-    write_safetensors(out / "adapter_model.safetensors", items, tensors.__getitem__, _META)
-    write_durable(out / "adapter_config.json", json.dumps(config, indent=2) + "\n")
-
-
-_META: Mapping[str, str] = {"format": "pt"}
-
-
-def _config(rank: int, alpha: float, modules: list[str], base: str | None) -> dict[str, Any]:
-    return {
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
+        "base_model_name_or_path": base_model or hub_id or (source and str(source)),
         "r": rank,
-        "lora_alpha": alpha if not float(alpha).is_integer() else int(alpha),
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+        "lora_alpha": int(lora_alpha) if float(lora_alpha).is_integer() else lora_alpha,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in names}),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -162,3 +139,15 @@ def _config(rank: int, alpha: float, modules: list[str], base: str | None) -> di
         "use_rslora": False,
         "use_dora": False,
     }
+    out = Path(directory)
+    if jax.process_index() == 0:  # plain files: every value was computed by every process
+        _write_adapter(out, tensors, config)
+    return out
+
+
+def _write_adapter(out: Path, tensors: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """``adapter_model.safetensors`` and ``adapter_config.json``: local writes, no collective."""
+    items = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    meta = {"format": "pt"}
+    write_safetensors(out / "adapter_model.safetensors", items, tensors.__getitem__, meta)
+    write_durable(out / "adapter_config.json", json.dumps(config, indent=2) + "\n")
