@@ -1,4 +1,4 @@
-"""Restoring damaged checkpoints (``_checkpoint/read.py``): every file truncated, flipped or
+"""Restoring damaged checkpoints (``_checkpoint/restoring.py``): every file truncated, flipped or
 deleted errors clearly or restores bit for bit."""
 
 from __future__ import annotations

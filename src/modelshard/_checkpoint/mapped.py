@@ -46,8 +46,7 @@ from .._weights import (
 )
 from .checksum import box_sums, format_sums
 from .codec import decode, logical_dtype, parse_dtype, stored_sharding, stored_struct
-from .read import check_holdable, verify_checksums
-from .reader import ArrayReader, read_checked
+from .reader import ArrayReader, check_holdable, read_checked, verify_checksums
 from .record import LeafRecord
 from .sources import Source, stored_view
 

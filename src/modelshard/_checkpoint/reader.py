@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._base import CheckpointError
+from .._base import CheckpointError, canonical_dtype
+from .checksum import checksum_mismatch_message, checksums
 from .codec import empty, is_empty, parse_dtype, stored_struct
 from .leaks import stop_leaks
 from .ocdbt import array_keys, context, read_spec
@@ -357,6 +358,45 @@ def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
             shown += f" and {len(paths) - _MAX_NAMED} more"
         lines.append(f"  {shown}: {text}")
     return lines
+
+
+def check_holdable(source: Source, paths: Sequence[str]) -> None:
+    """Refuse the leaves of ``paths`` stored 64-bit while x64 is off: read, they would be
+    narrowed and fail their checksums as if damaged."""
+    recs = source.record.by_path()
+    bad = []
+    for p in paths:
+        dt = parse_dtype(recs[p].stored_dtype)
+        if canonical_dtype(dt) != dt:
+            bad.append(f"  {p or '<root>'}: {recs[p].stored_dtype}{list(recs[p].stored_shape)}")
+    if bad:
+        n = len(bad)
+        raise CheckpointError(
+            f"cannot restore {n} lea{'ves' if n != 1 else 'f'} of {source.path} in this "
+            "process: their 64-bit dtypes need jax_enable_x64, which is off (the checkpoint "
+            "is fine):\n"
+            + "\n".join(bad)
+            + "\nhint: jax.config.update('jax_enable_x64', True) before using JAX."
+        )
+
+
+def verify_checksums(
+    source: Source, values: Mapping[str, Any], sums: Mapping[str, str] | None = None
+) -> None:
+    """Raise CheckpointError naming every leaf whose stored bits changed since saving
+    (``sums``: the checksums of ``values``, where already taken)."""
+    recs = source.record.by_path()
+    paths = [p for p in values if recs[p].checksum is not None]
+    if not paths:
+        return
+    got = [sums[p] for p in paths] if sums is not None else checksums([values[p] for p in paths])
+    bad = [
+        (recs[p], recs[p].checksum, g)
+        for p, g in zip(paths, got, strict=True)
+        if g != recs[p].checksum
+    ]
+    if bad:
+        raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
 
 
 def read_checked(

@@ -21,9 +21,9 @@ from .._base import CheckpointError
 from .._place import plan
 from .items import extras_json
 from .listing import manager_step
-from .read import check_cast, check_holdable, concrete_mesh
-from .reader import ArrayReader, reader_context
+from .reader import ArrayReader, check_holdable, reader_context
 from .record import Record, parse_dtype
+from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree
 from .stream import Stream, write_remote
