@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._base import CheckpointError
+from .codec import encode, is_key, key_impl
 
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
@@ -79,9 +80,9 @@ def _encode(name: str, value: Any, problems: list[str]) -> Any:
         _json_problems(state, f"{where}.get_state()", problems)
         return {_TAG: "iterator", "state": state}
     if isinstance(value, jax.Array | np.ndarray):
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-            data = np.asarray(jax.random.key_data(value))
-            impl = str(jax.random.key_impl(value))
+        if is_key(value.dtype):
+            data = np.asarray(encode(value))
+            impl = key_impl(value.dtype)
             return {
                 _TAG: "key",
                 "impl": impl,

@@ -44,7 +44,7 @@ class Held:
     Attributes:
         key: its storage key.
         shape: its global shape.
-        dtype: its NumPy dtype (one TensorStore stores: ``write.storable``'s).
+        dtype: its NumPy dtype (one TensorStore stores: ``codec.encode``'s).
         chunk: the stored chunk shape.
         sharding: its sharding (for Orbax's ``_sharding`` file).
         blocks: ``(box, host array)`` of each block this process writes.

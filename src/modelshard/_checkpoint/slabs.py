@@ -18,14 +18,14 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._base import dtype_name
 from .chunks import aligned_chunks
-from .record import STORED_AS, LeafRecord, parse_dtype
+from .codec import bitcast, keys_of, parse_dtype, stored_dtype
+from .record import LeafRecord
 from .storage import storage_key
 
 
@@ -149,12 +149,10 @@ def lay_out(
         if floating and dtype is not None and jnp.dtype(dtype) != logical:
             cast = jnp.dtype(dtype)
         final = cast if cast is not None else logical
-        stored_name = STORED_AS.get(dtype_name(final), dtype_name(final))
+        stored_name = stored_dtype(final)
         shape = tuple(int(d) for d in leaf.shape)
         if leaf.key_impl is not None:
-            data = jax.ShapeDtypeStruct(shape, jnp.uint32)
-            impl = leaf.key_impl
-            keys = jax.eval_shape(lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl), data)
+            keys = keys_of(shape, jnp.uint32, leaf.key_impl)
             logical_shape, logical_name = tuple(keys.shape), dtype_name(keys.dtype)
         else:
             logical_shape, logical_name = shape, dtype_name(final)
@@ -202,5 +200,4 @@ def bits_view(host: np.ndarray, lay: Layout) -> np.ndarray:
     (no cast: the bits are stored as they are)."""
     if lay.cast is not None:
         return host
-    stored = parse_dtype(lay.rec.stored_dtype)
-    return host if host.dtype == stored else host.view(stored)
+    return bitcast(host, parse_dtype(lay.rec.stored_dtype))

@@ -47,9 +47,10 @@ from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
 from .._runtime import barrier
 from .barriers import raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums, host_workers
+from .codec import bitcast, encode, is_empty, parse_dtype
 from .ocdbt import context, write_array_list, write_spec
 from .reader import read_failure, unreadable
-from .record import Record, ValueRecord, mesh_json, parse_dtype, versions
+from .record import Record, ValueRecord, mesh_json, versions
 from .shards import finish_tree
 from .slabs import (
     Layout,
@@ -215,13 +216,7 @@ def _copy_all(
                 if leaf.expect is not None:
                     here.read_sums.add(as_read, origin, shape)
                 if lay.cast is not None:
-                    stored_dt = parse_dtype(lay.rec.stored_dtype)
-                    logical = logical_dtype(leaf)
-                    value = x if logical == x.dtype else jax.lax.bitcast_convert_type(x, logical)
-                    y = value.astype(lay.cast)
-                    if stored_dt != y.dtype:
-                        y = jax.lax.bitcast_convert_type(y, stored_dt)
-                    data = np.asarray(y)
+                    data = np.asarray(encode(bitcast(x, logical_dtype(leaf)).astype(lay.cast)))
                     here.out_sums.add(data, origin, shape)
                 else:
                     if leaf.expect is None and not carried(lay):
@@ -269,7 +264,7 @@ def _settle(futures: Sequence[Any]) -> None:
 
 def _stored(layouts: Sequence[Layout]) -> list[Layout]:
     """The layouts of arrays with elements (a zero-size leaf is in the record only)."""
-    return [lay for lay in layouts if math.prod(lay.rec.stored_shape)]
+    return [lay for lay in layouts if not is_empty(lay.rec.stored_shape)]
 
 
 class Stream:
@@ -341,7 +336,7 @@ class Stream:
         try:
             sums = _copy_all(mine, directory, process, device, step, self.compress, self.source)
             for lay in self.layouts:
-                if not math.prod(lay.rec.stored_shape) and process == 0:
+                if is_empty(lay.rec.stored_shape) and process == 0:
                     sums[lay.rec.path] = self._empty_sums(lay)
             names = [(orbax_name(lay.rec.key), lay.chunk) for lay in arrays]
             write_array_list(directory, process, names)

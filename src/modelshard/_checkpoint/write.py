@@ -33,9 +33,10 @@ from .._containers import split
 from .barriers import raise_shared
 from .checksum import start_checksums
 from .chunks import aligned_array_handler
+from .codec import encode, is_empty, key_impl
 from .leaks import stop_leaks
 from .ocdbt import array_keys, merge, unmerged
-from .record import STORED_AS, LeafRecord, Record, mesh_json, saved_spec, versions
+from .record import LeafRecord, Record, mesh_json, saved_spec, versions
 from .shards import take, write_held
 from .storage import (
     CHECKPOINT_METADATA,
@@ -54,16 +55,6 @@ from .storage import (
 )
 from .urls import is_remote, kvstore, location
 from .values import saved_values
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def storable(x: Any) -> Any:
-    """``x``, or its bits in a dtype TensorStore can store (see ``STORED_AS``)."""
-    to = STORED_AS.get(dtype_name(x.dtype))
-    return x if to is None else jax.lax.bitcast_convert_type(x, jnp.dtype(to))
 
 
 def _json_problems(value: Any, where: str, depth: int = 0) -> list[str]:
@@ -196,13 +187,7 @@ def prepare(
     for info, x in zip(infos, arrays, strict=True):
         if isinstance(x, np.ndarray | np.generic):
             x = jnp.asarray(x)
-        impl = None
-        data = x
-        if _is_key(x):
-            impl = str(jax.random.key_impl(x))
-            data = jax.random.key_data(x)
-        else:
-            data = storable(x)
+        data = encode(x)
         stored.append(data)
         leaves.append(
             LeafRecord(
@@ -212,7 +197,7 @@ def prepare(
                 dtype=dtype_name(x.dtype),
                 stored_shape=tuple(data.shape),
                 stored_dtype=dtype_name(data.dtype),
-                key_impl=impl,
+                key_impl=key_impl(x.dtype),
                 spec=saved_spec(x, mesh),
                 names=info.names,
             )
@@ -226,7 +211,7 @@ def prepare(
     # canonical paths must form a tree, zero-size leaves and values included
     nest(items + [(v.key, v.value) for v in values], "save")
     # Orbax refuses zero-size arrays: the record's shape and dtype say all there is.
-    arrays = [(k, x) for k, x in items if x.size]
+    arrays = [(k, x) for k, x in items if not is_empty(x.shape)]
     if not arrays:
         raise CheckpointError(
             f"nothing to save: every array leaf of the {type(state).__name__} is zero-size."
