@@ -188,7 +188,6 @@ def test_each_array_is_handed_over_while_later_ones_are_read(tmp_path, mesh8, mo
     ms.save(tmp_path / "c", state)
     shard = 64 * 8 * 4 // 8
     monkeypatch.setattr(reader, "RESTORE_CONCURRENT_BYTES", 3 * shard + 1)
-    monkeypatch.setattr(cs, "HOST_MAX_ELEMENTS", 0, raising=False)  # leaves summed on devices
     started, handed = [0], []
     start, add = reader.start_read, cs.Checksums.add
 
@@ -361,8 +360,9 @@ def test_a_stored_array_unlike_its_record_names_the_leaf(tmp_path, mesh8):
     assert lines[2:] == [DAMAGED_HINT]
 
 
+@pytest.mark.parametrize("engine", ["host", "device"])
 def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
-    tmp_path, mesh8, monkeypatch
+    tmp_path, mesh8, monkeypatch, engine
 ):
     state = row_layers(mesh8, n=2)
     ms.save(tmp_path / "c", state)
@@ -370,10 +370,10 @@ def test_a_failing_checksum_is_raised_after_the_read_not_as_a_read_error(
     def broken(*args):
         raise RuntimeError("checksum program failed")
 
-    # device programs and host sums alike (small leaves, and every leaf on an accelerator)
-    for name in ("box_sums", "host_checksum"):
-        monkeypatch.setattr(cs, name, broken, raising=False)
-    monkeypatch.setattr(cs.Checksums, "_sum", broken, raising=False)
+    if engine == "device":  # the accelerator engine, on the CPU devices
+        monkeypatch.setattr(cs, "DEVICE_PLATFORMS", frozenset({"cpu"}))
+        monkeypatch.setattr(cs, "_COMPILED", {})
+    monkeypatch.setattr(cs, "box_sums" if engine == "host" else "_dispatch", broken)
     with pytest.raises(RuntimeError, match=r"^checksum program failed$"):
         ms.restore(tmp_path / "c", like=state)
 
