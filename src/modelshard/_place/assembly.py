@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import AdapterError, AssembleError, make_mesh, mesh_sizes
+from .._base import AdapterError, AssembleError, dtype_name, make_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import SpecLike, entry_axes, expand_args
 
@@ -66,13 +66,6 @@ def _local_specs(flat0: Flat, specs: SpecLike, mesh: Any) -> list[PartitionSpec]
     return [leaf.spec for leaf in arg.leaves]
 
 
-def _dtype(x: Any) -> str:
-    try:
-        return np.dtype(x.dtype).name
-    except TypeError:  # extended dtypes (PRNG keys)
-        return str(x.dtype)
-
-
 def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
     first = flats[0]
     problems: list[str] = []
@@ -82,18 +75,12 @@ def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
             mine = flat.paths
             missing = [x for x in paths0 if x not in set(mine)]
             extra = [x for x in mine if x not in set(paths0)]
-            detail = (
-                "; ".join(
-                    filter(
-                        None,
-                        [
-                            f"missing {', '.join(map(repr, missing[:5]))}" if missing else "",
-                            f"extra {', '.join(map(repr, extra[:5]))}" if extra else "",
-                        ],
-                    )
-                )
-                or "same paths, different container structure"
-            )
+            said = [
+                f"{w} {', '.join(map(repr, xs[:5]))}"
+                for w, xs in (("missing", missing), ("extra", extra))
+                if xs
+            ]
+            detail = "; ".join(said) or "same paths, different container structure"
             problems.append(
                 f"  partition {p}: structure differs from partition {ids[0]} "
                 f"({flat.kind} vs {first.kind}): {detail}"
@@ -105,10 +92,10 @@ def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
                     f"  partition {p}, leaf {path!r}: shape {tuple(np.shape(b))} "
                     f"but partition {ids[0]} has {tuple(np.shape(a))}"
                 )
-            if _dtype(b) != _dtype(a):
+            if dtype_name(b.dtype) != dtype_name(a.dtype):
                 problems.append(
-                    f"  partition {p}, leaf {path!r}: dtype {_dtype(b)} "
-                    f"but partition {ids[0]} has {_dtype(a)}"
+                    f"  partition {p}, leaf {path!r}: dtype {dtype_name(b.dtype)} "
+                    f"but partition {ids[0]} has {dtype_name(a.dtype)}"
                 )
     if problems:
         raise AssembleError(

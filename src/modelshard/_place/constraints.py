@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -56,8 +56,7 @@ def _where(frame: FrameType) -> str:
 
 
 def _library(frame: FrameType) -> bool:
-    """Whether ``frame`` runs installed code (site-packages, the standard library), not the
-    user's own."""
+    """Whether ``frame`` runs installed code (site-packages, the standard library)."""
     path = frame.f_code.co_filename
     return path.startswith("<") or any(
         part in path for part in (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
@@ -65,15 +64,12 @@ def _library(frame: FrameType) -> bool:
 
 
 def _traced(tree: Any) -> bool:
-    """Whether ``tree`` holds a tracer (``constrain`` inside a trace): asked where an error
-    names the call site, and where ``constrain`` takes the active mesh (a concrete array is
-    placed on the concrete mesh, which an abstract one cannot do)."""
+    """Whether ``tree`` holds a tracer (``constrain`` inside a trace)."""
     return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
 
 
 def _caller(stacklevel: int) -> FrameType | None:
-    """The user's frame: the first outside modelshard, then ``stacklevel - 1`` further out
-    (a library's wrapper around ``constrain`` passes 2 to name its own caller)."""
+    """The first frame outside modelshard, then ``stacklevel - 1`` further out."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
@@ -86,10 +82,7 @@ def _caller(stacklevel: int) -> FrameType | None:
 
 def call_site(traced: bool, stacklevel: int = 1) -> str | None:
     """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
-    user's ``constrain`` call (the first frame outside modelshard, ``stacklevel - 1``
-    frames further out) and, while tracing, the function being traced: the outermost user
-    function that JAX called (the one given to ``jax.jit`` or ``shard_jit``, not a loss
-    under ``jax.grad`` nor a module that Flax calls), at the line it is running."""
+    user's call and, while tracing, the outermost user function JAX called."""
     frame = _caller(stacklevel)
     if frame is None:
         return None
@@ -105,9 +98,8 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
 
 
 def _traced_function(frame: FrameType) -> FrameType | None:
-    """The outermost user frame that JAX's machinery called (through library or modelshard frames:
-    Flax calls a module, ``shard_jit`` its step), from ``frame`` out to the bottom of the stack;
-    None if JAX called none."""
+    """The outermost user frame that JAX's machinery called (maybe through library frames),
+    from ``frame`` out; None if JAX called none."""
     found: FrameType | None = None
     user: FrameType | None = None  # the outermost user frame since the last JAX frame
     f: FrameType | None = frame
@@ -203,8 +195,7 @@ _RECORDING: contextvars.ContextVar[list[ActivationConstraint] | None] = contextv
 
 @contextlib.contextmanager
 def recording_constraints() -> Iterator[list[ActivationConstraint]]:
-    """Collect every leaf ``constrain`` places inside the block (``shard_jit`` records its
-    step's trace this way, for its plan)."""
+    """Collect every leaf ``constrain`` places inside the block (for a step's plan)."""
     out: list[ActivationConstraint] = []
     token = _RECORDING.set(out)
     try:
@@ -304,9 +295,8 @@ def constrain(
 
 
 def _unmapped_names(specs: Any, mesh: Any) -> bool:
-    """Whether ``specs`` names logical axes while no logical rules are set (a lenient
-    ``constrain`` then does nothing): a spec none of whose names is a mesh axis, or a
-    likely typo of one (``P('data', 'modle')`` stays an error)."""
+    """Whether ``specs`` names only logical axes (no mesh axis nor a typo of one) while no
+    logical rules are set: a lenient ``constrain`` then does nothing."""
     if active_logical() is not None:
         return False
     axes = list(mesh.axis_names)
@@ -317,7 +307,7 @@ def _unmapped_names(specs: Any, mesh: Any) -> bool:
             written = [spec for _, spec in s.rules]
         else:
             continue
-        names = {n for spec in written for n in _names(spec)}
+        names = {a for spec in written for e in spec if is_axes_entry(e) for a in entry_axes(e)}
         if names and not any(n in axes or close_match(n, axes) is not None for n in names):
             return True
     return False
@@ -339,33 +329,31 @@ def _record(
     sizes = mesh_sizes(mesh)
     written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
     for leaf in leaves:
-        shard = list(leaf.shape)
-        for d, entry in enumerate(leaf.spec):
-            if d < len(shard) and is_axes_entry(entry):
-                shard[d] //= math.prod(sizes[a] for a in entry_axes(entry))
-        itemsize = int(getattr(leaf.dtype, "itemsize", 0))
+        size = nbytes(shard_shape(leaf.shape, leaf.spec, sizes), leaf.dtype)
+        dtype = dtype_name(leaf.dtype)
         out.append(
             ActivationConstraint(
-                name,
-                leaf.path,
-                leaf.shape,
-                dtype_name(leaf.dtype),
-                leaf.logical,
-                leaf.spec,
-                written,
-                math.prod(shard) * itemsize,
+                name, leaf.path, leaf.shape, dtype, leaf.logical, leaf.spec, written, size
             )
         )
 
 
+def nbytes(shape: Sequence[int], dtype: Any) -> int:
+    return math.prod(shape) * int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def shard_shape(shape: Sequence[int], spec: Any, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape of one device's shard of a ``shape`` placed by ``spec`` on a mesh of ``sizes``."""
+    out = list(shape)
+    for d, entry in enumerate(spec):
+        if d < len(out) and is_axes_entry(entry):
+            out[d] //= math.prod(sizes[a] for a in entry_axes(entry))
+    return tuple(out)
+
+
 def constrain_leaves(arrays: Sequence[Any], specs: Sequence[Any], mesh: Any) -> list[Any]:
-    """Each array constrained to its spec: ``with_sharding_constraint`` on Auto axes,
-    ``jax.sharding.reshard`` where an Explicit axis is involved (which refuses the former)."""
+    """Each array constrained to its spec (``constrain_array``)."""
     return [
         constrain_array(x, NamedSharding(mesh, spec), mesh)
         for x, spec in zip(arrays, specs, strict=True)
     ]
-
-
-def _names(spec: Any) -> set[str]:
-    return {a for e in spec if is_axes_entry(e) for a in entry_axes(e)}

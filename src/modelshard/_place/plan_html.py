@@ -84,10 +84,8 @@ def _esc(x: Any) -> str:
 
 
 def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``embed, heads->model, kv (tinylm defaults)``: each dimension's logical names in order, a
-    name that shards its dimension with the mesh axes it maps to (a name without an arrow
-    replicates it), and the rules that mapped them, once after each run of names one source
-    mapped (``batch->data, seq (tinylm defaults), mlp (rules)``)."""
+    """``batch->data, seq (tinylm defaults), mlp (rules)``: each dimension's logical names, the
+    mesh axes of those that shard, and the rules that mapped each run of names."""
     if not logical:
         return ""
     names: list[tuple[str, str]] = []
@@ -103,8 +101,7 @@ def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
 
 
 def _source(name: str, label: str) -> str:
-    """Where an entry of logical rules comes from, without the name it maps: the rules a
-    table row shares with its neighbours."""
+    """Where an entry of logical rules comes from, without the name it maps."""
     file_entry = f"[logical] {name} of "
     if label.startswith(file_entry):
         return f"[logical] of {os.path.basename(label[len(file_entry) :])}"
@@ -115,9 +112,7 @@ def _source(name: str, label: str) -> str:
 
 
 def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
-    """A table's rule cell: the rule, and for a spec written in logical names the names and
-    the rules that mapped them (``metadata: embed, heads->model, kv (tinylm defaults)``, not
-    ``metadata (Param)`` alone)."""
+    """A table's rule cell: the rule, and the logical names of a spec written in them."""
     names = logical_text(logical)
     if not names:
         return rule
@@ -297,8 +292,7 @@ class Tiles:
 
 
 def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
-    """Device ids in mesh order: the devices' own ids on a concrete mesh, positions on an
-    abstract one."""
+    """Device ids in mesh order (positions on an abstract mesh)."""
     from jax.sharding import Mesh
 
     devices = mesh.devices if isinstance(mesh, Mesh) else None
@@ -312,7 +306,7 @@ def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
 
 def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, head: str) -> str:
     """A bar split into ``items`` (data attribute, name, bytes, the legend's cells before and
-    after its bytes and share), and its legend under the columns ``head``."""
+    after bytes and share), with its legend under the columns ``head``."""
     out = ['<div class="ms-bar">']
     for i, (data, name, n, _, _) in enumerate(items):
         out.append(
@@ -356,8 +350,7 @@ def memory_html(plan: PlanView) -> str:
 
 
 def step_memory_html(plan: PlanView) -> str:
-    """A step's memory per device (``plan.memory``, from XLA) as a bar by part; empty for
-    a plan of a state alone."""
+    """A step's memory per device (``plan.memory``) as a bar by part; empty without one."""
     m = getattr(plan, "memory", None)
     if m is None:
         return ""
@@ -374,8 +367,7 @@ def step_memory_html(plan: PlanView) -> str:
 
 
 def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
-    """The grouped table; each row's tiles (of its first leaf) open on demand, every panel
-    alike (all closed: no row is singled out)."""
+    """The grouped table; each row's tiles (of its first leaf) open on demand."""
     rows = plan.groups(fold=fold, filter=filter)
     leaves = dict(plan.named())
     out = [
@@ -408,9 +400,7 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
 
 
 def activations_html(plan: PlanView) -> str:
-    """A step's activation constraints (``plan.activations``): name, where in the
-    constrained value, shape, logical names and the rules that mapped them, spec, bytes per
-    device; nothing for a plan without any."""
+    """A step's activation constraints (``plan.activations``); nothing for a plan without any."""
     rows = plan.activation_rows()
     if not rows:
         return ""
@@ -433,8 +423,7 @@ def activations_html(plan: PlanView) -> str:
 
 
 def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
-    """The plan as one ``<div>`` (style included): summary, memory bar, grouped table, and
-    a step's activation constraints."""
+    """The plan as one ``<div>``, style included."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
         f' data-bytes-per-device="{plan.bytes_per_device()}"><style>{CSS}</style>'

@@ -6,7 +6,7 @@ import io
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from .._base import (
     literal,
     mesh_sizes,
     size_in_bytes,
+    spec_error,
     spec_from_json,
     spec_json,
     vocabulary,
@@ -31,16 +32,10 @@ from .._specs import (
     ArgPlan,
     LeafPlan,
     SpecLike,
-    entry_axes,
     expand_args,
 )
-from .constraints import ActivationConstraint
+from .constraints import ActivationConstraint, nbytes, shard_shape
 from .plan_html import logical_text, rule_text
-
-
-def _itemsize(dtype: Any) -> int:
-    size = getattr(dtype, "itemsize", None)
-    return int(size) if size is not None else 0
 
 
 class Plan:
@@ -91,18 +86,9 @@ class Plan:
             for leaf in a.leaves:
                 if leaf.path == rest:
                     return leaf
-        from .._base import Problem, SpecError
-
-        raise SpecError(
-            [
-                Problem(
-                    arg or self.args[0].name if self.args else "plan",
-                    path,
-                    "no array leaf has this path in the plan",
-                    hint="list paths with [leaf.path for leaf in plan]",
-                )
-            ]
-        )
+        where = arg or self.args[0].name if self.args else "plan"
+        hint = "list paths with [leaf.path for leaf in plan]"
+        raise spec_error(where, path, "no array leaf has this path in the plan", hint=hint)
 
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """The (cached) ``NamedSharding`` of ``spec`` on this plan's mesh."""
@@ -135,21 +121,18 @@ class Plan:
     # ---- sizes ----------------------------------------------------------------------
     def shard_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
         """The shape of one device's shard of ``leaf``."""
-        out = list(leaf.shape)
-        for d, entry in enumerate(leaf.spec):
-            out[d] //= math.prod(self.sizes[a] for a in entry_axes(entry))
-        return tuple(out)
+        return shard_shape(leaf.shape, leaf.spec, self.sizes)
 
     def bytes_per_device(self, leaf: LeafPlan | None = None) -> int:
         """Bytes one device holds of ``leaf`` (of every leaf when omitted)."""
         if leaf is None:
             return sum(self.bytes_per_device(x) for x in self.leaves)
-        return math.prod(self.shard_shape(leaf)) * _itemsize(leaf.dtype)
+        return nbytes(self.shard_shape(leaf), leaf.dtype)
 
     @property
     def total_bytes(self) -> int:
         """Bytes of every leaf, unsharded (what each device would hold if replicated)."""
-        return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in self.leaves)
+        return sum(nbytes(x.shape, x.dtype) for x in self.leaves)
 
     @property
     def num_devices(self) -> int:
@@ -213,7 +196,7 @@ class Plan:
             top = (arg + colon) + (rest.split("/", 1)[0] or "<root>")
             m = out.setdefault(top, {"module": top, "leaves": 0, "bytes": 0, "bytes_per_device": 0})
             m["leaves"] += 1
-            m["bytes"] += math.prod(leaf.shape) * _itemsize(leaf.dtype)
+            m["bytes"] += nbytes(leaf.shape, leaf.dtype)
             m["bytes_per_device"] += self.bytes_per_device(leaf)
         return list(out.values())
 
@@ -228,8 +211,6 @@ class Plan:
             SpecError: one problem, ``bytes per device > budget``, naming the top-level
                 modules and the rows that contribute most.
         """
-        from .._base import Problem, SpecError
-
         limit = parse_bytes(budget)
         per = self.bytes_per_device()
         if per <= limit:
@@ -243,27 +224,19 @@ class Plan:
         modules = ", ".join(
             f"{m['module']} {format_bytes(m['bytes_per_device'])}" for m in self.modules()
         )
-        raise SpecError(
-            [
-                Problem(
-                    "budget",
-                    None,  # the whole plan, no single leaf
-                    f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
-                    f"(by module: {modules}); largest per device: {biggest}",
-                    mesh=self.sizes,
-                    hint=(
-                        "shard the largest leaves over more mesh axes (--rules, or a bigger "
-                        "--mesh), or write them in a smaller dtype: modelshard reshard SRC DST "
-                        "--dtype bfloat16"
-                        if vocabulary() == "cli"
-                        else "shard the largest leaves over more mesh axes (or a bigger mesh), "
-                        "or keep a smaller dtype"
-                    ),
-                    cause="bytes per device > budget",
-                )
-            ],
-            header="the plan does not fit the memory budget:",
+        what = f"{format_bytes(per)} per device > budget {format_bytes(limit)} "
+        what += f"(by module: {modules}); largest per device: {biggest}"
+        hint = (
+            "shard the largest leaves over more mesh axes (--rules, or a bigger --mesh), or "
+            "write them in a smaller dtype: modelshard reshard SRC DST --dtype bfloat16"
+            if vocabulary() == "cli"
+            else "shard the largest leaves over more mesh axes (or a bigger mesh), or keep a "
+            "smaller dtype"
         )
+        header = "the plan does not fit the memory budget:"
+        cause = "bytes per device > budget"
+        # ``path`` None: the whole plan, no single leaf
+        raise spec_error("budget", None, what, header, mesh=self.sizes, hint=hint, cause=cause)
 
     # ---- rendering ------------------------------------------------------------------
     def rows(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
@@ -285,7 +258,7 @@ class Plan:
             "rule": leaf.rule,
             "logical": logical_json(leaf.logical),
             "bytes_per_device": self.bytes_per_device(leaf),
-            "bytes": math.prod(leaf.shape) * _itemsize(leaf.dtype),
+            "bytes": nbytes(leaf.shape, leaf.dtype),
         }
 
     def summary(self) -> str:
@@ -427,6 +400,18 @@ def longest_rule(cells: list[dict[str, str]]) -> int:
     return max([len("rule")] + [len(c["rule"]) for c in cells if "rule" in c])
 
 
+def _plain(title: str | None, columns: list[str], right: Sequence[str], rows: Iterable[Any]) -> Any:
+    """A table without borders, the ``right`` columns right-justified."""
+    from rich.table import Table
+
+    t = Table(title=title, box=None, pad_edge=False, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
 class PlanTable:
     """A plan rendered as a table: ``str()`` is plain text, ``__rich__`` a rich renderable."""
 
@@ -479,43 +464,27 @@ class PlanTable:
             n = sum(r["count"] for r in self.rows)
             pattern = getattr(self.filter, "pattern", self.filter)
             parts.append(Text(f"filter {pattern}: {n} of {len(p)} leaves"))
+        right = ("leaves", "replicated", "per device", "share")
         if len(self.modules) > 1:
-            m = Table(show_header=True, box=None, pad_edge=False, title=None)
-            m.add_column("module")
-            m.add_column("leaves", justify="right")
-            m.add_column("replicated", justify="right")
-            m.add_column("per device", justify="right")
-            for row in self.modules:
-                m.add_row(
-                    literal(row["module"]),
-                    str(row["leaves"]),
-                    format_bytes(row["bytes"]),
-                    format_bytes(row["bytes_per_device"]),
+            rows = [
+                (
+                    literal(m["module"]),
+                    str(m["leaves"]),
+                    format_bytes(m["bytes"]),
+                    format_bytes(m["bytes_per_device"]),
                 )
-            parts.append(m)
-        if p.activations:
-            a = Table(
-                title="activation constraints", box=None, pad_edge=False, title_justify="left"
+                for m in self.modules
+            ]
+            parts.append(
+                _plain(None, ["module", "leaves", "replicated", "per device"], right, rows)
             )
-            acts = self._activation_cells()
-            for col in acts[0]:
-                a.add_column(col, justify="right" if col == "per device" else "left")
-            for row in acts:
-                a.add_row(*map(literal, row.values()))
-            parts.append(a)
+        acts = self._activation_cells()
+        if acts:
+            rows = [tuple(map(literal, row.values())) for row in acts]
+            parts.append(_plain("activation constraints", list(acts[0]), ("per device",), rows))
         if p.memory is not None:
-            s = Table(
-                title="step memory per device (XLA)",
-                box=None,
-                pad_edge=False,
-                title_justify="left",
-            )
-            s.add_column("part")
-            s.add_column("per device", justify="right")
-            s.add_column("share", justify="right")
-            for row in p.memory.lines():
-                s.add_row(*row)
-            parts.append(s)
+            title = "step memory per device (XLA)"
+            parts.append(_plain(title, ["part", "per device", "share"], right, p.memory.lines()))
             parts.append(Text(p.memory.summary()))
         parts.append(Text(p.summary()))
         return Group(*parts)
@@ -596,18 +565,9 @@ def parse_bytes(value: int | float | str) -> int:
     n = size_in_bytes(value)
     if n is not None:
         return n
-    from .._base import Problem, SpecError
-
-    raise SpecError(
-        [
-            Problem(
-                "budget",
-                None,  # the budget itself, no leaf (as check_budget's problem)
-                f"{value!r} is not a size",
-                hint="write bytes or a number with a unit: 16GiB, 80GB, 512MiB",
-            )
-        ],
-        header="invalid memory budget:",
+    hint = "write bytes or a number with a unit: 16GiB, 80GB, 512MiB"
+    raise spec_error(
+        "budget", None, f"{value!r} is not a size", "invalid memory budget:", hint=hint
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from .._base import Problem, SpecError, current_mesh, mesh_sizes
+from .._base import Problem, SpecError, current_mesh, format_mesh, mesh_sizes, spec_error
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
 from .constraints import constrain_leaves
@@ -20,9 +20,7 @@ _MAX_ENTRIES = 64
 
 
 def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
-    return SpecError(
-        [Problem("shard_map", path, what, hint=hint)], header="invalid shard_map arguments:"
-    )
+    return spec_error("shard_map", path, what, "invalid shard_map arguments:", hint=hint)
 
 
 @dataclasses.dataclass
@@ -169,28 +167,19 @@ class ShardMap:
         arrays = [x for a in plans for x in a.flat.arrays]
         out: list[Flat] = []
         body = _body(self.fn, args, kwargs, bound, plans, out)
+        over = functools.partial(
+            jax.shard_map, body, mesh=mesh, in_specs=in_specs, axis_names=self.axis_names
+        )
         # Shape-only trace: the output's structure and local shapes (replicated out specs
         # make global = local; check_vma off, as those specs are not the real ones).
         shapes = jax.eval_shape(
-            lambda *xs: jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=in_specs,
-                out_specs=PartitionSpec(),
-                axis_names=self.axis_names,
-                check_vma=False,
-            )(*constrain_leaves(xs, in_specs, mesh)),
+            lambda *xs: over(out_specs=PartitionSpec(), check_vma=False)(
+                *constrain_leaves(xs, in_specs, mesh)
+            ),
             *arrays,
         )
         out_specs = _out_specs(out[0], shapes, self.out_specs, mesh)
-        mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names=self.axis_names,
-            check_vma=self.check_vma,
-        )
+        mapped = over(out_specs=out_specs, check_vma=self.check_vma)
 
         def run(*xs: Any) -> Any:
             # Inputs take their planned sharding first: JAX refuses an input on Explicit
@@ -250,17 +239,11 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
         (plan,) = expand_args([("out", local, specs)], unit)
     except SpecError as e:
         problems = [
-            dataclasses.replace(p, mesh=None if p.mesh is None else _mesh_text(mesh))
+            dataclasses.replace(p, mesh=None if p.mesh is None else format_mesh(mesh_sizes(mesh)))
             for p in e.problems
         ]
         raise SpecError(problems, header="invalid shard_map out_specs:") from None
     return [leaf.spec for leaf in plan.leaves]
-
-
-def _mesh_text(mesh: Any) -> str:
-    from .._base import format_mesh
-
-    return format_mesh(mesh_sizes(mesh))
 
 
 def _signature(
