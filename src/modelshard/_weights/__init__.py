@@ -1,10 +1,5 @@
-"""The weights area's façade: pretrained weights in and out through one mapping language.
-
-[`WeightMap`][modelshard.WeightMap] (rules from stored tensor names to canonical target paths, with
-transforms), its TOML form, ``load_safetensors`` / ``save_safetensors``, and what
-``restore(mapping=...)`` and the CLI's ``convert`` need. README.md beside this module gives
-the design.
-"""
+"""The weights area's façade: pretrained weights in and out through one mapping language
+(README.md beside this module gives the design)."""
 
 from __future__ import annotations
 

@@ -46,85 +46,58 @@ def save_safetensors(
     """Write ``state`` as safetensors: in its own names, or in a checkpoint's names, shapes
     and dtypes (the import mapping run backwards).
 
-    Without ``reference``, every leaf is written under its canonical path with ``.`` for
-    ``/`` (``layers/0/up/kernel`` -> ``layers.0.up.kernel``), as it is: what
-    ``load_safetensors`` with the default mapping reads back as the same tree, bit for
-    bit. With ``reference``, the tensors ``mapping`` imports from it, computed from
-    ``state``, one at a time.
-
-    In a multi-process run every process calls it, with the same state and path, as every
-    other save is called: the processes write one export together, the same files a
-    one-process export of the same state writes, byte for byte. Each leaf is written by
-    the processes holding it: a replicated leaf by one of them, a leaf split across
-    processes block by block by its owners, a process-local leaf (NumPy) from process 0's
-    value, as [`save`][modelshard.save] keeps it. The path must be on a file system
-    every process sees; every process returns once the export is complete, and a failure
-    on one process is raised on all.
+    Without ``reference`` each leaf is written under its path with ``.`` for ``/``
+    (``layers.0.up.kernel``), as it is: what ``load_safetensors`` reads back bit for bit.
+    In a multi-process run every process calls it with the same state and path, on a file
+    system every process sees: they write one export together (the files one process
+    writes, byte for byte), each leaf by processes holding it, and a failure on one
+    process is raised on all.
 
     Args:
-        path: the ``.safetensors`` file to write (missing parent directories are created,
-            as ``save_pretrained`` creates its directory). With
-            ``max_shard_size``: a directory, a ``name.safetensors`` or a
-            ``name.safetensors.index.json`` (see ``max_shard_size``). A path that names
-            neither a ``.safetensors`` file nor an index is a model directory, what
-            ``from_pretrained`` loads: the weights (sharded above ``max_shard_size``,
-            default ``"5GB"``) and, from ``reference``'s directory, ``config.json`` with
-            its dtype set to the one written, the generation config and the tokenizer's
-            files copied unchanged. The way to publish a fine-tune.
-        state: the container (a fine-tuned model); its leaves may be sharded (each is
-            gathered to the host on its own, when written).
-        reference: the checkpoint the mapping was written for (a file, index, directory
-            or ``hf://org/name[@revision]`` whose headers give the names, shapes and dtypes
-            to write), or a container of those (``{"fc.weight": jax.ShapeDtypeStruct(...)}``).
-            Default: none, ``state`` in its own names.
-        mapping: the same mapping that imports ``reference`` into ``state`` (needs
-            ``reference``).
-        dtype: without ``reference``: write floating-point leaves in this dtype
-            (``"bfloat16"``); with it: the ``dtype`` the import was given (the export
-            casts back to the reference's dtypes).
-        metadata: ``__metadata__`` strings for the header (default: the reference's;
-            without one ``{"format": "pt"}``, which ``transformers`` expects).
-        max_shard_size: write Hugging Face's sharded layout, as ``save_pretrained`` does:
-            files ``model-00001-of-0000n.safetensors`` of at most this many bytes each (an
-            int, or ``"5GB"``, ``"500MB"``, ``"2GiB"``; a larger tensor gets a file of its
-            own) and ``model.safetensors.index.json`` (``metadata.total_size``,
-            ``weight_map``), in the directory ``path`` (or beside ``path`` when it names
-            a ``.safetensors`` file or an index, whose stem replaces ``model``). When
-            everything fits one file it is ``model.safetensors`` alone. Shards of an
-            earlier layout under the same names are removed once the new one is
-            complete.
-        progress: ``True``: a progress bar in bytes on stderr when stderr is a terminal
-            and the export is 256 MiB or more; ``False``: none; a callable: called as
-            ``progress(bytes_done, bytes_total)`` after each tensor instead.
-        untie: with ``reference``: leaves an ``also`` rule filled from a stored tensor (a
-            head tied to the embedding) are written under their rule's ``untied`` name
-            (``lm_head.weight``) instead of being checked against that tensor.
-        overwrite: replace what is at ``path`` (the file; with ``max_shard_size`` the
-            index, a lone ``{stem}.safetensors`` or shards of the same stem). Without it an
-            existing export is refused, as [`save`][modelshard.save] refuses an existing
-            checkpoint. Either way the old files stay whole until the new ones are complete
-            (each written to a temporary of its own, synced, then renamed).
+        path: the ``.safetensors`` file (missing parent directories are created); with
+            ``max_shard_size``, a directory, a ``name.safetensors`` or a
+            ``name.safetensors.index.json``. Any other path is a model directory, what
+            ``from_pretrained`` loads: the weights (sharded above ``"5GB"`` by default)
+            and, from ``reference``'s directory, ``config.json`` with its dtype set to the
+            one written, the generation config and the tokenizer's files.
+        state: the container (a fine-tuned model); sharded leaves are gathered to the host
+            one at a time.
+        reference: the checkpoint the mapping imports (a file, index, directory or
+            ``hf://org/name[@revision]``, whose headers give the names, shapes and dtypes),
+            or a container of those (``{"fc.weight": jax.ShapeDtypeStruct(...)}``).
+        mapping: the mapping that imports ``reference`` into ``state``.
+        dtype: without ``reference``: floating-point leaves are written in it; with it: the
+            ``dtype`` the import was given (the export casts back to the reference's).
+        metadata: ``__metadata__`` strings (default: the reference's, else
+            ``{"format": "pt"}``, which ``transformers`` expects).
+        max_shard_size: Hugging Face's sharded layout, as ``save_pretrained`` writes it:
+            ``model-0000k-of-0000n.safetensors`` files of at most this many bytes (an int,
+            ``"5GB"``, ``"500MB"``, ``"2GiB"``; a larger tensor alone) and
+            ``model.safetensors.index.json``, or ``model.safetensors`` alone when all fits
+            (a file or index ``path`` names the stem). An earlier layout's shards are
+            removed once the new one is complete.
+        progress: ``True``: a bar in bytes on stderr when it is a terminal and the export
+            is 256 MiB or more; ``False``: none; a callable: called as
+            ``progress(bytes_done, bytes_total)`` after each tensor.
+        untie: leaves an ``also`` rule filled (a head tied to the embedding) are written
+            under their rule's ``untied`` name instead of checked against that tensor.
+        overwrite: replace the export at ``path``, which is refused without it. Either way
+            the old files stay whole until the new ones are complete.
 
     Returns:
-        The path written: the file, or the index of a sharded checkpoint. Importing it
-        again gives ``state`` back bit for bit (casts that lose precision aside).
+        The file, or the index of a sharded export.
 
     Raises:
-        MappingError: the mapping does not fit the reference and the state (the same
-            checks as an import); without a reference, leaves that cannot be written in
-            their own names (a ``.`` inside a path component, a dtype safetensors has no
-            code for, such as a PRNG key), every one listed; an ``also`` leaf that no
-            longer equals the stored tensor it was loaded from (without ``untie``; nothing
-            is written).
-            A leaf that is not an array (``{"w": object()}``) in a dict, list or tuple,
-            every one listed (what a registered container holds besides arrays, an
-            Equinox module's functions, is not a weight and is left out).
-        CheckpointError: ``state`` holds no array; ``path`` exists and not
-            ``overwrite``; ``path`` ends ``.index.json`` without ``max_shard_size``; a
-            parent of ``path`` is a file; a malformed ``max_shard_size``; several
-            processes: one does not see the files process 0 created (not a shared
-            directory), or one failed (the same error on every process, naming it).
-        DistributedError: several processes: they would write different exports.
+        MappingError: the mapping does not fit the reference and the state; without a
+            reference, leaves that cannot be written in their own names (a ``.`` in a
+            path component, a dtype with no safetensors code); a leaf that is not an
+            array in a dict, list or tuple; an ``also`` leaf that no longer equals its
+            stored tensor (without ``untie``; nothing is written). Every one is listed.
+        CheckpointError: ``state`` holds no array; an export at ``path`` without
+            ``overwrite``; an index name without ``max_shard_size``; a parent of ``path``
+            is a file; a malformed ``max_shard_size``; several processes: one does not see
+            the files process 0 created, or one failed (the same error on each).
+        DistributedError: several processes would write different exports.
 
     Example:
         >>> import tempfile, jax, numpy as np, jax.numpy as jnp, modelshard as ms

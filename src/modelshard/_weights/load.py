@@ -123,37 +123,31 @@ def load_safetensors(
 
     Args:
         path: a ``.safetensors`` file, a ``model.safetensors.index.json``, a directory
-            with either, or a Hugging Face Hub repository ``hf://org/name[@revision]``
-            (needs ``huggingface_hub``: ``pip install 'modelshard[hf]'``): the local cache
-            first, else a download of its ``*.safetensors`` and ``*.json`` files only;
-            nothing is downloaded when ``HF_HUB_OFFLINE=1``.
-        like: a concrete or abstract container (``nnx.eval_shape``, ``jax.eval_shape``)
-            giving the leaves to fill and the type to return. Without it a nested dict of
-            every mapped leaf.
-        mapping: a [`WeightMap`][modelshard.WeightMap], or a path to a mapping TOML file. Default: every
-            stored tensor under its own name with ``.`` read as ``/``
-            (``model.norm.weight`` -> ``model/norm/weight``).
-        specs: one spec-like for the container, planned on ``mesh`` by the same pipeline as
-            [`shard`][modelshard.shard] (default: replicated).
+            with either, or a Hub repository ``hf://org/name[@revision]`` (needs
+            ``pip install 'modelshard[hf]'``): the local cache first, else a download of
+            its ``*.safetensors`` and ``*.json`` files (none when ``HF_HUB_OFFLINE=1``).
+        like: a concrete or abstract container giving the leaves to fill and the type to
+            return. Without it a nested dict of every mapped leaf.
+        mapping: a [`WeightMap`][modelshard.WeightMap], a mapping TOML file or a shipped
+            mapping's name. Default: every stored tensor under its own name, ``.`` read as
+            ``/`` (``model.norm.weight`` -> ``model/norm/weight``).
+        specs: one spec-like for the container, planned on ``mesh`` as
+            [`shard`][modelshard.shard] plans (default: replicated).
         mesh: the target mesh. Without it each leaf takes ``like``'s sharding, else the
             first local device.
-        dtype: cast floating-point stored tensors to this dtype first (a bfloat16 file into
-            a float32 model: ``dtype="float32"``).
-        dry_run: resolve and plan only: return the mapping table
-            (``Resolution``; ``print`` it) without reading
-            a tensor.
-        progress: ``True``: a progress bar in bytes on stderr when stderr is a terminal
-            and the checkpoint is 256 MiB or more; ``False``: none; a callable: called as
-            ``progress(bytes_done, bytes_total)`` after each leaf instead.
+        dtype: cast floating-point stored tensors to this dtype first (``"float32"``).
+        dry_run: return the mapping table (``Resolution``; ``print`` it), reading nothing.
+        progress: ``True``: a bar in bytes on stderr when it is a terminal and the
+            checkpoint is 256 MiB or more; ``False``: none; a callable: called as
+            ``progress(bytes_done, bytes_total)`` after each leaf.
 
     Returns:
         The container (same type as ``like``), leaves placed in their planned shardings;
         leaves the mapping keeps hold ``like``'s values. With ``dry_run``, the table.
 
     Raises:
-        MappingError: every unmapped stored tensor, every target leaf with no source, every
-            shape or dtype that does not fit after the transforms, every rule that matched
-            nothing, listed at once.
+        MappingError: every unmapped stored tensor, target leaf with no source, shape or
+            dtype that does not fit, rule that matched nothing, listed at once.
         SpecError: the specs do not fit the container or the mesh.
         CheckpointError: a missing or malformed file or index, an index entry outside
             the index's directory, an ``hf://`` repository that cannot be had.

@@ -1,16 +1,9 @@
-"""Safetensors written by this process alone, or by every process of a run: the same
-files, byte for byte, each tensor written in place by a process holding it.
-
-With several processes, a digest of the layout is gathered first (processes that would
-write different exports are refused), then process 0 checks the destination and creates
-each file's temporary under a token it broadcasts, which every process must see (a shared
-file system). The plan comes from the shardings alone: a tensor held whole somewhere is
-written by one holder (``LeastLoaded`` by bytes), one split across processes block by block
-by its owners, and a mapped tensor no process holds whole is computed on every process in
-step and written by one. Outcomes are gathered after the writes; a failure is raised
-everywhere once process 0 removed the temporaries; process 0 renames into place.
-Collectives never run inside a branch only process 0 takes.
-"""
+"""Safetensors written by this process alone, or by every process of a run: the same files,
+byte for byte. Process 0 creates each file's temporary, which every process must see; each
+tensor is written in place by a process holding it whole (``LeastLoaded``), block by block
+by its owners, or computed in step everywhere and written by one. A failure is raised on
+every process once the temporaries are gone; process 0 renames into place. Collectives
+never run inside a branch only process 0 takes."""
 
 from __future__ import annotations
 
@@ -268,14 +261,10 @@ def write_layout(
     progress: Progress = False,
     refuse: Callable[[], None] | None = None,
 ) -> Path:
-    """Write ``layout`` (``compute(name)``: an array, or blocks of whole rows in order):
-    from this process, or with ``shared`` and several processes from every one (each must
-    call it). ``refuse``: process 0's check of the destination, before anything is written.
-
-    Raises:
-        DistributedError: the processes would write different exports.
-        CheckpointError: a refused destination, unseen temporaries, a failed process.
-    """
+    """Write ``layout`` (``compute(name)``: an array, or blocks of whole rows): from this
+    process, or with ``shared`` from every process (each must call it). ``refuse``: process
+    0's check of the destination. ``DistributedError``: the processes would write different
+    exports; ``CheckpointError``: a refused destination, unseen temporaries, a failure."""
     run = _Processes(shared is not None and jax.process_count() > 1)
     me = run.me
     if run.several:
@@ -415,9 +404,8 @@ def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
 
 
 def host_leaf(x: Any, name: str = "") -> np.ndarray:
-    """One leaf as a fresh NumPy array from this process's shards (each block once):
-    ``np.asarray(x)`` would cache the copy on the array and keep every written leaf alive.
-    ``DistributedError`` where this process holds only part of it."""
+    """One leaf as a fresh array from this process's shards (``np.asarray(x)`` would cache
+    the copy on the array); ``DistributedError`` where this process holds only part."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if not whole_here(x):

@@ -1,8 +1,5 @@
-"""The operations of a rule's ``ops``: ``Rearrange`` (with its einops parser), ``Transpose``,
-``Reshape``, ``Add`` and ``Scale``, and the checks each needs before any tensor is seen.
-
-Resolution turns each into recipe nodes (``rule_steps.py``); an export inverts those nodes.
-"""
+"""A rule's ``ops`` (``Rearrange``, ``Transpose``, ``Reshape``, ``Add``, ``Scale``) and the
+checks each needs before any tensor is seen; ``rule_steps`` makes them recipe nodes."""
 
 from __future__ import annotations
 
@@ -136,11 +133,7 @@ Side = list[tuple[tuple[str, ...], bool]]
 
 
 def parse_rearrange(pattern: str) -> tuple[Side, Side]:
-    """``"(h d) e -> h e d"`` as ``(left, right)``, each a list of ``(names, grouped)``.
-
-    Raises:
-        ValueError: the pattern is malformed (the message says how).
-    """
+    """``"(h d) e -> h e d"`` as ``(left, right)``; ``ValueError`` says how it is malformed."""
     if not isinstance(pattern, str) or pattern.count("->") != 1:
         raise ValueError("needs exactly one '->' between the input and output axes")
     left, right = pattern.split("->")

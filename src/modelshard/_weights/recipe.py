@@ -1,10 +1,6 @@
-"""Recipes: one array computed from stored tensors, a block at a time.
-
-A target leaf is a small tree of ``Node`` over ``Read`` (a stored tensor), its shape and
-dtype known before any read. ``node.read(index, fetch)`` passes the block down, so a device
-reads only its part (a reshape that is not blockwise reads its whole input once per leaf);
-``invert`` runs the recipes backwards for an export.
-"""
+"""Recipes: a target leaf as a tree of ``Node`` over stored tensors (``Read``), shapes known
+before any read; ``read(index, fetch)`` passes the block down, so a device reads only its
+part. ``invert`` runs recipes backwards for an export."""
 
 from __future__ import annotations
 

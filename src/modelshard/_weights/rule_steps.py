@@ -1,8 +1,5 @@
-"""A rule's steps on one stored tensor, as recipe nodes: the load's dtype, each operation
-(a rearrange becomes reshape -> transpose -> reshape), a split's parts, a join's order, the
-rule's cast, and sizes looked up in the mapping's config. Every problem is appended to the
-caller's list with the tensor and the rule; a step that fails returns ``None``.
-"""
+"""A rule's steps on one stored tensor as recipe nodes (dtype, ops, split, join order,
+cast); a step that fails reports its problem and returns ``None``."""
 
 from __future__ import annotations
 

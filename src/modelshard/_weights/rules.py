@@ -1,13 +1,5 @@
-"""The rule language: stored tensor names -> canonical target paths, with transforms.
-
-A [`WeightMap`][modelshard.WeightMap] is an ordered list of [`MapRule`][modelshard.MapRule]; each stored tensor takes the
-first rule whose ``source`` regex matches its whole name. The rule's ``target`` template
-names the leaf (``{1}`` or ``{name}`` insert the regex's groups) and its transforms say how
-the stored tensor becomes that leaf: ``Stack``/``Concat`` join several stored tensors,
-``Unstack``/``Split`` cut one, and ``ops`` (``ops.py``) compute on each piece. A rule is
-checked when its ``WeightMap`` is built (every malformed rule at once); ``resolver.py``
-then resolves a mapping against the stored tensors.
-"""
+"""The rule language: stored tensor names -> target paths, with transforms; every malformed
+rule is reported when its ``WeightMap`` is built."""
 
 from __future__ import annotations
 
@@ -106,8 +98,7 @@ class Split:
 
 
 def rule_ops(rule: MapRule) -> tuple[Op, ...]:
-    """The rule's operations in order: ``transpose=``/``reshape=`` (the shorthand) or
-    ``ops``."""
+    """The rule's ``ops``, or its ``transpose=``/``reshape=`` shorthand as operations."""
     if rule.ops is not None:
         return tuple(rule.ops)
     out: list[Op] = []
@@ -294,9 +285,8 @@ class WeightMap:
         return list(self._matches(name, True))
 
     def with_config(self, sizes: Mapping[str, int], source: str = "config.json") -> WeightMap:
-        """This mapping with ``sizes`` (a checkpoint's ``config.json``, read from
-        ``source``) under its own ``config``: a name the mapping sets keeps its value, with
-        a warning naming both values where ``sizes`` says otherwise."""
+        """This mapping with ``sizes`` under its own ``config`` (which wins, with a warning
+        where ``sizes`` says otherwise)."""
         if not sizes:
             return self
         for name, value in self.config.items():

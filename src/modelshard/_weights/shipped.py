@@ -1,10 +1,5 @@
-"""The mappings shipped with modelshard (``mappings/*.toml`` beside this module), found by
-name: ``mapping="llama"`` anywhere a mapping file's path is taken.
-
-Each one's source family and target tree are listed here, shown by
-[`shipped_mappings`][modelshard.shipped_mappings] and ``modelshard mappings``; the file's
-comments say the same at more length.
-"""
+"""The mappings in ``mappings/*.toml``, found by name (``mapping="llama"``): what each
+reads and the tree it maps onto."""
 
 from __future__ import annotations
 
