@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 
 import jax
 from jax.core import Tracer
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, Mesh
 
-from .._base import AdapterError, Problem, SpecError, canonical_dtype
+from .._base import AdapterError, Problem, SpecError, canonical_dtype, explicit_axes
 from .._containers import WriteBack
 from .._place import Plan, recording_constraints
 from .._specs import ArgPlan, LeafPlan, expand_args
@@ -106,18 +106,13 @@ def has_tracer(flat: Sequence[Any]) -> bool:
 
 
 def _positional(slots: tuple[Slot, ...]) -> bool:
-    """Whether every argument is positional and dynamic (keyword or static arguments: the
-    full path binds them)."""
+    """Whether every argument is positional and dynamic (else the full path binds them)."""
     return [(s.pos, s.kw, s.static) for s in slots] == [(i, None, False) for i in range(len(slots))]
 
 
 def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        x.shape,
-        canonical_dtype(x.dtype),
-        sharding=s,
-        weak_type=bool(getattr(x, "weak_type", False)),
-    )
+    weak = bool(getattr(x, "weak_type", False))
+    return jax.ShapeDtypeStruct(x.shape, canonical_dtype(x.dtype), sharding=s, weak_type=weak)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,16 +138,9 @@ def build_entry(call: Call) -> Entry:
         s = t.slot
         if s.spec is NOSPEC:
             if t.arrays:
-                problems.append(
-                    Problem(
-                        s.name,
-                        "",
-                        f"argument {s.name!r} holds {len(t.arrays)} array leaves but "
-                        "in_specs gives it no spec",
-                        hint=f"add an entry for {s.name!r} to in_specs (P() replicates it), or "
-                        "make it static",
-                    )
-                )
+                what = f"argument {s.name!r} holds {len(t.arrays)} array leaves but in_specs gives it no spec"
+                hint = f"add an entry for {s.name!r} to in_specs (P() replicates it), or make it static"
+                problems.append(Problem(s.name, "", what, hint=hint))
             continue
         plan_args.append((s.name, t.value, s.spec))
     if problems:
@@ -216,10 +204,7 @@ def build_entry(call: Call) -> Entry:
     for k, changed in updates:
         out_sh.extend(per_arg_sh[k][m] for m in changed)
     jitted = jax.jit(
-        traced,
-        in_shardings=tuple(in_sh),
-        out_shardings=tuple(out_sh),
-        donate_argnums=donate,
+        traced, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
     )
     positional = _positional(call.slots)
     return Entry(
@@ -228,10 +213,8 @@ def build_entry(call: Call) -> Entry:
 
 
 def _structure(arg: ArgPlan) -> ArgPlan:
-    """``arg`` with its container's array leaves as ``ShapeDtypeStruct`` and the container
-    rebuilt from them (static leaves kept: they are part of the signature): a cached plan
-    that held the call's own container kept its arrays (an NNX module, the module itself)
-    alive as long as the ``ShardJit``."""
+    """``arg`` with its array leaves as ``ShapeDtypeStruct``: a cached plan holding the call's own
+    container would keep its arrays alive as long as the ``ShardJit``."""
     flat = arg.flat
     infos = flat.infos  # paths and metadata, read from the real container
     at = set(flat.array_index)
@@ -241,15 +224,6 @@ def _structure(arg: ArgPlan) -> ArgPlan:
     obj = flat.adapter.unflatten(flat.aux, leaves)
     abstract = dataclasses.replace(flat, obj=obj, leaves=leaves, _infos=infos)
     return dataclasses.replace(arg, flat=abstract)
-
-
-def explicit_axes(mesh: Mesh | AbstractMesh) -> frozenset[str]:
-    """The names of the mesh's Explicit axes."""
-    return frozenset(
-        name
-        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if kind == AxisType.Explicit
-    )
 
 
 def _explicit_out(call: Call, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:

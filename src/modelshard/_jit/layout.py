@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._base import Problem, SpecError
+from .._base import Problem, SpecError, spec_error
 
 
 class _NoSpec:
@@ -33,9 +33,7 @@ class Slot:
 
 def invalid(path: str, what: str, hint: str | None = None) -> SpecError:
     """The error for a ``shard_jit`` argument that cannot work."""
-    return SpecError(
-        [Problem("shard_jit", path, what, hint=hint)], header="invalid shard_jit arguments:"
-    )
+    return spec_error("shard_jit", path, what, "invalid shard_jit arguments:", hint=hint)
 
 
 def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
@@ -97,14 +95,9 @@ class ArgumentLayout:
         ):
             for n in items:
                 if n not in names and not varkw:
-                    problems.append(
-                        Problem(
-                            "shard_jit",
-                            f"{what}[{n!r}]",
-                            f"{self._fn.__name__} has no parameter {n!r}",
-                            hint=f"its parameters are {', '.join(map(repr, names))}",
-                        )
-                    )
+                    no = f"{self._fn.__name__} has no parameter {n!r}"
+                    hint = f"its parameters are {', '.join(map(repr, names))}"
+                    problems.append(Problem("shard_jit", f"{what}[{n!r}]", no, hint=hint))
         if problems:
             raise SpecError(problems, header="invalid shard_jit arguments:")
 

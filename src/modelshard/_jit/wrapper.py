@@ -15,9 +15,11 @@ from .._base import (
     AdapterError,
     Problem,
     ShardingMismatchError,
+    caller_stacklevel,
     canonical_dtype,
     current_mesh,
     dtype_name,
+    format_bytes,
     format_mesh,
     format_spec,
     mesh_sizes,
@@ -285,31 +287,24 @@ class ShardJit:
         )
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         warnings.warn(
-            f"{getattr(self, '__name__', 'shard_jit')}: moved {names}{more} ({_fmt_bytes(nbytes)}) to the planned "
+            f"{getattr(self, '__name__', 'shard_jit')}: moved {names}{more} ({format_bytes(nbytes)}) to the planned "
             "sharding again on this call; every call copies them. Place them once with "
             "modelshard.shard(...) (or feed back the step's outputs), or pass "
             "on_mismatch='raise' to be told instead.",
-            stacklevel=_caller_level(),
+            stacklevel=caller_stacklevel(),
         )
 
     def _mismatch(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> ShardingMismatchError:
+        hint = "place inputs first with modelshard.shard(...), or pass on_mismatch='move' to let "
+        hint += "shard_jit move them"
         problems = []
         for i in bad:
-            arg, leaf = entry.leaf_plans[i]
-            x = flat[i]
+            (arg, leaf), x = entry.leaf_plans[i], flat[i]
+            what = f"is {_format_sharding(x.sharding)}, but the plan places it "
+            what += _format_sharding(entry.in_shardings[i])
+            shape, dtype = tuple(x.shape), dtype_name(x.dtype)
             problems.append(
-                Problem(
-                    arg=arg,
-                    path=leaf.path,
-                    shape=tuple(x.shape),
-                    dtype=dtype_name(x.dtype),
-                    what=f"is {_format_sharding(x.sharding)}, but the plan places it "
-                    f"{_format_sharding(entry.in_shardings[i])}",
-                    spec=leaf.spec,
-                    rule=leaf.rule,
-                    hint="place inputs first with modelshard.shard(...), or pass "
-                    "on_mismatch='move' to let shard_jit move them",
-                )
+                Problem(arg, leaf.path, what, shape, dtype, leaf.spec, leaf.rule, hint=hint)
             )
         n = len(problems)
         return ShardingMismatchError(
@@ -486,7 +481,8 @@ def shard_jit(
         >>> out["w"].sharding.spec
         P('data',)
     """
-    kw = dict(
+    make = functools.partial(
+        ShardJit,
         mesh=mesh,
         in_specs=in_specs,
         out_specs=out_specs,
@@ -496,22 +492,4 @@ def shard_jit(
         static_argnames=static_argnames,
         on_mismatch=on_mismatch,
     )
-    if fn is None:
-        return lambda f: ShardJit(f, **kw)  # type: ignore[arg-type]
-    return ShardJit(fn, **kw)  # type: ignore[arg-type]
-
-
-def _caller_level() -> int:
-    """``stacklevel`` of the first frame outside modelshard (the user's call)."""
-    import sys
-
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("modelshard."):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-def _fmt_bytes(n: int) -> str:
-    from .._base import format_bytes
-
-    return format_bytes(n)
+    return make if fn is None else make(fn)
