@@ -32,12 +32,10 @@ from typing import Any
 from .._base import CheckpointError, canonical_dtype
 from .checksum import checksum_mismatch_message, checksums
 from .codec import empty, is_empty, parse_dtype, stored_struct
-from .leaks import stop_leaks
-from .ocdbt import array_keys, context, read_spec
+from .ocdbt import array_keys
 from .record import LeafRecord
-from .sources import Source, store_format
+from .sources import Source, array_spec, reader_context
 from .storage import TREE_METADATA, orbax_name
-from .urls import kvstore
 
 # Bytes of read buffers a restore holds at once beyond the restored arrays (each buffer is
 # placed on its devices, then freed): two 16 MiB arrays' reads, so one array's reads overlap
@@ -100,61 +98,23 @@ def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding:
     return jax.device_put(hosts, targets)
 
 
-def _ocdbt_zarr2(source: Source) -> bool:
-    """Whether ``ocdbt.py`` builds the spec: zarr v2 in OCDBT (every checkpoint of ours),
-    on a local disk or object storage."""
-    return store_format(source) == (True, False)
-
-
-def reader_context(source: Source) -> Any:
-    """The TensorStore context the reads of ``source`` share: Orbax's (built by
-    ``ocdbt.context`` for zarr v2 in OCDBT)."""
-    if _ocdbt_zarr2(source):
-        return context()
-    from orbax.checkpoint import type_handlers as tsu
-
-    return tsu.get_ts_context(use_ocdbt=store_format(source)[0])
-
-
-def array_spec(source: Source, name: str) -> Any:
-    """The TensorStore spec Orbax's read path opens for the stored array ``name``: built
-    by ``ocdbt.read_spec`` (Orbax not imported), or by Orbax for the layouts only plain
-    Orbax writes (outside OCDBT, zarr v3)."""
-    if _ocdbt_zarr2(source):
-        return read_spec(kvstore(source.tree_dir), name)
-    from .._internals import ArrayReadSpec
-
-    stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
-    use_ocdbt, use_zarr3 = store_format(source)
-    return ArrayReadSpec(str(source.tree_dir), name, use_zarr3, use_ocdbt=use_ocdbt).json
-
-
-def listed_arrays(source: Source) -> set[tuple[str, ...]]:
-    """The storage keys of the arrays Orbax's ``_METADATA`` lists: what plain Orbax reads
-    the checkpoint by. The file must be sound (a ``ValueError`` where it is not: damaged
-    metadata is a damaged checkpoint, though these reads do not need it)."""
-    try:
-        return set(array_keys(source.tree_metadata()))
-    except (KeyError, TypeError, AttributeError) as e:
-        where = source.tree_dir / TREE_METADATA
-        raise ValueError(f"{where}: not Orbax's tree metadata ({type(e).__name__}: {e})") from e
-
-
 def open_arrays(source: Source, recs: Sequence[LeafRecord], ctx: Any) -> list[Any]:
-    """The open stores of ``recs``' arrays (opened together), each of its recorded stored
-    shape and dtype: a ``ValueError`` names an array ``_METADATA`` does not list (one of
-    ours) or one stored otherwise; a number plain Orbax stored 64-bit is read as recorded."""
+    """The open stores of ``recs``' arrays, opened together; ``ValueError`` for an array of
+    ours ``_METADATA`` does not list (damaged metadata) or one stored unlike its record. A
+    number plain Orbax stored 64-bit is read as recorded."""
     import numpy as np
     import tensorstore as ts
 
     ours = source.record.source != "orbax"
-    listed = listed_arrays(source) if ours else None
-    for rec in recs:
-        if listed is not None and rec.key not in listed:
-            raise ValueError(
-                f"{source.tree_dir / TREE_METADATA} does not list the stored array "
-                f"{orbax_name(rec.key)}"
-            )
+    if ours:
+        meta = source.tree_dir / TREE_METADATA
+        try:
+            listed = set(array_keys(source.tree_metadata()))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{meta}: not Orbax's tree metadata ({type(e).__name__}: {e})") from e
+        for rec in recs:
+            if rec.key not in listed:
+                raise ValueError(f"{meta} does not list the stored array {orbax_name(rec.key)}")
     opening = [ts.open(array_spec(source, orbax_name(r.key)), open=True, context=ctx) for r in recs]
     stores = []
     for rec, op in zip(recs, opening, strict=True):

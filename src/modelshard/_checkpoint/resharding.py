@@ -21,11 +21,11 @@ from .._base import CheckpointError
 from .._place import plan
 from .items import extras_json
 from .listing import manager_step
-from .reader import ArrayReader, check_holdable, reader_context
+from .reader import ArrayReader, check_holdable
 from .record import Record, parse_dtype
 from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
-from .sources import Source, locate, planning_tree
+from .sources import Source, locate, planning_tree, reader_context
 from .stream import Stream, write_remote
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic

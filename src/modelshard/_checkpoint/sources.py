@@ -8,12 +8,13 @@ the model code when restoring, planning or resharding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import stat
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, dtype_name, format_path, key_name, natural_key
 from .codec import logical_dtype
+from .leaks import stop_leaks
 from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, read_spec
 from .ocdbt import context as ocdbt_context
 from .record import LeafRecord, Record, dims
@@ -40,7 +42,6 @@ from .storage import (
     storage_key,
 )
 from .urls import is_remote, kvstore, location, reaching
-from .values import values_tree
 
 
 @dataclasses.dataclass
@@ -76,40 +77,48 @@ class Source:
         return self._tree
 
     def write_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
-        """Each stored array's write (chunk) shape, by storage key, where Orbax's
-        ``_METADATA`` records it (read once)."""
+        """Each stored array's write (chunk) shape by storage key, where ``_METADATA`` has it."""
         if self._write_shapes is None:
-            self._write_shapes = _read_write_shapes(self)
+            self._write_shapes = {}
+            try:
+                for entry in self.tree_metadata()["tree_metadata"].values():
+                    shape = entry["value_metadata"].get("write_shape")
+                    if shape:
+                        key = tuple(str(k["key"]) for k in entry["key_metadata"])
+                        self._write_shapes[key] = tuple(int(d) for d in shape)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                pass  # unknown chunking (CheckpointError is a ValueError)
         return self._write_shapes
 
 
-class StoreFormat(NamedTuple):
-    """How a checkpoint's arrays are stored: in an OCDBT database, as zarr v3."""
-
-    ocdbt: bool
-    zarr3: bool
-
-
-def store_format(source: Source) -> StoreFormat:
-    """The source's ``StoreFormat``, as its ``_METADATA`` says (Orbax's defaults if unread)."""
+def store_format(source: Source) -> tuple[bool, bool]:
+    """``(use_ocdbt, use_zarr3)`` as the source's ``_METADATA`` says (Orbax's defaults if unread)."""
     try:
         meta = source.tree_metadata()
-        return StoreFormat(bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)))
+        return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False))
     except (OSError, ValueError, AttributeError):
-        return StoreFormat(ocdbt=True, zarr3=False)
+        return True, False
 
 
-def _read_write_shapes(source: Source) -> dict[tuple[str, ...], tuple[int, ...]]:
-    out: dict[tuple[str, ...], tuple[int, ...]] = {}
-    try:
-        for entry in source.tree_metadata()["tree_metadata"].values():
-            shape = entry["value_metadata"].get("write_shape")
-            if shape:
-                key = tuple(str(k["key"]) for k in entry["key_metadata"])
-                out[key] = tuple(int(d) for d in shape)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        pass  # unknown chunking (CheckpointError is a ValueError): none recorded
-    return out
+def reader_context(source: Source) -> Any:
+    """The TensorStore context the reads of ``source`` share: Orbax's."""
+    if store_format(source) == (True, False):
+        return ocdbt_context()
+    from orbax.checkpoint import type_handlers as tsu
+
+    return tsu.get_ts_context(use_ocdbt=store_format(source)[0])
+
+
+def array_spec(source: Source, name: str) -> Any:
+    """The TensorStore spec Orbax's read path opens for the stored array ``name``: built by
+    ``ocdbt.read_spec`` for zarr v2 in OCDBT (Orbax not imported), else by Orbax."""
+    use_ocdbt, use_zarr3 = store_format(source)
+    if (use_ocdbt, use_zarr3) == (True, False):
+        return read_spec(kvstore(source.tree_dir), name)
+    from .._internals import ArrayReadSpec
+
+    stop_leaks()  # Orbax's spec converts TensorStore JSON to Python
+    return ArrayReadSpec(str(source.tree_dir), name, use_zarr3, use_ocdbt=use_ocdbt).json
 
 
 def _manager_hint(p: Path) -> str:
@@ -259,25 +268,21 @@ def _parsed(tree_bytes: bytes) -> Any:
 
 
 def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) -> None:
-    """Refuse a checkpoint whose arrays are in OCDBT (as its parsed ``_METADATA`` says,
-    listing at least one array) but whose database has lost its manifest, the file that
-    indexes them: ``modelshard inspect`` said nothing of it, and a restore failed leaf by
-    leaf. Metadata not of Orbax's shape is left to the reads, which name it. ``plain``:
-    written by plain Orbax, its arrays named by their canonical paths (``box_parents``)."""
+    """Refuse, before any read, a checkpoint whose OCDBT database lost its manifest or a
+    file its index names (``plain``: written by plain Orbax, boxes named canonically).
+    Metadata not of Orbax's shape is left to the reads, which name it."""
     try:
         ocdbt = bool(meta.get("use_ocdbt", True))
         keys = array_keys(meta)
-        arrays = bool(keys)
         every = [
             tuple(str(k["key"]) for k in entry["key_metadata"])
             for entry in meta["tree_metadata"].values()
         ]
     except (KeyError, TypeError, AttributeError):
         return
-    boxes = box_parents(every) if plain else set()
-    manifest = tree_dir / OCDBT_MANIFEST
-    if not (ocdbt and arrays):
+    if not (ocdbt and keys):
         return
+    manifest = tree_dir / OCDBT_MANIFEST
     if not (manifest.exists() or manifest.is_symlink()):
         raise CheckpointError(
             f"checkpoint {p} is damaged: its OCDBT manifest {manifest}, the file that indexes "
@@ -285,6 +290,7 @@ def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) 
         )
     lost = lost_files(str(tree_dir))
     if lost:
+        boxes = box_parents(every) if plain else set()
         named = {".".join(k): "/".join(k[:-1] if k[:-1] in boxes else k) for k in keys}
         raise CheckpointError(_lost_message(p, lost, named))
 
@@ -377,31 +383,21 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
 
 
 def _holds(source: Source, key: tuple[str, ...], held: Any) -> bool:
-    """Whether the Python number plain Orbax stored at ``key`` (64-bit, a few bytes) is
-    held exactly in ``held`` as an int; a float is rounded as JAX rounds one. A number
-    that cannot be read stays 64-bit (the restore reads it and names any damage)."""
+    """Whether the number plain Orbax stored 64-bit at ``key`` fits ``held`` (a float always
+    does, rounded as JAX rounds); one that cannot be read stays 64-bit for the restore to
+    name its damage."""
     if not jnp.issubdtype(held, jnp.integer):
         return True
     import numpy as np
     import tensorstore as ts
 
-    use_ocdbt, use_zarr3 = store_format(source)
-    name = orbax_name(key)
     try:
-        if (use_ocdbt, use_zarr3) == (True, False):  # zarr v2 in OCDBT, on any storage
-            spec, ctx = read_spec(kvstore(source.tree_dir), name), ocdbt_context()
-        else:
-            from orbax.checkpoint import type_handlers as tsu
-
-            from .._internals import ArrayReadSpec
-
-            spec = ArrayReadSpec(str(source.tree_dir), name, use_zarr3, use_ocdbt=use_ocdbt).json
-            ctx = tsu.get_ts_context(use_ocdbt=use_ocdbt)
-        value = int(np.asarray(ts.open(spec, open=True, context=ctx).result().read().result()))
+        spec = array_spec(source, orbax_name(key))
+        value = ts.open(spec, open=True, context=reader_context(source)).result().read().result()
     except Exception:
         return False
     info = np.iinfo(held)
-    return info.min <= value <= info.max
+    return info.min <= int(np.asarray(value)) <= info.max
 
 
 def box_parents(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
@@ -450,31 +446,19 @@ def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, logical_dtype(leaf, dtype))
 
 
-def abstract_tree(record: Record, dtype: Any = None, *, values: bool = False) -> dict[str, Any]:
-    """A nested dict of ``ShapeDtypeStruct`` mirroring the record (floats cast to ``dtype``),
-    with the record's Python values in place where ``values``."""
-    items = [(storage_key(leaf.path), _abstract_leaf(leaf, dtype)) for leaf in record.leaves]
-    return nest(items + (values_tree(record) if values else []), "record")
-
-
 def planning_tree(record: Record) -> dict[str, Any]:
-    """``abstract_tree`` for planning without the model code: leaves whose metadata
-    carried axis names at save time (linen ``LogicallyPartitioned``, NNX ``out_sharding``)
-    are boxed again with those names, so [`Rules`][modelshard.Rules] fall back to them exactly as they
-    would on the live model. Needs Flax for the box; without it the names are dropped."""
-    tree = abstract_tree(record)
-    if not any(leaf.names for leaf in record.leaves):
-        return tree
-    try:
-        from flax.linen import LogicallyPartitioned
-    except ImportError:
-        return tree
+    """Nested dicts of the record's leaves as ``ShapeDtypeStruct``, to plan without the model
+    code: a leaf saved with logical axis names (linen ``LogicallyPartitioned``, NNX
+    ``out_sharding``) boxed again with them, so [`Rules`][modelshard.Rules] fall back to
+    them as on the live model (without Flax the names are dropped)."""
+    box = None
+    if any(leaf.names for leaf in record.leaves):
+        with contextlib.suppress(ImportError):
+            from flax.linen import LogicallyPartitioned as box
     items = []
-    flat = {leaf.path: leaf for leaf in record.leaves}
-    for keys, sds in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        leaf = flat[format_path(keys)]
-        value = sds if not leaf.names else LogicallyPartitioned(sds, tuple(leaf.names))
-        items.append((leaf.key, value))
+    for leaf in record.leaves:
+        x = _abstract_leaf(leaf, None)
+        items.append((storage_key(leaf.path), box(x, leaf.names) if box and leaf.names else x))
     return nest(items, "record")
 
 
@@ -483,7 +467,8 @@ def abstract_like(source: Source, dtype: Any = None) -> Any:
     lists; each box its value, as the record's paths say) for plain Orbax checkpoints,
     nested dicts from the record otherwise (its Python values included)."""
     if source.template is None:
-        return abstract_tree(source.record, dtype, values=True)
+        items = [(storage_key(x.path), _abstract_leaf(x, dtype)) for x in source.record.leaves]
+        return nest(items + [(v.key, v.value) for v in source.record.values or ()], "record")
     leaves = source.record.leaves
     boxes = {x.key[:-1] for x in leaves if x.path != format_path(x.key)}
     by_key = {x.key: x for x in leaves}

@@ -145,12 +145,6 @@ def restored_values(
     return out, missing, extra, changed
 
 
-def values_tree(record: Record) -> list[tuple[tuple[str, ...], Any]]:
-    """``(storage key, value)`` of every value of the record, for the nested dicts a
-    restore without ``like`` returns."""
-    return [(v.key, v.value) for v in record.values or ()]
-
-
 _NUMBER_KINDS = {"bool": "b", "int": "biu", "float": "f", "complex": "c"}
 
 
