@@ -29,9 +29,8 @@ from .processes import (
 
 DEFAULT_BARRIER_TIMEOUT_S = 600.0
 """How long ``barrier``, ``broadcast`` and ``gather`` wait for the other processes unless
-``MODELSHARD_BARRIER_TIMEOUT`` says otherwise (Orbax's own default for finishing an
-asynchronous save is the same ten minutes). It bounds a process that is alive but stuck or
-on another path; a dead process is noticed sooner, after the heartbeat timeout."""
+``MODELSHARD_BARRIER_TIMEOUT`` says otherwise: it bounds a process alive but stuck (a dead one
+is noticed sooner, after the heartbeat timeout)."""
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
@@ -50,9 +49,7 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
 
 
 def env_seconds(name: str, env: Mapping[str, str] | None = None) -> float | None:
-    """The positive number of seconds in the environment variable ``name`` (``5``, ``5.0``,
-    ``2.5``), or None when it is unset or empty: the one reading of
-    ``MODELSHARD_BARRIER_TIMEOUT`` and ``MODELSHARD_HEARTBEAT_TIMEOUT``."""
+    """The positive seconds in the environment variable ``name``, or None when unset or empty."""
     raw = (os.environ if env is None else env).get(name, "")
     if raw == "":
         return None
@@ -259,8 +256,7 @@ def _client() -> Any:
 
 
 def wait_failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
-    """The error of a wait for the other processes that failed or timed out (ours, or one
-    of Orbax's that ``_checkpoint.barriers`` bounds): names it and the variable to set."""
+    """The error of a wait for the other processes that failed or timed out (ours or Orbax's)."""
     return DistributedError(
         f"process {jax.process_index()} of {jax.process_count()}: {what} {name!r} failed "
         f"after waiting up to {timeout:g} s for the other processes ({ENV_BARRIER_TIMEOUT} "
@@ -296,7 +292,7 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
         return
     key = _key(client, "barrier", name)
     try:
-        client.wait_at_barrier(key, max(1, int(timeout * 1000)))
+        client.wait_at_barrier(key, _ms(timeout))
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
         _abandon(client, key)
         raise wait_failed("barrier", name, timeout, e) from e
@@ -333,7 +329,7 @@ def broadcast(
         client.key_value_set(key, text)
         return json.loads(text)
     try:
-        value = json.loads(client.blocking_key_value_get(key, max(1, int(timeout * 1000))))
+        value = json.loads(client.blocking_key_value_get(key, _ms(timeout)))
     except Exception as e:
         _abandon(client, key)
         raise wait_failed("broadcast", name, timeout, e) from e
@@ -370,22 +366,18 @@ def gather(
         return [json.loads(t) for t in texts]
     key = _key(client, "gather", name)
     client.key_value_set(f"{key}/{jax.process_index()}", text)
-    out = []
     try:
-        for p in range(jax.process_count()):
-            out.append(
-                json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
-            )
+        out = _collect(client, key, timeout)
     except Exception as e:
         _abandon(client, key)
         raise wait_failed("gather", name, timeout, e) from e
-    _read(client, key, readers=jax.process_count())
+    _read(client, key, readers=len(out))
     return out
 
 
 def exchange(value: Any, name: str, wait: Callable[[], None]) -> list[Any]:
-    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait for every
-    process that each makes anyway (an Orbax barrier), which the exchange adds none to."""
+    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait every
+    process makes anyway (an Orbax barrier), so the exchange adds none."""
     text = json.dumps(value)
     client = _client() if jax.process_count() > 1 else None
     if client is None:
@@ -400,28 +392,33 @@ def exchange(value: Any, name: str, wait: Callable[[], None]) -> list[Any]:
         _abandon(client, key)
         raise
     timeout = barrier_timeout_s()
-    out = []
     try:
-        for p in range(jax.process_count()):
-            out.append(
-                json.loads(client.blocking_key_value_get(f"{key}/{p}", max(1, int(timeout * 1000))))
-            )
+        out = _collect(client, key, timeout)
     except Exception as e:  # set before the wait by every process that passed it
         raise wait_failed("exchange", name, timeout, e) from e
-    _read(client, key, readers=jax.process_count())
+    _read(client, key, readers=len(out))
     return out
 
 
+def _ms(timeout: float) -> int:
+    return max(1, int(timeout * 1000))
+
+
+def _collect(client: Any, key: str, timeout: float) -> list[Any]:
+    """Every process's value under ``key``, in process order."""
+    keys = [f"{key}/{p}" for p in range(jax.process_count())]
+    return [json.loads(client.blocking_key_value_get(k, _ms(timeout))) for k in keys]
+
+
 def _read(client: Any, key: str, readers: int) -> None:
-    """Count this process as done reading ``key``; the last reader removes it and its
-    entries, so a run that saves every step leaves nothing behind in the coordinator."""
+    """Count this process as done reading ``key``; the last reader removes it and what is under
+    it, so that a run saving every step leaves nothing behind in the coordinator."""
     if client.key_value_increment(f"{key}/read", 1) == readers:
         client.key_value_delete(key)  # the key and every key under ``key/``
 
 
 def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
-    """``text`` of process ``source`` on every process, through device collectives (only
-    where JAX's distributed client is missing)."""
+    """``text`` of process ``source`` on every process, by device collectives (no client)."""
     from jax.experimental import multihost_utils
 
     mine = np.frombuffer((text or "").encode(), np.uint8)

@@ -22,15 +22,9 @@ def outcome(failure: BaseException | None) -> Outcome:
 def shared_error(
     failure: BaseException | None, ended: Sequence[Outcome], what: str
 ) -> BaseException | None:
-    """The error every process raises, from how each process's part ended (``ended``, in
-    process order), or None when none failed.
-
-    Every process failed (one process, or a check every process makes): each raises its
-    own. The first failing process raised a ``CheckpointError`` or ``DistributedError``:
-    every process raises one of that class and message (it already says what failed).
-    Else every process raises the same ``CheckpointError`` naming that process, with its
-    own failure, if any, as the cause.
-    """
+    """The error every process raises from how each one's part ended (None: none failed): its
+    own where all failed; else the first failure's, if a ``CheckpointError`` or
+    ``DistributedError``; else a ``CheckpointError`` naming that process."""
     failed = [(p, o) for p, o in enumerate(ended) if o is not None]
     if not failed:
         return None
@@ -47,24 +41,18 @@ def shared_error(
 
 
 def shared_failure(failure: BaseException | None, name: str, what: str) -> BaseException | None:
-    """Tell every process how this process's part of ``what`` ended (a gather every process
-    enters, under ``name``) and return the error every process raises (``shared_error``)."""
+    """Gather how each process's part of ``what`` ended; the error all raise (``shared_error``)."""
     return shared_error(failure, gather(outcome(failure), name), what)
 
 
 def is_shared(error: BaseException) -> bool:
-    """Whether ``error`` came out of ``shared_error``: every process raised it at once, so
-    no process waits for another at a later barrier of the same write."""
+    """Whether ``error`` came out of ``shared_error`` (every process raised it at once)."""
     return bool(getattr(error, _SHARED, False))
 
 
 def raise_shared(failure: BaseException | None, name: str, what: str) -> None:
-    """``shared_failure``, raised: every process raises, or none does.
-
-    A failure already shared (``is_shared``) is raised as it is, without another exchange,
-    and so is a ``DistributedError`` (a process did not come to a wait: it would not come
-    to the exchange either).
-    """
+    """``shared_failure``, raised: every process raises, or none does. A failure already
+    shared, or a ``DistributedError`` (a process missed a wait), is raised without an exchange."""
     if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
         raise failure
     shared = shared_failure(failure, name, what)

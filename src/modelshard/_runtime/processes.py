@@ -24,23 +24,15 @@ ENV_COORDINATOR = "MODELSHARD_COORDINATOR"
 ENV_NUM_PROCESSES = "MODELSHARD_NUM_PROCESSES"
 ENV_PROCESS_ID = "MODELSHARD_PROCESS_ID"
 ENV_LOCAL_DEVICES = "MODELSHARD_LOCAL_DEVICES"
-# Seconds after which the distributed runtime declares a silent process dead (and stops
-# every other one with an error saying so); passed to jax.distributed.initialize as
-# heartbeat_timeout_seconds. Unset: JAX's default, 100 s.
+# jax.distributed.initialize's heartbeat_timeout_seconds: a silent process is declared dead
 ENV_HEARTBEAT_TIMEOUT = "MODELSHARD_HEARTBEAT_TIMEOUT"
-# Seconds modelshard's barriers (and the checkpoint manager's agreements) wait for the
-# other processes before raising (modelshard.distributed.DEFAULT_BARRIER_TIMEOUT_S unset).
+# how long modelshard's barriers wait (DEFAULT_BARRIER_TIMEOUT_S unset)
 ENV_BARRIER_TIMEOUT = "MODELSHARD_BARRIER_TIMEOUT"
-
-# glibc's limit on its malloc arenas, read when a process starts. modelshard launch sets
-# it to one for its processes unless the caller's environment sets it (``child_env``).
+# glibc's malloc arenas: one per launched process unless the caller's environment says
 ENV_MALLOC_ARENA_MAX = "MALLOC_ARENA_MAX"
 
-# Gloo prints one line per peer for every new communicator: noise, not information. Its
-# threads write it in pieces ("[Gloo] Rank ", then the rest), concurrently with each other
-# and with the program's own output on the same stream, so a piece may land inside another
-# line. The filter removes the pieces wherever they are, a whole message with its newline,
-# and keeps every other byte as the program wrote it (``_without_noise``).
+# Gloo's per-peer "connected" lines are noise. Its threads write them in pieces, which may
+# land inside another line: the pieces are removed wherever they are (``_without_noise``).
 _NOISE = re.compile(
     rb"(?:\[Gloo\] Rank )*\d* ?is connected to \d+ peer ranks\. "
     rb"Expected number of connected peer ranks is : \d+\r?\n?"
@@ -48,13 +40,11 @@ _NOISE = re.compile(
 )
 _POLL_S = 0.02
 DEFAULT_GRACE_S = 30.0
-"""Seconds between the SIGTERM that stops the processes and the SIGKILL: time for each to
-finish what a preemption makes it do (a ``CheckpointManager`` saves its current step,
-asynchronous saves in flight are finished), to object storage included."""
+"""Seconds between the SIGTERM that stops the processes and the SIGKILL: time for the
+preemption save of each."""
 FAILURE_GRACE_S = 3.0
-"""The grace when a process failed or the run timed out (at most ``--grace``): the others
-cannot finish a save that needs the failed one, and JAX's preemption handler takes their
-SIGTERM, so they end at the SIGKILL."""
+"""The grace after a failure or a timeout (at most ``--grace``): the others cannot finish a
+save that needs the failed process."""
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -121,16 +111,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (another program may take it next;
-    ``reserve_port`` holds one)."""
+    """A TCP port on 127.0.0.1 that is free right now (``reserve_port`` holds one)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def reserve_port() -> socket.socket | None:
-    """A socket holding a free port on 127.0.0.1 until it is closed, or ``None`` where the platform
-    has no ``SO_REUSEPORT``."""
+    """A socket holding a free port on 127.0.0.1 until closed (None without ``SO_REUSEPORT``)."""
     reuse = getattr(socket, "SO_REUSEPORT", None)
     if reuse is None:  # pragma: no cover - not Linux/macOS
         return None
@@ -145,7 +133,7 @@ def reserve_port() -> socket.socket | None:
 
 
 def _glibc() -> bool:
-    """Whether this process runs on glibc (its processes will: same machine, same C library)."""
+    """Whether this process (and so each it starts) runs on glibc."""
     try:
         return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError, AttributeError):  # no such name: not glibc
@@ -218,8 +206,7 @@ def _cannot_start(program: str) -> str | None:
 
 
 def _without_noise(held: bytes, line: bytes) -> tuple[bytes | None, bytes]:
-    """``(what to print, what to hold)`` for ``line`` read after ``held``: gloo's pieces removed
-    (``_NOISE``)."""
+    """``(what to print, what to hold)`` for ``line`` read after ``held``, gloo's pieces removed."""
     text = _NOISE.sub(b"", held + line)
     if not text:
         return None, b""
@@ -262,8 +249,7 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> list[int]:
-    """SIGTERM every running process group, wait ``grace`` seconds, then SIGKILL them all;
-    the indices of the processes that were still running when the grace ran out."""
+    """SIGTERM every process group, SIGKILL them after ``grace``; the indices still running then."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
         _signal_group(p, signal.SIGTERM)
@@ -283,8 +269,7 @@ def _exit_code(rc: int) -> int:
 
 
 def _stopped(rc: int) -> str | None:
-    """The name of the stop signal (SIGTERM, SIGINT) a process ended on, by its handler's
-    ``128 + signal`` or by the signal itself; None for any other end."""
+    """The stop signal (SIGTERM, SIGINT) a process ended on, directly or as ``128 + signal``."""
     for sig in _STOP_SIGNALS:
         if rc in (128 + sig, -sig):
             return signal.Signals(sig).name
