@@ -64,43 +64,30 @@ class Exporter:
                 leaves = [p for p in paths if name in res.recipes[p].reads()]
                 if name not in self.sources:  # its first rule skips it: written from here
                     self.sources[name] = node
-                elif untie:
-                    untied = wm.format_untied(i, name)
-                    if untied is None:
-                        problems.append(
-                            Problem(
-                                "mapping",
-                                f"rules[{i}]",
-                                f"untie=True, but this also rule names no untied tensor to "
-                                f"write {', '.join(leaves)} as",
-                                hint='give the rule untied="..." (lm_head.weight)',
-                            )
-                        )
-                        continue
-                    if untied in table:
-                        problems.append(
-                            Problem(
-                                "source",
-                                untied,
-                                f"untie=True writes {', '.join(leaves)} as {untied} "
-                                f"(rules[{i}]), but the reference already has it",
-                            )
-                        )
-                        continue
+                elif not untie:
+                    self.also.append((name, leaves, i, node))
+                elif (untied := wm.format_untied(i, name)) is None:
+                    what = (
+                        "untie=True, but this also rule names no untied tensor to write "
+                        f"{', '.join(leaves)} as"
+                    )
+                    hint = 'give the rule untied="..." (lm_head.weight)'
+                    problems.append(Problem("mapping", f"rules[{i}]", what, hint=hint))
+                elif untied in table:
+                    what = (
+                        f"untie=True writes {', '.join(leaves)} as {untied} (rules[{i}]), but "
+                        "the reference already has it"
+                    )
+                    problems.append(Problem("source", untied, what))
+                else:
                     table[untied] = (tuple(node.shape), node.dtype)
                     self.sources[untied] = node
-                else:
-                    self.also.append((name, leaves, i, node))
         if problems:
             raise MappingError(problems)
         self.table = table
         self.order = [n for n in table if n in self.sources]
         self._pos = {n: i for i, n in enumerate(self.order)}
-        last: dict[str, int] = {}
-        for i, n in enumerate(self.order):
-            for k in self.sources[n].reads():
-                last[k] = i
-        self._last = last
+        self._last = {k: i for i, n in enumerate(self.order) for k in self.sources[n].reads()}
         self._cache: dict[str, np.ndarray] = {}
         self._fetch = _loading(load, self._cache)
         self.keep_cache = True

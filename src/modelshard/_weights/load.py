@@ -170,8 +170,18 @@ def load_safetensors(
         flat, res, shardings = _planned(files, like, mapping, specs, mesh, dtype)
         if dry_run:
             return res
-        with reporter(progress, _total(res), "Loading safetensors") as report:
-            return place_mapped(flat, res, shardings, files.fetch, report)
+        total, done, out = _total(res), 0, []
+        with reporter(progress, total, "Loading safetensors") as report:
+            for p, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
+                node = res.recipes.get(p)
+                if node is None:  # kept: like's value, placed
+                    out.append(keep_value(p, x, s))
+                    continue
+                out.append(build_leaf(node, s, files.fetch))
+                done += math.prod(node.shape) * node.dtype.itemsize
+                if report is not None:
+                    report(done, total)
+        return flat.update_inplace(out)
 
 
 def _planned(
@@ -222,28 +232,6 @@ def leaf_shardings(like: Any, flat: Any, specs: Any, mesh: Any) -> list[Any]:
     if is_abstract(mesh):
         mesh = make_mesh(dict(mesh.shape), axis_types=tuple(mesh.axis_types))
     return plan(like, PartitionSpec() if specs is None else specs, mesh).flat_shardings(0)
-
-
-def place_mapped(
-    flat: Any,
-    res: Resolution,
-    shardings: list[Any],
-    fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch],
-    progress: Callable[[int, int], None] | None = None,
-) -> Any:
-    """Every leaf of ``flat`` built from its recipe (kept leaves: ``like``'s value placed)."""
-    total, done = _total(res), 0
-    out = []
-    for path, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
-        node = res.recipes.get(path)
-        if node is None:
-            out.append(keep_value(path, x, s))
-            continue
-        out.append(build_leaf(node, s, fetch_for))
-        done += math.prod(node.shape) * node.dtype.itemsize
-        if progress is not None:
-            progress(done, total)
-    return flat.update_inplace(out)
 
 
 @dataclasses.dataclass(frozen=True)
