@@ -126,7 +126,6 @@ Op = Rearrange | Transpose | Reshape | Add | Scale
 """One operation of a rule's ``ops``."""
 
 _NAME = re.compile(r"[A-Za-z_]\w*")
-_TOKEN = re.compile(r"\s*(\(|\)|[A-Za-z_]\w*|[^\s()]+)")
 
 Side = list[tuple[tuple[str, ...], bool]]
 """One side of a rearrange pattern: per axis, its names and whether it is a group."""
@@ -137,36 +136,30 @@ def parse_rearrange(pattern: str) -> tuple[Side, Side]:
     if not isinstance(pattern, str) or pattern.count("->") != 1:
         raise ValueError("needs exactly one '->' between the input and output axes")
     left, right = pattern.split("->")
-    sides = (_side(left.strip(), "input"), _side(right.strip(), "output"))
-    lnames = [n for names, _ in sides[0] for n in names]
-    rnames = [n for names, _ in sides[1] for n in names]
+    sides = (_side(left, "input"), _side(right, "output"))
+    lnames, rnames = ([n for names, _ in side for n in names] for side in sides)
     for what, names in (("input", lnames), ("output", rnames)):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ValueError(
-                f"{', '.join(dup)} appear{'s' if len(dup) == 1 else ''} twice in the {what}"
-            )
-    only_l = [n for n in lnames if n not in rnames]
-    only_r = [n for n in rnames if n not in lnames]
-    if only_l or only_r:
-        parts = []
-        if only_l:
-            parts.append(f"{', '.join(only_l)} only in the input")
-        if only_r:
-            parts.append(f"{', '.join(only_r)} only in the output")
-        raise ValueError("every axis must be on both sides: " + "; ".join(parts))
+            s = "s" if len(dup) == 1 else ""
+            raise ValueError(f"{', '.join(dup)} appear{s} twice in the {what}")
+    only = [
+        f"{', '.join(alone)} only in the {what}"
+        for what, alone in (
+            ("input", [n for n in lnames if n not in rnames]),
+            ("output", [n for n in rnames if n not in lnames]),
+        )
+        if alone
+    ]
+    if only:
+        raise ValueError("every axis must be on both sides: " + "; ".join(only))
     return sides
 
 
 def _side(text: str, what: str) -> Side:
     out: Side = []
     group: list[str] | None = None
-    pos = 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None:  # only trailing whitespace is left
-            break
-        tok, pos = m.group(1), m.end()
+    for tok in re.findall(r"[()]|[^\s()]+", text):
         if tok == "(":
             if group is not None:
                 raise ValueError(f"nested parentheses in the {what}")
@@ -176,16 +169,15 @@ def _side(text: str, what: str) -> Side:
                 raise ValueError(f"')' without '(' in the {what}")
             out.append((tuple(group), True))
             group = None
-        elif _NAME.fullmatch(tok):
-            if group is None:
-                out.append(((tok,), False))
-            else:
-                group.append(tok)
-        else:
+        elif not _NAME.fullmatch(tok):
             raise ValueError(
                 f"{tok!r} in the {what} is not an axis name (names are identifiers; give "
                 "sizes as keywords)"
             )
+        elif group is None:
+            out.append(((tok,), False))
+        else:
+            group.append(tok)
     if group is not None:
         raise ValueError(f"'(' without ')' in the {what}")
     return out
