@@ -1,38 +1,12 @@
 """What a ``CheckpointManager`` root holds, step by step: its steps, its leftovers, and
-what another tool wrote there.
+what another tool wrote there (``modelshard steps`` prints it).
 
-A step is complete by ``is_complete_step`` (the one definition). Every other entry that
-carries a step number is either a leftover of the manager's own, written by a save that did
-not finish (its process or host died, or it failed) or by a removal that did not:
-
-- ``N/`` that is not complete: on object storage, a save writes there directly and
-  commits last (``storage.COMMIT_FILE``);
-- ``N.orbax-checkpoint-tmp...``: a local save's staging folder, renamed to ``N`` when done;
-- ``.modelshard-rotated/N.PID``: a step rotation moved aside and had not yet deleted;
-
-or another tool's (``owner``): Orbax's own ``CheckpointManager`` writes steps into folders
-of the same names. Which is whose is read from the entry itself (``entry_owner``): the
-manager's committed steps carry ``storage.MARKER`` in ``_CHECKPOINT_METADATA``; its
-unfinished ones do not yet (Orbax writes the custom metadata at the commit) but hold the
-record item (``modelshard/``, or under Orbax's temporary name), created as the save starts;
-an entry with Orbax's metadata and neither is Orbax's (complete by Orbax's rule: its final
-name, plus the commit file on object storage), anything else another tool's. An empty
-folder, or one holding only the metadata file Orbax writes as any save starts, holds
-nothing to lose and is a leftover; so is one holding only items of a step and no metadata
-(on object storage, a process's share of the arrays, written before process 0 wrote the
-metadata, of a save that died).
-
-Inside a leftover, Orbax writes each item of the step (``state``, ``modelshard``, ``items``,
-``metrics``) under a temporary name (``state.orbax-checkpoint-tmp...``) renamed when the
-item is written: such an item is listed as unfinished, under the name it has, not as
-missing; a name that is no part of a step is listed as other.
-
-The next save of step N removes its leftovers (``CheckpointManager.save``), opening the
-manager removes the rotated ones; another tool's entries are never removed or replaced
-except by ``CheckpointManager.delete(N)``. Orbax's complete steps that hold an item to
-restore as the state (``orbax_state``) are adopted: listed and restored beside the
-manager's own (``adopted_steps``, ``restorable_steps``), told apart by their owner.
-``modelshard steps`` prints this listing.
+A step is complete by ``is_complete_step``. Any other numbered entry (``N/``, a staging
+``N.orbax-checkpoint-tmp...``, a rotated ``.modelshard-rotated/N.PID``) is a leftover of
+the manager's own or another tool's: ``entry_owner`` tells them apart (the marker of a
+committed step, the record item a save makes first; Orbax's metadata alone is Orbax's).
+Leftovers are removed by the next save of their step; another tool's entries only by
+``delete(N)``. Orbax's complete steps with a state item are adopted: listed and restored.
 """
 
 from __future__ import annotations
@@ -67,11 +41,27 @@ _STEP = re.compile(r"0|[1-9][0-9]*")
 _ROTATED = re.compile(r"(0|[1-9][0-9]*)\.[0-9]+")
 PARTS = (CHECKPOINT_METADATA, STATE_ITEM, f"{RECORD_ITEM}/{RECORD_FILE}", ITEMS_ITEM, METRICS_ITEM)
 """What a step may hold, in the order listed (``items`` and ``metrics`` are optional)."""
+_ITEMS = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM}
+OURS, ORBAX, OTHER = "modelshard", "orbax", "other"
+ROTATED_WHY = "removal by rotation not finished"
+
+
+def children(root: Any) -> list[Any]:
+    """The entries of ``root``, none where it does not exist (object storage: no object yet).
+
+    Raises:
+        CheckpointError: object storage that cannot be reached (``urls.reaching``).
+    """
+    try:
+        with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
+            return list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def is_complete_step(step_dir: Any) -> bool:
-    """Whether ``step_dir`` holds a finished manager step: a real directory with Orbax's
-    checkpoint metadata and modelshard's record, plus the commit file on object storage."""
+    """Whether ``step_dir`` is a finished manager step: a real directory with Orbax's
+    metadata and modelshard's record (and the commit file on object storage)."""
     try:
         if not is_remote(step_dir) and step_dir.is_symlink():
             return False
@@ -86,30 +76,11 @@ def is_complete_step(step_dir: Any) -> bool:
 
 
 def complete_steps(root: Any) -> list[int]:
-    """Every complete step under a manager's ``root``, ascending (the one definition).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached (``urls.reaching``).
-    """
+    """Every complete step under a manager's ``root``, ascending (``children`` raises)."""
     forget_listings(root)  # another process may have written or removed steps since
-    try:
-        with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
-            children = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    found = children(root)
     with reaching(root):
-        return sorted(
-            int(c.name) for c in children if _STEP.fullmatch(c.name) and is_complete_step(c)
-        )
-
-
-_ITEMS = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM}
-"""The items of a manager's step."""
-OURS = "modelshard"
-ORBAX = "orbax"
-OTHER = "other"
-WRITERS = {ORBAX: "Orbax", OTHER: ""}
-"""How each other owner is named to people (``""``: a tool that cannot be told)."""
+        return sorted(int(c.name) for c in found if _STEP.fullmatch(c.name) and is_complete_step(c))
 
 
 def _step_metadata(path: Any) -> dict[str, Any] | None:
@@ -122,13 +93,9 @@ def _step_metadata(path: Any) -> dict[str, Any] | None:
 
 
 def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
-    """Who wrote the numbered entry ``path`` (``N/`` or ``N.orbax-checkpoint-tmp...``):
-    ``OURS`` (a manager step, committed or not), ``ORBAX`` (Orbax's own step, committed or
-    not), ``OTHER`` (a link, a file, or a folder of anything else), or None when it holds
-    nothing to lose (empty, or only the metadata Orbax writes as any save starts).
-
-    ``names``: its entries, when the caller listed them already.
-    """
+    """Who wrote the numbered entry ``path``: ``OURS`` or ``ORBAX`` (a step, committed or
+    not), ``OTHER`` (a link, a file, anything else), or None when it holds nothing to lose
+    (empty, or only the metadata any save starts with). ``names``: its entries, if listed."""
     if (not is_remote(path) and path.is_symlink()) or not path.is_dir():
         return OTHER
     if names is None:
@@ -159,18 +126,16 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
 
 
 def orbax_complete(path: Any, names: list[str]) -> bool:
-    """Whether Orbax counts the entry ``path`` as a finished step: its final name (a local
-    save is renamed to it when done), and on object storage its commit file."""
+    """Whether Orbax counts ``path`` a finished step: its final name, and on object storage
+    its commit file."""
     if not _STEP.fullmatch(path.name):
         return False
     return not is_remote(path) or COMMIT_FILE in names
 
 
 def orbax_state(path: Any, names: list[str]) -> str | None:
-    """The item of Orbax's step ``path`` a restore reads as the state, as
-    ``sources.locate`` picks it: ``state`` where it holds Orbax's tree metadata, else the
-    one item that does (``default``, the item of a manager saving a single item); None
-    where there is no such item or several (the step is listed but not restored)."""
+    """The item of Orbax's step ``path`` restored as the state (as ``sources.locate`` picks
+    it): ``state``, else its one tree item (``default``); None for none or several."""
     trees = [
         n
         for n in names
@@ -181,20 +146,15 @@ def orbax_state(path: Any, names: list[str]) -> str | None:
     return trees[0] if len(trees) == 1 else None
 
 
+def _writer(owner: str) -> str:
+    return "another tool (Orbax)" if owner == ORBAX else "another tool"
+
+
 @dataclasses.dataclass(frozen=True)
 class Foreign:
-    """A numbered entry of a manager's root that another tool wrote.
-
-    Attributes:
-        step: the step number it carries.
-        name: its name in the root (``20``, ``20.orbax-checkpoint-tmp``).
-        owner: ``ORBAX`` or ``OTHER``.
-        complete: whether its writer counts it as finished (Orbax's rule; False for
-            ``OTHER``).
-        state: for a complete step of Orbax's, the item restored as its state
-            (``orbax_state``: ``state``, or its one tree item), which makes it a step
-            the manager lists and restores; None otherwise.
-    """
+    """A numbered entry of a manager's root that another tool wrote: its step, its name in
+    the root, ``ORBAX`` or ``OTHER``, whether its writer counts it finished, and for an
+    Orbax step the item restored as its state (``orbax_state``)."""
 
     step: int
     name: str
@@ -204,31 +164,22 @@ class Foreign:
 
     @property
     def restorable(self) -> bool:
-        """Whether the manager lists and restores it (a complete step of Orbax's with a
-        state item); it still never removes or replaces it."""
+        """Whether the manager lists and restores it (it still never removes or replaces it)."""
         return self.complete and self.state is not None
 
-    @property
-    def writer(self) -> str:
-        """``"another tool (Orbax)"`` or ``"another tool"``."""
-        who = WRITERS.get(self.owner, "")
-        return f"another tool ({who})" if who else "another tool"
-
     def describe(self, root: Any) -> str:
-        """``"<root>/20 is a complete step written by another tool (Orbax)"`` and the like."""
         path = root / self.name
         if self.owner != ORBAX:
             return f"{path} was put there by another tool or by hand (no step of modelshard's or Orbax's)"
-        if self.complete:
-            return f"{path} is a complete step written by {self.writer}"
-        return f"{path} is an unfinished save by {self.writer}"
+        done = "a complete step written" if self.complete else "an unfinished save"
+        return f"{path} is {done} by {_writer(self.owner)}"
 
     @property
     def kind(self) -> str:
         """``"complete, Orbax"``, ``"unfinished, Orbax"`` or ``"another tool"``."""
         if self.owner != ORBAX:
             return "another tool"
-        return f"{'complete' if self.complete else 'unfinished'}, {WRITERS[ORBAX]}"
+        return f"{'complete' if self.complete else 'unfinished'}, Orbax"
 
     def to_json(self) -> list[Any]:
         return [self.step, self.name, self.owner, self.complete, self.state]
@@ -240,21 +191,13 @@ class Foreign:
 
 
 def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]:
-    """Every numbered entry of ``root`` another tool wrote, by step then name.
-    ``complete``: the manager's complete steps, when known (they are not looked into).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached (``urls.reaching``).
-    """
+    """Every numbered entry of ``root`` another tool wrote, by step then name (``complete``:
+    the manager's complete steps, not looked into; ``children`` raises)."""
     skip = set(complete or ())
-    try:
-        with reaching(root):
-            children = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     out: list[Foreign] = []
+    found = children(root)
     with reaching(root):
-        for c in children:
+        for c in found:
             m = _NUMBERED.fullmatch(c.name)
             if m is None or (not m.group(2) and int(m.group(1)) in skip):
                 continue
@@ -271,8 +214,7 @@ def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]
 
 
 def refusal(step: int, root: Any, entries: list[Foreign]) -> str:
-    """Why ``CheckpointManager.save(step)`` refuses the step number another tool's
-    ``entries`` hold, and what to do."""
+    """Why ``save(step)`` refuses a step number another tool's ``entries`` hold."""
     held = "; ".join(f.describe(root) for f in entries)
     names = " and ".join(str(root / f.name) for f in entries)
     return (
@@ -284,8 +226,8 @@ def refusal(step: int, root: Any, entries: list[Foreign]) -> str:
 
 
 def foreign_summary(root: Any, entries: list[Foreign], steps: list[int]) -> str:
-    """The warning a manager opened on a root holding another tool's ``entries`` it does
-    not restore gives (``steps``: those it restores)."""
+    """The warning about another tool's ``entries`` a manager does not restore (``steps``:
+    those it does)."""
     groups: dict[str, list[int]] = {}
     for f in entries:
         numbers = groups.setdefault(f.kind, [])
@@ -302,18 +244,12 @@ def foreign_summary(root: Any, entries: list[Foreign], steps: list[int]) -> str:
 
 
 def adopted_steps(others: list[Foreign]) -> list[int]:
-    """The steps of ``others`` (``foreign_steps``) the manager lists and restores beside
-    its own: Orbax's complete steps with a state item."""
+    """The steps of ``others`` the manager lists and restores beside its own."""
     return sorted({f.step for f in others if f.restorable})
 
 
 def restorable_steps(root: Any) -> list[int]:
-    """Every step a manager of ``root`` lists and restores, ascending: its own complete
-    steps and Orbax's (``adopted_steps``).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached (``urls.reaching``).
-    """
+    """Every step a manager of ``root`` lists and restores, its own and Orbax's, ascending."""
     steps = complete_steps(root)
     return sorted({*steps, *adopted_steps(foreign_steps(root, steps))})
 
@@ -324,10 +260,8 @@ def _plain_dir(path: Any) -> bool:
 
 
 def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
-    """``(path, None)`` for a checkpoint, or ``(its latest complete step's directory,
-    step)`` when ``directory`` is a CheckpointManager's root (numbered steps, no Orbax
-    tree of its own), the manager's own or Orbax's (``restorable_steps``). What
-    ``modelshard inspect|plan|reshard`` read."""
+    """``(path, None)`` for a checkpoint, or ``(latest restorable step's directory, step)``
+    for a manager's root: what ``modelshard inspect|plan|reshard`` read."""
     root = location(directory)
     try:
         if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
@@ -345,28 +279,14 @@ class StepEntry:
     """One numbered entry of a manager's root.
 
     Attributes:
-        step: the step number.
-        complete: whether its writer counts it as finished: for the manager's own, a
-            complete step (restorable); for Orbax's, by Orbax's rule.
-        path: where it is.
-        why: for a leftover, what left it (``"interrupted save"``, ``"staging folder of an
-            interrupted save"``, ``"removal by rotation not finished"``); for another
-            tool's entry, ``"written by another tool (Orbax)"`` or ``"written by another
-            tool"``; ``""`` for a complete step of the manager's.
-        has: the parts of a step that are there (see ``PARTS``), and the commit file;
-            for another tool's entry, every name in it.
-        unfinished: ``(part, name)`` for each part there only under a temporary name (an
-            item Orbax had not finished writing).
-        lacks: the parts a complete step needs that are missing (neither there nor
-            unfinished); none for another tool's entry.
+        complete: whether its writer counts it finished (Orbax's rule for Orbax's).
+        why: what left a leftover, or who wrote another tool's entry; ``""`` for a step.
+        has: the ``PARTS`` (and commit file) there; every name for another tool's entry.
+        unfinished: ``(part, name)`` of a part there only under Orbax's temporary name.
+        lacks: the parts a complete step needs that are missing.
         others: the names in it that are no part of a step.
-        files: how many files it holds.
-        bytes: their total size.
-        owner: who wrote it: ``"modelshard"`` (this package's manager), ``"orbax"``
-            (Orbax's own manager), ``"other"`` (another tool), or None (it holds nothing
-            to lose: an empty folder, or only the metadata any save starts with).
-        state: for a complete step of Orbax's, the item restored as its state
-            (``orbax_state``), or None.
+        owner: ``OURS``, ``ORBAX``, ``OTHER``, or None (it holds nothing to lose).
+        state: for Orbax's complete step, the item restored as its state.
     """
 
     step: int
@@ -389,16 +309,14 @@ class StepEntry:
 
     @property
     def restorable(self) -> bool:
-        """Whether the manager lists and restores it: a complete step of its own, or
-        Orbax's complete step with a state item (``owner`` tells them apart)."""
+        """Whether the manager lists and restores it (its own, or Orbax's with a state)."""
         if self.owner == ORBAX:
             return self.complete and self.state is not None
         return self.complete and self.owner == OURS
 
     @property
     def status(self) -> str:
-        """``"complete"`` (restorable: the manager's or Orbax's, ``owner`` says whose),
-        ``"foreign"`` (another tool's, not restorable) or ``"leftover"``."""
+        """``"complete"`` (restorable), ``"foreign"`` (another tool's) or ``"leftover"``."""
         return "complete" if self.restorable else "foreign" if self.foreign else "leftover"
 
     def to_json(self) -> dict[str, Any]:
@@ -439,8 +357,7 @@ def _tally(path: Any) -> tuple[int, int]:
 
 
 def _temporary(path: Any, part: str, names: list[str]) -> str | None:
-    """The temporary name under which ``part`` is in ``path`` (an item Orbax had not
-    finished: ``state.orbax-checkpoint-tmp...``), or None."""
+    """The temporary name of ``part`` in ``path`` (``state.orbax-checkpoint-tmp...``), or None."""
     item, _, inner = part.partition("/")
     for name in names:
         if name.startswith(f"{item}{ORBAX_TMP}") and (not inner or (path / name / inner).exists()):
@@ -448,12 +365,8 @@ def _temporary(path: Any, part: str, names: list[str]) -> str | None:
     return None
 
 
-ROTATED_WHY = "removal by rotation not finished"
-
-
 def _json_copies(path: Any, names: list[str]) -> list[str]:
-    """The JSON items beside a manager step's own that its ``_CHECKPOINT_METADATA`` lists
-    (each JSON item of ``save(items=...)`` written as Orbax's ``JsonSave`` writes one)."""
+    """The JSON items (Orbax's copies of ``save(items=...)``) a step's metadata lists."""
     meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
     handlers = meta.get("item_handlers") if meta is not None else None
     if not isinstance(handlers, dict):
@@ -473,20 +386,10 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
     if owner in (ORBAX, OTHER):
         temporary = tuple((n.partition(ORBAX_TMP)[0], n) for n in names if ORBAX_TMP in n)
         done = owner == ORBAX and orbax_complete(path, names)
-        return StepEntry(
-            step,
-            done,
-            path,
-            f"written by {Foreign(step, path.name, owner, False).writer}",
-            tuple(n for n in names if ORBAX_TMP not in n),
-            temporary,
-            (),
-            (),
-            files,
-            size,
-            owner,
-            orbax_state(path, names) if done else None,
-        )
+        kept = tuple(n for n in names if ORBAX_TMP not in n)
+        state = orbax_state(path, names) if done else None
+        why = f"written by {_writer(owner)}"
+        return StepEntry(step, done, path, why, kept, temporary, (), (), files, size, owner, state)
     complete = why is None and is_complete_step(path)
     has: list[str] = []
     unfinished: list[tuple[str, str]] = []
@@ -501,8 +404,7 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
             unfinished.append((part, name))
         elif part in needed:
             lacks.append(part)
-    # the JSON items a step also holds as Orbax's own (``items.orbax_json_items``): copies
-    # of what ``items`` holds, so only one not finished is named
+    # Orbax's copies of what ``items`` holds: named only when not finished
     copies = _json_copies(path, names)
     for name in copies:
         if not (path / name).exists() and (tmp := _temporary(path, name, names)) is not None:
@@ -513,30 +415,14 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
         | set(copies)
     )
     others = tuple(n for n in names if n not in known)
-    reason = "" if complete else why or "interrupted save"
-    return StepEntry(
-        step,
-        complete,
-        path,
-        reason,
-        tuple(has),
-        tuple(unfinished),
-        tuple(lacks),
-        others,
-        files,
-        size,
-        owner,
-    )
+    why = "" if complete else why or "interrupted save"
+    parts = tuple(has), tuple(unfinished), tuple(lacks)
+    return StepEntry(step, complete, path, why, *parts, others, files, size, owner)
 
 
 def checkpoint_kind(root: Any) -> str | None:
-    """What ``root`` is when it is a checkpoint rather than a manager's root: ``"step"``
-    (a manager's step: its ``state`` item in a folder named by a number), ``"checkpoint"``
-    (any other, ``modelshard.save``'s or Orbax's), or None (not a checkpoint).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached.
-    """
+    """``"step"`` (a ``state`` item in a numbered folder), ``"checkpoint"`` (any other
+    checkpoint) or None (not one, say a manager's root); CheckpointError if unreachable."""
     with reaching(root):
         if not any((root / name).exists() for name in (CHECKPOINT_METADATA, TREE_METADATA)):
             return None
@@ -546,25 +432,17 @@ def checkpoint_kind(root: Any) -> str | None:
 
 
 def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
-    """Every numbered entry of the manager root ``directory``, complete, leftover or another
-    tool's, by step (a step's complete entry first), read from storage now.
-
-    Raises:
-        CheckpointError: object storage that cannot be reached.
-    """
+    """Every numbered entry of the manager root ``directory`` (complete, leftover or another
+    tool's) by step, a step's complete entry first, read from storage now."""
     root = location(directory)
     forget_listings(root)
     out: list[StepEntry] = []
+    found = sorted(children(root), key=lambda c: c.name)
     with reaching(root):
-        try:
-            children = sorted(root.iterdir(), key=lambda c: c.name)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        for child in children:
+        for child in found:
             m = _NUMBERED.fullmatch(child.name)
             if m is not None:
-                staging = bool(m.group(2))
-                why = "staging folder of an interrupted save" if staging else None
+                why = "staging folder of an interrupted save" if m.group(2) else None
                 out.append(_entry(int(m.group(1)), child, why))
             elif child.name == ROTATED and not is_remote(root) and child.is_dir():
                 for aside in child.iterdir():
@@ -575,8 +453,8 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
 
 
 def warn_foreign(root: Any, stacklevel: int) -> None:
-    """Warn (``stacklevel`` as ``warnings.warn``'s) about another tool's entries in ``root`` that a manager does not restore (Orbax's
-    complete steps it restores: no warning); unreachable storage is left to the listing."""
+    """Warn about another tool's entries in ``root`` a manager does not restore
+    (unreachable storage is left to the listing)."""
     try:
         held = [f for f in foreign_steps(root) if not f.restorable]
         steps = restorable_steps(root) if held else []

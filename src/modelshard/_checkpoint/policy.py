@@ -1,13 +1,8 @@
 """Which steps a [`CheckpointManager`][modelshard.CheckpointManager] saves and which it keeps.
 
-Keeping is a union: a step stays if any rule keeps it (the latest ``N``, every ``K``-th,
-the best ``N`` by a metric, a step the user named). The newest complete step is always
-kept, so rotation never deletes the only checkpoint there is. Rotation sees the manager's
-own complete steps only (``listing.complete_steps``): another tool's steps in the root are
-never among them, so never deleted, Orbax's complete steps the manager lists and restores
-included. Saving is arithmetic on the
-step (``step % save_interval_steps == 0``), with no hidden first save; a stop request
-(preemption) makes any step a saving step.
+A step is kept if any rule keeps it, and the newest complete step always is. Rotation sees
+the manager's own complete steps only (``listing.complete_steps``), never another tool's.
+A saving step is ``step % save_interval_steps == 0``; a stop request makes any step one.
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ class KeepPolicy:
         if fn is None:
             raise CheckpointError("this CheckpointManager has no best_fn to rank steps by.")
         try:
-            value = fn(metrics)
-            value = float(value)
+            value = float(fn(metrics))
         except Exception as e:
             raise CheckpointError(
                 f"best_fn failed on the metrics of step {step} ({metrics!r}): "

@@ -1,11 +1,7 @@
-"""How a [`CheckpointManager`][modelshard.CheckpointManager] removes what carries a step
-number from its root, on process 0, on a local disk or object storage.
-
-A local step is renamed aside into ``storage.ROTATED`` in one step and removed there, so a
-crash leaves it whole or gone (the aside copies are purged when a manager opens or waits);
-on object storage, where nothing renames, the step is first made incomplete (its commit
-file and metadata removed), then removed. What another tool wrote is removed only by
-``remove_numbered`` (``CheckpointManager.delete``); ``remove_partial`` keeps it.
+"""How a [`CheckpointManager`][modelshard.CheckpointManager]'s process 0 removes what
+carries a step number. A local step is renamed aside (``storage.ROTATED``) then removed,
+so a crash leaves it whole or gone; on object storage it is first made incomplete (commit
+file and metadata removed). Only ``remove_numbered`` (``delete``) removes another tool's.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import os
 import shutil
 from typing import Any
 
-from .listing import OURS, entry_owner
+from .listing import OURS, children, entry_owner
 from .storage import CHECKPOINT_METADATA, COMMIT_FILE, ORBAX_TMP, ROTATED
 from .urls import is_remote
 
@@ -45,34 +41,25 @@ def delete_step(root: Any, step: int) -> None:
     shutil.rmtree(target, ignore_errors=True)
 
 
+def _rmtree(path: Any, strict: bool = False) -> None:
+    if is_remote(path):
+        path.rmtree(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=not strict)
+
+
 def _numbered(root: Any, step: int) -> list[Any]:
     """``root/<step>`` and its staging folders ``<step>.orbax-checkpoint-tmp...``."""
-    try:
-        children = list(root.iterdir())
-    except (FileNotFoundError, NotADirectoryError):  # object storage: no "directory"
-        return []  # before the first object
-    return [c for c in children if c.name == str(step) or c.name.startswith(f"{step}{ORBAX_TMP}")]
+    prefix = f"{step}{ORBAX_TMP}"
+    return [c for c in children(root) if c.name == str(step) or c.name.startswith(prefix)]
 
 
 def remove_partial(root: Any, step: int) -> None:
-    """Remove what an interrupted or failed save of ``step`` left behind: entries of that
-    number the manager wrote, or holding nothing (``listing.entry_owner``); another tool's
-    are never touched."""
-    remote = is_remote(root)
-    for c in _numbered(root, step):
-        if c.name == str(step) or entry_owner(c) not in (OURS, None):
-            continue
-        if remote:
-            c.rmtree(missing_ok=True)
-        else:
-            shutil.rmtree(c, ignore_errors=True)
-    step_dir = root / str(step)
-    if not step_dir.exists() or entry_owner(step_dir) not in (OURS, None):
-        return
-    if remote:
-        step_dir.rmtree(missing_ok=True)
-    else:
-        shutil.rmtree(step_dir)
+    """Remove what an interrupted or failed save of ``step`` left: the entries of that number
+    the manager wrote or that hold nothing (``listing.entry_owner``), the step itself last."""
+    for c in sorted(_numbered(root, step), key=lambda c: c.name == str(step)):
+        if entry_owner(c) in (OURS, None):
+            _rmtree(c, strict=c.name == str(step))
 
 
 def remove_numbered(root: Any, step: int) -> str | None:
@@ -82,14 +69,10 @@ def remove_numbered(root: Any, step: int) -> str | None:
     if not numbered:
         return f"no step {step} in {root}: nothing there carries that number."
     for c in sorted(numbered, key=lambda c: c.name != str(step)):
-        if is_remote(root) and c.name != str(step):
-            c.rmtree(missing_ok=True)
-        elif is_remote(root):
-            delete_step(root, step)
-        elif c.is_symlink() or not c.is_dir():
+        if not is_remote(root) and (c.is_symlink() or not c.is_dir()):
             c.unlink()  # a link itself, never what it points to
         elif c.name == str(step):
             delete_step(root, step)
         else:
-            shutil.rmtree(c)
+            _rmtree(c, strict=True)
     return None
