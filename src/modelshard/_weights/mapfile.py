@@ -291,22 +291,9 @@ CONFIG_JSON = "config.json"
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
-    """The integer entries of the ``config.json`` beside a checkpoint (``path``: its file,
-    index or directory), as sizes a mapping's ``config`` may name: top-level entries
-    (``num_attention_heads``, ``head_dim``, ``hidden_size``), a nested table's as
-    ``table.name`` (``text_config.head_dim``), and ``text_config``'s also under their own
-    names where the top level lacks them (multimodal Gemma 3 keeps its language model's
-    sizes there). No file, or one that is not a JSON object: no sizes (a mapping naming
-    one then says it is missing from its config).
-
-    Example:
-        >>> import json, tempfile, pathlib
-        >>> d = pathlib.Path(tempfile.mkdtemp())
-        >>> _ = (d / "config.json").write_text(json.dumps(
-        ...     {"model_type": "gemma3", "text_config": {"num_attention_heads": 8}}))
-        >>> checkpoint_config(d / "model.safetensors")
-        {'text_config.num_attention_heads': 8, 'num_attention_heads': 8}
-    """
+    """The integer entries of the ``config.json`` beside a checkpoint (its file, index or
+    directory) as sizes a mapping may name: a nested table's as ``table.name``, and
+    ``text_config``'s also as ``name`` where the top level lacks it (multimodal Gemma 3)."""
     p = Path(path)
     d = p if p.is_dir() else p.parent
     try:

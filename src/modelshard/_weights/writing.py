@@ -30,12 +30,8 @@ def entry_bytes(entry: Entry) -> int:
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string as ``transformers`` takes them: ``"5GB"`` (10**9),
-    ``"500MiB"`` (2**20), ``"100KB"``, ``"4096"``.
-
-    Raises:
-        CheckpointError: anything else, or not positive.
-    """
+    """Bytes from an int or a string as ``transformers`` takes them (``"5GB"``, ``"500MiB"``);
+    ``CheckpointError``: anything else, or not positive."""
     n = None if isinstance(size, float) else size_in_bytes(size)
     if n is None or n < 1:
         raise CheckpointError(
