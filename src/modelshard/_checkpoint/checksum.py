@@ -1,20 +1,12 @@
-"""Per-leaf checksums of a checkpoint (``fmix32x2``), summed where the bytes are.
+"""Per-leaf checksums (``fmix32x2``): two sums modulo 2**32 over a leaf's bits as ``uint32``
+lanes, of each lane times a hashed odd weight of its position and of a hash of (lane,
+position). Integer sums ignore order, so a checksum does not depend on sharding and the
+sums of boxes tiling a leaf add up to its own (``box_sums``).
 
-Two sums modulo 2**32 over each leaf's bits (``lanes``: ``uint32`` values, two per 64-bit
-element, real then imaginary parts of complex ones): each value times a hashed odd weight of
-its position, and a hash of (value, position) (``terms``). Integer sums do not depend on the
-order they are added in, so a leaf's checksum is the same whatever its sharding, and the
-sums of boxes that tile a leaf add up to the leaf's (``box_sums``).
-
-Two engines give the same sums. On the host (CPU devices, and what an accelerator's program
-does not take): one replica of each shard (a CPU device's a zero-copy view), on
-``host_workers`` threads while a save writes or a restore reads, by XLA programs of a few
-fixed sizes on the host's CPU, compiled once per process whatever the shapes, and NumPy for
-short runs. On an accelerator: each shard where it is, by a program per shard shape and
-dtype whose compile starts as soon as the leaves are known (``compile_for``), so it overlaps
-the writes or reads (the host engine would copy every byte off the device and sum it on a
-few cores). A leaf that spans processes is summed by each on the blocks it holds, and the
-processes add their sums (``distributed.gather``) in ``Checksums.collect``.
+Two engines give the same sums: the host's (CPU devices; fixed-size XLA programs on
+``host_workers`` threads, NumPy for short runs) and the device's (accelerators: a program
+per shard shape, compiled as soon as the leaves are known). Processes add their sums of a
+leaf spanning them in ``Checksums.collect``.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +31,7 @@ from . import lazy_orbax  # noqa: F401  (settles JAX's options before any progra
 CHECKSUM = "fmix32x2"
 K = TypeVar("K", bound=Hashable)
 
-# Lanes per call of a compiled program: ``BLOCK``, a sixteenth of it or ``SMALL`` (one
-# program per size, each compiled on first use); a remainder shorter than ``SMALL`` is
-# summed with NumPy.
+# Lanes per call of a host program: ``BLOCK``, a sixteenth of it or ``SMALL``; NumPy below
 BLOCK = 1 << 20
 SMALL = 1 << 12
 
@@ -65,9 +55,8 @@ def fmix(h: Any, u32: Any) -> Any:
 
 
 def terms(v: Any, idx: Any, u32: Any) -> tuple[Any, Any]:
-    """Per-lane terms of the two sums (``v`` the lanes, ``idx`` their positions in the leaf,
-    both ``uint32`` of ``jnp`` or ``np``, ``u32`` its ``uint32``): the value times a hashed
-    odd weight of its position, and a hash of (value, position)."""
+    """Per-lane terms of the two sums (``v`` the lanes, ``idx`` their positions, ``u32`` the
+    ``uint32`` of ``jnp`` or ``np``)."""
     w = fmix(idx ^ u32(0x9E3779B9), u32) | u32(1)
     h = fmix(idx + u32(0x7F4A7C15), u32)
     return v * w, fmix(v ^ h, u32)
@@ -134,8 +123,7 @@ def _program(size: int, rows: bool) -> Any:
 
 def _plane_sums(plane: np.ndarray, per: int, base: int, row: int, stride: int) -> list[int]:
     """The two sums over ``plane``'s lanes (``per`` an element), in rows of ``row`` lanes
-    whose starts are ``stride`` apart from ``base`` (``row`` 0: one row): pieces of a
-    compiled program's size, the remainder with NumPy."""
+    ``stride`` apart from ``base`` (``row`` 0: one row), by compiled programs then NumPy."""
     flat = plane.reshape(-1)
     total = flat.size * per
     sums = [0, 0]
@@ -165,8 +153,7 @@ def box_sums(
     a: Any, origin: Sequence[int] | None = None, shape: Sequence[int] | None = None
 ) -> tuple[int, int]:
     """The two sums over ``a`` (host data), the box at ``origin`` of a leaf of ``shape``
-    (``a`` itself by default). The sums of boxes that tile a leaf add up (modulo 2**32) to
-    the leaf's own; ``format_sums`` writes them as its checksum."""
+    (``a`` itself by default); ``format_sums`` writes them as a checksum."""
     a = np.asarray(a)
     start = (0,) * a.ndim if origin is None else tuple(origin)
     full = a.shape if shape is None else tuple(shape)
@@ -177,8 +164,7 @@ def box_sums(
     a = np.ascontiguousarray(a)
     per = lanes(a.reshape(-1)[:1]).size
     strides = [math.prod(full[d + 1 :]) * per for d in range(a.ndim)]
-    # Rows of consecutive positions: from the last dimension the box does not span whole
-    # on, each a plane of them along the dimension before it, a stride apart.
+    # rows of consecutive positions from the last dimension the box does not span whole
     last = max((d for d in range(a.ndim) if a.shape[d] != full[d]), default=0)
     row = math.prod(a.shape[last:]) * per if last else 0
     stride = strides[last - 1] if last else 0
@@ -197,17 +183,16 @@ def format_sums(s1: int, s2: int) -> str:
     return f"{s1 & 0xFFFFFFFF:08x}:{s2 & 0xFFFFFFFF:08x}"
 
 
-_HOST_WORKERS: list[ThreadPoolExecutor] = []
-
-
+@functools.cache
 def host_workers() -> ThreadPoolExecutor:
-    """The threads that take checksums while a save writes or a restore reads, a block each
-    at a time (NumPy and XLA release the GIL while they sum), made once: a pool per save
-    would be started and torn down every step."""
-    if not _HOST_WORKERS:
-        n = max(1, min(8, os.cpu_count() or 1))
-        _HOST_WORKERS.append(ThreadPoolExecutor(n, thread_name_prefix="modelshard-checksum"))
-    return _HOST_WORKERS[0]
+    """The threads that sum blocks while a save writes or a restore reads (NumPy and XLA
+    release the GIL), made once for the process."""
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="modelshard-checksum")
+
+
+@functools.cache
+def _compilers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="modelshard-compile")
 
 
 def _addressable(x: Any) -> bool:
@@ -217,8 +202,7 @@ def _addressable(x: Any) -> bool:
 
 
 def _blocks(x: Any) -> list[tuple[Any, list[int]]]:
-    """The blocks of ``x`` this process sums, each with its origin: of a ``jax.Array``, the
-    first replica of each of its shards that this process holds; else ``x`` whole."""
+    """``(block, origin)`` this process sums: the first replica of each shard it holds."""
     if not isinstance(x, jax.Array):
         return [(x, [0] * np.ndim(x))]
     return [
@@ -228,17 +212,13 @@ def _blocks(x: Any) -> list[tuple[Any, list[int]]]:
     ]
 
 
-# The second engine, for accelerators: a shard is summed where it is, by a program per shard
-# shape and dtype (origin and strides are arguments), compiled on ``_compilers`` threads as
-# soon as the leaves are known, so the compiles overlap the writes or reads. It has no
-# collective, so any thread may run it. Lanes that are not one per element go to the host.
+# The device engine: one lane per element, else the host's
 _DEVICE_DTYPES = frozenset(
     np.dtype(t)
     for t in ("float32", "int32", "uint32", "float16", "int16", "uint16", "int8", "uint8", "bool")
 ) | {np.dtype(jnp.bfloat16)}
 DEVICE_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
 _COMPILED: dict[tuple[Any, ...], Future[Any]] = {}
-_COMPILERS: list[ThreadPoolExecutor] = []
 
 
 def on_device(x: Any) -> bool:
@@ -276,15 +256,12 @@ def _compiled(shape: tuple[int, ...], dtype: Any, device: Any) -> Future[Any]:
     key = (shape, np.dtype(dtype), device)
     with _PROGRAMS_LOCK:
         if key not in _COMPILED:
-            if not _COMPILERS:
-                n = max(1, min(8, os.cpu_count() or 1))
-                _COMPILERS.append(ThreadPoolExecutor(n, thread_name_prefix="modelshard-compile"))
             s = jax.sharding.SingleDeviceSharding(device)
             args = (
                 jax.ShapeDtypeStruct(shape, dtype, sharding=s),
                 jax.ShapeDtypeStruct((2, len(shape)), jnp.uint32, sharding=s),
             )
-            _COMPILED[key] = _COMPILERS[0].submit(
+            _COMPILED[key] = _compilers().submit(
                 lambda: jax.jit(_shard_sums).lower(*args).compile()
             )
         return _COMPILED[key]
@@ -311,8 +288,8 @@ def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int], prog
 
 
 def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
-    """A block's sums: dispatched on its device now where its program is compiled (no wait
-    per block; ``collect`` fetches them together), else once it is; or on the host."""
+    """A block's sums: on its device (now if its program is compiled, else once it is), or
+    on the host."""
     done: Future[Any] = Future()
     if not on_device(data):
         return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
@@ -330,14 +307,9 @@ def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any
 
 
 class Checksums(Generic[K]):
-    """Checksums of arrays handed over one at a time, as a restore reads them (or all at
-    once, as a save starts them: ``start_checksums``).
-
-    ``like`` maps each key to the array, or the sharded abstract array, that will be added
-    under it. ``add`` returns at once: its blocks are summed by ``host_workers`` while the
-    caller goes on. ``collect`` waits for them; ``close`` abandons them. Where a leaf spans
-    processes, ``collect`` is a collective: every process calls it, in the same order.
-    """
+    """Checksums of arrays handed over one at a time as a restore reads them (``like``: key
+    -> the array, or sharded abstract array, added under it). ``add`` returns at once;
+    ``collect`` waits (a collective where a leaf spans processes); ``close`` abandons."""
 
     def __init__(self, like: Mapping[K, Any]) -> None:
         self._keys = list(like)
@@ -347,17 +319,15 @@ class Checksums(Generic[K]):
         self._parts: dict[K, list[Future[Any]]] = {}
 
     def add(self, key: K, x: Any) -> None:
-        """Start the checksum of ``x``, the array of ``key`` (a key not in ``like`` is not
-        checked). A failure is raised by ``collect``, not here: ``add`` runs inside
-        Orbax's reads, which would report it as a read error."""
+        """Start the checksum of ``x`` under ``key`` (not in ``like``: ignored); a failure is
+        raised by ``collect``, not inside the reads that call this."""
         if key in self._parts or key not in self._keys:
             return
         shape = tuple(np.shape(x))
         self._parts[key] = [_start(data, origin, shape) for data, origin in _blocks(x)]
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
-        """Every key's ``"xxxxxxxx:yyyyyyyy"``, in ``like``'s order; the keys never added
-        (``arrays`` must hold them) are summed now."""
+        """Every key's checksum in ``like``'s order; keys never added are summed from ``arrays``."""
         failure: BaseException | None = None
         sums: dict[K, tuple[int, int]] = {}
         try:
@@ -375,7 +345,6 @@ class Checksums(Generic[K]):
         finally:
             self.close()
         if self._spanning and jax.process_count() > 1:
-            # each process summed its own blocks: every process adds up every process's sums
             mine = None if failure else [list(sums[k]) for k in self._spanning]
             every = gather(mine, "modelshard.checksums")
             if failure is None:
@@ -399,8 +368,7 @@ class Checksums(Generic[K]):
 
 
 def start_checksums(arrays: Sequence[Any]) -> Callable[[], list[str]]:
-    """Start ``checksums`` of ``arrays`` on ``host_workers``; call the result to collect
-    them (under several processes, every process calls it, in the same order)."""
+    """Start ``checksums`` of ``arrays``; the result collects them (on every process)."""
     sums: Checksums[int] = Checksums(dict(enumerate(arrays)))
     for i, x in enumerate(arrays):
         sums.add(i, x)
@@ -412,23 +380,11 @@ def checksums(arrays: Sequence[Any]) -> list[str]:
     return start_checksums(arrays)()
 
 
-class StoredLeaf(Protocol):
-    """What an error needs of a leaf's record (``record.LeafRecord`` is one)."""
-
-    @property
-    def path(self) -> str: ...
-    @property
-    def stored_dtype(self) -> str: ...
-    @property
-    def stored_shape(self) -> Sequence[int]: ...
-
-
 def checksum_mismatch_message(
-    where: str, bad: Sequence[tuple[StoredLeaf, str | None, str]], anyway: str = "load it anyway"
+    where: str, bad: Sequence[tuple[Any, str | None, str]], anyway: str = "load it anyway"
 ) -> str:
-    """The error for the leaves of ``where`` whose checksum is not the recorded one:
-    ``bad`` holds ``(record, recorded checksum, checksum read)`` per leaf; ``anyway``: what
-    ``verify=False`` would do with it."""
+    """The error for the leaves of ``where`` whose checksum changed: ``bad`` holds ``(leaf
+    record, recorded, read)``; ``anyway``: what ``verify=False`` would do."""
     n = len(bad)
     return (
         f"checksum mismatch in {where}: the stored bytes of {n} lea"

@@ -1,15 +1,7 @@
-"""The checkpoint record: what modelshard knows about each stored leaf, as plain JSON.
-
-A record sits beside the Orbax data (``storage.RECORD_FILE`` inside the checkpoint
-directory, or in the ``storage.RECORD_ITEM`` item of a [`CheckpointManager`][modelshard.CheckpointManager]
-step). It holds no
-pickle: canonical paths, shapes, dtypes, the spec and mesh each leaf was saved with, the
-container kind, package versions and a checksum per leaf.
-
-The checksum (``.checksum``) does not depend on the sharding a leaf has
-when it is computed: a checkpoint saved on 8 devices verifies after a restore onto 2x4
-without gathering anything.
-"""
+"""The checkpoint record: what modelshard knows of each stored leaf, as plain JSON beside
+the Orbax data (``storage.RECORD_FILE``): paths, shapes, dtypes, saved specs and mesh, the
+container kind, versions, the state's Python values and a checksum per leaf. It holds no
+pickle, and is validated as untrusted input when read."""
 
 from __future__ import annotations
 
@@ -36,19 +28,14 @@ from .storage import FORMAT, name_collisions, nest, storage_key
 
 @dataclasses.dataclass
 class LeafRecord:
-    """What the record says about one leaf.
+    """What the record says about one array leaf.
 
     Attributes:
-        path: canonical path (``"layers/0/kernel"``).
-        key: the leaf's key path in the stored Orbax tree (nested dicts).
-        shape: logical shape.
-        dtype: logical dtype name (``"key<fry>"`` for typed PRNG keys).
-        stored_shape: shape of the stored array (key data adds trailing dimensions).
-        stored_dtype: dtype name of the stored array.
-        key_impl: PRNG implementation name for typed keys (``"threefry2x32"``), else None.
-        spec: the ``PartitionSpec`` it was saved with, or None if it was not
-            ``NamedSharding``-placed on the recorded mesh.
-        names: logical axis names carried by its metadata (linen/NNX boxes), if any.
+        path: canonical path (``"layers/0/kernel"``); ``key``: its key in the stored tree.
+        shape, dtype: logical (``"key<fry>"`` for typed PRNG keys, of ``key_impl``).
+        stored_shape, stored_dtype: of the stored array (``codec.encode``).
+        spec: the spec it was saved with, None if not placed on the recorded mesh.
+        names: logical axis names of its box (linen/NNX), if any.
         checksum: ``"xxxxxxxx:yyyyyyyy"`` over the stored bits, or None.
     """
 
@@ -72,18 +59,10 @@ class LeafRecord:
         return stored_sharding(sharding, len(self.stored_shape) - len(self.shape))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "key": list(self.key),
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "stored_shape": list(self.stored_shape),
-            "stored_dtype": self.stored_dtype,
-            "key_impl": self.key_impl,
-            "spec": spec_json(self.spec),
-            "names": None if self.names is None else [_json_name(n) for n in self.names],
-            "checksum": self.checksum,
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        names = None if self.names is None else [_json_name(n) for n in self.names]
+        lists = {k: list(out[k]) for k in ("key", "shape", "stored_shape")}
+        return out | lists | {"spec": spec_json(self.spec), "names": names}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LeafRecord:
@@ -110,17 +89,9 @@ class LeafRecord:
         )
 
 
-VALUE_TYPES: dict[type, str] = {
-    bool: "bool",
-    int: "int",
-    float: "float",
-    complex: "complex",
-    str: "str",
-    bytes: "bytes",
-    type(None): "none",
-}
-"""The Python values a checkpoint holds beside its arrays (exactly these types, not
-subclasses), and the type tag the record gives each."""
+VALUE_TYPES: dict[type, str] = {t: t.__name__ for t in (bool, int, float, complex, str, bytes)}
+VALUE_TYPES[type(None)] = "none"
+"""The Python values a checkpoint holds (exactly these types, not subclasses), by tag."""
 
 _SAFE_INT = 1 << 53  # beyond it, JSON readers other than Python's lose digits
 _FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -155,6 +126,8 @@ def encode_value(x: Any) -> Any:
 def decode_value(tag: str, v: Any) -> Any:
     """The value ``encode_value`` wrote for a value of type ``tag``; ValueError if ``v``
     is not what it writes."""
+    if tag not in VALUE_TYPES.values():
+        raise ValueError(f"type {value_text(tag)} is not one of {sorted(VALUE_TYPES.values())}")
     if tag == "bool" and type(v) is bool:
         return v
     if tag == "int":
@@ -164,7 +137,7 @@ def decode_value(tag: str, v: Any) -> Any:
             out = int(v, 16)
             if abs(out) >= _SAFE_INT:
                 return out
-        raise ValueError(f"{_short(v)} is not an int as the record writes it")
+        raise ValueError(f"{value_text(v)} is not an int as the record writes it")
     if tag == "float":
         return _float_value(v)
     if tag == "complex" and isinstance(v, list) and len(v) == 2:
@@ -175,22 +148,15 @@ def decode_value(tag: str, v: Any) -> Any:
         try:
             return base64.b64decode(v.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError) as e:
-            raise ValueError(f"{_short(v)} is not base64") from e
+            raise ValueError(f"{value_text(v)} is not base64") from e
     if tag == "none" and v is None:
         return None
-    if tag not in VALUE_TYPES.values():
-        raise ValueError(f"type {_short(tag)} is not one of {sorted(VALUE_TYPES.values())}")
-    raise ValueError(f"{_short(v)} is not a {tag}")
+    raise ValueError(f"{value_text(v)} is not a {tag}")
 
 
 MAX_VALUE_CHARS = 1 << 16
 """The longest hex int a record may hold (a 260000-bit number)."""
 _HEX = re.compile(r"-?0x[0-9a-f]+")
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def value_text(value: Any, limit: int = 60) -> str:
@@ -201,15 +167,8 @@ def value_text(value: Any, limit: int = 60) -> str:
 
 @dataclasses.dataclass
 class ValueRecord:
-    """A leaf that is a plain Python value (``VALUE_TYPES``), stored in the record itself.
-
-    Attributes:
-        path: canonical path (``"epoch"``, ``"step/value"``).
-        key: where a restore without ``like`` puts it in the nested dicts (the storage key
-            its path gives, as for an array).
-        type: its type tag (``"int"``, ``"str"``...).
-        value: the value itself.
-    """
+    """A leaf that is a plain Python value (``VALUE_TYPES``), kept in the record: its path,
+    its storage key (where a restore without ``like`` puts it), type tag and value."""
 
     path: str
     key: tuple[str, ...]
@@ -259,13 +218,8 @@ def dims(value: Any, what: str = "shape") -> tuple[int, ...]:
 
 
 def leaf_problem(leaf: LeafRecord, axes: Mapping[str, int] | None) -> str | None:
-    """What is wrong with one leaf of a record read from disk, or None.
-
-    A record is input like any other: a leaf's storage key must be the one its path gives
-    (so it can name nothing else in the checkpoint), its shapes and dtypes must describe
-    what is stored (``codec.stored_problem``), and its spec must fit its rank and the
-    recorded mesh.
-    """
+    """What is wrong with one leaf of a record read from disk, or None: its key must be the
+    one its path gives, its shapes and dtypes what is stored, its spec fit rank and mesh."""
     key = storage_key(leaf.path)
     if leaf.key != key:
         return f"its storage key {list(leaf.key)} is not the one its path gives, {list(key)}"
@@ -298,15 +252,12 @@ class Record:
     """The whole record of one checkpoint.
 
     Attributes:
-        kind: the container kind it was saved from (``flat.kind``: ``"nnx.Module"``...).
+        kind: the container kind it was saved from (``"nnx.Module"``...).
         leaves: one ``LeafRecord`` per array leaf, in container order.
         mesh: ``{"axes": {name: size}, "axis_types": [...]}`` of the saving mesh, or None.
-        versions: package name -> version at save time.
-        metadata: user metadata passed to ``save``.
         source: ``"modelshard"``, or ``"orbax"`` for a record inferred from Orbax metadata.
-        values: the leaves that are plain Python values (``ValueRecord``), in container
-            order; None where the record predates them (or was inferred from Orbax), so
-            a ``like``'s values cannot be checked against it.
+        values: the Python values, in container order; None where the record predates them.
+        pending: the checksums still being computed (``checksum.start_checksums``).
     """
 
     kind: str
@@ -336,9 +287,8 @@ class Record:
         return None if self.mesh is None else dict(self.mesh["axes"])
 
     def mesh_axis_types(self) -> list[str]:
-        """The saving mesh's axis types, one per axis (``"auto"``/``"explicit"``), for a
-        mesh rebuilt from the record; ``"auto"`` where the record does not say (older
-        records, plain Orbax) or names a type a mesh cannot be built with."""
+        """The saving mesh's axis types (``"auto"``/``"explicit"``); all ``"auto"`` where the
+        record does not say or names another."""
         sizes = self.mesh_sizes() or {}
         saved = (self.mesh or {}).get("axis_types") or []
         types = [str(t).lower() for t in saved] if isinstance(saved, list) else []
@@ -347,8 +297,7 @@ class Record:
         return types
 
     def saved_specs(self) -> Callable[[str, Any], PartitionSpec]:
-        """A spec function giving each leaf the spec it was saved with (replicated where
-        the record has none): the default layout of ``restore`` and ``reshard``."""
+        """Each leaf's saved spec (else replicated): the default of ``restore``, ``reshard``."""
         specs = {leaf.path: leaf.spec for leaf in self.leaves}
 
         def saved_specs(path: str, leaf: Any) -> PartitionSpec:
@@ -359,8 +308,7 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         if self.pending is not None:
-            # resolving takes collectives over arrays spanning processes: done here, it
-            # would run wherever the record is written, on process 0 alone
+            # resolving is a collective: here it would run on process 0 alone
             raise RuntimeError(
                 "the record's checksums are still being computed: call resolve() on every "
                 "process before writing it"
@@ -435,7 +383,6 @@ class Record:
                     f"key {list(value.key)} is not the one its path gives, "
                     f"{list(storage_key(value.path))}."
                 )
-        # arrays and values together form the tree a restore without like returns
         nest([(x.key, None) for x in (*record.leaves, *(record.values or ()))], where)
         return record
 
@@ -458,7 +405,7 @@ def saved_spec(x: Any, mesh: Any) -> PartitionSpec | None:
 
 
 def versions() -> dict[str, str]:
-    """Package name -> version of the stack that writes a checkpoint (looked up once)."""
+    """Package name -> version of the stack that writes a checkpoint (a fresh dict)."""
     return dict(_versions())
 
 
