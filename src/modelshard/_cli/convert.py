@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from typing import Any
@@ -208,12 +209,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _index_files(index: Any) -> list[Any]:
-    import json
-
-    return [index.parent / f for f in json.loads(index.read_text())["weight_map"].values()]
-
-
 def _row_json(r: Any) -> dict[str, Any]:
     # the table's "-" means "no transform": JSON says null, else the text as printed
     return {
@@ -226,16 +221,14 @@ def _row_json(r: Any) -> dict[str, Any]:
 
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
-    """A checkpoint written back as safetensors (one file, or with ``--max-shard-size``
-    Hugging Face's sharded layout; a DST not ending ``.safetensors`` is a model directory,
-    as ``save_safetensors`` writes one), one checkpoint leaf on the host at a time
-    (``Exporter`` over ``mapped.host_leaves``), never the whole state."""
-
+    """A checkpoint written back as safetensors (a file, shards, or a model directory), one
+    leaf on the host at a time, never the whole state."""
     from .._base import format_bytes
     from .._checkpoint import host_leaves, locate
     from .._weights import (
         Exporter,
         as_mapping,
+        check_destination,
         finish_model_directory,
         is_model_directory,
         reference_table,
@@ -251,7 +244,10 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
         )
     max_shard_size = shard_size_for(args.destination, args.max_shard_size)
-    _refuse_existing(args, max_shard_size)
+    # what is at DST is replaced only with --overwrite, checked before the source is read
+    check_destination(
+        args.destination, max_shard_size, overwrite=args.overwrite, flag="--overwrite"
+    )
     source = locate(checkpoint_arg(args, args.source))
     targets, load = host_leaves(source)
     if args.reference is None:  # every leaf under its path, '/' written as '.'
@@ -283,7 +279,12 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
         )
         if is_model_directory(args.destination):
             finish_model_directory(dest, args.reference, items)
-    files = [dest] if dest.suffix == ".safetensors" else sorted(set(_index_files(dest)))
+    if dest.suffix == ".safetensors":
+        files = [dest]
+    else:  # an index: the shards it names
+        files = sorted(
+            {dest.parent / f for f in json.loads(dest.read_text())["weight_map"].values()}
+        )
     nbytes = sum(f.stat().st_size for f in files)
     if args.json:
         emit(
@@ -304,14 +305,3 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             + (f" in {n} files" if n > 1 else "")
         )
     return 0
-
-
-def _refuse_existing(args: argparse.Namespace, max_shard_size: int | str | None) -> None:
-    """``--to safetensors`` replaces what is at DST only with ``--overwrite``: the file, or (a
-    directory, or ``--max-shard-size``) the index, the lone file or shards of the same name; the
-    same rule as ``save_safetensors(overwrite=)``, checked before the source is read."""
-    from .._weights import check_destination
-
-    check_destination(
-        args.destination, max_shard_size, overwrite=args.overwrite, flag="--overwrite"
-    )

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .args import CKPT_HELP, add_json, add_max_rows, checkpoint_arg
-from .output import SHOW_ALL, absolute, console, emit, fmt_spec, new_table, say
+from .output import SHOW_ALL, absolute, console, emit, new_table, say
 
 
 def add_parser(sub: Any) -> None:
@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._base import format_bytes, format_mesh, literal, spec_json
+    from .._base import format_bytes, format_mesh, format_spec, literal, spec_json
     from .._checkpoint import extras_json, locate
     from .._weights import is_safetensors
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             str(leaf.shape),
             leaf.dtype,
             format_bytes(leaf.nbytes) + (f" x{g.count}" if g.count > 1 else ""),
-            fmt_spec(leaf.spec),
+            "-" if leaf.spec is None else format_spec(leaf.spec),
             names,
         ]
         table.add_row(*map(literal, cells))

@@ -56,19 +56,10 @@ def absolute(path: Any) -> str:
     return text if re.match(r"^[a-z][a-z0-9+.-]*://", text) else os.path.abspath(text)
 
 
-def write_json(stream: Any, data: Any) -> None:
-    stream.write(json.dumps(data, indent=1) + "\n")
-
-
-def emit(args: argparse.Namespace, data: dict[str, Any]) -> None:
+def emit(args: argparse.Namespace, data: dict[str, Any], ok: bool = True) -> None:
     """Print a command's JSON result: ``data`` inside the envelope, on stdout."""
-    write_json(sys.stdout, {"schema": SCHEMA, "command": args.command, "ok": True, **data})
-
-
-def fmt_spec(spec: Any) -> str:
-    from .._base import format_spec
-
-    return "-" if spec is None else format_spec(spec)
+    envelope = {"schema": SCHEMA, "command": args.command, "ok": ok, **data}
+    sys.stdout.write(json.dumps(envelope, indent=1) + "\n")
 
 
 # Python keyword arguments that error messages name, as this command's flags.
@@ -83,8 +74,7 @@ FLAGS = [
 
 
 def in_flags(text: str) -> str:
-    """``text`` with the Python keywords of FLAGS written as this command's flags; nothing
-    else changes (indentation and spacing of multi-line messages included)."""
+    """``text`` with the Python keywords of FLAGS written as this command's flags."""
 
     def flag(name: str) -> Any:
         def put(m: re.Match[str]) -> str:
@@ -121,8 +111,6 @@ def file_ancestor(path: str) -> str | None:
 
 
 TS_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
-
-
 TS_FILE = re.compile(r'(?:writing|reading|opening)[^"]*"([^"]+)"', re.IGNORECASE)
 
 
@@ -139,9 +127,8 @@ def tensorstore_os_error(e: BaseException) -> OSError | None:
 
 @contextlib.contextmanager
 def writing(destination: str | os.PathLike[str]) -> Iterator[None]:
-    """Within the block, an ``OSError`` on a file the writer creates beside ``destination``
-    (its temporary directory or ``.partial`` file) names ``destination`` as typed instead,
-    and says that its parent directory cannot be written."""
+    """Within the block, an ``OSError`` on a file the writer makes beside ``destination`` names
+    ``destination`` as typed, and its parent directory as what cannot be written."""
     try:
         yield
     except OSError as e:
@@ -203,8 +190,7 @@ def fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int
     """Report a failed command; returns ``status``."""
     prog = f"modelshard{' ' + command if command else ''}"
     if as_json:
-        envelope = {"schema": SCHEMA, "command": command, "ok": False, "exit_status": status}
-        write_json(sys.stdout, {**envelope, "error": error})
+        emit(argparse.Namespace(command=command), {"exit_status": status, "error": error}, ok=False)
         sys.stderr.write(
             f"{prog}: error: {error['type']}, exit status {status} (the JSON on stdout says "
             "what and where)\n"
@@ -229,9 +215,8 @@ class Parser(argparse.ArgumentParser):
 
 @contextlib.contextmanager
 def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
-    """The library's progress bar (``_base.reporter``) for a command: on stderr when it is a
-    terminal, whatever the size, unless ``--json`` or ``--no-progress``; yields what to call with
-    ``(bytes_done, bytes_total)``."""
+    """The library's progress bar for a command, on a terminal's stderr unless ``--json`` or
+    ``--no-progress``; yields what to call with ``(bytes_done, bytes_total)``."""
     from .._base import reporter
 
     show = not args.json and not getattr(args, "no_progress", False)

@@ -158,8 +158,7 @@ def report(
     lines: tuple[str, ...] = (),
     written: str | None = None,
 ) -> int:
-    """What ``plan`` prints (the table, or the JSON document with ``extra``'s keys), the
-    HTML page, then ``check()`` (``None``: nothing to check)."""
+    """Print the plan (table, or JSON with ``extra``'s keys), write its HTML, run ``check``."""
     fold = not args.no_fold
     if args.html is not None:
         p.to_html(args.html, fold=fold, filter=args.filter, title=title)
@@ -188,8 +187,8 @@ def report(
 
 
 def simulate_devices(argv: list[str]) -> None:
-    """Before the arguments are parsed (``--step`` and ``--state`` import the user's module, which
-    may start JAX): as many simulated CPU devices as ``--mesh`` needs."""
+    """As many simulated CPU devices as ``--mesh`` needs, before ``--step`` imports (and maybe
+    starts JAX)."""
     from .._internals import backends_are_initialized
     from .args import parse_mesh
 
@@ -299,8 +298,7 @@ def batch_arg(text: str) -> Any:
 
 
 def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
-    """The user's function raised while JAX traced it: one error naming it (exit status 1),
-    not a traceback. modelshard's own errors go on to ``main`` as from any command."""
+    """One error naming the user's function that raised while traced (modelshard's go on)."""
     from .._base import ModelshardError
 
     if isinstance(e, ModelshardError):
@@ -312,8 +310,8 @@ def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
 
 
 def rules_file(advice: Any) -> tuple[str | None, str | None]:
-    """``--write-rules``: the best change's rules file, headed by the other changes it
-    needs (a smaller batch, narrower moments, remat) as comments; or why none is written."""
+    """``--write-rules``: the best change's rules file, its other changes as comments; or why
+    none is written."""
     if advice is None:
         return None, "--write-rules writes the change that fits a --budget; none was given"
     if advice.fits:

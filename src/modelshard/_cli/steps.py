@@ -1,6 +1,5 @@
 """``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what another
-tool wrote there: Orbax's own CheckpointManager's complete steps, which the manager restores
-(never removes), and anything else, which it neither restores nor removes."""
+tool wrote there."""
 
 from __future__ import annotations
 
@@ -98,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def what_is_there(e: Any) -> str:
-    """The table's "what is there" of one ``StepEntry``: a leftover's own name when it is
-    not the step number, its parts, those only under a temporary name (unfinished), those
-    missing, other names."""
+    """The table's "what is there" of one ``StepEntry``: its parts, unfinished, missing, other."""
     said = [", ".join(e.has) or "nothing"]
     if e.unfinished:
         said.append(f"unfinished: {', '.join(f'{p} (as {n})' for p, n in e.unfinished)}")
@@ -115,8 +112,7 @@ def what_is_there(e: Any) -> str:
 
 
 def not_a_root(root: Any, given: str) -> None:
-    """Refuse a checkpoint given where a manager root is expected: it has no steps, which
-    an empty listing would not say."""
+    """Refuse a checkpoint given as a manager root (an empty listing would not say why)."""
     from .._base import CheckpointError
     from .._checkpoint import checkpoint_kind
 
@@ -138,9 +134,7 @@ def not_a_root(root: Any, given: str) -> None:
 def parent_of(given: str) -> str:
     """The folder above ``given`` as the user wrote it (a path or a URL)."""
     head, sep, _ = given.rstrip("/").rpartition("/")
-    if not sep:
-        return "."
-    return head or "/"
+    return (head or "/") if sep else "."
 
 
 def is_root(root: Any) -> bool:
