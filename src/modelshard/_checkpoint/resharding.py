@@ -1,14 +1,6 @@
-"""``reshard``: rewrite a checkpoint for another mesh and specs, a slab at a time.
-
-A checkpoint on disk holds global arrays: resharding changes only how each array is
-chunked and the sharding its metadata records. So no array is placed on a device: each
-stored array is read straight from the source's TensorStore store a slab at a time (whole
-stored chunks of the source, or pieces of one larger than the chunk), verified against
-the source's checksum as it streams, optionally cast, and written into the new checkpoint
-by `stream.write_stream`, in chunks that tile both the slabs and its new shards. Host
-memory stays near one chunk, however large a leaf is. Under several processes each
-writes a share of the leaves (see `stream.py`).
-"""
+"""``reshard``: a checkpoint rewritten for another mesh and specs, each stored array copied
+a slab at a time from the source's store through ``stream.write_stream``, verified and
+optionally cast on the way; nothing is placed on a device."""
 
 from __future__ import annotations
 
@@ -22,7 +14,7 @@ from .._place import plan
 from .items import extras_json
 from .listing import manager_step
 from .reader import ArrayReader, check_holdable
-from .record import Record, parse_dtype
+from .record import parse_dtype
 from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree, reader_context
@@ -32,9 +24,7 @@ from .write import check_compression, check_destination, write_atomic
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
-# A chunk's bytes are shared by the slab being read, the one being checksummed and
-# written, and TensorStore's decode and encode buffers. A stored block of the source up
-# to a whole chunk is read whole, on its own (cut, it would be decoded once per piece).
+# a chunk's bytes hold the slab read, the slab written and TensorStore's two buffers
 SLABS_PER_CHUNK = 4
 
 
@@ -118,37 +108,6 @@ def reshard(
         P('data',)
     """
     src, _ = manager_step(src)
-    rewrite(
-        src,
-        dst,
-        specs=specs,
-        mesh=mesh,
-        dtype=dtype,
-        chunk_bytes=chunk_bytes,
-        verify=verify,
-        overwrite=overwrite,
-        drop_items=drop_items,
-        progress=progress,
-        compression=compression,
-    )
-    return location(dst)
-
-
-def rewrite(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    specs: Any = None,
-    mesh: Any,
-    dtype: Any = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    verify: bool = True,
-    overwrite: bool = False,
-    drop_items: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    compression: str | None = None,
-) -> Record:
-    """[`reshard`][modelshard.reshard], returning the record written beside the new checkpoint."""
     check_compression(compression)
     source: Source = locate(src)
     extras = step_extras(source.path)
@@ -214,12 +173,12 @@ def rewrite(
         write_remote(out_path, stream, overwrite=overwrite)
     else:
         write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
-    return stream.record
+    return out_path
 
 
 def step_extras(directory: Any) -> dict[str, list[str]]:
-    """The names of a manager step's items and metrics (``{"items": [...], "metrics":
-    [...]}``, empty lists for a plain checkpoint): what a resharded copy cannot carry."""
+    """A manager step's item and metric names (``{"items": [...], "metrics": [...]}``): what
+    a resharded copy cannot carry."""
     extras = extras_json(directory)
     return {k: list(extras.get(k) or {}) for k in ("items", "metrics")}
 
