@@ -1,26 +1,16 @@
-"""``restore(..., mapping=...)``: an Orbax checkpoint of another layout, read through a
-weight mapping (``modelshard._weights``).
+"""``restore(mapping=)``: a checkpoint of another layout read through a weight mapping
+(``modelshard._weights``), planned by ``plan`` (default: each saved spec carried through its
+recipe), and an export's one-leaf-at-a-time reads (``host_leaves``).
 
-The checkpoint's leaves are the stored tensors (named by their canonical paths,
-``params/layers/mlp/kernel``; typed PRNG keys by their logical shape and key dtype); the
-mapping resolves them against the target's leaves with every problem reported at once.
-The target is planned by the one pipeline ([`modelshard.plan`][modelshard.plan]): with
-``specs``, or by default each leaf's saved spec carried through its recipe (a transposed
-kernel keeps its sharding, permuted; one layer of a scanned stack keeps its other axes').
-
-Every stored leaf is read by Orbax straight into a sharding on the target's mesh:
-
-- a target leaf that is one stored leaf renamed (perhaps cast) in its planned sharding;
-- any other recipe's stored leaves in the sharding its devices' blocks need
-  (``recipe.needed_specs``: a transposed kernel's stored tensor sharded the permuted
-  way, a scanned stack sharded like one layer along the other axes), one stored leaf at a
-  time, dropped once no later leaf reads it; each device then computes its block of the
-  target from the shards on that device, with no gather and no resharding. Axes a step
-  cannot follow (a reshape, the cut axis of a slice) are read unsplit.
+A target leaf that is one stored leaf renamed (maybe cast) is read straight into its
+sharding. Any other recipe's stored leaves are read onto the target's mesh in the specs its
+blocks need (``recipe.needed_specs``), one at a time, dropped once no later leaf reads them;
+each device then computes its block from the shards it holds, with no gather.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -61,24 +51,15 @@ def _direct(node: Node) -> tuple[str, Any] | None:
 
 
 def carried_specs(res: Any, recs: dict[str, LeafRecord]) -> Callable[[str, Any], PartitionSpec]:
-    """The default layout of a mapped restore: each target leaf's saved spec carried
-    through its recipe (``recipe.carried_spec``), replicated where none carries."""
+    """Each target leaf's saved spec carried through its recipe, else replicated."""
     saved = {k: None if r.spec is None else tuple(r.spec) for k, r in recs.items()}
-    specs: dict[str, PartitionSpec] = {}
-    for path, node in res.recipes.items():
-        s = carried_spec(node, saved.__getitem__)
-        if s is not None:
-            specs[path] = PartitionSpec(*s)
-
-    def spec(path: str, leaf: Any) -> PartitionSpec:
-        return specs.get(path) or PartitionSpec()
-
-    return spec
+    carried = {p: carried_spec(node, saved.__getitem__) for p, node in res.recipes.items()}
+    return lambda path, leaf: PartitionSpec(*(carried.get(path) or ()))
 
 
 def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray | None:
-    """The block ``index`` of ``x`` from its shard on ``device`` (or any addressable shard)
-    holding all of it, as a host view; None if no one shard holds it."""
+    """The block ``index`` of ``x`` as a host view of one shard holding it (``device``'s
+    first), or None."""
     shards = sorted(x.addressable_shards, key=lambda s: s.device != device)
     for sh in shards:
         inner = []
@@ -93,8 +74,8 @@ def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray
 
 
 def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -> jax.Array:
-    """A leaf from its recipe over stored arrays already on the mesh: each device's block
-    computed from the stored shards on that device, put on it, and assembled."""
+    """A leaf from its recipe over stored arrays on the mesh, each device's block computed
+    from the shards on that device."""
     gathered: dict[str, np.ndarray] = {}
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(node.shape).items():
@@ -135,8 +116,7 @@ def restore_mapped(
     try:
         like, flat, res = _resolved(wm, source, like, dtype)
     except MappingError as first:
-        # rules written for Orbax's own names of a plain Orbax checkpoint's boxes
-        # (``kernel/value``) still resolve, against the stored keys
+        # rules for Orbax's own names of its boxes (``kernel/value``) resolve against its keys
         view = stored_view(source)
         if view is source:
             raise
@@ -150,10 +130,7 @@ def restore_mapped(
         specs = carried_specs(res, recs)
     shardings = leaf_shardings(like, flat, specs, mesh)
     by_path = dict(zip(flat.paths, shardings, strict=True))
-    uses: dict[str, int] = {}
-    for node in res.recipes.values():
-        for k in node.reads():
-            uses[k] = uses.get(k, 0) + 1
+    uses = collections.Counter(k for node in res.recipes.values() for k in node.reads())
     check_holdable(source, list(uses))
 
     def read(targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
@@ -162,18 +139,14 @@ def restore_mapped(
             verify_checksums(source, got)
         return got
 
-    direct: dict[str, tuple[str, Any]] = {}
-    for path, node in res.recipes.items():
-        d = _direct(node)
-        if d is not None and uses[d[0]] == 1:
-            direct[path] = d
-    targets_direct = {}
-    for path, (key, _) in direct.items():
-        targets_direct[key] = stored_struct(recs[key], recs[key].stored_sharding(by_path[path]))
-    values = read(targets_direct) if targets_direct else {}
+    direct = {p: d for p, n in res.recipes.items() if (d := _direct(n)) and uses[d[0]] == 1}
+    targets = {
+        k: stored_struct(recs[k], recs[k].stored_sharding(by_path[p]))
+        for p, (k, _) in direct.items()
+    }
+    values = read(targets) if targets else {}
 
-    # The other leaves, in the order of the first stored leaf each reads, so every stored
-    # leaf is read once and dropped as soon as no later leaf needs it.
+    # the others in the order of the first stored leaf each reads: each read once, then dropped
     rank = {k: i for i, k in enumerate(recs)}
     rest = sorted(
         (p for p in res.recipes if p not in direct),
@@ -218,7 +191,7 @@ def _executed(
     node: Node, sharding: Any, recs: dict[str, LeafRecord]
 ) -> tuple[Node, Any, LeafRecord | None]:
     """``(recipe over the stored arrays, its sharding, the record of a key it reads)``: a
-    typed key leaf is computed on its key data and decoded (wrapped) after."""
+    typed key leaf is computed on its key data, then wrapped."""
     rec = recs[node.reads()[0]]
     if rec.key_impl is None:
         return node, sharding, None
@@ -233,8 +206,8 @@ def _read_stored(
     wanted: list[Spec] | None,
     sharding: Any,
 ) -> jax.Array:
-    """One stored leaf read by Orbax onto the target's mesh, in the spec every leaf reading
-    it needs (replicated where they disagree), decoded (key data left to the recipe)."""
+    """One stored leaf read onto the target's mesh in the spec its readers need (replicated
+    where they disagree), decoded (key data left to the recipe)."""
     if isinstance(sharding, NamedSharding):
         specs = set(wanted or [])
         spec = PartitionSpec(*specs.pop()) if len(specs) == 1 else PartitionSpec()
@@ -249,17 +222,14 @@ def host_leaves(
     source: Source, *, verify: bool = True
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
     """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
-    ``load(path)``: that one leaf read to this host straight from its TensorStore store
-    (``reader.ArrayReader``: no device, no Orbax restore), its checksum verified. An
-    export (``modelshard convert --to safetensors``) holds one leaf at a time this way,
-    never the whole state."""
+    ``load(path)``: that one leaf read to this host (``ArrayReader``), verified; an export
+    holds one leaf at a time so."""
     recs = source.record.by_path()
     table = {p: (r.shape, logical_dtype(r)) for p, r in recs.items() if r.key_impl is None}
 
     def load(path: str) -> np.ndarray:
         rec = recs[path]
-        # a context of its own per leaf: a shared one keeps what it cached of every leaf
-        # read so far (export's peak memory: docs/benchmarks/weights.md)
+        # a context of its own: a shared one keeps its cache of every leaf read so far
         reader = ArrayReader(source, rec)
         bits = np.asarray(reader(tuple(slice(0, d) for d in rec.stored_shape)))
         if verify and rec.checksum is not None:

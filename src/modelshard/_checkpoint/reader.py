@@ -1,23 +1,11 @@
-"""Every stored array of a checkpoint read one way: straight from its TensorStore store.
+"""Every stored array of a checkpoint read one way: straight from its TensorStore store, with
+the spec and context Orbax would use (``sources.array_spec``).
 
-Orbax's read path opens each stored array with a TensorStore spec and reads it; so does
-this module, for every read of a checkpoint (``restore``, ``restore(mapping=)``, a manager's
-restore, ``reshard``, an export), with the spec and context Orbax would use: built by
-``ocdbt.py`` for zarr v2 in OCDBT, on a local disk or object storage (``gs://``, ``s3://``:
-``urls.kvstore``), Orbax not imported (about 0.2 s of a fresh process); by Orbax's
-``ArrayReadSpec`` for the other layouts plain Orbax writes (outside OCDBT, zarr v3).
-
-- ``read_arrays``: arrays placed in their shardings. Each distinct shard this process holds
-  is read once into a buffer aligned for the host (``aligned_empty``: a CPU device adopts
-  it as its buffer) and placed by one ``device_put``; reads start first come, first served
-  while the bytes of buffers in flight stay under ``RESTORE_CONCURRENT_BYTES`` (an array
-  under the cap reserved whole, its reads run together, so a chunk several of them touch
-  is decoded once); each array is handed to ``on_read`` as soon as its reads are in.
-- ``ArrayReader``: boxes of one stored array as NumPy arrays, nothing placed on a device
-  (what ``reshard`` copies from and an export reads).
-
-A failure is turned into the error a user reads by ``read_failure`` / ``unreadable``:
-TensorStore's status, the damaged file named.
+- ``read_arrays``: arrays placed in their shardings, each distinct shard read once into a
+  host buffer a CPU device adopts, under ``RESTORE_CONCURRENT_BYTES`` in flight, each
+  array handed to ``on_read`` as soon as it is in.
+- ``ArrayReader``: boxes of one stored array on the host (``reshard``, an export).
+- ``read_checked``: a failure said with the leaves and the file at fault (``unreadable``).
 """
 
 from __future__ import annotations
@@ -37,9 +25,8 @@ from .record import LeafRecord
 from .sources import Source, array_spec, reader_context
 from .storage import TREE_METADATA, orbax_name
 
-# Bytes of read buffers a restore holds at once beyond the restored arrays (each buffer is
-# placed on its devices, then freed): two 16 MiB arrays' reads, so one array's reads overlap
-# the next one's opening. A read larger than this runs alone.
+# Read buffers held at once beyond the restored arrays: two 16 MiB arrays' reads, so one
+# array's reads overlap the next one's opening. A larger read runs alone.
 RESTORE_CONCURRENT_BYTES = 32 << 20
 
 # XLA's CPU client adopts a host buffer aligned so as its device buffer instead of copying it
@@ -60,8 +47,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def start_read(view: Any) -> tuple[Any, Any]:
-    """Start reading ``view`` (an open TensorStore, indexed) into a new ``aligned_empty``
-    array: the array, and TensorStore's future of the read."""
+    """Start reading ``view`` (an indexed TensorStore) into a new ``aligned_empty`` array:
+    the array, and the read's future."""
     import tensorstore as ts
 
     buf = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
@@ -69,8 +56,7 @@ def start_read(view: Any) -> tuple[Any, Any]:
 
 
 def shard_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
-    """Each distinct shard of this process of an array of ``shape`` laid out by
-    ``sharding``, with the devices that hold it."""
+    """Each distinct shard this process holds of an array of ``shape``, with its devices."""
     groups: dict[Box, list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         whole = index or (slice(None),) * len(shape)
@@ -80,9 +66,8 @@ def shard_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
 
 
 def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding: Any) -> list[Any]:
-    """Host buffers, each placed on its devices by one ``device_put`` (the first device
-    adopts the buffer on CPU; each further one gets its own copy, so that no two device
-    buffers share memory): the single-device arrays, buffer by buffer."""
+    """Host buffers placed on their devices by one ``device_put``: the first device adopts
+    the buffer on CPU, each other gets a copy (no two device buffers share memory)."""
     import jax
 
     hosts, targets = [], []
@@ -137,25 +122,21 @@ def read_arrays(
     targets: Mapping[str, Any],
     on_read: Callable[[str, Any], None] | None = None,
 ) -> dict[str, Any]:
-    """Each of ``targets`` (path -> ``ShapeDtypeStruct`` of the stored shape and dtype,
-    sharded) read from ``source`` into its sharding, ``on_read(path, array)`` called with
-    each as soon as its reads are in (in the order they started, on this thread).
-
-    TensorStore's errors (a missing or damaged chunk) are raised as they are."""
+    """Each of ``targets`` (path -> sharded ``ShapeDtypeStruct`` of the stored array) read
+    into its sharding, ``on_read(path, array)`` called on this thread as each is in;
+    TensorStore's errors are raised as they are."""
     import jax
 
     recs = source.record.by_path()
     out = {p: empty(t) for p, t in targets.items() if is_empty(t.shape)}
     paths = [p for p in targets if p not in out]
     stores = open_arrays(source, [recs[p] for p in paths], reader_context(source))
-    # units of reservation, in order: a whole array whose reads fit under the cap, else
-    # each of its shards
+    # units of reservation: a whole array whose reads fit under the cap (its reads run
+    # together, so a chunk they share is decoded once), else each of its shards
     units: list[tuple[_Array, list[int], int]] = []
     for p, store in zip(paths, stores, strict=True):
-        t = targets[p]
-        groups = shard_boxes(t.sharding, tuple(t.shape))
-        a = _Array(p, t, store, list(groups), list(groups.values()), len(groups))
-        sizes = [math.prod(hi - lo for lo, hi in b) * t.dtype.itemsize for b in a.boxes]
+        a = _Array(p, targets[p], store)
+        sizes = [math.prod(hi - lo for lo, hi in b) * a.target.dtype.itemsize for b in a.boxes]
         if 0 < sum(sizes) < RESTORE_CONCURRENT_BYTES:
             units.append((a, list(range(len(a.boxes))), sum(sizes)))
         else:
@@ -198,28 +179,18 @@ def read_arrays(
 class _Array:
     """One array being read: its open store, its shards and what is placed so far."""
 
-    def __init__(
-        self, path: str, target: Any, store: Any, boxes: list[Box], devices: list[Any], n: int
-    ):
+    def __init__(self, path: str, target: Any, store: Any):
         self.path, self.target, self.store = path, target, store
-        self.boxes, self.devices, self.left = boxes, devices, n
-        self.placed: list[list[Any]] = [[] for _ in boxes]
+        groups = shard_boxes(target.sharding, tuple(target.shape))
+        self.boxes, self.devices, self.left = list(groups), list(groups.values()), len(groups)
+        self.placed: list[list[Any]] = [[] for _ in groups]
 
 
 class ArrayReader:
-    """Reads boxes of one stored array (``read_arrays``' spec and checks), as NumPy arrays
-    of the stored dtype: nothing is placed on a device. ``reader(box)`` takes a tuple of
-    ``slice(start, stop)`` and returns a new ``aligned_empty`` array (``codec.empty`` for a
-    zero-size leaf); a failure is a CheckpointError naming the leaf. Not verified: compare
-    the boxes' checksums (``checksum.box_sums``) with ``rec.checksum``, as ``write_stream``
-    does with ``expect``.
-
-    Args:
-        source: the located checkpoint.
-        rec: the leaf's record in ``source.record``.
-        context: a TensorStore context shared by the readers of one checkpoint
-            (``reader_context``), or None for one of its own.
-    """
+    """``reader(box)``: the box (``slice(start, stop)`` per dimension) of the stored array of
+    ``rec`` as a new host array, nothing placed on a device; a failure is a CheckpointError
+    naming the leaf. Unverified: the caller compares ``checksum.box_sums``. ``context``: one
+    shared by a checkpoint's readers (``reader_context``), or None for its own."""
 
     def __init__(self, source: Source, rec: LeafRecord, context: Any = None):
         self.source, self.rec = source, rec
@@ -286,9 +257,8 @@ def read_failure(e: BaseException, tree_dir: Path | None = None) -> str:
 
 
 def unreadable(where: Any, failures: Sequence[tuple[str, str]], alone: str = "") -> CheckpointError:
-    """The error of a checkpoint ``where`` whose leaves could not be read: one entry per
-    distinct failure (``failures``: ``(path, read_failure(...))``; none: ``alone``, a
-    failure no single leaf's read showed), and what to do."""
+    """The error for the leaves of ``where`` that could not be read (``failures``: ``(path,
+    read_failure(...))``; none: ``alone``, a failure no one leaf's read showed)."""
     n = len(failures)
     what = f"{n} lea{'ves' if n != 1 else 'f'}" if n else "the checkpoint"
     lines = _grouped(failures) if n else [f"  {alone}"]
@@ -301,11 +271,8 @@ def unreadable(where: Any, failures: Sequence[tuple[str, str]], alone: str = "")
 
 
 def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
-    """One entry per distinct failure, naming the leaves that failed so: a damaged file
-    shared by many leaves (OCDBT keeps several arrays' data in one file) is one entry, not
-    the same text once per leaf. Failures that name the same file with the same kind of
-    error are one failure (their texts may differ by the array or byte range read): the
-    first one's text is shown."""
+    """One line per distinct failure naming its leaves: the same kind of error in the same
+    file (OCDBT shares files between arrays) is one failure, shown by its first text."""
     groups: dict[str, tuple[str, list[str]]] = {}
     for path, text in failures:
         head, _, file = text.partition("\n    file: ")
