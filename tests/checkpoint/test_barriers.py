@@ -69,10 +69,10 @@ def test_one_process_keeps_orbaxs_handlers_and_checkpointers_as_they_are(tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
-def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path):
-    """Process 1 is stuck before its save: process 0 waits at Orbax's first barrier for
-    ``MODELSHARD_BARRIER_TIMEOUT`` (not Orbax's own 300 s) and raises modelshard's
-    ``DistributedError``, naming the barrier and the variable."""
+def test_a_background_step_waits_the_barrier_timeout_and_names_its_wait(tmp_path):
+    """Process 1 is stuck before its step: process 0's background step waits for it for
+    ``MODELSHARD_BARRIER_TIMEOUT`` and ``wait_until_finished`` raises modelshard's
+    ``DistributedError``, naming the wait and the variable."""
     env = {"MODELSHARD_BARRIER_TIMEOUT": "6", "MODELSHARD_HEARTBEAT_TIMEOUT": "5"}
     root = tmp_path / "run"
     # process 0 exits right after its result, which the runtime then tells process 1
@@ -85,9 +85,9 @@ def test_orbax_barriers_of_a_save_wait_the_barrier_timeout_and_name_it(tmp_path)
     assert result["raised"] is not None, said
     assert result["raised"]["type"] == "DistributedError", result
     message = result["raised"]["message"]
-    key = "modelshard_Checkpointer:save_start"
+    key = "modelshard:manager:step:arrays"
     assert message.startswith(
-        f"process 0 of 2: Orbax barrier {key!r} failed after waiting up to 6 s for the other "
+        f"process 0 of 2: gather {key!r} failed after waiting up to 6 s for the other "
         "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
     ), message
     assert message.endswith(
@@ -123,9 +123,10 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "system (injected)",
         "s3": f"writing {s3_root}/arrays/state failed on process 1: {full}",
         "manager": f"step 0 was not saved to {root / 'manager'}: CheckpointError: writing "
-        f"failed on process 1: {full}",
+        f"{root / 'manager' / '0.orbax-checkpoint-tmp' / 'state'} failed on process 1: {full}",
         "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
-        f"writing failed on process 1: {full}. Steps on disk: none.",
+        f"writing {root / 'background' / '0.orbax-checkpoint-tmp' / 'state'} failed on "
+        f"process 1: {full}. Steps on disk: none.",
     }
     for r in results:
         for case, message in want.items():

@@ -77,7 +77,6 @@ CHILD = textwrap.dedent(
     import os, sys, threading, time
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp
-    import orbax.checkpoint as ocp
     import modelshard as ms
     from modelshard._checkpoint import shards
 
@@ -90,14 +89,13 @@ CHILD = textwrap.dedent(
     mngr.wait_until_finished()
     lock, stalled = threading.Lock(), []
 
-    def stall(self, directory):
+    def stall(directory, *args):
         with lock:
             stalled.append(directory)
             print(f"STALLED {len(stalled)}", flush=True)
         time.sleep(300)
 
-    ocp.PyTreeCheckpointHandler.finalize = stall  # the manager's step
-    shards._finalize = lambda *args: stall(None, args[0])  # ms.save's
+    shards._finalize = stall  # the arrays of the manager's step and of ms.save
     mngr.save(2, v2)
     ms.save(f"{root}/ckpt", v2, overwrite=True)
     print("NOT STALLED", flush=True)
@@ -244,17 +242,17 @@ def test_save_interval_is_arithmetic_and_should_save_agrees(tmp_path):
 
 @pytest.mark.parametrize("keep", [1, 2])
 def test_failed_async_save_keeps_the_steps_on_disk(tmp_path, monkeypatch, keep):
-    import orbax.checkpoint as ocp
+    from modelshard._checkpoint import shards
 
     with ms.CheckpointManager(tmp_path, max_to_keep=keep) as mngr:
         mngr.save(0, _w(0))
         mngr.save(1, _w(1))
         mngr.wait_until_finished()
 
-        def full(self, directory):
+        def full(directory, arrays, start_ns):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "finalize", full)
+        monkeypatch.setattr(shards, "_finalize", full)  # the step's arrays, finished
         mngr.save(2, _w(2))
         with pytest.raises(ms.CheckpointError) as e:
             mngr.wait_until_finished()

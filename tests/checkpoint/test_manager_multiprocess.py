@@ -198,8 +198,8 @@ def test_a_save_failing_on_one_process_fails_on_every_process(tmp_path):
 
 def test_a_background_step_failing_on_one_process_raises_on_every_process_at_once(tmp_path):
     """An asynchronous manager's step 1 fails on one process after ``save`` returned: its
-    arrays on a full disk (process 1), or the commit (process 0, the merge of the
-    processes' OCDBT databases). Every process raises the same error from
+    arrays on a full disk (process 1), or the finish of the arrays (process 0, the merge of
+    the processes' OCDBT databases). Every process raises the same error from
     ``wait_until_finished`` within seconds (the barrier timeout is 120 s), naming the
     process and its cause; step 0 stays the latest step, bit-exact, and step 1 saves next."""
     root, out = tmp_path / "run", tmp_path
@@ -215,15 +215,17 @@ def test_a_background_step_failing_on_one_process_raises_on_every_process_at_onc
         message = raised[0]["message"]
         if case == "disk":  # TensorStore's own text names the file it could not write
             assert message.startswith(
-                f"step 1 was not saved to {root / case}: CheckpointError: writing failed on "
-                "process 1: ValueError: OUT_OF_RANGE: Error writing "
+                f"step 1 was not saved to {root / case}: CheckpointError: writing "
+                f"{root / case / '1.orbax-checkpoint-tmp' / 'state'} failed on process 1: "
+                "ValueError: OUT_OF_RANGE: Error writing "
             ), message
             assert "ocdbt.process_1" in message and "File too large" in message, message
             assert message.endswith(". Steps on disk: 0."), message
         else:
             assert message == (
-                f"step 1 was not saved to {root / case}: CheckpointError: committing failed "
-                "on process 0: OSError: No space left on device (injected). Steps on disk: 0."
+                f"step 1 was not saved to {root / case}: CheckpointError: writing step 1 "
+                "failed on process 0: OSError: No space left on device (injected). Steps on "
+                "disk: 0."
             ), message
         for r in results:
             assert r[f"{case} started"] is True, r  # it failed in the background

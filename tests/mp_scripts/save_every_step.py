@@ -7,8 +7,8 @@ restored and compared with the expected values; ``OUT/result_<process>.json`` sa
 each process saw. With ``--kill-at K`` process P (default 1) writes ``OUT/killed`` and SIGKILLs
 itself right after ``save(K, ...)`` returns (its step K is then being written in the
 background); the other process carries on and must fail with an error instead of hanging.
-With ``--fail-after K`` process 1's Orbax reports a failure (an injected ``OSError``) when
-its part of step K has been written; both processes must raise the same error from the next
+With ``--fail-after K`` process 1's step writer reports a failure (an injected ``OSError``)
+when its part of step K has been written; both processes must raise the same error from the next
 ``save``, which they record in their result (and stop there).
 """
 
@@ -54,19 +54,17 @@ def main() -> None:
     state = ms.shard(initial(), SPECS, mesh)
     add_one = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s))
     mngr = ms.CheckpointManager(args.root, max_to_keep=3)
-    failing: list[bool] = []
     if args.fail_after is not None and me == 1:
-        import orbax.checkpoint as ocp
+        from modelshard._checkpoint import manager
 
-        real_wait = ocp.AsyncCheckpointer.wait_until_finished
+        real_write = manager.write_step
 
-        def wait(self):
-            real_wait(self)
-            if failing:  # once
-                failing.clear()
+        def write(root, step, *rest, **kwargs):
+            real_write(root, step, *rest, **kwargs)
+            if step == args.fail_after:  # once its part is written, on this process alone
                 raise OSError("disk quota exceeded (injected)")
 
-        ocp.AsyncCheckpointer.wait_until_finished = wait
+        manager.write_step = write
     t0 = time.monotonic()
     error = None
     for step in range(args.steps):
@@ -77,8 +75,6 @@ def main() -> None:
             error = str(e)
             break
         print(f"saved {step}", flush=True)
-        if step == args.fail_after and me == 1:
-            failing.append(True)
         if args.kill_at == step and me == args.victim:
             with open(os.path.join(args.out, "killed"), "w") as f:
                 f.write(str(time.time()))

@@ -1,6 +1,7 @@
 """``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
 
-Orbax writes each step (``step_writer``); what a step is, rotation, removal and another
+Each step is written by ``step_writer`` (an asynchronous one on the manager's own thread,
+from a copy of the arrays); what a step is, rotation, removal and another
 tool's entries are the manager's own (``listing``, ``policy``, ``removal``), read from
 storage every time; exits and preemption live in ``guard``. Under several processes every
 decision that depends on storage is made by process 0 and broadcast, and every wait is a
@@ -12,6 +13,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .._base import CheckpointError, DistributedError, ForeignStepError
@@ -31,21 +33,24 @@ from .listing import (
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
-from .step_writer import json_or_error, step_args, step_checkpointer
+from .shards import take
+from .step_writer import held_sums, json_or_error, json_parts, write_step
 from .storage import (
     CHECKPOINT_METADATA,
     ITEMS_FILE,
     ITEMS_ITEM,
     LOCK,
-    MARKER,
     METRICS_FILE,
     METRICS_ITEM,
     RECORD_FILE,
     RECORD_ITEM,
-    nest,
 )
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
+
+_BACKGROUND = "modelshard:manager:step"
+"""The name every wait of a background step is made under: the main thread's waits of
+the same moment (a restore's) have names of their own, so the two never pair up."""
 
 
 class CheckpointManager:
@@ -53,7 +58,7 @@ class CheckpointManager:
 
     Each step directory holds the sharded state (a plain Orbax PyTree checkpoint that
     [`modelshard.restore`][modelshard.restore] reads), modelshard's record, and optionally named
-    ``items`` and ``metrics``, all written as one Orbax step: a step appears complete or
+    ``items`` and ``metrics``, all written as one step (in Orbax's layout): a step appears complete or
     not at all. Pending asynchronous saves are finished when the program ends, when an
     exception leaves a ``with`` block, and on SIGTERM/SIGINT; a save that cannot be
     finished is reported with its step and the exit status is non-zero.
@@ -144,7 +149,7 @@ class CheckpointManager:
             best_mode=best_mode,
             keep_steps=as_steps(keep_steps),
         )
-        check_compression(compression)
+        self._compress = check_compression(compression)
         self.compression = compression
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
@@ -159,7 +164,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"cannot create or reach {self.directory}: {type(e).__name__}: {e}"
                 ) from e
-        self._ckptr: Any = None
+        self._writer: ThreadPoolExecutor | None = None  # one background step at a time
+        self._job: Future[None] | None = None
         self._pending: int | None = None
         self._polled = False
         self._last_saved: int | None = None
@@ -408,9 +414,9 @@ class CheckpointManager:
             return False
         if metadata is not None:
             json_or_error("metadata", dict(metadata))
-        # Checks the state and starts its checksums (on the host workers), which run while
-        # the previous step's write is waited for; nothing is written yet.
-        arrays, record = prepare(state, metadata)
+        # Checks the state (nothing is written yet); a synchronous save starts its checksums,
+        # which run while the previous step's write is waited for.
+        arrays, record = prepare(state, metadata, sums=not self.async_save)
         self.wait_until_finished()  # one save at a time; rotation of the finished one
         self._save_verdict(step)
         encoded = encode_items(items)
@@ -420,29 +426,49 @@ class CheckpointManager:
             json_or_error("metrics", dict(metrics))
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
-        record.resolve()  # collectives over arrays spanning processes: every process
-        args = step_args(nest(arrays, "save"), record.to_json(), items, encoded, metrics)
+        parts = json_parts(items, encoded, metrics)
         if metrics is not None:
             self._metrics[step] = dict(metrics)
-        if self._ckptr is None:
-            self._ckptr = step_checkpointer(self.directory, self.compression, self.async_save)
-        ckptr = self._ckptr
+        if self.async_save:
+            # the one wait of the loop: its arrays copied off their devices; the checksums
+            # sum that copy, the step is written from it, on the manager's thread
+            held = take(arrays, copy=True)
+            record.pending = held_sums(record, held, _BACKGROUND)
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="modelshard-manager")
+            self._job = self._writer.submit(
+                write_step,
+                self.directory,
+                step,
+                held,
+                record,
+                parts,
+                compress=self._compress,
+                name=_BACKGROUND,
+            )
+            self._last_saved = self._pending = step
+            guard.pending_changed()
+            if stopping:
+                self.wait_until_finished()
+            return True
         try:
-            ckptr.save(self.step_directory(step), args=args, custom_metadata=MARKER)
+            write_step(
+                self.directory,
+                step,
+                take(arrays, copy=False),
+                record,
+                parts,
+                compress=self._compress,
+                name="modelshard:manager:step_sync",
+            )
         except DistributedError:
-            raise  # a process did not come to one of Orbax's barriers: its own error
+            raise  # a process did not come to one of the step's waits: its own error
         except Exception as e:
             raise CheckpointError(
                 f"step {step} was not saved to {self.directory}: {type(e).__name__}: {e}"
             ) from e
         self._last_saved = step
-        if self.async_save:
-            self._pending = step
-            guard.pending_changed()
-            if stopping:
-                self.wait_until_finished()
-        else:
-            self._rotate()
+        self._rotate()
         return True
 
     def delete(self, step: int) -> None:
@@ -651,9 +677,10 @@ class CheckpointManager:
             return
         guard.pending_changed()
         failure: BaseException | None = None
-        if self._ckptr is not None:
+        job, self._job = self._job, None
+        if job is not None:
             try:
-                self._ckptr.wait_until_finished()
+                job.result()
             except Exception as e:
                 failure = e
         if isinstance(failure, DistributedError):
@@ -663,7 +690,7 @@ class CheckpointManager:
         failed = [(p, h) for p, h in enumerate(ended) if h is not None]
         if failed:
             steps = self._agreed_steps()  # every process raises the same text
-            # one failure every process raised (carrying_failures) names its process itself
+            # one failure every process raised (the step's shared failure) names its process
             same = len(failed) == len(ended) and len({h for _, h in failed}) == 1
             where = "" if same else f"process {failed[0][0]}: "
             raise CheckpointError(
@@ -674,7 +701,7 @@ class CheckpointManager:
         self._rotate()
 
     def close(self) -> None:
-        """Wait for pending saves and release Orbax's resources."""
+        """Wait for pending saves and stop the manager's background thread."""
         if self._closed:
             return
         try:
@@ -682,8 +709,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             guard.unwatch(self)
-            if self._ckptr is not None:
-                self._ckptr.close()
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
             self._release_lock()
 
     def __enter__(self) -> CheckpointManager:

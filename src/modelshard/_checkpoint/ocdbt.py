@@ -276,9 +276,12 @@ def write_array_list(directory: Any, process: int, arrays: Iterable[tuple[str, A
     (directory / ARRAY_METADATAS / f"process_{process}").write_text(listed)
 
 
-def checkpoint_metadata(handler: str, start_ns: int, custom: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_metadata(
+    handler: str | dict[str, str], start_ns: int, custom: dict[str, Any]
+) -> dict[str, Any]:
     """Orbax's ``_CHECKPOINT_METADATA`` of a checkpoint written by ``handler`` (the dotted
-    name of an Orbax handler class) from ``start_ns`` to now, with ``custom`` metadata."""
+    name of an Orbax handler class, or of each item's by item name) from ``start_ns`` to
+    now, with ``custom`` metadata."""
     return {
         "item_handlers": handler,
         "metrics": {},

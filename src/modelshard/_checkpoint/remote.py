@@ -92,8 +92,10 @@ def write_remote(path: Any, write: Any, record: Record, *, overwrite: bool) -> N
     prepare_remote(path, overwrite=overwrite)
     failure: Exception | None = None
     try:
-        write(path / STATE_ITEM)
-        record.resolve()  # collectives over arrays spanning processes: every process
+        try:
+            write(path / STATE_ITEM)
+        finally:
+            record.resolve()  # collectives over arrays spanning processes: every process
     except Exception as e:
         if jax.process_count() == 1:
             raise

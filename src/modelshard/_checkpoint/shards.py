@@ -133,12 +133,15 @@ def _write_blocks(directory: Any, process: int, held: Sequence[Held], compress: 
         sync_tree(str(directory / f"ocdbt.process_{process}"))
 
 
-def write_held(directory: Any, held: Sequence[Held], *, compress: bool) -> None:
+def write_held(
+    directory: Any, held: Sequence[Held], *, compress: bool, name: str = "modelshard:save"
+) -> None:
     """Write ``held`` (every process its own blocks) into ``directory`` as Orbax's PyTree
     checkpoint marked as modelshard's (``finish_tree``); the record is left to the caller.
 
-    Under several processes, each one's part ending is told to the others before the
-    metadata is written: every process raises one error at once where any part failed."""
+    Under several processes, each one's part ending is told to the others (an exchange
+    under ``name``) before the metadata is written: every process raises one error at
+    once where any part failed."""
     start_ns = time.time_ns()
     process, count = jax.process_index(), jax.process_count()
     failure: Exception | None = None
@@ -150,7 +153,7 @@ def write_held(directory: Any, held: Sequence[Held], *, compress: bool) -> None:
         if count == 1:
             raise
         failure = e
-    raise_shared(failure, "modelshard:save:arrays", f"writing {directory}")
+    raise_shared(failure, f"{name}:arrays", f"writing {directory}")
     finish_tree(directory, [(h.key, h.chunk, h.sharding) for h in held], start_ns)
 
 

@@ -1,95 +1,188 @@
-"""The Orbax checkpointer a [`CheckpointManager`][modelshard.CheckpointManager] writes each
-step with, and the check of what a step's JSON parts hold before a byte is written.
+"""One step of a [`CheckpointManager`][modelshard.CheckpointManager], written by every
+process: the arrays through ``shards`` (as ``save`` writes them), then the JSON items and
+the step's metadata, committed last.
 
-A step is one Orbax composite of items: ``state`` (the arrays, through
-``write.save_handler``), ``modelshard`` (the record), ``items`` and ``metrics`` (small
-JSON), and each JSON item again as Orbax's own manager reads it (``step_args``),
-committed together. Under several processes a part failing on one process fails the step
-on every process at once (``barriers``), as ``ms.save`` does.
+A step holds the items ``state`` (the arrays), ``modelshard`` (the record), ``items`` and
+``metrics`` (small JSON), and each JSON item again as Orbax's own manager reads it
+(``items.orbax_json_items``); its ``_CHECKPOINT_METADATA`` names each item's Orbax
+handler, so Orbax's ``CheckpointManager`` reads the step as one of its own. Locally the
+step is written into ``<step>.orbax-checkpoint-tmp`` and renamed into place; on object
+storage in place, committed by its commit file, written last. Under several processes a
+part failing on one process fails the step on every process at once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._base import CheckpointError
-from .barriers import carrying_commit, carrying_failures, sharing_failures
+import jax
+
+from .._base import CheckpointError, fsync_dir, sync_tree
+from .._runtime import gather
+from .barriers import raise_shared
+from .checksum import box_sums, format_sums, host_workers
 from .items import orbax_json_items
+from .ocdbt import checkpoint_metadata
+from .record import Record
+from .shards import Held, write_held
 from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
     ITEMS_FILE,
     ITEMS_ITEM,
+    MARKER,
     METRICS_FILE,
     METRICS_ITEM,
+    ORBAX_TMP,
     RECORD_FILE,
     RECORD_ITEM,
     STATE_ITEM,
 )
-from .urls import atomicity_options
-from .write import coordinated_processes, save_handler
+from .urls import is_remote, reaching
+
+_JSON_FILE = "metadata"
+"""The file Orbax's ``JsonCheckpointHandler`` writes by default in its item folder."""
 
 
-def step_checkpointer(directory: Any, compression: str | None, async_save: bool) -> Any:
-    """Orbax's ``AsyncCheckpointer`` (``async_save``) or ``Checkpointer`` of a manager's
-    steps under ``directory``, its arrays stored with ``compression``."""
-    import orbax.checkpoint as ocp
-
-    atomicity = atomicity_options(directory)
-    processes = coordinated_processes()
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add(STATE_ITEM, ocp.args.PyTreeSave, save_handler(compression))
-    for item, filename in (
-        (RECORD_ITEM, RECORD_FILE),
-        (ITEMS_ITEM, ITEMS_FILE),
-        (METRICS_ITEM, METRICS_FILE),
-    ):
-        registry.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler(filename=filename))
-    # a registry, not fixed items: each JSON item a step mirrors (``orbax_json_items``)
-    # gets Orbax's default JSON handler under its own name as the step is saved
-    handler = ocp.CompositeCheckpointHandler(
-        composite_options=ocp.CompositeOptions(
-            atomicity_options=atomicity, multiprocessing_options=processes
-        ),
-        handler_registry=registry,
-    )
-    # as ms.save's: a part failing on one process fails the step on every process at once,
-    # so they stay in step; in the background, through the barrier Orbax waits at before
-    # its commit (carrying_failures)
-    if async_save:
-        handler = carrying_failures(handler, "modelshard:manager:started", "writing")
-    else:
-        handler = sharing_failures(handler, "modelshard:manager:written", "writing")
-    kind = ocp.AsyncCheckpointer if async_save else ocp.Checkpointer
-    ckptr = kind(handler, atomicity_options=atomicity, multiprocessing_options=processes)
-    if async_save:  # and a commit failing on process 0, through the next one
-        carrying_commit(ckptr)
-    return ckptr
-
-
-def step_args(
-    tree: Any,
-    record: dict[str, Any],
-    items: Mapping[str, Any] | None,
-    encoded: dict[str, Any],
-    metrics: Mapping[str, Any] | None,
-) -> Any:
-    """The ``args.Composite`` of one step: the stored ``tree``, the ``record`` (JSON),
-    the ``encoded`` items (``encode_items(items)``), the ``metrics`` where given, and each
-    JSON item again under its own name, where Orbax's own manager reads it with
-    ``ocp.args.JsonRestore()`` (``orbax_json_items``)."""
-    import orbax.checkpoint as ocp
-
-    args = {
-        STATE_ITEM: ocp.args.PyTreeSave(tree),
-        RECORD_ITEM: ocp.args.JsonSave(record),
-        ITEMS_ITEM: ocp.args.JsonSave(encoded),
-    }
+def json_parts(
+    items: Mapping[str, Any] | None, encoded: dict[str, Any], metrics: Mapping[str, Any] | None
+) -> dict[str, tuple[str, Any]]:
+    """A step's JSON items but the record, ``{item: (file, value)}``: the ``encoded`` items
+    (``encode_items(items)``), the ``metrics`` where given, and each JSON item again under
+    its own name, where Orbax's own manager reads it with ``ocp.args.JsonRestore()``."""
+    parts = {ITEMS_ITEM: (ITEMS_FILE, encoded)}
     for name, value in orbax_json_items(items, encoded).items():
-        args[name] = ocp.args.JsonSave(value)
+        parts[name] = (_JSON_FILE, value)
     if metrics is not None:
-        args[METRICS_ITEM] = ocp.args.JsonSave(dict(metrics))
-    return ocp.args.Composite(**args)
+        parts[METRICS_ITEM] = (METRICS_FILE, dict(metrics))
+    return parts
+
+
+def held_sums(record: Record, held: Sequence[Held], name: str) -> Callable[[], list[str]]:
+    """Start the checksums of ``record``'s leaves from ``held``, this process's copy of its
+    blocks on the host (``host_workers``): a background save sums the copy, never the
+    arrays, which the caller may have donated since. Call the result, on every process in
+    the same order, to collect them: the processes add their sums (a gather under
+    ``name``), as ``checksum.Checksums.collect`` does."""
+    parts = {
+        h.key: [
+            host_workers().submit(box_sums, data, [sl.start for sl in box], h.shape)
+            for box, data in h.blocks
+        ]
+        for h in held
+    }
+
+    def collect() -> list[str]:
+        failure: Exception | None = None
+        sums: list[list[int]] = []
+        try:
+            for leaf in record.leaves:
+                got = [f.result() for f in parts.get(leaf.key, [])]
+                sums.append([sum(g[0] for g in got), sum(g[1] for g in got)])
+        except Exception as e:
+            failure = e
+            for fs in parts.values():
+                for f in fs:
+                    f.cancel()
+        if jax.process_count() > 1:  # every process summed the blocks it holds
+            every = gather(None if failure else sums, f"{name}:checksums")
+            failed = [p for p, theirs in enumerate(every) if theirs is None]
+            if failure is None and failed:
+                raise CheckpointError(f"the checksums of process {failed[0]} failed.")
+            if failure is None:
+                sums = [[sum(t[i][j] for t in every) for j in (0, 1)] for i in range(len(sums))]
+        if failure is not None:
+            raise failure
+        return [format_sums(a, b) for a, b in sums]
+
+    return collect
+
+
+def write_step(
+    root: Any,
+    step: int,
+    held: Sequence[Held],
+    record: Record,
+    parts: Mapping[str, tuple[str, Any]],
+    *,
+    compress: bool,
+    name: str,
+) -> None:
+    """Write step ``step`` under ``root`` (every process, ``held`` its own blocks): the arrays,
+    the record's checksums (``record.resolve()``, a collective), then process 0 the
+    ``record``, the JSON ``parts`` (``json_parts``), the metadata and the commit. Every
+    wait for the other processes is named after ``name`` (a background step's own).
+
+    Raises:
+        CheckpointError: a part failed, on this process or another (every process raises).
+    """
+    start_ns = time.time_ns()
+    alone = jax.process_count() == 1
+    final = root / str(step)
+    remote = is_remote(root)
+    where = final if remote else root / f"{step}{ORBAX_TMP}"
+    failure: Exception | None = None
+    try:
+        write_held(where / STATE_ITEM, held, compress=compress, name=name)
+    except Exception as e:
+        if alone:
+            raise
+        failure = e
+    try:  # collectives over arrays spanning processes: every process, whatever came before
+        record.resolve()
+    except Exception as e:
+        if alone:
+            raise
+        failure = failure or e
+    raise_shared(failure, f"{name}:written", f"writing step {step}")
+    if jax.process_index() == 0:
+        try:
+            with reaching(where):
+                _commit(where, final, record, parts, start_ns)
+        except Exception as e:
+            if alone:
+                raise
+            failure = e
+    raise_shared(failure, f"{name}:end", f"committing step {step}")
+
+
+def _commit(
+    where: Any, final: Any, record: Record, parts: Mapping[str, tuple[str, Any]], start_ns: int
+) -> None:
+    """Process 0: the record and JSON items, each item's commit file, the step's metadata
+    and commit file, then (locally) the rename of ``where`` to ``final``."""
+    done = f"Checkpoint commit was successful to {where}"
+    files = {RECORD_ITEM: (RECORD_FILE, record.dumps())}
+    files.update({item: (file, json.dumps(value)) for item, (file, value) in parts.items()})
+    (where / STATE_ITEM / COMMIT_FILE).write_text(done)
+    for item, (file, text) in files.items():
+        (where / item).mkdir(parents=True, exist_ok=True)
+        (where / item / file).write_text(text)
+        (where / item / COMMIT_FILE).write_text(done)
+    handlers = _handlers([STATE_ITEM, *files])
+    (where / CHECKPOINT_METADATA).write_text(
+        json.dumps(checkpoint_metadata(handlers, start_ns, MARKER))
+    )
+    (where / COMMIT_FILE).write_text(done)
+    if is_remote(where):
+        return
+    sync_tree(where)
+    os.rename(where, final)
+    fsync_dir(final.parent)
+
+
+def _handlers(items: Sequence[str]) -> dict[str, str]:
+    """Each item's Orbax handler by its dotted name, as Orbax's composite records them."""
+    from .._internals import JSON_HANDLER_NAME, PYTREE_HANDLER_NAME
+
+    return {
+        item: PYTREE_HANDLER_NAME if item == STATE_ITEM else JSON_HANDLER_NAME
+        for item in sorted(items)
+    }
 
 
 def json_or_error(what: str, value: Any) -> None:

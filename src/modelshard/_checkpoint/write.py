@@ -153,10 +153,11 @@ def check_leaves(paths: Sequence[str], arrays: Sequence[Any]) -> None:
 
 
 def prepare(
-    state: Any, metadata: Mapping[str, Any] | None = None
+    state: Any, metadata: Mapping[str, Any] | None = None, *, sums: bool = True
 ) -> tuple[list[tuple[tuple[str, ...], Any]], Record]:
     """Split ``state`` into the arrays stored (``(storage key, array)``, none zero-size)
-    and the record beside it.
+    and the record beside it, its checksums started unless ``sums`` is False (the caller
+    then sets ``record.pending``).
 
     Everything that can refuse the state is checked here, before the caller writes a
     byte: the leaves themselves, their storage names and the metadata. Leaves that are
@@ -204,7 +205,7 @@ def prepare(
         )
     # Checksums are summed on the host workers while the data is written; the record
     # resolves them at the end.
-    pending = start_checksums(stored)
+    pending = start_checksums(stored) if sums else None
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
     items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
@@ -355,10 +356,12 @@ def _write_atomic(
             failure = e
     raise_shared(failure, "modelshard:save:start", f"preparing {staging}")
     try:
-        write(staging)
-        # The checksums of arrays spanning processes are collectives: every process takes
-        # them here, before the branch that only process 0 enters.
-        record.resolve()
+        try:
+            write(staging)
+        finally:
+            # The checksums of arrays spanning processes are collectives: every process
+            # takes them here, its write failed or not, before process 0's branch.
+            record.resolve()
         if primary:
             write_durable(staging / RECORD_FILE, record.dumps())
             fsync_dir(staging)

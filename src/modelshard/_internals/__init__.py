@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from .orbax import ArrayWriteSpec as ArrayWriteSpec
     from .orbax import multihost as multihost
     from .orbax import tensorstore_utils as tensorstore_utils
+    from .orbax_text import JSON_HANDLER_NAME as JSON_HANDLER_NAME
+    from .orbax_text import PYTREE_HANDLER_NAME as PYTREE_HANDLER_NAME
     from .orbax_text import STANDARD_HANDLER_NAME as STANDARD_HANDLER_NAME
     from .patches import replace_raw_bytes as replace_raw_bytes
     from .patches import wrap_barrier_sync_fn as wrap_barrier_sync_fn
@@ -37,7 +39,9 @@ _OWNER = {
         ("ArrayMetadataStore", "ArrayReadSpec", "ArrayWriteSpec", "multihost", "tensorstore_utils"),
         "orbax",
     ),
-    "STANDARD_HANDLER_NAME": "orbax_text",
+    **dict.fromkeys(
+        ("JSON_HANDLER_NAME", "PYTREE_HANDLER_NAME", "STANDARD_HANDLER_NAME"), "orbax_text"
+    ),
 }
 
 

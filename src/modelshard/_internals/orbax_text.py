@@ -8,3 +8,13 @@ STANDARD_HANDLER_NAME = (
 )
 """The dotted name of ``ocp.StandardCheckpointHandler`` (its class lives in a private
 module), which Orbax records as an item's handler in ``_CHECKPOINT_METADATA``."""
+
+PYTREE_HANDLER_NAME = (
+    "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+)
+"""The dotted name of ``ocp.PyTreeCheckpointHandler``: a manager step's ``state`` item's
+handler in its ``_CHECKPOINT_METADATA``, so that Orbax's own manager reads the step."""
+
+JSON_HANDLER_NAME = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+"""The dotted name of ``ocp.JsonCheckpointHandler``: each JSON item's handler in a manager
+step's ``_CHECKPOINT_METADATA``."""

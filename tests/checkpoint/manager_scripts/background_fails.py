@@ -9,8 +9,8 @@ step 0 into its own folder of ROOT, then step 1, which fails on one process afte
 - ``disk``: process 1's disk is full: its file size limit (``RLIMIT_FSIZE``, 4 KiB) makes
   TensorStore's write of its arrays fail with ``EFBIG`` ("File too large");
 - ``commit``: process 0's commit fails: the merge of every process's OCDBT database into
-  the step's one index (Orbax's ``PyTreeCheckpointHandler.finalize``, run by process 0
-  alone once every process's arrays are written) raises ``OSError`` (injected).
+  the step's one index (``shards._finalize``, run by process 0 alone once every process's
+  arrays are written) raises ``OSError`` (injected).
 
 Then the failure is undone and both processes save step 1 again. Each process records in
 ``OUT/result_<process>.json``, per case, what ``wait_until_finished`` raised and how many
@@ -36,8 +36,9 @@ ms.distributed.initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from modelshard._checkpoint import shards  # noqa: E402
 
 FAILS_ON = {"disk": 1, "commit": 0}
 
@@ -58,16 +59,16 @@ def failing(case: str, me: int):
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         return
-    real = ocp.PyTreeCheckpointHandler.finalize
+    real = shards._finalize
 
-    def finalize(self, directory):
+    def finalize(*args):
         raise OSError("No space left on device (injected)")
 
-    ocp.PyTreeCheckpointHandler.finalize = finalize
+    shards._finalize = finalize
     try:
         yield
     finally:
-        ocp.PyTreeCheckpointHandler.finalize = real
+        shards._finalize = real
 
 
 def main() -> int:

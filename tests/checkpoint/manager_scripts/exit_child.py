@@ -2,7 +2,7 @@
 
 Usage: exit_child.py ROOT MODE. Each step's state is ``arange(N) + step`` (and an RNG key
 folded with the step), so the parent can check a restored step bit-exactly. The last
-save of most modes is held back (Orbax's finalize sleeps) so that it is still in flight
+save of most modes is held back (the finish of its arrays sleeps) so that it is still in flight
 when the script ends; ``READY`` on stdout says the script reached its ending.
 """
 
@@ -14,9 +14,9 @@ import time
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 
 import modelshard as ms
+from modelshard._checkpoint import shards
 
 root, mode = sys.argv[1], sys.argv[2]
 # As a script started at a terminal: Python's own SIGINT handler. A run started in the
@@ -33,15 +33,15 @@ def state(step):
     }
 
 
-slow = ocp.PyTreeCheckpointHandler.finalize
+slow = shards._finalize  # a step's arrays finished: metadata, merge
 
 
-def slow_finalize(self, directory):
+def slow_finalize(*args):
     time.sleep(1.5)
-    return slow(self, directory)
+    return slow(*args)
 
 
-def failing_finalize(self, directory):
+def failing_finalize(*args):
     raise OSError(28, "No space left on device")
 
 
@@ -64,11 +64,11 @@ for step in range(2):
     mngr.save(step, state(step))
 mngr.wait_until_finished()
 if mode == "fails":
-    ocp.PyTreeCheckpointHandler.finalize = failing_finalize
+    shards._finalize = failing_finalize
 elif mode == "stall":  # the parent SIGKILLs the process while step 2 is written
-    ocp.PyTreeCheckpointHandler.finalize = lambda self, directory: time.sleep(60)
+    shards._finalize = lambda *args: time.sleep(60)
 else:
-    ocp.PyTreeCheckpointHandler.finalize = slow_finalize
+    shards._finalize = slow_finalize
 if mode == "lost":
     # as in an embedding or a REPL: no __main__ module end to finish the save at
     tool = next(t for t in range(6) if sys.monitoring.get_tool(t) == "modelshard-exit-guard")

@@ -13,9 +13,9 @@ sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folde
 - ``manager``: as ``arrays``, in a synchronous ``CheckpointManager``'s save of step 0;
   both processes then save step 1 with it;
 - ``background``: process 1's arrays fail while they are written in the background, in an
-  asynchronous ``CheckpointManager``'s save of step 0 (an injected future that raises
-  ``OSError`` when waited for): ``save`` returns on both, ``wait_until_finished`` raises on
-  both; both processes then save step 1 with it;
+  asynchronous ``CheckpointManager``'s save of step 0 (an injected ``OSError`` after a
+  moment): ``save`` returns on both, ``wait_until_finished`` raises on both; both
+  processes then save step 1 with it;
 - ``after``: nothing injected: the processes are still in step and save.
 
 Each process records in ``OUT/result_<process>.json``, for every case, what it raised
@@ -39,39 +39,17 @@ ms.distributed.initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from modelshard._checkpoint import shards, write  # noqa: E402
 
 
-def injected(what: str, coroutine: bool = False):
+def injected(what: str, delay: float = 0.0):
     def fail(*args, **kwargs):
+        time.sleep(delay)  # in the background: the other process is waiting by now
         raise OSError(f"{what} (injected)")
 
-    async def fail_async(*args, **kwargs):
-        fail()
-
-    return fail_async if coroutine else fail
-
-
-class FailingWrite:
-    """A future of a write that fails: it raises when waited for, on the background thread."""
-
-    def result(self, timeout=None):
-        time.sleep(0.5)  # the other process is at the barrier by now
-        raise OSError("No space left on device (injected)")
-
-    def cancel(self):
-        pass
-
-
-def failing_in_the_background(real):
-    async def async_save(self, *args, **kwargs):
-        futures = await real(self, *args, **kwargs)
-        return [*(futures or []), FailingWrite()]
-
-    return async_save
+    return fail
 
 
 def main() -> int:
@@ -88,28 +66,22 @@ def main() -> int:
     }
     if s3 is not None:
         cases["s3"] = (f"{s3}/arrays", 1, shards, "_write_blocks", "No space left on device")
-    cases["manager"] = (  # a synchronous CheckpointManager's step, process 1's arrays failing
-        f"{root}/manager",
-        1,
-        ocp.PyTreeCheckpointHandler,
-        "async_save",
-        "No space left on device",
-    )
-    cases["background"] = (  # an asynchronous manager's step 0, failing in the background
+    # a synchronous CheckpointManager's step, process 1's arrays failing
+    cases["manager"] = (f"{root}/manager", 1, shards, "_write_blocks", "No space left on device")
+    # an asynchronous manager's step 0, failing in the background
+    cases["background"] = (
         f"{root}/background",
         1,
-        ocp.PyTreeCheckpointHandler,
-        "async_save",
-        None,
+        shards,
+        "_write_blocks",
+        "No space left on device",
     )
     cases["after"] = (f"{root}/after", None, None, None, None)
     results = {}
     for case, (path, who, owner, attr, what) in cases.items():
         real = None if owner is None else getattr(owner, attr)
-        if me == who and what is None:
-            setattr(owner, attr, failing_in_the_background(real))
-        elif me == who:
-            setattr(owner, attr, injected(what, coroutine=attr == "async_save"))
+        if me == who:
+            setattr(owner, attr, injected(what, delay=0.5 if case == "background" else 0.0))
         t0 = time.monotonic()
         try:
             if case == "manager":
