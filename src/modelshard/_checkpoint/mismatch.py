@@ -1,10 +1,9 @@
-"""How a restore's target differs from its checkpoint, said to the user: the rows of a
-path-first diff (missing, extra, changed), the error with the hint that fits (a subtree, a
-cast, a pasteable mapping for renamed leaves, ``partial=True``) and the warning a partial
-restore gives about what it left out."""
+"""How a restore's target differs from its checkpoint, said to the user: a path-first diff,
+the error with the hint that fits, and the warning of a partial restore."""
 
 from __future__ import annotations
 
+import collections
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -12,7 +11,7 @@ from typing import Any
 
 from .._base import PartialRestoreWarning, caller_stacklevel, dtype_name
 from .codec import logical_dtype
-from .record import LeafRecord
+from .record import LeafRecord, some
 from .sources import Source
 from .values import Diff
 
@@ -34,13 +33,8 @@ def diff(
         want_name = dtype_name(logical_dtype(rec, dtype))
         if tuple(x.shape) != rec.shape or dtype_name(x.dtype) != want_name:
             cast = f" (restored as {want_name} by dtype=)" if want_name != rec.dtype else ""
-            changed.append(
-                (
-                    "changed",
-                    path,
-                    f"checkpoint {rec.dtype}{list(rec.shape)}{cast} -> target {here}",
-                )
-            )
+            was = f"checkpoint {rec.dtype}{list(rec.shape)}{cast}"
+            changed.append(("changed", path, f"{was} -> target {here}"))
     extra: Diff = [
         ("extra", p, f"{r.dtype}{list(r.shape)} (in the checkpoint, not in the target)")
         for p, r in stored.items()
@@ -82,7 +76,7 @@ def _size_changes(
 ) -> tuple[list[str], bool]:
     """The dimension sizes that changed (``"64 -> 128 (12 leaves)"``), most frequent
     first, and whether some leaves differ in dtype only."""
-    counts: dict[tuple[int, int], int] = {}
+    counts: collections.Counter[tuple[int, int]] = collections.Counter()
     dtype_only = False
     for p, x in zip(paths, arrays, strict=True):
         rec = stored.get(p)
@@ -93,11 +87,12 @@ def _size_changes(
             dtype_only = dtype_only or dtype_name(x.dtype) != rec.dtype
             continue
         if len(shape) == len(rec.shape):
-            for a, b in zip(rec.shape, shape, strict=True):
-                if a != b:
-                    counts[(a, b)] = counts.get((a, b), 0) + 1
+            counts.update((a, b) for a, b in zip(rec.shape, shape, strict=True) if a != b)
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
     return [f"{a} -> {b} ({n} leaves)" for (a, b), n in ranked[:3]], dtype_only
+
+
+_KINDS = ("changed", "missing", "extra")
 
 
 def mismatch_message(
@@ -107,33 +102,23 @@ def mismatch_message(
     arrays: Sequence[Any],
     stored: Mapping[str, LeafRecord],
     rows: Diff,
-    missing: Diff,
-    extra: Diff,
-    changed: Diff,
     partial: bool = False,
 ) -> str:
-    """Why ``like`` does not match the checkpoint: counts by kind, the folded rows, and
-    the hint that fits (a subtree restore, changed sizes, ``partial=True``, or a mapping
-    where the two share no path). ``partial``: what the caller passed, so a hint never
-    suggests what was already tried."""
+    """Why ``like`` does not match the checkpoint: counts by kind, the folded ``rows``, and
+    the hint that fits (never ``partial=True`` where the caller passed it)."""
+    changed, missing, extra = ([r for r in rows if r[0] == k] for k in _KINDS)
     n = len(rows)
-    kinds = ", ".join(
-        f"{len(r)} {k}"
-        for k, r in (("changed", changed), ("missing", missing), ("extra", extra))
-        if r
-    )
+    kinds = [f"{len(r)} {k}" for k, r in zip(_KINDS, (changed, missing, extra), strict=True) if r]
     shared = sum(p in stored for p in paths)
+    target = type(like).__name__
     if partial and not shared:
         head = (
             f"restore(partial=True) would restore nothing from checkpoint {source.path}: "
-            f"none of the target {type(like).__name__}'s {len(paths)} leaves is in it "
-            f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
+            f"none of the target {target}'s {len(paths)} leaves is in it"
         )
     else:
-        head = (
-            f"checkpoint {source.path} does not match the target {type(like).__name__} "
-            f"({n} difference{'s' if n != 1 else ''}: {kinds}; paths first):\n"
-        )
+        head = f"checkpoint {source.path} does not match the target {target}"
+    head += f" ({n} difference{'s' if n != 1 else ''}: {', '.join(kinds)}; paths first):\n"
     hints = []
     top = _subtree(paths, stored)
     if top is not None:
@@ -196,9 +181,8 @@ def rename_mapping(
     missing: Diff,
     extra: Diff,
 ) -> str | None:
-    """Where missing and extra leaves pair up (same shape, dtype and last name) as renamed
-    parents (``up/kernel`` saved, ``up_proj/kernel`` wanted), the ``mapping=`` that
-    restores them, ready to paste; None where nothing pairs up."""
+    """The ``mapping=`` to paste where missing and extra leaves pair up (shape, dtype, last
+    name) as renamed parents (``up/kernel`` saved, ``up_proj/kernel`` wanted), else None."""
     target = {p: x for p, x in zip(paths, arrays, strict=True)}
     pool: dict[tuple[Any, ...], list[str]] = {}
     for _, p, _ in extra:
@@ -243,21 +227,16 @@ def rename_mapping(
 def warn_partial(
     source: Source, n: int, restored: Sequence[str], missing: Diff, extra: Diff
 ) -> None:
-    """Say which leaves a partial restore did not restore: a ``PartialRestoreWarning``
-    whose message names them (the first few of each side) and whose attributes list all.
-    ``n``: the target's array leaves; ``restored``: those read from the checkpoint."""
+    """A ``PartialRestoreWarning`` naming the leaves a partial restore did not restore (``n``:
+    the target's array leaves; ``restored``: those read from the checkpoint)."""
     kept = [p for _, p, _ in missing]
     skipped = [p for _, p, _ in extra]
 
-    def some(ps: Sequence[str]) -> str:
-        more = f" and {len(ps) - 5} more" if len(ps) > 5 else ""
-        return ", ".join(ps[:5]) + more
-
     parts = [f"restored {len(restored)} of the target's {n} leaves from {source.path}"]
     if kept:
-        parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept)}")
+        parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept, 5)}")
     if skipped:
-        parts.append(f"{len(skipped)} checkpoint leaves not restored: {some(skipped)}")
+        parts.append(f"{len(skipped)} checkpoint leaves not restored: {some(skipped, 5)}")
     warnings.warn(
         PartialRestoreWarning(
             "; ".join(parts) + " (partial=True)", restored=restored, kept=kept, skipped=skipped

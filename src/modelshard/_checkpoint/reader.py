@@ -21,7 +21,7 @@ from .._base import CheckpointError, canonical_dtype
 from .checksum import checksum_mismatch_message, checksums
 from .codec import empty, is_empty, parse_dtype, stored_struct
 from .ocdbt import array_keys
-from .record import LeafRecord
+from .record import LeafRecord, some
 from .sources import Source, array_spec, reader_context
 from .storage import TREE_METADATA, orbax_name
 
@@ -278,13 +278,7 @@ def _grouped(failures: Sequence[tuple[str, str]]) -> list[str]:
         head, _, file = text.partition("\n    file: ")
         key = f"{head.split(':', 2)[:2]}|{file}" if file else text
         groups.setdefault(key, (text, []))[1].append(path or "<root>")
-    lines = []
-    for text, paths in groups.values():
-        shown = ", ".join(paths[:_MAX_NAMED])
-        if len(paths) > _MAX_NAMED:
-            shown += f" and {len(paths) - _MAX_NAMED} more"
-        lines.append(f"  {shown}: {text}")
-    return lines
+    return [f"  {some(paths, _MAX_NAMED)}: {text}" for text, paths in groups.values()]
 
 
 def check_holdable(source: Source, paths: Sequence[str]) -> None:

@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
@@ -157,6 +157,11 @@ def decode_value(tag: str, v: Any) -> Any:
 MAX_VALUE_CHARS = 1 << 16
 """The longest hex int a record may hold (a 260000-bit number)."""
 _HEX = re.compile(r"-?0x[0-9a-f]+")
+
+
+def some(names: Sequence[str], n: int) -> str:
+    """The first ``n`` of ``names``, then how many more."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def value_text(value: Any, limit: int = 60) -> str:

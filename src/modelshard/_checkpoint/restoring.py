@@ -197,33 +197,18 @@ def _restore_saved(
     statics, v_missing, v_extra, v_changed = restored_values(flat, record, source.path)
     missing, extra, changed = missing + v_missing, extra + v_extra, changed + v_changed
     numbers = values_as_arrays(paths, arrays, record)  # an abstract like's int32[] epoch
-    if numbers:
-        missing = [r for r in missing if r[1] not in numbers]
-        extra = [r for r in extra if r[1] not in numbers]
-    concrete_missing = all(
-        not isinstance(x, jax.ShapeDtypeStruct)
+    missing = [r for r in missing if r[1] not in numbers]
+    extra = [r for r in extra if r[1] not in numbers]
+    abstract = any(
+        isinstance(x, jax.ShapeDtypeStruct)
         for p, x in zip(paths, arrays, strict=True)
         if p not in stored
     )
-    allowed = partial and concrete_missing
-    rows = changed + ([] if allowed else missing) + ([] if partial else extra)
+    rows = changed + (missing if abstract or not partial else []) + ([] if partial else extra)
     if partial and (missing or extra) and not any(p in stored or p in numbers for p in paths):
         rows = changed + missing + extra  # nothing would be restored: show every difference
     if rows:
-        raise CheckpointError(
-            mismatch_message(
-                source,
-                like,
-                paths,
-                arrays,
-                stored,
-                rows,
-                [r for r in missing if r in rows],
-                [r for r in extra if r in rows],
-                changed,
-                partial,
-            )
-        )
+        raise CheckpointError(mismatch_message(source, like, paths, arrays, stored, rows, partial))
     if missing or extra:
         restored = [p for p in paths if p in stored or p in numbers]
         warn_partial(source, len(paths), restored, missing, extra)
@@ -238,11 +223,11 @@ def _restore_saved(
             _default_sharding(x, stored[path], record) if path in stored else None
             for path, x in zip(paths, arrays, strict=True)
         ]
-    targets = {}
-    for path, s in zip(paths, shardings, strict=True):
-        rec = stored.get(path)
-        if rec is not None:
-            targets[path] = stored_struct(rec, rec.stored_sharding(s))
+    targets = {
+        p: stored_struct(stored[p], stored[p].stored_sharding(s))
+        for p, s in zip(paths, shardings, strict=True)
+        if p in stored
+    }
     check_holdable(source, list(targets))
     sums = None
     if verify:  # each leaf's checksum starts as it arrives, while later leaves are read
@@ -259,9 +244,7 @@ def _restore_saved(
     for path, x, s in zip(paths, arrays, shardings, strict=True):
         if path in values:
             out.append(decode(values.pop(path), stored[path], dtype))
-        elif path in numbers:
-            y = jnp.asarray(numbers[path])
+        else:  # a number like holds as an array, or (partial) like's own value
+            y = jnp.asarray(numbers[path]) if path in numbers else x
             out.append(place([y], [s])[0] if s is not None else y)
-        else:  # partial restore: a missing leaf keeps like's value
-            out.append(place([x], [s])[0] if s is not None else x)
     return flat.rebuild(out, statics=statics)

@@ -1,10 +1,6 @@
-"""Finding a checkpoint and what it holds, without reading any array.
-
-``locate`` finds the Orbax tree and the record of a checkpoint written by modelshard or by
-plain Orbax (then a record is inferred from Orbax's metadata), refusing links out of the
-checkpoint and oversized metadata. The abstract trees built from a record stand in for
-the model code when restoring, planning or resharding.
-"""
+"""Finding a checkpoint and what it holds, without reading any array: ``locate`` (refusing
+links out of it and oversized metadata; a plain Orbax checkpoint's record inferred from its
+metadata), and the abstract trees a record gives for restoring, planning or resharding."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ from .codec import logical_dtype
 from .leaks import stop_leaks
 from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, read_spec
 from .ocdbt import context as ocdbt_context
-from .record import LeafRecord, Record, dims
+from .record import LeafRecord, Record, dims, some
 from .storage import (
     COMMIT_FILE,
     MAX_METADATA_BYTES,
@@ -46,34 +42,22 @@ from .urls import is_remote, kvstore, location, reaching
 
 @dataclasses.dataclass
 class Source:
-    """A located checkpoint: its Orbax tree directory and its (possibly inferred) record.
-
-    Attributes:
-        path: what was asked for (absolute).
-        tree_dir: the Orbax PyTree checkpoint directory.
-        record: the modelshard record, or one inferred from Orbax metadata.
-        template: for plain Orbax checkpoints, the stored tree structure (Orbax metadata).
-    """
+    """A located checkpoint: what was asked for (absolute), its Orbax tree directory, its
+    record (maybe inferred) and, for plain Orbax, the stored tree structure (``template``)."""
 
     path: Path
     tree_dir: Path
     record: Record
     template: Any = None
-    _tree_bytes: bytes | None = dataclasses.field(default=None, repr=False)
     _tree: Any = dataclasses.field(default=None, repr=False)
     _write_shapes: dict[tuple[str, ...], tuple[int, ...]] | None = dataclasses.field(
         default=None, repr=False
     )
 
     def tree_metadata(self) -> Any:
-        """Orbax's ``_METADATA``, parsed: read and parsed once (from the bytes ``locate``
-        read to bound it), where a restore asked for it three times over (its chunk shapes,
-        its format, the arrays it lists). A file that does not parse raises each time."""
+        """Orbax's ``_METADATA``, parsed once (a file that does not parse raises each time)."""
         if self._tree is None:
-            raw = self._tree_bytes
-            if raw is None:
-                raw = read_small(self.tree_dir / TREE_METADATA)
-            self._tree = json.loads(raw)
+            self._tree = json.loads(read_small(self.tree_dir / TREE_METADATA))
         return self._tree
 
     def write_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -133,10 +117,9 @@ def _manager_hint(p: Path) -> str:
 
 
 def _untrusted_entries(root: Path) -> list[str]:
-    """What under ``root`` a reader must not open: symbolic links leading outside it
-    (``os.walk`` does not enter them), anything that is not a regular file or a directory
-    (a named pipe would block a reader forever), and any file other than array data
-    (``d/`` of an OCDBT store) over ``MAX_METADATA_BYTES``."""
+    """What under ``root`` a reader must not open: links leading outside it, anything not a
+    file or directory (a named pipe blocks a reader), a file over ``MAX_METADATA_BYTES``
+    other than array data (``d/``)."""
     real = root.resolve()
     found: list[str] = []
     for here, dirs, files in os.walk(root):
@@ -174,12 +157,8 @@ def _untrusted_entries(root: Path) -> list[str]:
 
 
 def locate(directory: str | os.PathLike[str]) -> Source:
-    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax.
-
-    A checkpoint is untrusted input: a symbolic link leading out of it, anything in it
-    that is not a regular file or directory (a named pipe), or metadata over
-    ``MAX_METADATA_BYTES``, is refused before anything is read.
-    """
+    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax,
+    refusing untrusted entries (``_untrusted_entries``) before anything is read."""
     p = location(directory)
     remote = is_remote(p)
     with reaching(p):
@@ -204,7 +183,6 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         )
     for problem in [] if remote else _untrusted_entries(p)[:1]:
         raise CheckpointError(problem)
-    record_file = None
     if (p / TREE_METADATA).exists():
         tree_dir = p
         record_file = p / RECORD_FILE
@@ -230,8 +208,11 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             )
         tree_dir = named[0]
         record_file = p / RECORD_ITEM / RECORD_FILE
-    tree_bytes = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
-    tree = _parsed(tree_bytes)  # parsed once: Source.tree_metadata keeps it
+    raw = read_small(tree_dir / TREE_METADATA)  # a regular file of bounded size, or refused
+    try:
+        tree = json.loads(raw)
+    except (ValueError, RecursionError):
+        tree = None  # left to the reads, which name the file
     if not remote and tree is not None:
         beside = p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists()
         written = record_file.exists() or is_marked(p) or beside
@@ -244,7 +225,7 @@ def locate(directory: str | os.PathLike[str]) -> Source:
                 raise
             raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
         record = Record.from_json(data, str(record_file))
-        return Source(p, tree_dir, record, _tree_bytes=tree_bytes, _tree=tree)
+        return Source(p, tree_dir, record, _tree=tree)
     if p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists():
         # a CheckpointManager step's arrays, given on their own: read as the step, whose
         # record beside them gives their paths, dtypes and checksums
@@ -255,16 +236,7 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             "leaves' paths, dtypes (typed PRNG keys) and checksums are unknown. Restore a "
             "complete copy of the checkpoint."
         )
-    return _from_orbax(p, tree_dir, tree_bytes, tree)
-
-
-def _parsed(tree_bytes: bytes) -> Any:
-    """``_METADATA``'s JSON, or None where it does not parse (left to the reads, which
-    name the file)."""
-    try:
-        return json.loads(tree_bytes)
-    except (ValueError, RecursionError):
-        return None
+    return _from_orbax(p, tree_dir, tree)
 
 
 def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) -> None:
@@ -299,8 +271,7 @@ _NAMED = 6  # the arrays a lost file's line names; the rest are counted
 
 
 def _lost_message(p: Path, lost: list[LostFile], paths: dict[str, str]) -> str:
-    """One line per file the index refers to that is missing or cut short, with the arrays
-    stored in it (``paths``: Orbax's name of each array to its path)."""
+    """A line per lost file with the arrays stored in it (``paths``: Orbax's name -> path)."""
     n = len(lost)
     lines = [
         f"checkpoint {p} is damaged: {n} file{'s' if n != 1 else ''} of its OCDBT database "
@@ -313,19 +284,20 @@ def _lost_message(p: Path, lost: list[LostFile], paths: dict[str, str]) -> str:
             else f"cut short: {f.size} bytes, the index needs {f.needed}"
         )
         names = sorted({paths.get(name, name) for name in f.names}, key=natural_key)
-        shown = ", ".join(names[:_NAMED]) + (
-            f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
-        )
         held = [
             *(["part of the index of its arrays"] if f.index else []),
-            *([f"the array{'s' if len(names) != 1 else ''} {shown}"] if names else []),
+            *(
+                [f"the array{'s' if len(names) != 1 else ''} {some(names, _NAMED)}"]
+                if names
+                else []
+            ),
         ]
         lines.append(f"  {f.path}: {state}; it holds {' and '.join(held)}")
     lines.append("Restore a complete copy of the checkpoint.")
     return "\n".join(lines)
 
 
-def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source:
+def _from_orbax(p: Path, tree_dir: Path, meta: Any) -> Source:
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -372,7 +344,7 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
             )
         )
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
-    source = Source(p, tree_dir, record, template=tree, _tree_bytes=tree_bytes, _tree=meta)
+    source = Source(p, tree_dir, record, template=tree, _tree=meta)
     for i, held in narrowed:
         # read as JAX holds the number (jnp.asarray: int32, float32 without x64), unless
         # it does not fit: then it stays 64-bit, and a restore says it needs x64
@@ -384,8 +356,7 @@ def _from_orbax(p: Path, tree_dir: Path, tree_bytes: bytes, meta: Any) -> Source
 
 def _holds(source: Source, key: tuple[str, ...], held: Any) -> bool:
     """Whether the number plain Orbax stored 64-bit at ``key`` fits ``held`` (a float always
-    does, rounded as JAX rounds); one that cannot be read stays 64-bit for the restore to
-    name its damage."""
+    does); one that cannot be read stays 64-bit, for the restore to name its damage."""
     if not jnp.issubdtype(held, jnp.integer):
         return True
     import numpy as np
@@ -401,11 +372,9 @@ def _holds(source: Source, key: tuple[str, ...], held: Any) -> bool:
 
 
 def box_parents(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
-    """The nodes of a plain Orbax tree (``keys``: every stored leaf's key) that are boxes:
-    a node whose only child is the leaf ``value``. Orbax stores a linen ``Partitioned`` /
-    ``LogicallyPartitioned`` and an NNX ``Variable`` so (``kernel/value``), recording no
-    type for them in ``_METADATA``, so the layout is the signal. A dict with other keys
-    beside ``value``, or a root ``{"value": ...}``, is left alone."""
+    """The boxes of a plain Orbax tree (``keys``: its leaves'): nodes, not the root, whose
+    only child is the leaf ``value``, as Orbax stores a linen ``Partitioned`` or an NNX
+    ``Variable`` (``kernel/value``) with no type recorded."""
     children: dict[tuple[str, ...], set[str]] = {}
     for key in keys:
         for i in range(len(key)):
@@ -418,10 +387,8 @@ def box_parents(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
 
 
 def stored_view(source: Source) -> Source:
-    """``source`` with each leaf named by its key as Orbax stores it (``kernel/value``)
-    rather than its canonical path (``kernel``): the same for a modelshard checkpoint; for
-    a plain Orbax one with boxes, what a target whose dict really has a leaf named
-    ``value`` matches."""
+    """``source`` with each leaf named by its stored key (``kernel/value``), not its canonical
+    path (``kernel``): what a target whose dict really has a leaf ``value`` matches."""
     leaves = [dataclasses.replace(x, path=format_path(x.key)) for x in source.record.leaves]
     if all(a.path == b.path for a, b in zip(leaves, source.record.leaves, strict=True)):
         return source
@@ -463,9 +430,8 @@ def planning_tree(record: Record) -> dict[str, Any]:
 
 
 def abstract_like(source: Source, dtype: Any = None) -> Any:
-    """The abstract container a checkpoint describes: Orbax's own structure (lists stay
-    lists; each box its value, as the record's paths say) for plain Orbax checkpoints,
-    nested dicts from the record otherwise (its Python values included)."""
+    """The abstract container a checkpoint describes: Orbax's own structure (boxes unboxed)
+    for plain Orbax, else nested dicts from the record, its Python values included."""
     if source.template is None:
         items = [(storage_key(x.path), _abstract_leaf(x, dtype)) for x in source.record.leaves]
         return nest(items + [(v.key, v.value) for v in source.record.values or ()], "record")

@@ -19,7 +19,7 @@ import numpy as np
 from .._base import CheckpointError, caller_stacklevel, format_path
 from .._containers import Flat
 from .codec import is_key
-from .record import VALUE_TYPES, Record, ValueRecord, value_text
+from .record import VALUE_TYPES, Record, ValueRecord, some, value_text
 from .storage import MAX_METADATA_BYTES, storage_key
 
 MAX_VALUES_BYTES = MAX_METADATA_BYTES // 4
@@ -106,12 +106,10 @@ def restored_values(
     if record.values is None:
         kept = [p for _, p, x in flat.statics() if not is_code(x)]
         if kept:
-            more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
             warnings.warn(
                 f"checkpoint {where} holds no Python values (written before modelshard saved "
                 f"them, or by plain Orbax): {len(kept)} kept like's values: "
-                + ", ".join(p or "<root>" for p in kept[:5])
-                + more,
+                + some([p or "<root>" for p in kept], 5),
                 UserWarning,
                 stacklevel=caller_stacklevel(),
             )
