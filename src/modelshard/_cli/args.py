@@ -10,13 +10,16 @@ import os
 import re
 from typing import Any
 
+import jax.numpy as jnp
+
+from .._base import MeshError, dtype_name, size_in_bytes
+from .._checkpoint import manager_step
+from .._specs import load_rules
 from .output import say
 
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``."""
-    from .._base import MeshError
-
     out: dict[str, int] = {}
     for part in text.split(","):
         name, eq, size = (x.strip() for x in part.partition("="))
@@ -35,8 +38,6 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def mesh_arg(text: str) -> dict[str, int]:
     """argparse type of ``--mesh``: ``parse_mesh``, its error a usage error."""
-    from .._base import MeshError
-
     try:
         return parse_mesh(text)
     except MeshError as e:
@@ -63,10 +64,6 @@ def positive_int(text: str) -> int:
 
 def float_dtype(text: str) -> str:
     """argparse type of ``--dtype``: the name of a floating-point dtype (``bfloat16``, ...)."""
-    import jax.numpy as jnp
-
-    from .._base import dtype_name
-
     try:
         dt = jnp.dtype(text)
     except (TypeError, ValueError):
@@ -108,8 +105,6 @@ def regex_arg(text: str) -> re.Pattern[str]:
 
 def bytes_arg(text: str) -> int:
     """argparse type: a size such as ``16GiB``, ``80GB``, ``512MiB`` or plain bytes."""
-    from .._base import size_in_bytes
-
     n = size_in_bytes(text)
     if n is None:
         raise argparse.ArgumentTypeError(
@@ -138,8 +133,6 @@ def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
     """A checkpoint directory as given, or, for a CheckpointManager's root, its latest
     complete step's directory (said on stderr, with --json too; ``args.step`` records it
     for the JSON's ``step``)."""
-    from .._checkpoint import manager_step
-
     path, step = manager_step(text)
     args.step = step
     if step is None:
@@ -174,8 +167,6 @@ RULES_HELP = (
 
 
 def target_specs(args: argparse.Namespace, record: Any) -> Any:
-    from .._specs import load_rules
-
     return load_rules(args.rules) if args.rules else record.saved_specs()
 
 

@@ -8,6 +8,27 @@ import math
 import os
 from typing import Any
 
+from jax.sharding import PartitionSpec
+
+from .._base import CheckpointError, format_bytes, make_mesh
+from .._checkpoint import StreamLeaf, host_leaves, locate, write_stream
+from .._specs import load_rules
+from .._weights import (
+    Exporter,
+    as_mapping,
+    check_destination,
+    finish_model_directory,
+    is_model_directory,
+    is_safetensors,
+    load_safetensors,
+    mapped_leaves,
+    open_safetensors,
+    parse_size,
+    reference_table,
+    shard_size_for,
+    shipped_mappings,
+    write_export,
+)
 from .args import (
     RULES_HELP,
     add_json,
@@ -116,8 +137,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _size(text: str) -> int | str:
-    from .._weights import parse_size
-
     try:
         parse_size(int(text) if text.isdigit() else text)
     except ValueError as e:
@@ -127,9 +146,6 @@ def _size(text: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """safetensors -> a sharded modelshard checkpoint, or (``--to safetensors``) back."""
-    from .._base import format_bytes
-    from .._weights import is_safetensors, shipped_mappings
-
     return_freed_memory()  # streams tensor-sized buffers
     # the user's input files: missing or unreadable is the OSError itself (with its errno)
     if not (args.mapping in shipped_mappings() and not os.path.exists(args.mapping)):
@@ -137,8 +153,6 @@ def run(args: argparse.Namespace) -> int:
     readable(args.reference, file=False)
     if args.to == "safetensors":
         return _convert_to_safetensors(args)
-    from .._base import CheckpointError
-
     if args.max_shard_size is not None:
         raise CheckpointError("--max-shard-size writes safetensors: pass --to safetensors")
     readable(args.source, file=False)
@@ -151,13 +165,6 @@ def run(args: argparse.Namespace) -> int:
     join_launch()  # under `modelshard launch`, every process writes its share of DST
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
-
-    from jax.sharding import PartitionSpec
-
-    from .._base import make_mesh
-    from .._checkpoint import StreamLeaf, write_stream
-    from .._specs import load_rules
-    from .._weights import load_safetensors, mapped_leaves, open_safetensors
 
     specs = load_rules(args.rules) if args.rules else PartitionSpec()
     mesh = make_mesh(sizes, axis_types=args.axis_types)
@@ -223,19 +230,6 @@ def _row_json(r: Any) -> dict[str, Any]:
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
     """A checkpoint written back as safetensors (a file, shards, or a model directory), one
     leaf on the host at a time, never the whole state."""
-    from .._base import format_bytes
-    from .._checkpoint import host_leaves, locate
-    from .._weights import (
-        Exporter,
-        as_mapping,
-        check_destination,
-        finish_model_directory,
-        is_model_directory,
-        reference_table,
-        shard_size_for,
-        write_export,
-    )
-
     if args.reference is None and args.mapping is not None:
         from .._base import CheckpointError
 

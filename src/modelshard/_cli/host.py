@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+
+import jax
+
+from .._base import MeshError
+from .._internals import backends_are_initialized
+from .._runtime import ENV_COORDINATOR
+
 # Simulating devices costs time and memory in proportion to their number.
 MAX_CPU_DEVICES = 4096
 
@@ -10,10 +19,6 @@ def join_launch() -> None:
     """Join the run when started by ``modelshard launch`` (or any launcher that sets
     ``MODELSHARD_COORDINATOR``): a streaming command run by every process of a job then writes
     one destination together, each process its share."""
-    import os
-
-    from .._runtime import ENV_COORDINATOR
-
     if os.environ.get(ENV_COORDINATOR):
         from .. import distributed
 
@@ -22,11 +27,6 @@ def join_launch() -> None:
 
 def use_cpu_devices(n: int) -> None:
     """Simulate ``n`` CPU devices if JAX has not started yet; else check there are enough."""
-    import jax
-
-    from .._base import MeshError
-    from .._internals import backends_are_initialized
-
     if n > MAX_CPU_DEVICES:
         raise MeshError(
             f"the target mesh has {n} devices; reshard on this host simulates at most "
@@ -49,8 +49,6 @@ _M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8
 
 def _mallopt(*settings: tuple[int, int]) -> None:
     """Set glibc's allocator ``(parameter, value)`` pairs; without glibc, nothing."""
-    import ctypes
-
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

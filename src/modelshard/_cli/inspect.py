@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._base import fold as fold_paths
+from .._base import format_bytes, format_mesh, format_spec, literal, spec_json
+from .._checkpoint import extras_json, locate
+from .._weights import is_safetensors, open_safetensors
 from .args import CKPT_HELP, add_json, add_max_rows, checkpoint_arg
 from .output import SHOW_ALL, absolute, console, emit, new_table, say
 
@@ -31,10 +35,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._base import format_bytes, format_mesh, format_spec, literal, spec_json
-    from .._checkpoint import extras_json, locate
-    from .._weights import is_safetensors
-
     if is_safetensors(args.checkpoint):
         return _inspect_safetensors(args)
     source = locate(checkpoint_arg(args, args.checkpoint))
@@ -124,7 +124,6 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
     """The table's rows in record (flatten) order: with ``fold``, leaves whose paths differ
     only in layer numbers and that are stored alike (shape, dtype, spec, names) share one,
     as ``plan`` folds (``_fold.fold``)."""
-    from .._base import fold as fold_paths
 
     def stored_alike(leaf: Any) -> Any:
         return (
@@ -139,9 +138,6 @@ def _rows(leaves: Any, fold: bool) -> list[Any]:
 
 
 def _inspect_safetensors(args: argparse.Namespace) -> int:
-    from .._base import format_bytes, literal
-    from .._weights import open_safetensors
-
     with open_safetensors(args.checkpoint) as st:
         tensors = list(st.tensors.values())
         files = st.files

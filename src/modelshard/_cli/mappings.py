@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._base import literal
+from .._weights import shipped_mappings
 from .args import add_json
 from .output import console, emit, new_table
 
@@ -23,8 +25,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._weights import shipped_mappings
-
     shipped = shipped_mappings()
     if args.json:
         emit(
@@ -37,8 +37,6 @@ def run(args: argparse.Namespace) -> int:
             },
         )
         return 0
-    from .._base import literal
-
     t = new_table("shipped weight mappings (--mapping NAME)", None, ["name", "reads", "maps onto"])
     for m in shipped.values():
         t.add_row(m.name, literal(m.source), literal(m.target))

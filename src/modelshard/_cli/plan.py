@@ -4,11 +4,22 @@ training step's memory per device from XLA and, with ``--budget``, the smallest 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import re
+import sys
 from typing import Any
 
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .._base import ModelshardError, make_mesh, write_durable
+from .._checkpoint import locate, planning_tree
+from .._fit import fit_advice, step_memory
+from .._internals import backends_are_initialized
+from .._place import plan
 from .args import (
     CKPT_HELP,
     add_json,
@@ -16,6 +27,7 @@ from .args import (
     add_target,
     bytes_arg,
     checkpoint_arg,
+    parse_mesh,
     regex_arg,
     target_specs,
 )
@@ -131,10 +143,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._base import make_mesh
-    from .._checkpoint import locate, planning_tree
-    from .._place import plan
-
     if args.step_fn is not None or args.state is not None:
         return run_step(args)
     if args.checkpoint is None:
@@ -189,9 +197,6 @@ def report(
 def simulate_devices(argv: list[str]) -> None:
     """As many simulated CPU devices as ``--mesh`` needs, before ``--step`` imports (and maybe
     starts JAX)."""
-    from .._internals import backends_are_initialized
-    from .args import parse_mesh
-
     text = None
     for i, a in enumerate(argv):
         if a == "--":
@@ -206,8 +211,6 @@ def simulate_devices(argv: list[str]) -> None:
         n = math.prod(parse_mesh(text).values())
     except ValueError:  # argparse reports it
         return
-    import jax
-
     if n > max(int(jax.config.jax_num_cpu_devices), 1):
         jax.config.update("jax_num_cpu_devices", n)
 
@@ -221,9 +224,6 @@ def usage(args: argparse.Namespace, message: str) -> int:
 def function_arg(text: str) -> Any:
     """argparse type: ``module:function``, imported (the current directory first on the
     path, as ``python -m`` has it)."""
-    import importlib
-    import sys
-
     module, colon, name = text.partition(":")
     if not colon or not module or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:FUNCTION, e.g. train:step")
@@ -269,9 +269,6 @@ def _outside_brackets(text: str) -> list[str]:
 def batch_arg(text: str) -> Any:
     """argparse type: ``int32[16,2048]`` or ``tokens=int32[16,2048],mask=bool[16,2048]``:
     one abstract array, or a dict of them."""
-    import jax
-    import numpy as np
-
     parts = _outside_brackets(text)
     out: dict[str, Any] = {}
     for part in parts:
@@ -299,8 +296,6 @@ def batch_arg(text: str) -> Any:
 
 def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
     """One error naming the user's function that raised while traced (modelshard's go on)."""
-    from .._base import ModelshardError
-
     if isinstance(e, ModelshardError):
         raise e
     name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
@@ -334,11 +329,6 @@ def rules_file(advice: Any) -> tuple[str | None, str | None]:
 
 def run_step(args: argparse.Namespace) -> int:
     """``--step``: the step's memory per device (and, with ``--budget``, the advice)."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    from .._fit import fit_advice, step_memory
-
     if args.step_fn is None or args.batch is None:
         return usage(args, "--step and --batch go together (and --state or CKPT)")
     sizes = args.mesh
@@ -361,8 +351,6 @@ def run_step(args: argparse.Namespace) -> int:
         return usage(args, "--step needs the state: CKPT or --state")
     axes = args.batch_axes.split(",") if args.batch_axes else [next(iter(sizes))]
     batch_spec = PartitionSpec(axes[0] if len(axes) == 1 else tuple(axes))
-    from .._base import make_mesh, write_durable
-
     kw: dict[str, Any] = dict(
         mesh=make_mesh(sizes, axis_types=args.axis_types, abstract=True),
         in_specs=(specs, batch_spec),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._base import CheckpointError, format_bytes, literal
+from .._checkpoint import checkpoint_kind, is_remote, list_steps, location, reaching
 from .args import add_json
 from .output import absolute, console, emit, new_table, say
 
@@ -28,9 +30,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._base import CheckpointError, format_bytes, literal
-    from .._checkpoint import list_steps, location
-
     root = location(args.root)
     if not is_root(root):
         raise CheckpointError(f"{args.root} does not exist.")
@@ -113,9 +112,6 @@ def what_is_there(e: Any) -> str:
 
 def not_a_root(root: Any, given: str) -> None:
     """Refuse a checkpoint given as a manager root (an empty listing would not say why)."""
-    from .._base import CheckpointError
-    from .._checkpoint import checkpoint_kind
-
     kind = checkpoint_kind(root)
     if kind is None:
         return
@@ -139,8 +135,6 @@ def parent_of(given: str) -> str:
 
 def is_root(root: Any) -> bool:
     """Whether ``root`` is there: a local directory, or an object-storage folder."""
-    from .._checkpoint import is_remote, reaching
-
     if is_remote(root):
         from .._checkpoint import check_bucket
 

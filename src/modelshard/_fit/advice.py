@@ -11,7 +11,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from .._base import format_bytes, format_mesh, format_spec
+from .._base import FitError, Problem, format_bytes, format_mesh, format_spec, vocabulary
+from .._place import parse_bytes
 from .._specs import Rules
 from .candidates import (
     KINDS,
@@ -63,8 +64,6 @@ class Suggestion:
     def pasteable(self) -> str:
         """``code`` where Python is read; on the command line each changed argument's rules
         as a rules file (TOML), then the other changes."""
-        from .._base import vocabulary
-
         if vocabulary() != "cli" or not self.rules:
             return self.code
         files = [f"# rules file for {name}\n{r.to_toml()}" for name, r in self.rules.items()]
@@ -138,8 +137,6 @@ class FitAdvice:
         """
         if self.fits:
             return
-        from .._base import FitError, Problem
-
         m = self.memory
         big = sorted(((n, k) for k, text, n in m.part_rows() if n > 0), reverse=True)[:3]
         parts = ", ".join(
@@ -253,8 +250,6 @@ def fit_advice(
         SpecError: a spec that cannot be placed, an unknown role or kind, a bad budget.
         MeshError: a mesh larger than the devices JAX can compile for.
     """
-    from .._place import parse_bytes
-
     limit = parse_bytes(budget)
     check_roles(roles)
     check_names("kind", kinds, KINDS, "kind of change")

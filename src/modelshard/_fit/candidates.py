@@ -14,6 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from .._containers import split
 from .._specs import entry_axes
 from .memory import StepMemory
 
@@ -100,8 +101,6 @@ def abstract(x: Any) -> Any:
 
 def rebuild(value: Any, fn: Callable[[str, Any], Any]) -> Any:
     """``value`` with each array leaf replaced by ``fn(path, leaf)``."""
-    from .._containers import split
-
     flat = split(value)
     return flat.rebuild(
         [fn(info.path, leaf) for info, leaf in zip(flat.infos, flat.arrays, strict=True)]

@@ -12,7 +12,19 @@ from typing import Any
 
 import jax
 
-from .._base import format_bytes, format_mesh, mesh_sizes, spec_error
+from .._base import (
+    MeshError,
+    current_mesh,
+    format_bytes,
+    format_mesh,
+    make_mesh,
+    mesh_sizes,
+    spec_error,
+    vocabulary,
+)
+from .._containers import optax_kind, split
+from .._jit import ShardJit, shard_jit
+from .._place import parse_bytes
 
 PARTS = (
     "parameters",
@@ -97,8 +109,6 @@ class StepMemory:
 
     def fits(self, budget: int | float | str) -> bool:
         """Whether ``total`` is at most ``budget`` (bytes or text such as ``"16GiB"``)."""
-        from .._place import parse_bytes
-
         return self.total <= parse_bytes(budget)
 
     def to_json(self) -> dict[str, Any]:
@@ -165,8 +175,6 @@ class StepMemory:
 
 def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
     """A mesh programs can be compiled for."""
-    from .._base import MeshError, current_mesh, make_mesh
-
     if mesh is None:
         mesh = current_mesh(concrete=True)
     if isinstance(mesh, jax.sharding.Mesh) and topology is None:
@@ -200,8 +208,6 @@ _V5E = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x1
 def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
     """Why a mesh of ``sizes`` cannot be compiled for on ``have`` devices, and the ways to
     get them, in the entry point's words (a TPU slice only when one has that many chips)."""
-    from .._base import vocabulary
-
     n = math.prod(sizes.values())
     head = f"mesh ({format_mesh(sizes)}) needs {n} devices to compile for, this machine has {have}"
     slice_ = _V5E.get(n)
@@ -227,8 +233,6 @@ def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
 
 
 def _is_optax(x: Any) -> bool:
-    from .._containers import optax_kind
-
     return optax_kind(type(x))
 
 
@@ -447,8 +451,6 @@ def compiler(
 ) -> Compiler:
     """``step`` (a function, or a ``ShardJit`` whose own settings fill what is not given) ready to
     compile on ``mesh`` (default: a ``ShardJit``'s own, else the active one)."""
-    from .._jit import ShardJit
-
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     if isinstance(step, ShardJit):
@@ -483,8 +485,6 @@ def wrap(
     """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
     import inspect
 
-    from .._jit import shard_jit
-
     names: tuple[str, ...] = ()
     if isinstance(in_specs, tuple | list):
         try:
@@ -510,8 +510,6 @@ def wrap(
 def abstract_args(args: Sequence[Any], statics: set[int]) -> tuple[Any, ...]:
     """``args`` with every concrete array leaf replaced by its ``ShapeDtypeStruct``, so that
     compiling for them moves nothing to a device (abstract arguments are kept as given)."""
-    from .._containers import split
-
     out = []
     for i, a in enumerate(args):
         flat = split(a) if i not in statics else None

@@ -28,6 +28,7 @@ from .._base import (
     vocabulary,
     write_durable,
 )
+from .._base import fold as fold_paths
 from .._specs import (
     ArgPlan,
     LeafPlan,
@@ -35,7 +36,7 @@ from .._specs import (
     expand_args,
 )
 from .constraints import ActivationConstraint, nbytes, shard_shape
-from .plan_html import logical_text, rule_text
+from .plan_html import Tiles, logical_text, page, plan_html, rule_text
 
 
 class Plan:
@@ -162,8 +163,6 @@ class Plan:
         ``rule``, ``logical`` (as in ``rows``), ``bytes_per_device`` and ``bytes`` (each per
         leaf), ``paths`` (every leaf's path).
         """
-        from .._base import fold as fold_paths
-
         named = self.named(filter)
 
         def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
@@ -305,8 +304,6 @@ class Plan:
             >>> len(t.tiles), t.replicas, t.tiles[1]
             (4, 2, ((1, 0), (slice(2, 4, None), slice(0, 6, None)), [2, 3]))
         """
-        from .plan_html import Tiles
-
         leaf = self[path]
         return Tiles(self, path, leaf)
 
@@ -317,8 +314,6 @@ class Plan:
         bar split by top-level module, the grouped table whose rows open their tiles on
         the mesh (``tiles=False``: without them), and a step's activation constraints.
         Inline CSS only: no script, no external resource."""
-        from .plan_html import plan_html
-
         return plan_html(self, fold=fold, filter=filter, tiles=tiles)
 
     def to_html(
@@ -339,8 +334,6 @@ class Plan:
             >>> p.to_html(tempfile.mkdtemp() + "/plan.html").read_text().startswith("<!DOCTYPE")
             True
         """
-        from .plan_html import page
-
         out = Path(path)
         write_durable(out, page(self, title=title, fold=fold, filter=filter))
         return out
