@@ -111,7 +111,6 @@ def test_typed_keys_are_stored_as_key_data_and_wrapped_with_their_impl(impl, row
     back = decode(data, rec, jnp.bfloat16)  # a cast never touches keys
     assert array_bits(back) == array_bits(keys)
     assert back.sharding.is_equivalent_to(keys.sharding, keys.ndim)
-    assert decode(keys, rec) is keys  # Orbax's own read of its checkpoint gives the key
     problem = stored_problem(_rec(keys, data[..., :1], impl))  # key data cut short
     assert str(problem).startswith(f"it is not key data of PRNG impl {impl!r}")
 

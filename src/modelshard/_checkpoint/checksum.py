@@ -92,15 +92,21 @@ def _positions(at: Any, k: Any, u32: Any, rows: bool) -> Any:
     return u32(at[0]) + (k // u32(at[2])) * u32(at[3]) + k % u32(at[2])
 
 
-def _sums_of(v: jax.Array, at: jax.Array, *, rows: bool) -> jax.Array:
-    k = jax.lax.iota(jnp.uint32, v.shape[0])
-    idx = _positions(at, k, jnp.uint32, rows)
+def _reduce(v: jax.Array, idx: jax.Array) -> jax.Array:
+    """The two sums, by one variadic reduction: every term fused into it, none written out."""
     zero = jnp.uint32(0)
-    # one variadic reduction: every term fused into it, none written out
     sums = jax.lax.reduce(
-        terms(v, idx, jnp.uint32), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,)
+        terms(v, idx, jnp.uint32),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        tuple(range(v.ndim)),
     )
     return jnp.stack(sums)
+
+
+def _sums_of(v: jax.Array, at: jax.Array, *, rows: bool) -> jax.Array:
+    k = jax.lax.iota(jnp.uint32, v.shape[0])
+    return _reduce(v, _positions(at, k, jnp.uint32, rows))
 
 
 _PROGRAMS: dict[tuple[int, bool], Any] = {}
@@ -241,14 +247,7 @@ def _shard_sums(x: jax.Array, at: jax.Array) -> jax.Array:
     idx = jnp.zeros(x.shape, jnp.uint32)
     for d in range(x.ndim):
         idx = idx + (at[0, d] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)) * at[1, d]
-    zero = jnp.uint32(0)
-    sums = jax.lax.reduce(
-        terms(v, idx, jnp.uint32),
-        (zero, zero),
-        lambda a, b: (a[0] + b[0], a[1] + b[1]),
-        tuple(range(x.ndim)),
-    )
-    return jnp.stack(sums)
+    return _reduce(v, idx)
 
 
 def _compiled(shape: tuple[int, ...], dtype: Any, device: Any) -> Future[Any]:

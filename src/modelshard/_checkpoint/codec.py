@@ -51,8 +51,7 @@ def key_dtype(impl: str) -> Any:
 
 @functools.cache
 def key_impl(dtype: Any) -> str | None:
-    """The PRNG implementation of a typed key dtype, None for another dtype (asked of a
-    traced key: an abstract one has no ``jax.random.key_impl``)."""
+    """The PRNG implementation of a typed key dtype, else None (asked of a traced key)."""
     names: list[str] = []
     if is_key(dtype):
         key = jax.ShapeDtypeStruct((), dtype)
@@ -68,8 +67,7 @@ def stored_dtype(dtype: Any) -> str:
 
 
 def logical_dtype(rec: Stored, cast: Any = None) -> Any:
-    """The dtype the leaf of ``rec`` is restored as: its own (a key's), or ``cast`` if it is a
-    floating-point one."""
+    """The dtype the leaf of ``rec`` is restored as: its own, or ``cast`` for a float one."""
     if rec.key_impl is not None:
         return key_dtype(rec.key_impl)
     dtype = parse_dtype(rec.dtype)
@@ -82,7 +80,7 @@ def bitcast(x: Any, dtype: Any) -> Any:
         return x
     if isinstance(x, np.ndarray | np.generic):
         return x.view(dtype)
-    # device_put: a zero-size bitcast forgets its sharding (no copy where it keeps it)
+    # device_put: a zero-size bitcast forgets its sharding
     return jax.device_put(jax.lax.bitcast_convert_type(x, dtype), x.sharding)
 
 
@@ -96,25 +94,23 @@ def encode(x: Any) -> Any:
 def decode(stored: Any, rec: Stored, cast: Any = None) -> Any:
     """The leaf ``rec`` records from its stored array as read (JAX, or NumPy on the host):
     key data wrapped as keys, bits given their dtype, a floating-point leaf cast to ``cast``."""
-    if rec.key_impl is None:
-        x = bitcast(stored, parse_dtype(rec.dtype))
-        want = logical_dtype(rec, cast)
-        return x if x.dtype == want else x.astype(want)
-    if is_key(stored.dtype):  # Orbax's own read of a plain Orbax checkpoint gives the key
-        return stored
-    return jax.random.wrap_key_data(stored, impl=rec.key_impl)
+    if rec.key_impl is not None:
+        return jax.random.wrap_key_data(stored, impl=rec.key_impl)
+    x = bitcast(stored, parse_dtype(rec.dtype))
+    want = logical_dtype(rec, cast)
+    return x if x.dtype == want else x.astype(want)
 
 
 def keys_of(shape: Sequence[int], dtype: Any, impl: str) -> jax.ShapeDtypeStruct:
-    """The (abstract) typed keys of ``impl`` whose key data is of ``shape`` and ``dtype``;
-    TypeError or ValueError where no key data is."""
+    """The abstract typed keys of ``impl`` with key data of ``shape`` and ``dtype`` (TypeError
+    or ValueError if none)."""
     wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
     return jax.eval_shape(wrap, jax.ShapeDtypeStruct(tuple(shape), dtype))
 
 
 def stored_sharding(sharding: Any, extra: int) -> Any:
-    """The sharding of a leaf's stored array with ``extra`` trailing dimensions (key data's),
-    never split, for the leaf placed with ``sharding``."""
+    """The sharding of a stored array with ``extra`` unsplit trailing dimensions (key data's)
+    for its leaf placed with ``sharding``."""
     if extra and isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
     return sharding
@@ -145,8 +141,8 @@ def _numeric(name: str) -> np.dtype[Any]:
 
 
 def stored_problem(rec: Stored) -> str | None:
-    """What is wrong with how a record read from disk says a leaf is stored, or None: its
-    dtypes must be numeric, its stored shape and dtype what ``encode`` stores."""
+    """What is wrong with how a record read from disk says a leaf is stored (numeric dtypes,
+    what ``encode`` stores), or None."""
     try:
         stored = _numeric(rec.stored_dtype)
         if rec.key_impl is None:

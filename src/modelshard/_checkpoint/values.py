@@ -1,11 +1,6 @@
-"""Leaves that are not arrays: what a checkpoint holds of them, and putting them back.
-
-A state's Python values (``record.VALUE_TYPES``: an epoch counter, a run name, an
-Equinox ``Dropout``'s rate, an NNX ``Variable`` holding an int) are stored in the record
-itself, each with its type. Functions among the leaves (an Equinox ``MLP``'s activation)
-are code, not state: never stored, they come from ``like`` on restore. Any other object is
-refused by ``save`` before a byte is written, rather than dropped.
-"""
+"""Leaves that are not arrays: a state's Python values (``record.VALUE_TYPES``: an epoch, a
+run name) are kept in the record with their types; code (an activation function) is never
+stored and comes from ``like``; any other object is refused by ``save`` before it writes."""
 
 from __future__ import annotations
 
@@ -24,16 +19,15 @@ from .storage import MAX_METADATA_BYTES, storage_key
 
 MAX_VALUES_BYTES = MAX_METADATA_BYTES // 4
 """The most bytes of JSON a save's values may take in its record (its metadata gets half
-of ``MAX_METADATA_BYTES``): a record larger than the limit would never be read back."""
+of ``MAX_METADATA_BYTES``), so the record can be read back."""
 
-Diff = list[tuple[str, str, str]]  # (what, path, detail), as read.py's diffs
+Diff = list[tuple[str, str, str]]  # (what, path, detail), as mismatch.diff's
 
 _NAMES = ", ".join(t.__name__ for t in VALUE_TYPES if t is not type(None)) + " and None"
 
 
 def is_code(x: Any) -> bool:
-    """Whether the leaf ``x`` is code (a function, a class, a callable object): not
-    saved, taken from ``like`` on restore."""
+    """Whether the leaf ``x`` is code (a function, a class, a callable object)."""
     return type(x) not in VALUE_TYPES and callable(x)
 
 
@@ -47,9 +41,8 @@ def _why_not(x: Any) -> str:
 
 
 def none_paths(flat: Flat) -> list[str]:
-    """Paths of the ``None`` entries of a plain pytree (``{"scheduler": None}``): JAX
-    flattens ``None`` to no leaf at all, so the record keeps them to give them back to a
-    restore without ``like``, as Orbax does."""
+    """Paths of a plain pytree's ``None`` entries (no leaf to JAX), kept by the record so a
+    restore without ``like`` gives them back, as Orbax does."""
     if not flat.adapter.follows_pytree:
         return []
     found, _ = jax.tree_util.tree_flatten_with_path(flat.obj, is_leaf=lambda x: x is None)
@@ -94,15 +87,9 @@ def saved_values(flat: Flat) -> list[ValueRecord]:
 def restored_values(
     flat: Flat, record: Record, where: Any = ""
 ) -> tuple[dict[int, Any], Diff, Diff, Diff]:
-    """What a restore into ``flat`` (the ``like``) takes from the record's values:
-    ``(position -> value, missing, extra, changed)``.
-
-    Each value of ``like`` is replaced by the checkpoint's, of the same type (another
-    type is ``changed``; one the checkpoint lacks is ``missing``, one ``like`` lacks
-    ``extra``). Code in ``like`` is kept. A record without values (written before they
-    were recorded, or inferred from plain Orbax) leaves ``like``'s values as they are, and
-    a warning names them.
-    """
+    """``(position -> value, missing, extra, changed)``: each value of ``like`` (``flat``)
+    replaced by the checkpoint's of the same type; code kept. A record without values (older,
+    or plain Orbax's) keeps ``like``'s, and a warning names them."""
     if record.values is None:
         kept = [p for _, p, x in flat.statics() if not is_code(x)]
         if kept:
@@ -129,11 +116,10 @@ def restored_values(
             continue
         seen.add(path)
         if v.type != here:
-            changed.append(
-                ("changed", path, f"checkpoint {v.type} {value_text(v.value)} -> target {here}")
-            )
-            continue
-        out[i] = v.value
+            was = f"checkpoint {v.type} {value_text(v.value)}"
+            changed.append(("changed", path, f"{was} -> target {here}"))
+        else:
+            out[i] = v.value
     seen.update(none_paths(flat))  # like's own Nones: its structure, given back as it is
     extra: Diff = [
         ("extra", p, f"{v.type} {value_text(v.value)} (in the checkpoint, not in the target)")
@@ -147,9 +133,8 @@ _NUMBER_KINDS = {"bool": "b", "int": "biu", "float": "f", "complex": "c"}
 
 
 def values_as_arrays(paths: list[str], arrays: list[Any], record: Record) -> dict[str, np.ndarray]:
-    """The record's numbers that ``like`` holds as rank-0 arrays (``jax.eval_shape`` makes
-    an ``int32[]`` of a Python ``int``): path -> the value as an array of ``like``'s dtype,
-    where that dtype's kind holds the value's type (an int into an integer or a float)."""
+    """The record's numbers ``like`` holds as rank-0 arrays (``eval_shape`` of an ``int``):
+    path -> the value in ``like``'s dtype, where its kind holds the value's type."""
     if not record.values:
         return {}
     saved = {v.path: v for v in record.values}
