@@ -47,11 +47,7 @@ ROTATED_WHY = "removal by rotation not finished"
 
 
 def children(root: Any) -> list[Any]:
-    """The entries of ``root``, none where it does not exist (object storage: no object yet).
-
-    Raises:
-        CheckpointError: object storage that cannot be reached (``urls.reaching``).
-    """
+    """The entries of ``root``, none where it does not exist; CheckpointError if unreachable."""
     try:
         with reaching(root):  # TensorFlow's NotFoundError comes out as FileNotFoundError
             return list(root.iterdir())
@@ -125,12 +121,12 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     return ORBAX
 
 
-def orbax_complete(path: Any, names: list[str]) -> bool:
-    """Whether Orbax counts ``path`` a finished step: its final name, and on object storage
-    its commit file."""
-    if not _STEP.fullmatch(path.name):
-        return False
-    return not is_remote(path) or COMMIT_FILE in names
+def _orbax_done(path: Any, owner: str, names: list[str]) -> tuple[bool, str | None]:
+    """Whether another tool's entry is Orbax's finished step (its final name, and on object
+    storage its commit file), and its state item."""
+    final = _STEP.fullmatch(path.name) and (not is_remote(path) or COMMIT_FILE in names)
+    done = owner == ORBAX and bool(final)
+    return done, orbax_state(path, names) if done else None
 
 
 def orbax_state(path: Any, names: list[str]) -> str | None:
@@ -207,9 +203,7 @@ def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]
             names = sorted(n.name for n in c.iterdir()) if plain else []
             owner = entry_owner(c, names)
             if owner in (ORBAX, OTHER):
-                done = owner == ORBAX and orbax_complete(c, names)
-                state = orbax_state(c, names) if done else None
-                out.append(Foreign(int(m.group(1)), c.name, owner, done, state))
+                out.append(Foreign(int(m.group(1)), c.name, owner, *_orbax_done(c, owner, names)))
     return sorted(out, key=lambda f: (f.step, f.name))
 
 
@@ -276,18 +270,10 @@ def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
 
 @dataclasses.dataclass(frozen=True)
 class StepEntry:
-    """One numbered entry of a manager's root.
-
-    Attributes:
-        complete: whether its writer counts it finished (Orbax's rule for Orbax's).
-        why: what left a leftover, or who wrote another tool's entry; ``""`` for a step.
-        has: the ``PARTS`` (and commit file) there; every name for another tool's entry.
-        unfinished: ``(part, name)`` of a part there only under Orbax's temporary name.
-        lacks: the parts a complete step needs that are missing.
-        others: the names in it that are no part of a step.
-        owner: ``OURS``, ``ORBAX``, ``OTHER``, or None (it holds nothing to lose).
-        state: for Orbax's complete step, the item restored as its state.
-    """
+    """One numbered entry of a manager's root: whether its writer counts it finished, what
+    left it or who wrote it (``why``), the ``PARTS`` it has (another tool's: every name), lacks
+    or holds unfinished as ``(part, temporary name)``, other names, files and bytes, its
+    ``owner`` (None: nothing to lose) and, for Orbax's finished step, its state item."""
 
     step: int
     complete: bool
@@ -385,9 +371,8 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
     files, size = _tally(path) if is_dir else (1, 0)
     if owner in (ORBAX, OTHER):
         temporary = tuple((n.partition(ORBAX_TMP)[0], n) for n in names if ORBAX_TMP in n)
-        done = owner == ORBAX and orbax_complete(path, names)
         kept = tuple(n for n in names if ORBAX_TMP not in n)
-        state = orbax_state(path, names) if done else None
+        done, state = _orbax_done(path, owner, names)
         why = f"written by {_writer(owner)}"
         return StepEntry(step, done, path, why, kept, temporary, (), (), files, size, owner, state)
     complete = why is None and is_complete_step(path)

@@ -190,15 +190,18 @@ class ValueRecord:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ValueRecord:
-        path = str(d["path"])
-        tag = d["type"]
+        path, key, tag = str(d["path"]), tuple(str(k) for k in d["key"]), d["type"]
         try:
             value = decode_value(tag, d["value"])
+            if key != storage_key(path):
+                raise ValueError(
+                    f"its key {list(key)} is not the one its path gives, {list(storage_key(path))}"
+                )
         except ValueError as e:
             raise CheckpointError(
                 f"value {path or '<root>'!r} of the record is invalid: {e}."
             ) from e
-        return cls(path=path, key=tuple(str(k) for k in d["key"]), type=str(tag), value=value)
+        return cls(path=path, key=key, type=str(tag), value=value)
 
 
 MAX_ELEMENTS = 1 << 56
@@ -254,16 +257,10 @@ def _json_name(n: Any) -> Any:
 
 @dataclasses.dataclass
 class Record:
-    """The whole record of one checkpoint.
-
-    Attributes:
-        kind: the container kind it was saved from (``"nnx.Module"``...).
-        leaves: one ``LeafRecord`` per array leaf, in container order.
-        mesh: ``{"axes": {name: size}, "axis_types": [...]}`` of the saving mesh, or None.
-        source: ``"modelshard"``, or ``"orbax"`` for a record inferred from Orbax metadata.
-        values: the Python values, in container order; None where the record predates them.
-        pending: the checksums still being computed (``checksum.start_checksums``).
-    """
+    """The whole record of one checkpoint: the container kind, the array leaves in order, the
+    saving mesh (``{"axes": ..., "axis_types": ...}``), versions, metadata, ``source``
+    (``"orbax"``: inferred), the Python values (None: a record predating them) and the
+    checksums still ``pending`` (``checksum.start_checksums``)."""
 
     kind: str
     leaves: list[LeafRecord]
@@ -381,13 +378,6 @@ class Record:
                 f"{where}: the record's leaves do not name distinct stored arrays:\n"
                 + "\n".join(clashes)
             )
-        for value in record.values or ():
-            if value.key != storage_key(value.path):
-                raise CheckpointError(
-                    f"{where}: value {value.path or '<root>'!r} of the record is invalid: its "
-                    f"key {list(value.key)} is not the one its path gives, "
-                    f"{list(storage_key(value.path))}."
-                )
         nest([(x.key, None) for x in (*record.leaves, *(record.values or ()))], where)
         return record
 

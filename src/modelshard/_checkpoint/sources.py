@@ -116,12 +116,11 @@ def _manager_hint(p: Path) -> str:
     return ""
 
 
-def _untrusted_entries(root: Path) -> list[str]:
-    """What under ``root`` a reader must not open: links leading outside it, anything not a
-    file or directory (a named pipe blocks a reader), a file over ``MAX_METADATA_BYTES``
-    other than array data (``d/``)."""
+def _untrusted(root: Path) -> str | None:
+    """The first entry under ``root`` a reader must not open, said: a link leading outside
+    it, anything not a file or directory (a named pipe blocks a reader), a file over
+    ``MAX_METADATA_BYTES`` other than array data (``d/``)."""
     real = root.resolve()
-    found: list[str] = []
     for here, dirs, files in os.walk(root):
         for name in dirs + files:
             entry = Path(here, name)
@@ -130,35 +129,30 @@ def _untrusted_entries(root: Path) -> list[str]:
                 if stat.S_ISLNK(st.st_mode):
                     target = entry.resolve()
                     if not target.is_relative_to(real):
-                        found.append(
+                        return (
                             f"{entry} is a symbolic link to {target}, outside the checkpoint "
                             f"{root}; refusing to follow it."
                         )
-                        continue
                     st = target.stat()
             except (OSError, RuntimeError) as e:
-                found.append(f"{entry} cannot be examined ({type(e).__name__}: {e}).")
-                continue
+                return f"{entry} cannot be examined ({type(e).__name__}: {e})."
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                found.append(
+                return (
                     f"{entry} is a {kind_of(st.st_mode)}, not a regular file; a checkpoint "
                     "holds only files and directories, refusing to read it."
                 )
-            elif (
-                stat.S_ISREG(st.st_mode)
-                and Path(here).name != "d"
-                and st.st_size > MAX_METADATA_BYTES
-            ):
-                found.append(
+            big = stat.S_ISREG(st.st_mode) and st.st_size > MAX_METADATA_BYTES
+            if big and Path(here).name != "d":
+                return (
                     f"{entry} is {st.st_size} bytes, more than the {MAX_METADATA_BYTES} that "
                     "checkpoint metadata may have; refusing to read it."
                 )
-    return found
+    return None
 
 
 def locate(directory: str | os.PathLike[str]) -> Source:
     """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax,
-    refusing untrusted entries (``_untrusted_entries``) before anything is read."""
+    refusing untrusted entries (``_untrusted``) before anything is read."""
     p = location(directory)
     remote = is_remote(p)
     with reaching(p):
@@ -181,7 +175,7 @@ def locate(directory: str | os.PathLike[str]) -> Source:
             f"no complete checkpoint at {p}: Orbax's commit file {COMMIT_FILE} is missing "
             "(on object storage it is written last, so the save there did not finish)."
         )
-    for problem in [] if remote else _untrusted_entries(p)[:1]:
+    if not remote and (problem := _untrusted(p)) is not None:
         raise CheckpointError(problem)
     if (p / TREE_METADATA).exists():
         tree_dir = p
@@ -414,10 +408,8 @@ def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 def planning_tree(record: Record) -> dict[str, Any]:
-    """Nested dicts of the record's leaves as ``ShapeDtypeStruct``, to plan without the model
-    code: a leaf saved with logical axis names (linen ``LogicallyPartitioned``, NNX
-    ``out_sharding``) boxed again with them, so [`Rules`][modelshard.Rules] fall back to
-    them as on the live model (without Flax the names are dropped)."""
+    """Nested dicts of the record's leaves as ``ShapeDtypeStruct``, to plan without the model:
+    a leaf saved with logical axis names boxed again with them (needs Flax), as live."""
     box = None
     if any(leaf.names for leaf in record.leaves):
         with contextlib.suppress(ImportError):
