@@ -202,7 +202,7 @@ def test_calls_after_one_process_skipped_one_meet_the_right_calls(tmp_path):
     results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
     for kind, name in (("gather", "g"), ("barrier", "b"), ("broadcast", "c")):
         assert results[1][f"{kind} skipped"].startswith(
-            f"process 1 of 2: {kind} {name!r} failed after waiting up to 3 s for the other "
+            f"process 1 of 2: {kind} {name!r} failed after waiting up to 1 s for the other "
             "processes (MODELSHARD_BARRIER_TIMEOUT sets the wait): "
         ), results[1]
     for r in results:

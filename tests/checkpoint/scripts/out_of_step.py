@@ -1,6 +1,7 @@
 """Two processes where process 0 raises before a barrier, a gather and a broadcast that
-process 1 makes; process 1 gives up on each after its timeout. Every later call must meet
-the other process's call of the same name, never the abandoned one.
+process 1 makes; process 1 gives up on each after its timeout, and process 0 goes on once
+it has (a file process 1 writes says so). Every later call must meet the other process's
+call of the same name, never the abandoned one.
 
 Usage: ``python out_of_step.py OUT``. Each process writes ``OUT/result_<process>.json``:
 what each of its calls returned or raised.
@@ -22,8 +23,19 @@ ms.distributed.initialize()
 
 import jax  # noqa: E402
 
-WAIT_S = 3  # process 1's timeout for the calls process 0 skips
-AFTER_S = 8  # process 0 goes on once process 1 has given up
+WAIT_S = 1  # process 1's timeout for the calls process 0 skips
+GAVE_UP_S = 60  # a bound on process 0's wait for process 1 to give up
+
+
+def gave_up(out: str, kind: str) -> str:
+    """The file process 1 writes once its call ``kind`` has returned or given up."""
+    return os.path.join(out, f"gave_up_{kind}")
+
+
+def wait_for(path: str) -> None:
+    deadline = time.monotonic() + GAVE_UP_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -45,8 +57,9 @@ def main() -> int:
                 results[f"{kind} skipped"] = "returned"
             except ms.DistributedError as e:
                 results[f"{kind} skipped"] = str(e)
+            open(gave_up(out, kind), "w").close()
         else:
-            time.sleep(AFTER_S)
+            wait_for(gave_up(out, kind))
     # the same names again, on both processes: each meets the other's call
     results["gather"] = dist.gather(f"from {me}", "g", timeout_s=60)
     dist.barrier("b", timeout_s=60)
