@@ -1,9 +1,7 @@
-"""Orbax's barriers in modelshard's saves (``_checkpoint/barriers.py``): which barriers are
-modelshard's, the wrapper of Orbax's barrier function installed once, one process's
-handlers and checkpointers left as Orbax made them (nothing to share with no other
-process), and, with two real JAX processes (``scripts/``), a stuck peer named after
-``MODELSHARD_BARRIER_TIMEOUT`` and a part of a save failing on one process failing on every
-process at once (``sharing_failures``, ``carrying_failures``, ``carrying_commit``)."""
+"""The waits of modelshard's saves, with two real JAX processes (``scripts/``): a stuck peer
+named after ``MODELSHARD_BARRIER_TIMEOUT``, and a part of a save failing on one process
+failing on every process at once (``distributed.raise_shared`` in ``shards``, ``write``,
+``remote`` and ``step_writer``)."""
 
 from __future__ import annotations
 
@@ -11,60 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import modelshard as ms
 from helpers import two_processes
-from modelshard._checkpoint import barriers
 from modelshard._checkpoint.storage import staging_dir
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-@pytest.mark.parametrize(
-    ("key", "ours"),
-    [
-        ("modelshard_Checkpointer:save_start", True),
-        ("modelshard_async_write_complete.3", True),
-        ("Checkpointer:save_start", False),  # the user's own Orbax calls
-        ("modelshardx_Checkpointer:save_start", False),
-        ("my_modelshard_save", False),
-    ],
-)
-def test_only_barriers_named_with_modelshards_prefix_are_modelshards(key, ours):
-    assert barriers.ours(key) is ours
-
-
-def test_the_wrapper_of_orbaxs_barrier_function_is_installed_once():
-    from orbax.checkpoint._src.multihost import multihost
-
-    barriers.enable()
-    wrapped = multihost.get_barrier_sync_fn
-    assert getattr(wrapped, "__modelshard_wrapped__", False)
-    barriers.enable()
-    assert multihost.get_barrier_sync_fn is wrapped  # not wrapped twice
-    # one process: every barrier, modelshard's or not, passes at once, as Orbax's does
-    sync = multihost.get_barrier_sync_fn()
-    assert sync(key="modelshard_Checkpointer:save_start", timeout_ms=1) is None
-    assert sync(key="Checkpointer:save_start", timeout_ms=1) is None
-
-
-def test_one_process_keeps_orbaxs_handlers_and_checkpointers_as_they_are(tmp_path):
-    """Nothing is wrapped where no other process is told anything, and a save through
-    them still writes a checkpoint."""
-    import orbax.checkpoint as ocp
-
-    handler = ocp.PyTreeCheckpointHandler()
-    assert barriers.sharing_failures(handler, "test:arrays", "writing") is handler
-    assert barriers.carrying_failures(handler, "test:arrays", "writing") is handler
-    assert "save" not in vars(handler) and "async_save" not in vars(handler)
-    with ocp.AsyncCheckpointer(handler) as ckptr:
-        assert barriers.carrying_commit(ckptr) is ckptr
-        assert "_make_on_commit_callback" not in vars(ckptr)
-        ckptr.save(tmp_path / "ck", args=ocp.args.PyTreeSave({"w": np.arange(4, dtype=np.float32)}))
-        ckptr.wait_until_finished()
-    np.testing.assert_array_equal(ms.restore(tmp_path / "ck")["w"], np.arange(4.0))
 
 
 @pytest.mark.multiprocess

@@ -21,14 +21,7 @@ PATCHES = SRC / "_internals" / "patches.py"
 LIBRARIES = {"jax", "jaxlib", "orbax", "tensorstore", "flax", "optax", "equinox", "penzai"}
 # what patches.py sets on other libraries' modules, classes and objects
 PATCHED = {
-    "get_tensorstore_raw_bytes",
-    "build_array_write_spec",
     "build_kvstore_tspec",
-    "get_barrier_sync_fn",
-    "save",
-    "async_save",
-    "finalize",
-    "_make_on_commit_callback",
     "to_json",
     "unbox",
     "_with_sharding_constraint",
@@ -43,9 +36,7 @@ def _module_level() -> list[Callable[[], Any]]:
     import tensorstore as ts
 
     return [
-        lambda: patches.wrap_build_array_write_spec(_leave),
         lambda: patches.wrap_build_kvstore_tspec(_leave),
-        lambda: patches.wrap_barrier_sync_fn(_leave),
         lambda: patches.wrap_to_json(ts.Spec, _leave),
         lambda: patches.wrap_to_json(ts.KvStore.Spec, _leave),
         lambda: patches.wrap_linen_unbox(_leave),
@@ -54,32 +45,8 @@ def _module_level() -> list[Callable[[], Any]]:
 
 
 def test_every_patch_finds_its_target_on_the_installed_versions() -> None:
-    import orbax.checkpoint as ocp
-
     for install in _module_level():
         assert callable(install())  # nothing replaced: wrap returned None
-    # the handlers modelshard wraps: its own saves' and a manager step's
-    for handler in (ocp.PyTreeCheckpointHandler(), ocp.CompositeCheckpointHandler()):
-        assert patches.wrap_handler_save(handler, _leave) is handler
-        assert patches.wrap_handler_async_save(handler, _leave) is handler
-    handler = ocp.PyTreeCheckpointHandler()
-    assert patches.wrap_handler_finalize(handler, lambda h, d: None) is handler
-    checkpointer = ocp.AsyncCheckpointer(handler)
-    try:
-        assert patches.wrap_commit_callback(checkpointer, _leave) is checkpointer
-    finally:
-        checkpointer.close()
-    # the one patch of an Orbax function not every supported Orbax has
-    from modelshard._internals import tensorstore_utils
-
-    if hasattr(tensorstore_utils, "get_tensorstore_raw_bytes"):
-        patches.target(
-            tensorstore_utils,
-            "get_tensorstore_raw_bytes",
-            distribution="orbax-checkpoint",
-            symbol="get_tensorstore_raw_bytes",
-            used_for="a test",
-        )
 
 
 def _tail(distribution: str) -> str:
@@ -92,42 +59,55 @@ def _tail(distribution: str) -> str:
 def test_a_missing_target_fails_naming_the_symbol_version_and_use() -> None:
     stand_in = types.SimpleNamespace()
     with pytest.raises(ImportError) as info:
-        patches.wrap_handler_save(stand_in, _leave)
+        patches.wrap_to_json(stand_in, _leave)
     assert str(info.value) == (
-        f"modelshard needs SimpleNamespace.save from orbax-checkpoint "
-        f"{installed('orbax-checkpoint')} (a failed write shared with every process before "
-        "Orbax's next barrier), and that version does not have it (no callable 'save' "
-        f"there). {_tail('orbax-checkpoint')}"
+        f"modelshard needs SimpleNamespace.to_json from tensorstore "
+        f"{installed('tensorstore')} (the references its conversion keeps given back: no "
+        "leak on every save), and that version does not have it (no callable 'to_json' "
+        f"there). {_tail('tensorstore')}"
     )
-    assert not hasattr(stand_in, "save")
+    assert not hasattr(stand_in, "to_json")
 
 
 def test_a_target_with_another_signature_fails_naming_the_parameter() -> None:
-    def finalize(path: str) -> None:
+    def build_kvstore_tspec(path: str) -> None:
         del path
 
-    stand_in = types.SimpleNamespace(finalize=finalize)
+    stand_in = types.SimpleNamespace(build_kvstore_tspec=build_kvstore_tspec)
     with pytest.raises(ImportError) as info:
-        patches.wrap_handler_finalize(stand_in, lambda handler, directory: None)
+        patches.target(
+            stand_in,
+            "build_kvstore_tspec",
+            distribution="orbax-checkpoint",
+            used_for="a test",
+            params=("directory",),
+        )
     assert str(info.value) == (
-        f"modelshard needs SimpleNamespace.finalize from orbax-checkpoint "
-        f"{installed('orbax-checkpoint')} (the merge of every process's OCDBT database, "
-        "under any path), and that version does not have it (its signature "
-        f"{inspect.signature(finalize)} has no parameter 'directory'). "
+        f"modelshard needs SimpleNamespace.build_kvstore_tspec from orbax-checkpoint "
+        f"{installed('orbax-checkpoint')} (a test), and that version does not have it (its "
+        f"signature {inspect.signature(build_kvstore_tspec)} has no parameter 'directory'). "
         f"{_tail('orbax-checkpoint')}"
     )
-    assert stand_in.finalize is finalize
+    assert stand_in.build_kvstore_tspec is build_kvstore_tspec
 
 
 def test_a_wrap_that_returns_a_replacement_installs_it() -> None:
-    def finalize(directory: str) -> None:
-        del directory
+    def to_json() -> dict[str, str]:
+        return {"driver": "file"}
 
-    stand_in = types.SimpleNamespace(finalize=finalize)
+    stand_in = types.SimpleNamespace(to_json=to_json)
     seen = []
-    patches.wrap_handler_finalize(stand_in, lambda h, d: seen.append((h, d)))
-    stand_in.finalize("dir")
-    assert seen == [(stand_in, "dir")]
+
+    def wrap(current: Any) -> Any:
+        def wrapper() -> Any:
+            seen.append("called")
+            return current()
+
+        return wrapper
+
+    patches.wrap_to_json(stand_in, wrap)
+    assert stand_in.to_json() == {"driver": "file"}
+    assert seen == ["called"]
 
 
 def assignments_onto_libraries(source: str) -> list[str]:
@@ -186,12 +166,12 @@ def test_no_module_but_patches_assigns_onto_another_library() -> None:
 def test_the_check_sees_each_way_of_patching() -> None:
     source = (
         "import tensorstore as ts\n"
-        "from .._internals import multihost\n"
-        "def f(handler, checkpointer):\n"
+        "from .._internals import tensorstore_utils\n"
+        "def f(spec, store):\n"
         "    ts.Spec.to_json = None\n"
-        "    multihost.get_barrier_sync_fn = None\n"
-        "    handler.finalize = None\n"
-        "    setattr(checkpointer, '_make_on_commit_callback', None)\n"
+        "    tensorstore_utils.build_kvstore_tspec = None\n"
+        "    spec.to_json = None\n"
+        "    setattr(store, 'build_kvstore_tspec', None)\n"
         "    self_made.value = 1\n"
     )
     assert sorted(line.split(":")[0] for line in assignments_onto_libraries(source)) == [

@@ -8,20 +8,11 @@ them. So every key and every value of every dict TensorStore gives Python (``to_
 ``experimental_collect_matching_metrics()``) keeps one reference too many and is never
 freed, with everything it holds.
 
-Orbax converts on every array of every save and restore:
-
-- ``build_kvstore_tspec`` resolves each array's kvstore spec with
-  ``ts.KvStore.Spec(base_driver_spec).to_json()``
-  (``orbax/checkpoint/_src/serialization/tensorstore_utils.py:376``, orbax-checkpoint
-  0.12.8): four strings a leaf, the checkpoint's path among them;
-- ``get_tensorstore_raw_bytes`` reads TensorStore's metrics around each batch of arrays
-  (``tensorstore_utils.py:1194``), a list of dicts, only for a throughput log line.
-
-A save every step of an NNX model and its Adam state grew the process with every save,
-without bound (docs/benchmarks/checkpoint.md, "A save every step"). ``stop_leaks`` ends both:
-Orbax no longer reads the metrics (its log line is skipped when the count is None), and
-``to_json`` of ``ts.KvStore.Spec`` and ``ts.Spec`` gives back the reference each key and
-value kept. The second is installed only where a probe conversion shows that extra
+Orbax's ``build_kvstore_tspec`` resolves each array's kvstore spec with
+``ts.KvStore.Spec(base_driver_spec).to_json()`` (orbax-checkpoint 0.12.8): four strings a
+leaf, the checkpoint's path among them, on every restore through Orbax's spec
+(``sources.array_spec``: checkpoints not in zarr v2 OCDBT). ``stop_leaks`` makes ``to_json``
+of ``ts.KvStore.Spec`` and ``ts.Spec`` give back the reference each key and value kept. The second is installed only where a probe conversion shows that extra
 reference, so a TensorStore without the bug is left as it is.
 """
 
@@ -40,12 +31,6 @@ _stopped = False
 _decref = ctypes.pythonapi.Py_DecRef
 _decref.argtypes = [ctypes.py_object]
 _decref.restype = None
-
-
-def _no_raw_bytes(direction: Any = None) -> None:
-    """Orbax's byte count for its raw-throughput log line, not taken: with None Orbax
-    skips that line, and TensorStore's metrics are never converted."""
-    del direction
 
 
 def give_back(value: Any) -> None:
@@ -102,9 +87,6 @@ def stop_leaks() -> None:
             return
         import tensorstore as ts
 
-        from .._internals import replace_raw_bytes
-
-        replace_raw_bytes(_no_raw_bytes)
         path = "/modelshard-probe-of-tensorstore-json/"
         _plug(ts.KvStore.Spec, lambda: ts.KvStore.Spec({"driver": "file", "path": path}))
         _plug(

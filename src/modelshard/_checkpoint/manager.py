@@ -58,8 +58,8 @@ class CheckpointManager:
 
     Each step directory holds the sharded state (a plain Orbax PyTree checkpoint that
     [`modelshard.restore`][modelshard.restore] reads), modelshard's record, and optionally named
-    ``items`` and ``metrics``, all written as one step (in Orbax's layout): a step appears complete or
-    not at all. Pending asynchronous saves are finished when the program ends, when an
+    ``items`` and ``metrics``, all written as one step in Orbax's layout: a step appears
+    complete or not at all. Pending asynchronous saves are finished when the program ends, when an
     exception leaves a ``with`` block, and on SIGTERM/SIGINT; a save that cannot be
     finished is reported with its step and the exit status is non-zero.
 
@@ -316,7 +316,7 @@ class CheckpointManager:
         )
         if verdict["listing"] is not None:
             self._foreign = [Foreign.from_json(f) for f in verdict["listing"]]
-        # Orbax checks on every process that the step is absent: ask storage, not a cache
+        # every process writes into the step afresh: ask storage, not a cache
         forget_listings(self.directory)
         if error is not None:
             raise error  # process 0: the error itself, with its cause
@@ -399,8 +399,8 @@ class CheckpointManager:
             CheckpointError: the step exists, or the state, items or metrics cannot be
                 saved (checked before anything is written), or the previous
                 asynchronous save failed.
-            DistributedError: another process did not come to one of the save's barriers
-                (Orbax's included) within ``MODELSHARD_BARRIER_TIMEOUT``.
+            DistributedError: another process did not come to one of the save's waits
+                within ``MODELSHARD_BARRIER_TIMEOUT``.
         """
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}.")

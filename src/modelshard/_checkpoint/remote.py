@@ -15,8 +15,7 @@ import json
 from typing import Any
 
 from .._base import CheckpointError
-from .._runtime import broadcast
-from .barriers import raise_shared
+from .._runtime import broadcast, raise_shared
 from .record import Record
 from .shards import marked_metadata
 from .storage import (

@@ -15,10 +15,11 @@ from .items import extras_json
 from .listing import manager_step
 from .reader import ArrayReader, check_holdable
 from .record import parse_dtype
+from .remote import write_remote
 from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree, reader_context
-from .stream import Stream, write_remote
+from .stream import Stream
 from .urls import is_remote, location
 from .write import check_compression, check_destination, write_atomic
 
@@ -170,7 +171,7 @@ def reshard(
         values=record.values,  # the Python values (an epoch, a name) go with the arrays
     )
     if is_remote(out_path):
-        write_remote(out_path, stream, overwrite=overwrite)
+        write_remote(out_path, stream.write, stream.record, overwrite=overwrite)
     else:
         write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
     return out_path

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from .._base import CheckpointError, sync_tree
-from .barriers import raise_shared
+from .._runtime import raise_shared
 from .chunks import aligned_chunks
 from .ocdbt import (
     SHARDING_FILE,

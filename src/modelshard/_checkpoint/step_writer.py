@@ -22,8 +22,7 @@ from typing import Any
 import jax
 
 from .._base import CheckpointError, fsync_dir, sync_tree
-from .._runtime import gather
-from .barriers import raise_shared
+from .._runtime import gather, raise_shared
 from .checksum import box_sums, format_sums, host_workers
 from .items import orbax_json_items
 from .ocdbt import checkpoint_metadata

@@ -44,13 +44,13 @@ import jax
 import numpy as np
 
 from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
-from .._runtime import barrier
-from .barriers import raise_shared
+from .._runtime import barrier, raise_shared
 from .checksum import box_sums, checksum_mismatch_message, format_sums, host_workers
 from .codec import bitcast, encode, is_empty, parse_dtype
 from .ocdbt import context, write_array_list, write_spec
 from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, versions
+from .remote import write_remote
 from .shards import finish_tree
 from .slabs import (
     Layout,
@@ -442,16 +442,8 @@ def write_stream(
     )
     path = location(directory)
     if is_remote(path):
-        write_remote(path, stream, overwrite=overwrite)
+        write_remote(path, stream.write, stream.record, overwrite=overwrite)
         return stream.record
     check_destination(path, overwrite=overwrite)
     write_atomic(path, stream.write, stream.record, overwrite=overwrite)
     return stream.record
-
-
-def write_remote(path: Any, stream: Stream, *, overwrite: bool) -> None:
-    """``write_stream`` to object storage: written in place, committed by its commit file
-    (``remote.write_remote``)."""
-    from .remote import write_remote as write_in_place
-
-    write_in_place(path, stream.write, stream.record, overwrite=overwrite)

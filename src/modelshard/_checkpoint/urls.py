@@ -5,7 +5,7 @@ can write: ``gs://`` (Google Cloud Storage; epath needs ``gcsfs``) and ``s3://``
 needs ``s3fs``; ``s3.enable`` makes Orbax hand it to TensorStore's s3 driver). Any other
 ``scheme://`` is refused by name, instead of becoming a local folder called ``scheme:``.
 Object stores have no atomic rename, so a checkpoint there is complete only once
-Orbax's commit file is written (see ``storage.COMMIT_FILE``, ``atomicity_options``).
+Orbax's commit file is written (see ``storage.COMMIT_FILE``).
 
 ``etils.epath`` serves a URL through one of two clients: fsspec (gcsfs, s3fs) or, whenever
 TensorFlow is importable and ``EPATH_USE_TF`` is not false, TensorFlow's file system, whose
@@ -145,18 +145,6 @@ def forget_listings(path: Any) -> None:
         return
     with contextlib.suppress(Exception):  # a client without a cache has nothing to forget
         fs(str(path)).invalidate_cache()
-
-
-def atomicity_options(path: Any) -> Any:
-    """Orbax's ``AtomicityOptions`` for a save at ``path``, for its ``Checkpointer`` and
-    its ``CompositeOptions`` alike: the commit file on object storage (Orbax picks it
-    by itself for ``gs://`` only; an ``s3://`` save would be written aside and "renamed",
-    which there is a copy of every object, and fails), None (Orbax's rename) on disk."""
-    if not is_remote(path):
-        return None
-    import orbax.checkpoint as ocp
-
-    return ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 
 
 def server_of(path: Any, client: str | None = None) -> str:

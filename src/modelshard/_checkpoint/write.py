@@ -9,7 +9,6 @@ module describes the layout.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -30,30 +29,25 @@ from .._base import (
     write_durable,
 )
 from .._containers import split
-from .barriers import raise_shared
+from .._runtime import raise_shared
 from .checksum import start_checksums
-from .chunks import aligned_array_handler
 from .codec import encode, is_empty, key_impl
-from .leaks import stop_leaks
-from .ocdbt import array_keys, merge, unmerged
 from .record import LeafRecord, Record, mesh_json, saved_spec, versions
 from .shards import take, write_held
 from .storage import (
     CHECKPOINT_METADATA,
     MAX_METADATA_BYTES,
     RECORD_FILE,
-    TREE_METADATA,
     aside_dir,
     check_names,
     is_marked,
     nest,
-    orbax_name,
     orbax_tmp_dirs,
     pieces_dir,
     staging_dir,
     storage_key,
 )
-from .urls import is_remote, kvstore, location
+from .urls import is_remote, location
 from .values import saved_values
 
 
@@ -241,25 +235,6 @@ def _replicated_if_local(x: Any) -> Any:
     )
 
 
-def coordinated_processes() -> Any:
-    """Orbax's ``MultiprocessingOptions`` naming every process: Orbax then waits at its
-    own barriers of a save (start, directory creation, commit) through the coordination
-    service, for ``MODELSHARD_BARRIER_TIMEOUT`` at most (``barriers``), instead of
-    device all-gathers (``sync_global_devices``) that a peer's death or a stray
-    collective would turn into a hang or an abort."""
-    import orbax.checkpoint as ocp
-
-    from . import barriers
-
-    if jax.process_count() == 1:
-        return ocp.options.MultiprocessingOptions()
-    barriers.enable()  # those barriers wait MODELSHARD_BARRIER_TIMEOUT, not Orbax's 300 s
-    return ocp.options.MultiprocessingOptions(
-        active_processes=set(range(jax.process_count())),
-        barrier_sync_key_prefix=barriers.KEY_PREFIX,
-    )
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``), so an
     overwrite never leaves the path empty; False where the system cannot."""
@@ -406,12 +381,6 @@ def _commit(path: Path, staging: Path, old: Path) -> None:
 # each array's zarr metadata.
 COMPRESSIONS = (None, "zstd")
 
-# Under several processes, a replicated array with at least this many bytes per replica is
-# written in parts by its replicas (Orbax's replica-parallel save). Each part is cut by a
-# compiled slice program of its own, so in one process (nothing to share the writing) and
-# for small leaves it is off: those programs were most of the compilations of a first save.
-MIN_REPLICA_PARALLEL_BYTES = 16 << 20
-
 
 def check_compression(compression: Any) -> bool:
     """Whether ``save(compression=)`` compresses the chunks; CheckpointError otherwise."""
@@ -420,60 +389,6 @@ def check_compression(compression: Any) -> bool:
     raise CheckpointError(
         f"compression={compression!r} is not one of None (each chunk's raw bytes, the "
         "default) or 'zstd' (Orbax's default codec: smaller files, several times the CPU)."
-    )
-
-
-def save_handler(compression: str | None = None) -> Any:
-    """The Orbax handler a state's arrays are written with (``save``, a manager step's
-    ``state`` item, object storage): Orbax's PyTree handler (the one under
-    ``StandardCheckpointHandler``, same files, same format; saved with
-    ``ocp.args.PyTreeSave``) with chunks compressed or not (``COMPRESSIONS``), shaped
-    for restores onto other splits (``chunks.aligned_chunks``), and replica-parallel
-    writing only where it can help (``MIN_REPLICA_PARALLEL_BYTES``)."""
-    import orbax.checkpoint as ocp
-
-    from .._internals import ArrayMetadataStore, wrap_handler_finalize
-
-    arrays = aligned_array_handler(
-        # as Orbax's default jax.Array handler is made (the store wraps PRNG key data)
-        array_metadata_store=ArrayMetadataStore(),
-        use_replica_parallel=jax.process_count() > 1,
-        min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
-    )
-    handler = ocp.PyTreeCheckpointHandler(
-        save_concurrent_gb=96,
-        restore_concurrent_gb=96,
-        use_compression=check_compression(compression),
-        type_handler_registry=registry_with(arrays),
-    )
-    return wrap_handler_finalize(handler, _finalize)
-
-
-def _finalize(handler: Any, directory: Any) -> None:
-    """Orbax's finalize, then the merge of the per-process OCDBT databases wherever Orbax
-    left the checkpoint without the manifest that indexes its arrays. Orbax finds the
-    databases with ``epath``'s glob of ``ocdbt.process_*`` under the checkpoint's path,
-    which reads ``[``, ``]``, ``*`` and ``?`` in that path as a pattern: a checkpoint saved
-    under ``run[1]/`` was published without its manifest (Orbax only logged "Skipping
-    merge"), and never restored. The merge is done again without a glob (``ocdbt.merge``)."""
-    type(handler).finalize(handler, directory)  # Orbax's, looked up when called
-    where = location(str(directory))
-    tree = kvstore(where)
-    if unmerged(tree):
-        meta = json.loads((where / TREE_METADATA).read_text())
-        merge(tree, [orbax_name(key) for key in array_keys(meta)])
-
-
-def registry_with(arrays: Any) -> Any:
-    """An Orbax type-handler registry holding the global one's handlers, except
-    ``arrays`` for ``jax.Array`` (``save_handler``'s writes)."""
-    import orbax.checkpoint as ocp
-
-    stop_leaks()  # every save and restore goes through here
-    th = ocp.type_handlers
-    kinds = (int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER))
-    return th.create_type_handler_registry(
-        *((ty, th.get_type_handler(ty)) for ty in kinds), (jax.Array, arrays)
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -10,22 +9,13 @@ if TYPE_CHECKING:
     from .jax import backends_are_initialized as backends_are_initialized
     from .jax import cloud_tpu_init as cloud_tpu_init
     from .jax import global_state as global_state
-    from .orbax import ArrayMetadataStore as ArrayMetadataStore
     from .orbax import ArrayReadSpec as ArrayReadSpec
     from .orbax import ArrayWriteSpec as ArrayWriteSpec
-    from .orbax import multihost as multihost
     from .orbax import tensorstore_utils as tensorstore_utils
     from .orbax_text import JSON_HANDLER_NAME as JSON_HANDLER_NAME
     from .orbax_text import PYTREE_HANDLER_NAME as PYTREE_HANDLER_NAME
     from .orbax_text import STANDARD_HANDLER_NAME as STANDARD_HANDLER_NAME
-    from .patches import replace_raw_bytes as replace_raw_bytes
-    from .patches import wrap_barrier_sync_fn as wrap_barrier_sync_fn
-    from .patches import wrap_build_array_write_spec as wrap_build_array_write_spec
     from .patches import wrap_build_kvstore_tspec as wrap_build_kvstore_tspec
-    from .patches import wrap_commit_callback as wrap_commit_callback
-    from .patches import wrap_handler_async_save as wrap_handler_async_save
-    from .patches import wrap_handler_finalize as wrap_handler_finalize
-    from .patches import wrap_handler_save as wrap_handler_save
     from .patches import wrap_linen_constraint as wrap_linen_constraint
     from .patches import wrap_linen_unbox as wrap_linen_unbox
     from .patches import wrap_to_json as wrap_to_json
@@ -36,7 +26,7 @@ _OWNER = {
         ("ArrayImpl", "backends_are_initialized", "cloud_tpu_init", "global_state"), "jax"
     ),
     **dict.fromkeys(
-        ("ArrayMetadataStore", "ArrayReadSpec", "ArrayWriteSpec", "multihost", "tensorstore_utils"),
+        ("ArrayReadSpec", "ArrayWriteSpec", "tensorstore_utils"),
         "orbax",
     ),
     **dict.fromkeys(
@@ -46,7 +36,20 @@ _OWNER = {
 
 
 def __getattr__(name: str) -> Any:
-    owner = _OWNER.get(name) or ("patches" if name.startswith(("wrap_", "replace_")) else None)
+    owner = _OWNER.get(name) or ("patches" if name.startswith("wrap_") else None)
     if owner is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{owner}", __name__), name)
+    return getattr(_module(owner), name)
+
+
+def _module(owner: str) -> Any:
+    """The module ``owner`` of this package, imported by a literal name."""
+    if owner == "jax":
+        from . import jax as module
+    elif owner == "orbax":
+        from . import orbax as module
+    elif owner == "orbax_text":
+        from . import orbax_text as module
+    else:
+        from . import patches as module
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from collections.abc import Callable, Iterable
@@ -69,33 +68,6 @@ def _install(
 # -- Orbax, module level (Orbax's own code looks each up in its module when it calls it)
 
 
-def replace_raw_bytes(replacement: Callable[..., Any]) -> bool:
-    """Replace Orbax's ``tensorstore_utils.get_tensorstore_raw_bytes`` where it exists
-    (orbax-checkpoint 0.12.8, not 0.12.3): its conversion of TensorStore's metrics, for a log
-    line only, leaks every key and value (``_checkpoint/leaks.py``)."""
-    from . import orbax
-
-    if not hasattr(orbax.tensorstore_utils, "get_tensorstore_raw_bytes"):
-        return False
-    used_for = "not called: its conversion of TensorStore's metrics leaks on every save"
-    _install(
-        orbax.tensorstore_utils, "get_tensorstore_raw_bytes", lambda _: replacement, ORBAX, used_for
-    )
-    return True
-
-
-def wrap_build_array_write_spec(wrap: Wrap) -> Any:
-    """Wrap Orbax's ``tensorstore_utils.build_array_write_spec``: Orbax takes each array's chunk
-    shape from its local shard, with no option for another (``_checkpoint/chunks.py``)."""
-    from . import orbax
-
-    used_for = "its chunk shape replaced by one aligned for restores onto other splits"
-    params = ("info", "arg", "global_shape", "local_shape", "dtype")
-    return _install(
-        orbax.tensorstore_utils, "build_array_write_spec", wrap, ORBAX, used_for, *params
-    )
-
-
 def wrap_build_kvstore_tspec(wrap: Wrap) -> Any:
     """Wrap Orbax's ``tensorstore_utils.build_kvstore_tspec``: Orbax (0.12.8) gives no ``s3``
     kvstore for an ``s3://`` directory, which TensorStore supports (``_checkpoint/s3.py``)."""
@@ -111,59 +83,6 @@ def wrap_build_kvstore_tspec(wrap: Wrap) -> Any:
         "directory",
         "use_ocdbt",
     )
-
-
-def wrap_barrier_sync_fn(wrap: Wrap) -> Any:
-    """Wrap Orbax's ``multihost.get_barrier_sync_fn``: Orbax (0.12.8) fixes each barrier's
-    timeout itself; ours wait ``MODELSHARD_BARRIER_TIMEOUT`` (``_checkpoint/barriers.py``)."""
-    from . import orbax
-
-    used_for = "every barrier of modelshard's saves bounded by MODELSHARD_BARRIER_TIMEOUT"
-    return _install(orbax.multihost, "get_barrier_sync_fn", wrap, ORBAX, used_for, "processes")
-
-
-# -- Orbax, one object (the handler or checkpointer modelshard made for one save)
-
-
-def wrap_handler_save(handler: Any, wrap: Wrap) -> Any:
-    """Wrap ``handler.save``: no Orbax hook runs between a write and the barrier after it, where
-    a failure is shared with every process (``_checkpoint/barriers.sharing_failures``)."""
-    used_for = "a failed write shared with every process before Orbax's next barrier"
-    _install(handler, "save", wrap, ORBAX, used_for)
-    return handler
-
-
-def wrap_handler_async_save(handler: Any, wrap: Wrap) -> Any:
-    """Wrap ``handler.async_save``: its futures reach Orbax as one that never raises, so every
-    process still comes to the barrier before the commit (``barriers.carrying_failures``)."""
-    used_for = "a failed background write carried to every process at Orbax's barrier"
-    _install(handler, "async_save", wrap, ORBAX, used_for)
-    return handler
-
-
-def wrap_handler_finalize(handler: Any, finalize: Callable[[Any, Any], None]) -> Any:
-    """Replace ``handler.finalize`` by ``finalize(handler, directory)``: Orbax (0.12.8) globs the
-    per-process OCDBT databases it merges, reading ``[``, ``]``, ``*`` and ``?`` in the path as a
-    pattern (``_checkpoint/write._finalize``)."""
-    used_for = "the merge of every process's OCDBT database, under any path"
-    _install(
-        handler,
-        "finalize",
-        lambda _: functools.partial(finalize, handler),
-        ORBAX,
-        used_for,
-        "directory",
-    )
-    return handler
-
-
-def wrap_commit_callback(checkpointer: Any, wrap: Wrap) -> Any:
-    """Wrap ``checkpointer._make_on_commit_callback``: no public Orbax hook runs around a
-    background save's commit, whose failure on the primary process every process must raise
-    (``_checkpoint/barriers.carrying_commit``)."""
-    used_for = "a failed commit carried to every process at Orbax's barrier after it"
-    _install(checkpointer, "_make_on_commit_callback", wrap, ORBAX, used_for)
-    return checkpointer
 
 
 # -- TensorStore

@@ -54,20 +54,20 @@ def initial() -> dict[str, np.ndarray]:
 
 
 def die_while_saving(step: int, out: str) -> None:
-    """SIGKILL this process when its background save of ``step`` reaches the barrier
-    before Orbax's commit (every barrier of a modelshard save asks ``barriers.ours``)."""
-    from modelshard._checkpoint import barriers
+    """SIGKILL this process when its background save of ``step`` has written its part and
+    comes to the wait before the commit (``step_writer``'s shared outcome of the writes)."""
+    from modelshard._checkpoint import step_writer
 
-    ours = barriers.ours
+    shared = step_writer.raise_shared
 
-    def ours_or_die(key: str) -> bool:
-        if key == f"{barriers.KEY_PREFIX}_async_write_complete.{step}":
+    def shared_or_die(failure, name, what):
+        if what == f"writing step {step}":
             with open(os.path.join(out, "killed"), "w") as f:
                 f.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return ours(key)
+        return shared(failure, name, what)
 
-    barriers.ours = ours_or_die
+    step_writer.raise_shared = shared_or_die
 
 
 def main() -> int:
