@@ -287,8 +287,7 @@ def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int], prog
 
 
 def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
-    """A block's sums: on its device (now if its program is compiled, else once it is), or
-    on the host."""
+    """A block's sums: on its device (once its program is compiled), or on the host."""
     done: Future[Any] = Future()
     if not on_device(data):
         return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
@@ -318,8 +317,7 @@ class Checksums(Generic[K]):
         self._parts: dict[K, list[Future[Any]]] = {}
 
     def add(self, key: K, x: Any) -> None:
-        """Start the checksum of ``x`` under ``key`` (not in ``like``: ignored); a failure is
-        raised by ``collect``, not inside the reads that call this."""
+        """Start the checksum of ``x`` under ``key``; a failure is raised by ``collect``."""
         if key in self._parts or key not in self._keys:
             return
         shape = tuple(np.shape(x))

@@ -102,15 +102,13 @@ def decode(stored: Any, rec: Stored, cast: Any = None) -> Any:
 
 
 def keys_of(shape: Sequence[int], dtype: Any, impl: str) -> jax.ShapeDtypeStruct:
-    """The abstract typed keys of ``impl`` with key data of ``shape`` and ``dtype`` (TypeError
-    or ValueError if none)."""
+    """The abstract typed keys of ``impl`` with this key data (TypeError or ValueError if none)."""
     wrap = functools.partial(jax.random.wrap_key_data, impl=impl)
     return jax.eval_shape(wrap, jax.ShapeDtypeStruct(tuple(shape), dtype))
 
 
 def stored_sharding(sharding: Any, extra: int) -> Any:
-    """The sharding of a stored array with ``extra`` unsplit trailing dimensions (key data's)
-    for its leaf placed with ``sharding``."""
+    """The sharding of a stored array with ``extra`` unsplit trailing dimensions (key data's)."""
     if extra and isinstance(sharding, NamedSharding):
         return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *([None] * extra)))
     return sharding
@@ -141,8 +139,7 @@ def _numeric(name: str) -> np.dtype[Any]:
 
 
 def stored_problem(rec: Stored) -> str | None:
-    """What is wrong with how a record read from disk says a leaf is stored (numeric dtypes,
-    what ``encode`` stores), or None."""
+    """What is wrong with how a record read from disk says a leaf is stored, or None."""
     try:
         stored = _numeric(rec.stored_dtype)
         if rec.key_impl is None:

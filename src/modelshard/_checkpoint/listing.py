@@ -59,9 +59,7 @@ def is_complete_step(step_dir: Any) -> bool:
     """Whether ``step_dir`` is a finished manager step: a real directory with Orbax's
     metadata and modelshard's record (and the commit file on object storage)."""
     try:
-        if not is_remote(step_dir) and step_dir.is_symlink():
-            return False
-        if not step_dir.is_dir():
+        if not _plain_dir(step_dir):
             return False
         needed = [step_dir / CHECKPOINT_METADATA, step_dir / RECORD_ITEM / RECORD_FILE]
         if is_remote(step_dir):
@@ -92,7 +90,7 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     """Who wrote the numbered entry ``path``: ``OURS`` or ``ORBAX`` (a step, committed or
     not), ``OTHER`` (a link, a file, anything else), or None when it holds nothing to lose
     (empty, or only the metadata any save starts with). ``names``: its entries, if listed."""
-    if (not is_remote(path) and path.is_symlink()) or not path.is_dir():
+    if not _plain_dir(path):
         return OTHER
     if names is None:
         names = sorted(c.name for c in path.iterdir())
@@ -122,16 +120,14 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
 
 
 def _orbax_done(path: Any, owner: str, names: list[str]) -> tuple[bool, str | None]:
-    """Whether another tool's entry is Orbax's finished step (its final name, and on object
-    storage its commit file), and its state item."""
+    """Whether another tool's entry is Orbax's finished step, and its state item."""
     final = _STEP.fullmatch(path.name) and (not is_remote(path) or COMMIT_FILE in names)
     done = owner == ORBAX and bool(final)
     return done, orbax_state(path, names) if done else None
 
 
 def orbax_state(path: Any, names: list[str]) -> str | None:
-    """The item of Orbax's step ``path`` restored as the state (as ``sources.locate`` picks
-    it): ``state``, else its one tree item (``default``); None for none or several."""
+    """The item of Orbax's step restored as the state: ``state``, else its one tree item."""
     trees = [
         n
         for n in names
@@ -148,9 +144,7 @@ def _writer(owner: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Foreign:
-    """A numbered entry of a manager's root that another tool wrote: its step, its name in
-    the root, ``ORBAX`` or ``OTHER``, whether its writer counts it finished, and for an
-    Orbax step the item restored as its state (``orbax_state``)."""
+    """A numbered entry of a manager's root another tool wrote (``state``: its state item)."""
 
     step: int
     name: str
@@ -187,8 +181,7 @@ class Foreign:
 
 
 def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]:
-    """Every numbered entry of ``root`` another tool wrote, by step then name (``complete``:
-    the manager's complete steps, not looked into; ``children`` raises)."""
+    """Every numbered entry of ``root`` another tool wrote (not looking into ``complete``)."""
     skip = set(complete or ())
     out: list[Foreign] = []
     found = children(root)
@@ -220,13 +213,10 @@ def refusal(step: int, root: Any, entries: list[Foreign]) -> str:
 
 
 def foreign_summary(root: Any, entries: list[Foreign], steps: list[int]) -> str:
-    """The warning about another tool's ``entries`` a manager does not restore (``steps``:
-    those it does)."""
-    groups: dict[str, list[int]] = {}
+    """The warning about another tool's ``entries`` a manager does not restore."""
+    groups: dict[str, dict[int, None]] = {}
     for f in entries:
-        numbers = groups.setdefault(f.kind, [])
-        if f.step not in numbers:
-            numbers.append(f.step)
+        groups.setdefault(f.kind, {})[f.step] = None
     held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
     latest = steps[-1] if steps else None
     return (
@@ -254,8 +244,7 @@ def _plain_dir(path: Any) -> bool:
 
 
 def manager_step(directory: str | os.PathLike[str]) -> tuple[Any, int | None]:
-    """``(path, None)`` for a checkpoint, or ``(latest restorable step's directory, step)``
-    for a manager's root: what ``modelshard inspect|plan|reshard`` read."""
+    """``(path, None)`` for a checkpoint, ``(latest step's directory, step)`` for a root."""
     root = location(directory)
     try:
         if not root.is_dir() or (root / TREE_METADATA).exists() or (root / STATE_ITEM).exists():
@@ -406,8 +395,7 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
 
 
 def checkpoint_kind(root: Any) -> str | None:
-    """``"step"`` (a ``state`` item in a numbered folder), ``"checkpoint"`` (any other
-    checkpoint) or None (not one, say a manager's root); CheckpointError if unreachable."""
+    """``"step"`` (a numbered folder with ``state``), ``"checkpoint"`` or None (not one)."""
     with reaching(root):
         if not any((root / name).exists() for name in (CHECKPOINT_METADATA, TREE_METADATA)):
             return None
@@ -417,8 +405,7 @@ def checkpoint_kind(root: Any) -> str | None:
 
 
 def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
-    """Every numbered entry of the manager root ``directory`` (complete, leftover or another
-    tool's) by step, a step's complete entry first, read from storage now."""
+    """Every numbered entry of the manager root ``directory`` by step, complete ones first."""
     root = location(directory)
     forget_listings(root)
     out: list[StepEntry] = []
@@ -438,8 +425,7 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
 
 
 def warn_foreign(root: Any, stacklevel: int) -> None:
-    """Warn about another tool's entries in ``root`` a manager does not restore
-    (unreachable storage is left to the listing)."""
+    """Warn about another tool's entries in ``root`` a manager does not restore."""
     try:
         held = [f for f in foreign_steps(root) if not f.restorable]
         steps = restorable_steps(root) if held else []

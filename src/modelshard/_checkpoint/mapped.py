@@ -58,8 +58,7 @@ def carried_specs(res: Any, recs: dict[str, LeafRecord]) -> Callable[[str, Any],
 
 
 def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray | None:
-    """The block ``index`` of ``x`` as a host view of one shard holding it (``device``'s
-    first), or None."""
+    """The block ``index`` of ``x`` as a view of one shard holding it (``device``'s first)."""
     shards = sorted(x.addressable_shards, key=lambda s: s.device != device)
     for sh in shards:
         inner = []
@@ -74,8 +73,7 @@ def _covering(x: jax.Array, device: Any, index: tuple[slice, ...]) -> np.ndarray
 
 
 def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -> jax.Array:
-    """A leaf from its recipe over stored arrays on the mesh, each device's block computed
-    from the shards on that device."""
+    """A leaf from its recipe, each device's block computed from its own shards."""
     gathered: dict[str, np.ndarray] = {}
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(node.shape).items():
@@ -221,9 +219,8 @@ def _read_stored(
 def host_leaves(
     source: Source, *, verify: bool = True
 ) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Callable[[str], np.ndarray]]:
-    """A checkpoint's array leaves (path -> shape, dtype; typed keys left out) and
-    ``load(path)``: that one leaf read to this host (``ArrayReader``), verified; an export
-    holds one leaf at a time so."""
+    """A checkpoint's array leaves (path -> shape, dtype; no typed keys) and ``load(path)``:
+    that one leaf read to the host and verified (an export holds one leaf at a time)."""
     recs = source.record.by_path()
     table = {p: (r.shape, logical_dtype(r)) for p, r in recs.items() if r.key_impl is None}
 

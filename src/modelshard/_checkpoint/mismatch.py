@@ -44,8 +44,7 @@ def diff(
 
 
 def format_diff(rows: Diff, limit: int = 24) -> list[str]:
-    """The rows, leaves that differ only in layer numbers (and alike) folded into one
-    (``layers_{0..61}/mlp/kernel  (62 leaves)``); at most ``limit`` lines."""
+    """The rows, those differing only in layer numbers folded into one; at most ``limit``."""
     from .._base import fold
 
     groups = fold(rows, lambda r: r[1] or "<root>", key=lambda r: (r[0], r[2]))
@@ -62,8 +61,7 @@ def format_diff(rows: Diff, limit: int = 24) -> list[str]:
 
 
 def _subtree(paths: Sequence[str], stored: Mapping[str, LeafRecord]) -> str | None:
-    """``"model"`` if every target path is stored under ``model/`` (a model-only ``like``
-    for a ``{model, optimizer}`` checkpoint)."""
+    """``"model"`` if every target path is stored under ``model/``."""
     tops = sorted({p.split("/", 1)[0] for p in stored if "/" in p})
     for top in tops:
         if paths and all(f"{top}/{p}" in stored for p in paths):
@@ -74,8 +72,7 @@ def _subtree(paths: Sequence[str], stored: Mapping[str, LeafRecord]) -> str | No
 def _size_changes(
     paths: Sequence[str], arrays: Sequence[Any], stored: Mapping[str, LeafRecord]
 ) -> tuple[list[str], bool]:
-    """The dimension sizes that changed (``"64 -> 128 (12 leaves)"``), most frequent
-    first, and whether some leaves differ in dtype only."""
+    """The sizes that changed (``"64 -> 128 (12 leaves)"``), and whether some dtypes did."""
     counts: collections.Counter[tuple[int, int]] = collections.Counter()
     dtype_only = False
     for p, x in zip(paths, arrays, strict=True):

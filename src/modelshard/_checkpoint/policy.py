@@ -15,23 +15,11 @@ from typing import Any
 from .._base import CheckpointError
 
 
-def _positive(name: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise CheckpointError(f"{name} must be a positive int or None, got {value!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class KeepPolicy:
-    """The rules that decide which complete steps survive rotation.
-
-    Attributes:
-        max_to_keep: keep the newest ``max_to_keep`` steps.
-        keep_period: keep every step that is a multiple of ``keep_period``.
-        keep_best: keep the ``keep_best`` best steps by ``best_fn`` of their metrics.
-        best_fn: metrics dict -> number (steps saved without metrics never rank).
-        best_mode: ``"max"`` (higher is better) or ``"min"``.
-        keep_steps: steps kept whatever the other rules say.
-    """
+    """The rules that decide which complete steps survive rotation: the newest
+    ``max_to_keep``, every multiple of ``keep_period``, the ``keep_best`` best by
+    ``best_fn(metrics)`` (``best_mode`` ``"max"`` or ``"min"``), and ``keep_steps``."""
 
     max_to_keep: int | None = None
     keep_period: int | None = None
@@ -41,9 +29,12 @@ class KeepPolicy:
     keep_steps: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
-        _positive("max_to_keep", self.max_to_keep)
-        _positive("keep_period", self.keep_period)
-        _positive("keep_best", self.keep_best)
+        for name in ("max_to_keep", "keep_period", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise CheckpointError(f"{name} must be a positive int or None, got {value!r}.")
         if self.best_mode not in ("max", "min"):
             raise CheckpointError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}.")
         if (self.keep_best is None) != (self.best_fn is None):

@@ -47,8 +47,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 def start_read(view: Any) -> tuple[Any, Any]:
-    """Start reading ``view`` (an indexed TensorStore) into a new ``aligned_empty`` array:
-    the array, and the read's future."""
+    """Start reading ``view`` into a new ``aligned_empty`` array: the array, the read's future."""
     import tensorstore as ts
 
     buf = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
@@ -123,8 +122,7 @@ def read_arrays(
     on_read: Callable[[str, Any], None] | None = None,
 ) -> dict[str, Any]:
     """Each of ``targets`` (path -> sharded ``ShapeDtypeStruct`` of the stored array) read
-    into its sharding, ``on_read(path, array)`` called on this thread as each is in;
-    TensorStore's errors are raised as they are."""
+    into its sharding, handed to ``on_read(path, array)`` on this thread as each is in."""
     import jax
 
     recs = source.record.by_path()
@@ -148,14 +146,13 @@ def read_arrays(
     def finish_oldest() -> None:
         nonlocal reserved
         a, idx, n, reads = in_flight.popleft()
-        bufs = []
-        for buf, done in reads:
+        for _, done in reads:
             done.result()
-            bufs.append(buf)
         reserved -= n
-        placed = place_boxes(bufs, [a.devices[i] for i in idx], a.target.sharding)
+        bufs = [buf for buf, _ in reads]
+        placed = iter(place_boxes(bufs, [a.devices[i] for i in idx], a.target.sharding))
         for i in idx:  # one array per device, box after box
-            a.placed[i], placed = placed[: len(a.devices[i])], placed[len(a.devices[i]) :]
+            a.placed[i] = [next(placed) for _ in a.devices[i]]
         a.left -= len(idx)
         if a.left == 0:
             flat = [x for group in a.placed for x in group]
@@ -187,10 +184,9 @@ class _Array:
 
 
 class ArrayReader:
-    """``reader(box)``: the box (``slice(start, stop)`` per dimension) of the stored array of
-    ``rec`` as a new host array, nothing placed on a device; a failure is a CheckpointError
-    naming the leaf. Unverified: the caller compares ``checksum.box_sums``. ``context``: one
-    shared by a checkpoint's readers (``reader_context``), or None for its own."""
+    """``reader(box)``: that box (``slice`` per dimension) of ``rec``'s stored array on the
+    host, unverified; a failure is a CheckpointError naming the leaf. ``context``: one shared
+    by a checkpoint's readers (``reader_context``), or None for its own."""
 
     def __init__(self, source: Source, rec: LeafRecord, context: Any = None):
         self.source, self.rec = source, rec
@@ -257,8 +253,7 @@ def read_failure(e: BaseException, tree_dir: Path | None = None) -> str:
 
 
 def unreadable(where: Any, failures: Sequence[tuple[str, str]], alone: str = "") -> CheckpointError:
-    """The error for the leaves of ``where`` that could not be read (``failures``: ``(path,
-    read_failure(...))``; none: ``alone``, a failure no one leaf's read showed)."""
+    """The error for the leaves of ``where`` that could not be read (none: ``alone`` says why)."""
     n = len(failures)
     what = f"{n} lea{'ves' if n != 1 else 'f'}" if n else "the checkpoint"
     lines = _grouped(failures) if n else [f"  {alone}"]
@@ -304,8 +299,7 @@ def check_holdable(source: Source, paths: Sequence[str]) -> None:
 def verify_checksums(
     source: Source, values: Mapping[str, Any], sums: Mapping[str, str] | None = None
 ) -> None:
-    """Raise CheckpointError naming every leaf whose stored bits changed since saving
-    (``sums``: the checksums of ``values``, where already taken)."""
+    """Raise CheckpointError naming every leaf whose stored bits changed since saving."""
     recs = source.record.by_path()
     paths = [p for p in values if recs[p].checksum is not None]
     if not paths:
@@ -325,8 +319,7 @@ def read_checked(
     targets: Mapping[str, Any],
     on_read: Callable[[str, Any], None] | None = None,
 ) -> dict[str, Any]:
-    """``read_arrays``, turning any failure into a CheckpointError naming the bad leaves
-    (each read again alone) and, where it can be told, the file at fault."""
+    """``read_arrays``, a failure said with the bad leaves (each read again alone)."""
     try:
         return read_arrays(source, targets, on_read)
     except Exception as e:

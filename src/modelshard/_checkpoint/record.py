@@ -124,8 +124,7 @@ def encode_value(x: Any) -> Any:
 
 
 def decode_value(tag: str, v: Any) -> Any:
-    """The value ``encode_value`` wrote for a value of type ``tag``; ValueError if ``v``
-    is not what it writes."""
+    """The value ``encode_value`` wrote for type ``tag``; ValueError if ``v`` is not one."""
     if tag not in VALUE_TYPES.values():
         raise ValueError(f"type {value_text(tag)} is not one of {sorted(VALUE_TYPES.values())}")
     if tag == "bool" and type(v) is bool:
@@ -172,8 +171,7 @@ def value_text(value: Any, limit: int = 60) -> str:
 
 @dataclasses.dataclass
 class ValueRecord:
-    """A leaf that is a plain Python value (``VALUE_TYPES``), kept in the record: its path,
-    its storage key (where a restore without ``like`` puts it), type tag and value."""
+    """A plain Python value (``VALUE_TYPES``) kept in the record, with its storage key."""
 
     path: str
     key: tuple[str, ...]
@@ -289,8 +287,7 @@ class Record:
         return None if self.mesh is None else dict(self.mesh["axes"])
 
     def mesh_axis_types(self) -> list[str]:
-        """The saving mesh's axis types (``"auto"``/``"explicit"``); all ``"auto"`` where the
-        record does not say or names another."""
+        """The saving mesh's axis types; ``"auto"`` for each where the record says none."""
         sizes = self.mesh_sizes() or {}
         saved = (self.mesh or {}).get("axis_types") or []
         types = [str(t).lower() for t in saved] if isinstance(saved, list) else []

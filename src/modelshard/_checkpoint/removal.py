@@ -25,8 +25,7 @@ def purge_rotated(root: Any) -> None:
 
 
 def delete_step(root: Any, step: int) -> None:
-    """Remove the folder ``root/<step>``: renamed aside first on a disk, made incomplete
-    first on object storage."""
+    """Remove the folder ``root/<step>``: renamed aside or made incomplete first."""
     step_dir = root / str(step)
     if is_remote(root):
         for marker in (COMMIT_FILE, CHECKPOINT_METADATA):
@@ -55,16 +54,14 @@ def _numbered(root: Any, step: int) -> list[Any]:
 
 
 def remove_partial(root: Any, step: int) -> None:
-    """Remove what an interrupted or failed save of ``step`` left: the entries of that number
-    the manager wrote or that hold nothing (``listing.entry_owner``), the step itself last."""
+    """Remove what a failed save of ``step`` left: entries of ours or holding nothing."""
     for c in sorted(_numbered(root, step), key=lambda c: c.name == str(step)):
         if entry_owner(c) in (OURS, None):
             _rmtree(c, strict=c.name == str(step))
 
 
 def remove_numbered(root: Any, step: int) -> str | None:
-    """Remove everything numbered ``step``, whoever wrote it (``CheckpointManager.delete``):
-    None once removed, or why nothing was."""
+    """Remove everything numbered ``step``, whoever wrote it: None, or why nothing was."""
     numbered = _numbered(root, step)
     if not numbered:
         return f"no step {step} in {root}: nothing there carries that number."

@@ -34,8 +34,7 @@ def concrete_mesh(mesh: Any) -> Any:
 
 
 def check_cast(dtype: Any) -> Any:
-    """``dtype=`` of ``restore``/``reshard`` as a JAX dtype, or None: only a floating-point
-    dtype this process can hold (float64 needs x64)."""
+    """``dtype=`` as a JAX dtype, or None: a floating-point dtype this process can hold."""
     if dtype is None:
         return None
     try:

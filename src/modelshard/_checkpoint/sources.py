@@ -42,8 +42,8 @@ from .urls import is_remote, kvstore, location, reaching
 
 @dataclasses.dataclass
 class Source:
-    """A located checkpoint: what was asked for (absolute), its Orbax tree directory, its
-    record (maybe inferred) and, for plain Orbax, the stored tree structure (``template``)."""
+    """A located checkpoint: the path asked for, its Orbax tree, its record (maybe inferred)
+    and, for plain Orbax, the stored tree structure (``template``)."""
 
     path: Path
     tree_dir: Path
@@ -94,8 +94,7 @@ def reader_context(source: Source) -> Any:
 
 
 def array_spec(source: Source, name: str) -> Any:
-    """The TensorStore spec Orbax's read path opens for the stored array ``name``: built by
-    ``ocdbt.read_spec`` for zarr v2 in OCDBT (Orbax not imported), else by Orbax."""
+    """The TensorStore spec Orbax's read path opens for the stored array ``name``."""
     use_ocdbt, use_zarr3 = store_format(source)
     if (use_ocdbt, use_zarr3) == (True, False):
         return read_spec(kvstore(source.tree_dir), name)
@@ -151,8 +150,7 @@ def _untrusted(root: Path) -> str | None:
 
 
 def locate(directory: str | os.PathLike[str]) -> Source:
-    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax,
-    refusing untrusted entries (``_untrusted``) before anything is read."""
+    """Find the Orbax tree and record of a checkpoint written by modelshard or plain Orbax."""
     p = location(directory)
     remote = is_remote(p)
     with reaching(p):
@@ -235,8 +233,7 @@ def locate(directory: str | os.PathLike[str]) -> Source:
 
 def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) -> None:
     """Refuse, before any read, a checkpoint whose OCDBT database lost its manifest or a
-    file its index names (``plain``: written by plain Orbax, boxes named canonically).
-    Metadata not of Orbax's shape is left to the reads, which name it."""
+    file its index names (``plain``: plain Orbax's, boxes named canonically)."""
     try:
         ocdbt = bool(meta.get("use_ocdbt", True))
         keys = array_keys(meta)
@@ -408,8 +405,8 @@ def _abstract_leaf(leaf: LeafRecord, dtype: Any) -> jax.ShapeDtypeStruct:
 
 
 def planning_tree(record: Record) -> dict[str, Any]:
-    """Nested dicts of the record's leaves as ``ShapeDtypeStruct``, to plan without the model:
-    a leaf saved with logical axis names boxed again with them (needs Flax), as live."""
+    """Nested dicts of the record's leaves as ``ShapeDtypeStruct``, to plan without the model,
+    each leaf saved with logical axis names boxed again with them (needs Flax)."""
     box = None
     if any(leaf.names for leaf in record.leaves):
         with contextlib.suppress(ImportError):

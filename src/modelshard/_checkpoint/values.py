@@ -50,8 +50,7 @@ def none_paths(flat: Flat) -> list[str]:
 
 
 def saved_values(flat: Flat) -> list[ValueRecord]:
-    """The values of ``flat`` the record stores, in container order; CheckpointError
-    naming every leaf that is neither an array, a value nor code."""
+    """The values of ``flat`` the record stores; CheckpointError naming any other object."""
     values, refused = [], []
     for _, path, x in flat.statics():
         tag = VALUE_TYPES.get(type(x))
