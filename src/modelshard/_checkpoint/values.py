@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from .._base import CheckpointError, caller_stacklevel, format_path
+from .._base import CheckpointError, PartialRestoreWarning, caller_stacklevel, format_path
 from .._containers import Flat
 from .codec import is_key
 from .record import VALUE_TYPES, Record, ValueRecord, some, value_text
@@ -21,7 +22,7 @@ MAX_VALUES_BYTES = MAX_METADATA_BYTES // 4
 """The most bytes of JSON a save's values may take in its record (its metadata gets half
 of ``MAX_METADATA_BYTES``), so the record can be read back."""
 
-Diff = list[tuple[str, str, str]]  # (what, path, detail), as mismatch.diff's
+Diff = list[tuple[str, str, str]]  # (what, path, detail), as restoring.diff's
 
 _NAMES = ", ".join(t.__name__ for t in VALUE_TYPES if t is not type(None)) + " and None"
 
@@ -146,3 +147,22 @@ def values_as_arrays(paths: list[str], arrays: list[Any], record: Record) -> dic
         if kind in _NUMBER_KINDS[v.type] or (v.type == "int" and kind in "fc"):
             out[path] = np.asarray(v.value, dtype=x.dtype)
     return out
+
+
+def warn_partial(where: Any, n: int, restored: Sequence[str], missing: Diff, extra: Diff) -> None:
+    """A ``PartialRestoreWarning`` naming the leaves a partial restore did not restore (``n``:
+    the target's array leaves; ``restored``: those read from the checkpoint)."""
+    kept = [p for _, p, _ in missing]
+    skipped = [p for _, p, _ in extra]
+
+    parts = [f"restored {len(restored)} of the target's {n} leaves from {where}"]
+    if kept:
+        parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept, 5)}")
+    if skipped:
+        parts.append(f"{len(skipped)} checkpoint leaves not restored: {some(skipped, 5)}")
+    warnings.warn(
+        PartialRestoreWarning(
+            "; ".join(parts) + " (partial=True)", restored=restored, kept=kept, skipped=skipped
+        ),
+        stacklevel=caller_stacklevel(),
+    )
