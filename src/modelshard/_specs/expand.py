@@ -38,10 +38,8 @@ class LeafPlan(NamedTuple):
         dtype: NumPy/JAX dtype.
         spec: the resolved ``PartitionSpec`` over mesh axes (logical names mapped).
         rule: what produced the spec (``"rule 1 'kernel$'"``, ``"metadata"``, ``"P()"``...).
-        logical: per dimension, the logical names that mapped it, each with its mesh axes
-            and the entry of the logical rules that chose them (``(("heads", ("model",),
-            "rules['heads']"),)`` for one dimension); ``()`` when no logical name was
-            mapped.
+        logical: per dimension, the logical names that mapped it with their mesh axes and
+            rule entry (``(("heads", ("model",), "rules['heads']"),)``); ``()`` for none.
     """
 
     path: str

@@ -68,27 +68,19 @@ _ZEROS = bytes.maketrans(b"123456789", b"000000000")
 class Rules:
     """Regex rules over canonical leaf paths; the first rule whose pattern matches wins.
 
-    Patterns use ``re.search``, so ``"kernel"`` matches anywhere in the path; anchor
-    with ``$`` (``r"attn/kernel$"``) or ``^`` to be exact. Rank-0 leaves always replicate.
-    A leaf no rule matches takes the axis names carried by its metadata (linen
-    ``Partitioned`` / ``LogicallyPartitioned`` boxes, NNX ``out_sharding``) if it has any.
-    Spec entries may be mesh axis names or logical names mapped through ``logical``; a
-    name that is neither is an error, never a silent replication.
+    Patterns use ``re.search`` (anchor with ``^`` or ``$``). Rank-0 leaves replicate; a leaf
+    no rule matches takes the axis names its metadata carries, if any. Spec entries are mesh
+    axis names or logical names mapped through ``logical``; anything else is an error.
 
     Args:
         rules: ``(pattern, spec)`` pairs; a spec is a ``PartitionSpec`` or a tuple of entries.
-        logical: logical names -> mesh axes, either a mapping (``{"embed": "model"}``;
-            a target is a name, a tuple of names, or ``None`` to replicate that dimension)
-            or Flax's ordered list of ``(name, mesh axes)`` pairs, where a name may repeat
-            and a later pair applies when an earlier one's mesh axes are taken by another
-            dimension (exactly ``flax.linen.logical_to_mesh_axes``). ``None``: the
-            active [`logical_rules`][modelshard.logical_rules] context (or Flax's), if any.
-        strict: if true, a leaf matched by no rule and carrying no metadata is an error,
-            and so is a rule that matched no leaf anywhere in the plan; if false, such
-            leaves replicate and unused rules are only reported in the plan.
-        file: the TOML rules file these rules were read from
-            ([`load_rules`][modelshard.load_rules] sets it), so that error hints give the
-            line to write there; ``None`` for rules written in Python.
+        logical: logical names -> mesh axes: a mapping (``{"embed": "model"}``, ``None``
+            replicates) or Flax's ordered ``(name, mesh axes)`` pairs (as
+            ``flax.linen.logical_to_mesh_axes`` reads them). ``None``: the active
+            [`logical_rules`][modelshard.logical_rules] context (or Flax's), if any.
+        strict: a leaf no rule matches (without metadata), and a rule that matches no leaf,
+            are errors; if false, such leaves replicate.
+        file: the TOML rules file these rules were read from (hints then give its lines).
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
@@ -238,8 +230,7 @@ class Rules:
 class FSDP:
     """Fully-sharded data parallel: shard each leaf's largest dimension divisible by ``axis``.
 
-    Built by [`fsdp`][modelshard.fsdp]. Leaves with fewer than ``min_size`` elements, rank-0 leaves, and
-    leaves with no divisible dimension replicate (the plan says why).
+    Built by [`fsdp`][modelshard.fsdp]. Small, rank-0 and indivisible leaves replicate.
     """
 
     axis: str | tuple[str, ...] = "data"
@@ -299,9 +290,8 @@ def fsdp(axis: str | tuple[str, ...] = "data", min_size: int = 2**14) -> FSDP:
 
     Args:
         axis: the mesh axis (or tuple of axes, sharded together) to shard over.
-        min_size: leaves with fewer elements than this replicate. The default, 16,384
-            elements (64 KiB in float32), keeps biases and norm scales whole, where
-            sharding costs more in collectives than it saves in memory.
+        min_size: leaves with fewer elements replicate: biases and norm scales cost more
+            in collectives sharded than they save in memory.
 
     Returns:
         An [`FSDP`][modelshard.FSDP] spec-like, usable wherever a spec is accepted.
@@ -318,11 +308,11 @@ def is_leaf_spec(x: Any) -> bool:
     return (
         x is None
         or isinstance(x, PartitionSpec | Rules | FSDP)
-        or (callable(x) and not isinstance(x, type) and not _is_pytree_node(x))
+        or (callable(x) and not isinstance(x, type) and _is_pytree_leaf(x))
     )
 
 
-def _is_pytree_node(x: Any) -> bool:
+def _is_pytree_leaf(x: Any) -> bool:
     import jax
 
-    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))

@@ -216,13 +216,9 @@ def _entry_label(name: str, i: int, where: str, file: str | None, ordered: bool)
 class LogicalAxes:
     """The logical axis names a model library uses, and the mesh axes it suggests for them.
 
-    A library that names logical axes only (in its parameters' metadata and in
-    [`constrain`][modelshard.constrain] on its activations) declares them once; its users
-    pass the declaration to [`logical_rules`][modelshard.logical_rules] as the first layer,
-    their own overrides after it. Every name a user's rules give is then checked against
-    the declared names when the ``with`` block is entered (a misspelt name gets "did you
-    mean"), and every declared name left without a mesh mapping is reported there too,
-    names used only by activations included, before anything is traced.
+    A library that names logical axes only declares them once; its users pass the
+    declaration to [`logical_rules`][modelshard.logical_rules] as the first layer, their own
+    overrides after it, and every name is checked when the ``with`` block is entered.
 
     Args:
         library: the library's name, as errors should say it (``"tinylm"``).
@@ -319,38 +315,21 @@ _JIT_KEY = jax.make_user_context(None)
 def logical_rules(*layers: Any, flax: bool = True) -> Iterator[LogicalRules | None]:
     """Set the logical rules for the code inside the ``with`` block, layer on layer.
 
-    Inside it, every logical name that a spec or [`Rules`][modelshard.Rules] does not map
-    itself (a ``Rules`` without ``logical=``, a plain ``PartitionSpec``, a spec function's
-    result, parameters' metadata) resolves through the rules, in
-    [`constrain`][modelshard.constrain], [`shard`][modelshard.shard],
-    [`plan`][modelshard.plan], [`shard_jit`][modelshard.shard_jit] (while tracing and
-    planning) and [`shard_map`][modelshard.shard_map]. An explicit ``Rules(logical=...)``
-    wins. The rules live in a ``ContextVar``, so each thread and task sees its own.
+    Inside it, every logical name that a spec does not map itself (a plain
+    ``PartitionSpec``, a [`Rules`][modelshard.Rules] without ``logical=``, parameters'
+    metadata) resolves through the rules, in [`constrain`][modelshard.constrain],
+    [`shard`][modelshard.shard], [`plan`][modelshard.plan],
+    [`shard_jit`][modelshard.shard_jit] and [`shard_map`][modelshard.shard_map]; an explicit
+    ``Rules(logical=...)`` wins. Each thread and task sees its own rules.
 
-    Layers: each layer's entries replace the earlier layers' entries for the same names
-    (all of a name's pairs, for Flax-style lists); names new in a layer are added. A
-    library's [`LogicalAxes`][modelshard.LogicalAxes] is the first layer (its defaults),
-    the user's rules the next. A nested ``logical_rules`` is one more layer on top of the
-    enclosing context's rules; a ``None`` layer drops everything below it
-    (``logical_rules(None)`` clears, ``logical_rules(None, rules)`` replaces).
+    Each layer's entries replace the earlier layers' for the same names; a nested
+    ``logical_rules`` is one more layer, and a ``None`` layer drops everything below it. When
+    a layer is a library's [`LogicalAxes`][modelshard.LogicalAxes], every name a user's layer
+    maps must be declared, and every declared name must end up mapped.
 
-    Declared names: when any layer here or in an enclosing context is a ``LogicalAxes``,
-    the rules are checked on entry: every name a user's layer maps must be declared (a
-    misspelt one gets "did you mean"), and every declared name must end up mapped.
-
-    Flax: with ``flax=True`` (default) the layered rules are also Flax's
-    ``nn.logical_axis_rules`` context inside the block, so Flax's own logical API sees
-    them too: linen's ``nn.with_logical_constraint`` and ``LogicallyPartitioned``
-    unboxing, ``nnx.get_partition_spec`` and NNX's eager sharding. Inside the block linen
-    applies its constraints as ``constrain`` does (it reshards where an Explicit axis is
-    involved, where Flax's ``with_sharding_constraint`` only asserts), and leaves a
-    parameter box whose value has fewer dimensions than its names unconstrained
-    (``DenseGeneral`` makes its kernel flat, then reshapes it; the reshaped parameter is
-    constrained when the module reads it). ``flax=False`` keeps Flax's code unconstrained.
-
-    Tracing: the rules in force are part of ``jax.jit``'s cache key, as the mesh is, so a
-    function jitted once and called under other rules (or none) is traced again and its
-    constraints follow the rules of each call; calls under equal rules share one trace.
+    With ``flax=True`` the rules are also Flax's ``nn.logical_axis_rules`` inside the block,
+    and linen's constraints reshard as ``constrain`` does. The rules in force are part of
+    ``jax.jit``'s cache key: a function called under other rules is traced again.
 
     Args:
         *layers: each a mapping ``{"batch": ("data", "fsdp"), "embed": None}``, Flax's

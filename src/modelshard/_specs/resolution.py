@@ -330,17 +330,13 @@ def _in_logical_terms(
         f"{name!r} (dimension {dim}, size {size}) maps to {onto} ({by}) by {label}: "
         f"{size} is not divisible by {n}"
     )
+    divides = (
+        f"map {name} to an axis whose size divides {size}, or replicate it: in {logical.file}, "
+    )
     if logical.file is not None and label.startswith("[logical] "):
-        hint = (
-            f"map {name} to an axis whose size divides {size}, or replicate it: in "
-            f'{logical.file}, [logical] {name} = "none"'
-        )
+        hint = divides + f'[logical] {name} = "none"'
     elif logical.file is not None and label.startswith("logical["):  # the file's pairs
-        entry = label.split(" of ", 1)[0]
-        hint = (
-            f"map {name} to an axis whose size divides {size}, or replicate it: in "
-            f"{logical.file}, set {entry} = {logical.entry(name, 'none')}"
-        )
+        hint = divides + f"set {label.split(' of ', 1)[0]} = {logical.entry(name, 'none')}"
     else:
         none = '"none"' if vocabulary() == "cli" else "None"
         hint = f"map {name!r} to an axis whose size divides {size}, or to {none}"
@@ -375,23 +371,13 @@ def _not_in_mesh(
     )
     close = close_match(axis, sizes)
     if close is not None:
-        return (
-            what,
-            (
-                f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
-                f"{logical.source} (mesh axes are {axes})"
-            ),
-            fields,
-        )
-    none = '"none"' if logical.file is not None else "None"
-    return (
-        what,
-        (
-            f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) in "
-            f"{logical.describe()}"
-        ),
-        fields,
-    )
+        hint = f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
+        hint += f"{logical.source} (mesh axes are {axes})"
+    else:
+        none = '"none"' if logical.file is not None else "None"
+        hint = f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) "
+        hint += f"in {logical.describe()}"
+    return what, hint, fields
 
 
 def _unknown(
