@@ -107,10 +107,8 @@ def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
 def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: Any) -> Any:
     """Build global arrays from per-device local pieces; return the same container type.
 
-    ``pieces[p]`` is the container of local shards held by mesh position ``p``, in mesh
-    order (``mesh.devices.flat``). In a multi-process run a process passes only its
-    addressable positions' pieces, in mesh order (or a mapping device -> piece); each
-    process then holds its part of the same global arrays.
+    ``pieces[p]`` is the container of local shards of mesh position ``p``
+    (``mesh.devices.flat`` order); in a multi-process run, only this process's positions.
 
     Args:
         pieces: one container per mesh position (or per addressable position), or a
@@ -121,11 +119,9 @@ def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: A
 
     Returns:
         The container of piece 0's type whose array leaves are global ``jax.Array``s.
-        Pieces already on a device are moved to their target device first.
 
     Raises:
-        AssembleError: wrong number of pieces, or pieces that disagree in structure,
-            dtype or shape (every one listed, with partition index and leaf path).
+        AssembleError: wrong number of pieces, or pieces that disagree (every one listed).
         SpecError: specs that do not fit the pieces or the mesh.
 
     Example:
@@ -194,9 +190,8 @@ def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: A
 def assemble_process_local(data: Any, specs: SpecLike, mesh: Any) -> Any:
     """Global arrays from this process's rows of each leaf (a data-parallel batch).
 
-    Every process passes its own slice (for a leaf sharded over ``data`` on 2 processes,
-    each process passes half the rows); the result spans all processes. In a
-    single-process run this equals [`shard`][modelshard.shard].
+    Every process passes its own slice; the result spans all processes (one process:
+    [`shard`][modelshard.shard]).
 
     Args:
         data: a container holding this process's slice of every leaf.

@@ -130,15 +130,9 @@ def strict_constraints(strict: bool = True) -> Iterator[None]:
     """Make every [`constrain`][modelshard.constrain] call inside the block strict (or,
     with ``False``, lenient again), including those in library code you do not edit.
 
-    A lenient ``constrain`` (the default) does nothing where no mesh is active, or where
-    its spec names logical axes and no logical rules are set, as Flax's
-    ``nn.with_logical_constraint`` does; a strict one raises ``MeshError`` or
-    ``SpecError`` there. ``constrain(..., strict=...)`` on a call wins over the context.
-    The setting is read while a function is traced, and is part of ``jax.jit``'s cache
-    key: a function jitted and traced outside the block is traced again inside it.
-
-    To make a whole test suite strict (a library's CI, say), enter it in an autouse
-    fixture: ``with ms.strict_constraints(): yield``.
+    A lenient ``constrain`` does nothing where no mesh is active, or where its spec names
+    logical axes and no logical rules are set; a strict one raises there. ``strict=`` on a
+    call wins. The setting is part of ``jax.jit``'s cache key (traced again inside the block).
 
     Example:
         >>> import jax.numpy as jnp
@@ -166,8 +160,7 @@ class ActivationConstraint:
     step's [`Plan`][modelshard.Plan] lists them as ``plan.activations``.
 
     Attributes:
-        name: the ``name=`` given to ``constrain``, else its call site
-            (``tinylm/model.py:42 in Block.__call__``).
+        name: the ``name=`` given to ``constrain``, else its call site.
         path: the leaf's path inside the constrained container (``""`` for one array).
         shape: the leaf's shape.
         dtype: the leaf's dtype name.
@@ -215,29 +208,20 @@ def constrain(
 ) -> Any:
     """Constrain every array leaf of ``tree`` to its planned sharding; same container back.
 
-    For use inside traced model code (it also works eagerly). Each leaf's spec comes from
-    the one rule engine, exactly as for [`shard`][modelshard.shard]. Leaves whose spec names
-    only Auto mesh axes get ``jax.lax.with_sharding_constraint``; where an Explicit axis is
-    involved (which ``with_sharding_constraint`` refuses), the leaf is resharded with
-    ``jax.sharding.reshard``, so the same model code runs on Auto and Explicit meshes.
-
-    Model code runs everywhere: where no mesh is active, or where the spec names logical
-    axes (``P("batch", "embed")``) and no logical rules are set, ``constrain`` does nothing
-    and returns ``tree``, as Flax's ``nn.with_logical_constraint`` does. Pass
-    ``strict=True`` (or run inside [`strict_constraints`][modelshard.strict_constraints])
-    to get the error instead. Once rules are set, a name they do not map is an error.
+    For traced model code (it also works eagerly); each leaf's spec comes from the rule
+    engine, as for [`shard`][modelshard.shard]. Auto axes get
+    ``jax.lax.with_sharding_constraint``, Explicit ones ``jax.sharding.reshard``, so one
+    model runs on both. Where no mesh is active, or the spec names logical axes and no
+    rules are set, it returns ``tree`` unchanged unless ``strict``.
 
     Args:
         tree: any registered container (or a single array).
         specs: one spec-like for the whole tree (see [`plan`][modelshard.plan]).
         mesh: the mesh; default: the active ``jax.set_mesh`` context (inside
             [`shard_jit`][modelshard.shard_jit], its mesh).
-        strict: raise where there is nothing to constrain by (no mesh; logical names
-            without rules); default: the [`strict_constraints`][modelshard.strict_constraints]
-            context, lenient outside one.
-        stacklevel: which frame errors name as the call site: 1, the caller; a library's
-            wrapper around ``constrain`` passes 2, so errors point at the model line that
-            called the wrapper.
+        strict: raise where there is nothing to constrain by; default: the
+            [`strict_constraints`][modelshard.strict_constraints] context, else lenient.
+        stacklevel: which frame errors name as the call site (a wrapper passes 2).
         name: how a step's plan names this constraint (default: its call site).
 
     Returns:
@@ -245,11 +229,9 @@ def constrain(
         place and returned.
 
     Raises:
-        MeshError: strict, ``mesh`` is omitted and no mesh is active; the message starts
-            with the call site, as a SpecError's does.
+        MeshError: strict, and no mesh given or active.
         SpecError: listing every leaf that cannot take its spec, headed by the call site
-            (``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``;
-            also ``err.site``), which a trace's traceback does not show.
+            (``err.site``), which a trace's traceback does not show.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -58,11 +58,9 @@ def _local_to_global(x: Any, s: Any) -> Any:
 def shard(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
     """Place every array leaf of ``tree`` by its plan; return the same container type.
 
-    Inputs may be NumPy arrays, uncommitted or committed JAX arrays, or arrays already
-    sharded differently: each ends up in its planned sharding. Static leaves (Equinox
-    activations, Python numbers) pass through. ``jax.ShapeDtypeStruct`` leaves come back
-    as ``ShapeDtypeStruct`` with the planned sharding (a restore target). An NNX module is
-    updated in place, as ``nnx.update`` does, and returned.
+    Every array leaf ends up in its planned sharding; static leaves pass through;
+    ``jax.ShapeDtypeStruct`` leaves get the sharding attached (a restore target). An NNX
+    module is updated in place and returned.
 
     Args:
         tree: any registered container.

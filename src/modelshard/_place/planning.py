@@ -42,20 +42,15 @@ from .plan_html import Tiles, logical_text, page, plan_html, rule_text
 class Plan:
     """Where every array leaf of one or more containers goes on a mesh.
 
-    Built by [`plan`][modelshard.plan] (one container) or by ``shard_jit`` (one per argument). A plan
-    holds no arrays, so it works on abstract trees and abstract meshes.
+    Built by [`plan`][modelshard.plan] or ``shard_jit``; it holds no arrays.
 
     Attributes:
         mesh: the ``Mesh`` or ``AbstractMesh`` planned for.
         args: one [`ArgPlan`][modelshard.ArgPlan] per argument.
-        activations: for a ``shard_jit`` step's plan, every leaf
-            [`constrain`][modelshard.constrain] places while the step runs
-            ([`ActivationConstraint`][modelshard.ActivationConstraint]: name, logical names,
-            spec, bytes per device); empty for [`plan`][modelshard.plan].
-        memory: for a plan made by [`step_memory`][modelshard.step_memory] (or
-            [`fit_advice`][modelshard.fit_advice]), the step's
-            [`StepMemory`][modelshard.StepMemory] from XLA, which the table and HTML show
-            too; None otherwise.
+        activations: for a step's plan, every
+            [`ActivationConstraint`][modelshard.ActivationConstraint] its trace placed.
+        memory: for a plan made by [`step_memory`][modelshard.step_memory], the step's
+            [`StepMemory`][modelshard.StepMemory]; None otherwise.
     """
 
     def __init__(self, args: Sequence[ArgPlan], mesh: Any):
@@ -156,13 +151,9 @@ class Plan:
     def groups(
         self, fold: bool = True, filter: str | re.Pattern[str] | None = None
     ) -> list[dict[str, Any]]:
-        """Rows of the plan: with ``fold``, leaves whose paths differ only in layer numbers
-        and that are planned alike (shape, dtype, spec, rule) are one row,
-        ``layers_{0..61}/mlp/kernel`` with ``count`` 62. ``filter`` is a regex searched in
-        each path. JSON-ready dicts: ``path``, ``count``, ``shape``, ``dtype``, ``spec``,
-        ``rule``, ``logical`` (as in ``rows``), ``bytes_per_device`` and ``bytes`` (each per
-        leaf), ``paths`` (every leaf's path).
-        """
+        """Rows of the plan as JSON-ready dicts (``rows``' keys, ``count`` and ``paths``): with
+        ``fold``, leaves planned alike whose paths differ only in layer numbers are one row
+        (``layers_{0..61}/mlp/kernel``); ``filter`` is a regex searched in each path."""
         named = self.named(filter)
 
         def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
@@ -186,9 +177,8 @@ class Plan:
         ]
 
     def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
-        """One summary per top-level module (first path component: ``params``,
-        ``opt_state``, ...): ``module``, ``leaves``, ``bytes`` (unsharded) and
-        ``bytes_per_device``, in order of first appearance."""
+        """One summary per top-level module: ``module``, ``leaves``, ``bytes`` (unsharded) and
+        ``bytes_per_device``."""
         out: dict[str, dict[str, Any]] = {}
         for path, leaf in self.named(filter):
             arg, colon, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
@@ -239,14 +229,9 @@ class Plan:
 
     # ---- rendering ------------------------------------------------------------------
     def rows(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
-        """One JSON-ready dict per leaf (the CLI's ``--json``); ``filter``: a regex.
-
-        ``spec`` is spelled as in a checkpoint record and ``modelshard inspect --json``:
-        one entry per dimension, ``null`` for a replicated dimension, a list for several
-        axes (``[["data", "fsdp"], null]``). ``logical``: per dimension, the logical names
-        that mapped it (``[{"name": "heads", "axes": ["model"], "rule": "rules['heads']"}]``,
-        ``[]`` for none), or ``null`` when no logical name was mapped.
-        """
+        """One JSON-ready dict per leaf (the CLI's ``--json``); ``filter``: a regex. ``spec`` is
+        one entry per dimension (``[["data", "fsdp"], null]``); ``logical`` per dimension the
+        names that mapped it, or null."""
         return [{"path": path, **self._leaf_json(leaf)} for path, leaf in self.named(filter)]
 
     def _leaf_json(self, leaf: LeafPlan) -> dict[str, Any]:
@@ -276,8 +261,7 @@ class Plan:
         fold: bool = True,
         filter: str | re.Pattern[str] | None = None,
     ) -> PlanTable:
-        """The plan as a table that prints properly: ``print(plan.table())`` (plain text),
-        ``rich.print(...)`` (colour, the terminal's width) and notebooks alike.
+        """The plan as a table for ``print``, ``rich.print`` and notebooks alike.
 
         Args:
             max_rows: show at most this many rows (then a line counting the rest);
@@ -288,11 +272,8 @@ class Plan:
         return PlanTable(self, max_rows=max_rows, fold=fold, filter=filter)
 
     def tiles(self, path: str) -> Any:
-        """Which device holds which slice of the leaf at ``path`` (``"arg:path"`` with
-        several args): one tile per shard, replicas listed together. Prints as a grid in a
-        terminal (rich), renders as HTML in notebooks; grids above 16 x 16 shards are
-        summarised. Returns a ``Tiles`` object: ``tiles`` (index, slices, device ids per
-        shard), ``parts``, ``replicas``, ``describe()``.
+        """Which device holds which slice of the leaf at ``path``: a ``Tiles`` (``tiles``,
+        ``parts``, ``replicas``, ``describe()``), a grid in a terminal and HTML in notebooks.
 
         Example:
             >>> import jax, jax.numpy as jnp
@@ -310,10 +291,7 @@ class Plan:
     def html(
         self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
     ) -> str:
-        """The plan as an HTML fragment (what notebooks show): summary, a per-device memory
-        bar split by top-level module, the grouped table whose rows open their tiles on
-        the mesh (``tiles=False``: without them), and a step's activation constraints.
-        Inline CSS only: no script, no external resource."""
+        """The plan as the HTML fragment notebooks show (inline CSS, no script)."""
         return plan_html(self, fold=fold, filter=filter, tiles=tiles)
 
     def to_html(
@@ -360,9 +338,7 @@ class Plan:
         return f"<Plan: {self.summary()}>"
 
     def activation_rows(self) -> list[dict[str, Any]]:
-        """One JSON-ready dict per activation constraint of a step: ``name``, ``path``,
-        ``shape``, ``dtype``, ``written`` (the spec as the model wrote it), ``logical`` (as
-        in ``rows``), ``spec`` and ``bytes_per_device``."""
+        """One JSON-ready dict per activation constraint of a step."""
         return [
             {
                 "name": a.name,
@@ -568,9 +544,7 @@ def plan(tree: Any, specs: SpecLike, mesh: Any = None) -> Plan:
     """Plan where every array leaf of ``tree`` goes on ``mesh``, checking every leaf.
 
     Args:
-        tree: any registered container: pytree, optax state, ``TrainState``, NNX module or
-            state, linen variables, Equinox module. Leaves may be arrays or
-            ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``), so nothing is allocated.
+        tree: any registered container; leaves may be ``jax.ShapeDtypeStruct``.
         specs: one spec-like for the whole tree (``P()``, [`Rules`][modelshard.Rules], [`fsdp`][modelshard.fsdp],
             a function, or a prefix tree of these).
         mesh: a ``jax.sharding.Mesh`` or an ``AbstractMesh`` of any size; default: the

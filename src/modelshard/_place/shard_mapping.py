@@ -291,15 +291,10 @@ def shard_map(
 ) -> Any:
     """``jax.shard_map`` over containers: one spec-like per argument, expanded onto its leaves.
 
-    Each argument (NNX module or state, linen variables, Equinox module, optax state, any
-    pytree) is split into array leaves and its spec-like expanded onto every leaf by the
-    same rule engine as [`plan`][modelshard.plan]; every problem, across all arguments, is
-    listed with the leaf's path before ``fn`` is traced (each sharded dimension must
-    divide into whole local shards). Inside ``fn`` each argument is the same container
-    type holding its local shards; ``fn`` may return any container, and ``out_specs``
-    (one spec-like, or a prefix tree of them over the output) says how each output
-    leaf's shards are concatenated, as in ``jax.shard_map``. Logical names resolve
-    through ``Rules(logical=...)`` or the active [`logical_rules`][modelshard.logical_rules].
+    Each argument's spec-like is expanded onto its leaves as by [`plan`][modelshard.plan],
+    every problem listed before ``fn`` is traced. Inside ``fn`` each argument is the same
+    container holding its local shards; ``out_specs`` says how each output leaf's shards
+    are concatenated, as in ``jax.shard_map``.
 
     Args:
         fn: the per-shard function. Containers it receives are rebuilt from shards:
@@ -313,8 +308,7 @@ def shard_map(
         check_vma: JAX's replication checks on the outputs.
 
     Returns:
-        The mapped function (or a decorator, when ``fn`` is omitted). Calls with a new
-        structure, shape or static value are planned and compiled once, then cached.
+        The mapped function (or a decorator); each new signature is compiled once.
 
     Raises:
         SpecError: listing every leaf that cannot take its spec (inputs before tracing,
