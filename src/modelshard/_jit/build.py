@@ -105,11 +105,6 @@ def has_tracer(flat: Sequence[Any]) -> bool:
     return any(isinstance(x, Tracer) for x in flat)
 
 
-def _positional(slots: tuple[Slot, ...]) -> bool:
-    """Whether every argument is positional and dynamic (else the full path binds them)."""
-    return [(s.pos, s.kw, s.static) for s in slots] == [(i, None, False) for i in range(len(slots))]
-
-
 def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
     weak = bool(getattr(x, "weak_type", False))
     return jax.ShapeDtypeStruct(x.shape, canonical_dtype(x.dtype), sharding=s, weak_type=weak)
@@ -206,7 +201,8 @@ def build_entry(call: Call) -> Entry:
     jitted = jax.jit(
         traced, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh), donate_argnums=donate
     )
-    positional = _positional(call.slots)
+    # every argument positional and dynamic (else the full path binds them)
+    positional = all((s.pos, s.kw, s.static) == (i, None, False) for i, s in enumerate(call.slots))
     return Entry(
         jitted, in_sh, leaf_plans, plan, desc, updates, expect, bounds, positional, abstract
     )

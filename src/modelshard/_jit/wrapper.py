@@ -344,15 +344,10 @@ class ShardJit:
     def cache_size(self) -> int:
         """How many signatures have been compiled: one XLA compilation each.
 
-        A signature is the arguments' structure, shapes, dtypes, static leaves and static
-        arguments, the mesh and the active logical rules; how the arrays are placed is not
-        part of it (NumPy arrays, uncommitted arrays and the step's own outputs fed back run
-        the same executable). Signatures only planned or lowered (``.plan``, ``.lower``)
-        are not counted; ``clear_cache`` resets the count. The cache holds each signature's
-        structure (tree structures, shapes, dtypes, shardings, static values), never the
-        arrays or modules of the calls that made it. To count compilations yourself,
-        listen to JAX's ``/jax/core/compile/backend_compile_duration`` monitoring event
-        (the fine-tuning guide shows how).
+        A signature is the arguments' structure, shapes, dtypes and static values, the mesh
+        and the active logical rules, not how the arrays are placed. Signatures only planned
+        or lowered are not counted; ``clear_cache`` resets the count. The cache keeps no
+        arrays or modules of the calls that made it.
         """
         return sum(1 for e in self._by_signature.values() if e.compiled is not None)
 
@@ -417,44 +412,28 @@ def shard_jit(
 ) -> Any:
     """Compile ``fn`` for ``mesh`` with one spec-like per argument; usable as a decorator.
 
-    Arguments may be containers of every registered kind (pytrees, optax states,
-    ``TrainState``, NNX modules, linen variables, Equinox modules); each argument's
-    spec-like is expanded onto every array leaf inside it by the one rule engine, and
-    non-array leaves are carried statically (they are part of the cache key). NNX modules
-    behave as with ``nnx.jit``: state updated inside the function (BatchNorm statistics,
-    RNG counts, optimizer steps) is written back into the caller's module.
+    Arguments may be containers of every registered kind; each argument's spec-like is
+    expanded onto every array leaf inside it, and non-array leaves are static (part of the
+    cache key). NNX modules behave as with ``nnx.jit``: state updated inside the function is
+    written back into the caller's module.
 
-    Inputs are placed before the call whatever they are: NumPy arrays, uncommitted
-    arrays, arrays committed to one device, or arrays sharded another way. With
-    ``on_mismatch="raise"``, a committed array whose sharding differs from the plan raises
-    [`ShardingMismatchError`][modelshard.ShardingMismatchError] naming the leaf and both shardings instead.
+    Inputs are placed before the call whatever they are (NumPy, uncommitted, or sharded
+    another way); with ``on_mismatch="raise"`` a committed array placed otherwise raises
+    [`ShardingMismatchError`][modelshard.ShardingMismatchError] instead.
 
-    Each signature (structure, shapes, dtypes, static values, mesh, logical rules, and
-    for NNX modules each ``Variable``'s metadata) is compiled once, by one XLA
-    compilation, whatever its inputs are: NumPy arrays, unplaced or placed arrays and the
-    step's own outputs fed back all run the same executable
-    ([`cache_size`][modelshard.ShardJit.cache_size] counts them). Metadata is part of it as
-    in ``nnx.jit`` (the function sees it, and plans read ``out_sharding`` from it): a
-    ``Variable.set_metadata`` between calls, of any key, plans and compiles again, and
-    metadata set back to what it was runs the executable already compiled.
+    Each signature (structure, shapes, dtypes, static values, mesh, logical rules, NNX
+    ``Variable`` metadata) is compiled once, whatever its inputs' placement
+    ([`cache_size`][modelshard.ShardJit.cache_size] counts them).
 
     Args:
         fn: the function.
-        mesh: the ``jax.sharding.Mesh`` to compile for (Auto or Explicit axes); default:
-            the mesh set by ``jax.set_mesh`` when the function is called (each mesh is
-            planned and compiled once). Logical names resolve through the
-            [`logical_rules`][modelshard.logical_rules] context active at the call.
-        in_specs: a tuple with one spec-like per positional argument (ignored for static
-            ones; ``None`` for an argument holding no arrays), or a dict from parameter
-            name to spec-like, resolved against ``fn``'s signature so keyword arguments
-            work too.
-        out_specs: ``None`` (default): a sharding the function set itself (``constrain``,
-            ``jax.lax.with_sharding_constraint``, an Explicit-mesh sharding in the output's
-            type) is kept; an output that is the same state coming back (exactly an input
-            argument's container structure, leaf by leaf with the same shape and dtype)
-            keeps that input's shardings (``state -> new_state``); the compiler decides the
-            rest, as with ``jax.jit``. Otherwise one spec-like (or prefix tree of them) for
-            the whole output.
+        mesh: the ``jax.sharding.Mesh`` to compile for; default: the mesh set by
+            ``jax.set_mesh`` at the call (each mesh is planned and compiled once).
+        in_specs: a tuple with one spec-like per positional argument (``None`` for one
+            holding no arrays), or a dict from parameter name to spec-like.
+        out_specs: ``None`` (default): shardings the function set itself are kept, an input's
+            state coming back keeps that input's shardings, and the compiler decides the
+            rest; otherwise one spec-like (or prefix tree of them) for the output.
         donate_argnums: positional arguments whose array leaves are donated.
         donate_argnames: the same, by parameter name.
         static_argnums: positional arguments passed as compile-time constants (hashable).
