@@ -43,8 +43,7 @@ class Suggestion:
         step: the function compiled (the rematerialised step for ``remat``).
         code: what to paste: Python for the change.
         error: why the candidate could not be compiled (then ``memory`` is None).
-        notes: the changes that are not placement (donation, moments, remat, batch), as
-            in ``code``.
+        notes: the changes that are not placement, as in ``code``.
     """
 
     kind: str
@@ -62,8 +61,7 @@ class Suggestion:
     notes: tuple[str, ...] = ()
 
     def pasteable(self) -> str:
-        """``code`` where Python is read; on the command line each changed argument's rules
-        as a rules file (TOML), then the other changes."""
+        """``code``; on the command line, each changed argument's rules as a rules file."""
         if vocabulary() != "cli" or not self.rules:
             return self.code
         files = [f"# rules file for {name}\n{r.to_toml()}" for name, r in self.rules.items()]
@@ -102,10 +100,10 @@ class FitAdvice:
         memory: the step as given ([`StepMemory`][modelshard.StepMemory]).
         fits: whether it fits as given (then no suggestion is made).
         suggestions: every candidate checked, in the order tried, with its bytes.
-        best: the least invasive suggestion that fits (the first that fits, in ``KINDS``
-            order, a combination last); None when the step fits or nothing tried fits.
-        compiles: how many compiles the advice took (one per candidate, plus the step).
-        compile_seconds: their total time (lowering and compiling, each candidate's own).
+        best: the least invasive suggestion that fits (``KINDS`` order); None when the
+            step fits or nothing tried does.
+        compiles: how many compiles the advice took.
+        compile_seconds: their total time.
     """
 
     budget: int
@@ -131,9 +129,7 @@ class FitAdvice:
         """Raise if the step as given does not fit the budget.
 
         Raises:
-            FitError: one problem naming the step's bytes per device, the budget, its
-                largest parts and the smallest change that fits (if any was found);
-                ``advice`` is this object.
+            FitError: naming the step's bytes, the budget and the smallest change that fits.
         """
         if self.fits:
             return
@@ -168,8 +164,7 @@ class FitAdvice:
         )
 
     def lines(self) -> list[str]:
-        """The verdict, each change checked with its bytes, and the smallest that fits
-        (with what to paste): what ``str()`` prints below the step's memory."""
+        """The verdict, each change checked with its bytes, and the smallest that fits."""
         m = self.memory
         verdict = "fits" if self.fits else "does not fit"
         out = [
@@ -218,17 +213,12 @@ def fit_advice(
 ) -> FitAdvice:
     """Whether ``step`` fits ``budget`` bytes per device, and the smallest change that does.
 
-    The step is compiled once as given ([`step_memory`][modelshard.step_memory]); if it does
-    not fit, each candidate change is compiled once more, from abstract arguments only
-    (nothing is allocated), and its bytes per device read from XLA: donating the state,
-    sharding the optimizer state over a mesh axis (ZeRO-1), bfloat16 first moments, FSDP
-    (parameters and optimizer state over an axis), tensor parallelism for known parameter
-    names (``q/k/v``, ``up/gate``: output dimension; ``o``, ``down``: input dimension;
-    embeddings: vocabulary), the rematerialised step (``remat``, or the step's own
-    ``remat=True`` keyword), and halving the batch until it fits. When no single change
-    fits, the changes that saved memory are combined, largest saving first, until it fits;
-    only then is the batch cut (with them all applied): the last resort. Placement changes come as [`Rules`][modelshard.Rules] (``Suggestion.rules``,
-    ``Suggestion.code``), ready to paste.
+    The step is compiled as given ([`step_memory`][modelshard.step_memory]); if it does not
+    fit, each candidate change is compiled once more from abstract arguments: donation,
+    ZeRO-1, bfloat16 moments, FSDP, tensor parallelism by parameter name, remat, and halving
+    the batch. Changes that saved memory are combined, largest first, when none fits alone;
+    the batch is cut last. Placement changes come as [`Rules`][modelshard.Rules], ready to
+    paste.
 
     Args:
         step: the training step (a function or a ``ShardJit``).
@@ -236,15 +226,12 @@ def fit_advice(
         budget: bytes per device, or text such as ``"16GiB"``.
         mesh, in_specs, donate_argnums, static_argnums, batch_argnums, roles, topology,
             **kwargs: as for [`step_memory`][modelshard.step_memory].
-        remat: the same step with rematerialisation (``jax.checkpoint`` around its layers or
-            loss), to check as a candidate.
+        remat: the same step with rematerialisation, to check as a candidate.
         kinds: which kinds of change to try (``KINDS``).
-        first: stop at the first change that fits (fewer compiles); by default every
-            single change is checked, so each one's saving is known.
+        first: stop at the first change that fits (fewer compiles).
 
     Returns:
-        A [`FitAdvice`][modelshard.FitAdvice]: ``fits``, ``best``, every ``suggestions``
-        with its bytes, and the compile count and time.
+        A [`FitAdvice`][modelshard.FitAdvice].
 
     Raises:
         SpecError: a spec that cannot be placed, an unknown role or kind, a bad budget.

@@ -59,19 +59,14 @@ _OPT_NAMES = frozenset({"opt_state", "optimizer", "opt"})
 class StepMemory:
     """The memory one device needs to run a compiled step, from XLA's analysis.
 
-    ``parts`` add up to ``total`` exactly. Inputs are split by role from the plan (each
-    leaf's bytes per device); ``gradients`` is an estimate, the parameters' bytes per device
-    (they live among XLA's temporaries, which do not say which buffer is which), capped by
-    the temporaries; ``temporaries`` is the rest of XLA's temporary and peak bytes
-    (activations, the optimizer's intermediates); ``outputs`` the output buffers not written
-    in place of a donated input; ``layout`` what XLA's argument bytes differ from the plan's
-    (padding of small arrays on TPU, positive; inputs the program does not use and drops,
-    negative), zero on CPU.
+    ``parts`` add up to ``total`` exactly: inputs by role, from the plan; ``gradients``
+    estimated as the parameters' bytes (XLA's temporaries do not say which buffer is which);
+    ``temporaries`` the rest of XLA's; ``outputs`` those not written over donated inputs;
+    ``layout`` what XLA's argument bytes differ from the plan's (padding, pruned inputs).
 
     Attributes:
-        total: bytes per device: XLA's ``peak_memory_in_bytes`` where the backend reports
-            the program's peak (TPU, GPU), else argument + output + temporary - alias
-            bytes (CPU, whose ``peak_memory_in_bytes`` is not the program's peak).
+        total: bytes per device: XLA's peak where the backend reports the program's (TPU,
+            GPU), else argument + output + temporary - alias bytes (CPU).
         parts: part name -> bytes per device (``PARTS`` order).
         argument: XLA's ``argument_size_in_bytes``.
         output: ``output_size_in_bytes``.
@@ -85,10 +80,8 @@ class StepMemory:
         mesh: axis name -> size.
         plan: the [`Plan`][modelshard.Plan] of the step's inputs (its ``memory`` is this).
         roles: ``(displayed path, role)`` of every input leaf.
-        refused: XLA's message where it refused to compile the step because it needs more
-            memory than the device has (TPU's ``RESOURCE_EXHAUSTED``); the figures are then
-            estimated: the temporaries XLA's message names plus the planned inputs, no
-            output counted. None when the step compiled.
+        refused: XLA's message where it refused the step for needing more memory than the
+            device has (the figures are then estimated from it); None when it compiled.
     """
 
     total: int
@@ -538,35 +531,27 @@ def step_memory(
 ) -> StepMemory:
     """The per-device memory of one call of ``step``, from XLA, before any run.
 
-    The step is compiled once for abstract arguments (``jax.ShapeDtypeStruct`` leaves, from
-    ``jax.eval_shape``; arrays work too), as [`shard_jit`][modelshard.shard_jit] would
-    compile it, and XLA's memory analysis is split into parameters, optimizer state,
-    gradients, activations and temporaries, batch and outputs (see
-    [`StepMemory`][modelshard.StepMemory]). Nothing is allocated on any device.
+    The step is compiled once for abstract arguments, as [`shard_jit`][modelshard.shard_jit]
+    would compile it, and XLA's memory analysis split by part
+    ([`StepMemory`][modelshard.StepMemory]). Nothing is allocated.
 
     Args:
         step: the training step (a function or a ``ShardJit``).
         *args: its arguments, abstract (concrete arrays are read for their shapes only).
         mesh: a ``Mesh``, an ``AbstractMesh`` or axis sizes; default: a ``ShardJit`` step's
-            own mesh, else the active mesh. A mesh
-            larger than this machine compiles on simulated CPU devices, or for a TPU
-            ``topology``.
+            own, else the active mesh.
         in_specs: one spec-like per argument, as for ``shard_jit``.
-        donate_argnums: arguments donated to the step (the state: its outputs then take the
-            inputs' place, as in a training loop).
+        donate_argnums: arguments donated to the step (the state, as in a training loop).
         static_argnums: arguments passed as compile-time constants.
         batch_argnums: the batch's positions; default: the last argument when there are
             several.
-        roles: role -> regex searched in a leaf's displayed path (``"arg:path"``), to say
-            which leaves are ``parameters``, ``optimizer_state``, ``batch`` or
-            ``other_inputs`` where the default (by container: optax states and
-            ``opt_state`` keys are optimizer state) is not right.
+        roles: role (``parameters``, ``optimizer_state``, ``batch``, ``other_inputs``) ->
+            regex searched in a leaf's ``"arg:path"``, where the default guess is wrong.
         topology: a TPU topology name (``"v5e:4x4"``) to compile for.
         **kwargs: keyword arguments of the step.
 
     Returns:
-        A [`StepMemory`][modelshard.StepMemory]; its ``plan`` is the inputs'
-        [`Plan`][modelshard.Plan], whose table and HTML show the step's memory too.
+        A [`StepMemory`][modelshard.StepMemory]; its ``plan`` is the inputs'.
 
     Raises:
         SpecError: a spec that cannot be placed, or an unknown role.

@@ -21,15 +21,11 @@ def norm_spec(spec: PartitionSpec) -> tuple[Any, ...]:
     return tuple(entries)
 
 
-def _component(c: str) -> str:
-    """One path component as a regex; layer numbers match any number."""
-    return re.sub(r"\d+", r"\\d+", re.escape(c))
-
-
 def _candidates(path: str) -> list[str]:
     """Patterns matching ``path``, shortest first: a suffix of its components, or a first
     component and a suffix."""
-    comps = [_component(c) for c in path.split("/")]
+    # each component as a regex, layer numbers matching any number
+    comps = [re.sub(r"\d+", r"\\d+", re.escape(c)) for c in path.split("/")]
     n = len(comps)
     out = []
     for k in range(1, n + 1):
