@@ -1,22 +1,10 @@
 """One script, alone or on many processes: start JAX's distributed runtime from the environment.
 
-``initialize()`` reads what ``modelshard launch`` (or a cluster launcher: SLURM, Open MPI,
-a Cloud TPU pod, anything that sets ``JAX_COORDINATOR_ADDRESS``) put in the environment and
-calls ``jax.distributed.initialize``; in a plain single process it does nothing. Call it
-first, before any JAX computation, and the same script runs unchanged everywhere.
-
-The helpers below are the few multi-process operations a training script needs:
-``is_main_process`` (who prints and logs), ``barrier`` (everyone waits), ``broadcast``
-(process 0's decision on every process), ``gather`` (one small value from each process)
-and ``to_host`` (a global array's full value on every process, through an all-gather).
-
-``barrier``, ``broadcast`` and ``gather`` go through the distributed runtime's coordination
-service (its barriers and key-value store), not through device collectives: they need no
-compiled program, can never be confused with the user's own collectives, and wait at most
-``MODELSHARD_BARRIER_TIMEOUT`` seconds (``DEFAULT_BARRIER_TIMEOUT_S``) before raising a
-``DistributedError`` that names the barrier. A process that dies is noticed by the runtime
-after ``MODELSHARD_HEARTBEAT_TIMEOUT`` seconds (JAX's ``heartbeat_timeout_seconds``, 100 by
-default), and then every other process is terminated with an error saying so.
+``initialize()`` reads what ``modelshard launch`` or a cluster launcher put in the
+environment; in a plain process it does nothing. ``barrier``, ``broadcast`` and ``gather``
+go through the runtime's coordination service, not device collectives: no compiled program,
+and at most ``MODELSHARD_BARRIER_TIMEOUT`` seconds of waiting before a ``DistributedError``
+names the barrier.
 """
 
 from ._runtime import DEFAULT_BARRIER_TIMEOUT_S as DEFAULT_BARRIER_TIMEOUT_S

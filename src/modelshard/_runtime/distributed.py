@@ -65,12 +65,8 @@ def env_seconds(name: str, env: Mapping[str, str] | None = None) -> float | None
 
 
 def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
-    """The cluster launcher JAX can configure itself from, or ``None`` in a plain process.
-
-    Only cheap checks of the environment (no network queries): ``JAX_COORDINATOR_ADDRESS``,
-    SLURM with more than one task, Open MPI with more than one rank, GKE TPU worker lists,
-    and Cloud TPU VMs (which JAX configures from the metadata server).
-    """
+    """The cluster launcher JAX can configure itself from (SLURM, Open MPI, TPU pods, ...), or
+    ``None`` in a plain process; the environment only, no network queries."""
     env = os.environ if env is None else env
 
     def many(name: str) -> bool:
@@ -105,28 +101,14 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
 def initialize(**jax_kwargs: Any) -> bool:
     """Start JAX's distributed runtime if this process is one of several; else do nothing.
 
-    Reads, in order:
-
-    1. ``modelshard launch`` variables: ``MODELSHARD_COORDINATOR`` (``host:port``),
-       ``MODELSHARD_NUM_PROCESSES``, ``MODELSHARD_PROCESS_ID`` and, for simulated CPU
-       devices, ``MODELSHARD_LOCAL_DEVICES`` (sets ``jax_num_cpu_devices`` first);
-    2. a cluster environment JAX detects itself (see ``cluster_detected``): then
-       ``jax.distributed.initialize()`` is called without arguments;
-    3. nothing: a single process, and this is a no-op (``MODELSHARD_LOCAL_DEVICES`` is
-       still honoured).
-
-    Call it once, first, before any JAX computation. Calling it again is harmless.
-
-    ``MODELSHARD_HEARTBEAT_TIMEOUT`` (seconds, ``modelshard launch --heartbeat-timeout``;
-    a positive number as ``MODELSHARD_BARRIER_TIMEOUT`` takes, a fraction rounded up to
-    JAX's whole seconds) becomes ``heartbeat_timeout_seconds``: how long a process may go silent (killed, its
-    host lost) before the runtime declares it dead and terminates every other process
-    with an error naming it. Unset, JAX's default applies (100 s).
+    Reads ``modelshard launch``'s ``MODELSHARD_*`` variables, else a cluster environment
+    JAX detects itself (``cluster_detected``); in a plain process it does nothing.
+    ``MODELSHARD_LOCAL_DEVICES`` sets the simulated CPU devices, and
+    ``MODELSHARD_HEARTBEAT_TIMEOUT`` the seconds a silent process has before it is declared
+    dead. Call it once, first, before any JAX computation; again is harmless.
 
     Args:
-        **jax_kwargs: passed on to ``jax.distributed.initialize`` (for example
-            ``initialization_timeout=60`` or ``heartbeat_timeout_seconds=30``); explicit
-            ``coordinator_address``, ``num_processes`` and ``process_id`` win over the
+        **jax_kwargs: passed on to ``jax.distributed.initialize``; they win over the
             environment.
 
     Returns:
@@ -269,9 +251,8 @@ def wait_failed(what: str, name: str, timeout: float, e: Exception) -> Distribut
 def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None) -> None:
     """Wait until every process reaches this point (a no-op in a single process).
 
-    Every process must call it with the same ``name``, in the same order. It is a barrier
-    of the distributed runtime's coordination service (no device collective, nothing to
-    compile), so it is safe wherever the devices are busy.
+    Every process must call it with the same ``name``, in the same order. It goes through
+    the coordination service (no device collective), so it is safe while devices are busy.
 
     Args:
         name: the barrier's name (the n-th call of a name is one barrier).
@@ -303,10 +284,8 @@ def broadcast(
 ) -> Any:
     """Process 0's ``value`` on every process (a JSON value; the others' are ignored).
 
-    What process 0 decides from what it alone reads (a listing of the file system) so
-    that every process acts on the same decision. Every process must call it with the same
-    ``name``, in the same order. It goes through the coordination service's key-value
-    store; process 0 does not wait.
+    Every process acts on process 0's decision; all call it with the same ``name``, in the
+    same order (process 0 does not wait).
 
     Raises:
         DistributedError: process 0's value did not come within the timeout
@@ -342,8 +321,7 @@ def gather(
 ) -> list[Any]:
     """Every process's ``value`` (JSON), in process order, on every process.
 
-    Every process must call it with the same ``name``, in the same order (coordination
-    service key-value store; each waits for all the others).
+    Every process must call it with the same ``name``, in the same order.
 
     Raises:
         DistributedError: a process's value did not come within the timeout.
@@ -434,10 +412,9 @@ def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
 def to_host(tree: Any) -> Any:
     """The full value of every array leaf as NumPy, on every process.
 
-    Arrays that span devices of other processes are all-gathered (a collective: every
-    process must call it, with the same tree); the rest are copied. Typed PRNG keys come
-    back as their ``jax.random.key_data``. NNX modules come back as their ``nnx.State``,
-    other containers as themselves.
+    Arrays spanning other processes' devices are all-gathered (every process must call it,
+    with the same tree). PRNG keys come back as their ``key_data``, NNX modules as their
+    ``nnx.State``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -466,8 +443,7 @@ def to_host(tree: Any) -> Any:
 def local_slice(shape: Sequence[int], spec: Any, mesh: Any) -> tuple[slice, ...]:
     """The block of a global array that this process's devices hold: what to load here.
 
-    With a batch sharded over ``data``, each process reads only these rows from disk and
-    passes them to [`modelshard.assemble`][modelshard.assemble] (or ``jax.make_array_from_process_local_data``).
+    Each process reads only this block, for [`modelshard.assemble`][modelshard.assemble].
 
     Args:
         shape: the global shape.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import re
@@ -188,13 +189,6 @@ except OSError as e:
 """
 
 
-def _with_exec_helper(command: Sequence[str]) -> list[str]:
-    """``command`` run through ``_EXEC_HELPER`` on Linux; as it is elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return list(command)
-    return [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *command]
-
-
 def _cannot_start(program: str) -> str | None:
     """Why ``program`` cannot be executed (``strerror``-style), or ``None``."""
     path = program if os.sep in program else shutil.which(program)
@@ -305,9 +299,10 @@ def run(
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
+    note = functools.partial(_note, stderr, lock)
     why = _cannot_start(command[0])
     if why is not None:
-        _note(stderr, lock, f"cannot start {command[0]!r}: {why}")
+        note(f"cannot start {command[0]!r}: {why}")
         return 127
     reservation = reserve_port() if port is None else None
     if port is None:
@@ -326,7 +321,9 @@ def run(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             previous[sig] = signal.signal(sig, on_signal)
-    argv = _with_exec_helper(command)
+    argv = list(command)
+    if sys.platform.startswith("linux"):  # through _EXEC_HELPER
+        argv = [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *argv]
     try:
         for i in range(num):
             env = child_env(dict(os.environ), coordinator, num, i, devices, heartbeat_timeout)
@@ -340,7 +337,7 @@ def run(
                     start_new_session=True,
                 )
             except OSError as e:
-                _note(stderr, lock, f"cannot start {command[0]!r}: {e.strerror or e}")
+                note(f"cannot start {command[0]!r}: {e.strerror or e}")
                 return 127
             procs.append(proc)
         for i, proc in enumerate(procs):
@@ -363,25 +360,21 @@ def run(
                 if stop is not None:  # asked to stop (preempted): not a failure
                     stop_grace = grace
                     stopping = f"{stop}; stopping the others (--grace {grace:g} s)"
-                    _note(stderr, lock, f"process {i} stopped on {stopping}")
+                    note(f"process {i} stopped on {stopping}")
                 else:
-                    _note(stderr, lock, f"process {i} exited with code {c}; stopping the others")
+                    note(f"process {i} exited with code {c}; stopping the others")
                 break
             if all(c == 0 for c in codes):
                 break
             if interrupted:
                 stop_grace = grace
                 status = 128 + interrupted[0]
-                _note(
-                    stderr,
-                    lock,
-                    f"got signal {interrupted[0]}; stopping every process (SIGTERM, then "
-                    f"SIGKILL after --grace {grace:g} s)",
-                )
+                stopping = f"SIGTERM, then SIGKILL after --grace {grace:g} s"
+                note(f"got signal {interrupted[0]}; stopping every process ({stopping})")
                 break
             if deadline is not None and time.monotonic() > deadline:
                 status = 124
-                _note(stderr, lock, f"timed out after {timeout:g} s; stopping every process")
+                note(f"timed out after {timeout:g} s; stopping every process")
                 break
             time.sleep(_POLL_S)
     finally:
@@ -401,18 +394,16 @@ def run(
         "(--grace is the time a stop by a signal gives)"
     )
     for i in killed:
-        _note(
-            stderr,
-            lock,
+        note(
             f"process {i} was still running {stop_grace:g} s after SIGTERM and was killed: "
-            f"whatever it was saving (a checkpoint) was cut short; {more}",
+            f"whatever it was saving (a checkpoint) was cut short; {more}"
         )
     if killed and (status == 0 or _stopped(status) is not None):
         status = 128 + signal.SIGKILL  # not the status of a clean stop
     codes = [p.returncode for p in procs]
     if status != 0 and len(codes) == num:
         report = ", ".join(f"process {i} {_status_text(c)}" for i, c in enumerate(codes))
-        _note(stderr, lock, f"exit status: {report}")
+        note(f"exit status: {report}")
     return status
 
 
