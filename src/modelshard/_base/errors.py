@@ -31,24 +31,18 @@ class Problem:
     Attributes:
         arg: which argument the leaf belongs to (``"tree"`` for a single tree).
         path: canonical path of the leaf inside the argument (``""`` for a root leaf), or
-            None when the problem concerns no single leaf (a plan over its memory budget: the
-            text names ``arg`` alone, the JSON's ``path`` is null).
+            None when the problem concerns no single leaf.
         what: one sentence saying what is wrong.
         shape: the leaf's shape, if it is an array leaf.
         dtype: the leaf's dtype name, if it is an array leaf.
-        spec: the spec that was produced for the leaf, formatted (``"P(None, 'model')"``);
-            give the ``PartitionSpec`` itself when constructing, and ``spec_json`` keeps
-            its JSON spelling.
+        spec: the spec produced for the leaf, formatted (give the ``PartitionSpec`` itself).
         rule: which rule produced it (``"rule 0 'kernel$'"``, ``"metadata"``, ...).
-        mesh: the mesh axis sizes, formatted (``"data=2, model=4"``); give the sizes
-            (``{"data": 2, "model": 4}``) when constructing, and ``mesh_sizes`` keeps them.
+        mesh: the mesh axis sizes, formatted (give the ``{"axis": size}`` mapping itself).
         hint: how to fix it.
-        cause: the cause in words when problems of this kind should be grouped as one
-            (default: grouped by ``what`` without its numbers).
+        cause: the cause in words that groups problems (default: ``what`` less its numbers).
         dimension: the leaf's dimension the problem is about, or None.
         logical_name: the logical axis name the problem is about (``"heads"``), or None.
-        logical_rule: the entry of logical rules that mapped it, as the user wrote it
-            (``"rules['heads']"``, ``"tinylm defaults['heads']"``), or None.
+        logical_rule: the entry of logical rules that mapped it (``"rules['heads']"``), or None.
         spec_json: the spec as every JSON output spells it (``[None, "model"]``), or None.
         mesh_sizes: the mesh as ``{"axis": size}``, or None.
     """
@@ -80,8 +74,7 @@ class Problem:
             object.__setattr__(self, "mesh", format_mesh(self.mesh))
 
     def to_json(self) -> dict[str, Any]:
-        """The problem as JSON, specs and meshes spelled as in every JSON output:
-        ``spec`` a list (``[null, "model"]``), ``mesh`` an object (``{"model": 3}``)."""
+        """The problem as JSON (``spec`` a list, ``mesh`` an object, as every JSON output)."""
         return {
             "arg": self.arg,
             "path": self.path,
@@ -99,8 +92,7 @@ class Problem:
         }
 
     def spec_text(self) -> str | None:
-        """The spec as people read it: ``P(None, 'model')``, or under ``speaking("cli")``
-        as a rules file writes it, ``["none", "model"]``."""
+        """The spec as people read it: ``P(None, 'model')``, or as a rules file writes it."""
         if vocabulary() == "cli" and self.spec_json is not None:
             return toml_spec(self.spec_json)
         return None if self.spec is None else str(self.spec)
@@ -314,9 +306,7 @@ class SpecError(ModelshardError, ValueError):
 
     Attributes:
         problems: one [`Problem`][modelshard.Problem] per offending leaf or prefix entry.
-        site: where in the user's code the specs were applied, when that is not the
-            call that raised (``constrain at model.py:42 in MLP.__call__, while tracing step
-            (train.py:9)``).
+        site: where in the user's code the specs were applied, when not the call that raised.
     """
 
     __module__ = "modelshard"
@@ -406,11 +396,10 @@ def spec_error(
 
 class FitError(SpecError):
     """A step needs more memory per device than its budget
-    ([`FitAdvice.check`][modelshard.FitAdvice.check], ``modelshard plan --step --budget``).
+    ([`FitAdvice.check`][modelshard.FitAdvice.check]).
 
     Attributes:
-        advice: the ``FitAdvice``: the step's memory and every change checked (its JSON is
-            part of ``to_json``, under ``advice``).
+        advice: the ``FitAdvice`` (its JSON is ``to_json``'s ``advice``).
     """
 
     __module__ = "modelshard"
@@ -432,10 +421,8 @@ class ShardingMismatchError(SpecError):
 
 
 class MappingError(SpecError):
-    """A weight mapping that does not fit its source or target: every stored tensor no rule
-    maps, every target leaf with no source, every shape or dtype that does not fit after
-    the transforms, every rule that matched nothing (paths are ``source:NAME``,
-    ``target:PATH`` and ``mapping:rules[i]``)."""
+    """A weight mapping that does not fit its source or target, every problem listed (paths
+    are ``source:NAME``, ``target:PATH`` and ``mapping:rules[i]``)."""
 
     __module__ = "modelshard"
     noun = "mapping problem"
@@ -466,9 +453,8 @@ class CheckpointError(ModelshardError, ValueError):
 
 
 class ForeignStepError(CheckpointError):
-    """A ``CheckpointManager`` refused a step number another tool's step holds (Orbax's
-    own ``CheckpointManager`` writes into folders of the same names): it never removes or
-    replaces what it did not write. ``CheckpointManager.delete(step)`` removes one by name.
+    """A ``CheckpointManager`` refused a step number another tool's step holds: it never
+    removes or replaces what it did not write (``CheckpointManager.delete(step)`` does).
 
     Attributes:
         step: the step number refused.
@@ -482,24 +468,22 @@ class ForeignStepError(CheckpointError):
 
 
 class ForeignStepsWarning(UserWarning):
-    """A ``CheckpointManager`` was opened on a root holding entries another tool wrote that
-    it does not restore (an unfinished save of Orbax's, anything else another tool put
-    there; Orbax's complete steps are listed and restored); it leaves them alone."""
+    """A ``CheckpointManager`` was opened on a root holding entries another tool wrote that it
+    does not restore; it leaves them alone."""
 
     __module__ = "modelshard"
 
 
 class DistributedError(ModelshardError, ValueError):
-    """A multi-process setting that is malformed or comes too late, or a value that spans
-    devices of other processes where this process needs all of it."""
+    """A malformed or late multi-process setting, or a value spanning other processes'
+    devices where this process needs all of it."""
 
     __module__ = "modelshard"
 
 
 class PartialRestoreWarning(UserWarning):
-    """``restore(partial=True)`` left some leaves unrestored: the target's leaves the
-    checkpoint lacks kept ``like``'s values, and the checkpoint's leaves the target lacks
-    were not read.
+    """``restore(partial=True)`` left leaves the checkpoint lacks as ``like`` had them, and
+    did not read those the target lacks.
 
     Attributes:
         restored: paths of the target's leaves read from the checkpoint.

@@ -40,14 +40,10 @@ def make_mesh(
     """Build a mesh from axis sizes, with axis types set explicitly (Auto by default).
 
     Args:
-        axes: axis name -> size, in mesh order; one size may be ``-1`` (all remaining
-            devices).
-        axis_types: ``"auto"`` (the compiler propagates shardings), ``"explicit"``
-            (shardings are part of types), a JAX ``AxisType``, or one per axis.
-        devices: the devices to use (default ``jax.devices()``); a mesh smaller than the
-            device list uses its first devices.
-        abstract: return a ``jax.sharding.AbstractMesh`` (no devices needed: plan for
-            256 chips on a laptop).
+        axes: axis name -> size, in mesh order; one size may be ``-1`` (the rest).
+        axis_types: ``"auto"``, ``"explicit"``, a JAX ``AxisType``, or one per axis.
+        devices: the devices to use (default ``jax.devices()``; the first ones suffice).
+        abstract: return a ``jax.sharding.AbstractMesh`` (no devices needed).
 
     Returns:
         A ``jax.sharding.Mesh`` (or ``AbstractMesh``).

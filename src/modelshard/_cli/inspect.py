@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         rest = rows[len(shown) :]
         say(f"... {len(rest)} more rows ({sum(g.count for g in rest)} leaves); {SHOW_ALL}")
     if rec.values:  # the state's Python values (an epoch, a name), held in the record
-        shown_values = [f"{v.path or '<root>'}={_cut(repr(v.value))}" for v in rec.values[:24]]
+        cut = [(v.path or "<root>", repr(v.value)) for v in rec.values[:24]]
+        shown_values = [f"{p}={r if len(r) <= 60 else r[:59] + '…'}" for p, r in cut]
         more = len(rec.values) - len(shown_values)
         tail = f" and {more} more (--json lists them)" if more else ""
         say(literal("values: " + ", ".join(shown_values) + tail))
@@ -114,10 +115,6 @@ def run(args: argparse.Namespace) -> int:
     if extras.get("metrics"):
         say("metrics: " + ", ".join(f"{k}={v}" for k, v in extras["metrics"].items()))
     return 0
-
-
-def _cut(text: str, limit: int = 60) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _rows(leaves: Any, fold: bool) -> list[Any]:

@@ -35,11 +35,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _wants_json(argv: Sequence[str]) -> bool:
-    args = list(argv)
-    return "--json" in (args[: args.index("--")] if "--" in args else args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``modelshard`` command line; returns the exit status.
 
@@ -62,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         return launch.run(argv[1:])
-    as_json = _wants_json(argv)
+    as_json = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     if command == "plan":
         plan.simulate_devices(argv)

@@ -20,17 +20,12 @@ class CallLeaves(NamedTuple):
     Attributes:
         leaves: every leaf, in ``flatten`` order.
         aux: the structure key (as from ``flatten``).
-        key: a hashable stand-in for ``aux`` in per-call cache keys (``aux`` itself by
-            default; an adapter whose ``aux`` is costly to hash may give an interned object).
-        write_back: for a mutable container, ``write_back(positions, values)`` sets the
-            leaves at those ``flatten`` positions to ``values`` in the caller's object;
-            ``None`` for an immutable one.
-        arrays_only: the adapter has checked that every leaf is an array (a type in
-            ``ARRAY_TYPES``), so the caller need not look for static or nested leaves.
-        again: for a container that a later call may take again without flattening,
-            ``again(obj)`` gives ``(leaves, write_back)`` when ``obj`` is this very object
-            with the same ``key`` and every leaf still an array, else ``None``; ``None``
-            (the default) when the adapter cannot tell cheaply.
+        key: a hashable stand-in for ``aux`` in per-call cache keys (cheaper to hash).
+        write_back: for a mutable container, ``write_back(positions, values)`` sets those
+            leaves in the caller's object; ``None`` for an immutable one.
+        arrays_only: the adapter checked that every leaf is an array.
+        again: ``again(obj)`` gives ``(leaves, write_back)`` for a later call with this very
+            object, unchanged, else ``None``; ``None`` where the adapter cannot tell cheaply.
     """
 
     leaves: list[Any]
@@ -44,32 +39,18 @@ class CallLeaves(NamedTuple):
 class Adapter:
     """How one container type is split into leaves and rebuilt: the base of every adapter.
 
-    A subclass must give ``kind`` and the three methods ``flatten``, ``unflatten`` and
-    ``describe``. Everything else modelshard asks of a container is a *capability* declared
-    here with a default that is right for an immutable container whose paths come from
-    ``describe``; override the ones your container differs in:
-
-    - ``numbers_are_arrays``: Python numbers among the leaves are rank-0 array leaves.
-    - ``follows_pytree``: ``flatten``/``unflatten``/``describe`` are exactly JAX's
-      flattening of the object (``aux`` is its ``PyTreeDef``), so descriptions can be cached
-      per structure and ``shard_jit`` may gather leaves as JAX does.
-    - ``mutable`` with ``update``: the container is changed in place (an NNX
-      module): ``shard``, ``constrain`` and ``shard_jit`` write new values into the caller's
-      object instead of returning a copy only.
-    - ``tree_of``: the pytree whose structure canonical paths follow, for prefix trees.
-    - ``mirror``: what a tree of shardings or plans for this container looks like.
-    - ``flatten_for_call``: flattening on ``shard_jit``'s per-call path.
-
-    ``flatten`` is on the hot path of every ``shard_jit`` call and must be cheap;
-    ``describe`` (paths and metadata) runs only when a plan is made.
+    A subclass gives ``kind`` and ``flatten``, ``unflatten`` and ``describe``; every other
+    capability has a default right for an immutable container, to override where yours
+    differs (``mutable`` with ``update``, ``tree_of``, ``mirror``, ``flatten_for_call``).
+    ``flatten`` runs on every ``shard_jit`` call and must be cheap; ``describe`` only when a
+    plan is made.
 
     Attributes:
         kind: the container kind recorded in plans and checkpoints (``"nnx.Module"``...).
-        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
-            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
-            instead of static leaves (default ``False``, as in Equinox).
-        follows_pytree: the adapter is JAX's own flattening of the object (default
-            ``False``).
+        numbers_are_arrays: Python numbers among the leaves are rank-0 array leaves, as in
+            ``jax.jit`` (default ``False``: static, as in Equinox).
+        follows_pytree: the adapter is exactly JAX's flattening of the object (``aux`` its
+            ``PyTreeDef``), so descriptions are cached per structure (default ``False``).
         mutable: ``update`` writes into the object it is given (default ``False``).
     """
 
@@ -91,11 +72,7 @@ class Adapter:
         raise NotImplementedError(f"{type(self).__name__}.describe")
 
     def tree_of(self, obj: Any) -> Any:
-        """The pytree whose structure the canonical paths follow (default: ``obj``).
-
-        Prefix trees given for the container (one spec per subtree) are matched against
-        this tree's nodes.
-        """
+        """The pytree whose nodes prefix trees of specs match (default: ``obj``)."""
         return obj
 
     def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
@@ -109,12 +86,8 @@ class Adapter:
         return self.unflatten(aux, leaves)
 
     def flatten_for_call(self, obj: Any) -> CallLeaves:
-        """Flatten ``obj`` for one ``shard_jit`` call.
-
-        The default is ``flatten``, with a ``write_back`` through ``update`` when
-        ``mutable``. An adapter may override it with a faster route that gives the same
-        leaves and ``aux``.
-        """
+        """Flatten ``obj`` for one ``shard_jit`` call (default: ``flatten``, and ``update`` to
+        write back when ``mutable``); a faster route must give the same leaves and ``aux``."""
         leaves, aux = self.flatten(obj)
         if not self.mutable:
             return CallLeaves(leaves, aux, aux, None)

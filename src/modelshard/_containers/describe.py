@@ -38,11 +38,8 @@ def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array leaf (sharded by modelshard) rather than a static leaf.
 
-    Arrays are ``jax.Array`` (typed PRNG keys included), NumPy arrays and scalars, and
-    ``jax.ShapeDtypeStruct`` (abstract leaves). Python numbers, strings, functions and
-    other objects are static: they pass through untouched, as in Equinox (a container
-    whose adapter sets ``numbers_are_arrays``, such as Flax's ``TrainState``, makes its
-    Python numbers rank-0 arrays when it is split).
+    Arrays are ``jax.Array``, NumPy arrays and scalars, and ``jax.ShapeDtypeStruct``;
+    everything else is static and passes through untouched, as in Equinox.
     """
     t = type(x)
     if t in ARRAY_TYPES:
@@ -59,8 +56,7 @@ class LeafInfo(NamedTuple):
 
     Attributes:
         path: canonical ``/``-joined path (``"layers/0/attn/kernel"``).
-        names: axis names carried by metadata (a linen ``Partitioned`` /
-            ``LogicallyPartitioned`` box, an NNX ``out_sharding``), or ``None``.
+        names: axis names carried by metadata (a linen box, an NNX ``out_sharding``), or None.
         box: the type name of the box the value came from, or ``None``.
     """
 

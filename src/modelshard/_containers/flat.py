@@ -69,11 +69,8 @@ class Flat:
         return [info.path for info in self.infos]
 
     def children(self, components: Sequence[str]) -> list[str] | None:
-        """Names of the children of the node at ``components`` (``None``: no such node).
-
-        Empty subtrees (an optax ``EmptyState``) exist here though they hold no leaf, so
-        prefix trees that mirror the container's structure always line up.
-        """
+        """Names of the children of the node at ``components`` (``None``: no such node);
+        empty subtrees count, so prefix trees mirroring the structure line up."""
         node = self.adapter.tree_of(self.obj)
         for c in components:
             kids = children_of(node)
@@ -98,13 +95,8 @@ class Flat:
         mirror: bool = False,
         statics: Mapping[int, Any] | None = None,
     ) -> Any:
-        """The same container with its array leaves replaced by ``arrays``.
-
-        With ``mirror=True`` the container comes back in the form its adapter uses for
-        trees of shardings or plans (``Adapter.mirror``: an NNX module's
-        ``nnx.State``); otherwise it is rebuilt as itself. ``statics`` replaces other
-        leaves by position (``statics()`` gives them).
-        """
+        """The same container with its array leaves replaced by ``arrays`` (``mirror``: in the
+        form of trees of shardings, ``Adapter.mirror``; ``statics``: other leaves by position)."""
         leaves = self._with(arrays)
         for i, v in (statics or {}).items():
             leaves[i] = v

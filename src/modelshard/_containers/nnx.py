@@ -304,12 +304,9 @@ def _leaf_order(value: Any, variables: list[Any]) -> LeafOrder | None:
 class NnxModuleAdapter(Adapter):
     """Flax NNX modules: ``nnx.split`` into graph + state, Variables as leaves.
 
-    Mutable: updates are written into the caller's module (``nnx.update``). Prefix trees
-    and mirrors follow the module's ``nnx.State``. On ``shard_jit``'s per-call path a module
-    seen before is flattened as a JAX pytree down to its Variables (far cheaper than
-    ``nnx.split``: docs/benchmarks/dispatch.md), mapped onto ``nnx.split``'s leaf order by a
-    cached route, and written back with ``Variable.set_value`` on the Variables that changed;
-    the same module object called again is only checked for changes.
+    Mutable: updates are written into the caller's module. Prefix trees and mirrors follow
+    its ``nnx.State``. On ``shard_jit``'s per-call path a module seen before skips
+    ``nnx.split``: its Variables are read in a cached order and only checked for changes.
     """
 
     kind: str = "nnx.Module"

@@ -19,17 +19,12 @@ from .nesting import flatten_pytree, unflatten_pytree
 class PytreeAdapter(Adapter):
     """The adapter for anything JAX can flatten (the default for unregistered types).
 
-    Its paths follow the pytree (``Adapter.follows_pytree``); a subclass that changes
-    ``flatten`` must set ``follows_pytree = False``.
+    A subclass that changes ``flatten`` must set ``follows_pytree = False``.
 
     Attributes:
         kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).
-        numbers_are_arrays: treat Python numbers (``bool``, ``int``, ``float``,
-            ``complex``) among the leaves as rank-0 array leaves, as ``jax.jit`` does,
-            instead of static leaves. On for Flax's ``TrainState``, whose ``step`` starts
-            as the Python int 0 and is state like any other: it is traced, sharded
-            (replicated) and saved. Off elsewhere, as in Equinox: a Python number in a
-            container is configuration, part of the compilation key.
+        numbers_are_arrays: Python numbers among the leaves are rank-0 arrays (on for
+            Flax's ``TrainState``, whose ``step`` is state); off, they are configuration.
     """
 
     kind: str = "pytree"

@@ -118,10 +118,8 @@ def register_container(
 ) -> None:
     """Register a container type so modelshard can split it into named leaves.
 
-    Either pass an [`Adapter`][modelshard.adapters.Adapter], or the two callbacks: ``flatten(obj)`` returns a
-    mapping from child name to child (children may be arrays, static values or other
-    containers), and ``unflatten(children)`` builds the object back. The callbacks also
-    register ``ty`` as a JAX pytree, so ``jax.jit`` and friends accept it too.
+    Either pass an [`Adapter`][modelshard.adapters.Adapter], or ``flatten(obj)`` (child name
+    -> child) and ``unflatten(children)``, which also register ``ty`` as a JAX pytree.
 
     Args:
         ty: the container class (subclasses match too).
@@ -132,8 +130,8 @@ def register_container(
         override: replace an existing registration instead of raising.
 
     Raises:
-        AdapterError: ``ty`` is not a class, it is already registered (and not
-            ``override``), or neither/both of ``adapter`` and the callbacks were given.
+        AdapterError: not a class, already registered, or not exactly one of ``adapter``
+            and the callbacks.
 
     Example:
         >>> import jax.numpy as jnp
