@@ -41,24 +41,16 @@ def reporter(
     if console is None:
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    import rich.progress as rp
 
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
     from .text import escape_markup
 
-    with Progress(*columns, console=console) as bar:
+    columns = (
+        rp.TextColumn("{task.description}"),
+        rp.BarColumn(),
+        rp.DownloadColumn(binary_units=True),
+    )
+    columns += (rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
+    with rp.Progress(*columns, console=console) as bar:
         task = bar.add_task(escape_markup(description), total=total)
         yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -172,9 +172,7 @@ def target_specs(args: argparse.Namespace, record: Any) -> Any:
 
 def add_max_rows(p: argparse.ArgumentParser) -> None:
     """``--max-rows N``: a table shows at most N rows and counts the rest below it."""
-    p.add_argument(
-        "--max-rows", type=positive_int, default=None, metavar="N", help="show at most N rows"
-    )
+    p.add_argument("--max-rows", type=positive_int, metavar="N", help="show at most N rows")
 
 
 def add_target(
@@ -186,7 +184,6 @@ def add_target(
         "--mesh",
         required=mesh_help is None,
         type=mesh_arg,
-        default=None,
         help=mesh_help or "target mesh as name=size pairs, e.g. data=2,model=4",
     )
     p.add_argument("--rules", metavar="RULES.toml", help=rules_help)

@@ -87,9 +87,7 @@ def add_parser(sub: Any) -> None:
         "Default: the specs the checkpoint was saved with.", "Default: replicated."
     )
     add_target(c, "target mesh, e.g. data=8 (default data=1)", replicated)
-    c.add_argument(
-        "--dtype", default=None, type=float_dtype, help="cast floating-point tensors, e.g. float32"
-    )
+    c.add_argument("--dtype", type=float_dtype, help="cast floating-point tensors, e.g. float32")
     c.add_argument(
         "--to",
         choices=["checkpoint", "safetensors"],
@@ -107,14 +105,12 @@ def add_parser(sub: Any) -> None:
     c.add_argument(
         "--reference",
         metavar="REF",
-        default=None,
         help="with --to safetensors: the safetensors checkpoint the mapping imports (a "
         "file, index, directory or hf://org/name[@revision])",
     )
     c.add_argument(
         "--max-shard-size",
         metavar="SIZE",
-        default=None,
         type=_size,
         help="with --to safetensors: Hugging Face's sharded layout, "
         "model-0000k-of-0000n.safetensors files of at most SIZE (bytes, or 5GB, 500MB, 2GiB) "

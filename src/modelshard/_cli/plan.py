@@ -50,7 +50,6 @@ def add_parser(sub: Any) -> None:
         "checkpoint",
         metavar="CKPT",
         nargs="?",
-        default=None,
         help=CKPT_HELP + " (or give the state with --state)",
     )
     add_target(pl)
@@ -59,7 +58,6 @@ def add_parser(sub: Any) -> None:
     pl.add_argument(
         "--filter",
         type=regex_arg,
-        default=None,
         metavar="REGEX",
         help="show only leaves whose path this regular expression is found in, e.g. 'attn'",
     )
@@ -72,7 +70,6 @@ def add_parser(sub: Any) -> None:
     pl.add_argument(
         "--budget",
         type=bytes_arg,
-        default=None,
         metavar="SIZE",
         help="memory per device, e.g. 16GiB or 80GB: exit status 1 if the plan needs more, "
         "naming the largest contributors; with --step, the step's memory is checked and "
@@ -83,7 +80,6 @@ def add_parser(sub: Any) -> None:
         "--step",
         dest="step_fn",
         type=function_arg,
-        default=None,
         metavar="MODULE:FUNCTION",
         help="the training step, step(state, batch) -> (state, ...), imported from MODULE "
         "(the current directory is on the path); it is compiled, never run",
@@ -91,7 +87,6 @@ def add_parser(sub: Any) -> None:
     st.add_argument(
         "--state",
         type=function_arg,
-        default=None,
         metavar="MODULE:FUNCTION",
         help="a function of no arguments returning the state (called under jax.eval_shape: "
         "nothing is allocated); default: the checkpoint's tree (nested dicts)",
@@ -99,14 +94,12 @@ def add_parser(sub: Any) -> None:
     st.add_argument(
         "--batch",
         type=batch_arg,
-        default=None,
         metavar="SHAPE",
         help="the batch as abstract arrays: int32[16,2048] or "
         "tokens=int32[16,2048],mask=bool[16,2048] (global shapes)",
     )
     st.add_argument(
         "--batch-axes",
-        default=None,
         metavar="AXES",
         help="mesh axes the batch's first dimension is split over, e.g. data or data,fsdp "
         "(default: the first mesh axis)",
@@ -119,7 +112,6 @@ def add_parser(sub: Any) -> None:
     )
     st.add_argument(
         "--topology",
-        default=None,
         metavar="NAME",
         help="compile for a TPU slice this machine does not have, e.g. v5e:4x4 (the "
         "--mesh sizes must multiply to its chips); elsewhere a mesh larger than the "
@@ -128,14 +120,12 @@ def add_parser(sub: Any) -> None:
     st.add_argument(
         "--write-rules",
         metavar="OUT.toml",
-        default=None,
         help="with --budget: write the smallest change that fits as a rules file (when it "
         "changes placement)",
     )
     pl.add_argument(
         "--html",
         metavar="OUT.html",
-        default=None,
         help="also write the plan as a self-contained HTML page (memory per device by "
         "module, the grouped table, each leaf's tiles on the mesh); opens offline",
     )

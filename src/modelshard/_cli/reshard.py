@@ -33,7 +33,6 @@ def add_parser(sub: Any) -> None:
     add_target(r)
     r.add_argument(
         "--dtype",
-        default=None,
         type=float_dtype,
         help="cast floating-point leaves to this dtype, e.g. bfloat16",
     )
@@ -47,7 +46,6 @@ def add_parser(sub: Any) -> None:
     r.add_argument(
         "--compression",
         choices=["zstd"],
-        default=None,
         help="compress DST's chunks with zstd (smaller files, several times the CPU time); "
         "default: each chunk's raw bytes, as modelshard.save writes them",
     )

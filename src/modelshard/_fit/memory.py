@@ -26,18 +26,6 @@ from .._containers import optax_kind, split
 from .._jit import ShardJit, shard_jit
 from .._place import parse_bytes
 
-PARTS = (
-    "parameters",
-    "optimizer_state",
-    "gradients",
-    "temporaries",
-    "batch",
-    "other_inputs",
-    "outputs",
-    "layout",
-)
-"""The parts of a step's memory, in the order tables and JSON list them."""
-
 PART_TEXT = {
     "parameters": "parameters",
     "optimizer_state": "optimizer state",
@@ -48,6 +36,8 @@ PART_TEXT = {
     "outputs": "outputs (not donated)",
     "layout": "layout (padding, pruned inputs)",
 }
+PARTS = tuple(PART_TEXT)
+"""The parts of a step's memory, in the order tables and JSON list them."""
 
 ROLES = ("parameters", "optimizer_state", "batch", "other_inputs")
 """What an input leaf is: the roles ``roles=`` may name."""

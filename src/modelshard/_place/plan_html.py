@@ -46,33 +46,25 @@ _TILE_COLOURS = ["#dbe7f3", "#fde3c8", "#d9ecd6", "#f7d3d4", "#d8eeec", "#f8efc4
 
 CSS = """
 .ms-plan{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:13px;
- color:#1f2328;line-height:1.4;max-width:100%}
-.ms-plan h3{font-size:14px;margin:14px 0 6px}
-.ms-plan .ms-summary{margin:4px 0 8px;color:#444}
-.ms-plan table{border-collapse:collapse}
+ color:#1f2328;line-height:1.4;max-width:100%}.ms-plan h3{font-size:14px;margin:14px 0 6px}
+.ms-plan .ms-summary{margin:4px 0 8px;color:#444}.ms-plan table{border-collapse:collapse}
 .ms-plan th,.ms-plan td{padding:3px 8px;border-bottom:1px solid #e5e7eb;text-align:left;
- vertical-align:top}
-.ms-plan th{background:#f6f8fa;font-weight:600}
+ vertical-align:top}.ms-plan th{background:#f6f8fa;font-weight:600}
 .ms-plan td.num,.ms-plan th.num{text-align:right;white-space:nowrap}
 .ms-plan td.path{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;word-break:break-all;
  min-width:16em}
 .ms-plan code{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:12px;
  white-space:nowrap}
 .ms-plan .ms-bar{display:flex;height:22px;width:100%;max-width:720px;border:1px solid #c9ced6;
- border-radius:4px;overflow:hidden;background:#fff}
-.ms-plan .ms-seg{height:100%}
+ border-radius:4px;overflow:hidden;background:#fff}.ms-plan .ms-seg{height:100%}
 .ms-plan .ms-swatch{display:inline-block;width:10px;height:10px;border-radius:2px;
- margin-right:6px;vertical-align:middle}
-.ms-plan .ms-grid{display:grid;gap:3px;margin:6px 0}
+ margin-right:6px;vertical-align:middle}.ms-plan .ms-grid{display:grid;gap:3px;margin:6px 0}
 .ms-plan .ms-tile{border:1px solid #9aa4b2;border-radius:3px;padding:4px 6px;font-size:11px;
- min-width:0;overflow-wrap:anywhere}
-.ms-plan .ms-tile code{white-space:normal}
+ min-width:0;overflow-wrap:anywhere}.ms-plan .ms-tile code{white-space:normal}
 .ms-plan table.ms-table{width:100%}
 .ms-plan tr.ms-tiles-row td{border-bottom:1px solid #e5e7eb;padding-top:0}
-.ms-plan tr.ms-row td{border-bottom:none}
-.ms-plan .ms-tile .ms-devs{color:#333}
-.ms-plan .ms-note{color:#666;font-size:12px}
-.ms-plan details>summary{cursor:pointer;color:#0969da}
+.ms-plan tr.ms-row td{border-bottom:none}.ms-plan .ms-tile .ms-devs{color:#333}
+.ms-plan .ms-note{color:#666;font-size:12px}.ms-plan details>summary{cursor:pointer;color:#0969da}
 """
 
 

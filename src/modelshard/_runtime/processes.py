@@ -76,7 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=float,
-        default=None,
         metavar="S",
         help="stop every process after S seconds and exit 124",
     )
@@ -94,14 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=None,
         metavar="S",
         help="seconds after which the distributed runtime declares a silent process dead "
         f"and stops the others (sets {ENV_HEARTBEAT_TIMEOUT}; default: JAX's 100)",
     )
-    p.add_argument(
-        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
-    )
+    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument(
         "--show-gloo",
         action="store_true",
