@@ -1,12 +1,9 @@
 """Per-leaf checksums (``fmix32x2``): two sums modulo 2**32 over a leaf's bits as ``uint32``
-lanes, of each lane times a hashed odd weight of its position and of a hash of (lane,
-position). Integer sums ignore order, so a checksum does not depend on sharding and the
-sums of boxes tiling a leaf add up to its own (``box_sums``).
-
-Two engines give the same sums: the host's (CPU devices; fixed-size XLA programs on
-``host_workers`` threads, NumPy for short runs) and the device's (accelerators: a program
-per shard shape, compiled as soon as the leaves are known). Processes add their sums of a
-leaf spanning them in ``Checksums.collect``.
+lanes (each lane times a hashed odd weight of its position; a hash of lane and position).
+The sums ignore order, so a checksum does not depend on sharding and boxes tiling a leaf
+add up to its own. Two engines give the same sums: the host's (fixed-size XLA programs on
+``host_workers``, NumPy for short runs) and the device's (a program per shard shape,
+compiled as soon as the leaves are known); processes add theirs in ``Checksums.collect``.
 """
 
 from __future__ import annotations
@@ -82,10 +79,8 @@ def lanes(a: np.ndarray) -> np.ndarray:
 
 
 def _positions(at: Any, k: Any, u32: Any, rows: bool) -> Any:
-    """The positions in the leaf of the lanes at offsets ``k`` of a piece (``jnp`` or
-    ``np`` ``uint32``). ``at``: ``(base, offset, row, stride)``: lane ``k`` is the
-    ``offset + k``-th of rows of ``row`` lanes whose starts are ``stride`` apart from
-    ``base``; not ``rows``: of one row, at ``base + k``."""
+    """The leaf positions of a piece's lanes ``k``: with ``at = (base, offset, row, stride)``,
+    the ``offset + k``-th lane of rows of ``row`` lanes ``stride`` apart (else ``base + k``)."""
     if not rows:
         return u32(at[0]) + k
     k = k + u32(at[1])
@@ -305,9 +300,8 @@ def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any
 
 
 class Checksums(Generic[K]):
-    """Checksums of arrays handed over one at a time as a restore reads them (``like``: key
-    -> the array, or sharded abstract array, added under it). ``add`` returns at once;
-    ``collect`` waits (a collective where a leaf spans processes); ``close`` abandons."""
+    """Checksums of the arrays ``like`` names, handed over one at a time as a restore reads
+    them; ``collect`` waits for them (a collective where a leaf spans processes)."""
 
     def __init__(self, like: Mapping[K, Any]) -> None:
         self._keys = list(like)
@@ -359,9 +353,8 @@ class Checksums(Generic[K]):
 
     def close(self) -> None:
         """Drop the sums still queued."""
-        for parts in self._parts.values():
-            for f in parts:
-                f.cancel()
+        for f in itertools.chain.from_iterable(self._parts.values()):
+            f.cancel()
 
 
 def start_checksums(arrays: Sequence[Any]) -> Callable[[], list[str]]:

@@ -1,12 +1,9 @@
-"""What a ``CheckpointManager`` root holds, step by step: its steps, its leftovers, and
-what another tool wrote there (``modelshard steps`` prints it).
+"""What a ``CheckpointManager`` root holds: its steps, its leftovers, another tool's entries.
 
 A step is complete by ``is_complete_step``. Any other numbered entry (``N/``, a staging
 ``N.orbax-checkpoint-tmp...``, a rotated ``.modelshard-rotated/N.PID``) is a leftover of
-the manager's own or another tool's: ``entry_owner`` tells them apart (the marker of a
-committed step, the record item a save makes first; Orbax's metadata alone is Orbax's).
-Leftovers are removed by the next save of their step; another tool's entries only by
-``delete(N)``. Orbax's complete steps with a state item are adopted: listed and restored.
+ours or another tool's (``entry_owner``). Leftovers go with the next save of their step,
+another tool's entries only by ``delete(N)``; Orbax's complete steps are adopted.
 """
 
 from __future__ import annotations
@@ -101,8 +98,7 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
     # a commit without the marker is another writer's: the manager marks before it commits
     committed = meta is not None and meta.get("commit_timestamp_nsecs") is not None
-    # a save of ours not committed yet: its record or items item made (Orbax makes a save's
-    # items in name order, so a kill can leave items/ alone) or announced in the metadata
+    # ours uncommitted: its record or items item made (in name order) or announced
     ours = (RECORD_ITEM, ITEMS_ITEM)
     record = any(n.partition(ORBAX_TMP)[0] in ours for n in names)
     handlers = meta.get("item_handlers") if meta is not None else None
@@ -113,8 +109,7 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     ):
         return None  # only the metadata a save starts with (cut short by a kill, or empty)
     if meta is None:
-        # only parts of a step, no metadata yet: on object storage another process wrote
-        # its share of the arrays before process 0 wrote the metadata, and the save died
+        # parts of a step before any metadata: another process's share on object storage
         return OURS if all(n.partition(ORBAX_TMP)[0] in _ITEMS for n in names) else OTHER
     return ORBAX
 

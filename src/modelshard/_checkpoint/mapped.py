@@ -1,11 +1,9 @@
-"""``restore(mapping=)``: a checkpoint of another layout read through a weight mapping
-(``modelshard._weights``), planned by ``plan`` (default: each saved spec carried through its
-recipe), and an export's one-leaf-at-a-time reads (``host_leaves``).
+"""``restore(mapping=)``: a checkpoint of another layout read through a weight mapping, by
+default each saved spec carried through its recipe; and an export's one-leaf reads.
 
 A target leaf that is one stored leaf renamed (maybe cast) is read straight into its
-sharding. Any other recipe's stored leaves are read onto the target's mesh in the specs its
-blocks need (``recipe.needed_specs``), one at a time, dropped once no later leaf reads them;
-each device then computes its block from the shards it holds, with no gather.
+sharding. Other recipes' stored leaves are read onto the mesh in the specs their blocks
+need (``recipe.needed_specs``), one at a time, and each device computes its own block.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ def _build_on_devices(node: Node, sharding: Any, stored: dict[str, jax.Array]) -
 
 def _resolved(wm: Any, source: Source, like: Any, dtype: Any) -> Any:
     """``resolve_target`` of the mapping against the checkpoint's leaves."""
-    recs = source.record.by_path()
-    table = {p: (r.shape, logical_dtype(r)) for p, r in recs.items()}
+    table = {r.path: (r.shape, logical_dtype(r)) for r in source.record.leaves}
     return resolve_target(wm, table, like, dtype)
 
 

@@ -1,9 +1,6 @@
-"""Which steps a [`CheckpointManager`][modelshard.CheckpointManager] saves and which it keeps.
-
-A step is kept if any rule keeps it, and the newest complete step always is. Rotation sees
-the manager's own complete steps only (``listing.complete_steps``), never another tool's.
-A saving step is ``step % save_interval_steps == 0``; a stop request makes any step one.
-"""
+"""Which steps a [`CheckpointManager`][modelshard.CheckpointManager] saves and keeps: a step
+is kept if any rule keeps it, the newest complete step always; rotation sees the manager's
+own complete steps only. A saving step is ``step % save_interval_steps == 0``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Every stored array of a checkpoint read one way: straight from its TensorStore store, with
-the spec and context Orbax would use (``sources.array_spec``).
-
-- ``read_arrays``: arrays placed in their shardings, each distinct shard read once into a
-  host buffer a CPU device adopts, under ``RESTORE_CONCURRENT_BYTES`` in flight, each
-  array handed to ``on_read`` as soon as it is in.
-- ``ArrayReader``: boxes of one stored array on the host (``reshard``, an export).
-- ``read_checked``: a failure said with the leaves and the file at fault (``unreadable``).
+the spec and context Orbax would use. ``read_arrays`` places each distinct shard once, from
+a host buffer a CPU device adopts, under ``RESTORE_CONCURRENT_BYTES`` in flight;
+``ArrayReader`` reads boxes to the host; ``read_checked`` names the leaves and file at fault.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from .record import LeafRecord, some
 from .sources import Source, array_spec, reader_context
 from .storage import TREE_METADATA, orbax_name
 
-# Read buffers held at once beyond the restored arrays: two 16 MiB arrays' reads, so one
-# array's reads overlap the next one's opening. A larger read runs alone.
+# Read buffers held at once: two 16 MiB arrays', so one's reads overlap the next's opening
 RESTORE_CONCURRENT_BYTES = 32 << 20
 
 # XLA's CPU client adopts a host buffer aligned so as its device buffer instead of copying it
@@ -129,8 +124,7 @@ def read_arrays(
     out = {p: empty(t) for p, t in targets.items() if is_empty(t.shape)}
     paths = [p for p in targets if p not in out]
     stores = open_arrays(source, [recs[p] for p in paths], reader_context(source))
-    # units of reservation: a whole array whose reads fit under the cap (its reads run
-    # together, so a chunk they share is decoded once), else each of its shards
+    # reserved whole where it fits (a chunk its reads share is decoded once), else by shard
     units: list[tuple[_Array, list[int], int]] = []
     for p, store in zip(paths, stores, strict=True):
         a = _Array(p, targets[p], store)
@@ -184,9 +178,8 @@ class _Array:
 
 
 class ArrayReader:
-    """``reader(box)``: that box (``slice`` per dimension) of ``rec``'s stored array on the
-    host, unverified; a failure is a CheckpointError naming the leaf. ``context``: one shared
-    by a checkpoint's readers (``reader_context``), or None for its own."""
+    """``reader(box)``: that box of ``rec``'s stored array on the host, unverified; a failure
+    is a CheckpointError naming the leaf. ``context``: one shared by a checkpoint's readers."""
 
     def __init__(self, source: Source, rec: LeafRecord, context: Any = None):
         self.source, self.rec = source, rec

@@ -1,7 +1,6 @@
-"""The checkpoint record: what modelshard knows of each stored leaf, as plain JSON beside
-the Orbax data (``storage.RECORD_FILE``): paths, shapes, dtypes, saved specs and mesh, the
-container kind, versions, the state's Python values and a checksum per leaf. It holds no
-pickle, and is validated as untrusted input when read."""
+"""The checkpoint record: what modelshard knows of each stored leaf, as plain JSON beside the
+Orbax data (``storage.RECORD_FILE``): paths, shapes, dtypes, saved specs and mesh, versions,
+the state's Python values and checksums. No pickle; validated as untrusted input on read."""
 
 from __future__ import annotations
 
@@ -28,16 +27,9 @@ from .storage import FORMAT, name_collisions, nest, storage_key
 
 @dataclasses.dataclass
 class LeafRecord:
-    """What the record says about one array leaf.
-
-    Attributes:
-        path: canonical path (``"layers/0/kernel"``); ``key``: its key in the stored tree.
-        shape, dtype: logical (``"key<fry>"`` for typed PRNG keys, of ``key_impl``).
-        stored_shape, stored_dtype: of the stored array (``codec.encode``).
-        spec: the spec it was saved with, None if not placed on the recorded mesh.
-        names: logical axis names of its box (linen/NNX), if any.
-        checksum: ``"xxxxxxxx:yyyyyyyy"`` over the stored bits, or None.
-    """
+    """What the record says about one array leaf: its canonical path and stored key, logical
+    and stored shape and dtype (``codec.encode``), PRNG impl of a typed key, saved spec
+    (None: not on the recorded mesh), logical axis names of its box, and checksum."""
 
     path: str
     key: tuple[str, ...]
@@ -67,6 +59,9 @@ class LeafRecord:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> LeafRecord:
         names = d.get("names")
+        names = (
+            None if names is None else tuple(tuple(n) if isinstance(n, list) else n for n in names)
+        )
         try:
             shape, stored_shape = dims(d["shape"], "shape"), dims(d["stored_shape"], "stored_shape")
         except ValueError as e:
@@ -82,9 +77,7 @@ class LeafRecord:
             stored_dtype=str(d["stored_dtype"]),
             key_impl=d.get("key_impl"),
             spec=spec_from_json(d.get("spec")),
-            names=None
-            if names is None
-            else tuple(tuple(n) if isinstance(n, list) else n for n in names),
+            names=names,
             checksum=d.get("checksum"),
         )
 

@@ -1,8 +1,6 @@
-"""How a [`CheckpointManager`][modelshard.CheckpointManager]'s process 0 removes what
-carries a step number. A local step is renamed aside (``storage.ROTATED``) then removed,
-so a crash leaves it whole or gone; on object storage it is first made incomplete (commit
-file and metadata removed). Only ``remove_numbered`` (``delete``) removes another tool's.
-"""
+"""How a manager's process 0 removes what carries a step number: a local step renamed aside
+(``storage.ROTATED``) then removed, so a crash leaves it whole or gone; on object storage
+made incomplete first. Only ``remove_numbered`` (``delete``) removes another tool's."""
 
 from __future__ import annotations
 

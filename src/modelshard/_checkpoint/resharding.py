@@ -141,7 +141,6 @@ def reshard(
     leaves = []
     for leaf, s in zip(p.args[0].leaves, shardings, strict=True):
         rec = by_path[leaf.path]
-        stored_chunk = chunks.get(rec.key)
         leaves.append(
             StreamLeaf(
                 path=rec.path,
@@ -151,7 +150,7 @@ def reshard(
                 spec=s.spec,
                 key_impl=rec.key_impl,
                 names=rec.names,
-                chunks=stored_chunk,
+                chunks=chunks.get(rec.key),
                 expect=rec.checksum if verify else None,
                 carry=None if verify else rec.checksum,
                 logical_dtype=None if rec.key_impl else parse_dtype(rec.dtype),
@@ -178,8 +177,7 @@ def reshard(
 
 
 def step_extras(directory: Any) -> dict[str, list[str]]:
-    """A manager step's item and metric names (``{"items": [...], "metrics": [...]}``): what
-    a resharded copy cannot carry."""
+    """A manager step's item and metric names: what a resharded copy cannot carry."""
     extras = extras_json(directory)
     return {k: list(extras.get(k) or {}) for k in ("items", "metrics")}
 

@@ -152,12 +152,9 @@ def _default_sharding(x: Any, rec: LeafRecord, record: Record) -> Any:
 def _matching_view(source: Source, paths: Sequence[str]) -> Source:
     """``source`` named as ``like`` names it: by canonical paths, or by the keys Orbax stored
     (``stored_view``: a dict that really has a leaf ``value``) where more paths match so."""
-    view = stored_view(source)
-    if view is source:
-        return source
-    wanted = set(paths)
-    canonical = sum(p in wanted for p in source.record.by_path())
-    return view if sum(p in wanted for p in view.record.by_path()) > canonical else source
+    view, wanted = stored_view(source), set(paths)
+    as_view, as_is = (sum(p in wanted for p in s.record.by_path()) for s in (view, source))
+    return view if as_view > as_is else source
 
 
 def _keys_as_like(source: Source, paths: Sequence[str], arrays: Sequence[Any]) -> Source:
@@ -194,7 +191,6 @@ def _restore_saved(
     record = source.record
     stored = record.by_path()
     missing, extra, changed = diff(paths, arrays, stored, dtype)
-    # Python values (an epoch, a name) come from the record, diffed as the arrays are
     statics, v_missing, v_extra, v_changed = restored_values(flat, record, source.path)
     missing, extra, changed = missing + v_missing, extra + v_extra, changed + v_changed
     numbers = values_as_arrays(paths, arrays, record)  # an abstract like's int32[] epoch
@@ -230,16 +226,15 @@ def _restore_saved(
         if p in stored
     }
     check_holdable(source, list(targets))
-    sums = None
-    if verify:  # each leaf's checksum starts as it arrives, while later leaves are read
-        sums = Checksums({p: t for p, t in targets.items() if stored[p].checksum is not None})
+    # each leaf's checksum starts as it arrives, while later leaves are read
+    checked = {p: t for p, t in targets.items() if stored[p].checksum is not None}
+    sums = Checksums(checked if verify else {})
     try:
-        values = read_checked(source, targets, None if sums is None else sums.add)
+        values = read_checked(source, targets, sums.add)
     except BaseException:
-        if sums is not None:
-            sums.close()
+        sums.close()
         raise
-    if sums is not None:
+    if verify:
         verify_checksums(source, values, sums.collect(values))
     out = []
     for path, x, s in zip(paths, arrays, shardings, strict=True):
@@ -423,7 +418,6 @@ def rename_mapping(
             pool.setdefault((r.shape, r.dtype, p.rsplit("/", 1)[-1]), []).append(p)
     renames: dict[str, str] = {}
     unpaired = []
-    paired = 0
     for _, p, _ in missing:
         x = target.get(p)
         key = None if x is None else (tuple(x.shape), dtype_name(x.dtype), p.rsplit("/", 1)[-1])
@@ -431,9 +425,7 @@ def rename_mapping(
         if not cands:
             unpaired.append(p)
             continue
-        saved = cands.pop(0)
-        paired += 1
-        a, b = saved.split("/"), p.split("/")
+        a, b = cands.pop(0).split("/"), p.split("/")
         while len(a) > 1 and len(b) > 1 and a[-1] == b[-1]:
             a, b = a[:-1], b[:-1]
         renames.setdefault("/".join(a), "/".join(b))
@@ -442,6 +434,7 @@ def rename_mapping(
     dropped = sorted(p for ps in pool.values() for p in ps)
     rules = [f'ms.MapRule(r"{re.escape(a)}/(.*)", "{b}/{{1}}")' for a, b in renames.items()]
     rules += [f'ms.MapRule(r"{re.escape(p)}", None)' for p in dropped[:4]]
+    paired = len(missing) - len(unpaired)
     kept = len(stored) > paired + len(dropped)  # paths both sides have: kept as they are
     if kept:
         rules.append('ms.MapRule(r"(.*)", "{1}")')

@@ -116,9 +116,8 @@ def _manager_hint(p: Path) -> str:
 
 
 def _untrusted(root: Path) -> str | None:
-    """The first entry under ``root`` a reader must not open, said: a link leading outside
-    it, anything not a file or directory (a named pipe blocks a reader), a file over
-    ``MAX_METADATA_BYTES`` other than array data (``d/``)."""
+    """The first entry under ``root`` a reader must not open, said: a link out of it, not a
+    file or directory (a named pipe blocks), metadata over ``MAX_METADATA_BYTES``."""
     real = root.resolve()
     for here, dirs, files in os.walk(root):
         for name in dirs + files:
@@ -219,8 +218,7 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         record = Record.from_json(data, str(record_file))
         return Source(p, tree_dir, record, _tree=tree)
     if p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists():
-        # a CheckpointManager step's arrays, given on their own: read as the step, whose
-        # record beside them gives their paths, dtypes and checksums
+        # a manager step's arrays given alone: read as the step, whose record is beside them
         return locate(p.parent)
     if is_marked(p):
         raise CheckpointError(
@@ -323,22 +321,12 @@ def _from_orbax(p: Path, tree_dir: Path, meta: Any) -> Source:
             held = jax.dtypes.canonicalize_dtype(getattr(info, "dtype", None))
             if dtype_name(held) != dtype:  # a Python number Orbax stored 64-bit
                 narrowed.append((len(leaves), held))
-        leaves.append(
-            LeafRecord(
-                path=format_path(key[:-1] if key[:-1] in boxes else key),
-                key=key,
-                shape=shape,
-                dtype=dtype,
-                stored_shape=shape,
-                stored_dtype=dtype,
-                spec=spec,
-            )
-        )
+        path = format_path(key[:-1] if key[:-1] in boxes else key)
+        leaves.append(LeafRecord(path, key, shape, dtype, shape, dtype, spec=spec))
     record = Record(kind="orbax", leaves=leaves, mesh=mesh, source="orbax")
     source = Source(p, tree_dir, record, template=tree, _tree=meta)
     for i, held in narrowed:
-        # read as JAX holds the number (jnp.asarray: int32, float32 without x64), unless
-        # it does not fit: then it stays 64-bit, and a restore says it needs x64
+        # read as JAX holds it (int32 without x64) where it fits, else a restore asks for x64
         if _holds(source, leaves[i].key, held):
             name = dtype_name(held)
             record.leaves[i] = dataclasses.replace(leaves[i], dtype=name, stored_dtype=name)

@@ -87,9 +87,8 @@ def saved_values(flat: Flat) -> list[ValueRecord]:
 def restored_values(
     flat: Flat, record: Record, where: Any = ""
 ) -> tuple[dict[int, Any], Diff, Diff, Diff]:
-    """``(position -> value, missing, extra, changed)``: each value of ``like`` (``flat``)
-    replaced by the checkpoint's of the same type; code kept. A record without values (older,
-    or plain Orbax's) keeps ``like``'s, and a warning names them."""
+    """``(position -> value, missing, extra, changed)``: like's values replaced by the saved
+    ones of their types; a record without values keeps like's, and a warning names them."""
     if record.values is None:
         kept = [p for _, p, x in flat.statics() if not is_code(x)]
         if kept:
@@ -135,9 +134,7 @@ _NUMBER_KINDS = {"bool": "b", "int": "biu", "float": "f", "complex": "c"}
 def values_as_arrays(paths: list[str], arrays: list[Any], record: Record) -> dict[str, np.ndarray]:
     """The record's numbers ``like`` holds as rank-0 arrays (``eval_shape`` of an ``int``):
     path -> the value in ``like``'s dtype, where its kind holds the value's type."""
-    if not record.values:
-        return {}
-    saved = {v.path: v for v in record.values}
+    saved = {v.path: v for v in record.values or ()}
     out = {}
     for path, x in zip(paths, arrays, strict=True):
         v = saved.get(path)
