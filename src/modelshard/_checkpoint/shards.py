@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._base import CheckpointError, sync_tree
@@ -47,7 +48,8 @@ class Held:
         dtype: its NumPy dtype (one TensorStore stores: ``codec.encode``'s).
         chunk: the stored chunk shape.
         sharding: its sharding (for Orbax's ``_sharding`` file).
-        blocks: ``(box, host array)`` of each block this process writes.
+        blocks: ``(box, data)`` of each block this process writes: a host array, or a
+            CPU device's array (``take(copy=True)``), read with ``np.asarray``.
     """
 
     key: tuple[str, ...]
@@ -63,25 +65,39 @@ def _box(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
 
 
 def take(items: Sequence[tuple[tuple[str, ...], jax.Array]], *, copy: bool) -> list[Held]:
-    """This process's blocks of ``items`` (``(key, array)``, none zero-size) on the host:
-    the first replica of each shard it holds. Every copy off the devices is started before
-    any is waited for. With ``copy``, a block on a CPU device is copied too (a background
-    write must not read a buffer the caller may donate); without, it is a view of it."""
+    """This process's blocks of ``items`` (``(key, array)``, none zero-size): the first
+    replica of each shard it holds. Without ``copy``, each on the host (a CPU device's a
+    view of its buffer); every copy off the devices is started before any is waited for.
+    With ``copy`` (a background write: the caller may donate the arrays once it returns), an
+    array on CPU devices is copied where it is, a copy dispatched and not waited for (its
+    blocks are those copies, read on the host by the writer); any other is copied to the
+    host here."""
+    if copy:  # a CPU device's copy runs on the host's threads while the caller goes on
+        items = [(k, jnp.copy(x) if _on_cpu(x) else x) for k, x in items]
     shards = [[s for s in x.addressable_shards if s.replica_id == 0] for _, x in items]
-    for own in shards:
-        for s in own:
-            s.data.copy_to_host_async()
+    for (_, x), own in zip(items, shards, strict=True):
+        if not (copy and _on_cpu(x)):
+            for s in own:
+                s.data.copy_to_host_async()
     held = []
     for (key, x), own in zip(items, shards, strict=True):
         shape = tuple(int(n) for n in x.shape)
         dtype = np.dtype(x.dtype)
         write_shape = x.sharding.shard_shape(shape)
-        blocks = [
-            (_box(s.index, shape), np.array(s.data) if copy else np.asarray(s.data)) for s in own
-        ]
+        if copy and _on_cpu(x):
+            blocks = [(_box(s.index, shape), s.data) for s in own]
+        else:
+            blocks = [
+                (_box(s.index, shape), np.array(s.data) if copy else np.asarray(s.data))
+                for s in own
+            ]
         chunk = aligned_chunks(shape, write_shape, dtype.itemsize)
         held.append(Held(key, shape, dtype, chunk, x.sharding, blocks))
     return held
+
+
+def _on_cpu(x: jax.Array) -> bool:
+    return next(iter(x.sharding.device_set)).platform == "cpu"
 
 
 def _settle(futures: Sequence[Any]) -> None:
@@ -122,7 +138,7 @@ def _write_blocks(directory: Any, process: int, held: Sequence[Held], compress: 
     try:
         for h, f in zip(mine, opening, strict=True):
             store = f.result()
-            writes.extend(store[box].write(data) for box, data in h.blocks)
+            writes.extend(store[box].write(np.asarray(data)) for box, data in h.blocks)
         for w in writes:
             w.result()
     finally:
