@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import compile_cache
 import modelshard as ms
 from helpers import KINDS, MAKERS, RULES, Zygote
 
@@ -51,46 +51,18 @@ def pytest_configure(config: pytest.Config) -> None:
     """The test processes of a run share a JAX compilation cache in a temporary folder:
     tests compile the same programs many times over (a step through ``shard_jit``, then by
     plain ``jax.jit`` to compare; one test's fixture in both workers), and XLA compiles each
-    once. The processes tests start do not use it. ``MODELSHARD_TESTS_COMPILATION_CACHE=``
-    (empty) runs without it."""
+    once. Of the processes tests start, the docs' runner alone uses it (test_docs.py).
+    ``MODELSHARD_TESTS_COMPILATION_CACHE=`` (empty) runs without it."""
     if _CACHE not in os.environ:
         os.environ[_CACHE] = tempfile.mkdtemp(prefix="modelshard-tests-jax-cache-")
         _OWNED.append(os.environ[_CACHE])
     if os.environ[_CACHE]:
-        _use_compilation_cache(os.environ[_CACHE])
+        compile_cache.use(os.environ[_CACHE])
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     for folder in _OWNED:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _use_compilation_cache(folder: str) -> None:
-    try:
-        from jax._src import lru_cache
-    except ImportError:
-        return
-    if getattr(lru_cache, "_CACHE_SUFFIX", None) != "-cache" or not hasattr(
-        lru_cache.LRUCache, "put"
-    ):
-        return  # another cache layout: compile as without it
-
-    def put_whole(self: Any, key: str, value: bytes) -> None:
-        # jax 0.9.1 to 0.12's LRUCache.put (no size limit) writes the entry in place: a
-        # worker reading it meanwhile got a truncated stream, a warning (an error where a
-        # test turns warnings into errors). Written aside, then renamed: whole or absent.
-        path = Path(self.path) / f"{key}-cache"
-        if path.exists():
-            return
-        part = path.with_name(f".{key}.{os.getpid()}.{threading.get_native_id()}")
-        part.write_bytes(value)
-        os.replace(part, path)
-
-    lru_cache.LRUCache.put = put_whole
-    jax.config.update("jax_compilation_cache_max_size", -1)  # the put above keeps no size
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
