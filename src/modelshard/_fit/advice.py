@@ -21,7 +21,7 @@ from .candidates import (
     cast_outputs,
     changes_for,
 )
-from .memory import StepMemory, check_names, check_roles, compiler
+from .memory import Compiler, StepMemory, check_names, check_roles, compiler, largest
 from .rulegen import norm_spec, rules_for
 
 
@@ -134,10 +134,6 @@ class FitAdvice:
         if self.fits:
             return
         m = self.memory
-        big = sorted(((n, k) for k, text, n in m.part_rows() if n > 0), reverse=True)[:3]
-        parts = ", ".join(
-            f"{dict((k, t) for k, t, _ in m.part_rows())[k]} {format_bytes(n)}" for n, k in big
-        )
         if self.best is not None:
             hint = (
                 f"the smallest change that fits ({format_bytes(self.best.memory.total)} per "
@@ -153,7 +149,7 @@ class FitAdvice:
                     "budget",
                     None,  # the whole step, no single leaf
                     f"the step needs {format_bytes(m.total)} per device > budget "
-                    f"{format_bytes(self.budget)} (largest: {parts})",
+                    f"{format_bytes(self.budget)} (largest: {largest(m)})",
                     mesh=m.mesh,
                     hint=hint,
                     cause="bytes per device > budget",
@@ -243,14 +239,12 @@ def fit_advice(
     batch, static, donate = batch_argnums, static_argnums, donate_argnums
     c = compiler(step, args, kwargs, mesh, in_specs, donate, static, batch, roles, topology)
     base = c.measure()
-    compiles = 1
     if base.total <= limit:
-        return FitAdvice(limit, base, True, [], None, compiles, base.compile_seconds)
+        return FitAdvice(limit, base, True, [], None, 1, base.compile_seconds)
 
     plan = base.plan
     leaf_roles = [r for _, r in base.roles]
-    dynamic = c.dynamic
-    changes = changes_for(plan, leaf_roles, base, dynamic, c.batch, c.fn, remat, c.donated, kinds)
+    changes = changes_for(c, base, remat, kinds)
     tried: list[Suggestion] = []
 
     def attempt(stack: list[Change]) -> Suggestion:
@@ -271,7 +265,7 @@ def fit_advice(
         for ch in stack:  # outputs narrowed last, around whichever step
             if ch.kind == "moments_dtype":
                 fn = cast_outputs(fn, set(ch.narrowed), jax.numpy.bfloat16)
-        new_specs, rules = _in_specs(c.in_specs, plan, specs, dynamic)
+        new_specs, rules = _in_specs(c, plan, specs)
         unmeasured = Suggestion(
             kind="+".join(ch.kind for ch in stack),
             description="; ".join(ch.description for ch in stack),
@@ -295,48 +289,32 @@ def fit_advice(
 
     best = None
     for ch in changes:
-        if ch.kind == "batch":
-            continue
-        s = attempt([ch])
-        compiles += s.memory is not None
-        tried.append(s)
-        if s.fits and best is None:
-            best = s
-            if first:
-                break
-    batch_change = next((c for c in changes if c.kind == "batch"), None)
+        if ch.kind != "batch":
+            tried.append(s := attempt([ch]))
+            if s.fits and best is None:
+                best = s
+                if first:
+                    break
+    halve = next((ch for ch in changes if ch.kind == "batch"), None)
     if best is None:  # combine what saved, largest saving first; the batch is cut last
-        saving = sorted(
-            (
-                s
-                for s in tried
-                if s.memory is not None and s.saves > 0 and "+" not in s.kind and s.kind != "batch"
-            ),
-            key=lambda s: -s.saves,
-        )
+        saved = [s for s in tried if s.memory is not None and s.saves > 0 and "+" not in s.kind]
         stack: list[Change] = []
-        for s in saving:
-            ch = next(c for c in changes if c.description == s.description)
+        for s in sorted(saved, key=lambda s: -s.saves):
+            ch = next(ch for ch in changes if ch.description == s.description)
             # FSDP over an axis already holds the optimizer state there
             if ch.kind == "shard_optimizer" and any(c.kind == "fsdp" for c in stack):
                 continue
             stack.append(ch)
-            if len(stack) == 1:
-                continue
-            combo = attempt(stack)
-            compiles += combo.memory is not None
-            tried.append(combo)
-            if combo.fits:
-                best = combo
-                break
-        if best is None and batch_change is not None:  # the largest batch, all else applied
-            s = _halve_until_fits(attempt, batch_change, tried, stack)
-            compiles += s[1]
-            best = s[0]
-    seconds = base.compile_seconds + sum(
-        s.memory.compile_seconds for s in tried if s.memory is not None
-    )
-    return FitAdvice(limit, base, False, tried, best, compiles, seconds)
+            if len(stack) > 1:
+                tried.append(combo := attempt(stack))
+                if combo.fits:
+                    best = combo
+                    break
+        if best is None and halve is not None:  # the largest batch, all else applied
+            best = _halve_until_fits(attempt, halve, tried, stack)
+    measured = [s.memory for s in tried if s.memory is not None]
+    seconds = base.compile_seconds + sum(m.compile_seconds for m in measured)
+    return FitAdvice(limit, base, False, tried, best, 1 + len(measured), seconds)
 
 
 def _halve_until_fits(
@@ -344,29 +322,22 @@ def _halve_until_fits(
     change: Change,
     tried: list[Suggestion],
     stack: list[Change],
-) -> tuple[Suggestion | None, int]:
+) -> Suggestion | None:
     """Halve the batch (with ``stack`` applied) until the step fits: the largest batch."""
-    n = 0
     for k in range(1, 64):
         ch = batch_change(change, k)
         if ch is None:
-            return None, n
-        s = attempt([*stack, ch])
-        n += s.memory is not None
-        tried.append(s)
-        if s.fits:
-            return s, n
-        if s.memory is None:
-            return None, n
-    return None, n
+            return None
+        tried.append(s := attempt([*stack, ch]))
+        if s.fits or s.memory is None:
+            return s if s.fits else None
+    return None
 
 
-def _in_specs(
-    in_specs: Any, plan: Any, specs: list[PartitionSpec], dynamic: list[int]
-) -> tuple[Any, dict[str, Rules]]:
-    """``in_specs`` with each argument whose leaves' specs changed given as rules."""
+def _in_specs(c: Compiler, plan: Any, specs: list[PartitionSpec]) -> tuple[Any, dict[str, Rules]]:
+    """The step's ``in_specs`` with each argument whose leaves' specs changed given as rules."""
     rules: dict[str, Rules] = {}
-    new = dict(in_specs) if isinstance(in_specs, Mapping) else list(in_specs)
+    new = dict(c.in_specs) if isinstance(c.in_specs, Mapping) else list(c.in_specs)
     at = 0
     for i, a in enumerate(plan.args):
         mine = specs[at : at + len(a.leaves)]
@@ -380,7 +351,7 @@ def _in_specs(
         if isinstance(new, dict):
             new[a.name] = r
         else:
-            new[dynamic[i]] = r
+            new[c.dynamic[i]] = r
     return (new if isinstance(new, dict) else tuple(new)), rules
 
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from .._containers import split
 from .._specs import entry_axes
-from .memory import StepMemory
+from .memory import Compiler, StepMemory
 
 # Megatron-style tensor parallelism by parameter name: column-parallel layers shard their
 # output dimension, row-parallel ones their input, embeddings their vocabulary.
@@ -136,17 +136,10 @@ class BatchInfo:
 
 
 def changes_for(
-    plan: Any,
-    leaf_roles: list[str],
-    base: StepMemory,
-    dynamic: list[int],
-    batch: list[int],
-    fn: Callable[..., Any],
-    remat: Callable[..., Any] | None,
-    donated: tuple[int, ...],
-    kinds: Sequence[str],
+    c: Compiler, base: StepMemory, remat: Callable[..., Any] | None, kinds: Sequence[str]
 ) -> list[Change]:
-    """Every change of ``kinds`` that applies to the step, in ``KINDS`` order."""
+    """Every change of ``kinds`` that applies to the step ``base`` measured, in ``KINDS`` order."""
+    plan, leaf_roles, dynamic, batch = base.plan, [r for _, r in base.roles], c.dynamic, c.batch
     sizes = plan.sizes
     axes = [a for a, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n > 1]
     out: list[Change] = []
@@ -171,8 +164,8 @@ def changes_for(
         if set(leaf_roles[at : at + len(a.leaves)]) & set(state):
             state_args.append(dynamic[i])
         at += len(a.leaves)
-    if "donate" in kinds and base.parts["outputs"] > 0 and not set(state_args) <= set(donated):
-        nums = tuple(sorted(set(donated) | set(state_args)))
+    if "donate" in kinds and base.parts["outputs"] > 0 and not set(state_args) <= set(c.donated):
+        nums = tuple(sorted(set(c.donated) | set(state_args)))
         text, code = (
             f"donate the state (donate_argnums={nums})",
             f"ms.shard_jit(step, ..., donate_argnums={nums})",
@@ -213,7 +206,7 @@ def changes_for(
             tp=True,
         )
     if "remat" in kinds:
-        variant, how = _remat_step(fn, remat)
+        variant, how = _remat_step(c.fn, remat)
         if variant is not None:
             out.append(Change("remat", "rematerialise the step's activations", how, step=variant))
     if "batch" in kinds and batch:

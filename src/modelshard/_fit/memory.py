@@ -135,8 +135,7 @@ class StepMemory:
 
     def summary(self) -> str:
         """One line: total per device, the largest parts, the mesh and compile time."""
-        big = sorted(((n, k) for k, n in self.parts.items() if n > 0), reverse=True)[:3]
-        parts = ", ".join(f"{PART_TEXT[k]} {format_bytes(n)}" for n, k in big)
+        parts = largest(self)
         source = (
             "XLA peak"
             if self.peak is not None
@@ -154,6 +153,12 @@ class StepMemory:
         width = max(len(p) for p, _, _ in self.lines())
         rows = [f"{p:<{width}}  {b:>10}  {s:>4}".rstrip() for p, b, s in self.lines()]
         return "\n".join(["step memory per device", *rows, self.summary()])
+
+
+def largest(m: StepMemory) -> str:
+    """A step's three largest parts in words: ``parameters 1.00 GiB, ...``."""
+    big = sorted(((n, k) for k, n in m.parts.items() if n > 0), reverse=True)[:3]
+    return ", ".join(f"{PART_TEXT[k]} {format_bytes(n)}" for n, k in big)
 
 
 def compile_mesh(mesh: Any = None, topology: str | None = None) -> Any:
