@@ -382,11 +382,9 @@ def mesh_json(mesh: Any) -> dict[str, Any]:
 def saved_spec(x: Any, mesh: Any) -> PartitionSpec | None:
     """The spec ``x`` was placed with, if it is a NamedSharding on ``mesh``'s shape."""
     s = getattr(x, "sharding", None)
-    if not isinstance(s, NamedSharding) or mesh is None:
-        return None
-    if dict(s.mesh.shape) != dict(mesh.shape):
-        return None
-    return s.spec
+    if isinstance(s, NamedSharding) and mesh is not None and dict(s.mesh.shape) == dict(mesh.shape):
+        return s.spec
+    return None
 
 
 def versions() -> dict[str, str]:
