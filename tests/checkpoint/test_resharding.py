@@ -345,7 +345,7 @@ def test_an_unverified_reshard_carries_the_source_checksums(tmp_path):
     with pytest.raises(ms.CheckpointError) as e:
         ms.restore(copy)
     assert str(e.value).startswith(f"checksum mismatch in {copy}")
-    assert "\n  big float32[256, 64]: recorded " + before["big"] in str(e.value)
+    assert f"\n  big float32[256, 64]: recorded {before['big']}" in str(e.value)
     cast = reshard(src, tmp_path / "cast", mesh=mesh8, verify=False, dtype=jnp.bfloat16)
     assert ms.restore(cast)["big"].dtype == jnp.bfloat16  # verified: what was read, cast
 
