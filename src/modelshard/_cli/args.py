@@ -178,8 +178,7 @@ def add_max_rows(p: argparse.ArgumentParser) -> None:
 def add_target(
     p: argparse.ArgumentParser, mesh_help: str | None = None, rules_help: str = RULES_HELP
 ) -> None:
-    """The options naming the target layout: ``--mesh`` (required unless given
-    ``mesh_help``), ``--rules``, ``--axis-types``."""
+    """The options naming the target layout: ``--mesh``, ``--rules``, ``--axis-types``."""
     p.add_argument(
         "--mesh",
         required=mesh_help is None,

@@ -177,9 +177,7 @@ def run(args: argparse.Namespace) -> int:
                 rest = len(table.rows) - args.max_rows
                 say(f"... {rest} more lea{'ves' if rest != 1 else 'f'}; {SHOW_ALL}")
         return 0
-    # streamed: each target leaf computed a slab of rows at a time through its recipe and
-    # written by the streaming checkpoint writer; nothing is placed on the devices and
-    # host memory stays near a few slabs plus one stored tensor's map
+    # streamed a slab of rows at a time: host memory stays near a few slabs, no device used
     with open_safetensors(args.source) as files:
         _, leaves = mapped_leaves(files, **common)
         with progress_bar(args, "converting") as progress, writing(args.destination):
@@ -224,8 +222,7 @@ def _row_json(r: Any) -> dict[str, Any]:
 
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
-    """A checkpoint written back as safetensors (a file, shards, or a model directory), one
-    leaf on the host at a time, never the whole state."""
+    """A checkpoint written back as safetensors, one leaf on the host at a time."""
     if args.reference is None and args.mapping is not None:
         from .._base import CheckpointError
 

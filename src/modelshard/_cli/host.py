@@ -58,8 +58,7 @@ def _mallopt(*settings: tuple[int, int]) -> None:
 
 
 def return_freed_memory() -> None:
-    """glibc: give every block of 128 KiB or more its own mapping, unmapped when freed, and keep one
-    malloc arena."""
+    """glibc: blocks of 128 KiB or more mapped apart (unmapped when freed), one arena."""
     _mallopt((_M_MMAP_THRESHOLD, 128 << 10), (_M_ARENA_MAX, 1))
 
 

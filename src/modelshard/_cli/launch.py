@@ -9,8 +9,7 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    """The ``launch`` subcommand, listed in ``modelshard --help``; ``main`` hands its
-    arguments to the launcher before argparse sees them."""
+    """The ``launch`` subcommand (``main`` hands its arguments to the launcher)."""
     sub.add_parser(
         "launch",
         help="run a command as N local JAX processes",
@@ -21,8 +20,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(rest: Sequence[str]) -> int:
-    """Run the launcher on the arguments after ``launch``; returns its exit status (1, said
-    on stderr, when the runtime cannot be imported)."""
+    """Run the launcher on the arguments after ``launch``; returns its exit status."""
     try:
         from .._runtime import main as launch_main
     except ImportError as e:

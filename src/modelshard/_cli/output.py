@@ -50,8 +50,7 @@ def new_table(
 
 
 def absolute(path: Any) -> str:
-    """A local path made absolute, as every ``--json`` output gives paths; a URL
-    (``hf://org/name``, ``gs://bucket/run``) as given."""
+    """A local path made absolute, as ``--json`` gives paths; a URL as given."""
     text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     return text if re.match(r"^[a-z][a-z0-9+.-]*://", text) else os.path.abspath(text)
 
@@ -236,8 +235,7 @@ def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
 
 
 class _Interrupt:
-    """Whether Ctrl-C was pressed while the command runs (``interruptible``), and whether
-    a progress bar's ticks raise it."""
+    """Whether Ctrl-C was pressed during the command, and whether ticks raise it."""
 
     seen = False
     at_ticks = False

@@ -185,8 +185,7 @@ def report(
 
 
 def simulate_devices(argv: list[str]) -> None:
-    """As many simulated CPU devices as ``--mesh`` needs, before ``--step`` imports (and maybe
-    starts JAX)."""
+    """As many simulated CPU devices as ``--mesh`` needs, before ``--step`` imports."""
     text = None
     for i, a in enumerate(argv):
         if a == "--":
@@ -212,8 +211,7 @@ def usage(args: argparse.Namespace, message: str) -> int:
 
 
 def function_arg(text: str) -> Any:
-    """argparse type: ``module:function``, imported (the current directory first on the
-    path, as ``python -m`` has it)."""
+    """argparse type: ``module:function``, imported (the current directory on the path)."""
     module, colon, name = text.partition(":")
     if not colon or not module or not name:
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:FUNCTION, e.g. train:step")
@@ -245,8 +243,7 @@ _SHORT_DTYPES = {
 
 
 def _outside_brackets(text: str) -> list[str]:
-    """``text`` split at the commas outside ``[...]`` and ``(...)``: a shape written
-    with parentheses stays one part, to be quoted whole in the error."""
+    """``text`` split at the commas outside ``[...]`` and ``(...)``."""
     parts, depth, start = [], 0, 0
     for i, c in enumerate(text):
         depth += (c in "[(") - (c in "])")
@@ -257,8 +254,7 @@ def _outside_brackets(text: str) -> list[str]:
 
 
 def batch_arg(text: str) -> Any:
-    """argparse type: ``int32[16,2048]`` or ``tokens=int32[16,2048],mask=bool[16,2048]``:
-    one abstract array, or a dict of them."""
+    """argparse type: ``int32[16,2048]`` or ``a=int32[16],b=bool[16]``: abstract arrays."""
     parts = _outside_brackets(text)
     out: dict[str, Any] = {}
     for part in parts:
@@ -295,8 +291,7 @@ def raised(args: argparse.Namespace, what: str, fn: Any, e: Exception) -> int:
 
 
 def rules_file(advice: Any) -> tuple[str | None, str | None]:
-    """``--write-rules``: the best change's rules file, its other changes as comments; or why
-    none is written."""
+    """``--write-rules``: the best change's rules file and other changes, or why none."""
     if advice is None:
         return None, "--write-rules writes the change that fits a --budget; none was given"
     if advice.fits:

@@ -45,8 +45,7 @@ def add_axis(
     axis: str,
     dims: Sequence[int] | None = None,
 ) -> PartitionSpec:
-    """``spec`` with ``axis`` added to the first of ``dims`` (default: the largest shard
-    dimension first) whose shard it divides; unchanged when ``axis`` is used or none does."""
+    """``spec`` with ``axis`` on the first of ``dims`` (default: largest first) it divides."""
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if any(axis in entry_axes(e) for e in entries) or not shape:
         return spec
@@ -108,8 +107,7 @@ def rebuild(value: Any, fn: Callable[[str, Any], Any]) -> Any:
 
 
 def cast_outputs(step: Callable[..., Any], paths: set[str], dtype: Any) -> Callable[..., Any]:
-    """``step`` whose outputs at ``paths`` (suffixes of output paths) come out in ``dtype``,
-    as an optimizer configured for narrower moments writes them."""
+    """``step`` with its outputs at ``paths`` in ``dtype``, as a narrower optimizer writes them."""
 
     @functools.wraps(step)
     def narrowed(*a: Any, **k: Any) -> Any:
@@ -217,8 +215,7 @@ def changes_for(
 
 
 def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Change | None:
-    """bfloat16 first moments (optax's ``mu_dtype``) where the state has ``mu`` leaves,
-    else every float32 leaf of the optimizer state."""
+    """bfloat16 first moments (optax's ``mu_dtype``), else the whole float32 optimizer state."""
     picked: dict[int, set[str]] = {}
     cands = [(i, leaf) for i, a in enumerate(plan.args) for leaf in a.leaves]
     opt = [

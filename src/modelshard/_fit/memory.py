@@ -194,8 +194,7 @@ _V5E = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x1
 
 
 def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
-    """Why a mesh of ``sizes`` cannot be compiled for on ``have`` devices, and the ways to
-    get them, in the entry point's words (a TPU slice only when one has that many chips)."""
+    """Why a mesh of ``sizes`` cannot compile on ``have`` devices, and the ways to get them."""
     n = math.prod(sizes.values())
     head = f"mesh ({format_mesh(sizes)}) needs {n} devices to compile for, this machine has {have}"
     slice_ = _V5E.get(n)
@@ -271,8 +270,7 @@ def classify(
 
 
 def check_names(what: str, given: Any, allowed: Sequence[str], noun: str = "") -> None:
-    """SpecError naming the first of ``given`` not in ``allowed`` (``what``: "role";
-    ``noun``: what one is called in the message, ``what`` by default)."""
+    """A SpecError naming the first of ``given`` not in ``allowed``."""
     bad = [r for r in given or () if r not in allowed]
     if bad:
         hint = f"{what}s are " + ", ".join(map(repr, allowed))
@@ -363,9 +361,7 @@ _TEMPORARIES = re.compile(r"HLO temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
 
 
 def refused_temporaries(error: BaseException) -> tuple[int, str] | None:
-    """``(temporary bytes, XLA's message)`` where the compiler refused a program for needing more
-    memory than the device has (TPU's compiler does, before anything runs); None for any other
-    error."""
+    """``(temporary bytes, XLA's message)`` of a program refused for its size, else None."""
     text = str(error)
     if _REFUSED.search(text) is None:
         return None
@@ -378,8 +374,7 @@ def refused_temporaries(error: BaseException) -> tuple[int, str] | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Refused:
-    """The memory analysis of a program XLA refused: its inputs as planned and the
-    temporaries its message names (no output counted, no peak)."""
+    """The memory analysis of a refused program: planned inputs and the named temporaries."""
 
     argument_size_in_bytes: int
     temp_size_in_bytes: int
@@ -391,8 +386,7 @@ class _Refused:
 
 @dataclasses.dataclass(frozen=True)
 class Compiler:
-    """A step as each measurement compiles it on ``mesh``: its function, specs, donations and
-    abstract arguments (``dynamic``: the non-static positions; ``batch``: the batch's among them)."""
+    """A step as each measurement compiles it: function, specs, donations, abstract arguments."""
 
     fn: Callable[..., Any]
     in_specs: Any
@@ -437,8 +431,7 @@ def compiler(
     roles: Mapping[str, Any] | None,
     topology: str | None,
 ) -> Compiler:
-    """``step`` (a function, or a ``ShardJit`` whose own settings fill what is not given) ready to
-    compile on ``mesh`` (default: a ``ShardJit``'s own, else the active one)."""
+    """``step`` (a ``ShardJit``'s settings filling the rest) ready to compile on ``mesh``."""
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     if isinstance(step, ShardJit):
@@ -496,8 +489,7 @@ def wrap(
 
 
 def abstract_args(args: Sequence[Any], statics: set[int]) -> tuple[Any, ...]:
-    """``args`` with every concrete array leaf replaced by its ``ShapeDtypeStruct``, so that
-    compiling for them moves nothing to a device (abstract arguments are kept as given)."""
+    """``args`` with every concrete array a ``ShapeDtypeStruct``: compiling moves nothing."""
     out = []
     for i, a in enumerate(args):
         flat = split(a) if i not in statics else None

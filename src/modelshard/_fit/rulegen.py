@@ -22,8 +22,7 @@ def norm_spec(spec: PartitionSpec) -> tuple[Any, ...]:
 
 
 def _candidates(path: str) -> list[str]:
-    """Patterns matching ``path``, shortest first: a suffix of its components, or a first
-    component and a suffix."""
+    """Patterns matching ``path``, shortest first: a suffix, or a first component and a suffix."""
     # each component as a regex, layer numbers matching any number
     comps = [re.sub(r"\d+", r"\\d+", re.escape(c)) for c in path.split("/")]
     n = len(comps)

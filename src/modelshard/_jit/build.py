@@ -55,9 +55,8 @@ class Entry:
             return self.jitted(*flat)  # under an outer transformation: no executable
         compiled = self.compile()
         out = compiled(*flat)
-        # ``Compiled.__call__`` forwards every call to the C++ dispatcher it builds on its
-        # first call; later calls go to it directly (a Python frame and an argument copy
-        # fewer), where this JAX has it.
+        # later calls go straight to the C++ dispatcher ``Compiled.__call__`` builds on its
+        # first call (a Python frame and an argument copy fewer), where this JAX has one
         direct = getattr(compiled, "_call", None)
         if callable(direct):
             self.run = direct
@@ -77,8 +76,7 @@ class Entry:
         return self._written(out, [(t.write_back, t.array_index) for t in taken])
 
     def finish_gathered(self, out: Sequence[Any], write_backs: Sequence[WriteBack | None]) -> Any:
-        """``finish`` for a call whose leaves ``Route`` gathered: ``write_backs`` has each
-        argument's write-back (every leaf of an argument written back is an array)."""
+        """``finish`` for a call ``Route`` gathered (``write_backs``: each argument's)."""
         if not self.updates:
             return self.desc.build(out)
         return self._written(out, [(w, None) for w in write_backs])
@@ -112,8 +110,7 @@ def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a cache miss builds from: the function, its mesh and output specs, and one call's
-    arguments."""
+    """What a cache miss builds from: the function, its mesh and specs, one call's arguments."""
 
     fn: Callable[..., Any]
     mesh: Mesh | AbstractMesh
@@ -172,10 +169,8 @@ def build_entry(call: Call) -> Entry:
     donate = tuple(
         i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
     )
-    # The one trace of the function: its jaxpr shows which outputs the function constrained
-    # itself, and jax.jit's trace cache (keyed by the function and the input types, not the
-    # out shardings) serves the same jaxpr to the jax.jit built below.
-    # Every constrain the trace runs is recorded for the step's plan (plan.activations).
+    # The one trace: its jaxpr shows the outputs the function constrained, jax.jit's trace
+    # cache serves it to the jax.jit below, and its constraints go to plan.activations.
     with recording_constraints() as activations:
         closed = (
             jax.jit(traced, in_shardings=tuple(in_sh), donate_argnums=donate).trace(*abstract).jaxpr
@@ -209,8 +204,7 @@ def build_entry(call: Call) -> Entry:
 
 
 def _structure(arg: ArgPlan) -> ArgPlan:
-    """``arg`` with its array leaves as ``ShapeDtypeStruct``: a cached plan holding the call's own
-    container would keep its arrays alive as long as the ``ShardJit``."""
+    """``arg`` with ``ShapeDtypeStruct`` leaves: a cached plan must not keep the call's arrays."""
     flat = arg.flat
     infos = flat.infos  # paths and metadata, read from the real container
     at = set(flat.array_index)
@@ -273,9 +267,7 @@ class _FlatFunction:
                 else:
                     kw[s.kw] = call.kwargs[s.kw]
         self._pos, self._kw = pos, kw
-        # Each dynamic argument's structure, not the Taken: that holds the call's container
-        # and its arrays (and an NNX module's write-back), which the jax.jit over this
-        # function would keep alive as long as the ShardJit.
+        # each argument's structure, not the Taken, whose arrays the jax.jit would keep alive
         self._dyn: list[tuple[_Structure, tuple[Any, ...] | None]] = []
         for t in call.taken:
             template = None

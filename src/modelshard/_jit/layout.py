@@ -41,8 +41,7 @@ def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
 
 
 class ArgumentLayout:
-    """A function's signature with ``shard_jit``'s ``in_specs``, donation and static arguments:
-    checked once, then resolved per call layout into ``Slot`` objects."""
+    """``fn``'s signature with the specs, donated and static arguments, as ``Slot`` objects per call."""
 
     def __init__(
         self,
@@ -102,8 +101,7 @@ class ArgumentLayout:
             raise SpecError(problems, header="invalid shard_jit arguments:")
 
     def slots(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
-        """The slots of a call with ``npos`` positional arguments and these keywords
-        (made once per layout, then the same objects)."""
+        """The slots of a call with ``npos`` positionals and these keywords (cached per layout)."""
         key = (npos, kwnames)
         hit = self._layouts.get(key)
         if hit is not None:

@@ -122,8 +122,7 @@ class Route:
         self._check_types = any(lay[0] != "again" for lay in self._layouts)
 
     def gather(self, args: Sequence[Any]) -> tuple[list[Any], list[WriteBack | None]] | None:
-        """The flat array leaves of ``args`` and each argument's write-back, or ``None`` if
-        anything is laid out otherwise."""
+        """The flat array leaves of ``args`` and their write-backs; None if laid out otherwise."""
         if len(args) != len(self._layouts):
             return None
         out: list[Any] = []

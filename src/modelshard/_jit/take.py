@@ -75,8 +75,7 @@ def _flatten_for_call(adapter: Adapter, value: Any, plain: bool) -> CallLeaves:
 
 
 def take(slot: Slot, value: Any) -> tuple[Taken, Hashable]:
-    """Flatten one argument; also return its structure key (adapter included) for the per-structure
-    cache: equal keys mean the same leaves are arrays and static leaves are equal."""
+    """One argument flattened, and its structure key for the per-structure cache."""
     adapter = _lookup(type(value))
     call = _flatten_for_call(adapter, value, plain=False)
     if not call.arrays_only and holds_nested(call.leaves):
@@ -88,9 +87,7 @@ def take(slot: Slot, value: Any) -> tuple[Taken, Hashable]:
 
 
 def take_plainly(taken: Taken) -> Taken:
-    """``taken`` flattened again by the adapter's ``flatten`` itself, so that planning and
-    tracing see exactly what the adapter makes of it (a per-call route such as NNX's
-    Variable route is for the calls after that)."""
+    """``taken`` flattened by the adapter's own ``flatten``, as planning and tracing need."""
     call = _flatten_for_call(taken.adapter, taken.value, plain=True)
     return _taken(taken.slot, taken.value, taken.adapter, call)
 

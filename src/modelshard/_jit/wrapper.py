@@ -117,8 +117,7 @@ class ShardJit:
         return args, kwargs, slots, taken, (slots, tuple(statics), tuple(keys), self._env())
 
     def _env(self) -> tuple[Any, Any]:
-        """What a plan depends on besides the arguments: the mesh (``mesh=``, else the one
-        ``jax.set_mesh`` sets at call time) and the active ``ms.logical_rules`` context."""
+        """What a plan depends on besides the arguments: the mesh and the logical rules."""
         mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
         return mesh, active_logical()
 
@@ -255,8 +254,7 @@ class ShardJit:
                     ) from None
 
     def _recover(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
-        """After jit refused the inputs: move committed arrays placed otherwise (writing
-        them back into mutable containers), or raise."""
+        """After jit refused the inputs: move those committed elsewhere, or raise."""
         bad = [
             i
             for i, (x, s) in enumerate(zip(flat, entry.in_shardings, strict=True))
@@ -276,8 +274,7 @@ class ShardJit:
         return _execute(entry, _place(entry, taken, flat, True))
 
     def _warn_moves(self, entry: Entry, flat: Sequence[Any], bad: list[int]) -> None:
-        """Warn once per entry when the same inputs are moved on a second call: each call
-        copies them again (place them once with ``modelshard.shard``)."""
+        """Warn once per entry when a second call moves the same inputs again."""
         n = self._moved[id(entry)] = self._moved.get(id(entry), 0) + 1
         if n != 2:
             return
