@@ -7,8 +7,7 @@ from collections.abc import Iterable, Sequence
 
 
 class LeastLoaded:
-    """Each piece of work to the least-loaded process that can take it (ties: the lowest
-    index), its bytes then counted to that process."""
+    """Each piece of work to the least-loaded process (ties: the lowest index)."""
 
     def __init__(self, processes: int) -> None:
         self.load = [0] * processes
@@ -21,8 +20,7 @@ class LeastLoaded:
 
 
 def assign(sizes: Sequence[int], processes: int) -> list[int]:
-    """The process that writes each piece of ``sizes`` (bytes): largest first, each to the
-    least-loaded process (``LeastLoaded``)."""
+    """The process that writes each piece of ``sizes`` (bytes): largest first, least loaded."""
     greedy = LeastLoaded(processes)
     owner = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):

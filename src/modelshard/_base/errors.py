@@ -244,8 +244,7 @@ _MAX_FIXES = 6
 
 
 def _joined_hints(problems: Sequence[Problem]) -> str | None:
-    """The problems' hints: a shared advice once, then each rule's fix after it, so that
-    following the hint fixes every leaf."""
+    """The problems' hints: a shared advice once, then each rule's own fix."""
     hints = list(dict.fromkeys(p.hint for p in problems if p.hint))
     if len(hints) <= 1:
         return problems[0].hint
@@ -515,8 +514,7 @@ class PartialRestoreWarning(UserWarning):
 
 
 def caller_stacklevel() -> int:
-    """``stacklevel`` for ``warnings.warn`` naming the first frame outside modelshard
-    (``skip_file_prefixes`` would, from Python 3.12 only)."""
+    """``stacklevel`` naming the first frame outside modelshard (as 3.12's skip_file_prefixes)."""
     level, frame = 2, sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("modelshard."):
         level, frame = level + 1, frame.f_back

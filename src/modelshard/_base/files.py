@@ -40,8 +40,7 @@ def write_durable(path: str | os.PathLike[str], data: str | bytes) -> None:
 
 
 def sync_tree(root: str | os.PathLike[str]) -> None:
-    """Sync every file under ``root``, then each directory, deepest first, and ``root``:
-    what was written there without syncs is on the disk, and so are its names."""
+    """Sync every file under ``root``, then each directory, deepest first."""
     for here, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             _sync(os.path.join(here, name))
@@ -49,8 +48,7 @@ def sync_tree(root: str | os.PathLike[str]) -> None:
 
 
 class EarlySync:
-    """Files under ``root`` synced on a thread while a writer writes more (``kick`` after
-    each batch), so that its final ``sync_tree`` finds little left to flush."""
+    """Files under ``root`` synced on a thread while a writer writes more (``kick``)."""
 
     def __init__(self, root: str | os.PathLike[str] | None) -> None:
         self.root = root

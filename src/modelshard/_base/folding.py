@@ -72,8 +72,7 @@ def fold(
     path: Callable[[T], str],
     key: Callable[[T], Hashable] | None = None,
 ) -> list[Fold]:
-    """Group ``items`` whose paths differ only in numbers (and whose ``key`` is equal), in
-    order of first appearance. ``Fold.items`` holds the items of each group."""
+    """Group ``items`` whose paths differ only in numbers (and ``key``), in order."""
     groups: dict[tuple[str, Hashable], Fold] = {}
     for item in items:
         p = path(item)

@@ -21,8 +21,7 @@ _VOCABULARY: contextvars.ContextVar[Vocabulary] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def speaking(vocabulary: Vocabulary) -> Iterator[None]:
-    """Within the block, hints name fixes in the entry point's words: ``"cli"`` (the
-    ``modelshard`` command sets it: options and rules files) or ``"python"`` (the default)."""
+    """Within the block, hints name fixes in the entry point's words (``"cli"``, ``"python"``)."""
     token = _VOCABULARY.set(vocabulary)
     try:
         yield

@@ -105,8 +105,7 @@ class Flat:
         return self.adapter.unflatten(self.aux, leaves)
 
     def update_inplace(self, arrays: Sequence[Any]) -> Any:
-        """Rebuild, writing into the original object where its adapter is
-        ``mutable`` (NNX)."""
+        """Rebuild, writing into the original object where its adapter is ``mutable`` (NNX)."""
         return self.adapter.update(self.obj, self.aux, self._with(arrays))
 
     def hidden_arrays(self) -> list[tuple[str, type, list[str]]]:

@@ -8,9 +8,8 @@ from typing import Any
 import jax
 
 _source: Callable[[], tuple[type, ...]] = tuple
-# Per type: whether it is a subclass of a nested type, for the tuple of types it was
-# computed against (``isinstance`` against ABC-based framework classes runs Python code;
-# flattening asks once per node, about 17,000 times for a 10,000-leaf tree).
+# Per type: whether it is a nested type's subclass, for the types it was computed against
+# (``isinstance`` against ABC-based classes runs Python code, and flattening asks per node).
 _memo: tuple[tuple[type, ...], dict[type, bool]] = ((), {})
 
 

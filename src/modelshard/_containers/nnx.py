@@ -65,8 +65,7 @@ def _equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
 
 
 def _copies(variables: list[Any]) -> list[dict[str, Any]]:
-    """A copy of each Variable's metadata, equal ones shared: a few copies that stay in cache
-    compare far faster than one per Variable."""
+    """A copy of each Variable's metadata, equal ones shared (few copies compare faster)."""
     shared: dict[Any, dict[str, Any]] = {}
     out = []
     for m in map(_metadata, variables):

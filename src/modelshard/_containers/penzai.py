@@ -15,8 +15,7 @@ from .nesting import nested_leaf
 
 @dataclasses.dataclass(frozen=True)
 class _VariableAux:
-    """A variable's structure: its class, label and value structure (its metadata dict,
-    which may be unhashable, travels along without taking part in equality)."""
+    """A variable's class, label and value structure (its metadata not compared)."""
 
     cls: type
     label: Hashable

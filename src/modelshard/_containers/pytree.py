@@ -54,8 +54,7 @@ def callbacks_adapter(
     unflatten: Callable[[Mapping[str, Any]], Any],
     kind: str,
 ) -> Adapter:
-    """A ``PytreeAdapter`` for ``ty`` whose children come from ``flatten`` and go back through
-    ``unflatten`` (registered with JAX once, through ``_CALLBACKS``, so they can be replaced)."""
+    """A ``PytreeAdapter`` for ``ty`` through replaceable callbacks (JAX registers it once)."""
 
     def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
         children = _CALLBACKS[ty][0](obj)

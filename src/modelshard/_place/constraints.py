@@ -98,8 +98,7 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
 
 
 def _traced_function(frame: FrameType) -> FrameType | None:
-    """The outermost user frame that JAX's machinery called (maybe through library frames),
-    from ``frame`` out; None if JAX called none."""
+    """The outermost user frame JAX's machinery called, from ``frame`` out; None if none."""
     found: FrameType | None = None
     user: FrameType | None = None  # the outermost user frame since the last JAX frame
     f: FrameType | None = frame
@@ -248,9 +247,7 @@ def constrain(
         strict = _STRICT.get()
     if mesh is None:
         try:
-            # Outside a trace the arrays are concrete: place them on the concrete
-            # mesh ``jax.set_mesh`` made current, as ``mesh=`` would (the abstract mesh
-            # cannot place a single-device array).
+            # concrete arrays go on the concrete mesh (the abstract one cannot place them)
             mesh = current_mesh(concrete=not _traced(tree))
         except MeshError as e:  # name the user's call, as a SpecError does
             if not strict:
@@ -277,8 +274,7 @@ def constrain(
 
 
 def _unmapped_names(specs: Any, mesh: Any) -> bool:
-    """Whether ``specs`` names only logical axes (no mesh axis nor a typo of one) while no
-    logical rules are set: a lenient ``constrain`` then does nothing."""
+    """Whether ``specs`` names only logical axes while no logical rules are set."""
     if active_logical() is not None:
         return False
     axes = list(mesh.axis_names)

@@ -297,8 +297,7 @@ def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
 
 
 def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, head: str) -> str:
-    """A bar split into ``items`` (data attribute, name, bytes, the legend's cells before and
-    after bytes and share), with its legend under the columns ``head``."""
+    """A bar split into ``items``, with its legend under the columns ``head``."""
     out = ['<div class="ms-bar">']
     for i, (data, name, n, _, _) in enumerate(items):
         out.append(

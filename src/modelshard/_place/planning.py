@@ -177,8 +177,7 @@ class Plan:
         ]
 
     def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
-        """One summary per top-level module: ``module``, ``leaves``, ``bytes`` (unsharded) and
-        ``bytes_per_device``."""
+        """One summary per top-level module: leaves, bytes and bytes per device."""
         out: dict[str, dict[str, Any]] = {}
         for path, leaf in self.named(filter):
             arg, colon, rest = path.rpartition(":") if len(self.args) > 1 else ("", "", path)
@@ -477,8 +476,7 @@ class PlanTable:
         return out
 
     def _activation_cells(self) -> list[dict[str, str]]:
-        """The step's activation constraints as table cells (the model's written spec
-        where no logical name mapped it)."""
+        """The step's activation constraints as table cells."""
         return [
             {
                 "name": row["name"],
@@ -493,8 +491,7 @@ class PlanTable:
 
     @staticmethod
     def _width(cells: list[dict[str, str]], cols: list[str], wrap: bool = True) -> int:
-        """Characters a table of these columns needs without wrapping a cell (with
-        ``wrap``, rule cells longer than ``RULE_WRAP`` wrap)."""
+        """Characters a table of these columns needs (``wrap``: rule cells wrap)."""
         widths = [
             min(longest_rule(cells), RULE_WRAP)
             if col == "rule" and wrap

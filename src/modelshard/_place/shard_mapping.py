@@ -101,8 +101,7 @@ class ShardMap:
     def _bind(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, Any, Any]]]:
-        """The call bound to the signature, and ``(name, value, spec-like or None)`` of every
-        argument, positional ones first."""
+        """The call bound, and ``(name, value, spec-like or None)`` of every argument."""
         if self._sig is not None:
             try:
                 bound = self._sig.bind(*args, **kwargs)
@@ -249,9 +248,7 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
 def _signature(
     mesh: Any, bound: list[tuple[str, Any, Any]], plans: list[ArgPlan], logical: Any
 ) -> Hashable | None:
-    """What a compiled entry depends on: the mesh, each argument's structure, static
-    leaves, shapes and dtypes, unmapped arguments and the logical-rules context; ``None``
-    when any of it is unhashable (then nothing is cached)."""
+    """What a compiled entry depends on, or None where any of it is unhashable."""
     parts: list[Any] = [mesh, logical]  # the object (not its id): the key keeps it alive
     it = iter(plans)
     for name, value, spec in bound:

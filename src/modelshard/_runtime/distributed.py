@@ -389,8 +389,7 @@ def _collect(client: Any, key: str, timeout: float) -> list[Any]:
 
 
 def _read(client: Any, key: str, readers: int) -> None:
-    """Count this process as done reading ``key``; the last reader removes it and what is under
-    it, so that a run saving every step leaves nothing behind in the coordinator."""
+    """Count this process done reading ``key``; the last reader removes all under it."""
     if client.key_value_increment(f"{key}/read", 1) == readers:
         client.key_value_delete(key)  # the key and every key under ``key/``
 

@@ -51,8 +51,8 @@ def is_shared(error: BaseException) -> bool:
 
 
 def raise_shared(failure: BaseException | None, name: str, what: str) -> None:
-    """``shared_failure``, raised: every process raises, or none does. A failure already
-    shared, or a ``DistributedError`` (a process missed a wait), is raised without an exchange."""
+    """``shared_failure``, raised: every process raises, or none does."""
+    # already shared, or a process missed a wait (it would miss the exchange too)
     if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
         raise failure
     shared = shared_failure(failure, name, what)

@@ -165,10 +165,8 @@ def child_env(
     return env
 
 
-# Run between the launcher and each process on Linux: the kernel SIGKILLs the process if the
-# launcher dies (PR_SET_PDEATHSIG survives exec), and a launcher that died before that was
-# set is noticed through the parent pid. A helper, not a preexec_fn: those fork the launcher,
-# which is multithreaded when it runs inside a program (deadlock-prone, and Python warns).
+# Between the launcher and each process on Linux: the kernel SIGKILLs the process if the
+# launcher dies (PR_SET_PDEATHSIG). Not a preexec_fn: that forks a multithreaded launcher.
 _EXEC_HELPER = """\
 import ctypes, os, signal, sys
 try:

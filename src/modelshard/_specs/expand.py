@@ -144,8 +144,7 @@ def _plan_leaves(
     ctx: Ctx,
     hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
-    """Resolve, validate and plan every leaf (``per_leaf``: its spec-like or _NOTHING; ``hits``:
-    each leaf's match, where one ``Rules`` was matched in bulk)."""
+    """Resolve, validate and plan every leaf (``hits``: each one's bulk match, if any)."""
     resolved = ctx.resolved
     placed = ctx.placed
     out: list[LeafPlan] = []
@@ -282,8 +281,7 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
 
 
 def _tell_nothing_named(arg: str, tree: Any, rules: Any, leaves: Sequence[LeafPlan]) -> None:
-    """Warn where logical rules placed no leaf of an argument (``strict=False``): an unboxed
-    state would be replicated silently."""
+    """Warn where logical rules placed no leaf of an argument (``strict=False``)."""
     if type(rules) is not Rules or rules.logical is None or rules.strict:
         return
     if not any(lp.shape for lp in leaves) or any(lp.rule != UNMATCHED for lp in leaves if lp.shape):
@@ -300,15 +298,13 @@ def _tell_nothing_named(arg: str, tree: Any, rules: Any, leaves: Sequence[LeafPl
 
 
 def is_catch_all(pattern: str) -> bool:
-    """A pattern that matches every path (``.*``, ``^``, ``""``): a fallback, never "unused"
-    when earlier rules took every leaf."""
+    """A pattern matching every path: a fallback, never reported as unused."""
     rx = re.compile(pattern)
     return all(rx.search(p) is not None for p in ("", "a", "a/b/0/c"))
 
 
 def _refuse_hidden_arrays(arg: str, flat: Flat) -> None:
-    """Refuse an argument with no array leaf whose static leaves hold arrays (it would plan as
-    nothing)."""
+    """Refuse an argument whose only arrays hide in static leaves (it would plan as nothing)."""
     hidden = flat.hidden_arrays()
     if not hidden:
         return

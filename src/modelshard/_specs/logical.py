@@ -456,8 +456,7 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
 
 
 def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
-    """Raise for every mesh axis ``rules`` map to that is a likely typo of one of ``mesh``'s,
-    before Flax meets it; one resembling none is the plan's to report (meshes differ)."""
+    """Raise for every mesh axis ``rules`` map to that misspells one of ``mesh``'s."""
     if rules is None or mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
         return
     axes = [str(a) for a in mesh.axis_names]

@@ -136,8 +136,7 @@ def check(
     logical: LogicalRules | None = None,
     file: str | None = None,
 ) -> list[tuple[str, str]]:
-    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``
-    (``logical``, ``file``: where unknown names' hints point)."""
+    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
     out: list[tuple[str, str]] = []
 
     def bad(what: str, hint: str) -> None:
@@ -268,8 +267,7 @@ def _cli_hint(
     file: str | None,
     fields: Mapping[str, Any],
 ) -> str:
-    """A hint in the command line's words: the TOML spec to write in the ``rules[i]`` the
-    spec came from (logical names' hints are already the rules file's)."""
+    """A hint in the command line's words: the TOML spec to write where the spec came from."""
     name = fields.get("logical_name")
     if name is not None and fields.get("logical_rule") is not None:
         return hint  # already in the rules file's words (_in_logical_terms)
@@ -383,8 +381,7 @@ def _not_in_mesh(
 def _unknown(
     name: str, sizes: Mapping[str, int], logical: LogicalRules | None, file: str | None
 ) -> str:
-    """The hint for a name that is neither a mesh axis nor a known logical name: "did you
-    mean" for a typo of an axis, else the entry to add, in the user's words."""
+    """The hint for a name that is neither a mesh axis nor a known logical name."""
     axes = f"mesh axes are {', '.join(map(repr, sizes)) or 'none'}"
     close = close_match(name, sizes)
     if close is not None:
@@ -411,8 +408,7 @@ _REFUSED: dict[Any, tuple[str, str] | None] = {}
 
 
 def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
-    """(what, hint) if JAX cannot hold this NumPy leaf (a masked array, a str/object/... dtype):
-    the plan says so, not a later ``device_put``."""
+    """(what, hint) if JAX cannot hold this NumPy leaf: the plan says so, not ``device_put``."""
     if isinstance(leaf, np.ma.MaskedArray):
         return (
             "a NumPy masked array cannot be placed on devices",
