@@ -1,20 +1,23 @@
 """``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
 
 Each step is written by ``step_writer`` (an asynchronous one on the manager's own thread,
-from a copy of the arrays); what a step is, rotation, removal and another
-tool's entries are the manager's own (``listing``, ``policy``, ``removal``), read from
-storage every time; exits and preemption live in ``guard``. Under several processes every
-decision that depends on storage is made by process 0 and broadcast, and every wait is a
-coordination-service barrier on the main thread, entered by every process in one order.
+from a copy of the arrays, its waits named apart); what a step is, rotation, removal and
+another tool's entries are ``listing``, ``policy``, ``removal``, read from storage every
+time; exits and preemption live in ``guard``. Under several processes every decision that
+depends on storage is made by process 0 and broadcast, and every process enters every
+wait (a coordination-service barrier) in one order.
 """
 
 from __future__ import annotations
 
 import numbers
 import os
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import jax
 
 from .._base import CheckpointError, DistributedError, ForeignStepError
 from .._runtime import barrier, broadcast, gather
@@ -48,9 +51,8 @@ from .storage import (
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
 
+# every wait of a background step is named so: never paired with the main thread's waits
 _BACKGROUND = "modelshard:manager:step"
-"""The name every wait of a background step is made under: the main thread's waits of
-the same moment (a restore's) have names of their own, so the two never pair up."""
 
 
 class CheckpointManager:
@@ -164,7 +166,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"cannot create or reach {self.directory}: {type(e).__name__}: {e}"
                 ) from e
-        self._writer: ThreadPoolExecutor | None = None  # one background step at a time
+        # async steps, one at a time (its thread starts with the first)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="modelshard-manager")
         self._job: Future[None] | None = None
         self._pending: int | None = None
         self._polled = False
@@ -203,8 +206,6 @@ class CheckpointManager:
 
     @staticmethod
     def _primary() -> bool:
-        import jax
-
         return jax.process_index() == 0
 
     def _agreed_steps(self) -> list[int]:
@@ -332,8 +333,6 @@ class CheckpointManager:
         self._polled = True
         if guard.stop_signal() is not None:
             return True
-        import jax
-
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -342,8 +341,6 @@ class CheckpointManager:
             except RuntimeError:  # no preemption service in this process group
                 return False
             if reached:  # every process saves this step and exits 128 + SIGTERM
-                import signal
-
                 guard.request_stop(signal.SIGTERM)
             return reached
         return False
@@ -426,41 +423,24 @@ class CheckpointManager:
             json_or_error("metrics", dict(metrics))
             if self.policy.best_fn is not None:
                 self.policy.score(step, metrics)
-        parts = json_parts(items, encoded, metrics)
-        if metrics is not None:
             self._metrics[step] = dict(metrics)
+        parts = json_parts(items, encoded, metrics)
+        # async: the one wait of the loop is for its arrays' copy (``take``); the checksums
+        # sum that copy and the step is written from it, on the manager's own thread
+        held = take(arrays, copy=self.async_save)
+        name = _BACKGROUND if self.async_save else "modelshard:manager:step_sync"
         if self.async_save:
-            # the one wait of the loop: its arrays copied off their devices; the checksums
-            # sum that copy, the step is written from it, on the manager's thread
-            held = take(arrays, copy=True)
-            record.pending = held_sums(record, held, _BACKGROUND)
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="modelshard-manager")
-            self._job = self._writer.submit(
-                write_step,
-                self.directory,
-                step,
-                held,
-                record,
-                parts,
-                compress=self._compress,
-                name=_BACKGROUND,
-            )
+            record.pending = held_sums(record, held, name)
+        args = (self.directory, step, held, record, parts)
+        if self.async_save:
+            self._job = self._writer.submit(write_step, *args, compress=self._compress, name=name)
             self._last_saved = self._pending = step
             guard.pending_changed()
             if stopping:
                 self.wait_until_finished()
             return True
         try:
-            write_step(
-                self.directory,
-                step,
-                take(arrays, copy=False),
-                record,
-                parts,
-                compress=self._compress,
-                name="modelshard:manager:step_sync",
-            )
+            write_step(*args, compress=self._compress, name=name)
         except DistributedError:
             raise  # a process did not come to one of the step's waits: its own error
         except Exception as e:
@@ -627,8 +607,7 @@ class CheckpointManager:
         return dict(record.get("metadata") or {})
 
     def best_step(self) -> int | None:
-        """The best complete step by ``best_fn``, or None (no ``best_fn``, or no metrics);
-        among process 0's steps (``all_steps``: every process calls it)."""
+        """The best of ``all_steps`` by ``best_fn``, or None (no ``best_fn``, or no metrics)."""
         if self.policy.best_fn is None:
             return None
         scored = [(self.policy.score(s, m), s) for s in self.all_steps() if (m := self.metrics(s))]
@@ -638,8 +617,7 @@ class CheckpointManager:
         return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
 
     def latest_step(self) -> int | None:
-        """The newest complete step, or None: process 0's answer on every process (see
-        ``all_steps``)."""
+        """The newest complete step, or None: process 0's on every process (``all_steps``)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
@@ -647,10 +625,8 @@ class CheckpointManager:
         """Every complete step, ascending, read from storage: its own (see
         ``complete_steps``) and Orbax's (``listing.adopted_steps``).
 
-        Under several processes this is process 0's listing, broadcast: two processes
-        that listed storage at different moments (a step committed or rotated away in
-        between) would otherwise restore different steps. So every process calls it, in
-        the same order as its other calls, never in a branch only some processes take.
+        Under several processes this is process 0's listing, broadcast (processes listing
+        at different moments would restore different steps): every process calls it.
 
         Raises:
             DistributedError: process 0's listing did not come within
@@ -709,8 +685,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             guard.unwatch(self)
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
             self._release_lock()
 
     def __enter__(self) -> CheckpointManager:
