@@ -98,6 +98,11 @@ class Entry:
         return result
 
 
+def shapes(flat: Sequence[Any]) -> list[tuple[tuple[int, ...], Any]]:
+    """Each array's shape and the dtype JAX computes it in."""
+    return [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat]
+
+
 def has_tracer(flat: Sequence[Any]) -> bool:
     """Whether any input is a tracer (the call is inside an outer transformation)."""
     return any(isinstance(x, Tracer) for x in flat)
@@ -162,7 +167,7 @@ def build_entry(call: Call) -> Entry:
         in_sh.extend(sh)
         leaf_plans.extend((s.name, lp) for lp in lps)
     flat_in = [x for t in taken for x in t.arrays]
-    expect = [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat_in]
+    expect = shapes(flat_in)
     traced = _FlatFunction(call, bounds, expect)
     abstract = [_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
     explicit = explicit_axes(mesh)
@@ -282,7 +287,7 @@ class _FlatFunction:
         self.frozen: tuple[tuple[int, tuple[int, ...]], ...] | None = None
 
     def __call__(self, *flat: Any) -> tuple[Any, ...]:
-        if [(tuple(x.shape), canonical_dtype(x.dtype)) for x in flat] != self._expect:
+        if shapes(flat) != self._expect:
             raise Stale
         pos = list(self._pos)
         kw = dict(self._kw)

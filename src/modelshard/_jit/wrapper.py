@@ -8,7 +8,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .._base import (
@@ -16,7 +15,6 @@ from .._base import (
     Problem,
     ShardingMismatchError,
     caller_stacklevel,
-    canonical_dtype,
     current_mesh,
     dtype_name,
     format_bytes,
@@ -27,7 +25,7 @@ from .._base import (
 from .._containers import split
 from .._place import place
 from .._specs import active_logical, check_mesh_axes
-from .build import Call, Entry, Stale, build_entry, has_tracer
+from .build import Call, Entry, Stale, build_entry, has_tracer, shapes
 from .layout import ArgumentLayout, Slot, invalid
 from .route import Route, routable
 from .take import Taken, static_part, take, take_plainly
@@ -149,6 +147,13 @@ class ShardJit:
         if entry is None:
             entry = self._miss(slots, taken, args, kwargs, key)
             flat = _place(entry, taken, flat, False)
+
+        def replan() -> tuple[Entry, Any]:
+            # Same structure, new shapes or dtypes: plan afresh (the executable checks
+            # shapes on its fast path, so this costs nothing until they change).
+            new = self._miss(slots, taken, args, kwargs, key, stale=True)
+            return new, self._run(new, _place(new, taken, flat, False), taken)
+
         try:
             out = entry.run(*flat)
         except (TypeError, Stale):
@@ -157,14 +162,10 @@ class ShardJit:
                     raise
                 out = entry.jitted(*flat)  # under an outer transformation
             else:
-                # Same structure, new shapes or dtypes: plan afresh (the executable checks
-                # shapes on its fast path, so this costs nothing until they change).
-                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-                out = self._run(entry, _place(entry, taken, flat, False), taken)
+                entry, out = replan()
         except ValueError:
             if not entry.fits(flat):  # jit refused the old shardings for the new shapes
-                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
-                out = self._run(entry, _place(entry, taken, flat, False), taken)
+                entry, out = replan()
             else:
                 out = self._recover(entry, flat, taken)
                 if out is None:
@@ -200,20 +201,8 @@ class ShardJit:
         self._check_hashable(slots, statics, taken)
         env = self._env()
         check_mesh_axes(env[1], env[0])  # before Flax meets a misspelt axis while tracing
-        signature = (
-            env,
-            slots,
-            statics,
-            tuple(
-                (
-                    t.adapter,
-                    t.aux,
-                    static_part(t.leaves, t.array_index),
-                    tuple([(tuple(np.shape(x)), canonical_dtype(x.dtype)) for x in t.arrays]),
-                )
-                for t in taken
-            ),
-        )
+        parts = [(t.adapter, t.aux, static_part(t.leaves, t.array_index), t.arrays) for t in taken]
+        signature = (env, slots, statics, tuple((*p[:3], tuple(shapes(p[3]))) for p in parts))
         entry = self._by_signature.get(signature)
         if entry is None:
             call = Call(self.fn, env[0], self.out_specs, slots, taken, args, kwargs)
