@@ -8,6 +8,7 @@ import math
 import os
 from typing import Any
 
+import jax
 from jax.sharding import PartitionSpec
 
 from .._base import CheckpointError, format_bytes, make_mesh
@@ -224,8 +225,6 @@ def _row_json(r: Any) -> dict[str, Any]:
 def _convert_to_safetensors(args: argparse.Namespace) -> int:
     """A checkpoint written back as safetensors, one leaf on the host at a time."""
     if args.reference is None and args.mapping is not None:
-        from .._base import CheckpointError
-
         raise CheckpointError(
             "--to safetensors with --mapping needs --reference SRC.safetensors: the "
             "checkpoint the mapping imports, whose names, shapes and dtypes are written"
@@ -238,8 +237,6 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     source = locate(checkpoint_arg(args, args.source))
     targets, load = host_leaves(source)
     if args.reference is None:  # every leaf under its path, '/' written as '.'
-        import jax
-
         reference: Any = {
             p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt)
             for p, (shape, dt) in targets.items()

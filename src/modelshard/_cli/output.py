@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 # what every table cut by --max-rows says below it (``Plan.table`` under the CLI too)
 from .._base import SHOW_ALL as SHOW_ALL
+from .._base import ModelshardError, literal, reporter
 
 SCHEMA = 1
 """Version of the ``--json`` envelope (``"schema"`` in every object)."""
@@ -30,8 +31,6 @@ def console(stderr: bool = False) -> Any:
 
 def say(text: str, stderr: bool = False) -> None:
     """Print one line of text for people, shown literally (paths with ``[...]`` included)."""
-    from .._base import literal
-
     console(stderr=stderr).print(literal(text), highlight=False, soft_wrap=True)
 
 
@@ -40,8 +39,6 @@ def new_table(
 ) -> Any:
     """A ``rich`` table with a literal title and caption; the ``right`` columns right-justified."""
     from rich.table import Table
-
-    from .._base import literal
 
     table = Table(title=literal(title), caption=None if caption is None else literal(caption))
     for c in columns:
@@ -171,8 +168,6 @@ def os_error_json(e: OSError) -> dict[str, Any]:
 
 
 def problem_json(e: Exception) -> dict[str, Any]:
-    from .._base import ModelshardError
-
     out: dict[str, Any] = (
         e.to_json()
         if isinstance(e, ModelshardError)
@@ -216,8 +211,6 @@ class Parser(argparse.ArgumentParser):
 def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
     """The library's progress bar for a command, on a terminal's stderr unless ``--json`` or
     ``--no-progress``; yields what to call with ``(bytes_done, bytes_total)``."""
-    from .._base import reporter
-
     show = not args.json and not getattr(args, "no_progress", False)
     with reporter(show, None, what, min_bytes=0) as report:
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .._base import ModelshardError, speaking
 from . import convert, inspect, launch, mappings, plan, reshard, steps
 from .output import (
     Parser,
@@ -73,8 +74,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         p.print_help(sys.stderr)
         return 2
-    from .._base import ModelshardError, speaking
-
     try:
         with speaking("cli"), interruptible():  # hints name options, not Python
             return int(args.run(args))

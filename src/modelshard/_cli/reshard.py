@@ -6,6 +6,9 @@ import argparse
 import math
 from typing import Any
 
+import jax
+
+from .._base import format_bytes, format_mesh, make_mesh
 from .args import (
     CKPT_HELP,
     add_json,
@@ -74,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     one_malloc_arena()
     join_launch()  # under `modelshard launch`: each process writes a share of the leaves
     use_cpu_devices(math.prod(sizes.values()))
-    from .._base import format_bytes, format_mesh, make_mesh
     from .._checkpoint import locate, reshard, step_extras
 
     args.source = checkpoint_arg(args, args.source)
@@ -98,8 +100,6 @@ def run(args: argparse.Namespace) -> int:
         )
     record = locate(written).record
     dest = str(written)
-    import jax
-
     if jax.process_index() != 0:
         return 0  # process 0 reports for every process
     if args.json:
