@@ -20,6 +20,7 @@ from .._base import CheckpointError, ForeignStepsWarning
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
+    ITEMS_FILE,
     ITEMS_ITEM,
     METRICS_ITEM,
     ORBAX_TMP,
@@ -336,11 +337,16 @@ def _temporary(path: Any, part: str, names: list[str]) -> str | None:
 
 
 def _json_copies(path: Any, names: list[str]) -> list[str]:
-    """The JSON items (Orbax's copies of ``save(items=...)``) a step's metadata lists."""
+    """The JSON items (Orbax's copies of ``save(items=...)``) a step's metadata lists, or,
+    in a step not committed (no metadata yet), the ``items`` item names."""
     meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
     handlers = meta.get("item_handlers") if meta is not None else None
     if not isinstance(handlers, dict):
-        return []
+        try:
+            items = json.loads(read_small(path / ITEMS_ITEM / ITEMS_FILE))
+        except (OSError, ValueError, RecursionError, CheckpointError):
+            return []
+        return sorted(n for n in items if n in names) if isinstance(items, dict) else []
     return sorted(
         n
         for n, h in handlers.items()
