@@ -50,6 +50,7 @@ from .text import format_spec as format_spec
 from .text import literal as literal
 from .text import natural_key as natural_key
 from .text import quote_pattern as quote_pattern
+from .text import size_in_bytes as size_in_bytes
 from .text import speaking as speaking
 from .text import spec_from_json as spec_from_json
 from .text import spec_json as spec_json
@@ -61,4 +62,3 @@ from .toml import flag as flag
 from .toml import read_toml as read_toml
 from .toml import tables as tables
 from .toml import unknown_key as unknown_key
-from .units import size_in_bytes as size_in_bytes

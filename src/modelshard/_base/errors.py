@@ -75,21 +75,9 @@ class Problem:
 
     def to_json(self) -> dict[str, Any]:
         """The problem as JSON (``spec`` a list, ``mesh`` an object, as every JSON output)."""
-        return {
-            "arg": self.arg,
-            "path": self.path,
-            "what": self.what,
-            "shape": None if self.shape is None else list(self.shape),
-            "dtype": self.dtype,
-            "spec": self.spec_json,
-            "rule": self.rule,
-            "mesh": self.mesh_sizes,
-            "hint": self.hint,
-            "cause": self.cause,
-            "dimension": self.dimension,
-            "logical_name": self.logical_name,
-            "logical_rule": self.logical_rule,
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
+        shape = None if self.shape is None else list(self.shape)
+        return out | {"shape": shape, "spec": self.spec_json, "mesh": self.mesh_sizes}
 
     def spec_text(self) -> str | None:
         """The spec as people read it: ``P(None, 'model')``, or as a rules file writes it."""
