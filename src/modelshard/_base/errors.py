@@ -488,12 +488,7 @@ class PartialRestoreWarning(UserWarning):
     __module__ = "modelshard"
 
     def __init__(
-        self,
-        message: str,
-        *,
-        restored: Sequence[str],
-        kept: Sequence[str],
-        skipped: Sequence[str],
+        self, message: str, *, restored: Sequence[str], kept: Sequence[str], skipped: Sequence[str]
     ) -> None:
         super().__init__(message)
         self.restored = tuple(restored)

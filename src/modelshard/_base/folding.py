@@ -68,9 +68,7 @@ class Fold:
 
 
 def fold(
-    items: Sequence[T],
-    path: Callable[[T], str],
-    key: Callable[[T], Hashable] | None = None,
+    items: Sequence[T], path: Callable[[T], str], key: Callable[[T], Hashable] | None = None
 ) -> list[Fold]:
     """Group ``items`` whose paths differ only in numbers (and ``key``), in order."""
     groups: dict[tuple[str, Hashable], Fold] = {}

@@ -357,10 +357,7 @@ def run_step(args: argparse.Namespace) -> int:
         write_durable(out, rules_text)
     if out is not None and unwritten is not None:
         say(f"nothing written to {os.path.abspath(out)}: {unwritten}", stderr=True)
-    extra = {
-        "step_memory": m.to_json(),
-        "advice": None if advice is None else advice.to_json(),
-    }
+    extra = {"step_memory": m.to_json(), "advice": None if advice is None else advice.to_json()}
     return report(
         args,
         m.plan,

@@ -35,9 +35,7 @@ def add_parser(sub: Any) -> None:
     r.add_argument("destination", metavar="DST", help="new checkpoint directory")
     add_target(r)
     r.add_argument(
-        "--dtype",
-        type=float_dtype,
-        help="cast floating-point leaves to this dtype, e.g. bfloat16",
+        "--dtype", type=float_dtype, help="cast floating-point leaves to this dtype, e.g. bfloat16"
     )
     r.add_argument(
         "--chunk-mb",

@@ -292,10 +292,7 @@ def _leaf_order(value: Any, variables: list[Any]) -> LeafOrder | None:
     if len(leaves) != len(in_state):  # a Variable holding several arrays
         return None
     return LeafOrder(
-        (graphdef, treedef),
-        tuple(where[id(v)] for v in in_state),
-        len(where),
-        _copies(variables),
+        (graphdef, treedef), tuple(where[id(v)] for v in in_state), len(where), _copies(variables)
     )
 
 

@@ -14,13 +14,7 @@ from jax.sharding import PartitionSpec
 from .._base import FitError, Problem, format_bytes, format_mesh, format_spec, vocabulary
 from .._place import parse_bytes
 from .._specs import Rules
-from .candidates import (
-    KINDS,
-    Change,
-    batch_change,
-    cast_outputs,
-    changes_for,
-)
+from .candidates import KINDS, Change, batch_change, cast_outputs, changes_for
 from .memory import Compiler, StepMemory, check_names, check_roles, compiler, largest
 from .rulegen import norm_spec, rules_for
 

@@ -261,8 +261,7 @@ class Tiles:
             if r < shown_r and c < shown_c:
                 style = styles[(r + c) % len(styles)]
                 grid[r][c] = Text.assemble(
-                    (self._slice_text(slices, self.shape), style),
-                    "\n" + self._devices_text(devs),
+                    (self._slice_text(slices, self.shape), style), "\n" + self._devices_text(devs)
                 )
         for row in grid:
             t.add_row(*row)

@@ -29,12 +29,7 @@ from .._base import (
     write_durable,
 )
 from .._base import fold as fold_paths
-from .._specs import (
-    ArgPlan,
-    LeafPlan,
-    SpecLike,
-    expand_args,
-)
+from .._specs import ArgPlan, LeafPlan, SpecLike, expand_args
 from .constraints import ActivationConstraint, nbytes, shard_shape
 from .plan_html import Tiles, logical_text, page, plan_html, rule_text
 
@@ -323,8 +318,7 @@ class Plan:
         from treescope import rendering_parts
 
         return rendering_parts.embedded_iframe(
-            embedded_html=self.html(),
-            fallback_in_text_mode=rendering_parts.text(repr(self)),
+            embedded_html=self.html(), fallback_in_text_mode=rendering_parts.text(repr(self))
         )
 
     def __rich__(self) -> Any:

@@ -74,10 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         help="simulated CPU devices per process (default 1)",
     )
     p.add_argument(
-        "--timeout",
-        type=float,
-        metavar="S",
-        help="stop every process after S seconds and exit 124",
+        "--timeout", type=float, metavar="S", help="stop every process after S seconds and exit 124"
     )
     p.add_argument(
         "--grace",
