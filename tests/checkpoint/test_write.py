@@ -386,3 +386,38 @@ def test_numpy_leaves_that_are_not_numbers_are_refused_by_name(tmp_path):
         "checkpoint's arrays cannot hold",
     ]
     assert not (tmp_path / "c").exists()
+
+
+def test_dtypes_no_checkpoint_stores_are_refused_before_a_byte_is_written(tmp_path):
+    """float6 and int1 arrays JAX holds have no TensorStore type and no integer of their
+    width: every such leaf named at once, nothing written (not TensorStore's bare
+    ValueError halfway through the save); a manager step refuses them alike."""
+    import ml_dtypes
+
+    state = {
+        "a": jnp.zeros(4, ml_dtypes.float6_e2m3fn),
+        "b": jnp.zeros(3, ml_dtypes.int1),
+        "c": jnp.zeros(2, ml_dtypes.uint2),  # stored as its bits: fine
+    }
+    why = (
+        "(TensorStore has no such type, and no integer of its width holds its bits); cast it "
+        "to a wider dtype that holds its values exactly first (bfloat16 for a 6-bit float, int8 "
+        "for int1)"
+    )
+    with pytest.raises(ms.CheckpointError) as e:
+        ms.save(tmp_path / "c", state)
+    assert str(e.value).splitlines() == [
+        "cannot save 2 leaves (nothing was written):",
+        f"  a: no checkpoint stores float6_e2m3fn {why}",
+        f"  b: no checkpoint stores int1 {why}",
+    ]
+    assert os.listdir(tmp_path) == []
+    with ms.CheckpointManager(tmp_path / "run", handle_signals=False) as mngr:
+        with pytest.raises(ms.CheckpointError, match="cannot save 2 leaves"):
+            mngr.save(0, state)
+        assert mngr.all_steps() == []
+    # cast on the host: XLA's CPU backend cannot convert float6 (it fails to lower)
+    state["a"] = jnp.asarray(np.asarray(state["a"]).astype(jnp.bfloat16))
+    state["b"] = jnp.asarray(np.asarray(state["b"]).astype(jnp.int8))
+    ms.save(tmp_path / "c", state)
+    assert_bit_exact(ms.restore(tmp_path / "c"), state)

@@ -66,6 +66,22 @@ def stored_dtype(dtype: Any) -> str:
     return STORED_AS.get(dtype_name(dtype), dtype_name(dtype))
 
 
+@functools.cache
+def _tensorstore_has(name: str) -> bool:
+    import tensorstore as ts
+
+    try:
+        ts.dtype(name)
+    except ValueError:
+        return False
+    return True
+
+
+def storable(dtype: Any) -> bool:
+    """Whether a leaf of ``dtype`` can be stored: TensorStore has its stored dtype."""
+    return _tensorstore_has(stored_dtype(dtype))
+
+
 def logical_dtype(rec: Stored, cast: Any = None) -> Any:
     """The dtype the leaf of ``rec`` is restored as: its own, or ``cast`` for a float one."""
     if rec.key_impl is not None:

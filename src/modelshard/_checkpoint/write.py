@@ -31,7 +31,7 @@ from .._base import (
 from .._containers import split
 from .._runtime import raise_shared
 from .checksum import start_checksums
-from .codec import encode, is_empty, key_impl
+from .codec import encode, is_empty, key_impl, storable
 from .record import LeafRecord, Record, mesh_json, saved_spec, versions
 from .shards import take, write_held
 from .storage import (
@@ -121,6 +121,12 @@ def _leaf_problem(path: str, x: Any) -> str | None:
             f"it is a NumPy {'scalar' if scalar else 'array'} of dtype {x.dtype}, not numbers, "
             "which a checkpoint's arrays cannot hold"
             + (f"; as a Python value it is saved: {convert}" if convert else "")
+        )
+    if not storable(x.dtype):
+        return (
+            f"no checkpoint stores {dtype_name(x.dtype)} (TensorStore has no such type, and no "
+            "integer of its width holds its bits); cast it to a wider dtype that holds its "
+            "values exactly first (bfloat16 for a 6-bit float, int8 for int1)"
         )
     if isinstance(x, np.ndarray | np.generic) and canonical_dtype(x.dtype) != x.dtype:
         return (
