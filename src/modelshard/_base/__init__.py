@@ -1,6 +1,4 @@
-"""The base area's façade: the vocabulary every other area shares (errors, how things are
-written for people, dtypes, canonical paths, meshes, folding numbered paths, durable files). It imports
-nothing else from the package."""
+"""The base area's façade: the vocabulary every area shares; it imports no other area."""
 
 from .balance import LeastLoaded as LeastLoaded
 from .balance import assign as assign

@@ -1,5 +1,4 @@
-"""Work spread over processes by bytes, the same answer on every process without asking
-the others (the checkpoint writer's leaves, a multi-process export's tensors)."""
+"""Work spread over processes by bytes: the same answer on every process, unasked."""
 
 from __future__ import annotations
 

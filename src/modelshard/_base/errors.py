@@ -10,6 +10,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from .folding import fold
 from .text import format_mesh, format_spec, natural_key, spec_json, toml_spec, vocabulary
 
 
@@ -157,8 +158,6 @@ class Cause:
         return any(p.what != self.example.what for p in self.problems)
 
     def folded(self) -> list[Any]:
-        from .folding import fold
-
         return fold(self.problems, lambda p: p.label())
 
     def head_lines(self, index: int = 0) -> list[str]:

@@ -1,5 +1,4 @@
-"""Files made durable: what a writer syncs before it calls a write done (the checkpoint's
-record and renames, a safetensors export's renames, a model directory's small files)."""
+"""Files made durable: what a writer syncs before it calls a write done."""
 
 from __future__ import annotations
 

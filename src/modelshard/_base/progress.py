@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .text import escape_markup
+
 MIN_BYTES = 256 << 20
 """The smallest load or export that draws a bar (smaller ones finish before it helps)."""
 
@@ -42,8 +44,6 @@ def reporter(
         yield None
         return
     import rich.progress as rp
-
-    from .text import escape_markup
 
     columns = (
         rp.TextColumn("{task.description}"),

@@ -1,5 +1,4 @@
-"""How the package writes (and reads) things for people: byte counts (``1.50 MiB``, ``16GiB``),
-regular expressions as their authors wrote them, and user text handed to ``rich`` shown literally."""
+"""How the package writes (and reads) byte counts, specs, patterns and user text."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""TOML files the package reads (rules, weight mappings): parsed with every failure a
-``Problem``, and the checks each schema makes of its tables."""
+"""TOML files the package reads: every failure a ``Problem``; the schemas' table checks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The argument types and shared options of the commands: a bad value is a usage error
-(exit status 2), never a traceback."""
+"""The commands' argument types and shared options: a bad value is a usage error (exit 2)."""
 
 from __future__ import annotations
 

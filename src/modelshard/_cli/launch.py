@@ -1,5 +1,4 @@
-"""``modelshard launch``: a command run as N local JAX processes (the launcher itself is
-``modelshard._runtime.processes``, which parses its own arguments)."""
+"""``modelshard launch``: a command as N local JAX processes (``_runtime.processes``)."""
 
 from __future__ import annotations
 

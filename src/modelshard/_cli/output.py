@@ -1,5 +1,4 @@
-"""What the commands print: rich tables on the terminal, the ``--json`` envelope, and every
-error turned into one line (or one JSON object) and an exit status."""
+"""What the commands print: tables, the ``--json`` envelope, errors as one line each."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``modelshard plan``: a checkpoint planned onto a mesh, no devices needed; with ``--step``, the
-training step's memory per device from XLA and, with ``--budget``, the smallest change that fits."""
+"""``modelshard plan``: a checkpoint planned onto a mesh; ``--step``: will the step fit?"""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from .._checkpoint import locate, planning_tree
 from .._fit import fit_advice, step_memory
 from .._internals import backends_are_initialized
 from .._place import plan
+from .._specs import load_rules
 from .args import (
     CKPT_HELP,
     add_json,
@@ -323,12 +323,8 @@ def run_step(args: argparse.Namespace) -> int:
             state = jax.eval_shape(args.state)
         except Exception as e:
             return raised(args, "state function", args.state, e)
-        from .._specs import load_rules
-
         specs = load_rules(args.rules) if args.rules else PartitionSpec()
     elif args.checkpoint is not None:
-        from .._checkpoint import locate, planning_tree
-
         source = locate(checkpoint_arg(args, args.checkpoint))
         state = planning_tree(source.record)
         specs = target_specs(args, source.record)

@@ -1,5 +1,4 @@
-"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover, and what another
-tool wrote there."""
+"""``modelshard steps``: a CheckpointManager root's steps, complete and leftover."""
 
 from __future__ import annotations
 

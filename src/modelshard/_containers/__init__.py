@@ -1,5 +1,4 @@
-"""The containers area's façade: the adapter registry, the built-in adapters and a
-container split into its leaves (``split`` -> ``Flat``). Above ``_base`` only."""
+"""The containers area's façade: the adapter registry, the adapters, ``split`` -> ``Flat``."""
 
 from .adapter_base import Adapter as Adapter
 from .adapter_base import Again as Again

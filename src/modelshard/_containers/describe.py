@@ -6,6 +6,7 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey
 
@@ -30,8 +31,6 @@ def numbers_to_arrays(leaves: list[Any]) -> list[Any]:
     """``leaves`` with every Python number a (weakly typed) rank-0 array, as ``jax.jit`` makes it."""
     if not any(type(x) in NUMBER_TYPES for x in leaves):
         return leaves
-    import jax.numpy as jnp
-
     return [jnp.asarray(x) if type(x) in NUMBER_TYPES else x for x in leaves]
 
 

@@ -1,5 +1,4 @@
-"""The plain-pytree plug-in: anything JAX can flatten, and user classes registered with
-``flatten=``/``unflatten=`` callbacks (which become JAX pytrees too)."""
+"""The plain-pytree plug-in, and user classes registered with callbacks."""
 
 from __future__ import annotations
 

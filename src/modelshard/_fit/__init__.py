@@ -1,5 +1,4 @@
-"""The fit area's façade: ``step_memory`` (a compiled step's memory per device, from XLA, split by
-role) and ``fit_advice`` (the smallest change that fits a budget, each checked by compiling)."""
+"""The fit area's façade: ``step_memory`` and ``fit_advice``, each from compiling."""
 
 from .advice import KINDS as KINDS
 from .advice import FitAdvice as FitAdvice

@@ -1,5 +1,4 @@
-"""``fit_advice``: given a per-device budget, the smallest change that makes a step fit, each
-candidate checked by compiling it (``memory.py`` measures)."""
+"""``fit_advice``: the smallest change that makes a step fit a budget, each compiled."""
 
 from __future__ import annotations
 

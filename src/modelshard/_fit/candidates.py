@@ -1,5 +1,4 @@
-"""The changes ``fit_advice`` tries: each a function of a leaf's spec and role, of the
-abstract arguments, or of the step (``advice.py`` compiles them)."""
+"""The changes ``fit_advice`` tries: to a leaf's spec, to the arguments, or to the step."""
 
 from __future__ import annotations
 

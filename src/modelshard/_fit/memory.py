@@ -1,5 +1,4 @@
-"""``step_memory``: the per-device memory of a compiled step, from XLA's own analysis, split
-into parameters, optimizer state, gradients, temporaries, batch and outputs."""
+"""``step_memory``: a compiled step's memory per device, from XLA, split by part."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``rules_for``: short [`Rules`][modelshard.Rules] that give every leaf of an argument the
-spec wanted for it (what advice hands back, pasteable)."""
+"""``rules_for``: short, pasteable [`Rules`][modelshard.Rules] giving each leaf its spec."""
 
 from __future__ import annotations
 

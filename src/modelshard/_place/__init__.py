@@ -1,5 +1,4 @@
-"""The placement area's façade: ``plan``, ``shard``, ``constrain``, ``shard_map`` and
-``assemble``, everything that puts arrays on a mesh by a plan. Above ``_specs``."""
+"""The placement area's façade: everything that puts arrays on a mesh by a plan."""
 
 from .assembly import assemble as assemble
 from .assembly import assemble_process_local as assemble_process_local

@@ -1,15 +1,16 @@
-"""Plans as pictures: the HTML of notebooks and ``plan.to_html``, a leaf's tiles, and a leaf's
-logical names in words (the rule cells of the HTML and of ``plan.table()``)."""
+"""Plans as pictures: notebook HTML, ``to_html``, a leaf's tiles, logical names in words."""
 
 from __future__ import annotations
 
 import html
+import io
 import math
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from jax.sharding import Mesh
 
 from .._base import format_bytes, format_spec, spec_from_json
 from .._specs import entry_axes
@@ -273,8 +274,6 @@ class Tiles:
         return Group(*parts)
 
     def __str__(self) -> str:
-        import io
-
         from rich.console import Console
 
         console = Console(width=160, record=True, color_system=None, file=io.StringIO())
@@ -284,8 +283,6 @@ class Tiles:
 
 def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
     """Device ids in mesh order (positions on an abstract mesh)."""
-    from jax.sharding import Mesh
-
     devices = mesh.devices if isinstance(mesh, Mesh) else None
     if isinstance(devices, np.ndarray) and devices.size == math.prod(shape):
         return np.vectorize(lambda d: int(d.id), otypes=[np.int64])(devices).reshape(-1)

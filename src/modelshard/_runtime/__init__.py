@@ -1,5 +1,4 @@
-"""The runtime area's façade: ``modelshard launch`` and the multi-process runtime behind the
-public ``modelshard.distributed`` (which re-exports its public names)."""
+"""The runtime area's façade: ``modelshard launch`` and ``modelshard.distributed``'s runtime."""
 
 from .distributed import DEFAULT_BARRIER_TIMEOUT_S as DEFAULT_BARRIER_TIMEOUT_S
 from .distributed import ENV_BARRIER_TIMEOUT as ENV_BARRIER_TIMEOUT

@@ -1,6 +1,4 @@
-"""The multi-process runtime behind the public ``modelshard.distributed`` module: starting JAX's
-distributed runtime from the environment, and the coordination-service helpers (``barrier``,
-``broadcast``, ``gather``) the library and training scripts share."""
+"""The runtime behind ``modelshard.distributed``: ``initialize`` and the collectives."""
 
 from __future__ import annotations
 

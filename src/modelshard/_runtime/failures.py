@@ -1,5 +1,4 @@
-"""One process's failure shared with the others of a run: every process raises at once,
-rather than the others waiting for the failed one at the next barrier."""
+"""One process's failure shared with the others: all raise at once, none waits."""
 
 from __future__ import annotations
 

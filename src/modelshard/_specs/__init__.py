@@ -1,6 +1,4 @@
-"""The specs area's façade: the spec language (``Rules``, ``fsdp``, spec-likes), logical axis
-names, rules files, and ``expand_args``, the one pipeline that expands a spec-like onto every
-array leaf of a container and validates it. Above ``_containers`` and ``_base``."""
+"""The specs area's façade: the spec language and ``expand_args``, the one pipeline."""
 
 from .expand import ArgPlan as ArgPlan
 from .expand import LeafPlan as LeafPlan

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import jax
 from jax.sharding import PartitionSpec
 
 from .._base import (
@@ -313,6 +314,4 @@ def is_leaf_spec(x: Any) -> bool:
 
 
 def _is_pytree_leaf(x: Any) -> bool:
-    import jax
-
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
