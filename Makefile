@@ -33,17 +33,18 @@ docs: env
 # start processes (the journey matrix, the examples) is one xdist_group: one worker runs it.
 XDIST = -n 2 --dist loadgroup
 
-# The full suite. First lint and the floor environment, side by side. Then three jobs side
-# by side: pyright, every test on the lock (the strict docs build among them:
-# tests/project/test_docs.py builds the site and reads its HTML), and the floor subset on the
-# oldest versions, one test at a time. The main suite's workers spend much of their time
-# waiting on the processes they start, which the other two use. Their output follows the
-# main suite's.
+# The full suite. First lint. Then three jobs side by side: pyright, every test on the lock
+# (the strict docs build among them: tests/project/test_docs.py builds the site and reads its
+# HTML), and the floor environment then the floor subset on the oldest versions, one test at
+# a time. The main suite, the longest, starts at once: it does not wait for the floor
+# environment to be made. Its workers spend much of their time waiting on the processes they
+# start, which the other two use. The other two's output follows the main suite's.
 FLOOR_RUN = VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test: env
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint env-floor
-	bash scripts/alongside.sh "$(PY) -m pyright" "$(FLOOR_RUN)" -- bash scripts/pytest.sh $(XDIST)
+	$(MAKE) --no-print-directory lint
+	bash scripts/alongside.sh "$(PY) -m pyright" "$(MAKE) --no-print-directory env-floor && $(FLOOR_RUN)" \
+	  -- bash scripts/pytest.sh $(XDIST)
 
 # The journey matrix and the examples on the oldest supported versions.
 test-floor: env-floor
