@@ -81,16 +81,8 @@ def float_dtype(text: str) -> str:
 
 _FLOAT_NAMES = ["bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"]
 # the short names other tools use for them
-_FLOAT_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "f16": "float16",
-    "fp32": "float32",
-    "f32": "float32",
-    "fp64": "float64",
-    "f64": "float64",
-    "fp8": "float8_e4m3fn",
-    "float8": "float8_e4m3fn",
+_FLOAT_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"} | {
+    f"{p}{n}": f"float{n}" for n in (16, 32, 64) for p in ("f", "fp")
 }
 
 

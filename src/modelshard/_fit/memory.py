@@ -289,9 +289,8 @@ def measure(
     batch_args: Sequence[int],
     roles: Mapping[str, Any] | None = None,
 ) -> StepMemory:
-    """Lower and compile ``jitted`` (a ``ShardJit``) for abstract ``args`` and split XLA's
-    memory analysis by role (``values``: the dynamic arguments, ``batch_args`` their
-    positions among them that are the batch). One compile; nothing is allocated."""
+    """Compile ``jitted`` once for abstract ``args`` and split XLA's memory analysis by role
+    (``values``: the dynamic arguments; ``batch_args``: the batch's positions among them)."""
     plan = jitted.plan(*args, **kwargs)
     t = time.perf_counter()
     refused = None
@@ -310,12 +309,8 @@ def measure(
     planned: dict[str, int] = dict.fromkeys(ROLES, 0)
     for leaf, role in zip(plan.leaves, leaf_roles, strict=True):
         planned[role] += plan.bytes_per_device(leaf)
-    arg, out, temp, alias = (
-        int(m.argument_size_in_bytes),
-        int(m.output_size_in_bytes),
-        int(m.temp_size_in_bytes),
-        int(m.alias_size_in_bytes),
-    )
+    kinds = ("argument", "output", "temp", "alias")
+    arg, out, temp, alias = (int(getattr(m, f"{k}_size_in_bytes")) for k in kinds)
     summed = arg + out + temp - alias
     raw_peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
     # CPU's peak_memory_in_bytes is not the program's peak (often below its own arguments).

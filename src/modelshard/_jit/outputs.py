@@ -85,29 +85,24 @@ def split_output(
     parts: list[Part] = []
     bounds: list[tuple[int, int]] = []
     for x in found:
+        start = len(arrays)
         hit = match(x) if outer is not None or top is None else top
-        if hit is None:
-            leaf_is_array = is_array(x)
-            parts.append(
-                Part(
-                    None, None, (None if leaf_is_array else x,), (0,) if leaf_is_array else (), None
-                )
-            )
-            start = len(arrays)
-            if leaf_is_array:
-                arrays.append(x)
+        if hit is None and is_array(x):
+            parts.append(Part(None, None, (None,), (0,), None))
+            arrays.append(x)
+        elif hit is None:
+            parts.append(Part(None, None, (x,), (), None))
         else:
             adapter, leaves, aux, j = hit
             numbers = adapter.numbers_are_arrays
-            idx = tuple(
+            idx = [
                 i
                 for i, v in enumerate(leaves)
                 if is_array(v) or (numbers and type(v) in NUMBER_TYPES)
-            )
+            ]
             at = set(idx)
             template = tuple(None if i in at else v for i, v in enumerate(leaves))
-            parts.append(Part(adapter, aux, template, idx, j))
-            start = len(arrays)
+            parts.append(Part(adapter, aux, template, tuple(idx), j))
             arrays.extend(leaves[i] for i in idx)
         bounds.append((start, len(arrays)))
     return arrays, OutDesc(outer, tuple(parts), tuple(bounds))

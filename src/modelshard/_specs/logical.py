@@ -28,8 +28,6 @@ class LogicalRules:
     pairs: tuple[tuple[str, Target], ...]
     ordered: bool
     source: str
-    public: Any
-    candidates: dict[str, tuple[Target, ...]]
     file: str | None = None
     labels: tuple[str, ...] = ()
     declared: tuple[tuple[str, str], ...] = ()
@@ -52,6 +50,19 @@ class LogicalRules:
         """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order (what
         ``nn.logical_to_mesh_axes`` and ``nn.logical_axis_rules`` take)."""
         return tuple((n, _public_entry(t)) for n, t in self.pairs)
+
+    @functools.cached_property
+    def public(self) -> Any:
+        """The rules as the user gives them: a mapping, or Flax's ordered pairs."""
+        return self.flax_rules if self.ordered else dict(self.flax_rules)
+
+    @functools.cached_property
+    def candidates(self) -> dict[str, tuple[Target, ...]]:
+        """Each name's targets, in order (a name repeats in Flax-style pairs)."""
+        out: dict[str, tuple[Target, ...]] = {}
+        for n, t in self.pairs:
+            out[n] = (*out.get(n, ()), t)
+        return out
 
     @property
     def entry_labels(self) -> tuple[str, ...]:
@@ -177,29 +188,7 @@ def compile_logical(
         labels.append(_entry_label(name, i, where, file, ordered))
     if problems:
         return None, problems
-    return _rules(pairs, labels, ordered, source, file), []
-
-
-def _rules(
-    pairs: list[tuple[str, Target]],
-    labels: list[str],
-    ordered: bool,
-    source: str,
-    file: str | None,
-    declared: tuple[tuple[str, str], ...] = (),
-) -> LogicalRules:
-    candidates: dict[str, list[Target]] = {}
-    for n, t in pairs:
-        candidates.setdefault(n, []).append(t)
-    public = (
-        tuple((n, _public_entry(t)) for n, t in pairs)
-        if ordered
-        else {n: _public_entry(t) for n, t in pairs}
-    )
-    by_name = {n: tuple(c) for n, c in candidates.items()}
-    return LogicalRules(
-        tuple(pairs), ordered, source, public, by_name, file, tuple(labels), declared
-    )
+    return LogicalRules(tuple(pairs), ordered, source, file, tuple(labels)), []
 
 
 def _entry_label(name: str, i: int, where: str, file: str | None, ordered: bool) -> str:
@@ -302,7 +291,7 @@ def did_you_mean(name: Any, options: Sequence[str], otherwise: str) -> str:
 _ACTIVE: contextvars.ContextVar[LogicalRules | None] = contextvars.ContextVar(
     "modelshard_logical_rules", default=None
 )
-_CLEARED = LogicalRules((), False, "ms.logical_rules(None)", {}, {})
+_CLEARED = LogicalRules((), False, "ms.logical_rules(None)")
 _CONTEXT = "the active ms.logical_rules context"
 _FLAX_SOURCE = "Flax's nn.logical_axis_rules context"
 _flax_last: tuple[Any, LogicalRules | None] = (None, None)
@@ -421,7 +410,8 @@ def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
             labels.append(tl)
     declared = tuple({**dict(base.declared), **dict(top.declared)}.items())
     ordered = base.ordered or top.ordered
-    return _rules(pairs, labels, ordered, _CONTEXT, top.file or base.file, declared)
+    file = top.file or base.file
+    return LogicalRules(tuple(pairs), ordered, _CONTEXT, file, tuple(labels), declared)
 
 
 def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> None:
