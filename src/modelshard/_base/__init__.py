@@ -41,7 +41,6 @@ from .progress import reporter as reporter
 from .text import SHOW_ALL as SHOW_ALL
 from .text import TOML_NONE as TOML_NONE
 from .text import close_match as close_match
-from .text import escape_markup as escape_markup
 from .text import format_bytes as format_bytes
 from .text import format_mesh as format_mesh
 from .text import format_spec as format_spec

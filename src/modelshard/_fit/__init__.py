@@ -6,5 +6,4 @@ from .advice import Suggestion as Suggestion
 from .advice import fit_advice as fit_advice
 from .memory import PARTS as PARTS
 from .memory import StepMemory as StepMemory
-from .memory import compile_mesh as compile_mesh
 from .memory import step_memory as step_memory

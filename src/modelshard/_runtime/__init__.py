@@ -17,12 +17,10 @@ from .distributed import is_main_process as is_main_process
 from .distributed import local_slice as local_slice
 from .distributed import require_addressable as require_addressable
 from .distributed import to_host as to_host
-from .distributed import wait_failed as wait_failed
 from .failures import Outcome as Outcome
 from .failures import is_shared as is_shared
 from .failures import outcome as outcome
 from .failures import raise_shared as raise_shared
 from .failures import shared_error as shared_error
-from .failures import shared_failure as shared_failure
 from .processes import ENV_COORDINATOR as ENV_COORDINATOR
 from .processes import main as main

@@ -305,13 +305,9 @@ def run(
     stop_grace = min(grace, FAILURE_GRACE_S)  # unless the run is stopped by a signal
     interrupted: list[int] = []
     previous = {}
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        interrupted.append(signum)
-
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            previous[sig] = signal.signal(sig, on_signal)
+            previous[sig] = signal.signal(sig, lambda signum, _: interrupted.append(signum))
     argv = list(command)
     if sys.platform.startswith("linux"):  # through _EXEC_HELPER
         argv = [sys.executable, "-S", "-c", _EXEC_HELPER, str(os.getpid()), *argv]
