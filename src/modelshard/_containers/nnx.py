@@ -44,6 +44,13 @@ _metadata = operator.attrgetter("_var_metadata")
 _set_slot = object.__setattr__
 
 
+def _nnx() -> Any:
+    """``flax.nnx``, imported at first use: importing modelshard imports no Flax."""
+    from flax import nnx
+
+    return nnx
+
+
 def _current_trace() -> Any:
     """The JAX trace state NNX compares a Variable's against before it may be updated."""
     from flax.nnx import tracers
@@ -281,9 +288,7 @@ def _order_of(value: Any) -> tuple[list[Any], LeafOrder] | None:
 def _leaf_order(value: Any, variables: list[Any]) -> LeafOrder | None:
     if not variables or not all(_is_variable(v) for v in variables):
         return None
-    from flax import nnx
-
-    graphdef, state = nnx.split(value)
+    graphdef, state = _nnx().split(value)
     in_state = jax.tree_util.tree_leaves(state, is_leaf=_is_variable)
     where = {id(v): i for i, v in enumerate(variables)}
     if len(in_state) != len(where) or any(id(v) not in where for v in in_state):
@@ -309,28 +314,20 @@ class NnxModuleAdapter(Adapter):
     mutable = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        from flax import nnx
-
-        graphdef, state = nnx.split(obj)
+        graphdef, state = _nnx().split(obj)
         leaves, treedef = jax.tree_util.tree_flatten(state)
         return leaves, (graphdef, treedef)
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        from flax import nnx
-
         graphdef, treedef = aux  # type: ignore[misc]
-        return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+        return _nnx().merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
 
     def describe(self, obj: Any) -> list[LeafInfo]:
-        from flax import nnx
-
-        return describe_pytree(nnx.state(obj))
+        return describe_pytree(_nnx().state(obj))
 
     def tree_of(self, obj: Any) -> Any:
         """The module's ``nnx.State``."""
-        from flax import nnx
-
-        return nnx.state(obj)
+        return _nnx().state(obj)
 
     def mirror(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
         """The ``nnx.State`` holding ``leaves`` (what NNX users expect for sharding trees)."""
@@ -339,9 +336,7 @@ class NnxModuleAdapter(Adapter):
 
     def update(self, obj: Any, aux: Hashable, leaves: Sequence[Any]) -> Any:
         """Write ``leaves`` into the caller's module in place (``nnx.update``)."""
-        from flax import nnx
-
-        nnx.update(obj, self.mirror(aux, leaves))
+        _nnx().update(obj, self.mirror(aux, leaves))
         return obj
 
     def flatten_for_call(self, obj: Any) -> CallLeaves:

@@ -274,11 +274,17 @@ class Tiles:
         return Group(*parts)
 
     def __str__(self) -> str:
-        from rich.console import Console
+        return plain_text(self.__rich__(), 160)
 
-        console = Console(width=160, record=True, color_system=None, file=io.StringIO())
-        console.print(self.__rich__())
-        return "\n".join(line.rstrip() for line in console.export_text().splitlines())
+
+def plain_text(renderable: Any, width: int) -> str:
+    """``renderable`` as plain text ``width`` columns wide, trailing spaces cut."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(width=width, record=True, force_terminal=False, color_system=None, file=out)
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
 
 
 def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:

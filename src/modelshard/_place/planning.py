@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import re
@@ -31,7 +30,7 @@ from .._base import (
 from .._base import fold as fold_paths
 from .._specs import ArgPlan, LeafPlan, SpecLike, expand_args
 from .constraints import ActivationConstraint, nbytes, shard_shape
-from .plan_html import Tiles, logical_text, page, plan_html, rule_text
+from .plan_html import Tiles, logical_text, page, plain_text, plan_html, rule_text
 
 
 class Plan:
@@ -501,8 +500,6 @@ class PlanTable:
         return self
 
     def __str__(self) -> str:
-        from rich.console import Console
-
         cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
         acts = self._activation_cells()
         width = max(
@@ -510,11 +507,7 @@ class PlanTable:
             self._width(cells, list(cells[0]), wrap=False) if cells else 0,
             self._width(acts, list(acts[0])) if acts else 0,
         )
-        console = Console(
-            width=width, record=True, force_terminal=False, color_system=None, file=io.StringIO()
-        )
-        console.print(self.renderable(width))
-        return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
+        return plain_text(self.renderable(width), width)
 
     def __repr__(self) -> str:
         return str(self)

@@ -116,8 +116,7 @@ class Rules:
         if isinstance(rules, str | bytes) or not isinstance(rules, Iterable):
             what = f"rules must be a list of (pattern, spec) pairs, got {type(self.rules).__name__}"
             raise spec_error("Rules", "", what, hint="Rules([(r'kernel$', P('data', None))])")
-        rules = list(rules)
-        for i, item in enumerate(rules):
+        for i, item in enumerate(list(rules)):
             where = f"rule {i}"
             if not (isinstance(item, tuple | list) and len(item) == 2):
                 hint = "each rule is a 2-tuple like (r'kernel$', P('data'))"
@@ -238,12 +237,8 @@ class FSDP:
     min_size: int = 2**14
 
     def __post_init__(self) -> None:
-        ok = isinstance(self.axis, str) or (
-            isinstance(self.axis, tuple)
-            and self.axis
-            and all(isinstance(a, str) for a in self.axis)
-        )
-        if not ok:
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        if not axes or not all(isinstance(a, str) for a in axes):
             what = f"axis must be a mesh axis name or a tuple of names, got {self.axis!r}"
             raise spec_error("fsdp", "axis", what)
         # Checked here, not per leaf: with no big or divisible leaf it would pass silently.
