@@ -38,12 +38,16 @@ XDIST = -n 2 --dist loadgroup
 # HTML), and the floor environment then the floor subset on the oldest versions, one test at
 # a time. The main suite, the longest, starts at once: it does not wait for the floor
 # environment to be made. Its workers spend much of their time waiting on the processes they
-# start, which the other two use. The other two's output follows the main suite's.
+# start; pyright and the floor environment's making run at the lowest priority, on the CPU
+# the main suite leaves, and end long before it. (The floor tests do not: their processes
+# have timeouts.) The other two jobs' output follows the main suite's.
 FLOOR_RUN = VENV=.venv-floor bash scripts/pytest.sh -q -p no:cacheprovider $(FLOOR_TESTS)
+IDLE = nice -n 19
 
 test: env
 	$(MAKE) --no-print-directory lint
-	bash scripts/alongside.sh "$(PY) -m pyright" "$(MAKE) --no-print-directory env-floor && $(FLOOR_RUN)" \
+	bash scripts/alongside.sh "$(IDLE) $(PY) -m pyright" \
+	  "$(IDLE) $(MAKE) --no-print-directory env-floor && $(FLOOR_RUN)" \
 	  -- bash scripts/pytest.sh $(XDIST)
 
 # The journey matrix and the examples on the oldest supported versions.
