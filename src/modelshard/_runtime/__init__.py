@@ -10,7 +10,6 @@ from .distributed import barrier as barrier
 from .distributed import barrier_timeout_s as barrier_timeout_s
 from .distributed import broadcast as broadcast
 from .distributed import cluster_detected as cluster_detected
-from .distributed import exchange as exchange
 from .distributed import gather as gather
 from .distributed import initialize as initialize
 from .distributed import is_main_process as is_main_process

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -347,31 +347,6 @@ def gather(
     except Exception as e:
         _abandon(client, key)
         raise wait_failed("gather", name, timeout, e) from e
-    _read(client, key, readers=len(out))
-    return out
-
-
-def exchange(value: Any, name: str, wait: Callable[[], None]) -> list[Any]:
-    """Every process's ``value`` (JSON), in process order, carried by ``wait``: a wait every
-    process makes anyway (an Orbax barrier), so the exchange adds none."""
-    text = json.dumps(value)
-    client = _client() if jax.process_count() > 1 else None
-    if client is None:
-        wait()
-        me = jax.process_index()
-        return [json.loads(text) if p == me else None for p in range(jax.process_count())]
-    key = _key(client, "exchange", name)
-    client.key_value_set(f"{key}/{jax.process_index()}", text)
-    try:
-        wait()
-    except Exception:
-        _abandon(client, key)
-        raise
-    timeout = barrier_timeout_s()
-    try:
-        out = _collect(client, key, timeout)
-    except Exception as e:  # set before the wait by every process that passed it
-        raise wait_failed("exchange", name, timeout, e) from e
     _read(client, key, readers=len(out))
     return out
 
