@@ -121,9 +121,7 @@ CKPT_HELP = (
 
 
 def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
-    """A checkpoint directory as given, or, for a CheckpointManager's root, its latest
-    complete step's directory (said on stderr, with --json too; ``args.step`` records it
-    for the JSON's ``step``)."""
+    """A checkpoint directory as given, or a manager root's latest complete step (``args.step``)."""
     path, step = manager_step(text)
     args.step = step
     if step is None:
@@ -137,9 +135,7 @@ def checkpoint_arg(args: argparse.Namespace, text: str) -> str:
 
 
 def readable(path: str | None, file: bool = True) -> None:
-    """Raise the ``OSError`` itself (``FileNotFoundError``, ``PermissionError``, ...) for an
-    input path the user named that is missing or cannot be read (``file``: opened, else
-    only looked up); ``None`` and ``hf://`` repositories pass."""
+    """Raise the user's input path's own ``OSError`` if it is missing or unreadable."""
     if path is None or path.startswith("hf://"):
         return
     if file:

@@ -16,9 +16,7 @@ MAX_CPU_DEVICES = 4096
 
 
 def join_launch() -> None:
-    """Join the run when started by ``modelshard launch`` (or any launcher that sets
-    ``MODELSHARD_COORDINATOR``): a streaming command run by every process of a job then writes
-    one destination together, each process its share."""
+    """Join the run started by ``modelshard launch``: each process writes its share."""
     if os.environ.get(ENV_COORDINATOR):
         from .. import distributed
 

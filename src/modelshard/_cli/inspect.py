@@ -118,9 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rows(leaves: Any, fold: bool) -> list[Any]:
-    """The table's rows in record (flatten) order: with ``fold``, leaves whose paths differ
-    only in layer numbers and that are stored alike (shape, dtype, spec, names) share one,
-    as ``plan`` folds (``_fold.fold``)."""
+    """The table's rows in record order (``fold``: leaves stored alike folded, as ``plan`` does)."""
 
     def stored_alike(leaf: Any) -> Any:
         return (

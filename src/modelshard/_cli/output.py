@@ -122,8 +122,7 @@ def tensorstore_os_error(e: BaseException) -> OSError | None:
 
 @contextlib.contextmanager
 def writing(destination: str | os.PathLike[str]) -> Iterator[None]:
-    """Within the block, an ``OSError`` on a file the writer makes beside ``destination`` names
-    ``destination`` as typed, and its parent directory as what cannot be written."""
+    """Within the block, an ``OSError`` beside ``destination`` names ``destination`` itself."""
     try:
         yield
     except OSError as e:
@@ -208,8 +207,7 @@ class Parser(argparse.ArgumentParser):
 
 @contextlib.contextmanager
 def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
-    """The library's progress bar for a command, on a terminal's stderr unless ``--json`` or
-    ``--no-progress``; yields what to call with ``(bytes_done, bytes_total)``."""
+    """The progress bar for a command (none with ``--json`` or ``--no-progress``)."""
     show = not args.json and not getattr(args, "no_progress", False)
     with reporter(show, None, what, min_bytes=0) as report:
 

@@ -254,8 +254,7 @@ def children_of(node: Any) -> dict[str, Any]:
 
 
 def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
-    """An NNX Variable's axis names after its own ``sharding_rules``, as Flax's
-    ``nnx.get_partition_spec`` applies them; other names stay, for the plan's rules."""
+    """An NNX Variable's axis names after its own ``sharding_rules``, as Flax applies them."""
     try:
         table = {alias: on_mesh for alias, on_mesh in sharding_rules}
     except (TypeError, ValueError):  # not pairs: Flax could not use them either

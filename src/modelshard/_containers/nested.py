@@ -44,8 +44,7 @@ def holds_nested(leaves: Sequence[Any]) -> bool:
 
 
 def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hashable]:
-    """``obj`` flattened by ``adapter``, nested containers by their own: the adapter that
-    rebuilds it all (a ``NestedAdapter`` where anything nests), the leaves, the ``aux``."""
+    """``obj`` flattened by ``adapter``, nested containers by their own (a ``NestedAdapter``)."""
     leaves, aux = flatten_one(adapter, obj)
     if not holds_nested(leaves):
         return adapter, leaves, aux

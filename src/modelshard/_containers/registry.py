@@ -169,13 +169,10 @@ def register_container(
             f"{ty.__module__}.{ty.__qualname__} is already registered as a container; pass "
             "override=True to replace its adapter."
         )
-    if callbacks:
-        assert flatten is not None and unflatten is not None
+    if flatten is not None and unflatten is not None:
         adapter = callbacks_adapter(ty, flatten, unflatten, kind or ty.__name__)
     assert adapter is not None
-    for i in reversed(existing):
-        del REGISTRY.user[i]
-    REGISTRY.user.append((ty, adapter))
+    REGISTRY.user[:] = [(t, a) for t, a in REGISTRY.user if t is not ty] + [(ty, adapter)]
     REGISTRY.changed()
 
 

@@ -37,9 +37,7 @@ def _candidates(path: str) -> list[str]:
 def rules_for(
     paths: Sequence[str], specs: Sequence[PartitionSpec], shapes: Sequence[tuple[int, ...]]
 ) -> Rules:
-    """Rules whose first match gives each leaf ``specs[i]``: one rule per group of leaves
-    wanting the same spec (a pattern that matches no leaf wanting another), then a
-    catch-all: replicated if any leaf is, else the most common spec. Rank-0 leaves replicate whatever matches them."""
+    """Rules giving each leaf ``specs[i]``: one per group of leaves alike, then a catch-all."""
     want = {p: norm_spec(s) for p, s, shape in zip(paths, specs, shapes, strict=True) if shape}
     if not want:
         return Rules([(".*", PartitionSpec())])

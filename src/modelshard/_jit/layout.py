@@ -132,11 +132,9 @@ class ArgumentLayout:
             donate = i in self._donate_nums or name in self._donate_names
             slots.append(Slot(name, i, None, static, NOSPEC if spec is None else spec, donate))
         for k in kwnames:
-            static = k in self._static_names
             spec = specs.get(k, NOSPEC) if isinstance(specs, Mapping) else NOSPEC
-            slots.append(
-                Slot(k, None, k, static, NOSPEC if spec is None else spec, k in self._donate_names)
-            )
+            static, donate = k in self._static_names, k in self._donate_names
+            slots.append(Slot(k, None, k, static, NOSPEC if spec is None else spec, donate))
         bad = [s.name for s in slots if s.static and s.donate]
         if bad:
             raise invalid("donate_argnums", f"static argument {bad[0]!r} cannot be donated")

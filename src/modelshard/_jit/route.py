@@ -99,9 +99,7 @@ def _gather(x: Any, lay: Any, out: list[Any]) -> bool:
 
 
 def routable(entry: Entry, taken: Sequence[Taken]) -> bool:
-    """Whether later calls like this one may take a ``Route``: every argument positional
-    and dynamic, and each either taken again by its adapter (``again``) or a container JAX
-    flattens itself holding arrays only and written back nowhere."""
+    """Whether later calls like this one may take a ``Route`` (plain, positional, dynamic)."""
     return entry.positional and all(
         t.again is not None
         or (t.adapter.follows_pytree and t.array_index is None and t.write_back is None)

@@ -86,17 +86,13 @@ def _check_pieces(flats: Sequence[Flat], ids: Sequence[int]) -> None:
                 f"({flat.kind} vs {first.kind}): {detail}"
             )
             continue
-        for path, a, b in zip(paths0, first.arrays, flat.arrays, strict=True):
-            if tuple(np.shape(b)) != tuple(np.shape(a)):
-                problems.append(
-                    f"  partition {p}, leaf {path!r}: shape {tuple(np.shape(b))} "
-                    f"but partition {ids[0]} has {tuple(np.shape(a))}"
-                )
-            if dtype_name(b.dtype) != dtype_name(a.dtype):
-                problems.append(
-                    f"  partition {p}, leaf {path!r}: dtype {dtype_name(b.dtype)} "
-                    f"but partition {ids[0]} has {dtype_name(a.dtype)}"
-                )
+        for path, *pair in zip(paths0, first.arrays, flat.arrays, strict=True):
+            shapes = [tuple(np.shape(x)) for x in pair]
+            for what, (a, b) in (("shape", shapes), ("dtype", [dtype_name(x.dtype) for x in pair])):
+                if a != b:
+                    problems.append(
+                        f"  partition {p}, leaf {path!r}: {what} {b} but partition {ids[0]} has {a}"
+                    )
     if problems:
         raise AssembleError(
             f"{len(problems)} inconsistent piece{'s' if len(problems) != 1 else ''} (every "

@@ -81,8 +81,7 @@ def _caller(stacklevel: int) -> FrameType | None:
 
 
 def call_site(traced: bool, stacklevel: int = 1) -> str | None:
-    """``constrain at model.py:42 in MLP.__call__, while tracing step (train.py:9)``: the
-    user's call and, while tracing, the outermost user function JAX called."""
+    """``constrain at model.py:42 in f, while tracing step (train.py:9)``: the user's call."""
     frame = _caller(stacklevel)
     if frame is None:
         return None

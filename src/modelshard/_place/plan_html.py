@@ -77,8 +77,7 @@ def _esc(x: Any) -> str:
 
 
 def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
-    """``batch->data, seq (tinylm defaults), mlp (rules)``: each dimension's logical names, the
-    mesh axes of those that shard, and the rules that mapped each run of names."""
+    """``batch->data, seq (tinylm defaults)``: each dimension's logical names, in words."""
     if not logical:
         return ""
     names: list[tuple[str, str]] = []

@@ -21,9 +21,7 @@ def outcome(failure: BaseException | None) -> Outcome:
 def shared_error(
     failure: BaseException | None, ended: Sequence[Outcome], what: str
 ) -> BaseException | None:
-    """The error every process raises from how each one's part ended (None: none failed): its
-    own where all failed; else the first failure's, if a ``CheckpointError`` or
-    ``DistributedError``; else a ``CheckpointError`` naming that process."""
+    """The error every process raises from how each one's part ended; None if none failed."""
     failed = [(p, o) for p, o in enumerate(ended) if o is not None]
     if not failed:
         return None

@@ -304,8 +304,7 @@ def _in_logical_terms(
     logical: LogicalRules | None,
     via: Via,
 ) -> tuple[str, str, dict[str, Any]]:
-    """A problem with a dimension a logical name mapped, in the user's terms: the name, the
-    dimension, the rules' entry and the fix to it; other problems keep their words."""
+    """A problem with a dimension a logical name mapped, said in the user's terms."""
     m = _INDIVISIBLE.match(what) or _NOT_IN_MESH.fullmatch(what)
     if m is None:
         return what, hint, {}
@@ -437,8 +436,7 @@ UNMATCHED = "unmatched (replicated, strict=False)"  # a plan row's rule: nothing
 def resolve(
     arg: str, info: LeafInfo, leaf: Any, s: Any, shape: tuple[int, ...], ctx: Ctx
 ) -> tuple[PartitionSpec, str, LogicalRules | None] | None:
-    """(spec, rule text, logical rules for its names) of one leaf; None once a problem is
-    reported. Explicit ``Rules(logical=...)`` wins over the context."""
+    """(spec, rule text, logical rules) of one leaf; explicit ``Rules(logical=...)`` wins."""
     if isinstance(s, PartitionSpec):
         return s, f"{format_spec(s)} for the whole argument", ctx.logical
     if isinstance(s, Rules):
