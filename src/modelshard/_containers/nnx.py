@@ -51,13 +51,6 @@ def _nnx() -> Any:
     return nnx
 
 
-def _current_trace() -> Any:
-    """The JAX trace state NNX compares a Variable's against before it may be updated."""
-    from flax.nnx import tracers
-
-    return tracers.current_jax_trace()
-
-
 def _is_variable(x: Any) -> bool:
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Variable)
@@ -158,7 +151,7 @@ class Snapshot:
         """Set the Variables at ``positions`` (``nnx.split`` order) to ``values``."""
         # Variable.__setattr__ asks JAX for the current trace per Variable; asked once here,
         # each Variable costs a comparison.
-        here = _current_trace()
+        here = sys.modules["flax.nnx.tracers"].current_jax_trace()
         ordered = self.variables
         for m, new in zip(positions, values, strict=True):
             var = ordered[m]

@@ -55,14 +55,6 @@ def _where(frame: FrameType) -> str:
     return f"{path}:{frame.f_lineno}"
 
 
-def _library(frame: FrameType) -> bool:
-    """Whether ``frame`` runs installed code (site-packages, the standard library)."""
-    path = frame.f_code.co_filename
-    return path.startswith("<") or any(
-        part in path for part in (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
-    )
-
-
 def _traced(tree: Any) -> bool:
     """Whether ``tree`` holds a tracer (``constrain`` inside a trace)."""
     return any(isinstance(x, Tracer) for x in jax.tree.leaves(tree))
@@ -107,13 +99,14 @@ def _traced_function(frame: FrameType) -> FrameType | None:
             if user is not None and not path.endswith(_TREE_UTIL):
                 found = user
             user = None
-        elif not _library(f) and not path.startswith(_PACKAGE):
-            user = f
+        elif not (path.startswith(("<", _PACKAGE)) or any(p in path for p in _INSTALLED)):
+            user = f  # not installed code (site-packages, the standard library), nor ours
         f = f.f_back
     return found
 
 
 _TREE_UTIL = os.sep + "tree_util.py"
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}lib{os.sep}python")
 
 
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._base import MeshError, is_abstract
 from .._specs import SpecLike
-from .planning import Plan, plan
+from .planning import plan
 
 
 def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
@@ -84,11 +84,5 @@ def shard(tree: Any, specs: SpecLike, mesh: Any = None) -> Any:
         >>> params["w"].sharding.spec
         P('data',)
     """
-    return shard_plan(plan(tree, specs, mesh))
-
-
-def shard_plan(p: Plan) -> Any:
-    """Place the (single) argument of an existing plan."""
-    arg = p.args[0]
-    placed = place(arg.flat.arrays, p.flat_shardings(0))
-    return arg.flat.update_inplace(placed)
+    arg = (p := plan(tree, specs, mesh)).args[0]
+    return arg.flat.update_inplace(place(arg.flat.arrays, p.flat_shardings(0)))

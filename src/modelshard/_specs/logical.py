@@ -185,17 +185,13 @@ def compile_logical(
             problems.append(Problem(arg, at, what, hint=hint))
             continue
         pairs.append((name, t))
-        labels.append(_entry_label(name, i, where, file, ordered))
+        if file is not None:  # how errors name the entry, in the words the user wrote it in
+            labels.append(f"logical[{i}] of {file}" if ordered else f"[logical] {name} of {file}")
+        else:
+            labels.append(f"{where}[{i}]" if ordered else f"{where}[{name!r}]")
     if problems:
         return None, problems
     return LogicalRules(tuple(pairs), ordered, source, file, tuple(labels)), []
-
-
-def _entry_label(name: str, i: int, where: str, file: str | None, ordered: bool) -> str:
-    """How errors name one entry of logical rules, in the words the user wrote it in."""
-    if file is not None:
-        return f"logical[{i}] of {file}" if ordered else f"[logical] {name} of {file}"
-    return f"{where}[{i}]" if ordered else f"{where}[{name!r}]"
 
 
 # ---- a library's declared names --------------------------------------------------------
