@@ -21,8 +21,12 @@ repeat so that background load and disk write-back hit them alike):
   one leaf 8x the chunk (``--big-factor``), which it must copy in slabs. Ratios are peak RSS
   over the state (or checkpoint) bytes, with and without the baseline; the reshard target is
   peak RSS above the baseline <= the chunk + 64 MiB;
+- restore onto (2, 4) timed in fresh processes (the peak-RSS process): modelshard's against
+  Orbax's ``StandardCheckpointer`` restoring its own checkpoint onto the same targets, the
+  order alternating, ratios per repeat (issue 46's bar);
 - reshard time: ``modelshard.reshard`` in this process against ``restore`` onto the same
-  new layout + ``save`` of the result, interleaved, medians over ``--repeats``; then the
+  new layout + ``save`` of the result, and against Orbax's restore onto it + Orbax's save
+  (ratios per repeat), interleaved, medians over ``--repeats``; then the
   ``modelshard reshard`` command against restore + save again, each of those runs started
   ``SETTLE_S`` after its old output was removed (see there), in wall time and in CPU time
   (all threads; the load on a shared machine moves it less).
@@ -44,6 +48,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -66,7 +71,7 @@ spec = ["data", "model"]
 
 CHILD_RESTORE = textwrap.dedent(
     """
-    import os, sys, json
+    import os, sys, json, time
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
@@ -83,10 +88,17 @@ CHILD_RESTORE = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     base = vm_hwm()
-    if sys.argv[1] != "baseline":
+    t = time.perf_counter()
+    if sys.argv[1] == "orbax":  # Orbax's own checkpoint onto the same (2, 4) layout
+        sharding = jax.sharding.NamedSharding(mesh, P("data", "model"))
+        target = {k: {"w": jax.ShapeDtypeStruct(tuple(s), jnp.float32, sharding=sharding)}
+                  for k, s in json.loads(sys.argv[3]).items()}
+        out = orbax.checkpoint.StandardCheckpointer().restore(sys.argv[2], target)
+        jax.block_until_ready(out)
+    elif sys.argv[1] != "baseline":
         out = ms.restore(sys.argv[1], specs=ms.Rules([("w$", P("data", "model"))]), mesh=mesh)
         jax.block_until_ready(out)
-    print(json.dumps({"baseline": base, "peak": vm_hwm()}))
+    print(json.dumps({"baseline": base, "peak": vm_hwm(), "s": time.perf_counter() - t}))
     """
 )
 
@@ -246,6 +258,17 @@ def _figures(results, reshard_ratios, args, chunk_bytes) -> dict:
         results["reshard_s"] / results["reshard_restore_save_s"], 2
     )
     out["reshard_ratios"] = [round(r, 2) for r in reshard_ratios]
+    out["reshard_orbax_restore_save_s"] = round(results["reshard_orbax_restore_save_s"], 1)
+    vs_orbax = results["reshard_vs_orbax_ratios"]
+    out["reshard_vs_orbax_restore_save"] = round(statistics.median(vs_orbax), 2)
+    out["reshard_vs_orbax_restore_save_ratios"] = [round(r, 2) for r in vs_orbax]
+    out["fresh_restore24_ms_s"] = round(results["fresh_restore24_ms_s"], 2)
+    out["fresh_restore24_orbax_s"] = round(results["fresh_restore24_orbax_s"], 2)
+    out["fresh_restore24_vs_orbax"] = round(statistics.median(results["fresh_restore24_ratios"]), 2)
+    out["fresh_restore24_vs_orbax_ratios"] = [
+        round(r, 2) for r in results["fresh_restore24_ratios"]
+    ]
+    out["rss_fresh_restore24_orbax_mib"] = round(results["rss_fresh_restore24_orbax"] / mib)
     out["reshard_cli_vs_restore_save"] = round(results["reshard_cli_vs_restore_save"], 2)
     out["reshard_cli_ratios"] = [round(r, 2) for r in results["reshard_cli_ratios"]]
     out["reshard_cli_restore_save_s"] = round(results["reshard_cli_restore_save_s"], 1)
@@ -285,12 +308,13 @@ def main(argv=None) -> int:
         default=8.0,
         help="size of the single-leaf reshard case, in chunks (default 8)",
     )
+    parser.add_argument("--notes", default="", help="recorded in the results file")
     args = parser.parse_args(argv)
 
     root, mesh, state, nbytes, abstract = _setup(args, "ms-bench-")
     gb = nbytes / 1e9
     tree_shardings = jax.tree.map(lambda x: x.sharding, state)
-    results: dict[str, float] = {"state_bytes": nbytes}
+    results: dict[str, Any] = {"state_bytes": nbytes}
 
     def fresh(name):
         return lambda: shutil.rmtree(root / name, ignore_errors=True)
@@ -330,8 +354,21 @@ def main(argv=None) -> int:
         jax.block_until_ready(out)
         ms.save(root / "rs_baseline", out)
 
+    abstract24 = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh24, P("data", "model"))
+        ),
+        abstract,
+    )
+
+    def orbax_restore_then_save():
+        out = handler.restore(root / "orbax", args=ocp.args.StandardRestore(abstract24))
+        jax.block_until_ready(out)
+        handler.save(root / "rs_orbax", args=ocp.args.StandardSave(out))
+
     reshards = {
         "reshard_restore_save_s": ("rs_baseline", restore_then_save),
+        "reshard_orbax_restore_save_s": ("rs_orbax", orbax_restore_then_save),
         "reshard_s": (
             "rs_new",
             lambda: ms.reshard(
@@ -350,6 +387,10 @@ def main(argv=None) -> int:
     reshard_ratios = [
         a / b for a, b in zip(times["reshard_s"], times["reshard_restore_save_s"], strict=True)
     ]
+    results["reshard_vs_orbax_ratios"] = [
+        a / b
+        for a, b in zip(times["reshard_s"], times["reshard_orbax_restore_save_s"], strict=True)
+    ]
     results.update({k: statistics.median(v) for k, v in times.items()})
     state = None  # free the source state before the fresh-process measurements
     ckpt_bytes = sum(f.stat().st_size for f in (root / "ms").rglob("*") if f.is_file())
@@ -362,6 +403,25 @@ def main(argv=None) -> int:
     rss = _run_json([sys.executable, str(child), str(root / "ms")])
     results["rss_baseline"] = base["peak"]
     results["rss_restore_reshard"] = rss["peak"]
+    # restore onto (2, 4), each in a fresh process, modelshard's and Orbax's (its own
+    # checkpoint, the same targets), order alternating, each reading a warm page cache
+    shapes = {k: list(v["w"].shape) for k, v in abstract.items()}
+    fresh_s: dict[str, list[float]] = {"ms": [], "orbax": []}
+    fresh_peak: dict[str, list[int]] = {"ms": [], "orbax": []}
+    for r in range(args.repeats):
+        for kind in ("ms", "orbax") if r % 2 == 0 else ("orbax", "ms"):
+            warm(root / kind)
+            cmd = [sys.executable, str(child)]
+            cmd += [str(root / "ms")] if kind == "ms" else ["orbax", str(root / "orbax")]
+            out = _run_json([*cmd, json.dumps(shapes)])
+            fresh_s[kind].append(out["s"])
+            fresh_peak[kind].append(out["peak"])
+    results["fresh_restore24_ms_s"] = statistics.median(fresh_s["ms"])
+    results["fresh_restore24_orbax_s"] = statistics.median(fresh_s["orbax"])
+    results["fresh_restore24_ratios"] = [
+        a / b for a, b in zip(fresh_s["ms"], fresh_s["orbax"], strict=True)
+    ]
+    results["rss_fresh_restore24_orbax"] = max(fresh_peak["orbax"])
     rules = root / "rules.toml"
     rules.write_text(RULES_TOML)
     cli_child = root / "child_cli.py"
@@ -532,6 +592,13 @@ def main(argv=None) -> int:
         + ", ".join(f"{r:.2f}x" for r in results["reshard_cli_less_fixed_cpu_ratios"])
         + ") |",
         "",
+        f"Orbax restore onto (2, 4) + Orbax save: {results['reshard_orbax_restore_save_s']:.2f} s;"
+        f" reshard / that, per repeat: "
+        + ", ".join(f"{r:.2f}x" for r in results["reshard_vs_orbax_ratios"]),
+        f"restore onto (2, 4) in a fresh process: modelshard "
+        f"{results['fresh_restore24_ms_s']:.2f} s, Orbax {results['fresh_restore24_orbax_s']:.2f}"
+        " s; per repeat: " + ", ".join(f"{r:.2f}x" for r in results["fresh_restore24_ratios"]),
+        "",
         f"resharded checkpoint carries the source's checksums: "
         f"{results['reshard_checksums_match']}",
     ]
@@ -540,7 +607,7 @@ def main(argv=None) -> int:
     from results import write_results
 
     figures = _figures(results, reshard_ratios, args, chunk_bytes)
-    write_results("checkpoint", figures, argv=sys.argv)
+    write_results("checkpoint", figures, argv=sys.argv, notes=args.notes)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

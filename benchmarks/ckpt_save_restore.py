@@ -73,6 +73,12 @@ def main(argv=None) -> int:
         default=None,
         help="ms.save(compression=...) where the library has it (default: its default)",
     )
+    parser.add_argument("--notes", default="", help="recorded in the results file")
+    parser.add_argument(
+        "--results-name",
+        default=None,
+        help="results file name (default ckpt_save_restore, _<compression> appended if given)",
+    )
     args = parser.parse_args(argv)
 
     root, mesh, state, nbytes, abstract = _setup(args, "ms-sr-")
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
     figures |= {f"{k}_throughput_gbs": round(nbytes / v / 1e9, 2) for k, v in med.items()}
     if args.only is None:  # a partial run would replace the file with fewer figures
         name = "ckpt_save_restore" + (f"_{args.compression}" if args.compression else "")
-        write_results(name, figures, argv=sys.argv)
+        name = args.results_name or name
+        write_results(name, figures, argv=sys.argv, notes=args.notes)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

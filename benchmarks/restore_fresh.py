@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=float, default=384, help="state size in MiB (default 384)")
     ap.add_argument("--leaves", type=int, default=48, help="number of leaves (default 48)")
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per method (3)")
+    ap.add_argument("--notes", default="", help="recorded in the results file")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
     from checkpoint import warm
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from results import write_results
 
-    write_results("restore_fresh", figures, argv=sys.argv)
+    write_results("restore_fresh", figures, argv=sys.argv, notes=args.notes)
     return 0
 
 
