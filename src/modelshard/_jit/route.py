@@ -53,13 +53,9 @@ def _count(lay: Any) -> tuple[int, int]:
 
 
 def _cheaper(x: Any, lay: Any) -> Any:
-    """``lay``, or JAX's flattening when that is cheaper for ``x``."""
-    if lay[0] not in ("dict", "seq"):
-        return lay
+    """``lay``, or JAX's flattening where that is cheaper for ``x`` (few leaves per node)."""
     nodes, leaves = _count(lay)
-    if nodes * 5 <= leaves:
-        return lay
-    return ("jax", jax.tree_util.tree_structure(x))
+    return lay if nodes * 5 <= leaves else ("jax", jax.tree_util.tree_structure(x))
 
 
 def _gather(x: Any, lay: Any, out: list[Any]) -> bool:

@@ -65,16 +65,6 @@ class ArgPlan:
     leaves: list[LeafPlan]
 
 
-def _prefix_entries(prefix: Any, arg: str, ctx: Ctx) -> list[tuple[tuple[str, ...], Any]] | None:
-    try:
-        items = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_leaf_spec)[0]
-    except Exception as e:
-        what = f"the spec {type(prefix).__name__} could not be read as a prefix tree"
-        ctx.problems.append(Problem(arg, "", f"{what}: {type(e).__name__}: {e}"))
-        return None
-    return [(split_path(format_path(k)), v) for k, v in items]
-
-
 def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan]:
     infos = flat.infos
     arrays = flat.arrays
@@ -85,9 +75,13 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan
         if type(spec_like) is Rules:  # match every path in one loop
             hits = spec_like.match_all([info.path for info in infos])
     else:
-        entries = _prefix_entries(spec_like, arg, ctx)
-        if entries is None:
+        try:
+            items = jax.tree_util.tree_flatten_with_path(spec_like, is_leaf=is_leaf_spec)[0]
+        except Exception as e:
+            what = f"the spec {type(spec_like).__name__} could not be read as a prefix tree"
+            ctx.problems.append(Problem(arg, "", f"{what}: {type(e).__name__}: {e}"))
             return []
+        entries = [(split_path(format_path(k)), v) for k, v in items]
         table = dict(entries)
         hit_keys: set[tuple[str, ...]] = set()
         per_leaf = []

@@ -304,9 +304,9 @@ def is_leaf_spec(x: Any) -> bool:
     return (
         x is None
         or isinstance(x, PartitionSpec | Rules | FSDP)
-        or (callable(x) and not isinstance(x, type) and _is_pytree_leaf(x))
+        or (
+            callable(x)
+            and not isinstance(x, type)
+            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+        )
     )
-
-
-def _is_pytree_leaf(x: Any) -> bool:
-    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
