@@ -218,16 +218,10 @@ def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
     )
 
 
-def _is_optax(x: Any) -> bool:
-    return optax_kind(type(x))
-
-
 def _optax_arg(value: Any) -> bool:
     """Whether an argument is an optax state (or holds only optax states)."""
-    if _is_optax(value):
-        return True
-    tops = jax.tree_util.tree_leaves(value, is_leaf=_is_optax)
-    return bool(tops) and all(map(_is_optax, tops))
+    tops = jax.tree_util.tree_leaves(value, is_leaf=lambda x: optax_kind(type(x)))
+    return bool(tops) and all(optax_kind(type(t)) for t in tops)
 
 
 def _float(dtype: Any) -> bool:

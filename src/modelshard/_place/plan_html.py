@@ -129,8 +129,12 @@ class Tiles:
         self.bytes_per_device = plan.bytes_per_device(leaf)
         sizes = plan.sizes
         names = list(sizes)
-        ids = _device_ids(plan.mesh, [sizes[n] for n in names])
         coords = np.indices([sizes[n] for n in names]).reshape(len(names), -1)
+        devices = plan.mesh.devices if isinstance(plan.mesh, Mesh) else None  # abstract: positions
+        if isinstance(devices, np.ndarray) and devices.size == coords.shape[1]:
+            ids = np.vectorize(lambda d: int(d.id), otypes=[np.int64])(devices).reshape(-1)
+        else:
+            ids = np.arange(coords.shape[1], dtype=np.int64)
         entries = list(self.spec) + [None] * (len(self.shape) - len(tuple(self.spec)))
         parts, index = [], []
         for entry in entries:
@@ -284,14 +288,6 @@ def plain_text(renderable: Any, width: int) -> str:
     console = Console(width=width, record=True, force_terminal=False, color_system=None, file=out)
     console.print(renderable)
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
-
-
-def _device_ids(mesh: Any, shape: list[int]) -> np.ndarray:
-    """Device ids in mesh order (positions on an abstract mesh)."""
-    devices = mesh.devices if isinstance(mesh, Mesh) else None
-    if isinstance(devices, np.ndarray) and devices.size == math.prod(shape):
-        return np.vectorize(lambda d: int(d.id), otypes=[np.int64])(devices).reshape(-1)
-    return np.arange(math.prod(shape), dtype=np.int64)
 
 
 # ---- the whole plan ------------------------------------------------------------------------
