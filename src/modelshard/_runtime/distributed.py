@@ -342,8 +342,9 @@ def gather(
         return [json.loads(t) for t in texts]
     key = _key(client, "gather", name)
     client.key_value_set(f"{key}/{jax.process_index()}", text)
+    keys = [f"{key}/{p}" for p in range(jax.process_count())]
     try:
-        out = _collect(client, key, timeout)
+        out = [json.loads(client.blocking_key_value_get(k, _ms(timeout))) for k in keys]
     except Exception as e:
         _abandon(client, key)
         raise wait_failed("gather", name, timeout, e) from e
@@ -353,12 +354,6 @@ def gather(
 
 def _ms(timeout: float) -> int:
     return max(1, int(timeout * 1000))
-
-
-def _collect(client: Any, key: str, timeout: float) -> list[Any]:
-    """Every process's value under ``key``, in process order."""
-    keys = [f"{key}/{p}" for p in range(jax.process_count())]
-    return [json.loads(client.blocking_key_value_get(k, _ms(timeout))) for k in keys]
 
 
 def _read(client: Any, key: str, readers: int) -> None:

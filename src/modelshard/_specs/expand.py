@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -225,19 +224,11 @@ def _plan_matched(
 
 def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
     """Split and plan several ``(name, container, spec_like)`` arguments at once."""
-    with _gc_paused():
-        return _expand_args(args, mesh)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a plan is built."""
     if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+        return _expand_args(args, mesh)
+    gc.disable()  # a plan makes many small objects: no cyclic collections meanwhile
     try:
-        yield
+        return _expand_args(args, mesh)
     finally:
         gc.enable()
 
