@@ -259,8 +259,5 @@ def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[An
         table = {alias: on_mesh for alias, on_mesh in sharding_rules}
     except (TypeError, ValueError):  # not pairs: Flax could not use them either
         return names
-    out = []
-    for n in names:
-        target = table.get(n, n) if isinstance(n, str) else n
-        out.append(tuple(target) if isinstance(target, list) else target)
-    return tuple(out)
+    targets = [table.get(n, n) if isinstance(n, str) else n for n in names]
+    return tuple(tuple(t) if isinstance(t, list) else t for t in targets)

@@ -271,16 +271,11 @@ def _remat_step(
 
 
 def _batch_info(plan: Any, batch: list[int], dynamic: list[int]) -> BatchInfo | None:
-    sizes = plan.sizes
-    lead = set()
-    factors = set()
-    for i in batch:
-        for leaf in plan.args[i].leaves:
-            if not leaf.shape:
-                continue
-            lead.add(leaf.shape[0])
-            entry = leaf.spec[0] if len(leaf.spec) else None
-            factors.add(math.prod(sizes[a] for a in entry_axes(entry)))
+    leaves = [leaf for i in batch for leaf in plan.args[i].leaves if leaf.shape]
+    lead = {leaf.shape[0] for leaf in leaves}
+    # how many ways each batch leaf's first dimension is split
+    firsts = [entry_axes(leaf.spec[0] if len(leaf.spec) else None) for leaf in leaves]
+    factors = {math.prod(plan.sizes[a] for a in axes) for axes in firsts}
     if len(lead) != 1 or len(factors) != 1:
         return None
     (g,), (f,) = lead, factors

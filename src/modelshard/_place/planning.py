@@ -453,20 +453,19 @@ class PlanTable:
     @staticmethod
     def _cells(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
         folded = any(r["count"] > 1 for r in rows)
-        out = []
-        for r in rows:
-            c = {"path": r["path"]}
-            if folded:
-                c["leaves"] = str(r["count"])
-            c["shape"] = str(tuple(r["shape"]))
-            c["dtype"] = r["dtype"]
-            c["spec"] = format_spec(spec_from_json(r["spec"]))
-            c["per device"] = format_bytes(r["bytes_per_device"]) + (
-                f" x{r['count']}" if r["count"] > 1 else ""
-            )
-            c["rule"] = rule_text(r["rule"], r.get("logical"))
-            out.append(c)
-        return out
+        return [
+            {
+                "path": r["path"],
+                **({"leaves": str(r["count"])} if folded else {}),
+                "shape": str(tuple(r["shape"])),
+                "dtype": r["dtype"],
+                "spec": format_spec(spec_from_json(r["spec"])),
+                "per device": format_bytes(r["bytes_per_device"])
+                + (f" x{r['count']}" if r["count"] > 1 else ""),
+                "rule": rule_text(r["rule"], r.get("logical")),
+            }
+            for r in rows
+        ]
 
     def _activation_cells(self) -> list[dict[str, str]]:
         """The step's activation constraints as table cells."""
