@@ -15,19 +15,13 @@ _TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def _axis_types(axis_types: Any, n: int) -> tuple[AxisType, ...]:
-    if isinstance(axis_types, str | AxisType):
-        axis_types = [axis_types] * n
-    out = []
-    for t in axis_types:
-        if isinstance(t, AxisType):
-            out.append(t)
-        elif isinstance(t, str) and t.lower() in _TYPES:
-            out.append(_TYPES[t.lower()])
-        else:
+    given = [axis_types] * n if isinstance(axis_types, str | AxisType) else list(axis_types)
+    for t in given:
+        if not (isinstance(t, AxisType) or (isinstance(t, str) and t.lower() in _TYPES)):
             raise MeshError(f"axis type {t!r} is not one of 'auto', 'explicit' or a jax AxisType.")
-    if len(out) != n:
-        raise MeshError(f"got {len(out)} axis types for {n} mesh axes.")
-    return tuple(out)
+    if len(given) != n:
+        raise MeshError(f"got {len(given)} axis types for {n} mesh axes.")
+    return tuple(t if isinstance(t, AxisType) else _TYPES[t.lower()] for t in given)
 
 
 def make_mesh(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -71,17 +72,14 @@ FLAGS = [
 def in_flags(text: str) -> str:
     """``text`` with the Python keywords of FLAGS written as this command's flags."""
 
-    def flag(name: str) -> Any:
-        def put(m: re.Match[str]) -> str:
-            after = m.string[m.end() : m.end() + 1]
-            # a flag that takes a value keeps one space before what follows it
-            value = after != "" and not after.isspace() and after not in ")]},;:."
-            return name if value else name.rstrip()
-
-        return put
+    def put(m: re.Match[str], name: str) -> str:
+        after = m.string[m.end() : m.end() + 1]
+        # a flag that takes a value keeps one space before what follows it
+        value = after != "" and not after.isspace() and after not in ")]},;:."
+        return name if value else name.rstrip()
 
     for pattern, name in FLAGS:
-        text = pattern.sub(flag(name), text)
+        text = pattern.sub(functools.partial(put, name=name), text)
     return text
 
 

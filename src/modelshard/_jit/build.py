@@ -263,15 +263,10 @@ class _FlatFunction:
         self.abstract_mesh = (
             call.mesh if isinstance(call.mesh, AbstractMesh) else call.mesh.abstract_mesh
         )
-        pos: list[Any] = [None] * len(call.args)
-        kw: dict[str, Any] = {}
-        for s in call.slots:
-            if s.static:
-                if s.kw is None:
-                    pos[s.pos] = call.args[s.pos]  # type: ignore[index]
-                else:
-                    kw[s.kw] = call.kwargs[s.kw]
-        self._pos, self._kw = pos, kw
+        # the static arguments, in place; each dynamic one is filled per call
+        static = {s.pos for s in call.slots if s.static and s.kw is None}
+        self._pos = [call.args[i] if i in static else None for i in range(len(call.args))]
+        self._kw = {s.kw: call.kwargs[s.kw] for s in call.slots if s.static and s.kw is not None}
         # each argument's structure, not the Taken, whose arrays the jax.jit would keep alive
         self._dyn: list[tuple[_Structure, tuple[Any, ...] | None]] = []
         for t in call.taken:

@@ -234,8 +234,7 @@ def expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan
 
 
 def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPlan]:
-    sizes = mesh_sizes(mesh)
-    ctx = Ctx(sizes)
+    ctx = Ctx(mesh_sizes(mesh))
     out = []
     for name, tree, spec_like in args:
         flat = split(tree)
@@ -243,9 +242,7 @@ def _expand_args(args: Sequence[tuple[str, Any, Any]], mesh: Any) -> list[ArgPla
             _refuse_hidden_arrays(name, flat)
         out.append(ArgPlan(name, flat, _expand_one(name, flat, spec_like, ctx)))
     for rules, used in ctx.used.values():
-        if not rules.strict:
-            continue
-        for i, (pattern, spec) in enumerate(rules.rules):
+        for i, (pattern, spec) in enumerate(rules.rules if rules.strict else ()):
             if i not in used and not is_catch_all(pattern):
                 hint = (
                     "fix the pattern (plan with Rules(..., strict=False) to list every "
