@@ -136,18 +136,12 @@ class FitAdvice:
             )
         else:
             hint = "no change tried fits: shard over a larger mesh, or train a smaller model"
+        what = f"the step needs {format_bytes(m.total)} per device > budget "
+        what += f"{format_bytes(self.budget)} (largest: {largest(m)})"
+        cause = "bytes per device > budget"
         raise FitError(
-            [
-                Problem(
-                    "budget",
-                    None,  # the whole step, no single leaf
-                    f"the step needs {format_bytes(m.total)} per device > budget "
-                    f"{format_bytes(self.budget)} (largest: {largest(m)})",
-                    mesh=m.mesh,
-                    hint=hint,
-                    cause="bytes per device > budget",
-                )
-            ],
+            # ``path`` None: the whole step, no single leaf
+            [Problem("budget", None, what, mesh=m.mesh, hint=hint, cause=cause)],
             self,
             header="the step does not fit the memory budget:",
         )

@@ -83,20 +83,15 @@ class ShardMap:
         params = self._sig.parameters
         if any(p.kind is p.VAR_KEYWORD for p in params.values()):
             return
-        bad = [n for n in self.in_specs if n not in params]
+        hint = f"its parameters are {', '.join(map(repr, params))}"
+        fn = getattr(self.fn, "__name__", "fn")
+        bad = [
+            Problem("shard_map", f"in_specs[{n!r}]", f"{fn} has no parameter {n!r}", hint=hint)
+            for n in self.in_specs
+            if n not in params
+        ]
         if bad:
-            raise SpecError(
-                [
-                    Problem(
-                        "shard_map",
-                        f"in_specs[{n!r}]",
-                        f"{getattr(self.fn, '__name__', 'fn')} has no parameter {n!r}",
-                        hint=f"its parameters are {', '.join(map(repr, params))}",
-                    )
-                    for n in bad
-                ],
-                header="invalid shard_map arguments:",
-            )
+            raise SpecError(bad, header="invalid shard_map arguments:")
 
     def _bind(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -258,16 +253,8 @@ def _signature(
         flat = next(it).flat
         index = set(flat.array_index)
         statics = tuple(leaf for i, leaf in enumerate(flat.leaves) if i not in index)
-        parts.append(
-            (
-                name,
-                id(spec),
-                type(flat.obj),
-                flat.aux,
-                statics,
-                tuple((tuple(x.shape), str(x.dtype)) for x in flat.arrays),
-            )
-        )
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in flat.arrays)
+        parts.append((name, id(spec), type(flat.obj), flat.aux, statics, shapes))
     key = tuple(parts)
     try:
         hash(key)

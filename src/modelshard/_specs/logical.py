@@ -165,16 +165,10 @@ def compile_logical(
                 pair = "each entry is a pair like ('embed', 'model') or ('batch', ('data', 'fsdp'))"
                 problems.append(Problem(arg, f"{where}[{i}]", what, hint=pair))
     else:
-        return None, [
-            Problem(
-                arg,
-                where,
-                f"logical must be a mapping of logical name -> mesh axes, or a list of "
-                f"(logical name, mesh axes) pairs as Flax's logical_axis_rules, got "
-                f"{type(value).__name__}",
-                hint="logical={'embed': 'model'} or logical=[('embed', 'model'), ('embed', None)]",
-            )
-        ]
+        what = "logical must be a mapping of logical name -> mesh axes, or a list of (logical "
+        what += f"name, mesh axes) pairs as Flax's logical_axis_rules, got {type(value).__name__}"
+        hint = "logical={'embed': 'model'} or logical=[('embed', 'model'), ('embed', None)]"
+        return None, [Problem(arg, where, what, hint=hint)]
     pairs: list[tuple[str, Target]] = []
     labels: list[str] = []
     for i, name, target in items:
@@ -237,13 +231,10 @@ class LogicalAxes:
     ):
         names = tuple(names)
         defaults = dict(defaults or {})
+        hint = "name each logical axis with a string, such as 'embed'"
+        what = "is not a logical name (a string)"
         problems = [
-            Problem(
-                "LogicalAxes",
-                f"names[{i}]",
-                f"{n!r} is not a logical name (a string)",
-                hint="name each logical axis with a string, such as 'embed'",
-            )
+            Problem("LogicalAxes", f"names[{i}]", f"{n!r} {what}", hint=hint)
             for i, n in enumerate(names)
             if not isinstance(n, str)
         ]
@@ -452,21 +443,14 @@ def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
         for axis in target:
             close = close_match(axis, axes) if axis not in axes else None
             if close is not None:
-                problems.append(
-                    Problem(
-                        "logical_rules",
-                        label,
-                        f"{name!r} maps to mesh axis {axis!r}, which is not in the mesh",
-                        hint=f"did you mean {close!r}? (mesh axes are {shown})",
-                        logical_name=name,
-                        logical_rule=label,
-                    )
-                )
+                what = f"{name!r} maps to mesh axis {axis!r}, which is not in the mesh"
+                hint = f"did you mean {close!r}? (mesh axes are {shown})"
+                named: dict[str, Any] = {"logical_name": name, "logical_rule": label}
+                problems.append(Problem("logical_rules", label, what, hint=hint, **named))
     if problems:
-        sizes = dict(zip(axes, mesh.axis_sizes, strict=True))
+        sizes = format_mesh(dict(zip(axes, mesh.axis_sizes, strict=True)))
         raise SpecError(
-            problems,
-            header=f"logical rules that misspell an axis of the mesh ({format_mesh(sizes)}):",
+            problems, header=f"logical rules that misspell an axis of the mesh ({sizes}):"
         )
 
 
