@@ -428,16 +428,9 @@ def main(argv: list[str]) -> int:
             f"--heartbeat-timeout must be a positive number of seconds, got "
             f"{args.heartbeat_timeout:g}"
         )
-    return run(
-        command,
-        args.num_processes,
-        args.devices_per_process,
-        timeout=args.timeout,
-        grace=args.grace,
-        port=args.port,
-        show_gloo=args.show_gloo,
-        heartbeat_timeout=args.heartbeat_timeout,
-    )
+    names = ("timeout", "grace", "port", "show_gloo", "heartbeat_timeout")
+    options = {k: getattr(args, k) for k in names}  # run's keyword options, as parsed
+    return run(command, args.num_processes, args.devices_per_process, **options)
 
 
 if __name__ == "__main__":  # pragma: no cover
