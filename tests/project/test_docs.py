@@ -124,8 +124,9 @@ import os, re, runpy, sys, traceback
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
-if os.environ.get("MODELSHARD_TESTS_COMPILATION_CACHE"):  # the run's, as the tests compile
-    runpy.run_path("tests/compile_cache.py")["use"](os.environ["MODELSHARD_TESTS_COMPILATION_CACHE"])
+cache = os.environ.get("MODELSHARD_TESTS_COMPILATION_CACHE")
+if cache:  # the run's, as the tests compile
+    runpy.run_path("tests/compile_cache.py")["use"](cache)
 failed = []
 for path in sys.argv[1:]:
     text = open(path).read()
