@@ -193,6 +193,19 @@ def test_a_merge_missing_an_array_names_it_and_commits_nothing(tmp_path, mesh8):
     assert not (staged / "manifest.ocdbt").exists()
 
 
+def _last_line_of(script: str) -> str:
+    """The last line ``script`` prints in a fresh CPU process (which must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_a_fresh_process_reshards_without_importing_orbax(tmp_path, mesh8):
     src = ms.save(
         tmp_path / "src",
@@ -206,15 +219,7 @@ from modelshard.cli import main
 code = main(["reshard", {str(src)!r}, {str(tmp_path / "dst")!r}, "--mesh", "data=2,model=4"])
 print(code, sorted(m for m in sys.modules if m.startswith("orbax")))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "0 []"
+    assert _last_line_of(script) == "0 []"
     plain = ocp.StandardCheckpointer().restore(str(tmp_path / "dst"))
     np.testing.assert_array_equal(plain["w"], np.arange(64 * 64, dtype=np.float32).reshape(64, 64))
     back = ms.restore(tmp_path / "dst")  # verified: the source's checksums carried over
@@ -231,15 +236,7 @@ import modelshard as ms
 ms.save({str(tmp_path / "c")!r}, {{"w": jnp.arange(12.0).reshape(3, 4), "k": jax.random.key(0)}})
 print(sorted(m for m in sys.modules if m.startswith("orbax")))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert _last_line_of(script) == "[]"
     plain = ocp.StandardCheckpointer().restore(str(tmp_path / "c"))
     np.testing.assert_array_equal(plain["w"], np.arange(12.0).reshape(3, 4))
 
