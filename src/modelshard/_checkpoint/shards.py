@@ -194,16 +194,12 @@ def _finalize(
         merge(kvstore(directory), [orbax_name(k) for k, _, _ in arrays])
     except ValueError as e:
         raise CheckpointError(f"cannot write {directory}: {e}") from e
-    (directory / CHECKPOINT_METADATA).write_text(json.dumps(_checkpoint_metadata(start)))
-
-
-def _checkpoint_metadata(start_ns: int) -> dict[str, Any]:
-    from .._internals import STANDARD_HANDLER_NAME
-
-    return checkpoint_metadata(STANDARD_HANDLER_NAME, start_ns, MARKER)
+    (directory / CHECKPOINT_METADATA).write_text(json.dumps(marked_metadata(start)))
 
 
 def marked_metadata(start_ns: int) -> dict[str, Any]:
     """Orbax's ``_CHECKPOINT_METADATA`` of a checkpoint written from ``start_ns`` to now,
     marked as modelshard's."""
-    return _checkpoint_metadata(start_ns)
+    from .._internals import STANDARD_HANDLER_NAME
+
+    return checkpoint_metadata(STANDARD_HANDLER_NAME, start_ns, MARKER)
