@@ -337,17 +337,11 @@ class Checksums(Generic[K]):
         finally:
             self.close()
         if self._spanning and jax.process_count() > 1:
-            mine = None if failure else [list(sums[k]) for k in self._spanning]
-            every = gather(mine, "modelshard.checksums")
+            mine = None if failure else [sums[k] for k in self._spanning]
+            why = ", so these leaves spanning processes could not be verified"
+            every = sums_of_every_process(mine, "modelshard.checksums", why)
             if failure is None:
-                failed = [p for p, theirs in enumerate(every) if theirs is None]
-                if failed:
-                    raise CheckpointError(
-                        f"the checksums of process {failed[0]} failed, so these leaves "
-                        "spanning processes could not be verified."
-                    )
-                for i, k in enumerate(self._spanning):
-                    sums[k] = (sum(t[i][0] for t in every), sum(t[i][1] for t in every))
+                sums.update(zip(self._spanning, every, strict=True))
         if failure is not None:
             raise failure
         return {k: format_sums(*sums[k]) for k in self._keys}
@@ -356,6 +350,22 @@ class Checksums(Generic[K]):
         """Drop the sums still queued."""
         for f in itertools.chain.from_iterable(self._parts.values()):
             f.cancel()
+
+
+def sums_of_every_process(
+    mine: Sequence[tuple[int, int]] | None, name: str, why: str = ""
+) -> list[tuple[int, int]]:
+    """Each leaf's two sums added over every process (a gather under ``name``: every
+    process calls it, in the same order), from ``mine``, this process's sums of the blocks
+    it holds, or None where they failed (the caller then raises its own failure; nothing
+    is returned). CheckpointError, ending in ``why``, where another process's failed."""
+    every = gather(None if mine is None else [list(s) for s in mine], name)
+    if mine is None:
+        return []
+    failed = [p for p, theirs in enumerate(every) if theirs is None]
+    if failed:
+        raise CheckpointError(f"the checksums of process {failed[0]} failed{why}.")
+    return [(sum(t[i][0] for t in every), sum(t[i][1] for t in every)) for i in range(len(mine))]
 
 
 def start_checksums(arrays: Sequence[Any]) -> Callable[[], list[str]]:

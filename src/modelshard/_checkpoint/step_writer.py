@@ -22,8 +22,8 @@ from typing import Any
 import jax
 
 from .._base import CheckpointError, fsync_dir, sync_tree
-from .._runtime import gather, raise_shared
-from .checksum import box_sums, format_sums, host_workers
+from .._runtime import raise_shared
+from .checksum import box_sums, format_sums, host_workers, sums_of_every_process
 from .items import orbax_json_items
 from .ocdbt import checkpoint_metadata
 from .record import Record
@@ -77,23 +77,19 @@ def held_sums(record: Record, held: Sequence[Held], name: str) -> Callable[[], l
 
     def collect() -> list[str]:
         failure: Exception | None = None
-        sums: list[list[int]] = []
+        sums: list[tuple[int, int]] = []
         try:
             for leaf in record.leaves:
                 got = [f.result() for f in parts.get(leaf.key, [])]
-                sums.append([sum(g[0] for g in got), sum(g[1] for g in got)])
+                sums.append((sum(g[0] for g in got), sum(g[1] for g in got)))
         except Exception as e:
             failure = e
             for fs in parts.values():
                 for f in fs:
                     f.cancel()
         if jax.process_count() > 1:  # every process summed the blocks it holds
-            every = gather(None if failure else sums, f"{name}:checksums")
-            failed = [p for p, theirs in enumerate(every) if theirs is None]
-            if failure is None and failed:
-                raise CheckpointError(f"the checksums of process {failed[0]} failed.")
-            if failure is None:
-                sums = [[sum(t[i][j] for t in every) for j in (0, 1)] for i in range(len(sums))]
+            mine = None if failure else sums
+            sums = sums_of_every_process(mine, f"{name}:checksums")
         if failure is not None:
             raise failure
         return [format_sums(a, b) for a, b in sums]
