@@ -77,6 +77,9 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
         f"writing {root / 'background' / '0.orbax-checkpoint-tmp' / 'state'} failed on "
         f"process 1: {full}. Steps on disk: none.",
+        # process 0's sums wait for process 1's, which failed: the step fails on both
+        "background checksums": f"step 0 was not saved to {root / 'background_checksums'}: "
+        "process 0: CheckpointError: the checksums of process 1 failed. Steps on disk: none.",
     }
     for r in results:
         for case, message in want.items():
@@ -88,4 +91,9 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         assert r["background"]["steps after"] == [1], r
     for case in ("arrays", "commit"):
         assert not (root / case).exists() and not staging_dir(root / case).exists()
-    assert sorted(p.name for p in root.iterdir()) == ["after", "background", "manager"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "after",
+        "background",
+        "background_checksums",
+        "manager",
+    ]

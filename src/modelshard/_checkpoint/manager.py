@@ -670,7 +670,7 @@ class CheckpointManager:
             same = len(failed) == len(ended) and len({h for _, h in failed}) == 1
             where = "" if same else f"process {failed[0][0]}: "
             raise CheckpointError(
-                f"step {step} was not saved to {self.directory}: {where}{failed[0][1]}. "
+                f"step {step} was not saved to {self.directory}: {where}{failed[0][1].rstrip('.')}. "
                 f"Steps on disk: {', '.join(map(str, steps)) or 'none'}."
             ) from failure
         self._purge_rotated()

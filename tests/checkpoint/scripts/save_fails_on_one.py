@@ -16,6 +16,8 @@ sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folde
   asynchronous ``CheckpointManager``'s save of step 0 (an injected ``OSError`` after a
   moment): ``save`` returns on both, ``wait_until_finished`` raises on both; both
   processes then save step 1 with it;
+- ``background checksums``: process 1's checksums of its blocks (summed from the host copy
+  in the background) fail, an injected ``OSError``, in an asynchronous manager's step 0;
 - ``after``: nothing injected: the processes are still in step and save.
 
 Each process records in ``OUT/result_<process>.json``, for every case, what it raised
@@ -41,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from modelshard._checkpoint import shards, write  # noqa: E402
+from modelshard._checkpoint import shards, step_writer, write  # noqa: E402
 
 
 def injected(what: str, delay: float = 0.0):
@@ -76,6 +78,13 @@ def main() -> int:
         "_write_blocks",
         "No space left on device",
     )
+    cases["background checksums"] = (
+        f"{root}/background_checksums",
+        1,
+        step_writer,
+        "box_sums",
+        "Input/output error",
+    )
     cases["after"] = (f"{root}/after", None, None, None, None)
     results = {}
     for case, (path, who, owner, attr, what) in cases.items():
@@ -87,10 +96,10 @@ def main() -> int:
             if case == "manager":
                 with ms.CheckpointManager(path, async_save=False, handle_signals=False) as mngr:
                     mngr.save(0, state)
-            elif case == "background":
+            elif case in ("background", "background checksums"):
                 mngr = ms.CheckpointManager(path, handle_signals=False)
                 try:
-                    results["background started"] = mngr.save(0, state)
+                    results[f"{case} started"] = mngr.save(0, state)
                     mngr.wait_until_finished()
                 finally:
                     with contextlib.suppress(Exception):
