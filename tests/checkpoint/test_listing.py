@@ -212,3 +212,23 @@ def test_another_tools_entries_and_the_json_process_0_sends_of_them(mixed, tmp_p
     assert found[2].describe(root) == (
         f"{root / '13.orbax-checkpoint-tmp-5'} is an unfinished save by another tool (Orbax)"
     )
+
+
+def test_an_entry_renamed_while_the_root_is_listed_is_not_an_error(tmp_path, monkeypatch):
+    """A save renames its staging folder (or a rotation removes a step) between the
+    listing of the root and the look into the entry: a reader's listing skips it (seen
+    as FileNotFoundError from ``latest_step`` while a writer saved and rotated)."""
+
+    from modelshard._checkpoint import listing
+
+    staging = tmp_path / "3.orbax-checkpoint-tmp"
+    (staging / "state").mkdir(parents=True)
+    real = listing.is_marked
+
+    def renamed_meanwhile(path):
+        if path == staging:
+            shutil.move(staging, tmp_path / "3")  # the writer's rename, just now
+        return real(path)
+
+    monkeypatch.setattr(listing, "is_marked", renamed_meanwhile)
+    assert listing.foreign_steps(tmp_path) == []

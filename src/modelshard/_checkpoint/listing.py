@@ -189,10 +189,14 @@ def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]
             plain = _plain_dir(c)
             if plain and is_marked(c):
                 continue  # committed by the manager: one read tells
-            names = sorted(n.name for n in c.iterdir()) if plain else []
-            owner = entry_owner(c, names)
-            if owner in (ORBAX, OTHER):
-                out.append(Foreign(int(m.group(1)), c.name, owner, *_orbax_done(c, owner, names)))
+            try:
+                names = sorted(n.name for n in c.iterdir()) if plain else []
+                owner = entry_owner(c, names)
+                if owner in (ORBAX, OTHER):
+                    done = _orbax_done(c, owner, names)
+                    out.append(Foreign(int(m.group(1)), c.name, owner, *done))
+            except FileNotFoundError:  # renamed or removed since the listing: a save, a rotation
+                continue
     return sorted(out, key=lambda f: (f.step, f.name))
 
 
