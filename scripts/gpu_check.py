@@ -9,8 +9,7 @@ through each path (``ms.save``/``ms.restore`` with checksums verified on the acc
 an asynchronous ``CheckpointManager``), moves checkpoints between the accelerator and the
 CPU both ways, reshards with the CLI, and restores 384 MiB in a fresh process (which must
 not import Orbax; run first, in child processes, since one process at a time may hold a
-TPU). It also checks that the step compiles once across the first save, which is the first
-import of Orbax. Each check prints PASS or FAIL; the results go to
+TPU). It also checks that the step compiles once across the first save and restore. Each check prints PASS or FAIL; the results go to
 ``$OUT/gpu_checks.json`` (``/tmp`` without ``OUT``), and the exit status is 1 if any failed.
 The last run is in docs/reliability.md ("On a GPU").
 """
@@ -149,11 +148,7 @@ def main() -> int:
     for _ in range(2):
         sj(model, opt, x)
     steps = collections.Counter(m for m in names if "step" in m)
-    ok(
-        "the step compiled once across the first save (Orbax's first import)",
-        not steps and "orbax.checkpoint" in sys.modules,
-        dict(steps),
-    )
+    ok("the step compiled once across the first save and restore", not steps, dict(steps))
 
     cpu = jax.devices("cpu")[0]
     w = np.random.default_rng(0).standard_normal((512, 768)).astype(np.float32)
@@ -193,7 +188,9 @@ def main() -> int:
         "--rules",
         rules,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # A second process cannot open the chip this one holds: the CLI runs on the CPU.
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     ok("modelshard reshard", done.returncode == 0, (done.stdout + done.stderr)[-300:])
 
     out = {
