@@ -1,9 +1,10 @@
 """Per-leaf checksums (``fmix32x2``): two sums modulo 2**32 over a leaf's bits as ``uint32``
 lanes (each lane times a hashed odd weight of its position; a hash of lane and position).
 The sums ignore order, so a checksum does not depend on sharding and boxes tiling a leaf
-add up to its own. Two engines give the same sums: the host's (fixed-size XLA programs on
-``host_workers``, NumPy for short runs) and the device's (a program per shard shape,
-compiled as soon as the leaves are known); processes add theirs in ``Checksums.collect``.
+add up to its own. They are summed on the host, where a save's and a restore's bytes pass
+anyway (fixed-size XLA programs on ``host_workers``, NumPy for short runs): a program per
+shard shape on an accelerator cost seconds of compiling in each fresh process. Processes
+add theirs in ``Checksums.collect``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
@@ -192,11 +193,6 @@ def host_workers() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="modelshard-checksum")
 
 
-@functools.cache
-def _compilers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="modelshard-compile")
-
-
 def _addressable(x: Any) -> bool:
     return not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
         x.sharding is None or x.sharding.is_fully_addressable
@@ -214,90 +210,9 @@ def _blocks(x: Any) -> list[tuple[Any, list[int]]]:
     ]
 
 
-# The device engine: one lane per element, else the host's
-_DEVICE_DTYPES = frozenset(
-    np.dtype(t)
-    for t in ("float32", "int32", "uint32", "float16", "int16", "uint16", "int8", "uint8", "bool")
-) | {np.dtype(jnp.bfloat16)}
-DEVICE_PLATFORMS = frozenset({"tpu", "gpu", "cuda", "rocm"})
-_COMPILED: dict[tuple[Any, ...], Future[Any]] = {}
-
-
-def on_device(x: Any) -> bool:
-    """Whether ``x`` (an array or an abstract one) is summed on its devices."""
-    s = getattr(x, "sharding", None)
-    return (
-        s is not None
-        and np.dtype(x.dtype) in _DEVICE_DTYPES
-        and next(iter(s.device_set)).platform in DEVICE_PLATFORMS
-    )
-
-
-def _shard_sums(x: jax.Array, at: jax.Array) -> jax.Array:
-    """The two sums of one shard; ``at``: its origin in the leaf, then the leaf's strides."""
-    if x.dtype == jnp.bool_:
-        v = x.astype(jnp.uint32)
-    else:
-        u = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        v = jax.lax.bitcast_convert_type(x, u).astype(jnp.uint32)
-    idx = jnp.zeros(x.shape, jnp.uint32)
-    for d in range(x.ndim):
-        idx = idx + (at[0, d] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d)) * at[1, d]
-    return _reduce(v, idx)
-
-
-def _compiled(shape: tuple[int, ...], dtype: Any, device: Any) -> Future[Any]:
-    """The program summing a shard of ``shape`` on ``device``, compiling in the background."""
-    key = (shape, np.dtype(dtype), device)
-    with _PROGRAMS_LOCK:
-        if key not in _COMPILED:
-            s = jax.sharding.SingleDeviceSharding(device)
-            args = (
-                jax.ShapeDtypeStruct(shape, dtype, sharding=s),
-                jax.ShapeDtypeStruct((2, len(shape)), jnp.uint32, sharding=s),
-            )
-            _COMPILED[key] = _compilers().submit(
-                lambda: jax.jit(_shard_sums).lower(*args).compile()
-            )
-        return _COMPILED[key]
-
-
-def compile_for(x: Any) -> None:
-    """Start compiling the programs that will sum ``x``'s shards, if it is summed on them."""
-    if on_device(x) and math.prod(x.shape):
-        shape = tuple(x.shape)
-        for device, index in x.sharding.addressable_devices_indices_map(shape).items():
-            extent = tuple(len(range(*sl.indices(n))) for sl, n in zip(index, shape, strict=True))
-            _compiled(extent, x.dtype, device)
-
-
-@functools.lru_cache(maxsize=4096)
-def _at(origin: tuple[int, ...], strides: tuple[int, ...], device: Any) -> jax.Array:
-    return jax.device_put(np.asarray([origin, strides], np.uint32).reshape(2, -1), device)
-
-
-def _dispatch(data: jax.Array, origin: Sequence[int], shape: Sequence[int], program: Any) -> Any:
-    """A shard's two sums on its device by ``program`` (a future), dispatched, not waited for."""
-    strides = tuple(math.prod(shape[d + 1 :]) & 0xFFFFFFFF for d in range(len(shape)))
-    return program.result()(data, _at(tuple(origin), strides, next(iter(data.devices()))))
-
-
 def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
-    """A block's sums: on its device (once its program is compiled), or on the host."""
-    done: Future[Any] = Future()
-    if not on_device(data):
-        return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
-    if not data.size:
-        done.set_result((0, 0))
-        return done
-    program = _compiled(tuple(data.shape), data.dtype, next(iter(data.devices())))
-    if not program.done():
-        return host_workers().submit(_dispatch, data, origin, shape, program)
-    try:
-        done.set_result(_dispatch(data, origin, shape, program))
-    except Exception as e:  # raised by collect, as a worker's would be
-        done.set_exception(e)
-    return done
+    """A block's two sums, on the host workers (a block on a device is copied off it)."""
+    return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
 
 
 class Checksums(Generic[K]):
@@ -307,16 +222,19 @@ class Checksums(Generic[K]):
     def __init__(self, like: Mapping[K, Any]) -> None:
         self._keys = list(like)
         self._spanning = [k for k, x in like.items() if not _addressable(x)]
-        for x in like.values():
-            compile_for(x)
         self._parts: dict[K, list[Future[Any]]] = {}
 
-    def add(self, key: K, x: Any) -> None:
-        """Start the checksum of ``x`` under ``key``; a failure is raised by ``collect``."""
+    def add(self, key: K, x: Any, host: Mapping[tuple[int, ...], Any] | None = None) -> None:
+        """Start the checksum of ``x`` under ``key``; a failure is raised by ``collect``.
+        ``host``: the bytes of ``x``'s blocks already on the host, by origin (a restore's
+        reads), summed instead of copying them back off the devices."""
         if key in self._parts or key not in self._keys:
             return
         shape = tuple(np.shape(x))
-        self._parts[key] = [_start(data, origin, shape) for data, origin in _blocks(x)]
+        self._parts[key] = [
+            _start((host or {}).get(tuple(origin), data), origin, shape)
+            for data, origin in _blocks(x)
+        ]
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
         """Every key's checksum in ``like``'s order; keys never added are summed from ``arrays``."""
@@ -326,12 +244,9 @@ class Checksums(Generic[K]):
             for key in self._keys:
                 if key not in self._parts and arrays is not None and key in arrays:
                     self.add(key, arrays[key])
-            parts = {k: [f.result() for f in self._parts[k]] for k in self._keys}
-            on_devices = [p for ps in parts.values() for p in ps if isinstance(p, jax.Array)]
-            fetched = iter(jax.device_get(on_devices))  # one wait for every device's sums
-            for key, ps in parts.items():
-                got = [next(fetched).tolist() if isinstance(p, jax.Array) else p for p in ps]
-                sums[key] = (sum(int(p[0]) for p in got), sum(int(p[1]) for p in got))
+            for key in self._keys:
+                got = [f.result() for f in self._parts[key]]
+                sums[key] = (sum(p[0] for p in got), sum(p[1] for p in got))
         except Exception as e:
             failure = e
         finally:
@@ -368,17 +283,10 @@ def sums_of_every_process(
     return [(sum(t[i][0] for t in every), sum(t[i][1] for t in every)) for i in range(len(mine))]
 
 
-def start_checksums(arrays: Sequence[Any]) -> Callable[[], list[str]]:
-    """Start ``checksums`` of ``arrays``; the result collects them (on every process)."""
-    sums: Checksums[int] = Checksums(dict(enumerate(arrays)))
-    for i, x in enumerate(arrays):
-        sums.add(i, x)
-    return lambda: list(sums.collect().values())
-
-
 def checksums(arrays: Sequence[Any]) -> list[str]:
     """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding."""
-    return start_checksums(arrays)()
+    sums: Checksums[int] = Checksums(dict(enumerate(arrays)))
+    return list(sums.collect(dict(enumerate(arrays))).values())
 
 
 def checksum_mismatch_message(

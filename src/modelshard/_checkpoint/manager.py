@@ -36,8 +36,8 @@ from .listing import (
 from .policy import KeepPolicy, as_steps, save_step_ok
 from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
-from .shards import take
-from .step_writer import held_sums, json_or_error, json_parts, write_step
+from .shards import held_sums, take
+from .step_writer import json_or_error, json_parts, write_step
 from .storage import (
     CHECKPOINT_METADATA,
     ITEMS_FILE,
@@ -413,7 +413,7 @@ class CheckpointManager:
             json_or_error("metadata", dict(metadata))
         # Checks the state (nothing is written yet); a synchronous save starts its checksums,
         # which run while the previous step's write is waited for.
-        arrays, record = prepare(state, metadata, sums=not self.async_save)
+        arrays, record = prepare(state, metadata)
         self.wait_until_finished()  # one save at a time; rotation of the finished one
         self._save_verdict(step)
         encoded = encode_items(items)
@@ -429,8 +429,7 @@ class CheckpointManager:
         # sum that copy and the step is written from it, on the manager's own thread
         held = take(arrays, copy=self.async_save)
         name = _BACKGROUND if self.async_save else "modelshard:manager:step_sync"
-        if self.async_save:
-            record.pending = held_sums(record, held, name)
+        record.pending = held_sums([leaf.key for leaf in record.leaves], held, name)
         args = (self.directory, step, held, record, parts)
         if self.async_save:
             self._job = self._writer.submit(write_step, *args, compress=self._compress, name=name)

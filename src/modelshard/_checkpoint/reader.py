@@ -114,10 +114,11 @@ def open_arrays(source: Source, recs: Sequence[LeafRecord], ctx: Any) -> list[An
 def read_arrays(
     source: Source,
     targets: Mapping[str, Any],
-    on_read: Callable[[str, Any], None] | None = None,
+    on_read: Callable[[str, Any, dict[tuple[int, ...], Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Each of ``targets`` (path -> sharded ``ShapeDtypeStruct`` of the stored array) read
-    into its sharding, handed to ``on_read(path, array)`` on this thread as each is in."""
+    into its sharding, handed to ``on_read(path, array, host)`` on this thread as each is
+    in, ``host`` the bytes read on the host by box origin."""
     import jax
 
     recs = source.record.by_path()
@@ -145,8 +146,10 @@ def read_arrays(
         reserved -= n
         bufs = [buf for buf, _ in reads]
         placed = iter(place_boxes(bufs, [a.devices[i] for i in idx], a.target.sharding))
-        for i in idx:  # one array per device, box after box
+        for i, buf in zip(idx, bufs, strict=True):  # one array per device, box after box
             a.placed[i] = [next(placed) for _ in a.devices[i]]
+            if on_read is not None:
+                a.host[tuple(lo for lo, _ in a.boxes[i])] = buf
         a.left -= len(idx)
         if a.left == 0:
             flat = [x for group in a.placed for x in group]
@@ -154,7 +157,8 @@ def read_arrays(
                 a.target.shape, a.target.sharding, flat
             )
             if on_read is not None:
-                on_read(a.path, x)
+                on_read(a.path, x, a.host)
+            a.host = {}
 
     for a, idx, n in units:
         while in_flight and reserved + n >= RESTORE_CONCURRENT_BYTES:
@@ -175,6 +179,7 @@ class _Array:
         groups = shard_boxes(target.sharding, tuple(target.shape))
         self.boxes, self.devices, self.left = list(groups), list(groups.values()), len(groups)
         self.placed: list[list[Any]] = [[] for _ in groups]
+        self.host: dict[tuple[int, ...], Any] = {}  # the bytes read, by box origin
 
 
 class ArrayReader:
@@ -310,7 +315,7 @@ def verify_checksums(
 def read_checked(
     source: Source,
     targets: Mapping[str, Any],
-    on_read: Callable[[str, Any], None] | None = None,
+    on_read: Callable[[str, Any, dict[tuple[int, ...], Any]], None] | None = None,
 ) -> dict[str, Any]:
     """``read_arrays``, a failure said with the bad leaves (each read again alone)."""
     try:

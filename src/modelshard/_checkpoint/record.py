@@ -251,7 +251,7 @@ class Record:
     """The whole record of one checkpoint: the container kind, the array leaves in order, the
     saving mesh (``{"axes": ..., "axis_types": ...}``), versions, metadata, ``source``
     (``"orbax"``: inferred), the Python values (None: a record predating them) and the
-    checksums still ``pending`` (``checksum.start_checksums``)."""
+    checksums still ``pending`` (``shards.held_sums``)."""
 
     kind: str
     leaves: list[LeafRecord]
@@ -263,7 +263,7 @@ class Record:
     pending: Callable[[], list[str]] | None = dataclasses.field(default=None, repr=False)
 
     def resolve(self) -> None:
-        """Fill in checksums still being computed (see ``start_checksums``)."""
+        """Fill in checksums still being computed (see ``shards.held_sums``)."""
         if self.pending is not None:
             for leaf, cs in zip(self.leaves, self.pending(), strict=True):
                 leaf.checksum = cs

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ import numpy as np
 
 from .._base import CheckpointError, sync_tree
 from .._runtime import raise_shared
+from .checksum import box_sums, format_sums, host_workers, sums_of_every_process
 from .chunks import aligned_chunks
 from .ocdbt import (
     SHARDING_FILE,
@@ -87,13 +88,49 @@ def take(items: Sequence[tuple[tuple[str, ...], jax.Array]], *, copy: bool) -> l
         if copy and _on_cpu(x):
             blocks = [(_box(s.index, shape), s.data) for s in own]
         else:
-            blocks = [
-                (_box(s.index, shape), np.array(s.data) if copy else np.asarray(s.data))
-                for s in own
-            ]
+            # Off a CPU, the host array is already a copy of its own.
+            blocks = [(_box(s.index, shape), np.asarray(s.data)) for s in own]
         chunk = aligned_chunks(shape, write_shape, dtype.itemsize)
         held.append(Held(key, shape, dtype, chunk, x.sharding, blocks))
     return held
+
+
+def held_sums(
+    keys: Sequence[tuple[str, ...]], held: Sequence[Held], name: str
+) -> Callable[[], list[str]]:
+    """Start the checksums of the leaves stored under ``keys`` from ``held``, this
+    process's copy of its blocks on the host (``host_workers``): a save sums the bytes it
+    writes, never the arrays, which a background save's caller may have donated since. Call the result, on every process in
+    the same order, to collect them: the processes add their sums (a gather under
+    ``name``), as ``checksum.Checksums.collect`` does."""
+    parts = {
+        h.key: [
+            host_workers().submit(box_sums, data, [sl.start for sl in box], h.shape)
+            for box, data in h.blocks
+        ]
+        for h in held
+    }
+
+    def collect() -> list[str]:
+        failure: Exception | None = None
+        sums: list[tuple[int, int]] = []
+        try:
+            for key in keys:  # a zero-size leaf has no blocks
+                got = [f.result() for f in parts.get(key, [])]
+                sums.append((sum(g[0] for g in got), sum(g[1] for g in got)))
+        except Exception as e:
+            failure = e
+            for fs in parts.values():
+                for f in fs:
+                    f.cancel()
+        if jax.process_count() > 1:  # every process summed the blocks it holds
+            mine = None if failure else sums
+            sums = sums_of_every_process(mine, f"{name}:checksums")
+        if failure is not None:
+            raise failure
+        return [format_sums(a, b) for a, b in sums]
+
+    return collect
 
 
 def _on_cpu(x: jax.Array) -> bool:

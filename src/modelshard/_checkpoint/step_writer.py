@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
 from .._base import CheckpointError, fsync_dir, sync_tree
 from .._runtime import raise_shared
-from .checksum import box_sums, format_sums, host_workers, sums_of_every_process
 from .items import orbax_json_items
 from .ocdbt import checkpoint_metadata
 from .record import Record
@@ -59,42 +58,6 @@ def json_parts(
     if metrics is not None:
         parts[METRICS_ITEM] = (METRICS_FILE, dict(metrics))
     return parts
-
-
-def held_sums(record: Record, held: Sequence[Held], name: str) -> Callable[[], list[str]]:
-    """Start the checksums of ``record``'s leaves from ``held``, this process's copy of its
-    blocks on the host (``host_workers``): a background save sums the copy, never the
-    arrays, which the caller may have donated since. Call the result, on every process in
-    the same order, to collect them: the processes add their sums (a gather under
-    ``name``), as ``checksum.Checksums.collect`` does."""
-    parts = {
-        h.key: [
-            host_workers().submit(box_sums, data, [sl.start for sl in box], h.shape)
-            for box, data in h.blocks
-        ]
-        for h in held
-    }
-
-    def collect() -> list[str]:
-        failure: Exception | None = None
-        sums: list[tuple[int, int]] = []
-        try:
-            for leaf in record.leaves:
-                got = [f.result() for f in parts.get(leaf.key, [])]
-                sums.append((sum(g[0] for g in got), sum(g[1] for g in got)))
-        except Exception as e:
-            failure = e
-            for fs in parts.values():
-                for f in fs:
-                    f.cancel()
-        if jax.process_count() > 1:  # every process summed the blocks it holds
-            mine = None if failure else sums
-            sums = sums_of_every_process(mine, f"{name}:checksums")
-        if failure is not None:
-            raise failure
-        return [format_sums(a, b) for a, b in sums]
-
-    return collect
 
 
 def write_step(

@@ -30,10 +30,9 @@ from .._base import (
 )
 from .._containers import split
 from .._runtime import raise_shared
-from .checksum import start_checksums
 from .codec import encode, is_empty, key_impl, storable
 from .record import LeafRecord, Record, mesh_json, saved_spec, versions
-from .shards import take, write_held
+from .shards import held_sums, take, write_held
 from .storage import (
     CHECKPOINT_METADATA,
     MAX_METADATA_BYTES,
@@ -153,11 +152,10 @@ def check_leaves(paths: Sequence[str], arrays: Sequence[Any]) -> None:
 
 
 def prepare(
-    state: Any, metadata: Mapping[str, Any] | None = None, *, sums: bool = True
+    state: Any, metadata: Mapping[str, Any] | None = None
 ) -> tuple[list[tuple[tuple[str, ...], Any]], Record]:
     """Split ``state`` into the arrays stored (``(storage key, array)``, none zero-size)
-    and the record beside it, its checksums started unless ``sums`` is False (the caller
-    then sets ``record.pending``).
+    and the record beside it, whose checksums the caller starts (``shards.held_sums``).
 
     Everything that can refuse the state is checked here, before the caller writes a
     byte: the leaves themselves, their storage names and the metadata. Leaves that are
@@ -203,9 +201,6 @@ def prepare(
                 names=info.names,
             )
         )
-    # Checksums are summed on the host workers while the data is written; the record
-    # resolves them at the end.
-    pending = start_checksums(stored) if sums else None
     if jax.process_count() > 1:
         stored = [_replicated_if_local(x) for x in stored]
     items = [(leaf.key, x) for leaf, x in zip(leaves, stored, strict=True)]
@@ -224,7 +219,6 @@ def prepare(
         versions=versions(),
         metadata=user_metadata,
         values=values,
-        pending=pending,
     )
     return arrays, record
 
@@ -448,9 +442,12 @@ def save(
     path = location(directory)
     compress = check_compression(compression)
     arrays, record = prepare(state, metadata)
+    # summed on the host workers from the bytes written, while they are written
+    held = take(arrays, copy=False)
+    record.pending = held_sums([leaf.key for leaf in record.leaves], held, "modelshard.save")
 
     def write(d: Any) -> None:
-        write_held(d, take(arrays, copy=False), compress=compress)
+        write_held(d, held, compress=compress)
 
     if is_remote(path):
         from .remote import write_remote

@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from modelshard._checkpoint import shards, step_writer, write  # noqa: E402
+from modelshard._checkpoint import shards, write  # noqa: E402
 
 
 def injected(what: str, delay: float = 0.0):
@@ -81,7 +81,7 @@ def main() -> int:
     cases["background checksums"] = (
         f"{root}/background_checksums",
         1,
-        step_writer,
+        shards,
         "box_sums",
         "Input/output error",
     )
