@@ -352,7 +352,9 @@ def test_a_lost_data_file_of_a_boxed_orbax_state_names_canonical_paths(tmp_path)
     lost.unlink()
     with pytest.raises(ms.CheckpointError) as e:
         locate(path)
-    assert "/value" not in str(e.value) and "linear1/kernel" in str(e.value)
+    # both kernels are the same size: either may be in the largest file
+    assert "/value" not in str(e.value)
+    assert re.search(r"it holds the arrays? .*linear[12]/kernel", str(e.value)), str(e.value)
 
 
 def test_an_nnx_models_rng_key_orbax_stored_comes_back_a_key(tmp_path, mesh8):
