@@ -7,7 +7,7 @@ import io
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -15,26 +15,8 @@ from jax.sharding import Mesh
 from .._base import format_bytes, format_spec, spec_from_json
 from .._specs import entry_axes
 
-
-class PlanView(Protocol):
-    """What the pictures read of a [`Plan`][modelshard.Plan] (its public surface only)."""
-
-    mesh: Any
-    sizes: dict[str, int]
-
-    def __len__(self) -> int: ...
-    def bytes_per_device(self, leaf: Any = None) -> int: ...
-    @property
-    def total_bytes(self) -> int: ...
-    @property
-    def num_devices(self) -> int: ...
-    def named(self, filter: Any = None) -> list[tuple[str, Any]]: ...
-    def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
-    def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
-    def summary(self) -> str: ...
-    def activation_rows(self) -> list[dict[str, Any]]: ...
-
-    memory: Any
+if TYPE_CHECKING:
+    from .planning import Plan
 
 
 MAX_GRID = 16
@@ -121,7 +103,7 @@ def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
 class Tiles:
     """Which device holds which slice of one leaf: one tile per distinct shard."""
 
-    def __init__(self, plan: PlanView, path: str, leaf: Any):
+    def __init__(self, plan: Plan, path: str, leaf: Any):
         self.path = path
         self.shape = tuple(leaf.shape)
         self.spec = leaf.spec
@@ -170,23 +152,23 @@ class Tiles:
         """Devices holding each shard (1: no replication)."""
         return self.num_devices // max(len(self.tiles), 1)
 
-    def _grid(self) -> tuple[list[int], int, int]:
-        """The (at most two) cut dimensions drawn as rows and columns, and the grid size."""
+    def _grid(self) -> tuple[int, int, list[tuple[int, int, Any, Any, list[int]]]]:
+        """Rows and columns of shards (at most two cut dimensions drawn), and
+        ``(row, column, tile, slices, devices)`` of each tile within ``MAX_GRID``."""
         cut = [d for d, p in enumerate(self.parts) if p > 1]
         if len(cut) == 1 and cut[0] > 0:  # one cut along a later dimension: columns
-            return [-1, *cut], 1, self.parts[cut[0]]
-        rows = self.parts[cut[0]] if cut else 1
-        cols = math.prod(self.parts[d] for d in cut[1:]) if len(cut) > 1 else 1
-        return cut, rows, cols
-
-    def _cell(self, tile: tuple[int, ...], cut: list[int]) -> tuple[int, int]:
-        if not cut:
-            return 0, 0
-        r = tile[cut[0]] if cut[0] >= 0 else 0
-        c = 0
-        for d in cut[1:]:
-            c = c * self.parts[d] + tile[d]
-        return r, c
+            cut = [-1, *cut]
+        rows = self.parts[cut[0]] if cut and cut[0] >= 0 else 1
+        cols = math.prod(self.parts[d] for d in cut[1:])
+        cells = []
+        for tile, slices, devs in self.tiles:
+            r = tile[cut[0]] if cut and cut[0] >= 0 else 0
+            c = 0
+            for d in cut[1:]:
+                c = c * self.parts[d] + tile[d]
+            if r < MAX_GRID and c < MAX_GRID:
+                cells.append((r, c, tile, slices, devs))
+        return rows, cols, cells
 
     def describe(self) -> str:
         """One line: shape, spec, how many shards and replicas."""
@@ -214,7 +196,7 @@ class Tiles:
         return f"{head}, …, {devs[-1]} ({len(devs)})"
 
     def html(self) -> str:
-        cut, rows, cols = self._grid()
+        rows, cols, cells = self._grid()
         shown_r, shown_c = min(rows, MAX_GRID), min(cols, MAX_GRID)
         out = [
             f'<div class="ms-tiles" data-path="{_esc(self.path)}" data-shards="{len(self.tiles)}"'
@@ -229,10 +211,7 @@ class Tiles:
         out.append(
             f'<div class="ms-grid" style="grid-template-columns:repeat({shown_c},minmax(0,9em))">'
         )
-        for tile, slices, devs in self.tiles:
-            r, c = self._cell(tile, cut)
-            if r >= shown_r or c >= shown_c:
-                continue
+        for r, c, tile, slices, devs in cells:
             colour = _TILE_COLOURS[(r + c) % len(_TILE_COLOURS)]
             out.append(
                 f'<div class="ms-tile" data-index="{_esc(tile)}" data-replicas="{len(devs)}"'
@@ -253,20 +232,18 @@ class Tiles:
         from rich.table import Table
         from rich.text import Text
 
-        cut, rows, cols = self._grid()
+        rows, cols, cells = self._grid()
         shown_r, shown_c = min(rows, MAX_GRID), min(cols, MAX_GRID)
         t = Table(show_header=False, show_lines=True)
         for _ in range(shown_c):
             t.add_column(justify="center")
         grid: list[list[Any]] = [[""] * shown_c for _ in range(shown_r)]
         styles = ["on grey23", "on dark_blue", "on dark_green", "on dark_red", "on purple4"]
-        for tile, slices, devs in self.tiles:
-            r, c = self._cell(tile, cut)
-            if r < shown_r and c < shown_c:
-                style = styles[(r + c) % len(styles)]
-                grid[r][c] = Text.assemble(
-                    (self._slice_text(slices, self.shape), style), "\n" + self._devices_text(devs)
-                )
+        for r, c, _, slices, devs in cells:
+            style = styles[(r + c) % len(styles)]
+            grid[r][c] = Text.assemble(
+                (self._slice_text(slices, self.shape), style), "\n" + self._devices_text(devs)
+            )
         for row in grid:
             t.add_row(*row)
         parts: list[Any] = [Text(self.describe()), t]
@@ -315,7 +292,7 @@ def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, he
     return "".join(out)
 
 
-def memory_html(plan: PlanView) -> str:
+def memory_html(plan: Plan) -> str:
     """The per-device memory bar, split by top-level module, with its legend."""
     per = plan.bytes_per_device()
     items = [
@@ -337,9 +314,9 @@ def memory_html(plan: PlanView) -> str:
     )
 
 
-def step_memory_html(plan: PlanView) -> str:
+def step_memory_html(plan: Plan) -> str:
     """A step's memory per device (``plan.memory``) as a bar by part; empty without one."""
-    m = getattr(plan, "memory", None)
+    m = plan.memory
     if m is None:
         return ""
     items = [(f'data-part="{k}"', text, n, [], []) for k, text, n in m.part_rows() if n > 0]
@@ -354,7 +331,7 @@ def step_memory_html(plan: PlanView) -> str:
     )
 
 
-def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def rows_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The grouped table; each row's tiles (of its first leaf) open on demand."""
     rows = plan.groups(fold=fold, filter=filter)
     leaves = dict(plan.named())
@@ -387,7 +364,7 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
     return "".join(out)
 
 
-def activations_html(plan: PlanView) -> str:
+def activations_html(plan: Plan) -> str:
     """A step's activation constraints (``plan.activations``); nothing for a plan without any."""
     rows = plan.activation_rows()
     if not rows:
@@ -410,7 +387,7 @@ def activations_html(plan: PlanView) -> str:
     return "".join(out)
 
 
-def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The plan as one ``<div>``, style included."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
@@ -424,7 +401,7 @@ def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
     )
 
 
-def page(plan: PlanView, title: str = "modelshard plan", **kwargs: Any) -> str:
+def page(plan: Plan, title: str = "modelshard plan", **kwargs: Any) -> str:
     """A whole HTML document around ``plan_html`` (no script, no external resource)."""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

@@ -278,8 +278,7 @@ class Plan:
             >>> len(t.tiles), t.replicas, t.tiles[1]
             (4, 2, ((1, 0), (slice(2, 4, None), slice(0, 6, None)), [2, 3]))
         """
-        leaf = self[path]
-        return Tiles(self, path, leaf)
+        return Tiles(self, path, self[path])
 
     def html(
         self, fold: bool = True, filter: str | re.Pattern[str] | None = None, tiles: bool = True
