@@ -6,7 +6,7 @@ import functools
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import numpy as np
@@ -129,70 +129,79 @@ def _entry(axes: list[str]) -> Any:
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
+class Found(NamedTuple):
+    """One thing ``check`` finds wrong; ``kind`` and ``dim`` name the two problems of a dimension."""
+
+    what: str
+    hint: str
+    kind: str | None = None  # "axis" (not in the mesh) or "indivisible"
+    dim: int = -1
+    axis: str = ""
+
+
 def check(
     spec: PartitionSpec,
     shape: tuple[int, ...],
     sizes: Mapping[str, int],
     logical: LogicalRules | None = None,
     file: str | None = None,
-) -> list[tuple[str, str]]:
-    """Every (what, hint) wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
-    out: list[tuple[str, str]] = []
-
-    def bad(what: str, hint: str) -> None:
-        out.append((what, hint))
-
+) -> list[Found]:
+    """Everything wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
     partial = partial_axes(spec)
     if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
         return [
-            (
+            Found(
                 f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
                 "reduced, which placing arrays does not support",
                 "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
                 "jitted computation",
             )
         ]
+    out: list[Found] = []
     entries = tuple(spec)
     if len(entries) > len(shape):
-        bad(
-            f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
-            f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, or "
-            "P() to replicate it)",
+        out.append(
+            Found(
+                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
+                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, "
+                "or P() to replicate it)",
+            )
         )
     seen: dict[str, int] = {}
     for dim, entry in enumerate(entries):
         if entry is None:
             continue
         if not is_axes_entry(entry):
-            bad(
-                f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
-                "spec entries are mesh axis names such as 'data', tuples of them, or None",
+            out.append(
+                Found(
+                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
+                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
+                )
             )
             continue
         axes = entry_axes(entry)
         for a in axes:
             if a not in sizes:
-                bad(
-                    f"axis {a!r} (dimension {dim}) is not in the mesh",
-                    _unknown(a, sizes, logical, file),
-                )
+                what = f"axis {a!r} (dimension {dim}) is not in the mesh"
+                out.append(Found(what, _unknown(a, sizes, logical, file), "axis", dim, a))
             elif a in seen:
-                bad(
-                    f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})",
-                    "each mesh axis may shard at most one dimension of a leaf",
-                )
+                what = f"mesh axis {a!r} is used twice (dimensions {seen[a]} and {dim})"
+                out.append(Found(what, "each mesh axis may shard at most one dimension of a leaf"))
             else:
                 seen[a] = dim
         if dim < len(shape) and all(a in sizes for a in axes):
             n = math.prod(sizes[a] for a in axes)
             if shape[dim] % n:
                 by = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                bad(
+                what = (
                     f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
-                    f"but {shape[dim]} is not divisible by {n}",
-                    "shard this dimension over axes whose sizes divide it, pad it, or "
-                    "replicate it with None",
+                    f"but {shape[dim]} is not divisible by {n}"
                 )
+                hint = (
+                    "shard this dimension over axes whose sizes divide it, pad it, or "
+                    "replicate it with None"
+                )
+                out.append(Found(what, hint, "indivisible", dim))
     return out
 
 
@@ -243,38 +252,21 @@ def resolve_checked(
     try:
         found = check(spec, shape, ctx.sizes, logical, file)
     except TypeError:  # junk inside a spec from a function: report, never crash
-        found = [(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
-    problems = [
-        _in_logical_terms(what, hint, named, shape, ctx.sizes, logical, via) for what, hint in found
-    ]
-    if problems and vocabulary() == "cli":
-        problems = [
-            (what, _cli_hint(what, hint, named, rule, file, fields), fields)
-            for what, hint, fields in problems
-        ]
+        found = [Found(f"{format_spec(spec)} is not a valid PartitionSpec", "")]
+    problems = []
+    for f in found:
+        what, hint, fields = _in_logical_terms(f, named, shape, ctx.sizes, logical, via)
+        if vocabulary() == "cli" and f.kind == "indivisible" and "logical_rule" not in fields:
+            hint = _cli_hint(f.dim, named, rule, file)
+        problems.append((what, hint, fields))
     return spec, rule, problems, via
 
 
-_INDIVISIBLE = re.compile(r"dimension (\d+) \(size \d+\) is partitioned .* is not divisible by")
 _RULE_INDEX = re.compile(r"rule (\d+) ")
 
 
-def _cli_hint(
-    what: str,
-    hint: str,
-    named: PartitionSpec,
-    rule: str,
-    file: str | None,
-    fields: Mapping[str, Any],
-) -> str:
-    """A hint in the command line's words: the TOML spec to write where the spec came from."""
-    name = fields.get("logical_name")
-    if name is not None and fields.get("logical_rule") is not None:
-        return hint  # already in the rules file's words (_in_logical_terms)
-    m = _INDIVISIBLE.match(what)
-    if m is None:
-        return hint
-    dim = int(m.group(1))
+def _cli_hint(dim: int, named: PartitionSpec, rule: str, file: str | None) -> str:
+    """An indivisible dimension's hint in the command line's words: the TOML spec to write."""
     entries = list(tuple(named)) + [None] * (dim + 1 - len(tuple(named)))
     entries[dim] = None
     fixed = toml_spec(PartitionSpec(*entries))
@@ -292,12 +284,8 @@ def _cli_hint(
     return f"{base}: pass --rules RULES.toml with a rule for this leaf, spec = {fixed}"
 
 
-_NOT_IN_MESH = re.compile(r"axis '([^']+)' \(dimension (\d+)\) is not in the mesh")
-
-
 def _in_logical_terms(
-    what: str,
-    hint: str,
+    f: Found,
     named: PartitionSpec,
     shape: tuple[int, ...],
     sizes: Mapping[str, int],
@@ -305,15 +293,14 @@ def _in_logical_terms(
     via: Via,
 ) -> tuple[str, str, dict[str, Any]]:
     """A problem with a dimension a logical name mapped, said in the user's terms."""
-    m = _INDIVISIBLE.match(what) or _NOT_IN_MESH.fullmatch(what)
-    if m is None:
+    what, hint, dim = f.what, f.hint, f.dim
+    if f.kind is None:
         return what, hint, {}
-    if logical is None:
-        return what, hint, {"dimension": int(m.group(1) if m.re is _INDIVISIBLE else m.group(2))}
-    if m.re is _NOT_IN_MESH:
-        return _not_in_mesh(m, what, hint, named, sizes, logical, via)
-    dim = int(m.group(1))
     fields: dict[str, Any] = {"dimension": dim}
+    if logical is None:
+        return what, hint, fields
+    if f.kind == "axis":
+        return _not_in_mesh(f, named, sizes, logical, via)
     mapped = via[dim] if dim < len(via) else ()
     entry = tuple(named)[dim] if dim < len(tuple(named)) else None
     if len(mapped) != 1 or not is_axes_entry(entry) or len(entry_axes(entry)) != 1:
@@ -341,16 +328,14 @@ def _in_logical_terms(
 
 
 def _not_in_mesh(
-    m: re.Match[str],
-    what: str,
-    hint: str,
+    f: Found,
     named: PartitionSpec,
     sizes: Mapping[str, int],
     logical: LogicalRules,
     via: Via,
 ) -> tuple[str, str, dict[str, Any]]:
     """A mesh axis that is not in the mesh but came from a logical name: say which name."""
-    axis, dim = m.group(1), int(m.group(2))
+    what, hint, axis, dim = f.what, f.hint, f.axis, f.dim
     fields: dict[str, Any] = {"dimension": dim}
     entries = tuple(named)
     if dim >= len(entries) or not is_axes_entry(entries[dim]):
