@@ -4,6 +4,7 @@ convert --to safetensors`` shares."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -297,10 +298,9 @@ def write_export(
     """Write ``items`` (name, shape, dtype), each computed when written, as one file or
     HF's shards (``max_shard_size``), refusing an existing export without ``overwrite``.
     With several processes and ``shared`` every process writes its part (and must call)."""
-
-    def refuse() -> None:
-        check_destination(path, max_shard_size, overwrite=overwrite, flag=flag)
-
+    refuse = functools.partial(
+        check_destination, path, max_shard_size, overwrite=overwrite, flag=flag
+    )
     layout = plan_layout(path, items, max_shard_size)
     return write_layout(layout, compute, metadata, shared=shared, progress=progress, refuse=refuse)
 
@@ -313,12 +313,5 @@ def write_safetensors(
     max_shard_size: int | str | None = None,
 ) -> Path:
     """``write_export`` from this process alone, replacing what is there, with no bar."""
-    return write_export(
-        path,
-        list(entries),
-        compute,
-        metadata,
-        max_shard_size=max_shard_size,
-        progress=False,
-        overwrite=True,
-    )
+    layout = plan_layout(path, list(entries), max_shard_size)
+    return write_layout(layout, compute, metadata)

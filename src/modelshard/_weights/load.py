@@ -170,7 +170,8 @@ def load_safetensors(
         flat, res, shardings = _planned(files, like, mapping, specs, mesh, dtype)
         if dry_run:
             return res
-        total, done, out = _total(res), 0, []
+        total = sum(math.prod(n.shape) * n.dtype.itemsize for n in res.recipes.values())
+        done, out = 0, []
         with reporter(progress, total, "Loading safetensors") as report:
             for p, x, s in zip(flat.paths, flat.arrays, shardings, strict=True):
                 node = res.recipes.get(p)
@@ -193,10 +194,6 @@ def _planned(
     return flat, res, leaf_shardings(like, flat, specs, mesh)
 
 
-def _total(res: Resolution) -> int:
-    return sum(math.prod(n.shape) * n.dtype.itemsize for n in res.recipes.values())
-
-
 def resolve_target(
     wm: WeightMap, table: Mapping[str, tuple[tuple[int, ...], Any]], like: Any, dtype: Any
 ) -> tuple[Any, Any, Resolution]:
@@ -206,12 +203,18 @@ def resolve_target(
         flat, targets = target_table(like)
         res = resolve(wm, table, targets, dtype=dtype)
         abstract = [
-            p
+            Problem(
+                "target",
+                p,
+                "kept (no stored tensor) but like holds no value for it",
+                hint="pass a concrete like for kept leaves (a freshly initialised model)",
+                cause="a kept leaf with no value in like",
+            )
             for p, x in zip(flat.paths, flat.arrays, strict=True)
             if p in res.kept and isinstance(x, jax.ShapeDtypeStruct)
         ]
         if abstract:
-            raise MappingError([_abstract_kept(p) for p in abstract])
+            raise MappingError(abstract)
         return like, flat, res
     res = resolve(wm, table, None, dtype=dtype)
     like = nest_paths({p: jax.ShapeDtypeStruct(n.shape, n.dtype) for p, n in res.recipes.items()})
@@ -300,19 +303,8 @@ class _BlockReader:
 
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
-    """A kept leaf (no stored tensor): ``like``'s value, placed on its planned sharding."""
+    """A kept leaf (no stored tensor; ``resolve_target`` refused abstract ones): ``like``'s
+    value, placed on its planned sharding."""
     from .._place import place
 
-    if isinstance(x, jax.ShapeDtypeStruct):
-        raise MappingError([_abstract_kept(path)])
     return x if sharding is None else place([x], [sharding])[0]
-
-
-def _abstract_kept(path: str) -> Problem:
-    return Problem(
-        "target",
-        path,
-        "kept (no stored tensor) but like holds no value for it",
-        hint="pass a concrete like for kept leaves (a freshly initialised model)",
-        cause="a kept leaf with no value in like",
-    )
