@@ -14,7 +14,7 @@ from .._base import FitError, Problem, format_bytes, format_mesh, format_spec, v
 from .._place import parse_bytes
 from .._specs import Rules
 from .candidates import KINDS, Change, batch_change, cast_outputs, changes_for
-from .memory import Compiler, StepMemory, check_names, check_roles, compiler, largest
+from .memory import Compiler, StepMemory, check_names, compiler, largest
 from .rulegen import norm_spec, rules_for
 
 
@@ -221,7 +221,6 @@ def fit_advice(
         MeshError: a mesh larger than the devices JAX can compile for.
     """
     limit = parse_bytes(budget)
-    check_roles(roles)
     check_names("kind", kinds, KINDS, "kind of change")
     batch, static, donate = batch_argnums, static_argnums, donate_argnums
     c = compiler(step, args, kwargs, mesh, in_specs, donate, static, batch, roles, topology)

@@ -163,10 +163,8 @@ def changes_for(
         at += len(a.leaves)
     if "donate" in kinds and base.parts["outputs"] > 0 and not set(state_args) <= set(c.donated):
         nums = tuple(sorted(set(c.donated) | set(state_args)))
-        text, code = (
-            f"donate the state (donate_argnums={nums})",
-            f"ms.shard_jit(step, ..., donate_argnums={nums})",
-        )
+        text = f"donate the state (donate_argnums={nums})"
+        code = f"ms.shard_jit(step, ..., donate_argnums={nums})"
         out.append(Change("donate", text, code, donate=nums))
     has_opt = "optimizer_state" in leaf_roles
     per_axis(
@@ -244,15 +242,11 @@ def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Cha
 
     narrowed = frozenset(set().union(*picked.values()))
     if mu:
-        text, code = (
-            "keep the first moments in bfloat16",
-            "optax.adamw(learning_rate, mu_dtype=jnp.bfloat16)",
-        )
+        text = "keep the first moments in bfloat16"
+        code = "optax.adamw(learning_rate, mu_dtype=jnp.bfloat16)"
     else:
-        text, code = (
-            "keep the optimizer state in bfloat16",
-            "the optimizer's float32 state written in bfloat16",
-        )
+        text = "keep the optimizer state in bfloat16"
+        code = "the optimizer's float32 state written in bfloat16"
     return Change("moments_dtype", text, code, args=narrow, narrowed=narrowed)
 
 

@@ -271,10 +271,6 @@ def check_names(what: str, given: Any, allowed: Sequence[str], noun: str = "") -
         raise spec_error(f"{what}s", bad[0], what_, header=f"invalid {what}s:", hint=hint)
 
 
-def check_roles(roles: Mapping[str, Any] | None) -> None:
-    check_names("role", roles, ROLES)
-
-
 def measure(
     jitted: Any,
     args: Sequence[Any],
@@ -420,6 +416,7 @@ def compiler(
     topology: str | None,
 ) -> Compiler:
     """``step`` (a ``ShardJit``'s settings filling the rest) ready to compile on ``mesh``."""
+    check_names("role", roles, ROLES)
     donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     if isinstance(step, ShardJit):
@@ -532,7 +529,6 @@ def step_memory(
         SpecError: a spec that cannot be placed, or an unknown role.
         MeshError: a mesh larger than the devices JAX can compile for.
     """
-    check_roles(roles)
     batch, static, donate = batch_argnums, static_argnums, donate_argnums
     c = compiler(step, args, kwargs, mesh, in_specs, donate, static, batch, roles, topology)
     return c.measure()
