@@ -259,22 +259,19 @@ class FSDP:
         self, shape: tuple[int, ...], sizes: Mapping[str, int]
     ) -> tuple[PartitionSpec, str]:
         """The spec for a leaf of ``shape`` and a note saying how it was chosen."""
-        if any(a not in sizes for a in self.axes):
-            # Let validation report the unknown axis on the first shardable leaf.
-            dim = max(range(len(shape)), key=lambda d: shape[d]) if shape else None
-            if dim is None:
-                return _P(), "scalar"
-            return _P(*([None] * dim), self.axis), str(self)
-        n = math.prod(sizes[a] for a in self.axes)
         if not shape:
             return _P(), "scalar"
+        if any(a not in sizes for a in self.axes):
+            # Let validation report the unknown axis on the first shardable leaf.
+            dim = max(range(len(shape)), key=lambda d: shape[d])
+            return _P(*([None] * dim), self.axis), str(self)
+        n = math.prod(sizes[a] for a in self.axes)
         if math.prod(shape) < self.min_size:
             return _P(), f"{self} (size < min_size={self.min_size}: replicated)"
         order = sorted(range(len(shape)), key=lambda d: (-shape[d], d))
         for d in order:
             if shape[d] % n == 0 and shape[d] > 0:
-                entry = self.axis
-                return _P(*([None] * d), entry), str(self)
+                return _P(*([None] * d), self.axis), str(self)
         return _P(), f"{self} (no dimension divisible by {n}: replicated)"
 
     def __str__(self) -> str:

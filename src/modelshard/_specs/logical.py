@@ -49,7 +49,7 @@ class LogicalRules:
     def flax_rules(self) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:
         """The rules as Flax's ``(name, mesh axes)`` pairs, in layered order (what
         ``nn.logical_to_mesh_axes`` and ``nn.logical_axis_rules`` take)."""
-        return tuple((n, _public_entry(t)) for n, t in self.pairs)
+        return tuple((n, public_entry(t)) for n, t in self.pairs)
 
     @functools.cached_property
     def public(self) -> Any:
@@ -88,7 +88,7 @@ class LogicalRules:
 
     def written(self, name: str, as_name: str | None = None) -> str:
         """``name``'s first entry as the user wrote it, under ``as_name`` when given."""
-        value = _public_entry(self.candidates[name][0])
+        value = public_entry(self.candidates[name][0])
         text = toml_entry(value) if self.file is not None else repr(value)
         return _entry(name if as_name is None else as_name, text, self.file, self.ordered)
 
@@ -135,8 +135,9 @@ def _target(value: Any) -> Target | None:
     return None
 
 
-def _public_entry(t: Target) -> str | tuple[str, ...] | None:
-    return None if not t else t[0] if len(t) == 1 else t
+def public_entry(t: Sequence[str]) -> str | tuple[str, ...] | None:
+    """Mesh axes as a spec entry: ``()`` -> None, one axis -> its name, else a tuple."""
+    return None if not t else t[0] if len(t) == 1 else tuple(t)
 
 
 def compile_logical(
@@ -522,9 +523,6 @@ def _bridged_constraint(constraint: Any) -> Any:
 
 def _flax_spmd() -> Any:
     """``flax.core.spmd`` when Flax is installed (imported here on first use), else None."""
-    spmd = sys.modules.get("flax.core.spmd")
-    if spmd is not None:
-        return spmd
     if importlib.util.find_spec("flax") is None:
         return None
     import flax.core.spmd as spmd

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from .._base import Problem, close_match, dtype_name, format_mesh, toml_spec, vocabulary
 from .._containers import LeafInfo
 from .language import FSDP, Rules, entry_axes, format_spec, is_axes_entry, partial_axes
-from .logical import LogicalRules, active_logical, add_name_hint
+from .logical import LogicalRules, active_logical, add_name_hint, public_entry
 
 Via: TypeAlias = tuple[tuple[tuple[str, tuple[str, ...], str], ...], ...]
 """Per dimension of a spec, each logical name in it with its mesh axes and the entry of
@@ -78,7 +78,7 @@ def resolve_names(
             if is_axes_entry(entry) and any(n in known for n in entry_axes(entry)):
                 names = entry_axes(entry)
                 mapped = [a for n in names for a in (known[n][0] if n in known else (n,))]
-                entries[dim] = _entry(mapped)
+                entries[dim] = public_entry(mapped)
                 via[dim] = tuple((n, known[n][0], logical.label(n)) for n in names if n in known)
         return PartitionSpec(*entries), None, tuple(via)
     # Flax's priority rules: (dim, position) slots of logical names, filled pair by pair.
@@ -119,14 +119,10 @@ def resolve_names(
         via[dim] = (*via[dim], (name, got, label))
     for dim, entry in enumerate(entries):
         if is_axes_entry(entry):
-            entries[dim] = _entry(
+            entries[dim] = public_entry(
                 [a for p in parts[dim] for a in (p if isinstance(p, tuple) else (p,))]
             )
     return PartitionSpec(*entries), None, tuple(via)
-
-
-def _entry(axes: list[str]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 class Found(NamedTuple):
