@@ -153,12 +153,8 @@ class Exporter:
             fetch = _loading(self.load, {})
             want = recipe.contiguous(self.sources[name].read(None, fetch))
             got = recipe.contiguous(node.read(None, fetch))
-            bits = np.dtype(f"u{want.dtype.itemsize}") if want.dtype.itemsize <= 8 else None
-            if bits is None:
-                same = want.tobytes() == got.tobytes()
-                differ = 0 if same else want.size
-            else:
-                differ = int(np.count_nonzero(want.view(bits) != got.view(bits)))
+            a, b = (x.reshape(-1).view(np.uint8).reshape(x.size, x.itemsize) for x in (want, got))
+            differ = int(np.count_nonzero((a != b).any(axis=1)))
             if differ:
                 problems.append(
                     Problem(

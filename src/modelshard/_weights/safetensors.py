@@ -265,24 +265,16 @@ class _Pairs(dict[str, Any]):
             self[k] = v
 
 
-def _roots(directory: Path) -> list[Path]:
-    """Where an index's files may resolve to: its directory, and for a Hugging Face cache
-    snapshot (``models--org--name/snapshots/<rev>``) that repository's ``blobs``."""
-    base = directory.resolve()
-    roots = [base]
-    if base.parent.name == "snapshots":
-        roots.append(base.parent.parent / "blobs")
-    return roots
-
-
 def _escapes(directory: Path, file: str) -> str | None:
-    """Why the index entry ``file`` leaves ``directory``, or ``None``."""
+    """Why the index entry ``file`` leaves ``directory``, or ``None``; in a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<rev>``) its links into ``blobs`` stay inside."""
     if os.path.isabs(file) or Path(file).is_absolute() or file.startswith(("/", "\\")):
         return "an absolute path"
     if ".." in re.split(r"[/\\]", file):
         return "a path through '..'"
-    target = (directory / file).resolve()
-    if not any(target.is_relative_to(r) for r in _roots(directory)):
+    base, target = directory.resolve(), (directory / file).resolve()
+    blobs = base.parent.parent / "blobs" if base.parent.name == "snapshots" else base
+    if not (target.is_relative_to(base) or target.is_relative_to(blobs)):
         return f"a link to {target}"
     return None
 
