@@ -67,6 +67,7 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
     assert codes == [0, 0], said
     results = [json.loads((tmp_path / f"result_{i}.json").read_text()) for i in range(2)]
     full = "OSError: No space left on device (injected)"
+    io = "OSError: Input/output error (injected)"
     want = {
         "arrays": f"writing {staging_dir(root / 'arrays')} failed on process 1: {full}",
         "commit": f"committing {root / 'commit'} failed on process 0: OSError: Read-only file "
@@ -77,9 +78,11 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "background": f"step 0 was not saved to {root / 'background'}: CheckpointError: "
         f"writing {root / 'background' / '0.orbax-checkpoint-tmp' / 'state'} failed on "
         f"process 1: {full}. Steps on disk: none.",
-        # process 0's sums wait for process 1's, which failed: the step fails on both
+        # process 1's summing failed: both processes raise its error
         "background checksums": f"step 0 was not saved to {root / 'background_checksums'}: "
-        "process 0: CheckpointError: the checksums of process 1 failed. Steps on disk: none.",
+        f"CheckpointError: summing the checksums failed on process 1: {io}. Steps on disk: none.",
+        "manager checksums": f"step 0 was not saved to {root / 'manager_checksums'}: "
+        f"CheckpointError: summing the checksums failed on process 1: {io}",
     }
     for r in results:
         for case, message in want.items():
@@ -96,4 +99,5 @@ def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, 
         "background",
         "background_checksums",
         "manager",
+        "manager_checksums",
     ]

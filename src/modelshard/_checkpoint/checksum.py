@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._base import CheckpointError
-from .._runtime import gather
+from .._runtime import gather, outcome, shared_error
 from . import lazy_orbax  # noqa: F401  (settles JAX's options before any program is traced)
 
 CHECKSUM = "fmix32x2"
@@ -210,18 +209,17 @@ def _blocks(x: Any) -> list[tuple[Any, list[int]]]:
     ]
 
 
-def _start(data: Any, origin: Sequence[int], shape: Sequence[int]) -> Future[Any]:
-    """A block's two sums, on the host workers (a block on a device is copied off it)."""
-    return host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
-
-
 class Checksums(Generic[K]):
-    """Checksums of the arrays ``like`` names, handed over one at a time as a restore reads
-    them; ``collect`` waits for them (a collective where a leaf spans processes)."""
+    """Checksums of the arrays ``like`` names, handed over one at a time (as a save copies
+    them off the devices or a restore reads them); ``collect`` waits for them, a collective
+    under ``name`` where a leaf spans processes (every leaf with ``spanning_all``)."""
 
-    def __init__(self, like: Mapping[K, Any]) -> None:
+    def __init__(
+        self, like: Mapping[K, Any], name: str = "modelshard.checksums", spanning_all: bool = False
+    ) -> None:
         self._keys = list(like)
-        self._spanning = [k for k, x in like.items() if not _addressable(x)]
+        self._spanning = [k for k, x in like.items() if spanning_all or not _addressable(x)]
+        self._name = name
         self._parts: dict[K, list[Future[Any]]] = {}
 
     def add(self, key: K, x: Any, host: Mapping[tuple[int, ...], Any] | None = None) -> None:
@@ -230,14 +228,21 @@ class Checksums(Generic[K]):
         reads), summed instead of copying them back off the devices."""
         if key in self._parts or key not in self._keys:
             return
-        shape = tuple(np.shape(x))
+        blocks = [((host or {}).get(tuple(origin), data), origin) for data, origin in _blocks(x)]
+        self.add_blocks(key, tuple(np.shape(x)), blocks)
+
+    def add_blocks(self, key: K, shape: Sequence[int], blocks: Sequence[tuple[Any, Any]]) -> None:
+        """Start the checksum under ``key`` of a leaf of ``shape`` from ``blocks``, this
+        process's ``(data, origin)`` of it, each box counted by one process only."""
         self._parts[key] = [
-            _start((host or {}).get(tuple(origin), data), origin, shape)
-            for data, origin in _blocks(x)
+            host_workers().submit(lambda d=data, o=origin: box_sums(np.asarray(d), o, shape))
+            for data, origin in blocks
         ]
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
-        """Every key's checksum in ``like``'s order; keys never added are summed from ``arrays``."""
+        """Every key's checksum in ``like``'s order; keys never added are summed from
+        ``arrays`` (a key with no blocks, a zero-size leaf, sums to zero). Where this
+        process's or another's summing failed, every process raises at once."""
         failure: BaseException | None = None
         sums: dict[K, tuple[int, int]] = {}
         try:
@@ -245,7 +250,7 @@ class Checksums(Generic[K]):
                 if key not in self._parts and arrays is not None and key in arrays:
                     self.add(key, arrays[key])
             for key in self._keys:
-                got = [f.result() for f in self._parts[key]]
+                got = [f.result() for f in self._parts.get(key, [])]
                 sums[key] = (sum(p[0] for p in got), sum(p[1] for p in got))
         except Exception as e:
             failure = e
@@ -253,10 +258,15 @@ class Checksums(Generic[K]):
             self.close()
         if self._spanning and jax.process_count() > 1:
             mine = None if failure else [sums[k] for k in self._spanning]
-            why = ", so these leaves spanning processes could not be verified"
-            every = sums_of_every_process(mine, "modelshard.checksums", why)
-            if failure is None:
-                sums.update(zip(self._spanning, every, strict=True))
+            every = gather({"sums": mine, "failed": outcome(failure)}, self._name)
+            error = shared_error(failure, [e["failed"] for e in every], "summing the checksums")
+            if error is not None:
+                raise error
+            for i, key in enumerate(self._spanning):
+                sums[key] = (
+                    sum(e["sums"][i][0] for e in every),
+                    sum(e["sums"][i][1] for e in every),
+                )
         if failure is not None:
             raise failure
         return {k: format_sums(*sums[k]) for k in self._keys}
@@ -265,22 +275,6 @@ class Checksums(Generic[K]):
         """Drop the sums still queued."""
         for f in itertools.chain.from_iterable(self._parts.values()):
             f.cancel()
-
-
-def sums_of_every_process(
-    mine: Sequence[tuple[int, int]] | None, name: str, why: str = ""
-) -> list[tuple[int, int]]:
-    """Each leaf's two sums added over every process (a gather under ``name``: every
-    process calls it, in the same order), from ``mine``, this process's sums of the blocks
-    it holds, or None where they failed (the caller then raises its own failure; nothing
-    is returned). CheckpointError, ending in ``why``, where another process's failed."""
-    every = gather(None if mine is None else [list(s) for s in mine], name)
-    if mine is None:
-        return []
-    failed = [p for p, theirs in enumerate(every) if theirs is None]
-    if failed:
-        raise CheckpointError(f"the checksums of process {failed[0]} failed{why}.")
-    return [(sum(t[i][0] for t in every), sum(t[i][1] for t in every)) for i in range(len(mine))]
 
 
 def checksums(arrays: Sequence[Any]) -> list[str]:

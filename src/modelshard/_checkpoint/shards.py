@@ -23,7 +23,7 @@ import numpy as np
 
 from .._base import CheckpointError, sync_tree
 from .._runtime import raise_shared
-from .checksum import box_sums, format_sums, host_workers, sums_of_every_process
+from .checksum import Checksums
 from .chunks import aligned_chunks
 from .ocdbt import (
     SHARDING_FILE,
@@ -99,38 +99,15 @@ def held_sums(
     keys: Sequence[tuple[str, ...]], held: Sequence[Held], name: str
 ) -> Callable[[], list[str]]:
     """Start the checksums of the leaves stored under ``keys`` from ``held``, this
-    process's copy of its blocks on the host (``host_workers``): a save sums the bytes it
-    writes, never the arrays, which a background save's caller may have donated since. Call the result, on every process in
-    the same order, to collect them: the processes add their sums (a gather under
-    ``name``), as ``checksum.Checksums.collect`` does."""
-    parts = {
-        h.key: [
-            host_workers().submit(box_sums, data, [sl.start for sl in box], h.shape)
-            for box, data in h.blocks
-        ]
-        for h in held
-    }
-
-    def collect() -> list[str]:
-        failure: Exception | None = None
-        sums: list[tuple[int, int]] = []
-        try:
-            for key in keys:  # a zero-size leaf has no blocks
-                got = [f.result() for f in parts.get(key, [])]
-                sums.append((sum(g[0] for g in got), sum(g[1] for g in got)))
-        except Exception as e:
-            failure = e
-            for fs in parts.values():
-                for f in fs:
-                    f.cancel()
-        if jax.process_count() > 1:  # every process summed the blocks it holds
-            mine = None if failure else sums
-            sums = sums_of_every_process(mine, f"{name}:checksums")
-        if failure is not None:
-            raise failure
-        return [format_sums(a, b) for a, b in sums]
-
-    return collect
+    process's copy of its blocks on the host: a save sums the bytes it writes, never the
+    arrays, which a background save's caller may have donated since. Call the result on
+    every process, in the same order, to collect them (a gather under ``name``)."""
+    sums = Checksums(dict.fromkeys(keys), f"{name}:checksums", spanning_all=True)
+    for h in held:
+        sums.add_blocks(
+            h.key, h.shape, [(data, [sl.start for sl in box]) for box, data in h.blocks]
+        )
+    return lambda: list(sums.collect().values())
 
 
 def _on_cpu(x: jax.Array) -> bool:

@@ -18,6 +18,7 @@ sharded over a ``(data=2, model=4)`` mesh, case by case, each into its own folde
   processes then save step 1 with it;
 - ``background checksums``: process 1's checksums of its blocks (summed from the host copy
   in the background) fail, an injected ``OSError``, in an asynchronous manager's step 0;
+- ``manager checksums``: the same in a synchronous manager's step 0;
 - ``after``: nothing injected: the processes are still in step and save.
 
 Each process records in ``OUT/result_<process>.json``, for every case, what it raised
@@ -43,7 +44,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from modelshard._checkpoint import shards, write  # noqa: E402
+from modelshard._checkpoint import checksum, shards, write  # noqa: E402
 
 
 def injected(what: str, delay: float = 0.0):
@@ -81,7 +82,14 @@ def main() -> int:
     cases["background checksums"] = (
         f"{root}/background_checksums",
         1,
-        shards,
+        checksum,
+        "box_sums",
+        "Input/output error",
+    )
+    cases["manager checksums"] = (
+        f"{root}/manager_checksums",
+        1,
+        checksum,
         "box_sums",
         "Input/output error",
     )
@@ -93,7 +101,7 @@ def main() -> int:
             setattr(owner, attr, injected(what, delay=0.5 if case == "background" else 0.0))
         t0 = time.monotonic()
         try:
-            if case == "manager":
+            if case in ("manager", "manager checksums"):
                 with ms.CheckpointManager(path, async_save=False, handle_signals=False) as mngr:
                     mngr.save(0, state)
             elif case in ("background", "background checksums"):
