@@ -15,7 +15,7 @@ from .._containers import split
 from . import recipe
 from .load import MappingLike, as_mapping, target_table
 from .mapfile import checkpoint_config
-from .multiprocess_writing import Block, SharedPlan, TensorPlan, array_plan, full_leaf
+from .multiprocess_writing import SharedPlan, TensorPlan, array_plan, full_leaf
 from .resolver import resolve
 from .rules import WeightMap
 from .safetensors import open_safetensors
@@ -116,7 +116,7 @@ class Exporter:
 
     def shared_plan(self) -> SharedPlan:
         """A tensor whose leaves some process holds whole is computed there, any other on
-        every process in step."""
+        every process in step (never block by block)."""
 
         def plans() -> dict[str, TensorPlan]:
             leaf = {k: array_plan(x).holders for k, x in self.values.items()}
@@ -129,10 +129,7 @@ class Exporter:
                 out[name] = TensorPlan(holders or None)
             return out
 
-        def no_blocks(name: str, block: Block) -> np.ndarray:
-            raise AssertionError(f"{name}: a mapped export is never written block by block")
-
-        return SharedPlan(plans, no_blocks)
+        return SharedPlan(plans)
 
     def items(self) -> list[tuple[str, tuple[int, ...], Any]]:
         """``(name, shape, dtype)`` of each stored tensor, in writing order."""

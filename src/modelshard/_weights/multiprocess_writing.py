@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,6 @@ from .writing import (
     commit_layout,
     encode_header,
     entry_bytes,
-    new_token,
     prepare_directory,
     temporary,
 )
@@ -54,11 +54,11 @@ _HERE = TensorPlan(frozenset({0}))
 
 @dataclasses.dataclass(frozen=True)
 class SharedPlan:
-    """How processes share an export: ``plans()`` (who can write each stored tensor) and
-    ``read_block(name, block)`` (this process's copy of a block, not cast)."""
+    """How processes share an export: ``plans()`` (who can write each stored tensor) and,
+    where a plan has blocks, ``read_block(name, block)`` (this process's copy, not cast)."""
 
     plans: Callable[[], dict[str, TensorPlan]]
-    read_block: Callable[[str, Block], np.ndarray]
+    read_block: Callable[[str, Block], np.ndarray] | None = None
 
 
 def array_plan(x: Any) -> TensorPlan:
@@ -281,7 +281,7 @@ def write_layout(
     error: BaseException | None = None
     token = ""
     if me == 0:
-        token = new_token()
+        token = uuid.uuid4().hex[:16]
         try:
             if refuse is not None:
                 refuse()
@@ -336,7 +336,7 @@ def write_layout(
                 if part.blocks is None:
                     _write_whole(*place(part), part.entry, compute(name))
                 else:
-                    assert shared is not None  # blocks come from a shared plan only
+                    assert shared is not None and shared.read_block is not None
                     dt = np.dtype(dt)
                     got = {
                         b: shared.read_block(name, b).astype(dt, copy=False) for b in part.blocks

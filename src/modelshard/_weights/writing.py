@@ -10,7 +10,6 @@ import math
 import os
 import re
 import struct
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,10 +75,6 @@ def encode_header(items: Sequence[Entry], metadata: Mapping[str, str] | None) ->
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex[:16]
 
 
 def temporary(p: Path, token: str) -> Path:
