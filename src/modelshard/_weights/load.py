@@ -3,7 +3,6 @@ recipe one device block at a time, so host memory stays near one stored tensor."
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -89,8 +88,7 @@ def build_leaf(
     transposed block stays a strided view: the host-to-device copy takes any strides)."""
     cache: dict[Any, np.ndarray] = {}
     fetch = fetch_for(cache)
-    with contextlib.suppress(AttributeError):  # a whole tensor a reshape needs: read once
-        fetch.wholes = {}  # type: ignore[attr-defined]
+    fetch.wholes = wholes = {}  # type: ignore[attr-defined]  # what a reshape reads whole
     seen: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
     def piece(index: Any) -> np.ndarray:
@@ -103,7 +101,7 @@ def build_leaf(
     out = jax.make_array_from_callback(node.shape, sharding, piece)
     cache.clear()
     seen.clear()
-    getattr(fetch, "wholes", {}).clear()
+    wholes.clear()
     return out
 
 

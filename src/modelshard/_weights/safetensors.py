@@ -162,14 +162,11 @@ class SafetensorsFiles:
     def read_rows(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``[lo, hi)`` (a scalar: all of it) by one positioned read, into ``out`` if given."""
         t = self.tensors[name]
-        shape = t.shape
-        if not shape:
-            lo, hi, row_shape = 0, 1, ()
-        else:
-            row_shape = shape[1:]
-        row = math.prod(row_shape) * t.dtype.itemsize
+        if not t.shape:
+            lo, hi = 0, 1
+        row = math.prod(t.shape[1:]) * t.dtype.itemsize
         if out is None:
-            out = host_empty(((hi - lo), *row_shape) if shape else (), t.dtype)
+            out = host_empty((hi - lo, *t.shape[1:]) if t.shape else (), t.dtype)
         view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
         fd, pos, done = self._fd(t.file), t.offset + lo * row, 0
         while done < len(view):
