@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from .._base import MeshError, dtype_name, size_in_bytes
 from .._checkpoint import manager_step
@@ -153,8 +154,11 @@ RULES_HELP = (
 )
 
 
-def target_specs(args: argparse.Namespace, record: Any) -> Any:
-    return load_rules(args.rules) if args.rules else record.saved_specs()
+def target_specs(args: argparse.Namespace, record: Any = None) -> Any:
+    """``--rules`` read, else the specs ``record`` was saved with (no record: replicated)."""
+    if args.rules:
+        return load_rules(args.rules)
+    return PartitionSpec() if record is None else record.saved_specs()
 
 
 def add_max_rows(p: argparse.ArgumentParser) -> None:

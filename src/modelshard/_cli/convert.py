@@ -9,11 +9,9 @@ import os
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
-from .._base import CheckpointError, format_bytes, make_mesh
+from .._base import CheckpointError, format_bytes, format_mesh, make_mesh
 from .._checkpoint import StreamLeaf, host_leaves, locate, write_stream
-from .._specs import load_rules
 from .._weights import (
     Exporter,
     as_mapping,
@@ -39,6 +37,7 @@ from .args import (
     float_dtype,
     positive_float,
     readable,
+    target_specs,
 )
 from .host import join_launch, return_freed_memory, use_cpu_devices
 from .output import SHOW_ALL, absolute, console, emit, progress_bar, say, writing
@@ -134,11 +133,12 @@ def add_parser(sub: Any) -> None:
 
 
 def _size(text: str) -> int | str:
+    size = int(text) if text.isdigit() else text
     try:
-        parse_size(int(text) if text.isdigit() else text)
+        parse_size(size)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return int(text) if text.isdigit() else text
+    return size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
 
-    specs = load_rules(args.rules) if args.rules else PartitionSpec()
+    specs = target_specs(args)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
     common = dict(mapping=args.mapping, specs=specs, mesh=mesh, dtype=args.dtype)
     if args.dry_run:
@@ -205,8 +205,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         say(
-            f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh "
-            + ", ".join(f"{k}={v}" for k, v in sizes.items())
+            f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh {format_mesh(sizes)}"
         )
     return 0
 

@@ -19,7 +19,6 @@ from .._checkpoint import locate, planning_tree
 from .._fit import fit_advice, step_memory
 from .._internals import backends_are_initialized
 from .._place import plan
-from .._specs import load_rules
 from .args import (
     CKPT_HELP,
     add_json,
@@ -323,7 +322,7 @@ def run_step(args: argparse.Namespace) -> int:
             state = jax.eval_shape(args.state)
         except Exception as e:
             return raised(args, "state function", args.state, e)
-        specs = load_rules(args.rules) if args.rules else PartitionSpec()
+        specs = target_specs(args)
     elif args.checkpoint is not None:
         source = locate(checkpoint_arg(args, args.checkpoint))
         state = planning_tree(source.record)
