@@ -147,9 +147,7 @@ def save_safetensors(
         except MappingError as e:
             error = e
         raise_shared(error, "modelshard:export:also", "save_safetensors: checking tied leaves")
-        items = ex.items()
-        compute = ex.compute
-        shared = ex.shared_plan()
+        items, compute, shared = ex.items(), ex.compute, ex.shared_plan()
     out = write_export(
         path,
         items,
@@ -172,7 +170,6 @@ def check_state(state: Any) -> None:
     dict, list or tuple (``MappingError``, every one listed); a registered container's
     other fields (an Equinox module's functions) are not weights and pass."""
     flat = split(state)
-    problems = []
     if flat.adapter.follows_pytree and len(flat.array_index) < len(flat.leaves):
         from jax.tree_util import DictKey, SequenceKey
 
@@ -193,8 +190,8 @@ def check_state(state: Any) -> None:
             and i not in arrays
             and (not keys or isinstance(keys[-1], DictKey | SequenceKey))
         ]
-    if problems:
-        raise MappingError(problems)
+        if problems:
+            raise MappingError(problems)
     if not flat.arrays:
         raise CheckpointError(
             f"nothing to export: the {type(state).__name__} has no array leaves "
