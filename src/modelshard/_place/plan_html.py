@@ -7,7 +7,7 @@ import io
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from jax.sharding import Mesh
@@ -15,8 +15,26 @@ from jax.sharding import Mesh
 from .._base import format_bytes, format_spec, spec_from_json
 from .._specs import entry_axes
 
-if TYPE_CHECKING:
-    from .planning import Plan
+
+class PlanView(Protocol):
+    """What the pictures read of a [`Plan`][modelshard.Plan] (its public surface only)."""
+
+    mesh: Any
+    sizes: dict[str, int]
+
+    def __len__(self) -> int: ...
+    def bytes_per_device(self, leaf: Any = None) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def num_devices(self) -> int: ...
+    def named(self, filter: Any = None) -> list[tuple[str, Any]]: ...
+    def groups(self, fold: bool = True, filter: Any = None) -> list[dict[str, Any]]: ...
+    def modules(self, filter: Any = None) -> list[dict[str, Any]]: ...
+    def summary(self) -> str: ...
+    def activation_rows(self) -> list[dict[str, Any]]: ...
+
+    memory: Any
 
 
 MAX_GRID = 16
@@ -103,7 +121,7 @@ def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
 class Tiles:
     """Which device holds which slice of one leaf: one tile per distinct shard."""
 
-    def __init__(self, plan: Plan, path: str, leaf: Any):
+    def __init__(self, plan: PlanView, path: str, leaf: Any):
         self.path = path
         self.shape = tuple(leaf.shape)
         self.spec = leaf.spec
@@ -292,7 +310,7 @@ def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, he
     return "".join(out)
 
 
-def memory_html(plan: Plan) -> str:
+def memory_html(plan: PlanView) -> str:
     """The per-device memory bar, split by top-level module, with its legend."""
     per = plan.bytes_per_device()
     items = [
@@ -314,7 +332,7 @@ def memory_html(plan: Plan) -> str:
     )
 
 
-def step_memory_html(plan: Plan) -> str:
+def step_memory_html(plan: PlanView) -> str:
     """A step's memory per device (``plan.memory``) as a bar by part; empty without one."""
     m = plan.memory
     if m is None:
@@ -331,7 +349,7 @@ def step_memory_html(plan: Plan) -> str:
     )
 
 
-def rows_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The grouped table; each row's tiles (of its first leaf) open on demand."""
     rows = plan.groups(fold=fold, filter=filter)
     leaves = dict(plan.named())
@@ -364,7 +382,7 @@ def rows_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = T
     return "".join(out)
 
 
-def activations_html(plan: Plan) -> str:
+def activations_html(plan: PlanView) -> str:
     """A step's activation constraints (``plan.activations``); nothing for a plan without any."""
     rows = plan.activation_rows()
     if not rows:
@@ -387,7 +405,7 @@ def activations_html(plan: Plan) -> str:
     return "".join(out)
 
 
-def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
+def plan_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool = True) -> str:
     """The plan as one ``<div>``, style included."""
     return (
         f'<div class="ms-plan" data-leaves="{len(plan)}" data-devices="{plan.num_devices}"'
@@ -401,7 +419,7 @@ def plan_html(plan: Plan, fold: bool = True, filter: Any = None, tiles: bool = T
     )
 
 
-def page(plan: Plan, title: str = "modelshard plan", **kwargs: Any) -> str:
+def page(plan: PlanView, title: str = "modelshard plan", **kwargs: Any) -> str:
     """A whole HTML document around ``plan_html`` (no script, no external resource)."""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
