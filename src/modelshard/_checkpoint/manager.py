@@ -411,8 +411,7 @@ class CheckpointManager:
             return False
         if metadata is not None:
             json_or_error("metadata", dict(metadata))
-        # Checks the state (nothing is written yet); a synchronous save starts its checksums,
-        # which run while the previous step's write is waited for.
+        # checks the state before waiting for the previous step; nothing is written yet
         arrays, record = prepare(state, metadata)
         self.wait_until_finished()  # one save at a time; rotation of the finished one
         self._save_verdict(step)

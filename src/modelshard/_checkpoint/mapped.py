@@ -34,7 +34,7 @@ from .._weights import (
 )
 from .checksum import box_sums, format_sums
 from .codec import decode, logical_dtype, parse_dtype, stored_sharding, stored_struct
-from .reader import ArrayReader, check_holdable, read_checked, verify_checksums
+from .reader import ArrayReader, check_holdable, read_verified, verify_checksums
 from .record import LeafRecord
 from .sources import Source, stored_view
 
@@ -129,10 +129,7 @@ def restore_mapped(
     check_holdable(source, list(uses))
 
     def read(targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
-        got = read_checked(source, targets)
-        if verify:
-            verify_checksums(source, got)
-        return got
+        return read_verified(source, targets, verify)
 
     direct = {p: d for p, n in res.recipes.items() if (d := _direct(n)) and uses[d[0]] == 1}
     targets = {

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._base import CheckpointError, canonical_dtype
-from .checksum import checksum_mismatch_message, checksums
+from .checksum import Checksums, checksum_mismatch_message
 from .codec import empty, is_empty, parse_dtype, stored_struct
 from .ocdbt import array_keys
 from .record import LeafRecord, some
@@ -294,15 +294,13 @@ def check_holdable(source: Source, paths: Sequence[str]) -> None:
         )
 
 
-def verify_checksums(
-    source: Source, values: Mapping[str, Any], sums: Mapping[str, str] | None = None
-) -> None:
+def verify_checksums(source: Source, values: Mapping[str, Any], sums: Mapping[str, str]) -> None:
     """Raise CheckpointError naming every leaf whose stored bits changed since saving."""
     recs = source.record.by_path()
     paths = [p for p in values if recs[p].checksum is not None]
     if not paths:
         return
-    got = [sums[p] for p in paths] if sums is not None else checksums([values[p] for p in paths])
+    got = [sums[p] for p in paths]
     bad = [
         (recs[p], recs[p].checksum, g)
         for p, g in zip(paths, got, strict=True)
@@ -310,6 +308,21 @@ def verify_checksums(
     ]
     if bad:
         raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
+
+
+def read_verified(source: Source, targets: Mapping[str, Any], verify: bool) -> dict[str, Any]:
+    """``read_checked``; with ``verify``, each leaf's checksum summed from the bytes read as it
+    arrives, while later leaves are read, then checked (CheckpointError naming the bad)."""
+    recs = source.record.by_path()
+    sums = Checksums({p: t for p, t in targets.items() if verify and recs[p].checksum})
+    try:
+        values = read_checked(source, targets, sums.add)
+    except BaseException:
+        sums.close()
+        raise
+    if verify:
+        verify_checksums(source, values, sums.collect(values))
+    return values
 
 
 def read_checked(

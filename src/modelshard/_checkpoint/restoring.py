@@ -19,10 +19,9 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract, make_mesh
 from .._containers import split
 from .._place import place, plan
-from .checksum import Checksums
 from .codec import decode, encode, is_key, key_impl, logical_dtype, stored_struct
 from .mapped import restore_mapped
-from .reader import check_holdable, read_checked, verify_checksums
+from .reader import check_holdable, read_verified
 from .record import LeafRecord, Record
 from .sources import Source, abstract_like, locate, stored_view
 from .values import Diff, restored_values, values_as_arrays, warn_partial
@@ -226,16 +225,7 @@ def _restore_saved(
         if p in stored
     }
     check_holdable(source, list(targets))
-    # each leaf's checksum starts as it arrives, while later leaves are read
-    checked = {p: t for p, t in targets.items() if stored[p].checksum is not None}
-    sums = Checksums(checked if verify else {})
-    try:
-        values = read_checked(source, targets, sums.add)
-    except BaseException:
-        sums.close()
-        raise
-    if verify:
-        verify_checksums(source, values, sums.collect(values))
+    values = read_verified(source, targets, verify)
     out = []
     for path, x, s in zip(paths, arrays, shardings, strict=True):
         if path in values:
