@@ -43,13 +43,13 @@ def test_transposed_and_unstacked_leaves_are_read_onto_the_mesh_as_their_blocks(
 ):
     k, w, like = _saved(tmp_path, mesh8)
     reads: dict[str, P] = {}
-    real = mapped.read_checked
+    real = mapped.read_verified
 
-    def spy(source, targets):
+    def spy(source, targets, verify):
         reads.update({p: t.sharding.spec for p, t in targets.items()})
-        return real(source, targets)
+        return real(source, targets, verify)
 
-    monkeypatch.setattr(mapped, "read_checked", spy)
+    monkeypatch.setattr(mapped, "read_verified", spy)
     out = ms.restore(
         tmp_path / "ck", like=like, mapping=WM, specs=ms.fsdp("data", min_size=0), mesh=mesh8
     )

@@ -748,8 +748,10 @@ def test_restore_with_mapping_renames_read_straight_into_the_sharding(tmp_path, 
     mapped = importlib.import_module("modelshard._checkpoint.mapped")
     ms.save(tmp_path / "ck", {"a": jnp.arange(16.0), "b": jnp.ones((8, 2), jnp.bfloat16)})
     reads: list[list[str]] = []
-    real = mapped.read_checked
-    monkeypatch.setattr(mapped, "read_checked", lambda s, t: reads.append(sorted(t)) or real(s, t))
+    real = mapped.read_verified
+    monkeypatch.setattr(
+        mapped, "read_verified", lambda s, t, verify: reads.append(sorted(t)) or real(s, t, verify)
+    )
     wm = ms.WeightMap([ms.MapRule("a", "x/a"), ms.MapRule("b", "x/b", cast="float32")])
     out = ms.restore(tmp_path / "ck", mapping=wm, specs=ms.fsdp("data", min_size=0), mesh=mesh8)
     assert reads == [["a", "b"]]  # one Orbax read of both, into their target shardings
