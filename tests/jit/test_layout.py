@@ -1,4 +1,4 @@
-"""Argument layout (``_jit/layout.py``): keywords, defaults and dict ``in_specs``, arguments
+"""Argument layout (``_place/arguments.py``): keywords, defaults and dict ``in_specs``, arguments
 without a spec, and the errors for bad ones."""
 
 from __future__ import annotations

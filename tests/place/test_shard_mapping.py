@@ -153,6 +153,13 @@ def test_call_errors(mesh24):
         ms.shard_map(lambda a: a, mesh=mesh24, in_specs=P(), out_specs=P())
     with pytest.raises(TypeError, match="shard_map needs a callable"):
         ms.shard_map(3, in_specs=(), out_specs=P())
+    # no signature (a builtin): arguments by position only, errors naming shard_map
+    with pytest.raises(ms.SpecError, match="so arguments can only be given by position"):
+        ms.shard_map(max, mesh=mesh24, in_specs={"a": P()}, out_specs=P())
+    f = ms.shard_map(max, mesh=mesh24, in_specs=(P(), P()), out_specs=P())
+    with pytest.raises(ms.SpecError) as e:
+        f(1.0, 2.0, key=None)
+    assert str(e.value).splitlines()[:2] == ["invalid shard_map arguments:", "  shard_map:kwargs"]
 
 
 def test_nnx_module_in_and_out(mesh24):

@@ -12,9 +12,8 @@ from jax.sharding import AbstractMesh, Mesh
 
 from .._base import AdapterError, Problem, SpecError, canonical_dtype, explicit_axes
 from .._containers import WriteBack
-from .._place import Plan, recording_constraints
+from .._place import NOSPEC, Plan, Slot, recording_constraints
 from .._specs import ArgPlan, LeafPlan, expand_args
-from .layout import NOSPEC, Slot
 from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
 from .take import Taken
 

@@ -19,7 +19,7 @@ from .._containers import (
     numbers_to_arrays,
     split,
 )
-from .layout import Slot
+from .._place import Slot
 
 _lookup = REGISTRY.lookup
 

@@ -23,10 +23,9 @@ from .._base import (
     mesh_sizes,
 )
 from .._containers import split
-from .._place import place
+from .._place import ArgumentLayout, Slot, invalid, place
 from .._specs import active_logical, check_mesh_axes
 from .build import Call, Entry, Stale, build_entry, has_tracer, shapes
-from .layout import ArgumentLayout, Slot, invalid
 from .route import Route, routable
 from .take import Taken, static_part, take, take_plainly
 
@@ -61,9 +60,12 @@ class ShardJit:
         if mesh is not None:
             mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
         if on_mismatch not in ("move", "raise"):
-            raise invalid("on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'")
+            raise invalid(
+                "shard_jit", "on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'"
+            )
         if not isinstance(in_specs, Mapping | tuple | list):
             raise invalid(
+                "shard_jit",
                 "in_specs",
                 f"in_specs must be a tuple (one entry per positional "
                 f"argument) or a dict (parameter name -> entry), got "
@@ -78,6 +80,7 @@ class ShardJit:
         self._layout = ArgumentLayout(
             fn,
             in_specs,
+            who="shard_jit",
             donate_argnums=donate_argnums,
             donate_argnames=donate_argnames,
             static_argnums=static_argnums,
@@ -220,6 +223,7 @@ class ShardJit:
                 hash(v)
             except TypeError:
                 raise invalid(
+                    "shard_jit",
                     s.name,
                     f"static argument {s.name!r} is a {type(v).__name__}, which is not hashable",
                     hint="static arguments are part of the compilation cache key; "

@@ -1,5 +1,9 @@
 """The placement area's façade: everything that puts arrays on a mesh by a plan."""
 
+from .arguments import NOSPEC as NOSPEC
+from .arguments import ArgumentLayout as ArgumentLayout
+from .arguments import Slot as Slot
+from .arguments import invalid as invalid
 from .assembly import assemble as assemble
 from .assembly import assemble_process_local as assemble_process_local
 from .assembly import global_shape as global_shape

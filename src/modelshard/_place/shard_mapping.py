@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from .._base import Problem, SpecError, current_mesh, format_mesh, mesh_sizes, spec_error
+from .._base import SpecError, current_mesh, format_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
+from .arguments import NOSPEC, ArgumentLayout, invalid
 from .constraints import constrain_leaves
 
 _MAX_ENTRIES = 64
-
-
-def _invalid(path: str, what: str, hint: str | None = None) -> SpecError:
-    return spec_error("shard_map", path, what, "invalid shard_map arguments:", hint=hint)
 
 
 @dataclasses.dataclass
@@ -50,7 +46,8 @@ class ShardMap:
                 "function, or use @shard_map(in_specs=..., out_specs=...) as a decorator"
             )
         if not isinstance(in_specs, Mapping | tuple | list):
-            raise _invalid(
+            raise invalid(
+                "shard_map",
                 "in_specs",
                 f"in_specs must be a tuple (one spec-like per positional argument) or a dict "
                 f"(parameter name -> spec-like), got {type(in_specs).__name__}",
@@ -64,74 +61,24 @@ class ShardMap:
         self.mesh = mesh
         self.axis_names = frozenset(axis_names)
         self.check_vma = check_vma
-        try:
-            self._sig: inspect.Signature | None = inspect.signature(fn)
-        except (TypeError, ValueError):
-            self._sig = None
-        self._check_names()
+        self._layout = ArgumentLayout(fn, in_specs, who="shard_map")
         self._entries: dict[Hashable, _Entry] = {}
         functools.update_wrapper(self, fn)
-
-    def _check_names(self) -> None:
-        if not isinstance(self.in_specs, Mapping):
-            return
-        if self._sig is None:
-            raise _invalid(
-                "in_specs",
-                f"{self.fn!r} has no inspectable signature, so in_specs can only be a tuple",
-            )
-        params = self._sig.parameters
-        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return
-        hint = f"its parameters are {', '.join(map(repr, params))}"
-        fn = getattr(self.fn, "__name__", "fn")
-        bad = [
-            Problem("shard_map", f"in_specs[{n!r}]", f"{fn} has no parameter {n!r}", hint=hint)
-            for n in self.in_specs
-            if n not in params
-        ]
-        if bad:
-            raise SpecError(bad, header="invalid shard_map arguments:")
 
     def _bind(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, Any, Any]]]:
         """The call bound, and ``(name, value, spec-like or None)`` of every argument."""
-        if self._sig is not None:
-            try:
-                bound = self._sig.bind(*args, **kwargs)
-            except TypeError as e:
-                raise TypeError(f"{getattr(self.fn, '__name__', 'fn')}(): {e}") from None
-            bound.apply_defaults()
-            args, kwargs = bound.args, dict(bound.kwargs)
-            names = [
-                p.name
-                for p in self._sig.parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        elif kwargs:
-            raise _invalid(
-                "kwargs", f"{self.fn!r} has no inspectable signature; pass arguments by position"
+        args, kwargs = self._layout.bind(args, kwargs)
+        bound = [
+            (
+                s.name,
+                args[s.pos] if s.kw is None else kwargs[s.kw],  # type: ignore[index]
+                None if s.spec is NOSPEC else s.spec,
             )
-        else:
-            names = []
-        specs = self.in_specs
-        if not isinstance(specs, Mapping) and len(specs) != len(args):
-            raise _invalid(
-                "in_specs",
-                f"in_specs has {len(specs)} entries but {getattr(self.fn, '__name__', 'fn')} "
-                f"was called with {len(args)} positional arguments",
-                hint="give one spec-like per positional argument (None passes one through "
-                "unmapped), or a dict of parameter name -> spec-like",
-            )
-        out = []
-        for i, v in enumerate(args):
-            name = names[i] if i < len(names) else f"args[{i - len(names)}]"
-            spec = specs.get(name) if isinstance(specs, Mapping) else specs[i]
-            out.append((name, v, spec))
-        for k, v in kwargs.items():
-            out.append((k, v, specs.get(k) if isinstance(specs, Mapping) else None))
-        return args, kwargs, out
+            for s in self._layout.slots(len(args), tuple(kwargs))
+        ]
+        return args, kwargs, bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
@@ -218,7 +165,8 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
     """One ``PartitionSpec`` per output leaf: ``specs`` expanded over the output's structure."""
     given = jax.tree_util.tree_leaves(specs, is_leaf=is_leaf_spec)
     if any(isinstance(s, FSDP) for s in given):
-        raise _invalid(
+        raise invalid(
+            "shard_map",
             "out_specs",
             "fsdp(...) chooses a dimension from a leaf's global shape, which an output of "
             "shard_map does not have until its shards are concatenated",

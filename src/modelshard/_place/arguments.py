@@ -1,4 +1,4 @@
-"""How ``shard_jit`` maps a call's arguments onto the function's parameters."""
+"""How ``shard_jit`` and ``shard_map`` map a call's arguments onto the function's parameters."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ class Slot:
     donate: bool
 
 
-def invalid(path: str, what: str, hint: str | None = None) -> SpecError:
-    """The error for a ``shard_jit`` argument that cannot work."""
-    return spec_error("shard_jit", path, what, "invalid shard_jit arguments:", hint=hint)
+def invalid(who: str, path: str, what: str, hint: str | None = None) -> SpecError:
+    """The error for an argument of ``who`` (``shard_jit``, ``shard_map``) that cannot work."""
+    return spec_error(who, path, what, f"invalid {who} arguments:", hint=hint)
 
 
 def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
@@ -41,19 +41,23 @@ def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
 
 
 class ArgumentLayout:
-    """``fn``'s signature with the specs, donated and static arguments, as ``Slot`` objects per call."""
+    """``fn``'s signature with the specs, donated and static arguments, as ``Slot`` objects per
+    call; ``who`` is the wrapper its errors name."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
         in_specs: Sequence[Any] | Mapping[str, Any],
         *,
+        who: str,
         donate_argnums: int | Sequence[int] = (),
         donate_argnames: str | Sequence[str] = (),
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
     ):
         self._fn = fn
+        self._name = getattr(fn, "__name__", "fn")
+        self._who = who
         self._in_specs = in_specs
         self._donate_nums = _as_tuple(donate_argnums)
         self._donate_names = _as_tuple(donate_argnames)
@@ -74,31 +78,33 @@ class ArgumentLayout:
     def _check_names(self) -> None:
         if self._sig is None:
             if isinstance(self._in_specs, Mapping) or self._donate_names or self._static_names:
+                argnums = " and use *_argnums" if self._who == "shard_jit" else ""
                 raise invalid(
+                    self._who,
                     "in_specs",
                     f"{self._fn!r} has no inspectable signature, so "
                     "arguments can only be given by position",
-                    hint="pass in_specs as a tuple and use *_argnums",
+                    hint=f"pass in_specs as a tuple{argnums}",
                 )
             return
-        params = self._sig.parameters
-        named = [p for p in params.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        names = {p.name for p in named}
-        varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        problems = []
+        params = self._sig.parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return
+        names = [p.name for p in params if p.kind is not p.VAR_POSITIONAL]
+        hint = f"its parameters are {', '.join(map(repr, names))}"
         given = list(self._in_specs) if isinstance(self._in_specs, Mapping) else []
-        for what, items in (
-            ("in_specs", given),
-            ("donate_argnames", self._donate_names),
-            ("static_argnames", self._static_names),
-        ):
-            for n in items:
-                if n not in names and not varkw:
-                    no = f"{self._fn.__name__} has no parameter {n!r}"
-                    hint = f"its parameters are {', '.join(map(repr, names))}"
-                    problems.append(Problem("shard_jit", f"{what}[{n!r}]", no, hint=hint))
+        problems = [
+            Problem(self._who, f"{what}[{n!r}]", f"{self._name} has no parameter {n!r}", hint=hint)
+            for what, items in (
+                ("in_specs", given),
+                ("donate_argnames", self._donate_names),
+                ("static_argnames", self._static_names),
+            )
+            for n in items
+            if n not in names
+        ]
         if problems:
-            raise SpecError(problems, header="invalid shard_jit arguments:")
+            raise SpecError(problems, header=f"invalid {self._who} arguments:")
 
     def slots(self, npos: int, kwnames: tuple[str, ...]) -> tuple[Slot, ...]:
         """The slots of a call with ``npos`` positionals and these keywords (cached per layout)."""
@@ -115,11 +121,12 @@ class ArgumentLayout:
         specs = self._in_specs
         if not isinstance(specs, Mapping) and len(specs) != npos:
             raise invalid(
+                self._who,
                 "in_specs",
                 f"in_specs has {len(specs)} entries but "
-                f"{self._fn.__name__} was called with {npos} positional arguments",
-                hint="give one entry per positional argument (anything, e.g. None, "
-                "for static ones), or a dict of parameter name -> entry",
+                f"{self._name} was called with {npos} positional arguments",
+                hint="give one entry per positional argument (None for one that needs no "
+                "spec), or a dict of parameter name -> entry",
             )
         for i in range(npos):
             name = posnames[i] if i < len(posnames) else f"{var}[{i - len(posnames)}]"
@@ -137,7 +144,9 @@ class ArgumentLayout:
             slots.append(Slot(k, None, k, static, NOSPEC if spec is None else spec, donate))
         bad = [s.name for s in slots if s.static and s.donate]
         if bad:
-            raise invalid("donate_argnums", f"static argument {bad[0]!r} cannot be donated")
+            raise invalid(
+                self._who, "donate_argnums", f"static argument {bad[0]!r} cannot be donated"
+            )
         out = self._layouts[key] = tuple(slots)
         return out
 
@@ -148,6 +157,7 @@ class ArgumentLayout:
         if self._sig is None:
             if kwargs:
                 raise invalid(
+                    self._who,
                     "kwargs",
                     f"{self._fn!r} has no inspectable signature; pass arguments by position",
                 )
@@ -155,6 +165,6 @@ class ArgumentLayout:
         try:
             bound = self._sig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{self._fn.__name__}(): {e}") from None
+            raise TypeError(f"{self._name}(): {e}") from None
         bound.apply_defaults()
         return bound.args, bound.kwargs
