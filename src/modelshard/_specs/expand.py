@@ -67,48 +67,44 @@ class ArgPlan:
 def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan]:
     infos = flat.infos
     arrays = flat.arrays
-    per_leaf: list[Any]
-    hits = None
     if is_leaf_spec(spec_like):
-        per_leaf = [spec_like] * len(arrays)
         if type(spec_like) is Rules:  # match every path in one loop
             hits = spec_like.match_all([info.path for info in infos])
-    else:
-        try:
-            items = jax.tree_util.tree_flatten_with_path(spec_like, is_leaf=is_leaf_spec)[0]
-        except Exception as e:
-            what = f"the spec {type(spec_like).__name__} could not be read as a prefix tree"
-            ctx.problems.append(Problem(arg, "", f"{what}: {type(e).__name__}: {e}"))
-            return []
-        entries = [(split_path(format_path(k)), v) for k, v in items]
-        table = dict(entries)
-        hit_keys: set[tuple[str, ...]] = set()
-        per_leaf = []
-        for info, leaf in zip(infos, arrays, strict=True):
-            comps = split_path(info.path)
-            found = _NOTHING
-            for n in range(len(comps), -1, -1):
-                key = comps[:n]
-                if key in table:
-                    found = table[key]
-                    hit_keys.add(key)
-                    break
-            if found is _NOTHING:
-                hint = "add its path (or a parent of it) to the spec tree; the container's "
-                hint += "top-level keys are " + _top_keys(flat)
-                ctx.problem(
-                    arg, info.path, leaf, "no entry of the prefix tree covers this leaf", hint=hint
-                )
-            per_leaf.append(found)
-        for key, value in entries:
-            if key in hit_keys:
-                continue
-            if flat.children(key) is None:
-                what = "this prefix-tree entry matches nothing in the container"
-                hint = "the container's top-level keys are " + _top_keys(flat)
-                ctx.problems.append(Problem(arg, "/".join(key), what, spec=value, hint=hint))
-    if hits is not None:
-        return _plan_matched(arg, infos, arrays, spec_like, ctx, hits)
+            return _plan_matched(arg, infos, arrays, spec_like, ctx, hits)
+        return _plan_leaves(arg, infos, arrays, [spec_like] * len(arrays), ctx)
+    try:
+        items = jax.tree_util.tree_flatten_with_path(spec_like, is_leaf=is_leaf_spec)[0]
+    except Exception as e:
+        what = f"the spec {type(spec_like).__name__} could not be read as a prefix tree"
+        ctx.problems.append(Problem(arg, "", f"{what}: {type(e).__name__}: {e}"))
+        return []
+    entries = [(split_path(format_path(k)), v) for k, v in items]
+    table = dict(entries)
+    hit_keys: set[tuple[str, ...]] = set()
+    per_leaf: list[Any] = []
+    for info, leaf in zip(infos, arrays, strict=True):
+        comps = split_path(info.path)
+        found = _NOTHING
+        for n in range(len(comps), -1, -1):
+            key = comps[:n]
+            if key in table:
+                found = table[key]
+                hit_keys.add(key)
+                break
+        if found is _NOTHING:
+            hint = "add its path (or a parent of it) to the spec tree; the container's "
+            hint += "top-level keys are " + _top_keys(flat)
+            ctx.problem(
+                arg, info.path, leaf, "no entry of the prefix tree covers this leaf", hint=hint
+            )
+        per_leaf.append(found)
+    for key, value in entries:
+        if key in hit_keys:
+            continue
+        if flat.children(key) is None:
+            what = "this prefix-tree entry matches nothing in the container"
+            hint = "the container's top-level keys are " + _top_keys(flat)
+            ctx.problems.append(Problem(arg, "/".join(key), what, spec=value, hint=hint))
     return _plan_leaves(arg, infos, arrays, per_leaf, ctx)
 
 
