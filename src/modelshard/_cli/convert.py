@@ -235,13 +235,12 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     )
     source = locate(checkpoint_arg(args, args.source))
     targets, load = host_leaves(source)
-    if args.reference is None:  # every leaf under its path, '/' written as '.'
-        reference: Any = {
+    reference: Any = args.reference
+    if reference is None:  # every leaf under its path, '/' written as '.'
+        reference = {
             p.replace("/", "."): jax.ShapeDtypeStruct(shape, dt)
             for p, (shape, dt) in targets.items()
         }
-    else:
-        reference = args.reference
     table, meta, sizes = reference_table(reference)
     if args.reference is None:
         meta = {"format": "pt"}  # what transformers expects of a file it did not write
