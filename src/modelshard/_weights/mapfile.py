@@ -287,9 +287,6 @@ def load_weight_map(path: str | os.PathLike[str]) -> WeightMap:
     return parse_weight_map(data, str(p))
 
 
-CONFIG_JSON = "config.json"
-
-
 def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
     """The integer entries of the ``config.json`` beside a checkpoint (its file, index or
     directory) as sizes a mapping may name: a nested table's as ``table.name``, and
@@ -297,7 +294,7 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
     p = Path(path)
     d = p if p.is_dir() else p.parent
     try:
-        data = json.loads((d / CONFIG_JSON).read_text(encoding="utf-8"))
+        data = json.loads((d / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
     if not isinstance(data, dict):
