@@ -11,21 +11,14 @@ there is no atomic swap on object storage, so a crash in between leaves none.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._base import CheckpointError
-from .._runtime import broadcast, raise_shared
+from .._runtime import broadcast
 from .record import Record
-from .shards import marked_metadata
-from .storage import (
-    CHECKPOINT_METADATA,
-    COMMIT_FILE,
-    RECORD_FILE,
-    RECORD_ITEM,
-    STATE_ITEM,
-    is_marked,
-)
+from .shards import write_and_commit
+from .step_writer import commit_items
+from .storage import COMMIT_FILE, STATE_ITEM, is_marked
 from .urls import check_bucket, forget_listings, reaching
 
 
@@ -78,43 +71,18 @@ def _make_room(path: Any, *, overwrite: bool) -> None:
 
 
 def write_remote(path: Any, write: Any, record: Record, *, overwrite: bool) -> None:
-    """Write a checkpoint at the object-storage ``path`` in place (no rename there), as a
-    manager step's layout: ``write(path / "state")`` writes the arrays (every process),
-    then process 0 the record, the marked ``_CHECKPOINT_METADATA`` and the commit files,
-    last (see ``prepare_remote`` for an old checkpoint there). A part failing on one
-    process fails the save on every process at once."""
+    """Write a checkpoint at the object-storage ``path`` in place, as a manager step with no
+    JSON items: ``write(path / "state")`` writes the arrays (every process), then process 0
+    the record, the metadata and the commit files, last (``step_writer.commit_items``)."""
     import time
-
-    import jax
 
     start_ns = time.time_ns()
     prepare_remote(path, overwrite=overwrite)
-    failure: Exception | None = None
-    try:
-        try:
-            write(path / STATE_ITEM)
-        finally:
-            record.resolve()  # collectives over arrays spanning processes: every process
-    except Exception as e:
-        if jax.process_count() == 1:
-            raise
-        failure = e
-    raise_shared(failure, "modelshard:save:written", f"writing {path}")
-    if jax.process_index() == 0:
-        try:
-            _commit(path, record, start_ns)
-        except Exception as e:
-            failure = e
-    raise_shared(failure, "modelshard:save:end", f"committing {path}")
-
-
-def _commit(path: Any, record: Record, start_ns: int) -> None:
-    """Process 0: the record, the step's metadata and the commit files, each item's and
-    then the checkpoint's, last (``locate`` refuses a checkpoint without it)."""
-    done = f"Checkpoint commit was successful to {path}"
-    with reaching(path):
-        (path / STATE_ITEM / COMMIT_FILE).write_text(done)
-        (path / RECORD_ITEM).mkdir(parents=True, exist_ok=True)
-        (path / RECORD_ITEM / RECORD_FILE).write_text(record.dumps())
-        (path / CHECKPOINT_METADATA).write_text(json.dumps(marked_metadata(start_ns)))
-        (path / COMMIT_FILE).write_text(done)
+    write_and_commit(
+        lambda: write(path / STATE_ITEM),
+        record,
+        lambda: commit_items(path, path, record, {}, start_ns),
+        name="modelshard:save",
+        writing=f"writing {path}",
+        committing=f"committing {path}",
+    )

@@ -35,6 +35,7 @@ from .ocdbt import (
     write_array_list,
     write_spec,
 )
+from .record import Record
 from .storage import CHECKPOINT_METADATA, MARKER, TREE_METADATA, orbax_name
 from .urls import is_remote, kvstore
 
@@ -185,6 +186,37 @@ def write_held(
         failure = e
     raise_shared(failure, f"{name}:arrays", f"writing {directory}")
     finish_tree(directory, [(h.key, h.chunk, h.sharding) for h in held], start_ns)
+
+
+def write_and_commit(
+    write: Callable[[], None],
+    record: Record,
+    _commit: Callable[[], None],
+    *,
+    name: str,
+    writing: str,
+    committing: str,
+) -> None:
+    """Every process ``write``s its part and resolves ``record``'s checksums (a collective);
+    once every part is written, process 0 runs ``_commit``. A part failing on any process
+    raises one error on every process at once (exchanges ``{name}:written``, ``{name}:end``).
+    """
+    failure: Exception | None = None
+    try:
+        write()
+    except Exception as e:
+        failure = e
+    try:  # every process, whatever came before: checksums spanning processes are collectives
+        record.resolve()
+    except Exception as e:
+        failure = failure or e
+    raise_shared(failure, f"{name}:written", writing)
+    if jax.process_index() == 0:
+        try:
+            _commit()
+        except Exception as e:
+            failure = e
+    raise_shared(failure, f"{name}:end", committing)
 
 
 def finish_tree(

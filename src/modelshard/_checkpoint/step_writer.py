@@ -19,14 +19,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-
 from .._base import CheckpointError, fsync_dir, sync_tree
-from .._runtime import raise_shared
 from .items import orbax_json_items
 from .ocdbt import checkpoint_metadata
 from .record import Record
-from .shards import Held, write_held
+from .shards import Held, write_and_commit, write_held
 from .storage import (
     CHECKPOINT_METADATA,
     COMMIT_FILE,
@@ -79,58 +76,43 @@ def write_step(
         CheckpointError: a part failed, on this process or another (every process raises).
     """
     start_ns = time.time_ns()
-    alone = jax.process_count() == 1
     final = root / str(step)
-    remote = is_remote(root)
-    where = final if remote else root / f"{step}{ORBAX_TMP}"
-    failure: Exception | None = None
-    try:
-        write_held(where / STATE_ITEM, held, compress=compress, name=name)
-    except Exception as e:
-        if alone:
-            raise
-        failure = e
-    try:  # collectives over arrays spanning processes: every process, whatever came before
-        record.resolve()
-    except Exception as e:
-        if alone:
-            raise
-        failure = failure or e
-    raise_shared(failure, f"{name}:written", f"writing step {step}")
-    if jax.process_index() == 0:
-        try:
-            with reaching(where):
-                _commit(where, final, record, parts, start_ns)
-        except Exception as e:
-            if alone:
-                raise
-            failure = e
-    raise_shared(failure, f"{name}:end", f"committing step {step}")
+    where = final if is_remote(root) else root / f"{step}{ORBAX_TMP}"
+    write_and_commit(
+        lambda: write_held(where / STATE_ITEM, held, compress=compress, name=name),
+        record,
+        lambda: commit_items(where, final, record, parts, start_ns),
+        name=name,
+        writing=f"writing step {step}",
+        committing=f"committing step {step}",
+    )
 
 
-def _commit(
+def commit_items(
     where: Any, final: Any, record: Record, parts: Mapping[str, tuple[str, Any]], start_ns: int
 ) -> None:
     """Process 0: the record and JSON items, each item's commit file, the step's metadata
-    and commit file, then (locally) the rename of ``where`` to ``final``."""
-    done = f"Checkpoint commit was successful to {where}"
-    files = {RECORD_ITEM: (RECORD_FILE, record.dumps())}
-    files.update({item: (file, json.dumps(value)) for item, (file, value) in parts.items()})
-    (where / STATE_ITEM / COMMIT_FILE).write_text(done)
-    for item, (file, text) in files.items():
-        (where / item).mkdir(parents=True, exist_ok=True)
-        (where / item / file).write_text(text)
-        (where / item / COMMIT_FILE).write_text(done)
-    handlers = _handlers([STATE_ITEM, *files])
-    (where / CHECKPOINT_METADATA).write_text(
-        json.dumps(checkpoint_metadata(handlers, start_ns, MARKER))
-    )
-    (where / COMMIT_FILE).write_text(done)
-    if is_remote(where):
-        return
-    sync_tree(where)
-    os.rename(where, final)
-    fsync_dir(final.parent)
+    and commit file, then (locally) the rename of ``where`` to ``final``; ``save`` to object
+    storage too (``final`` is ``where``, no ``parts``)."""
+    with reaching(where):
+        done = f"Checkpoint commit was successful to {where}"
+        files = {RECORD_ITEM: (RECORD_FILE, record.dumps())}
+        files.update({item: (file, json.dumps(value)) for item, (file, value) in parts.items()})
+        (where / STATE_ITEM / COMMIT_FILE).write_text(done)
+        for item, (file, text) in files.items():
+            (where / item).mkdir(parents=True, exist_ok=True)
+            (where / item / file).write_text(text)
+            (where / item / COMMIT_FILE).write_text(done)
+        handlers = _handlers([STATE_ITEM, *files])
+        (where / CHECKPOINT_METADATA).write_text(
+            json.dumps(checkpoint_metadata(handlers, start_ns, MARKER))
+        )
+        (where / COMMIT_FILE).write_text(done)
+        if is_remote(where):
+            return
+        sync_tree(where)
+        os.rename(where, final)
+        fsync_dir(final.parent)
 
 
 def _handlers(items: Sequence[str]) -> dict[str, str]:

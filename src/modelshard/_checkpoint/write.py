@@ -32,7 +32,7 @@ from .._containers import split
 from .._runtime import raise_shared
 from .codec import encode, is_empty, key_impl, storable
 from .record import LeafRecord, Record, mesh_json, saved_spec, versions
-from .shards import held_sums, take, write_held
+from .shards import held_sums, take, write_and_commit, write_held
 from .storage import (
     CHECKPOINT_METADATA,
     MAX_METADATA_BYTES,
@@ -318,11 +318,7 @@ def _write_atomic(
 ) -> None:
     check_destination(path, overwrite=overwrite)
     staging = staging_dir(path)
-    old = aside_dir(path)
     primary = jax.process_index() == 0
-    # Each process's part may fail alone (process 0's folders, a full disk on one host):
-    # where a barrier would stand, the processes exchange how their part ended instead,
-    # so all raise one error at once rather than wait for the failed one.
     if primary and failure is None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,38 +327,25 @@ def _write_atomic(
             failure = e
     raise_shared(failure, "modelshard:save:start", f"preparing {staging}")
     try:
-        try:
-            write(staging)
-        finally:
-            # The checksums of arrays spanning processes are collectives: every process
-            # takes them here, its write failed or not, before process 0's branch.
-            record.resolve()
-        if primary:
-            write_durable(staging / RECORD_FILE, record.dumps())
-            fsync_dir(staging)
-    except Exception as e:
-        failure = e
-    except BaseException:
-        if primary:
-            remove_leftovers(staging)
-        raise
-    try:
-        # every part written, or nothing is committed
-        raise_shared(failure, "modelshard:save:written", f"writing {staging}")
-        if primary:
-            try:
-                _commit(path, staging, old)
-            except OSError as e:
-                failure = e
-        raise_shared(failure, "modelshard:save:end", f"committing {path}")
+        write_and_commit(
+            lambda: write(staging),
+            record,
+            lambda: _commit(path, staging, record),
+            name="modelshard:save",
+            writing=f"writing {staging}",
+            committing=f"committing {path}",
+        )
     except BaseException:
         if primary:
             remove_leftovers(staging)
         raise
 
 
-def _commit(path: Path, staging: Path, old: Path) -> None:
-    """Put the complete ``staging`` directory at ``path`` (process 0)."""
+def _commit(path: Path, staging: Path, record: Record) -> None:
+    """Process 0: the record into the complete ``staging`` directory, put at ``path``."""
+    write_durable(staging / RECORD_FILE, record.dumps())
+    fsync_dir(staging)
+    old = aside_dir(path)
     if path.exists() and _exchange(staging, path):
         old = staging  # the swap put the old checkpoint there
     else:

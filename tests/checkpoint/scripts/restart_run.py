@@ -55,10 +55,10 @@ def initial() -> dict[str, np.ndarray]:
 
 def die_while_saving(step: int, out: str) -> None:
     """SIGKILL this process when its background save of ``step`` has written its part and
-    comes to the wait before the commit (``step_writer``'s shared outcome of the writes)."""
-    from modelshard._checkpoint import step_writer
+    comes to the wait before the commit (``shards.write_and_commit``'s shared outcome)."""
+    from modelshard._checkpoint import shards
 
-    shared = step_writer.raise_shared
+    shared = shards.raise_shared
 
     def shared_or_die(failure, name, what):
         if what == f"writing step {step}":
@@ -67,7 +67,7 @@ def die_while_saving(step: int, out: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return shared(failure, name, what)
 
-    step_writer.raise_shared = shared_or_die
+    shards.raise_shared = shared_or_die
 
 
 def main() -> int:
