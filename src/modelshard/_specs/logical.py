@@ -29,7 +29,7 @@ class LogicalRules:
     ordered: bool
     source: str
     file: str | None = None
-    labels: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ()  # how errors name each pair's entry: rules['heads']
     declared: tuple[tuple[str, str], ...] = ()
 
     def __eq__(self, other: object) -> bool:
@@ -64,14 +64,9 @@ class LogicalRules:
             out[n] = (*out.get(n, ()), t)
         return out
 
-    @property
-    def entry_labels(self) -> tuple[str, ...]:
-        """How errors name each pair's entry (``rules['heads']``; else the source)."""
-        return self.labels or (self.source,) * len(self.pairs)
-
     def label(self, name: str, target: Target | None = None) -> str:
         """The entry that maps ``name`` (to ``target``, where a Flax-style name repeats)."""
-        for (n, t), lab in zip(self.pairs, self.labels, strict=False):
+        for (n, t), lab in zip(self.pairs, self.labels, strict=True):
             if n == name and (target is None or t == target):
                 return lab
         return self.source
@@ -381,18 +376,17 @@ def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
     pairs: list[tuple[str, Target]] = []
     labels: list[str] = []
     placed: set[str] = set()
-    top_labels = top.entry_labels
-    for (name, target), lab in zip(base.pairs, base.entry_labels, strict=True):
+    for (name, target), lab in zip(base.pairs, base.labels, strict=True):
         if name not in replaced:
             pairs.append((name, target))
             labels.append(lab)
         elif name not in placed:
             placed.add(name)
-            for (n, t), tl in zip(top.pairs, top_labels, strict=True):
+            for (n, t), tl in zip(top.pairs, top.labels, strict=True):
                 if n == name:
                     pairs.append((n, t))
                     labels.append(tl)
-    for (n, t), tl in zip(top.pairs, top_labels, strict=True):
+    for (n, t), tl in zip(top.pairs, top.labels, strict=True):
         if n not in placed:
             pairs.append((n, t))
             labels.append(tl)
@@ -440,7 +434,7 @@ def check_mesh_axes(rules: LogicalRules | None, mesh: Any) -> None:
     axes = [str(a) for a in mesh.axis_names]
     shown = ", ".join(map(repr, axes))
     problems = []
-    for (name, target), label in zip(rules.pairs, rules.entry_labels, strict=True):
+    for (name, target), label in zip(rules.pairs, rules.labels, strict=True):
         for axis in target:
             close = close_match(axis, axes) if axis not in axes else None
             if close is not None:
@@ -533,18 +527,13 @@ def _flax_spmd() -> Any:
 def _from_user(rules: LogicalLike) -> LogicalRules | None:
     if isinstance(rules, LogicalAxes):
         return rules.compiled
-    logical = getattr(rules, "compiled_logical", _NOT_RULES)
-    if logical is not _NOT_RULES:  # a Rules: its logical names
-        if logical is None:
-            return None
-        return dataclasses.replace(logical, source=_CONTEXT)
+    if hasattr(rules, "compiled_logical"):  # a Rules: its logical names
+        logical = rules.compiled_logical
+        return None if logical is None else dataclasses.replace(logical, source=_CONTEXT)
     compiled, problems = compile_logical(rules, _CONTEXT, arg="logical_rules", where="rules")
     if problems:
         raise SpecError(problems, header="invalid logical rules:")
     return compiled
-
-
-_NOT_RULES: Any = object()
 
 
 def active_logical() -> LogicalRules | None:
