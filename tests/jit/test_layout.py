@@ -53,6 +53,10 @@ def test_bad_arguments_are_reported(mesh8):
         ms.shard_jit(lambda a: a, mesh=mesh8, in_specs=(P(),), on_mismatch="copy")  # type: ignore[arg-type]
     with pytest.raises(ms.MeshError):
         ms.shard_jit(lambda a: a, mesh="mesh", in_specs=(P(),))
+    with pytest.raises(TypeError, match=r"shard_jit needs a callable, got 3 \(int\)"):
+        ms.shard_jit(3, mesh=mesh8, in_specs=())  # type: ignore[arg-type]
+    with pytest.raises(ms.SpecError, match=r"in_specs must be a tuple .* got str"):
+        ms.shard_jit(lambda a: a, mesh=mesh8, in_specs="a")  # type: ignore[arg-type]
     sj = ms.shard_jit(lambda a, b=1: a, mesh=mesh8, in_specs=(P(),))
     with pytest.raises(ms.SpecError, match="in_specs has 1 entries but <lambda> was called with 2"):
         sj(jnp.ones(2), 2)

@@ -52,31 +52,6 @@ class ShardJit:
         static_argnames: str | Sequence[str] = (),
         on_mismatch: Literal["move", "raise"] = "move",
     ):
-        if not callable(fn):
-            raise TypeError(
-                f"shard_jit needs a callable to compile, got {fn!r} ({type(fn).__name__}); "
-                "pass the function, or use @shard_jit(mesh=..., in_specs=...) as a decorator"
-            )
-        if mesh is not None:
-            mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
-        if on_mismatch not in ("move", "raise"):
-            raise invalid(
-                "shard_jit", "on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'"
-            )
-        if not isinstance(in_specs, Mapping | tuple | list):
-            raise invalid(
-                "shard_jit",
-                "in_specs",
-                f"in_specs must be a tuple (one entry per positional "
-                f"argument) or a dict (parameter name -> entry), got "
-                f"{type(in_specs).__name__}",
-                hint="write in_specs=(rules, P('data')) or in_specs={'state': rules}",
-            )
-        self.fn = fn
-        self.mesh = mesh
-        self.in_specs = in_specs
-        self.out_specs = out_specs
-        self.on_mismatch = on_mismatch
         self._layout = ArgumentLayout(
             fn,
             in_specs,
@@ -86,6 +61,17 @@ class ShardJit:
             static_argnums=static_argnums,
             static_argnames=static_argnames,
         )
+        if mesh is not None:
+            mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
+        if on_mismatch not in ("move", "raise"):
+            raise invalid(
+                "shard_jit", "on_mismatch", f"on_mismatch={on_mismatch!r} is not 'move' or 'raise'"
+            )
+        self.fn = fn
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.on_mismatch = on_mismatch
         self._nplain = self._layout.plain_arity
         # Compiled entries by full abstract signature (shapes and dtypes included), and the
         # same entries by structure and static values only (what each call looks up).

@@ -42,7 +42,7 @@ def _as_tuple(v: int | str | Sequence[Any]) -> tuple[Any, ...]:
 
 class ArgumentLayout:
     """``fn``'s signature with the specs, donated and static arguments, as ``Slot`` objects per
-    call; ``who`` is the wrapper its errors name."""
+    call; ``who`` is the wrapper its errors name (it checks ``fn`` and ``in_specs`` first)."""
 
     def __init__(
         self,
@@ -55,6 +55,19 @@ class ArgumentLayout:
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
     ):
+        if not callable(fn):
+            raise TypeError(
+                f"{who} needs a callable, got {fn!r} ({type(fn).__name__}); pass the function, "
+                f"or use @{who}(in_specs=..., ...) as a decorator"
+            )
+        if not isinstance(in_specs, Mapping | tuple | list):
+            raise invalid(
+                who,
+                "in_specs",
+                "in_specs must be a tuple (one spec-like per positional argument) or a dict "
+                f"(parameter name -> spec-like), got {type(in_specs).__name__}",
+                hint="write in_specs=(rules, P('data')) or in_specs={'state': rules}",
+            )
         self._fn = fn
         self._name = getattr(fn, "__name__", "fn")
         self._who = who

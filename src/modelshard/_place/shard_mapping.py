@@ -40,19 +40,7 @@ class ShardMap:
         axis_names: frozenset[str] | set[str] = frozenset(),
         check_vma: bool = True,
     ):
-        if not callable(fn):
-            raise TypeError(
-                f"shard_map needs a callable, got {fn!r} ({type(fn).__name__}); pass the "
-                "function, or use @shard_map(in_specs=..., out_specs=...) as a decorator"
-            )
-        if not isinstance(in_specs, Mapping | tuple | list):
-            raise invalid(
-                "shard_map",
-                "in_specs",
-                f"in_specs must be a tuple (one spec-like per positional argument) or a dict "
-                f"(parameter name -> spec-like), got {type(in_specs).__name__}",
-                hint="write in_specs=(rules, P('data')) or in_specs={'params': rules}",
-            )
+        self._layout = ArgumentLayout(fn, in_specs, who="shard_map")
         if mesh is not None:
             mesh_sizes(mesh)  # a typed MeshError for anything that is not a mesh
         self.fn = fn
@@ -61,7 +49,6 @@ class ShardMap:
         self.mesh = mesh
         self.axis_names = frozenset(axis_names)
         self.check_vma = check_vma
-        self._layout = ArgumentLayout(fn, in_specs, who="shard_map")
         self._entries: dict[Hashable, _Entry] = {}
         functools.update_wrapper(self, fn)
 
