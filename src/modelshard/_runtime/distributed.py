@@ -7,7 +7,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -223,10 +223,16 @@ def _abandoned(client: Any, key: str) -> bool:
     return True
 
 
-def _abandon(client: Any, key: str) -> None:
-    """Mark ``key`` as given up after a failed wait (see ``_key``)."""
-    with contextlib.suppress(Exception):  # another process marked it first
-        client.key_value_set(f"{key}/abandoned", "1")
+@contextlib.contextmanager
+def _waiting(client: Any, key: str, what: str, name: str, timeout: float) -> Iterator[None]:
+    """A wait on ``key``: if it fails, ``key`` is marked given up (see ``_key``) and
+    ``wait_failed`` raised."""
+    try:
+        yield
+    except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
+        with contextlib.suppress(Exception):  # another process marked it first
+            client.key_value_set(f"{key}/abandoned", "1")
+        raise wait_failed(what, name, timeout, e) from e
 
 
 def _client() -> Any:
@@ -270,11 +276,8 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
         multihost_utils.sync_global_devices(name)
         return
     key = _key(client, "barrier", name)
-    try:
+    with _waiting(client, key, "barrier", name, timeout):
         client.wait_at_barrier(key, _ms(timeout))
-    except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure
-        _abandon(client, key)
-        raise wait_failed("barrier", name, timeout, e) from e
 
 
 def broadcast(
@@ -305,11 +308,8 @@ def broadcast(
     if text is not None:
         client.key_value_set(key, text)
         return json.loads(text)
-    try:
+    with _waiting(client, key, "broadcast", name, timeout):
         value = json.loads(client.blocking_key_value_get(key, _ms(timeout)))
-    except Exception as e:
-        _abandon(client, key)
-        raise wait_failed("broadcast", name, timeout, e) from e
     _read(client, key, readers=jax.process_count() - 1)
     return value
 
@@ -343,11 +343,8 @@ def gather(
     key = _key(client, "gather", name)
     client.key_value_set(f"{key}/{jax.process_index()}", text)
     keys = [f"{key}/{p}" for p in range(jax.process_count())]
-    try:
+    with _waiting(client, key, "gather", name, timeout):
         out = [json.loads(client.blocking_key_value_get(k, _ms(timeout))) for k in keys]
-    except Exception as e:
-        _abandon(client, key)
-        raise wait_failed("gather", name, timeout, e) from e
     _read(client, key, readers=len(out))
     return out
 
