@@ -144,6 +144,33 @@ def main(out: str) -> None:
         with open(one, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
+    # a peft adapter: process 0 writes it, slowly here; every process returns once it exists
+    from safetensors.numpy import save_file
+
+    from modelshard._weights import peft_adapter
+
+    ref = os.path.join(out + "_peft", f"reference_{me}")
+    os.makedirs(ref, exist_ok=True)
+    save_file({"fc.weight": np.ones((4, 3), np.float32)}, os.path.join(ref, "m.safetensors"))
+    lora_b = np.full((2, 4), 3.0, np.float32)
+    tuned = {
+        "fc": {
+            "kernel": np.ones((3, 4), np.float32),
+            "lora": {"lora_a": np.ones((3, 2), np.float32), "lora_b": lora_b},
+        }
+    }
+    fc = ms.WeightMap([ms.MapRule(r"fc\.weight", "fc/kernel", transpose=(1, 0))])
+    write_adapter = peft_adapter._write_adapter
+    if me == 0:
+        peft_adapter._write_adapter = lambda *a: (time.sleep(0.5), write_adapter(*a))[1]
+    adapter = os.path.join(out + "_peft", "adapter")
+    attempt(
+        "peft",
+        lambda: ms.save_peft_adapter(adapter, tuned, reference=ref, mapping=fc, base_model="b"),
+    )
+    result["peft_files_on_return"] = sorted(os.listdir(adapter)) if os.path.isdir(adapter) else []
+    peft_adapter._write_adapter = write_adapter
+
     result["before_full"] = digest()
     if me == 1:
         os.pwrite = full

@@ -431,6 +431,16 @@ def test_every_process_writes_one_export_equal_to_a_one_process_export(two_proce
         }
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(sys.platform != "linux", reason="multi-process tests run on Linux")
+def test_every_process_returns_from_a_peft_adapter_once_its_files_exist(two_processes):
+    """Process 0 writes the adapter (slowed down here); process 1 returns only after."""
+    _, results = two_processes
+    for r in results:
+        assert r["peft"]["ok"].endswith("_peft/adapter"), r["peft"]
+        assert r["peft_files_on_return"] == ["adapter_config.json", "adapter_model.safetensors"]
+
+
 def test_a_state_with_nothing_to_write_is_refused_and_the_file_kept(tmp_path):
     p = tmp_path / "model.safetensors"
     save_file({"w": np.arange(4, dtype=np.float32)}, str(p))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .._base import MappingError, Problem, write_durable
+from .._runtime import raise_shared
 from .export import write_safetensors
 from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
@@ -140,8 +141,14 @@ def save_peft_adapter(
         "use_dora": False,
     }
     out = Path(directory)
+    failure: Exception | None = None
     if jax.process_index() == 0:  # plain files: every value was computed by every process
-        _write_adapter(out, tensors, config)
+        try:
+            _write_adapter(out, tensors, config)
+        except Exception as e:
+            failure = e
+    # every process returns once the files are there, or raises process 0's error
+    raise_shared(failure, "modelshard:peft:written", f"writing the peft adapter {out}")
     return out
 
 
