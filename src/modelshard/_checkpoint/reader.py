@@ -60,15 +60,16 @@ def shard_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
 
 
 def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding: Any) -> list[Any]:
-    """Host buffers placed on their devices by one ``device_put``: the first device adopts
-    the buffer on CPU, each other gets a copy (no two device buffers share memory)."""
+    """Host buffers placed on their devices by one ``device_put``: a CPU device adopts the
+    buffer, so each other CPU device gets a copy (no two device buffers share memory)."""
     import jax
 
     hosts, targets = [], []
     for buf, devs in zip(bufs, devices, strict=True):
         for i, device in enumerate(devs):
-            copy = buf if i == 0 else aligned_empty(buf.shape, buf.dtype)
-            if i:
+            copy = buf
+            if i and device.platform == "cpu":
+                copy = aligned_empty(buf.shape, buf.dtype)
                 copy[...] = buf
             hosts.append(copy)
             targets.append(
