@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import re
@@ -12,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._base import MeshError, dtype_name, size_in_bytes
+from .._base import MeshError, close_match, dtype_name, size_in_bytes
 from .._checkpoint import manager_step
 from .._specs import load_rules
 from .output import say
@@ -68,7 +67,7 @@ def float_dtype(text: str) -> str:
         dt = jnp.dtype(text)
     except (TypeError, ValueError):
         guess = _FLOAT_ALIASES.get(text.strip().lower())
-        guess = guess or next(iter(difflib.get_close_matches(text, _FLOAT_NAMES, 1)), None)
+        guess = guess or close_match(text, _FLOAT_NAMES, cutoff=0.6)
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a dtype name; "
             + (f"did you mean {guess}?" if guess else "choose e.g. bfloat16, float16 or float32")
