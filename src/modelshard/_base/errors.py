@@ -19,6 +19,11 @@ class ModelshardError(Exception):
 
     __module__ = "modelshard"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__:  # this module's errors: modelshard.SpecError
+            cls.__module__ = "modelshard"
+
     def to_json(self) -> dict[str, Any]:
         """The error as a JSON-ready dict: ``{"type": "SpecError", "message": ...}``
         (``SpecError`` adds ``problems``); what the CLI prints with ``--json``."""
@@ -295,7 +300,6 @@ class SpecError(ModelshardError, ValueError):
         site: where in the user's code the specs were applied, when not the call that raised.
     """
 
-    __module__ = "modelshard"
     noun = "sharding problem"  # what a problem is called in the summary line
 
     def __init__(
@@ -388,8 +392,6 @@ class FitError(SpecError):
         advice: the ``FitAdvice`` (its JSON is ``to_json``'s ``advice``).
     """
 
-    __module__ = "modelshard"
-
     def __init__(self, problems: Sequence[Problem], advice: Any, header: str | None = None):
         super().__init__(problems, header=header)
         self.advice = advice
@@ -403,39 +405,28 @@ class FitError(SpecError):
 class ShardingMismatchError(SpecError):
     """An input's current sharding differs from the planned one and moving it was refused."""
 
-    __module__ = "modelshard"
-
 
 class MappingError(SpecError):
     """A weight mapping that does not fit its source or target, every problem listed (paths
     are ``source:NAME``, ``target:PATH`` and ``mapping:rules[i]``)."""
 
-    __module__ = "modelshard"
     noun = "mapping problem"
 
 
 class AdapterError(ModelshardError, TypeError):
     """A container type is unknown, registered twice, or its adapter misbehaved."""
 
-    __module__ = "modelshard"
-
 
 class MeshError(ModelshardError, ValueError):
     """A mesh cannot be built, or an operation needs a concrete mesh and got another."""
-
-    __module__ = "modelshard"
 
 
 class AssembleError(ModelshardError, ValueError):
     """Local pieces that cannot form one global array (mismatched structure, shape or dtype)."""
 
-    __module__ = "modelshard"
-
 
 class CheckpointError(ModelshardError, ValueError):
     """A checkpoint that is missing, damaged, or does not match the requested target."""
-
-    __module__ = "modelshard"
 
 
 class ForeignStepError(CheckpointError):
@@ -445,8 +436,6 @@ class ForeignStepError(CheckpointError):
     Attributes:
         step: the step number refused.
     """
-
-    __module__ = "modelshard"
 
     def __init__(self, message: str, *, step: int) -> None:
         super().__init__(message)
@@ -463,8 +452,6 @@ class ForeignStepsWarning(UserWarning):
 class DistributedError(ModelshardError, ValueError):
     """A malformed or late multi-process setting, or a value spanning other processes'
     devices where this process needs all of it."""
-
-    __module__ = "modelshard"
 
 
 class PartialRestoreWarning(UserWarning):
