@@ -394,21 +394,17 @@ def refused_by_jax(leaf: np.ndarray | np.generic) -> tuple[str, str] | None:
             "a NumPy masked array cannot be placed on devices",
             "JAX does not support masked arrays; pass arr.filled(...) instead",
         )
-    try:
-        return _REFUSED[leaf.dtype]
-    except KeyError:
-        pass
-    try:
-        jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
-        refused = None
-    except TypeError:
-        refused = (
-            f"dtype {leaf.dtype} cannot be placed on devices",
-            "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
-            "it out of the container",
-        )
-    _REFUSED[leaf.dtype] = refused
-    return refused
+    if leaf.dtype not in _REFUSED:
+        try:
+            jax.typeof(np.zeros((), leaf.dtype))  # JAX's own check, once per dtype
+            _REFUSED[leaf.dtype] = None
+        except TypeError:
+            _REFUSED[leaf.dtype] = (
+                f"dtype {leaf.dtype} cannot be placed on devices",
+                "JAX arrays hold booleans and numbers; convert it with .astype(...) or keep "
+                "it out of the container",
+            )
+    return _REFUSED[leaf.dtype]
 
 
 UNMATCHED = "unmatched (replicated, strict=False)"  # a plan row's rule: nothing placed it
