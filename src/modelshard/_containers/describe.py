@@ -1,8 +1,10 @@
-"""What a leaf is and what it is called: array leaves, canonical paths, metadata boxes."""
+"""What a leaf is and what it is called: array leaves, canonical paths, metadata boxes, and
+the container types that are one leaf wherever they appear (split by their own adapter)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -12,7 +14,6 @@ from jax.tree_util import DictKey
 
 from .._base import format_path, join
 from .._internals import ArrayImpl
-from .nesting import nested_types
 
 # Exact types known to be array leaves, and known not to be (both learned by is_array):
 # describing big trees and flattening shard_jit arguments check these sets first.
@@ -261,3 +262,52 @@ def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[An
         return names
     targets = [table.get(n, n) if isinstance(n, str) else n for n in names]
     return tuple(tuple(t) if isinstance(t, list) else t for t in targets)
+
+
+# The registered container types split by their own adapter wherever they appear (the
+# registry installs its answer).
+_source: Callable[[], tuple[type, ...]] = tuple
+# Per type: whether it is a nested type's subclass, for the types it was computed against
+# (``isinstance`` against ABC-based classes runs Python code, and flattening asks per node).
+_memo: tuple[tuple[type, ...], dict[type, bool]] = ((), {})
+
+
+def install(source: Callable[[], tuple[type, ...]]) -> None:
+    """Make ``source()`` the answer of ``nested_types`` (the registry calls this once)."""
+    global _source
+    _source = source
+
+
+def nested_types() -> tuple[type, ...]:
+    """The registered container types split by their own adapter wherever they appear."""
+    return _source()
+
+
+def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
+    """An ``is_leaf`` true for instances of ``nested_types`` other than ``root`` (None: none)."""
+    global _memo
+    stop = _source()
+    if not stop:
+        return None
+    if _memo[0] is not stop:
+        _memo = (stop, {})
+    memo = _memo[1]
+    get = memo.get
+
+    def is_nested(x: Any) -> bool:
+        hit = get(type(x))
+        if hit is None:
+            hit = memo[type(x)] = isinstance(x, stop)
+        return hit and x is not root
+
+    return is_nested
+
+
+def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
+    """``jax.tree_util.tree_flatten(obj)``, a nested container below the root one leaf."""
+    return jax.tree_util.tree_flatten(obj, is_leaf=nested_leaf(obj))
+
+
+def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
+    """The inverse of ``flatten_pytree``."""
+    return jax.tree_util.tree_unflatten(aux, leaves)

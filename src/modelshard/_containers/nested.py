@@ -8,8 +8,7 @@ from typing import Any, NamedTuple
 
 from .._base import AdapterError, join
 from .adapter_base import Adapter
-from .describe import ARRAY_TYPES, LeafInfo, numbers_to_arrays
-from .nesting import nested_leaf, nested_types
+from .describe import ARRAY_TYPES, LeafInfo, nested_leaf, nested_types, numbers_to_arrays
 from .registry import get_adapter
 
 

@@ -9,8 +9,7 @@ from typing import Any
 import jax
 
 from .adapter_base import Adapter
-from .describe import LeafInfo, describe_pytree
-from .nesting import nested_leaf
+from .describe import LeafInfo, describe_pytree, nested_leaf
 
 
 @dataclasses.dataclass(frozen=True)

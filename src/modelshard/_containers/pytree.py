@@ -10,8 +10,7 @@ import jax
 
 from .._base import AdapterError
 from .adapter_base import Adapter
-from .describe import LeafInfo, describe_pytree
-from .nesting import flatten_pytree, unflatten_pytree
+from .describe import LeafInfo, describe_pytree, flatten_pytree, unflatten_pytree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from .adapter_base import Adapter
-from .describe import LeafInfo, describe_pytree
-from .nesting import flatten_pytree, unflatten_pytree
+from .describe import LeafInfo, describe_pytree, flatten_pytree, unflatten_pytree
 
 
 @dataclasses.dataclass(frozen=True)

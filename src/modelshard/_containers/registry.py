@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .._base import AdapterError
-from . import nesting
+from . import describe
 from .adapter_base import Adapter
 from .nnx import NnxModuleAdapter
 from .penzai import NamedArrayAdapter, PenzaiVariableAdapter
@@ -104,7 +104,7 @@ def optax_kind(ty: type) -> bool:
 
 
 REGISTRY = _Registry()
-nesting.install(REGISTRY.nested)
+describe.install(REGISTRY.nested)
 
 
 def register_container(
