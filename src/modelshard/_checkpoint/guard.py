@@ -27,20 +27,7 @@ import signal
 import sys
 import threading
 import weakref
-from typing import Any, Protocol
-
-
-class Watched(Protocol):
-    """What the guard needs from a manager."""
-
-    def pending_step(self) -> int | None: ...
-
-    def unfinished_step(self) -> int | None: ...
-
-    def finish(self) -> None: ...
-
-    def has_polled(self) -> bool: ...
-
+from typing import Any
 
 _lock = threading.RLock()
 _live: weakref.WeakSet[Any] = weakref.WeakSet()

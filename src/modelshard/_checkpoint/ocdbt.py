@@ -312,16 +312,6 @@ def _databases(tree_dir: Tree) -> list[str]:
     return sorted({k.decode().split("/", 1)[0] for k in keys if b"/" in k})
 
 
-def unmerged(tree_dir: Tree) -> bool:
-    """Whether ``tree_dir`` holds per-process databases but no root manifest: a finalize
-    that did not merge them (the arrays are there, unindexed)."""
-    import tensorstore as ts
-
-    base = _base(tree_dir)
-    store = ts.KvStore.open({**base, "path": base["path"].rstrip("/") + "/"}).result()
-    return store.read(OCDBT_MANIFEST).result().state == "missing" and bool(_databases(tree_dir))
-
-
 def merge(tree_dir: Tree, names: Iterable[str]) -> None:
     """Orbax's finalize of an OCDBT save: every ``ocdbt.process_<i>`` database under
     ``tree_dir`` (a local path or a kvstore) copied into the root's, in one atomic

@@ -15,13 +15,12 @@ from .items import extras_json
 from .listing import manager_step
 from .reader import ArrayReader, check_holdable
 from .record import parse_dtype
-from .remote import write_remote
 from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree, reader_context
 from .stream import Stream
 from .urls import is_remote, location
-from .write import check_compression, check_destination, write_atomic
+from .write import check_compression, check_destination, write_checkpoint
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -169,10 +168,7 @@ def reshard(
         compression=compression,
         values=record.values,  # the Python values (an epoch, a name) go with the arrays
     )
-    if is_remote(out_path):
-        write_remote(out_path, stream.write, stream.record, overwrite=overwrite)
-    else:
-        write_atomic(out_path, stream.write, stream.record, overwrite=overwrite)
+    write_checkpoint(out_path, stream.write, stream.record, overwrite=overwrite)
     return out_path
 
 

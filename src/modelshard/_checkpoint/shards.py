@@ -115,7 +115,7 @@ def _on_cpu(x: jax.Array) -> bool:
     return next(iter(x.sharding.device_set)).platform == "cpu"
 
 
-def _settle(futures: Sequence[Any]) -> None:
+def settle(futures: Sequence[Any]) -> None:
     """Wait for each of ``futures`` (TensorStore's), whatever it ends in."""
     for f in futures:
         with contextlib.suppress(Exception):  # the error on its way out is the one to report
@@ -159,7 +159,7 @@ def _write_blocks(directory: Any, process: int, held: Sequence[Held], compress: 
     finally:
         # On the way out with an error, writes in flight end first: none may land in a
         # staging directory after the caller has removed it.
-        _settle([*opening, *writes])
+        settle([*opening, *writes])
     if local:
         sync_tree(str(directory / f"ocdbt.process_{process}"))
 

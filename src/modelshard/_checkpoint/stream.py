@@ -30,7 +30,6 @@ the least loaded), and process 0 writes the metadata and the record once all are
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import math
@@ -50,8 +49,7 @@ from .codec import bitcast, encode, is_empty, parse_dtype
 from .ocdbt import context, write_array_list, write_spec
 from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, versions
-from .remote import write_remote
-from .shards import finish_tree
+from .shards import finish_tree, settle
 from .slabs import (
     Layout,
     StreamLeaf,
@@ -63,7 +61,7 @@ from .slabs import (
 )
 from .storage import PART_FILE, check_names, nest, orbax_name
 from .urls import is_remote, kvstore, location
-from .write import check_compression, check_destination, write_atomic
+from .write import check_compression, write_checkpoint
 
 DEFAULT_SLAB_BYTES = 16 << 20
 """Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
@@ -245,7 +243,7 @@ def _copy_all(
         # On the way out with an error (Ctrl-C among them), TensorStore's creations and
         # writes still in flight end first: none may land in the staging directory after
         # the caller has removed it.
-        _settle([*opening, *(f for f, _ in writing)])
+        settle([*opening, *(f for f, _ in writing)])
     if failed:
         if len(failed) == 1:
             raise next(iter(failed.values()))
@@ -253,13 +251,6 @@ def _copy_all(
     if local and layouts:
         sync_tree(store_dir)
     return out
-
-
-def _settle(futures: Sequence[Any]) -> None:
-    """Wait for each of ``futures`` (TensorStore's), whatever it ends in."""
-    for f in futures:
-        with contextlib.suppress(Exception):  # the error on its way out is the one to report
-            f.result()
 
 
 def _stored(layouts: Sequence[Layout]) -> list[Layout]:
@@ -441,9 +432,5 @@ def write_stream(
         compression=compression,
     )
     path = location(directory)
-    if is_remote(path):
-        write_remote(path, stream.write, stream.record, overwrite=overwrite)
-        return stream.record
-    check_destination(path, overwrite=overwrite)
-    write_atomic(path, stream.write, stream.record, overwrite=overwrite)
+    write_checkpoint(path, stream.write, stream.record, overwrite=overwrite)
     return stream.record

@@ -32,6 +32,7 @@ from .._containers import split
 from .._runtime import raise_shared
 from .codec import encode, is_empty, key_impl, storable
 from .record import LeafRecord, Record, mesh_json, saved_spec, versions
+from .remote import write_remote
 from .shards import held_sums, take, write_and_commit, write_held
 from .storage import (
     CHECKPOINT_METADATA,
@@ -248,16 +249,20 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def write_atomic(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
-    """Write a checkpoint into a staging directory, add the record, then rename it into place.
+def write_checkpoint(path: Path, write: Any, record: Record, *, overwrite: bool) -> None:
+    """Write a checkpoint: ``write(directory)`` its arrays (every process), then the record.
 
-    A crash at any point leaves an existing checkpoint at ``path`` untouched; with
-    ``overwrite`` the old one is renamed aside only once the new one is complete. Saves
-    into one parent directory take turns (an flock on it): two saves of one path would
-    otherwise write into the same staging directory.
+    Locally into a staging directory renamed into place: a crash at any point leaves an
+    existing checkpoint at ``path`` untouched; with ``overwrite`` the old one is renamed aside
+    only once the new one is complete. Saves into one parent directory take turns (an flock
+    on it): two saves of one path would otherwise share a staging directory. On object
+    storage in place (``remote.write_remote``).
     """
     import fcntl
 
+    if is_remote(path):
+        write_remote(path, write, record, overwrite=overwrite)
+        return
     lock = None
     failure: OSError | None = None  # told to every process at the start of the write
     if jax.process_index() == 0:
@@ -432,10 +437,5 @@ def save(
     def write(d: Any) -> None:
         write_held(d, held, compress=compress)
 
-    if is_remote(path):
-        from .remote import write_remote
-
-        write_remote(path, write, record, overwrite=overwrite)
-    else:
-        write_atomic(path, write, record, overwrite=overwrite)
+    write_checkpoint(path, write, record, overwrite=overwrite)
     return path
