@@ -45,14 +45,15 @@ _PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
 _JAX = str(Path(jax.__file__).resolve().parent) + os.sep
 
 
-def _where(frame: FrameType) -> str:
+def _where(frame: FrameType, function: bool = False) -> str:
+    """``model.py:42`` (with ``function``: ``model.py:42 in f``), relative where it can be."""
     path = frame.f_code.co_filename
     try:
         rel = os.path.relpath(path)
         path = rel if not rel.startswith("..") else path
     except ValueError:  # another drive (Windows)
         pass
-    return f"{path}:{frame.f_lineno}"
+    return f"{path}:{frame.f_lineno}" + (f" in {frame.f_code.co_qualname}" if function else "")
 
 
 def _traced(tree: Any) -> bool:
@@ -77,7 +78,7 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
     frame = _caller(stacklevel)
     if frame is None:
         return None
-    out = f"constrain at {_where(frame)} in {frame.f_code.co_qualname}"
+    out = f"constrain at {_where(frame, function=True)}"
     if not traced:
         return out
     outer = _traced_function(frame)
@@ -293,9 +294,7 @@ def _record(
 ) -> None:
     if name is None:
         frame = _caller(stacklevel)
-        name = (
-            f"{_where(frame)} in {frame.f_code.co_qualname}" if frame is not None else "constrain"
-        )
+        name = _where(frame, function=True) if frame is not None else "constrain"
     sizes = mesh_sizes(mesh)
     written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
     for leaf in leaves:

@@ -83,11 +83,9 @@ class Plan:
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
         """The (cached) ``NamedSharding`` of ``spec`` on this plan's mesh."""
         key = tuple(spec)
-        try:
-            return self._shardings[key]
-        except KeyError:
-            s = self._shardings[key] = NamedSharding(self.mesh, spec)
-            return s
+        if key not in self._shardings:
+            self._shardings[key] = NamedSharding(self.mesh, spec)
+        return self._shardings[key]
 
     def flat_shardings(self, arg: int = 0) -> list[NamedSharding]:
         """One ``NamedSharding`` per array leaf of argument ``arg``, in flatten order."""

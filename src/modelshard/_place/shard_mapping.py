@@ -247,14 +247,12 @@ def shard_map(
         (16, 2)
     """
 
-    def wrap(f: Callable[..., Any]) -> ShardMap:
-        return ShardMap(
-            f,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            mesh=mesh,
-            axis_names=axis_names,
-            check_vma=check_vma,
-        )
-
-    return wrap if fn is None else wrap(fn)
+    make = functools.partial(
+        ShardMap,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        mesh=mesh,
+        axis_names=axis_names,
+        check_vma=check_vma,
+    )
+    return make if fn is None else make(fn)
