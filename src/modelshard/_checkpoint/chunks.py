@@ -1,17 +1,10 @@
 """The stored chunk shape of each array: one that a restore onto halves or quarters of any
 dimension reads without waste.
 
-TensorStore reads a stored (zarr v2) chunk whole. Orbax stores each shard as written as
-one chunk, so an array saved split by columns and restored split by rows had every process
-read every chunk whole: twice its share on two processes. Chunks here tile the shard as
-written and also line up with the halves, then the quarters, of every dimension of the
-array (the splits a restore onto another mesh most often asks for), as long as a chunk
-keeps ``MIN_CHUNK_BYTES``: below that the number of chunks, not their bytes, is what a
-read costs, and a whole small array is a small read anyway.
-
-``shards.py`` (``save``, a manager step) and ``stream.py`` (``reshard``) store each array in
-these chunks: the files are Orbax's own format, only with smaller chunks, and any reader
-(plain Orbax included) reads them.
+TensorStore reads a stored chunk whole, and Orbax stores each shard as one chunk. Chunks here
+tile the shard as written and also line up with the halves, then the quarters, of every
+dimension, as long as a chunk keeps ``MIN_CHUNK_BYTES`` (below that, the number of chunks is
+what a read costs). Any reader, plain Orbax included, reads them.
 """
 
 from __future__ import annotations

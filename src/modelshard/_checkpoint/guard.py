@@ -1,22 +1,16 @@
 """Exit safety: no asynchronous save is lost, silently or otherwise, when the process ends.
 
-Why not ``atexit``: Python 3.12 forbids new threads once the interpreter starts to
-finalize, and Orbax's background save needs new threads and executor tasks to finish, so
-a save still in flight at that point fails in its thread, and the waiting signalling
-client can hang for minutes. The pending saves must therefore be finished while the
-interpreter is still whole. Three moments are watched, for every live manager:
+Not ``atexit``: Python 3.12 starts no thread once the interpreter finalizes, and a save in
+flight needs threads to finish. Three moments are watched, for every live manager:
 
-- the end of the ``__main__`` module, normal or by an exception (``sys.exit``, an
-  uncaught error): ``sys.monitoring`` reports the module frame's return (a local event on
-  that one code object, free elsewhere) and its unwinding;
+- the end of the ``__main__`` module, normal or by an exception (``sys.monitoring``);
 - SIGTERM and SIGINT, through our handler (see ``on_signal``);
-- the interpreter's own shutdown, if neither came first (a REPL, an embedding): then
-  finishing is impossible, so the lost steps are printed and the exit status is 1.
+- the interpreter's own shutdown, if neither came first (a REPL, an embedding): finishing
+  is impossible then, so the lost steps are printed and the exit status is 1.
 
 A stop request (the first SIGTERM/SIGINT while a training loop polls
-[`should_save`][modelshard.CheckpointManager.should_save]) is a preemption: the loop saves its
-current step, and when the main module ends the process exits with ``128 + signal``, as
-an unhandled signal would, so schedulers see the truth.
+[`should_save`][modelshard.CheckpointManager.should_save]) is a preemption: the loop saves
+its current step, and the process exits with ``128 + signal`` when the main module ends.
 """
 
 from __future__ import annotations

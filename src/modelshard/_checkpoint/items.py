@@ -1,25 +1,12 @@
 """Named items saved beside the sharded state: configs, data iterator states, RNG keys.
 
-A step of a [`CheckpointManager`][modelshard.CheckpointManager] holds, besides the sharded arrays, one
-small JSON document of named items, written inside the same Orbax step (so it appears
-with the arrays or not at all). Each item is one of:
-
-- JSON (dicts with string keys, lists, strings, finite or infinite numbers, bools, None);
-- a data iterator with ``get_state()`` / ``set_state(state)`` (grain's ``DatasetIterator``
-  and ``DataLoader`` iterators; bytes states are kept as base64);
-- a JAX PRNG key, typed (``jax.random.key``) or raw (``jax.random.PRNGKey``).
-
-Everything is checked before any byte of the step is written; the error lists every item
-that cannot be stored.
-
-Each JSON item is also written as an item of the step of its own, ``<name>/metadata``,
-as Orbax's ``ocp.args.JsonSave`` writes it (``orbax_json_items``), so that a job going back
-to Orbax's own ``CheckpointManager`` reads it with ``ocp.args.JsonRestore()``; the manager
-itself reads ``items.json`` only.
-
-A step Orbax's own ``CheckpointManager`` wrote (which the manager lists and restores) has
-no such document: its items are those of its ``args.Composite`` written with
-``ocp.args.JsonSave``, each an item folder holding one JSON file (``orbax_items``).
+A [`CheckpointManager`][modelshard.CheckpointManager] step holds one small JSON document of
+named items, written inside the step (so it appears with the arrays or not at all). Each
+item is JSON, a data iterator with ``get_state()`` / ``set_state(state)`` (grain's; bytes
+states kept as base64) or a JAX PRNG key, typed or raw; all are checked before any byte of
+the step is written. Each JSON item is also written as Orbax's ``ocp.args.JsonSave`` writes
+it (``orbax_json_items``), for Orbax's own manager; a step Orbax wrote has its items that
+way only (``orbax_items``).
 """
 
 from __future__ import annotations

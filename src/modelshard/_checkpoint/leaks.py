@@ -1,19 +1,10 @@
-"""What TensorStore leaks on every save and restore, and what modelshard does about it.
+"""A TensorStore reference leak on every restore through Orbax's spec, undone.
 
-TensorStore turns its JSON into Python in one function, ``JsonToPyObject``
-(``python/tensorstore/json_type_caster.cc``, TensorStore 0.1.86, the newest release): for a
-JSON object it builds each key and value and hands them to ``PyDict_SetItem`` after
-``.release()``, but ``PyDict_SetItem`` takes new references of its own instead of stealing
-them. So every key and every value of every dict TensorStore gives Python (``to_json()``,
-``experimental_collect_matching_metrics()``) keeps one reference too many and is never
-freed, with everything it holds.
-
-Orbax's ``build_kvstore_tspec`` resolves each array's kvstore spec with
-``ts.KvStore.Spec(base_driver_spec).to_json()`` (orbax-checkpoint 0.12.8): four strings a
-leaf, the checkpoint's path among them, on every restore through Orbax's spec
-(``sources.array_spec``: checkpoints not in zarr v2 OCDBT). ``stop_leaks`` makes ``to_json``
-of ``ts.KvStore.Spec`` and ``ts.Spec`` give back the reference each key and value kept. The second is installed only where a probe conversion shows that extra
-reference, so a TensorStore without the bug is left as it is.
+TensorStore's ``JsonToPyObject`` (0.1.86) hands each key and value of a JSON object to
+``PyDict_SetItem``, which does not steal them: every dict ``to_json()`` gives keeps one
+reference too many. Orbax (0.12.8) calls ``ts.KvStore.Spec(...).to_json()`` for each array
+it reads (``sources.array_spec``). ``stop_leaks`` makes ``to_json`` of ``ts.KvStore.Spec``
+and ``ts.Spec`` drop that reference, only where a probe conversion shows it.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Orbax's layout of a checkpoint, built without importing Orbax: the one module that knows
 it, on a local disk and on object storage alike.
 
-A checkpoint of modelshard's is Orbax's own format: zarr v2 arrays in an OCDBT database,
-one per writing process (``ocdbt.process_<i>/``) merged into the checkpoint's root once all
-are written, beside Orbax's metadata files. Orbax's import is about 0.2 s of a fresh
-process (``modelshard reshard``, a job restoring once), although the bytes go through
-TensorStore either way. So what Orbax would give is built here as plain JSON, each equal
-to Orbax's own (``tests/checkpoint/test_ocdbt.py`` compares them for every stored dtype,
-both encodings, both axis types, one and two processes, a local disk, ``gs://`` and
-``s3://``). Where the arrays live is a TensorStore kvstore, ``urls.kvstore``'s (a local
-directory may be given as its path):
-
-- ``read_spec``, ``write_spec``: the TensorStore specs Orbax's read and write paths open
-  for one array (``ArrayReadSpec``, ``ArrayWriteSpec``);
-- ``context``: Orbax's TensorStore context (``get_ts_context``);
-- ``sharding_json`` / ``sharding_file``: Orbax's ``_sharding`` file
-  (``NamedShardingMetadata.to_serialized_string`` per array);
-- ``tree_metadata``, ``array_metadatas`` (``write_array_list``), ``checkpoint_metadata``:
-  the ``_METADATA``, ``array_metadatas/process_<i>`` and ``_CHECKPOINT_METADATA`` files of a
-  PyTree save;
-- ``merge``: Orbax's finalize of an OCDBT save (``merge_ocdbt_per_process_files``), each
-  process's database copied into the root's in one atomic transaction, after the same
-  check (every array has its zarr metadata and chunks);
-- ``lost_files``: the files a local database's index refers to that are missing or cut
-  short (the index's nodes read, each file stat'ed; no chunk read).
+A checkpoint is Orbax's own format: zarr v2 arrays in an OCDBT database per writing process
+(``ocdbt.process_<i>/``), merged into the root's once all are written, beside Orbax's
+metadata files. Each JSON file and TensorStore spec built here equals Orbax's own
+(``tests/checkpoint/test_ocdbt.py`` compares them), so Orbax's import (a fresh process's
+slowest) is left to checkpoints it alone can read. Where the arrays live is a TensorStore
+kvstore, ``urls.kvstore``'s (a local directory may be given as its path).
 """
 
 from __future__ import annotations

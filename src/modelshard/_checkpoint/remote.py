@@ -1,12 +1,10 @@
-"""``save`` to object storage (``gs://``, ``s3://``): no directory can be renamed there.
+"""``save`` to object storage (``gs://``, ``s3://``), where no directory can be renamed.
 
-On a local disk ``save`` writes into a staging directory and renames it (see
-`write.py`). Object stores have no rename, so there the checkpoint is written where it
-belongs, as two items, ``state/`` (the arrays) and ``modelshard/modelshard.json`` (the
-record), the layout of a manager step that `sources.locate` reads. The commit file
-(``storage.COMMIT_FILE``, Orbax's) is written last; a checkpoint without it is incomplete
-and ``locate`` refuses it. ``overwrite`` removes the old checkpoint first (only one modelshard wrote):
-there is no atomic swap on object storage, so a crash in between leaves none.
+The checkpoint is written where it belongs, as a manager step with no JSON items (``state/``
+and ``modelshard/modelshard.json``, as ``sources.locate`` reads it), its commit file
+(``storage.COMMIT_FILE``) last: ``locate`` refuses one without it. ``overwrite`` removes the
+old checkpoint first (only one modelshard wrote): with no atomic swap, a crash in between
+leaves none.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """``s3://`` under Orbax: the TensorStore kvstore spec of an S3 checkpoint.
 
-Orbax (0.12.8) builds every TensorStore spec it reads or writes through
-``tensorstore_utils.build_kvstore_tspec``, which knows ``gs://`` (a ``gcs`` kvstore) and
-treats anything else as a local file path: ``os.path.normpath`` turns ``s3://bucket/x``
-into ``s3:/bucket/x`` and the save fails ("Checkpoint path should be absolute") or writes
-a local ``./s3:`` folder. ``enable`` wraps that one function, and only for directories
-that start with ``s3://``: the wrapper asks Orbax for the spec of the same key under
-``gs://`` (so OCDBT, per-process folders, read coalescing and file sizes stay the ones
-Orbax chose for object storage) and swaps its ``gcs`` kvstore for an ``s3`` one with the
-same bucket and path. Any other directory reaches Orbax untouched. The wrapper is
-installed once, only while this Orbax still mangles s3 URLs (``orbax_handles_s3``), and
-refuses a spec it does not recognise rather than guess where the bytes would go.
+Orbax (0.12.8) builds its TensorStore specs in ``tensorstore_utils.build_kvstore_tspec``,
+which knows ``gs://`` and takes anything else for a local path (``s3://b/x`` becomes
+``s3:/b/x``). ``enable`` wraps it for ``s3://`` directories only, while this Orbax still
+needs it (``orbax_handles_s3``): the spec Orbax gives the same key under ``gs://``, with its
+``gcs`` kvstore swapped for an ``s3`` one; a spec it does not recognise is refused.
 
-TensorStore's s3 driver does not read ``AWS_ENDPOINT_URL`` (TensorStore 0.1.86 asks
-amazonaws.com whatever it says), while botocore, hence s3fs and ``etils.epath``, does. So
-``kvstore_spec`` reads the endpoint from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``
-(botocore's order) when each spec is built, and both clients reach the same server.
+TensorStore's s3 driver (0.1.86) ignores ``AWS_ENDPOINT_URL``, which botocore (s3fs,
+``etils.epath``) reads, so ``kvstore_spec`` passes ``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL`` on (botocore's order): both clients reach the same server.
 """
 
 from __future__ import annotations

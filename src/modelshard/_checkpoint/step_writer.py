@@ -1,14 +1,13 @@
 """One step of a [`CheckpointManager`][modelshard.CheckpointManager], written by every
-process: the arrays through ``shards`` (as ``save`` writes them), then the JSON items and
-the step's metadata, committed last.
+process: the arrays through ``shards``, then the record, the JSON items and the step's
+metadata, committed last (``shards.write_and_commit``).
 
 A step holds the items ``state`` (the arrays), ``modelshard`` (the record), ``items`` and
-``metrics`` (small JSON), and each JSON item again as Orbax's own manager reads it
-(``items.orbax_json_items``); its ``_CHECKPOINT_METADATA`` names each item's Orbax
-handler, so Orbax's ``CheckpointManager`` reads the step as one of its own. Locally the
-step is written into ``<step>.orbax-checkpoint-tmp`` and renamed into place; on object
-storage in place, committed by its commit file, written last. Under several processes a
-part failing on one process fails the step on every process at once.
+``metrics`` (small JSON), and each JSON item again as Orbax's own manager reads it; its
+``_CHECKPOINT_METADATA`` names each item's Orbax handler, so Orbax's ``CheckpointManager``
+reads the step as one of its own. Locally the step is written into
+``<step>.orbax-checkpoint-tmp`` and renamed; on object storage in place, committed by its
+commit file, written last.
 """
 
 from __future__ import annotations

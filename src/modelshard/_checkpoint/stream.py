@@ -1,30 +1,16 @@
 """Writing a checkpoint from a stream of leaves, a slab at a time, through TensorStore.
 
 ``write_stream`` is what ``reshard`` (and ``modelshard convert``) write with. Each leaf comes
-as a `StreamLeaf`: its canonical path, shape, dtype, spec and a function that reads any box
-of it. It is copied into the new checkpoint one slab (a box of the leaf) at a time, the next
-slab read while the last is written, so host memory stays near a few slabs however large a
-leaf is. Nothing is placed on the mesh's devices.
+as a `StreamLeaf` (its path, shape, dtype, spec and a function that reads any box of it) and
+is copied one slab at a time (laid out by ``slabs.py``), the next slab read while the last is
+written, so host memory stays near a few slabs however large a leaf is. Nothing is placed on
+the mesh's devices. The result is the checkpoint ``save`` writes, Orbax's format through
+``ocdbt.py``'s specs; each process's store is synced once, whole, after its last slab.
 
-The result is the checkpoint ``save`` writes, readable by raw Orbax: every array is created
-with Orbax's own TensorStore spec (``ArrayWriteSpec``) in the OCDBT store of the process
-that writes it (``ocdbt.process_<i>``), the metadata files Orbax keeps beside the arrays
-(``_METADATA``, ``_sharding``, ``array_metadatas/``, ``_CHECKPOINT_METADATA``) are written
-here in Orbax's format, and Orbax's finalize step merges the per-process stores. All of
-it comes from ``ocdbt.py`` (the same JSON, the same merge), on a local disk and on object
-storage alike: Orbax is not imported.
-TensorStore writes a process's store without syncing it at each commit (each slab's write
-is one); the store is synced once, whole, when its last slab is written, before anything
-is published.
-
-Slabs and chunks are laid out by ``slabs.py`` (``slab_plan``): slabs follow the producer's
-own blocks, and the new array is stored in chunks that tile both its slabs and its shards.
-
-Checksums are summed slab by slab on the host (``checksum.box_sums``, on
-``checksum.host_workers``), while TensorStore reads and writes. A leaf given an expected checksum (``reshard`` passes the source's) is
-verified on the way; every mismatch is reported, with its leaf, before anything is
-published. Under several processes each writes a share of the leaves (largest first, to
-the least loaded), and process 0 writes the metadata and the record once all are done.
+Checksums are summed slab by slab on the host workers; a leaf given an expected checksum
+(``reshard`` passes the source's) is verified, and every mismatch is reported before
+anything is published. Under several processes each writes a share of the leaves, and
+process 0 the metadata and the record once all are done.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Checkpoint locations: local paths, and object-storage URLs through ``etils.epath``.
 
-A location is a local path (made absolute) or a URL whose scheme Orbax and TensorStore
-can write: ``gs://`` (Google Cloud Storage; epath needs ``gcsfs``) and ``s3://`` (epath
-needs ``s3fs``; ``s3.enable`` makes Orbax hand it to TensorStore's s3 driver). Any other
-``scheme://`` is refused by name, instead of becoming a local folder called ``scheme:``.
-Object stores have no atomic rename, so a checkpoint there is complete only once
-Orbax's commit file is written (see ``storage.COMMIT_FILE``).
-
-``etils.epath`` serves a URL through one of two clients: fsspec (gcsfs, s3fs) or, whenever
-TensorFlow is importable and ``EPATH_USE_TF`` is not false, TensorFlow's file system, whose
-failures are ``tensorflow...OpError`` subclasses. ``client_failure`` tells them apart by the
-exception's module and type name (TensorFlow is never imported here), so ``reaching`` gives
-the same ``CheckpointError`` naming the server whichever client failed.
+A location is a local path (made absolute), a ``gs://`` URL (epath needs ``gcsfs``) or an
+``s3://`` one (``s3fs``; ``s3.enable``); any other ``scheme://`` is refused by name. epath
+serves a URL through fsspec or TensorFlow's file system; ``reaching`` turns either client's
+failure into one ``CheckpointError`` naming the server (``client_failure`` tells them apart
+by name: TensorFlow is never imported here).
 """
 
 from __future__ import annotations
