@@ -129,7 +129,7 @@ def quote_pattern(pattern: str) -> str:
     return repr(pattern)
 
 
-def literal(text: Any, style: str = "") -> Any:
+def literal(text: Any) -> Any:
     """User text as a ``rich`` renderable shown character for character, never as markup.
 
     Example:
@@ -139,7 +139,7 @@ def literal(text: Any, style: str = "") -> Any:
     """
     from rich.text import Text
 
-    return Text(str(text), style=style)
+    return Text(str(text))
 
 
 def escape_markup(text: Any) -> str:

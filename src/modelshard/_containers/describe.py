@@ -98,7 +98,7 @@ def _metadata(x: Any, key: str) -> Any:
         return getattr(x, key, None)
 
 
-def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
+def describe_pytree(obj: Any) -> list[LeafInfo]:
     """Describe every leaf of a JAX pytree, in ``tree_flatten`` order.
 
     Plain dicts, lists and tuples are walked directly (this runs on every plan); other nodes
@@ -110,7 +110,7 @@ def describe_pytree(obj: Any, prefix: str = "") -> list[LeafInfo]:
         >>> [i.path for i in describe_pytree({"layers": [{"w": np.ones(2)}], "b": np.ones(1)})]
         ['b', 'layers/0/w']
     """
-    return _describe(obj, prefix)[0]
+    return _describe(obj)[0]
 
 
 def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
@@ -122,8 +122,8 @@ def describe_cached(obj: Any, treedef: Any) -> list[LeafInfo]:
         if last_treedef is not None and last_nested is nested and last_treedef == treedef:
             return last_infos
     except Exception:  # uncomparable aux data: describe afresh
-        return _describe(obj, "")[0]
-    infos, exact = _describe(obj, "")
+        return _describe(obj)[0]
+    infos, exact = _describe(obj)
     if exact:
         _last = (treedef, nested, infos)
     return infos
@@ -135,7 +135,7 @@ _last: tuple[Any, tuple[type, ...], list[LeafInfo]] = (None, (), [])
 _new = tuple.__new__
 
 
-def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
+def _describe(obj: Any) -> tuple[list[LeafInfo], bool]:
     """The leaf descriptions, and whether every dict key on the way was a ``str``."""
     boxes = _box_types()
     arrays = ARRAY_TYPES
@@ -216,7 +216,7 @@ def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
             walk(v, path)
             return
         if rel is _NOTHING:
-            got, exact = _describe(v, "")
+            got, exact = _describe(v)
             rel = seen[treedef] = got if exact else None
         if rel is None:  # a dict key that is not a str: equal structures may differ
             walk(v, path)
@@ -226,7 +226,7 @@ def _describe(obj: Any, prefix: str) -> tuple[list[LeafInfo], bool]:
             sub = info[0]
             append(_new(LeafInfo, (pre + sub if sub else path, info[1], info[2])))
 
-    walk(obj, prefix)
+    walk(obj, "")
     return out, not inexact
 
 

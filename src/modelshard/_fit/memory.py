@@ -117,7 +117,7 @@ class StepMemory:
         """``(part, words, bytes)`` of every nonzero part, in ``PARTS`` order."""
         return [(k, PART_TEXT[k], n) for k, n in self.parts.items() if n != 0]
 
-    def lines(self, budget: int | None = None) -> list[tuple[str, str, str]]:
+    def lines(self) -> list[tuple[str, str, str]]:
         """``(part, bytes, share of total)`` rows, the nonzero parts, then the total."""
         out = []
         for name in PARTS:
@@ -127,9 +127,6 @@ class StepMemory:
             share = f"{n / self.total:.0%}" if self.total else ""
             out.append((PART_TEXT[name], format_bytes(n), share))
         out.append(("total per device", format_bytes(self.total), ""))
-        if budget is not None:
-            verdict = "fits" if self.total <= budget else "does not fit"
-            out.append((f"budget ({verdict})", format_bytes(budget), f"{self.total / budget:.0%}"))
         return out
 
     def summary(self) -> str:

@@ -33,11 +33,10 @@ def target(
     distribution: str,
     used_for: str,
     params: Iterable[str] = (),
-    symbol: str | None = None,
 ) -> Any:
     """``owner.name``, checked: a callable whose signature has each of ``params`` (a signature
     Python cannot read is not checked); an ImportError saying what moved otherwise."""
-    symbol = symbol or _symbol(owner, name)
+    symbol = _symbol(owner, name)
     current = getattr(owner, name, None)
     if current is None or not callable(current):
         raise ImportError(moved(distribution, symbol, used_for, f"no callable {name!r} there"))
