@@ -40,11 +40,11 @@ SHOW_ALL = "run without --max-rows to show all"
 
 def format_bytes(n: float) -> str:
     """``1.50 MiB``-style text for a byte count."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
+    return f"{n:.2f} TiB"
 
 
 def format_spec(spec: Any) -> str:

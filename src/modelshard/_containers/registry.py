@@ -163,8 +163,7 @@ def register_container(
             "modelshard.adapters.Adapter (it needs kind, flatten, unflatten and describe, and "
             "gives every other capability a default)."
         )
-    existing = [i for i, (t, _) in enumerate(REGISTRY.user) if t is ty]
-    if existing and not override:
+    if not override and any(t is ty for t, _ in REGISTRY.user):
         raise AdapterError(
             f"{ty.__module__}.{ty.__qualname__} is already registered as a container; pass "
             "override=True to replace its adapter."
