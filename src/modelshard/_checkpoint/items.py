@@ -121,15 +121,10 @@ writes in a step (``_CHECKPOINT_METADATA``, staging names) can be."""
 
 
 def orbax_json_items(items: Mapping[str, Any] | None, encoded: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON items of a step that are also written as items of their own, as Orbax's
-    ``ocp.args.JsonSave`` writes them (``<step>/<name>/metadata``), so that Orbax's own
-    manager reads them back with ``ocp.args.JsonRestore()`` in its ``args.Composite``.
-
-    Only plain JSON items whose name is a plain folder name (letters, digits, ``_``, ``-``,
-    ``.``, starting with a letter or digit) other than the step's own items (``state``,
-    ``modelshard``, ``items``, ``metrics``) and Orbax's names; data iterators and PRNG keys
-    are in ``items.json`` only. ``encoded``: ``encode_items(items)``.
-    """
+    """The JSON items of a step also written as Orbax's ``ocp.args.JsonSave`` writes them
+    (``<step>/<name>/metadata``), for Orbax's own manager: plain JSON items (not iterators or
+    keys) named as a folder (``_FOLDER``) that no item of the step takes. ``encoded``:
+    ``encode_items(items)``."""
     from .storage import COMMIT_FILE, ITEMS_ITEM, METRICS_ITEM, ORBAX_TMP, RECORD_ITEM, STATE_ITEM
 
     taken = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM, COMMIT_FILE.lower()}
@@ -202,36 +197,27 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
         {'config': {'lr': 0.1}}
     """
     from .sources import locate
-    from .storage import ITEMS_FILE, ITEMS_ITEM, read_small
+    from .storage import ITEMS_FILE, ITEMS_ITEM
 
     source = locate(directory)
     if source.record.source == "orbax" and source.tree_dir != source.path:
         # Orbax's own manager's step: its JSON items, beside the item read as its state
         return decode_items(orbax_items(source.path, source.tree_dir.name), like)
-    try:
-        raw = read_small(source.path / ITEMS_ITEM / ITEMS_FILE)
-    except FileNotFoundError:
+    path = source.path / ITEMS_ITEM / ITEMS_FILE
+    doc = _document(path)
+    if doc is None:
         error = missing_items(source.path)
         if error is not None:
-            raise error from None
+            raise error
         return {}
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(
-            f"{source.path / ITEMS_ITEM / ITEMS_FILE} is not valid JSON: {e}"
-        ) from e
     if not isinstance(doc, dict):
-        raise CheckpointError(
-            f"{source.path / ITEMS_ITEM / ITEMS_FILE} is a JSON {type(doc).__name__}, not an object."
-        )
+        raise CheckpointError(f"{path} is a JSON {type(doc).__name__}, not an object.")
     return decode_items(doc, like)
 
 
 def missing_items(step_dir: Any) -> CheckpointError | None:
-    """The error for a manager step saved with its items item whose file is gone (a damaged
-    step: ``items()`` would otherwise return ``{}`` and the run would lose its RNG and data
-    position without a word), or None where the step has no items item."""
+    """The error for a manager step saved with items whose file is gone (not ``{}``: the run
+    would lose its RNG and data position without a word); None for a step without items."""
     from .storage import CHECKPOINT_METADATA, ITEMS_FILE, ITEMS_ITEM
 
     meta = _document(step_dir / CHECKPOINT_METADATA)
@@ -320,7 +306,7 @@ def read_metadata(directory: Any) -> dict[str, Any]:
 _ORBAX_JSON = "JsonCheckpointHandler"
 """The name of the type of Orbax's handler of a JSON item, as its step's
 ``_CHECKPOINT_METADATA`` names it (``item_handlers``)."""
-_ORBAX_JSON_FILE = "metadata"
+ORBAX_JSON_FILE = "metadata"
 """The file Orbax's ``JsonCheckpointHandler`` writes by default, in its item folder."""
 
 
@@ -340,13 +326,10 @@ def _orbax_step(step_dir: Any) -> dict[str, Any] | None:
 
 
 def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
-    """The JSON items of a step Orbax's own ``CheckpointManager`` wrote, by item name, as
-    they were saved: every item its ``_CHECKPOINT_METADATA`` lists with Orbax's JSON
-    handler (``ocp.args.JsonSave`` in its ``args.Composite``), each read from the one file
-    in its folder. Not ``state`` (the item restored as the state), not ``metrics`` (Orbax's
-    own, ``CheckpointManager.metrics``), nor another tree item (read with
-    [`modelshard.restore`][modelshard.restore] on its folder). A step written without
-    handler names: every item folder without Orbax's tree metadata.
+    """The JSON items of a step Orbax's own ``CheckpointManager`` wrote, by name: each item
+    its ``_CHECKPOINT_METADATA`` gives Orbax's JSON handler (without handler names, each
+    folder without tree metadata), read from the one file in its folder; not ``state``
+    or ``metrics``.
 
     Raises:
         CheckpointError: a JSON item the step lists whose file is gone or not JSON (a
@@ -376,7 +359,7 @@ def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
             sorted(c.name for c in item.iterdir() if c.name != COMMIT_FILE) if item.is_dir() else []
         )
         file = (
-            _ORBAX_JSON_FILE if _ORBAX_JSON_FILE in files else files[0] if len(files) == 1 else None
+            ORBAX_JSON_FILE if ORBAX_JSON_FILE in files else files[0] if len(files) == 1 else None
         )
         if file is None:
             raise CheckpointError(

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._base import CheckpointError, fsync_dir, sync_tree
-from .items import orbax_json_items
+from .items import ORBAX_JSON_FILE, orbax_json_items
 from .ocdbt import checkpoint_metadata
 from .record import Record
 from .shards import Held, write_and_commit, write_held
@@ -38,9 +38,6 @@ from .storage import (
 )
 from .urls import is_remote, reaching
 
-_JSON_FILE = "metadata"
-"""The file Orbax's ``JsonCheckpointHandler`` writes by default in its item folder."""
-
 
 def json_parts(
     items: Mapping[str, Any] | None, encoded: dict[str, Any], metrics: Mapping[str, Any] | None
@@ -50,7 +47,7 @@ def json_parts(
     its own name, where Orbax's own manager reads it with ``ocp.args.JsonRestore()``."""
     parts = {ITEMS_ITEM: (ITEMS_FILE, encoded)}
     for name, value in orbax_json_items(items, encoded).items():
-        parts[name] = (_JSON_FILE, value)
+        parts[name] = (ORBAX_JSON_FILE, value)
     if metrics is not None:
         parts[METRICS_ITEM] = (METRICS_FILE, dict(metrics))
     return parts
@@ -66,10 +63,9 @@ def write_step(
     compress: bool,
     name: str,
 ) -> None:
-    """Write step ``step`` under ``root`` (every process, ``held`` its own blocks): the arrays,
-    the record's checksums (``record.resolve()``, a collective), then process 0 the
-    ``record``, the JSON ``parts`` (``json_parts``), the metadata and the commit. Every
-    wait for the other processes is named after ``name`` (a background step's own).
+    """Write step ``step`` under ``root`` (every process, ``held`` its own blocks), then
+    process 0 the ``record``, the JSON ``parts`` (``json_parts``), the metadata and the
+    commit. Every wait for the other processes is named after ``name``.
 
     Raises:
         CheckpointError: a part failed, on this process or another (every process raises).

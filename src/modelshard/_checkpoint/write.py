@@ -155,14 +155,9 @@ def check_leaves(paths: Sequence[str], arrays: Sequence[Any]) -> None:
 def prepare(
     state: Any, metadata: Mapping[str, Any] | None = None
 ) -> tuple[list[tuple[tuple[str, ...], Any]], Record]:
-    """Split ``state`` into the arrays stored (``(storage key, array)``, none zero-size)
-    and the record beside it, whose checksums the caller starts (``shards.held_sums``).
-
-    Everything that can refuse the state is checked here, before the caller writes a
-    byte: the leaves themselves, their storage names and the metadata. Leaves that are
-    Python values go into the record (``values.saved_values``); any other object that is
-    not code is refused.
-    """
+    """Split ``state`` into the arrays stored (``(storage key, array)``, none zero-size) and
+    the record beside it, whose checksums the caller starts (``shards.held_sums``); every
+    check that can refuse the state is made here, before a byte is written."""
     flat = split(state)
     infos, arrays = flat.infos, flat.arrays
     if not arrays:
@@ -263,9 +258,11 @@ def write_checkpoint(path: Path, write: Any, record: Record, *, overwrite: bool)
     if is_remote(path):
         write_remote(path, write, record, overwrite=overwrite)
         return
+    staging = staging_dir(path)
+    primary = jax.process_index() == 0
     lock = None
     failure: OSError | None = None  # told to every process at the start of the write
-    if jax.process_index() == 0:
+    if primary:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             lock = os.open(path.parent, os.O_RDONLY)
@@ -273,7 +270,23 @@ def write_checkpoint(path: Path, write: Any, record: Record, *, overwrite: bool)
         except OSError as e:
             failure = e
     try:
-        _write_atomic(path, write, record, overwrite=overwrite, failure=failure)
+        check_destination(path, overwrite=overwrite)
+        if primary and failure is None:
+            remove_leftovers(staging)
+        raise_shared(failure, "modelshard:save:start", f"preparing {staging}")
+        try:
+            write_and_commit(
+                lambda: write(staging),
+                record,
+                lambda: _commit(path, staging, record),
+                name="modelshard:save",
+                writing=f"writing {staging}",
+                committing=f"committing {path}",
+            )
+        except BaseException:
+            if primary:
+                remove_leftovers(staging)
+            raise
     finally:
         if lock is not None:
             os.close(lock)
@@ -318,34 +331,6 @@ def remove_leftovers(staging: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _write_atomic(
-    path: Path, write: Any, record: Record, *, overwrite: bool, failure: Exception | None
-) -> None:
-    check_destination(path, overwrite=overwrite)
-    staging = staging_dir(path)
-    primary = jax.process_index() == 0
-    if primary and failure is None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(staging)
-        except OSError as e:
-            failure = e
-    raise_shared(failure, "modelshard:save:start", f"preparing {staging}")
-    try:
-        write_and_commit(
-            lambda: write(staging),
-            record,
-            lambda: _commit(path, staging, record),
-            name="modelshard:save",
-            writing=f"writing {staging}",
-            committing=f"committing {path}",
-        )
-    except BaseException:
-        if primary:
-            remove_leftovers(staging)
-        raise
-
-
 def _commit(path: Path, staging: Path, record: Record) -> None:
     """Process 0: the record into the complete ``staging`` directory, put at ``path``."""
     write_durable(staging / RECORD_FILE, record.dumps())
@@ -362,11 +347,8 @@ def _commit(path: Path, staging: Path, record: Record) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# How ``save`` stores each chunk: None, the raw little-endian bytes (the default), or
-# "zstd", Orbax's own default (zarr v2, level 1). On float weights zstd keeps most of the
-# bytes and costs several times the CPU time of writing them (docs/benchmarks/
-# checkpoint.md), so it is off unless asked for. Plain Orbax reads either: the codec is in
-# each array's zarr metadata.
+# How ``save`` stores each chunk: its raw bytes (None, the default: zstd, Orbax's default,
+# costs several times the CPU time and saves little on float weights) or "zstd".
 COMPRESSIONS = (None, "zstd")
 
 
