@@ -181,12 +181,9 @@ def on_signal(signum: int, frame: Any) -> None:
 
 
 def _forward_to_preemption_service(signum: int) -> bool:
-    """Under jax.distributed, a signal reaches each process at its own moment (or one
-    process only), so this process alone must not decide to stop: a process that saved
-    a step the others do not save would wait for them. Where JAX's preemption service
-    owns SIGTERM (its C handler, which ``signal.getsignal`` does not see), the signal is
-    handed to it as a SIGTERM, and its sync point stops every process at the same step
-    (``reached_preemption``). Returns whether it was handed over."""
+    """Hand the signal to JAX's preemption service as a SIGTERM, where it owns SIGTERM (under
+    jax.distributed), so that every process stops at the same step (``reached_preemption``),
+    not this one alone; whether it was handed over."""
     import jax
 
     from .._internals import global_state

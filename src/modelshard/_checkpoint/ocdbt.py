@@ -341,8 +341,7 @@ _FILE = re.compile(r"[^:]+:([^:]*):([^:]*)")
 
 @dataclasses.dataclass
 class LostFile:
-    """A file of an OCDBT database that its index refers to but that is missing or cut
-    short.
+    """A file of an OCDBT database that its index refers to but that is missing or cut short.
 
     Attributes:
         path: the file, absolute.
@@ -361,13 +360,10 @@ class LostFile:
 
 
 def lost_files(tree_dir: str) -> list[LostFile]:
-    """The files of the OCDBT database in ``tree_dir`` that its latest version refers to
-    but that are missing or shorter than the byte ranges it refers to, in path order.
-
-    A look, not a verification: the manifest and the B-tree's nodes are read (values of up
-    to ``max_inline_value_bytes`` live in them), every other file is only stat'ed; a node
-    is read only where its file holds it whole. A manifest or node TensorStore cannot read
-    or decode is left to the reads, which name it (none is listed for it)."""
+    """The files the latest version of the OCDBT database in ``tree_dir`` refers to that are
+    missing or shorter than the ranges it refers to, in path order: the manifest and the
+    index's nodes are read, every other file only stat'ed (what cannot be decoded is left
+    to the reads, which name it)."""
     import tensorstore as ts
 
     root = os.path.normpath(tree_dir)

@@ -21,11 +21,9 @@ from .urls import check_bucket, forget_listings, reaching
 
 
 def prepare_remote(path: Any, *, overwrite: bool) -> None:
-    """Make the object-storage ``path`` ready for a new checkpoint: refuse one that is
-    there (without ``overwrite``) or that modelshard did not write; remove the old one,
-    its commit file first, so that a crash part-way leaves no complete-looking remains.
-
-    Process 0 checks and removes; every process raises the error it found, or none does.
+    """Make the object-storage ``path`` ready for a new checkpoint (process 0 decides, every
+    process raises): refuse one that is there (without ``overwrite``) or that modelshard did
+    not write; remove the old one, its commit file first.
 
     Raises:
         CheckpointError: the bucket does not exist, ``path`` holds objects and

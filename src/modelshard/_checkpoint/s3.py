@@ -31,15 +31,9 @@ def endpoint() -> str | None:
 
 
 def kvstore_spec(bucket: str, path: str) -> dict[str, Any]:
-    """TensorStore's ``s3`` kvstore for ``s3://bucket/path``, configured from the
-    environment as botocore is.
-
-    ``endpoint`` is set from ``endpoint()``; with an endpoint, ``aws_region`` from
-    ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` (on AWS itself TensorStore looks up the
-    bucket's region); with ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` set, the
-    credentials come from the environment only (botocore's first choice too), which
-    spares TensorStore's search of ``~/.aws`` and its log lines.
-    """
+    """TensorStore's ``s3`` kvstore for ``s3://bucket/path``, configured from the environment
+    as botocore is: ``endpoint()``, with it ``AWS_REGION``/``AWS_DEFAULT_REGION``, and, where
+    ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` are set, those credentials only."""
     spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
     url = endpoint()
     if url is not None:

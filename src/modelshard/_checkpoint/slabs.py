@@ -104,14 +104,9 @@ def slab_plan(
     chunks: Sequence[int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(slab shape, stored chunk shape)`` for a leaf of ``shape`` whose new shards are
-    ``shard``, read best in blocks of ``chunks`` (default: whole rows).
-
-    A slab is whole blocks, grown from the last dimension while it fits ``slab_bytes``
-    (stopping at a dimension it does not cover whole); a block larger than ``slab_bytes``
-    is one slab if it fits ``whole_bytes``, else it is cut along its leading dimensions.
-    The chunk shape divides both the slab and the shard, dimension by dimension, cut
-    further as ``save`` cuts its chunks (``chunks.aligned_chunks``).
-    """
+    ``shard``, read best in blocks of ``chunks`` (default: whole rows): a slab is whole
+    blocks within ``slab_bytes`` (a larger block whole within ``whole_bytes``, else cut along
+    its leading dimensions); the chunk divides slab and shard (``chunks.aligned_chunks``)."""
     shape = tuple(int(d) for d in shape)
     if not shape or not math.prod(shape):
         return shape, shape

@@ -110,20 +110,14 @@ def _copy_all(
     compress: bool,
     source: str = "",
 ) -> dict[str, tuple[str, str | None]]:
-    """Write ``layouts`` slab by slab, the next slabs read (on reader threads) while one is
-    checksummed and written. Returns, per path, the checksum of what was stored and, where
-    ``expect`` is set, that of what was read (else None).
-
-    A read that fails raises; copying a checkpoint (``source``, its path), the copy goes
-    on with the other leaves first, and the error names every leaf that could not be read
-    (``reader.unreadable``)."""
+    """Write ``layouts`` slab by slab, the next slabs read while one is written; per path, the
+    checksum of what was stored and, where ``expect`` is set, of what was read (else None).
+    Copying a checkpoint (``source``), a failed read raises once every other leaf is copied,
+    naming every leaf that could not be read (``reader.unreadable``)."""
     import tensorstore as ts
 
-    # TensorStore syncs each file of an OCDBT commit as it writes it, and a slab's write
-    # is a commit: slab after slab waited on the disk. On a local disk the files a commit
-    # wrote are synced on a thread of their own while later slabs are written
-    # (``EarlySync``), and the store is synced once, whole, when every slab is written
-    # (``sync_tree`` below), before anything is published; object storage has no files.
+    # Not TensorStore's sync at each commit (a slab's write): locally, a commit's files are
+    # synced on a thread of their own (``EarlySync``), the store whole at the end.
     local = not is_remote(directory)
     ctx = context(sync=False)
     tree = kvstore(directory)
@@ -134,8 +128,7 @@ def _copy_all(
         for i, box in enumerate(boxes)
     ]
     out: dict[str, tuple[str, str | None]] = {}
-    # Every array is created before any is written, all at once: OCDBT commits the
-    # creations together, where one at a time each would wait for the writes before it.
+    # every array created at once, before any write: OCDBT commits the creations together
     opening: list[Any] = []
     store_dir = str(directory / f"ocdbt.process_{process}")
     writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
@@ -226,9 +219,7 @@ def _copy_all(
             while writing:
                 writing.popleft()[0].result()
     finally:
-        # On the way out with an error (Ctrl-C among them), TensorStore's creations and
-        # writes still in flight end first: none may land in the staging directory after
-        # the caller has removed it.
+        # none may land in the staging directory after the caller has removed it
         settle([*opening, *(f for f, _ in writing)])
     if failed:
         if len(failed) == 1:
@@ -372,34 +363,12 @@ def write_stream(
     progress: Callable[[int, int], None] | None = None,
     compression: str | None = None,
 ) -> Record:
-    """Write a checkpoint (what ``save`` writes) from ``leaves``, one slab at a time.
-
-    Host memory stays near a few ``slab_bytes`` (or one ``whole_bytes`` block) whatever
-    the leaves' sizes; nothing is put
-    on ``mesh``'s devices (it gives the shard shapes, the recorded mesh and Orbax's
-    sharding metadata). The directory appears only when complete, as with ``save``; on
-    object storage it is complete once Orbax's commit file is written.
-
-    Args:
-        directory: where to write (a local path, or a ``gs://``/``s3://`` URL).
-        leaves: the leaves, in container order (an iterable of `StreamLeaf`: laid out and
-            checked before any array is read).
-        mesh: the mesh the specs refer to.
-        kind: the container kind the record gives (``restore`` without ``like`` returns
-            nested dicts whatever it is).
-        metadata: JSON user metadata for the record.
-        dtype: cast floating-point leaves to this floating-point dtype.
-        slab_bytes: host bytes per slab (the next slab is read while one is written).
-        whole_bytes: a block of ``chunks`` up to this size (default ``4 * slab_bytes``)
-            is read whole, on its own, rather than cut (which would decode it once per
-            piece); larger ones are cut.
-        overwrite: replace a checkpoint already there.
-        progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
-        compression: how each chunk is stored, as in [`save`][modelshard.save]: None
-            (default) its raw bytes, ``"zstd"`` compressed.
-
-    Returns:
-        The record written beside the arrays.
+    """Write a checkpoint (what ``save`` writes) from ``leaves`` (`StreamLeaf`, in container
+    order), one slab at a time: host memory stays near a few ``slab_bytes`` (or one
+    ``whole_bytes`` block, default ``4 * slab_bytes``, read whole rather than cut), nothing
+    is put on ``mesh``'s devices, and the checkpoint appears only when complete. ``kind``,
+    ``metadata``: the record's; ``dtype``: floating-point leaves cast to it; ``progress``:
+    called as ``progress(bytes_done, bytes_total)``. Returns the record written.
 
     Raises:
         CheckpointError: the destination exists (without ``overwrite``), two leaves share a

@@ -121,15 +121,8 @@ def kvstore(path: Any) -> dict[str, Any]:
 
 
 def forget_listings(path: Any) -> None:
-    """Drop what the object-storage client remembers of folder listings, so that the next
-    look at ``path`` asks the server.
-
-    s3fs and gcsfs (etils.epath's fsspec clients) keep every folder listing for the life
-    of the process, and answer ``exists``/``is_dir``/``iterdir`` from it: objects another
-    process wrote or deleted since (a peer's save, process 0 removing an interrupted
-    step's leftovers, rotation) would stay unseen, or seen when gone. TensorFlow's file
-    system keeps no listings; a local path has nothing to forget.
-    """
+    """Drop the folder listings s3fs and gcsfs keep for the life of the process, so that the
+    next look at ``path`` asks the server and sees what other processes wrote or removed."""
     if not is_remote(path):
         return
     backend = getattr(path, "_backend", None)  # etils.epath's client for this path
