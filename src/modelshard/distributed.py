@@ -24,23 +24,3 @@ from ._runtime import is_main_process as is_main_process
 from ._runtime import local_slice as local_slice
 from ._runtime import require_addressable as require_addressable
 from ._runtime import to_host as to_host
-
-__all__ = [
-    "DEFAULT_BARRIER_TIMEOUT_S",
-    "ENV_BARRIER_TIMEOUT",
-    "ENV_COORDINATOR",
-    "ENV_HEARTBEAT_TIMEOUT",
-    "ENV_LOCAL_DEVICES",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "barrier",
-    "barrier_timeout_s",
-    "broadcast",
-    "cluster_detected",
-    "gather",
-    "initialize",
-    "is_main_process",
-    "local_slice",
-    "require_addressable",
-    "to_host",
-]
