@@ -37,21 +37,17 @@ def shared_error(
     return error
 
 
-def shared_failure(failure: BaseException | None, name: str, what: str) -> BaseException | None:
-    """Gather how each process's part of ``what`` ended; the error all raise (``shared_error``)."""
-    return shared_error(failure, gather(outcome(failure), name), what)
-
-
 def is_shared(error: BaseException) -> bool:
     """Whether ``error`` came out of ``shared_error`` (every process raised it at once)."""
     return bool(getattr(error, _SHARED, False))
 
 
 def raise_shared(failure: BaseException | None, name: str, what: str) -> None:
-    """``shared_failure``, raised: every process raises, or none does."""
+    """Gather how each process's part of ``what`` ended and raise ``shared_error``'s error:
+    every process raises, or none does."""
     # already shared, or a process missed a wait (it would miss the exchange too)
     if failure is not None and (is_shared(failure) or isinstance(failure, DistributedError)):
         raise failure
-    shared = shared_failure(failure, name, what)
+    shared = shared_error(failure, gather(outcome(failure), name), what)
     if shared is not None:
         raise shared
