@@ -3,7 +3,9 @@
 Run from the repository root on a machine with an accelerator (a TPU, a GPU)::
 
     python benchmarks/accelerator.py                 # 3.4 GB, 484 leaves, 3 repeats
-    python benchmarks/accelerator.py --layers 4 --repeats 1 --cpu   # a quick look on the CPU
+    python benchmarks/accelerator.py --cpu --layers 1 --width 256 --vocab 1000 --repeats 1 --skip-step
+
+(the last: a look on the CPU, 20 MB, under a minute; the step row adds a minute or more).
 
 The state is a decoder's parameters with AdamW moments filled with random values (zeros
 would compress and flatter a codec): ``--layers`` blocks of width ``--width`` (attention
@@ -23,7 +25,8 @@ restores in another:
 
 One process at a time holds an accelerator, so the rows run one after another, the methods
 interleaved repeat by repeat; the parent itself never touches the device. Medians and every
-repeat go to ``docs/benchmarks/results/accelerator.json`` with the device's name.
+repeat go to ``docs/benchmarks/results/accelerator.json`` with the device's name (not for a
+``--cpu`` run: that file is the accelerator's record).
 """
 
 from __future__ import annotations
@@ -372,16 +375,19 @@ ROWS = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=20)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--step-layers", type=int, default=6)
-    p.add_argument("--step-width", type=int, default=512)
-    p.add_argument("--step-repeats", type=int, default=5)
-    p.add_argument("--skip-step", action="store_true")
-    p.add_argument("--cpu", action="store_true", help="run the children on the CPU")
-    p.add_argument("--timeout", type=float, default=500)
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("--layers", type=int, default=20, help="decoder blocks in the state")
+    p.add_argument("--width", type=int, default=1024, help="model width of the state")
+    p.add_argument("--vocab", type=int, default=32000, help="embedding rows")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each method")
+    p.add_argument("--step-layers", type=int, default=6, help="blocks of the step's decoder")
+    p.add_argument("--step-width", type=int, default=512, help="width of the step's decoder")
+    p.add_argument("--step-repeats", type=int, default=5, help="timed rounds of 10 steps")
+    p.add_argument("--skip-step", action="store_true", help="no training-step row")
+    p.add_argument(
+        "--cpu", action="store_true", help="run on the CPU (a look; writes no results file)"
+    )
+    p.add_argument("--timeout", type=float, default=500, help="seconds each child may run")
     p.add_argument("--runs", help="a JSON file of earlier repeats to add to (and to keep these in)")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -409,6 +415,8 @@ def main() -> None:
                 print(method, r, {k: round(got[k], 3) for k in ROWS}, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if not runs["modelshard"] or not runs["orbax"]:
+        raise SystemExit("no repeat of both methods to report (--repeats 0 needs --runs FILE)")
     results: dict[str, Any] = {}
     first = runs["modelshard"][0]
     results["device"] = f"{first['devices']} x {first['device']}"
@@ -433,13 +441,18 @@ def main() -> None:
             f"{statistics.median(b):7.3f} s  ratio {ratio:.2f}"
         )
     results["repeats"] = len(runs["modelshard"])
+    results["orbax_repeats"] = len(runs["orbax"])
     results["save_first_compile_s"] = [x["save_first_compile_s"] for x in runs["modelshard"]]
     results["restore_first_compile_s"] = [x["restore_first_compile_s"] for x in runs["modelshard"]]
     results["modelshard_programs"] = ", ".join(first["save_programs"] + first["restore_programs"])
     sys.path.insert(0, str(HERE))
     from results import write_results
 
-    print("wrote", write_results("accelerator", results, argv=sys.argv), flush=True)
+    def write() -> None:  # the file is the accelerator's record: a CPU look leaves it alone
+        if not args.cpu:
+            print("wrote", write_results("accelerator", results, argv=sys.argv), flush=True)
+
+    write()
     if args.skip_step:
         return
     work = Path(tempfile.mkdtemp(prefix="modelshard-accel-"))
@@ -456,7 +469,7 @@ def main() -> None:
             f"step ({step['step_params'] / 1e6:.0f}M params): shard_jit {step['shard_jit_ms']:.2f} ms"
             f"  jax.jit {step['jax_jit_ms']:.2f} ms  ratio {results['step_ratio']:.3f}"
         )
-    print("wrote", write_results("accelerator", results, argv=sys.argv))
+    write()
 
 
 if __name__ == "__main__":

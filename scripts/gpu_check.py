@@ -133,12 +133,13 @@ def main() -> int:
         kernel.devices(),
     )
     ok("nothing imported Orbax before the first save", "orbax.checkpoint" not in sys.modules)
+    before = collections.Counter(m for m in names if "step" in m)  # the listener sees compiles
     names.clear()
     state = {"model": model, "opt": opt}
     path = ms.save(os.path.join(root, "ck"), state)
     back = ms.restore(path, like=state)
     same = np.array_equal(np.asarray(back["model"].l1.kernel[...]), np.asarray(kernel))
-    ok("save + restore, checksums verified on the accelerator, bit-exact", same)
+    ok("save + restore of arrays on the accelerator, checksums verified, bit-exact", same)
     with ms.CheckpointManager(os.path.join(root, "mgr"), async_save=True) as mngr:
         mngr.save(1, state)
         mngr.wait_until_finished()
@@ -148,7 +149,11 @@ def main() -> int:
     for _ in range(2):
         sj(model, opt, x)
     steps = collections.Counter(m for m in names if "step" in m)
-    ok("the step compiled once across the first save and restore", not steps, dict(steps))
+    ok(
+        "the step compiled once across the first save and restore (compiles before, after)",
+        sum(before.values()) >= 1 and not steps,
+        (dict(before), dict(steps)),
+    )
 
     cpu = jax.devices("cpu")[0]
     w = np.random.default_rng(0).standard_normal((512, 768)).astype(np.float32)
