@@ -85,8 +85,7 @@ class NamedArrayAdapter(Adapter):
     kind: str = "penzai.NamedArray"
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        leaves, treedef = jax.tree_util.tree_flatten(obj)
-        return leaves, treedef
+        return jax.tree_util.tree_flatten(obj)
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
         return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
