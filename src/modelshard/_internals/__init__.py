@@ -25,10 +25,7 @@ _OWNER = {
     **dict.fromkeys(
         ("ArrayImpl", "backends_are_initialized", "cloud_tpu_init", "global_state"), "jax"
     ),
-    **dict.fromkeys(
-        ("ArrayReadSpec", "ArrayWriteSpec", "tensorstore_utils"),
-        "orbax",
-    ),
+    **dict.fromkeys(("ArrayReadSpec", "ArrayWriteSpec", "tensorstore_utils"), "orbax"),
     **dict.fromkeys(
         ("JSON_HANDLER_NAME", "PYTREE_HANDLER_NAME", "STANDARD_HANDLER_NAME"), "orbax_text"
     ),

@@ -27,12 +27,7 @@ def _symbol(owner: Any, name: str) -> str:
 
 
 def target(
-    owner: Any,
-    name: str,
-    *,
-    distribution: str,
-    used_for: str,
-    params: Iterable[str] = (),
+    owner: Any, name: str, *, distribution: str, used_for: str, params: Iterable[str] = ()
 ) -> Any:
     """``owner.name``, checked: a callable whose signature has each of ``params`` (a signature
     Python cannot read is not checked); an ImportError saying what moved otherwise."""
