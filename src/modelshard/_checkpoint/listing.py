@@ -313,15 +313,14 @@ class StepEntry:
 
 def _tally(path: Any) -> tuple[int, int]:
     """(files, bytes) under ``path``."""
+    files = size = 0
     if not is_remote(path):
-        files = size = 0
         for folder, _, names in os.walk(path):
             for name in names:
                 files += 1
                 with contextlib.suppress(OSError):  # removed while we count
                     size += os.lstat(os.path.join(folder, name)).st_size
         return files, size
-    files = size = 0
     for child in path.iterdir():
         if child.is_dir():
             f, b = _tally(child)

@@ -273,14 +273,9 @@ def _lost_message(p: Path, lost: list[LostFile], paths: dict[str, str]) -> str:
             else f"cut short: {f.size} bytes, the index needs {f.needed}"
         )
         names = sorted({paths.get(name, name) for name in f.names}, key=natural_key)
-        held = [
-            *(["part of the index of its arrays"] if f.index else []),
-            *(
-                [f"the array{'s' if len(names) != 1 else ''} {some(names, _NAMED)}"]
-                if names
-                else []
-            ),
-        ]
+        held = ["part of the index of its arrays"] if f.index else []
+        if names:
+            held.append(f"the array{'s' if len(names) != 1 else ''} {some(names, _NAMED)}")
         lines.append(f"  {f.path}: {state}; it holds {' and '.join(held)}")
     lines.append("Restore a complete copy of the checkpoint.")
     return "\n".join(lines)

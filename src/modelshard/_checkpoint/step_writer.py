@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._base import CheckpointError, fsync_dir, sync_tree
+from .._internals import JSON_HANDLER_NAME, PYTREE_HANDLER_NAME
 from .items import ORBAX_JSON_FILE, orbax_json_items
 from .ocdbt import checkpoint_metadata
 from .record import Record
@@ -98,7 +99,10 @@ def commit_items(
             (where / item).mkdir(parents=True, exist_ok=True)
             (where / item / file).write_text(text)
             (where / item / COMMIT_FILE).write_text(done)
-        handlers = _handlers([STATE_ITEM, *files])
+        handlers = {
+            item: PYTREE_HANDLER_NAME if item == STATE_ITEM else JSON_HANDLER_NAME
+            for item in sorted([STATE_ITEM, *files])
+        }
         (where / CHECKPOINT_METADATA).write_text(
             json.dumps(checkpoint_metadata(handlers, start_ns, MARKER))
         )
@@ -108,16 +112,6 @@ def commit_items(
         sync_tree(where)
         os.rename(where, final)
         fsync_dir(final.parent)
-
-
-def _handlers(items: Sequence[str]) -> dict[str, str]:
-    """Each item's Orbax handler by its dotted name, as Orbax's composite records them."""
-    from .._internals import JSON_HANDLER_NAME, PYTREE_HANDLER_NAME
-
-    return {
-        item: PYTREE_HANDLER_NAME if item == STATE_ITEM else JSON_HANDLER_NAME
-        for item in sorted(items)
-    }
 
 
 def json_or_error(what: str, value: Any) -> None:

@@ -1,10 +1,6 @@
-"""The on-disk vocabulary of a checkpoint: every name modelshard writes or looks for.
-
-One home for the item and file names, the marker, the rule that maps a leaf's canonical
-path to its key in the stored Orbax tree (and the check that those keys stay distinct in
-Orbax's dotted names), nesting keys into the tree Orbax stores, the staging and aside
-directories of an atomic save, and reading a checkpoint's small files as untrusted input.
-``README.md`` beside this module describes the format these names make up.
+"""The on-disk vocabulary of a checkpoint: every name modelshard writes or looks for, the
+rule from a leaf's canonical path to its stored key, the tree Orbax stores, and small files
+read as untrusted input. ``docs/concepts/checkpoint-format.md`` describes the format.
 """
 
 from __future__ import annotations
@@ -67,11 +63,6 @@ MAX_METADATA_BYTES = 256 << 20
 
 MAX_NAME_CHARS = 4096
 """The longest dotted storage name a leaf may have (TensorStore's keys are bounded)."""
-
-
-def absolute(directory: str | os.PathLike[str]) -> Path:
-    """``directory`` made absolute (``~`` expanded), as every checkpoint path is."""
-    return Path(directory).expanduser().absolute()
 
 
 def storage_key(path: str) -> tuple[str, ...]:
@@ -163,7 +154,7 @@ def aside_dir(path: Path) -> Path:
 
 
 def pieces_dir(staging: Path) -> Path:
-    """``reshard``: where the per-chunk Orbax pieces of ``staging`` are written and merged."""
+    """Where reshard of older versions wrote the pieces of ``staging`` (still removed)."""
     return staging.parent / f".{staging.name}{PIECES_SUFFIX}"
 
 
@@ -227,10 +218,8 @@ def _read_small_remote(path: Any, limit: int) -> bytes:
 
 
 def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
-
-    Opened without blocking, then checked on the open descriptor: a named pipe, a
-    directory or a device is refused, never read (and never waited on).
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes (checked on
+    the descriptor opened without blocking: a named pipe is refused, never waited on).
 
     Raises:
         FileNotFoundError: there is no ``path`` (the caller says what that means).

@@ -189,21 +189,20 @@ def _copy_all(
                 origin = [b.start for b in box]
                 bits = bits_view(host, lay)
                 x = bits if lay.cast is None else jax.device_put(bits, device)
-                as_read = bits
                 if leaf.expect is not None:
-                    here.read_sums.add(as_read, origin, shape)
+                    here.read_sums.add(bits, origin, shape)
                 if lay.cast is not None:
                     data = np.asarray(encode(bitcast(x, logical_dtype(leaf)).astype(lay.cast)))
                     here.out_sums.add(data, origin, shape)
                 else:
                     if leaf.expect is None and not carried(lay):
-                        here.out_sums.add(as_read, origin, shape)
+                        here.out_sums.add(bits, origin, shape)
                     data = bits
                 while len(writing) >= WRITES_IN_FLIGHT:
                     writing.popleft()[0].result()
                 writing.append((here.store[box].write(data), here.store))
                 progress(host.size * lay.src_dtype.itemsize)
-                del x, as_read, host, bits, data
+                del x, host, bits, data
                 if lay.big:  # one block at a time: its write is done before the next read
                     while writing:
                         writing.popleft()[0].result()

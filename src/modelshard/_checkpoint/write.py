@@ -9,6 +9,7 @@ module describes the layout.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -347,14 +348,11 @@ def _commit(path: Path, staging: Path, record: Record) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# How ``save`` stores each chunk: its raw bytes (None, the default: zstd, Orbax's default,
-# costs several times the CPU time and saves little on float weights) or "zstd".
-COMPRESSIONS = (None, "zstd")
-
-
 def check_compression(compression: Any) -> bool:
-    """Whether ``save(compression=)`` compresses the chunks; CheckpointError otherwise."""
-    if compression is None or (isinstance(compression, str) and compression in COMPRESSIONS):
+    """Whether ``save(compression=)`` compresses the chunks: None (the default: zstd, Orbax's
+    default, costs several times the CPU time and saves little on float weights) or "zstd";
+    CheckpointError otherwise."""
+    if compression is None or (isinstance(compression, str) and compression == "zstd"):
         return compression is not None
     raise CheckpointError(
         f"compression={compression!r} is not one of None (each chunk's raw bytes, the "
@@ -372,10 +370,10 @@ def save(
 ) -> Path:
     """Save any registered container as a sharded Orbax checkpoint with a modelshard record.
 
-    Each process writes its own shards (Orbax's OCDBT format, which plain Orbax restores). Beside the data, ``modelshard.json``
-    records each leaf's canonical path, shape, dtype, the spec and mesh it was saved with,
-    the container kind, package versions and a checksum. The directory appears only when
-    complete: a save that fails or is killed leaves any earlier checkpoint there intact.
+    Each process writes its own shards (Orbax's OCDBT format, which plain Orbax restores).
+    Beside the data, ``modelshard.json`` records each leaf's canonical path, shape, dtype,
+    saved spec and mesh, the container kind, package versions and a checksum. The directory
+    appears only when complete: a failed or killed save leaves an earlier checkpoint intact.
 
     Args:
         directory: where to write (made absolute; its parent is created), or a
@@ -389,10 +387,8 @@ def save(
         overwrite: replace an existing checkpoint at ``directory``.
         metadata: JSON-serialisable user metadata stored in the record.
         compression: None (default) stores each chunk's raw bytes; ``"zstd"`` compresses
-            them as Orbax does by default (on float weights a little smaller, at several
-            times the CPU time: docs/benchmarks/checkpoint.md). Plain Orbax restores
-            either, and ``restore`` reads
-            checkpoints written with either.
+            them as Orbax does by default (a little smaller, at several times the CPU
+            time). Plain Orbax and ``restore`` read either.
 
     Returns:
         The absolute path of the checkpoint.
@@ -415,9 +411,6 @@ def save(
     # summed on the host workers from the bytes written, while they are written
     held = take(arrays, copy=False)
     record.pending = held_sums([leaf.key for leaf in record.leaves], held, "modelshard.save")
-
-    def write(d: Any) -> None:
-        write_held(d, held, compress=compress)
-
+    write = functools.partial(write_held, held=held, compress=compress)
     write_checkpoint(path, write, record, overwrite=overwrite)
     return path
