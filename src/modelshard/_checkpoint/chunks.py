@@ -12,9 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-# A chunk is cut into halves or quarters of a dimension only while it keeps this many
-# bytes: a 4 MiB float32 [1024, 1024] leaf saved in four column shards is stored in 16
-# chunks of 256 KiB, a [128, 128] kernel (64 KiB) stays one chunk per shard.
+# A chunk is cut into halves or quarters of a dimension only while it keeps this many bytes.
 MIN_CHUNK_BYTES = 256 << 10
 
 # The parts of a dimension a chunk lines up with, coarsest first.

@@ -128,9 +128,7 @@ def _install_monitoring() -> None:
 
 def pending_changed() -> None:
     """Watch the main module's unwinding (a global event: every frame that exits by an
-    exception calls back; its cost is measured by benchmarks/manager_guard.py, in
-    docs/benchmarks/index.md) only while some save is pending or a stop was requested
-    (its exit status is set when the main module ends)."""
+    exception calls back) only while some save is pending or a stop was requested."""
     mon = getattr(sys, "monitoring", None)
     if mon is None or not _tool:
         return

@@ -284,8 +284,7 @@ def _databases(tree_dir: Tree) -> list[str]:
 
     base = _base(tree_dir)
     if base["driver"] == "s3" or base["driver"].startswith("gcs"):
-        # listed as every other object-storage folder is: TensorStore's list of an object
-        # store aborted a test process once (cause not found)
+        # listed through epath, as every other object-storage folder is, not TensorStore
         scheme = "s3" if base["driver"] == "s3" else "gs"
         url = f"{scheme}://{base['bucket']}/{base['path'].strip('/')}".rstrip("/")
         urls.forget_listings(url)
@@ -297,10 +296,9 @@ def _databases(tree_dir: Tree) -> list[str]:
 
 def merge(tree_dir: Tree, names: Iterable[str]) -> None:
     """Orbax's finalize of an OCDBT save: every ``ocdbt.process_<i>`` database under
-    ``tree_dir`` (a local path or a kvstore) copied into the root's, in one atomic
-    transaction, once every array of ``names`` (Orbax's names) is seen with its zarr
-    metadata and its chunks. A ``ValueError`` lists what is missing (nothing is committed
-    then). Unlike Orbax's glob, a path holding ``[``, ``*`` or ``?`` finds its databases."""
+    ``tree_dir`` copied into the root's in one atomic transaction, once every array of
+    ``names`` is seen with its zarr metadata and chunks (else a ValueError lists what is
+    missing)."""
     import tensorstore as ts
 
     ctx = context()

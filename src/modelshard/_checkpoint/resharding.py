@@ -44,15 +44,12 @@ def reshard(
 ) -> Path:
     """Rewrite checkpoint ``src`` as ``dst``, laid out for ``specs`` on ``mesh``.
 
-    No model code is needed: the structure comes from the checkpoint's record (or Orbax
-    metadata), and host memory stays near ``chunk_bytes`` however large the checkpoint or
-    any one leaf is: each stored array is copied from the source's files to the new
-    checkpoint's a slab at a time, verified against its checksum and optionally cast on
-    the way; nothing is placed on a device. ``dst`` is a checkpoint like any
-    [`save`][modelshard.save] wrote, chunked for its new shards (the record says it was
-    resharded from ``src``), and it appears only when complete. Under several processes
-    (``modelshard launch``) each writes a share of the leaves. ``modelshard reshard`` on
-    the command line calls this.
+    No model code is needed (the structure comes from the checkpoint's record or Orbax
+    metadata), and host memory stays near ``chunk_bytes`` however large a leaf is: each
+    stored array is copied a slab at a time, verified against its checksum and optionally
+    cast; nothing is placed on a device. ``dst`` is a checkpoint like any
+    [`save`][modelshard.save] wrote, chunked for its new shards, and appears only when
+    complete. Under several processes each writes a share of the leaves.
 
     Args:
         src: a checkpoint written by [`save`][modelshard.save], plain Orbax, or a manager step;
@@ -80,10 +77,8 @@ def reshard(
             step is refused, never silently stripped: keep them by saving them again with
             the resharded state (``CheckpointManager.items(step)``, ``.metrics(step)``).
         progress: called as ``progress(bytes_done, bytes_total)`` after each slab.
-        compression: how the new checkpoint stores each chunk, as
-            [`save`][modelshard.save] does: None (default) its raw bytes, ``"zstd"``
-            compressed (smaller files, several times the CPU time). The source may use
-            either.
+        compression: how the new checkpoint stores each chunk, as in
+            [`save`][modelshard.save]: None (default) or ``"zstd"``; the source may use either.
 
     Returns:
         The new checkpoint: its absolute path, or an ``epath.Path`` for a ``gs://`` or

@@ -67,13 +67,10 @@ def _box(index: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
 
 
 def take(items: Sequence[tuple[tuple[str, ...], jax.Array]], *, copy: bool) -> list[Held]:
-    """This process's blocks of ``items`` (``(key, array)``, none zero-size): the first
-    replica of each shard it holds. Without ``copy``, each on the host (a CPU device's a
-    view of its buffer); every copy off the devices is started before any is waited for.
-    With ``copy`` (a background write: the caller may donate the arrays once it returns), an
-    array on CPU devices is copied where it is, a copy dispatched and not waited for (its
-    blocks are those copies, read on the host by the writer); any other is copied to the
-    host here."""
+    """This process's blocks of ``items`` (``(key, array)``, none zero-size): the first replica
+    of each shard it holds, on the host (every copy started before any is waited for). With
+    ``copy`` (the caller may donate the arrays once it returns), an array on CPU devices is
+    copied where it is, not waited for; the writer reads those copies on the host."""
     if copy:  # a CPU device's copy runs on the host's threads while the caller goes on
         items = [(k, jnp.copy(x) if _on_cpu(x) else x) for k, x in items]
     shards = [[s for s in x.addressable_shards if s.replica_id == 0] for _, x in items]
@@ -169,10 +166,7 @@ def write_held(
 ) -> None:
     """Write ``held`` (every process its own blocks) into ``directory`` as Orbax's PyTree
     checkpoint marked as modelshard's (``finish_tree``); the record is left to the caller.
-
-    Under several processes, each one's part ending is told to the others (an exchange
-    under ``name``) before the metadata is written: every process raises one error at
-    once where any part failed."""
+    A part failing on any process raises one error on every process (exchange ``name``)."""
     start_ns = time.time_ns()
     process, count = jax.process_index(), jax.process_count()
     failure: Exception | None = None
@@ -222,10 +216,9 @@ def write_and_commit(
 def finish_tree(
     directory: Any, arrays: Sequence[tuple[tuple[str, ...], Any, Any]], start_ns: int
 ) -> None:
-    """Process 0, once every process wrote its arrays into ``directory``: Orbax's
-    ``_METADATA`` and ``_sharding`` of ``arrays`` (``(key, chunk, sharding)``), the merge of
-    every process's database, then ``_CHECKPOINT_METADATA`` (marked as modelshard's),
-    last. The other processes do nothing."""
+    """Process 0, once every process wrote its arrays: Orbax's ``_METADATA`` and ``_sharding``
+    of ``arrays`` (``(key, chunk, sharding)``), the merge of the databases, then the marked
+    ``_CHECKPOINT_METADATA``, last."""
     if jax.process_index() == 0:
         _finalize(directory, arrays, start_ns)
 

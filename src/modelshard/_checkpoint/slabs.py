@@ -1,13 +1,6 @@
 """How a streamed leaf is laid out before a byte is written: its stored dtype, shape and
-sharding, the slabs it is copied in and the chunks it is stored in, which process writes
-it, and which checksums its slabs are given (``stream.py`` copies them).
-
-Slabs and chunks (``slab_plan``): slabs follow the producer's own blocks (the source's
-stored chunks, so that each is decoded once), grown along the trailing dimensions up to the
-slab budget (whole rows first), or cut along the leading ones where one block is larger
-than allowed. The new array is stored in chunks that tile both its slabs and its shards
-(per dimension, the greatest common divisor of the two), so every write covers whole
-chunks and a device restoring its shard reads only its own chunks.
+sharding, the slabs it is copied in and the chunks it is stored in (``slab_plan``), which
+process writes it, and which checksums its slabs are given (``stream.py`` copies them).
 """
 
 from __future__ import annotations
@@ -39,9 +32,8 @@ class StreamLeaf:
             with its trailing dimensions).
         dtype: its dtype (a NumPy/ml_dtypes dtype or its name: ``bfloat16``, ``float8_e4m3``
             and ``uint4`` are fine; for keys ``uint32``).
-        read: ``read(index)`` -> the box ``index`` (a tuple of ``slice(start, stop)``, one
-            per dimension; ``()`` for a 0-d leaf) as a NumPy array of that shape and
-            ``dtype``. Called once per slab, in order, from a worker thread.
+        read: ``read(index)`` -> the box ``index`` (a ``slice(start, stop)`` per dimension)
+            as a NumPy array of that shape and ``dtype``; once per slab, on a worker thread.
         spec: the ``PartitionSpec`` of the leaf on the mesh (of the logical leaf; key data's
             trailing dimensions are never split). None: replicated.
         key_impl: for typed PRNG keys, the implementation name (``"threefry2x32"``).
@@ -52,9 +44,8 @@ class StreamLeaf:
             a mismatch is reported as damage of the source.
         logical_dtype: the dtype the record gives the leaf, where ``read`` gives its bits
             in another (a float8 leaf read as uint8); default ``dtype``.
-        carry: a checksum recorded as the stored array's without being checked, where no
-            cast changes the bits (``reshard(verify=False)`` passes the source's: damage
-            read unverified stays detectable by a later restore); nothing is summed then.
+        carry: a checksum recorded unchecked where no cast changes the bits
+            (``reshard(verify=False)`` passes the source's); nothing is summed then.
     """
 
     path: str

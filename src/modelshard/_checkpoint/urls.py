@@ -101,10 +101,9 @@ def is_remote(path: Any) -> bool:
 
 
 def kvstore(path: Any) -> dict[str, Any]:
-    """TensorStore's kvstore of the directory ``path`` (from ``location``), as Orbax's
-    specs hold it: a ``file`` one on a local disk, a ``gcs`` one (or
-    ``TENSORSTORE_GCS_BACKEND``'s driver, as Orbax reads it) for ``gs://``, an ``s3`` one
-    configured from the AWS environment for ``s3://`` (``s3.kvstore_spec``)."""
+    """TensorStore's kvstore of the directory ``path`` (from ``location``), as Orbax's specs
+    hold it: ``file``, ``gcs`` (or ``TENSORSTORE_GCS_BACKEND``'s driver) or ``s3``
+    (``s3.kvstore_spec``)."""
     if not is_remote(path):
         return {"driver": "file", "path": os.path.normpath(path) + "/"}
     bucket, _, key = str(path).split("://", 1)[1].partition("/")
@@ -161,11 +160,9 @@ def server_of(path: Any, client: str | None = None) -> str:
 
 @contextlib.contextmanager
 def reaching(path: Any) -> Iterator[None]:
-    """Turn an object-storage client's failure (no connection, no credentials) inside the
-    block into a ``CheckpointError`` that names the server and the settings that chose it,
-    whichever client etils.epath used (fsspec or TensorFlow's; a TensorFlow
-    ``NotFoundError`` becomes the ``FileNotFoundError`` fsspec would raise); anything else,
-    and any error on a local path, passes unchanged."""
+    """Turn an object-storage client's failure in the block (fsspec's or TensorFlow's) into a
+    ``CheckpointError`` naming the server and the settings that chose it (a missing object:
+    ``FileNotFoundError``); anything else, and any error on a local path, passes unchanged."""
     try:
         yield
     except Exception as e:
