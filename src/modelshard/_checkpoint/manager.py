@@ -241,6 +241,16 @@ class CheckpointManager:
         if self._primary():
             purge_rotated(self.directory)
 
+    def _writing(self, step: Any) -> int:
+        """``step`` as an int, checked, once this manager is the root's writer and open."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
+        self._become_writer()  # first: another writer is the error to report
+        if self._closed:
+            self._release_lock()
+            raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
+        return int(step)
+
     def _become_writer(self) -> None:
         """Process 0 holds ``LOCK`` until ``close`` (dropped if it dies) and tells the others."""
         if self._writer_agreed:
@@ -352,11 +362,8 @@ class CheckpointManager:
 
         A loop that calls this every step handles stops itself: the first SIGTERM or
         SIGINT makes the next step a saving step; after the loop the process exits with
-        ``128 + signal``.
-
-        Another tool's steps are those process 0 listed last (its first call lists the
-        root; every ``save``, ``all_steps`` and ``delete`` lists it again), so every
-        process answers alike; a step written there since is refused by ``save``.
+        ``128 + signal``. Another tool's steps are those process 0 listed last, so every
+        process answers alike.
         """
         if step == self._last_saved:
             return False
@@ -399,13 +406,7 @@ class CheckpointManager:
             DistributedError: another process did not come to one of the save's waits
                 within ``MODELSHARD_BARRIER_TIMEOUT``.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
-        step = int(step)
-        self._become_writer()  # first: another writer is the error to report
-        if self._closed:
-            self._release_lock()
-            raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
+        step = self._writing(step)
         stopping = guard.stop_signal() is not None
         if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
             return False
@@ -463,13 +464,7 @@ class CheckpointManager:
             CheckpointError: nothing in the root carries that number, or it cannot be
                 removed.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}.")
-        step = int(step)
-        self._become_writer()
-        if self._closed:
-            self._release_lock()
-            raise CheckpointError(f"this CheckpointManager of {self.directory} is closed.")
+        step = self._writing(step)
         self.wait_until_finished()  # a pending save of that step finishes first
         error = None
         if self._primary():

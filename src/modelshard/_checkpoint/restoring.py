@@ -72,17 +72,12 @@ def restore(
     Args:
         directory: a checkpoint written by [`save`][modelshard.save], by Orbax's
             ``StandardCheckpointer``, or a step directory of an Orbax ``CheckpointManager``.
-            Orbax stores a box (linen ``Partitioned`` / ``LogicallyPartitioned``, optax
-            moments of boxed params) and an NNX ``Variable`` (the Flax guide's
-            ``nnx.state(model)``) as a node whose only child is ``value``, and records no
-            type for it: such a node (not the root; its ``value`` an array) is read as the
-            box it was, named by its canonical path (``linear/kernel``, as
-            [`plan`][modelshard.plan] shows it, not ``linear/kernel/value``), so it
-            restores into the boxed or NNX ``like`` with no mapping. A ``like`` whose own
-            paths end in ``value`` (a dict that really has such a leaf) is matched on the
-            names as stored. A Python number Orbax stored (64-bit) is read as JAX holds it
-            (an int that does not fit int32 without x64 is refused, never wrapped);
-            a typed PRNG key Orbax stored as its key data, as the key ``like`` holds there.
+            A node Orbax stored with the one child ``value`` (a linen box, an NNX
+            ``Variable``) is read as the box it was, named by its canonical path
+            (``linear/kernel``), so it restores into a boxed or NNX ``like`` with no mapping
+            (a ``like`` whose own paths end in ``value`` matches the stored names). A Python
+            number Orbax stored 64-bit is read as JAX holds it (an int that does not fit
+            int32 without x64 is refused), a typed PRNG key as the key ``like`` holds.
         like: a concrete or abstract container (``jax.eval_shape``, ``nnx.eval_shape``)
             giving the type to return; without it a nested dict of arrays is rebuilt from
             the checkpoint's record (or Orbax metadata). The state's Python values (an
