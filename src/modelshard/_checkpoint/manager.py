@@ -1,11 +1,8 @@
 """``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
 
-Each step is written by ``step_writer`` (an asynchronous one on the manager's own thread,
-from a copy of the arrays, its waits named apart); what a step is, rotation, removal and
-another tool's entries are ``listing``, ``policy``, ``removal``, read from storage every
-time; exits and preemption live in ``guard``. Under several processes every decision that
-depends on storage is made by process 0 and broadcast, and every process enters every
-wait (a coordination-service barrier) in one order.
+Each step is written by ``step_writer`` (an asynchronous one on the manager's own thread).
+Under several processes every decision that depends on storage is made by process 0 and
+broadcast, and every process enters every wait in one order.
 """
 
 from __future__ import annotations
@@ -68,13 +65,11 @@ class CheckpointManager:
     Rotation keeps the union of the rules given (none given: keep every step), and
     always the newest complete step of its own.
 
-    What another tool wrote into the root is never removed or replaced: Orbax's own
-    ``CheckpointManager`` names its steps as this one does, so a run moves between them
-    mid-way. Orbax's complete steps are listed (``all_steps``) and restored with its own
-    (``restore``; ``items`` gives their JSON items) but never rotated; other entries
-    (unfinished saves, another tool's) are neither, and opening the manager warns
-    (``ForeignStepsWarning``) naming them. ``should_save`` is False for every such number
-    and ``save`` refuses it (``ForeignStepError``); ``delete(step)`` removes one by name.
+    What another tool wrote into the root is never removed or replaced. Orbax's own
+    complete steps (its manager names steps as this one does) are listed and restored but
+    never rotated; other entries are neither, and opening the manager warns naming them
+    (``ForeignStepsWarning``). ``save`` refuses their numbers (``ForeignStepError``);
+    ``delete(step)`` removes one by name.
 
     Example:
         >>> import tempfile, jax.numpy as jnp
@@ -455,10 +450,9 @@ class CheckpointManager:
         step another tool wrote (``delete(20)``, then ``save(20, ...)``), and to remove one
         of the manager's own outside its keep rules.
 
-        Everything carrying that number goes: ``<step>/`` (a link: the link itself, not
-        what it points to) and the staging folders ``<step>.orbax-checkpoint-tmp...``. A
-        local step is first renamed aside in one step, so a crash leaves it whole or
-        gone. Every process calls it; process 0 removes, the others wait for it.
+        Everything carrying that number goes (a link itself, not what it points to), a
+        local step renamed aside first, so a crash leaves it whole or gone. Every process
+        calls it; process 0 removes, the others wait for it.
 
         Raises:
             CheckpointError: nothing in the root carries that number, or it cannot be
@@ -563,11 +557,8 @@ class CheckpointManager:
 
         A data iterator passed in ``like`` under its name gets its saved state
         (``set_state``) and is returned; PRNG keys come back as keys. A step whose items
-        file is gone (damaged) raises CheckpointError rather than giving ``{}``.
-
-        A step Orbax's own manager wrote gives the JSON items of its ``args.Composite``
-        (``ocp.args.JsonSave``), by item name (``{"metadata": {...}}``); its other tree
-        items are read with [`modelshard.restore`][modelshard.restore] on their folder.
+        file is gone (damaged) raises CheckpointError rather than giving ``{}``. A step
+        Orbax's own manager wrote gives its JSON items by name (``{"metadata": {...}}``).
         """
         step = self._existing(step)
         adopted = self._adopted(step)
@@ -618,8 +609,8 @@ class CheckpointManager:
         """Every complete step, ascending, read from storage: its own (see
         ``complete_steps``) and Orbax's (``listing.adopted_steps``).
 
-        Under several processes this is process 0's listing, broadcast (processes listing
-        at different moments would restore different steps): every process calls it.
+        Under several processes this is process 0's listing, broadcast: every process
+        calls it.
 
         Raises:
             DistributedError: process 0's listing did not come within
@@ -631,8 +622,7 @@ class CheckpointManager:
         """Block until the background save is written, then apply rotation.
 
         Under several processes every process calls it (``save``, ``restore`` and
-        ``close`` do): the processes tell each other how their part of the save ended,
-        and all raise if any failed.
+        ``close`` do), and all raise if any process's part failed.
 
         Raises:
             CheckpointError: the background save failed, on this process or another (its

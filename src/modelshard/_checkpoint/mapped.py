@@ -1,9 +1,7 @@
 """``restore(mapping=)``: a checkpoint of another layout read through a weight mapping, by
-default each saved spec carried through its recipe; and an export's one-leaf reads.
-
-A target leaf that is one stored leaf renamed (maybe cast) is read straight into its
-sharding. Other recipes' stored leaves are read onto the mesh in the specs their blocks
-need (``recipe.needed_specs``), one at a time, and each device computes its own block.
+default each saved spec carried through its recipe; and an export's one-leaf reads. A
+renamed (maybe cast) leaf is read straight into its sharding; other recipes' leaves are
+read in the specs their blocks need, one at a time, each device computing its own block.
 """
 
 from __future__ import annotations

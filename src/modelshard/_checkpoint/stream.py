@@ -56,8 +56,7 @@ WRITES_IN_FLIGHT = 3
 """Slabs being written at once (each an OCDBT commit, which waits on the file system)."""
 
 READS_AHEAD = 2
-"""Slabs read ahead of the one in hand, each on a reader thread of its own: with the
-writes in flight, six slabs are held at most."""
+"""Slabs read ahead of the one in hand, each on a reader thread (six held at most in all)."""
 
 
 class _Sums:
@@ -278,10 +277,9 @@ class Stream:
         self.total = sum(lay.nbytes for lay in self.layouts)
 
     def write(self, directory: Any) -> None:
-        """Write every array into ``directory`` (a new or empty directory; a local
-        ``Path`` or an ``epath.Path`` on object storage), then, on process 0, Orbax's
-        metadata; the record is left to the caller. Raises CheckpointError naming every
-        leaf whose read checksum differs from its ``expect``."""
+        """Write every array into the new or empty ``directory`` (each process its share), then
+        process 0 Orbax's metadata; the record is left to the caller. CheckpointError names
+        every leaf whose read checksum differs from its ``expect``."""
         start_ns = time.time_ns()
         process, count = jax.process_index(), jax.process_count()
         owner = assign([lay.nbytes for lay in self.layouts], count)
