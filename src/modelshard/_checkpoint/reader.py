@@ -30,23 +30,12 @@ HOST_ALIGN = 64
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
-# Buffers from this size on are mapped with their pages faulted in by the one mmap call: a
-# read fills them whole, and page-by-page faults cost most of a fresh process's restore.
-POPULATE_BYTES = 1 << 20
-
-
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
     """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary."""
-    import mmap
-
     import numpy as np
 
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
-    populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
-    if n >= POPULATE_BYTES and populate:
-        pages = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-        return np.frombuffer(pages, dt, count=math.prod(shape)).reshape(shape)  # page-aligned
     raw = np.empty(n + HOST_ALIGN, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGN
     return raw[start : start + n].view(dt).reshape(shape)
