@@ -197,6 +197,7 @@ class CheckpointManager:
         return self._polled
 
     def finish(self) -> None:
+        """``wait_until_finished``, by the name the exit and signal guard calls."""
         self.wait_until_finished()
 
     @staticmethod
