@@ -16,7 +16,7 @@ import numpy as np
 from .._base import CheckpointError, MappingError, Problem, Progress
 from .._base import split as split_path
 from .._containers import split
-from .._runtime import barrier, raise_shared
+from .._runtime import raise_shared
 from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
@@ -159,9 +159,12 @@ def save_safetensors(
         shared=shared,
     )
     if is_model_directory(path):
-        finish_model_directory(out, reference, items)
-        if jax.process_count() > 1:  # every process returns once the directory is complete
-            barrier("modelshard:export:model-files")
+        failure: Exception | None = None
+        try:  # process 0 writes the files; the others return once it did, or raise its error
+            finish_model_directory(out, reference, items)
+        except Exception as e:
+            failure = e
+        raise_shared(failure, "modelshard:export:model-files", f"writing the files beside {out}")
     return out
 
 
