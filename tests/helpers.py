@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -785,3 +785,12 @@ def two_processes(
         if reservation is not None:
             reservation.close()
     return [p.returncode for p in procs], outputs
+
+
+def checksums(arrays: Sequence[Any]) -> list[str]:
+    """Each array's ``"xxxxxxxx:yyyyyyyy"`` checksum, summed by the collector saves and
+    restores use (``checksum.Checksums``)."""
+    from modelshard._checkpoint.checksum import Checksums
+
+    xs = dict(enumerate(arrays))
+    return list(Checksums(xs).collect(xs).values())

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import checksums
 from modelshard._checkpoint import checksum as cs
 
 # Checksums as the earlier engines (device programs and host sums alike) recorded them:
@@ -58,9 +59,9 @@ def small_blocks(monkeypatch):
 
 def test_checksums_are_the_values_earlier_versions_recorded(mesh24):
     arrays = _pinned_arrays()
-    assert dict(zip(arrays, cs.checksums(list(arrays.values())), strict=True)) == PINNED
+    assert dict(zip(arrays, checksums(list(arrays.values())), strict=True)) == PINNED
     w = jax.device_put(arrays["f32"], NamedSharding(mesh24, P("model", "data")))
-    assert cs.checksums([w]) == [PINNED["f32"]]
+    assert checksums([w]) == [PINNED["f32"]]
 
 
 @pytest.mark.parametrize(
@@ -89,7 +90,7 @@ def test_every_layout_sums_to_the_definition(dtype, blocks, mesh24, request):
     x = jnp.asarray(values).astype(dtype)
     want = _reference(np.asarray(x))
     for spec in (P(), P("data"), P(None, "model"), P("model", "data"), P(None, ("data", "model"))):
-        assert cs.checksums([jax.device_put(x, NamedSharding(mesh24, spec))]) == [want], spec
+        assert checksums([jax.device_put(x, NamedSharding(mesh24, spec))]) == [want], spec
 
 
 def test_boxes_that_tile_a_leaf_add_up_to_its_checksum(small_blocks):
@@ -116,12 +117,12 @@ def test_boxes_that_tile_a_leaf_add_up_to_its_checksum(small_blocks):
 
 def test_damage_changes_the_checksum():
     a = np.random.default_rng(5).normal(size=(64, 300)).astype(np.float32)
-    want = cs.checksums([a])[0]
+    want = checksums([a])[0]
     flipped = a.copy()
     flipped.view(np.uint32)[17, 200] ^= 1 << 7  # one bit
     swapped = a.copy()
     swapped[[3, 40]] = swapped[[40, 3]]  # the same values, two rows moved
-    assert len({want, *cs.checksums([flipped, swapped])}) == 3
+    assert len({want, *checksums([flipped, swapped])}) == 3
 
 
 def test_a_replicated_block_is_summed_once(mesh24, monkeypatch):
@@ -138,7 +139,7 @@ def test_a_replicated_block_is_summed_once(mesh24, monkeypatch):
     x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32)
     for spec, blocks in ((P(), 1), (P(None, "model"), 4), (P("data"), 2), (P("data", "model"), 8)):
         seen.clear()
-        assert cs.checksums([jax.device_put(x, NamedSharding(mesh24, spec))]) == cs.checksums(
+        assert checksums([jax.device_put(x, NamedSharding(mesh24, spec))]) == checksums(
             [np.asarray(x)]
         )
         assert len(seen) == blocks + 1 and sum(np.prod(s) for _, s in seen[:-1]) == x.size, spec
@@ -149,9 +150,9 @@ def test_a_leaf_of_any_shape_compiles_nothing_new(count_compiles):
     leaves of shapes never seen before compile nothing once those sizes are compiled."""
     rng = np.random.default_rng(6)
     every_size = sum(cs.BLOCK >> 2 * i for i in range(5)) + 3  # 2**20 down to 2**12, NumPy
-    cs.checksums([rng.normal(size=(every_size,)).astype(np.float32)])
+    checksums([rng.normal(size=(every_size,)).astype(np.float32)])
     with count_compiles() as n:
-        sums = cs.checksums(
+        sums = checksums(
             [rng.normal(size=(1031 + i, 260 + 7 * i)).astype(np.float32) for i in range(6)]
         )
     assert sum(n.values()) == 0 and len(set(sums)) == 6
@@ -162,7 +163,7 @@ def test_checksums_added_one_by_one_match_and_failures_are_raised_by_collect(mes
         "a": jax.device_put(jnp.arange(4096.0).reshape(64, 64), NamedSharding(mesh8, P("data"))),
         "b": jnp.ones((3, 5), jnp.bfloat16),
     }
-    want = dict(zip(xs, cs.checksums(list(xs.values())), strict=True))
+    want = dict(zip(xs, checksums(list(xs.values())), strict=True))
     sums = cs.Checksums(xs)
     sums.add("a", xs["a"])
     sums.add("not checked", xs["a"])
@@ -192,7 +193,7 @@ def test_host_bytes_given_are_summed_instead_of_the_arrays(mesh8):
     got = sums.collect()
     changed = np.asarray(x).copy()
     changed[8:16] += 1
-    assert got == {"a": cs.checksums([changed])[0], "b": cs.checksums([x])[0]}
+    assert got == {"a": checksums([changed])[0], "b": checksums([x])[0]}
 
 
 def test_a_restore_compiles_a_few_host_programs_whatever_the_shapes(

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import modelshard as ms
-from helpers import DAMAGED_HINT, assert_bit_exact, largest_data_file, truncate_file
+from helpers import DAMAGED_HINT, assert_bit_exact, checksums, largest_data_file, truncate_file
 from modelshard._checkpoint import restoring
 
 
@@ -466,7 +466,7 @@ def test_checksums_of_arrays_added_one_by_one_match_checksums(mesh8):
         "b": jnp.ones((3, 5), jnp.bfloat16),
         "c": jnp.arange(10, dtype=jnp.uint8),
     }
-    want = dict(zip(xs, cs.checksums(list(xs.values())), strict=True))
+    want = dict(zip(xs, checksums(list(xs.values())), strict=True))
     batch = cs.Checksums(xs)
     batch.add("c", xs["c"])
     batch.add("a", xs["a"])

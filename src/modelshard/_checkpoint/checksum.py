@@ -277,12 +277,6 @@ class Checksums(Generic[K]):
             f.cancel()
 
 
-def checksums(arrays: Sequence[Any]) -> list[str]:
-    """One ``"xxxxxxxx:yyyyyyyy"`` checksum per array, independent of its sharding."""
-    sums: Checksums[int] = Checksums(dict(enumerate(arrays)))
-    return list(sums.collect(dict(enumerate(arrays))).values())
-
-
 def checksum_mismatch_message(
     where: str, bad: Sequence[tuple[Any, str | None, str]], anyway: str = "load it anyway"
 ) -> str:
