@@ -121,3 +121,19 @@ def test_a_refused_save_leaves_what_is_there_untouched(bucket_root):
     )
     assert {p: _objects(p) for p in kept} == kept
     np.testing.assert_array_equal(np.asarray(ms.restore(path)["w"]), np.arange(8.0))
+
+
+def test_plain_orbax_restores_an_object_storage_save(bucket_root):
+    """Orbax's own ``StandardCheckpointer`` reads the arrays item of a save on object
+    storage, as it reads a local one."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = ms.make_mesh({"data": 8})
+    w = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("data")))
+    path = epath.Path(ms.save(f"{bucket_root}/ck", {"w": w}))
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=w.sharding)}
+    got = ocp.StandardCheckpointer().restore(path / "state", target)
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w))
