@@ -59,14 +59,12 @@ TILE = 128
 def copy_tiled(out: np.ndarray, a: np.ndarray, casting: Any = "same_kind") -> None:
     """``out[...] = a`` for a C-contiguous ``out``, in tiles when ``a`` is transposed."""
     moving = [i for i in range(a.ndim) if a.shape[i] > 1]
-    if len(moving) < 2:
+    inner = min(moving, key=lambda i: abs(a.strides[i]), default=None)
+    if len(moving) < 2 or inner == moving[-1]:
         np.copyto(out, a, casting=casting)
         return
-    inner = min(moving, key=lambda i: abs(a.strides[i]))
+    assert inner is not None
     last = moving[-1]
-    if inner == last:
-        np.copyto(out, a, casting=casting)
-        return
     whole = [slice(None)] * a.ndim
     for i in range(0, a.shape[inner], TILE):
         for j in range(0, a.shape[last], TILE):
@@ -118,9 +116,15 @@ class _OneChild(Node):
 
 class _Children(Node):
     children: list[Node]
+    axis: int
 
     def reads(self) -> list[str]:
         return [k for c in self.children for k in c.reads()]
+
+    def describe(self) -> str:
+        first = self.children[0].describe()
+        verb = "stack" if isinstance(self, Stacked) else "concat"
+        return f"{verb}(axis {self.axis}) of {len(self.children)}: {first}, ..."
 
 
 @dataclasses.dataclass(repr=False)
@@ -243,8 +247,7 @@ def child_block(groups: Groups, a: Sequence[int], b: Sequence[int], index: Index
 
 def _flat_range(sizes: Sequence[int], index: Sequence[slice]) -> tuple[int, int] | None:
     """``index`` over ``sizes`` as one range of their C-order flattening, or ``None``."""
-    n = len(sizes)
-    t = n
+    t = len(sizes)
     while t > 0 and index[t - 1].start == 0 and index[t - 1].stop == sizes[t - 1]:
         t -= 1
     if t == 0:
@@ -262,10 +265,9 @@ def _block_of(sizes: Sequence[int], lo: int, hi: int) -> list[slice] | None:
     range, then whole axes), or ``None``."""
     if hi <= lo:
         return None
-    n = len(sizes)
-    if n == 0:
+    if not sizes:
         return [] if (lo, hi) == (0, 1) else None
-    for t in range(n):
+    for t in range(len(sizes)):
         inner = math.prod(sizes[t + 1 :])
         if lo % inner or hi % inner:
             continue
@@ -325,10 +327,6 @@ class Stacked(_Children):
             c.read_into(rest, fetch, out[(slice(None),) * self.axis + (i,)])
         return out
 
-    def describe(self) -> str:
-        first = self.children[0].describe()
-        return f"stack(axis {self.axis}) of {len(self.children)}: {first}, ..."
-
 
 @dataclasses.dataclass(repr=False)
 class Joined(_Children):
@@ -362,10 +360,6 @@ class Joined(_Children):
             c.read_into(sub, fetch, out[(slice(None),) * ax + (slice(at, at + n),)])
             at += n
         return out
-
-    def describe(self) -> str:
-        first = self.children[0].describe()
-        return f"concat(axis {self.axis}) of {len(self.children)}: {first}, ..."
 
 
 @dataclasses.dataclass(repr=False)
@@ -585,24 +579,21 @@ def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | No
     if isinstance(node, Read):
         s = spec_of(node.key)
         return None if s is None else tuple(s) + (None,) * (len(node.shape) - len(s))
-    if isinstance(node, Cast | Arith):
-        return carried_spec(node.child, spec_of)
-    if isinstance(node, Permuted):
-        s = carried_spec(node.child, spec_of)
-        return None if s is None else tuple(s[p] for p in node.perm)
-    if isinstance(node, Take):
-        s = carried_spec(node.child, spec_of)
-        return None if s is None else s[: node.axis] + s[node.axis + 1 :]
-    if isinstance(node, Slice):
-        s = carried_spec(node.child, spec_of)
-        return None if s is None else (*s[: node.axis], None, *s[node.axis + 1 :])
-    if isinstance(node, Stacked | Joined):
+    if isinstance(node, Reshaped):
+        return None  # the stored spec does not carry over
+    if isinstance(node, _Children):
         parts = {carried_spec(c, spec_of) for c in node.children}
-        if len(parts) != 1 or None in parts:
+        s = parts.pop() if len(parts) == 1 else None
+        if s is None:
             return None
-        (s,) = parts
-        assert s is not None
-        if isinstance(node, Stacked):
-            return (*s[: node.axis], None, *s[node.axis :])
-        return (*s[: node.axis], None, *s[node.axis + 1 :])
-    return None  # a reshape: the stored spec does not carry over
+        rest = s[node.axis :] if isinstance(node, Stacked) else s[node.axis + 1 :]
+        return (*s[: node.axis], None, *rest)
+    assert isinstance(node, _OneChild)
+    s = carried_spec(node.child, spec_of)
+    if s is None or isinstance(node, Cast | Arith):
+        return s
+    if isinstance(node, Permuted):
+        return tuple(s[p] for p in node.perm)
+    if isinstance(node, Take):
+        return s[: node.axis] + s[node.axis + 1 :]
+    return (*s[: node.axis], None, *s[node.axis + 1 :])  # a Slice

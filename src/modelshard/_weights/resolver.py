@@ -54,17 +54,10 @@ class Resolution:
             t.add_column(col)
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
-            src = ", ".join(r.sources[:1]) + (
-                f" and {len(r.sources) - 1} more" if len(r.sources) > 1 else ""
-            )
+            more = f" and {len(r.sources) - 1} more" if len(r.sources) > 1 else ""
+            src = literal(", ".join(r.sources[:1]) + more or "-")
             shape = "-" if r.shape is None else str(list(r.shape))
-            t.add_row(
-                literal(r.target or "<root>"),
-                shape,
-                r.dtype or "-",
-                literal(src or "-"),
-                literal(r.how),
-            )
+            t.add_row(literal(r.target or "<root>"), shape, r.dtype or "-", src, literal(r.how))
         if len(rows) < len(self.rows) and vocabulary() == "python":  # the CLI says it below
             t.add_row(
                 f"... {_count(len(self.rows) - len(rows), 'more leaf', 'more leaves')}", *[""] * 4
@@ -155,6 +148,9 @@ class _Resolver:
         self.made: dict[str, tuple[recipe.Node, int, tuple[str, ...]]] = {}
         self.failed: set[str] = set()
 
+    def report(self, arg: str, path: str, what: str, **kw: Any) -> None:
+        self.problems.append(Problem(arg, path, what, **kw))
+
     def read(self, name: str) -> recipe.Read:
         shape, dt = self.sources[name]
         return recipe.Read(name, tuple(shape), recipe.as_dtype(dt))
@@ -162,15 +158,13 @@ class _Resolver:
     def add(self, path: str, node: recipe.Node, i: int, names: tuple[str, ...]) -> None:
         if path in self.made:
             other = self.made[path][2]
-            self.problems.append(
-                Problem(
-                    "target",
-                    path,
-                    f"stored tensors {', '.join(other + names)} all map to this leaf "
-                    f"(rules[{self.made[path][1]}] and rules[{i}])",
-                    hint="give them distinct targets, or Stack(...) them into one leaf",
-                    cause="several stored tensors map to one leaf",
-                )
+            self.report(
+                "target",
+                path,
+                f"stored tensors {', '.join(other + names)} all map to this leaf "
+                f"(rules[{self.made[path][1]}] and rules[{i}])",
+                hint="give them distinct targets, or Stack(...) them into one leaf",
+                cause="several stored tensors map to one leaf",
             )
         else:
             self.made[path] = (node, i, names)
@@ -186,16 +180,14 @@ class _Resolver:
             if hit is None and alsos:
                 continue  # only also rules map it: the export writes it from their leaf
             if hit is None:
-                self.problems.append(
-                    Problem(
-                        "source",
-                        name,
-                        "no rule maps this stored tensor",
-                        shape=tuple(shape),
-                        dtype=dtype_name(dt),
-                        hint="add a rule for it, or a skip rule (target None / skip = true)",
-                        cause="no rule maps this stored tensor",
-                    )
+                self.report(
+                    "source",
+                    name,
+                    "no rule maps this stored tensor",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="add a rule for it, or a skip rule (target None / skip = true)",
+                    cause="no rule maps this stored tensor",
                 )
                 continue
             i, m = hit
@@ -213,17 +205,14 @@ class _Resolver:
                     members[value] = name
                     continue
                 verb = "stack" if rule.stack is not None else "concat"
-                self.problems.append(
-                    Problem(
-                        "target",
-                        key,
-                        f"stored tensors {members[value]}, {name} all map to this leaf, both "
-                        f"at {verb} index {value!r} (rules[{i}] {verb}s by group "
-                        f"{rule.join.group!r})",
-                        hint="another group varies too: put it in the target template, or "
-                        "stack by it",
-                        cause="several stored tensors map to one leaf",
-                    )
+                self.report(
+                    "target",
+                    key,
+                    f"stored tensors {members[value]}, {name} all map to this leaf, both "
+                    f"at {verb} index {value!r} (rules[{i}] {verb}s by group "
+                    f"{rule.join.group!r})",
+                    hint="another group varies too: put it in the target template, or stack by it",
+                    cause="several stored tensors map to one leaf",
                 )
                 self.clashed.add((i, key))
 
@@ -279,7 +268,7 @@ class _Resolver:
             ndim, ax = len(nodes[0].shape) + stack, join.axis
             if not -ndim <= ax < ndim:
                 what = f"{verb} axis {ax} is out of range"
-                self.problems.append(Problem("mapping", f"rules[{i}]", what))
+                self.report("mapping", f"rules[{i}]", what)
                 self.failed.add(path)
                 continue
             ax %= ndim
@@ -297,7 +286,7 @@ class _Resolver:
                 )
                 joined = "stacked" if stack else "concatenated"
                 what = f"the {joined} tensors differ in {what}: {detail}"
-                self.problems.append(Problem("target", path, what, hint=hint))
+                self.report("target", path, what, hint=hint)
                 continue
             node = recipe.Stacked(nodes, ax) if stack else recipe.Joined(nodes, ax)
             self.add(path, cast(rule, node), i, names)
@@ -305,7 +294,7 @@ class _Resolver:
     def fit_targets(self, targets: Tensors, export: bool) -> tuple[list[str], list[Row]]:
         """Every target leaf made with its shape and dtype, or kept by a ``keep`` pattern;
         every leaf made that the target lacks. The kept paths and the rows, in order."""
-        mapping, made, problems = self.mapping, self.made, self.problems
+        mapping, made = self.mapping, self.made
         kept: list[str] = []
         rows: list[Row] = []
         keep_used: set[int] = set()
@@ -320,17 +309,15 @@ class _Resolver:
                     kept.append(path)
                     rows.append(Row(path, (), "kept (like's value)", tuple(shape), dtype_name(dt)))
                     continue
-                problems.append(
-                    Problem(
-                        "target",
-                        path,
-                        "no stored tensor maps to this leaf",
-                        shape=tuple(shape),
-                        dtype=dtype_name(dt),
-                        hint="add a rule producing it, or list it in keep=[...] to keep "
-                        "like's value (a new head, LoRA adapters)",
-                        cause="no stored tensor maps to this leaf",
-                    )
+                self.report(
+                    "target",
+                    path,
+                    "no stored tensor maps to this leaf",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="add a rule producing it, or list it in keep=[...] to keep "
+                    "like's value (a new head, LoRA adapters)",
+                    cause="no stored tensor maps to this leaf",
                 )
                 continue
             node, i, names = hit
@@ -342,43 +329,37 @@ class _Resolver:
                 hints = ["fix the rule's transpose/reshape/stack"] if bad_shape else []
                 if bad_dtype:
                     hints.append(f"add cast = {dtype_name(dt)!r} to rules[{i}] or pass dtype=")
-                problems.append(
-                    Problem(
-                        "target",
-                        path,
-                        f"the mapped value is {got} but the target leaf is {want} "
-                        f"(from {', '.join(names)} by rules[{i}]: "
-                        f"{mapping.rules[i].transforms_text()})",
-                        shape=tuple(shape),
-                        dtype=dtype_name(dt),
-                        hint="; ".join(hints),
-                        cause="shape or dtype does not fit",
-                    )
+                self.report(
+                    "target",
+                    path,
+                    f"the mapped value is {got} but the target leaf is {want} "
+                    f"(from {', '.join(names)} by rules[{i}]: "
+                    f"{mapping.rules[i].transforms_text()})",
+                    shape=tuple(shape),
+                    dtype=dtype_name(dt),
+                    hint="; ".join(hints),
+                    cause="shape or dtype does not fit",
                 )
                 continue
             rows.append(_row(path, node, mapping.rules[i]))
         for path, (_, i, names) in made.items():
             if path not in targets:
-                problems.append(
-                    Problem(
-                        "target",
-                        path,
-                        f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
-                        hint="fix the target template; target paths are canonical "
-                        "(modelshard.plan(like, ...) lists them)",
-                        cause="mapped to a path the target does not have",
-                    )
+                self.report(
+                    "target",
+                    path,
+                    f"rules[{i}] maps {', '.join(names)} here, but the target has no such leaf",
+                    hint="fix the target template; target paths are canonical "
+                    "(modelshard.plan(like, ...) lists them)",
+                    cause="mapped to a path the target does not have",
                 )
         if mapping.strict and not export:
             for j, k in enumerate(mapping.keep):  # optional patterns follow keep's in _keep
                 if j not in keep_used:
-                    problems.append(
-                        Problem(
-                            "mapping",
-                            f"keep[{j}]",
-                            f"keep pattern {k!r} matched no unmapped target leaf",
-                            hint="fix or remove the pattern",
-                        )
+                    self.report(
+                        "mapping",
+                        f"keep[{j}]",
+                        f"keep pattern {k!r} matched no unmapped target leaf",
+                        hint="fix or remove the pattern",
                     )
         return kept, rows
 
