@@ -20,6 +20,23 @@ from typing import Any
 
 from .._base import CheckpointError
 from .codec import encode, is_key, key_impl
+from .listing import orbax_state
+from .sources import locate
+from .storage import (
+    CHECKPOINT_METADATA,
+    COMMIT_FILE,
+    ITEMS_FILE,
+    ITEMS_ITEM,
+    METRICS_FILE,
+    METRICS_ITEM,
+    ORBAX_TMP,
+    RECORD_ITEM,
+    STATE_ITEM,
+    TREE_METADATA,
+    read_small,
+    step_metadata,
+)
+from .urls import location, reaching
 
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
@@ -125,8 +142,6 @@ def orbax_json_items(items: Mapping[str, Any] | None, encoded: Mapping[str, Any]
     (``<step>/<name>/metadata``), for Orbax's own manager: plain JSON items (not iterators or
     keys) named as a folder (``_FOLDER``) that no item of the step takes. ``encoded``:
     ``encode_items(items)``."""
-    from .storage import COMMIT_FILE, ITEMS_ITEM, METRICS_ITEM, ORBAX_TMP, RECORD_ITEM, STATE_ITEM
-
     taken = {STATE_ITEM, RECORD_ITEM, ITEMS_ITEM, METRICS_ITEM, COMMIT_FILE.lower()}
     out: dict[str, Any] = {}
     for name, value in (items or {}).items():
@@ -196,48 +211,48 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
         ...     ms.read_items(mngr.step_directory(5))
         {'config': {'lr': 0.1}}
     """
-    from .sources import locate
-    from .storage import ITEMS_FILE, ITEMS_ITEM
-
     source = locate(directory)
-    if source.record.source == "orbax" and source.tree_dir != source.path:
-        # Orbax's own manager's step: its JSON items, beside the item read as its state
-        return decode_items(orbax_items(source.path, source.tree_dir.name), like)
-    path = source.path / ITEMS_ITEM / ITEMS_FILE
-    doc = _document(path)
+    # Orbax's own manager's step: its JSON items, beside the item read as its state
+    orbax = source.record.source == "orbax" and source.tree_dir != source.path
+    return step_items(source.path, source.tree_dir.name if orbax else None, like)
+
+
+def step_items(
+    step_dir: Any, state: str | None, like: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The items of a manager step, or of Orbax's own manager's step of state item ``state``.
+
+    Raises:
+        CheckpointError: the step was saved with items whose file is gone (not ``{}``: the
+            run would lose its RNG and data position without a word), or is not an object.
+    """
+    if state is not None:
+        return decode_items(orbax_items(step_dir, state), like)
+    path = step_dir / ITEMS_ITEM / ITEMS_FILE
+    doc = read_json(path)
     if doc is None:
-        error = missing_items(source.path)
-        if error is not None:
-            raise error
+        meta = read_json(step_dir / CHECKPOINT_METADATA)
+        handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+        if (step_dir / ITEMS_ITEM).is_dir() or (
+            isinstance(handlers, dict) and ITEMS_ITEM in handlers
+        ):
+            raise CheckpointError(
+                f"{path} is missing: the step was saved with its items, so it is damaged and "
+                "they cannot be read. Its arrays still restore (their checksums are verified); "
+                "restore a complete copy of the step to get the items back."
+            )
         return {}
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path} is a JSON {type(doc).__name__}, not an object.")
     return decode_items(doc, like)
 
 
-def missing_items(step_dir: Any) -> CheckpointError | None:
-    """The error for a manager step saved with items whose file is gone (not ``{}``: the run
-    would lose its RNG and data position without a word); None for a step without items."""
-    from .storage import CHECKPOINT_METADATA, ITEMS_FILE, ITEMS_ITEM
-
-    meta = _document(step_dir / CHECKPOINT_METADATA)
-    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
-    if not (step_dir / ITEMS_ITEM).is_dir() and not (
-        isinstance(handlers, dict) and ITEMS_ITEM in handlers
-    ):
-        return None
-    return CheckpointError(
-        f"{step_dir / ITEMS_ITEM / ITEMS_FILE} is missing: the step was saved with its items, "
-        "so it is damaged and they cannot be read. Its arrays still restore (their checksums "
-        "are verified); restore a complete copy of the step to get the items back."
-    )
-
-
-def _document(path: Any) -> Any:
-    from .storage import read_small
-
+def read_json(path: Any) -> Any:
+    """The JSON document at ``path`` (``storage.read_small``), or None where there is no
+    such file; CheckpointError where it cannot be read or is not JSON."""
     try:
-        raw = read_small(path)
+        with reaching(path):
+            raw = read_small(path)
     except FileNotFoundError:
         return None
     try:
@@ -246,37 +261,20 @@ def _document(path: Any) -> Any:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
-def read_json(path: Any) -> Any:
-    """The JSON document at ``path``, or None where there is no such file."""
-    from .urls import reaching
-
-    try:
-        with reaching(path):
-            return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path} cannot be read as JSON: {type(e).__name__}: {e}") from e
-
-
 def extras_json(directory: Any) -> dict[str, Any]:
     """A manager step's items (as stored: JSON, keys and iterator states tagged) and
     metrics, for ``modelshard inspect --json``; ``{}`` for a checkpoint without them. A step
     of Orbax's own manager gives its JSON items (``orbax_items``) and its metrics."""
-    from .listing import orbax_state
-    from .storage import ITEMS_FILE, ITEMS_ITEM, METRICS_FILE, METRICS_ITEM, RECORD_ITEM
-    from .urls import location
-
     root = location(directory)
     out: dict[str, Any] = {}
-    items = _document(root / ITEMS_ITEM / ITEMS_FILE)
-    if items is None and not (root / RECORD_ITEM).exists() and _orbax_step(root):
-        state = orbax_state(root, _names(root))
+    items = read_json(root / ITEMS_ITEM / ITEMS_FILE)
+    if items is None and not (root / RECORD_ITEM).exists() and step_metadata(root):
+        state = orbax_state(root, sorted(c.name for c in root.iterdir()))
         found = orbax_items(root, state) if state is not None else {}
         items = found or None
     if items is not None:
         out["items"] = items
-    metrics = _document(root / METRICS_ITEM / METRICS_FILE)
+    metrics = read_json(root / METRICS_ITEM / METRICS_FILE)
     if metrics is not None:
         out["metrics"] = metrics
     return out
@@ -294,35 +292,15 @@ def read_metadata(directory: Any) -> dict[str, Any]:
         >>> ms.read_metadata(path)
         {'step': 3}
     """
-    from .sources import locate
-
     source = locate(directory)
     if source.record.source == "orbax" and source.tree_dir != source.path:
         # a step of Orbax's own manager: the custom_metadata its save was given
-        return dict((_orbax_step(source.path) or {}).get("custom_metadata") or {})
+        return dict((step_metadata(source.path) or {}).get("custom_metadata") or {})
     return dict(source.record.metadata)
 
 
-_ORBAX_JSON = "JsonCheckpointHandler"
-"""The name of the type of Orbax's handler of a JSON item, as its step's
-``_CHECKPOINT_METADATA`` names it (``item_handlers``)."""
 ORBAX_JSON_FILE = "metadata"
 """The file Orbax's ``JsonCheckpointHandler`` writes by default, in its item folder."""
-
-
-def _names(step_dir: Any) -> list[str]:
-    return sorted(c.name for c in step_dir.iterdir())
-
-
-def _orbax_step(step_dir: Any) -> dict[str, Any] | None:
-    """The ``_CHECKPOINT_METADATA`` of Orbax's step ``step_dir`` as a dict, or None."""
-    from .storage import CHECKPOINT_METADATA
-
-    try:
-        meta = _document(step_dir / CHECKPOINT_METADATA)
-    except CheckpointError:
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
@@ -335,20 +313,14 @@ def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
         CheckpointError: a JSON item the step lists whose file is gone or not JSON (a
             damaged step).
     """
-    from .storage import COMMIT_FILE, METRICS_ITEM, ORBAX_TMP, TREE_METADATA, read_small
-
-    meta = _orbax_step(step_dir) or {}
-    handlers = meta.get("item_handlers")
-    names = _names(step_dir)
+    handlers = (step_metadata(step_dir) or {}).get("item_handlers")
     if isinstance(handlers, dict):
-        listed = sorted(n for n, h in handlers.items() if str(h).endswith(_ORBAX_JSON))
+        listed = sorted(n for n, h in handlers.items() if str(h).endswith("JsonCheckpointHandler"))
     else:
         listed = [
-            n
-            for n in names
-            if ORBAX_TMP not in n
-            and (step_dir / n).is_dir()
-            and not (step_dir / n / TREE_METADATA).exists()
+            c.name
+            for c in sorted(step_dir.iterdir())
+            if ORBAX_TMP not in c.name and c.is_dir() and not (c / TREE_METADATA).exists()
         ]
     out: dict[str, Any] = {}
     for name in listed:
@@ -367,10 +339,5 @@ def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
                 f"the JSON item {name!r}, so it is damaged and that item cannot be read. Its "
                 "arrays still restore; restore a complete copy of the step to get it back."
             )
-        try:
-            out[name] = json.loads(read_small(item / file))
-        except (ValueError, RecursionError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{item / file} is not valid JSON: {e}") from e
+        out[name] = read_json(item / file)
     return out

@@ -31,6 +31,7 @@ from .storage import (
     TREE_METADATA,
     is_marked,
     read_small,
+    step_metadata,
 )
 from .urls import forget_listings, is_remote, location, reaching
 
@@ -75,15 +76,6 @@ def complete_steps(root: Any) -> list[int]:
         return sorted(int(c.name) for c in found if _STEP.fullmatch(c.name) and is_complete_step(c))
 
 
-def _step_metadata(path: Any) -> dict[str, Any] | None:
-    """Orbax's ``_CHECKPOINT_METADATA`` in ``path`` as a dict, or None (none, unreadable)."""
-    try:
-        data = json.loads(read_small(path / CHECKPOINT_METADATA))
-    except (OSError, ValueError, RecursionError, CheckpointError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
     """Who wrote the numbered entry ``path``: ``OURS`` or ``ORBAX`` (a step, committed or
     not), ``OTHER`` (a link, a file, anything else), or None when it holds nothing to lose
@@ -96,7 +88,7 @@ def entry_owner(path: Any, names: list[str] | None = None) -> str | None:
         return None
     if CHECKPOINT_METADATA in names and is_marked(path):
         return OURS
-    meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
+    meta = step_metadata(path) if CHECKPOINT_METADATA in names else None
     # a commit without the marker is another writer's: the manager marks before it commits
     committed = meta is not None and meta.get("commit_timestamp_nsecs") is not None
     # ours uncommitted: its record or items item made (in name order) or announced
@@ -342,7 +334,7 @@ def _temporary(path: Any, part: str, names: list[str]) -> str | None:
 def _json_copies(path: Any, names: list[str]) -> list[str]:
     """The JSON items (Orbax's copies of ``save(items=...)``) a step's metadata lists, or,
     in a step not committed (no metadata yet), the ``items`` item names."""
-    meta = _step_metadata(path) if CHECKPOINT_METADATA in names else None
+    meta = step_metadata(path) if CHECKPOINT_METADATA in names else None
     handlers = meta.get("item_handlers") if meta is not None else None
     if not isinstance(handlers, dict):
         try:

@@ -19,7 +19,7 @@ import jax
 from .._base import CheckpointError, DistributedError, ForeignStepError
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .items import decode_items, encode_items, missing_items, orbax_items, read_json
+from .items import encode_items, read_json, step_items
 from .listing import (
     Foreign,
     adopted_steps,
@@ -35,16 +35,7 @@ from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
 from .shards import held_sums, take
 from .step_writer import json_or_error, json_parts, write_step
-from .storage import (
-    CHECKPOINT_METADATA,
-    ITEMS_FILE,
-    ITEMS_ITEM,
-    LOCK,
-    METRICS_FILE,
-    METRICS_ITEM,
-    RECORD_FILE,
-    RECORD_ITEM,
-)
+from .storage import LOCK, METRICS_FILE, METRICS_ITEM, RECORD_FILE, RECORD_ITEM, step_metadata
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
 
@@ -520,36 +511,15 @@ class CheckpointManager:
             )
         return step
 
-    def restore(
-        self,
-        step: int | None = None,
-        *,
-        like: Any = None,
-        specs: Any = None,
-        mesh: Any = None,
-        dtype: Any = None,
-        partial: bool = False,
-        verify: bool = True,
-        mapping: Any = None,
-    ) -> Any:
-        """Restore ``step`` (default: the latest) exactly as [`modelshard.restore`][modelshard.restore] does
-        (``mapping=`` included: a step of another layout read through a
-        [`WeightMap`][modelshard.WeightMap]).
+    def restore(self, step: int | None = None, **options: Any) -> Any:
+        """Restore ``step`` (default: the latest) exactly as [`modelshard.restore`][modelshard.restore]
+        does, given its keyword arguments (``like``, ``specs``, ``mesh``, ...; ``mapping=``
+        included: a step of another layout read through a [`WeightMap`][modelshard.WeightMap]).
 
         Raises:
             CheckpointError: there is no such step (the message lists the steps there are).
         """
-        step = self._existing(step)
-        return restore(
-            self.step_directory(step),
-            like=like,
-            specs=specs,
-            mesh=mesh,
-            dtype=dtype,
-            partial=partial,
-            verify=verify,
-            mapping=mapping,
-        )
+        return restore(self.step_directory(self._existing(step)), **options)
 
     def items(
         self, step: int | None = None, *, like: Mapping[str, Any] | None = None
@@ -563,14 +533,8 @@ class CheckpointManager:
         """
         step = self._existing(step)
         adopted = self._adopted(step)
-        if adopted is not None and adopted.state is not None:
-            return decode_items(orbax_items(self.step_directory(step), adopted.state), like)
-        doc = read_json(self.step_directory(step) / ITEMS_ITEM / ITEMS_FILE)
-        if doc is None:
-            error = missing_items(self.step_directory(step))
-            if error is not None:
-                raise error
-        return decode_items(doc or {}, like)
+        state = None if adopted is None else adopted.state
+        return step_items(self.step_directory(step), state, like)
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with ``step``, or None if it was saved without."""
@@ -586,7 +550,7 @@ class CheckpointManager:
         own manager wrote, its ``custom_metadata``."""
         step = self._existing(step)
         if self._adopted(step) is not None:
-            meta = read_json(self.step_directory(step) / CHECKPOINT_METADATA) or {}
+            meta = step_metadata(self.step_directory(step)) or {}
             return dict(meta.get("custom_metadata") or {})
         record = read_json(self.step_directory(step) / RECORD_ITEM / RECORD_FILE) or {}
         return dict(record.get("metadata") or {})

@@ -183,38 +183,42 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
-def is_marked(directory: Path) -> bool:
-    """Whether ``directory`` is a checkpoint modelshard wrote: Orbax's
-    ``_CHECKPOINT_METADATA`` there carries ``MARKER`` (unreadable, oversized or not a
-    regular file: no)."""
+def step_metadata(directory: Path) -> dict[str, Any] | None:
+    """Orbax's ``_CHECKPOINT_METADATA`` in ``directory`` as a dict, or None (none, not JSON,
+    unreadable, oversized or not a regular file)."""
     import json
 
     try:
         data = json.loads(read_small(directory / CHECKPOINT_METADATA))
     except (OSError, ValueError, RecursionError):
-        return False
-    custom = data.get("custom_metadata") if isinstance(data, dict) else None
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def is_marked(directory: Path) -> bool:
+    """Whether ``directory`` is a checkpoint modelshard wrote: Orbax's
+    ``_CHECKPOINT_METADATA`` there carries ``MARKER``."""
+    custom = (step_metadata(directory) or {}).get("custom_metadata")
     return isinstance(custom, dict) and all(k in custom for k in MARKER)
+
+
+def _too_big(path: Any, size: int, limit: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is {size} bytes, more than the {limit} that checkpoint "
+        "metadata may have; refusing to read it."
+    )
 
 
 def _read_small_remote(path: Any, limit: int) -> bytes:
     try:
         size = path.stat().length
+        if size <= limit:
+            return path.read_bytes()
     except FileNotFoundError:
         raise
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-    if size > limit:
-        raise CheckpointError(
-            f"{path} is {size} bytes, more than the {limit} that checkpoint "
-            "metadata may have; refusing to read it."
-        )
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+    raise _too_big(path, size, limit)
 
 
 def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:
@@ -242,10 +246,7 @@ def read_small(path: Path, limit: int = MAX_METADATA_BYTES) -> bytes:
                 "files are regular files, refusing to read it."
             )
         if st.st_size > limit:
-            raise CheckpointError(
-                f"{path} is {st.st_size} bytes, more than the {limit} that checkpoint "
-                "metadata may have; refusing to read it."
-            )
+            raise _too_big(path, st.st_size, limit)
         chunks, left = [], limit + 1
         while left > 0:
             b = os.read(fd, min(left, 1 << 20))
