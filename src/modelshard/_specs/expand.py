@@ -84,20 +84,17 @@ def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan
     per_leaf: list[Any] = []
     for info, leaf in zip(infos, arrays, strict=True):
         comps = split_path(info.path)
-        found = _NOTHING
-        for n in range(len(comps), -1, -1):
-            key = comps[:n]
-            if key in table:
-                found = table[key]
-                hit_keys.add(key)
-                break
-        if found is _NOTHING:
+        key = next((comps[:n] for n in range(len(comps), -1, -1) if comps[:n] in table), None)
+        if key is None:
             hint = "add its path (or a parent of it) to the spec tree; the container's "
             hint += "top-level keys are " + _top_keys(flat)
             ctx.problem(
                 arg, info.path, leaf, "no entry of the prefix tree covers this leaf", hint=hint
             )
-        per_leaf.append(found)
+            per_leaf.append(_NOTHING)
+            continue
+        hit_keys.add(key)
+        per_leaf.append(table[key])
     for key, value in entries:
         if key in hit_keys:
             continue

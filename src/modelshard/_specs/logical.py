@@ -372,28 +372,21 @@ def layered(layers: Sequence[Any], base: LogicalRules | None) -> LogicalRules | 
 
 def _merge(base: LogicalRules, top: LogicalRules) -> LogicalRules:
     """``top``'s entries replace ``base``'s for the same names, in place; new names follow."""
-    replaced = set(top.candidates)
-    pairs: list[tuple[str, Target]] = []
-    labels: list[str] = []
+    new = list(zip(top.pairs, top.labels, strict=True))
+    entries: list[tuple[tuple[str, Target], str]] = []
     placed: set[str] = set()
-    for (name, target), lab in zip(base.pairs, base.labels, strict=True):
-        if name not in replaced:
-            pairs.append((name, target))
-            labels.append(lab)
-        elif name not in placed:
-            placed.add(name)
-            for (n, t), tl in zip(top.pairs, top.labels, strict=True):
-                if n == name:
-                    pairs.append((n, t))
-                    labels.append(tl)
-    for (n, t), tl in zip(top.pairs, top.labels, strict=True):
-        if n not in placed:
-            pairs.append((n, t))
-            labels.append(tl)
+    for pair, lab in zip(base.pairs, base.labels, strict=True):
+        if pair[0] not in top.candidates:
+            entries.append((pair, lab))
+        elif pair[0] not in placed:
+            placed.add(pair[0])
+            entries += [(p, tl) for p, tl in new if p[0] == pair[0]]
+    entries += [(p, tl) for p, tl in new if p[0] not in placed]
+    pairs, labels = tuple(p for p, _ in entries), tuple(lab for _, lab in entries)
     declared = tuple({**dict(base.declared), **dict(top.declared)}.items())
     ordered = base.ordered or top.ordered
     file = top.file or base.file
-    return LogicalRules(tuple(pairs), ordered, _CONTEXT, file, tuple(labels), declared)
+    return LogicalRules(pairs, ordered, _CONTEXT, file, labels, declared)
 
 
 def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> None:
@@ -408,11 +401,8 @@ def _check_declared(rules: LogicalRules, user: Sequence[tuple[str, str]]) -> Non
             hint = did_you_mean(
                 name, names, f"remove the entry, or declare {name!r} in a ms.LogicalAxes"
             )
-            problems.append(
-                Problem(
-                    "logical_rules", label, what, hint=hint, logical_name=name, logical_rule=label
-                )
-            )
+            named: dict[str, Any] = {"logical_name": name, "logical_rule": label}
+            problems.append(Problem("logical_rules", label, what, hint=hint, **named))
     for name, library in declared.items():
         if name not in rules.candidates:
             what = f"{library} declares the logical name {name!r} without a default, and no rule maps it"
@@ -517,11 +507,7 @@ def _bridged_constraint(constraint: Any) -> Any:
 
 def _flax_spmd() -> Any:
     """``flax.core.spmd`` when Flax is installed (imported here on first use), else None."""
-    if importlib.util.find_spec("flax") is None:
-        return None
-    import flax.core.spmd as spmd
-
-    return spmd
+    return importlib.import_module("flax.core.spmd") if importlib.util.find_spec("flax") else None
 
 
 def _from_user(rules: LogicalLike) -> LogicalRules | None:
@@ -557,10 +543,7 @@ def _flax_rules(raw: Any) -> LogicalRules | None:
     if key == last_key:
         return last
     compiled, problems = compile_logical(
-        list(raw) if not isinstance(raw, Mapping) else raw,
-        _FLAX_SOURCE,
-        arg="nn.logical_axis_rules",
-        where="rules",
+        key, _FLAX_SOURCE, arg="nn.logical_axis_rules", where="rules"
     )
     if problems:
         raise SpecError(problems, header="invalid rules in Flax's nn.logical_axis_rules context:")

@@ -41,10 +41,7 @@ class Ctx:
 
     def used_by(self, rules: Rules) -> set[int]:
         """The indices of ``rules``' rules that matched a leaf so far (filled by the caller)."""
-        entry = self.used.get(id(rules))
-        if entry is None:
-            entry = self.used[id(rules)] = (rules, set())
-        return entry[1]
+        return self.used.setdefault(id(rules), (rules, set()))[1]
 
     def problem(
         self,
@@ -93,14 +90,9 @@ def resolve_names(
         for i, n in enumerate(names):
             if n in known:
                 if n in slots:
-                    return (
-                        spec,
-                        (
-                            f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
-                            "Flax-style logical rules map each name to one dimension"
-                        ),
-                        (),
-                    )
+                    what = f"logical name {n!r} names dimensions {slots[n][0]} and {dim}; "
+                    what += "Flax-style logical rules map each name to one dimension"
+                    return spec, what, ()
                 slots[n] = (dim, i)
             else:
                 taken.add(n)
@@ -145,35 +137,24 @@ def check(
     """Everything wrong with placing ``shape`` by ``spec`` on a mesh of ``sizes``."""
     partial = partial_axes(spec)
     if partial:  # JAX cannot device_put these (unreduced) or only on Explicit axes (reduced)
-        return [
-            Found(
-                f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
-                "reduced, which placing arrays does not support",
-                "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
-                "jitted computation",
-            )
-        ]
+        what = f"the spec marks mesh axes {', '.join(map(repr, sorted(partial)))} unreduced or "
+        what += "reduced, which placing arrays does not support"
+        hint = "place with a plain PartitionSpec; unreduced/reduced shardings belong inside a "
+        return [Found(what, hint + "jitted computation")]
     out: list[Found] = []
     entries = tuple(spec)
     if len(entries) > len(shape):
-        out.append(
-            Found(
-                f"spec has {len(entries)} entries but the leaf has rank {len(shape)}",
-                f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, "
-                "or P() to replicate it)",
-            )
-        )
+        what = f"spec has {len(entries)} entries but the leaf has rank {len(shape)}"
+        hint = f"give at most {len(shape)} entries for this leaf (a rule with a shorter spec, "
+        out.append(Found(what, hint + "or P() to replicate it)"))
     seen: dict[str, int] = {}
     for dim, entry in enumerate(entries):
         if entry is None:
             continue
         if not is_axes_entry(entry):
-            out.append(
-                Found(
-                    f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None",
-                    "spec entries are mesh axis names such as 'data', tuples of them, or None",
-                )
-            )
+            what = f"entry {dim} is {entry!r}, not a mesh axis name, tuple of names or None"
+            hint = "spec entries are mesh axis names such as 'data', tuples of them, or None"
+            out.append(Found(what, hint))
             continue
         axes = entry_axes(entry)
         for a in axes:
@@ -189,15 +170,10 @@ def check(
             n = math.prod(sizes[a] for a in axes)
             if shape[dim] % n:
                 by = " x ".join(f"{a}={sizes[a]}" for a in axes)
-                what = (
-                    f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
-                    f"but {shape[dim]} is not divisible by {n}"
-                )
-                hint = (
-                    "shard this dimension over axes whose sizes divide it, pad it, or "
-                    "replicate it with None"
-                )
-                out.append(Found(what, hint, "indivisible", dim))
+                what = f"dimension {dim} (size {shape[dim]}) is partitioned {n} times ({by}), "
+                what += f"but {shape[dim]} is not divisible by {n}"
+                hint = "shard this dimension over axes whose sizes divide it, pad it, or replicate "
+                out.append(Found(what, hint + "it with None", "indivisible", dim))
     return out
 
 
