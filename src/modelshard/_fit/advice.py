@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from .._base import FitError, Problem, format_bytes, format_mesh, format_spec, vocabulary
 from .._place import parse_bytes
 from .._specs import Rules
-from .candidates import KINDS, Change, batch_change, cast_outputs, changes_for
+from .candidates import KINDS, BatchInfo, Change, batch_change, cast_outputs, changes_for
 from .memory import Compiler, StepMemory, check_names, compiler, largest
 from .rulegen import norm_spec, rules_for
 
@@ -244,7 +244,7 @@ def fit_advice(
                 ]
             if ch.args is not None:
                 call = ch.args(call)
-            if ch.step is not None and ch.kind != "moments_dtype":
+            if ch.step is not None:
                 fn = ch.step
             if ch.donate is not None:
                 donate = ch.donate
@@ -281,7 +281,7 @@ def fit_advice(
                 best = s
                 if first:
                     break
-    halve = next((ch for ch in changes if ch.kind == "batch"), None)
+    halve = next((ch.batch for ch in changes if ch.batch is not None), None)
     if best is None:  # combine what saved, largest saving first; the batch is cut last
         saved = [s for s in tried if s.memory is not None and s.saves > 0 and "+" not in s.kind]
         stack: list[Change] = []
@@ -305,18 +305,17 @@ def fit_advice(
 
 def _halve_until_fits(
     attempt: Callable[[list[Change]], Suggestion],
-    change: Change,
+    batch: BatchInfo,
     tried: list[Suggestion],
     stack: list[Change],
 ) -> Suggestion | None:
     """Halve the batch (with ``stack`` applied) until the step fits: the largest batch."""
-    for k in range(1, 64):
-        ch = batch_change(change, k)
-        if ch is None:
-            return None
+    k = 1
+    while (ch := batch_change(batch, k)) is not None:
         tried.append(s := attempt([*stack, ch]))
         if s.fits or s.memory is None:
             return s if s.fits else None
+        k += 1
     return None
 
 

@@ -89,7 +89,7 @@ class Change:
     args: Callable[[list[Any]], list[Any]] | None = None
     step: Callable[..., Any] | None = None
     donate: tuple[int, ...] | None = None
-    batch: BatchInfo | None = None  # the batch halved (``batch_change`` halves it further)
+    batch: BatchInfo | None = None  # the batch to halve (``batch_change`` halves it)
     narrowed: frozenset[str] = frozenset()  # leaf paths whose dtype the change narrows
 
 
@@ -207,7 +207,7 @@ def changes_for(
     if "batch" in kinds and batch:
         info = _batch_info(plan, batch, dynamic)
         if info is not None:
-            out.append(Change("batch", "halve the batch", "", args=_halver(info, 1), batch=info))
+            out.append(Change("batch", "halve the batch", "", batch=info))
     return out
 
 
@@ -276,8 +276,11 @@ def _batch_info(plan: Any, batch: list[int], dynamic: list[int]) -> BatchInfo | 
     return BatchInfo(tuple(dynamic[i] for i in batch), g // f, g, f)
 
 
-def _halver(info: BatchInfo, k: int) -> Callable[[list[Any]], list[Any]]:
+def batch_change(info: BatchInfo, k: int) -> Change | None:
+    """The batch halved ``k`` times, or None once it no longer splits evenly over its devices."""
     size = info.global_size >> k
+    if size < info.factor or (info.global_size % (1 << k)) or size % info.factor:
+        return None
 
     def halve(call: list[Any]) -> list[Any]:
         call = list(call)
@@ -292,18 +295,6 @@ def _halver(info: BatchInfo, k: int) -> Callable[[list[Any]], list[Any]]:
             )
         return call
 
-    return halve
-
-
-def batch_change(change: Change, k: int) -> Change | None:
-    info = change.batch
-    if info is None:  # only the batch change is halved
-        return None
-    size = info.global_size >> k
-    if size < info.factor or (info.global_size % (1 << k)) or size % info.factor:
-        return None
     per = size // info.factor
     text = f"batch per device {info.per_device} -> {per} (global {info.global_size} -> {size})"
-    return Change(
-        "batch", text, f"a global batch of {size} ({per} per device)", args=_halver(info, k)
-    )
+    return Change("batch", text, f"a global batch of {size} ({per} per device)", args=halve)

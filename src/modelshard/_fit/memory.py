@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import time
@@ -204,14 +205,10 @@ def too_few_devices(sizes: Mapping[str, int], have: int) -> str:
             f"(its own jax_num_cpu_devices, or a JAX computation); {tpu}have that module "
             f"call jax.config.update('jax_num_cpu_devices', {n}) before it uses JAX"
         )
-    tpu = (
-        f"pass topology='v5e:{slice_}' (TPU) to compile for a slice it does not have, or "
-        if (slice_)
-        else ""
-    )
+    tpu = f"pass topology='v5e:{slice_}' (TPU) to compile for a slice it does not have, or "
     return (
-        f"{head}; {tpu}simulate CPU devices: jax.config.update('jax_num_cpu_devices', {n}) "
-        "before JAX starts"
+        f"{head}; {tpu if slice_ else ''}simulate CPU devices: "
+        f"jax.config.update('jax_num_cpu_devices', {n}) before JAX starts"
     )
 
 
@@ -446,8 +443,6 @@ def wrap(
     static_argnums: tuple[int, ...],
 ) -> Any:
     """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
-    import inspect
-
     names: tuple[str, ...] = ()
     if isinstance(in_specs, tuple | list):
         try:
