@@ -68,30 +68,25 @@ class Entry:
             for x, (shape, dtype) in zip(flat, self.expect, strict=True)
         )
 
-    def finish(self, out: Sequence[Any], taken: Sequence[Taken]) -> Any:
-        """Rebuild the output and write state updates into the caller's mutable containers."""
-        if not self.updates:
-            return self.desc.build(out)
-        return self._written(out, [(t.write_back, t.array_index) for t in taken])
-
-    def finish_gathered(self, out: Sequence[Any], write_backs: Sequence[WriteBack | None]) -> Any:
-        """``finish`` for a call ``Route`` gathered (``write_backs``: each argument's)."""
-        if not self.updates:
-            return self.desc.build(out)
-        return self._written(out, [(w, None) for w in write_backs])
-
-    def _written(
-        self, out: Sequence[Any], backs: Sequence[tuple[WriteBack | None, tuple[int, ...] | None]]
+    def finish(
+        self,
+        out: Sequence[Any],
+        taken: Sequence[Taken] = (),
+        gathered: Sequence[WriteBack | None] = (),
     ) -> Any:
-        n = self.desc.num_arrays
-        result = self.desc.build(out[:n])
-        at = n
+        """Rebuild the output and write state updates into the caller's mutable containers
+        (``gathered``: each argument's write-back, for a call ``Route`` gathered)."""
+        result = self.desc.build(out)
+        at = self.desc.num_arrays
         for k, changed in self.updates:
             if not changed:
                 continue
-            write_back, index = backs[k]
-            positions = changed if index is None else [index[m] for m in changed]
+            if taken:
+                write_back, index = taken[k].write_back, taken[k].array_index
+            else:
+                write_back, index = gathered[k], None
             assert write_back is not None  # updates exist only for mutable containers
+            positions = changed if index is None else [index[m] for m in changed]
             write_back(positions, out[at : at + len(changed)])
             at += len(changed)
         return result
@@ -151,11 +146,8 @@ def build_entry(call: Call) -> Entry:
     bounds: list[tuple[int, int]] = []
     for t in taken:
         s = t.slot
-        if s.name in by_name and s.spec is not NOSPEC:
-            i = by_name[s.name]
-            sh, lps = plan.flat_shardings(i), argplans[i].leaves
-        else:
-            sh, lps = [], []
+        i = by_name.get(s.name)  # None: no spec, no arrays
+        sh, lps = ([], []) if i is None else (plan.flat_shardings(i), argplans[i].leaves)
         if len(sh) != len(t.arrays):
             raise AdapterError(
                 f"argument {s.name!r}: the plan has {len(sh)} array leaves but flattening gave "

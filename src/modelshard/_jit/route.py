@@ -26,11 +26,7 @@ def _layout(x: Any) -> Any:
             ordered = sorted(keys)  # JAX's leaf order
         except TypeError:
             return ("jax", jax.tree_util.tree_structure(x))
-        if ordered == keys:
-            perm = None
-        else:
-            at = {k: i for i, k in enumerate(keys)}
-            perm = [at[k] for k in ordered]
+        perm = None if ordered == keys else sorted(range(len(keys)), key=keys.__getitem__)
         kids = tuple(_layout(x[k]) for k in ordered)
         return ("dict", keys, perm, kids, all(k is _LEAF for k in kids))
     if t is list or t is tuple:
@@ -43,13 +39,10 @@ def _layout(x: Any) -> Any:
 
 def _count(lay: Any) -> tuple[int, int]:
     """(dict/list/tuple nodes, leaves) of a layout."""
-    if lay[0] in ("dict", "seq"):
-        nodes, leaves = 1, 0
-        for k in lay[3]:
-            n, m = _count(k)
-            nodes, leaves = nodes + n, leaves + m
-        return nodes, leaves
-    return 0, 1 if lay is _LEAF else 0
+    if lay[0] not in ("dict", "seq"):
+        return 0, 1 if lay is _LEAF else 0
+    kids = [_count(k) for k in lay[3]]
+    return 1 + sum(n for n, _ in kids), sum(m for _, m in kids)
 
 
 def _cheaper(x: Any, lay: Any) -> Any:

@@ -50,14 +50,11 @@ def _array_index(leaves: Sequence[Any]) -> tuple[int, ...] | None:
 
 
 def _taken(slot: Slot, value: Any, adapter: Adapter, call: CallLeaves) -> Taken:
-    leaves = call.leaves
-    if call.arrays_only:
-        return Taken(
-            slot, value, adapter, leaves, call.aux, None, leaves, call.write_back, call.again
-        )
-    if adapter.numbers_are_arrays:
-        leaves = numbers_to_arrays(leaves)
-    index = _array_index(leaves)
+    leaves, index = call.leaves, None
+    if not call.arrays_only:
+        if adapter.numbers_are_arrays:
+            leaves = numbers_to_arrays(leaves)
+        index = _array_index(leaves)
     arrays = leaves if index is None else [leaves[i] for i in index]
     return Taken(slot, value, adapter, leaves, call.aux, index, arrays, call.write_back, call.again)
 

@@ -90,9 +90,7 @@ class ShardJit:
         if kwargs or len(args) != self._nplain:
             args, kwargs = self._layout.bind(args, kwargs)
         slots = self._layout.slots(len(args), tuple(kwargs))
-        statics = []
-        taken = []
-        keys = []
+        statics, taken, keys = [], [], []
         for s in slots:
             v = kwargs[s.kw] if s.pos is None else args[s.pos]  # type: ignore[index]
             if s.static:
@@ -120,7 +118,7 @@ class ShardJit:
                 except (TypeError, ValueError):
                     pass  # new shapes or misplaced inputs: the full path decides
                 else:
-                    return entry.finish_gathered(out, got[1])
+                    return entry.finish(out, gathered=got[1])
             # A ShardJit whose calls keep changing layout stops trying this route.
             self._route = None
             self._route_misses += 1
@@ -136,42 +134,38 @@ class ShardJit:
         if entry is None:
             entry = self._miss(slots, taken, args, kwargs, key)
             flat = _place(entry, taken, flat, False)
-
-        def replan() -> tuple[Entry, Any]:
-            # Same structure, new shapes or dtypes: plan afresh (the executable checks
-            # shapes on its fast path, so this costs nothing until they change).
-            new = self._miss(slots, taken, args, kwargs, key, stale=True)
-            return new, self._run(new, _place(new, taken, flat, False), taken)
-
         try:
             out = entry.run(*flat)
-        except (TypeError, Stale):
+        except (TypeError, Stale, ValueError) as e:
             if entry.fits(flat):
-                if not has_tracer(flat):
-                    raise
-                out = entry.jitted(*flat)  # under an outer transformation
+                out = self._rescue(entry, flat, taken, e)
             else:
-                entry, out = replan()
-        except ValueError:
-            if not entry.fits(flat):  # jit refused the old shardings for the new shapes
-                entry, out = replan()
-            else:
-                out = self._recover(entry, flat, taken)
-                if out is None:
-                    raise
+                # Same structure, new shapes or dtypes (or shardings jit refused for them):
+                # plan afresh; the executable checks shapes on its fast path, so this costs
+                # nothing until they change.
+                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
+                flat = _place(entry, taken, flat, False)
+                try:
+                    out = entry.run(*flat)
+                except (TypeError, ValueError) as err:
+                    out = self._rescue(entry, flat, taken, err)
         if self._route_misses < _MAX_ROUTE_MISSES and routable(entry, taken):
             self._route = Route(entry, args, taken)
             self._route_env = key[-1]  # type: ignore[index]  # _take's key: env last
         return entry.finish(out, taken)
 
-    def _run(self, entry: Entry, flat: Sequence[Any], taken: list[Taken]) -> Any:
-        try:
-            return _execute(entry, flat)
-        except ValueError:
+    def _rescue(
+        self, entry: Entry, flat: Sequence[Any], taken: list[Taken], error: Exception
+    ) -> Any:
+        """After ``entry.run`` refused ``flat``: tracers through its ``jax.jit``, inputs placed
+        otherwise moved (``_recover``); else ``error`` is raised."""
+        if isinstance(error, ValueError):
             out = self._recover(entry, flat, taken)
-            if out is None:
-                raise
-            return out
+        else:
+            out = entry.jitted(*flat) if has_tracer(flat) else None  # an outer transformation
+        if out is None:
+            raise error
+        return out
 
     def _miss(
         self,
@@ -216,11 +210,7 @@ class ShardJit:
                     "pass a hashable value (tuple, not list)",
                 ) from None
         for t in taken:
-            if t.array_index is None:
-                continue
-            for i, leaf in enumerate(t.leaves):
-                if i in t.array_index:
-                    continue
+            for i, leaf in static_part(t.leaves, t.array_index) or ():
                 try:
                     hash(leaf)
                 except TypeError:
@@ -341,10 +331,9 @@ def _execute(entry: Entry, flat: Sequence[Any]) -> Any:
 def _place(
     entry: Entry, taken: Sequence[Taken], flat: Sequence[Any], move_committed: bool
 ) -> list[Any]:
-    """``flat`` placed as planned before an entry's first call (or after ``jax.jit`` refused the
-    inputs), with the placed arrays of mutable containers (NNX modules) written back into the
-    caller's objects, so later calls find them in place (Variables the function does not change
-    included)."""
+    """``flat`` placed as planned before an entry's first call (or after ``jax.jit`` refused it);
+    mutable containers (NNX modules) get their placed arrays written back, so later calls find
+    them in place."""
     todo = [
         i
         for i, x in enumerate(flat)
