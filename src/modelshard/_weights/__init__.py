@@ -1,5 +1,4 @@
-"""The weights area's façade: pretrained weights in and out through one mapping language
-(README.md beside this module gives the design)."""
+"""The weights area's façade (README.md beside this module gives the design)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``save_safetensors``: weights out, in their own names or through the import mapping run
-backwards (``inverse.Exporter``); ``write_export`` is the one writer, which ``modelshard
-convert --to safetensors`` shares."""
+"""``save_safetensors`` and ``write_export``, the writer every export shares."""
 
 from __future__ import annotations
 
@@ -20,13 +18,7 @@ from .._runtime import raise_shared
 from .inverse import Exporter, reference_table
 from .load import MappingLike, as_mapping, target_table
 from .model_dir import finish_model_directory, is_model_directory, shard_size_for
-from .multiprocess_writing import (
-    SharedPlan,
-    array_plan,
-    host_rows,
-    local_block,
-    write_layout,
-)
+from .multiprocess_writing import SharedPlan, array_plan, host_rows, local_block, write_layout
 from .safetensors import dtype_code
 from .writing import Entry, plan_layout, sharded_layout, sharded_names
 
@@ -169,9 +161,8 @@ def save_safetensors(
 
 
 def check_state(state: Any) -> None:
-    """Refuse a state with no array (``CheckpointError``) or with a non-array leaf in a
-    dict, list or tuple (``MappingError``, every one listed); a registered container's
-    other fields (an Equinox module's functions) are not weights and pass."""
+    """Refuse a state with no array (``CheckpointError``) or a non-array leaf in a dict, list
+    or tuple (``MappingError``); a registered container's other fields pass (not weights)."""
     flat = split(state)
     if flat.adapter.follows_pytree and len(flat.array_index) < len(flat.leaves):
         from jax.tree_util import DictKey, SequenceKey
@@ -205,9 +196,8 @@ def check_state(state: Any) -> None:
 def canonical_export(
     state: Any, dtype: Any = None
 ) -> tuple[list[Entry], Callable[[str], Any], SharedPlan]:
-    """Every leaf as a stored tensor under its path with ``.`` for ``/`` (floating ones
-    cast to ``dtype``), ``compute(name)`` and the plan several processes share.
-    ``MappingError``: every leaf whose name would not read back or whose dtype has no code."""
+    """Every leaf under its path with ``.`` for ``/`` (floating ones cast to ``dtype``):
+    entries, ``compute(name)`` and the shared plan; ``MappingError``: names, dtypes unwritable."""
     flat, targets = target_table(state)
     cast = None if dtype is None else np.dtype(dtype)
     items: list[Entry] = []
@@ -251,14 +241,11 @@ def canonical_export(
     def compute(name: str) -> list[np.ndarray]:
         return [a.astype(want[name], copy=False) for a in host_rows(values[name], name)]
 
-    return (
-        items,
-        compute,
-        SharedPlan(
-            lambda: {name: array_plan(values[name]) for name, _, _ in items},
-            lambda name, block: local_block(values[name], block),
-        ),
+    shared = SharedPlan(
+        lambda: {name: array_plan(values[name]) for name, _, _ in items},
+        lambda name, block: local_block(values[name], block),
     )
+    return items, compute, shared
 
 
 def check_destination(
@@ -295,9 +282,8 @@ def write_export(
     flag: str = "overwrite=True",
     shared: SharedPlan | None = None,
 ) -> Path:
-    """Write ``items`` (name, shape, dtype), each computed when written, as one file or
-    HF's shards (``max_shard_size``), refusing an existing export without ``overwrite``.
-    With several processes and ``shared`` every process writes its part (and must call)."""
+    """Write ``items``, each computed when written, as one file or HF's shards, refusing an
+    existing export without ``overwrite``; with ``shared``, every process calls and writes."""
     refuse = functools.partial(
         check_destination, path, max_shard_size, overwrite=overwrite, flag=flag
     )

@@ -1,6 +1,4 @@
-"""``hf://org/name[@revision]``: a Hugging Face Hub repository as a safetensors path,
-resolved by ``huggingface_hub`` (imported only then): a complete cached snapshot, else a
-download of ``*.safetensors`` and ``*.json`` only (none under ``HF_HUB_OFFLINE``)."""
+"""``hf://org/name[@revision]`` resolved to a local snapshot by ``huggingface_hub``."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def is_hub(path: Any) -> TypeGuard[str]:
 
 
 def complete(snapshot: Path) -> bool:
-    """Whether a snapshot holds a checkpoint (an index whose every file is there, or a
-    ``.safetensors`` file), not a download interrupted part-way."""
+    """Whether a snapshot holds a checkpoint, not a download interrupted part-way."""
     index = snapshot / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -36,12 +33,8 @@ def complete(snapshot: Path) -> bool:
 
 
 def resolve(url: str) -> Path:
-    """The local snapshot directory of ``hf://org/name[@revision]``.
-
-    Raises:
-        CheckpointError: not such an id; ``huggingface_hub`` is not installed; the
-            repository is neither in the cache nor downloadable (offline, unknown, gated).
-    """
+    """The local snapshot directory: a complete cached one, else a download of
+    ``PATTERNS`` (none under ``HF_HUB_OFFLINE``). ``CheckpointError``: none to be had."""
     repo, at, revision = url[len(PREFIX) :].partition("@")
     if not _REPO.fullmatch(repo) or ".." in repo or (at and not revision):
         raise CheckpointError(

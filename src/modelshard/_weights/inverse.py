@@ -1,5 +1,4 @@
-"""The import mapping run backwards: ``resolve`` against a reference, every recipe
-inverted; ``unmap`` and the ``Exporter`` (stored tensors computed from target leaves)."""
+"""The import mapping run backwards: ``unmap`` and the ``Exporter``."""
 
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ def reference_table(
 
 class Exporter:
     """A reference's stored tensors computed one at a time (``compute`` in ``order``) from
-    target leaves (``load(path)``, each dropped after its last use). A tensor ``also``
-    rules copied into more leaves is written from its first rule's leaf; ``check_also``
-    refuses an also leaf that no longer equals it, unless ``untie`` writes those leaves
-    under their rule's ``untied`` name. ``MappingError``: the mapping does not fit."""
+    target leaves (``load(path)``, each dropped after its last use); one that ``also`` rules
+    copied is written from its first rule's leaf (``check_also``, ``untie``)."""
 
     def __init__(
         self,
@@ -115,8 +112,7 @@ class Exporter:
         return ex
 
     def shared_plan(self) -> SharedPlan:
-        """A tensor whose leaves some process holds whole is computed there, any other on
-        every process in step (never block by block)."""
+        """A tensor is computed where a process holds its leaves whole, else everywhere in step."""
 
         def plans() -> dict[str, TensorPlan]:
             leaf = {k: array_plan(x).holders for k, x in self.values.items()}

@@ -1,5 +1,4 @@
-"""``load_safetensors``: headers -> ``resolve`` -> ``plan`` -> each leaf built from its
-recipe one device block at a time, so host memory stays near one stored tensor."""
+"""``load_safetensors`` (each leaf one device block at a time) and ``mapped_leaves``."""
 
 from __future__ import annotations
 
@@ -195,8 +194,7 @@ def _planned(
 def resolve_target(
     wm: WeightMap, table: Mapping[str, tuple[tuple[int, ...], Any]], like: Any, dtype: Any
 ) -> tuple[Any, Any, Resolution]:
-    """``(like, its Flat, the resolution)``; no ``like``: a dict of every mapped leaf's
-    ``ShapeDtypeStruct``."""
+    """``(like, its Flat, the resolution)``; no ``like``: a dict of the mapped leaves' structs."""
     if like is not None:
         flat, targets = target_table(like)
         res = resolve(wm, table, targets, dtype=dtype)
@@ -268,7 +266,7 @@ def mapped_leaves(
         spec = s.spec if isinstance(s, NamedSharding) else None
         node = res.recipes.get(path)
         if node is None:  # kept: like's value
-            value = np.asarray(jax.device_get(keep_value(path, x, None)))
+            value = np.asarray(jax.device_get(x))
             read = functools.partial(_value_block, value)
             out.append(MappedLeaf(path, value.shape, value.dtype, spec, read))
         else:
@@ -301,8 +299,7 @@ class _BlockReader:
 
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:
-    """A kept leaf (no stored tensor; ``resolve_target`` refused abstract ones): ``like``'s
-    value, placed on its planned sharding."""
+    """A kept leaf: ``like``'s value (``resolve_target`` refused abstract ones), placed."""
     from .._place import place
 
     return x if sharding is None else place([x], [sharding])[0]

@@ -1,5 +1,4 @@
-"""Mapping files: a [`WeightMap`][modelshard.WeightMap] written as TOML (``--mapping``),
-every malformed entry reported at once; the format is ``docs/concepts/mapping.md``'s."""
+"""TOML mapping files (``docs/concepts/mapping.md``): every malformed entry reported at once."""
 
 from __future__ import annotations
 
@@ -168,14 +167,11 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
 
     keep = field(data, "keep", "keep", [], regexes, "an array of regexes")
     optional = field(data, "optional", "optional", [], regexes, "an array of regexes")
-    config = field(
-        data,
-        "config",
-        "config",
-        {},
-        lambda c: isinstance(c, Mapping) and all(map(_is_size, c.values())),
-        "a table of integers",
-    )
+
+    def sizes(c: Any) -> bool:
+        return isinstance(c, Mapping) and all(map(_is_size, c.values()))
+
+    config = field(data, "config", "config", {}, sizes, "a table of integers")
     raw = tables(data, "rules", source, problems)
     rules: list[MapRule] = []
     for i, item in enumerate(raw):
@@ -299,19 +295,12 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
         return {}
     if not isinstance(data, dict):
         return {}
-    out: dict[str, int] = {}
-    nested: dict[str, int] = {}
-    for k, v in data.items():
+    out = {str(k): v for k, v in data.items() if _is_size(v)}
+    tables = {str(k): v for k, v in data.items() if isinstance(v, dict)}
+    out |= {f"{k}.{k2}": v for k, t in tables.items() for k2, v in t.items() if _is_size(v)}
+    for k, v in tables.get("text_config", {}).items():
         if _is_size(v):
-            out[str(k)] = v
-        elif isinstance(v, dict):
-            for k2, v2 in v.items():
-                if _is_size(v2):
-                    out[f"{k}.{k2}"] = v2
-                    if k == "text_config":
-                        nested[str(k2)] = v2
-    for k, v in nested.items():
-        out.setdefault(k, v)
+            out.setdefault(str(k), v)
     return out
 
 

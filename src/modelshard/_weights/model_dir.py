@@ -1,5 +1,4 @@
-"""A model directory out: beside the weights, the reference's ``config.json`` with the dtype
-written, and its generation config and tokenizer files copied unchanged."""
+"""A model directory export: the files beside the weights."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def finish_model_directory(
 
 
 def reference_directory(reference: Any) -> Path | None:
-    """The directory of a reference checkpoint (a Hub repository's snapshot), or ``None``
-    for a container."""
+    """A reference checkpoint's directory (a Hub repository's snapshot); ``None``: a container."""
     if not isinstance(reference, str | os.PathLike):
         return None
     if hub.is_hub(reference):

@@ -62,8 +62,7 @@ class SharedPlan:
 
 
 def array_plan(x: Any) -> TensorPlan:
-    """A process-local value by process 0, a global array by the processes holding it
-    whole, else block by block."""
+    """Who writes ``x``: process 0 (a process-local value), its whole holders, else by blocks."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return _HERE
     shape = tuple(x.shape)
@@ -124,8 +123,7 @@ class _Part:
 def plan_parts(
     layout: FileLayout, plans: Mapping[str, TensorPlan] | None, processes: int
 ) -> tuple[dict[int, list[_Part]], list[tuple[_Part, int]]]:
-    """Every process's parts, and the tensors computed in step with their writers (no
-    ``plans``: process 0 writes everything)."""
+    """Each process's parts, and the tensors computed in step with their writers."""
     greedy = LeastLoaded(processes)
     mine: dict[int, list[_Part]] = {p: [] for p in range(processes)}
     step: list[tuple[_Part, int]] = []
@@ -177,8 +175,7 @@ def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
 def _write_blocks(
     fd: int, base: int, shape: tuple[int, ...], dt: np.dtype[Any], got: dict[Block, np.ndarray]
 ) -> None:
-    """Blocks at their places in a tensor at byte ``base``: blocks that together form
-    whole rows in one write, any other run by run."""
+    """Blocks into the tensor at byte ``base``: whole rows in one write, others run by run."""
     item = dt.itemsize
     rows: dict[tuple[int, int], list[Block]] = {}
     for b in got:
@@ -267,16 +264,15 @@ def write_layout(
     exports; ``CheckpointError``: a refused destination, unseen temporaries, a failure."""
     run = _Processes(shared is not None and jax.process_count() > 1)
     me = run.me
-    if run.several:
-        digests = gather(_digest(layout, metadata), "modelshard:export:plan")
-        if len(set(digests)) > 1:
-            differ = [p for p, d in enumerate(digests) if d != digests[0]]
-            raise DistributedError(
-                f"save_safetensors: processes {', '.join(map(str, differ))} would write another "
-                "export than process 0 (another path, other leaf names, shapes or dtypes, or "
-                "other options); every process must call it with the same path, the same "
-                "state structure and the same options"
-            )
+    digests = run.gather(_digest(layout, metadata), "plan")
+    if len(set(digests)) > 1:
+        differ = [p for p, d in enumerate(digests) if d != digests[0]]
+        raise DistributedError(
+            f"save_safetensors: processes {', '.join(map(str, differ))} would write another "
+            "export than process 0 (another path, other leaf names, shapes or dtypes, or "
+            "other options); every process must call it with the same path, the same "
+            "state structure and the same options"
+        )
     heads = [encode_header(group, metadata) for _, group in layout.files]
     error: BaseException | None = None
     token = ""
@@ -391,14 +387,10 @@ def host_rows(x: Any, name: str = "") -> list[np.ndarray]:
             if idx[1:] != tuple((0, d) for d in x.shape[1:]):
                 break
             blocks.setdefault(idx[0], shard.data)
-        else:
+        else:  # the spans must tile the first axis: each starts where the one before ends
             spans = sorted(blocks)
-            if (
-                spans
-                and spans[0][0] == 0
-                and spans[-1][1] == x.shape[0]
-                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-            ):
+            ends = [0] + [hi for _, hi in spans]
+            if spans and [lo for lo, _ in spans] == ends[:-1] and ends[-1] == x.shape[0]:
                 return [np.asarray(blocks[s]) for s in spans]
     return [host_leaf(x, name)]
 

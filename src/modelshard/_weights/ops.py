@@ -1,5 +1,4 @@
-"""A rule's ``ops`` (``Rearrange``, ``Transpose``, ``Reshape``, ``Add``, ``Scale``) and the
-checks each needs before any tensor is seen; ``rule_steps`` makes them recipe nodes."""
+"""A rule's ``ops`` and the checks each needs before any tensor is seen."""
 
 from __future__ import annotations
 

@@ -596,4 +596,5 @@ def carried_spec(node: Node, spec_of: Callable[[str], Spec | None]) -> Spec | No
         return tuple(s[p] for p in node.perm)
     if isinstance(node, Take):
         return s[: node.axis] + s[node.axis + 1 :]
-    return (*s[: node.axis], None, *s[node.axis + 1 :])  # a Slice
+    assert isinstance(node, Slice)
+    return (*s[: node.axis], None, *s[node.axis + 1 :])

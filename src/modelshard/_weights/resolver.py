@@ -1,5 +1,4 @@
-"""A mapping against the stored tensors (and the target's leaves) -> one recipe per target
-leaf, reading nothing; every problem found is raised at once as one ``MappingError``."""
+"""A mapping resolved to one recipe per target leaf, reading nothing; all problems at once."""
 
 from __future__ import annotations
 
@@ -242,8 +241,7 @@ class _Resolver:
                 self.add(path, node, i, (name,))
 
     def build_joined(self) -> None:
-        """One leaf per stack or concat: its members in order through the rule's operations,
-        checked to agree, joined and cast."""
+        """One leaf per stack or concat: its members through the rule's ops, checked, joined."""
         for (i, path), members in self.joins.items():
             if (i, path) in self.clashed:
                 continue

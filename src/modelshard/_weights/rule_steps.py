@@ -1,5 +1,4 @@
-"""A rule's steps on one stored tensor as recipe nodes (dtype, ops, split, join order,
-cast); a step that fails reports its problem and returns ``None``."""
+"""A rule's steps on one stored tensor as recipe nodes; a failing step reports a problem."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ class RuleSteps:
         return recipe.Arith(node, "add" if isinstance(op, Add) else "mul", float(op.value))
 
     def _rearrange(self, op: Rearrange, node: recipe.Node) -> recipe.Node | None:
-        """A rearrange as reshape -> transpose -> reshape nodes (each left out when it does
-        nothing)."""
+        """A rearrange as reshape, transpose and reshape nodes (each left out when a no-op)."""
         left, right = parse_rearrange(op.pattern)  # checked when the mapping was built
         shape = node.shape
         where = f"rearrange({op.pattern})"
@@ -141,8 +139,7 @@ class RuleSteps:
         return tuple(sizes)
 
     def split_parts(self, read: recipe.Read) -> list[tuple[str, recipe.Node]]:
-        """``(part name, Slice of the stored tensor)`` for the rule's ``split``; ``[]`` after
-        a problem."""
+        """``(part name, Slice of the stored tensor)`` per split part; ``[]`` after a problem."""
         split = self.rule.split
         assert split is not None
         shape, ax = read.shape, split.axis

@@ -1,5 +1,4 @@
-"""The rule language: stored tensor names -> target paths, with transforms; every malformed
-rule is reported when its ``WeightMap`` is built."""
+"""The rule language; every malformed rule is reported when its ``WeightMap`` is built."""
 
 from __future__ import annotations
 
@@ -285,8 +284,7 @@ class WeightMap:
         return list(self._matches(name, True))
 
     def with_config(self, sizes: Mapping[str, int], source: str = "config.json") -> WeightMap:
-        """This mapping with ``sizes`` under its own ``config`` (which wins, with a warning
-        where ``sizes`` says otherwise)."""
+        """This mapping with ``sizes`` under its ``config`` (which wins, with a warning)."""
         if not sizes:
             return self
         for name, value in self.config.items():

@@ -193,8 +193,7 @@ class SafetensorsFiles:
         return np.frombuffer(mm, t.dtype, math.prod(t.shape), t.offset - start).reshape(t.shape)
 
     def fetch(self, cache: dict[Any, np.ndarray]) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
-        """A recipe ``fetch(name, index[, out])``; the maps it makes go in ``cache``, which
-        the caller drops after each leaf."""
+        """A recipe ``fetch(name, index[, out])``; its maps go in ``cache`` (dropped per leaf)."""
 
         def fetch(name: str, index: tuple[slice, ...], out: np.ndarray | None = None) -> np.ndarray:
             t = self.tensors[name]

@@ -1,5 +1,4 @@
-"""The mappings in ``mappings/*.toml``, found by name (``mapping="llama"``); what each
-reads and the tree it maps onto are listed in ``mappings/shipped.toml``."""
+"""The mappings in ``mappings/*.toml``, by name, as ``mappings/shipped.toml`` lists them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The safetensors files of one write, planned from names and sizes alone: headers, HF's
-shards and index, temporaries renamed into place once complete (``multiprocess_writing``
-fills them)."""
+"""The files of one write, planned from names and sizes: headers, HF's shards and index,
+temporaries renamed into place once complete (``multiprocess_writing`` fills them)."""
 
 from __future__ import annotations
 
