@@ -28,7 +28,6 @@ from .._base import (
     mesh_sizes,
 )
 from .._specs import (
-    LeafPlan,
     Rules,
     SpecLike,
     Via,
@@ -259,8 +258,25 @@ def constrain(
             raise
         raise SpecError(e.problems, header=e.header, site=site) from None
     recording = _RECORDING.get()
-    if recording is not None:
-        _record(recording, arg.leaves, specs, mesh, name, stacklevel)
+    if recording is not None:  # for a step's plan
+        if name is None:
+            frame = _caller(stacklevel)
+            name = _where(frame, function=True) if frame is not None else "constrain"
+        sizes = mesh_sizes(mesh)
+        written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
+        recording.extend(
+            ActivationConstraint(
+                name,
+                leaf.path,
+                leaf.shape,
+                dtype_name(leaf.dtype),
+                leaf.logical,
+                leaf.spec,
+                written,
+                nbytes(shard_shape(leaf.shape, leaf.spec, sizes), leaf.dtype),
+            )
+            for leaf in arg.leaves
+        )
     return arg.flat.update_inplace(
         constrain_leaves(arg.flat.arrays, [leaf.spec for leaf in arg.leaves], mesh)
     )
@@ -282,29 +298,6 @@ def _unmapped_names(specs: Any, mesh: Any) -> bool:
         if names and not any(n in axes or close_match(n, axes) is not None for n in names):
             return True
     return False
-
-
-def _record(
-    out: list[ActivationConstraint],
-    leaves: Sequence[LeafPlan],
-    specs: Any,
-    mesh: Any,
-    name: str | None,
-    stacklevel: int,
-) -> None:
-    if name is None:
-        frame = _caller(stacklevel)
-        name = _where(frame, function=True) if frame is not None else "constrain"
-    sizes = mesh_sizes(mesh)
-    written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
-    for leaf in leaves:
-        size = nbytes(shard_shape(leaf.shape, leaf.spec, sizes), leaf.dtype)
-        dtype = dtype_name(leaf.dtype)
-        out.append(
-            ActivationConstraint(
-                name, leaf.path, leaf.shape, dtype, leaf.logical, leaf.spec, written, size
-            )
-        )
 
 
 def nbytes(shape: Sequence[int], dtype: Any) -> int:

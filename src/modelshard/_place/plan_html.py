@@ -136,21 +136,16 @@ class Tiles:
         else:
             ids = np.arange(coords.shape[1], dtype=np.int64)
         entries = list(self.spec) + [None] * (len(self.shape) - len(tuple(self.spec)))
-        parts, index = [], []
+        parts = []
+        flat = np.zeros(ids.size, dtype=np.int64)  # each device's row-major shard number
         for entry in entries:
-            axes = entry_axes(entry)
-            idx = np.zeros(coords.shape[1], dtype=np.int64)
             n = 1
-            for a in axes:
-                idx = idx * sizes[a] + coords[names.index(a)]
+            for a in entry_axes(entry):  # the mixed-radix index along this dimension
+                flat = flat * sizes[a] + coords[names.index(a)]
                 n *= sizes[a]
             parts.append(n)
-            index.append(idx)
         self.parts = tuple(parts)
         self.num_devices = int(ids.size)
-        flat = np.zeros(ids.size, dtype=np.int64)
-        for idx, n in zip(index, parts, strict=True):  # row-major shard number
-            flat = flat * n + idx
         order = np.argsort(flat, kind="stable")
         bounds = np.flatnonzero(np.diff(flat[order])) + 1
         self.tiles: list[tuple[tuple[int, ...], tuple[slice, ...], list[int]]] = []

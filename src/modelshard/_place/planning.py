@@ -330,14 +330,10 @@ class Plan:
         """One JSON-ready dict per activation constraint of a step."""
         return [
             {
-                "name": a.name,
-                "path": a.path,
+                **vars(a),
                 "shape": list(a.shape),
-                "dtype": a.dtype,
-                "written": a.written,
                 "logical": logical_json(a.logical),
                 "spec": spec_json(a.spec),
-                "bytes_per_device": a.bytes_per_device,
             }
             for a in self.activations
         ]

@@ -52,11 +52,10 @@ class ShardMap:
         self._entries: dict[Hashable, _Entry] = {}
         functools.update_wrapper(self, fn)
 
-    def _bind(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], list[tuple[str, Any, Any]]]:
-        """The call bound, and ``(name, value, spec-like or None)`` of every argument."""
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
         args, kwargs = self._layout.bind(args, kwargs)
+        # (name, value, spec-like or None) of every argument
         bound = [
             (
                 s.name,
@@ -65,18 +64,13 @@ class ShardMap:
             )
             for s in self._layout.slots(len(args), tuple(kwargs))
         ]
-        return args, kwargs, bound
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        mesh = self.mesh if self.mesh is not None else current_mesh(concrete=True)
-        args, kwargs, bound = self._bind(args, kwargs)
         mapped = [(n, v, s) for n, v, s in bound if s is not None]
         plans = expand_args(mapped, mesh)  # every input problem, before any trace
         arrays = [x for a in plans for x in a.flat.arrays]
         key = _signature(mesh, bound, plans, active_logical())
         entry = self._entries.get(key) if key is not None else None
         if entry is None:
-            entry = self._build(mesh, args, kwargs, bound, plans)
+            entry = self._build(mesh, args, kwargs, bound, plans, arrays)
             if key is not None:
                 if len(self._entries) >= _MAX_ENTRIES:
                     self._entries.pop(next(iter(self._entries)))
@@ -90,9 +84,9 @@ class ShardMap:
         kwargs: dict[str, Any],
         bound: list[tuple[str, Any, Any]],
         plans: list[ArgPlan],
+        arrays: list[Any],
     ) -> _Entry:
         in_specs = tuple(leaf.spec for a in plans for leaf in a.leaves)
-        arrays = [x for a in plans for x in a.flat.arrays]
         out: list[Flat] = []
         body = _body(self.fn, args, kwargs, bound, plans, out)
         over = functools.partial(
