@@ -7,7 +7,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 
 from .._base import DistributedError
 from .._containers import split
+from .._internals import backends_are_initialized, cloud_tpu_init, global_state
 from .processes import (
     ENV_BARRIER_TIMEOUT,
     ENV_COORDINATOR,
@@ -31,35 +32,34 @@ DEFAULT_BARRIER_TIMEOUT_S = 600.0
 is noticed sooner, after the heartbeat timeout)."""
 
 
-def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
-    raw = env.get(name)
-    if raw is None or raw == "":
+def _env_number(
+    env: Mapping[str, str],
+    name: str,
+    parse: Callable[[str], Any],
+    valid: Callable[[Any], bool],
+    must: str,
+) -> Any:
+    """``parse`` of the variable ``name``, None when unset or empty; else ``valid`` or an error."""
+    raw = env.get(name, "")
+    if raw == "":
         return None
     try:
-        value = int(raw)
+        value = parse(raw)
     except ValueError:
         value = None
-    if value is None or value < minimum:
-        raise DistributedError(
-            f"environment variable {name}={raw!r} must be an integer >= {minimum}."
-        )
+    if value is None or not valid(value):
+        raise DistributedError(f"environment variable {name}={raw!r} must be {must}.")
     return value
+
+
+def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int | None:
+    return _env_number(env, name, int, lambda v: v >= minimum, f"an integer >= {minimum}")
 
 
 def env_seconds(name: str, env: Mapping[str, str] | None = None) -> float | None:
     """The positive seconds in the environment variable ``name``, or None when unset or empty."""
-    raw = (os.environ if env is None else env).get(name, "")
-    if raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise DistributedError(
-            f"environment variable {name}={raw!r} must be a positive number of seconds."
-        )
-    return value
+    env = os.environ if env is None else env
+    return _env_number(env, name, float, lambda v: 0 < v < math.inf, "a positive number of seconds")
 
 
 def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
@@ -88,11 +88,8 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
         for k in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_ADDRESSES_PATH")
     ):
         return "tpu"
-    if env is os.environ:
-        from .._internals import cloud_tpu_init
-
-        if getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
-            return "cloud-tpu-vm"
+    if env is os.environ and getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
+        return "cloud-tpu-vm"
     return None
 
 
@@ -157,16 +154,10 @@ def initialize(**jax_kwargs: Any) -> bool:
     return False
 
 
-def _backend_started() -> bool:
-    from .._internals import backends_are_initialized
-
-    return bool(backends_are_initialized())
-
-
 def _set_cpu_devices(count: int) -> None:
     if jax.config.jax_num_cpu_devices == count:  # type: ignore[attr-defined]
         return
-    if _backend_started():
+    if backends_are_initialized():
         raise DistributedError(
             f"{ENV_LOCAL_DEVICES}={count} asks for {count} CPU devices, but JAX's backend "
             "was already started; call modelshard.distributed.initialize() first, before "
@@ -176,7 +167,7 @@ def _set_cpu_devices(count: int) -> None:
 
 
 def _start(**kwargs: Any) -> None:
-    if _backend_started():
+    if backends_are_initialized():
         raise DistributedError(
             "JAX's backend was already started, so this process can no longer join the "
             "others; call modelshard.distributed.initialize() first, before any JAX "
@@ -235,12 +226,6 @@ def _waiting(client: Any, key: str, what: str, name: str, timeout: float) -> Ite
         raise wait_failed(what, name, timeout, e) from e
 
 
-def _client() -> Any:
-    from .._internals import global_state
-
-    return global_state.client
-
-
 def wait_failed(what: str, name: str, timeout: float, e: Exception) -> DistributedError:
     """The error of a wait for the other processes that failed or timed out (ours or Orbax's)."""
     return DistributedError(
@@ -269,7 +254,7 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
     if jax.process_count() == 1:
         return
     timeout = barrier_timeout_s() if timeout_s is None else timeout_s
-    client = _client()
+    client = global_state.client
     if client is None:  # a runtime started without JAX's coordination service
         from jax.experimental import multihost_utils
 
@@ -300,7 +285,7 @@ def broadcast(
     if jax.process_count() == 1:
         return json.loads(json.dumps(value))
     timeout = barrier_timeout_s() if timeout_s is None else timeout_s
-    client = _client()
+    client = global_state.client
     text = json.dumps(value) if jax.process_index() == 0 else None
     if client is None:
         return json.loads(_broadcast_by_devices(text))
@@ -333,7 +318,7 @@ def gather(
     if jax.process_count() == 1:
         return [json.loads(text)]
     timeout = barrier_timeout_s() if timeout_s is None else timeout_s
-    client = _client()
+    client = global_state.client
     if client is None:
         texts = [
             _broadcast_by_devices(text if p == jax.process_index() else None, p)
