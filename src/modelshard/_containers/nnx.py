@@ -8,7 +8,7 @@ import operator
 import sys
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -25,16 +25,6 @@ class LeafOrder:
     perm: tuple[int, ...]
     unique: int
     metadata: list[dict[str, Any]]
-
-
-class NnxCall(NamedTuple):
-    """One call's NNX leaves, as ``CallLeaves`` (the ``LeafOrder`` is the cheap cache key)."""
-
-    leaves: list[Any]
-    aux: Hashable
-    key: LeafOrder
-    write_back: WriteBack
-    again: Again | None
 
 
 _ORDERS: dict[Hashable, LeafOrder | None] = {}
@@ -141,11 +131,12 @@ class Snapshot:
             return None
         return _array_values(self.variables)
 
-    def call(self) -> NnxCall | None:
+    def call(self) -> CallLeaves | None:
+        """This call's leaves; the ``LeafOrder`` is the cheap cache key."""
         raws = self.values()
         if raws is None:
             return None
-        return NnxCall(raws, self.order.aux, self.order, self.write_back, self.again)
+        return CallLeaves(raws, self.order.aux, self.order, self.write_back, True, self.again)
 
     def write_back(self, positions: Sequence[int], values: Sequence[Any]) -> None:
         """Set the Variables at ``positions`` (``nnx.split`` order) to ``values``."""
@@ -227,7 +218,7 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
     return Snapshot(ref, containers, variables, _copies(variables), order, attributes)
 
 
-def nnx_call_leaves(value: Any) -> NnxCall | None:
+def nnx_call_leaves(value: Any) -> CallLeaves | None:
     """The per-call route for an NNX object, or ``None`` to use ``nnx.split``."""
     snap = _SNAPSHOTS.get(id(value))
     if snap is not None and snap.ref() is value:
@@ -245,9 +236,8 @@ def nnx_call_leaves(value: Any) -> NnxCall | None:
         raws = _array_values(ordered)
         if raws is None:
             return None
-        return NnxCall(
-            raws, order.aux, order, Snapshot(None, [], ordered, [], order).write_back, None
-        )
+        write_back = Snapshot(None, [], ordered, [], order).write_back
+        return CallLeaves(raws, order.aux, order, write_back, True)
     if len(_SNAPSHOTS) >= _MAX_SNAPSHOTS:
         _SNAPSHOTS.clear()
     _SNAPSHOTS[id(value)] = snap
@@ -334,6 +324,4 @@ class NnxModuleAdapter(Adapter):
 
     def flatten_for_call(self, obj: Any) -> CallLeaves:
         fast = nnx_call_leaves(obj)
-        if fast is None:
-            return Adapter.flatten_for_call(self, obj)
-        return CallLeaves(fast.leaves, fast.aux, fast.key, fast.write_back, True, fast.again)
+        return Adapter.flatten_for_call(self, obj) if fast is None else fast

@@ -17,7 +17,7 @@ from .describe import LeafInfo, describe_pytree, flatten_pytree, unflatten_pytre
 class PytreeAdapter(Adapter):
     """The adapter for anything JAX can flatten (the default for unregistered types).
 
-    A subclass that changes ``flatten`` must set ``follows_pytree = False``.
+    A subclass that changes ``flatten`` or ``describe`` must set ``follows_pytree = False``.
 
     Attributes:
         kind: the name recorded for this container kind (``"pytree"``, ``"optax"``, ...).

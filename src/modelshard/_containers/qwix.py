@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .adapter_base import Adapter
-from .describe import LeafInfo, describe_pytree, flatten_pytree, unflatten_pytree
+from .describe import LeafInfo, describe_pytree
+from .pytree import PytreeAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class QwixWithAuxAdapter(Adapter):
+class QwixWithAuxAdapter(PytreeAdapter):
     """``qwix``'s ``WithAux``: the leaves of the array it wraps, named without ``array``."""
 
     kind: str = "qwix.WithAux"
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return flatten_pytree(obj)
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return unflatten_pytree(aux, leaves)
+    follows_pytree = False  # its paths are not JAX's
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return describe_pytree(obj.array)
