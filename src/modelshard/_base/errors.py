@@ -96,8 +96,7 @@ class Problem:
         return self.arg if self.path is None else f"{self.arg}:{self.path or '<root>'}"
 
     def lines(self) -> list[str]:
-        where = self.label()
-        head = f"  {where}"
+        head = f"  {self.label()}"
         if self.shape is not None:
             head += f" {self.dtype}{list(self.shape)}"
         out = [head, f"    problem: {self.what}"]
@@ -118,13 +117,6 @@ LIST_IN_FULL = 8
 _DIGITS = re.compile(r"\d+")
 _PARENS_WITH_DIGITS = re.compile(r"\s*\([^()]*\d[^()]*\)")
 _NOT_IN_MESH = re.compile(r"axis '([^']+)' .*is not in the mesh")
-
-
-def cause_key(p: Problem) -> str:
-    """What problems of one cause share: the sentence without its numbers."""
-    if p.cause is not None:
-        return p.cause
-    return _DIGITS.sub("#", _PARENS_WITH_DIGITS.sub("", p.what)).strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +273,12 @@ def _example(problems: Sequence[Problem]) -> Problem:
 
 
 def group_problems(problems: Sequence[Problem]) -> list[Cause]:
-    """``problems`` grouped by ``cause_key``, largest group first (ties: first seen)."""
+    """``problems`` grouped by cause, largest group first (ties: first seen)."""
     groups: dict[str, list[Problem]] = {}
     for p in problems:
-        groups.setdefault(cause_key(p), []).append(p)
+        # what problems of one cause share: the sentence without its numbers
+        key = _DIGITS.sub("#", _PARENS_WITH_DIGITS.sub("", p.what)).strip()
+        groups.setdefault(key if p.cause is None else p.cause, []).append(p)
     out = [
         Cause(ps[0].cause or _example(ps).what, tuple(ps), _fitting_hint(ps))
         for ps in groups.values()
@@ -308,16 +302,9 @@ class SpecError(ModelshardError, ValueError):
         self.problems = tuple(problems)
         self.header = header
         self.site = site
-        n = len(self.problems)
-        if n <= LIST_IN_FULL:
-            super().__init__(
-                self._listed("found (every offending leaf is listed; paths are arg:path):")
-            )
-            return
-        lines = self._grouped(header)
-        if site:
-            lines[0] = f"{site}: {lines[0]}"
-        super().__init__("\n".join(lines))
+        listed = "found (every offending leaf is listed; paths are arg:path):"
+        full = len(self.problems) <= LIST_IN_FULL
+        super().__init__(self._listed(listed) if full else self._grouped())
 
     @property
     def causes(self) -> list[Cause]:
@@ -336,11 +323,12 @@ class SpecError(ModelshardError, ValueError):
             lines.extend(p.lines())
         return "\n".join(lines)
 
-    def _grouped(self, header: str | None, max_lines: int = 36) -> list[str]:
+    def _grouped(self, max_lines: int = 36) -> str:
         causes = self.causes
         n, k = len(self.problems), len(causes)
         lines = [
-            (header + " " if header else "")
+            (f"{self.site}: " if self.site else "")
+            + (self.header + " " if self.header else "")
             + f"{n} {self.noun}s, {k} cause{'s' if k != 1 else ''} "
             "(paths are arg:path; numbered layers folded as {0..N}):"
         ]
@@ -366,7 +354,7 @@ class SpecError(ModelshardError, ValueError):
                 f"All {n} problems are on this error: err.problems (structured), err.causes, "
                 "print(err.report()) for every one in full."
             )
-        return lines
+        return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         """``{"type", "message", "site", "problems": [one dict per Problem], "causes"}``."""
