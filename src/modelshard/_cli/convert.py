@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         table = load_safetensors(args.source, dry_run=True, **common)
         if args.json:
             rows = [_row_json(r) for r in table.rows]
-            emit(args, {"source": absolute(args.source), "rows": rows})
+            emit(args, source=absolute(args.source), rows=rows)
         else:
             # the rows --max-rows leaves out: counted below the table, as plan and inspect do
             console().print(table.table(max_rows=args.max_rows))
@@ -195,13 +195,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit(
             args,
-            {
-                "source": absolute(args.source),
-                "destination": absolute(dest),
-                "mesh": sizes,
-                "leaves": len(leaves),
-                "bytes": nbytes,
-            },
+            source=absolute(args.source),
+            destination=absolute(dest),
+            mesh=sizes,
+            leaves=len(leaves),
+            bytes=nbytes,
         )
     else:
         say(
@@ -271,14 +269,12 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
     if args.json:
         emit(
             args,
-            {
-                "source": absolute(source.path),
-                "step": args.step,
-                "destination": absolute(dest),
-                "leaves": len(items),
-                "files": [absolute(f) for f in files],
-                "bytes": nbytes,
-            },
+            source=absolute(source.path),
+            step=args.step,
+            destination=absolute(dest),
+            leaves=len(items),
+            files=[absolute(f) for f in files],
+            bytes=nbytes,
         )
     else:
         n = len(files)

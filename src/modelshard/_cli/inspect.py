@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             for g in _rows(rec.leaves, fold=not args.no_fold)
             for leaf in [g.items[0]]
         ]
-        emit(args, data)
+        emit(args, **data)
         return 0
     mesh = rec.mesh_sizes()
     mesh_text = format_mesh(mesh) if mesh else "-"
@@ -139,23 +139,21 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
         if args.json:
             emit(
                 args,
-                {
-                    "path": absolute(st.path),
-                    "format": "safetensors",
-                    "files": [absolute(f) for f in files],
-                    "metadata": st.metadata,
-                    "total_bytes": st.nbytes,
-                    "tensors": [
-                        {
-                            "name": t.name,
-                            "shape": list(t.shape),
-                            "dtype": t.code,
-                            "bytes": t.nbytes,
-                            "file": t.file.name,
-                        }
-                        for t in tensors
-                    ],
-                },
+                path=absolute(st.path),
+                format="safetensors",
+                files=[absolute(f) for f in files],
+                metadata=st.metadata,
+                total_bytes=st.nbytes,
+                tensors=[
+                    {
+                        "name": t.name,
+                        "shape": list(t.shape),
+                        "dtype": t.code,
+                        "bytes": t.nbytes,
+                        "file": t.file.name,
+                    }
+                    for t in tensors
+                ],
             )
             return 0
         table = new_table(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
+
+from .. import _runtime
 
 
 def add_parser(sub: Any) -> None:
@@ -20,9 +21,4 @@ def add_parser(sub: Any) -> None:
 
 def run(rest: Sequence[str]) -> int:
     """Run the launcher on the arguments after ``launch``; returns its exit status."""
-    try:
-        from .._runtime import main as launch_main
-    except ImportError as e:
-        sys.stderr.write(f"modelshard launch is not available in this installation ({e}).\n")
-        return 1
-    return int(launch_main(list(rest)))
+    return int(_runtime.main(list(rest)))

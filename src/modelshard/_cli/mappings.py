@@ -29,12 +29,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit(
             args,
-            {
-                "mappings": [
-                    {"name": m.name, "source": m.source, "target": m.target, "path": str(m.path)}
-                    for m in shipped.values()
-                ]
-            },
+            mappings=[
+                {"name": m.name, "source": m.source, "target": m.target, "path": str(m.path)}
+                for m in shipped.values()
+            ],
         )
         return 0
     t = new_table("shipped weight mappings (--mapping NAME)", None, ["name", "reads", "maps onto"])

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -52,7 +53,7 @@ def absolute(path: Any) -> str:
     return text if re.match(r"^[a-z][a-z0-9+.-]*://", text) else os.path.abspath(text)
 
 
-def emit(args: argparse.Namespace, data: dict[str, Any], ok: bool = True) -> None:
+def emit(args: argparse.Namespace, ok: bool = True, /, **data: Any) -> None:
     """Print a command's JSON result: ``data`` inside the envelope, on stdout."""
     envelope = {"schema": SCHEMA, "command": args.command, "ok": ok, **data}
     sys.stdout.write(json.dumps(envelope, indent=1) + "\n")
@@ -180,7 +181,7 @@ def fail(command: str, status: int, error: dict[str, Any], as_json: bool) -> int
     """Report a failed command; returns ``status``."""
     prog = f"modelshard{' ' + command if command else ''}"
     if as_json:
-        emit(argparse.Namespace(command=command), {"exit_status": status, "error": error}, ok=False)
+        emit(argparse.Namespace(command=command), False, exit_status=status, error=error)
         sys.stderr.write(
             f"{prog}: error: {error['type']}, exit status {status} (the JSON on stdout says "
             "what and where)\n"
@@ -222,14 +223,8 @@ def progress_bar(args: argparse.Namespace, what: str) -> Iterator[Any]:
             _interrupt.at_ticks = False
 
 
-class _Interrupt:
-    """Whether Ctrl-C was pressed during the command, and whether ticks raise it."""
-
-    seen = False
-    at_ticks = False
-
-
-_interrupt = _Interrupt()
+# whether Ctrl-C was pressed during the command, and whether ticks raise it
+_interrupt = types.SimpleNamespace(seen=False, at_ticks=False)
 
 
 @contextlib.contextmanager

@@ -170,7 +170,7 @@ def report(
             "rows": p.groups(fold=fold, filter=args.filter),
             "leaves": p.rows(filter=args.filter),
         }
-        emit(args, doc)
+        emit(args, **doc)
         return 0
     console().print(p.table(max_rows=args.max_rows, fold=fold, filter=args.filter))
     for line in lines:

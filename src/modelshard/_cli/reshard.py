@@ -103,15 +103,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit(
             args,
-            {
-                "source": str(source.path),
-                "step": args.step,
-                "destination": dest,
-                "mesh": sizes,
-                "leaves": len(record.leaves),
-                "bytes": record.nbytes,
-                "dropped": dropped,
-            },
+            source=str(source.path),
+            step=args.step,
+            destination=dest,
+            mesh=sizes,
+            leaves=len(record.leaves),
+            bytes=record.nbytes,
+            dropped=dropped,
         )
     else:
         say(

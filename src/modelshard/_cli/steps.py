@@ -38,12 +38,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit(
             args,
-            {
-                "root": absolute(args.root),
-                "complete": complete,
-                "latest": complete[-1] if complete else None,
-                "steps": [e.to_json() | {"path": absolute(e.path)} for e in entries],
-            },
+            root=absolute(args.root),
+            complete=complete,
+            latest=complete[-1] if complete else None,
+            steps=[e.to_json() | {"path": absolute(e.path)} for e in entries],
         )
         return 0
     if not entries:
