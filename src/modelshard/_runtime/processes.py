@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import functools
 import itertools
 import os
 import re
@@ -290,7 +289,12 @@ def run(
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     lock = threading.Lock()
-    note = functools.partial(_note, stderr, lock)
+
+    def note(text: str) -> None:
+        with lock:
+            stderr.write(f"[modelshard launch] {text}\n")
+            stderr.flush()
+
     why = _cannot_start(command[0])
     if why is not None:
         note(f"cannot start {command[0]!r}: {why}")
@@ -392,12 +396,6 @@ def run(
         report = ", ".join(f"process {i} {_status_text(c)}" for i, c in enumerate(codes))
         note(f"exit status: {report}")
     return status
-
-
-def _note(stream: Any, lock: threading.Lock, text: str) -> None:
-    with lock:
-        stream.write(f"[modelshard launch] {text}\n")
-        stream.flush()
 
 
 def main(argv: list[str]) -> int:
