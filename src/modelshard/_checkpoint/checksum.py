@@ -88,21 +88,14 @@ def _positions(at: Any, k: Any, u32: Any, rows: bool) -> Any:
     return u32(at[0]) + (k // u32(at[2])) * u32(at[3]) + k % u32(at[2])
 
 
-def _reduce(v: jax.Array, idx: jax.Array) -> jax.Array:
+def _sums_of(v: jax.Array, at: jax.Array, *, rows: bool) -> jax.Array:
     """The two sums, by one variadic reduction: every term fused into it, none written out."""
+    idx = _positions(at, jax.lax.iota(jnp.uint32, v.shape[0]), jnp.uint32, rows)
     zero = jnp.uint32(0)
     sums = jax.lax.reduce(
-        terms(v, idx, jnp.uint32),
-        (zero, zero),
-        lambda a, b: (a[0] + b[0], a[1] + b[1]),
-        tuple(range(v.ndim)),
+        terms(v, idx, jnp.uint32), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,)
     )
     return jnp.stack(sums)
-
-
-def _sums_of(v: jax.Array, at: jax.Array, *, rows: bool) -> jax.Array:
-    k = jax.lax.iota(jnp.uint32, v.shape[0])
-    return _reduce(v, _positions(at, k, jnp.uint32, rows))
 
 
 _PROGRAMS: dict[tuple[int, bool], Any] = {}

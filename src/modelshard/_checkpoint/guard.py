@@ -55,7 +55,7 @@ def finish_all(why: str) -> None:
         if step is None:
             continue
         try:
-            mngr.finish()
+            mngr.wait_until_finished()
         except BaseException as e:  # reported, and the exit status says so
             from .._base import CheckpointError
 

@@ -204,21 +204,6 @@ def refusal(step: int, root: Any, entries: list[Foreign]) -> str:
     )
 
 
-def foreign_summary(root: Any, entries: list[Foreign], steps: list[int]) -> str:
-    """The warning about another tool's ``entries`` a manager does not restore."""
-    groups: dict[str, dict[int, None]] = {}
-    for f in entries:
-        groups.setdefault(f.kind, {})[f.step] = None
-    held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
-    latest = steps[-1] if steps else None
-    return (
-        f"{root} holds steps another tool wrote that this CheckpointManager does not "
-        f"restore: {held}. It never removes or replaces them, and does not save over their "
-        "numbers (should_save is False for them, save raises ForeignStepError); "
-        f"latest_step() is {latest}. `modelshard steps {root}` lists them."
-    )
-
-
 def adopted_steps(others: list[Foreign]) -> list[int]:
     """The steps of ``others`` the manager lists and restores beside its own."""
     return sorted({f.step for f in others if f.restorable})
@@ -423,11 +408,20 @@ def list_steps(directory: str | os.PathLike[str]) -> list[StepEntry]:
 def warn_foreign(root: Any, stacklevel: int) -> None:
     """Warn about another tool's entries in ``root`` a manager does not restore."""
     try:
-        held = [f for f in foreign_steps(root) if not f.restorable]
-        steps = restorable_steps(root) if held else []
+        entries = [f for f in foreign_steps(root) if not f.restorable]
+        steps = restorable_steps(root) if entries else []
     except CheckpointError:
         return
-    if held:
-        warnings.warn(
-            foreign_summary(root, held, steps), ForeignStepsWarning, stacklevel=stacklevel
-        )
+    if not entries:
+        return
+    groups: dict[str, dict[int, None]] = {}
+    for f in entries:
+        groups.setdefault(f.kind, {})[f.step] = None
+    held = "; ".join(f"{', '.join(map(str, s))} ({kind})" for kind, s in groups.items())
+    text = (
+        f"{root} holds steps another tool wrote that this CheckpointManager does not "
+        f"restore: {held}. It never removes or replaces them, and does not save over their "
+        "numbers (should_save is False for them, save raises ForeignStepError); "
+        f"latest_step() is {steps[-1] if steps else None}. `modelshard steps {root}` lists them."
+    )
+    warnings.warn(text, ForeignStepsWarning, stacklevel=stacklevel)

@@ -30,7 +30,7 @@ from .listing import (
     restorable_steps,
     warn_foreign,
 )
-from .policy import KeepPolicy, as_steps, save_step_ok
+from .policy import KeepPolicy
 from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
 from .shards import held_sums, take
@@ -135,7 +135,7 @@ class CheckpointManager:
             keep_best=keep_best,
             best_fn=best_fn,
             best_mode=best_mode,
-            keep_steps=as_steps(keep_steps),
+            keep_steps=frozenset(keep_steps or ()),
         )
         self._compress = check_compression(compression)
         self.compression = compression
@@ -186,10 +186,6 @@ class CheckpointManager:
     def has_polled(self) -> bool:
         """Whether the training loop asks ``should_save`` (it then handles stops)."""
         return self._polled
-
-    def finish(self) -> None:
-        """``wait_until_finished``, by the name the exit and signal guard calls."""
-        self.wait_until_finished()
 
     @staticmethod
     def _primary() -> bool:
@@ -354,7 +350,7 @@ class CheckpointManager:
         """
         if step == self._last_saved:
             return False
-        if not (self.reached_preemption(step) or save_step_ok(step, self.save_interval_steps)):
+        if not (self.reached_preemption(step) or step % self.save_interval_steps == 0):
             return False
         return not self._foreign_at(step)
 
@@ -395,7 +391,7 @@ class CheckpointManager:
         """
         step = self._writing(step)
         stopping = guard.stop_signal() is not None
-        if not (force or stopping or save_step_ok(step, self.save_interval_steps)):
+        if not (force or stopping or step % self.save_interval_steps == 0):
             return False
         if metadata is not None:
             json_or_error("metadata", dict(metadata))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._base import CheckpointError
@@ -81,12 +81,3 @@ class KeepPolicy:
             scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
             kept.update(s for _, s in scored[: self.keep_best])
         return kept
-
-
-def save_step_ok(step: int, interval: int) -> bool:
-    """Whether ``step`` is a saving step of the interval (no special first step)."""
-    return step % interval == 0
-
-
-def as_steps(steps: Iterable[int] | None) -> frozenset[int]:
-    return frozenset(steps or ())

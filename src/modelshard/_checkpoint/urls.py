@@ -25,10 +25,6 @@ modelshard extra that installs it."""
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _CLIENTS = ("botocore.", "aiobotocore.", "s3fs.", "gcsfs.", "google.auth.", "google.api_core.")
 """Modules whose exceptions mean an object store's client could not do a request."""
-_TF = "tensorflow."
-"""The module prefix of TensorFlow's errors (``tensorflow.python.framework.errors_impl``)."""
-_TF_MISSING = "NotFoundError"
-"""TensorFlow's error for an object that is not there (fsspec: ``FileNotFoundError``)."""
 
 
 def client_failure(e: BaseException) -> str | None:
@@ -37,7 +33,8 @@ def client_failure(e: BaseException) -> str | None:
     module = type(e).__module__ or ""
     if module.startswith(_CLIENTS):
         return "fsspec"
-    if module.startswith(_TF) and type(e).__name__.endswith("Error"):
+    # TensorFlow's errors live in ``tensorflow.python.framework.errors_impl``
+    if module.startswith("tensorflow.") and type(e).__name__.endswith("Error"):
         return "tensorflow"
     return None
 
@@ -47,7 +44,7 @@ def is_missing(e: BaseException) -> bool:
     ``NotFoundError`` where etils.epath does not turn it into ``FileNotFoundError``)."""
     if isinstance(e, FileNotFoundError | NotADirectoryError):
         return True
-    return client_failure(e) == "tensorflow" and type(e).__name__ == _TF_MISSING
+    return client_failure(e) == "tensorflow" and type(e).__name__ == "NotFoundError"
 
 
 def scheme_of(directory: Any) -> str | None:
