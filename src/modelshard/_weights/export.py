@@ -114,25 +114,21 @@ def save_safetensors(
     check_state(state)
     if reference is None:
         if mapping is not None:
-            raise MappingError(
-                [
-                    Problem(
-                        "mapping",
-                        "",
-                        "a mapping exports to a reference's names, shapes and dtypes, and "
-                        "no reference= was given",
-                        hint="pass reference= (the checkpoint the mapping imports), or drop "
-                        "mapping= to write the state in its own names",
-                    )
-                ]
+            problem = Problem(
+                "mapping",
+                "",
+                "a mapping exports to a reference's names, shapes and dtypes, and "
+                "no reference= was given",
+                hint="pass reference= (the checkpoint the mapping imports), or drop "
+                "mapping= to write the state in its own names",
             )
+            raise MappingError([problem])
         items, compute, shared = canonical_export(state, dtype)
         meta: Mapping[str, str] = {"format": "pt"}
     else:
         wm = as_mapping(mapping, split_dots=True)
         table, meta, sizes = reference_table(reference)
-        wm = wm.with_config(sizes)
-        ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
+        ex = Exporter.of_state(state, table, wm.with_config(sizes), dtype, untie=untie)
         error: BaseException | None = None
         try:
             ex.check_also()  # a refused export writes nothing

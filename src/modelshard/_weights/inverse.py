@@ -206,8 +206,7 @@ def unmap(
     """
     wm = as_mapping(mapping, split_dots=isinstance(reference, str | os.PathLike))
     table, _, sizes = reference_table(reference)
-    wm = wm.with_config(sizes)
-    ex = Exporter.of_state(state, table, wm, dtype, untie=untie)
+    ex = Exporter.of_state(state, table, wm.with_config(sizes), dtype, untie=untie)
     ex.check_also()
     if isinstance(reference, str | os.PathLike):
         return {n: ex.compute(n) for n in ex.order}

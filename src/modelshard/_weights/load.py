@@ -270,7 +270,7 @@ def mapped_leaves(
             read = functools.partial(_value_block, value)
             out.append(MappedLeaf(path, value.shape, value.dtype, spec, read))
         else:
-            read = _BlockReader(node, files.fetch)
+            read = _block_reader(node, files.fetch)
             out.append(MappedLeaf(path, node.shape, node.dtype, spec, read))
     return res, out
 
@@ -279,23 +279,21 @@ def _value_block(value: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
     return value[index] if index else value
 
 
-class _BlockReader:
+def _block_reader(
+    node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """``read(index)`` of one target leaf; what it mapped is dropped after its last block."""
+    cache: dict[Any, np.ndarray] = {}
+    fetch = fetch_for(cache)
 
-    def __init__(
-        self, node: recipe.Node, fetch_for: Callable[[dict[Any, np.ndarray]], recipe.Fetch]
-    ):
-        self.node = node
-        self.cache: dict[Any, np.ndarray] = {}
-        self.fetch = fetch_for(self.cache)
-
-    def __call__(self, index: tuple[slice, ...]) -> np.ndarray:
-        shape = self.node.shape
-        norm = recipe.norm_index(index, shape)
-        block = recipe.contiguous(self.node.read(norm, self.fetch))
-        if all(s.stop == d for s, d in zip(norm, shape, strict=True)):
-            self.cache.clear()  # blocks come in C order: this was the last
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        norm = recipe.norm_index(index, node.shape)
+        block = recipe.contiguous(node.read(norm, fetch))
+        if all(s.stop == d for s, d in zip(norm, node.shape, strict=True)):
+            cache.clear()  # blocks come in C order: this was the last
         return block
+
+    return read
 
 
 def keep_value(path: str, x: Any, sharding: Any) -> Any:

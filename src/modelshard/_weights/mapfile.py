@@ -26,7 +26,6 @@ from .shipped import is_name, shipped_mappings
 _TOP = {"strict", "keep", "optional", "config", "rules"}
 _RULE = {f.name for f in dataclasses.fields(MapRule)} | {"skip"}
 _OPS = ("rearrange", "transpose", "reshape", "add", "scale")
-_BAD = object()  # a field that was reported as malformed
 _JOIN = {"group": (int, str), "axis": int, "order": list}
 _STEPS: dict[str, tuple[Any, dict[str, Any], str]] = {  # class, its keys, the one required
     "stack": (Stack, _JOIN, "group"),
@@ -159,7 +158,7 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         v = d.get(key, default)
         if v is not default and not ok(v):
             report(at, f"{key} must be {what}, got {v!r}")
-            return _BAD
+            return default
         return v
 
     def regexes(v: Any) -> bool:
@@ -179,27 +178,25 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
         if not isinstance(item, Mapping):
             report(where, f"{item!r} is not a table")
             continue
-        bad = not check_keys(item, sorted(_RULE), source, where, problems)
+        before = len(problems)  # the rule is built only if none of its fields had a problem
+        check_keys(item, sorted(_RULE), source, where, problems)
         src, target, skip = item.get("source"), item.get("target"), item.get("skip", False)
         if not isinstance(src, str):
             report(f"{where}.source", f"source must be a regex string, got {src!r}")
-            bad = True
         if skip is not True and not isinstance(target, str):
             report(
                 f"{where}.target",
                 f"target must be a path template, got {target!r}",
                 hint="or write skip = true to ignore the matched tensors",
             )
-            bad = True
         if skip is True and target is not None:
             report(where, "a rule cannot have both target and skip = true")
-            bad = True
         shorthand: dict[str, Any] = {}
         for kind in ("transpose", "reshape"):
             if item.get(kind) is not None:
-                got = _ints(item[kind], f"{where}.{kind}", problems, source, kind == "reshape")
-                shorthand[kind] = got
-                bad |= got is None
+                shorthand[kind] = _ints(
+                    item[kind], f"{where}.{kind}", problems, source, kind == "reshape"
+                )
         steps: dict[str, Any] = {}
         for kind, (cls, keys, required) in _STEPS.items():
             if kind not in item:
@@ -215,22 +212,18 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
                 if "sizes" in t:
                     t["sizes"] = _ints(t["sizes"], f"{at}.sizes", problems, source, True)
                 t = t if len(problems) == n else None
-            if t is None:
-                bad = True
-            else:
+            if t is not None:
                 for k in ("order", "names"):
                     if k in t:
                         t[k] = tuple(map(str, t[k]))
                 steps[kind] = cls(**t)
         if "ops" in item:
             shorthand["ops"] = _ops(item["ops"], f"{where}.ops", problems, source)
-            bad |= shorthand["ops"] is None
         flags = {
             k: field(item, k, f"{where}.{k}", default, ok, what)
             for k, default, ok, what in _RULE_FLAGS
         }
-        bad |= _BAD in flags.values()
-        if not bad:
+        if len(problems) == before:
             target = None if skip is True else target
             rules.append(MapRule(src, target, **shorthand, **steps, **flags))  # type: ignore[arg-type]
     header = f"invalid mapping file {source}:"

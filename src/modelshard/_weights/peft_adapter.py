@@ -13,6 +13,7 @@ import numpy as np
 
 from .._base import MappingError, Problem, write_durable
 from .._runtime import raise_shared
+from . import hub
 from .export import write_safetensors
 from .inverse import reference_table
 from .load import MappingLike, as_mapping, target_table
@@ -123,7 +124,7 @@ def save_peft_adapter(
         raise MappingError(problems, header="cannot write a peft adapter:")
     rank = ranks.pop()
     lora_alpha = alpha if alpha is not None else rank
-    hub_id = str(reference).removeprefix("hf://") if str(reference).startswith("hf://") else None
+    hub_id = reference.removeprefix(hub.PREFIX) if hub.is_hub(reference) else None
     source = reference_directory(reference)
     config = {
         "peft_type": "LORA",

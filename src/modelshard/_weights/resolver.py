@@ -380,11 +380,8 @@ def _once_per_rule(problems: list[Problem]) -> list[Problem]:
 def _unused(mapping: WeightMap, i: int, sources: Iterable[str]) -> Problem:
     """Rule ``i`` took no stored tensor: its regex matches none, or earlier rules took them."""
     rule, pattern = mapping.rules[i], mapping._compiled[i]
-    taken: dict[int, int] = {}
-    for name in sources:
-        hit = mapping.match(name) if pattern is not None and pattern.fullmatch(name) else None
-        if hit is not None:
-            taken[hit[0]] = taken.get(hit[0], 0) + 1
+    matched = [n for n in sources if pattern is not None and pattern.fullmatch(n)]
+    taken = Counter(hit[0] for n in matched if (hit := mapping.match(n)) is not None)
     if not taken:
         return Problem(
             "mapping",

@@ -177,9 +177,8 @@ class RuleSteps:
         for e in entries:
             if isinstance(e, str) and e not in config:
                 close = close_match(e, config, cutoff=0.8)
-                known = f"did you mean {close!r}?" if close else None
-                listed = known or ", ".join(sorted(config)) or "empty"
-                msg = f"{what} {e!r} is not in the mapping's config ({listed})"
+                listed = f"did you mean {close!r}?" if close else ", ".join(sorted(config))
+                msg = f"{what} {e!r} is not in the mapping's config ({listed or 'empty'})"
                 return self.bad(node, msg, hint=f"add {e} = <size> to the config", cause=NO_SIZE)
             sizes.append(int(config[e]) if isinstance(e, str) else int(e))
         return sizes
