@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
 
 from .._base import AdapterError, Problem, SpecError, canonical_dtype, explicit_axes
-from .._containers import WriteBack
+from .._containers import Adapter, WriteBack
 from .._place import NOSPEC, Plan, Slot, recording_constraints
 from .._specs import ArgPlan, LeafPlan, expand_args
-from .outputs import OutDesc, inferred_shardings, set_by_function, split_output
+from .outputs import OutDesc, Part, inferred_shardings, set_by_function, split_output
 from .take import Taken
 
 
@@ -232,15 +232,6 @@ def _explicit_out(call: Call, desc: OutDesc, avals: Sequence[Any]) -> list[Any]:
     return out
 
 
-class _Structure(NamedTuple):
-    """What tracing needs of one dynamic argument (``Taken`` without its values)."""
-
-    slot: Slot
-    adapter: Any
-    aux: Hashable
-    array_index: tuple[int, ...] | None
-
-
 class _FlatFunction:
     """The function ``jax.jit`` sees: flat array leaves in, flat array leaves out."""
 
@@ -259,13 +250,12 @@ class _FlatFunction:
         self._pos = [call.args[i] if i in static else None for i in range(len(call.args))]
         self._kw = {s.kw: call.kwargs[s.kw] for s in call.slots if s.static and s.kw is not None}
         # each argument's structure, not the Taken, whose arrays the jax.jit would keep alive
-        self._dyn: list[tuple[_Structure, tuple[Any, ...] | None]] = []
+        self._dyn: list[tuple[Slot, Adapter, Part]] = []
         for t in call.taken:
-            template = None
-            if t.array_index is not None:
-                at = set(t.array_index)
-                template = tuple(None if i in at else x for i, x in enumerate(t.leaves))
-            self._dyn.append((_Structure(t.slot, t.adapter, t.aux, t.array_index), template))
+            index = tuple(range(len(t.leaves))) if t.array_index is None else t.array_index
+            at = set(index)
+            template = tuple(None if i in at else x for i, x in enumerate(t.leaves))
+            self._dyn.append((t.slot, t.adapter, Part(t.adapter, t.aux, template, index, None)))
         self._sources: list[tuple[Any, Hashable]] = [(t.adapter, t.aux) for t in call.taken]
         self._mutable = [k for k, t in enumerate(call.taken) if t.adapter.mutable]
         self.desc: OutDesc | None = None
@@ -278,42 +268,34 @@ class _FlatFunction:
         pos = list(self._pos)
         kw = dict(self._kw)
         values = []
-        for (t, template), (a, b) in zip(self._dyn, self._bounds, strict=True):
-            if t.array_index is None:
-                leaves = list(flat[a:b])
-            else:
-                leaves = list(template)  # type: ignore[arg-type]
-                for i, x in zip(t.array_index, flat[a:b], strict=True):
-                    leaves[i] = x
-            v = t.adapter.unflatten(t.aux, leaves)
+        for (slot, _, part), (a, b) in zip(self._dyn, self._bounds, strict=True):
+            v = part.build(list(flat[a:b]))
             values.append(v)
-            if t.slot.kw is None:
-                pos[t.slot.pos] = v  # type: ignore[index]
+            if slot.kw is None:
+                pos[slot.pos] = v  # type: ignore[index]
             else:
-                kw[t.slot.kw] = v
+                kw[slot.kw] = v
         with jax.sharding.use_abstract_mesh(self.abstract_mesh):
             out = self.fn(*pos, **kw)
         arrays, desc = split_output(out, self._sources)
         updates: list[tuple[int, tuple[int, ...]]] = []
         for k in self._mutable:
-            t, _ = self._dyn[k]
-            leaves, aux2 = t.adapter.flatten(values[k])
-            if aux2 != t.aux:
+            slot, adapter, part = self._dyn[k]
+            leaves, aux = adapter.flatten(values[k])
+            if aux != part.aux:
                 raise AdapterError(
-                    f"the {t.adapter.kind} argument {t.slot.name!r} changed structure inside "
+                    f"the {adapter.kind} argument {slot.name!r} changed structure inside "
                     f"{self.__name__} (Variables or submodules were added, removed or "
                     "replaced); shard_jit can only write back value updates."
                 )
-            new = leaves if t.array_index is None else [leaves[i] for i in t.array_index]
+            new = [leaves[i] for i in part.array_index]
             a, _ = self._bounds[k]
             if self.frozen is not None:
                 # The first trace decides; a later trace can only differ by ops that
                 # return their input unchanged (a no-op constraint).
                 changed = self.frozen[len(updates)][1]
             else:
-                changed = tuple(
-                    m for m, x in enumerate(new) if t.slot.donate or x is not flat[a + m]
-                )
+                changed = tuple(m for m, x in enumerate(new) if slot.donate or x is not flat[a + m])
             arrays.extend(new[m] for m in changed)
             updates.append((k, changed))
         self.desc = desc
