@@ -169,7 +169,17 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         table = load_safetensors(args.source, dry_run=True, **common)
         if args.json:
-            rows = [_row_json(r) for r in table.rows]
+            # the table's "-" means "no transform": JSON says null, else the text as printed
+            rows = [
+                {
+                    "target": r.target,
+                    "sources": list(r.sources),
+                    "transforms": None if r.how == "-" else r.how,
+                    "shape": None if r.shape is None else list(r.shape),
+                    "dtype": r.dtype,
+                }
+                for r in table.rows
+            ]
             emit(args, source=absolute(args.source), rows=rows)
         else:
             # the rows --max-rows leaves out: counted below the table, as plan and inspect do
@@ -206,17 +216,6 @@ def run(args: argparse.Namespace) -> int:
             f"wrote {dest}: {len(leaves)} leaves, {format_bytes(nbytes)}, mesh {format_mesh(sizes)}"
         )
     return 0
-
-
-def _row_json(r: Any) -> dict[str, Any]:
-    # the table's "-" means "no transform": JSON says null, else the text as printed
-    return {
-        "target": r.target,
-        "sources": list(r.sources),
-        "transforms": None if r.how == "-" else r.how,
-        "shape": None if r.shape is None else list(r.shape),
-        "dtype": r.dtype,
-    }
 
 
 def _convert_to_safetensors(args: argparse.Namespace) -> int:

@@ -230,7 +230,8 @@ def function_arg(text: str) -> Any:
 
 
 _ARRAY = re.compile(r"^\s*(?:([A-Za-z_][\w.]*)\s*=\s*)?([a-z][a-z0-9_]*)\[([\d,\s]*)\]\s*$")
-
+# the commas between arrays: not inside [...] or (...)
+_BETWEEN = re.compile(r",(?![^\[(]*[\])])")
 
 # dtypes as jaxprs print them (f32[64,256]), and the name --batch takes
 _SHORT_DTYPES = {
@@ -241,20 +242,9 @@ _SHORT_DTYPES = {
 }
 
 
-def _outside_brackets(text: str) -> list[str]:
-    """``text`` split at the commas outside ``[...]`` and ``(...)``."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        depth += (c in "[(") - (c in "])")
-        if c == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    return [*parts, text[start:]]
-
-
 def batch_arg(text: str) -> Any:
     """argparse type: ``int32[16,2048]`` or ``a=int32[16],b=bool[16]``: abstract arrays."""
-    parts = _outside_brackets(text)
+    parts = _BETWEEN.split(text)
     out: dict[str, Any] = {}
     for part in parts:
         m = _ARRAY.match(part)
