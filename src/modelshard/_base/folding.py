@@ -13,8 +13,7 @@ _NUMBER = re.compile(r"\d+")
 
 def template(path: str) -> tuple[str, tuple[str, ...]]:
     """``("layers_#/attn_#/w", ("3", "0"))``: the path with each run of digits taken out."""
-    numbers = tuple(_NUMBER.findall(path))
-    return (_NUMBER.sub("#", path) if numbers else path), numbers
+    return _NUMBER.sub("#", path), tuple(_NUMBER.findall(path))
 
 
 def format_numbers(values: Iterable[str]) -> str:

@@ -7,8 +7,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .text import escape_markup
-
 MIN_BYTES = 256 << 20
 """The smallest load or export that draws a bar (smaller ones finish before it helps)."""
 
@@ -44,6 +42,7 @@ def reporter(
         yield None
         return
     import rich.progress as rp
+    from rich.markup import escape
 
     columns = (
         rp.TextColumn("{task.description}"),
@@ -52,5 +51,5 @@ def reporter(
     )
     columns += (rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
     with rp.Progress(*columns, console=console) as bar:
-        task = bar.add_task(escape_markup(description), total=total)
+        task = bar.add_task(escape(description), total=total)  # shown literally
         yield lambda done, total: bar.update(task, completed=done, total=total)

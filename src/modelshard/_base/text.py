@@ -142,13 +142,6 @@ def literal(text: Any) -> Any:
     return Text(str(text))
 
 
-def escape_markup(text: Any) -> str:
-    """``text`` as ``rich`` markup that prints it literally (where a markup string is taken)."""
-    from rich.markup import escape
-
-    return escape(str(text))
-
-
 def close_match(name: str, choices: Iterable[str], cutoff: float = 0.75) -> str | None:
     """The one of ``choices`` that ``name`` is most likely a typo of, for "did you mean"."""
     got = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)

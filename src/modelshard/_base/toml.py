@@ -77,14 +77,12 @@ def check_keys(
 ) -> bool:
     """Add a problem for every key of ``table`` not ``allowed``; whether all were."""
     allowed = list(allowed)
-    ok = True
-    for k in table:
-        if k not in allowed:
-            at = f"{where}.{k}" if where else k
-            hint = "allowed: " + ", ".join(allowed)
-            problems.append(Problem(source, at, unknown_key(k, allowed, what), hint=hint))
-            ok = False
-    return ok
+    unknown = [k for k in table if k not in allowed]
+    for k in unknown:
+        at = f"{where}.{k}" if where else k
+        hint = "allowed: " + ", ".join(allowed)
+        problems.append(Problem(source, at, unknown_key(k, allowed, what), hint=hint))
+    return not unknown
 
 
 def flag(

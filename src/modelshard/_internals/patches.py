@@ -68,15 +68,8 @@ def wrap_build_kvstore_tspec(wrap: Wrap) -> Any:
     from . import orbax
 
     used_for = "s3:// checkpoints through TensorStore's s3 kvstore"
-    return _install(
-        orbax.tensorstore_utils,
-        "build_kvstore_tspec",
-        wrap,
-        ORBAX,
-        used_for,
-        "directory",
-        "use_ocdbt",
-    )
+    params = ("directory", "use_ocdbt")
+    return _install(orbax.tensorstore_utils, "build_kvstore_tspec", wrap, ORBAX, used_for, *params)
 
 
 # -- TensorStore
@@ -99,9 +92,8 @@ def wrap_linen_unbox(wrap: Wrap) -> Any:
     import flax.linen.spmd as linen_spmd
 
     used_for = "a flat param's box left unconstrained under modelshard's logical rules"
-    return _install(
-        linen_spmd.LogicallyPartitioned, "unbox", wrap, FLAX, used_for, "apply_constraint"
-    )
+    owner = linen_spmd.LogicallyPartitioned
+    return _install(owner, "unbox", wrap, FLAX, used_for, "apply_constraint")
 
 
 def wrap_linen_constraint(wrap: Wrap) -> Any:
