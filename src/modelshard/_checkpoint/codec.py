@@ -66,20 +66,15 @@ def stored_dtype(dtype: Any) -> str:
     return STORED_AS.get(dtype_name(dtype), dtype_name(dtype))
 
 
-@functools.cache
-def _tensorstore_has(name: str) -> bool:
+def storable(dtype: Any) -> bool:
+    """Whether a leaf of ``dtype`` can be stored: TensorStore has its stored dtype."""
     import tensorstore as ts
 
     try:
-        ts.dtype(name)
+        ts.dtype(stored_dtype(dtype))
     except ValueError:
         return False
     return True
-
-
-def storable(dtype: Any) -> bool:
-    """Whether a leaf of ``dtype`` can be stored: TensorStore has its stored dtype."""
-    return _tensorstore_has(stored_dtype(dtype))
 
 
 def logical_dtype(rec: Stored, cast: Any = None) -> Any:

@@ -67,33 +67,19 @@ def finish_all(why: str) -> None:
             _say(f"NOT SAVED ({why}): {msg}")
 
 
-def _main_frame_code() -> Any:
+def _install_monitoring() -> None:
+    mon = getattr(sys, "monitoring", None)
     main = sys.modules.get("__main__")
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    found = None
+    code = None  # the outermost frame of the main module's code
     while frame is not None:
         if (
             frame.f_code.co_name == "<module>"
             and main is not None
             and frame.f_globals is vars(main)
         ):
-            found = frame.f_code
+            code = frame.f_code
         frame = frame.f_back
-    return found
-
-
-def _on_main_end() -> None:
-    finish_all("the main module ended")
-    sig = stop_signal()
-    if _failed:
-        raise SystemExit(1)
-    if sig is not None:
-        raise SystemExit(128 + sig)
-
-
-def _install_monitoring() -> None:
-    mon = getattr(sys, "monitoring", None)
-    code = _main_frame_code()
     if mon is None or code is None:
         return
     tool = next((t for t in (4, 3) if mon.get_tool(t) is None), None)
@@ -104,7 +90,11 @@ def _install_monitoring() -> None:
 
     def on_return(c: Any, offset: int, value: Any) -> Any:
         if c is code:
-            _on_main_end()
+            finish_all("the main module ended")
+            if _failed:
+                raise SystemExit(1)
+            if _stop:
+                raise SystemExit(128 + _stop[0])
         return mon.DISABLE
 
     def on_unwind(c: Any, offset: int, exc: BaseException) -> Any:

@@ -1,13 +1,7 @@
-"""Named items saved beside the sharded state: configs, data iterator states, RNG keys.
-
-A [`CheckpointManager`][modelshard.CheckpointManager] step holds one small JSON document of
-named items, written inside the step (so it appears with the arrays or not at all). Each
-item is JSON, a data iterator with ``get_state()`` / ``set_state(state)`` (grain's; bytes
-states kept as base64) or a JAX PRNG key, typed or raw; all are checked before any byte of
-the step is written. Each JSON item is also written as Orbax's ``ocp.args.JsonSave`` writes
-it (``orbax_json_items``), for Orbax's own manager; a step Orbax wrote has its items that
-way only (``orbax_items``).
-"""
+"""Named items of a manager step (JSON, data iterator states, PRNG keys) in one JSON document
+inside the step, checked before any byte of it is written; each JSON item also as Orbax's
+``ocp.args.JsonSave`` writes it (``orbax_json_items``), the only way a step Orbax's own
+manager wrote has them (``orbax_items``)."""
 
 from __future__ import annotations
 

@@ -160,12 +160,11 @@ class Foreign:
         return f"{'complete' if self.complete else 'unfinished'}, Orbax"
 
     def to_json(self) -> list[Any]:
-        return [self.step, self.name, self.owner, self.complete, self.state]
+        return list(dataclasses.astuple(self))
 
     @classmethod
     def from_json(cls, doc: list[Any]) -> Foreign:
-        state = None if doc[4] is None else str(doc[4])
-        return cls(int(doc[0]), str(doc[1]), str(doc[2]), bool(doc[3]), state)
+        return cls(*doc)
 
 
 def foreign_steps(root: Any, complete: list[int] | None = None) -> list[Foreign]:

@@ -1,9 +1,6 @@
-"""``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints.
-
-Each step is written by ``step_writer`` (an asynchronous one on the manager's own thread).
-Under several processes every decision that depends on storage is made by process 0 and
-broadcast, and every process enters every wait in one order.
-"""
+"""``CheckpointManager``: numbered, rotating, optionally asynchronous checkpoints. Under
+several processes process 0 makes every decision that depends on storage and broadcasts it,
+and every process enters every wait in one order."""
 
 from __future__ import annotations
 
@@ -164,7 +161,8 @@ class CheckpointManager:
         self._closed = False
         self._foreign: list[Foreign] | None = None  # as process 0 last listed them
         self._purge_rotated()
-        self._warn_foreign()
+        if self._primary():
+            warn_foreign(self.directory, stacklevel=3)
         guard.watch(self, handle_signals=handle_signals)
 
     # -- what the exit guard needs ---------------------------------------------------------
@@ -208,16 +206,6 @@ class CheckpointManager:
     def _adopted(self, step: int) -> Foreign | None:
         """Orbax's step ``step`` the manager restores, as process 0 last listed it, or None."""
         return next((f for f in self._foreign or () if f.step == step and f.restorable), None)
-
-    def _foreign_at(self, step: int) -> list[Foreign]:
-        """Another tool's entries numbered ``step``, as process 0 last listed them."""
-        if self._foreign is None:
-            self._agreed_steps()
-        return [f for f in self._foreign or () if f.step == step]
-
-    def _warn_foreign(self) -> None:
-        if self._primary():
-            warn_foreign(self.directory, stacklevel=4)
 
     def _purge_rotated(self) -> None:
         """Process 0 deletes the steps rotation moved aside (``removal.purge_rotated``)."""
@@ -352,7 +340,9 @@ class CheckpointManager:
             return False
         if not (self.reached_preemption(step) or step % self.save_interval_steps == 0):
             return False
-        return not self._foreign_at(step)
+        if self._foreign is None:
+            self._agreed_steps()
+        return not any(f.step == step for f in self._foreign or ())
 
     def save(
         self,

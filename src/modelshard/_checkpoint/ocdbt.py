@@ -1,13 +1,8 @@
-"""Orbax's layout of a checkpoint, built without importing Orbax: the one module that knows
-it, on a local disk and on object storage alike.
-
-A checkpoint is Orbax's own format: zarr v2 arrays in an OCDBT database per writing process
-(``ocdbt.process_<i>/``), merged into the root's once all are written, beside Orbax's
-metadata files. Each JSON file and TensorStore spec built here equals Orbax's own
-(``tests/checkpoint/test_ocdbt.py`` compares them), so Orbax's import (a fresh process's
-slowest) is left to checkpoints it alone can read. Where the arrays live is a TensorStore
-kvstore, ``urls.kvstore``'s (a local directory may be given as its path).
-"""
+"""Orbax's layout of a checkpoint, built without importing Orbax (a fresh process's slowest
+import, left to checkpoints only it can read): zarr v2 arrays in an OCDBT database per
+writing process (``ocdbt.process_<i>/``), merged into the root's once all are written, beside
+Orbax's metadata files; each JSON file and TensorStore spec equals Orbax's own
+(``tests/checkpoint/test_ocdbt.py`` compares them)."""
 
 from __future__ import annotations
 

@@ -52,12 +52,6 @@ def _orbax() -> str:
     return f"orbax-checkpoint {version('orbax-checkpoint')}"
 
 
-def _tsu() -> Any:
-    from .._internals import tensorstore_utils
-
-    return tensorstore_utils
-
-
 def _base_driver(spec: Any) -> Any:
     """The driver of the innermost kvstore of a spec from ``build_kvstore_tspec``."""
     while isinstance(spec, dict) and isinstance(spec.get("base"), dict):
@@ -68,7 +62,10 @@ def _base_driver(spec: Any) -> Any:
 def orbax_handles_s3(build: Any = None) -> bool:
     """Whether Orbax's ``build_kvstore_tspec`` (or ``build``) gives an ``s3`` kvstore for
     an ``s3://`` directory, with OCDBT and without."""
-    build = build or _state.get("original") or _tsu().build_kvstore_tspec
+    if build is None:
+        from .._internals import tensorstore_utils
+
+        build = _state.get("original") or tensorstore_utils.build_kvstore_tspec
     try:
         return all(_base_driver(build(_PROBE, use_ocdbt=o)) == "s3" for o in (True, False))
     except Exception:  # Orbax 0.12.8: ValueError "Checkpoint path should be absolute"
