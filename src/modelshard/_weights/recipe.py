@@ -162,10 +162,8 @@ class Permuted(_OneChild):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         index = norm_index(index, self.shape)
-        inner = [slice(None)] * len(self.perm)
-        for j, p in enumerate(self.perm):
-            inner[p] = index[j]
-        return self.child.read(tuple(inner), fetch).transpose(self.perm)
+        inner = tuple(index[self.perm.index(p)] for p in range(len(self.perm)))
+        return self.child.read(inner, fetch).transpose(self.perm)
 
     def describe(self) -> str:
         return f"transpose{self.perm} of {self.child.describe()}"
@@ -320,10 +318,9 @@ class Stacked(_Children):
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
         index = norm_index(index, self.shape)
-        lo, hi = index[self.axis].start, index[self.axis].stop
         rest = index[: self.axis] + index[self.axis + 1 :]
         out = host_empty([s.stop - s.start for s in index], self.dtype)
-        for i, c in enumerate(self.children[lo:hi]):
+        for i, c in enumerate(self.children[index[self.axis]]):
             c.read_into(rest, fetch, out[(slice(None),) * self.axis + (i,)])
         return out
 
@@ -348,17 +345,15 @@ class Joined(_Children):
         parts, start = [], 0
         for c in self.children:
             a, b = max(lo, start), min(hi, start + c.shape[ax])
-            if a < b:
-                parts.append((c, (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])))
+            if a < b:  # the child's part, and where it goes in the block
+                sub = (*index[:ax], slice(a - start, b - start), *index[ax + 1 :])
+                parts.append((c, sub, slice(a - lo, b - lo)))
             start += c.shape[ax]
         if len(parts) == 1:
             return parts[0][0].read(parts[0][1], fetch)
         out = host_empty([s.stop - s.start for s in index], self.dtype)
-        at = 0
-        for c, sub in parts:
-            n = sub[ax].stop - sub[ax].start
-            c.read_into(sub, fetch, out[(slice(None),) * ax + (slice(at, at + n),)])
-            at += n
+        for c, sub, at in parts:
+            c.read_into(sub, fetch, out[(slice(None),) * ax + (at,)])
         return out
 
 
@@ -425,15 +420,13 @@ class Arith(_OneChild):
         self.dtype = self.child.dtype
 
     def read(self, index: Index | None, fetch: Fetch) -> np.ndarray:
-        x = self.child.read(index, fetch)
         wide = np.promote_types(np.dtype(self.dtype), np.float32)
-        out = host_empty(x.shape, wide)
-        copy_tiled(out, x, casting="unsafe")
-        with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
+        out = Cast(self.child, wide).read(index, fetch)
+        with np.errstate(all="ignore"):
             _UFUNCS[self.op](out, np.asarray(self.value, wide), out=out)
         if wide == self.dtype:
             return out
-        narrow = host_empty(x.shape, self.dtype)
+        narrow = host_empty(out.shape, self.dtype)
         np.copyto(narrow, out, casting="unsafe")
         return narrow
 
@@ -541,10 +534,8 @@ def needed_specs(node: Node, spec: Spec, out: dict[str, list[Spec]]) -> None:
     elif isinstance(node, Cast | Arith):
         needed_specs(node.child, spec, out)
     elif isinstance(node, Permuted):
-        inner: list[Any] = [None] * len(node.perm)
-        for j, p in enumerate(node.perm):
-            inner[p] = spec[j]
-        needed_specs(node.child, tuple(inner), out)
+        inner = tuple(spec[node.perm.index(p)] for p in range(len(node.perm)))
+        needed_specs(node.child, inner, out)
     elif isinstance(node, Take):
         needed_specs(node.child, (*spec[: node.axis], None, *spec[node.axis :]), out)
     elif isinstance(node, Slice | Joined):
