@@ -64,9 +64,7 @@ class Suggestion:
         """The rules file for argument ``arg`` (default: the only one that changed)."""
         if not self.rules:
             return None
-        if arg is None:
-            arg = next(iter(self.rules))
-        return self.rules[arg].to_toml()
+        return self.rules[next(iter(self.rules)) if arg is None else arg].to_toml()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,16 +124,13 @@ class FitAdvice:
         """
         if self.fits:
             return
-        m = self.memory
-        if self.best is not None:
-            hint = (
-                f"the smallest change that fits ({format_bytes(self.best.memory.total)} per "
-                f"device, checked by compiling): {self.best.description}"
-                if self.best.memory is not None
-                else self.best.description
-            )
-        else:
-            hint = "no change tried fits: shard over a larger mesh, or train a smaller model"
+        m, best = self.memory, self.best
+        hint = "no change tried fits: shard over a larger mesh, or train a smaller model"
+        if best is not None:
+            hint = best.description
+        if best is not None and best.memory is not None:
+            hint = f"the smallest change that fits ({format_bytes(best.memory.total)} per "
+            hint += f"device, checked by compiling): {best.description}"
         what = f"the step needs {format_bytes(m.total)} per device > budget "
         what += f"{format_bytes(self.budget)} (largest: {largest(m)})"
         cause = "bytes per device > budget"
@@ -327,9 +322,7 @@ def _in_specs(c: Compiler, plan: Any, specs: list[PartitionSpec]) -> tuple[Any, 
     for i, a in enumerate(plan.args):
         mine = specs[at : at + len(a.leaves)]
         at += len(a.leaves)
-        if all(
-            norm_spec(s) == norm_spec(leaf.spec) for s, leaf in zip(mine, a.leaves, strict=True)
-        ):
+        if list(map(norm_spec, mine)) == [norm_spec(leaf.spec) for leaf in a.leaves]:
             continue
         r = rules_for([leaf.path for leaf in a.leaves], mine, [leaf.shape for leaf in a.leaves])
         rules[a.name] = r

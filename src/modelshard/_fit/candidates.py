@@ -108,18 +108,13 @@ def rebuild(value: Any, fn: Callable[[str, Any], Any]) -> Any:
 def cast_outputs(step: Callable[..., Any], paths: set[str], dtype: Any) -> Callable[..., Any]:
     """``step`` with its outputs at ``paths`` in ``dtype``, as a narrower optimizer writes them."""
 
+    def cast(p: str, x: Any) -> Any:
+        hit = any(p == q or p.endswith("/" + q) for q in paths)
+        return x.astype(dtype) if hit and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x
+
     @functools.wraps(step)
     def narrowed(*a: Any, **k: Any) -> Any:
-        out = step(*a, **k)
-        return rebuild(
-            out,
-            lambda p, x: (
-                x.astype(dtype)
-                if any(p == q or p.endswith("/" + q) for q in paths)
-                and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-                else x
-            ),
-        )
+        return rebuild(step(*a, **k), cast)
 
     return narrowed
 

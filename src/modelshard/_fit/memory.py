@@ -132,16 +132,11 @@ class StepMemory:
 
     def summary(self) -> str:
         """One line: total per device, the largest parts, the mesh and compile time."""
-        parts = largest(self)
-        source = (
-            "XLA peak"
-            if self.peak is not None
-            else "XLA argument+output+temp-alias"
-            if self.refused is None
-            else "estimated: XLA refused it, more than the device holds"
-        )
+        source = "XLA peak" if self.peak is not None else "XLA argument+output+temp-alias"
+        if self.peak is None and self.refused is not None:
+            source = "estimated: XLA refused it, more than the device holds"
         return (
-            f"step: {format_bytes(self.total)} per device ({source}; {parts}) on mesh "
+            f"step: {format_bytes(self.total)} per device ({source}; {largest(self)}) on mesh "
             f"({format_mesh(self.mesh)}), {self.platform}, compiled in "
             f"{self.compile_seconds:.1f}s"
         )

@@ -186,20 +186,14 @@ def unmatched_key(
     if info.names is not None:
         return (id(s), "metadata", info.names, info.box, shape)
     if s.strict:
-        ctx.problem(
-            arg,
-            info.path,
-            leaf,
-            "no rule matches this leaf",
-            hint=(
-                f"add a rule whose pattern matches {info.path!r}, a catch-all "
-                "(r'.*', P()), or use Rules(..., strict=False) to replicate unmatched leaves"
-                if s.file is None and vocabulary() == "python"
-                else f"add to {s.file or 'the rules file'} a [[rules]] table whose pattern "
-                f"matches {info.path!r}, a catch-all last (pattern = '.*', spec = []), or "
-                "strict = false to replicate unmatched leaves"
-            ),
-        )
+        if s.file is None and vocabulary() == "python":
+            hint = f"add a rule whose pattern matches {info.path!r}, a catch-all (r'.*', P()), "
+            hint += "or use Rules(..., strict=False) to replicate unmatched leaves"
+        else:
+            hint = f"add to {s.file or 'the rules file'} a [[rules]] table whose pattern matches "
+            hint += f"{info.path!r}, a catch-all last (pattern = '.*', spec = []), or strict = "
+            hint += "false to replicate unmatched leaves"
+        ctx.problem(arg, info.path, leaf, "no rule matches this leaf", hint=hint)
         return None
     return (id(s), "unmatched")
 
