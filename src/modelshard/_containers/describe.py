@@ -85,7 +85,12 @@ def _box_names(x: Any) -> tuple[Any, ...] | None:
         names = next((n for k in keys if (n := _metadata(x, k)) is not None), None)
         rules = _metadata(x, "sharding_rules")
         if rules and isinstance(names, tuple | list):
-            return with_sharding_rules(tuple(names), rules)
+            try:  # the Variable's own sharding_rules, applied as Flax applies them
+                table = {alias: on_mesh for alias, on_mesh in rules}
+            except (TypeError, ValueError):  # not pairs: Flax could not use them either
+                return tuple(names)
+            targets = [table.get(n, n) if isinstance(n, str) else n for n in names]
+            return tuple(tuple(t) if isinstance(t, list) else t for t in targets)
     if names is None or not isinstance(names, tuple | list):
         return None
     return tuple(names)
@@ -252,16 +257,6 @@ def children_of(node: Any) -> dict[str, Any]:
     if len(items) == 1 and not items[0][0] and items[0][1] is node:
         return {}
     return {format_path(k): v for k, v in items}
-
-
-def with_sharding_rules(names: tuple[Any, ...], sharding_rules: Any) -> tuple[Any, ...]:
-    """An NNX Variable's axis names after its own ``sharding_rules``, as Flax applies them."""
-    try:
-        table = {alias: on_mesh for alias, on_mesh in sharding_rules}
-    except (TypeError, ValueError):  # not pairs: Flax could not use them either
-        return names
-    targets = [table.get(n, n) if isinstance(n, str) else n for n in names]
-    return tuple(tuple(t) if isinstance(t, list) else t for t in targets)
 
 
 # The registered container types split by their own adapter wherever they appear (the

@@ -48,8 +48,7 @@ def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hash
     if not holds_nested(leaves):
         return adapter, leaves, aux
     nested = nested_adapter(adapter)
-    leaves, aux = nested.nest(leaves, aux)
-    return nested, leaves, aux
+    return nested, *nested.nest(leaves, aux)
 
 
 _NESTED: dict[Adapter, NestedAdapter] = {}
@@ -58,12 +57,9 @@ _NESTED: dict[Adapter, NestedAdapter] = {}
 def nested_adapter(outer: Adapter) -> NestedAdapter:
     """The ``NestedAdapter`` over ``outer``, one per adapter: cache keys compare it by identity."""
     try:
-        hit = _NESTED.get(outer)
+        return _NESTED.setdefault(outer, NestedAdapter(outer))
     except TypeError:  # an unhashable user adapter
         return NestedAdapter(outer)
-    if hit is None:
-        hit = _NESTED[outer] = NestedAdapter(outer)
-    return hit
 
 
 class Inner(NamedTuple):

@@ -127,9 +127,7 @@ class Snapshot:
 
     def values(self) -> list[Any] | None:
         """The Variables' values in ``nnx.split`` order while ``holds`` and all are arrays."""
-        if not self.holds():
-            return None
-        return _array_values(self.variables)
+        return _array_values(self.variables) if self.holds() else None
 
     def call(self) -> CallLeaves | None:
         """This call's leaves; the ``LeafOrder`` is the cheap cache key."""

@@ -10,6 +10,7 @@ import jax
 
 from .adapter_base import Adapter
 from .describe import LeafInfo, describe_pytree, nested_leaf
+from .pytree import PytreeAdapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +80,11 @@ def named_array_names(x: Any) -> tuple[Any, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class NamedArrayAdapter(Adapter):
+class NamedArrayAdapter(PytreeAdapter):
     """``pz.nx.NamedArray`` and ``NamedArrayView``: one leaf, its data, named by its axes."""
 
     kind: str = "penzai.NamedArray"
-
-    def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return jax.tree_util.tree_flatten(obj)
-
-    def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
+    follows_pytree = False  # one leaf named by its axes, not JAX's paths
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return [LeafInfo("", named_array_names(obj), type(obj).__name__)]

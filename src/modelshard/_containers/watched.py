@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import itertools
 import threading
 from typing import Any
@@ -72,9 +73,6 @@ def watch(dicts: list[Any]) -> bool:
     return True
 
 
-_attributes: list[bool] = []
-
-
 class _Probe:
     def __init__(self) -> None:
         self.a = 1
@@ -85,14 +83,9 @@ class _ProbeSlot(_Probe):
         object.__setattr__(self, name, value)
 
 
+@functools.cache
 def watches_attributes() -> bool:
     """Whether changing an attribute moves ``generation`` once its ``vars()`` dict is watched."""
-    if not _attributes:
-        _attributes.append(_probe_attributes())
-    return _attributes[0]
-
-
-def _probe_attributes() -> bool:
     for cls in (_Probe, _ProbeSlot):
         x = cls()
         if not watch([vars(x)]):
