@@ -227,10 +227,15 @@ class Checksums(Generic[K]):
     def add_blocks(self, key: K, shape: Sequence[int], blocks: Sequence[tuple[Any, Any]]) -> None:
         """Start the checksum under ``key`` of a leaf of ``shape`` from ``blocks``, this
         process's ``(data, origin)`` of it, each box counted by one process only."""
-        self._parts[key] = [
-            host_workers().submit(lambda d=data, o=origin: box_sums(np.asarray(d), o, shape))
-            for data, origin in blocks
-        ]
+        for data, origin in blocks:
+            self.add_block(key, shape, data, origin)
+
+    def add_block(self, key: K, shape: Sequence[int], data: Any, origin: Any) -> Future[Any]:
+        """Start summing one more block of ``key`` (a leaf of ``shape``): ``data`` at
+        ``origin``. The future holds ``data`` until it is summed."""
+        f = host_workers().submit(lambda: box_sums(np.asarray(data), origin, shape))
+        self._parts.setdefault(key, []).append(f)
+        return f
 
     def collect(self, arrays: Mapping[K, Any] | None = None) -> dict[K, str]:
         """Every key's checksum in ``like``'s order; keys never added are summed from

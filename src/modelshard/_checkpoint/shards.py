@@ -1,15 +1,16 @@
-"""A state's arrays written shard by shard through ``ocdbt``'s specs: ``save`` and a
-manager step's ``state`` item, the same files ``stream.py`` writes for ``reshard``.
+"""The one writer of a checkpoint's arrays, through ``ocdbt``'s specs: ``save``, a manager
+step's ``state`` item, and ``reshard``/``convert`` (``stream.py``) all write with it.
 
 ``take`` copies each process's shards off their devices (the first replica of each, so every
-shard is written once), ``write_held`` writes them into the process's OCDBT database
-(``ocdbt.process_<i>``) in the chunks ``chunks.aligned_chunks`` gives, and ``finish_tree``
-writes Orbax's metadata files and merges the databases once every process is done. Orbax is
-not imported: the files are Orbax's format, built by ``ocdbt.py``, and plain Orbax reads them.
+shard is written once); a ``BlockWriter`` writes blocks into the process's OCDBT database
+(``ocdbt.process_<i>``); ``write_tree`` runs every process's part, then process 0 writes
+Orbax's metadata files and merges the databases (``finish_tree``). Orbax is not imported:
+the files are Orbax's format, built by ``ocdbt.py``, and plain Orbax reads them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -119,67 +120,101 @@ def settle(futures: Sequence[Any]) -> None:
             f.result()
 
 
-def _write_blocks(directory: Any, process: int, held: Sequence[Held], compress: bool) -> None:
-    """Write ``held``'s blocks into the database of ``process`` under ``directory``."""
-    import tensorstore as ts
+class BlockWriter:
+    """Blocks written into this process's OCDBT database under ``directory``: every array of
+    ``held`` created at once (OCDBT commits the creations together), then ``write`` a block
+    at a time, at most ``window`` writes in flight. On leaving, every write has ended (none
+    may land in a staging directory the caller removes next) and, on success, a local
+    database is synced once, whole (not at each commit: TensorStore's sync is off)."""
 
-    mine = [h for h in held if h.blocks]
-    if not mine:
-        return
-    # Files are synced once, whole, below: TensorStore would sync each commit's own.
-    local = not is_remote(directory)
-    ctx = context(sync=False)
-    tree = kvstore(directory)
-    opening = [
-        ts.open(
-            write_spec(
-                tree,
-                orbax_name(h.key),
-                shape=h.shape,
-                chunk=h.chunk,
-                dtype=h.dtype,
-                process=process,
-                compress=compress,
-            ),
-            create=True,
-            context=ctx,
+    def __init__(
+        self, directory: Any, held: Sequence[Held], *, compress: bool, window: int | None = None
+    ) -> None:
+        import tensorstore as ts
+
+        process = jax.process_index()
+        self.local_dir = (
+            None if is_remote(directory) else str(directory / f"ocdbt.process_{process}")
         )
-        for h in mine
-    ]
-    writes: list[Any] = []
+        self._window = window
+        tree, ctx = kvstore(directory), context(sync=False)
+        self._opening = [
+            ts.open(
+                write_spec(
+                    tree,
+                    orbax_name(h.key),
+                    shape=h.shape,
+                    chunk=h.chunk,
+                    dtype=h.dtype,
+                    process=process,
+                    compress=compress,
+                ),
+                create=True,
+                context=ctx,
+            )
+            for h in held
+        ]
+        self._writes: collections.deque[Any] = collections.deque()
+
+    def write(self, i: int, box: tuple[slice, ...], data: Any) -> None:
+        """Start writing ``data`` into the box ``box`` of the ``i``-th array."""
+        while self._window is not None and len(self._writes) >= self._window:
+            self._writes.popleft().result()
+        self._writes.append(self._opening[i].result()[box].write(np.asarray(data)))
+
+    def drain(self) -> None:
+        """Wait for every write started."""
+        while self._writes:
+            self._writes.popleft().result()
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        try:
+            if kind is None:
+                self.drain()
+        finally:
+            settle([*self._opening, *self._writes])
+        if kind is None and self.local_dir is not None and self._opening:
+            sync_tree(self.local_dir)
+
+
+def write_tree(
+    directory: Any, arrays: Sequence[Held], write_mine: Callable[[], None], *, name: str
+) -> None:
+    """Every process ``write_mine``s its blocks of ``arrays`` into ``directory``, then process
+    0 finishes Orbax's PyTree checkpoint marked as modelshard's (``finish_tree``); the record
+    is left to the caller. A part failing on any process raises one error on every process
+    (exchange ``{name}:arrays``)."""
+    start_ns = time.time_ns()
+    failure: Exception | None = None
     try:
-        for h, f in zip(mine, opening, strict=True):
-            store = f.result()
-            writes.extend(store[box].write(np.asarray(data)) for box, data in h.blocks)
-        for w in writes:
-            w.result()
-    finally:
-        # On the way out with an error, writes in flight end first: none may land in a
-        # staging directory after the caller has removed it.
-        settle([*opening, *writes])
-    if local:
-        sync_tree(str(directory / f"ocdbt.process_{process}"))
+        directory.mkdir(parents=True, exist_ok=True)
+        write_mine()
+        process = jax.process_index()
+        write_array_list(directory, process, [(orbax_name(h.key), h.chunk) for h in arrays])
+    except Exception as e:
+        if jax.process_count() == 1:
+            raise
+        failure = e
+    raise_shared(failure, f"{name}:arrays", f"writing {directory}")
+    finish_tree(directory, [(h.key, h.chunk, h.sharding) for h in arrays], start_ns)
 
 
 def write_held(
     directory: Any, held: Sequence[Held], *, compress: bool, name: str = "modelshard:save"
 ) -> None:
-    """Write ``held`` (every process its own blocks) into ``directory`` as Orbax's PyTree
-    checkpoint marked as modelshard's (``finish_tree``); the record is left to the caller.
-    A part failing on any process raises one error on every process (exchange ``name``)."""
-    start_ns = time.time_ns()
-    process, count = jax.process_index(), jax.process_count()
-    failure: Exception | None = None
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_blocks(directory, process, held, compress)
-        write_array_list(directory, process, [(orbax_name(h.key), h.chunk) for h in held])
-    except Exception as e:
-        if count == 1:
-            raise
-        failure = e
-    raise_shared(failure, f"{name}:arrays", f"writing {directory}")
-    finish_tree(directory, [(h.key, h.chunk, h.sharding) for h in held], start_ns)
+    """Write ``held`` (every process its own blocks) into ``directory`` (``write_tree``)."""
+
+    def write_mine() -> None:
+        mine = [h for h in held if h.blocks]
+        with BlockWriter(directory, mine, compress=compress) as writer:
+            for i, h in enumerate(mine):
+                for box, data in h.blocks:
+                    writer.write(i, box, data)
+
+    write_tree(directory, held, write_mine, name=name)
 
 
 def write_and_commit(

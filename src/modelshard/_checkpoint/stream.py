@@ -1,26 +1,19 @@
-"""Writing a checkpoint from a stream of leaves, a slab at a time, through TensorStore.
+"""Writing a checkpoint from a stream of leaves, a slab at a time (``reshard``, ``convert``).
 
-``write_stream`` is what ``reshard`` (and ``modelshard convert``) write with. Each leaf comes
-as a `StreamLeaf` (its path, shape, dtype, spec and a function that reads any box of it) and
-is copied one slab at a time (laid out by ``slabs.py``), the next slab read while the last is
-written, so host memory stays near a few slabs however large a leaf is. Nothing is placed on
-the mesh's devices. The result is the checkpoint ``save`` writes, Orbax's format through
-``ocdbt.py``'s specs; each process's store is synced once, whole, after its last slab.
-
-Checksums are summed slab by slab on the host workers; a leaf given an expected checksum
-(``reshard`` passes the source's) is verified, and every mismatch is reported before
-anything is published. Under several processes each writes a share of the leaves, and
-process 0 the metadata and the record once all are done.
+Each leaf comes as a `StreamLeaf` (its path, shape, dtype, spec and a function that reads any
+box of it) and is copied one slab at a time (laid out by ``slabs.py``) through the writer
+``save`` uses (``shards.BlockWriter``), the next slab read while the last is written, so host
+memory stays near a few slabs however large a leaf is. Nothing is placed on the mesh's
+devices. Checksums are summed slab by slab on the host workers; a leaf given an expected
+checksum (``reshard`` passes the source's) is verified, every mismatch reported before
+anything is published. Under several processes each writes a share of the leaves.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import math
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -28,25 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._base import CheckpointError, EarlySync, assign, dtype_name, sync_tree
-from .._runtime import barrier, raise_shared
-from .checksum import box_sums, checksum_mismatch_message, format_sums, host_workers
+from .._base import CheckpointError, EarlySync, assign, dtype_name
+from .checksum import Checksums, checksum_mismatch_message
 from .codec import bitcast, encode, is_empty, parse_dtype
-from .ocdbt import context, write_array_list, write_spec
 from .reader import read_failure, unreadable
 from .record import Record, ValueRecord, mesh_json, versions
-from .shards import finish_tree, settle
-from .slabs import (
-    Layout,
-    StreamLeaf,
-    bits_view,
-    carried,
-    lay_out,
-    logical_dtype,
-    slabs,
-)
-from .storage import PART_FILE, check_names, nest, orbax_name
-from .urls import is_remote, kvstore, location
+from .shards import BlockWriter, Held, write_tree
+from .slabs import Layout, StreamLeaf, bits_view, carried, lay_out, logical_dtype, slabs
+from .storage import check_names, nest
+from .urls import location
 from .write import check_compression, write_checkpoint
 
 DEFAULT_SLAB_BYTES = 16 << 20
@@ -57,24 +40,6 @@ WRITES_IN_FLIGHT = 3
 
 READS_AHEAD = 2
 """Slabs read ahead of the one in hand, each on a reader thread (six held at most in all)."""
-
-
-class _Sums:
-    """The running checksum of one array, summed slab by slab on the host workers."""
-
-    def __init__(self) -> None:
-        self.parts: list[Any] = []  # futures of (s1, s2), then the pairs themselves
-
-    def add(self, x: Any, origin: Sequence[int], shape: Sequence[int]) -> None:
-        """Start the sums of ``x``, the box at ``origin`` (two slabs at most in flight:
-        each holds its slab's bytes)."""
-        if len(self.parts) >= 2:
-            self.parts[-2] = self.parts[-2].result()
-        self.parts.append(host_workers().submit(box_sums, np.asarray(x), origin, shape))
-
-    def value(self) -> str:
-        both = [p if isinstance(p, tuple) else p.result() for p in self.parts]
-        return format_sums(sum(a for a, _ in both), sum(b for _, b in both))
 
 
 def _as_array(x: Any, lay: Layout, box: tuple[slice, ...]) -> np.ndarray:
@@ -91,141 +56,86 @@ def _as_array(x: Any, lay: Layout, box: tuple[slice, ...]) -> np.ndarray:
     return a
 
 
-@dataclasses.dataclass
-class _Open:
-    """A leaf being copied: its destination store and running checksums."""
-
-    store: Any
-    read_sums: _Sums
-    out_sums: _Sums
-
-
 def _copy_all(
     layouts: Sequence[Layout],
-    directory: Any,
-    process: int,
-    device: Any,
+    writer: BlockWriter,
     progress: Callable[[int], None],
-    compress: bool,
-    source: str = "",
-) -> dict[str, tuple[str, str | None]]:
-    """Write ``layouts`` slab by slab, the next slabs read while one is written; per path, the
-    checksum of what was stored and, where ``expect`` is set, of what was read (else None).
-    Copying a checkpoint (``source``), a failed read raises once every other leaf is copied,
-    naming every leaf that could not be read (``reader.unreadable``)."""
-    import tensorstore as ts
-
-    # Not TensorStore's sync at each commit (a slab's write): locally, a commit's files are
-    # synced on a thread of their own (``EarlySync``), the store whole at the end.
-    local = not is_remote(directory)
-    ctx = context(sync=False)
-    tree = kvstore(directory)
+    source: str,
+    read_sums: Checksums[str],
+    out_sums: Checksums[str],
+) -> None:
+    """Write ``layouts`` (``writer``'s arrays, in order) slab by slab, the next slabs read
+    while one is written, summing what was read into ``read_sums`` (where ``expect`` is set)
+    and what was stored into ``out_sums`` (where it differs or nothing was read). Copying a
+    checkpoint (``source``), a failed read raises once every other leaf is copied, naming
+    every leaf that could not be read (``reader.unreadable``)."""
     tasks = [
-        (lay, box, i == len(boxes) - 1)
-        for lay in layouts
+        (i, lay, box, k == len(boxes) - 1)
+        for i, lay in enumerate(layouts)
         for boxes in [list(slabs(lay))]
-        for i, box in enumerate(boxes)
+        for k, box in enumerate(boxes)
     ]
-    out: dict[str, tuple[str, str | None]] = {}
-    # every array created at once, before any write: OCDBT commits the creations together
-    opening: list[Any] = []
-    store_dir = str(directory / f"ocdbt.process_{process}")
-    writing: collections.deque[tuple[Any, Any]] = collections.deque()  # (future, store)
-    try:
-        for lay in layouts:
-            spec = write_spec(
-                tree,
-                orbax_name(lay.rec.key),
-                shape=lay.rec.stored_shape,
-                chunk=lay.chunk,
-                dtype=parse_dtype(lay.rec.stored_dtype),
-                process=process,
-                compress=compress,
-            )
-            opening.append(ts.open(spec, create=True, context=ctx))
-        with (
-            ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
-            EarlySync(store_dir if local else None) as early,
-        ):
-            opened = {
-                lay.leaf.path: _Open(f.result(), _Sums(), _Sums())
-                for lay, f in zip(layouts, opening, strict=True)
-            }
-            reads: dict[int, Any] = {}
-            started = -1  # the last task whose read is started
+    device = jax.local_devices()[0]
+    summing: collections.deque[Any] = collections.deque()  # each holds its slab's bytes
+    failed: dict[str, Exception] = {}
+    with (
+        ThreadPoolExecutor(READS_AHEAD, thread_name_prefix="modelshard-read") as pool,
+        EarlySync(writer.local_dir) as early,
+    ):
+        reads: dict[int, Any] = {}
+        started = -1  # the last task whose read is started
 
-            def read_ahead(current: int) -> None:
-                """Start the reads of the tasks up to ``READS_AHEAD`` past ``current``, none
-                past a big slab from ``current`` on (one is read alone and written first)."""
-                nonlocal started
-                while started + 1 < len(tasks) and started + 1 <= current + READS_AHEAD:
-                    j = started + 1
-                    if any(tasks[k][0].big for k in range(current, j)):
-                        break
-                    reads[j] = pool.submit(tasks[j][0].leaf.read, tasks[j][1])
-                    started = j
+        def read_ahead(current: int) -> None:
+            """Start the reads of the tasks up to ``READS_AHEAD`` past ``current``, none
+            past a big slab from ``current`` on (one is read alone and written first)."""
+            nonlocal started
+            while started + 1 < len(tasks) and started + 1 <= current + READS_AHEAD:
+                j = started + 1
+                if any(tasks[k][1].big for k in range(current, j)):
+                    break
+                reads[j] = pool.submit(tasks[j][1].leaf.read, tasks[j][2])
+                started = j
 
-            read_ahead(0)
-            failed: dict[str, Exception] = {}
-            for i, (lay, box, last) in enumerate(tasks):
-                leaf = lay.leaf
-                got_read = None
-                try:
-                    got_read = reads.pop(i).result() if leaf.path not in failed else None
-                except Exception as e:
-                    if not source:
-                        raise
-                    failed[leaf.path] = e
-                if leaf.path in failed:  # the rest of this leaf is skipped
-                    read_ahead(i + 1 if lay.big else i)
-                    if last:
-                        del opened[leaf.path]
-                    continue
-                host = _as_array(got_read, lay, box)
-                read_ahead(i)
-                here = opened[leaf.path]
-                shape = lay.rec.stored_shape
-                origin = [b.start for b in box]
-                bits = bits_view(host, lay)
-                x = bits if lay.cast is None else jax.device_put(bits, device)
-                if leaf.expect is not None:
-                    here.read_sums.add(bits, origin, shape)
-                if lay.cast is not None:
-                    data = np.asarray(encode(bitcast(x, logical_dtype(leaf)).astype(lay.cast)))
-                    here.out_sums.add(data, origin, shape)
-                else:
-                    if leaf.expect is None and not carried(lay):
-                        here.out_sums.add(bits, origin, shape)
-                    data = bits
-                while len(writing) >= WRITES_IN_FLIGHT:
-                    writing.popleft()[0].result()
-                writing.append((here.store[box].write(data), here.store))
-                progress(host.size * lay.src_dtype.itemsize)
-                del x, host, bits, data
-                if lay.big:  # one block at a time: its write is done before the next read
-                    while writing:
-                        writing.popleft()[0].result()
-                    read_ahead(i + 1)
-                if last:
-                    del opened[leaf.path]
-                    got = here.read_sums.value() if leaf.expect is not None else None
-                    separate = lay.cast is not None or leaf.expect is None
-                    stored = here.out_sums.value() if separate else str(got)
-                    out[leaf.path] = (str(leaf.carry) if carried(lay) else stored, got)
-                    if i + 1 < len(tasks):  # the last leaf's files: sync_tree's, just below
-                        early.kick()
-            while writing:
-                writing.popleft()[0].result()
-    finally:
-        # none may land in the staging directory after the caller has removed it
-        settle([*opening, *(f for f, _ in writing)])
-    if failed:
-        if len(failed) == 1:
-            raise next(iter(failed.values()))
-        raise unreadable(source, [(p, read_failure(e.__cause__ or e)) for p, e in failed.items()])
-    if local and layouts:
-        sync_tree(store_dir)
-    return out
+        read_ahead(0)
+        for t, (i, lay, box, last) in enumerate(tasks):
+            leaf, key, shape = lay.leaf, lay.rec.path, lay.rec.stored_shape
+            got_read = None
+            try:
+                got_read = reads.pop(t).result() if leaf.path not in failed else None
+            except Exception as e:
+                if not source:
+                    raise
+                failed[leaf.path] = e
+            if leaf.path in failed:  # the rest of this leaf is skipped
+                read_ahead(t + 1 if lay.big else t)
+                continue
+            host = _as_array(got_read, lay, box)
+            read_ahead(t)
+            origin = [b.start for b in box]
+            data = bits = bits_view(host, lay)
+            if leaf.expect is not None:
+                summing.append(read_sums.add_block(key, shape, bits, origin))
+            if lay.cast is not None:
+                x = bitcast(jax.device_put(bits, device), logical_dtype(leaf))
+                data = np.asarray(encode(x.astype(lay.cast)))
+                summing.append(out_sums.add_block(key, shape, data, origin))
+            elif leaf.expect is None and not carried(lay):
+                summing.append(out_sums.add_block(key, shape, bits, origin))
+            while len(summing) > 4:
+                summing.popleft().result()
+            writer.write(i, box, data)
+            progress(host.size * lay.src_dtype.itemsize)
+            del host, bits, data
+            if lay.big:  # one block at a time: its write is done before the next read
+                writer.drain()
+                read_ahead(t + 1)
+            if last and t + 1 < len(tasks):  # the last leaf's files: the writer's sync
+                early.kick()
+        if failed:
+            if len(failed) == 1:
+                raise next(iter(failed.values()))
+            problems = [(p, read_failure(e.__cause__ or e)) for p, e in failed.items()]
+            raise unreadable(source, problems)
 
 
 def _stored(layouts: Sequence[Layout]) -> list[Layout]:
@@ -275,20 +185,27 @@ class Stream:
         self.source = source
         self.progress = progress
         self.total = sum(lay.nbytes for lay in self.layouts)
+        self._where = source
+        # summed on the host workers as slabs pass; every process gathers every leaf's
+        read = {lay.rec.path: None for lay in self.layouts if lay.leaf.expect is not None}
+        out = {
+            lay.rec.path: None
+            for lay in self.layouts
+            if lay.cast is not None or (lay.leaf.expect is None and not carried(lay))
+        }
+        self._read_sums = Checksums(read, "modelshard:stream:read", spanning_all=True)
+        self._out_sums = Checksums(out, "modelshard:stream:stored", spanning_all=True)
+        self.record.pending = self._checksums
 
     def write(self, directory: Any) -> None:
-        """Write every array into the new or empty ``directory`` (each process its share), then
-        process 0 Orbax's metadata; the record is left to the caller. CheckpointError names
-        every leaf whose read checksum differs from its ``expect``."""
-        start_ns = time.time_ns()
+        """Write every array into the new or empty ``directory`` (each process its share),
+        then process 0 Orbax's metadata; the record is left to the caller, its checksums
+        ``pending`` (``_checksums``)."""
         process, count = jax.process_index(), jax.process_count()
+        self._where = self.source or str(directory)
         owner = assign([lay.nbytes for lay in self.layouts], count)
-        mine = _stored([lay for lay, o in zip(self.layouts, owner, strict=True) if o == process])
-        # Every process lists every array, as in an Orbax save (its finalize checks that
-        # each process's list is complete and that they agree).
         arrays = _stored(self.layouts)
-        directory.mkdir(parents=True, exist_ok=True)
-        device = jax.local_devices()[0]
+        mine = _stored([lay for lay, o in zip(self.layouts, owner, strict=True) if o == process])
         done = [0]
 
         def step(n: int) -> None:
@@ -296,54 +213,45 @@ class Stream:
             if self.progress is not None and count == 1:
                 self.progress(done[0], self.total)
 
-        failure: Exception | None = None
-        sums: dict[str, Any] = {}
-        try:
-            sums = _copy_all(mine, directory, process, device, step, self.compress, self.source)
-            for lay in self.layouts:
-                if is_empty(lay.rec.stored_shape) and process == 0:
-                    sums[lay.rec.path] = self._empty_sums(lay)
-            names = [(orbax_name(lay.rec.key), lay.chunk) for lay in arrays]
-            write_array_list(directory, process, names)
-            if count > 1:
-                (directory / PART_FILE.format(process)).write_text(json.dumps(sums))
-        except Exception as e:
-            if count == 1:
-                raise
-            failure = e
-        if count > 1:  # every process's part written (the barrier), or all raise at once
-            raise_shared(failure, "modelshard:stream:written", f"writing {directory}")
-            for p in range(count):
-                part = json.loads((directory / PART_FILE.format(p)).read_text())
-                sums.update({k: (v[0], v[1]) for k, v in part.items()})
-            barrier("modelshard:stream:read")
-            # Past the last barrier only process 0 touches the directory: it commits it
-            # next (a rename), which a late unlink on another process would race.
-            if process == 0:
-                for p in range(count):
-                    (directory / PART_FILE.format(p)).unlink()
-        bad = []
+        def write_mine() -> None:
+            held = [_held(lay) for lay in mine]
+            with BlockWriter(directory, held, compress=self.compress, window=WRITES_IN_FLIGHT) as w:
+                _copy_all(mine, w, step, self.source, self._read_sums, self._out_sums)
+
+        # Every process lists every array, as in an Orbax save (its finalize checks that
+        # each process's list is complete and that they agree).
+        write_tree(directory, [_held(lay) for lay in arrays], write_mine, name="modelshard:stream")
+        if self.progress is not None and count == 1:
+            self.progress(self.total, self.total)
+
+    def _checksums(self) -> list[str]:
+        """Each leaf's checksum (``Record.resolve``, on every process): the source's where
+        carried, else of what was stored. CheckpointError names every leaf whose read
+        checksum differs from its ``expect``."""
+        read = self._read_sums.collect()  # collectives, in the same order everywhere
+        stored = self._out_sums.collect()
+        out, bad = [], []
         for lay in self.layouts:
-            stored, got = sums[lay.rec.path]
-            lay.rec.checksum = stored
-            if lay.leaf.expect is not None and got is not None and got != lay.leaf.expect:
-                bad.append((lay.rec, lay.leaf.expect, got))
+            leaf, path = lay.leaf, lay.rec.path
+            out.append(str(leaf.carry) if carried(lay) else stored.get(path, read.get(path)))
+            if leaf.expect is not None and read[path] != leaf.expect:
+                bad.append((lay.rec, leaf.expect, read[path]))
         if bad:
             raise CheckpointError(
                 checksum_mismatch_message(
-                    self.source or str(directory),
+                    self._where,
                     bad,
                     anyway="copy it anyway (the copy keeps the recorded checksums: restoring "
                     "it reports the damage)",
                 )
             )
-        finish_tree(directory, [(lay.rec.key, lay.chunk, lay.sharding) for lay in arrays], start_ns)
-        if self.progress is not None and count == 1:
-            self.progress(self.total, self.total)
+        return [str(c) for c in out]
 
-    def _empty_sums(self, lay: Layout) -> tuple[str, str | None]:
-        zero = format_sums(0, 0)
-        return zero, (zero if lay.leaf.expect is not None else None)
+
+def _held(lay: Layout) -> Held:
+    """``lay``'s array as the writer creates it (its blocks come from ``_copy_all``)."""
+    dtype = parse_dtype(lay.rec.stored_dtype)
+    return Held(lay.rec.key, lay.rec.stored_shape, dtype, lay.chunk, lay.sharding, [])
 
 
 def write_stream(
