@@ -63,10 +63,7 @@ class Entry:
 
     def fits(self, flat: Sequence[Any]) -> bool:
         """Whether ``flat`` has the shapes and dtypes this entry was planned for."""
-        return len(flat) == len(self.expect) and all(
-            tuple(x.shape) == shape and canonical_dtype(x.dtype) == dtype
-            for x, (shape, dtype) in zip(flat, self.expect, strict=True)
-        )
+        return shapes(flat) == self.expect
 
     def finish(
         self,
@@ -161,7 +158,6 @@ def build_entry(call: Call) -> Entry:
     expect = shapes(flat_in)
     traced = _FlatFunction(call, bounds, expect)
     abstract = [_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
-    explicit = explicit_axes(mesh)
     donate = tuple(
         i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
     )
@@ -183,7 +179,7 @@ def build_entry(call: Call) -> Entry:
             out_avals[:n],
             set_by_function(closed)[:n],
             lambda j: (per_arg_sh[j], abstract[bounds[j][0] : bounds[j][1]]),
-            explicit,
+            explicit_axes(mesh),
         )
     else:
         out_sh = _explicit_out(call, desc, out_avals[:n])

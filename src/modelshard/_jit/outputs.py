@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -110,13 +111,10 @@ def split_output(
 
 def set_by_function(jaxpr: Any) -> list[bool]:
     """Per output of a closed jaxpr: whether the function itself gave it a sharding."""
-    tables: dict[int, dict[int, Any]] = {}
 
+    @functools.cache  # jaxprs hash by identity
     def producers(j: Any) -> dict[int, Any]:
-        t = tables.get(id(j))
-        if t is None:
-            t = tables[id(j)] = {id(v): eqn for eqn in j.eqns for v in eqn.outvars}
-        return t
+        return {id(v): eqn for eqn in j.eqns for v in eqn.outvars}
 
     def constrained(j: Any, var: Any, depth: int) -> bool:
         while depth < 64:

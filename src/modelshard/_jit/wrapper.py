@@ -32,6 +32,9 @@ from .take import Taken, static_part, take, take_plainly
 _MAX_BY_STRUCTURE = 512
 _MAX_ROUTE_MISSES = 16
 
+_Bound = tuple[tuple[Any, ...], dict[str, Any], tuple[Slot, ...], list[Taken], Hashable]
+"""A call as ``_take`` binds it: args, kwargs, slots, dynamic arguments, structure key."""
+
 
 class ShardJit:
     """A function compiled per abstract signature, with container arguments placed by plan.
@@ -83,9 +86,7 @@ class ShardJit:
         self._route_env: tuple[Any, Any] | None = None  # the _env() the route was built in
         functools.update_wrapper(self, fn)
 
-    def _take(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Slot, ...], list[Taken], Hashable]:
+    def _take(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Bound:
         """Bind and flatten a call: its slots, dynamic arguments and structure key."""
         if kwargs or len(args) != self._nplain:
             args, kwargs = self._layout.bind(args, kwargs)
@@ -125,14 +126,15 @@ class ShardJit:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs, slots, taken, key = self._take(args, kwargs)
+        bound = self._take(args, kwargs)
+        args, _, _, taken, key = bound
         try:
             entry = self._by_structure.get(key)
         except TypeError:
             entry = None
         flat = taken[0].arrays if len(taken) == 1 else [x for t in taken for x in t.arrays]
         if entry is None:
-            entry = self._miss(slots, taken, args, kwargs, key)
+            entry = self._miss(bound)
             flat = _place(entry, taken, flat, False)
         try:
             out = entry.run(*flat)
@@ -143,7 +145,7 @@ class ShardJit:
                 # Same structure, new shapes or dtypes (or shardings jit refused for them):
                 # plan afresh; the executable checks shapes on its fast path, so this costs
                 # nothing until they change.
-                entry = self._miss(slots, taken, args, kwargs, key, stale=True)
+                entry = self._miss(bound, stale=True)
                 flat = _place(entry, taken, flat, False)
                 try:
                     out = entry.run(*flat)
@@ -167,16 +169,9 @@ class ShardJit:
             raise error
         return out
 
-    def _miss(
-        self,
-        slots: tuple[Slot, ...],
-        taken: list[Taken],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        structure_key: Hashable,
-        stale: bool = False,
-    ) -> Entry:
+    def _miss(self, bound: _Bound, stale: bool = False) -> Entry:
         """Find or build the entry for a signature the structure table has not seen."""
+        args, kwargs, slots, taken, structure_key = bound
         # Arguments are flattened again by their adapter's own flatten here (not a per-call
         # route), so planning and tracing see exactly what the adapter makes of them.
         taken = [take_plainly(t) for t in taken]
@@ -283,9 +278,9 @@ class ShardJit:
 
     # ---- inspection ---------------------------------------------------------------------
     def _entry_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Entry, list[Any]]:
-        args, kwargs, slots, taken, key = self._take(args, kwargs)
-        entry = self._miss(slots, taken, args, kwargs, key)
-        flat = [x for t in taken for x in t.arrays]
+        bound = self._take(args, kwargs)
+        entry = self._miss(bound)
+        flat = [x for t in bound[3] for x in t.arrays]  # bound[3]: the dynamic arguments
         return entry, place(flat, entry.in_shardings)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
