@@ -23,6 +23,8 @@ import threading
 import weakref
 from typing import Any
 
+from .._base import CheckpointError
+
 _lock = threading.RLock()
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 _installed = False
@@ -57,12 +59,11 @@ def finish_all(why: str) -> None:
         try:
             mngr.wait_until_finished()
         except BaseException as e:  # reported, and the exit status says so
-            from .._base import CheckpointError
-
-            if isinstance(e, CheckpointError):
-                msg = str(e)
-            else:
-                msg = f"step {step} was not saved to {mngr.directory}: {type(e).__name__}: {e}"
+            msg = (
+                str(e)
+                if isinstance(e, CheckpointError)
+                else f"step {step} was not saved to {mngr.directory}: {type(e).__name__}: {e}"
+            )
             _failed.append(msg)
             _say(f"NOT SAVED ({why}): {msg}")
 

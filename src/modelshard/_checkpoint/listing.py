@@ -126,10 +126,6 @@ def orbax_state(path: Any, names: list[str]) -> str | None:
     return trees[0] if len(trees) == 1 else None
 
 
-def _writer(owner: str) -> str:
-    return "another tool (Orbax)" if owner == ORBAX else "another tool"
-
-
 @dataclasses.dataclass(frozen=True)
 class Foreign:
     """A numbered entry of a manager's root another tool wrote (``state``: its state item)."""
@@ -150,7 +146,7 @@ class Foreign:
         if self.owner != ORBAX:
             return f"{path} was put there by another tool or by hand (no step of modelshard's or Orbax's)"
         done = "a complete step written" if self.complete else "an unfinished save"
-        return f"{path} is {done} by {_writer(self.owner)}"
+        return f"{path} is {done} by another tool (Orbax)"
 
     @property
     def kind(self) -> str:
@@ -342,7 +338,7 @@ def _entry(step: int, path: Any, why: str | None) -> StepEntry:
         temporary = tuple((n.partition(ORBAX_TMP)[0], n) for n in names if ORBAX_TMP in n)
         kept = tuple(n for n in names if ORBAX_TMP not in n)
         done, state = _orbax_done(path, owner, names)
-        why = f"written by {_writer(owner)}"
+        why = "written by another tool (Orbax)" if owner == ORBAX else "written by another tool"
         return StepEntry(step, done, path, why, kept, temporary, (), (), files, size, owner, state)
     complete = why is None and is_complete_step(path)
     has: list[str] = []

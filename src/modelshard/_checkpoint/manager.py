@@ -586,13 +586,8 @@ class CheckpointManager:
             self._purge_rotated()  # process 0 alone, on its disk: no waiting
             return
         guard.pending_changed()
-        failure: BaseException | None = None
         job, self._job = self._job, None
-        if job is not None:
-            try:
-                job.result()
-            except Exception as e:
-                failure = e
+        failure = None if job is None else job.exception()
         if isinstance(failure, DistributedError):
             raise failure  # a process did not come: exchanging outcomes would wait too
         how = None if failure is None else f"{type(failure).__name__}: {failure}"

@@ -228,30 +228,25 @@ SHARDING_FILE = "_sharding"
 """Orbax's folder of per-process array lists and its file of each array's sharding."""
 
 
-def array_metadatas(arrays: Iterable[tuple[str, Sequence[int]]]) -> dict[str, Any]:
-    """Orbax's ``array_metadatas/process_<i>`` file: ``(name, chunk)`` of each array
-    (every process lists every array; Orbax's finalize checks that the lists agree)."""
-    return {
-        "array_metadatas": [
-            {
-                "array_metadata": {
-                    "param_name": name,
-                    "write_shape": list(chunk),
-                    "chunk_shape": list(chunk),
-                    "ext_metadata": None,
-                }
-            }
-            for name, chunk in arrays
-        ]
-    }
-
-
 def write_array_list(directory: Any, process: int, arrays: Iterable[tuple[str, Any]]) -> None:
-    """Write ``array_metadatas/process_<process>`` (``array_metadatas``) into ``directory``
-    (a local ``Path`` or an ``epath.Path``)."""
+    """Write Orbax's ``array_metadatas/process_<process>`` into ``directory`` (a ``Path`` or
+    an ``epath.Path``): ``(name, chunk)`` of each array (every process lists every array;
+    Orbax's finalize checks that the lists agree)."""
+    listed = [
+        {
+            "array_metadata": {
+                "param_name": name,
+                "write_shape": list(chunk),
+                "chunk_shape": list(chunk),
+                "ext_metadata": None,
+            }
+        }
+        for name, chunk in arrays
+    ]
     (directory / ARRAY_METADATAS).mkdir(exist_ok=True)
-    listed = json.dumps(array_metadatas(arrays))
-    (directory / ARRAY_METADATAS / f"process_{process}").write_text(listed)
+    (directory / ARRAY_METADATAS / f"process_{process}").write_text(
+        json.dumps({"array_metadatas": listed})
+    )
 
 
 def checkpoint_metadata(
@@ -334,22 +329,13 @@ _FILE = re.compile(r"[^:]+:([^:]*):([^:]*)")
 
 @dataclasses.dataclass
 class LostFile:
-    """A file of an OCDBT database that its index refers to but that is missing or cut short.
+    """A file of an OCDBT database that its index refers to but that is missing or cut short."""
 
-    Attributes:
-        path: the file, absolute.
-        size: its size in bytes; None where it is missing.
-        needed: the end of the furthest byte range the index refers to in it.
-        names: the arrays (Orbax's names) with a chunk or metadata in it, sorted.
-        index: whether it holds nodes of the index itself (the arrays indexed under a
-            lost node are unknown).
-    """
-
-    path: str
-    size: int | None
-    needed: int
-    names: list[str]
-    index: bool
+    path: str  # absolute
+    size: int | None  # None: missing
+    needed: int  # the end of the furthest byte range the index refers to in it
+    names: list[str]  # the arrays (Orbax's names) with a chunk or metadata in it, sorted
+    index: bool  # it holds nodes of the index (the arrays indexed under them are unknown)
 
 
 def lost_files(tree_dir: str) -> list[LostFile]:

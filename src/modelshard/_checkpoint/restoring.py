@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
-from .._base import CheckpointError, canonical_dtype, dtype_name, is_abstract, make_mesh
+from .._base import CheckpointError, canonical_dtype, dtype_name, fold, is_abstract, make_mesh
 from .._containers import split
 from .._place import place, plan
 from .codec import decode, encode, is_key, key_impl, logical_dtype, stored_struct
@@ -260,8 +260,6 @@ def diff(
 
 def format_diff(rows: Diff, limit: int = 24) -> list[str]:
     """The rows, those differing only in layer numbers folded into one; at most ``limit``."""
-    from .._base import fold
-
     groups = fold(rows, lambda r: r[1] or "<root>", key=lambda r: (r[0], r[2]))
     width = max(len(g.path) for g in groups[:limit])
     out = []

@@ -66,11 +66,8 @@ MAX_NAME_CHARS = 4096
 
 
 def storage_key(path: str) -> tuple[str, ...]:
-    """The key path in the stored Orbax tree of the leaf at canonical ``path``.
-
-    The one rule: the path's components (``"layers/0/kernel"`` -> ``("layers", "0",
-    "kernel")``); the root leaf of a bare array is ``("value",)``.
-    """
+    """The key in the stored Orbax tree of the leaf at canonical ``path``: its components
+    (``"layers/0/kernel"`` -> ``("layers", "0", "kernel")``); a bare array's is ``("value",)``."""
     return split_path(path) or (ROOT_KEY,)
 
 

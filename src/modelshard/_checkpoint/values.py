@@ -151,7 +151,6 @@ def warn_partial(where: Any, n: int, restored: Sequence[str], missing: Diff, ext
     the target's array leaves; ``restored``: those read from the checkpoint)."""
     kept = [p for _, p, _ in missing]
     skipped = [p for _, p, _ in extra]
-
     parts = [f"restored {len(restored)} of the target's {n} leaves from {where}"]
     if kept:
         parts.append(f"{len(kept)} kept like's values (not in the checkpoint): {some(kept, 5)}")

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from .._base import AdapterError, AssembleError, dtype_name, mesh_sizes
+from .._base import AdapterError, AssembleError, dtype_name, make_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import SpecLike, entry_axes, expand_args
 
@@ -57,11 +57,12 @@ def _positions(mesh: Any) -> tuple[list[Any], list[int]]:
     return devices, [p for p, d in enumerate(devices) if d.process_index == me]
 
 
-def local_specs(name: str, tree: Any, specs: SpecLike, mesh: Any) -> list[PartitionSpec]:
-    """Each leaf's spec, chosen from ``tree``'s local shapes on a size-1 copy of ``mesh``."""
-    names = tuple(mesh.axis_names)
-    ones = AbstractMesh((1,) * len(names), names, axis_types=tuple(mesh.axis_types))
-    (arg,) = expand_args([(name, tree, specs)], ones)
+def _local_specs(flat0: Flat, specs: SpecLike, mesh: Any) -> list[PartitionSpec]:
+    """Each leaf's spec, chosen from the local shapes on a size-1 copy of ``mesh``."""
+    ones = make_mesh(
+        {str(a): 1 for a in mesh.axis_names}, abstract=True, axis_types=tuple(mesh.axis_types)
+    )
+    (arg,) = expand_args([("pieces[0]", flat0.obj, specs)], ones)
     return [leaf.spec for leaf in arg.leaves]
 
 
@@ -165,7 +166,7 @@ def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: A
         raise AssembleError(f"a piece could not be split: {e}") from e
     _check_pieces(flats, ids)
     first = flats[0]
-    specs_local = local_specs("pieces[0]", first.obj, specs, mesh)
+    specs_local = _local_specs(first, specs, mesh)
     shapes = [
         global_shape(np.shape(a), s, mesh) for a, s in zip(first.arrays, specs_local, strict=True)
     ]
@@ -205,7 +206,7 @@ def assemble_process_local(data: Any, specs: SpecLike, mesh: Any) -> Any:
         (16, 2)
     """
     flat = split(data)
-    specs_local = local_specs("pieces[0]", flat.obj, specs, mesh)
+    specs_local = _local_specs(flat, specs, mesh)
     for i, x in enumerate(flat.arrays):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             raise AssembleError(

@@ -147,24 +147,25 @@ class Plan:
         ``fold``, leaves planned alike whose paths differ only in layer numbers are one row
         (``layers_{0..61}/mlp/kernel``); ``filter`` is a regex searched in each path."""
         named = self.named(filter)
+
+        def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
+            return {
+                "path": path,
+                "count": len(leaves),
+                **self._leaf_json(leaves[0]),
+                "paths": paths,
+            }
+
         if not fold:
-            groups = [(p, leaf, [p]) for p, leaf in named]
-        else:
-            folded = fold_paths(
-                named,
-                lambda x: x[0],
-                key=lambda x: (
-                    x[1].shape,
-                    str(x[1].dtype),
-                    tuple(x[1].spec),
-                    x[1].rule,
-                    x[1].logical,
-                ),
-            )
-            groups = [(g.path, g.items[0][1], g.paths) for g in folded]  # type: ignore[index]
+            return [row(p, [leaf], [p]) for p, leaf in named]
+        folded = fold_paths(
+            named,
+            lambda x: x[0],
+            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule, x[1].logical),
+        )
         return [
-            {"path": path, "count": len(paths), **self._leaf_json(leaf), "paths": paths}
-            for path, leaf, paths in groups
+            row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
+            for g in folded
         ]
 
     def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:

@@ -8,13 +8,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from .._base import SpecError, current_mesh, format_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
 from .arguments import NOSPEC, ArgumentLayout, invalid
-from .assembly import local_specs
 from .constraints import constrain_leaves
 
 _MAX_ENTRIES = 64
@@ -156,15 +155,18 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
             "was placed, pass the input plan's specs: plan = ms.plan(x, spec, mesh); "
             "out_specs=lambda path, leaf: plan[path].spec",
         )
+    names = tuple(mesh.axis_names)
+    unit = AbstractMesh((1,) * len(names), names, axis_types=tuple(mesh.axis_types))
     local = flat.rebuild([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes])
     try:
-        return local_specs("out", local, specs, mesh)
+        (plan,) = expand_args([("out", local, specs)], unit)
     except SpecError as e:
         problems = [
             dataclasses.replace(p, mesh=None if p.mesh is None else format_mesh(mesh_sizes(mesh)))
             for p in e.problems
         ]
         raise SpecError(problems, header="invalid shard_map out_specs:") from None
+    return [leaf.spec for leaf in plan.leaves]
 
 
 def _signature(
