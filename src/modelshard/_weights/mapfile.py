@@ -19,7 +19,7 @@ from .._base import (
     tables,
     unknown_key,
 )
-from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose
+from .ops import Add, Op, Rearrange, Reshape, Scale, Transpose, is_int
 from .rules import Concat, MapRule, Split, Stack, Unstack, WeightMap
 from .shipped import is_name, shipped_mappings
 
@@ -80,7 +80,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             continue
         if kind == "rearrange":
             sizes = {k: item[k] for k in extra}
-            wrong = [k for k, v in sizes.items() if not (isinstance(v, str) or _is_size(v))]
+            wrong = [k for k, v in sizes.items() if not (isinstance(v, str) or is_int(v))]
             if not isinstance(arg, str):
                 report(f"{at}.rearrange", f"{arg!r} is not a string")
             elif wrong:
@@ -103,9 +103,7 @@ _OPS_HINT = 'e.g. ops = [{ rearrange = "(h d) e -> h e d", h = "heads" }, { add 
 
 
 def _ints(value: Any, where: str, problems: list[Problem], src: str, names: bool) -> Any:
-    ok = isinstance(value, list) and all(
-        _is_size(v) or (names and isinstance(v, str)) for v in value
-    )
+    ok = isinstance(value, list) and all(is_int(v) or (names and isinstance(v, str)) for v in value)
     if not ok:
         what = "integers or config names" if names else "integers"
         problems.append(Problem(src, where, f"{value!r} is not an array of {what}"))
@@ -168,7 +166,7 @@ def parse_weight_map(data: Mapping[str, Any], source: str = "mapping") -> Weight
     optional = field(data, "optional", "optional", [], regexes, "an array of regexes")
 
     def sizes(c: Any) -> bool:
-        return isinstance(c, Mapping) and all(map(_is_size, c.values()))
+        return isinstance(c, Mapping) and all(map(is_int, c.values()))
 
     config = field(data, "config", "config", {}, sizes, "a table of integers")
     raw = tables(data, "rules", source, problems)
@@ -288,14 +286,10 @@ def checkpoint_config(path: str | os.PathLike[str]) -> dict[str, int]:
         return {}
     if not isinstance(data, dict):
         return {}
-    out = {str(k): v for k, v in data.items() if _is_size(v)}
+    out = {str(k): v for k, v in data.items() if is_int(v)}
     tables = {str(k): v for k, v in data.items() if isinstance(v, dict)}
-    out |= {f"{k}.{k2}": v for k, t in tables.items() for k2, v in t.items() if _is_size(v)}
+    out |= {f"{k}.{k2}": v for k, t in tables.items() for k2, v in t.items() if is_int(v)}
     for k, v in tables.get("text_config", {}).items():
-        if _is_size(v):
+        if is_int(v):
             out.setdefault(str(k), v)
     return out
-
-
-def _is_size(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

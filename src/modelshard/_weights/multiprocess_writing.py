@@ -83,8 +83,7 @@ def whole_here(x: Any) -> bool:
     """Whether this process can read all of ``x`` from its own devices (or memory)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return True
-    holders = array_plan(x).holders
-    return holders is not None and jax.process_index() in holders
+    return jax.process_index() in (array_plan(x).holders or ())
 
 
 def block_of(index: Sequence[slice], shape: Sequence[int]) -> Block:

@@ -70,14 +70,15 @@ def save_peft_adapter(
     wm = as_mapping(mapping, split_dots=True).with_config(sizes)
     recipes = resolve(wm, table, None).recipes
     problems: list[Problem] = []
+
+    def bad(path: str, what: str, hint: str | None = None) -> None:
+        problems.append(Problem("state", path, what, hint=hint))
+
     if not modules:
-        problems.append(
-            Problem(
-                "state",
-                "",
-                "no LoRA adapter (a P/lora/lora_a leaf beside P/kernel)",
-                hint="add adapters as nnx.LoRALinear does: module.lora = nnx.LoRA(...)",
-            )
+        bad(
+            "",
+            "no LoRA adapter (a P/lora/lora_a leaf beside P/kernel)",
+            hint="add adapters as nnx.LoRALinear does: module.lora = nnx.LoRA(...)",
         )
     tensors: dict[str, np.ndarray] = {}
     names: list[str] = []
@@ -86,27 +87,20 @@ def save_peft_adapter(
         node = recipes.get(p + "/kernel")
         read = sorted(set(node.reads())) if node is not None else []
         if len(read) != 1 or not read[0].endswith(".weight") or len(table[read[0]][0]) != 2:
-            problems.append(
-                Problem(
-                    "state",
-                    p + _A,
-                    f"its module's kernel {p}/kernel is not mapped from one stored [out, in] "
-                    "weight",
-                    hint="adapters attach to linear weights the mapping imports",
-                )
+            bad(
+                p + _A,
+                f"its module's kernel {p}/kernel is not mapped from one stored [out, in] weight",
+                hint="adapters attach to linear weights the mapping imports",
             )
             continue
         (out_dim, in_dim), _ = table[read[0]]
         a, b = host_leaf(values[p + _A]), host_leaf(values[p + _B])
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1)
         if a.shape[0] != in_dim or b.shape[1] != out_dim or a.shape[1] != b.shape[0]:
-            problems.append(
-                Problem(
-                    "state",
-                    p + "/lora",
-                    f"lora_a {list(a.shape)} and lora_b {list(b.shape)} do not adapt "
-                    f"{read[0]} [{out_dim}, {in_dim}] (want [{in_dim}, rank], [rank, {out_dim}])",
-                )
+            bad(
+                p + "/lora",
+                f"lora_a {list(a.shape)} and lora_b {list(b.shape)} do not adapt "
+                f"{read[0]} [{out_dim}, {in_dim}] (want [{in_dim}, rank], [rank, {out_dim}])",
             )
             continue
         rank = a.shape[1]
@@ -117,9 +111,7 @@ def save_peft_adapter(
         tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.T)
         tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.T / scale)
     if len(ranks) > 1:
-        problems.append(
-            Problem("state", "", f"adapters of ranks {sorted(ranks)}; a peft adapter has one")
-        )
+        bad("", f"adapters of ranks {sorted(ranks)}; a peft adapter has one")
     if problems:
         raise MappingError(problems, header="cannot write a peft adapter:")
     rank = ranks.pop()
