@@ -411,3 +411,10 @@ def test_object_storage_is_read_through_the_same_specs(bucket_root, mesh8, monke
     source = locate(f"{bucket_root}/c")
     spec = reader.array_spec(source, "layer0.w")
     assert spec["kvstore"]["base"]["driver"] in ("gcs", "s3")
+
+
+def test_a_long_read_failure_is_cut_between_words():
+    """TensorStore's text of one failure is shown up to 300 characters, cut between words."""
+    text = reader.read_failure(ValueError("DATA_LOSS: chunk " + "damaged " * 60))
+    assert text.startswith("ValueError: DATA_LOSS: chunk damaged damaged")
+    assert text.endswith(" damaged …") and len(text) <= len("ValueError: ") + 300

@@ -246,8 +246,8 @@ def read_failure(e: BaseException, tree_dir: Path | None = None) -> str:
         and any(type(c).__name__ == "JSONDecodeError" for c in chain)
     ):
         where = _json_unreadable(tree_dir)
-    if len(text) > _MAX_TEXT:
-        text = text[: _MAX_TEXT - 1] + "…"
+    if len(text) > _MAX_TEXT:  # cut between words
+        text = text[: _MAX_TEXT - 1].rsplit(" ", 1)[0] + " …"
     return f"{type(best).__name__}: {text}" + (f"\n    file: {where}" if where else "")
 
 

@@ -408,6 +408,8 @@ def save(
     path = location(directory)
     compress = check_compression(compression)
     arrays, record = prepare(state, metadata)
+    if not is_remote(path):  # refused before a byte is copied off the devices
+        check_destination(path, overwrite=overwrite)
     # summed on the host workers from the bytes written, while they are written
     held = take(arrays, copy=False)
     record.pending = held_sums([leaf.key for leaf in record.leaves], held, "modelshard.save")
