@@ -40,7 +40,7 @@ LOCAL = {
 OURS = {
     "remove_leftovers", "_exchange", "fsync_dir", "write_durable", "_make_room",
     "complete_steps", "reaching", "remove_partial", "delete_step", "_finalize",
-    "tree_metadata", "sharding_file", "marked_metadata", "_empty_sums",
+    "tree_metadata", "sharding_file", "marked_metadata",
     "kvstore", "merge", "orbax_name", "_commit", "foreign_steps", "refusal",
     "remove_numbered", "purge_rotated", "adopted_steps", "warn_foreign", "_write_adapter",
 }  # fmt: skip
