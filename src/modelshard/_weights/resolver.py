@@ -265,8 +265,7 @@ class _Resolver:
                 continue
             ndim, ax = len(nodes[0].shape) + stack, join.axis
             if not -ndim <= ax < ndim:
-                what = f"{verb} axis {ax} is out of range"
-                self.report("mapping", f"rules[{i}]", what)
+                self.report("mapping", f"rules[{i}]", f"{verb} axis {ax} is out of range")
                 self.failed.add(path)
                 continue
             ax %= ndim

@@ -143,10 +143,9 @@ class SafetensorsFiles:
         return {n: (t.shape, t.dtype) for n, t in self.tensors.items()}
 
     def _fd(self, file: Path) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        return fd
+        if file not in self._fds:
+            self._fds[file] = os.open(file, os.O_RDONLY)
+        return self._fds[file]
 
     def close(self) -> None:
         for fd in self._fds.values():

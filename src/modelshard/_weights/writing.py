@@ -152,10 +152,9 @@ def sharded_names(path: str | os.PathLike[str]) -> tuple[Path, str]:
     """``(directory, stem)`` of a sharded write: a directory (stem ``model``), or a
     ``name.safetensors`` / ``name.safetensors.index.json`` (stem ``name``)."""
     p = Path(path)
-    name = p.name
     for suffix in (".index.json", ".json", ".safetensors"):
-        if name.endswith(suffix):
-            return p.parent, name.removesuffix(suffix).removesuffix(".safetensors")
+        if p.name.endswith(suffix):
+            return p.parent, p.name.removesuffix(suffix).removesuffix(".safetensors")
     return p, "model"
 
 
