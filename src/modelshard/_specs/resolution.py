@@ -263,30 +263,27 @@ def _in_logical_terms(
     if f.kind is None:
         return what, hint, {}
     fields: dict[str, Any] = {"dimension": dim}
-    if logical is None:
-        return what, hint, fields
-    if f.kind == "axis":
-        return _not_in_mesh(f, named, sizes, logical, via)
-    mapped = via[dim] if dim < len(via) else ()
     entry = tuple(named)[dim] if dim < len(tuple(named)) else None
-    if len(mapped) != 1 or not is_axes_entry(entry) or len(entry_axes(entry)) != 1:
+    if logical is None or not is_axes_entry(entry):
+        return what, hint, fields
+    mapped = via[dim] if dim < len(via) else ()
+    if f.kind == "axis":
+        return _not_in_mesh(f, entry_axes(entry), mapped, sizes, logical, fields)
+    if len(mapped) != 1 or len(entry_axes(entry)) != 1:
         return what, hint, fields  # several names or axes in one dimension: JAX's words
     name, target, label = mapped[0]
     size, n = shape[dim], math.prod(sizes[a] for a in target)
     by = str(n) if len(target) == 1 else " x ".join(str(sizes[a]) for a in target) + f" = {n}"
     onto = repr(target[0]) if len(target) == 1 else repr(target)
     fields.update(logical_name=name, logical_rule=label)
-    what = (
-        f"{name!r} (dimension {dim}, size {size}) maps to {onto} ({by}) by {label}: "
-        f"{size} is not divisible by {n}"
-    )
-    divides = (
-        f"map {name} to an axis whose size divides {size}, or replicate it: in {logical.file}, "
-    )
+    what = f"{name!r} (dimension {dim}, size {size}) maps to {onto} ({by}) by {label}: "
+    what += f"{size} is not divisible by {n}"
+    divides = f"map {name} to an axis whose size divides {size}, or replicate it: "
     if logical.file is not None and label.startswith("[logical] "):
-        hint = divides + f'[logical] {name} = "none"'
+        hint = divides + f'in {logical.file}, [logical] {name} = "none"'
     elif logical.file is not None and label.startswith("logical["):  # the file's pairs
-        hint = divides + f"set {label.split(' of ', 1)[0]} = {logical.entry(name, 'none')}"
+        set_ = f"set {label.split(' of ', 1)[0]} = {logical.entry(name, 'none')}"
+        hint = divides + f"in {logical.file}, {set_}"
     else:
         none = '"none"' if vocabulary() == "cli" else "None"
         hint = f"map {name!r} to an axis whose size divides {size}, or to {none}"
@@ -295,35 +292,29 @@ def _in_logical_terms(
 
 def _not_in_mesh(
     f: Found,
-    named: PartitionSpec,
+    axes: tuple[str, ...],
+    mapped: tuple[tuple[str, tuple[str, ...], str], ...],
     sizes: Mapping[str, int],
     logical: LogicalRules,
-    via: Via,
+    fields: dict[str, Any],
 ) -> tuple[str, str, dict[str, Any]]:
-    """A mesh axis that is not in the mesh but came from a logical name: say which name."""
-    what, hint, axis, dim = f.what, f.hint, f.axis, f.dim
-    fields: dict[str, Any] = {"dimension": dim}
-    entries = tuple(named)
-    if dim >= len(entries) or not is_axes_entry(entries[dim]):
-        return what, hint, fields
-    names = [n for n in entry_axes(entries[dim]) if n not in sizes and n != axis]
+    """A mesh axis (of ``axes``, one dimension's) not in the mesh that came from a logical name."""
+    names = [n for n in axes if n not in sizes and n != f.axis]
     if not names:
-        return what, hint, fields
-    mapped = via[dim] if dim < len(via) else ()
-    label = next((lab for n, _, lab in mapped if n == names[0]), None)
-    fields.update(logical_name=names[0], logical_rule=label)
-    axes = ", ".join(map(repr, sizes)) or "none"
-    what = (
-        f"logical name {names[0]!r} (dimension {dim}) maps to mesh axis {axis!r}, which is not "
-        "in the mesh"
-    )
+        return f.what, f.hint, fields
+    name, axis = names[0], f.axis
+    label = next((lab for n, _, lab in mapped if n == name), None)
+    fields.update(logical_name=name, logical_rule=label)
+    shown = ", ".join(map(repr, sizes)) or "none"
+    what = f"logical name {name!r} (dimension {f.dim}) maps to mesh axis {axis!r}, which is not "
+    what += "in the mesh"
     close = close_match(axis, sizes)
     if close is not None:
-        hint = f"did you mean {close!r}? write {logical.entry(names[0], close)} in "
-        hint += f"{logical.source} (mesh axes are {axes})"
+        hint = f"did you mean {close!r}? write {logical.entry(name, close)} in "
+        hint += f"{logical.source} (mesh axes are {shown})"
     else:
         none = '"none"' if logical.file is not None else "None"
-        hint = f"mesh axes are {axes}: map {names[0]!r} to one of them (or {none} to replicate) "
+        hint = f"mesh axes are {shown}: map {name!r} to one of them (or {none} to replicate) "
         hint += f"in {logical.describe()}"
     return what, hint, fields
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -128,9 +129,6 @@ def load_rules(path: str | os.PathLike[str]) -> Rules:
         Rules([('kernel$', P(None, 'model'))], strict=True)
     """
     p = Path(path)
-
-    def fail(problems: list[Problem]) -> SpecError:
-        return SpecError(problems, header=f"invalid rules file {p}:")
-
+    fail = functools.partial(SpecError, header=f"invalid rules file {p}:")
     data = read_toml(p, fail, where=None, unreadable=None)
     return dataclasses.replace(parse_rules(data, str(p)), file=str(p))
