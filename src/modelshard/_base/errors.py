@@ -6,6 +6,7 @@ import dataclasses
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from os.path import commonprefix
 from typing import Any
 
 from jax.sharding import PartitionSpec
@@ -206,7 +207,8 @@ def _fitting_hint(problems: Sequence[Problem]) -> str | None:
             f"an {m.group(1)!r} axis"
         )
     if e.what == "no rule matches this leaf" and len(problems) > 1:
-        prefix = _common_prefix([p.path or "" for p in problems])
+        parents = [(p.path or "").split("/")[:-1] for p in problems]
+        prefix = "/".join(commonprefix(parents))  # noqa: RUF071 (lists: by component)
         if prefix:
             if vocabulary() == "cli":  # the command's rules come from a TOML file
                 return (
@@ -246,28 +248,14 @@ def _joined_hints(problems: Sequence[Problem]) -> str | None:
     )
 
 
-def _common_prefix(paths: Sequence[str]) -> str:
-    """The longest run of leading path components every path shares (``""`` if none)."""
-    split = [p.split("/")[:-1] for p in paths]
-    out: list[str] = []
-    for parts in zip(*split, strict=False):
-        if any(x != parts[0] for x in parts):
-            break
-        out.append(parts[0])
-    return "/".join(out)
-
-
 def _example(problems: Sequence[Problem]) -> Problem:
     """The first problem whose path others mirror below their first components, else the first."""
-    suffixes: dict[str, int] = {}
-    for p in problems:
-        parts = (p.path or "").split("/")
-        for i in range(2, len(parts)):  # below two or more components: a deeper path
-            key = "/".join(parts[i:])
-            suffixes[key] = suffixes.get(key, 0) + 1
+    paths = [(p.path or "").split("/") for p in problems]
+    # what a deeper path ends with, below two or more components
+    deeper = {"/".join(parts[i:]) for parts in paths for i in range(2, len(parts))}
     for p in problems:
         _, _, tail = (p.path or "").partition("/")
-        if "/" in tail and tail in suffixes:  # ``bias`` alone is every module's, no mirror
+        if "/" in tail and tail in deeper:  # ``bias`` alone is every module's, no mirror
             return p
     return problems[0]
 

@@ -35,15 +35,13 @@ class Fold:
 
     __slots__ = ("_numbers", "_template", "items", "paths")
 
-    def __init__(self, tmpl: str) -> None:
+    def __init__(self, tmpl: str, numbers: int) -> None:
         self._template = tmpl
-        self._numbers: list[set[str]] = []
+        self._numbers: list[set[str]] = [set() for _ in range(numbers)]
         self.items: list[object] = []
         self.paths: list[str] = []
 
     def add(self, path: str, numbers: tuple[str, ...], item: object) -> None:
-        if not self._numbers:
-            self._numbers = [set() for _ in numbers]
         for seen, n in zip(self._numbers, numbers, strict=True):
             seen.add(n)
         self.items.append(item)
@@ -77,6 +75,6 @@ def fold(
         k = (tmpl, key(item) if key is not None else None)
         g = groups.get(k)
         if g is None:
-            g = groups[k] = Fold(tmpl)
+            g = groups[k] = Fold(tmpl, len(numbers))
         g.add(p, numbers, item)
     return list(groups.values())
