@@ -11,36 +11,28 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .._base import MeshError, close_match, dtype_name, size_in_bytes
+from .._base import close_match, dtype_name, size_in_bytes
 from .._checkpoint import manager_step
 from .._specs import load_rules
 from .output import say
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``."""
+def mesh_arg(text: str) -> dict[str, int]:
+    """argparse type of ``--mesh``: ``"data=2,model=4"`` -> ``{"data": 2, "model": 4}``."""
     out: dict[str, int] = {}
     for part in text.split(","):
         name, eq, size = (x.strip() for x in part.partition("="))
         # isdigit() alone accepts '²'; int() does not
         if not eq or not name or not (size.isascii() and size.isdigit()) or int(size) < 1:
             where = f"{text!r}" if part.strip() == text.strip() else f"{part.strip()!r} in {text!r}"
-            raise MeshError(
+            raise argparse.ArgumentTypeError(
                 f"{where} is not name=size with a positive whole size; "
                 "write e.g. --mesh data=2,model=4"
             )
         if name in out:
-            raise MeshError(f"{text!r} gives axis {name!r} twice")
+            raise argparse.ArgumentTypeError(f"{text!r} gives axis {name!r} twice")
         out[name] = int(size)
     return out
-
-
-def mesh_arg(text: str) -> dict[str, int]:
-    """argparse type of ``--mesh``: ``parse_mesh``, its error a usage error."""
-    try:
-        return parse_mesh(text)
-    except MeshError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_float(text: str) -> float:
@@ -66,8 +58,7 @@ def float_dtype(text: str) -> str:
     try:
         dt = jnp.dtype(text)
     except (TypeError, ValueError):
-        guess = _FLOAT_ALIASES.get(text.strip().lower())
-        guess = guess or close_match(text, _FLOAT_NAMES, cutoff=0.6)
+        guess = _FLOAT_ALIASES.get(text.strip().lower()) or close_match(text, _FLOAT_NAMES, 0.6)
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a dtype name; "
             + (f"did you mean {guess}?" if guess else "choose e.g. bfloat16, float16 or float32")

@@ -162,10 +162,8 @@ def run(args: argparse.Namespace) -> int:
     join_launch()  # under `modelshard launch`, every process writes its share of DST
     if args.mesh is not None:  # without a mesh: whatever devices JAX has, the first used
         use_cpu_devices(math.prod(sizes.values()))
-
-    specs = target_specs(args)
     mesh = make_mesh(sizes, axis_types=args.axis_types)
-    common = dict(mapping=args.mapping, specs=specs, mesh=mesh, dtype=args.dtype)
+    common = dict(mapping=args.mapping, specs=target_specs(args), mesh=mesh, dtype=args.dtype)
     if args.dry_run:
         table = load_safetensors(args.source, dry_run=True, **common)
         if args.json:

@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return _inspect_safetensors(args)
     source = locate(checkpoint_arg(args, args.checkpoint))
     rec = source.record
+    rows = _rows(rec.leaves, fold=not args.no_fold)
+    extras = extras_json(source.path)  # a manager step's items and metrics, beside the arrays
     if args.json:
         data = rec.to_json()
         # one mesh spelling in every output: {"axis": size} (the record keeps its types apart)
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         named = source.path.name
         step_dir = source.tree_dir != source.path and named.isdigit() and named == str(int(named))
         data["step"] = args.step if args.step is not None else int(named) if step_dir else None
-        data.update(extras_json(source.path))
+        data.update(extras)
         data["source"] = rec.source
         data["total_bytes"] = rec.nbytes
         for leaf_json, leaf in zip(data["leaves"], rec.leaves, strict=True):
@@ -66,14 +68,13 @@ def run(args: argparse.Namespace) -> int:
                 "bytes": leaf.nbytes,
                 "paths": g.paths,
             }
-            for g in _rows(rec.leaves, fold=not args.no_fold)
+            for g in rows
             for leaf in [g.items[0]]
         ]
         emit(args, **data)
         return 0
     mesh = rec.mesh_sizes()
     mesh_text = format_mesh(mesh) if mesh else "-"
-    rows = _rows(rec.leaves, fold=not args.no_fold)
     folded = any(g.count > 1 for g in rows)
     columns = ["path", *(["leaves"] if folded else []), "shape", "dtype", "bytes"]
     table = new_table(
@@ -83,10 +84,9 @@ def run(args: argparse.Namespace) -> int:
         [*columns, "saved spec", "names"],
         right=("leaves", "bytes"),
     )
-    shown = rows if args.max_rows is None else rows[: args.max_rows]
+    shown = rows[: args.max_rows]
     for g in shown:
         leaf = g.items[0]
-        names = "-" if leaf.names is None else str(tuple(leaf.names))
         cells = [
             g.path,
             *([str(g.count)] if folded else []),
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             leaf.dtype,
             format_bytes(leaf.nbytes) + (f" x{g.count}" if g.count > 1 else ""),
             "-" if leaf.spec is None else format_spec(leaf.spec),
-            names,
+            "-" if leaf.names is None else str(tuple(leaf.names)),
         ]
         table.add_row(*map(literal, cells))
     console().print(table)
@@ -109,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
         say(literal("values: " + ", ".join(shown_values) + tail))
     if rec.versions:
         say("versions: " + ", ".join(f"{k} {v}" for k, v in rec.versions.items()))
-    extras = extras_json(source.path)  # a manager step's items and metrics, beside the arrays
     if extras.get("items"):
         say(f"items: {', '.join(extras['items'])} (CheckpointManager.items; --json shows them)")
     if extras.get("metrics"):
@@ -163,7 +162,7 @@ def _inspect_safetensors(args: argparse.Namespace) -> int:
             ["name", "shape", "dtype", "bytes", *(["file"] if len(files) > 1 else [])],
             right=("bytes",),
         )
-        shown = tensors if args.max_rows is None else tensors[: args.max_rows]
+        shown = tensors[: args.max_rows]
         for t in shown:
             row = [t.name, str(t.shape), t.code, format_bytes(t.nbytes)]
             table.add_row(*map(literal, [*row, *([t.file.name] if len(files) > 1 else [])]))

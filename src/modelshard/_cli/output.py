@@ -125,26 +125,21 @@ def writing(destination: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise destination_error(e, destination) from e
-
-
-def destination_error(e: OSError, destination: str | os.PathLike[str]) -> OSError:
-    """``e`` on the user's ``destination`` when it names an internal file beside it."""
-    dest = os.fsdecode(destination)
-    if e.filename is None or not isinstance(e.filename, str | bytes | os.PathLike):
-        return e
-    file = os.path.abspath(os.fsdecode(e.filename))
-    parent = os.path.dirname(os.path.abspath(dest))
-    if file == os.path.abspath(dest) or os.path.dirname(file) != parent:
-        return e
-    out = type(e)(
-        e.errno,
-        f"cannot be written: its parent directory {parent} does not take new files: "
-        f"{e.strerror or e}",
-        dest,
-    )
-    out.hint = "choose a destination in a directory you can write"  # type: ignore[attr-defined]
-    return out
+        dest = os.fsdecode(destination)
+        if e.filename is None or not isinstance(e.filename, str | bytes | os.PathLike):
+            raise
+        file = os.path.abspath(os.fsdecode(e.filename))
+        parent = os.path.dirname(os.path.abspath(dest))
+        if file == os.path.abspath(dest) or os.path.dirname(file) != parent:
+            raise
+        out = type(e)(
+            e.errno,
+            f"cannot be written: its parent directory {parent} does not take new files: "
+            f"{e.strerror or e}",
+            dest,
+        )
+        out.hint = "choose a destination in a directory you can write"  # type: ignore[attr-defined]
+        raise out from e
 
 
 def os_message(e: OSError) -> str:
@@ -164,12 +159,9 @@ def os_error_json(e: OSError) -> dict[str, Any]:
     return {"type": type(e).__name__, "message": os_message(e), "errno": e.errno}
 
 
-def problem_json(e: Exception) -> dict[str, Any]:
-    out: dict[str, Any] = (
-        e.to_json()
-        if isinstance(e, ModelshardError)
-        else {"type": type(e).__name__, "message": str(e)}
-    )
+def problem_json(e: ModelshardError) -> dict[str, Any]:
+    """``e`` as the error of a failed command, Python keywords written as flags."""
+    out = e.to_json()
     out["message"] = in_flags(str(out["message"]))
     for p in out.get("problems", ()):
         if p.get("hint"):

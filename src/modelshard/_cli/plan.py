@@ -26,7 +26,7 @@ from .args import (
     add_target,
     bytes_arg,
     checkpoint_arg,
-    parse_mesh,
+    mesh_arg,
     regex_arg,
     target_specs,
 )
@@ -136,11 +136,9 @@ def run(args: argparse.Namespace) -> int:
         return run_step(args)
     if args.checkpoint is None:
         return usage(args, "give a checkpoint (CKPT), or --state and --step")
-    sizes = args.mesh
     source = locate(checkpoint_arg(args, args.checkpoint))
-    specs = target_specs(args, source.record)
-    mesh = make_mesh(sizes, axis_types=args.axis_types, abstract=True)
-    p = plan(planning_tree(source.record), specs, mesh)
+    mesh = make_mesh(args.mesh, axis_types=args.axis_types, abstract=True)
+    p = plan(planning_tree(source.record), target_specs(args, source.record), mesh)
     check = None if args.budget is None else lambda: p.check_budget(args.budget)
     return report(args, p, str(source.path), f"plan of {source.path}", check)
 
@@ -196,8 +194,8 @@ def simulate_devices(argv: list[str]) -> None:
     if text is None or backends_are_initialized():
         return
     try:
-        n = math.prod(parse_mesh(text).values())
-    except ValueError:  # argparse reports it
+        n = math.prod(mesh_arg(text).values())
+    except argparse.ArgumentTypeError:  # argparse reports it
         return
     if n > max(int(jax.config.jax_num_cpu_devices), 1):
         jax.config.update("jax_num_cpu_devices", n)

@@ -82,10 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what a write had staged is removed on the way out
         message = "interrupted (Ctrl-C); nothing half-written was published"
         return fail(args.command, 130, {"type": "KeyboardInterrupt", "message": message}, as_json)
-    except OSError as e:  # the user's paths: missing, unreadable, read-only, full disk
-        return fail(args.command, 1, os_error_json(e), as_json)
-    except ValueError as e:  # TensorStore reports a failed write (full disk) as ValueError
-        os_error = tensorstore_os_error(e)
+    except (OSError, ValueError) as e:  # user's paths: missing, unreadable, read-only, full disk
+        # TensorStore reports a failed write (full disk) as ValueError
+        os_error = e if isinstance(e, OSError) else tensorstore_os_error(e)
         if os_error is None:
             raise
         return fail(args.command, 1, os_error_json(os_error), as_json)

@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
             status = f"{e.why}, {'complete' if e.complete else 'unfinished'}"
         if e.foreign and e.restorable:
             status = f"complete, {e.why}"
-        there = what_is_there(e)
-        cells = [str(e.step), status, str(e.files), format_bytes(e.bytes), there]
+        cells = [str(e.step), status, str(e.files), format_bytes(e.bytes), what_is_there(e)]
         table.add_row(*map(literal, cells))
     console().print(table)
     leftovers = sorted({e.step for e in entries if e.status == "leftover"})
