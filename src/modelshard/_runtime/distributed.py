@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from .._base import DistributedError
@@ -256,8 +257,6 @@ def barrier(name: str = "modelshard.barrier", *, timeout_s: float | None = None)
     timeout = barrier_timeout_s() if timeout_s is None else timeout_s
     client = global_state.client
     if client is None:  # a runtime started without JAX's coordination service
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
         return
     key = _key(client, "barrier", name)
@@ -346,8 +345,6 @@ def _read(client: Any, key: str, readers: int) -> None:
 
 def _broadcast_by_devices(text: str | None, source: int = 0) -> str:
     """``text`` of process ``source`` on every process, by device collectives (no client)."""
-    from jax.experimental import multihost_utils
-
     mine = np.frombuffer((text or "").encode(), np.uint8)
     me = jax.process_index() == source
     size = int(multihost_utils.broadcast_one_to_all(np.int64(mine.size), is_source=me))
@@ -381,8 +378,6 @@ def to_host(tree: Any) -> Any:
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)  # NumPy has no key dtype: the raw uint32 words
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
-
             out.append(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
         else:
             out.append(np.asarray(x))
