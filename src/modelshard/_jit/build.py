@@ -99,11 +99,6 @@ def has_tracer(flat: Sequence[Any]) -> bool:
     return any(isinstance(x, Tracer) for x in flat)
 
 
-def _abstract(x: Any, s: Any) -> jax.ShapeDtypeStruct:
-    weak = bool(getattr(x, "weak_type", False))
-    return jax.ShapeDtypeStruct(x.shape, canonical_dtype(x.dtype), sharding=s, weak_type=weak)
-
-
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What a cache miss builds from: the function, its mesh and specs, one call's arguments."""
@@ -157,7 +152,10 @@ def build_entry(call: Call) -> Entry:
     flat_in = [x for t in taken for x in t.arrays]
     expect = shapes(flat_in)
     traced = _FlatFunction(call, bounds, expect)
-    abstract = [_abstract(x, s) for x, s in zip(flat_in, in_sh, strict=True)]
+    abstract = [
+        jax.ShapeDtypeStruct(x.shape, dtype, sharding=s, weak_type=getattr(x, "weak_type", False))
+        for x, (_, dtype), s in zip(flat_in, expect, in_sh, strict=True)
+    ]
     donate = tuple(
         i for t, (a, b) in zip(taken, bounds, strict=True) if t.slot.donate for i in range(a, b)
     )

@@ -110,7 +110,6 @@ class ShardJit:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self._route
         if route is not None and not kwargs and self._env() == self._route_env:
-            # Arguments laid out as last time: gather their leaves and call.
             got = route.gather(args)
             if got is not None:
                 entry = route.entry
@@ -276,7 +275,6 @@ class ShardJit:
             ),
         )
 
-    # ---- inspection ---------------------------------------------------------------------
     def _entry_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Entry, list[Any]]:
         bound = self._take(args, kwargs)
         entry = self._miss(bound)
