@@ -144,9 +144,7 @@ class ArgumentLayout:
         for i in range(npos):
             name = posnames[i] if i < len(posnames) else f"{var}[{i - len(posnames)}]"
             static = (
-                i in self._static_nums
-                or i - npos in self._static_nums
-                or name in self._static_names
+                any(j in self._static_nums for j in (i, i - npos)) or name in self._static_names
             )
             spec = specs.get(name, NOSPEC) if isinstance(specs, Mapping) else specs[i]
             donate = i in self._donate_nums or name in self._donate_names

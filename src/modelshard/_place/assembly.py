@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from .._base import AdapterError, AssembleError, dtype_name, make_mesh, mesh_sizes
+from .._base import AdapterError, AssembleError, dtype_name, mesh_sizes
 from .._containers import Flat, split
 from .._specs import SpecLike, entry_axes, expand_args
 
@@ -38,15 +38,12 @@ def global_shape(local_shape: Sequence[int], spec: PartitionSpec, mesh: Any) -> 
         (24, 5)
     """
     sizes = mesh_sizes(mesh)
-    local = tuple(int(d) for d in local_shape)
     # Validate as the rule engine would, on the (always divisible) global candidate.
-    candidate = list(local)
+    candidate = [int(d) for d in local_shape]
     for d, entry in enumerate(spec):
-        if entry is None or d >= len(candidate):
-            continue
-        candidate[d] *= math.prod(sizes.get(a, 1) for a in entry_axes(entry))
-    leaf = jax.ShapeDtypeStruct(tuple(candidate), np.float32)
-    expand_args([("spec", leaf, spec)], mesh)
+        if d < len(candidate):
+            candidate[d] *= math.prod(sizes.get(a, 1) for a in entry_axes(entry))
+    expand_args([("spec", jax.ShapeDtypeStruct(tuple(candidate), np.float32), spec)], mesh)
     return tuple(candidate)
 
 
@@ -57,12 +54,11 @@ def _positions(mesh: Any) -> tuple[list[Any], list[int]]:
     return devices, [p for p, d in enumerate(devices) if d.process_index == me]
 
 
-def _local_specs(flat0: Flat, specs: SpecLike, mesh: Any) -> list[PartitionSpec]:
-    """Each leaf's spec, chosen from the local shapes on a size-1 copy of ``mesh``."""
-    ones = make_mesh(
-        {str(a): 1 for a in mesh.axis_names}, abstract=True, axis_types=tuple(mesh.axis_types)
-    )
-    (arg,) = expand_args([("pieces[0]", flat0.obj, specs)], ones)
+def local_specs(name: str, tree: Any, specs: SpecLike, mesh: Any) -> list[PartitionSpec]:
+    """Each leaf's spec, chosen from ``tree``'s local shapes on a size-1 copy of ``mesh``."""
+    names = tuple(mesh.axis_names)
+    ones = AbstractMesh((1,) * len(names), names, axis_types=tuple(mesh.axis_types))
+    (arg,) = expand_args([(name, tree, specs)], ones)
     return [leaf.spec for leaf in arg.leaves]
 
 
@@ -166,7 +162,7 @@ def assemble(pieces: Sequence[Any] | Mapping[Any, Any], specs: SpecLike, mesh: A
         raise AssembleError(f"a piece could not be split: {e}") from e
     _check_pieces(flats, ids)
     first = flats[0]
-    specs_local = _local_specs(first, specs, mesh)
+    specs_local = local_specs("pieces[0]", first.obj, specs, mesh)
     shapes = [
         global_shape(np.shape(a), s, mesh) for a, s in zip(first.arrays, specs_local, strict=True)
     ]
@@ -206,7 +202,7 @@ def assemble_process_local(data: Any, specs: SpecLike, mesh: Any) -> Any:
         (16, 2)
     """
     flat = split(data)
-    specs_local = _local_specs(flat, specs, mesh)
+    specs_local = local_specs("pieces[0]", flat.obj, specs, mesh)
     for i, x in enumerate(flat.arrays):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             raise AssembleError(

@@ -16,17 +16,16 @@ from .planning import plan
 def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
     """Put each array on its sharding; abstract leaves get the sharding attached."""
     out: list[Any] = list(arrays)
-    todo_i, todo_x, todo_s = [], [], []
+    todo = []
     for i, (x, s) in enumerate(zip(arrays, shardings, strict=True)):
         if isinstance(x, jax.ShapeDtypeStruct):
             out[i] = jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=s, weak_type=getattr(x, "weak_type", False)
             )
         elif not (isinstance(x, jax.Array) and x.sharding == s):
-            todo_i.append(i)
-            todo_x.append(x)
-            todo_s.append(s)
-    if todo_x:
+            todo.append(i)
+    if todo:
+        todo_x, todo_s = [arrays[i] for i in todo], [shardings[i] for i in todo]
         if is_abstract(todo_s[0].mesh):
             raise MeshError(
                 "cannot place concrete arrays on an AbstractMesh; build a real mesh "
@@ -34,7 +33,7 @@ def place(arrays: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
             )
         if jax.process_count() > 1:
             todo_x = [_local_to_global(x, s) for x, s in zip(todo_x, todo_s, strict=True)]
-        for i, y in zip(todo_i, jax.device_put(todo_x, todo_s), strict=True):
+        for i, y in zip(todo, jax.device_put(todo_x, todo_s), strict=True):
             out[i] = y
     return out
 

@@ -73,9 +73,6 @@ def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-# ---- logical names in words -----------------------------------------------------------
-
-
 def logical_text(logical: list[list[dict[str, Any]]] | None) -> str:
     """``batch->data, seq (tinylm defaults)``: each dimension's logical names, in words."""
     if not logical:
@@ -113,9 +110,6 @@ def rule_text(rule: str, logical: list[list[dict[str, Any]]] | None) -> str:
     elif rule.endswith(" for the whole argument"):
         rule = "argument"
     return f"{rule}: {names}"
-
-
-# ---- a leaf's tiles ------------------------------------------------------------------------
 
 
 class Tiles:
@@ -278,9 +272,6 @@ def plain_text(renderable: Any, width: int) -> str:
     console = Console(width=width, record=True, force_terminal=False, color_system=None, file=out)
     console.print(renderable)
     return "\n".join(line.rstrip() for line in console.export_text().splitlines()).rstrip()
-
-
-# ---- the whole plan ------------------------------------------------------------------------
 
 
 def _bar(items: list[tuple[str, str, int, list[Any], list[Any]]], total: int, head: str) -> str:

@@ -55,7 +55,6 @@ class Plan:
         self.memory: Any = None
         self._shardings: dict[Any, NamedSharding] = {}
 
-    # ---- per-leaf views -------------------------------------------------------------
     @property
     def leaves(self) -> list[LeafPlan]:
         """Every leaf plan, across all arguments, in order."""
@@ -106,7 +105,6 @@ class Plan:
         """Like ``shardings``, with ``PartitionSpec`` leaves."""
         return self._mirror([[leaf.spec for leaf in a.leaves] for a in self.args])
 
-    # ---- sizes ----------------------------------------------------------------------
     def shard_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
         """The shape of one device's shard of ``leaf``."""
         return shard_shape(leaf.shape, leaf.spec, self.sizes)
@@ -126,7 +124,6 @@ class Plan:
     def num_devices(self) -> int:
         return math.prod(self.sizes.values()) if self.sizes else 1
 
-    # ---- grouped views ---------------------------------------------------------------
     def named(self, filter: str | re.Pattern[str] | None = None) -> list[tuple[str, LeafPlan]]:
         """``(displayed path, leaf)`` of every leaf whose displayed path matches ``filter``."""
         multi = len(self.args) > 1
@@ -147,25 +144,24 @@ class Plan:
         ``fold``, leaves planned alike whose paths differ only in layer numbers are one row
         (``layers_{0..61}/mlp/kernel``); ``filter`` is a regex searched in each path."""
         named = self.named(filter)
-
-        def row(path: str, leaves: list[LeafPlan], paths: list[str]) -> dict[str, Any]:
-            return {
-                "path": path,
-                "count": len(leaves),
-                **self._leaf_json(leaves[0]),
-                "paths": paths,
-            }
-
         if not fold:
-            return [row(p, [leaf], [p]) for p, leaf in named]
-        folded = fold_paths(
-            named,
-            lambda x: x[0],
-            key=lambda x: (x[1].shape, str(x[1].dtype), tuple(x[1].spec), x[1].rule, x[1].logical),
-        )
+            groups = [(p, leaf, [p]) for p, leaf in named]
+        else:
+            folded = fold_paths(
+                named,
+                lambda x: x[0],
+                key=lambda x: (
+                    x[1].shape,
+                    str(x[1].dtype),
+                    tuple(x[1].spec),
+                    x[1].rule,
+                    x[1].logical,
+                ),
+            )
+            groups = [(g.path, g.items[0][1], g.paths) for g in folded]  # type: ignore[index]
         return [
-            row(g.path, [x[1] for x in g.items], g.paths)  # type: ignore[index]
-            for g in folded
+            {"path": path, "count": len(paths), **self._leaf_json(leaf), "paths": paths}
+            for path, leaf, paths in groups
         ]
 
     def modules(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
@@ -218,7 +214,6 @@ class Plan:
         # ``path`` None: the whole plan, no single leaf
         raise spec_error("budget", None, what, header, mesh=self.sizes, hint=hint, cause=cause)
 
-    # ---- rendering ------------------------------------------------------------------
     def rows(self, filter: str | re.Pattern[str] | None = None) -> list[dict[str, Any]]:
         """One JSON-ready dict per leaf (the CLI's ``--json``); ``filter``: a regex. ``spec`` is
         one entry per dimension (``[["data", "fsdp"], null]``); ``logical`` per dimension the

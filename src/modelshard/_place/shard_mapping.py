@@ -8,12 +8,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from .._base import SpecError, current_mesh, format_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
 from .arguments import NOSPEC, ArgumentLayout, invalid
+from .assembly import local_specs
 from .constraints import constrain_leaves
 
 _MAX_ENTRIES = 64
@@ -133,9 +134,7 @@ def _body(
             n = len(flat.array_index)
             values[i] = flat.rebuild(local[start : start + n])
             start += n
-        pos = values[:npos]
-        kw = dict(zip(kwargs, values[npos:], strict=True))
-        result = split(fn(*pos, **kw))
+        result = split(fn(*values[:npos], **dict(zip(kwargs, values[npos:], strict=True))))
         out[:] = [result]
         return list(result.arrays)
 
@@ -155,18 +154,15 @@ def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) ->
             "was placed, pass the input plan's specs: plan = ms.plan(x, spec, mesh); "
             "out_specs=lambda path, leaf: plan[path].spec",
         )
-    names = tuple(mesh.axis_names)
-    unit = AbstractMesh((1,) * len(names), names, axis_types=tuple(mesh.axis_types))
     local = flat.rebuild([jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes])
     try:
-        (plan,) = expand_args([("out", local, specs)], unit)
+        return local_specs("out", local, specs, mesh)
     except SpecError as e:
         problems = [
             dataclasses.replace(p, mesh=None if p.mesh is None else format_mesh(mesh_sizes(mesh)))
             for p in e.problems
         ]
         raise SpecError(problems, header="invalid shard_map out_specs:") from None
-    return [leaf.spec for leaf in plan.leaves]
 
 
 def _signature(
