@@ -22,8 +22,8 @@ from modelshard._checkpoint.items import (
     encode_items,
     orbax_items,
     orbax_json_items,
-    read_json,
 )
+from modelshard._checkpoint.storage import read_json
 
 
 def _w(step):

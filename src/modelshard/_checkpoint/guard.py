@@ -32,7 +32,6 @@ _stop: list[int] = []  # the signal that asked this process to stop, if any
 _forwarded: list[int] = []  # a signal handed to JAX's preemption service (see on_signal)
 _failed: list[str] = []
 _previous: dict[int, Any] = {}
-_main_code: list[Any] = []
 _tool: list[int] = []
 _TOOL_NAME = "modelshard-exit-guard"
 
@@ -87,7 +86,6 @@ def _install_monitoring() -> None:
     if tool is None:
         return
     mon.use_tool_id(tool, _TOOL_NAME)
-    _main_code.append(code)
 
     def on_return(c: Any, offset: int, value: Any) -> Any:
         if c is code:

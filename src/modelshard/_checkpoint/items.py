@@ -27,10 +27,10 @@ from .storage import (
     RECORD_ITEM,
     STATE_ITEM,
     TREE_METADATA,
-    read_small,
+    read_json,
     step_metadata,
 )
-from .urls import location, reaching
+from .urls import location
 
 # Tags of the non-JSON kinds inside the items document.
 _TAG = "__modelshard_item__"
@@ -214,12 +214,9 @@ def read_items(directory: Any, *, like: Mapping[str, Any] | None = None) -> dict
 def step_items(
     step_dir: Any, state: str | None, like: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The items of a manager step, or of Orbax's own manager's step of state item ``state``.
-
-    Raises:
-        CheckpointError: the step was saved with items whose file is gone (not ``{}``: the
-            run would lose its RNG and data position without a word), or is not an object.
-    """
+    """The items of a manager step, or of Orbax's own manager's step of state item ``state``;
+    CheckpointError where the step was saved with items whose file is gone (not ``{}``: the
+    run would lose its RNG and data position without a word)."""
     if state is not None:
         return decode_items(orbax_items(step_dir, state), like)
     path = step_dir / ITEMS_ITEM / ITEMS_FILE
@@ -239,20 +236,6 @@ def step_items(
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path} is a JSON {type(doc).__name__}, not an object.")
     return decode_items(doc, like)
-
-
-def read_json(path: Any) -> Any:
-    """The JSON document at ``path`` (``storage.read_small``), or None where there is no
-    such file; CheckpointError where it cannot be read or is not JSON."""
-    try:
-        with reaching(path):
-            raw = read_small(path)
-    except FileNotFoundError:
-        return None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
 def extras_json(directory: Any) -> dict[str, Any]:
@@ -298,15 +281,9 @@ ORBAX_JSON_FILE = "metadata"
 
 
 def orbax_items(step_dir: Any, state: str) -> dict[str, Any]:
-    """The JSON items of a step Orbax's own ``CheckpointManager`` wrote, by name: each item
-    its ``_CHECKPOINT_METADATA`` gives Orbax's JSON handler (without handler names, each
-    folder without tree metadata), read from the one file in its folder; not ``state``
-    or ``metrics``.
-
-    Raises:
-        CheckpointError: a JSON item the step lists whose file is gone or not JSON (a
-            damaged step).
-    """
+    """The JSON items of a step Orbax's own ``CheckpointManager`` wrote, by name, not
+    ``state`` or ``metrics``: each its metadata gives Orbax's JSON handler (no handler names:
+    each folder without tree metadata); CheckpointError where one's file is gone or not JSON."""
     handlers = (step_metadata(step_dir) or {}).get("item_handlers")
     if isinstance(handlers, dict):
         listed = sorted(n for n, h in handlers.items() if str(h).endswith("JsonCheckpointHandler"))

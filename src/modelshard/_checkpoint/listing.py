@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import warnings
@@ -30,7 +29,7 @@ from .storage import (
     STATE_ITEM,
     TREE_METADATA,
     is_marked,
-    read_small,
+    read_json,
     step_metadata,
 )
 from .urls import forget_listings, is_remote, location, reaching
@@ -318,8 +317,8 @@ def _json_copies(path: Any, names: list[str]) -> list[str]:
     handlers = meta.get("item_handlers") if meta is not None else None
     if not isinstance(handlers, dict):
         try:
-            items = json.loads(read_small(path / ITEMS_ITEM / ITEMS_FILE))
-        except (OSError, ValueError, RecursionError, CheckpointError):
+            items = read_json(path / ITEMS_ITEM / ITEMS_FILE)
+        except (OSError, ValueError):
             return []
         return sorted(n for n in items if n in names) if isinstance(items, dict) else []
     return sorted(

@@ -16,7 +16,7 @@ import jax
 from .._base import CheckpointError, DistributedError, ForeignStepError
 from .._runtime import barrier, broadcast, gather
 from . import guard
-from .items import encode_items, read_json, step_items
+from .items import encode_items, step_items
 from .listing import (
     Foreign,
     adopted_steps,
@@ -32,7 +32,15 @@ from .removal import delete_step, purge_rotated, remove_numbered, remove_partial
 from .restoring import restore
 from .shards import held_sums, take
 from .step_writer import json_or_error, json_parts, write_step
-from .storage import LOCK, METRICS_FILE, METRICS_ITEM, RECORD_FILE, RECORD_ITEM, step_metadata
+from .storage import (
+    LOCK,
+    METRICS_FILE,
+    METRICS_ITEM,
+    RECORD_FILE,
+    RECORD_ITEM,
+    read_json,
+    step_metadata,
+)
 from .urls import check_bucket, forget_listings, is_remote, location, reaching
 from .write import check_compression, prepare
 
@@ -258,8 +266,9 @@ class CheckpointManager:
             steps = complete_steps(self.directory)
             if len(steps) > 1:
                 metrics = {s: m for s in steps if (m := self.metrics(s)) is not None}
+                kept = self.policy.keep(steps, metrics)
                 for s in steps:
-                    if s not in self.policy.keep(steps, metrics):
+                    if s not in kept:
                         delete_step(self.directory, s)
                         self._metrics.pop(s, None)
         barrier("modelshard:manager:rotated")
@@ -546,10 +555,8 @@ class CheckpointManager:
         if self.policy.best_fn is None:
             return None
         scored = [(self.policy.score(s, m), s) for s in self.all_steps() if (m := self.metrics(s))]
-        if not scored:
-            return None
         sign = 1.0 if self.policy.best_mode == "max" else -1.0
-        return max(scored, key=lambda vs: (sign * vs[0], vs[1]))[1]
+        return max(scored, key=lambda vs: (sign * vs[0], vs[1]), default=(0.0, None))[1]
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None: process 0's on every process (``all_steps``)."""

@@ -141,11 +141,9 @@ def write_spec(
     process: int,
     compress: bool,
 ) -> dict[str, Any]:
-    """The TensorStore spec Orbax's ``ArrayWriteSpec`` gives the array ``name`` of
-    ``shape`` and ``dtype`` (a NumPy dtype), stored in chunks of ``chunk`` (under
-    ``TARGET_DATA_FILE_SIZE`` bytes, where Orbax keeps the shape it is given) in the
-    database of ``process`` under ``tree_dir`` (a local path or a kvstore), raw or
-    zstd-compressed."""
+    """The TensorStore spec Orbax's ``ArrayWriteSpec`` gives the array ``name`` (``dtype`` a
+    NumPy dtype), in chunks of ``chunk`` (under ``TARGET_DATA_FILE_SIZE`` bytes: Orbax keeps
+    the shape it is given), in the database of ``process`` under ``tree_dir``."""
     kv = _kvstore(tree_dir, write=True, sub=f"ocdbt.process_{process}")
     return {
         "driver": "zarr",

@@ -34,6 +34,7 @@ from .storage import (
     kind_of,
     nest,
     orbax_name,
+    read_json,
     read_small,
     storage_key,
 )
@@ -208,15 +209,9 @@ def locate(directory: str | os.PathLike[str]) -> Source:
         beside = p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists()
         written = record_file.exists() or is_marked(p) or beside
         _check_manifest(p, tree_dir, tree, plain=not written)
-    if record_file.exists() or (not remote and record_file.is_symlink()):
-        try:
-            data = json.loads(read_small(record_file))
-        except (ValueError, RecursionError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{record_file} is not valid JSON: {e}") from e
-        record = Record.from_json(data, str(record_file))
-        return Source(p, tree_dir, record, _tree=tree)
+    data = read_json(record_file)
+    if data is not None:
+        return Source(p, tree_dir, Record.from_json(data, str(record_file)), _tree=tree)
     if p.name == STATE_ITEM and (p.parent / RECORD_ITEM / RECORD_FILE).exists():
         # a manager step's arrays given alone: read as the step, whose record is beside them
         return locate(p.parent)

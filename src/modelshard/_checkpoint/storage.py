@@ -5,6 +5,7 @@ read as untrusted input. ``docs/concepts/checkpoint-format.md`` describes the fo
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterable, Sequence
@@ -13,6 +14,7 @@ from typing import Any
 
 from .._base import CheckpointError
 from .._base import split as split_path
+from .urls import reaching
 
 FORMAT = "modelshard.checkpoint/1"
 """The record's ``format``; also the value of the marker."""
@@ -180,14 +182,26 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
+def read_json(path: Any) -> Any:
+    """The JSON document at ``path`` (``read_small``), or None where there is no such file;
+    CheckpointError where it cannot be read or is not JSON."""
+    try:
+        with reaching(path):
+            raw = read_small(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
 def step_metadata(directory: Path) -> dict[str, Any] | None:
     """Orbax's ``_CHECKPOINT_METADATA`` in ``directory`` as a dict, or None (none, not JSON,
     unreadable, oversized or not a regular file)."""
-    import json
-
     try:
-        data = json.loads(read_small(directory / CHECKPOINT_METADATA))
-    except (OSError, ValueError, RecursionError):
+        data = read_json(directory / CHECKPOINT_METADATA)
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
