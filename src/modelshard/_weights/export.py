@@ -202,28 +202,19 @@ def canonical_export(
     for (path, (shape, dt)), x in zip(targets.items(), flat.arrays, strict=True):
         dotted = [c for c in split_path(path) if "." in c]
         if dotted:
-            problems.append(
-                Problem(
-                    "state",
-                    path,
-                    f"path component {dotted[0]!r} holds a '.', which loading reads as '/'",
-                    hint="rename it, or export with reference= and mapping=",
-                )
-            )
+            what = f"path component {dotted[0]!r} holds a '.', which loading reads as '/'"
+            hint = "rename it, or export with reference= and mapping="
+            problems.append(Problem("state", path, what, hint=hint))
             continue
         try:
             floating = np.issubdtype(np.dtype(dt), np.floating)
             out = cast if cast is not None and floating else np.dtype(dt)
             dtype_code(out)
         except (TypeError, CheckpointError):
+            what = f"dtype {dt} has no safetensors code"
+            hint = "export the parameters only (nnx.state(model, nnx.Param))"
             problems.append(
-                Problem(
-                    "state",
-                    path,
-                    f"dtype {dt} has no safetensors code",
-                    hint="export the parameters only (nnx.state(model, nnx.Param)), or "
-                    "convert this leaf first",
-                )
+                Problem("state", path, what, hint=f"{hint}, or convert this leaf first")
             )
             continue
         name = path.replace("/", ".")

@@ -72,8 +72,7 @@ def _ops(value: Any, where: str, problems: list[Problem], src: str) -> tuple[Op,
             what = "no operation" if not kinds else f"{len(kinds)} operations ({', '.join(kinds)})"
             report(at, f"{what}: give exactly one of {', '.join(_OPS)}", hint=_OPS_HINT)
             continue
-        kind = kinds[0]
-        arg = item[kind]
+        kind, arg = kinds[0], item[kinds[0]]
         extra = [k for k in item if k != kind]
         if kind != "rearrange" and extra:
             report(f"{at}.{extra[0]}", f"{unknown_key(extra[0], _OPS)} for {kind}")
