@@ -78,18 +78,11 @@ def _encode(name: str, value: Any, problems: list[str]) -> Any:
         _json_problems(state, f"{where}.get_state()", problems)
         return {_TAG: "iterator", "state": state}
     if isinstance(value, jax.Array | np.ndarray):
-        if is_key(value.dtype):
-            data = np.asarray(encode(value))
-            impl = key_impl(value.dtype)
-            return {
-                _TAG: "key",
-                "impl": impl,
-                "shape": list(data.shape),
-                "data": data.ravel().tolist(),
-            }
-        if value.dtype == np.uint32 and value.size <= 1024:
-            data = np.asarray(value)
-            return {_TAG: "raw_key", "shape": list(data.shape), "data": data.ravel().tolist()}
+        key = is_key(value.dtype)
+        if key or (value.dtype == np.uint32 and value.size <= 1024):
+            data = np.asarray(encode(value) if key else value)
+            kind = {_TAG: "key", "impl": key_impl(value.dtype)} if key else {_TAG: "raw_key"}
+            return {**kind, "shape": list(data.shape), "data": data.ravel().tolist()}
         problems.append(
             f"{where}: an array of {value.dtype}{list(value.shape)}; put arrays in the "
             "sharded state (only PRNG keys are items)"
@@ -165,11 +158,9 @@ def _decode(name: str, value: Any, like: Any) -> Any:
     import jax
     import numpy as np
 
-    if kind == "key":
+    if kind in ("key", "raw_key"):
         data = jax.numpy.asarray(np.asarray(value["data"], np.uint32).reshape(value["shape"]))
-        return jax.random.wrap_key_data(data, impl=value["impl"])
-    if kind == "raw_key":
-        return jax.numpy.asarray(np.asarray(value["data"], np.uint32).reshape(value["shape"]))
+        return jax.random.wrap_key_data(data, impl=value["impl"]) if kind == "key" else data
     raise CheckpointError(
         f"items[{name!r}] has an unknown kind {kind!r}; written by a newer modelshard?"
     )

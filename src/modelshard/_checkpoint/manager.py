@@ -323,17 +323,17 @@ class CheckpointManager:
         self._polled = True
         if guard.stop_signal() is not None:
             return True
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+        if jax.process_count() == 1:
+            return False
+        from jax.experimental import multihost_utils
 
-            try:
-                reached = bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # no preemption service in this process group
-                return False
-            if reached:  # every process saves this step and exits 128 + SIGTERM
-                guard.request_stop(signal.SIGTERM)
-            return reached
-        return False
+        try:
+            reached = bool(multihost_utils.reached_preemption_sync_point(step))
+        except RuntimeError:  # no preemption service in this process group
+            return False
+        if reached:  # every process saves this step and exits 128 + SIGTERM
+            guard.request_stop(signal.SIGTERM)
+        return reached
 
     def should_save(self, step: int) -> bool:
         """Whether ``save`` would write ``step``: a multiple of ``save_interval_steps``,
