@@ -42,17 +42,13 @@ class Entry:
     def __post_init__(self) -> None:
         self.run = self._compile_and_run
 
-    def compile(self) -> Any:
-        """The executable: lowered from the entry's trace and compiled, once."""
-        if self.compiled is None:
-            self.compiled = self.jitted.trace(*self.abstract).lower().compile()
-            self.run = self.compiled
-        return self.compiled
-
     def _compile_and_run(self, *flat: Any) -> Any:
+        """The first call: the executable lowered from the entry's trace, compiled once."""
         if has_tracer(flat):
             return self.jitted(*flat)  # under an outer transformation: no executable
-        compiled = self.compile()
+        if self.compiled is None:
+            self.compiled = self.run = self.jitted.trace(*self.abstract).lower().compile()
+        compiled = self.compiled
         out = compiled(*flat)
         # later calls go straight to the C++ dispatcher ``Compiled.__call__`` builds on its
         # first call (a Python frame and an argument copy fewer), where this JAX has one

@@ -47,11 +47,9 @@ _JAX = str(Path(jax.__file__).resolve().parent) + os.sep
 def _where(frame: FrameType, function: bool = False) -> str:
     """``model.py:42`` (with ``function``: ``model.py:42 in f``), relative where it can be."""
     path = frame.f_code.co_filename
-    try:
+    with contextlib.suppress(ValueError):  # another drive (Windows)
         rel = os.path.relpath(path)
         path = rel if not rel.startswith("..") else path
-    except ValueError:  # another drive (Windows)
-        pass
     return f"{path}:{frame.f_lineno}" + (f" in {frame.f_code.co_qualname}" if function else "")
 
 
@@ -264,19 +262,14 @@ def constrain(
             name = _where(frame, function=True) if frame is not None else "constrain"
         sizes = mesh_sizes(mesh)
         written = format_spec(specs) if isinstance(specs, PartitionSpec) else repr(specs)
-        recording.extend(
-            ActivationConstraint(
-                name,
-                leaf.path,
-                leaf.shape,
-                dtype_name(leaf.dtype),
-                leaf.logical,
-                leaf.spec,
-                written,
-                nbytes(shard_shape(leaf.shape, leaf.spec, sizes), leaf.dtype),
+        for leaf in arg.leaves:
+            size = nbytes(shard_shape(leaf.shape, leaf.spec, sizes), leaf.dtype)
+            dtype = dtype_name(leaf.dtype)
+            recording.append(
+                ActivationConstraint(
+                    name, leaf.path, leaf.shape, dtype, leaf.logical, leaf.spec, written, size
+                )
             )
-            for leaf in arg.leaves
-        )
     return arg.flat.update_inplace(
         constrain_leaves(arg.flat.arrays, [leaf.spec for leaf in arg.leaves], mesh)
     )
