@@ -29,7 +29,9 @@ repeat so that background load and disk write-back hit them alike):
   (ratios per repeat), interleaved, medians over ``--repeats``; then the
   ``modelshard reshard`` command against restore + save again, each of those runs started
   ``SETTLE_S`` after its old output was removed (see there), in wall time and in CPU time
-  (all threads; the load on a shared machine moves it less).
+  (all threads; the load on a shared machine moves it less); and the command against
+  Orbax's restore onto (2, 4) + save in a fresh process of its own (issue 46's bar: both
+  start-ups included, both settled, per repeat).
 
 The state is ``--leaves`` float32 matrices of random normals sharded by ``fsdp('data')`` over
 8 simulated CPU devices.
@@ -99,6 +101,28 @@ CHILD_RESTORE = textwrap.dedent(
         out = ms.restore(sys.argv[1], specs=ms.Rules([("w$", P("data", "model"))]), mesh=mesh)
         jax.block_until_ready(out)
     print(json.dumps({"baseline": base, "peak": vm_hwm(), "s": time.perf_counter() - t}))
+    """
+)
+
+# Orbax's own reshard, in a fresh process as the command is: its checkpoint restored onto
+# (2, 4) (StandardCheckpointer), then saved (issue 46's baseline for the command).
+CHILD_ORBAX_RESHARD = textwrap.dedent(
+    """
+    import os, sys, json
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    target = {k: {"w": jax.ShapeDtypeStruct(tuple(s), jnp.float32, sharding=sharding)}
+              for k, s in json.loads(sys.argv[3]).items()}
+    ckpt = ocp.StandardCheckpointer()
+    out = ckpt.restore(sys.argv[1], target)
+    ckpt.save(sys.argv[2], out)
+    ckpt.wait_until_finished()
     """
 )
 
@@ -286,6 +310,11 @@ def _figures(results, reshard_ratios, args, chunk_bytes) -> dict:
     out["reshard_cli_less_fixed_cpu_ratios"] = [
         round(r, 2) for r in results["reshard_cli_less_fixed_cpu_ratios"]
     ]
+    out["reshard_cli_orbax_fresh_s"] = round(results["reshard_cli_orbax_fresh_s"], 1)
+    vs_fresh = results["reshard_cli_vs_orbax_fresh_ratios"]
+    out["reshard_cli_vs_orbax_fresh"] = round(statistics.median(vs_fresh), 2)
+    out["reshard_cli_vs_orbax_fresh_ratios"] = [round(r, 2) for r in vs_fresh]
+    out["rss_reshard_orbax_fresh_mib"] = round(results["rss_reshard_orbax_fresh"] / mib)
     out["reshard_checksums_match"] = "yes" if results["reshard_checksums_match"] else "no"
     return out
 
@@ -463,6 +492,11 @@ def main(argv=None) -> int:
     ms.save(root / "tiny", ms.shard(tiny, ms.fsdp("data"), mesh), overwrite=True)
     cli_s, startup_s, fixed_s, rs_s, cli_ratios, fixed_ratios, cli_peaks = ([] for _ in range(7))
     fixed_cpu_ratios: list[float] = []
+    orbax_fresh_s: list[float] = []
+    orbax_fresh_peaks: list[int] = []
+    orbax_child = root / "child_orbax_reshard.py"
+    orbax_child.write_text(CHILD_ORBAX_RESHARD)
+    shapes_json = json.dumps(shapes)
     for _ in range(args.repeats):
         settled("rs_baseline")()
         cpu = time.process_time()
@@ -475,6 +509,14 @@ def main(argv=None) -> int:
         fixed, seconds = reshard_cli("tiny", "tiny_resharded")
         fixed_s.append(seconds)
         cli, seconds = reshard_cli("ms", "resharded")
+        settled("orbax_resharded")()
+        t = time.perf_counter()
+        cmd = [sys.executable, str(cli_child), sys.executable, str(orbax_child)]
+        got = _run_json([*cmd, str(root / "orbax"), str(root / "orbax_resharded"), shapes_json])
+        if got["rc"] != 0:
+            raise RuntimeError("Orbax restore + save in a fresh process failed")
+        orbax_fresh_s.append(time.perf_counter() - t)
+        orbax_fresh_peaks.append(got["peak"])
         fixed_cpu_ratios.append((cli["cpu"] - fixed["cpu"]) / rs_cpu)
         cli_s.append(seconds)
         cli_peaks.append(cli["peak"])
@@ -491,6 +533,12 @@ def main(argv=None) -> int:
     results["reshard_cli_less_fixed_cpu_vs_restore_save"] = statistics.median(fixed_cpu_ratios)
     results["reshard_cli_less_fixed_cpu_ratios"] = fixed_cpu_ratios
     results["rss_reshard_cli"] = max(cli_peaks)
+    # the command against Orbax's restore + save, each a fresh process, start-up included
+    results["reshard_cli_orbax_fresh_s"] = statistics.median(orbax_fresh_s)
+    results["reshard_cli_vs_orbax_fresh_ratios"] = [
+        a / b for a, b in zip(cli_s, orbax_fresh_s, strict=True)
+    ]
+    results["rss_reshard_orbax_fresh"] = max(orbax_fresh_peaks)
     cli = {"peak": max(cli_peaks)}
     # one leaf args.big_factor times the chunk: copied in slabs, the peak must stay near a chunk
     big_rows = 2048
@@ -595,6 +643,11 @@ def main(argv=None) -> int:
         f"Orbax restore onto (2, 4) + Orbax save: {results['reshard_orbax_restore_save_s']:.2f} s;"
         f" reshard / that, per repeat: "
         + ", ".join(f"{r:.2f}x" for r in results["reshard_vs_orbax_ratios"]),
+        f"`modelshard reshard` against Orbax restore + save, each a fresh process: "
+        f"{results['reshard_cli_s']:.2f} s, {results['rss_reshard_cli'] / mb:.0f} MiB peak "
+        f"against {results['reshard_cli_orbax_fresh_s']:.2f} s, "
+        f"{results['rss_reshard_orbax_fresh'] / mb:.0f} MiB; per repeat: "
+        + ", ".join(f"{r:.2f}x" for r in results["reshard_cli_vs_orbax_fresh_ratios"]),
         f"restore onto (2, 4) in a fresh process: modelshard "
         f"{results['fresh_restore24_ms_s']:.2f} s, Orbax {results['fresh_restore24_orbax_s']:.2f}"
         " s; per repeat: " + ", ".join(f"{r:.2f}x" for r in results["fresh_restore24_ratios"]),
