@@ -349,15 +349,10 @@ class _Resolver:
                     "(modelshard.plan(like, ...) lists them)",
                     cause="mapped to a path the target does not have",
                 )
-        if mapping.strict and not export:
-            for j, k in enumerate(mapping.keep):  # optional patterns follow keep's in _keep
-                if j not in keep_used:
-                    self.report(
-                        "mapping",
-                        f"keep[{j}]",
-                        f"keep pattern {k!r} matched no unmapped target leaf",
-                        hint="fix or remove the pattern",
-                    )
+        if mapping.strict and not export:  # optional patterns follow keep's in _keep
+            for j in sorted(set(range(len(mapping.keep))) - keep_used):
+                what = f"keep pattern {mapping.keep[j]!r} matched no unmapped target leaf"
+                self.report("mapping", f"keep[{j}]", what, hint="fix or remove the pattern")
         return kept, rows
 
 
