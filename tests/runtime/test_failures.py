@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import modelshard as ms
-from modelshard._runtime import is_shared, outcome, shared_error
+from modelshard._runtime import outcome, shared_error
+from modelshard._runtime.failures import is_shared
 
 
 def test_nothing_failed_nothing_is_raised():

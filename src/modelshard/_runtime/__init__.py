@@ -17,7 +17,6 @@ from .distributed import local_slice as local_slice
 from .distributed import require_addressable as require_addressable
 from .distributed import to_host as to_host
 from .failures import Outcome as Outcome
-from .failures import is_shared as is_shared
 from .failures import outcome as outcome
 from .failures import raise_shared as raise_shared
 from .failures import shared_error as shared_error

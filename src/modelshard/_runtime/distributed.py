@@ -80,14 +80,11 @@ def cluster_detected(env: Mapping[str, str] | None = None) -> str | None:
     if all(k in env for k in slurm) and many("SLURM_NTASKS"):
         return "slurm"
     ompi = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
-    if ("OMPI_MCA_orte_hnp_uri" in env or all(k in env for k in ompi)) and many(
-        "OMPI_COMM_WORLD_SIZE"
-    ):
+    ompi_env = "OMPI_MCA_orte_hnp_uri" in env or all(k in env for k in ompi)
+    if ompi_env and many("OMPI_COMM_WORLD_SIZE"):
         return "openmpi"
-    if any(
-        k in env
-        for k in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_ADDRESSES_PATH")
-    ):
+    tpu = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_ADDRESSES_PATH")
+    if any(k in env for k in tpu):
         return "tpu"
     if env is os.environ and getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
         return "cloud-tpu-vm"
@@ -217,8 +214,7 @@ def _abandoned(client: Any, key: str) -> bool:
 
 @contextlib.contextmanager
 def _waiting(client: Any, key: str, what: str, name: str, timeout: float) -> Iterator[None]:
-    """A wait on ``key``: if it fails, ``key`` is marked given up (see ``_key``) and
-    ``wait_failed`` raised."""
+    """Wait on ``key``; on failure mark it given up (``_key`` skips it), raise ``wait_failed``."""
     try:
         yield
     except Exception as e:  # JaxRuntimeError: DEADLINE_EXCEEDED, or a peer's failure

@@ -215,15 +215,13 @@ def _forward(
             continue
         if not line.endswith(b"\n"):
             line += b"\n"
-        with lock:
-            try:
-                if sink is not None:
-                    sink.write(prefix + line)
-                else:
-                    out.write((prefix + line).decode("utf-8", "replace"))
-                out.flush()
-            except (OSError, ValueError):  # our reader went away (`| head`): keep draining
-                pass
+        # an OSError or ValueError: our reader went away (`| head`), keep draining
+        with lock, contextlib.suppress(OSError, ValueError):
+            if sink is not None:
+                sink.write(prefix + line)
+            else:
+                out.write((prefix + line).decode("utf-8", "replace"))
+            out.flush()
     stream.close()
 
 
@@ -331,7 +329,6 @@ def run(
                 note(f"cannot start {command[0]!r}: {e.strerror or e}")
                 return 127
             procs.append(proc)
-        for i, proc in enumerate(procs):
             prefix = f"[process {i}] ".encode()
             for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
                 assert stream is not None
@@ -399,15 +396,7 @@ def run(
 
 
 def main(argv: list[str]) -> int:
-    """``modelshard launch -n N [--devices-per-process K] [--timeout S] -- command ...``.
-
-    Example:
-        >>> from modelshard._runtime.processes import main
-        >>> main(["-n", "2", "--", "python", "-c", "print('hi')"])  # doctest: +SKIP
-        [process 0] hi
-        [process 1] hi
-        0
-    """
+    """``modelshard launch -n N [--devices-per-process K] [--timeout S] -- command ...``."""
     parser = _parser()
     args = parser.parse_args(argv)
     command = list(args.command)
