@@ -145,13 +145,8 @@ def explicit_axes(mesh: Any) -> frozenset[str]:
 
 def _axes(spec: Any) -> set[str]:
     """The mesh axes a ``PartitionSpec`` names (``None`` and ``UNCONSTRAINED`` name none)."""
-    out: set[str] = set()
-    for entry in spec:
-        if isinstance(entry, str):
-            out.add(entry)
-        elif isinstance(entry, tuple):
-            out.update(a for a in entry if isinstance(a, str))
-    return out
+    entries = (e if isinstance(e, tuple) else (e,) for e in spec)
+    return {a for entry in entries for a in entry if isinstance(a, str)}
 
 
 def _sharded_over(x: Any, axes: frozenset[str]) -> bool:

@@ -29,14 +29,6 @@ def read_toml(
 
     ``where`` is the problems' ``path``; ``unreadable`` names the file when one that cannot
     be read is a problem too (``None``: its ``OSError`` propagates).
-
-    Example:
-        >>> import pathlib, tempfile
-        >>> from modelshard._base.errors import SpecError
-        >>> p = pathlib.Path(tempfile.mkdtemp()) / "x.toml"
-        >>> _ = p.write_text('strict = true\\n')
-        >>> read_toml(p, lambda problems: SpecError(problems), where=None, unreadable=None)
-        {'strict': True}
     """
     p = Path(path)
     try:
@@ -57,12 +49,7 @@ def read_toml(
 
 
 def unknown_key(key: str, allowed: Iterable[str], what: str = "key") -> str:
-    """``unknown key 'rearange' (did you mean 'rearrange'?)``.
-
-    Example:
-        >>> unknown_key("strickt", ["strict", "rules"], "top-level key")
-        "unknown top-level key 'strickt' (did you mean 'strict'?)"
-    """
+    """``unknown key 'rearange' (did you mean 'rearrange'?)``: ``key`` not among ``allowed``."""
     close = close_match(key, allowed)
     return f"unknown {what} {key!r}" + (f" (did you mean {close!r}?)" if close else "")
 

@@ -274,9 +274,6 @@ def _convert_to_safetensors(args: argparse.Namespace) -> int:
             bytes=nbytes,
         )
     else:
-        n = len(files)
-        say(
-            f"wrote {dest}: {len(items)} tensors, {format_bytes(nbytes)}"
-            + (f" in {n} files" if n > 1 else "")
-        )
+        many = f" in {len(files)} files" if len(files) > 1 else ""
+        say(f"wrote {dest}: {len(items)} tensors, {format_bytes(nbytes)}{many}")
     return 0

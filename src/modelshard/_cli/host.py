@@ -9,7 +9,7 @@ import jax
 
 from .._base import MeshError
 from .._internals import backends_are_initialized
-from .._runtime import ENV_COORDINATOR
+from .._runtime import ENV_COORDINATOR, initialize
 
 # Simulating devices costs time and memory in proportion to their number.
 MAX_CPU_DEVICES = 4096
@@ -18,9 +18,7 @@ MAX_CPU_DEVICES = 4096
 def join_launch() -> None:
     """Join the run started by ``modelshard launch``: each process writes its share."""
     if os.environ.get(ENV_COORDINATOR):
-        from .. import distributed
-
-        distributed.initialize()
+        initialize()
 
 
 def use_cpu_devices(n: int) -> None:

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from .._base import CheckpointError, format_bytes, literal
-from .._checkpoint import checkpoint_kind, is_remote, list_steps, location, reaching
+from .._checkpoint import check_bucket, checkpoint_kind, is_remote, list_steps, location, reaching
 from .args import add_json
 from .output import absolute, console, emit, new_table, say
 
@@ -132,8 +132,6 @@ def parent_of(given: str) -> str:
 def is_root(root: Any) -> bool:
     """Whether ``root`` is there: a local directory, or an object-storage folder."""
     if is_remote(root):
-        from .._checkpoint import check_bucket
-
         check_bucket(root)  # a misspelt bucket is said so
         return True  # an empty prefix is an empty root
     with reaching(root):
