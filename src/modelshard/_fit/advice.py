@@ -67,15 +67,14 @@ class Suggestion:
         return self.rules[next(iter(self.rules)) if arg is None else arg].to_toml()
 
     def to_json(self) -> dict[str, Any]:
+        m = self.memory
         return {
             "kind": self.kind,
             "description": self.description,
             "fits": self.fits,
             "saves": self.saves,
-            "total": None if self.memory is None else self.memory.total,
-            "compile_seconds": None
-            if self.memory is None
-            else round(self.memory.compile_seconds, 3),
+            "total": None if m is None else m.total,
+            "compile_seconds": None if m is None else round(m.compile_seconds, 3),
             "code": self.code,
             "rules": {name: r.to_toml() for name, r in self.rules.items()},
             "error": self.error,
@@ -232,11 +231,8 @@ def fit_advice(
         fn, call, donate = c.fn, list(c.args), c.donated
         specs = [leaf.spec for leaf in plan.leaves]
         for ch in stack:
-            if ch.specs is not None:
-                specs = [
-                    ch.specs(leaf, s, r)
-                    for leaf, s, r in zip(plan.leaves, specs, leaf_roles, strict=True)
-                ]
+            if ch.specs is not None:  # one spec per leaf, in plan order
+                specs = list(map(ch.specs, plan.leaves, specs, leaf_roles))
             if ch.args is not None:
                 call = ch.args(call)
             if ch.step is not None:
@@ -247,6 +243,7 @@ def fit_advice(
             if ch.kind == "moments_dtype":
                 fn = cast_outputs(fn, set(ch.narrowed), jax.numpy.bfloat16)
         new_specs, rules = _in_specs(c, plan, specs)
+        notes = tuple(ch.code for ch in stack if ch.specs is None and ch.code)
         unmeasured = Suggestion(
             kind="+".join(ch.kind for ch in stack),
             description="; ".join(ch.description for ch in stack),
@@ -258,8 +255,8 @@ def fit_advice(
             args=tuple(call),
             donate_argnums=donate,
             step=fn,
-            code=_code(stack, rules),
-            notes=tuple(ch.code for ch in stack if ch.specs is None and ch.code),
+            code="\n".join([*map(_python, rules.items()), *notes]),
+            notes=notes,
         )
         try:
             mem = c.measure(fn, new_specs, call, donate)
@@ -333,11 +330,7 @@ def _in_specs(c: Compiler, plan: Any, specs: list[PartitionSpec]) -> tuple[Any, 
     return (new if isinstance(new, dict) else tuple(new)), rules
 
 
-def _code(stack: Sequence[Change], rules: Mapping[str, Rules]) -> str:
-    """What to paste: each argument's new rules (Python), then the other changes."""
-    out = []
-    for name, r in rules.items():
-        body = "".join(f"\n    ({p!r}, {format_spec(s)})," for p, s in r.rules)
-        out.append(f"{name}_rules = ms.Rules([{body}\n])")
-    out += [ch.code for ch in stack if ch.specs is None and ch.code]
-    return "\n".join(out)
+def _python(named: tuple[str, Rules]) -> str:
+    """One argument's new rules as Python to paste: ``state_rules = ms.Rules([...])``."""
+    body = "".join(f"\n    ({p!r}, {format_spec(s)})," for p, s in named[1].rules)
+    return f"{named[0]}_rules = ms.Rules([{body}\n])"

@@ -32,6 +32,8 @@ _VOCAB = re.compile(
     r"word_embeddings)(/|$)"
 )
 _HEAD = re.compile(r"(^|/)(lm_head|unembed|unembedding)(/|$)")
+# the dimensions each kind shards, in order of preference
+_TP_DIMS = ((_VOCAB, [0]), (_HEAD, [-1]), (_COLUMN, [-1, -2]), (_ROW, [-2, -3]))
 
 KINDS = ("donate", "shard_optimizer", "moments_dtype", "fsdp", "tensor_parallel", "remat", "batch")
 """The kinds of change ``fit_advice`` tries, least invasive first."""
@@ -48,14 +50,11 @@ def add_axis(
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if any(axis in entry_axes(e) for e in entries) or not shape:
         return spec
-    shard = [
-        shape[d] // math.prod(sizes[a] for a in entry_axes(entries[d])) for d in range(len(shape))
-    ]
-    order = (
-        sorted(range(len(shape)), key=lambda d: (-shard[d], d))
-        if dims is None
-        else [d % len(shape) for d in dims if -len(shape) <= d < len(shape)]
-    )
+    ways = [math.prod(sizes[a] for a in entry_axes(e)) for e in entries]
+    shard = [n // w for n, w in zip(shape, ways, strict=True)]
+    order = sorted(range(len(shape)), key=lambda d: (-shard[d], d))
+    if dims is not None:
+        order = [d % len(shape) for d in dims if -len(shape) <= d < len(shape)]
     for d in order:
         if shard[d] % sizes[axis] == 0 and shard[d] >= sizes[axis]:
             old = entry_axes(entries[d])
@@ -65,17 +64,10 @@ def add_axis(
 
 
 def tp_dims(path: str, shape: tuple[int, ...]) -> list[int] | None:
+    """The dimensions tensor parallelism may shard a parameter on, known by its name."""
     if len(shape) < 2:
         return None
-    if _VOCAB.search(path):
-        return [0]
-    if _HEAD.search(path):
-        return [-1]
-    if _COLUMN.search(path):
-        return [-1, -2]
-    if _ROW.search(path):
-        return [-2, -3]
-    return None
+    return next((dims for rx, dims in _TP_DIMS if rx.search(path)), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +160,8 @@ def changes_for(
         axes if has_opt else [],
         lambda leaf, r: r == "optimizer_state" and math.prod(leaf.shape) >= 2**14,
     )
-    if "moments_dtype" in kinds and has_opt:
-        mc = _moments_change(plan, leaf_roles, dynamic)
-        if mc is not None:
-            out.append(mc)
+    if "moments_dtype" in kinds and has_opt and (mc := _moments_change(plan, leaf_roles, dynamic)):
+        out.append(mc)
     per_axis(
         "fsdp",
         "shard parameters and optimizer state over {} (FSDP)",
@@ -199,16 +189,14 @@ def changes_for(
         variant, how = _remat_step(c.fn, remat)
         if variant is not None:
             out.append(Change("remat", "rematerialise the step's activations", how, step=variant))
-    if "batch" in kinds and batch:
-        info = _batch_info(plan, batch, dynamic)
-        if info is not None:
-            out.append(Change("batch", "halve the batch", "", batch=info))
+    if "batch" in kinds and batch and (info := _batch_info(plan, batch, dynamic)) is not None:
+        out.append(Change("batch", "halve the batch", "", batch=info))
     return out
 
 
 def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Change | None:
     """bfloat16 first moments (optax's ``mu_dtype``), else the whole float32 optimizer state."""
-    picked: dict[int, set[str]] = {}
+    picked: dict[int, set[str]] = {}  # argument position -> the leaf paths narrowed
     cands = [(i, leaf) for i, a in enumerate(plan.args) for leaf in a.leaves]
     opt = [
         (i, leaf)
@@ -220,13 +208,12 @@ def _moments_change(plan: Any, leaf_roles: list[str], dynamic: list[int]) -> Cha
     if not chosen:
         return None
     for i, leaf in chosen:
-        picked.setdefault(i, set()).add(leaf.path)
+        picked.setdefault(dynamic[i], set()).add(leaf.path)
     bf16 = jax.numpy.bfloat16
 
     def narrow(call: list[Any]) -> list[Any]:
         call = list(call)
-        for i, paths in picked.items():
-            pos = dynamic[i]
+        for pos, paths in picked.items():
             call[pos] = rebuild(
                 call[pos],
                 lambda p, x, ps=paths: (

@@ -7,6 +7,7 @@ import inspect
 import math
 import re
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -229,13 +230,11 @@ def classify(
     """The role of every leaf of ``plan`` (in ``plan.leaves`` order)."""
     compiled = [(r, re.compile(p) if isinstance(p, str) else p) for r, p in (roles or {}).items()]
     out = []
-    named = plan.named()
-    at = 0
+    named = iter(plan.named())
     for i, a in enumerate(plan.args):
         optax_arg = _optax_arg(values[i]) if i < len(values) else False
         for leaf in a.leaves:
-            path = named[at][0]
-            at += 1
+            path = next(named)[0]
             role = next((r for r, rx in compiled if rx.search(path)), None)
             if role is None:
                 comps = set(leaf.path.split("/")) | {a.name}
@@ -279,7 +278,14 @@ def measure(
         refused = refused_temporaries(e)
         if refused is None:
             raise
-        m = _Refused(sum(plan.bytes_per_device(leaf) for leaf in plan.leaves), refused[0])
+        # the memory analysis of a refused program: planned inputs and the named temporaries
+        inputs = sum(plan.bytes_per_device(leaf) for leaf in plan.leaves)
+        m = types.SimpleNamespace(
+            argument_size_in_bytes=inputs,
+            temp_size_in_bytes=refused[0],
+            output_size_in_bytes=0,
+            alias_size_in_bytes=0,
+        )
     seconds = time.perf_counter() - t
     mesh = plan.mesh
     dev = mesh.devices.flat[0]
@@ -346,18 +352,6 @@ def refused_temporaries(error: BaseException) -> tuple[int, str] | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refused:
-    """The memory analysis of a refused program: planned inputs and the named temporaries."""
-
-    argument_size_in_bytes: int
-    temp_size_in_bytes: int
-    output_size_in_bytes: int = 0
-    alias_size_in_bytes: int = 0
-    generated_code_size_in_bytes: int = 0
-    peak_memory_in_bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class Compiler:
     """A step as each measurement compiles it: function, specs, donations, abstract arguments."""
 
@@ -379,14 +373,29 @@ class Compiler:
         call: Sequence[Any] | None = None,
         donate: tuple[int, ...] | None = None,
     ) -> StepMemory:
-        """The step (or ``fn`` with ``specs``, ``call`` and ``donate``) compiled and measured."""
+        """The step (or ``fn`` with ``specs``, ``call`` and ``donate``) as a ``ShardJit``,
+        compiled and measured."""
+        fn = self.fn if fn is None else fn
+        specs = self.in_specs if specs is None else specs
         call = self.args if call is None else call
-        jitted = wrap(
-            self.fn if fn is None else fn,
+        names: tuple[str, ...] = ()
+        if isinstance(specs, tuple | list):  # defaulted parameters after the specs: static
+            try:
+                params = list(inspect.signature(fn).parameters.values())
+            except (TypeError, ValueError):  # a callable without a signature: as given
+                params = []
+            by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            rest = [p for p in params[len(specs) :] if p.kind in by_name]
+            if rest and all(p.default is not inspect.Parameter.empty for p in rest):
+                names = tuple(p.name for p in rest)
+                specs = (*specs, *([None] * sum(p.kind == by_name[0] for p in rest)))
+        jitted = shard_jit(
+            fn,
             mesh=self.mesh,
-            in_specs=self.in_specs if specs is None else specs,
+            in_specs=specs,
             donate_argnums=self.donated if donate is None else donate,
             static_argnums=self.static,
+            static_argnames=names,
         )
         values = [call[i] for i in self.dynamic]
         return measure(jitted, call, self.kwargs, values, self.batch, self.roles)
@@ -427,37 +436,6 @@ def compiler(
     batch = [dynamic.index(i) for i in wanted if i in dynamic]
     abstract = abstract_args(args, set(static))
     return Compiler(step, in_specs, donate, static, abstract, dynamic, batch, cmesh, kwargs, roles)
-
-
-def wrap(
-    step: Callable[..., Any],
-    *,
-    mesh: Any,
-    in_specs: Any,
-    donate_argnums: tuple[int, ...],
-    static_argnums: tuple[int, ...],
-) -> Any:
-    """``step`` as a ``ShardJit`` for ``mesh`` (what every measurement compiles)."""
-    names: tuple[str, ...] = ()
-    if isinstance(in_specs, tuple | list):
-        try:
-            params = list(inspect.signature(step).parameters.values())
-        except (TypeError, ValueError):  # a callable without a signature: as given
-            params = []
-        rest = params[len(in_specs) :]
-        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        if rest and all(p.default is not inspect.Parameter.empty for p in rest if p.kind in kinds):
-            names = tuple(p.name for p in rest if p.kind in kinds)
-            positional = [p for p in rest if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
-            in_specs = (*in_specs, *([None] * len(positional)))
-    return shard_jit(
-        step,
-        mesh=mesh,
-        in_specs=in_specs,
-        donate_argnums=donate_argnums,
-        static_argnums=static_argnums,
-        static_argnames=names,
-    )
 
 
 def abstract_args(args: Sequence[Any], statics: set[int]) -> tuple[Any, ...]:
