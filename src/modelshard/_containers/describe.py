@@ -4,7 +4,7 @@ the container types that are one leaf wherever they appear (split by their own a
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -91,9 +91,7 @@ def _box_names(x: Any) -> tuple[Any, ...] | None:
                 return tuple(names)
             targets = [table.get(n, n) if isinstance(n, str) else n for n in names]
             return tuple(tuple(t) if isinstance(t, list) else t for t in targets)
-    if names is None or not isinstance(names, tuple | list):
-        return None
-    return tuple(names)
+    return tuple(names) if isinstance(names, tuple | list) else None
 
 
 def _metadata(x: Any, key: str) -> Any:
@@ -296,13 +294,3 @@ def nested_leaf(root: Any = None) -> Callable[[Any], bool] | None:
         return hit and x is not root
 
     return is_nested
-
-
-def flatten_pytree(obj: Any) -> tuple[list[Any], Any]:
-    """``jax.tree_util.tree_flatten(obj)``, a nested container below the root one leaf."""
-    return jax.tree_util.tree_flatten(obj, is_leaf=nested_leaf(obj))
-
-
-def unflatten_pytree(aux: Any, leaves: Sequence[Any]) -> Any:
-    """The inverse of ``flatten_pytree``."""
-    return jax.tree_util.tree_unflatten(aux, leaves)

@@ -36,10 +36,7 @@ def _is_nested(x: Any, is_nested: Callable[[Any], bool] | None) -> bool:
 def holds_nested(leaves: Sequence[Any]) -> bool:
     """Whether any of ``leaves`` is a container to be split by its own adapter."""
     stop = nested_types()
-    if not stop:
-        return False
-    types = set(map(type, leaves)) - ARRAY_TYPES
-    return any(issubclass(t, stop) for t in types)
+    return bool(stop) and any(issubclass(t, stop) for t in set(map(type, leaves)) - ARRAY_TYPES)
 
 
 def flatten_nested(adapter: Adapter, obj: Any) -> tuple[Adapter, list[Any], Hashable]:

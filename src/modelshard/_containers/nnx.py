@@ -90,11 +90,7 @@ class Snapshot:
         # dicts (and attribute dicts where ``watches_attributes``) are watched with the
         # metadata; the other containers are compared on every call
         compared = {id(d) for d in attributes} if not watches_attributes() else set()
-        self.always = [
-            (c, keys, values)
-            for c, keys, values in self.containers
-            if keys is None or id(c) in compared
-        ]
+        self.always = [x for x in self.containers if x[1] is None or id(x[0]) in compared]
         owned = [c for c, keys, _ in self.containers if keys is not None and id(c) not in compared]
         self.watching = self.ref is not None and watch(owned) and watch(self.dicts)
         self.seen = generation()
@@ -167,9 +163,7 @@ def _array_values(variables: list[Any]) -> list[Any] | None:
         raws = list(map(_raw_value, variables))
     except AttributeError:
         return None
-    if not set(map(type, raws)) <= ARRAY_TYPES:
-        return None
-    return raws
+    return raws if set(map(type, raws)) <= ARRAY_TYPES else None
 
 
 _SNAPSHOTS: dict[int, Snapshot] = {}
@@ -219,10 +213,8 @@ def _snapshot(value: Any, variables: list[Any], order: LeafOrder) -> Snapshot | 
 def nnx_call_leaves(value: Any) -> CallLeaves | None:
     """The per-call route for an NNX object, or ``None`` to use ``nnx.split``."""
     snap = _SNAPSHOTS.get(id(value))
-    if snap is not None and snap.ref() is value:
-        call = snap.call()
-        if call is not None:
-            return call
+    if snap is not None and snap.ref() is value and (call := snap.call()) is not None:
+        return call
     found = _order_of(value)
     if found is None:
         return None

@@ -10,7 +10,7 @@ import jax
 
 from .._base import AdapterError
 from .adapter_base import Adapter
-from .describe import LeafInfo, describe_pytree, flatten_pytree, unflatten_pytree
+from .describe import LeafInfo, describe_pytree, nested_leaf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +30,11 @@ class PytreeAdapter(Adapter):
     follows_pytree = True
 
     def flatten(self, obj: Any) -> tuple[list[Any], Hashable]:
-        return flatten_pytree(obj)
+        # a registered container below the root is one leaf here, split by its own adapter
+        return jax.tree_util.tree_flatten(obj, is_leaf=nested_leaf(obj))
 
     def unflatten(self, aux: Hashable, leaves: Sequence[Any]) -> Any:
-        return unflatten_pytree(aux, leaves)
+        return jax.tree_util.tree_unflatten(aux, leaves)  # type: ignore[arg-type]
 
     def describe(self, obj: Any) -> list[LeafInfo]:
         return describe_pytree(obj)
