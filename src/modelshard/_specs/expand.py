@@ -65,8 +65,7 @@ class ArgPlan:
 
 
 def _expand_one(arg: str, flat: Flat, spec_like: Any, ctx: Ctx) -> list[LeafPlan]:
-    infos = flat.infos
-    arrays = flat.arrays
+    infos, arrays = flat.infos, flat.arrays
     if is_leaf_spec(spec_like):
         if type(spec_like) is Rules:  # match every path in one loop
             hits = spec_like.match_all([info.path for info in infos])
@@ -131,8 +130,7 @@ def _plan_leaves(
     hits: list[Any] | None = None,
 ) -> list[LeafPlan]:
     """Resolve, validate and plan every leaf (``hits``: each one's bulk match, if any)."""
-    resolved = ctx.resolved
-    placed = ctx.placed
+    resolved, placed = ctx.resolved, ctx.placed
     out: list[LeafPlan] = []
     append = out.append
     rules: Rules | None = None  # the Rules last seen, and the indices of its rules used

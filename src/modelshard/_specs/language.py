@@ -56,9 +56,7 @@ def is_entry(e: Any) -> bool:
 
 def entry_axes(e: Any) -> tuple[str, ...]:
     """The axis names a spec entry names, in order: ``None`` -> ``()``, ``"a"`` -> ``("a",)``."""
-    if e is None:
-        return ()
-    return (e,) if isinstance(e, str) else tuple(e)
+    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
 
 
 _MISS = object()

@@ -236,9 +236,8 @@ def _cli_hint(dim: int, named: PartitionSpec, rule: str, file: str | None) -> st
     entries = list(tuple(named)) + [None] * (dim + 1 - len(tuple(named)))
     entries[dim] = None
     fixed = toml_spec(PartitionSpec(*entries))
-    base = (
-        'shard this dimension over axes whose sizes divide it, pad it, or replicate it with "none"'
-    )
+    base = "shard this dimension over axes whose sizes divide it, pad it, or replicate it "
+    base += 'with "none"'
     index = _RULE_INDEX.match(rule)
     if file is not None and index is not None:
         return f"{base}: in {file} set rules[{index.group(1)}].spec = {fixed}"
