@@ -368,9 +368,24 @@ def rows_html(plan: PlanView, fold: bool = True, filter: Any = None, tiles: bool
     return "".join(out)
 
 
+def activation_cells(plan: PlanView) -> list[dict[str, str]]:
+    """A step's activation constraints as table cells, for the terminal and the HTML."""
+    return [
+        {
+            "name": row["name"],
+            "path": row["path"] or "<root>",
+            "shape": str(tuple(row["shape"])),
+            "logical": logical_text(row["logical"]) or row["written"],
+            "spec": format_spec(spec_from_json(row["spec"])),
+            "per device": format_bytes(row["bytes_per_device"]),
+        }
+        for row in plan.activation_rows()
+    ]
+
+
 def activations_html(plan: PlanView) -> str:
     """A step's activation constraints (``plan.activations``); nothing for a plan without any."""
-    rows = plan.activation_rows()
+    rows = activation_cells(plan)
     if not rows:
         return ""
     out = [
@@ -381,11 +396,9 @@ def activations_html(plan: PlanView) -> str:
     for a in rows:
         out.append(
             f'<tr data-name="{_esc(a["name"])}"><td><code>{_esc(a["name"])}</code></td>'
-            f'<td class="path">{_esc(a["path"] or "<root>")}</td>'
-            f"<td><code>{_esc(tuple(a['shape']))}</code></td>"
-            f"<td>{_esc(logical_text(a['logical']) or a['written'])}</td>"
-            f"<td><code>{_esc(format_spec(spec_from_json(a['spec'])))}</code></td>"
-            f'<td class="num">{_esc(format_bytes(a["bytes_per_device"]))}</td></tr>'
+            f'<td class="path">{_esc(a["path"])}</td><td><code>{_esc(a["shape"])}</code></td>'
+            f"<td>{_esc(a['logical'])}</td><td><code>{_esc(a['spec'])}</code></td>"
+            f'<td class="num">{_esc(a["per device"])}</td></tr>'
         )
     out.append("</tbody></table></section>")
     return "".join(out)

@@ -30,7 +30,7 @@ from .._base import (
 from .._base import fold as fold_paths
 from .._specs import ArgPlan, LeafPlan, SpecLike, expand_args
 from .constraints import ActivationConstraint, nbytes, shard_shape
-from .plan_html import Tiles, logical_text, page, plain_text, plan_html, rule_text
+from .plan_html import Tiles, activation_cells, page, plain_text, plan_html, rule_text
 
 
 class Plan:
@@ -427,7 +427,7 @@ class PlanTable:
             parts.append(
                 _plain(None, ["module", "leaves", "replicated", "per device"], right, rows)
             )
-        acts = self._activation_cells()
+        acts = activation_cells(self.plan)
         if acts:
             rows = [tuple(map(literal, row.values())) for row in acts]
             parts.append(_plain("activation constraints", list(acts[0]), ("per device",), rows))
@@ -455,20 +455,6 @@ class PlanTable:
             for r in rows
         ]
 
-    def _activation_cells(self) -> list[dict[str, str]]:
-        """The step's activation constraints as table cells."""
-        return [
-            {
-                "name": row["name"],
-                "path": row["path"] or "<root>",
-                "shape": str(tuple(row["shape"])),
-                "logical": logical_text(row["logical"]) or row["written"],
-                "spec": format_spec(spec_from_json(row["spec"])),
-                "per device": format_bytes(row["bytes_per_device"]),
-            }
-            for row in self.plan.activation_rows()
-        ]
-
     @staticmethod
     def _width(cells: list[dict[str, str]], cols: list[str], wrap: bool = True) -> int:
         """Characters a table of these columns needs (``wrap``: rule cells wrap)."""
@@ -488,7 +474,7 @@ class PlanTable:
 
     def __str__(self) -> str:
         cells = self._cells(self.rows if self.max_rows is None else self.rows[: self.max_rows])
-        acts = self._activation_cells()
+        acts = activation_cells(self.plan)
         width = max(
             100,
             self._width(cells, list(cells[0]), wrap=False) if cells else 0,

@@ -88,8 +88,25 @@ class ShardMap:
         arrays: list[Any],
     ) -> _Entry:
         in_specs = tuple(leaf.spec for a in plans for leaf in a.leaves)
-        out: list[Flat] = []
-        body = _body(self.fn, args, kwargs, bound, plans, out)
+        fn, npos = self.fn, len(args)
+        out: list[Flat] = []  # filled by the trace
+
+        def body(*local: Any) -> list[Any]:
+            """The per-shard function over flat leaves: rebuild the containers, call, split."""
+            values = [v for _, v, _ in bound]
+            start = 0
+            it = iter(plans)
+            for i, (_, _, spec) in enumerate(bound):
+                if spec is None:
+                    continue
+                flat = next(it).flat
+                n = len(flat.array_index)
+                values[i] = flat.rebuild(local[start : start + n])
+                start += n
+            result = split(fn(*values[:npos], **dict(zip(kwargs, values[npos:], strict=True))))
+            out[:] = [result]
+            return list(result.arrays)
+
         over = functools.partial(
             jax.shard_map, body, mesh=mesh, in_specs=in_specs, axis_names=self.axis_names
         )
@@ -110,35 +127,6 @@ class ShardMap:
             return mapped(*constrain_leaves(xs, in_specs, mesh))
 
         return _Entry(jax.jit(run), out)
-
-
-def _body(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    bound: list[tuple[str, Any, Any]],
-    plans: list[ArgPlan],
-    out: list[Flat],
-) -> Callable[..., list[Any]]:
-    """The per-shard function over flat leaves: rebuild the containers, call, split."""
-    npos = len(args)
-
-    def body(*local: Any) -> list[Any]:
-        values = [v for _, v, _ in bound]
-        start = 0
-        it = iter(plans)
-        for i, (_, _, spec) in enumerate(bound):
-            if spec is None:
-                continue
-            flat = next(it).flat
-            n = len(flat.array_index)
-            values[i] = flat.rebuild(local[start : start + n])
-            start += n
-        result = split(fn(*values[:npos], **dict(zip(kwargs, values[npos:], strict=True))))
-        out[:] = [result]
-        return list(result.arrays)
-
-    return body
 
 
 def _out_specs(flat: Flat, shapes: Sequence[Any], specs: SpecLike, mesh: Any) -> list[Any]:
