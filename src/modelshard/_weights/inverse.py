@@ -241,9 +241,8 @@ def _loading(load: Callable[[str], np.ndarray], cache: dict[str, np.ndarray]) ->
     """A recipe ``fetch`` loading each target leaf once into ``cache``."""
 
     def fetch(key: str, index: tuple[slice, ...]) -> np.ndarray:
-        whole = cache.get(key)
-        if whole is None:
-            whole = cache[key] = load(key)
-        return whole[index]
+        if key not in cache:
+            cache[key] = load(key)
+        return cache[key][index]
 
     return fetch

@@ -201,10 +201,9 @@ class SafetensorsFiles:
             first, rest = index[0], index[1:]
             if all(s.start == 0 and s.stop == d for s, d in zip(rest, t.shape[1:], strict=True)):
                 return self.read_rows(name, first.start, first.stop, out)
-            whole = cache.get(name)
-            if whole is None:
-                whole = cache[name] = self.mapped(name)
-            return whole[index]
+            if name not in cache:
+                cache[name] = self.mapped(name)
+            return cache[name][index]
 
         fetch.reads_into = True  # type: ignore[attr-defined]
         return fetch
