@@ -14,8 +14,8 @@ from .._base import SpecError, current_mesh, format_mesh, mesh_sizes
 from .._containers import Flat, split
 from .._specs import FSDP, ArgPlan, SpecLike, active_logical, expand_args, is_leaf_spec
 from .arguments import NOSPEC, ArgumentLayout, invalid
-from .assembly import local_specs
 from .constraints import constrain_leaves
+from .placement import local_specs
 
 _MAX_ENTRIES = 64
 
