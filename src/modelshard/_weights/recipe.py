@@ -189,12 +189,10 @@ class Reshaped(_OneChild):
             if inner is not None:
                 block = tuple(s.stop - s.start for s in index)
                 return self.child.read(inner, fetch).reshape(block)
-        wholes: dict[int, np.ndarray] | None = getattr(fetch, "wholes", None)
-        whole = None if wholes is None else wholes.get(id(self))
-        if whole is None:
-            whole = self.child.read(None, fetch).reshape(self.shape)
-            if wholes is not None:  # read once for all the leaf's devices
-                wholes[id(self)] = whole
+        wholes: dict[int, np.ndarray] = getattr(fetch, "wholes", {})  # one read per leaf
+        if id(self) not in wholes:
+            wholes[id(self)] = self.child.read(None, fetch).reshape(self.shape)
+        whole = wholes[id(self)]
         return whole if index is None else whole[index]
 
     def describe(self) -> str:
