@@ -28,9 +28,12 @@ from . import lazy_orbax  # noqa: F401  (settles JAX's options before any progra
 CHECKSUM = "fmix32x2"
 K = TypeVar("K", bound=Hashable)
 
-# Lanes per call of a host program: ``BLOCK`` or a power of 4 below it down to ``SMALL``;
-# NumPy below. A call's fixed cost is that of summing about 2**18 lanes: steps of 4 keep calls few.
+# Lanes per call of a host program: ``BLOCK``, or ``MID`` for a rest under a quarter of it,
+# a plane's last call masked past its lanes; NumPy under ``SMALL``. Two sizes keep what a
+# fresh process compiles to a program or two (each costs 0.1-0.3 s); a masked rest sums at
+# most four times its lanes.
 BLOCK = 1 << 20
+MID = 1 << 16
 SMALL = 1 << 12
 
 
@@ -89,17 +92,24 @@ def _positions(at: Any, k: Any, u32: Any, rows: bool) -> Any:
 
 
 def _sums_of(v: jax.Array, at: jax.Array, *, rows: bool) -> jax.Array:
-    """The two sums, by one variadic reduction: every term fused into it, none written out."""
-    idx = _positions(at, jax.lax.iota(jnp.uint32, v.shape[0]), jnp.uint32, rows)
+    """The two sums over the first ``at[4]`` lanes of ``v``, by one variadic reduction: every
+    term fused into it, none written out."""
+    k = jax.lax.iota(jnp.uint32, v.shape[0])
+    t1, t2 = terms(v, _positions(at, k, jnp.uint32, rows), jnp.uint32)
     zero = jnp.uint32(0)
+    keep = k < at[4]
     sums = jax.lax.reduce(
-        terms(v, idx, jnp.uint32), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (0,)
+        (jnp.where(keep, t1, zero), jnp.where(keep, t2, zero)),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (0,),
     )
     return jnp.stack(sums)
 
 
 _PROGRAMS: dict[tuple[int, bool], Any] = {}
 _PROGRAMS_LOCK = threading.Lock()
+_PADDED = threading.local()  # a worker's buffer for a masked call's lanes
 
 
 def _program(size: int, rows: bool) -> Any:
@@ -110,10 +120,19 @@ def _program(size: int, rows: bool) -> Any:
 
             cpu = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
             v = jax.ShapeDtypeStruct((size,), jnp.uint32, sharding=cpu)
-            at = jax.ShapeDtypeStruct((4,), jnp.uint32, sharding=cpu)
+            at = jax.ShapeDtypeStruct((5,), jnp.uint32, sharding=cpu)
             fn = jax.jit(functools.partial(_sums_of, rows=rows))
             _PROGRAMS[size, rows] = (fn.lower(v, at).compile(), cpu.device_set)
         return _PROGRAMS[size, rows]
+
+
+def _padded(v: np.ndarray, size: int) -> np.ndarray:
+    """``v`` at the start of ``size`` lanes of this thread's buffer (the rest masked)."""
+    buf = getattr(_PADDED, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _PADDED.buf = np.empty(size, np.uint32)
+    buf[: v.size] = v
+    return buf[:size]
 
 
 def _plane_sums(plane: np.ndarray, per: int, base: int, row: int, stride: int) -> list[int]:
@@ -124,23 +143,22 @@ def _plane_sums(plane: np.ndarray, per: int, base: int, row: int, stride: int) -
     sums = [0, 0]
     start = 0
     while start < total:
-        size = BLOCK
-        while size > total - start and size >= SMALL:
-            size //= 4
-        if size < SMALL:  # the rest, with NumPy
-            size = total - start
+        rest = total - start
+        size = rest if rest < SMALL else BLOCK if rest >= BLOCK // 4 else MID
+        count = min(size, rest)
         r0, c0 = divmod(start, row) if row else (start, 0)
         at = [(base + r0 * (stride if row else 1)) & 0xFFFFFFFF, c0, row, stride & 0xFFFFFFFF]
-        v = lanes(flat[start // per : (start + size) // per]).reshape(-1)
-        if size >= SMALL:
+        v = lanes(flat[start // per : (start + count) // per]).reshape(-1)
+        if rest >= SMALL:
             program, (cpu,) = _program(size, row > 0)
-            out = program(*jax.device_put([v, np.asarray(at, np.uint32)], cpu))
-            got = np.asarray(out).tolist()
+            x = v if count == size else _padded(v, size)
+            out = program(*jax.device_put([x, np.asarray([*at, count], np.uint32)], cpu))
+            got = np.asarray(out).tolist()  # done before the buffer is used again
         else:
             idx = _positions(at, np.arange(v.size, dtype=np.uint32), np.uint32, row > 0)
             got = [int(np.sum(t, dtype=np.uint32)) for t in terms(v, idx, np.uint32)]
         sums = [sums[0] + got[0], sums[1] + got[1]]
-        start += v.size
+        start += count
     return sums
 
 

@@ -64,19 +64,25 @@ def main() -> int:
         {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32)}, P("data", "model"), mesh
     )
     cases = {
-        "arrays": (f"{root}/arrays", 1, shards, "_write_blocks", "No space left on device"),
+        "arrays": (f"{root}/arrays", 1, shards.BlockWriter, "write", "No space left on device"),
         "commit": (f"{root}/commit", 0, write, "_commit", "Read-only file system"),
     }
     if s3 is not None:
-        cases["s3"] = (f"{s3}/arrays", 1, shards, "_write_blocks", "No space left on device")
+        cases["s3"] = (f"{s3}/arrays", 1, shards.BlockWriter, "write", "No space left on device")
     # a synchronous CheckpointManager's step, process 1's arrays failing
-    cases["manager"] = (f"{root}/manager", 1, shards, "_write_blocks", "No space left on device")
+    cases["manager"] = (
+        f"{root}/manager",
+        1,
+        shards.BlockWriter,
+        "write",
+        "No space left on device",
+    )
     # an asynchronous manager's step 0, failing in the background
     cases["background"] = (
         f"{root}/background",
         1,
-        shards,
-        "_write_blocks",
+        shards.BlockWriter,
+        "write",
         "No space left on device",
     )
     cases["background checksums"] = (
