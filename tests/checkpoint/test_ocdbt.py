@@ -38,7 +38,7 @@ def orbax_on_s3(monkeypatch):
     s3.enable()
 
 
-# every dtype a checkpoint stores (record.STORED_AS maps the others onto these)
+# every dtype a checkpoint stores (codec.STORED_AS maps the others onto these)
 DTYPES = [
     "float32", "bfloat16", "float16", "float64", "int8", "uint8", "int16", "int32", "uint32",
     "int64", "bool", "int4", "int2", "float8_e5m2", "float8_e4m3fn", "complex64",

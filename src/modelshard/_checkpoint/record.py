@@ -19,9 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._base import CheckpointError, spec_from_json, spec_json
 from .._specs import entry_axes, is_entry
 from .checksum import CHECKSUM
-from .codec import STORED_AS as STORED_AS  # re-exported: write and slabs import it here
-from .codec import parse_dtype as parse_dtype  # and slabs, stream, resharding this
-from .codec import stored_problem, stored_sharding
+from .codec import parse_dtype, stored_problem, stored_sharding
 from .storage import FORMAT, name_collisions, nest, storage_key
 
 

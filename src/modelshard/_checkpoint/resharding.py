@@ -11,10 +11,10 @@ from typing import Any
 
 from .._base import CheckpointError
 from .._place import plan
+from .codec import parse_dtype
 from .items import extras_json
 from .listing import manager_step
 from .reader import ArrayReader, check_holdable
-from .record import parse_dtype
 from .restoring import check_cast, concrete_mesh
 from .slabs import StreamLeaf
 from .sources import Source, locate, planning_tree, reader_context
