@@ -115,13 +115,12 @@ def build_entry(call: Call) -> Entry:
     plan_args = []
     for t in taken:
         s = t.slot
-        if s.spec is NOSPEC:
-            if t.arrays:
-                what = f"argument {s.name!r} holds {len(t.arrays)} array leaves but in_specs gives it no spec"
-                hint = f"add an entry for {s.name!r} to in_specs (P() replicates it), or make it static"
-                problems.append(Problem(s.name, "", what, hint=hint))
-            continue
-        plan_args.append((s.name, t.value, s.spec))
+        if s.spec is not NOSPEC:
+            plan_args.append((s.name, t.value, s.spec))
+        elif t.arrays:
+            what = f"argument {s.name!r} holds {len(t.arrays)} array leaves but in_specs gives it no spec"
+            hint = f"add an entry for {s.name!r} to in_specs (P() replicates it), or make it static"
+            problems.append(Problem(s.name, "", what, hint=hint))
     if problems:
         raise SpecError(problems)
     # the entry outlives the call: its plan keeps each argument's structure, not its values

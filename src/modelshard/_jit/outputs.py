@@ -144,12 +144,8 @@ _PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "optimizati
 
 def _inner_jaxprs(eqn: Any, nout: int) -> list[Any]:
     """The open jaxprs of a call-like equation whose outputs are its outputs, one to one."""
-    out = []
-    for p in eqn.params.values():
-        inner = getattr(p, "jaxpr", p)  # ClosedJaxpr -> Jaxpr
-        if hasattr(inner, "eqns") and hasattr(inner, "outvars") and len(inner.outvars) == nout:
-            out.append(inner)
-    return out
+    jaxprs = (getattr(p, "jaxpr", p) for p in eqn.params.values())  # ClosedJaxpr -> Jaxpr
+    return [j for j in jaxprs if hasattr(j, "eqns") and len(getattr(j, "outvars", ())) == nout]
 
 
 def inferred_shardings(

@@ -75,7 +75,6 @@ class ShardJit:
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.on_mismatch = on_mismatch
-        self._nplain = self._layout.plain_arity
         # Compiled entries by full abstract signature (shapes and dtypes included), and the
         # same entries by structure and static values only (what each call looks up).
         self._by_signature: dict[Hashable, Entry] = {}
@@ -88,7 +87,7 @@ class ShardJit:
 
     def _take(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Bound:
         """Bind and flatten a call: its slots, dynamic arguments and structure key."""
-        if kwargs or len(args) != self._nplain:
+        if kwargs or len(args) != self._layout.plain_arity:
             args, kwargs = self._layout.bind(args, kwargs)
         slots = self._layout.slots(len(args), tuple(kwargs))
         statics, taken, keys = [], [], []
@@ -267,13 +266,8 @@ class ShardJit:
                 Problem(arg, leaf.path, what, shape, dtype, leaf.spec, leaf.rule, hint=hint)
             )
         n = len(problems)
-        return ShardingMismatchError(
-            problems,
-            header=(
-                f"{n} input {'leaves are' if n != 1 else 'leaf is'} not in the planned sharding "
-                "(on_mismatch='raise'):"
-            ),
-        )
+        header = f"{n} input {'leaves are' if n != 1 else 'leaf is'} not in the planned sharding "
+        return ShardingMismatchError(problems, header=header + "(on_mismatch='raise'):")
 
     def _entry_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Entry, list[Any]]:
         bound = self._take(args, kwargs)
