@@ -76,9 +76,7 @@ def call_site(traced: bool, stacklevel: int = 1) -> str | None:
     if frame is None:
         return None
     out = f"constrain at {_where(frame, function=True)}"
-    if not traced:
-        return out
-    outer = _traced_function(frame)
+    outer = _traced_function(frame) if traced else None
     if outer is frame:
         out += ", while it is traced"
     elif outer is not None:

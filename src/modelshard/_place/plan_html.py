@@ -124,10 +124,9 @@ class Tiles:
         sizes = plan.sizes
         names = list(sizes)
         coords = np.indices([sizes[n] for n in names]).reshape(len(names), -1)
-        devices = plan.mesh.devices if isinstance(plan.mesh, Mesh) else None  # abstract: positions
-        if isinstance(devices, np.ndarray) and devices.size == coords.shape[1]:
-            ids = np.vectorize(lambda d: int(d.id), otypes=[np.int64])(devices).reshape(-1)
-        else:
+        if isinstance(plan.mesh, Mesh):
+            ids = np.array([d.id for d in plan.mesh.devices.flat], dtype=np.int64)
+        else:  # an abstract mesh: positions
             ids = np.arange(coords.shape[1], dtype=np.int64)
         entries = list(self.spec) + [None] * (len(self.shape) - len(tuple(self.spec)))
         parts = []
@@ -143,7 +142,6 @@ class Tiles:
         order = np.argsort(flat, kind="stable")
         bounds = np.flatnonzero(np.diff(flat[order])) + 1
         self.tiles: list[tuple[tuple[int, ...], tuple[slice, ...], list[int]]] = []
-        id_list = ids.tolist()
         for group in np.split(order, bounds):
             tile = (
                 tuple(int(i) for i in np.unravel_index(int(flat[group[0]]), parts)) if parts else ()
@@ -152,7 +150,7 @@ class Tiles:
                 slice(t * (d // p), (t + 1) * (d // p))
                 for t, d, p in zip(tile, self.shape, parts, strict=True)
             )
-            self.tiles.append((tile, slices, [int(id_list[g]) for g in group]))
+            self.tiles.append((tile, slices, ids[group].tolist()))
 
     @property
     def replicas(self) -> int:

@@ -406,8 +406,7 @@ class PlanTable:
         if len(shown) < len(self.rows):
             rest = self.rows[len(shown) :]
             n = sum(r["count"] for r in rest)
-            cli = vocabulary() == "cli"
-            show_all = SHOW_ALL if cli else "max_rows=None shows all"
+            show_all = SHOW_ALL if vocabulary() == "cli" else "max_rows=None shows all"
             parts.append(Text(f"... {len(rest)} more rows ({n} leaves); {show_all}"))
         if self.filter is not None:
             n = sum(r["count"] for r in self.rows)
