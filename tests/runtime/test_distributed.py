@@ -244,6 +244,23 @@ def test_the_heartbeat_timeout_reaches_jax(env, monkeypatch):
     ]
 
 
+def test_arguments_win_over_the_launch_variables(env, monkeypatch):
+    started = []
+    monkeypatch.setattr(runtime_distributed, "_start", lambda **kw: started.append(kw))
+    env.setenv("MODELSHARD_COORDINATOR", "127.0.0.1:1")
+    env.setenv("MODELSHARD_NUM_PROCESSES", "2")
+    env.setenv("MODELSHARD_PROCESS_ID", "0")
+    assert distributed.initialize(process_id=1, local_device_ids=[0]) is True
+    assert started == [
+        {
+            "coordinator_address": "127.0.0.1:1",
+            "num_processes": 2,
+            "process_id": 1,
+            "local_device_ids": [0],
+        }
+    ]
+
+
 @pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
 def test_barrier_timeout_setting(env, raw):
     assert distributed.barrier_timeout_s() == distributed.DEFAULT_BARRIER_TIMEOUT_S == 600

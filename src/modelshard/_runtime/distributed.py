@@ -144,7 +144,8 @@ def initialize(**jax_kwargs: Any) -> bool:
             )
         if num == 1:
             return False
-        _start(coordinator_address=coordinator, num_processes=num, process_id=pid, **jax_kwargs)
+        where = {"coordinator_address": coordinator, "num_processes": num, "process_id": pid}
+        _start(**{**where, **jax_kwargs})  # the caller's arguments win
         return True
     if cluster_detected() is not None:
         _start(**jax_kwargs)
