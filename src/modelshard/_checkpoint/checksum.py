@@ -30,8 +30,7 @@ K = TypeVar("K", bound=Hashable)
 
 # Lanes per call of a host program: ``BLOCK``, or ``MID`` for a rest under a quarter of it,
 # a plane's last call masked past its lanes; NumPy under ``SMALL``. Two sizes keep what a
-# fresh process compiles to a program or two (each costs 0.1-0.3 s); a masked rest sums at
-# most four times its lanes.
+# fresh process compiles to a program or two; a masked rest sums at most four times its lanes.
 BLOCK = 1 << 20
 MID = 1 << 16
 SMALL = 1 << 12
