@@ -418,3 +418,24 @@ def test_a_long_read_failure_is_cut_between_words():
     text = reader.read_failure(ValueError("DATA_LOSS: chunk " + "damaged " * 60))
     assert text.startswith("ValueError: DATA_LOSS: chunk damaged damaged")
     assert text.endswith(" damaged …") and len(text) <= len("ValueError: ") + 300
+
+
+def test_a_large_read_buffer_is_resident_before_it_is_filled():
+    """A fresh read buffer of 64 MiB is faulted in by one call as it is made, not a page at a
+    time by TensorStore's threads as they fill it (resident pages of this process)."""
+    import resource
+
+    if not reader.populate(np.empty(4 << 20, np.uint8)):
+        pytest.skip("this system cannot fault pages in ahead (MADV_POPULATE_WRITE)")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    before = resident()
+    buf = reader.aligned_empty((64 << 20,), np.uint8)
+    assert resident() - before >= 60 << 20
+    small_before = resident()
+    small = reader.aligned_empty((reader.POPULATED_BYTES // 2,), np.uint8)
+    assert resident() - small_before < reader.POPULATED_BYTES // 2
+    del buf, small

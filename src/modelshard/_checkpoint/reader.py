@@ -7,8 +7,12 @@ a host buffer a CPU device adopts, under ``RESTORE_CONCURRENT_BYTES`` in flight;
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import math
+import mmap
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,14 +35,48 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary."""
+    """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary,
+    its pages faulted in (``populate``) when it is large."""
     import numpy as np
 
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     raw = np.empty(n + HOST_ALIGN, np.uint8)
+    if n >= POPULATED_BYTES:
+        populate(raw)
     start = -raw.ctypes.data % HOST_ALIGN
     return raw[start : start + n].view(dt).reshape(shape)
+
+
+# A buffer this large is faulted in by one call before it is filled: a fresh process's
+# pages cost less so than one fault at a time from TensorStore's threads.
+POPULATED_BYTES = 1 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+@functools.cache
+def _madvise() -> Any:
+    if sys.platform != "linux":
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def populate(buf: Any) -> bool:
+    """Fault in the whole pages of the writable NumPy array ``buf`` at once; whether the
+    system did (older kernels and other systems leave them to be faulted one by one)."""
+    madvise, page = _madvise(), mmap.PAGESIZE
+    start = -(-buf.ctypes.data // page) * page
+    end = (buf.ctypes.data + buf.nbytes) // page * page
+    return (
+        madvise is not None
+        and end > start
+        and madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    )
 
 
 def start_read(view: Any) -> tuple[Any, Any]:
