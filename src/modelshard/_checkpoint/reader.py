@@ -11,9 +11,11 @@ import ctypes
 import functools
 import math
 import mmap
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
     return raw[start : start + n].view(dt).reshape(shape)
 
 
-# A buffer this large is faulted in by one call before it is filled: a fresh process's
-# pages cost less so than one fault at a time from TensorStore's threads.
+# A buffer this large is faulted in by a call per part, the parts on threads of their own,
+# before it is filled: a fresh process's pages cost less so than a fault at a time.
 POPULATED_BYTES = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
@@ -66,17 +68,30 @@ def _madvise() -> Any:
     return madvise
 
 
+POPULATING_THREADS = max(1, min(4, os.cpu_count() or 1))  # the caller's among them
+
+
+@functools.cache
+def _populating() -> ThreadPoolExecutor:
+    workers = max(1, POPULATING_THREADS - 1)
+    return ThreadPoolExecutor(workers, thread_name_prefix="modelshard-populate")
+
+
 def populate(buf: Any) -> bool:
-    """Fault in the whole pages of the writable NumPy array ``buf`` at once; whether the
-    system did (older kernels and other systems leave them to be faulted one by one)."""
+    """Fault in the whole pages of the writable NumPy array ``buf`` at once, in parts on
+    parallel threads; whether the system did (older kernels and other systems leave them
+    to be faulted one by one)."""
     madvise, page = _madvise(), mmap.PAGESIZE
     start = -(-buf.ctypes.data // page) * page
     end = (buf.ctypes.data + buf.nbytes) // page * page
-    return (
-        madvise is not None
-        and end > start
-        and madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
-    )
+    if madvise is None or end <= start:
+        return False
+    parts = min(POPULATING_THREADS, max(1, (end - start) // POPULATED_BYTES))
+    step = -(-(end - start) // parts // page) * page
+    ranges = [(a, min(step, end - a)) for a in range(start, end, step)]
+    rest = [_populating().submit(madvise, a, n, _MADV_POPULATE_WRITE) for a, n in ranges[1:]]
+    first = madvise(*ranges[0], _MADV_POPULATE_WRITE)
+    return [first, *(f.result() for f in rest)] == [0] * len(ranges)
 
 
 def start_read(view: Any) -> tuple[Any, Any]:
