@@ -4,6 +4,7 @@ as tables and JSON."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -201,18 +202,23 @@ def test_inspect_names_a_lost_data_file_and_its_arrays(tmp_path, capsys, damage)
     else:
         with open(f, "r+b") as fh:
             fh.truncate(100)
-        what = "cut short: 100 bytes, the index needs 16384"
+        # the array's 16,384 bytes, and whatever of the database's own nodes OCDBT put after
+        # them in the same file (it varies with the timing of the commits)
+        what = r"cut short: 100 bytes, the index needs (\d+)"
     capsys.readouterr()
     assert main(["inspect", str(path)]) == 1
-    assert capsys.readouterr().err.splitlines() == [
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
         f"modelshard inspect: error: checkpoint {path} is damaged: 1 file of its OCDBT "
-        "database is missing or cut short:",
-        f"  {f}: {what}; it holds the array embed",
-        "Restore a complete copy of the checkpoint.",
-    ]
+        "database is missing or cut short:"
+    )
+    line = re.fullmatch(rf"  {re.escape(str(f))}: {what}; it holds the array embed", err[1])
+    assert line is not None and int(line.groups()[0] if line.groups() else 16384) >= 16384
+    assert err[2:] == ["Restore a complete copy of the checkpoint."]
     assert main(["inspect", str(path), "--json"]) == 1
     error = json.loads(capsys.readouterr().out)["error"]
-    assert error["type"] == "CheckpointError" and f"  {f}: {what}; " in error["message"]
+    assert error["type"] == "CheckpointError"
+    assert re.search(rf"  {re.escape(str(f))}: {what}; ", error["message"])
 
 
 def test_inspect_names_a_lost_data_file_of_a_plain_orbax_checkpoint(tmp_path, capsys):

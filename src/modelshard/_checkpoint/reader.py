@@ -36,15 +36,17 @@ HOST_ALIGN = 64
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary,
-    its pages faulted in (``populate``) when it is large."""
+def aligned_empty(shape: tuple[int, ...], dtype: Any, *, adopted: bool = False) -> Any:
+    """An uninitialised C-order NumPy array whose data starts on a ``HOST_ALIGN`` boundary;
+    ``adopted`` (a CPU device will hold it as its buffer): its pages faulted in at once
+    (``populate``) when it is large. A staging buffer, freed once copied, is not: its pages
+    come back from the heap for the next read."""
     import numpy as np
 
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     raw = np.empty(n + HOST_ALIGN, np.uint8)
-    if n >= POPULATED_BYTES:
+    if adopted and n >= POPULATED_BYTES:
         populate(raw)
     start = -raw.ctypes.data % HOST_ALIGN
     return raw[start : start + n].view(dt).reshape(shape)
@@ -94,11 +96,11 @@ def populate(buf: Any) -> bool:
     return [first, *(f.result() for f in rest)] == [0] * len(ranges)
 
 
-def start_read(view: Any) -> tuple[Any, Any]:
+def start_read(view: Any, *, adopted: bool = False) -> tuple[Any, Any]:
     """Start reading ``view`` into a new ``aligned_empty`` array: the array, the read's future."""
     import tensorstore as ts
 
-    buf = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype)
+    buf = aligned_empty(tuple(view.shape), view.dtype.numpy_dtype, adopted=adopted)
     return buf, ts.array(buf).write(view)
 
 
@@ -122,7 +124,7 @@ def place_boxes(bufs: Sequence[Any], devices: Sequence[Sequence[Any]], sharding:
         for i, device in enumerate(devs):
             copy = buf
             if i and device.platform == "cpu":
-                copy = aligned_empty(buf.shape, buf.dtype)
+                copy = aligned_empty(buf.shape, buf.dtype, adopted=True)
                 copy[...] = buf
             hosts.append(copy)
             targets.append(
@@ -217,7 +219,11 @@ def read_arrays(
     for a, idx, n in units:
         while in_flight and reserved + n >= RESTORE_CONCURRENT_BYTES:
             finish_oldest()
-        reads = [start_read(a.store[tuple(slice(*b) for b in a.boxes[i])]) for i in idx]
+        adopted = [a.devices[i][0].platform == "cpu" for i in idx]
+        reads = [
+            start_read(a.store[tuple(slice(*b) for b in a.boxes[i])], adopted=cpu)
+            for i, cpu in zip(idx, adopted, strict=True)
+        ]
         in_flight.append((a, idx, n, reads))
         reserved += n
     while in_flight:
