@@ -238,14 +238,9 @@ class Checksums(Generic[K]):
         reads), summed instead of copying them back off the devices."""
         if key in self._parts or key not in self._keys:
             return
-        blocks = [((host or {}).get(tuple(origin), data), origin) for data, origin in _blocks(x)]
-        self.add_blocks(key, tuple(np.shape(x)), blocks)
-
-    def add_blocks(self, key: K, shape: Sequence[int], blocks: Sequence[tuple[Any, Any]]) -> None:
-        """Start the checksum under ``key`` of a leaf of ``shape`` from ``blocks``, this
-        process's ``(data, origin)`` of it, each box counted by one process only."""
-        for data, origin in blocks:
-            self.add_block(key, shape, data, origin)
+        for data, origin in _blocks(x):
+            block = (host or {}).get(tuple(origin), data)
+            self.add_block(key, tuple(np.shape(x)), block, origin)
 
     def add_block(self, key: K, shape: Sequence[int], data: Any, origin: Any) -> Future[Any]:
         """Start summing one more block of ``key`` (a leaf of ``shape``): ``data`` at

@@ -55,15 +55,19 @@ _ZARRAY = re.compile(r"(?:^|/)\.zarray$")
 _CHUNK = re.compile(r"(?:^|/)\d+(\.\d+)*$")
 
 
-def array_keys(tree_metadata: Any) -> list[tuple[str, ...]]:
-    """The storage keys of the arrays Orbax's ``_METADATA`` (parsed) lists, in its order:
-    what plain Orbax reads a checkpoint by. A file not of Orbax's shape raises ``KeyError``,
-    ``TypeError`` or ``AttributeError``."""
+def metadata_entries(tree_metadata: Any) -> list[tuple[tuple[str, ...], Any]]:
+    """Each entry of Orbax's ``_METADATA`` (parsed), in its order: its storage key and its
+    value metadata. A file not of Orbax's shape raises ``KeyError``, ``TypeError`` or
+    ``AttributeError``."""
     return [
-        tuple(str(k["key"]) for k in entry["key_metadata"])
+        (tuple(str(k["key"]) for k in entry["key_metadata"]), entry["value_metadata"])
         for entry in tree_metadata["tree_metadata"].values()
-        if entry["value_metadata"]["value_type"] == "jax.Array"
     ]
+
+
+def array_keys(tree_metadata: Any) -> list[tuple[str, ...]]:
+    """The storage keys of the arrays ``_METADATA`` lists: what plain Orbax reads by."""
+    return [k for k, v in metadata_entries(tree_metadata) if v["value_type"] == "jax.Array"]
 
 
 def context(cache_bytes: int = 0, *, sync: bool = True) -> Any:

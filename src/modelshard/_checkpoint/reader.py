@@ -52,8 +52,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any, *, adopted: bool = False) 
     return raw[start : start + n].view(dt).reshape(shape)
 
 
-# A buffer this large is faulted in by a call per part, the parts on threads of their own,
-# before it is filled: a fresh process's pages cost less so than a fault at a time.
+# A buffer this large is faulted in by a call per part, on parallel threads, before it is
+# filled: a fresh process's pages cost less so than a fault at a time.
 POPULATED_BYTES = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
@@ -62,21 +62,17 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 def _madvise() -> Any:
     if sys.platform != "linux":
         return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise
 
 
-POPULATING_THREADS = max(1, min(4, os.cpu_count() or 1))  # the caller's among them
+POPULATING_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @functools.cache
 def _populating() -> ThreadPoolExecutor:
-    workers = max(1, POPULATING_THREADS - 1)
-    return ThreadPoolExecutor(workers, thread_name_prefix="modelshard-populate")
+    return ThreadPoolExecutor(POPULATING_THREADS, thread_name_prefix="modelshard-populate")
 
 
 def populate(buf: Any) -> bool:
@@ -90,10 +86,11 @@ def populate(buf: Any) -> bool:
         return False
     parts = min(POPULATING_THREADS, max(1, (end - start) // POPULATED_BYTES))
     step = -(-(end - start) // parts // page) * page
-    ranges = [(a, min(step, end - a)) for a in range(start, end, step)]
-    rest = [_populating().submit(madvise, a, n, _MADV_POPULATE_WRITE) for a, n in ranges[1:]]
-    first = madvise(*ranges[0], _MADV_POPULATE_WRITE)
-    return [first, *(f.result() for f in rest)] == [0] * len(ranges)
+    done = [
+        _populating().submit(madvise, a, min(step, end - a), _MADV_POPULATE_WRITE)
+        for a in range(start, end, step)
+    ]
+    return all(f.result() == 0 for f in done)
 
 
 def start_read(view: Any, *, adopted: bool = False) -> tuple[Any, Any]:
@@ -357,15 +354,8 @@ def check_holdable(source: Source, paths: Sequence[str]) -> None:
 def verify_checksums(source: Source, values: Mapping[str, Any], sums: Mapping[str, str]) -> None:
     """Raise CheckpointError naming every leaf whose stored bits changed since saving."""
     recs = source.record.by_path()
-    paths = [p for p in values if recs[p].checksum is not None]
-    if not paths:
-        return
-    got = [sums[p] for p in paths]
-    bad = [
-        (recs[p], recs[p].checksum, g)
-        for p, g in zip(paths, got, strict=True)
-        if g != recs[p].checksum
-    ]
+    bad = [(recs[p], recs[p].checksum, sums[p]) for p in values if recs[p].checksum is not None]
+    bad = [b for b in bad if b[1] != b[2]]
     if bad:
         raise CheckpointError(checksum_mismatch_message(str(source.path), bad))
 

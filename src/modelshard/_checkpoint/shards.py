@@ -103,9 +103,8 @@ def held_sums(
     every process, in the same order, to collect them (a gather under ``name``)."""
     sums = Checksums(dict.fromkeys(keys), f"{name}:checksums", spanning_all=True)
     for h in held:
-        sums.add_blocks(
-            h.key, h.shape, [(data, [sl.start for sl in box]) for box, data in h.blocks]
-        )
+        for box, data in h.blocks:
+            sums.add_block(h.key, h.shape, data, [sl.start for sl in box])
     return lambda: list(sums.collect().values())
 
 

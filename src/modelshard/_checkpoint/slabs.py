@@ -81,9 +81,7 @@ class Layout:
 
 
 def logical_dtype(leaf: StreamLeaf) -> Any:
-    return parse_dtype(
-        dtype_name(leaf.logical_dtype if leaf.logical_dtype is not None else leaf.dtype)
-    )
+    return parse_dtype(dtype_name(leaf.dtype if leaf.logical_dtype is None else leaf.logical_dtype))
 
 
 def slab_plan(
@@ -184,6 +182,4 @@ def carried(lay: Layout) -> bool:
 def bits_view(host: np.ndarray, lay: Layout) -> np.ndarray:
     """``host`` as the dtype it is stored in, when that is not the dtype it was read as
     (no cast: the bits are stored as they are)."""
-    if lay.cast is not None:
-        return host
-    return bitcast(host, parse_dtype(lay.rec.stored_dtype))
+    return host if lay.cast is not None else bitcast(host, parse_dtype(lay.rec.stored_dtype))

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 from .._base import CheckpointError, dtype_name, format_path, key_name, natural_key
 from .codec import logical_dtype
 from .leaks import stop_leaks
-from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, read_spec
+from .ocdbt import OCDBT_MANIFEST, LostFile, array_keys, lost_files, metadata_entries, read_spec
 from .ocdbt import context as ocdbt_context
 from .record import LeafRecord, Record, dims, some
 from .storage import (
@@ -66,10 +66,8 @@ class Source:
         if self._write_shapes is None:
             self._write_shapes = {}
             try:
-                for entry in self.tree_metadata()["tree_metadata"].values():
-                    shape = entry["value_metadata"].get("write_shape")
-                    if shape:
-                        key = tuple(str(k["key"]) for k in entry["key_metadata"])
+                for key, value in metadata_entries(self.tree_metadata()):
+                    if shape := value.get("write_shape"):
                         self._write_shapes[key] = tuple(int(d) for d in shape)
             except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 pass  # unknown chunking (CheckpointError is a ValueError)
@@ -230,10 +228,7 @@ def _check_manifest(p: Path, tree_dir: Path, meta: Any, *, plain: bool = False) 
     try:
         ocdbt = bool(meta.get("use_ocdbt", True))
         keys = array_keys(meta)
-        every = [
-            tuple(str(k["key"]) for k in entry["key_metadata"])
-            for entry in meta["tree_metadata"].values()
-        ]
+        every = [key for key, _ in metadata_entries(meta)]
     except (KeyError, TypeError, AttributeError):
         return
     if not (ocdbt and keys):

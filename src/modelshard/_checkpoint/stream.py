@@ -32,14 +32,9 @@ from .storage import check_names, nest
 from .urls import location
 from .write import check_compression, write_checkpoint
 
-DEFAULT_SLAB_BYTES = 16 << 20
-"""Host bytes of one slab of a leaf being copied (the next is read while it is written)."""
-
-WRITES_IN_FLIGHT = 3
-"""Slabs being written at once (each an OCDBT commit, which waits on the file system)."""
-
-READS_AHEAD = 2
-"""Slabs read ahead of the one in hand, each on a reader thread (six held at most in all)."""
+DEFAULT_SLAB_BYTES = 16 << 20  # a slab's host bytes (the next is read while it is written)
+WRITES_IN_FLIGHT = 3  # slabs written at once (each an OCDBT commit, waiting on the disk)
+READS_AHEAD = 2  # slabs read ahead of the one in hand, each on a reader thread (six at most)
 
 
 def _as_array(x: Any, lay: Layout, box: tuple[slice, ...]) -> np.ndarray:
@@ -138,11 +133,6 @@ def _copy_all(
             raise unreadable(source, problems)
 
 
-def _stored(layouts: Sequence[Layout]) -> list[Layout]:
-    """The layouts of arrays with elements (a zero-size leaf is in the record only)."""
-    return [lay for lay in layouts if not is_empty(lay.rec.stored_shape)]
-
-
 class Stream:
     """A checkpoint being written by ``write_stream``: its leaves laid out, then written
     into one directory by ``write`` (each process its share), all checked first."""
@@ -185,7 +175,6 @@ class Stream:
         self.source = source
         self.progress = progress
         self.total = sum(lay.nbytes for lay in self.layouts)
-        self._where = source
         # summed on the host workers as slabs pass; every process gathers every leaf's
         read = {lay.rec.path: None for lay in self.layouts if lay.leaf.expect is not None}
         out = {
@@ -202,10 +191,11 @@ class Stream:
         then process 0 Orbax's metadata; the record is left to the caller, its checksums
         ``pending`` (``_checksums``)."""
         process, count = jax.process_index(), jax.process_count()
-        self._where = self.source or str(directory)
         owner = assign([lay.nbytes for lay in self.layouts], count)
-        arrays = _stored(self.layouts)
-        mine = _stored([lay for lay, o in zip(self.layouts, owner, strict=True) if o == process])
+        # a zero-size leaf is in the record only
+        arrays = [lay for lay in self.layouts if not is_empty(lay.rec.stored_shape)]
+        mine = [lay for lay, o in zip(self.layouts, owner, strict=True) if o == process]
+        mine = [lay for lay in mine if not is_empty(lay.rec.stored_shape)]
         done = [0]
 
         def step(n: int) -> None:
@@ -239,7 +229,7 @@ class Stream:
         if bad:
             raise CheckpointError(
                 checksum_mismatch_message(
-                    self._where,
+                    self.source,
                     bad,
                     anyway="copy it anyway (the copy keeps the recorded checksums: restoring "
                     "it reports the damage)",
@@ -273,13 +263,8 @@ def write_stream(
     ``whole_bytes`` block, default ``4 * slab_bytes``, read whole rather than cut), nothing
     is put on ``mesh``'s devices, and the checkpoint appears only when complete. ``kind``,
     ``metadata``: the record's; ``dtype``: floating-point leaves cast to it; ``progress``:
-    called as ``progress(bytes_done, bytes_total)``. Returns the record written.
-
-    Raises:
-        CheckpointError: the destination exists (without ``overwrite``), two leaves share a
-            stored name, a leaf's read checksum differs from its ``expect``, ``read``
-            returned the wrong rows, or ``compression`` is not None or ``"zstd"``.
-    """
+    called as ``progress(bytes_done, bytes_total)``. Returns the record written; raises
+    CheckpointError for a taken destination, clashing names, damage or bad reads."""
     stream = Stream(
         leaves,
         mesh=mesh,
