@@ -225,40 +225,35 @@ def test_explicit_arguments_and_cluster_environments_start_the_runtime(env, valu
         distributed.initialize(**kwargs)
 
 
-def test_the_heartbeat_timeout_reaches_jax(env, monkeypatch):
-    started = []
+@pytest.fixture
+def launched(env, monkeypatch):
+    """Process 1 of 2 as ``modelshard launch`` starts it; the runtime's start recorded."""
+    started: list[dict] = []
     monkeypatch.setattr(runtime_distributed, "_start", lambda **kw: started.append(kw))
     env.setenv("MODELSHARD_COORDINATOR", "127.0.0.1:1")
     env.setenv("MODELSHARD_NUM_PROCESSES", "2")
     env.setenv("MODELSHARD_PROCESS_ID", "1")
+    return started
+
+
+def test_the_heartbeat_timeout_reaches_jax(env, launched):
     env.setenv("MODELSHARD_HEARTBEAT_TIMEOUT", "7")
     assert distributed.initialize() is True
     assert distributed.initialize(heartbeat_timeout_seconds=30) is True  # an argument wins
     env.delenv("MODELSHARD_HEARTBEAT_TIMEOUT")
     assert distributed.initialize() is True  # unset: JAX's own default
     where = {"coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 1}
-    assert started == [
+    assert launched == [
         {**where, "heartbeat_timeout_seconds": 7},
         {**where, "heartbeat_timeout_seconds": 30},
         where,
     ]
 
 
-def test_arguments_win_over_the_launch_variables(env, monkeypatch):
-    started = []
-    monkeypatch.setattr(runtime_distributed, "_start", lambda **kw: started.append(kw))
-    env.setenv("MODELSHARD_COORDINATOR", "127.0.0.1:1")
-    env.setenv("MODELSHARD_NUM_PROCESSES", "2")
-    env.setenv("MODELSHARD_PROCESS_ID", "0")
-    assert distributed.initialize(process_id=1, local_device_ids=[0]) is True
-    assert started == [
-        {
-            "coordinator_address": "127.0.0.1:1",
-            "num_processes": 2,
-            "process_id": 1,
-            "local_device_ids": [0],
-        }
-    ]
+def test_arguments_win_over_the_launch_variables(launched):
+    assert distributed.initialize(process_id=0, local_device_ids=[0]) is True
+    where = {"coordinator_address": "127.0.0.1:1", "num_processes": 2}
+    assert launched == [{**where, "process_id": 0, "local_device_ids": [0]}]
 
 
 @pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "nan"])
