@@ -216,10 +216,9 @@ def read_arrays(
     for a, idx, n in units:
         while in_flight and reserved + n >= RESTORE_CONCURRENT_BYTES:
             finish_oldest()
-        adopted = [a.devices[i][0].platform == "cpu" for i in idx]
+        cpu = a.devices[idx[0]][0].platform == "cpu"  # a CPU device keeps the buffer read
         reads = [
-            start_read(a.store[tuple(slice(*b) for b in a.boxes[i])], adopted=cpu)
-            for i, cpu in zip(idx, adopted, strict=True)
+            start_read(a.store[tuple(slice(*b) for b in a.boxes[i])], adopted=cpu) for i in idx
         ]
         in_flight.append((a, idx, n, reads))
         reserved += n
